@@ -1,0 +1,1 @@
+"""Export a checkpoint to ONNX graphs (encoder + one decoder step) and TensorRT engines."""

@@ -1,0 +1,78 @@
+"""Checkpoint files: one self-contained `.pt` holding config, weights, tokenizer, state.
+
+A checkpoint file carries the model config and the SentencePiece model bytes, so a
+single file is enough to export or translate. Writes are atomic (temp file + rename):
+a crash never leaves a file that a later run would mistake for a valid checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+
+FORMAT = "pipeline-checkpoint-v1"
+
+
+class CheckpointError(ValueError):
+    """A path that is not a usable checkpoint."""
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """torch.save to a temp file in the same directory, fsync, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,
+                    train_state: dict[str, Any] | None = None,
+                    extra: dict[str, Any] | None = None) -> None:
+    payload = {
+        "format": FORMAT,
+        "model_config": model.cfg.to_dict(),
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "spm_model": spm_model,
+        "train_state": train_state,
+        "extra": extra or {},
+    }
+    atomic_torch_save(payload, path)
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """Load a checkpoint file's payload, with a clear error for anything else."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"{path}: not a pipeline checkpoint ({type(e).__name__}: {e})") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a pipeline checkpoint (expected format {FORMAT})")
+    return payload
+
+
+def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transformer, bytes, dict[str, Any]]:
+    """(model in eval mode, SentencePiece model bytes, full payload) from a checkpoint file."""
+    payload = read_checkpoint(path)
+    cfg = ModelConfig.from_dict(payload["model_config"])
+    model = Transformer(cfg)
+    model.load_state_dict(payload["model"])
+    model.to(device).eval()
+    return model, payload["spm_model"], payload

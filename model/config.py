@@ -1,0 +1,92 @@
+"""Model configuration: one frozen dataclass, saved inside every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+# SentencePiece ids fixed for every model of this project (see runtime/tokenizer and
+# pipeline/data, which train the SentencePiece model with exactly these ids).
+PAD_ID = 0
+UNK_ID = 1
+BOS_ID = 2
+EOS_ID = 3
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot describe a Transformer."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of the Transformer of "Attention Is All You Need" (section 3)."""
+
+    vocab_size: int
+    d_model: int = 512
+    n_heads: int = 8
+    d_ff: int = 2048
+    n_enc_layers: int = 6
+    n_dec_layers: int = 6
+    dropout: float = 0.1
+    max_positions: int = 1024
+    pad_id: int = PAD_ID
+    bos_id: int = BOS_ID
+    eos_id: int = EOS_ID
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    def validate(self) -> None:
+        """Collect every problem, then fail once with all of them."""
+        problems = []
+        for name in ("vocab_size", "d_model", "n_heads", "d_ff", "n_enc_layers",
+                     "n_dec_layers", "max_positions"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not problems and self.d_model % self.n_heads:
+            problems.append(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if not problems and self.d_model % 2:
+            problems.append(f"d_model ({self.d_model}) must be even for sinusoidal positions")
+        if not 0.0 <= self.dropout < 1.0:
+            problems.append(f"dropout must be in [0, 1), got {self.dropout}")
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            if isinstance(self.vocab_size, int) and not 0 <= value < self.vocab_size:
+                problems.append(f"{name} ({value}) must be a valid id below vocab_size ({self.vocab_size})")
+        if problems:
+            raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown model config keys: {', '.join(unknown)}")
+        return cls(**data)
+
+
+# Presets. `base` and `big` are the paper's (Table 3); the others are for CPUs.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(d_model=32, n_heads=4, d_ff=64, n_enc_layers=2, n_dec_layers=2, dropout=0.0),
+    "demo": dict(d_model=64, n_heads=4, d_ff=256, n_enc_layers=2, n_dec_layers=2, dropout=0.1),
+    "small": dict(d_model=256, n_heads=4, d_ff=1024, n_enc_layers=3, n_dec_layers=3, dropout=0.1),
+    "base": dict(d_model=512, n_heads=8, d_ff=2048, n_enc_layers=6, n_dec_layers=6, dropout=0.1),
+    "big": dict(d_model=1024, n_heads=16, d_ff=4096, n_enc_layers=6, n_dec_layers=6, dropout=0.3),
+}
+
+
+def preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
+    """Build a config from a named preset, with optional overrides (None values ignored)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+    values = dict(PRESETS[name], vocab_size=vocab_size)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ModelConfig(**values)

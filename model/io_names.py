@@ -1,0 +1,80 @@
+"""Names of the exported graphs' inputs, outputs and dynamic axes: defined once here,
+used by export (to name them) and runtime (to feed them)."""
+
+from __future__ import annotations
+
+ENCODER_FILE = "encoder.onnx"
+DECODER_FILE = "decoder.onnx"
+ENCODER_ENGINE = "encoder.plan"
+DECODER_ENGINE = "decoder.plan"
+
+# Symbolic axes. Related inputs share one name, so shapes stay mutually consistent.
+BATCH = "batch"          # sentences
+SRC_LEN = "src_len"      # source tokens
+HYPS = "hyps"            # hypotheses fed to the step (sentences x beam, live ones)
+PREV_HYPS = "prev_hyps"  # rows of the previous step's cache, gathered by `reorder`
+CACHE_LEN = "cache_len"  # self-attention cache length: 1 dummy slot + steps so far
+NEW_CACHE_LEN = "new_cache_len"  # cache_len + 1
+
+# Encoder graph.
+SRC_IDS = "src_ids"      # (batch, src_len) int64, padded with PAD_ID
+SRC_BIAS = "src_bias"    # (batch, src_len) float32: 0 or MASK_VALUE
+
+
+def cross_k(layer: int) -> str:
+    return f"cross_k.{layer}"   # (batch | hyps, n_heads, src_len, d_head)
+
+
+def cross_v(layer: int) -> str:
+    return f"cross_v.{layer}"
+
+
+# Decoder-step graph.
+TOKENS = "tokens"        # (hyps,) int64
+STEP = "step"            # (1,) int64: the position being decoded
+REORDER = "reorder"      # (hyps,) int64 rows of the previous cache
+
+
+def self_k(layer: int) -> str:
+    return f"self_k.{layer}"    # (prev_hyps, n_heads, cache_len, d_head)
+
+
+def self_v(layer: int) -> str:
+    return f"self_v.{layer}"
+
+
+def new_self_k(layer: int) -> str:
+    return f"new_self_k.{layer}"  # (hyps, n_heads, new_cache_len, d_head)
+
+
+def new_self_v(layer: int) -> str:
+    return f"new_self_v.{layer}"
+
+
+TOPK_LOG_PROBS = "topk_log_probs"  # (hyps, K) float32, sorted descending
+TOPK_IDS = "topk_ids"              # (hyps, K) int64
+EOS_LOG_PROBS = "eos_log_probs"    # (hyps,) float32
+
+
+def encoder_inputs() -> list[str]:
+    return [SRC_IDS]
+
+
+def encoder_outputs(n_layers: int) -> list[str]:
+    names = [SRC_BIAS]
+    for i in range(n_layers):
+        names += [cross_k(i), cross_v(i)]
+    return names
+
+
+def decoder_inputs(n_layers: int) -> list[str]:
+    names = [TOKENS, STEP, REORDER]
+    names += [self_k(i) for i in range(n_layers)] + [self_v(i) for i in range(n_layers)]
+    names += [cross_k(i) for i in range(n_layers)] + [cross_v(i) for i in range(n_layers)]
+    return names + [SRC_BIAS]
+
+
+def decoder_outputs(n_layers: int) -> list[str]:
+    names = [TOPK_LOG_PROBS, TOPK_IDS, EOS_LOG_PROBS]
+    names += [new_self_k(i) for i in range(n_layers)] + [new_self_v(i) for i in range(n_layers)]
+    return names

@@ -1,0 +1,296 @@
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), post-LN.
+
+Read top to bottom: positions, attention, the two layer kinds, the model. The model
+offers the teacher-forced `forward` used in training and three plain-tensor inference
+functions that the PyTorch backend, the ONNX export and hence TensorRT all run:
+
+    encode(src_ids)                 -> memory, src_bias
+    cross_kv(memory)                -> per decoder layer cross-attention K and V, once
+    decode_step(tokens, step, ...)  -> next-token log-probs and the grown self-attention cache
+
+Self-attention cache ("masked dummy slot"): each layer's cache holds one dummy slot at
+time index 0 followed by the keys/values of every earlier step, shape (N, H, 1 + t, d_head)
+before step t. The first step therefore feeds a cache of length 1 rather than 0: TensorRT
+optimisation profiles and torch.export reject size-0 dynamic dims, and no `If` node is
+needed to special-case the first step. The dummy slot is masked out by a finite bias.
+A `reorder` index gathers the surviving hypotheses' cache rows inside the step, so beam
+search never copies caches through the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.config import ModelConfig
+
+# Additive attention bias for masked positions. Finite, and far inside fp16 range
+# (65504), so masks never produce inf or NaN; exp(-1e4) is exactly 0 in fp32.
+MASK_VALUE = -1e4
+
+
+def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
+    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same)."""
+    pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, d/2)
+    pe = torch.zeros(n_positions, d_model, dtype=torch.float64)
+    pe[:, 0::2] = torch.sin(angle)
+    pe[:, 1::2] = torch.cos(angle)
+    return pe.float()
+
+
+def padding_bias(src_ids: Tensor, pad_id: int) -> Tensor:
+    """(B, S) fp32 additive bias: 0 for tokens, MASK_VALUE for padding."""
+    return src_ids.eq(pad_id).float() * MASK_VALUE
+
+
+def causal_bias(length: int, device: torch.device | None = None) -> Tensor:
+    """(T, T) fp32 additive bias: position i may attend to positions <= i only."""
+    future = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+    return future.float() * MASK_VALUE
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm computed in fp32 whatever the parameters' dtype (fp16-safe post-LN)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(),
+                            self.bias.float(), self.eps)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """Section 3.2.1, scaled dot-product attention; softmax in fp32.
+
+    q (B, H, Tq, d_head), k and v (B, H, Tk, d_head), bias fp32 broadcastable to
+    (B, H, Tq, Tk). The scale is applied to q before the matmul so fp16 scores stay small.
+    """
+    q = q * (1.0 / math.sqrt(q.shape[-1]))
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() + bias  # (B, H, Tq, Tk)
+    probs = scores.softmax(dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)  # (B, H, Tq, d_head)
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2: h parallel heads of d_model / h dimensions, then an output projection."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.d_head = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(d_model, d_model)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def split_heads(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, self.n_heads, self.d_head).transpose(1, 2)  # (B, H, T, d_head)
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        b, _, t, _ = x.shape
+        return x.transpose(1, 2).reshape(b, t, self.n_heads * self.d_head)  # (B, T, d_model)
+
+    def project_kv(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+
+    def forward(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """Queries from x (B, Tq, d_model) over already projected k, v (B, H, Tk, d_head)."""
+        q = self.split_heads(self.q_proj(x))
+        if self.training and not torch.onnx.is_in_onnx_export():
+            # Fused kernel for training speed; inference keeps the explicit path that is
+            # exported, so the PyTorch backend runs the same arithmetic as the graphs.
+            mask = (bias > MASK_VALUE / 2).expand(q.shape[0], 1, q.shape[2], k.shape[2])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = attend(q, k, v, bias)
+        return self.out_proj(self.merge_heads(out))
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff)
+        self.w2 = nn.Linear(d_ff, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.relu(self.w1(x)))
+
+
+class Residual(nn.Module):
+    """Section 5.4 and 3.1: LayerNorm(x + Dropout(Sublayer(x))), the sum taken in fp32."""
+
+    def __init__(self, d_model: int, dropout: float):
+        super().__init__()
+        self.norm = LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        return self.norm(x.float() + self.dropout(sublayer_out).float()).to(x.dtype)
+
+
+class EncoderLayer(nn.Module):
+    """Section 3.1: self-attention and feed-forward, each in a post-LN residual block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout)
+
+    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
+        k, v = self.self_attn.project_kv(x)
+        x = self.res_attn(x, self.self_attn(x, k, v, bias))
+        return self.res_ffn(x, self.ffn(x))
+
+
+class DecoderLayer(nn.Module):
+    """Section 3.1: masked self-attention, encoder-decoder attention, feed-forward."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
+        self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.res_self = Residual(cfg.d_model, cfg.dropout)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout)
+
+    def forward(self, x: Tensor, self_k: Tensor, self_v: Tensor, self_bias: Tensor,
+                cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
+        x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
+        x = self.res_cross(x, self.cross_attn(x, cross_k, cross_v, cross_bias))
+        return self.res_ffn(x, self.ffn(x))
+
+
+class Transformer(nn.Module):
+    """Section 3: encoder-decoder with one shared embedding / pre-softmax matrix (3.4)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model),
+                             persistent=False)
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
+        self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Xavier for projections; embeddings N(0, d^-1/2) so that after the sqrt(d)
+        # scaling of section 3.4 they have unit variance, like the positions they join.
+        for name, p in self.named_parameters():
+            if p.dim() > 1 and not name.startswith("embed"):
+                nn.init.xavier_uniform_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        nn.init.normal_(self.embed.weight, mean=0.0, std=self.cfg.d_model ** -0.5)
+        with torch.no_grad():
+            self.embed.weight[self.cfg.pad_id].zero_()
+
+    # -- pieces shared by training and inference -------------------------------------
+
+    def embed_tokens(self, ids: Tensor, positions: Tensor) -> Tensor:
+        """Section 3.4/3.5: embedding * sqrt(d_model) + PE[positions]. ids (B, T)."""
+        x = self.embed(ids) * math.sqrt(self.cfg.d_model)
+        x = x + self.pe[positions].to(x.dtype)
+        return self.emb_dropout(x)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """Pre-softmax projection tied to the embedding (section 3.4); fp32 out."""
+        return F.linear(x, self.embed.weight).float()
+
+    # -- inference functions (exported) ------------------------------------------------
+
+    def encode(self, src_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """src_ids (B, S) padded with pad_id -> memory (B, S, d_model), src_bias (B, S) fp32."""
+        src_bias = padding_bias(src_ids, self.cfg.pad_id)
+        positions = torch.arange(src_ids.shape[1], device=src_ids.device)
+        x = self.embed_tokens(src_ids, positions)
+        bias = src_bias[:, None, None, :]  # (B, 1, 1, S)
+        for layer in self.encoder:
+            x = layer(x, bias)
+        return x, src_bias
+
+    def cross_kv(self, memory: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Every decoder layer's cross-attention K and V, (B, H, S, d_head) each, once."""
+        ks, vs = [], []
+        for layer in self.decoder:
+            k, v = layer.cross_attn.project_kv(memory)
+            ks.append(k)
+            vs.append(v)
+        return ks, vs
+
+    def initial_cache(self, n_rows: int, dtype: torch.dtype = torch.float32,
+                      device: torch.device | None = None) -> tuple[list[Tensor], list[Tensor]]:
+        """The length-1 cache (only the masked dummy slot) that the first step takes."""
+        shape = (n_rows, self.cfg.n_heads, 1, self.cfg.d_head)
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.decoder]
+        return zeros, [z.clone() for z in zeros]
+
+    def decode_step(self, tokens: Tensor, step: Tensor, reorder: Tensor,
+                    self_k: list[Tensor], self_v: list[Tensor],
+                    cross_k: list[Tensor], cross_v: list[Tensor], src_bias: Tensor,
+                    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """One decoder step for N hypotheses.
+
+        tokens (N,) int64: each hypothesis' last token; step (1,) int64: its position.
+        reorder (N,) int64: the row of the previous cache each hypothesis continues.
+        self_k/self_v: per layer (N_prev, H, 1 + step, d_head), dummy slot first.
+        cross_k/cross_v: per layer (N, H, S, d_head); src_bias (N, S) fp32.
+        Returns log-probs (N, V) fp32 and the caches grown to (N, H, 2 + step, d_head).
+        """
+        x = self.embed_tokens(tokens[:, None], step)  # (N, 1, d_model)
+        cache_len = self_k[0].shape[2] + 1
+        slot = torch.arange(cache_len, device=tokens.device)
+        self_bias = (slot == 0).float() * MASK_VALUE  # (1 + step + 1,): mask the dummy slot
+        cross_bias = src_bias[:, None, None, :]
+        new_k, new_v = [], []
+        for layer, past_k, past_v, ck, cv in zip(self.decoder, self_k, self_v, cross_k, cross_v):
+            k_t, v_t = layer.self_attn.project_kv(x)  # (N, H, 1, d_head)
+            k = torch.cat([past_k.index_select(0, reorder), k_t], dim=2)
+            v = torch.cat([past_v.index_select(0, reorder), v_t], dim=2)
+            new_k.append(k)
+            new_v.append(v)
+            x = layer(x, k, v, self_bias, ck, cv, cross_bias)
+        log_probs = self.logits(x[:, 0]).log_softmax(dim=-1)  # (N, V) fp32
+        return log_probs, new_k, new_v
+
+    # -- training ---------------------------------------------------------------------
+
+    def forward(self, src_ids: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher forcing: src (B, S), tgt_in (B, T) starting with BOS -> logits (B, T, V) fp32."""
+        memory, src_bias = self.encode(src_ids)
+        cross_k, cross_v = self.cross_kv(memory)
+        t = tgt_in.shape[1]
+        positions = torch.arange(t, device=tgt_in.device)
+        x = self.embed_tokens(tgt_in, positions)
+        # Queries attend to earlier positions only. Padding in the target needs no key
+        # mask: a padded position is only ever attended to by later padded positions.
+        self_bias = causal_bias(t, tgt_in.device)  # (T, T)
+        cross_bias = src_bias[:, None, None, :]
+        for layer, ck, cv in zip(self.decoder, cross_k, cross_v):
+            k, v = layer.self_attn.project_kv(x)
+            x = layer(x, k, v, self_bias, ck, cv, cross_bias)
+        return self.logits(x)
+
+
+def select_candidates(log_probs: Tensor, k: int, eos_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """What leaves the decoder step for search: each row's top-k log-probs and ids, and
+    the EOS log-prob (needed to force EOS at the length limit). k is a constant so the
+    TopK node has a build-time K, as TensorRT requires."""
+    k = min(k, log_probs.shape[-1])
+    top_lp, top_ids = log_probs.topk(k, dim=-1)  # sorted, descending
+    return top_lp, top_ids, log_probs[:, eos_id]
+
+
+def build_model(cfg: ModelConfig) -> Transformer:
+    """The make_model factory: a Transformer with the paper's initialisation."""
+    return Transformer(cfg)

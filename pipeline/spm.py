@@ -1,0 +1,49 @@
+"""Train the joint SentencePiece model (source + target) with the project's special ids."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import sentencepiece as spm
+
+from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from pipeline.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str = "unigram",
+                        character_coverage: float = 1.0, max_sentences: int = 2_000_000,
+                        seed_sentencepiece_size: int = 1_000_000) -> bytes:
+    """A SentencePiece model trained on `lines` (both sides of the corpus), as bytes.
+
+    The vocabulary is a soft limit: tiny corpora get fewer pieces rather than an error.
+    """
+    if vocab_size < 8:
+        raise UserError(f"--vocab-size {vocab_size} is too small (at least 8)")
+    with tempfile.TemporaryDirectory(prefix="spm-") as tmp:
+        text = Path(tmp) / "text.txt"
+        n = 0
+        with open(text, "w", encoding="utf-8") as f:
+            for line in lines:
+                line = line.strip()
+                if line:
+                    f.write(line + "\n")
+                    n += 1
+        if n == 0:
+            raise UserError("cannot train SentencePiece: the training text has no non-empty lines")
+        prefix = Path(tmp) / "spm"
+        spm.SentencePieceTrainer.train(
+            input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage,
+            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            hard_vocab_limit=False, input_sentence_size=max_sentences,
+            shuffle_input_sentence=True, seed_sentencepiece_size=seed_sentencepiece_size,
+            minloglevel=2, num_threads=2,
+        )
+        data = (prefix.with_suffix(".model")).read_bytes()
+    log.info("trained SentencePiece (%s, vocab %d) on %d lines", model_type, vocab_size, n)
+    return data

@@ -1,0 +1,1 @@
+"""Backends (torch, onnxruntime, tensorrt), beam and greedy search, tokenizer."""

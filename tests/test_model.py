@@ -1,0 +1,145 @@
+"""The Transformer itself: positions, masks, padding, incremental decoding, config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model import ConfigError, ModelConfig, build_model, preset, select_candidates
+from model.transformer import MASK_VALUE, sinusoidal_positions
+
+V = 40
+
+
+@pytest.fixture()
+def model():
+    torch.manual_seed(0)
+    return build_model(preset("tiny", vocab_size=V)).eval()
+
+
+def batch(b=3, s=7, t=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, V, (b, s), generator=g)
+    tgt = torch.randint(4, V, (b, t), generator=g)
+    tgt[:, 0] = 2
+    return src, tgt
+
+
+def test_positional_encoding_matches_formula():
+    d = 16
+    pe = sinusoidal_positions(50, d)
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_embeddings_scaled_and_tied(model):
+    ids = torch.tensor([[5, 6]])
+    x = model.embed_tokens(ids, torch.arange(2))
+    expected = model.embed.weight[ids] * math.sqrt(model.cfg.d_model) + model.pe[:2]
+    torch.testing.assert_close(x, expected)
+    h = torch.randn(1, 2, model.cfg.d_model)
+    torch.testing.assert_close(model.logits(h), h @ model.embed.weight.T)
+
+
+def test_causal_mask_future_tokens_do_not_leak(model):
+    src, tgt = batch()
+    with torch.no_grad():
+        out = model(src, tgt)
+        for i in range(tgt.shape[1] - 1):
+            changed = tgt.clone()
+            changed[:, i + 1:] = torch.randint(4, V, changed[:, i + 1:].shape)
+            out2 = model(src, changed)
+            torch.testing.assert_close(out2[:, : i + 1], out[:, : i + 1], atol=1e-5, rtol=1e-5)
+            assert not torch.allclose(out2[:, i + 1:], out[:, i + 1:])
+
+
+def test_padding_does_not_change_a_sentence(model):
+    src, tgt = batch(b=1, s=5, t=4)
+    with torch.no_grad():
+        alone = model(src, tgt)
+        others_src, others_tgt = batch(b=3, s=9, t=7, seed=5)
+        padded_src = others_src.clone()
+        padded_src[1] = 0
+        padded_src[1, :5] = src[0]
+        padded_tgt = others_tgt.clone()
+        padded_tgt[1] = 0
+        padded_tgt[1, :4] = tgt[0]
+        inside = model(padded_src, padded_tgt)
+    torch.testing.assert_close(inside[1, :4], alone[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("train_mode", [False, True])
+def test_incremental_decoding_equals_full_forward(model, train_mode):
+    cfg = model.cfg
+    if train_mode:  # the fused SDPA training path must agree with the exported path
+        model = build_model(ModelConfig(**{**cfg.to_dict(), "dropout": 0.0})).train()
+    src, tgt = batch()
+    src[1, 4:] = 0
+    with torch.no_grad():
+        full = model(src, tgt).log_softmax(-1)
+        model.eval()
+        memory, src_bias = model.encode(src)
+        ck, cv = model.cross_kv(memory)
+        sk, sv = model.initial_cache(src.shape[0])
+        reorder = torch.arange(src.shape[0])
+        for t in range(tgt.shape[1]):
+            lp, sk, sv = model.decode_step(tgt[:, t], torch.tensor([t]), reorder, sk, sv, ck, cv, src_bias)
+            torch.testing.assert_close(lp, full[:, t], atol=1e-5, rtol=1e-5)
+            assert sk[0].shape[2] == t + 2  # dummy slot + t + 1 steps
+
+
+def test_reorder_gathers_cache_rows(model):
+    src, tgt = batch(b=2)
+    with torch.no_grad():
+        memory, src_bias = model.encode(src)
+        ck, cv = model.cross_kv(memory)
+        sk, sv = model.initial_cache(2)
+        ident = torch.arange(2)
+        _, sk, sv = model.decode_step(tgt[:, 0], torch.tensor([0]), ident, sk, sv, ck, cv, src_bias)
+        # Row 0 continues row 1's history: its next step must equal row 1's with row 1's inputs.
+        swap = torch.tensor([1, 1])
+        same_src = [k[[1, 1]] for k in ck], [v[[1, 1]] for v in cv], src_bias[[1, 1]]
+        lp, _, _ = model.decode_step(tgt[[1, 1], 1], torch.tensor([1]), swap, sk, sv, *same_src)
+        ref, _, _ = model.decode_step(tgt[:, 1], torch.tensor([1]), ident, sk, sv, ck, cv, src_bias)
+    torch.testing.assert_close(lp[0], ref[1])
+    torch.testing.assert_close(lp[1], ref[1])
+
+
+def test_masks_stay_finite_in_fp16(model):
+    assert MASK_VALUE > torch.finfo(torch.float16).min
+    src, tgt = batch()
+    src[0, 3:] = 0
+    with torch.no_grad():
+        out = model.half()(src, tgt)
+    assert torch.isfinite(out).all()
+
+
+def test_select_candidates(model):
+    lp = torch.log_softmax(torch.randn(3, V), -1)
+    top_lp, top_ids, eos = select_candidates(lp, 5, eos_id=3)
+    assert top_lp.shape == (3, 5) and top_ids.shape == (3, 5)
+    torch.testing.assert_close(top_lp, lp.gather(1, top_ids))
+    assert (top_lp[:, :-1] >= top_lp[:, 1:]).all()
+    torch.testing.assert_close(eos, lp[:, 3])
+
+
+def test_presets_match_the_paper():
+    base = preset("base", vocab_size=37000)
+    assert (base.d_model, base.n_heads, base.d_ff, base.n_enc_layers, base.n_dec_layers, base.dropout) == (
+        512, 8, 2048, 6, 6, 0.1)
+    big = preset("big", vocab_size=37000)
+    assert (big.d_model, big.n_heads, big.d_ff, big.dropout) == (1024, 16, 4096, 0.3)
+
+
+def test_impossible_configs_are_rejected():
+    with pytest.raises(ConfigError, match="divisible"):
+        ModelConfig(vocab_size=100, d_model=30, n_heads=4)
+    with pytest.raises(ConfigError, match="vocab_size"):
+        ModelConfig(vocab_size=0)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        preset("huge", vocab_size=10)
