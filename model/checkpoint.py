@@ -76,3 +76,34 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transfor
     model.load_state_dict(payload["model"])
     model.to(device).eval()
     return model, payload["spm_model"], payload
+
+
+def step_checkpoints(save_dir: Path) -> list[Path]:
+    """The save dir's `checkpoint_<step>.pt` files, oldest step first."""
+    found = []
+    for p in Path(save_dir).glob("checkpoint_*.pt"):
+        suffix = p.stem.split("_", 1)[1]
+        if suffix.isdigit():
+            found.append((int(suffix), p))
+    return [p for _, p in sorted(found)]
+
+
+AVERAGED = "averaged.pt"
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint file, or from a save dir: `averaged.pt` when it is at least as new as
+    the latest step checkpoint, else the latest step checkpoint."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint file or save directory")
+    steps = step_checkpoints(path)
+    averaged = path / AVERAGED
+    if averaged.is_file() and (not steps or averaged.stat().st_mtime >= steps[-1].stat().st_mtime):
+        return averaged
+    if not steps:
+        raise CheckpointError(f"{path}: no checkpoint_<step>.pt or {AVERAGED} in this directory; "
+                              "is it a `pipeline train --save-dir`?")
+    return steps[-1]

@@ -1,0 +1,56 @@
+"""The one interface beam and greedy search run against, whatever executes the model.
+
+A backend owns the encoder output and the decoder caches in its native form (torch
+tensors, ONNX Runtime values, TensorRT device buffers); search only sees the step's
+candidates as torch tensors on `backend.device`, and hands back row indices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class EncoderState:
+    """What decoding needs from the source: per-layer cross K/V and the source bias.
+
+    `tensors` maps io_names (cross_k.i, cross_v.i, src_bias) to backend-native arrays
+    with one row per hypothesis row.
+    """
+
+    tensors: dict[str, Any]
+    n_rows: int
+
+
+@dataclass
+class StepOutput:
+    """Candidates of one decoder step, as torch tensors on the backend's device."""
+
+    topk_log_probs: Tensor  # (N, K) float32, sorted descending
+    topk_ids: Tensor        # (N, K) int64
+    eos_log_probs: Tensor   # (N,) float32
+
+
+class Backend(Protocol):
+    name: str
+    device: torch.device  # where StepOutput tensors live and where reorder indices go
+    topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
+    max_src_len: int      # longest source (tokens, EOS included) this backend accepts
+
+    def encode(self, src_ids: Tensor) -> EncoderState:
+        """src_ids (B, S) int64 padded with PAD_ID -> state with B rows."""
+
+    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+        """A state whose row i is `state`'s row rows[i] (repeat for beams, drop finished)."""
+
+    def initial_cache(self, n_rows: int) -> Any:
+        """Self-attention caches holding only the masked dummy slot."""
+
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
+             reorder: Tensor) -> tuple[StepOutput, Any]:
+        """One decoder step. tokens (N,) int64; reorder (N,) int64 rows of `cache` each
+        hypothesis continues; returns the candidates and the grown cache (N rows)."""

@@ -1,0 +1,60 @@
+"""The PyTorch backend: the checkpoint's model running the same incremental step that
+the ONNX graphs were exported from (model.Transformer.decode_step)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model import io_names
+from model.transformer import Transformer, select_candidates
+from runtime.backend import EncoderState, StepOutput
+
+DEFAULT_TOPK = 16
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, model: Transformer, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
+                 max_src_len: int | None = None):
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.model = model.to(self.device, dtype=dtype).eval()
+        self.cfg = model.cfg
+        self.topk = topk
+        self.max_src_len = max_src_len or self.cfg.max_positions
+
+    @torch.inference_mode()
+    def encode(self, src_ids: Tensor) -> EncoderState:
+        memory, src_bias = self.model.encode(src_ids.to(self.device))
+        ks, vs = self.model.cross_kv(memory)
+        tensors: dict[str, Any] = {io_names.SRC_BIAS: src_bias}
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            tensors[io_names.cross_k(i)] = k
+            tensors[io_names.cross_v(i)] = v
+        return EncoderState(tensors, src_ids.shape[0])
+
+    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+        rows = rows.to(self.device)
+        return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()},
+                            int(rows.shape[0]))
+
+    def initial_cache(self, n_rows: int) -> tuple[list[Tensor], list[Tensor]]:
+        return self.model.initial_cache(n_rows, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
+             reorder: Tensor) -> tuple[StepOutput, Any]:
+        n = self.cfg.n_dec_layers
+        t = state.tensors
+        log_probs, new_k, new_v = self.model.decode_step(
+            tokens.to(self.device), torch.tensor([step], device=self.device),
+            reorder.to(self.device), cache[0], cache[1],
+            [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
+            t[io_names.SRC_BIAS])
+        top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id)
+        return StepOutput(top_lp, top_ids, eos_lp), (new_k, new_v)
