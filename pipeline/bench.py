@@ -1,0 +1,157 @@
+"""`pipeline bench`: target tokens/s, sentences/s, batch latency and peak memory per backend.
+
+Each (backend, batch size) run translates the same sentences in fixed-size batches after
+one warm-up batch. `fixed_length` forces exactly N output tokens per hypothesis (EOS
+banned before N, forced at N), so untrained or differently trained models compare fairly.
+Peak memory is the process's peak resident set (VmHWM), reset before each backend.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from runtime.loader import load_backend
+
+from model.config import EOS_ID, PAD_ID
+from pipeline.textio import atomic_output, read_lines
+from runtime.search import beam_search, greedy_search
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    device: str
+    batch_size: int
+    beam_size: int
+    sentences: int
+    target_tokens: int
+    seconds: float
+    target_tokens_per_s: float
+    sentences_per_s: float
+    latency_ms_mean: float
+    latency_ms_p50: float
+    latency_ms_p90: float
+    peak_rss_mb: float | None
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS counter (Linux); harmless elsewhere."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_mb() -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    """Sources from a file (cycled to n lines) or random pieces of length src_len."""
+    if src is not None:
+        lines = [x for x in read_lines(src) if x.strip()]
+        lines = (lines * (n // max(len(lines), 1) + 1))[:n]
+        return tokenizer.encode_source(lines, max_len=max_len)
+    rng = random.Random(seed)
+    first = 4  # after pad, unk, bos, eos
+    return [[rng.randrange(first, tokenizer.vocab_size) for _ in range(src_len - 1)] + [EOS_ID]
+            for _ in range(n)]
+
+
+def pad_batch(batch: list[list[int]]) -> torch.Tensor:
+    width = max(len(s) for s in batch)
+    out = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+    for i, s in enumerate(batch):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def bench_backend(backend, sources: list[list[int]], batch_size: int, beam_size: int,
+                  fixed_length: int | None) -> BenchResult:
+    if fixed_length is not None:
+        limits = dict(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
+    else:
+        limits = {}
+
+    def run(batch: list[list[int]]):
+        ids = pad_batch(batch)
+        if beam_size == 1:
+            return greedy_search(backend, ids, **limits)
+        return beam_search(backend, ids, beam_size=beam_size, **limits)
+
+    run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches
+    latencies, tokens = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(sources), batch_size):
+        t = time.perf_counter()
+        hyps = run(sources[i: i + batch_size])
+        latencies.append(time.perf_counter() - t)
+        tokens += sum(len(h[0].tokens) for h in hyps)
+    seconds = time.perf_counter() - t0
+    ms = sorted(x * 1000 for x in latencies)
+    return BenchResult(
+        backend=backend.name, device=str(backend.device), batch_size=batch_size, beam_size=beam_size,
+        sentences=len(sources), target_tokens=tokens, seconds=round(seconds, 3),
+        target_tokens_per_s=round(tokens / seconds, 1), sentences_per_s=round(len(sources) / seconds, 2),
+        latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
+        latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2), peak_rss_mb=None,
+    )
+
+
+def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, beam_size: int = 4,
+              fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
+              src_len: int = 20, device: str | None = None, threads: int | None = None) -> dict:
+    results = []
+    for name in backends:
+        reset_peak_rss()
+        backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads)
+        sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
+        for bs in batch_sizes:
+            r = bench_backend(backend, sources, bs, beam_size, fixed_length)
+            r.peak_rss_mb = peak_rss_mb()
+            log.info("%s batch %d: %.1f target tokens/s", name, bs, r.target_tokens_per_s)
+            results.append(r)
+        del backend
+    return {
+        "model_dir": str(model_dir),
+        "model_config": manifest.get("model_config"),
+        "precision": manifest.get("precision"),
+        "fixed_length": fixed_length,
+        "host": {"machine": platform.machine(), "processor": platform.processor(),
+                 "cpu_threads": torch.get_num_threads(), "torch": torch.__version__},
+        "results": [asdict(r) for r in results],
+    }
+
+
+def format_table(report: dict) -> str:
+    head = (f"{'backend':<12} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
+            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8}")
+    rows = [head, "-" * len(head)]
+    for r in report["results"]:
+        peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        rows.append(f"{r['backend']:<12} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
+                    f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
+                    f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8}")
+    return "\n".join(rows)
+
+
+def write_json(report: dict, path: Path) -> None:
+    with atomic_output(path) as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,39 @@
+"""`pipeline bench` command."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from pipeline.bench import format_table, run_bench, write_json
+from pipeline.parity_cli import parse_backends
+
+
+@click.command("bench")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--backends", default="torch,onnxruntime", show_default=True,
+              help="Comma-separated backends to measure (torch,onnxruntime,tensorrt).")
+@click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), default=(32,),
+              show_default=True, help="Sentences per batch; repeat the option to measure several.")
+@click.option("--beam-size", default=4, show_default=True, type=click.IntRange(1), help="Beam size (1 = greedy).")
+@click.option("--fixed-length", default=None, type=click.IntRange(1),
+              help="Force exactly N output tokens per sentence, for fair comparisons across models.")
+@click.option("--src", default=None, type=click.Path(path_type=Path),
+              help="Source sentences to translate (cycled); default: random pieces of --src-len tokens.")
+@click.option("--sentences", default=256, show_default=True, type=click.IntRange(1),
+              help="Sentences per measurement.")
+@click.option("--src-len", default=20, show_default=True, type=click.IntRange(2),
+              help="Length of generated source sentences (tokens, EOS included) when --src is not given.")
+@click.option("--device", default=None, help="cpu or cuda (default: best available).")
+@click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write results as JSON.")
+def bench(model_dir, backends, batch_sizes, beam_size, fixed_length, src, sentences, src_len, device, threads,
+          json_out):
+    """Measure target tokens/s, sentences/s, latency per batch and peak memory per backend."""
+    report = run_bench(model_dir, parse_backends(backends), list(batch_sizes), beam_size=beam_size,
+                       fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
+                       device=device, threads=threads)
+    click.echo(format_table(report))
+    if json_out:
+        write_json(report, json_out)

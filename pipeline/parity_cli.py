@@ -1,0 +1,57 @@
+"""`pipeline parity` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from pipeline.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+
+
+def parse_backends(value: str) -> list[str]:
+    names = [b.strip() for b in value.split(",") if b.strip()]
+    allowed = {"torch", "onnxruntime", "tensorrt"}
+    unknown = [b for b in names if b not in allowed]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {sorted(allowed)}")
+    return names
+
+
+@click.command("parity")
+@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.option("--src", required=True, type=click.Path(path_type=Path), help="Source sentences, one per line.")
+@click.option("--ref", required=True, type=click.Path(path_type=Path), help="Reference translations, line-aligned.")
+@click.option("--backends", default="torch,onnxruntime", show_default=True,
+              help="Comma-separated backends to compare against the PyTorch model (torch,onnxruntime,tensorrt).")
+@click.option("--beam-size", default=4, show_default=True, type=click.IntRange(1), help="Beam size.")
+@click.option("--alpha", default=0.6, show_default=True, type=float, help="GNMT length penalty alpha.")
+@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
+              help="Token budget per batch (source tokens x beam).")
+@click.option("--device", default=None, help="Device for the backends under test (cpu, cuda); default: best available.")
+@click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
+              help="fp32 gate: least share of sentences token-identical to PyTorch.")
+@click.option("--max-bleu-delta", default=DEFAULT_GATES["fp32"].max_bleu_delta, show_default=True, type=float,
+              help="fp32 gate: largest |BLEU(backend) - BLEU(torch)|.")
+@click.option("--fp16-max-bleu-delta", default=DEFAULT_GATES["fp16"].max_bleu_delta, show_default=True,
+              type=float, help="fp16 gate: largest |BLEU(backend) - BLEU(torch)|.")
+@click.option("--fp16-min-identical", default=None, type=float,
+              help="fp16 gate: least share of token-identical sentences (default: not gated).")
+@click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write the report as JSON.")
+def parity(model_dir, src, ref, backends, beam_size, alpha, batch_tokens, device, threads, min_identical,
+           max_bleu_delta, fp16_max_bleu_delta, fp16_min_identical, json_out):
+    """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
+    BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
+    first divergence step and log-prob gap. Exits 1 when a backend misses its gate."""
+    gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta)}
+    report = run_parity(model_dir, src, ref, parse_backends(backends), beam_size=beam_size, alpha=alpha,
+                        batch_tokens=batch_tokens, device=device, gates=gates, threads=threads)
+    click.echo(format_table(report))
+    if json_out:
+        write_json(report, json_out)
+    if not report.passed:
+        click.echo("parity: FAILED", err=True)
+        sys.exit(1)
+    click.echo("parity: passed")
