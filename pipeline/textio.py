@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import io
 import os
 import sys
 import tempfile
@@ -78,7 +77,7 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
     try:
         kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-        with io.open(fd, mode, **kwargs) as f:
+        with open(fd, mode, **kwargs) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
