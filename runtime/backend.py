@@ -40,6 +40,7 @@ class Backend(Protocol):
     device: torch.device  # where StepOutput tensors live and where reorder indices go
     topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
+    max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
 
     def encode(self, src_ids: Tensor) -> EncoderState:
         """src_ids (B, S) int64 padded with PAD_ID -> state with B rows."""

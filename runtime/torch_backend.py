@@ -20,13 +20,14 @@ class TorchBackend:
 
     def __init__(self, model: Transformer, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
-                 max_src_len: int | None = None):
+                 max_src_len: int | None = None, max_tgt_len: int | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(self.device, dtype=dtype).eval()
         self.cfg = model.cfg
         self.topk = topk
         self.max_src_len = max_src_len or self.cfg.max_positions
+        self.max_tgt_len = max_tgt_len or self.cfg.max_positions
 
     @torch.inference_mode()
     def encode(self, src_ids: Tensor) -> EncoderState:

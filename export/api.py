@@ -1,0 +1,223 @@
+"""`export_model`: a checkpoint -> a self-contained, verified model directory.
+
+The directory is built in a hidden temp dir beside --out and renamed into place only
+when everything (graphs, verification, engines, manifest) is done, so a failed or
+interrupted export never leaves a directory that looks valid. The manifest is written
+last: even a temp dir orphaned by a killed process has none, and backends refuse it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+
+from export import onnx_export, tensorrt_build, trt_compat, verify
+from export.errors import ExportError, TensorRTUnavailable
+from model import io_names
+from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+from model.config import ModelConfig
+from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, sha256_file, write_manifest
+from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
+
+DEFAULTS = dict(opset=18, topk=16, max_batch=64, max_src_len=256, max_tgt_len=306, max_beam=8)
+
+
+def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: tensorrt_build.Limits) -> None:
+    """Every reason the exporter cannot serve this config with these options, at once."""
+    problems = []
+    if not onnx_export.MIN_OPSET <= opset <= onnx_export.MAX_OPSET:
+        problems.append(f"--opset {opset} is not supported (use {onnx_export.MIN_OPSET}.."
+                        f"{onnx_export.MAX_OPSET}; TensorRT needs >= 17)")
+    for name in ("max_batch", "max_src_len", "max_tgt_len", "max_beam"):
+        if getattr(limits, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= topk <= cfg.vocab_size:
+        problems.append(f"--topk {topk} must be in 1..vocab_size ({cfg.vocab_size})")
+    elif 2 * limits.max_beam > topk:
+        problems.append(f"--max-beam {limits.max_beam} needs --topk >= {2 * limits.max_beam} "
+                        "(beam search takes 2 x beam candidates per hypothesis)")
+    if limits.max_src_len > cfg.max_positions:
+        problems.append(f"--max-src-len {limits.max_src_len} exceeds the model's max_positions "
+                        f"({cfg.max_positions})")
+    if limits.max_tgt_len >= cfg.max_positions:
+        problems.append(f"--max-tgt-len {limits.max_tgt_len} must be below the model's max_positions "
+                        f"({cfg.max_positions})")
+    if len({cfg.pad_id, cfg.bos_id, cfg.eos_id}) != 3:
+        problems.append(f"model config has pad/bos/eos ids {cfg.pad_id}/{cfg.bos_id}/{cfg.eos_id}; "
+                        "the exporter needs three distinct ids")
+    if problems:
+        raise ExportError("cannot export: " + "; ".join(problems))
+
+
+def _prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
+    """Refuse outputs we must not replace, before any work is done."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory; choose another --out")
+    if out.is_dir():
+        if not force:
+            raise ExportError(f"{out}: already exists; pass --force to replace it or choose another --out")
+        if any(out.iterdir()) and not (out / MANIFEST).is_file():
+            raise ExportError(f"{out}: exists and is not a model directory (no {MANIFEST}); "
+                              "--force only replaces model directories; choose another --out")
+        if out.resolve() in checkpoint.resolve().parents:
+            raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _versions() -> dict[str, str | None]:
+    import onnx
+    import onnxruntime
+
+    try:
+        pipeline_version = importlib.metadata.version("pipeline")
+    except importlib.metadata.PackageNotFoundError:
+        pipeline_version = None
+    return {"pipeline": pipeline_version, "torch": torch.__version__, "onnx": onnx.__version__,
+            "onnxruntime": onnxruntime.__version__, "tensorrt": None}
+
+
+def _write_graphs(model: Transformer, tmp: Path, *, fp16: bool, opset: int, topk: int) -> dict[str, Any]:
+    graph_model = onnx_export.inference_copy(model, fp16)
+    t0 = time.perf_counter()
+    onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
+    onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
+    seconds = time.perf_counter() - t0
+    for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
+        problems = trt_compat.check_model(onnx.load(str(tmp / name), load_external_data=False))
+        if problems:
+            raise ExportError(f"{name} would not parse in TensorRT: " + "; ".join(problems))
+    sizes = {name: (tmp / name).stat().st_size for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE)}
+    log.info("exported ONNX graphs in %.1f s (%s)", seconds,
+             ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
+    return {"export_seconds": round(seconds, 2), "bytes": sizes}
+
+
+def _engines(tmp: Path, cfg: ModelConfig, limits: tensorrt_build.Limits, *, fp16: bool,
+             tensorrt: bool | None, workspace_gib: float, timing_cache: Path | None
+             ) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest entry, None) when built; (None, reason) when skipped."""
+    if tensorrt is False:
+        return None, "--no-tensorrt"
+    try:
+        return tensorrt_build.build_engines(tmp, cfg, limits, fp16=fp16, workspace_gib=workspace_gib,
+                                            timing_cache=timing_cache), None
+    except TensorRTUnavailable as e:
+        if tensorrt:
+            raise ExportError(f"--tensorrt was asked for but {e}") from None
+        log.debug(tensorrt_build.skip_message(str(e)))
+        return None, str(e)
+
+
+def _usual_permissions(path: Path) -> None:
+    """mkdtemp/mkstemp create owner-only files; a model dir is shared like any output."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _replace_dir(tmp: Path, out: Path) -> None:
+    """Move the finished tmp dir to out; an existing out is replaced only now."""
+    if not out.exists():
+        os.replace(tmp, out)
+        return
+    backup = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
+    os.replace(out, backup / out.name)
+    try:
+        os.replace(tmp, out)
+    except BaseException:
+        os.replace(backup / out.name, out)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int = 18, topk: int = 16,
+                 max_batch: int = 64, max_src_len: int = 256, max_tgt_len: int = 306, max_beam: int = 8,
+                 tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
+                 fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
+                 timing_cache: Path | None = None) -> dict[str, Any]:
+    """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
+
+    tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
+    skips them (manifest["tensorrt_skipped"] says why); True requires them; False skips.
+    Raises ExportError / VerificationError / CheckpointError / ConfigError, leaving
+    nothing at `out` (or the previous `out` untouched).
+    """
+    started = time.perf_counter()
+    checkpoint, out = Path(checkpoint), Path(out)
+    source = resolve_checkpoint(checkpoint)
+    limits = tensorrt_build.Limits(max_batch, max_src_len, max_tgt_len, max_beam)
+    _prepare_out(out, force, source)
+    model, spm_bytes, payload = _load(source)
+    check_options(model.cfg, opset=opset, topk=topk, limits=limits)
+    if tensorrt:  # asked for explicitly: fail now, not after minutes of export work
+        try:
+            tensorrt_build.load_tensorrt()
+            tensorrt_build.gpu_identity()
+        except TensorRTUnavailable as e:
+            raise ExportError(f"--tensorrt was asked for but {e}") from None
+
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        _usual_permissions(tmp)
+        save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
+        (tmp / SPM_FILE).write_bytes(spm_bytes)
+        graphs = _write_graphs(model, tmp, fp16=fp16, opset=opset, topk=topk)
+        verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
+                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol)
+        engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
+                                    workspace_gib=workspace_gib, timing_cache=timing_cache)
+        versions = _versions()
+        if engines:
+            versions["tensorrt"] = engines["version"]
+        manifest = write_manifest(tmp, {
+            "model_config": model.cfg.to_dict(),
+            "precision": "fp16" if fp16 else "fp32",
+            "opset": opset,
+            "topk": topk,
+            "limits": {"max_batch": max_batch, "max_src_len": max_src_len,
+                       "max_tgt_len": max_tgt_len, "max_beam": max_beam},
+            "versions": versions,
+            "tensorrt": engines,
+            "tensorrt_skipped": skipped,
+            "graphs": graphs,
+            "verification": verification,
+            "source_checkpoint": {"path": str(source.resolve()), "sha256": sha256_file(source),
+                                  "step": _train_step(payload)},
+        })
+        for f in tmp.iterdir():
+            _usual_permissions(f)
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("export finished in %.1f s: %s", time.perf_counter() - started, out)
+    return manifest
+
+
+def _train_step(payload: dict[str, Any]) -> int | None:
+    state = payload.get("train_state")
+    return state.get("step") if isinstance(state, dict) else None
+
+
+def _load(source: Path) -> tuple[Transformer, bytes, dict[str, Any]]:
+    """The fp32 model, tokenizer bytes and payload; a checkpoint whose weights do not fit
+    its config, or without a tokenizer, is an export error naming the file."""
+    try:
+        model, spm_bytes, payload = load_model(source, "cpu")
+    except (RuntimeError, KeyError, TypeError) as e:
+        raise ExportError(f"{source}: checkpoint cannot be loaded into its model config: "
+                          f"{str(e).splitlines()[0]}") from None
+    if not isinstance(spm_bytes, bytes) or not spm_bytes:
+        raise ExportError(f"{source}: checkpoint holds no SentencePiece model; re-save it with `pipeline train`")
+    return model.float().eval(), spm_bytes, payload

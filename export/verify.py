@@ -1,0 +1,287 @@
+"""Verification of exported graphs: onnx.checker, then ONNX Runtime against PyTorch.
+
+Both sides run the same functions (model.encode/cross_kv/decode_step + select_candidates)
+on a real padded batch, then 10+ beam-like decoding steps: every step gathers the cache
+through `reorder` with repeated rows, one step drops a hypothesis (so hyps != prev_hyps),
+and each engine's own grown caches are fed back, so errors accumulate as in serving.
+Candidate log-probs are compared by max abs difference against a tolerance; candidate
+ids only where the gap to the neighbouring candidates exceeds that tolerance (a tie
+within the tolerance may legitimately order either way).
+
+fp16: ONNX Runtime on CPU lacks fp16 kernels for several ops and silently computes them
+in fp32 (it inserts Casts), so ORT-vs-PyTorch alone would not test the fp16 arithmetic.
+The half-precision model is therefore also run in PyTorch half precision (real fp16
+matmuls) against the fp32 model, with the same fp16 tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from export.errors import ExportError, VerificationError
+from model import io_names
+from model.transformer import Transformer, select_candidates
+
+log = logging.getLogger(__name__)
+
+FP32_ATOL = 1e-4
+FP16_ATOL = 2e-2  # measured ~4e-3 on tiny and `small` random models
+N_STEPS = 12
+BEAM = 2
+
+
+def check_graph(path: Path) -> None:
+    """onnx.checker on the file path (the path form also handles >2 GB external data)."""
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except Exception as e:  # noqa: BLE001 - checker raises ValidationError and friends
+        raise ExportError(f"{path.name}: onnx.checker rejected the graph: {e}") from e
+
+
+# -- the two engines behind one small interface ------------------------------------------
+
+StepFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+def ort_runner(path: Path) -> StepFn:
+    """Feed named numpy arrays to an ONNX Runtime CPU session; outputs by name."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return dict(zip(names, session.run(names, feeds)))
+
+    return run
+
+
+def torch_encoder(model: Transformer) -> StepFn:
+    """The PyTorch encoder computation with the encoder graph's names."""
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        with torch.inference_mode():
+            memory, src_bias = model.encode(torch.from_numpy(feeds[io_names.SRC_IDS]))
+            ks, vs = model.cross_kv(memory)
+        out = {io_names.SRC_BIAS: src_bias}
+        for i, (k, v) in enumerate(zip(ks, vs)):
+            out[io_names.cross_k(i)], out[io_names.cross_v(i)] = k, v
+        return {name: t.numpy() for name, t in out.items()}
+    return run
+
+
+def torch_decoder(model: Transformer, topk: int) -> StepFn:
+    """The PyTorch decoder step with the decoder graph's names."""
+    n = model.cfg.n_dec_layers
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+        with torch.inference_mode():
+            log_probs, new_k, new_v = model.decode_step(
+                t[io_names.TOKENS], t[io_names.STEP], t[io_names.REORDER],
+                [t[io_names.self_k(i)] for i in range(n)], [t[io_names.self_v(i)] for i in range(n)],
+                [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
+                t[io_names.SRC_BIAS])
+            lp, ids, eos = select_candidates(log_probs, topk, model.cfg.eos_id)
+        out = {io_names.TOPK_LOG_PROBS: lp, io_names.TOPK_IDS: ids, io_names.EOS_LOG_PROBS: eos}
+        for i in range(n):
+            out[io_names.new_self_k(i)], out[io_names.new_self_v(i)] = new_k[i], new_v[i]
+        return {name: v.numpy() for name, v in out.items()}
+    return run
+
+
+# -- inputs ------------------------------------------------------------------------------
+
+def sample_batch(model: Transformer, batch: int = 3, seed: int = 0) -> np.ndarray:
+    """A padded batch of source ids as the tokenizer makes them: pieces + EOS, then PAD,
+    with distinct lengths (the longest row has no padding)."""
+    cfg = model.cfg
+    rng = np.random.default_rng(seed)
+    lengths = [9, 4, 6, 2, 7][:batch] if batch <= 5 else list(rng.integers(2, 10, batch))
+    ids = np.full((batch, max(lengths)), cfg.pad_id, dtype=np.int64)
+    first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 1
+    for row, n in enumerate(lengths):
+        ids[row, :n - 1] = rng.integers(first, cfg.vocab_size, n - 1)
+        ids[row, n - 1] = cfg.eos_id
+    return ids
+
+
+# -- comparison --------------------------------------------------------------------------
+
+@dataclass
+class Report:
+    """Largest differences seen, by compared quantity."""
+
+    max_abs: dict[str, float] = field(default_factory=dict)
+    ids_checked: int = 0
+    steps: int = 0
+
+    def add(self, key: str, diff: float) -> None:
+        self.max_abs[key] = max(self.max_abs.get(key, 0.0), diff)
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
+    if a.shape != b.shape:
+        raise ExportError(f"shape mismatch {a.shape} vs {b.shape}")
+    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+
+
+def _check(report: Report, key: str, where: str, a: np.ndarray, b: np.ndarray, atol: float | None) -> None:
+    try:
+        diff = _max_abs(a, b)
+    except ExportError as e:
+        raise ExportError(f"verification failed: {key} at {where}: {e}") from None
+    report.add(key, diff)
+    if atol is not None and not diff <= atol:  # also catches NaN
+        raise VerificationError(key, where, diff, atol)
+
+
+def _check_ids(report: Report, where: str, ref_lp: np.ndarray, ref_ids: np.ndarray,
+               ids: np.ndarray, atol: float) -> None:
+    """Candidate ids must agree where the reference ranks them by more than 2*atol."""
+    lp = ref_lp.astype(np.float64)
+    gap_next = np.full(lp.shape, np.inf)
+    gap_next[:, :-1] = lp[:, :-1] - lp[:, 1:]
+    gap_prev = np.full(lp.shape, np.inf)
+    gap_prev[:, 1:] = gap_next[:, :-1]
+    # The last slot's gap to the (unseen) K+1-th candidate is unknown: skip it.
+    clear = (np.minimum(gap_next, gap_prev) > 2 * atol)
+    clear[:, -1] = False
+    report.ids_checked += int(clear.sum())
+    bad = clear & (ref_ids != ids)
+    if bad.any():
+        r, c = map(int, np.argwhere(bad)[0])
+        raise ExportError(f"verification failed: topk_ids at {where} row {r} rank {c}: "
+                          f"{int(ids[r, c])} != reference {int(ref_ids[r, c])} although the reference "
+                          f"gap to its neighbours is {float(min(gap_next[r, c], gap_prev[r, c])):.3g}")
+
+
+def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_encoder: StepFn,
+                    ref_decoder: StepFn, atol: float, cache_dtype: np.dtype, label: str,
+                    n_steps: int = N_STEPS) -> Report:
+    """Run encoder + n_steps beam-like steps on both engines and bound their differences."""
+    cfg = model.cfg
+    n = cfg.n_dec_layers
+    report = Report()
+    src = sample_batch(model)
+    enc, ref_enc = encoder({io_names.SRC_IDS: src}), ref_encoder({io_names.SRC_IDS: src})
+    for name in io_names.encoder_outputs(n):
+        _check(report, "encoder", f"{label} encoder output {name}", enc[name], ref_enc[name], None)
+
+    # Each sentence gets BEAM hypotheses with fixed rows: cross K/V and src_bias are
+    # selected once (as search does) and never reordered afterwards.
+    rows = np.repeat(np.arange(src.shape[0]), BEAM)
+    cross = {name: enc[name][rows] for name in io_names.encoder_outputs(n)}
+    ref_cross = {name: ref_enc[name][rows] for name in io_names.encoder_outputs(n)}
+    shape = (len(rows), cfg.n_heads, 1, cfg.d_head)
+    cache = {name: np.zeros(shape, dtype=cache_dtype) for name in _cache_names(n)}
+    ref_cache = {name: v.copy() for name, v in cache.items()}
+    tokens = np.full(len(rows), cfg.bos_id, dtype=np.int64)
+    sent = rows.copy()
+    reorder = np.arange(len(rows), dtype=np.int64)
+    for step in range(n_steps):
+        where = f"{label} decoder step {step}"
+        feeds = {io_names.TOKENS: tokens, io_names.STEP: np.array([step], dtype=np.int64),
+                 io_names.REORDER: reorder}
+        out = decoder({**feeds, **cache, **cross})
+        ref = ref_decoder({**feeds, **ref_cache, **ref_cross})
+        for name in (io_names.TOPK_LOG_PROBS, io_names.EOS_LOG_PROBS):
+            _check(report, name, where, out[name], ref[name], atol)
+        _check_ids(report, where, ref[io_names.TOPK_LOG_PROBS], ref[io_names.TOPK_IDS],
+                   out[io_names.TOPK_IDS], atol)
+        for i in range(n):
+            for name in (io_names.new_self_k(i), io_names.new_self_v(i)):
+                _check(report, "cache", where + f" {name}", out[name], ref[name], None)
+        keep, tokens, reorder = _beam_like_choice(ref, sent, step)
+        sent = sent[keep]
+        cache = {name: out[new] for name, new in zip(_cache_names(n), _new_cache_names(n))}
+        ref_cache = {name: ref[new] for name, new in zip(_cache_names(n), _new_cache_names(n))}
+        cross = {k: v[keep] for k, v in cross.items()}
+        ref_cross = {k: v[keep] for k, v in ref_cross.items()}
+        report.steps += 1
+    return report
+
+
+def _cache_names(n: int) -> list[str]:
+    return [io_names.self_k(i) for i in range(n)] + [io_names.self_v(i) for i in range(n)]
+
+
+def _new_cache_names(n: int) -> list[str]:
+    return [io_names.new_self_k(i) for i in range(n)] + [io_names.new_self_v(i) for i in range(n)]
+
+
+def _beam_like_choice(ref: dict[str, np.ndarray], sent: np.ndarray, step: int
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Next (kept rows, tokens, reorder): a deterministic stand-in for beam search.
+
+    `sent` maps each current row to its sentence. Each kept row continues a row of its
+    own sentence: on even steps the sentence's first row (so rows repeat in `reorder`),
+    on odd steps its last row; with the 1st or 2nd candidate by its rank in the
+    sentence. At step 3 the last row is dropped (a finished hypothesis), so the next
+    step has hyps = prev_hyps - 1 and the kept rows' cross K/V are selected.
+    """
+    keep = np.arange(len(sent) - 1 if step == 3 and len(sent) > 1 else len(sent))
+    first = {int(s): int(np.flatnonzero(sent == s)[0]) for s in np.unique(sent)}
+    last = {int(s): int(np.flatnonzero(sent == s)[-1]) for s in np.unique(sent)}
+    pick = first if step % 2 == 0 else last
+    parents = np.array([pick[int(sent[r])] for r in keep], dtype=np.int64)
+    ranks = np.array([int(r - first[int(sent[r])]) % 2 for r in keep])
+    tokens = ref[io_names.TOPK_IDS][parents, ranks].astype(np.int64)
+    return keep, tokens, parents
+
+
+# -- the verification the export command runs ----------------------------------------------
+
+def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, *, fp16: bool,
+                  topk: int, atol: float = FP32_ATOL, fp16_atol: float = FP16_ATOL) -> dict[str, Any]:
+    """Check both graphs and compare them with PyTorch; returns the manifest's figures.
+
+    fp32: ORT vs the fp32 model. fp16: ORT vs the half model in PyTorch (same graph
+    arithmetic up to ORT's fp32 fallbacks), and the half model in PyTorch vs the fp32
+    model (the honest fp16-arithmetic check), both within fp16_atol.
+    """
+    for path in (encoder_path, decoder_path):
+        check_graph(path)
+    enc, dec = ort_runner(encoder_path), ort_runner(decoder_path)
+    if not fp16:
+        rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
+                              atol, np.dtype(np.float32), "onnxruntime vs torch fp32")
+        return _summary("fp32", atol, {"onnxruntime_vs_torch_fp32": rep},
+                        "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
+                        f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis")
+    model16 = model32_to_half(model32)
+    rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),
+                              fp16_atol, np.dtype(np.float16), "onnxruntime fp16 vs torch fp16")
+    rep_half = compare_engines(model32, torch_encoder(model16), torch_decoder(model16, topk),
+                               torch_encoder(model32), torch_decoder(model32, topk), fp16_atol,
+                               np.dtype(np.float16), "torch fp16 vs torch fp32")
+    return _summary("fp16", fp16_atol, {"onnxruntime_vs_torch_fp16": rep_ort,
+                                        "torch_fp16_vs_torch_fp32": rep_half},
+                    "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
+                    "PyTorch half precision; PyTorch half precision (real fp16 matmuls) vs PyTorch "
+                    f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
+
+
+def model32_to_half(model32: Transformer) -> Transformer:
+    return copy.deepcopy(model32).half().eval()
+
+
+def _summary(precision: str, atol: float, reports: dict[str, Report], how: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"precision": precision, "atol": atol, "how": how}
+    for name, rep in reports.items():
+        out[name] = {"max_abs_diff": {k: float(f"{v:.4g}") for k, v in sorted(rep.max_abs.items())},
+                     "topk_ids_checked": rep.ids_checked, "steps": rep.steps}
+    for name, rep in reports.items():
+        lp = max(rep.max_abs.get(io_names.TOPK_LOG_PROBS, 0.0), rep.max_abs.get(io_names.EOS_LOG_PROBS, 0.0))
+        log.info("verified %s: max abs log-prob difference %.3g (tolerance %.3g)", name, lp, atol)
+    return out

@@ -1,0 +1,117 @@
+"""Open a model directory (what `pipeline export` wrote) as a backend + tokenizer.
+
+The manifest is verified first (every file's SHA-256), so a tampered or half-copied
+directory is refused with the file named and the command that rebuilds it, rather than
+translating with the wrong weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model import io_names
+from model.checkpoint import load_model, resolve_checkpoint
+from model.manifest import CHECKPOINT_FILE, SPM_FILE, read_manifest
+from runtime.errors import RuntimeUserError
+from runtime.tokenizer import Tokenizer
+from runtime.torch_backend import DEFAULT_TOPK, TorchBackend
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "onnxruntime", "tensorrt")
+NEEDS = {
+    "torch": (CHECKPOINT_FILE, SPM_FILE),
+    "onnxruntime": (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE),
+    "tensorrt": (io_names.ENCODER_ENGINE, io_names.DECODER_ENGINE, SPM_FILE),
+}
+
+
+def installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def choose_backend(manifest: dict[str, Any]) -> str:
+    """auto: TensorRT when engines are present, tensorrt imports and CUDA is there; else
+    ONNX Runtime when installed and the graphs are present; else PyTorch."""
+    files = manifest.get("files", {})
+    if (all(f in files for f in NEEDS["tensorrt"]) and installed("tensorrt")
+            and torch.cuda.is_available()):
+        return "tensorrt"
+    if all(f in files for f in NEEDS["onnxruntime"]) and installed("onnxruntime"):
+        return "onnxruntime"
+    return "torch"
+
+
+def resolve_device(device: str | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise RuntimeUserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeUserError(f"--device {device}: CUDA is not available here; use --device cpu")
+    return dev
+
+
+def manifest_limit(manifest: dict[str, Any], key: str) -> int | None:
+    """A shape limit (max_src_len, max_tgt_len, max_batch, max_beam) from the manifest,
+    at the top level or under "limits"; None when the export recorded none."""
+    value = manifest.get(key, manifest.get("limits", {}).get(key))
+    return int(value) if value is not None else None
+
+
+def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
+    """fp16 only on a GPU (CPU half matmuls are slow and not what the graphs compute)."""
+    if precision == "fp16" and device.type == "cuda":
+        return torch.float16
+    if precision == "fp16":
+        log.warning("fp16 asked for on %s: running the PyTorch model in fp32", device)
+    return torch.float32
+
+
+def load_backend(model_dir: str | Path, backend: str = "auto", device: str | None = None,
+                 threads: int | None = None, dtype: str | None = None,
+                 ) -> tuple[Any, Tokenizer, dict[str, Any]]:
+    """(backend, tokenizer, manifest) for a verified model dir. `dtype` ("fp32"/"fp16")
+    overrides the manifest's precision for the torch backend; `threads` sets intra-op
+    threads (torch and onnxruntime)."""
+    if backend not in BACKENDS:
+        raise RuntimeUserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
+    model_dir = Path(model_dir)
+    manifest = read_manifest(model_dir, verify=False)  # readable at all?
+    name = choose_backend(manifest) if backend == "auto" else backend
+    manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
+    tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
+    if name == "torch":
+        dev = resolve_device(device)
+        if threads:
+            torch.set_num_threads(threads)
+        model, _, _ = load_model(model_dir / CHECKPOINT_FILE, device="cpu")
+        impl: Any = TorchBackend(model, dev, torch_dtype(dtype or manifest.get("precision"), dev),
+                                 topk=int(manifest.get("topk") or DEFAULT_TOPK),
+                                 max_src_len=manifest_limit(manifest, "max_src_len"),
+                                 max_tgt_len=manifest_limit(manifest, "max_tgt_len"))
+    elif name == "onnxruntime":
+        from runtime.ort_backend import OrtBackend
+        impl = OrtBackend(model_dir, manifest, device=device, threads=threads)
+    else:
+        from runtime.trt_backend import TrtBackend
+        impl = TrtBackend(model_dir, manifest, device=device)
+    if tokenizer.vocab_size != impl.cfg.vocab_size:
+        raise RuntimeUserError(f"{model_dir / SPM_FILE}: {tokenizer.vocab_size} pieces but the model has "
+                               f"{impl.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
+    log.info("backend %s on %s", impl.name, impl.device)
+    return impl, tokenizer, manifest
+
+
+def load_torch_backend_from_checkpoint(path: str | Path, device: str | None = None,
+                                       topk: int = DEFAULT_TOPK) -> tuple[TorchBackend, Tokenizer]:
+    """The PyTorch reference straight from a checkpoint file or a training save dir."""
+    ckpt = resolve_checkpoint(Path(path))
+    model, spm_bytes, _ = load_model(ckpt, device="cpu")
+    return TorchBackend(model, resolve_device(device), topk=topk), Tokenizer(spm_bytes)

@@ -1,0 +1,167 @@
+"""The TensorRT backend: encoder.plan and decoder.plan, on the TensorRT 10/11 Python API.
+
+Buffers are torch CUDA tensors: inputs are bound by address, outputs are allocated by
+torch at the shapes TensorRT infers after `set_input_shape`, and both engines run with
+`execute_async_v3` on torch's current stream, so torch ops (search, select) and the
+engines are ordered on one stream without host synchronisation. Caches stay on the GPU
+and are reordered inside the decoder engine.
+
+`tensorrt` is imported lazily: on machines without it the rest of the runtime works and
+asking for this backend says what to install.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from model import io_names
+from model.config import ModelConfig
+from runtime.backend import EncoderState, StepOutput
+from runtime.errors import RuntimeUserError
+
+log = logging.getLogger(__name__)
+
+REBUILD = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on this machine"
+
+
+def import_tensorrt() -> ModuleType:
+    try:
+        import tensorrt
+    except ImportError:
+        raise RuntimeUserError("tensorrt is not installed (pip install 'pipeline[gpu]' on a machine with an "
+                               "NVIDIA GPU); or use --backend onnxruntime or --backend torch") from None
+    return tensorrt
+
+
+def _torch_dtype(trt: ModuleType, dtype: Any) -> torch.dtype:
+    table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
+             trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
+    if dtype not in table:
+        raise RuntimeUserError(f"engine uses tensor type {dtype}, which this runtime does not handle; "
+                               f"{REBUILD}")
+    return table[dtype]
+
+
+def check_engine_identity(manifest: dict[str, Any], trt_version: str, gpu: str) -> None:
+    """Engines only run on the TensorRT version and GPU model they were built with."""
+    built = manifest.get("tensorrt") or {}
+    if not built:
+        raise RuntimeUserError(f"the model dir has no TensorRT engines; {REBUILD}")
+    if built.get("version") != trt_version:
+        raise RuntimeUserError(f"engines were built with TensorRT {built.get('version')}, this is "
+                               f"TensorRT {trt_version}; {REBUILD}")
+    if built.get("gpu") != gpu:
+        raise RuntimeUserError(f"engines were built for {built.get('gpu')}, this GPU is {gpu}; {REBUILD}")
+
+
+class _Engine:
+    """One deserialised engine + execution context; runs with torch tensors as buffers."""
+
+    def __init__(self, trt: ModuleType, runtime: Any, path: Path):
+        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+        if engine is None:
+            raise RuntimeUserError(f"{path}: TensorRT could not load this engine; {REBUILD}")
+        self.engine = engine
+        self.context = engine.create_execution_context()
+        names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+        self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+        self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
+        self.dtypes = {n: _torch_dtype(trt, engine.get_tensor_dtype(n)) for n in names}
+        # An input TensorRT needs at shape-inference time lives in host memory.
+        self.host_inputs = {n for n in self.inputs if engine.is_shape_inference_io(n)}
+
+    def run(self, feeds: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+        ctx = self.context
+        alive = []
+        for name in self.inputs:
+            t = feeds[name]
+            t = t.to("cpu" if name in self.host_inputs else device, self.dtypes[name]).contiguous()
+            alive.append(t)
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr())
+        outs = {}
+        for name in self.outputs:
+            shape = tuple(ctx.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise RuntimeError(f"TensorRT could not infer the shape of {name}: {shape}")
+            outs[name] = torch.empty(shape, dtype=self.dtypes[name], device=device)
+            ctx.set_tensor_address(name, outs[name].data_ptr())
+        stream = torch.cuda.current_stream(device)
+        if not ctx.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+        if self.host_inputs:
+            stream.synchronize()  # host inputs must outlive the enqueued work
+        return outs
+
+
+class TrtBackend:
+    """TensorRT engines with torch CUDA tensors as device buffers."""
+
+    name = "tensorrt"
+
+    def __init__(self, model_dir: Path, manifest: dict[str, Any], device: str | torch.device | None = None):
+        trt = import_tensorrt()
+        if not torch.cuda.is_available():
+            raise RuntimeUserError("the tensorrt backend needs a CUDA GPU visible to PyTorch; "
+                                   "use --backend onnxruntime or --backend torch")
+        self.device = torch.device(device or "cuda")
+        if self.device.type != "cuda":
+            raise RuntimeUserError(f"--device {self.device}: the tensorrt backend runs on cuda only")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(self.device)
+        check_engine_identity(manifest, trt.__version__, torch.cuda.get_device_name(self.device))
+        self.cfg = ModelConfig.from_dict(manifest["model_config"])
+        limits = {**manifest.get("limits", {}), **{k: v for k, v in manifest.items() if k.startswith("max_")}}
+        self.topk = int(manifest["topk"])
+        self.max_src_len = int(limits.get("max_src_len") or self.cfg.max_positions)
+        self.max_tgt_len = int(limits.get("max_tgt_len") or self.cfg.max_positions)
+        self.max_batch = int(limits["max_batch"]) if limits.get("max_batch") else None
+        self.max_hyps = self.max_batch * int(limits.get("max_beam", 1)) if self.max_batch else None
+        self._logger = trt.Logger(trt.Logger.WARNING)
+        self._runtime = trt.Runtime(self._logger)
+        model_dir = Path(model_dir)
+        self.encoder = _Engine(trt, self._runtime, model_dir / io_names.ENCODER_ENGINE)
+        self.decoder = _Engine(trt, self._runtime, model_dir / io_names.DECODER_ENGINE)
+        self.cache_dtype = self.decoder.dtypes[io_names.self_k(0)]
+        log.info("TensorRT %s on %s", trt.__version__, torch.cuda.get_device_name(self.device))
+
+    @torch.inference_mode()
+    def encode(self, src_ids: Tensor) -> EncoderState:
+        out = self.encoder.run({io_names.SRC_IDS: src_ids}, self.device)
+        return EncoderState(out, int(src_ids.shape[0]))
+
+    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+        rows = rows.to(self.device)
+        return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()},
+                            int(rows.shape[0]))
+
+    def initial_cache(self, n_rows: int) -> list[Tensor]:
+        shape = (n_rows, self.cfg.n_heads, 1, self.cfg.d_head)
+        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+                for _ in range(2 * self.cfg.n_dec_layers)]
+
+    @torch.inference_mode()
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],
+             reorder: Tensor) -> tuple[StepOutput, list[Tensor]]:
+        n_layers = self.cfg.n_dec_layers
+        if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
+            raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "
+                                   f"{self.max_hyps} (max batch x max beam); lower --beam-size or {REBUILD} "
+                                   "with larger --max-batch / --max-beam")
+        feeds = {io_names.TOKENS: tokens, io_names.REORDER: reorder,
+                 io_names.STEP: torch.tensor([step], dtype=torch.int64), **state.tensors}
+        for i in range(n_layers):
+            feeds[io_names.self_k(i)] = cache[i]
+            feeds[io_names.self_v(i)] = cache[n_layers + i]
+        out = self.decoder.run(feeds, self.device)
+        new_cache = [out[io_names.new_self_k(i)] for i in range(n_layers)]
+        new_cache += [out[io_names.new_self_v(i)] for i in range(n_layers)]
+        return StepOutput(out[io_names.TOPK_LOG_PROBS].float(), out[io_names.TOPK_IDS].long(),
+                          out[io_names.EOS_LOG_PROBS].float()), new_cache
