@@ -1,0 +1,91 @@
+"""`pipeline train` and `pipeline average`: parse options, delegate to pipeline.train."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from model.config import PRESETS
+from pipeline.train import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
+from pipeline.train import train as run_training
+
+_FILE = click.Path(dir_okay=False, path_type=Path)
+
+
+@click.command(epilog="Per-preset defaults for unset options: " + describe_defaults())
+@click.option("--train-src", type=_FILE, help="Training source text (plain or .gz), one sentence per line. "
+              "Without --train-src/--train-tgt: the built-in synthetic language pair.")
+@click.option("--train-tgt", type=_FILE, help="Training target text, line-aligned with --train-src.")
+@click.option("--valid-src", type=_FILE, help="Validation source text (for loss and BLEU).")
+@click.option("--valid-tgt", type=_FILE, help="Validation references, line-aligned with --valid-src.")
+@click.option("--save-dir", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Checkpoints, tokenizer, config, metrics; rerunning the same command resumes from here.")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default=None,
+              help="Model size (default: demo for the built-in corpus, else base).")
+@click.option("--d-model", type=int, help="Override the preset's d_model.")
+@click.option("--n-heads", type=int, help="Override the preset's number of attention heads.")
+@click.option("--d-ff", type=int, help="Override the preset's feed-forward width.")
+@click.option("--layers", type=int, help="Override the number of encoder and of decoder layers.")
+@click.option("--dropout", type=float, help="Override the preset's dropout.")
+@click.option("--vocab-size", type=int, help="Joint SentencePiece vocabulary size (a soft limit).")
+@click.option("--max-len", type=int, default=256, show_default=True,
+              help="Drop training pairs with a side longer than this many tokens (counts are logged).")
+@click.option("--batch-tokens", type=int, help="Token budget of one micro-batch per process (padded "
+              "max(source, target) tokens; the paper used ~25000).")
+@click.option("--update-freq", type=int, default=1, show_default=True,
+              help="Gradient accumulation: micro-batches per process per update.")
+@click.option("--max-steps", type=int, help="Stop after this many updates.")
+@click.option("--lr-scale", type=float, default=1.0, show_default=True,
+              help="Multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
+@click.option("--warmup", type=int, help="Warmup steps of the inverse-square-root schedule (paper: 4000).")
+@click.option("--label-smoothing", type=float, default=0.1, show_default=True, help="Label smoothing.")
+@click.option("--clip-norm", type=float, default=0.0, show_default=True,
+              help="Clip the gradient norm to this value (0 = off, as in the paper).")
+@click.option("--seed", type=int, default=1, show_default=True,
+              help="Seed of initialisation, data order, dropout (and of the built-in corpus).")
+@click.option("--save-every", type=int, help="Write a checkpoint every N updates (and at the end).")
+@click.option("--keep-last", type=int, default=5, show_default=True, help="Keep the last K step checkpoints.")
+@click.option("--valid-every", type=int, help="Validate every N updates (default: --save-every).")
+@click.option("--valid-beam", type=int, default=1, show_default=True,
+              help="Beam size of validation BLEU decoding (1 = greedy, fast; 4 = the paper's).")
+@click.option("--valid-max-sentences", type=int, default=0, show_default=True,
+              help="Decode at most this many validation sentences for BLEU (0 = all).")
+@click.option("--log-every", type=int, default=50, show_default=True,
+              help="Write a train event to metrics.jsonl and refresh loss/lr/tokens/s every N updates.")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="auto = CUDA (this process's LOCAL_RANK GPU) when available, else CPU.")
+@click.option("--precision", type=click.Choice(["auto", "fp32", "bf16", "fp16"]), default="auto",
+              show_default=True, help="auto = bf16 on CUDA (fp16 with loss scaling without bf16), fp32 on CPU.")
+@click.option("--threads", type=int, help="CPU threads per process (torch.set_num_threads).")
+@click.option("--max-nonfinite", type=int, default=5, show_default=True,
+              help="Fail after this many consecutive updates with a non-finite loss (each is skipped).")
+@click.option("--builtin-pairs", type=int, help="Training pairs of the built-in synthetic corpus "
+              "(default 30000).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def train(**kwargs: object) -> None:
+    """Train the Transformer on a parallel corpus (or the built-in one) into --save-dir.
+
+    One process: `pipeline train ...`. Several (DDP, gloo on CPU, NCCL on GPU):
+    `torchrun --standalone --nproc-per-node N -m pipeline train ...`. SIGINT/SIGTERM
+    write a checkpoint and exit with status 130/143; rerun the same command to resume.
+    """
+    opts = TrainOptions(**kwargs)  # type: ignore[arg-type]
+    try:
+        save_dir = run_training(opts)
+    except TrainingInterrupted as e:
+        click.echo(str(e), err=True)
+        sys.exit(128 + e.signum)
+    click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {save_dir}`")
+
+
+@click.command()
+@click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--last", type=int, default=5, show_default=True,
+              help="Average the last K step checkpoints (the paper: 5 for base, 20 for big).")
+@click.option("--out", type=_FILE, help="Output checkpoint (default SAVE_DIR/averaged.pt).")
+def average(save_dir: Path, last: int, out: Path | None) -> None:
+    """Average the weights of the last K checkpoints of a save dir (section 6.1)."""
+    path = average_checkpoints(save_dir, last=last, out=out)
+    click.echo(f"wrote {path}")
