@@ -20,9 +20,10 @@ from pathlib import Path
 import torch
 from runtime.loader import load_backend
 
-from model.config import EOS_ID, PAD_ID
+from model.config import EOS_ID
 from pipeline.textio import atomic_output, read_lines
 from runtime.search import beam_search, greedy_search
+from runtime.translate import pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +73,6 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
     first = 4  # after pad, unk, bos, eos
     return [[rng.randrange(first, tokenizer.vocab_size) for _ in range(src_len - 1)] + [EOS_ID]
             for _ in range(n)]
-
-
-def pad_batch(batch: list[list[int]]) -> torch.Tensor:
-    width = max(len(s) for s in batch)
-    out = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-    for i, s in enumerate(batch):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
 
 
 def bench_backend(backend, sources: list[list[int]], batch_size: int, beam_size: int,

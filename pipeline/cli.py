@@ -11,9 +11,10 @@ from model.checkpoint import CheckpointError
 from model.config import ConfigError
 from model.manifest import ModelDirError
 from pipeline.errors import UserError
+from runtime.errors import RuntimeUserError
 
 # Errors that are the user's to fix: one line on stderr, exit status 2, no traceback.
-USER_ERRORS = (UserError, ConfigError, CheckpointError, ModelDirError)
+USER_ERRORS = (UserError, ConfigError, CheckpointError, ModelDirError, RuntimeUserError)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -32,6 +33,10 @@ def _register() -> None:
     from pipeline.train_cli import average, train
     cli.add_command(train)
     cli.add_command(average)
+    from pipeline.serve_cli import serve_batch
+    cli.add_command(serve_batch)
+    from pipeline.export_cli import export
+    cli.add_command(export)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -144,8 +144,9 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *, be
     if not src_lines:
         raise UserError(f"{src} is empty")
 
+    # The reference is always the fp32 PyTorch model on the CPU, whatever the export precision.
     reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
-                                                  threads=threads)
+                                                  threads=threads, dtype="fp32")
     sources = tokenizer.encode_source(src_lines, max_len=reference.max_src_len)
     options = dict(beam_size=beam_size, alpha=alpha, batch_tokens=batch_tokens)
 

@@ -29,10 +29,11 @@ sys.path.insert(0, str(ROOT))
 
 from model.checkpoint import load_model  # noqa: E402
 from model.manifest import CHECKPOINT_FILE  # noqa: E402
-from pipeline.bench import make_sources, pad_batch, peak_rss_mb  # noqa: E402
+from pipeline.bench import make_sources, peak_rss_mb  # noqa: E402
 from runtime.search import greedy_search  # noqa: E402
 from runtime.tokenizer import Tokenizer  # noqa: E402
 from runtime.torch_backend import TorchBackend  # noqa: E402
+from runtime.translate import pad_batch  # noqa: E402
 
 
 def to_ct2_spec(model, tokenizer: Tokenizer):

@@ -1,0 +1,77 @@
+"""`pipeline export`: checkpoint -> verified model dir (ONNX graphs, engines, manifest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from export import api, tensorrt_build, verify
+from export.errors import ExportError
+from model import io_names
+from pipeline.errors import UserError
+
+
+@click.command("export")
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="Model directory to create (everything serve-batch and parity need).")
+@click.option("--fp16", is_flag=True,
+              help="Half-precision graphs (fp16 weights, matmuls and caches; LayerNorm, softmax and "
+                   "log-softmax stay fp32). TensorRT builds them strongly typed.")
+@click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
+              help="ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
+@click.option("--topk", default=api.DEFAULTS["topk"], show_default=True, type=int,
+              help="Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
+@click.option("--max-batch", default=api.DEFAULTS["max_batch"], show_default=True, type=int,
+              help="Most sentences per batch (TensorRT profiles; recorded in the manifest).")
+@click.option("--max-src-len", default=api.DEFAULTS["max_src_len"], show_default=True, type=int,
+              help="Longest source in tokens, EOS included.")
+@click.option("--max-tgt-len", default=api.DEFAULTS["max_tgt_len"], show_default=True, type=int,
+              help="Longest output in tokens (decoder cache holds max-tgt-len + 1 slots).")
+@click.option("--max-beam", default=api.DEFAULTS["max_beam"], show_default=True, type=int,
+              help="Largest beam the engines serve (decoder rows up to max-batch x max-beam).")
+@click.option("--tensorrt/--no-tensorrt", default=None,
+              help="Build TensorRT engines (error if TensorRT or a GPU is missing) or skip them. "
+                   "Default: build them when possible, else say why they were skipped.")
+@click.option("--force", is_flag=True,
+              help="Replace an existing model directory (only once the new one is complete).")
+@click.option("--atol", default=verify.FP32_ATOL, show_default=True, type=float,
+              help="fp32 verification bound on log-prob max abs difference (ONNX Runtime vs PyTorch).")
+@click.option("--fp16-atol", default=verify.FP16_ATOL, show_default=True, type=float,
+              help="fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half vs fp32).")
+@click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
+              type=float, help="TensorRT builder workspace limit in GiB.")
+@click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
+              help="TensorRT timing cache file, reused across builds "
+                   "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).")
+def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
+           max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
+           atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None) -> None:
+    """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
+    verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
+    model.pt, spm.model and manifest.json."""
+    try:
+        manifest = api.export_model(
+            checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
+            max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
+            force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
+            timing_cache=timing_cache)
+    except ExportError as e:
+        raise UserError(str(e)) from None
+    if manifest["tensorrt_skipped"]:
+        click.echo(tensorrt_build.skip_message(manifest["tensorrt_skipped"]), err=True)
+    click.echo(summary_line(out, manifest))
+
+
+def summary_line(out: Path, manifest: dict) -> str:
+    """One line: where, precision, graph sizes, worst log-prob difference, time."""
+    ver = manifest["verification"]
+    diffs = [max(r["max_abs_diff"].get(io_names.TOPK_LOG_PROBS, 0.0),
+                 r["max_abs_diff"].get(io_names.EOS_LOG_PROBS, 0.0))
+             for r in ver.values() if isinstance(r, dict) and "max_abs_diff" in r]
+    sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in manifest["graphs"]["bytes"].items())
+    engines = " + TensorRT engines" if manifest["tensorrt"] else ""
+    return (f"exported {manifest['precision']} model to {out}{engines} (opset {manifest['opset']}, {sizes}); "
+            f"verified: max abs log-prob difference {max(diffs):.3g} <= {ver['atol']:.3g}; "
+            f"graphs exported in {manifest['graphs']['export_seconds']:.1f} s")

@@ -1,0 +1,102 @@
+"""`pipeline serve-batch`: the click command; the work is in pipeline/serve.py."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Any
+
+import click
+
+from pipeline.serve import (
+    ServeOptions,
+    World,
+    check_options,
+    output_paths,
+    process_group,
+    rank_device,
+    serve_files,
+    world_from_env,
+)
+from runtime.loader import BACKENDS, load_backend
+from runtime.translate import DEFAULT_BATCH_TOKENS
+
+
+@click.command("serve-batch")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
+@click.option("-o", "--output", metavar="FILE",
+              help="Write the translation of the single INPUT here ('-' = stdout).")
+@click.option("--output-dir", metavar="DIR",
+              help="Write each INPUT's translation to DIR/<input file name> (a .gz suffix is dropped).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
+              help="auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
+                   "if installed, else torch.")
+@click.option("--device", default=None, metavar="DEV",
+              help="cpu, cuda or cuda:N [default: cuda when available, else cpu; under torchrun "
+                   "each rank takes cuda:LOCAL_RANK].")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default=None,
+              help="Torch backend precision [default: the model dir's; fp16 only on GPU].")
+@click.option("--threads", type=click.IntRange(min=1), default=None,
+              help="Intra-op threads of torch / onnxruntime [default: all cores].")
+@click.option("--beam-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Beam width; 1 runs greedy search.")
+@click.option("--alpha", type=float, default=0.6, show_default=True,
+              help="GNMT length penalty exponent: score = log p / ((5 + len) / 6) ** alpha.")
+@click.option("--max-len-a", type=float, default=1.0, show_default=True,
+              help="Maximum output length = a * source length + b tokens (capped by the model).")
+@click.option("--max-len-b", type=int, default=50, show_default=True, help="See --max-len-a.")
+@click.option("--min-len", type=click.IntRange(min=0), default=0, show_default=True,
+              help="No EOS before this many output tokens.")
+@click.option("--nbest", type=click.IntRange(min=1), default=1, show_default=True,
+              help="With N > 1 each output line holds the N best as 'text ||| score' joined by "
+                   "' ||| ', best first (still one line per input line).")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=DEFAULT_BATCH_TOKENS,
+              show_default=True,
+              help="Batch budget: sentences x longest source x beam size per batch.")
+@click.option("--window", type=click.IntRange(min=1), default=10000, show_default=True,
+              help="Lines read, sorted by length and translated at a time (bounds memory).")
+@click.option("--long-lines", type=click.Choice(["truncate", "error"]), default="truncate",
+              show_default=True,
+              help="Lines longer than the model's source limit: truncate them (counted warning) or stop "
+                   "with an error naming the line.")
+@click.option("--invalid-utf8", type=click.Choice(["error", "replace"]), default="error",
+              show_default=True,
+              help="Invalid UTF-8: stop with an error naming file and line, or replace the bad bytes "
+                   "with U+FFFD (counted warning).")
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Show a progress bar on stderr (only on a terminal).")
+def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, output_dir: str | None,
+                backend: str, device: str | None, dtype: str | None, threads: int | None, beam_size: int,
+                alpha: float, max_len_a: float, max_len_b: int, min_len: int, nbest: int,
+                batch_tokens: int, window: int, long_lines: str, invalid_utf8: str,
+                progress: bool) -> None:
+    """Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.
+
+    Streams windows of lines, sorts them by length into dense batches, and writes each
+    output atomically. Launch under `torchrun --nproc-per-node N -m pipeline serve-batch ...`
+    to split the work over N processes / GPUs; the output stays complete and in order.
+    Ends with a summary line on stderr.
+    """
+    opts = ServeOptions(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
+                        min_len=min_len, nbest=nbest, batch_tokens=batch_tokens, window=window,
+                        long_lines=long_lines, invalid_utf8=invalid_utf8)
+    check_options(opts)
+    outputs = output_paths(list(inputs), output, output_dir)
+    _exit_cleanly_on_sigterm()
+    world: World = world_from_env()
+    with process_group(world):
+        impl, tokenizer, _ = load_backend(model_dir, backend=backend, device=rank_device(world, device),
+                                          threads=threads, dtype=dtype)
+        stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, world, progress)
+    if world.is_writer:
+        where = str(impl.device) if world.size == 1 else f"{world.size} ranks, rank 0 on {impl.device}"
+        click.echo(stats.summary(impl.name, where), err=True)
+
+
+def _exit_cleanly_on_sigterm() -> None:
+    """SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C, so temp
+    outputs are removed instead of being left behind by an abrupt exit."""
+    def handler(signum: int, frame: Any) -> None:
+        sys.exit(128 + signum)
+    signal.signal(signal.SIGTERM, handler)
