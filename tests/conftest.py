@@ -12,6 +12,17 @@ from model import build_model, preset
 from model.checkpoint import save_checkpoint
 from pipeline.spm import train_sentencepiece
 
+def run_cli(*args) -> int:
+    """Run `pipeline ARGS...` in-process as a user would; return its exit status."""
+    from pipeline.cli import main
+
+    try:
+        main([str(a) for a in args])
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
 WORDS_SRC = "der die das ein eine katze hund mann frau kind sieht hat rot blau gross klein".split()
 WORDS_TGT = "the a cat dog man woman child sees has red blue big small house tree car".split()
 
@@ -50,3 +61,43 @@ def random_checkpoint(tmp_path_factory, spm_bytes) -> Path:
     path = tmp_path_factory.mktemp("ckpt") / "random.pt"
     save_checkpoint(path, model, spm_bytes)
     return path
+
+
+# -- appended by the training issue: a trained tiny model, shared by export/serve/parity tests ---
+
+def write_parallel(directory: Path, name: str, src: list[str], tgt: list[str]) -> tuple[Path, Path]:
+    """Write a parallel corpus as name.src / name.tgt in `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = directory / f"{name}.src", directory / f"{name}.tgt"
+    for path, lines in zip(paths, (src, tgt)):
+        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return paths
+
+
+MEMORISE_PAIRS = 40
+
+
+@pytest.fixture(scope="session")
+def memorise_corpus(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny made-up corpus (word-for-word translation with reversal), as files."""
+    src, tgt = make_parallel(MEMORISE_PAIRS, seed=7)
+    return write_parallel(tmp_path_factory.mktemp("memorise"), "train", src, tgt)
+
+
+@pytest.fixture(scope="session")
+def trained_save_dir(tmp_path_factory, memorise_corpus) -> Path:
+    """A save dir where the real `pipeline.train.train` trained the `tiny` preset until it
+    translates its training sentences (greedy output == references). Validation runs on
+    the training set, so metrics.jsonl records the memorisation BLEU."""
+    from pipeline.train import TrainOptions, train
+
+    src, tgt = memorise_corpus
+    save_dir = tmp_path_factory.mktemp("trained") / "run"
+    train(TrainOptions(save_dir=save_dir, train_src=src, train_tgt=tgt, valid_src=src, valid_tgt=tgt,
+                       preset="tiny", vocab_size=64, batch_tokens=512, warmup=40, lr_scale=2.0,
+                       max_steps=TRAINED_STEPS, save_every=TRAINED_STEPS, valid_every=TRAINED_STEPS,
+                       log_every=50, seed=1, progress=False))
+    return save_dir
+
+
+TRAINED_STEPS = 400

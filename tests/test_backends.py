@@ -1,0 +1,181 @@
+"""Backends: ONNX Runtime translates exactly as the PyTorch model on a tiny trained model;
+the loader refuses tampered dirs and missing backends with clear messages."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from model import build_model, preset
+from model.checkpoint import save_checkpoint
+from model.config import BOS_ID, EOS_ID, PAD_ID
+from model.manifest import MANIFEST, ModelDirError
+from runtime.errors import RuntimeUserError
+from runtime.loader import choose_backend, load_backend, load_torch_backend_from_checkpoint
+from runtime.tokenizer import Tokenizer
+from runtime.translate import pad_batch, translate_ids, translate_lines
+
+onnxruntime = pytest.importorskip("onnxruntime")
+
+
+@contextmanager
+def one_thread():
+    """Tiny models run several times faster on one thread than on two contended cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def train_tiny(src: list[str], tgt: list[str], spm_bytes: bytes, steps: int = 100) -> torch.nn.Module:
+    """A tiny model that has really learnt the toy task (so beam search has real choices
+    to make): full-batch teacher forcing with Adam, a few seconds on one thread."""
+    tok = Tokenizer(spm_bytes)
+    torch.manual_seed(0)
+    model = build_model(preset("tiny", vocab_size=tok.vocab_size, max_positions=128))
+    s = pad_batch(tok.encode_source(src))
+    t = tok.encode(tgt)
+    t_in = pad_batch([[BOS_ID] + x for x in t])
+    t_out = pad_batch([x + [EOS_ID] for x in t])
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3, betas=(0.9, 0.98))
+    model.train()
+    for _ in range(steps):
+        logits = model(s, t_in)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), t_out.reshape(-1),
+                                                 ignore_index=PAD_ID)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(tmp_path_factory, tiny_corpus, spm_bytes) -> Path:
+    src, tgt = tiny_corpus
+    with one_thread():
+        model = train_tiny(src, tgt, spm_bytes)
+    path = tmp_path_factory.mktemp("trained") / "trained.pt"
+    save_checkpoint(path, model, spm_bytes)
+    return path
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(tmp_path_factory, trained_checkpoint) -> Path:
+    from export.api import export_model
+
+    out = tmp_path_factory.mktemp("export") / "model"
+    with one_thread():
+        export_model(trained_checkpoint, out, tensorrt=False, max_src_len=48, max_tgt_len=64)
+    return out
+
+
+def test_trained_model_learnt_something(trained_model_dir, tiny_corpus):
+    backend, tok, _ = load_backend(trained_model_dir, "torch")
+    src, tgt = tiny_corpus
+    out = translate_lines(backend, tok, src[:20], beam_size=4)
+    assert sum(o == t for o, t in zip(out, tgt[:20])) >= 5, out
+
+
+def test_torch_and_onnxruntime_translate_identically(trained_model_dir, tiny_corpus):
+    from conftest import make_parallel
+
+    src, _ = make_parallel(40, seed=7)  # unseen sentences of the same language
+    src[3] = ""
+    torch_backend, tok, _ = load_backend(trained_model_dir, "torch")
+    ort_backend, _, _ = load_backend(trained_model_dir, "onnxruntime", threads=1)
+    assert ort_backend.name == "onnxruntime" and ort_backend.providers[0] == "CPUExecutionProvider"
+    ids = [tok.encode_source([s])[0] if s else [] for s in src]
+    ref = translate_ids(torch_backend, ids, beam_size=4, nbest=2, batch_tokens=400)
+    got = translate_ids(ort_backend, ids, beam_size=4, nbest=2, batch_tokens=400)
+    assert got[3] == [] and ref[3] == []
+    for r, g in zip(ref, got):
+        assert [h.tokens for h in g] == [h.tokens for h in r]
+        for hr, hg in zip(r, g):
+            assert hg.log_prob == pytest.approx(hr.log_prob, abs=1e-4)
+            assert hg.score == pytest.approx(hr.score, abs=1e-4)
+    assert translate_lines(ort_backend, tok, src) == translate_lines(torch_backend, tok, src)
+
+
+def test_onnxruntime_greedy_and_spinning_option(trained_model_dir):
+    from runtime.ort_backend import OrtBackend
+
+    manifest = json.loads((trained_model_dir / MANIFEST).read_text())
+    spinning = OrtBackend(trained_model_dir, manifest, device="cpu", threads=1, spinning=True)
+    quiet, tok, _ = load_backend(trained_model_dir, "onnxruntime", threads=1)
+    src = pad_batch(tok.encode_source(["der hund sieht eine katze", "ein kind"]))
+    from runtime.search import greedy_search
+    a = greedy_search(spinning, src)
+    b = greedy_search(quiet, src)
+    assert [h[0].tokens for h in a] == [h[0].tokens for h in b]
+    assert all(h[0].tokens for h in a)
+
+
+def test_limits_come_from_the_manifest(trained_model_dir):
+    for name in ("torch", "onnxruntime"):
+        backend, _, manifest = load_backend(trained_model_dir, name)
+        assert backend.max_src_len == 48 and backend.max_tgt_len == 64
+        assert backend.topk == manifest["topk"] == 16
+
+
+def test_auto_prefers_onnxruntime_here(trained_model_dir):
+    backend, _, manifest = load_backend(trained_model_dir, "auto")
+    assert choose_backend(manifest) == "onnxruntime" == backend.name
+
+
+def test_tampered_and_missing_model_dirs_are_refused(trained_model_dir, tmp_path):
+    bad = tmp_path / "copy"
+    shutil.copytree(trained_model_dir, bad)
+    with open(bad / "decoder.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(ModelDirError, match=r"decoder\.onnx.*SHA-256.*pipeline export"):
+        load_backend(bad, "onnxruntime")
+    with pytest.raises(ModelDirError, match="no such model directory"):
+        load_backend(tmp_path / "nope", "torch")
+    missing = tmp_path / "missing"
+    shutil.copytree(trained_model_dir, missing)
+    (missing / "model.pt").unlink()
+    with pytest.raises(ModelDirError, match=r"model\.pt.*missing"):
+        load_backend(missing, "torch")
+
+
+def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
+    pytest.importorskip("torch")
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("tensorrt is installed here")
+    # The export skipped engines (no TensorRT): the manifest lists none, and the
+    # backend itself refuses to start without the library.
+    with pytest.raises(ModelDirError, match=r"encoder\.plan"):
+        load_backend(trained_model_dir, "tensorrt")
+    from runtime.trt_backend import import_tensorrt
+    with pytest.raises(RuntimeUserError, match="tensorrt is not installed.*--backend onnxruntime"):
+        import_tensorrt()
+
+
+def test_onnxruntime_cuda_without_cuda_build_is_a_clear_error():
+    from runtime.ort_backend import choose_providers
+
+    with pytest.raises(RuntimeUserError, match="onnxruntime-gpu"):
+        choose_providers(torch.device("cuda"), ["CPUExecutionProvider"])
+    assert choose_providers(torch.device("cuda"), ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                                   "CPUExecutionProvider"])[0] == "TensorrtExecutionProvider"
+
+
+def test_torch_backend_from_save_dir(trained_checkpoint, tmp_path):
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    shutil.copy(trained_checkpoint, save_dir / "checkpoint_00000300.pt")
+    backend, tok = load_torch_backend_from_checkpoint(save_dir, "cpu")
+    assert backend.name == "torch" and tok.vocab_size == backend.cfg.vocab_size
+    with pytest.raises(RuntimeUserError, match="--backend"):
+        load_backend(save_dir, "onnx")

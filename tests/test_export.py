@@ -1,0 +1,364 @@
+"""`pipeline export`: graphs, axis names, verification, fp16, model dir, bad input.
+
+All on the tiny random checkpoint of conftest (CPU, seconds). The exported dirs are
+built once per module and shared by the read-only tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from export import api, verify
+from export.errors import ExportError, VerificationError
+from model import build_model, io_names, preset
+from model.checkpoint import CheckpointError, load_model, save_checkpoint
+from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, read_manifest
+from model.transformer import select_candidates
+from pipeline.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+SMALL_LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
+
+
+@pytest.fixture(scope="module")
+def fp32_dir(tmp_path_factory, random_checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("export") / "fp32"
+    api.export_model(random_checkpoint, out, **SMALL_LIMITS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fp16_dir(tmp_path_factory, random_checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("export") / "fp16"
+    api.export_model(random_checkpoint, out, fp16=True, **SMALL_LIMITS)
+    return out
+
+
+def ort_session(path: Path):
+    import onnxruntime as ort
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def leftovers(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+# -- the model dir ------------------------------------------------------------------------
+
+def test_model_dir_is_complete_and_verified(fp32_dir, random_checkpoint):
+    manifest = read_manifest(fp32_dir, verify=True, need=(io_names.ENCODER_FILE, io_names.DECODER_FILE,
+                                                          CHECKPOINT_FILE, SPM_FILE))
+    assert manifest["precision"] == "fp32" and manifest["opset"] == 18 and manifest["topk"] == 16
+    assert manifest["limits"] == SMALL_LIMITS
+    assert set(manifest["versions"]) >= {"pipeline", "torch", "onnx", "onnxruntime", "tensorrt"}
+    assert manifest["versions"]["torch"] == torch.__version__
+    _, spm, _ = load_model(random_checkpoint)
+    assert (fp32_dir / SPM_FILE).read_bytes() == spm
+    model, spm2, _ = load_model(fp32_dir / CHECKPOINT_FILE)
+    assert spm2 == spm and model.cfg.to_dict() == manifest["model_config"]
+    ver = manifest["verification"]["onnxruntime_vs_torch_fp32"]
+    assert ver["steps"] >= 10 and ver["topk_ids_checked"] > 0
+    assert 0 < ver["max_abs_diff"][io_names.TOPK_LOG_PROBS] <= 1e-4
+    assert ver["max_abs_diff"][io_names.EOS_LOG_PROBS] <= 1e-4
+    assert manifest["source_checkpoint"]["path"] == str(random_checkpoint.resolve())
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_engines_skipped_without_tensorrt(fp32_dir):
+    manifest = read_manifest(fp32_dir)
+    assert manifest["tensorrt"] is None
+    assert "tensorrt is not installed" in manifest["tensorrt_skipped"]
+    assert not (fp32_dir / io_names.ENCODER_ENGINE).exists()
+
+
+def test_tampered_model_dir_is_refused(fp32_dir, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(fp32_dir, copy)
+    with open(copy / io_names.DECODER_FILE, "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(Exception, match="SHA-256 does not match"):
+        read_manifest(copy)
+
+
+# -- graph interface -------------------------------------------------------------------------
+
+def _dims(value: onnx.ValueInfoProto) -> list[str | int]:
+    return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+
+
+def test_graph_names_and_shared_axes(fp32_dir):
+    cfg = read_manifest(fp32_dir)["model_config"]
+    n, h, dh = cfg["n_dec_layers"], cfg["n_heads"], cfg["d_model"] // cfg["n_heads"]
+    enc = onnx.load(str(fp32_dir / io_names.ENCODER_FILE))
+    dec = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
+    assert [v.name for v in enc.graph.input] == io_names.encoder_inputs()
+    assert [v.name for v in enc.graph.output] == io_names.encoder_outputs(n)
+    assert [v.name for v in dec.graph.input] == io_names.decoder_inputs(n)
+    assert [v.name for v in dec.graph.output] == io_names.decoder_outputs(n)
+    enc_dims = {v.name: _dims(v) for v in list(enc.graph.input) + list(enc.graph.output)}
+    dec_dims = {v.name: _dims(v) for v in list(dec.graph.input) + list(dec.graph.output)}
+    assert enc_dims[io_names.SRC_IDS] == [io_names.BATCH, io_names.SRC_LEN]
+    assert enc_dims[io_names.cross_k(1)] == [io_names.BATCH, h, io_names.SRC_LEN, dh]
+    assert dec_dims[io_names.TOKENS] == dec_dims[io_names.REORDER] == [io_names.HYPS]
+    assert dec_dims[io_names.STEP] == [1]
+    assert dec_dims[io_names.self_v(0)] == [io_names.PREV_HYPS, h, io_names.CACHE_LEN, dh]
+    assert dec_dims[io_names.cross_k(0)] == [io_names.HYPS, h, io_names.SRC_LEN, dh]
+    assert dec_dims[io_names.SRC_BIAS] == [io_names.HYPS, io_names.SRC_LEN]
+    assert dec_dims[io_names.new_self_k(1)] == [io_names.HYPS, h, io_names.NEW_CACHE_LEN, dh]
+    assert dec_dims[io_names.TOPK_IDS] == [io_names.HYPS, 16]
+    # Shape inference agrees with the names we set (strict mode raises on conflicts).
+    onnx.shape_inference.infer_shapes(dec, strict_mode=True)
+
+
+def test_first_step_with_one_hypothesis_and_cache_len_one(fp32_dir):
+    """hyps = 1, cache_len = 1, src_len = 1: the dims the exporter never saw."""
+    model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
+    cfg = model.cfg
+    enc, dec = ort_session(fp32_dir / io_names.ENCODER_FILE), ort_session(fp32_dir / io_names.DECODER_FILE)
+    src = np.array([[cfg.eos_id]], dtype=np.int64)
+    enc_out = dict(zip(io_names.encoder_outputs(cfg.n_dec_layers), enc.run(None, {io_names.SRC_IDS: src})))
+    with torch.inference_mode():
+        memory, src_bias = model.encode(torch.from_numpy(src))
+        ck, cv = model.cross_kv(memory)
+        self_k, self_v = model.initial_cache(1)
+        tokens, step, reorder = torch.tensor([cfg.bos_id]), torch.tensor([0]), torch.tensor([0])
+        lp, _, _ = model.decode_step(tokens, step, reorder, self_k, self_v, ck, cv, src_bias)
+        ref_lp, ref_ids, ref_eos = select_candidates(lp, 16, cfg.eos_id)
+    assert np.abs(enc_out[io_names.cross_k(0)] - ck[0].numpy()).max() < 1e-5
+    feeds = {io_names.TOKENS: tokens.numpy(), io_names.STEP: step.numpy(), io_names.REORDER: reorder.numpy(),
+             io_names.SRC_BIAS: enc_out[io_names.SRC_BIAS]}
+    for i in range(cfg.n_dec_layers):
+        feeds[io_names.self_k(i)] = self_k[i].numpy()
+        feeds[io_names.self_v(i)] = self_v[i].numpy()
+        feeds[io_names.cross_k(i)] = enc_out[io_names.cross_k(i)]
+        feeds[io_names.cross_v(i)] = enc_out[io_names.cross_v(i)]
+    out = dict(zip(io_names.decoder_outputs(cfg.n_dec_layers), dec.run(None, feeds)))
+    assert out[io_names.new_self_k(0)].shape == (1, cfg.n_heads, 2, cfg.d_head)
+    assert np.abs(out[io_names.TOPK_LOG_PROBS] - ref_lp.numpy()).max() < 1e-4
+    assert np.abs(out[io_names.EOS_LOG_PROBS] - ref_eos.numpy()).max() < 1e-4
+    assert (out[io_names.TOPK_IDS][:, :3] == ref_ids.numpy()[:, :3]).all()
+
+
+def test_beam_decoding_with_reorder_matches_torch(fp32_dir):
+    """12 beam-like steps, independent of export's own verification run: ORT and torch
+    each feed back their own caches; a hypothesis is dropped midway (hyps < prev_hyps)."""
+    model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
+    report = verify.compare_engines(
+        model, verify.ort_runner(fp32_dir / io_names.ENCODER_FILE), verify.ort_runner(fp32_dir / io_names.DECODER_FILE),
+        verify.torch_encoder(model), verify.torch_decoder(model, 16), 1e-4, np.dtype(np.float32), "test")
+    assert report.steps == verify.N_STEPS >= 10
+    assert report.max_abs[io_names.TOPK_LOG_PROBS] <= 1e-4
+    assert report.ids_checked > 100
+
+
+def test_verification_catches_a_wrong_graph(fp32_dir, tmp_path):
+    """Perturb one decoder FFN weight by ~1e-2: verification must fail with a typed error."""
+    d_ff = read_manifest(fp32_dir)["model_config"]["d_ff"]
+    proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
+    init = next(i for i in proto.graph.initializer if list(i.dims)[-1:] == [d_ff] and len(i.dims) == 2)
+    arr = onnx.numpy_helper.to_array(init).copy()
+    # Random signs: a constant shift would vanish against the zero-mean LayerNorm output.
+    arr += np.random.default_rng(0).normal(0.0, 1e-2, arr.shape).astype(np.float32)
+    init.CopyFrom(onnx.numpy_helper.from_array(arr, init.name))
+    bad = tmp_path / "decoder.onnx"
+    onnx.save(proto, str(bad))
+    model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
+    with pytest.raises(VerificationError) as info:
+        verify.verify_export(model, fp32_dir / io_names.ENCODER_FILE, bad, fp16=False, topk=16)
+    assert info.value.diff > info.value.atol and "decoder step" in info.value.where
+
+
+# -- fp16 --------------------------------------------------------------------------------
+
+def _tensor_types(proto: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    types = {v.name: v.type.tensor_type.elem_type for v in
+             list(inferred.graph.value_info) + list(inferred.graph.input) + list(inferred.graph.output)}
+    types.update({i.name: i.data_type for i in proto.graph.initializer})
+    return types
+
+
+@pytest.mark.parametrize("graph", [io_names.ENCODER_FILE, io_names.DECODER_FILE])
+def test_fp16_graph_carries_its_precision(fp16_dir, graph):
+    proto = onnx.load(str(fp16_dir / graph))
+    types = _tensor_types(proto)
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    matmuls = [n for n in proto.graph.node if n.op_type in ("MatMul", "Gemm")]
+    assert matmuls and all(types[i] == f16 for n in matmuls for i in n.input)
+    fp32_ops = [n for n in proto.graph.node if n.op_type in ("LayerNormalization", "Softmax", "LogSoftmax")]
+    assert fp32_ops and all(types[n.input[0]] == f32 for n in fp32_ops)
+    assert all(types[n.input[1]] == f32 for n in fp32_ops if n.op_type == "LayerNormalization")
+    big = [i for i in proto.graph.initializer if len(i.dims) == 2]
+    assert big and all(i.data_type == f16 for i in big)
+    if graph == io_names.DECODER_FILE:
+        assert types[io_names.self_k(0)] == types[io_names.cross_v(1)] == types[io_names.new_self_v(0)] == f16
+        assert types[io_names.SRC_BIAS] == types[io_names.TOPK_LOG_PROBS] == types[io_names.EOS_LOG_PROBS] == f32
+    else:
+        assert types[io_names.SRC_BIAS] == f32 and types[io_names.cross_k(0)] == f16
+
+
+def test_fp16_model_dir_verified_two_ways(fp16_dir, fp32_dir):
+    manifest = read_manifest(fp16_dir)
+    assert manifest["precision"] == "fp16"
+    ver = manifest["verification"]
+    assert ver["atol"] == verify.FP16_ATOL
+    for key in ("onnxruntime_vs_torch_fp16", "torch_fp16_vs_torch_fp32"):
+        diffs = ver[key]["max_abs_diff"]
+        assert 0 < diffs[io_names.TOPK_LOG_PROBS] <= verify.FP16_ATOL, key
+    # Half precision is really half: its error against fp32 is far above fp32's own.
+    fp32_diff = read_manifest(fp32_dir)["verification"]["onnxruntime_vs_torch_fp32"]["max_abs_diff"]
+    assert ver["torch_fp16_vs_torch_fp32"]["max_abs_diff"][io_names.TOPK_LOG_PROBS] > \
+        10 * fp32_diff[io_names.TOPK_LOG_PROBS]
+    weights = [sum(len(i.raw_data) for i in onnx.load(str(d / io_names.DECODER_FILE)).graph.initializer)
+               for d in (fp16_dir, fp32_dir)]
+    assert weights[0] < 0.6 * weights[1]
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        main(args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_export_of_a_save_dir_prints_summary(random_checkpoint, tmp_path, capsys):
+    """A save dir resolves to its latest step checkpoint; options reach the graphs."""
+    save_dir = tmp_path / "run"
+    save_dir.mkdir()
+    model, spm, _ = load_model(random_checkpoint)
+    save_checkpoint(save_dir / "checkpoint_00000010.pt", model, spm, train_state={"step": 10})
+    save_checkpoint(save_dir / "checkpoint_00000020.pt", model, spm, train_state={"step": 20})
+    out = tmp_path / "m"
+    code, stdout, stderr = run_cli(["export", str(save_dir), "--out", str(out), "--max-batch", "2",
+                                    "--max-src-len", "16", "--max-tgt-len", "20", "--max-beam", "2",
+                                    "--topk", "4", "--opset", "17", "--no-tensorrt"], capsys)
+    assert code == 0, stderr
+    assert "exported fp32 model to" in stdout and "max abs log-prob difference" in stdout
+    assert "TensorRT engines skipped: --no-tensorrt" in stderr
+    manifest = read_manifest(out)
+    assert manifest["source_checkpoint"]["path"].endswith("checkpoint_00000020.pt")
+    assert manifest["source_checkpoint"]["step"] == 20
+    assert manifest["opset"] == 17 and manifest["topk"] == 4 and manifest["limits"]["max_tgt_len"] == 20
+    dec = onnx.load(str(out / io_names.DECODER_FILE))
+    assert {o.domain: o.version for o in dec.opset_import}[""] == 17
+    assert _dims(dec.graph.output[0]) == [io_names.HYPS, 4]
+
+
+def test_cli_help_documents_every_option(capsys):
+    code, stdout, _ = run_cli(["export", "--help"], capsys)
+    assert code == 0
+    for opt in ("--out", "--fp16", "--opset", "--topk", "--max-batch", "--max-src-len", "--max-tgt-len",
+                "--max-beam", "--tensorrt / --no-tensorrt", "--force", "--atol", "--fp16-atol",
+                "--workspace-gib", "--timing-cache"):
+        assert opt in stdout, opt
+
+
+@pytest.mark.parametrize("make", ["text_file", "empty_dir", "missing"])
+def test_not_a_checkpoint(tmp_path, capsys, make):
+    path = tmp_path / "thing"
+    if make == "text_file":
+        path.write_text("hello\n")
+    elif make == "empty_dir":
+        path.mkdir()
+    out = tmp_path / "out"
+    code, _, stderr = run_cli(["export", str(path), "--out", str(out)], capsys)
+    assert code == 2 and stderr.startswith("error: ") and str(path) in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert not out.exists() and leftovers(tmp_path) == []
+    with pytest.raises(CheckpointError):
+        api.export_model(path, out)
+
+
+def test_existing_out_needs_force_and_is_replaced_only_when_complete(fp32_dir, random_checkpoint,
+                                                                   tmp_path, capsys):
+    import shutil
+    out = tmp_path / "m"
+    shutil.copytree(fp32_dir, out)
+    before = (out / MANIFEST).read_text()
+    code, _, stderr = run_cli(["export", str(random_checkpoint), "--out", str(out)], capsys)
+    assert code == 2 and "--force" in stderr and (out / MANIFEST).read_text() == before
+    # A failing export with --force leaves the old dir as it was.
+    with pytest.raises(VerificationError):
+        api.export_model(random_checkpoint, out, force=True, atol=1e-12, **SMALL_LIMITS)
+    assert (out / MANIFEST).read_text() == before and leftovers(tmp_path) == []
+    manifest = api.export_model(random_checkpoint, out, force=True, topk=8, **SMALL_LIMITS)
+    assert read_manifest(out)["topk"] == 8 == manifest["topk"] and leftovers(tmp_path) == []
+
+
+def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoint, tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="not a model directory"):
+        api.export_model(random_checkpoint, out, force=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+
+
+def test_verification_failure_leaves_nothing(random_checkpoint, tmp_path, capsys):
+    out = tmp_path / "m"
+    code, _, stderr = run_cli(["export", str(random_checkpoint), "--out", str(out), "--atol", "1e-12",
+                               "--max-batch", "2", "--max-src-len", "16", "--max-tgt-len", "20",
+                               "--max-beam", "2"], capsys)
+    assert code == 2 and "verification failed" in stderr and "exceeds tolerance 1e-12" in stderr
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_unsupported_config_and_options(spm_bytes, tmp_path, capsys):
+    from runtime.tokenizer import Tokenizer
+    cfg = preset("tiny", vocab_size=Tokenizer(spm_bytes).vocab_size, max_positions=64)
+    ckpt = tmp_path / "short.pt"
+    save_checkpoint(ckpt, build_model(cfg), spm_bytes)
+    out = tmp_path / "m"
+    code, _, stderr = run_cli(["export", str(ckpt), "--out", str(out), "--max-beam", "12",
+                               "--opset", "13"], capsys)
+    assert code == 2 and not out.exists()
+    for fragment in ("--max-src-len 256 exceeds the model's max_positions (64)", "--max-tgt-len 306",
+                     "--max-beam 12 needs --topk >= 24", "--opset 13 is not supported"):
+        assert fragment in stderr
+    # Weights that do not fit the recorded config.
+    payload = torch.load(ckpt, weights_only=False)
+    payload["model_config"]["d_ff"] = 128
+    torch.save(payload, tmp_path / "mismatch.pt")
+    code, _, stderr = run_cli(["export", str(tmp_path / "mismatch.pt"), "--out", str(out)], capsys)
+    assert code == 2 and "cannot be loaded into its model config" in stderr and not out.exists()
+
+
+def test_interrupted_export_leaves_nothing(random_checkpoint, tmp_path):
+    """A real SIGINT in the middle of an export (once its temp dir exists)."""
+    out = tmp_path / "m"
+    code = (f"from export.api import export_model; export_model({str(random_checkpoint)!r}, {str(out)!r}, "
+            "max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2)")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert leftovers(tmp_path), "export never created its temp dir"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and b"KeyboardInterrupt" in err
+    assert not out.exists() and leftovers(tmp_path) == []
+
+
+def test_manifest_is_json_with_files_hashed(fp32_dir):
+    data = json.loads((fp32_dir / MANIFEST).read_text())
+    assert set(data["files"]) == {io_names.ENCODER_FILE, io_names.DECODER_FILE, CHECKPOINT_FILE, SPM_FILE}

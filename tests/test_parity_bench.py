@@ -1,0 +1,114 @@
+"""`pipeline parity` and `pipeline bench` on a tiny trained model exported to ONNX (fp32, fp16)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from export.api import export_model
+from model import build_model
+from model.checkpoint import load_model, save_checkpoint
+from model.manifest import CHECKPOINT_FILE, MANIFEST, write_manifest
+from pipeline.bench import run_bench
+from conftest import run_cli
+from pipeline.parity import DEFAULT_GATES, BackendResult, check_gate, first_divergence, run_parity
+
+EXPORT_LIMITS = dict(max_batch=16, max_src_len=64, max_tgt_len=80)
+
+
+@pytest.fixture(scope="module")
+def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for precision in ("fp32", "fp16"):
+        out[precision] = root / precision
+        export_model(trained_save_dir, out[precision], fp16=precision == "fp16", tensorrt=False, **EXPORT_LIMITS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def test_files(trained_save_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """40 training pairs the tiny model learned (so BLEU is meaningful), as src/ref files."""
+    from conftest import trained_corpus_lines
+
+    src_lines, ref_lines = trained_corpus_lines(trained_save_dir)
+    d = tmp_path_factory.mktemp("parity")
+    (d / "src.txt").write_text("\n".join(src_lines[:40]) + "\n")
+    (d / "ref.txt").write_text("\n".join(ref_lines[:40]) + "\n")
+    return d / "src.txt", d / "ref.txt"
+
+
+def test_first_divergence():
+    assert first_divergence([5, 6, 7], [5, 6, 7]) is None
+    assert first_divergence([5, 6, 7], [5, 9, 7]) == 1
+    assert first_divergence([5, 6], [5, 6, 7]) == 2  # one ended (EOS) where the other went on
+
+
+def test_gate_logic():
+    r = BackendResult("onnxruntime", "fp32", "cpu", 1.0, 30.0, 50.0, 99.0, identical=0.98, n_different=2,
+                      bleu_delta=-0.2, max_log_prob_gap=0.5, median_divergence_step=3)
+    check_gate(r, DEFAULT_GATES["fp32"])
+    assert not r.passed and len(r.failures) == 2
+    r2 = BackendResult("onnxruntime", "fp16", "cpu", 1.0, 30.0, 50.0, 99.0, identical=0.9, n_different=10,
+                       bleu_delta=-0.3, max_log_prob_gap=0.01, median_divergence_step=3)
+    check_gate(r2, DEFAULT_GATES["fp16"])
+    assert r2.passed
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tmp_path):
+    src, ref = test_files
+    report = run_parity(model_dirs[precision], src, ref, ["torch", "onnxruntime"])
+    assert report.passed, report.results
+    torch_row, ort_row = report.results
+    assert torch_row.identical == 1.0
+    assert torch_row.bleu > 50, "the tiny model should translate its training sentences"
+    if precision == "fp32":
+        assert ort_row.identical == 1.0 and ort_row.bleu_delta == 0.0
+    assert ort_row.precision == precision
+    # The CLI: table on stdout, JSON on disk, exit 0.
+    out = tmp_path / "parity.json"
+    assert run_cli("parity", model_dirs[precision], "--src", src, "--ref", ref, "--json", out) == 0
+    data = json.loads(out.read_text())
+    assert data["passed"] and {r["backend"] for r in data["results"]} == {"torch", "onnxruntime"}
+    assert "nrefs:1" in data["bleu_signature"]
+
+
+def test_parity_catches_graphs_out_of_sync_with_weights(model_dirs, test_files, tmp_path, capsys):
+    """A model dir whose ONNX graphs came from other weights than model.pt must fail the gate."""
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dirs["fp32"], bad)
+    model, spm_bytes, _ = load_model(bad / CHECKPOINT_FILE)
+    torch.manual_seed(123)
+    save_checkpoint(bad / CHECKPOINT_FILE, build_model(model.cfg), spm_bytes)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    write_manifest(bad, {k: v for k, v in manifest.items() if k not in ("files", "format")})
+    src, ref = test_files
+    assert run_cli("parity", bad, "--src", src, "--ref", ref) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_parity_rejects_misaligned_reference(model_dirs, test_files, tmp_path, capsys):
+    src, _ = test_files
+    short = tmp_path / "short.txt"
+    short.write_text("one line\n")
+    assert run_cli("parity", model_dirs["fp32"], "--src", src, "--ref", short) == 2
+    assert "must be line-aligned" in capsys.readouterr().err
+
+
+def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
+    report = run_bench(model_dirs["fp32"], ["torch", "onnxruntime"], [4], beam_size=2, fixed_length=6,
+                       sentences=8, src_len=7)
+    assert [r["backend"] for r in report["results"]] == ["torch", "onnxruntime"]
+    for r in report["results"]:
+        assert r["target_tokens"] == 8 * 6
+        assert r["target_tokens_per_s"] > 0 and r["peak_rss_mb"] > 0
+    out = tmp_path / "bench.json"
+    code = run_cli("bench", model_dirs["fp32"], "--backends", "onnxruntime", "--batch-size", 4,
+                   "--beam-size", 1, "--fixed-length", 3, "--sentences", 4, "--json", out)
+    assert code == 0
+    assert json.loads(out.read_text())["results"][0]["target_tokens"] == 4 * 3

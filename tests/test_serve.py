@@ -1,0 +1,200 @@
+"""`pipeline serve-batch` end to end on a tiny exported model: line alignment with every
+kind of bad input, order restored after length sorting, atomic outputs, stdin/stdout,
+n-best format, and a 2-process torchrun run equal to the single-process one."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_parallel, run_cli
+from test_backends import one_thread, train_tiny
+
+from model.checkpoint import save_checkpoint
+from runtime.loader import load_backend
+from runtime.translate import translate_lines
+
+pytest.importorskip("onnxruntime")
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--max-len-a", "0", "--max-len-b", "6", "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tiny_corpus, spm_bytes) -> Path:
+    """A tiny trained model (so lines get different translations) exported with a
+    16-token source limit (so long lines are easy to make)."""
+    from export.api import export_model
+
+    tmp = tmp_path_factory.mktemp("serve")
+    with one_thread():
+        save_checkpoint(tmp / "trained.pt", train_tiny(*tiny_corpus, spm_bytes), spm_bytes)
+        export_model(tmp / "trained.pt", tmp / "model", tensorrt=False, max_src_len=16, max_tgt_len=32)
+    return tmp / "model"
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def reference(model_dir: Path, lines: list[str], backend: str = "onnxruntime", **opts) -> list[str]:
+    """Each line translated alone through the library (no windows, no sorting)."""
+    impl, tok, _ = load_backend(model_dir, backend)
+    opts = {"beam_size": 4, "max_len_a": 0.0, "max_len_b": 6, **opts}
+    return [translate_lines(impl, tok, [line], **opts)[0] for line in lines]
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+def test_order_restored_after_length_sorting(model_dir, tmp_path, backend):
+    src, _ = make_parallel(23, seed=11)
+    inp = write(tmp_path / "in.txt", src)
+    out = tmp_path / "out.txt"
+    # Small windows and batches: many sorted batches per window, several windows.
+    assert run_cli("serve-batch", model_dir, inp, "--output", out, "--backend", backend,
+                   "--window", 7, "--batch-tokens", 60, *FAST) == 0
+    got = out.read_text(encoding="utf-8").split("\n")
+    assert got[-1] == "" and len(got) - 1 == len(src)
+    assert got[:-1] == reference(model_dir, src, backend)
+    assert len(set(got[:-1])) > 5  # the lines really differ, so a shuffle would show
+
+
+def test_bad_input_stays_line_aligned(model_dir, tmp_path, caplog, capsys):
+    long_line = " ".join(["der hund sieht die katze"] * 12)
+    lines = ["der hund", "", "   \t", long_line, "eine frau hat ein rotes haus", "ein kind"]
+    raw = "\n".join(lines).encode() + b"\ndie \xff\xfe katze\nder mann\n"
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(raw)
+    out = tmp_path / "out.txt"
+    assert run_cli("serve-batch", model_dir, inp, "-o", out, "--invalid-utf8", "replace", "--window", 3,
+                   *FAST) == 0
+    got = out.read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(got) == 8
+    assert got[1] == "" and got[2] == ""
+    assert all(got[i] for i in (0, 3, 4, 5, 6, 7))
+    normal = [0, 4, 5, 7]
+    assert [got[i] for i in normal] == reference(model_dir, [(lines + ["", "der mann"])[i] for i in normal])
+    assert got[6] == reference(model_dir, ["die \ufffd\ufffd katze"])[0]
+    assert got[3] == reference(model_dir, [long_line])[0]  # truncated to the same 16 tokens
+    text = caplog.text
+    assert "1 line(s) longer than the model's source limit were truncated" in text
+    assert "1 line(s) had invalid UTF-8" in text
+    summary = capsys.readouterr().err
+    assert "translated 8 sentences" in summary and "target tokens/s" in summary
+    assert "backend onnxruntime, device cpu" in summary
+
+
+def test_invalid_utf8_names_file_and_line_and_writes_nothing(model_dir, tmp_path, capsys):
+    src, _ = make_parallel(6, seed=3)
+    inp = tmp_path / "in.txt"
+    inp.write_bytes(("\n".join(src[:4]) + "\nbad \xff line\n" + src[4] + "\n").encode("latin-1"))
+    out = tmp_path / "out.txt"
+    out.write_text("previous complete translation\n")
+    # window 2: two windows are translated and written to the temp file before the error
+    assert run_cli("serve-batch", model_dir, inp, "-o", out, "--window", 2, *FAST) == 2
+    err = capsys.readouterr().err
+    assert f"{inp}:5: invalid UTF-8" in err and "--invalid-utf8 replace" in err
+    assert "Traceback" not in err
+    assert out.read_text() == "previous complete translation\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.txt"]  # no temp file left
+
+
+def test_long_lines_error_option(model_dir, tmp_path, capsys):
+    inp = write(tmp_path / "in.txt", ["der hund", " ".join(["die katze"] * 30)])
+    out = tmp_path / "out.txt"
+    assert run_cli("serve-batch", model_dir, inp, "-o", out, "--long-lines", "error", *FAST) == 2
+    err = capsys.readouterr().err
+    assert f"{inp}:2:" in err and "--long-lines truncate" in err
+    assert not out.exists()
+
+
+def test_output_dir_several_inputs_and_gz(model_dir, tmp_path, capsys):
+    a, _ = make_parallel(5, seed=1)
+    b, _ = make_parallel(4, seed=2)
+    inp_a = write(tmp_path / "a.de", a)
+    inp_b = tmp_path / "b.de.gz"
+    with gzip.open(inp_b, "wt", encoding="utf-8") as f:
+        f.write("\n".join(b) + "\n")
+    out_dir = tmp_path / "out"
+    assert run_cli("serve-batch", model_dir, inp_a, inp_b, "--output-dir", out_dir, *FAST) == 0
+    assert (out_dir / "a.de").read_text().splitlines() == reference(model_dir, a)
+    assert (out_dir / "b.de").read_text().splitlines() == reference(model_dir, b)
+    assert run_cli("serve-batch", model_dir, inp_a, inp_b, "--output", tmp_path / "x", *FAST) == 2
+    assert "--output takes one input" in capsys.readouterr().err
+
+
+def test_stdin_to_stdout_and_nbest(model_dir, tmp_path, monkeypatch, capsys):
+    src, _ = make_parallel(4, seed=5)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(("\n".join(src) + "\n\n").encode())))
+    assert run_cli("serve-batch", model_dir, "-", "-o", "-", "--beam-size", 3, "--nbest", 2, *FAST) == 0
+    lines = capsys.readouterr().out.split("\n")[:-1]
+    assert len(lines) == 5 and lines[4] == ""
+    impl, tok, _ = load_backend(model_dir, "onnxruntime")
+    from runtime.translate import translate_ids
+    ids = tok.encode_source(src)
+    hyps = translate_ids(impl, ids, beam_size=3, nbest=2, max_len_a=0.0, max_len_b=6)
+    for line, nbest in zip(lines, hyps):
+        fields = line.split(" ||| ")
+        assert len(fields) == 4
+        assert fields[0::2] == tok.decode([h.tokens for h in nbest])
+        assert [float(x) for x in fields[1::2]] == pytest.approx([h.score for h in nbest], abs=1e-4)
+        assert float(fields[1]) >= float(fields[3])
+
+
+def test_user_errors_are_one_line(model_dir, tmp_path, capsys):
+    inp = write(tmp_path / "in.txt", ["der hund"])
+    assert run_cli("serve-batch", tmp_path / "nope", inp, "-o", tmp_path / "o") == 2
+    assert "no such model directory" in capsys.readouterr().err
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "o", "--backend", "tensorrt") == 2
+    assert "encoder.plan" in capsys.readouterr().err
+    assert run_cli("serve-batch", model_dir, tmp_path / "missing.txt", "-o", tmp_path / "o") == 2
+    assert "missing.txt: no such file" in capsys.readouterr().err
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "o", "--beam-size", 9) == 2
+    assert "top-16" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_torchrun_two_ranks_equal_one_process(model_dir, tmp_path):
+    src, _ = make_parallel(31, seed=9)
+    src[7] = ""
+    inp = write(tmp_path / "in.txt", src)
+    one, two = tmp_path / "one.txt", tmp_path / "two.txt"
+    assert run_cli("serve-batch", model_dir, inp, "-o", one, "--window", 10, *FAST) == 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pipeline", "serve-batch", str(model_dir), str(inp), "-o", str(two), "--window", "10",
+           *FAST]
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert two.read_text() == one.read_text()
+    assert "translated 31 sentences" in proc.stderr and "2 ranks" in proc.stderr
+
+
+def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
+    src, _ = make_parallel(200, seed=4)
+    inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below
+    out = tmp_path / "out.txt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(inp),
+                             "-o", str(out), "--window", "50", *FAST], env=env, cwd=tmp_path,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".out.txt.*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        time.sleep(0.5)  # some windows written to the temp file
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) != 0
+    finally:
+        proc.kill()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
