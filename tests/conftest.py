@@ -12,6 +12,7 @@ from model import build_model, preset
 from model.checkpoint import save_checkpoint
 from pipeline.spm import train_sentencepiece
 
+
 def run_cli(*args) -> int:
     """Run `pipeline ARGS...` in-process as a user would; return its exit status."""
     from pipeline.cli import main
@@ -63,7 +64,7 @@ def random_checkpoint(tmp_path_factory, spm_bytes) -> Path:
     return path
 
 
-# -- appended by the training issue: a trained tiny model, shared by export/serve/parity tests ---
+# -- a tiny model trained by the real training loop, shared by train/parity tests --------------
 
 def write_parallel(directory: Path, name: str, src: list[str], tgt: list[str]) -> tuple[Path, Path]:
     """Write a parallel corpus as name.src / name.tgt in `directory`."""
@@ -94,10 +95,10 @@ def trained_save_dir(tmp_path_factory, memorise_corpus) -> Path:
     src, tgt = memorise_corpus
     save_dir = tmp_path_factory.mktemp("trained") / "run"
     train(TrainOptions(save_dir=save_dir, train_src=src, train_tgt=tgt, valid_src=src, valid_tgt=tgt,
-                       preset="tiny", vocab_size=64, batch_tokens=512, warmup=40, lr_scale=2.0,
+                       preset="tiny", vocab_size=64, batch_tokens=1024, warmup=100, threads=1,
                        max_steps=TRAINED_STEPS, save_every=TRAINED_STEPS, valid_every=TRAINED_STEPS,
                        log_every=50, seed=1, progress=False))
     return save_dir
 
 
-TRAINED_STEPS = 400
+TRAINED_STEPS = 600

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 from export.api import export_model
 from model import build_model
 from model.checkpoint import load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, MANIFEST, write_manifest
 from pipeline.bench import run_bench
-from conftest import run_cli
 from pipeline.parity import DEFAULT_GATES, BackendResult, check_gate, first_divergence, run_parity
 
 EXPORT_LIMITS = dict(max_batch=16, max_src_len=64, max_tgt_len=80)
@@ -31,15 +31,9 @@ def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def test_files(trained_save_dir, tmp_path_factory) -> tuple[Path, Path]:
-    """40 training pairs the tiny model learned (so BLEU is meaningful), as src/ref files."""
-    from conftest import trained_corpus_lines
-
-    src_lines, ref_lines = trained_corpus_lines(trained_save_dir)
-    d = tmp_path_factory.mktemp("parity")
-    (d / "src.txt").write_text("\n".join(src_lines[:40]) + "\n")
-    (d / "ref.txt").write_text("\n".join(ref_lines[:40]) + "\n")
-    return d / "src.txt", d / "ref.txt"
+def test_files(memorise_corpus) -> tuple[Path, Path]:
+    """The training pairs the tiny model learned (so BLEU is meaningful), as src/ref files."""
+    return memorise_corpus
 
 
 def test_first_divergence():

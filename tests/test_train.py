@@ -1,0 +1,334 @@
+"""`pipeline train` and `pipeline average`: memorisation, DDP == one process, exact resume
+(also after SIGTERM), averaging, the built-in corpus, caching, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import MEMORISE_PAIRS, make_parallel, run_cli, write_parallel
+
+from model.checkpoint import read_checkpoint, step_checkpoints
+from pipeline import synthetic
+from pipeline.data import make_batches
+from pipeline.train import learning_rate
+from runtime.loader import load_torch_backend_from_checkpoint
+from runtime.translate import translate_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+# A tiny model, a few steps: fast enough to run several trainings per test.
+TINY = ["--preset", "tiny", "--vocab-size", "64", "--batch-tokens", "256", "--warmup", "20",
+        "--no-progress", "--threads", "1"]
+
+
+def env_with_root() -> dict[str, str]:
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
+
+
+def weights(save_dir: Path) -> dict[str, torch.Tensor]:
+    return read_checkpoint(step_checkpoints(save_dir)[-1])["model"]
+
+
+def last_step(save_dir: Path) -> int:
+    return read_checkpoint(step_checkpoints(save_dir)[-1])["train_state"]["step"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    src, tgt = make_parallel(120, seed=3)
+    return write_parallel(tmp_path_factory.mktemp("corpus"), "train", src, tgt)
+
+
+# -- the recipe ----------------------------------------------------------------------------
+
+def test_learning_rate_is_the_papers_schedule():
+    d, warmup = 512, 4000
+    assert learning_rate(1, d, warmup) == pytest.approx(d ** -0.5 * warmup ** -1.5)
+    assert learning_rate(warmup, d, warmup) == pytest.approx(d ** -0.5 * warmup ** -0.5)
+    assert learning_rate(4 * warmup, d, warmup) == pytest.approx(learning_rate(warmup, d, warmup) / 2)
+    assert learning_rate(100, d, warmup, scale=2.0) == pytest.approx(2 * learning_rate(100, d, warmup))
+
+
+def test_tiny_model_memorises_tiny_corpus(trained_save_dir, memorise_corpus):
+    """Greedy output equals the references on every training sentence."""
+    src_path, tgt_path = memorise_corpus
+    src, tgt = src_path.read_text().splitlines(), tgt_path.read_text().splitlines()
+    assert len(src) == MEMORISE_PAIRS
+    backend, tok = load_torch_backend_from_checkpoint(trained_save_dir, "cpu")
+    assert translate_lines(backend, tok, src, beam_size=1) == tgt
+    events = [json.loads(line) for line in (trained_save_dir / "metrics.jsonl").read_text().splitlines()]
+    valid = [e for e in events if e["event"] == "valid"]
+    assert valid and valid[-1]["bleu"] == 100.0 and "nrefs:1" in valid[-1]["bleu_signature"]
+    train_events = [e for e in events if e["event"] == "train"]
+    assert train_events[-1]["loss"] < train_events[0]["loss"] and train_events[-1]["tokens_per_s"] > 0
+
+
+def test_save_dir_is_self_contained(trained_save_dir):
+    payload = read_checkpoint(step_checkpoints(trained_save_dir)[-1])
+    assert payload["model_config"]["d_model"] == 32 and payload["spm_model"]
+    state = payload["train_state"]
+    assert {"optimizer", "rng", "data", "step", "config"} <= set(state)
+    assert (trained_save_dir / "spm.model").read_bytes() == payload["spm_model"]
+    config = json.loads((trained_save_dir / "config.json").read_text())
+    assert config["model"]["n_heads"] == 4 and config["training"]["label_smoothing"] == 0.1
+
+
+# -- DDP ----------------------------------------------------------------------------------
+
+def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(corpus, tmp_path):
+    """2 ranks x update-freq 1 and 1 process x update-freq 2 see the same global batches and
+    normalise by the same global token count, so they make the same updates."""
+    src, tgt = corpus
+    common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--max-steps", "6", "--seed", "5"]
+    one = tmp_path / "one"
+    assert run_cli("train", "--save-dir", one, "--update-freq", "2", *common) == 0
+    two = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "pipeline", "train", "--save-dir", str(two), "--update-freq", "1", *map(str, common)]
+    proc = subprocess.run(cmd, env=env_with_root(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = weights(one), weights(two)
+    assert last_step(one) == last_step(two) == 6
+    initial = read_checkpoint(step_checkpoints(one)[0])
+    assert initial["train_state"]["world_size"] == 1
+    assert read_checkpoint(step_checkpoints(two)[-1])["train_state"]["world_size"] == 2
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=2e-6, rtol=1e-5, msg=name)
+    # ... and training actually moved the weights, so the comparison means something.
+    assert any(not torch.equal(a[n], b2) for n, b2 in _init_weights(corpus, tmp_path).items())
+
+
+def _init_weights(corpus, tmp_path) -> dict[str, torch.Tensor]:
+    src, tgt = corpus
+    zero = tmp_path / "zero"
+    run_cli("train", "--save-dir", zero, "--train-src", src, "--train-tgt", tgt, *TINY, "--max-steps", "1",
+            "--seed", "5", "--lr-scale", "1e-12")
+    return weights(zero)
+
+
+# -- resume --------------------------------------------------------------------------------
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    """N steps, stop, rerun to 2N == 2N at once (weights, optimizer, data position, dropout RNG)."""
+    src, tgt = corpus
+    common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--dropout", "0.1", "--save-every", "100"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli("train", "--save-dir", straight, *common, "--max-steps", "10") == 0
+    assert run_cli("train", "--save-dir", resumed, *common, "--max-steps", "5") == 0
+    assert last_step(resumed) == 5
+    assert run_cli("train", "--save-dir", resumed, *common, "--max-steps", "10") == 0
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sa = read_checkpoint(step_checkpoints(straight)[-1])["train_state"]
+    sb = read_checkpoint(step_checkpoints(resumed)[-1])["train_state"]
+    assert sa["data"] == sb["data"] and sa["tokens"] == sb["tokens"]
+    # metrics.jsonl holds each step once, whatever the interruptions.
+    steps = [json.loads(x)["step"] for x in (resumed / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "train"]
+    assert steps == sorted(set(steps))
+
+
+def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path):
+    src, tgt = corpus
+    common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--dropout", "0.1", "--save-every", "100000",
+              "--log-every", "1"]
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *map(str, common),
+           "--max-steps", "100000"]
+    proc = subprocess.Popen(cmd, env=env_with_root(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        metrics = run / "metrics.jsonl"
+        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert "rerun the same command to resume" in proc.stderr.read()
+    finally:
+        proc.kill()
+    stopped_at = last_step(run)
+    assert stopped_at >= 3
+    target = str(stopped_at + 4)
+    assert run_cli("train", "--save-dir", run, *common, "--max-steps", target) == 0
+    straight = tmp_path / "straight"
+    assert run_cli("train", "--save-dir", straight, *common, "--max-steps", target) == 0
+    a, b = weights(straight), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- averaging -------------------------------------------------------------------------------
+
+def test_average_last_checkpoints(corpus, tmp_path, capsys):
+    src, tgt = corpus
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, "--train-src", src, "--train-tgt", tgt, *TINY,
+                   "--max-steps", "4", "--save-every", "1", "--keep-last", "3") == 0
+    paths = step_checkpoints(run)
+    assert [p.name for p in paths] == [f"checkpoint_0000000{i}.pt" for i in (2, 3, 4)]
+    assert run_cli("average", run, "--last", "2") == 0
+    averaged = read_checkpoint(run / "averaged.pt")["model"]
+    a, b = read_checkpoint(paths[-2])["model"], read_checkpoint(paths[-1])["model"]
+    for k in a:
+        if a[k].is_floating_point():
+            torch.testing.assert_close(averaged[k], (a[k].double() + b[k].double()).div(2).float())
+    assert "averaged.pt" in capsys.readouterr().out
+    assert run_cli("average", tmp_path / "nothing") == 2
+
+
+# -- the built-in default --------------------------------------------------------------------
+
+def test_builtin_corpus_needs_reordering_and_agreement():
+    lex = synthetic.build_lexicon()
+    assert lex == synthetic.build_lexicon()  # fixed on every machine
+    src, tgt = synthetic.generate(300, seed=1, lex=lex)
+    assert (src, tgt) == synthetic.generate(300, seed=1, lex=lex)
+    verbs = {t for _, t in lex.verbs}
+    verb_first = verb_last = 0
+    for s, t in zip(src, tgt):
+        words = t.split()
+        last = words[-2] if words[-1] == "nu" else words[-1]
+        verb_last += any(last.startswith(v) for v in verbs)
+        verb_first += any(w in {sv for sv, _ in lex.verbs} for w in s.split()[2:4])
+    assert verb_last == len(tgt)  # SOV target: every sentence ends with its verb
+    assert verb_first > 100  # SVO source: the verb comes early
+    # Agreement: the same source noun gets different target articles by number/case.
+    articles = {t.split()[0] for s, t in zip(src, tgt) if s.startswith("da ")}
+    assert len(articles) > 3
+
+
+def test_train_without_data_uses_the_builtin_corpus(tmp_path, capsys):
+    run = tmp_path / "builtin"
+    assert run_cli("train", "--save-dir", run, "--preset", "tiny", "--builtin-pairs", "200",
+                   "--max-steps", "3", "--no-progress", "--threads", "1") == 0
+    assert (run / "data" / "train.src").read_text().count("\n") == 200
+    assert last_step(run) == 3
+    valid = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "valid"]
+    assert valid and "bleu" in valid[-1]
+
+
+# -- data: caching, filtering, batches -----------------------------------------------------
+
+def test_second_run_reuses_tokenizer_and_encoded_corpus(corpus, tmp_path, caplog):
+    src, tgt = corpus
+    run = tmp_path / "run"
+    args = ["--save-dir", run, "--train-src", src, "--train-tgt", tgt, *TINY]
+    assert run_cli("train", *args, "--max-steps", "1") == 0
+    spm_mtime = (run / "spm.model").stat().st_mtime_ns
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert run_cli("train", *args, "--max-steps", "2") == 0
+    assert "trained SentencePiece" not in caplog.text  # resumed: the checkpoint's tokenizer
+    assert "using the encoded corpus cached" in caplog.text
+    # A fresh run in the same dir (no checkpoint yet) also reuses the cached tokenizer.
+    for path in step_checkpoints(run):
+        path.unlink()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert run_cli("train", *args, "--max-steps", "1") == 0
+    assert "using the cached SentencePiece model" in caplog.text and "trained SentencePiece" not in caplog.text
+    assert "using the encoded corpus cached" in caplog.text
+    assert (run / "spm.model").stat().st_mtime_ns == spm_mtime
+
+
+def test_length_filter_is_counted(tmp_path, caplog):
+    src, tgt = make_parallel(60, seed=2)
+    src[5] = " ".join(["katze"] * 80)
+    tgt[9] = ""
+    s, t = write_parallel(tmp_path, "c", src, tgt)
+    with caplog.at_level(logging.INFO):
+        assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", s, "--train-tgt", t, *TINY,
+                       "--max-len", "40", "--max-steps", "1") == 0
+    assert "60 pairs read, 1 with an empty side dropped, 1 longer than --max-len 40 tokens dropped, 58 kept" \
+        in caplog.text
+
+
+def test_batches_respect_the_budget_and_are_deterministic():
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    src_lens, tgt_lens = rng.integers(1, 30, 500), rng.integers(1, 30, 500)
+    batches = make_batches(src_lens, tgt_lens, batch_tokens=200, seed=1, epoch=1)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(500))  # every sentence once
+    for b in batches:
+        longest = int(np.maximum(src_lens[b], tgt_lens[b]).max()) + 1
+        assert longest * len(b) <= 200
+    again = make_batches(src_lens, tgt_lens, batch_tokens=200, seed=1, epoch=1)
+    assert all(np.array_equal(x, y) for x, y in zip(batches, again))
+    other = make_batches(src_lens, tgt_lens, batch_tokens=200, seed=1, epoch=2)
+    assert any(not np.array_equal(x, y) for x, y in zip(batches, other))
+
+
+# -- bad input: one clear line, exit 2, nothing that looks like a checkpoint ------------------
+
+def _fails(capsys, tmp_path, *args) -> str:
+    run = tmp_path / "bad-run"
+    code = run_cli("train", "--save-dir", run, *TINY, "--max-steps", "2", *args)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert not step_checkpoints(run)
+    return lines[0]
+
+
+def test_mismatched_line_counts_name_both_files(tmp_path, capsys):
+    s, t = write_parallel(tmp_path, "c", ["a b", "c d", "e f"], ["x y", "z w"])
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t)
+    assert str(s) in err and str(t) in err and "3 lines" in err and "2" in err
+
+
+def test_missing_and_empty_files(tmp_path, capsys):
+    s, t = write_parallel(tmp_path, "c", ["a b"], ["x y"])
+    err = _fails(capsys, tmp_path, "--train-src", tmp_path / "nope.src", "--train-tgt", t)
+    assert "nope.src: no such file" in err
+    empty = tmp_path / "empty.tgt"
+    empty.write_text("\n\n")
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", empty)
+    assert "empty.tgt" in err and "empty" in err
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path, capsys):
+    s, t = write_parallel(tmp_path, "c", ["a b", "c d", "e f"], ["x y", "z w", "v u"])
+    t.write_bytes(b"x y\nz \xff w\nv u\n")
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t)
+    assert f"{t}:2: invalid UTF-8" in err
+
+
+def test_impossible_model_config(corpus, tmp_path, capsys):
+    s, t = corpus
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--d-model", "30", "--n-heads", "4")
+    assert "d_model (30) must be divisible by n_heads (4)" in err
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--update-freq", "0")
+    assert "--update-freq must be at least 1" in err
+
+
+def test_resuming_with_a_different_config_is_refused(corpus, tmp_path, capsys):
+    s, t = corpus
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "1") == 0
+    before = step_checkpoints(run)
+    capsys.readouterr()
+    code = run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "2",
+                   "--d-model", "64")
+    err = capsys.readouterr().err
+    assert code == 2 and "different config" in err and "d_model 32 -> 64" in err
+    assert step_checkpoints(run) == before
+
+
+def test_help_explains_every_option(capsys):
+    assert run_cli("train", "--help") == 0
+    out = capsys.readouterr().out
+    for option in ("--train-src", "--save-dir", "--preset", "--batch-tokens", "--update-freq", "--warmup",
+                   "--label-smoothing", "--keep-last", "--precision", "torchrun"):
+        assert option in out
