@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from runtime.loader import load_backend
 
 from model.config import EOS_ID
 from pipeline.textio import atomic_output, read_lines
+from runtime.loader import load_backend
 from runtime.search import beam_search, greedy_search
 from runtime.translate import pad_batch
 

@@ -37,6 +37,12 @@ def _register() -> None:
     cli.add_command(serve_batch)
     from pipeline.export_cli import export
     cli.add_command(export)
+    from pipeline.parity_cli import parity
+    cli.add_command(parity)
+    from pipeline.bench_cli import bench
+    cli.add_command(bench)
+    from pipeline.demo_cli import demo
+    cli.add_command(demo)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,11 +18,11 @@ from typing import Any
 
 import sacrebleu
 import torch
-from runtime.loader import load_backend
 
 from model.config import BOS_ID, EOS_ID
 from pipeline.errors import UserError
 from pipeline.textio import atomic_output, read_lines
+from runtime.loader import load_backend
 from runtime.search import Hypothesis
 from runtime.translate import translate_ids
 

@@ -1,0 +1,41 @@
+"""`pipeline demo` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from model.config import PRESETS
+from pipeline.demo import DemoOptions, format_result, run_demo
+from pipeline.parity_cli import parse_backends
+
+
+@click.command("demo")
+@click.option("--out", default=Path("runs/demo"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
+              help="Working directory: train/ (save dir), model-fp32/, model-fp16/, test.hyp, parity-*.json.")
+@click.option("--preset", type=click.Choice(list(PRESETS)), default=None,
+              help="Model size [default: the built-in default, demo].")
+@click.option("--max-steps", type=click.IntRange(1), default=None,
+              help="Training updates [default: the built-in default, 1200].")
+@click.option("--builtin-pairs", type=click.IntRange(10), default=None,
+              help="Training pairs of the built-in corpus [default: 30000].")
+@click.option("--average-last", type=click.IntRange(1), default=3, show_default=True,
+              help="Average this many last checkpoints before export.")
+@click.option("--backends", default="torch,onnxruntime", show_default=True,
+              help="Backends whose parity with PyTorch is checked (torch,onnxruntime,tensorrt).")
+@click.option("--beam-size", type=click.IntRange(1, 8), default=4, show_default=True, help="Beam size.")
+@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads [default: all cores].")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
+def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
+         backends: str, beam_size: int, threads: int | None, progress: bool) -> None:
+    """Train on the built-in made-up language pair, export fp32 and fp16, translate the test
+    file with serve-batch and print the parity table of each backend against PyTorch.
+    Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
+    result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
+                                  average_last=average_last, backends=tuple(parse_backends(backends)),
+                                  beam_size=beam_size, threads=threads, progress=progress))
+    click.echo(format_result(result))
+    if not result.passed:
+        sys.exit(1)
