@@ -116,7 +116,10 @@ def main() -> None:
     src_tokens = [[piece(i) for i in s] for s in sources]
 
     with tempfile.TemporaryDirectory() as tmp:
-        to_ct2_spec(model, tokenizer).save(tmp)
+        spec = to_ct2_spec(model, tokenizer)
+        spec.validate()  # as ctranslate2's own converters do: check, then wrap the arrays
+        spec.optimize(quantization=None)
+        spec.save(tmp)
         translator = ctranslate2.Translator(tmp, device="cpu", compute_type=args.compute_type,
                                             intra_threads=args.threads, inter_threads=1)
 

@@ -332,3 +332,28 @@ def test_help_explains_every_option(capsys):
     for option in ("--train-src", "--save-dir", "--preset", "--batch-tokens", "--update-freq", "--warmup",
                    "--label-smoothing", "--keep-last", "--precision", "torchrun"):
         assert option in out
+
+
+def test_non_finite_loss_skips_updates_then_stops_with_a_clear_error(corpus, tmp_path, capsys, monkeypatch):
+    """A NaN loss (injected into the real loss function) never reaches the weights: the update
+    is skipped, and after --max-nonfinite in a row training stops naming what to change."""
+    import pipeline.train as train_module
+
+    real = train_module.token_losses
+
+    def poisoned(logits, target, label_smoothing):
+        loss, nll = real(logits, target, label_smoothing)
+        return loss * float("nan"), nll
+
+    s, t = corpus
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "2") == 0
+    before = weights(run)
+    monkeypatch.setattr(train_module, "token_losses", poisoned)
+    capsys.readouterr()
+    code = run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "50",
+                   "--max-nonfinite", "3", "--save-every", "1")
+    err = capsys.readouterr().err
+    assert code == 2 and "the loss was not finite for 3 updates in a row at step 3" in err
+    assert last_step(run) == 2  # nothing was saved from the poisoned updates
+    assert all(torch.equal(before[k], weights(run)[k]) for k in before)
