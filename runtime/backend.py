@@ -55,3 +55,19 @@ class Backend(Protocol):
              reorder: Tensor) -> tuple[StepOutput, Any]:
         """One decoder step. tokens (N,) int64; reorder (N,) int64 rows of `cache` each
         hypothesis continues; returns the candidates and the grown cache (N rows)."""
+
+
+def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:
+    """`Backend.select` for backends whose state tensors are torch tensors: row i of the
+    result is row rows[i] of every tensor."""
+    first = next(iter(state.tensors.values()))
+    rows = rows.to(first.device)
+    return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()}, int(rows.shape[0]))
+
+
+def dummy_slot_cache(n_layers: int, n_rows: int, n_heads: int, d_head: int, dtype: torch.dtype,
+                     device: torch.device) -> list[Tensor]:
+    """`Backend.initial_cache` for the exported graphs: every layer's self K then self V,
+    (n_rows, n_heads, 1, d_head) zeros holding only the masked dummy slot."""
+    shape = (n_rows, n_heads, 1, d_head)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * n_layers)]

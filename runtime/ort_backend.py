@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import io_names
 from model.config import ModelConfig
-from runtime.backend import EncoderState, StepOutput
+from runtime.backend import EncoderState, StepOutput, dummy_slot_cache, select_rows
 from runtime.errors import RuntimeUserError
 
 log = logging.getLogger(__name__)
@@ -147,14 +147,11 @@ class OrtBackend:
         return EncoderState(tensors, b)
 
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
-        rows = rows.to(self.device)
-        return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()},
-                            int(rows.shape[0]))
+        return select_rows(state, rows)
 
     def initial_cache(self, n_rows: int) -> list[Tensor]:
-        shape = (n_rows, self.cfg.n_heads, 1, self.cfg.d_head)
-        return [torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
-                for _ in range(2 * self.cfg.n_dec_layers)]
+        return dummy_slot_cache(self.cfg.n_dec_layers, n_rows, self.cfg.n_heads, self.cfg.d_head,
+                                self.cache_dtype, self.device)
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],

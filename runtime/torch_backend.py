@@ -10,7 +10,7 @@ from torch import Tensor
 
 from model import io_names
 from model.transformer import Transformer, select_candidates
-from runtime.backend import EncoderState, StepOutput
+from runtime.backend import EncoderState, StepOutput, select_rows
 
 DEFAULT_TOPK = 16
 
@@ -40,9 +40,7 @@ class TorchBackend:
         return EncoderState(tensors, src_ids.shape[0])
 
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
-        rows = rows.to(self.device)
-        return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()},
-                            int(rows.shape[0]))
+        return select_rows(state, rows)
 
     def initial_cache(self, n_rows: int) -> tuple[list[Tensor], list[Tensor]]:
         return self.model.initial_cache(n_rows, self.dtype, self.device)
