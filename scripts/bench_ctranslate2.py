@@ -93,6 +93,30 @@ def to_ct2_spec(model, tokenizer: Tokenizer):
     return spec
 
 
+def ct2_translator(model, tokenizer: Tokenizer, directory: Path, threads: int, compute_type: str = "float32"):
+    """Convert `model` into `directory` and open it with CTranslate2 on the CPU."""
+    import ctranslate2
+
+    spec = to_ct2_spec(model, tokenizer)
+    spec.validate()  # as ctranslate2's own converters do: check, then wrap the arrays
+    spec.optimize(quantization=None)
+    directory.mkdir(parents=True, exist_ok=True)
+    spec.save(str(directory))
+    return ctranslate2.Translator(str(directory), device="cpu", compute_type=compute_type,
+                                  intra_threads=threads, inter_threads=1)
+
+
+def greedy_agreement(model, tokenizer: Tokenizer, translator, sources: list[list[int]], max_len: int = 20) -> int:
+    """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:
+    proof that the benchmark compares the same model."""
+    piece = tokenizer.sp.id_to_piece
+    ours = greedy_search(TorchBackend(model), pad_batch(sources), max_len_a=0.0, max_len_b=max_len)
+    theirs = translator.translate_batch([[piece(i) for i in s] for s in sources], beam_size=1,
+                                        max_decoding_length=max_len)
+    return sum(o[0].tokens == [tokenizer.sp.piece_to_id(p) for p in t.hypotheses[0]]
+               for o, t in zip(ours, theirs))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
@@ -116,20 +140,9 @@ def main() -> None:
     src_tokens = [[piece(i) for i in s] for s in sources]
 
     with tempfile.TemporaryDirectory() as tmp:
-        spec = to_ct2_spec(model, tokenizer)
-        spec.validate()  # as ctranslate2's own converters do: check, then wrap the arrays
-        spec.optimize(quantization=None)
-        spec.save(tmp)
-        translator = ctranslate2.Translator(tmp, device="cpu", compute_type=args.compute_type,
-                                            intra_threads=args.threads, inter_threads=1)
-
-        # Same model? Greedy decoding must agree with our PyTorch model token for token.
+        translator = ct2_translator(model, tokenizer, Path(tmp), args.threads, args.compute_type)
         check = sources[:16]
-        ours = greedy_search(TorchBackend(model), pad_batch(check), max_len_a=0.0, max_len_b=20)
-        theirs = translator.translate_batch([[piece(i) for i in s] for s in check], beam_size=1,
-                                            max_decoding_length=20)
-        agree = sum(o[0].tokens == [tokenizer.sp.piece_to_id(p) for p in t.hypotheses[0]]
-                    for o, t in zip(ours, theirs))
+        agree = greedy_agreement(model, tokenizer, translator, check)
         print(f"greedy agreement with the PyTorch model: {agree}/{len(check)} sentences")
 
         opts = dict(beam_size=args.beam_size, max_batch_size=args.batch_size, length_penalty=0.6)
