@@ -13,13 +13,15 @@ class VerificationError(ExportError):
     """The exported graphs disagree with PyTorch beyond tolerance.
 
     Carries what was compared (`what`), where (`where`: graph, step) and how much
-    (`diff` against `atol`), so the message names all three.
+    (`diff` against `bound` = atol + rtol * |reference| at that element), so the message
+    names all three.
     """
 
-    def __init__(self, what: str, where: str, diff: float, atol: float):
-        self.what, self.where, self.diff, self.atol = what, where, diff, atol
-        super().__init__(f"verification failed: {what} at {where}: max abs difference "
-                         f"{diff:.3g} exceeds tolerance {atol:.3g}")
+    def __init__(self, what: str, where: str, diff: float, bound: float, atol: float, rtol: float = 0.0):
+        self.what, self.where, self.diff, self.bound, self.atol, self.rtol = what, where, diff, bound, atol, rtol
+        rel = f" + {rtol:.3g} x |reference| = {bound:.3g} there" if rtol else ""
+        super().__init__(f"verification failed: {what} at {where}: abs difference {diff:.3g} exceeds "
+                         f"tolerance {atol:.3g}{rel}")
 
 
 class TensorRTUnavailable(ExportError):

@@ -37,9 +37,10 @@ from pipeline.errors import UserError
 @click.option("--force", is_flag=True,
               help="Replace an existing model directory (only once the new one is complete).")
 @click.option("--atol", default=verify.FP32_ATOL, show_default=True, type=float,
-              help="fp32 verification bound on log-prob max abs difference (ONNX Runtime vs PyTorch).")
+              help="fp32 verification bound on log-prob abs differences (ONNX Runtime vs PyTorch).")
 @click.option("--fp16-atol", default=verify.FP16_ATOL, show_default=True, type=float,
-              help="fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half vs fp32).")
+              help="fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half vs fp32), plus "
+                   f"{verify.FP16_RTOL:g} x |log-prob| (unlikely candidates carry larger fp16 errors).")
 @click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
               type=float, help="TensorRT builder workspace limit in GiB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
@@ -73,5 +74,6 @@ def summary_line(out: Path, manifest: dict) -> str:
     sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in manifest["graphs"]["bytes"].items())
     engines = " + TensorRT engines" if manifest["tensorrt"] else ""
     return (f"exported {manifest['precision']} model to {out}{engines} (opset {manifest['opset']}, {sizes}); "
-            f"verified: max abs log-prob difference {max(diffs):.3g} <= {ver['atol']:.3g}; "
+            f"verified: max abs log-prob difference {max(diffs):.3g} (tolerance {ver['atol']:.3g}"
+            f"{f' + {rtol:.3g} x |log-prob|' if (rtol := ver.get('rtol')) else ''}); "
             f"graphs exported in {manifest['graphs']['export_seconds']:.1f} s")

@@ -159,7 +159,7 @@ def test_beam_decoding_with_reorder_matches_torch(fp32_dir):
     model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
     report = verify.compare_engines(
         model, verify.ort_runner(fp32_dir / io_names.ENCODER_FILE), verify.ort_runner(fp32_dir / io_names.DECODER_FILE),
-        verify.torch_encoder(model), verify.torch_decoder(model, 16), 1e-4, np.dtype(np.float32), "test")
+        verify.torch_encoder(model), verify.torch_decoder(model, 16), 1e-4, 0.0, np.dtype(np.float32), "test")
     assert report.steps == verify.N_STEPS >= 10
     assert report.max_abs[io_names.TOPK_LOG_PROBS] <= 1e-4
     assert report.ids_checked > 100
@@ -179,7 +179,20 @@ def test_verification_catches_a_wrong_graph(fp32_dir, tmp_path):
     model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
     with pytest.raises(VerificationError) as info:
         verify.verify_export(model, fp32_dir / io_names.ENCODER_FILE, bad, fp16=False, topk=16)
-    assert info.value.diff > info.value.atol and "decoder step" in info.value.where
+    assert info.value.diff > info.value.bound >= info.value.atol and "decoder step" in info.value.where
+
+
+def test_fp16_tolerance_grows_with_the_log_prob_magnitude():
+    """Unlikely candidates (log-prob -20) may differ by 0.05 in fp16; likely ones may not."""
+    ref = np.array([[-0.1, -20.0]])
+    report = verify.Report()
+    verify._check(report, "lp", "here", ref + np.array([[0.01, 0.05]]), ref, verify.FP16_ATOL, verify.FP16_RTOL)
+    with pytest.raises(VerificationError, match=r"lp at here: abs difference 0\.05 exceeds tolerance 0\.02"):
+        verify._check(report, "lp", "here", ref + np.array([[0.05, 0.0]]), ref, verify.FP16_ATOL,
+                      verify.FP16_RTOL)
+    with pytest.raises(VerificationError):
+        verify._check(report, "lp", "here", ref + np.array([[0.0, np.nan]]), ref, verify.FP16_ATOL,
+                      verify.FP16_RTOL)
 
 
 # -- fp16 --------------------------------------------------------------------------------
