@@ -23,7 +23,7 @@ import torch
 from export import onnx_export, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
-from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint, usual_permissions
 from model.config import ModelConfig
 from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, sha256_file, write_manifest
 from model.transformer import Transformer
@@ -119,13 +119,6 @@ def _engines(tmp: Path, cfg: ModelConfig, limits: tensorrt_build.Limits, *, fp16
         return None, str(e)
 
 
-def _usual_permissions(path: Path) -> None:
-    """mkdtemp/mkstemp create owner-only files; a model dir is shared like any output."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
 def _replace_dir(tmp: Path, out: Path) -> None:
     """Move the finished tmp dir to out; an existing out is replaced only now."""
     if not out.exists():
@@ -169,7 +162,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
 
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
-        _usual_permissions(tmp)
+        usual_permissions(tmp)
         save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
         (tmp / SPM_FILE).write_bytes(spm_bytes)
         graphs = _write_graphs(model, tmp, fp16=fp16, opset=opset, topk=topk)
@@ -196,7 +189,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                                   "step": _train_step(payload)},
         })
         for f in tmp.iterdir():
-            _usual_permissions(f)
+            usual_permissions(f)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

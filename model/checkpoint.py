@@ -24,6 +24,14 @@ class CheckpointError(ValueError):
     """A path that is not a usable checkpoint."""
 
 
+def usual_permissions(path: Path) -> None:
+    """Give `path` the mode a plain open() would (0666 / 0777 less the umask): mkstemp and
+    mkdtemp, which every atomic write here goes through, create owner-only files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """torch.save to a temp file in the same directory, fsync, then rename over `path`."""
     path = Path(path)
@@ -34,6 +42,7 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
+        usual_permissions(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

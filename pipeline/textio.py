@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from model.checkpoint import usual_permissions
 from pipeline.errors import UserError
 
 
@@ -81,6 +82,7 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
+        usual_permissions(Path(tmp))
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

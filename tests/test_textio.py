@@ -1,0 +1,40 @@
+"""Atomic writes: complete or absent, with the permissions a plain open() would give."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+
+from model.checkpoint import atomic_torch_save
+from pipeline.textio import atomic_output
+
+
+@pytest.fixture()
+def umask_022():
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def test_outputs_get_umask_permissions_not_owner_only(tmp_path, umask_022):
+    with atomic_output(tmp_path / "out.txt") as f:
+        f.write("line\n")
+    atomic_torch_save({"x": torch.zeros(2)}, tmp_path / "ckpt.pt")
+    for name in ("out.txt", "ckpt.pt"):
+        assert stat.S_IMODE((tmp_path / name).stat().st_mode) == 0o644, name
+
+
+def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    target = tmp_path / "out.txt"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_output(target) as f:
+            f.write("half")
+            raise RuntimeError("crash")
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
