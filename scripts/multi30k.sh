@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/corpora/multi30k}
 RUN=${RUN:-runs/multi30k}
 MODEL=${MODEL:-runs/multi30k-model}
-STEPS=${STEPS:-4000}
+STEPS=${STEPS:-3200}
 AVERAGE=${AVERAGE:-5}
 EXTRA=${EXTRA:-}
 

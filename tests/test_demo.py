@@ -46,3 +46,29 @@ def test_readme_quick_start_is_what_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "pip install torch==2.13.0" in ci and test_command in ci
     assert ci.index("torch==2.13.0") < ci.index("pip install -e")
+
+
+def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
+    """scripts/multi30k.sh on a tiny stand-in for the Multi30k files (tiny model, 3 steps):
+    train, average, export, serve-batch both test sets, score with sacreBLEU."""
+    import os
+    import subprocess
+
+    from conftest import make_parallel
+
+    data = tmp_path / "multi30k"
+    data.mkdir()
+    for split, n, seed in (("train", 150, 1), ("val", 10, 2), ("test_2016_flickr", 8, 3), ("test_2017_flickr", 8, 4)):
+        src, tgt = make_parallel(n, seed=seed)
+        (data / f"{split}.de").write_text("\n".join(src) + "\n")
+        (data / f"{split}.en").write_text("\n".join(tgt) + "\n")
+    env = dict(os.environ, DATA=str(data), RUN=str(tmp_path / "run"), MODEL=str(tmp_path / "model"), STEPS="3",
+               AVERAGE="2", EXTRA="--preset tiny --vocab-size 64 --batch-tokens 256 --save-every 1 "
+                                  "--threads 1 --no-progress")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "multi30k.sh")], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for split in ("test_2016_flickr", "test_2017_flickr"):
+        assert re.search(rf"{split}: BLEU [\d.]+ \(nrefs:1\|case:mixed", proc.stdout), proc.stdout
+        assert (tmp_path / "run" / f"{split}.hyp").read_text().count("\n") == 8
+    assert (tmp_path / "model" / "manifest.json").is_file() and (tmp_path / "run" / "averaged.pt").is_file()
