@@ -71,3 +71,19 @@ def dummy_slot_cache(n_layers: int, n_rows: int, n_heads: int, d_head: int, dtyp
     (n_rows, n_heads, 1, d_head) zeros holding only the masked dummy slot."""
     shape = (n_rows, n_heads, 1, d_head)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * n_layers)]
+
+
+class ExportedGraphBackend:
+    """What the onnxruntime and tensorrt backends share: torch tensors as state and caches,
+    laid out as the exported graphs take them. Subclasses set cfg, device, cache_dtype."""
+
+    cfg: Any
+    device: torch.device
+    cache_dtype: torch.dtype
+
+    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+        return select_rows(state, rows)
+
+    def initial_cache(self, n_rows: int) -> list[Tensor]:
+        return dummy_slot_cache(self.cfg.n_dec_layers, n_rows, self.cfg.n_heads, self.cfg.d_head,
+                                self.cache_dtype, self.device)

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import io_names
 from model.config import ModelConfig
-from runtime.backend import EncoderState, StepOutput, dummy_slot_cache, select_rows
+from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ def choose_providers(device: torch.device, available: list[str], use_tensorrt: b
     return providers + [CUDA_EP, CPU_EP]
 
 
-class OrtBackend:
+class OrtBackend(ExportedGraphBackend):
     """Encoder + decoder-step ONNX graphs run by onnxruntime, IO-bound to torch tensors."""
 
     name = "onnxruntime"
@@ -145,13 +145,6 @@ class OrtBackend:
             tensors[io_names.cross_v(i)] = self._bind_out(binding, io_names.cross_v(i), cross)
         self._run(self.encoder, binding)
         return EncoderState(tensors, b)
-
-    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
-        return select_rows(state, rows)
-
-    def initial_cache(self, n_rows: int) -> list[Tensor]:
-        return dummy_slot_cache(self.cfg.n_dec_layers, n_rows, self.cfg.n_heads, self.cfg.d_head,
-                                self.cache_dtype, self.device)
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],

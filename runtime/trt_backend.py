@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import io_names
 from model.config import ModelConfig
-from runtime.backend import EncoderState, StepOutput, dummy_slot_cache, select_rows
+from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class _Engine:
         return outs
 
 
-class TrtBackend:
+class TrtBackend(ExportedGraphBackend):
     """TensorRT engines with torch CUDA tensors as device buffers."""
 
     name = "tensorrt"
@@ -136,13 +136,6 @@ class TrtBackend:
     def encode(self, src_ids: Tensor) -> EncoderState:
         out = self.encoder.run({io_names.SRC_IDS: src_ids}, self.device)
         return EncoderState(out, int(src_ids.shape[0]))
-
-    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
-        return select_rows(state, rows)
-
-    def initial_cache(self, n_rows: int) -> list[Tensor]:
-        return dummy_slot_cache(self.cfg.n_dec_layers, n_rows, self.cfg.n_heads, self.cfg.d_head,
-                                self.cache_dtype, self.device)
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],

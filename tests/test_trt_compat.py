@@ -125,7 +125,7 @@ def test_profiles_cover_every_dynamic_input_consistently(model_dir):
                 if isinstance(dim, int):
                     assert triple == (dim, dim, dim), (name, axis)
                 else:
-                    assert 1 == triple[0] <= triple[1] <= triple[2], (name, axis)
+                    assert triple[0] == 1 and triple[0] <= triple[1] <= triple[2], (name, axis)
                     ranges.setdefault(dim, set()).add(triple)
         # One range per axis name: related inputs can never disagree.
         assert all(len(r) == 1 for r in ranges.values()), ranges
