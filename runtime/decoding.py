@@ -1,0 +1,83 @@
+"""How to decode: one options object with the paper's defaults, written once.
+
+Search, serve-batch, parity, bench, demo, in-training validation and every CLI option
+take their defaults (and help texts) from `DecodingOptions`, so "beam 4, alpha 0.6,
+max length source + 50" lives here and nowhere else (section 6.1 of the paper).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from runtime.errors import RuntimeUserError
+
+
+class DecodingError(RuntimeUserError):
+    """Decoding options that make no sense (names every bad option at once)."""
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class DecodingOptions:
+    """Beam search settings; the defaults are the paper's (section 6.1)."""
+
+    beam_size: int = _opt(4, "Beam width; 1 runs greedy search.")
+    alpha: float = _opt(0.6, "GNMT length penalty alpha: score = log_prob / ((5 + len) / 6) ** alpha; "
+                             "0 turns length normalisation off.")
+    max_len_a: float = _opt(1.0, "Output length limit a in a * source_len + b (tokens, EOS excluded).")
+    max_len_b: int = _opt(50, "Output length limit b in a * source_len + b.")
+    min_len: int = _opt(0, "Least tokens to generate before EOS is allowed.")
+    nbest: int = _opt(1, "Hypotheses to return per sentence (at most the beam width).")
+    batch_tokens: int = _opt(4096, "Batch budget: sentences x longest source x beam, per batch.")
+
+    def search_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of runtime.search.beam_search (everything but batching)."""
+        return dict(beam_size=self.beam_size, alpha=self.alpha, max_len_a=self.max_len_a,
+                    max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest)
+
+    def replace(self, **changes: Any) -> DecodingOptions:
+        return dataclasses.replace(self, **changes)
+
+    def problems(self) -> list[str]:
+        """Every impossible setting, each naming its command-line option."""
+        out = []
+        if self.beam_size < 1:
+            out.append(f"--beam-size must be at least 1 (got {self.beam_size})")
+        if not 1 <= self.nbest <= max(self.beam_size, 1):
+            out.append(f"--nbest must be between 1 and --beam-size {self.beam_size} (got {self.nbest})")
+        if not math.isfinite(self.alpha) or self.alpha < 0:
+            out.append(f"--alpha must be a finite number >= 0 (got {self.alpha})")
+        if not math.isfinite(self.max_len_a) or self.max_len_a < 0:
+            out.append(f"--max-len-a must be a finite number >= 0 (got {self.max_len_a})")
+        if self.max_len_b < 0:
+            out.append(f"--max-len-b must be >= 0 (got {self.max_len_b})")
+        if self.max_len_a == 0 and self.max_len_b == 0:
+            out.append("--max-len-a 0 with --max-len-b 0 allows no output token at all")
+        if self.min_len < 0:
+            out.append(f"--min-len must be >= 0 (got {self.min_len})")
+        elif self.max_len_a == 0 and self.min_len > self.max_len_b:
+            out.append(f"--min-len {self.min_len} is above the maximum output length {self.max_len_b}")
+        if self.batch_tokens < 1:
+            out.append(f"--batch-tokens must be at least 1 (got {self.batch_tokens})")
+        return out
+
+    def validate(self) -> DecodingOptions:
+        """self, or a DecodingError listing every problem."""
+        problems = self.problems()
+        if problems:
+            raise DecodingError("; ".join(problems))
+        return self
+
+    @classmethod
+    def help(cls, name: str) -> str:
+        """The help text of one option (for the CLI)."""
+        return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+PAPER = DecodingOptions()
