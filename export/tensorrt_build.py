@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +23,7 @@ from typing import Any
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.config import ModelConfig
+from model.files import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -154,12 +154,7 @@ def _config(trt: ModuleType, builder: Any, profile: Profile, *, fp16: bool, stro
 
 def _save_timing_cache(config: Any, path: Path) -> None:
     """Atomically write the (grown) timing cache so the next build starts from it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = bytes(memoryview(config.get_timing_cache().serialize()))
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write_bytes(path, bytes(memoryview(config.get_timing_cache().serialize())))
 
 
 def build_engine(trt: ModuleType, onnx_path: Path, plan_path: Path, profile: Profile, *, fp16: bool,

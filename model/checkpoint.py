@@ -7,14 +7,13 @@ a crash never leaves a file that a later run would mistake for a valid checkpoin
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from model.config import ModelConfig
+from model.files import atomic_write
 from model.transformer import Transformer
 
 FORMAT = "pipeline-checkpoint-v1"
@@ -24,29 +23,10 @@ class CheckpointError(ValueError):
     """A path that is not a usable checkpoint."""
 
 
-def usual_permissions(path: Path) -> None:
-    """Give `path` the mode a plain open() would (0666 / 0777 less the umask): mkstemp and
-    mkdtemp, which every atomic write here goes through, create owner-only files."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
-
-
 def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save to a temp file in the same directory, fsync, then rename over `path`."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        usual_permissions(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save that replaces `path` only once the whole file is on disk (model.files)."""
+    with atomic_write(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,

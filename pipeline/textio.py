@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import gzip
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from model.checkpoint import usual_permissions
+from model.files import atomic_write
 from pipeline.errors import UserError
 
 
@@ -73,17 +71,5 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
         yield sys.stdout if "b" not in mode else sys.stdout.buffer
         sys.stdout.flush()
         return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    try:
-        kwargs = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-        with open(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        usual_permissions(Path(tmp))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_write(path, mode, suffix=".part") as f:
+        yield f

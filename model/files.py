@@ -1,0 +1,79 @@
+"""Atomic file writes: every file this project writes goes through `atomic_write`.
+
+Temp file in the same directory, fsync, rename over the target, fsync the directory:
+a crash, a full disk or Ctrl-C leaves the old file (or none), never a truncated one
+that a later run would take for the real thing, and the rename itself survives a
+power cut. Model, export, runtime and pipeline all write files, so this lives in model/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+
+def usual_permissions(path: str | Path) -> None:
+    """Give `path` the mode a plain open() would (0666 / 0777 less the umask): mkstemp and
+    mkdtemp, which every atomic write here goes through, create owner-only files."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename inside `path` durable; filesystems that cannot sync a directory
+    (some network mounts) lose only that durability, so it is logged, not raised."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+        log.debug("cannot open %s to fsync it: %s", path, e)
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        log.debug("cannot fsync directory %s: %s", path, e)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> Iterator[IO[Any]]:
+    """Yield a file to write; on success it replaces `path` (fsync'd, usual permissions).
+
+    Text modes write UTF-8 with '\\n' newlines whatever the platform. If the body raises,
+    the temp file is removed and `path` is left as it was.
+    """
+    if "w" not in mode:
+        raise ValueError(f"atomic_write needs a write mode, got {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    try:
+        kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+        with open(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        usual_permissions(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    with atomic_write(path, "wb") as f:
+        f.write(data)
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    with atomic_write(path, "w") as f:
+        f.write(text)
