@@ -87,8 +87,7 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _write_graphs(model: Transformer, tmp: Path, *, fp16: bool, opset: int, topk: int) -> dict[str, Any]:
-    graph_model = onnx_export.inference_copy(model, fp16)
+def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
@@ -165,9 +164,13 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
         usual_permissions(tmp)
         save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
         (tmp / SPM_FILE).write_bytes(spm_bytes)
-        graphs = _write_graphs(model, tmp, fp16=fp16, opset=opset, topk=topk)
+        # The one copy in the export precision: the graphs are traced from it and, for
+        # fp16, the verifier runs it as the PyTorch half-precision reference.
+        graph_model = onnx_export.inference_copy(model, fp16)
+        graphs = _write_graphs(graph_model, tmp, opset=opset, topk=topk)
         verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
-                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol)
+                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol,
+                                            model16=graph_model if fp16 else None)
         engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
                                     workspace_gib=workspace_gib, timing_cache=timing_cache)
         versions = _versions()

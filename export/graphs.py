@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from model import io_names
+from model.cache import cache_shape
 from model.transformer import Transformer, select_candidates
 
 
@@ -97,9 +98,9 @@ def decoder_example(model: Transformer) -> tuple[Tensor, ...]:
     tokens = torch.randint(4, cfg.vocab_size, (EXAMPLE_HYPS,), generator=g)
     step = torch.tensor([EXAMPLE_CACHE_LEN - 1], dtype=torch.int64)
     reorder = torch.randint(0, EXAMPLE_PREV_HYPS, (EXAMPLE_HYPS,), generator=g)
-    cache_shape = (EXAMPLE_PREV_HYPS, h, EXAMPLE_CACHE_LEN, dh)
+    self_shape = cache_shape(cfg, EXAMPLE_PREV_HYPS, EXAMPLE_CACHE_LEN)
     cross_shape = (EXAMPLE_HYPS, h, EXAMPLE_SRC_LEN, dh)
-    self_kv = [torch.randn(cache_shape, generator=g).to(dtype) for _ in range(2 * n)]
+    self_kv = [torch.randn(self_shape, generator=g).to(dtype) for _ in range(2 * n)]
     cross_kv = [torch.randn(cross_shape, generator=g).to(dtype) for _ in range(2 * n)]
     src_bias = torch.zeros(EXAMPLE_HYPS, EXAMPLE_SRC_LEN)
     return (tokens, step, reorder, *self_kv, *cross_kv, src_bias)

@@ -16,7 +16,6 @@ matmuls) against the fp32 model, with the same fp16 tolerance.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,9 @@ import onnx
 import torch
 
 from export.errors import ExportError, VerificationError
+from export.onnx_export import inference_copy
 from model import io_names
+from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
 from model.transformer import Transformer, select_candidates
 
 log = logging.getLogger(__name__)
@@ -198,8 +199,8 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
     rows = np.repeat(np.arange(src.shape[0]), BEAM)
     cross = {name: enc[name][rows] for name in io_names.encoder_outputs(n)}
     ref_cross = {name: ref_enc[name][rows] for name in io_names.encoder_outputs(n)}
-    shape = (len(rows), cfg.n_heads, 1, cfg.d_head)
-    cache = {name: np.zeros(shape, dtype=cache_dtype) for name in _cache_names(n)}
+    dummy = cache_inputs(*dummy_slot_cache(cfg, len(rows)))
+    cache = {name: t.numpy().astype(cache_dtype) for name, t in dummy.items()}
     ref_cache = {name: v.copy() for name, v in cache.items()}
     tokens = np.full(len(rows), cfg.bos_id, dtype=np.int64)
     sent = rows.copy()
@@ -219,20 +220,12 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
                 _check(report, "cache", where + f" {name}", out[name], ref[name], None)
         keep, tokens, reorder = _beam_like_choice(ref, sent, step)
         sent = sent[keep]
-        cache = {name: out[new] for name, new in zip(_cache_names(n), _new_cache_names(n))}
-        ref_cache = {name: ref[new] for name, new in zip(_cache_names(n), _new_cache_names(n))}
+        cache = cache_inputs(*cache_outputs(out, n))
+        ref_cache = cache_inputs(*cache_outputs(ref, n))
         cross = {k: v[keep] for k, v in cross.items()}
         ref_cross = {k: v[keep] for k, v in ref_cross.items()}
         report.steps += 1
     return report
-
-
-def _cache_names(n: int) -> list[str]:
-    return [io_names.self_k(i) for i in range(n)] + [io_names.self_v(i) for i in range(n)]
-
-
-def _new_cache_names(n: int) -> list[str]:
-    return [io_names.new_self_k(i) for i in range(n)] + [io_names.new_self_v(i) for i in range(n)]
 
 
 def _beam_like_choice(ref: dict[str, np.ndarray], sent: np.ndarray, step: int
@@ -259,12 +252,14 @@ def _beam_like_choice(ref: dict[str, np.ndarray], sent: np.ndarray, step: int
 
 def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, *, fp16: bool,
                   topk: int, atol: float = FP32_ATOL, fp16_atol: float = FP16_ATOL,
-                  rtol: float = FP32_RTOL, fp16_rtol: float = FP16_RTOL) -> dict[str, Any]:
+                  rtol: float = FP32_RTOL, fp16_rtol: float = FP16_RTOL,
+                  model16: Transformer | None = None) -> dict[str, Any]:
     """Check both graphs and compare them with PyTorch; returns the manifest's figures.
 
     fp32: ORT vs the fp32 model. fp16: ORT vs the half model in PyTorch (same graph
     arithmetic up to ORT's fp32 fallbacks), and the half model in PyTorch vs the fp32
     model (the honest fp16-arithmetic check), both within fp16_atol + fp16_rtol * |log-prob|.
+    `model16`: the half copy the graphs were exported from, when the caller has one.
     """
     for path in (encoder_path, decoder_path):
         check_graph(path)
@@ -275,7 +270,8 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
         return _summary("fp32", atol, rtol, {"onnxruntime_vs_torch_fp32": rep},
                         "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
                         f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis")
-    model16 = model32_to_half(model32)
+    if model16 is None:
+        model16 = inference_copy(model32, fp16=True)
     rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),
                               fp16_atol, fp16_rtol, np.dtype(np.float16), "onnxruntime fp16 vs torch fp16")
     rep_half = compare_engines(model32, torch_encoder(model16), torch_decoder(model16, topk),
@@ -286,10 +282,6 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                     "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
                     "PyTorch half precision; PyTorch half precision (real fp16 matmuls) vs PyTorch "
                     f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
-
-
-def model32_to_half(model32: Transformer) -> Transformer:
-    return copy.deepcopy(model32).half().eval()
 
 
 def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report], how: str) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.cache import SelfCache, dummy_slot_cache
 from model.config import ModelConfig
 
 # Additive attention bias for masked positions. Finite, and far inside fp16 range
@@ -229,11 +230,9 @@ class Transformer(nn.Module):
         return ks, vs
 
     def initial_cache(self, n_rows: int, dtype: torch.dtype = torch.float32,
-                      device: torch.device | None = None) -> tuple[list[Tensor], list[Tensor]]:
+                      device: torch.device | None = None) -> SelfCache:
         """The length-1 cache (only the masked dummy slot) that the first step takes."""
-        shape = (n_rows, self.cfg.n_heads, 1, self.cfg.d_head)
-        zeros = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.decoder]
-        return zeros, [z.clone() for z in zeros]
+        return dummy_slot_cache(self.cfg, n_rows, dtype, device)
 
     def decode_step(self, tokens: Tensor, step: Tensor, reorder: Tensor,
                     self_k: list[Tensor], self_v: list[Tensor],

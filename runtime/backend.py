@@ -13,6 +13,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from model.cache import SelfCache, dummy_slot_cache
+
 
 @dataclass
 class EncoderState:
@@ -49,7 +51,8 @@ class Backend(Protocol):
         """A state whose row i is `state`'s row rows[i] (repeat for beams, drop finished)."""
 
     def initial_cache(self, n_rows: int) -> Any:
-        """Self-attention caches holding only the masked dummy slot."""
+        """Self-attention caches holding only the masked dummy slot (model.cache layout
+        for the real backends; opaque to search)."""
 
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
              reorder: Tensor) -> tuple[StepOutput, Any]:
@@ -65,14 +68,6 @@ def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:
     return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()}, int(rows.shape[0]))
 
 
-def dummy_slot_cache(n_layers: int, n_rows: int, n_heads: int, d_head: int, dtype: torch.dtype,
-                     device: torch.device) -> list[Tensor]:
-    """`Backend.initial_cache` for the exported graphs: every layer's self K then self V,
-    (n_rows, n_heads, 1, d_head) zeros holding only the masked dummy slot."""
-    shape = (n_rows, n_heads, 1, d_head)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(2 * n_layers)]
-
-
 class ExportedGraphBackend:
     """What the onnxruntime and tensorrt backends share: torch tensors as state and caches,
     laid out as the exported graphs take them. Subclasses set cfg, device, cache_dtype."""
@@ -84,6 +79,5 @@ class ExportedGraphBackend:
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
 
-    def initial_cache(self, n_rows: int) -> list[Tensor]:
-        return dummy_slot_cache(self.cfg.n_dec_layers, n_rows, self.cfg.n_heads, self.cfg.d_head,
-                                self.cache_dtype, self.device)
+    def initial_cache(self, n_rows: int) -> SelfCache:
+        return dummy_slot_cache(self.cfg, n_rows, self.cache_dtype, self.device)

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
+from model.cache import SelfCache, cache_inputs, cache_shape
 from model.config import ModelConfig
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
@@ -147,8 +148,8 @@ class OrtBackend(ExportedGraphBackend):
         return EncoderState(tensors, b)
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],
-             reorder: Tensor) -> tuple[StepOutput, list[Tensor]]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
+             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
         n_layers = self.cfg.n_dec_layers
         n = int(tokens.shape[0])
         binding, alive = self.decoder.io_binding(), []
@@ -156,17 +157,13 @@ class OrtBackend(ExportedGraphBackend):
         self._bind_in(binding, io_names.STEP, torch.tensor([step], dtype=torch.int64, device=self.device),
                       alive)
         self._bind_in(binding, io_names.REORDER, reorder.to(self.device, torch.int64), alive)
-        for i in range(n_layers):
-            self._bind_in(binding, io_names.self_k(i), cache[i], alive)
-            self._bind_in(binding, io_names.self_v(i), cache[n_layers + i], alive)
-        for name, t in state.tensors.items():
+        for name, t in {**cache_inputs(*cache), **state.tensors}.items():
             self._bind_in(binding, name, t, alive)
         top_lp = self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk))
         top_ids = self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk))
         eos_lp = self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,))
-        new_len = cache[0].shape[2] + 1
-        shape = (n, self.cfg.n_heads, new_len, self.cfg.d_head)
+        shape = cache_shape(self.cfg, n, cache[0][0].shape[2] + 1)
         new_k = [self._bind_out(binding, io_names.new_self_k(i), shape) for i in range(n_layers)]
         new_v = [self._bind_out(binding, io_names.new_self_v(i), shape) for i in range(n_layers)]
         self._run(self.decoder, binding)
-        return StepOutput(top_lp, top_ids, eos_lp), new_k + new_v
+        return StepOutput(top_lp, top_ids, eos_lp), (new_k, new_v)

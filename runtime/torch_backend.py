@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
+from model.cache import SelfCache
 from model.transformer import Transformer, select_candidates
 from runtime.backend import EncoderState, StepOutput, select_rows
 
@@ -42,12 +43,12 @@ class TorchBackend:
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
 
-    def initial_cache(self, n_rows: int) -> tuple[list[Tensor], list[Tensor]]:
+    def initial_cache(self, n_rows: int) -> SelfCache:
         return self.model.initial_cache(n_rows, self.dtype, self.device)
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
-             reorder: Tensor) -> tuple[StepOutput, Any]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
+             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
         n = self.cfg.n_dec_layers
         t = state.tensors
         log_probs, new_k, new_v = self.model.decode_step(

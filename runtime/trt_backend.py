@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
+from model.cache import SelfCache, cache_inputs, cache_outputs
 from model.config import ModelConfig
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
@@ -138,20 +139,16 @@ class TrtBackend(ExportedGraphBackend):
         return EncoderState(out, int(src_ids.shape[0]))
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: list[Tensor],
-             reorder: Tensor) -> tuple[StepOutput, list[Tensor]]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
+             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
         n_layers = self.cfg.n_dec_layers
         if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
             raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "
                                    f"{self.max_hyps} (max batch x max beam); lower --beam-size or {REBUILD} "
                                    "with larger --max-batch / --max-beam")
         feeds = {io_names.TOKENS: tokens, io_names.REORDER: reorder,
-                 io_names.STEP: torch.tensor([step], dtype=torch.int64), **state.tensors}
-        for i in range(n_layers):
-            feeds[io_names.self_k(i)] = cache[i]
-            feeds[io_names.self_v(i)] = cache[n_layers + i]
+                 io_names.STEP: torch.tensor([step], dtype=torch.int64), **state.tensors,
+                 **cache_inputs(*cache)}
         out = self.decoder.run(feeds, self.device)
-        new_cache = [out[io_names.new_self_k(i)] for i in range(n_layers)]
-        new_cache += [out[io_names.new_self_v(i)] for i in range(n_layers)]
         return StepOutput(out[io_names.TOPK_LOG_PROBS].float(), out[io_names.TOPK_IDS].long(),
-                          out[io_names.EOS_LOG_PROBS].float()), new_cache
+                          out[io_names.EOS_LOG_PROBS].float()), cache_outputs(out, n_layers)
