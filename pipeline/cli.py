@@ -7,6 +7,7 @@ import sys
 
 import click
 
+from export.errors import ExportError
 from model.checkpoint import CheckpointError
 from model.config import ConfigError
 from model.manifest import ModelDirError
@@ -14,7 +15,9 @@ from pipeline.errors import UserError
 from runtime.errors import RuntimeUserError
 
 # Errors that are the user's to fix: one line on stderr, exit status 2, no traceback.
-USER_ERRORS = (UserError, ConfigError, CheckpointError, ModelDirError, RuntimeUserError)
+# ExportError covers VerificationError and TensorRTUnavailable; RuntimeUserError covers
+# the tokenizer's TokenizerError.
+USER_ERRORS = (UserError, ConfigError, CheckpointError, ModelDirError, RuntimeUserError, ExportError)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

@@ -7,6 +7,11 @@ from pathlib import Path
 import sentencepiece as spm
 
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from runtime.errors import RuntimeUserError
+
+
+class TokenizerError(RuntimeUserError):
+    """A SentencePiece model this project cannot use (wrong special ids)."""
 
 
 class Tokenizer:
@@ -17,7 +22,7 @@ class Tokenizer:
         self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
         ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
-            raise ValueError(f"SentencePiece model has special ids {ids}, expected "
+            raise TokenizerError(f"SentencePiece model has special ids {ids}, expected "
                              f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (pad, unk, bos, eos)")
 
     @classmethod
