@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -23,9 +24,21 @@ import torch
 from export import onnx_export, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
-from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint, usual_permissions
+from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
-from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, sha256_file, write_manifest
+from model.files import usual_permissions
+from model.manifest import (
+    CHECKPOINT_FILE,
+    MANIFEST,
+    SPM_FILE,
+    Engines,
+    Graphs,
+    Limits,
+    Manifest,
+    SourceCheckpoint,
+    sha256_file,
+    write_manifest,
+)
 from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -33,7 +46,7 @@ log = logging.getLogger(__name__)
 DEFAULTS = dict(opset=18, topk=16, max_batch=64, max_src_len=256, max_tgt_len=306, max_beam=8)
 
 
-def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: tensorrt_build.Limits) -> None:
+def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) -> None:
     """Every reason the exporter cannot serve this config with these options, at once."""
     problems = []
     if not onnx_export.MIN_OPSET <= opset <= onnx_export.MAX_OPSET:
@@ -87,7 +100,7 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int) -> dict[str, Any]:
+def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int) -> Graphs:
     t0 = time.perf_counter()
     onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
@@ -99,18 +112,18 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int)
     sizes = {name: (tmp / name).stat().st_size for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE)}
     log.info("exported ONNX graphs in %.1f s (%s)", seconds,
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
-    return {"export_seconds": round(seconds, 2), "bytes": sizes}
+    return Graphs(export_seconds=round(seconds, 2), bytes=sizes)
 
 
-def _engines(tmp: Path, cfg: ModelConfig, limits: tensorrt_build.Limits, *, fp16: bool,
+def _engines(tmp: Path, cfg: ModelConfig, limits: Limits, *, fp16: bool,
              tensorrt: bool | None, workspace_gib: float, timing_cache: Path | None
-             ) -> tuple[dict[str, Any] | None, str | None]:
+             ) -> tuple[Engines | None, str | None]:
     """(manifest entry, None) when built; (None, reason) when skipped."""
     if tensorrt is False:
         return None, "--no-tensorrt"
     try:
-        return tensorrt_build.build_engines(tmp, cfg, limits, fp16=fp16, workspace_gib=workspace_gib,
-                                            timing_cache=timing_cache), None
+        return Engines(**tensorrt_build.build_engines(tmp, cfg, limits, fp16=fp16, workspace_gib=workspace_gib,
+                                                      timing_cache=timing_cache)), None
     except TensorRTUnavailable as e:
         if tensorrt:
             raise ExportError(f"--tensorrt was asked for but {e}") from None
@@ -137,18 +150,18 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  max_batch: int = 64, max_src_len: int = 256, max_tgt_len: int = 306, max_beam: int = 8,
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
-                 timing_cache: Path | None = None) -> dict[str, Any]:
+                 timing_cache: Path | None = None) -> Manifest:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
-    skips them (manifest["tensorrt_skipped"] says why); True requires them; False skips.
+    skips them (manifest.tensorrt_skipped says why); True requires them; False skips.
     Raises ExportError / VerificationError / CheckpointError / ConfigError, leaving
     nothing at `out` (or the previous `out` untouched).
     """
     started = time.perf_counter()
     checkpoint, out = Path(checkpoint), Path(out)
     source = resolve_checkpoint(checkpoint)
-    limits = tensorrt_build.Limits(max_batch, max_src_len, max_tgt_len, max_beam)
+    limits = Limits(max_batch, max_src_len, max_tgt_len, max_beam)
     _prepare_out(out, force, source)
     model, spm_bytes, payload = _load(source)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
@@ -175,22 +188,13 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                                     workspace_gib=workspace_gib, timing_cache=timing_cache)
         versions = _versions()
         if engines:
-            versions["tensorrt"] = engines["version"]
-        manifest = write_manifest(tmp, {
-            "model_config": model.cfg.to_dict(),
-            "precision": "fp16" if fp16 else "fp32",
-            "opset": opset,
-            "topk": topk,
-            "limits": {"max_batch": max_batch, "max_src_len": max_src_len,
-                       "max_tgt_len": max_tgt_len, "max_beam": max_beam},
-            "versions": versions,
-            "tensorrt": engines,
-            "tensorrt_skipped": skipped,
-            "graphs": graphs,
-            "verification": verification,
-            "source_checkpoint": {"path": str(source.resolve()), "sha256": sha256_file(source),
-                                  "step": _train_step(payload)},
-        })
+            versions["tensorrt"] = engines.version
+        manifest = write_manifest(tmp, Manifest(
+            model_config=model.cfg, precision="fp16" if fp16 else "fp32", opset=opset, topk=topk,
+            limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
+            verification=verification,
+            source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),
+                                               steps=checkpoint_steps(payload))))
         for f in tmp.iterdir():
             usual_permissions(f)
         _replace_dir(tmp, out)
@@ -201,9 +205,19 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     return manifest
 
 
-def _train_step(payload: dict[str, Any]) -> int | None:
+def checkpoint_steps(payload: dict[str, Any]) -> list[int]:
+    """The training steps a checkpoint's weights come from: an averaged checkpoint's
+    `extra["steps"]` (or, as older ones record, its `extra["averaged"]` file names
+    checkpoint_<step>.pt); a step checkpoint's train_state step; else none known."""
+    extra = payload.get("extra") or {}
+    if isinstance(extra.get("steps"), list):
+        return [int(s) for s in extra["steps"]]
+    if isinstance(extra.get("averaged"), list):
+        names = [re.fullmatch(r"checkpoint_(\d+)\.pt", Path(str(n)).name) for n in extra["averaged"]]
+        return sorted(int(m.group(1)) for m in names if m)
     state = payload.get("train_state")
-    return state.get("step") if isinstance(state, dict) else None
+    step = state.get("step") if isinstance(state, dict) else None
+    return [int(step)] if isinstance(step, int) else []
 
 
 def _load(source: Path) -> tuple[Transformer, bytes, dict[str, Any]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,6 +23,7 @@ from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.config import ModelConfig
 from model.files import atomic_write_bytes
+from model.manifest import Limits  # the shape limits are one type, recorded in the manifest
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +32,6 @@ DEFAULT_WORKSPACE_GIB = 4.0
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Shape limits of the engines (the export's --max-* options)."""
-
-    max_batch: int
-    max_src_len: int
-    max_tgt_len: int
-    max_beam: int
-
-    @property
-    def max_hyps(self) -> int:
-        return self.max_batch * self.max_beam
-
-    @property
-    def max_cache_len(self) -> int:
-        return self.max_tgt_len + 1  # the dummy slot plus one slot per generated token
 
 
 def load_tensorrt() -> ModuleType:

@@ -1,24 +1,186 @@
-"""The model directory's manifest: what `pipeline export` wrote and every backend checks.
+"""The model directory's manifest: what `pipeline export` wrote and every backend reads.
 
-`manifest.json` records the model config, precision, opset, shape limits, versions and
-the SHA-256 of every file. Backends refuse a directory whose files do not match it.
+`manifest.json` records the model config, precision, opset, shape limits, versions, the
+checkpoint it came from and the SHA-256 of every file. It has one writer
+(`write_manifest`) and one reader (`read_manifest`), both typed by `Manifest`: consumers
+read attributes, never JSON keys, and a manifest of the wrong shape is refused on
+reading with the field named. Backends refuse a directory whose files do not match it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import types
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.config import ConfigError, ModelConfig
+from model.files import atomic_write_text
+
 MANIFEST = "manifest.json"
-FORMAT = "pipeline-model-dir-v1"
+FORMAT = "pipeline-model-dir-v2"
+OLD_FORMATS = ("pipeline-model-dir-v1",)  # before the typed manifest (source_checkpoint.step)
 CHECKPOINT_FILE = "model.pt"
 SPM_FILE = "spm.model"
+PRECISIONS = ("fp32", "fp16")  # graph / engine precisions an export can record
+REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
 
 
 class ModelDirError(ValueError):
     """A model directory that is missing, incomplete, tampered with, or built elsewhere."""
+
+
+def check_precision(value: str, name: str = "precision") -> str:
+    if value not in PRECISIONS:
+        raise ModelDirError(f"manifest field {name!r} is {value!r}, expected one of {', '.join(PRECISIONS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Shape limits the export was built for (its --max-* options; TensorRT profiles)."""
+
+    max_batch: int
+    max_src_len: int
+    max_tgt_len: int
+    max_beam: int
+
+    @property
+    def max_hyps(self) -> int:
+        return self.max_batch * self.max_beam
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.max_tgt_len + 1  # the dummy slot plus one slot per generated token
+
+
+@dataclass(frozen=True)
+class SourceCheckpoint:
+    """The checkpoint file exported; `steps`: the training steps its weights come from
+    (one for a step checkpoint, several for an averaged one, none when unknown)."""
+
+    path: str
+    sha256: str
+    steps: list[int]
+
+
+@dataclass(frozen=True)
+class Engines:
+    """TensorRT engines: they only run on this TensorRT version and GPU model."""
+
+    version: str
+    gpu: str
+    compute_capability: str
+    precision: str
+    workspace_gib: float
+    timing_cache: str
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision, "tensorrt.precision")
+
+
+@dataclass(frozen=True)
+class Graphs:
+    """How the ONNX graphs were made: export time and file sizes."""
+
+    export_seconds: float
+    bytes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model_config: ModelConfig
+    precision: str
+    opset: int
+    topk: int
+    limits: Limits
+    source_checkpoint: SourceCheckpoint
+    versions: dict[str, str | None]
+    graphs: Graphs
+    verification: dict[str, Any]  # the verifier's report (export/verify.py), read by people
+    tensorrt: Engines | None = None
+    tensorrt_skipped: str | None = None  # why no engines were built
+    files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+
+    def lists(self, *names: str) -> bool:
+        """Whether the manifest lists every one of these files."""
+        return all(name in self.files for name in names)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Manifest:
+        """A Manifest from parsed JSON; ModelDirError naming the first field of the wrong shape."""
+        return _parse(cls, data, "")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, dict):
+        return "a list" if origin is list else "an object"
+    if dataclasses.is_dataclass(tp):
+        return "an object"
+    return {int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(tp, str(tp))
+
+
+def _parse(tp: Any, value: Any, name: str) -> Any:
+    """`value` (parsed JSON) checked against the type hint `tp`, recursively."""
+    def wrong() -> ModelDirError:
+        return ModelDirError(f"manifest field {name!r} must be {_type_name(tp)}, got {json.dumps(value)[:40]}")
+
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) != 1:
+            raise TypeError(f"manifest type {tp} is not supported")
+        if value is None:
+            raise wrong()
+        return _parse(real[0], value, name)
+    if origin is list:
+        if not isinstance(value, list):
+            raise wrong()
+        (item,) = typing.get_args(tp)
+        return [_parse(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise wrong()
+        _, item = typing.get_args(tp)
+        return {k: _parse(item, v, f"{name}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise wrong()
+        hints = typing.get_type_hints(tp)
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            sub = f"{name}.{f.name}" if name else f.name
+            if f.name in value:
+                kwargs[f.name] = _parse(hints[f.name], value[f.name], sub)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ModelDirError(f"manifest field {sub!r} is missing")
+        try:
+            return tp(**kwargs)
+        except ConfigError as e:
+            raise ModelDirError(f"manifest field {name!r}: {e}") from None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise wrong()
+    return value
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -29,42 +191,47 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_manifest(model_dir: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-    """Hash every file of model_dir (but the manifest) into manifest['files'] and write it."""
+def write_manifest(model_dir: Path, manifest: Manifest) -> Manifest:
+    """Hash every file of model_dir (but the manifest) into `files` and write it atomically."""
     model_dir = Path(model_dir)
     files = sorted(p for p in model_dir.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = dict(manifest, format=FORMAT, files={p.name: sha256_file(p) for p in files})
-    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    manifest = dataclasses.replace(manifest, files={p.name: sha256_file(p) for p in files})
+    atomic_write_text(model_dir / MANIFEST, json.dumps(manifest.to_json(), indent=2, sort_keys=True) + "\n")
     return manifest
 
 
-def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = ()) -> dict[str, Any]:
+def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = ()) -> Manifest:
     """Load and (by default) verify model_dir/manifest.json against the files on disk.
 
     `need` names files that the caller's backend requires (e.g. the ONNX graphs).
     """
     model_dir = Path(model_dir)
-    redo = "re-run `pipeline export CHECKPOINT --out DIR --force`"
     if not model_dir.is_dir():
         raise ModelDirError(f"{model_dir}: no such model directory (create one with `pipeline export`)")
     path = model_dir / MANIFEST
     if not path.is_file():
-        raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({redo})")
+        raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({REDO})")
     try:
-        manifest = json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{path}: unreadable manifest ({e}); {redo}") from None
-    if manifest.get("format") != FORMAT:
-        raise ModelDirError(f"{path}: unknown manifest format {manifest.get('format')!r}; {redo}")
-    files = manifest.get("files", {})
+        raise ModelDirError(f"{path}: unreadable manifest ({e}); {REDO}") from None
+    fmt = data.get("format") if isinstance(data, dict) else None
+    if fmt in OLD_FORMATS:
+        raise ModelDirError(f"{model_dir}: exported by an older pipeline ({fmt}); re-export it: {REDO}")
+    if fmt != FORMAT:
+        raise ModelDirError(f"{path}: unknown manifest format {fmt!r}; {REDO}")
+    try:
+        manifest = Manifest.from_json({k: v for k, v in data.items() if k != "format"})
+    except ModelDirError as e:
+        raise ModelDirError(f"{path}: {e}; {REDO}") from None
     for name in need:
-        if name not in files:
-            raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {redo}")
+        if name not in manifest.files:
+            raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {REDO}")
     if verify:
-        for name, digest in files.items():
+        for name, digest in manifest.files.items():
             f = model_dir / name
             if not f.is_file():
-                raise ModelDirError(f"{f}: listed in the manifest but missing; {redo}")
+                raise ModelDirError(f"{f}: listed in the manifest but missing; {REDO}")
             if sha256_file(f) != digest:
-                raise ModelDirError(f"{f}: SHA-256 does not match the manifest (file changed); {redo}")
+                raise ModelDirError(f"{f}: SHA-256 does not match the manifest (file changed); {REDO}")
     return manifest

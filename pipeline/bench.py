@@ -123,8 +123,8 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, b
         del backend
     return {
         "model_dir": str(model_dir),
-        "model_config": manifest.get("model_config"),
-        "precision": manifest.get("precision"),
+        "model_config": manifest.model_config.to_dict(),
+        "precision": manifest.precision,
         "fixed_length": fixed_length,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpu_threads": torch.get_num_threads(), "torch": torch.__version__},

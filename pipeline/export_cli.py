@@ -7,9 +7,8 @@ from pathlib import Path
 import click
 
 from export import api, tensorrt_build, verify
-from export.errors import ExportError
 from model import io_names
-from pipeline.errors import UserError
+from model.manifest import Manifest
 
 
 @click.command("export")
@@ -52,28 +51,25 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
-    try:
-        manifest = api.export_model(
-            checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
-            max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
-            force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
-            timing_cache=timing_cache)
-    except ExportError as e:
-        raise UserError(str(e)) from None
-    if manifest["tensorrt_skipped"]:
-        click.echo(tensorrt_build.skip_message(manifest["tensorrt_skipped"]), err=True)
+    manifest = api.export_model(
+        checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
+        max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
+        force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
+        timing_cache=timing_cache)
+    if manifest.tensorrt_skipped:
+        click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(out, manifest))
 
 
-def summary_line(out: Path, manifest: dict) -> str:
+def summary_line(out: Path, manifest: Manifest) -> str:
     """One line: where, precision, graph sizes, worst log-prob difference, time."""
-    ver = manifest["verification"]
+    ver = manifest.verification
     diffs = [max(r["max_abs_diff"].get(io_names.TOPK_LOG_PROBS, 0.0),
                  r["max_abs_diff"].get(io_names.EOS_LOG_PROBS, 0.0))
              for r in ver.values() if isinstance(r, dict) and "max_abs_diff" in r]
-    sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in manifest["graphs"]["bytes"].items())
-    engines = " + TensorRT engines" if manifest["tensorrt"] else ""
-    return (f"exported {manifest['precision']} model to {out}{engines} (opset {manifest['opset']}, {sizes}); "
+    sizes = ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in manifest.graphs.bytes.items())
+    engines = " + TensorRT engines" if manifest.tensorrt else ""
+    return (f"exported {manifest.precision} model to {out}{engines} (opset {manifest.opset}, {sizes}); "
             f"verified: max abs log-prob difference {max(diffs):.3g} (tolerance {ver['atol']:.3g}"
             f"{f' + {rtol:.3g} x |log-prob|' if (rtol := ver.get('rtol')) else ''}); "
-            f"graphs exported in {manifest['graphs']['export_seconds']:.1f} s")
+            f"graphs exported in {manifest.graphs.export_seconds:.1f} s")

@@ -169,7 +169,7 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *, be
         else:
             backend, _, _ = load_backend(model_dir, backend=name, device=device, threads=threads)
             tokens, text, seconds = run(backend)
-            precision = manifest.get("precision", "fp32")
+            precision = manifest.precision
         bleu = bleu_metric.corpus_score(text, [ref_lines]).score
         different = [i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b]
         divs = divergence_gaps(reference.model, sources, ref_tokens, tokens, different)

@@ -15,7 +15,7 @@ import torch
 
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint
-from model.manifest import CHECKPOINT_FILE, SPM_FILE, read_manifest
+from model.manifest import CHECKPOINT_FILE, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
 from runtime.torch_backend import DEFAULT_TOPK, TorchBackend
@@ -34,14 +34,12 @@ def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
-def choose_backend(manifest: dict[str, Any]) -> str:
+def choose_backend(manifest: Manifest) -> str:
     """auto: TensorRT when engines are present, tensorrt imports and CUDA is there; else
     ONNX Runtime when installed and the graphs are present; else PyTorch."""
-    files = manifest.get("files", {})
-    if (all(f in files for f in NEEDS["tensorrt"]) and installed("tensorrt")
-            and torch.cuda.is_available()):
+    if manifest.lists(*NEEDS["tensorrt"]) and installed("tensorrt") and torch.cuda.is_available():
         return "tensorrt"
-    if all(f in files for f in NEEDS["onnxruntime"]) and installed("onnxruntime"):
+    if manifest.lists(*NEEDS["onnxruntime"]) and installed("onnxruntime"):
         return "onnxruntime"
     return "torch"
 
@@ -58,13 +56,6 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def manifest_limit(manifest: dict[str, Any], key: str) -> int | None:
-    """A shape limit (max_src_len, max_tgt_len, max_batch, max_beam) from the manifest,
-    at the top level or under "limits"; None when the export recorded none."""
-    value = manifest.get(key, manifest.get("limits", {}).get(key))
-    return int(value) if value is not None else None
-
-
 def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
     """fp16 only on a GPU (CPU half matmuls are slow and not what the graphs compute)."""
     if precision == "fp16" and device.type == "cuda":
@@ -76,7 +67,7 @@ def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
 
 def load_backend(model_dir: str | Path, backend: str = "auto", device: str | None = None,
                  threads: int | None = None, dtype: str | None = None,
-                 ) -> tuple[Any, Tokenizer, dict[str, Any]]:
+                 ) -> tuple[Any, Tokenizer, Manifest]:
     """(backend, tokenizer, manifest) for a verified model dir. `dtype` ("fp32"/"fp16")
     overrides the manifest's precision for the torch backend; `threads` sets intra-op
     threads (torch and onnxruntime)."""
@@ -92,10 +83,9 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
         if threads:
             torch.set_num_threads(threads)
         model, _, _ = load_model(model_dir / CHECKPOINT_FILE, device="cpu")
-        impl: Any = TorchBackend(model, dev, torch_dtype(dtype or manifest.get("precision"), dev),
-                                 topk=int(manifest.get("topk") or DEFAULT_TOPK),
-                                 max_src_len=manifest_limit(manifest, "max_src_len"),
-                                 max_tgt_len=manifest_limit(manifest, "max_tgt_len"))
+        impl: Any = TorchBackend(model, dev, torch_dtype(dtype or manifest.precision, dev), topk=manifest.topk,
+                                 max_src_len=manifest.limits.max_src_len,
+                                 max_tgt_len=manifest.limits.max_tgt_len)
     elif name == "onnxruntime":
         from runtime.ort_backend import OrtBackend
         impl = OrtBackend(model_dir, manifest, device=device, threads=threads)

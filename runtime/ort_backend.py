@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_shape
-from model.config import ModelConfig
+from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
@@ -63,11 +63,11 @@ class OrtBackend(ExportedGraphBackend):
 
     name = "onnxruntime"
 
-    def __init__(self, model_dir: Path, manifest: dict[str, Any], device: str | torch.device | None = None,
+    def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None,
                  threads: int | None = None, spinning: bool = False,
                  providers: list[str] | None = None):
         ort = import_onnxruntime()
-        self.cfg = ModelConfig.from_dict(manifest["model_config"])
+        self.cfg = manifest.model_config
         available = ort.get_available_providers()
         if device is None:
             device = "cuda" if CUDA_EP in available and torch.cuda.is_available() else "cpu"
@@ -91,16 +91,15 @@ class OrtBackend(ExportedGraphBackend):
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
         self.cache_dtype = self.out_types[io_names.new_self_k(0)]
-        self.topk = int(manifest.get("topk") or self.decoder.get_outputs()[0].shape[1])
-        limits = {**manifest.get("limits", {}), **manifest}
-        self.max_src_len = int(limits.get("max_src_len") or self.cfg.max_positions)
-        self.max_tgt_len = int(limits.get("max_tgt_len") or self.cfg.max_positions)
+        self.topk = manifest.topk
+        self.max_src_len = manifest.limits.max_src_len
+        self.max_tgt_len = manifest.limits.max_tgt_len
         self.max_batch = None  # dynamic shapes: no engine profile to respect
         self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
         log.info("onnxruntime %s on %s with %s", ort.__version__, self.device, ", ".join(self.providers))
 
-    def _provider_options(self, provider: str, manifest: dict[str, Any]) -> dict[str, Any]:
+    def _provider_options(self, provider: str, manifest: Manifest) -> dict[str, Any]:
         if provider == CUDA_EP:
             return {"device_id": self.device.index or 0}
         if provider == TRT_EP:
@@ -108,7 +107,7 @@ class OrtBackend(ExportedGraphBackend):
             cache.mkdir(parents=True, exist_ok=True)
             return {"device_id": self.device.index or 0, "trt_engine_cache_enable": True,
                     "trt_engine_cache_path": str(cache),
-                    "trt_fp16_enable": manifest.get("precision") == "fp16"}
+                    "trt_fp16_enable": manifest.precision == "fp16"}
         return {}
 
     # -- IO binding ---------------------------------------------------------------------

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_outputs
-from model.config import ModelConfig
+from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
@@ -49,16 +49,16 @@ def _torch_dtype(trt: ModuleType, dtype: Any) -> torch.dtype:
     return table[dtype]
 
 
-def check_engine_identity(manifest: dict[str, Any], trt_version: str, gpu: str) -> None:
+def check_engine_identity(manifest: Manifest, trt_version: str, gpu: str) -> None:
     """Engines only run on the TensorRT version and GPU model they were built with."""
-    built = manifest.get("tensorrt") or {}
-    if not built:
+    built = manifest.tensorrt
+    if built is None:
         raise RuntimeUserError(f"the model dir has no TensorRT engines; {REBUILD}")
-    if built.get("version") != trt_version:
-        raise RuntimeUserError(f"engines were built with TensorRT {built.get('version')}, this is "
+    if built.version != trt_version:
+        raise RuntimeUserError(f"engines were built with TensorRT {built.version}, this is "
                                f"TensorRT {trt_version}; {REBUILD}")
-    if built.get("gpu") != gpu:
-        raise RuntimeUserError(f"engines were built for {built.get('gpu')}, this GPU is {gpu}; {REBUILD}")
+    if built.gpu != gpu:
+        raise RuntimeUserError(f"engines were built for {built.gpu}, this GPU is {gpu}; {REBUILD}")
 
 
 class _Engine:
@@ -106,7 +106,7 @@ class TrtBackend(ExportedGraphBackend):
 
     name = "tensorrt"
 
-    def __init__(self, model_dir: Path, manifest: dict[str, Any], device: str | torch.device | None = None):
+    def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None):
         trt = import_tensorrt()
         if not torch.cuda.is_available():
             raise RuntimeUserError("the tensorrt backend needs a CUDA GPU visible to PyTorch; "
@@ -118,13 +118,12 @@ class TrtBackend(ExportedGraphBackend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         check_engine_identity(manifest, trt.__version__, torch.cuda.get_device_name(self.device))
-        self.cfg = ModelConfig.from_dict(manifest["model_config"])
-        limits = {**manifest.get("limits", {}), **{k: v for k, v in manifest.items() if k.startswith("max_")}}
-        self.topk = int(manifest["topk"])
-        self.max_src_len = int(limits.get("max_src_len") or self.cfg.max_positions)
-        self.max_tgt_len = int(limits.get("max_tgt_len") or self.cfg.max_positions)
-        self.max_batch = int(limits["max_batch"]) if limits.get("max_batch") else None
-        self.max_hyps = self.max_batch * int(limits.get("max_beam", 1)) if self.max_batch else None
+        self.cfg = manifest.model_config
+        self.topk = manifest.topk
+        self.max_src_len = manifest.limits.max_src_len
+        self.max_tgt_len = manifest.limits.max_tgt_len
+        self.max_batch = manifest.limits.max_batch
+        self.max_hyps = manifest.limits.max_hyps
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         model_dir = Path(model_dir)

@@ -3,7 +3,6 @@ the loader refuses tampered dirs and missing backends with clear messages."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 from model import build_model, preset
 from model.checkpoint import save_checkpoint
 from model.config import BOS_ID, EOS_ID, PAD_ID
-from model.manifest import MANIFEST, ModelDirError
+from model.manifest import ModelDirError, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.loader import choose_backend, load_backend, load_torch_backend_from_checkpoint
 from runtime.tokenizer import Tokenizer
@@ -106,7 +105,7 @@ def test_torch_and_onnxruntime_translate_identically(trained_model_dir, tiny_cor
 def test_onnxruntime_greedy_and_spinning_option(trained_model_dir):
     from runtime.ort_backend import OrtBackend
 
-    manifest = json.loads((trained_model_dir / MANIFEST).read_text())
+    manifest = read_manifest(trained_model_dir)
     spinning = OrtBackend(trained_model_dir, manifest, device="cpu", threads=1, spinning=True)
     quiet, tok, _ = load_backend(trained_model_dir, "onnxruntime", threads=1)
     src = pad_batch(tok.encode_source(["der hund sieht eine katze", "ein kind"]))
@@ -121,7 +120,7 @@ def test_limits_come_from_the_manifest(trained_model_dir):
     for name in ("torch", "onnxruntime"):
         backend, _, manifest = load_backend(trained_model_dir, name)
         assert backend.max_src_len == 48 and backend.max_tgt_len == 64
-        assert backend.topk == manifest["topk"] == 16
+        assert backend.topk == manifest.topk == 16
 
 
 def test_auto_prefers_onnxruntime_here(trained_model_dir):

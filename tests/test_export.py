@@ -24,7 +24,7 @@ from export import api, verify
 from export.errors import ExportError, VerificationError
 from model import build_model, io_names, preset
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
-from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, read_manifest
+from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, Limits, read_manifest
 from model.transformer import select_candidates
 from pipeline.cli import main
 
@@ -61,26 +61,26 @@ def leftovers(parent: Path) -> list[str]:
 def test_model_dir_is_complete_and_verified(fp32_dir, random_checkpoint):
     manifest = read_manifest(fp32_dir, verify=True, need=(io_names.ENCODER_FILE, io_names.DECODER_FILE,
                                                           CHECKPOINT_FILE, SPM_FILE))
-    assert manifest["precision"] == "fp32" and manifest["opset"] == 18 and manifest["topk"] == 16
-    assert manifest["limits"] == SMALL_LIMITS
-    assert set(manifest["versions"]) >= {"pipeline", "torch", "onnx", "onnxruntime", "tensorrt"}
-    assert manifest["versions"]["torch"] == torch.__version__
+    assert manifest.precision == "fp32" and manifest.opset == 18 and manifest.topk == 16
+    assert manifest.limits == Limits(**SMALL_LIMITS)
+    assert set(manifest.versions) >= {"pipeline", "torch", "onnx", "onnxruntime", "tensorrt"}
+    assert manifest.versions["torch"] == torch.__version__
     _, spm, _ = load_model(random_checkpoint)
     assert (fp32_dir / SPM_FILE).read_bytes() == spm
     model, spm2, _ = load_model(fp32_dir / CHECKPOINT_FILE)
-    assert spm2 == spm and model.cfg.to_dict() == manifest["model_config"]
-    ver = manifest["verification"]["onnxruntime_vs_torch_fp32"]
+    assert spm2 == spm and model.cfg == manifest.model_config
+    ver = manifest.verification["onnxruntime_vs_torch_fp32"]
     assert ver["steps"] >= 10 and ver["topk_ids_checked"] > 0
     assert 0 < ver["max_abs_diff"][io_names.TOPK_LOG_PROBS] <= 1e-4
     assert ver["max_abs_diff"][io_names.EOS_LOG_PROBS] <= 1e-4
-    assert manifest["source_checkpoint"]["path"] == str(random_checkpoint.resolve())
+    assert manifest.source_checkpoint.path == str(random_checkpoint.resolve())
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
 def test_engines_skipped_without_tensorrt(fp32_dir):
     manifest = read_manifest(fp32_dir)
-    assert manifest["tensorrt"] is None
-    assert "tensorrt is not installed" in manifest["tensorrt_skipped"]
+    assert manifest.tensorrt is None
+    assert "tensorrt is not installed" in manifest.tensorrt_skipped
     assert not (fp32_dir / io_names.ENCODER_ENGINE).exists()
 
 
@@ -101,7 +101,7 @@ def _dims(value: onnx.ValueInfoProto) -> list[str | int]:
 
 
 def test_graph_names_and_shared_axes(fp32_dir):
-    cfg = read_manifest(fp32_dir)["model_config"]
+    cfg = read_manifest(fp32_dir).model_config.to_dict()
     n, h, dh = cfg["n_dec_layers"], cfg["n_heads"], cfg["d_model"] // cfg["n_heads"]
     enc = onnx.load(str(fp32_dir / io_names.ENCODER_FILE))
     dec = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
@@ -167,7 +167,7 @@ def test_beam_decoding_with_reorder_matches_torch(fp32_dir):
 
 def test_verification_catches_a_wrong_graph(fp32_dir, tmp_path):
     """Perturb one decoder FFN weight by ~1e-2: verification must fail with a typed error."""
-    d_ff = read_manifest(fp32_dir)["model_config"]["d_ff"]
+    d_ff = read_manifest(fp32_dir).model_config.d_ff
     proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
     init = next(i for i in proto.graph.initializer if list(i.dims)[-1:] == [d_ff] and len(i.dims) == 2)
     arr = onnx.numpy_helper.to_array(init).copy()
@@ -226,14 +226,14 @@ def test_fp16_graph_carries_its_precision(fp16_dir, graph):
 
 def test_fp16_model_dir_verified_two_ways(fp16_dir, fp32_dir):
     manifest = read_manifest(fp16_dir)
-    assert manifest["precision"] == "fp16"
-    ver = manifest["verification"]
+    assert manifest.precision == "fp16"
+    ver = manifest.verification
     assert ver["atol"] == verify.FP16_ATOL
     for key in ("onnxruntime_vs_torch_fp16", "torch_fp16_vs_torch_fp32"):
         diffs = ver[key]["max_abs_diff"]
         assert 0 < diffs[io_names.TOPK_LOG_PROBS] <= verify.FP16_ATOL, key
     # Half precision is really half: its error against fp32 is far above fp32's own.
-    fp32_diff = read_manifest(fp32_dir)["verification"]["onnxruntime_vs_torch_fp32"]["max_abs_diff"]
+    fp32_diff = read_manifest(fp32_dir).verification["onnxruntime_vs_torch_fp32"]["max_abs_diff"]
     assert ver["torch_fp16_vs_torch_fp32"]["max_abs_diff"][io_names.TOPK_LOG_PROBS] > \
         10 * fp32_diff[io_names.TOPK_LOG_PROBS]
     weights = [sum(len(i.raw_data) for i in onnx.load(str(d / io_names.DECODER_FILE)).graph.initializer)
@@ -268,9 +268,9 @@ def test_cli_export_of_a_save_dir_prints_summary(random_checkpoint, tmp_path, ca
     assert "exported fp32 model to" in stdout and "max abs log-prob difference" in stdout
     assert "TensorRT engines skipped: --no-tensorrt" in stderr
     manifest = read_manifest(out)
-    assert manifest["source_checkpoint"]["path"].endswith("checkpoint_00000020.pt")
-    assert manifest["source_checkpoint"]["step"] == 20
-    assert manifest["opset"] == 17 and manifest["topk"] == 4 and manifest["limits"]["max_tgt_len"] == 20
+    assert manifest.source_checkpoint.path.endswith("checkpoint_00000020.pt")
+    assert manifest.source_checkpoint.steps == [20]
+    assert manifest.opset == 17 and manifest.topk == 4 and manifest.limits.max_tgt_len == 20
     dec = onnx.load(str(out / io_names.DECODER_FILE))
     assert {o.domain: o.version for o in dec.opset_import}[""] == 17
     assert _dims(dec.graph.output[0]) == [io_names.HYPS, 4]
@@ -314,7 +314,7 @@ def test_existing_out_needs_force_and_is_replaced_only_when_complete(fp32_dir, r
         api.export_model(random_checkpoint, out, force=True, atol=1e-12, **SMALL_LIMITS)
     assert (out / MANIFEST).read_text() == before and leftovers(tmp_path) == []
     manifest = api.export_model(random_checkpoint, out, force=True, topk=8, **SMALL_LIMITS)
-    assert read_manifest(out)["topk"] == 8 == manifest["topk"] and leftovers(tmp_path) == []
+    assert read_manifest(out).topk == 8 == manifest.topk and leftovers(tmp_path) == []
 
 
 def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoint, tmp_path):

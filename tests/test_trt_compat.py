@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 
 from export import api, tensorrt_build, trt_compat
 from export.errors import ExportError, TensorRTUnavailable
-from model import ModelConfig, io_names, preset
+from model import io_names, preset
 from model.manifest import read_manifest
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
@@ -110,7 +110,7 @@ def _graph_inputs(path: Path) -> dict[str, list[str | int]]:
 
 
 def test_profiles_cover_every_dynamic_input_consistently(model_dir):
-    cfg = ModelConfig.from_dict(read_manifest(model_dir)["model_config"])
+    cfg = read_manifest(model_dir).model_config
     for profile, path in ((tensorrt_build.encoder_profile(cfg, LIMITS), model_dir / io_names.ENCODER_FILE),
                           (tensorrt_build.decoder_profile(cfg, LIMITS), model_dir / io_names.DECODER_FILE)):
         inputs = _graph_inputs(path)
