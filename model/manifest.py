@@ -133,10 +133,12 @@ def _type_name(tp: Any) -> str:
     return {int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(tp, str(tp))
 
 
-def _parse(tp: Any, value: Any, name: str) -> Any:
-    """`value` (parsed JSON) checked against the type hint `tp`, recursively."""
+def _parse(tp: Any, value: Any, name: str, shown: Any = None) -> Any:
+    """`value` (parsed JSON) checked against the type hint `tp`, recursively; `shown`: the
+    type to name in the error (the whole `X | None` when checking its X)."""
     def wrong() -> ModelDirError:
-        return ModelDirError(f"manifest field {name!r} must be {_type_name(tp)}, got {json.dumps(value)[:40]}")
+        return ModelDirError(f"manifest field {name!r} must be {_type_name(shown or tp)}, "
+                             f"got {json.dumps(value)[:40]}")
 
     origin = typing.get_origin(tp)
     if tp is Any:
@@ -148,9 +150,7 @@ def _parse(tp: Any, value: Any, name: str) -> Any:
         real = [a for a in args if a is not type(None)]
         if len(real) != 1:
             raise TypeError(f"manifest type {tp} is not supported")
-        if value is None:
-            raise wrong()
-        return _parse(real[0], value, name)
+        return _parse(real[0], value, name, shown=tp)
     if origin is list:
         if not isinstance(value, list):
             raise wrong()

@@ -1,0 +1,116 @@
+"""model.files.atomic_write, the one atomic write behind checkpoints, outputs, reports,
+the manifest and the TensorRT timing cache: fsync'd file and directory, umask
+permissions, and nothing left behind when the write fails."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from export import tensorrt_build
+from model.checkpoint import atomic_torch_save
+from model.files import atomic_write, atomic_write_bytes, atomic_write_text
+from pipeline.textio import atomic_output
+
+
+@pytest.fixture()
+def synced(monkeypatch) -> list[tuple[str, int, bytes | None]]:
+    """Every os.fsync as (kind, inode, file content then), still really syncing."""
+    calls: list[tuple[str, int, bytes | None]] = []
+    real = os.fsync
+
+    def spy(fd: int) -> None:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            calls.append(("dir", st.st_ino, None))
+        else:
+            calls.append(("file", st.st_ino, os.pread(fd, st.st_size, 0)))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    return calls
+
+
+@pytest.fixture()
+def umask_027():
+    old = os.umask(0o027)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+WRITERS = {
+    "atomic_write_bytes": lambda p: atomic_write_bytes(p, b"payload"),
+    "atomic_write_text": lambda p: atomic_write_text(p, "payload"),
+    "atomic_output": lambda p: _write_via(atomic_output(p, "wb"), b"payload"),
+    "atomic_torch_save": lambda p: atomic_torch_save({"x": torch.arange(3)}, p),
+}
+
+
+def _write_via(ctx, data) -> None:
+    with ctx as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_file_then_directory_are_fsynced_before_return(tmp_path, synced, writer):
+    target = tmp_path / "sub" / "out.bin"
+    target.parent.mkdir()
+    WRITERS[writer](target)
+    final = target.read_bytes()
+    kinds = [k for k, _, _ in synced]
+    assert kinds == ["file", "dir"], kinds
+    # The file synced is the one now at `target`, complete; the directory is its parent.
+    assert synced[0][1] == target.stat().st_ino and synced[0][2] == final
+    assert synced[1][1] == target.parent.stat().st_ino
+
+
+@pytest.mark.parametrize("writer", sorted(WRITERS))
+def test_usual_permissions_under_the_umask(tmp_path, umask_027, writer):
+    target = tmp_path / "out.bin"
+    WRITERS[writer](target)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o640  # 0666 & ~027, not mkstemp's 0600
+
+
+def test_exception_leaves_the_old_file_and_no_temp(tmp_path, synced):
+    target = tmp_path / "out.txt"
+    target.write_text("old\n")
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_write(target, "w") as f:
+            f.write("half")
+            raise KeyboardInterrupt
+    assert target.read_text() == "old\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+    assert synced == []
+
+
+def test_text_mode_is_utf8_with_unix_newlines(tmp_path):
+    target = tmp_path / "t.txt"
+    with atomic_write(target, "w") as f:
+        f.write("ä\n")
+    assert target.read_bytes() == "ä\n".encode()
+    with pytest.raises(ValueError, match="write mode"):
+        with atomic_write(target, "r"):
+            pass
+
+
+def test_timing_cache_is_written_atomically(tmp_path, synced, umask_027):
+    """The TensorRT builder's cache goes through the same write (the builder itself needs a GPU)."""
+    class Blob:  # what TensorRT's ITimingCache.serialize() returns: a buffer
+        def serialize(self) -> memoryview:
+            return memoryview(b"timings")
+
+    class Config:
+        def get_timing_cache(self) -> Blob:
+            return Blob()
+
+    path = tmp_path / "cache" / "tensorrt-10.timing-cache"
+    tensorrt_build._save_timing_cache(Config(), path)
+    assert path.read_bytes() == b"timings" and [k for k, _, _ in synced] == ["file", "dir"]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert sorted(p.name for p in Path(path.parent).iterdir()) == [path.name]

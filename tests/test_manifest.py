@@ -1,0 +1,158 @@
+"""The model dir's manifest: one typed reader that names any field of the wrong shape,
+and the training steps of the exported checkpoint (averaged or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+
+from export import api
+from model import preset
+from model.checkpoint import load_model, save_checkpoint
+from model.manifest import (
+    MANIFEST,
+    PRECISIONS,
+    Engines,
+    Graphs,
+    Limits,
+    Manifest,
+    ModelDirError,
+    SourceCheckpoint,
+    read_manifest,
+    write_manifest,
+)
+
+
+def small_manifest(**changes) -> Manifest:
+    fields = dict(
+        model_config=preset("tiny", vocab_size=64), precision="fp32", opset=18, topk=16,
+        limits=Limits(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2),
+        source_checkpoint=SourceCheckpoint(path="/ckpt/averaged.pt", sha256="ab" * 32, steps=[20, 30]),
+        versions={"torch": "2.13.0", "tensorrt": None},
+        graphs=Graphs(export_seconds=1.5, bytes={"encoder.onnx": 10}),
+        verification={"atol": 1e-4, "rtol": 0.0},
+    )
+    return Manifest(**{**fields, **changes})
+
+
+@pytest.fixture
+def model_dir(tmp_path) -> Path:
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "encoder.onnx").write_bytes(b"graph")
+    write_manifest(d, small_manifest())
+    return d
+
+
+def rewrite(model_dir: Path, edit) -> None:
+    """Edit the manifest JSON in place (valid JSON, possibly of the wrong shape)."""
+    data = json.loads((model_dir / MANIFEST).read_text())
+    edit(data)
+    (model_dir / MANIFEST).write_text(json.dumps(data))
+
+
+def test_round_trip_is_typed_and_hashes_files(model_dir):
+    m = read_manifest(model_dir)
+    assert m == write_manifest(model_dir, small_manifest())
+    assert m.limits.max_hyps == 8 and m.model_config.d_head == m.model_config.d_model // m.model_config.n_heads
+    assert m.source_checkpoint.steps == [20, 30] and m.tensorrt is None
+    assert m.lists("encoder.onnx") and not m.lists("encoder.onnx", "decoder.onnx")
+    with_engines = small_manifest(tensorrt=Engines("10.9.0", "NVIDIA H100", "9.0", "fp32", 4.0, "/c"))
+    written = write_manifest(model_dir, with_engines)
+    assert read_manifest(model_dir) == written and written.tensorrt.gpu == "NVIDIA H100"
+
+
+def _set(path: str, value):
+    def edit(data):
+        *parents, last = path.split(".")
+        for p in parents:
+            data = data[p]
+        data[last] = value
+    return edit
+
+
+def _drop(path: str):
+    def edit(data):
+        *parents, last = path.split(".")
+        for p in parents:
+            data = data[p]
+        del data[last]
+    return edit
+
+
+@pytest.mark.parametrize("edit, field, says", [
+    (_drop("topk"), "topk", "is missing"),
+    (_set("topk", "16"), "topk", "must be an integer"),
+    (_set("topk", True), "topk", "must be an integer"),
+    (_set("opset", None), "opset", "must be an integer"),
+    (_drop("limits.max_beam"), "limits.max_beam", "is missing"),
+    (_set("limits", [4, 32, 40, 2]), "limits", "must be an object"),
+    (_set("source_checkpoint.steps", 20), "source_checkpoint.steps", "must be a list"),
+    (_set("source_checkpoint.steps", [20, "30"]), "source_checkpoint.steps[1]", "must be an integer"),
+    (_drop("source_checkpoint"), "source_checkpoint", "is missing"),
+    (_set("model_config.d_model", "32"), "model_config.d_model", "must be an integer"),
+    (_set("model_config.n_heads", 3), "model_config", "divisible by n_heads"),
+    (_set("precision", "int4"), "precision", "expected one of fp32, fp16"),
+    (_set("tensorrt", 5), "tensorrt", "must be an object or null"),
+    (_set("graphs.bytes", {"encoder.onnx": "10"}), "graphs.bytes.encoder.onnx", "must be an integer"),
+    (_set("files", ["encoder.onnx"]), "files", "must be an object"),
+])
+def test_wrong_shape_names_the_field(model_dir, edit, field, says):
+    rewrite(model_dir, edit)
+    with pytest.raises(ModelDirError) as e:
+        read_manifest(model_dir, verify=False)
+    msg = str(e.value)
+    assert f"'{field}'" in msg and says in msg and str(model_dir / MANIFEST) in msg
+    assert "pipeline export" in msg and "\n" not in msg
+
+
+def test_wrong_shape_is_one_line_at_the_cli(model_dir, tmp_path, capsys):
+    rewrite(model_dir, _drop("limits.max_src_len"))
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n")
+    assert run_cli("serve-batch", model_dir, src, "-o", tmp_path / "out.txt", "--backend", "torch") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "'limits.max_src_len' is missing" in err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_old_format_is_told_to_re_export(model_dir):
+    rewrite(model_dir, _set("format", "pipeline-model-dir-v1"))
+    with pytest.raises(ModelDirError, match=r"older pipeline \(pipeline-model-dir-v1\); re-export it"):
+        read_manifest(model_dir)
+
+
+def test_precisions_are_one_extendable_tuple():
+    assert PRECISIONS[:2] == ("fp32", "fp16")
+    for p in PRECISIONS:
+        assert small_manifest(precision=p).precision == p
+    with pytest.raises(ModelDirError, match="'precision'"):
+        small_manifest(precision="bf16")
+
+
+# -- which training steps the exported weights come from ------------------------------------
+
+def test_checkpoint_steps_from_every_checkpoint_kind():
+    assert api.checkpoint_steps({"train_state": {"step": 400}, "extra": {}}) == [400]
+    assert api.checkpoint_steps({"train_state": None, "extra": {"steps": [300, 400]}}) == [300, 400]
+    # averaged.pt as `pipeline average` wrote it before it recorded extra["steps"]
+    old = {"train_state": None, "extra": {"averaged": ["checkpoint_00000400.pt", "checkpoint_00000300.pt"],
+                                          "step": None}}
+    assert api.checkpoint_steps(old) == [300, 400]
+    assert api.checkpoint_steps({"train_state": None, "extra": {}}) == []
+
+
+def test_export_of_an_averaged_checkpoint_records_its_steps(random_checkpoint, tmp_path, capsys):
+    save_dir = tmp_path / "run"
+    model, spm, _ = load_model(random_checkpoint)
+    for step in (10, 20, 30):
+        save_checkpoint(save_dir / f"checkpoint_{step:08d}.pt", model, spm, train_state={"step": step})
+    assert run_cli("average", save_dir, "--last", "2") == 0
+    out = tmp_path / "m"
+    manifest = api.export_model(save_dir / "averaged.pt", out, tensorrt=False, max_batch=2, max_src_len=16,
+                                max_tgt_len=20, max_beam=2, topk=4)
+    assert manifest.source_checkpoint.steps == [20, 30] == read_manifest(out).source_checkpoint.steps
+    assert manifest.source_checkpoint.path == str((save_dir / "averaged.pt").resolve())
