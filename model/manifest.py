@@ -173,7 +173,7 @@ def _parse(tp: Any, value: Any, name: str, shown: Any = None) -> Any:
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ModelDirError(f"manifest field {sub!r} is missing")
         try:
-            return tp(**kwargs)
+            return typing.cast(Any, tp)(**kwargs)  # is_dataclass narrowed tp to an instance type
         except ConfigError as e:
             raise ModelDirError(f"manifest field {name!r}: {e}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):

@@ -178,3 +178,20 @@ def test_torch_backend_from_save_dir(trained_checkpoint, tmp_path):
     assert backend.name == "torch" and tok.vocab_size == backend.cfg.vocab_size
     with pytest.raises(RuntimeUserError, match="--backend"):
         load_backend(save_dir, "onnx")
+
+
+def test_tokenizer_with_other_special_ids_is_a_user_error(tiny_corpus):
+    """SentencePiece's own defaults (unk 0, bos 1, eos 2, no pad) are not the project's ids."""
+    import io
+
+    import sentencepiece as spm
+
+    from pipeline.cli import USER_ERRORS
+    from runtime.tokenizer import Tokenizer, TokenizerError
+
+    model = io.BytesIO()
+    src, tgt = tiny_corpus
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(src + tgt), model_writer=model, vocab_size=40)
+    with pytest.raises(TokenizerError, match=r"special ids \(-1, 0, 1, 2\)") as e:
+        Tokenizer(model.getvalue())
+    assert isinstance(e.value, USER_ERRORS)
