@@ -29,6 +29,7 @@ from pipeline.serve import translate_windows
 from pipeline.textio import atomic_output, open_binary, read_lines
 from pipeline.translation import ServeOptions
 from runtime.loader import load_backend
+from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class Served:
     truncated: int
 
 
-def serve(backend: Any, tokenizer: Any, src: Path, opts: ServeOptions) -> Served:
+def translate_as_served(backend: Any, tokenizer: Tokenizer, src: Path, opts: ServeOptions) -> Served:
     """SRC through the serving path (one process), collected for comparison."""
     t0 = time.perf_counter()
     windows = list(translate_windows(backend, tokenizer, str(src), opts))
@@ -194,7 +195,7 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
     # The reference is always the fp32 PyTorch model on the CPU, whatever the export precision.
     reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
                                                   threads=threads, dtype="fp32")
-    ref_run = serve(reference, tokenizer, src, opts)
+    ref_run = translate_as_served(reference, tokenizer, src, opts)
     if ref_run.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
                     "does", src, ref_run.truncated)
@@ -207,7 +208,7 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
             backend, run, precision = reference, ref_run, "fp32"
         else:
             backend, _, _ = load_backend(model_dir, backend=name, device=device, threads=threads)
-            run, precision = serve(backend, tokenizer, src, opts), manifest.get("precision", "fp32")
+            run, precision = translate_as_served(backend, tokenizer, src, opts), manifest.get("precision", "fp32")
         if save_hyps is not None:
             log.info("%s: wrote %s", name, save_hypotheses(run, save_hyps, name, precision))
         bleu = bleu_metric.corpus_score(run.lines, [ref_lines]).score

@@ -49,7 +49,7 @@ class Hypothesis:
     step_log_probs: list[float] = field(default_factory=list)  # per generated token, EOS included
 
 
-def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+def length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:
     """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha; alpha 0 turns normalisation off."""
     return ((5.0 + length) / 6.0) ** alpha
 
