@@ -21,9 +21,10 @@ import torch
 
 from model.config import EOS_ID
 from pipeline.textio import atomic_output, read_lines
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import load_backend
-from runtime.search import beam_search, greedy_search
-from runtime.translate import pad_batch
+from runtime.search import search
+from runtime.translate import encode_sources, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +69,21 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
     if src is not None:
         lines = [x for x in read_lines(src) if x.strip()]
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
-        return tokenizer.encode_source(lines, max_len=max_len)
+        return encode_sources(tokenizer, lines, max_len, origin=str(src)).ids
     rng = random.Random(seed)
     first = 4  # after pad, unk, bos, eos
     return [[rng.randrange(first, tokenizer.vocab_size) for _ in range(src_len - 1)] + [EOS_ID]
             for _ in range(n)]
 
 
-def bench_backend(backend, sources: list[list[int]], batch_size: int, beam_size: int,
+def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
                   fixed_length: int | None) -> BenchResult:
     if fixed_length is not None:
-        limits = dict(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
-    else:
-        limits = {}
+        decoding = decoding.replace(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
+    decoding.validate()
 
     def run(batch: list[list[int]]):
-        ids = pad_batch(batch)
-        if beam_size == 1:
-            return greedy_search(backend, ids, **limits)
-        return beam_search(backend, ids, beam_size=beam_size, **limits)
+        return search(backend, pad_batch(batch), decoding)
 
     run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches
     latencies, tokens = [], 0
@@ -99,7 +96,7 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, beam_size:
     seconds = time.perf_counter() - t0
     ms = sorted(x * 1000 for x in latencies)
     return BenchResult(
-        backend=backend.name, device=str(backend.device), batch_size=batch_size, beam_size=beam_size,
+        backend=backend.name, device=str(backend.device), batch_size=batch_size, beam_size=decoding.beam_size,
         sentences=len(sources), target_tokens=tokens, seconds=round(seconds, 3),
         target_tokens_per_s=round(tokens / seconds, 1), sentences_per_s=round(len(sources) / seconds, 2),
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
@@ -107,7 +104,7 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, beam_size:
     )
 
 
-def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, beam_size: int = 4,
+def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, decoding: DecodingOptions = PAPER,
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None) -> dict:
     results = []
@@ -116,7 +113,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, b
         backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
-            r = bench_backend(backend, sources, bs, beam_size, fixed_length)
+            r = bench_backend(backend, sources, bs, decoding, fixed_length)
             r.peak_rss_mb = peak_rss_mb()
             log.info("%s batch %d: %.1f target tokens/s", name, bs, r.target_tokens_per_s)
             results.append(r)

@@ -22,6 +22,7 @@ from pipeline.parity import ParityReport, format_table, run_parity, write_json
 from pipeline.serve import ServeOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.train import DATA_DIR, TrainOptions, average_checkpoints, train
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import load_backend
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ class DemoOptions:
     builtin_pairs: int | None = None
     average_last: int = 3
     backends: tuple[str, ...] = ("torch", "onnxruntime")
-    beam_size: int = 4
+    decoding: DecodingOptions = PAPER
     threads: int | None = None
     progress: bool = True
 
@@ -85,16 +86,17 @@ def run_demo(opts: DemoOptions) -> DemoResult:
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
+    serving = ServeOptions(decoding=opts.decoding)
     backend, tokenizer, _ = load_backend(model_dirs["fp32"], backend="auto", threads=opts.threads)
     stats = clock.stage("serve-batch", serve_files, backend, tokenizer, [str(test_src)], [str(translation)],
-                        ServeOptions(beam_size=opts.beam_size), progress=opts.progress)
+                        serving, progress=opts.progress)
     bleu = sacrebleu.corpus_bleu(read_lines(translation), [read_lines(test_ref)]).score
 
     result = DemoResult(save_dir, model_dirs, translation, round(bleu, 2),
                         serve_summary=stats.summary(backend.name, str(backend.device)))
     for precision, model_dir in model_dirs.items():
         report = clock.stage(f"parity {precision}", run_parity, model_dir, test_src, test_ref,
-                             list(opts.backends), beam_size=opts.beam_size, threads=opts.threads)
+                             list(opts.backends), opts=serving, threads=opts.threads)
         write_json(report, out / f"parity-{precision}.json")
         result.parity[precision] = report
     result.seconds = clock.seconds

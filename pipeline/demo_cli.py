@@ -8,8 +8,11 @@ from pathlib import Path
 import click
 
 from model.config import PRESETS
+from pipeline.cli_options import decoding_options
 from pipeline.demo import DemoOptions, format_result, run_demo
 from pipeline.parity_cli import parse_backends
+from runtime.decoding import DecodingOptions
+from runtime.loader import backend_names
 
 
 @click.command("demo")
@@ -24,18 +27,18 @@ from pipeline.parity_cli import parse_backends
 @click.option("--average-last", type=click.IntRange(1), default=3, show_default=True,
               help="Average this many last checkpoints before export.")
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
-              help="Backends whose parity with PyTorch is checked (torch,onnxruntime,tensorrt).")
-@click.option("--beam-size", type=click.IntRange(1, 8), default=4, show_default=True, help="Beam size.")
+              help="Backends whose parity with PyTorch is checked (" + ",".join(backend_names()) + ").")
+@decoding_options("beam_size")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads [default: all cores].")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
-         backends: str, beam_size: int, threads: int | None, progress: bool) -> None:
+         backends: str, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
     """Train on the built-in made-up language pair, export fp32 and fp16, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
     Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
     result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
                                   average_last=average_last, backends=tuple(parse_backends(backends)),
-                                  beam_size=beam_size, threads=threads, progress=progress))
+                                  decoding=decoding, threads=threads, progress=progress))
     click.echo(format_result(result))
     if not result.passed:
         sys.exit(1)

@@ -4,6 +4,10 @@ Per backend: BLEU and chrF against the references, BLEU against the PyTorch outp
 share of sentences token-identical to PyTorch, and for the ones that differ the first
 step where they diverge and the PyTorch model's log-prob gap there (how close the call
 was: fp16 noise shows as tiny gaps on near-ties, a bug as large ones).
+
+Every backend translates SRC through serve-batch's own path (pipeline.serve.translate_windows:
+reading, blank and long line policy, encoding, batching, search, formatting), so the
+numbers describe exactly what serve-batch writes; --save-hyps keeps those outputs.
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ import torch
 
 from model.config import BOS_ID, EOS_ID
 from pipeline.errors import UserError
-from pipeline.textio import atomic_output, read_lines
+from pipeline.serve import translate_windows
+from pipeline.textio import atomic_output, open_binary, read_lines
+from pipeline.translation import ServeOptions
 from runtime.loader import load_backend
-from runtime.search import Hypothesis
-from runtime.translate import translate_ids
+from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -132,53 +137,89 @@ def check_gate(result: BackendResult, gate: Gate) -> None:
     result.passed = not result.failures
 
 
-def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *, beam_size: int = 4,
-               alpha: float = 0.6, batch_tokens: int = 4096, device: str | None = None,
-               gates: dict[str, Gate] | None = None, threads: int | None = None) -> ParityReport:
+@dataclass
+class Served:
+    """One backend's translation of SRC, as serve-batch would have written it."""
+
+    lines: list[str]            # the output lines
+    sources: list[list[int]]    # source ids the backend saw ([] for blank lines)
+    tokens: list[list[int]]     # best hypothesis per line ([] for blank lines)
+    seconds: float
+    truncated: int
+
+
+def translate_as_served(backend: Any, tokenizer: Tokenizer, src: Path, opts: ServeOptions) -> Served:
+    """SRC through the serving path (one process), collected for comparison."""
+    t0 = time.perf_counter()
+    windows = list(translate_windows(backend, tokenizer, str(src), opts))
+    seconds = time.perf_counter() - t0
+    return Served([line for w in windows for line in w.lines], [s for w in windows for s in w.sources],
+                  [t for w in windows for t in w.best], seconds, sum(w.truncated for w in windows))
+
+
+def count_lines(path: Path) -> int:
+    """Lines as serve-batch splits them (on b'\\n'), without decoding."""
+    f = open_binary(path)
+    try:
+        return sum(1 for _ in f)
+    finally:
+        f.close()
+
+
+def save_hypotheses(served: Served, directory: Path, backend: str, precision: str) -> Path:
+    path = directory / f"{backend}.{precision}.txt"
+    with atomic_output(path) as f:
+        f.write("".join(line + "\n" for line in served.lines))
+    return path
+
+
+def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
+               opts: ServeOptions | None = None, device: str | None = None,
+               gates: dict[str, Gate] | None = None, threads: int | None = None,
+               save_hyps: Path | None = None) -> ParityReport:
+    """Parity of each backend against the fp32 PyTorch model on SRC, translated as
+    serve-batch translates it with `opts` [default: serve-batch's defaults]. save_hyps: a directory that receives each
+    backend's output as <backend>.<precision>.txt."""
     gates = gates or DEFAULT_GATES
-    src_lines = read_lines(src)
+    opts = (opts or ServeOptions()).validate()
+    if opts.decoding.nbest != 1:
+        raise UserError(f"parity compares best translations; --nbest must be 1 (got {opts.decoding.nbest})")
     ref_lines = read_lines(ref)
-    if len(src_lines) != len(ref_lines):
-        raise UserError(f"{src} has {len(src_lines)} lines but {ref} has {len(ref_lines)}; "
+    n_src = count_lines(src)
+    if n_src != len(ref_lines):
+        raise UserError(f"{src} has {n_src} lines but {ref} has {len(ref_lines)}; "
                         "source and reference must be line-aligned")
-    if not src_lines:
+    if not n_src:
         raise UserError(f"{src} is empty")
 
     # The reference is always the fp32 PyTorch model on the CPU, whatever the export precision.
     reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
                                                   threads=threads, dtype="fp32")
-    sources = tokenizer.encode_source(src_lines, max_len=reference.max_src_len)
-    options = dict(beam_size=beam_size, alpha=alpha, batch_tokens=batch_tokens)
-
-    def run(backend) -> tuple[list[list[int]], list[str], float]:
-        t0 = time.perf_counter()
-        hyps: list[list[Hypothesis]] = translate_ids(backend, sources, **options)
-        seconds = time.perf_counter() - t0
-        tokens = [h[0].tokens if h else [] for h in hyps]
-        return tokens, tokenizer.decode(tokens), seconds
-
-    ref_tokens, ref_text, ref_seconds = run(reference)
+    ref_run = translate_as_served(reference, tokenizer, src, opts)
+    if ref_run.truncated:
+        log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
+                    "does", src, ref_run.truncated)
     bleu_metric, chrf_metric = sacrebleu.BLEU(), sacrebleu.CHRF()
-    bleu_ref = bleu_metric.corpus_score(ref_text, [ref_lines]).score
+    bleu_ref = bleu_metric.corpus_score(ref_run.lines, [ref_lines]).score
 
     results = []
     for name in backends:
         if name == REFERENCE:
-            backend, tokens, text, seconds = reference, ref_tokens, ref_text, ref_seconds
-            precision = "fp32"
+            backend, run, precision = reference, ref_run, "fp32"
         else:
             backend, _, _ = load_backend(model_dir, backend=name, device=device, threads=threads)
-            tokens, text, seconds = run(backend)
-            precision = manifest.precision
-        bleu = bleu_metric.corpus_score(text, [ref_lines]).score
-        different = [i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b]
-        divs = divergence_gaps(reference.model, sources, ref_tokens, tokens, different)
+            run, precision = translate_as_served(backend, tokenizer, src, opts), manifest.precision
+        if save_hyps is not None:
+            log.info("%s: wrote %s", name, save_hypotheses(run, save_hyps, name, precision))
+        bleu = bleu_metric.corpus_score(run.lines, [ref_lines]).score
+        different = [i for i, (a, b) in enumerate(zip(ref_run.tokens, run.tokens)) if a != b]
+        divs = divergence_gaps(reference.model, run.sources, ref_run.tokens, run.tokens, different)
         result = BackendResult(
             backend=name, precision=precision, device=str(getattr(backend, "device", "cpu")),
-            seconds=round(seconds, 3), bleu=round(bleu, 2),
-            chrf=round(chrf_metric.corpus_score(text, [ref_lines]).score, 2),
-            bleu_vs_torch=round(bleu_metric.corpus_score(text, [ref_text]).score, 2),
-            identical=1 - len(different) / len(sources), n_different=len(different),
+            seconds=round(run.seconds, 3), bleu=round(bleu, 2),
+            chrf=round(chrf_metric.corpus_score(run.lines, [ref_lines]).score, 2),
+            bleu_vs_torch=round(bleu_metric.corpus_score(run.lines, [ref_run.lines]).score, 2),
+            identical=1 - len(different) / n_src, n_different=len(different),
             bleu_delta=round(bleu - bleu_ref, 2),
             max_log_prob_gap=max((abs(d.log_prob_gap) for d in divs), default=None),
             median_divergence_step=statistics.median(d.step for d in divs) if divs else None,
@@ -188,7 +229,7 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *, be
         results.append(result)
         log.info("%s: BLEU %.2f, identical %.1f%%", name, result.bleu, 100 * result.identical)
 
-    return ParityReport(str(model_dir), str(src), str(ref), len(src_lines), beam_size,
+    return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size,
                         str(bleu_metric.get_signature()), str(chrf_metric.get_signature()), results)
 
 

@@ -7,15 +7,20 @@ from pathlib import Path
 
 import click
 
+from pipeline.cli_options import decoding_options
 from pipeline.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+from pipeline.translation import ServeOptions
+from runtime.decoding import DecodingOptions
+from runtime.loader import backend_names
 
 
 def parse_backends(value: str) -> list[str]:
+    """A comma-separated list of the loader's backends (runtime.loader.backend_names)."""
     names = [b.strip() for b in value.split(",") if b.strip()]
-    allowed = {"torch", "onnxruntime", "tensorrt"}
+    allowed = backend_names()
     unknown = [b for b in names if b not in allowed]
     if unknown or not names:
-        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {sorted(allowed)}")
+        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {', '.join(allowed)}")
     return names
 
 
@@ -24,11 +29,8 @@ def parse_backends(value: str) -> list[str]:
 @click.option("--src", required=True, type=click.Path(path_type=Path), help="Source sentences, one per line.")
 @click.option("--ref", required=True, type=click.Path(path_type=Path), help="Reference translations, line-aligned.")
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
-              help="Comma-separated backends to compare against the PyTorch model (torch,onnxruntime,tensorrt).")
-@click.option("--beam-size", default=4, show_default=True, type=click.IntRange(1), help="Beam size.")
-@click.option("--alpha", default=0.6, show_default=True, type=float, help="GNMT length penalty alpha.")
-@click.option("--batch-tokens", default=4096, show_default=True, type=click.IntRange(1),
-              help="Token budget per batch (source tokens x beam).")
+              help="Comma-separated backends to compare against the PyTorch model (" + ",".join(backend_names()) + ").")
+@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens")
 @click.option("--device", default=None, help="Device for the backends under test (cpu, cuda); default: best available.")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
 @click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
@@ -40,14 +42,20 @@ def parse_backends(value: str) -> list[str]:
 @click.option("--fp16-min-identical", default=None, type=float,
               help="fp16 gate: least share of token-identical sentences (default: not gated).")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write the report as JSON.")
-def parity(model_dir, src, ref, backends, beam_size, alpha, batch_tokens, device, threads, min_identical,
-           max_bleu_delta, fp16_max_bleu_delta, fp16_min_identical, json_out):
+@click.option("--save-hyps", default=None, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
+              help="Write each backend's translation of SRC, line-aligned, to DIR/<backend>.<precision>.txt "
+                   "(what serve-batch writes with the same options).")
+def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: DecodingOptions, device: str | None,
+           threads: int | None, min_identical: float, max_bleu_delta: float, fp16_max_bleu_delta: float,
+           fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None) -> None:
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
-    first divergence step and log-prob gap. Exits 1 when a backend misses its gate."""
+    first divergence step and log-prob gap. Each backend translates SRC exactly as
+    serve-batch does (blank lines stay blank, long lines are truncated). Exits 1 when a
+    backend misses its gate."""
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta)}
-    report = run_parity(model_dir, src, ref, parse_backends(backends), beam_size=beam_size, alpha=alpha,
-                        batch_tokens=batch_tokens, device=device, gates=gates, threads=threads)
+    report = run_parity(model_dir, src, ref, parse_backends(backends), opts=ServeOptions(decoding=decoding),
+                        device=device, gates=gates, threads=threads, save_hyps=save_hyps)
     click.echo(format_table(report))
     if json_out:
         write_json(report, json_out)

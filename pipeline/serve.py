@@ -9,6 +9,9 @@ Bad input never shifts lines: empty or whitespace-only lines give empty lines; l
 longer than the model's source limit are truncated (counted) or refused; invalid UTF-8
 is refused with file:line or replaced (counted).
 
+`translate_windows` is the serving path itself (pipeline/translation.py reads and formats);
+parity runs every backend through it, so it measures exactly what serve-batch writes.
+
 Under torchrun (WORLD_SIZE > 1) rank 0 reads and tokenizes each window, every rank
 translates lines i % world == rank on its own device, and rank 0 gathers the results
 and writes them in input order.
@@ -18,11 +21,10 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,34 +33,20 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from pipeline.errors import UserError
-from pipeline.textio import atomic_output, decode_line, open_binary
-from runtime.search import Hypothesis
+from pipeline.textio import atomic_output, open_binary
+from pipeline.translation import (
+    NBest,
+    ServeOptions,
+    TranslatedWindow,
+    Window,
+    finish_window,
+    read_windows,
+)
+from runtime.decoding import DecodingOptions
 from runtime.tokenizer import Tokenizer
-from runtime.translate import DEFAULT_BATCH_TOKENS, translate_ids
+from runtime.translate import translate_ids
 
 log = logging.getLogger(__name__)
-
-NBEST_SEP = " ||| "
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    beam_size: int = 4
-    alpha: float = 0.6
-    max_len_a: float = 1.0
-    max_len_b: int = 50
-    min_len: int = 0
-    nbest: int = 1
-    batch_tokens: int = DEFAULT_BATCH_TOKENS
-    window: int = 10000
-    long_lines: str = "truncate"  # or "error"
-    invalid_utf8: str = "error"   # or "replace"
-
-    def search_options(self) -> dict[str, Any]:
-        return dict(beam_size=self.beam_size, alpha=self.alpha, max_len_a=self.max_len_a,
-                    max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest,
-                    batch_tokens=self.batch_tokens)
-
 
 @dataclass
 class ServeStats:
@@ -69,12 +57,18 @@ class ServeStats:
     src_tokens: int = 0
     tgt_tokens: int = 0
     seconds: float = 0.0
-    files: list[str] = field(default_factory=list)
 
     def add(self, other: ServeStats) -> None:
         for name in ("sentences", "empty", "truncated", "replaced", "src_tokens", "tgt_tokens", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.files += other.files
+
+    def count(self, window: TranslatedWindow) -> None:
+        self.sentences += len(window.lines)
+        self.empty += window.empty
+        self.truncated += window.truncated
+        self.replaced += window.replaced
+        self.src_tokens += window.src_tokens
+        self.tgt_tokens += window.tgt_tokens
 
     def summary(self, backend: str, device: str) -> str:
         rate = self.tgt_tokens / self.seconds if self.seconds > 0 else 0.0
@@ -127,82 +121,13 @@ def rank_device(world: World, device: str | None) -> str | None:
     return device
 
 
-# -- reading ------------------------------------------------------------------------------
-
-
-@dataclass
-class Window:
-    """One window of an input: source ids per line ([] for empty lines) and counts."""
-
-    ids: list[list[int]]
-    empty: int = 0
-    truncated: int = 0
-    replaced: int = 0
-
-
-def read_windows(path: str, tokenizer: Tokenizer, max_src_len: int, opts: ServeOptions
-                 ) -> Iterator[Window]:
-    """Windows of `opts.window` lines, tokenized, with the bad-input policy applied."""
-    f = open_binary(path)
-    try:
-        texts: list[str] = []
-        replaced = 0
-        first_line = 1
-        for lineno, raw in enumerate(_raw_lines(f, path), start=1):
-            text, bad = _decode(raw, path, lineno, opts.invalid_utf8)
-            replaced += bad
-            texts.append(text)
-            if len(texts) == opts.window:
-                yield _tokenize(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
-                texts, replaced, first_line = [], 0, lineno + 1
-        if texts:
-            yield _tokenize(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
-    finally:
-        if f is not sys.stdin.buffer:
-            f.close()
-
-
-def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
-    try:
-        yield from f
-    except (OSError, EOFError) as e:
-        raise UserError(f"{path}: cannot read ({e})") from None
-
-
-def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
-    try:
-        return decode_line(raw, path, lineno), 0
-    except UserError as e:
-        if policy != "replace":
-            raise UserError(f"{e} (or pass --invalid-utf8 replace)") from None
-        return decode_line(raw, path, lineno, errors="replace"), 1
-
-
-def _tokenize(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, max_src_len: int,
-              opts: ServeOptions, replaced: int) -> Window:
-    live = [i for i, t in enumerate(texts) if t.strip()]
-    window = Window([[] for _ in texts], empty=len(texts) - len(live), replaced=replaced)
-    if not live:
-        return window
-    for i, seq in zip(live, tokenizer.encode_source([texts[i] for i in live])):
-        if len(seq) > max_src_len:
-            if opts.long_lines == "error":
-                raise UserError(f"{path}:{first_line + i}: {len(seq)} tokens, more than the model's limit "
-                                f"of {max_src_len}; pass --long-lines truncate or split the line")
-            window.truncated += 1
-            seq = seq[: max_src_len - 1] + seq[-1:]
-        window.ids[i] = seq
-    return window
-
-
 # -- translating --------------------------------------------------------------------------
 
 
-def _translate_share(backend: Any, ids: list[list[int]], world: World, opts: ServeOptions
-                     ) -> list[list[tuple[list[int], float]]]:
+def _translate_share(backend: Any, ids: list[list[int]], world: World, decoding: DecodingOptions
+                     ) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
-    mine = ids[world.rank::world.size]
-    hyps: list[list[Hypothesis]] = translate_ids(backend, mine, **opts.search_options())
+    hyps = translate_ids(backend, ids[world.rank::world.size], decoding)
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
@@ -229,28 +154,18 @@ def _broadcast(window: Window | None, error: str | None, world: World) -> tuple[
     return box[0]
 
 
-def format_line(tokenizer: Tokenizer, nbest: list[tuple[list[int], float]], n: int) -> str:
-    """One output line: the best translation, or with n > 1 the n best as
-    `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
-    if not nbest:
-        return ""
-    texts = tokenizer.decode([tokens for tokens, _ in nbest])
-    if n == 1:
-        return texts[0]
-    return NBEST_SEP.join(f"{t}{NBEST_SEP}{score:.4f}" for t, (_, score) in zip(texts, nbest))
-
-
-def translate_stream(backend: Any, tokenizer: Tokenizer, input_path: str, out: IO[str] | None,
-                     opts: ServeOptions, world: World = World(), progress: bool = True) -> ServeStats:
-    """Translate one input into `out` (rank 0; None on other ranks), window by window."""
-    stats = ServeStats(files=[input_path])
-    started = time.perf_counter()
+def translate_windows(backend: Any, tokenizer: Tokenizer, input_path: str, opts: ServeOptions,
+                      world: World = World(), progress: bool = False) -> Iterator[TranslatedWindow]:
+    """The serving path: each window of `input_path` read, encoded, translated (split over
+    the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
+    do their share and get nothing. serve-batch writes these; parity measures them."""
     windows = read_windows(input_path, tokenizer, backend.max_src_len, opts) if world.is_writer else None
     bar = tqdm(desc=Path(input_path).name if input_path != "-" else "stdin", unit=" lines",
                disable=not (progress and world.is_writer), leave=False)
     try:
         while True:
-            window, error = None, None
+            window: Window | None = None
+            error: str | None = None
             if windows is not None:
                 try:
                     window = next(windows, None)
@@ -260,27 +175,27 @@ def translate_stream(backend: Any, tokenizer: Tokenizer, input_path: str, out: I
             if error is not None:
                 raise UserError(error)
             if window is None:
-                stats.seconds = time.perf_counter() - started
-                return stats
-            share = _translate_share(backend, window.ids, world, opts)
+                return
+            share = _translate_share(backend, window.ids, world, opts.decoding)
             merged = _gather(share, world, len(window.ids))
             if merged is None:
                 continue
-            for nbest in merged:
-                out.write(format_line(tokenizer, nbest, opts.nbest) + "\n")  # type: ignore[union-attr]
-            _count(stats, window, merged)
+            yield finish_window(tokenizer, window, merged, opts.decoding.nbest)
             bar.update(len(window.ids))
     finally:
         bar.close()
 
 
-def _count(stats: ServeStats, window: Window, merged: list[list[tuple[list[int], float]]]) -> None:
-    stats.sentences += len(window.ids)
-    stats.empty += window.empty
-    stats.truncated += window.truncated
-    stats.replaced += window.replaced
-    stats.src_tokens += sum(len(s) for s in window.ids)
-    stats.tgt_tokens += sum(len(n[0][0]) + 1 for n in merged if n)  # generated tokens incl. EOS
+def translate_stream(backend: Any, tokenizer: Tokenizer, input_path: str, out: IO[str] | None,
+                     opts: ServeOptions, world: World = World(), progress: bool = True) -> ServeStats:
+    """Translate one input into `out` (rank 0; None on other ranks), window by window."""
+    stats = ServeStats()
+    started = time.perf_counter()
+    for window in translate_windows(backend, tokenizer, input_path, opts, world, progress):
+        out.write("".join(line + "\n" for line in window.lines))  # type: ignore[union-attr]
+        stats.count(window)
+    stats.seconds = time.perf_counter() - started
+    return stats
 
 
 # -- files ----------------------------------------------------------------------------------
@@ -309,20 +224,6 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None) 
                 and Path(inp).resolve() == Path(out).resolve():
             raise UserError(f"{out}: output would replace its own input; choose another output")
     return paths
-
-
-def check_options(opts: ServeOptions) -> None:
-    problems = []
-    if opts.beam_size < 1:
-        problems.append("--beam-size must be >= 1")
-    if not 1 <= opts.nbest <= max(opts.beam_size, 1):
-        problems.append(f"--nbest {opts.nbest} must be between 1 and --beam-size ({opts.beam_size})")
-    if opts.batch_tokens < 1:
-        problems.append("--batch-tokens must be >= 1")
-    if opts.window < 1:
-        problems.append("--window must be >= 1")
-    if problems:
-        raise UserError("; ".join(problems))
 
 
 def serve_files(backend: Any, tokenizer: Tokenizer, inputs: list[str], outputs: list[str],

@@ -8,18 +8,18 @@ from typing import Any
 
 import click
 
+from pipeline.cli_options import decoding_options
 from pipeline.serve import (
     ServeOptions,
     World,
-    check_options,
     output_paths,
     process_group,
     rank_device,
     serve_files,
     world_from_env,
 )
+from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
-from runtime.translate import DEFAULT_BATCH_TOKENS
 
 
 @click.command("serve-batch")
@@ -39,21 +39,8 @@ from runtime.translate import DEFAULT_BATCH_TOKENS
               help="Torch backend precision [default: the model dir's; fp16 only on GPU].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of torch / onnxruntime [default: all cores].")
-@click.option("--beam-size", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Beam width; 1 runs greedy search.")
-@click.option("--alpha", type=float, default=0.6, show_default=True,
-              help="GNMT length penalty exponent: score = log p / ((5 + len) / 6) ** alpha.")
-@click.option("--max-len-a", type=float, default=1.0, show_default=True,
-              help="Maximum output length = a * source length + b tokens (capped by the model).")
-@click.option("--max-len-b", type=int, default=50, show_default=True, help="See --max-len-a.")
-@click.option("--min-len", type=click.IntRange(min=0), default=0, show_default=True,
-              help="No EOS before this many output tokens.")
-@click.option("--nbest", type=click.IntRange(min=1), default=1, show_default=True,
-              help="With N > 1 each output line holds the N best as 'text ||| score' joined by "
-                   "' ||| ', best first (still one line per input line).")
-@click.option("--batch-tokens", type=click.IntRange(min=1), default=DEFAULT_BATCH_TOKENS,
-              show_default=True,
-              help="Batch budget: sentences x longest source x beam size per batch.")
+@decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
+                                    "joined by ' ||| ', best first (still one line per input line)."})
 @click.option("--window", type=click.IntRange(min=1), default=10000, show_default=True,
               help="Lines read, sorted by length and translated at a time (bounds memory).")
 @click.option("--long-lines", type=click.Choice(["truncate", "error"]), default="truncate",
@@ -67,9 +54,8 @@ from runtime.translate import DEFAULT_BATCH_TOKENS
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr (only on a terminal).")
 def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, output_dir: str | None,
-                backend: str, device: str | None, dtype: str | None, threads: int | None, beam_size: int,
-                alpha: float, max_len_a: float, max_len_b: int, min_len: int, nbest: int,
-                batch_tokens: int, window: int, long_lines: str, invalid_utf8: str,
+                backend: str, device: str | None, dtype: str | None, threads: int | None,
+                decoding: DecodingOptions, window: int, long_lines: str, invalid_utf8: str,
                 progress: bool) -> None:
     """Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.
 
@@ -78,10 +64,8 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     to split the work over N processes / GPUs; the output stays complete and in order.
     Ends with a summary line on stderr.
     """
-    opts = ServeOptions(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
-                        min_len=min_len, nbest=nbest, batch_tokens=batch_tokens, window=window,
-                        long_lines=long_lines, invalid_utf8=invalid_utf8)
-    check_options(opts)
+    opts = ServeOptions(window=window, long_lines=long_lines, invalid_utf8=invalid_utf8,
+                        decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir)
     _exit_cleanly_on_sigterm()
     world: World = world_from_env()

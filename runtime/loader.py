@@ -30,6 +30,11 @@ NEEDS = {
 }
 
 
+def backend_names() -> tuple[str, ...]:
+    """The concrete backends a model dir can be opened with ("auto" picks one of them)."""
+    return tuple(NEEDS)
+
+
 def installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 

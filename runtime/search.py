@@ -27,6 +27,7 @@ from torch import Tensor
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from runtime.backend import Backend
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class Hypothesis:
     step_log_probs: list[float] = field(default_factory=list)  # per generated token, EOS included
 
 
-def length_penalty(length: int | Tensor, alpha: float) -> float | Tensor:
+def length_penalty(length: float | Tensor, alpha: float) -> float | Tensor:
     """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha; alpha 0 turns normalisation off."""
     return ((5.0 + length) / 6.0) ** alpha
 
@@ -113,10 +114,11 @@ def _step_candidates(out_lp: Tensor, out_ids: Tensor, eos_lp: Tensor, n_cand: in
 
 
 @torch.inference_mode()
-def beam_search(backend: Backend, src_ids: Tensor, *, beam_size: int = 4, alpha: float = 0.6,
-                max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0,
-                nbest: int = 1) -> list[list[Hypothesis]]:
-    """Batched beam search (the paper's defaults: beam 4, alpha 0.6, max length src + 50).
+def beam_search(backend: Backend, src_ids: Tensor, *, beam_size: int = PAPER.beam_size,
+                alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a,
+                max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
+                nbest: int = PAPER.nbest) -> list[list[Hypothesis]]:
+    """Batched beam search (defaults: runtime.decoding.PAPER).
 
     src_ids (B, S) int64 padded with PAD_ID, each row pieces + EOS. Returns, per sentence,
     `nbest` hypotheses best first.
@@ -222,8 +224,9 @@ def _finalise(finished: _Finished, final: Tensor, sent_ids: Tensor, top_beam: Te
 
 
 @torch.inference_mode()
-def greedy_search(backend: Backend, src_ids: Tensor, *, max_len_a: float = 1.0, max_len_b: int = 50,
-                  min_len: int = 0, alpha: float = 0.6) -> list[list[Hypothesis]]:
+def greedy_search(backend: Backend, src_ids: Tensor, *, max_len_a: float = PAPER.max_len_a,
+                  max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
+                  alpha: float = PAPER.alpha) -> list[list[Hypothesis]]:
     """Greedy decoding: each step takes the best candidate (the best non-EOS one before
     min_len). One hypothesis per sentence; `score` uses the same length penalty as beam
     search, so beam 1 and greedy agree on everything."""
@@ -275,3 +278,12 @@ def greedy_search(backend: Backend, src_ids: Tensor, *, max_len_a: float = 1.0, 
         tokens = tok
         t += 1
     return results
+
+
+def search(backend: Backend, src_ids: Tensor, options: DecodingOptions = PAPER) -> list[list[Hypothesis]]:
+    """One padded batch decoded as `options` says: greedy search for beam 1 (same results,
+    less work), beam search otherwise. options.batch_tokens is the caller's business."""
+    if options.beam_size == 1:
+        return greedy_search(backend, src_ids, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
+                             min_len=options.min_len, alpha=options.alpha)
+    return beam_search(backend, src_ids, **options.search_kwargs())

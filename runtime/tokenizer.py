@@ -37,14 +37,9 @@ class Tokenizer:
         """Piece ids without BOS/EOS."""
         return self.sp.encode(texts, out_type=int)
 
-    def encode_source(self, texts: list[str], max_len: int | None = None) -> list[list[int]]:
-        """Piece ids + EOS, the body cut to max_len - 1 tokens when max_len is given."""
-        out = []
-        for ids in self.encode(texts):
-            if max_len is not None:
-                ids = ids[: max_len - 1]
-            out.append(ids + [EOS_ID])
-        return out
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        """Piece ids + EOS, whole (runtime.translate.encode_sources applies the line policy)."""
+        return [ids + [EOS_ID] for ids in self.encode(texts)]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text from piece ids; special ids (pad/bos/eos) are dropped."""

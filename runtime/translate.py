@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from model.config import PAD_ID
 from runtime.backend import Backend
-from runtime.search import Hypothesis, SearchError, beam_search, greedy_search
+from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.search import Hypothesis, search
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-DEFAULT_BATCH_TOKENS = 4096
+LONG_LINE_POLICIES = ("truncate", "error")
 
 
 def pad_batch(sources: list[list[int]]) -> torch.Tensor:
@@ -55,59 +58,72 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
         yield batch
 
 
-def translate_ids(backend: Backend, sources: list[list[int]], *, beam_size: int = 4, alpha: float = 0.6,
-                  max_len_a: float = 1.0, max_len_b: int = 50, min_len: int = 0, nbest: int = 1,
-                  batch_tokens: int = DEFAULT_BATCH_TOKENS) -> list[list[Hypothesis]]:
-    """Hypotheses (nbest, best first) for each source, in input order.
+def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
+                  **changes: Any) -> list[list[Hypothesis]]:
+    """Hypotheses (options.nbest, best first) for each source, in input order.
 
-    Each source is pieces + EOS, at most backend.max_src_len tokens. An empty source
-    (no tokens at all) gets [] without touching the model. beam_size 1 runs greedy search.
-    batch_tokens bounds n_sentences x longest source x beam per batch (see length_batches).
+    `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)).
+    Each source is pieces + EOS, at most backend.max_src_len tokens (encode_sources). An
+    empty source (a blank line) gets [] without touching the model. options.batch_tokens
+    bounds n_sentences x longest source x beam per batch (see length_batches).
     """
-    if nbest > beam_size:
-        raise SearchError(f"nbest ({nbest}) must not exceed the beam size ({beam_size})")
+    options = options.replace(**changes) if changes else options
+    options.validate()
     results: list[list[Hypothesis]] = [[] for _ in sources]
     todo = [i for i, s in enumerate(sources) if s]
     max_batch = getattr(backend, "max_batch", None)
-    for batch in length_batches([len(sources[i]) for i in todo], batch_tokens, beam_size, max_batch):
+    for batch in length_batches([len(sources[i]) for i in todo], options.batch_tokens, options.beam_size,
+                                max_batch):
         idx = [todo[j] for j in batch]
-        src = pad_batch([sources[i] for i in idx])
-        if beam_size == 1:
-            hyps = greedy_search(backend, src, max_len_a=max_len_a, max_len_b=max_len_b,
-                                 min_len=min_len, alpha=alpha)
-        else:
-            hyps = beam_search(backend, src, beam_size=beam_size, alpha=alpha, max_len_a=max_len_a,
-                               max_len_b=max_len_b, min_len=min_len, nbest=nbest)
-        for i, h in zip(idx, hyps):
+        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx]), options)):
             results[i] = h
     return results
 
 
-def encode_lines(tokenizer: Tokenizer, lines: list[str], max_src_len: int) -> tuple[list[list[int]], int]:
-    """Source ids per line ([] for empty / whitespace-only lines) and how many lines were
-    cut to max_src_len tokens (EOS included)."""
-    ids: list[list[int]] = [[] for _ in lines]
+@dataclass
+class Sources:
+    """Source ids per line ([] for a blank line) and what the line policy did."""
+
+    ids: list[list[int]]
+    empty: int = 0
+    truncated: int = 0
+
+
+def encode_sources(tokenizer: Tokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
+                   origin: str = "input", first_line: int = 1) -> Sources:
+    """The one way text lines become source ids (serve-batch, parity, bench, validation).
+
+    Blank or whitespace-only lines get [] (they are never translated: the output line is
+    empty); others are pieces + EOS. A line over max_src_len tokens (EOS included) is cut
+    to its first max_src_len - 1 pieces + EOS (long_lines "truncate", counted) or refused
+    as `origin:line` (long_lines "error"; line numbers start at first_line).
+    """
+    if long_lines not in LONG_LINE_POLICIES:
+        raise RuntimeUserError(f"--long-lines {long_lines!r}: choose one of {', '.join(LONG_LINE_POLICIES)}")
     live = [i for i, line in enumerate(lines) if line.strip()]
-    truncated = 0
-    if live:
-        full = tokenizer.encode_source([lines[i] for i in live])
-        for i, seq in zip(live, full):
-            if len(seq) > max_src_len:
-                truncated += 1
-                seq = seq[: max_src_len - 1] + seq[-1:]
-            ids[i] = seq
-    return ids, truncated
+    out = Sources([[] for _ in lines], empty=len(lines) - len(live))
+    if not live:
+        return out
+    for i, seq in zip(live, tokenizer.encode_source([lines[i] for i in live])):
+        if len(seq) > max_src_len:
+            if long_lines == "error":
+                raise RuntimeUserError(f"{origin}:{first_line + i}: {len(seq)} tokens, more than the model's "
+                                       f"limit of {max_src_len}; pass --long-lines truncate or split the line")
+            out.truncated += 1
+            seq = seq[: max_src_len - 1] + seq[-1:]
+        out.ids[i] = seq
+    return out
 
 
-def translate_lines(backend: Backend, tokenizer: Tokenizer, lines: list[str], **options: Any) -> list[str]:
-    """Text in, text out, line-aligned: the best hypothesis of each line; empty or
-    whitespace-only lines give "" without touching the model; lines longer than the
-    backend's source limit are truncated (logged). Options as translate_ids."""
-    ids, truncated = encode_lines(tokenizer, lines, backend.max_src_len)
-    if truncated:
-        log.warning("%d line(s) longer than %d source tokens were truncated", truncated,
+def translate_lines(backend: Backend, tokenizer: Tokenizer, lines: list[str], options: DecodingOptions = PAPER,
+                    **changes: Any) -> list[str]:
+    """Text in, text out, line-aligned: the best hypothesis of each line; blank lines give
+    "" without touching the model; lines longer than the backend's source limit are
+    truncated (logged). Options as translate_ids."""
+    sources = encode_sources(tokenizer, lines, backend.max_src_len)
+    if sources.truncated:
+        log.warning("%d line(s) longer than %d source tokens were truncated", sources.truncated,
                     backend.max_src_len)
-    hyps = translate_ids(backend, ids, **options)
-    best = [h[0].tokens if h else [] for h in hyps]
-    texts = tokenizer.decode(best)
-    return [text if src else "" for text, src in zip(texts, ids)]
+    hyps = translate_ids(backend, sources.ids, options, **changes)
+    texts = tokenizer.decode([h[0].tokens if h else [] for h in hyps])
+    return [text if src else "" for text, src in zip(texts, sources.ids)]

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from model.checkpoint import load_model  # noqa: E402
 from model.manifest import CHECKPOINT_FILE  # noqa: E402
 from pipeline.bench import make_sources, peak_rss_mb  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
 from runtime.search import greedy_search  # noqa: E402
 from runtime.tokenizer import Tokenizer  # noqa: E402
 from runtime.torch_backend import TorchBackend  # noqa: E402
@@ -121,7 +122,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model_dir", type=Path)
     ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--beam-size", type=int, default=4)
+    ap.add_argument("--beam-size", type=int, default=PAPER.beam_size)
     ap.add_argument("--fixed-length", type=int, default=None)
     ap.add_argument("--src", type=Path, default=None)
     ap.add_argument("--sentences", type=int, default=256)
@@ -145,7 +146,7 @@ def main() -> None:
         agree = greedy_agreement(model, tokenizer, translator, check)
         print(f"greedy agreement with the PyTorch model: {agree}/{len(check)} sentences")
 
-        opts = dict(beam_size=args.beam_size, max_batch_size=args.batch_size, length_penalty=0.6)
+        opts = dict(beam_size=args.beam_size, max_batch_size=args.batch_size, length_penalty=PAPER.alpha)
         if args.fixed_length:
             opts.update(max_decoding_length=args.fixed_length, min_decoding_length=args.fixed_length)
         translator.translate_batch(src_tokens[: args.batch_size], **opts)  # warm-up

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import math
 
+import click
 import pytest
+from conftest import run_cli
 
+from model.config import EOS_ID
+from pipeline.parity_cli import parse_backends
 from runtime.decoding import PAPER, DecodingError, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.loader import backend_names
+from runtime.tokenizer import Tokenizer
+from runtime.translate import encode_sources
 
 
 def test_paper_defaults():
@@ -35,3 +43,59 @@ def test_all_problems_reported_at_once():
     with pytest.raises(DecodingError) as e:
         PAPER.replace(beam_size=0, alpha=math.inf).validate()
     assert "--beam-size" in str(e.value) and "--alpha" in str(e.value)
+
+
+COMMANDS = {
+    "serve-batch": ["no-model-dir", "in.txt", "-o", "out.txt"],
+    "parity": ["no-model-dir", "--src", "src.txt", "--ref", "ref.txt"],
+    "bench": ["no-model-dir"],
+    "demo": ["--out", "no-demo-dir"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_takes_decoding_defaults_and_validation_from_the_contract(command, capsys, tmp_path,
+                                                                               monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(command, "--help") == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert f"{DecodingOptions.help('beam_size')} [default: {PAPER.beam_size}]" in help_text
+    # Validated before any work: one line naming the option, nothing created.
+    assert run_cli(command, *COMMANDS[command], "--beam-size", 0) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == ["error: --beam-size must be at least 1 (got 0)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_serve_and_parity_share_the_search_options(capsys):
+    for command in ("serve-batch", "parity"):
+        assert run_cli(command, "--help") == 0
+        help_text = " ".join(capsys.readouterr().out.split())
+        for name in ("alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens"):
+            assert f"--{name.replace('_', '-')}" in help_text and DecodingOptions.help(name) in help_text
+    assert run_cli("serve-batch", *COMMANDS["serve-batch"], "--nbest", 5, "--alpha", "nan") == 2
+    err = capsys.readouterr().err
+    assert "--nbest must be between 1 and --beam-size 4" in err and "--alpha must be" in err
+
+
+def test_parse_backends_uses_the_loader_registry():
+    assert parse_backends(" torch,onnxruntime ") == ["torch", "onnxruntime"]
+    assert set(backend_names()) == {"torch", "onnxruntime", "tensorrt"}
+    with pytest.raises(click.BadParameter, match="choose from torch, onnxruntime, tensorrt"):
+        parse_backends("torch,auto")
+
+
+def test_encode_sources_is_the_one_line_policy(spm_bytes):
+    tok = Tokenizer(spm_bytes)
+    long_line = " ".join(["der hund sieht die katze"] * 6)
+    full = tok.encode_source([long_line])[0]
+    limit = len(full) - 3
+    out = encode_sources(tok, ["der hund", "", " \t ", long_line], limit)
+    assert out.ids[0] == tok.encode_source(["der hund"])[0] and out.ids[0][-1] == EOS_ID
+    assert out.ids[1] == out.ids[2] == []
+    assert out.ids[3] == full[: limit - 1] + [EOS_ID] and len(out.ids[3]) == limit
+    assert (out.empty, out.truncated) == (2, 1)
+    with pytest.raises(RuntimeUserError, match=f"in.txt:13: {len(full)} tokens, more than the model's limit"):
+        encode_sources(tok, ["der hund", "", " \t ", long_line], limit, long_lines="error", origin="in.txt",
+                       first_line=10)
+    assert encode_sources(tok, ["", "  "], limit).ids == [[], []]

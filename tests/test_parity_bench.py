@@ -16,6 +16,8 @@ from model.checkpoint import load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest, write_manifest
 from pipeline.bench import run_bench
 from pipeline.parity import DEFAULT_GATES, BackendResult, check_gate, first_divergence, run_parity
+from runtime.decoding import PAPER
+from runtime.loader import load_backend
 
 EXPORT_LIMITS = dict(max_batch=16, max_src_len=64, max_tgt_len=80)
 
@@ -94,7 +96,8 @@ def test_parity_rejects_misaligned_reference(model_dirs, test_files, tmp_path, c
 
 
 def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
-    report = run_bench(model_dirs["fp32"], ["torch", "onnxruntime"], [4], beam_size=2, fixed_length=6,
+    report = run_bench(model_dirs["fp32"], ["torch", "onnxruntime"], [4], decoding=PAPER.replace(beam_size=2),
+                       fixed_length=6,
                        sentences=8, src_len=7)
     assert [r["backend"] for r in report["results"]] == ["torch", "onnxruntime"]
     for r in report["results"]:
@@ -105,3 +108,34 @@ def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
                    "--beam-size", 1, "--fixed-length", 3, "--sentences", 4, "--json", out)
     assert code == 0
     assert json.loads(out.read_text())["results"][0]["target_tokens"] == 4 * 3
+
+
+def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files, tmp_path):
+    """Blank, whitespace-only and over-long lines: each backend's hypotheses as parity saw
+    them (--save-hyps) are byte for byte what serve-batch writes with the same options."""
+    model_dir = model_dirs["fp32"]
+    src_lines = test_files[0].read_text(encoding="utf-8").splitlines()[:6]
+    ref_lines = test_files[1].read_text(encoding="utf-8").splitlines()[:6]
+    long_line = " ".join(["der hund sieht die katze"] * 20)
+    _, tok, _ = load_backend(model_dir, "torch")
+    assert len(tok.encode_source([long_line])[0]) > EXPORT_LIMITS["max_src_len"]
+    src_lines[1:1] = ["", "  \t ", long_line]
+    ref_lines[1:1] = ["", "", "the dog sees the cat"]
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("".join(x + "\n" for x in src_lines), encoding="utf-8")
+    ref.write_text("".join(x + "\n" for x in ref_lines), encoding="utf-8")
+    decoding = ["--beam-size", 3, "--max-len-a", 0, "--max-len-b", 12, "--threads", 1]
+    hyps, report = tmp_path / "hyps", tmp_path / "parity.json"
+    assert run_cli("parity", model_dir, "--src", src, "--ref", ref, "--backends", "torch,onnxruntime",
+                   "--save-hyps", hyps, "--json", report, *decoding) == 0
+    assert sorted(p.name for p in hyps.iterdir()) == ["onnxruntime.fp32.txt", "torch.fp32.txt"]
+    for backend in ("torch", "onnxruntime"):
+        served = tmp_path / f"served.{backend}.txt"
+        assert run_cli("serve-batch", model_dir, src, "-o", served, "--backend", backend, "--no-progress",
+                       *decoding) == 0
+        assert (hyps / f"{backend}.fp32.txt").read_bytes() == served.read_bytes()
+    out = (hyps / "torch.fp32.txt").read_text(encoding="utf-8").split("\n")
+    assert len(out) == len(src_lines) + 1 and out[1] == out[2] == "" and out[3] and out[0]
+    data = json.loads(report.read_text())
+    assert data["sentences"] == len(src_lines)
+    assert [r["identical"] for r in data["results"]] == [1.0, 1.0]

@@ -1,0 +1,148 @@
+"""Input lines to output lines, the way serve-batch does it (and so parity, which must
+measure exactly what is served).
+
+Reading: a window of lines at a time, split on b'\\n' only, strict UTF-8 (refused with
+file:line) or replaced (counted). The line policy and encoding: runtime.translate's
+encode_sources (blank lines -> no tokens -> "", long lines truncated or refused). The
+output format: format_line. pipeline/serve.py runs the windows through the backend
+(split over torchrun ranks) and yields a `TranslatedWindow` per window.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO
+
+from pipeline.errors import UserError
+from pipeline.textio import decode_line, open_binary
+from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.tokenizer import Tokenizer
+from runtime.translate import LONG_LINE_POLICIES, encode_sources
+
+NBEST_SEP = " ||| "
+INVALID_UTF8_POLICIES = ("error", "replace")
+
+NBest = list[tuple[list[int], float]]  # one line's hypotheses as (tokens, score), best first; [] for blank
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """How serve-batch (and parity) read, encode, decode and write."""
+
+    window: int = 10000
+    long_lines: str = "truncate"  # or "error"
+    invalid_utf8: str = "error"   # or "replace"
+    decoding: DecodingOptions = PAPER
+
+    def validate(self) -> ServeOptions:
+        problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
+        if self.long_lines not in LONG_LINE_POLICIES:
+            problems.append(f"--long-lines must be one of {', '.join(LONG_LINE_POLICIES)}")
+        if self.invalid_utf8 not in INVALID_UTF8_POLICIES:
+            problems.append(f"--invalid-utf8 must be one of {', '.join(INVALID_UTF8_POLICIES)}")
+        if problems:
+            raise UserError("; ".join(problems))
+        self.decoding.validate()
+        return self
+
+
+@dataclass
+class Window:
+    """One window of an input: source ids per line ([] for blank lines) and counts."""
+
+    ids: list[list[int]]
+    empty: int = 0
+    truncated: int = 0
+    replaced: int = 0
+
+
+@dataclass
+class TranslatedWindow:
+    """One window translated: what was written, what the backend saw and produced."""
+
+    lines: list[str]          # output lines, without newlines, line-aligned with the input
+    sources: list[list[int]]  # source ids the backend saw ([] for blank lines)
+    nbest: list[NBest]
+    empty: int = 0
+    truncated: int = 0
+    replaced: int = 0
+    best: list[list[int]] = field(init=False)  # best hypothesis' tokens per line ([] for blank)
+
+    def __post_init__(self) -> None:
+        self.best = [n[0][0] if n else [] for n in self.nbest]
+
+    @property
+    def src_tokens(self) -> int:
+        return sum(len(s) for s in self.sources)
+
+    @property
+    def tgt_tokens(self) -> int:
+        """Generated tokens of the best hypotheses, EOS included."""
+        return sum(len(n[0][0]) + 1 for n in self.nbest if n)
+
+
+def read_windows(path: str, tokenizer: Tokenizer, max_src_len: int, opts: ServeOptions) -> Iterator[Window]:
+    """Windows of `opts.window` lines, tokenized, with the bad-input policy applied."""
+    f = open_binary(path)
+    try:
+        texts: list[str] = []
+        replaced = 0
+        first_line = 1
+        for lineno, raw in enumerate(_raw_lines(f, path), start=1):
+            text, bad = _decode(raw, path, lineno, opts.invalid_utf8)
+            replaced += bad
+            texts.append(text)
+            if len(texts) == opts.window:
+                yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
+                texts, replaced, first_line = [], 0, lineno + 1
+        if texts:
+            yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
+    finally:
+        if f is not sys.stdin.buffer:
+            f.close()
+
+
+def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
+    try:
+        yield from f
+    except (OSError, EOFError) as e:
+        raise UserError(f"{path}: cannot read ({e})") from None
+
+
+def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
+    try:
+        return decode_line(raw, path, lineno), 0
+    except UserError as e:
+        if policy != "replace":
+            raise UserError(f"{e} (or pass --invalid-utf8 replace)") from None
+        return decode_line(raw, path, lineno, errors="replace"), 1
+
+
+def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, max_src_len: int,
+            opts: ServeOptions, replaced: int) -> Window:
+    try:
+        sources = encode_sources(tokenizer, texts, max_src_len, long_lines=opts.long_lines, origin=path,
+                                 first_line=first_line)
+    except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
+        raise UserError(str(e)) from None
+    return Window(sources.ids, empty=sources.empty, truncated=sources.truncated, replaced=replaced)
+
+
+def format_line(tokenizer: Tokenizer, nbest: NBest, n: int) -> str:
+    """One output line: the best translation, or with n > 1 the n best as
+    `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
+    if not nbest:
+        return ""
+    texts = tokenizer.decode([tokens for tokens, _ in nbest])
+    if n == 1:
+        return texts[0]
+    return NBEST_SEP.join(f"{t}{NBEST_SEP}{score:.4f}" for t, (_, score) in zip(texts, nbest))
+
+
+def finish_window(tokenizer: Tokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
+    """The window's output lines from its hypotheses (in input order)."""
+    return TranslatedWindow([format_line(tokenizer, hyps, n) for hyps in nbest], window.ids, nbest,
+                            empty=window.empty, truncated=window.truncated, replaced=window.replaced)
