@@ -86,6 +86,15 @@ def load_tensorrt() -> ModuleType:
     return tensorrt
 
 
+def installed() -> bool:
+    """Whether the real TensorRT library imports here (its type stubs alone do not count)."""
+    try:
+        load_tensorrt()
+    except TensorRTUnavailable:
+        return False
+    return True
+
+
 def skip_message(reason: str) -> str:
     """The one line export prints when engines are not built."""
     return f"TensorRT engines skipped: {reason}; the ONNX graphs were written and verified."
