@@ -23,18 +23,20 @@ from pipeline.parity_cli import parse_backends
               help="Training pairs of the built-in corpus [default: 30000].")
 @click.option("--average-last", type=click.IntRange(1), default=3, show_default=True,
               help="Average this many last checkpoints before export.")
-@click.option("--backends", default="torch,onnxruntime", show_default=True,
-              help="Backends whose parity with PyTorch is checked (torch,onnxruntime,tensorrt).")
+@click.option("--backends", default=None,
+              help="Backends whose parity with PyTorch is checked (torch,onnxruntime,tensorrt) "
+                   "[default: every one this machine can run; see `pipeline doctor`].")
 @click.option("--beam-size", type=click.IntRange(1, 8), default=4, show_default=True, help="Beam size.")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads [default: all cores].")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
-         backends: str, beam_size: int, threads: int | None, progress: bool) -> None:
+         backends: str | None, beam_size: int, threads: int | None, progress: bool) -> None:
     """Train on the built-in made-up language pair, export fp32 and fp16, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
     Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
+    wanted = tuple(parse_backends(backends)) if backends else None
     result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
-                                  average_last=average_last, backends=tuple(parse_backends(backends)),
+                                  average_last=average_last, backends=wanted,
                                   beam_size=beam_size, threads=threads, progress=progress))
     click.echo(format_result(result))
     if not result.passed:
