@@ -6,9 +6,10 @@ save the plan. `tensorrt` is imported lazily: it cannot be installed on CPU mach
 where export still writes and verifies the ONNX graphs and says engines were skipped.
 
 Precision: TensorRT 11 builds strongly typed networks only (the FP16 builder flag is
-gone) and takes every tensor's type from the ONNX graph, which is why --fp16 exports
-half-precision graphs. TensorRT 10 also offers STRONGLY_TYPED and we use it when
-present; only a TensorRT without it falls back to the FP16 builder flag.
+gone, STRONGLY_TYPED is ignored) and takes every tensor's type from the ONNX graph, which
+is why --fp16 exports half-precision graphs. On TensorRT 10 we ask for STRONGLY_TYPED, so
+both versions build the same engines; the version branch is explicit so mypy checks each
+side against the TensorRT stubs (`tensorrt` is only a type here; see `load_tensorrt`).
 """
 
 from __future__ import annotations
@@ -17,13 +18,16 @@ import logging
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.config import ModelConfig
 from model.files import atomic_write_bytes
 from model.manifest import Limits  # the shape limits are one type, recorded in the manifest
+
+if TYPE_CHECKING:  # for annotations only: at run time each step imports tensorrt once load_tensorrt()
+    import tensorrt as trt  # has vouched for it, so mypy checks every call against the stubs
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +36,19 @@ DEFAULT_WORKSPACE_GIB = 4.0
 
 Shape = tuple[int, ...]
 Profile = dict[str, tuple[Shape, Shape, Shape]]  # input name -> (min, opt, max)
+
+
+MIN_MAJOR = 10
+
+
+def is_stub_only(module: ModuleType) -> bool:
+    """True for the namespace package that `tensorrt-stubs` alone leaves importable: it has
+    no code (no __file__, no Builder), so it must count as "not installed"."""
+    return getattr(module, "__file__", None) is None or not hasattr(module, "Builder")
+
+
+def major_version(version: str) -> int:
+    return int(version.split(".")[0])
 
 
 def load_tensorrt() -> ModuleType:
@@ -43,7 +60,21 @@ def load_tensorrt() -> ModuleType:
     except Exception as e:  # noqa: BLE001 - a broken install (missing libnvinfer) is the same case
         raise TensorRTUnavailable(f"tensorrt cannot be imported: {type(e).__name__}: {e} "
                                   f"({INSTALL_HINT})") from e
+    if is_stub_only(tensorrt):
+        raise TensorRTUnavailable(f"tensorrt is not installed (only its type stubs are) ({INSTALL_HINT})")
+    if major_version(tensorrt.__version__) < MIN_MAJOR:
+        raise TensorRTUnavailable(f"TensorRT {tensorrt.__version__} is too old: TensorRT >= {MIN_MAJOR} is "
+                                  f"needed ({INSTALL_HINT})")
     return tensorrt
+
+
+def installed() -> bool:
+    """Whether the real TensorRT library imports here (its type stubs alone do not count)."""
+    try:
+        load_tensorrt()
+    except TensorRTUnavailable:
+        return False
+    return True
 
 
 def skip_message(reason: str) -> str:
@@ -101,25 +132,38 @@ def timing_cache_path(trt_version: str) -> Path:
 
 # -- the build chain (needs TensorRT and a GPU) ---------------------------------------------
 
-def _parse(trt: ModuleType, logger: Any, builder: Any, onnx_path: Path) -> tuple[Any, Any, bool]:
+def _network_flags(trt_version: str) -> int:
+    """TensorRT 11 networks are always strongly typed (the flag is deprecated and ignored);
+    TensorRT 10 only when asked (weakly typed, it would choose layer precisions itself)."""
+    import tensorrt as trt
+
+    if major_version(trt_version) >= 11:
+        return 0
+    return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+
+
+def _parse(logger: trt.ILogger, builder: trt.Builder, onnx_path: Path
+           ) -> tuple[trt.INetworkDefinition, trt.OnnxParser]:
     """Network from the ONNX file; on failure name each failing node and the parser's error."""
-    flag = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
-    strongly_typed = flag is not None
-    network = builder.create_network(1 << int(flag) if strongly_typed else 0)
+    import tensorrt as trt
+
+    network = builder.create_network(_network_flags(trt.__version__))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):
         errors = []
         for i in range(parser.num_errors):
-            err = parser.get_error(i)
-            node = getattr(err, "node_name", lambda: "")() or f"#{err.node()}"
-            op = getattr(err, "node_operator", lambda: "")()
-            errors.append(f"node {node} ({op or '?'}): {err.desc()}")
+            # the stubs leave get_error's return untyped; it is a ParserError
+            err = cast(trt.ParserError, parser.get_error(i))
+            node = err.node_name() or f"#{err.node()}"
+            errors.append(f"node {node} ({err.node_operator() or '?'}): {err.desc()}")
         raise ExportError(f"TensorRT's ONNX parser rejected {onnx_path.name}: " + "; ".join(errors))
-    return network, parser, strongly_typed
+    return network, parser
 
 
-def _config(trt: ModuleType, builder: Any, profile: Profile, *, fp16: bool, strongly_typed: bool,
-            workspace_bytes: int, timing_cache: Path) -> tuple[Any, Any]:
+def _config(builder: trt.Builder, profile: Profile, *, workspace_bytes: int, timing_cache: Path
+            ) -> tuple[trt.IBuilderConfig, trt.ITimingCache]:
+    import tensorrt as trt
+
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_bytes)
     blob = timing_cache.read_bytes() if timing_cache.is_file() else b""
@@ -127,28 +171,28 @@ def _config(trt: ModuleType, builder: Any, profile: Profile, *, fp16: bool, stro
     config.set_timing_cache(cache, ignore_mismatch=False)
     opt_profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in profile.items():
-        opt_profile.set_shape(name, lo, opt, hi)
+        opt_profile.set_shape(name, trt.Dims(list(lo)), trt.Dims(list(opt)), trt.Dims(list(hi)))
     config.add_optimization_profile(opt_profile)
-    if fp16 and not strongly_typed:
-        config.set_flag(trt.BuilderFlag.FP16)  # TensorRT 10 weakly typed path only
     return config, cache
 
 
-def _save_timing_cache(config: Any, path: Path) -> None:
+def _save_timing_cache(config: trt.IBuilderConfig, path: Path) -> None:
     """Atomically write the (grown) timing cache so the next build starts from it."""
-    atomic_write_bytes(path, bytes(memoryview(config.get_timing_cache().serialize())))
+    atomic_write_bytes(path, bytes(config.get_timing_cache().serialize()))
 
 
-def build_engine(trt: ModuleType, onnx_path: Path, plan_path: Path, profile: Profile, *, fp16: bool,
-                 workspace_bytes: int, timing_cache: Path) -> None:
-    """parse -> config -> build -> save one engine."""
+def build_engine(onnx_path: Path, plan_path: Path, profile: Profile, *, workspace_bytes: int,
+                 timing_cache: Path) -> None:
+    """parse -> config -> build -> save one engine (precision comes from the graph's types).
+    Call after load_tensorrt() has said the real library is here."""
+    import tensorrt as trt
+
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network, _parser, strongly_typed = _parse(trt, logger, builder, onnx_path)
-    config, _cache = _config(trt, builder, profile, fp16=fp16, strongly_typed=strongly_typed,
-                             workspace_bytes=workspace_bytes, timing_cache=timing_cache)
-    log.info("building TensorRT engine %s (strongly typed: %s)", plan_path.name, strongly_typed)
-    serialized = builder.build_serialized_network(network, config)
+    network, _parser = _parse(logger, builder, onnx_path)
+    config, _cache = _config(builder, profile, workspace_bytes=workspace_bytes, timing_cache=timing_cache)
+    log.info("building TensorRT %s engine %s", trt.__version__, plan_path.name)
+    serialized: trt.IHostMemory | None = builder.build_serialized_network(network, config)
     if serialized is None:
         raise ExportError(f"TensorRT failed to build an engine from {onnx_path.name} "
                           "(see the TensorRT log above)")
@@ -170,14 +214,14 @@ def build_engines(model_dir: Path, cfg: ModelConfig, limits: Limits, *, fp16: bo
                   workspace_gib: float = DEFAULT_WORKSPACE_GIB,
                   timing_cache: Path | None = None) -> dict[str, Any]:
     """encoder.plan and decoder.plan beside the ONNX graphs; returns the manifest entry."""
-    trt = load_tensorrt()
+    version = load_tensorrt().__version__
     ident = gpu_identity()
-    cache = timing_cache or timing_cache_path(trt.__version__)
+    cache = timing_cache or timing_cache_path(version)
     workspace = int(workspace_gib * (1 << 30))
     for onnx_name, plan_name, profile in (
             (io_names.ENCODER_FILE, io_names.ENCODER_ENGINE, encoder_profile(cfg, limits)),
             (io_names.DECODER_FILE, io_names.DECODER_ENGINE, decoder_profile(cfg, limits))):
-        build_engine(trt, model_dir / onnx_name, model_dir / plan_name, profile, fp16=fp16,
-                     workspace_bytes=workspace, timing_cache=cache)
-    return {"version": trt.__version__, **ident, "precision": "fp16" if fp16 else "fp32",
+        build_engine(model_dir / onnx_name, model_dir / plan_name, profile, workspace_bytes=workspace,
+                     timing_cache=cache)
+    return {"version": version, **ident, "precision": "fp16" if fp16 else "fp32",
             "workspace_gib": workspace_gib, "timing_cache": str(cache)}

@@ -46,6 +46,8 @@ def _register() -> None:
     cli.add_command(bench)
     from pipeline.demo_cli import demo
     cli.add_command(demo)
+    from pipeline.doctor_cli import doctor
+    cli.add_command(doctor)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 import sacrebleu
 
 from export.api import export_model
+from pipeline.demo_plan import DemoPlan, format_plan, plan_demo
+from pipeline.doctor import gather_facts
 from pipeline.parity import ParityReport, format_table, run_parity, write_json
 from pipeline.serve import ServeOptions, serve_files
 from pipeline.textio import read_lines
@@ -37,10 +39,11 @@ class DemoOptions:
     max_steps: int | None = None
     builtin_pairs: int | None = None
     average_last: int = 3
-    backends: tuple[str, ...] = ("torch", "onnxruntime")
+    backends: tuple[str, ...] | None = None  # None: every backend this machine can run (demo_plan)
     decoding: DecodingOptions = PAPER
     threads: int | None = None
     progress: bool = True
+    plan: DemoPlan | None = None  # None: planned from this machine's facts (pipeline doctor)
 
 
 @dataclass
@@ -52,6 +55,8 @@ class DemoResult:
     serve_summary: str
     seconds: dict[str, float] = field(default_factory=dict)
     parity: dict[str, ParityReport] = field(default_factory=dict)
+    plan: DemoPlan | None = None
+    gpu_peak_gib: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -74,15 +79,16 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     out = Path(opts.out)
     save_dir = out / "train"
     clock = _Clock()
+    plan = opts.plan or plan_demo(gather_facts(), wanted=opts.backends)
     clock.stage("train", train, TrainOptions(
         save_dir=save_dir, preset=opts.preset, max_steps=opts.max_steps, builtin_pairs=opts.builtin_pairs,
-        threads=opts.threads, progress=opts.progress))
+        threads=opts.threads, progress=opts.progress, device=plan.device, precision=plan.train_precision))
     checkpoint = clock.stage("average", average_checkpoints, save_dir, last=opts.average_last)
 
     model_dirs = {p: out / f"model-{p}" for p in PRECISIONS}
     for precision, model_dir in model_dirs.items():
         clock.stage(f"export {precision}", export_model, checkpoint, model_dir, fp16=precision == "fp16",
-                    tensorrt=None, force=True)
+                    tensorrt=plan.export_tensorrt, force=True)
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
@@ -93,13 +99,18 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     bleu = sacrebleu.corpus_bleu(read_lines(translation), [read_lines(test_ref)]).score
 
     result = DemoResult(save_dir, model_dirs, translation, round(bleu, 2),
-                        serve_summary=stats.summary(backend.name, str(backend.device)))
+                        serve_summary=stats.summary(backend.name, str(backend.device)), plan=plan)
     for precision, model_dir in model_dirs.items():
         report = clock.stage(f"parity {precision}", run_parity, model_dir, test_src, test_ref,
-                             list(opts.backends), opts=serving, threads=opts.threads)
+                             plan.backends(precision), opts=serving, threads=opts.threads,
+                             device=plan.device)
         write_json(report, out / f"parity-{precision}.json")
         result.parity[precision] = report
     result.seconds = clock.seconds
+    if plan.device == "cuda":
+        import torch
+
+        result.gpu_peak_gib = round(torch.cuda.max_memory_allocated() / (1 << 30), 2)
     return result
 
 
@@ -110,5 +121,9 @@ def format_result(result: DemoResult) -> str:
     lines.append(f"serve-batch: {result.serve_summary}")
     lines.append(f"test BLEU of serve-batch ({result.translation}): {result.bleu:.2f}")
     lines.append("seconds per stage: " + ", ".join(f"{k} {v:.1f}" for k, v in result.seconds.items()))
+    if result.plan is not None:
+        lines += format_plan(result.plan)
+    if result.gpu_peak_gib is not None:
+        lines.append(f"GPU memory: peak {result.gpu_peak_gib:.2f} GiB allocated by PyTorch")
     lines.append("parity: " + ("passed" if result.passed else "FAILED"))
     return "\n".join(lines)

@@ -26,18 +26,20 @@ from runtime.loader import backend_names
               help="Training pairs of the built-in corpus [default: 30000].")
 @click.option("--average-last", type=click.IntRange(1), default=3, show_default=True,
               help="Average this many last checkpoints before export.")
-@click.option("--backends", default="torch,onnxruntime", show_default=True,
-              help="Backends whose parity with PyTorch is checked (" + ",".join(backend_names()) + ").")
+@click.option("--backends", default=None,
+              help="Backends whose parity with PyTorch is checked (" + ",".join(backend_names()) + ") "
+                   "[default: every one this machine can run; see `pipeline doctor`].")
 @decoding_options("beam_size")
 @click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads [default: all cores].")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
-         backends: str, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
+         backends: str | None, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
     """Train on the built-in made-up language pair, export fp32 and fp16, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
     Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
+    wanted = tuple(parse_backends(backends)) if backends else None
     result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
-                                  average_last=average_last, backends=tuple(parse_backends(backends)),
+                                  average_last=average_last, backends=wanted,
                                   decoding=decoding, threads=threads, progress=progress))
     click.echo(format_result(result))
     if not result.passed:

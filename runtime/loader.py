@@ -36,7 +36,10 @@ def backend_names() -> tuple[str, ...]:
 
 
 def installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    """Importable with code in it: tensorrt-stubs alone leaves a code-less namespace package
+    named tensorrt, which must not make `auto` pick TensorRT."""
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.origin not in (None, "namespace")
 
 
 def choose_backend(manifest: Manifest) -> str:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +26,9 @@ from model.cache import SelfCache, cache_inputs, cache_shape
 from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
+
+if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
+    import onnxruntime as ort
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +41,7 @@ _ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
 _NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
 
 
-def import_onnxruntime() -> Any:
+def import_onnxruntime() -> ModuleType:
     try:
         import onnxruntime
     except ImportError:
@@ -66,9 +70,11 @@ class OrtBackend(ExportedGraphBackend):
     def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None,
                  threads: int | None = None, spinning: bool = False,
                  providers: list[str] | None = None):
-        ort = import_onnxruntime()
+        import_onnxruntime()
+        import onnxruntime as ort
+
         self.cfg = manifest.model_config
-        available = ort.get_available_providers()
+        available: list[str] = ort.get_available_providers()
         if device is None:
             device = "cuda" if CUDA_EP in available and torch.cuda.is_available() else "cpu"
         self.device = torch.device(device)
@@ -87,7 +93,7 @@ class OrtBackend(ExportedGraphBackend):
                                             providers=self.providers, provider_options=provider_args)
         self.decoder = ort.InferenceSession(str(model_dir / io_names.DECODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
-        self.providers = self.decoder.get_providers()  # what onnxruntime actually enabled
+        self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
         self.cache_dtype = self.out_types[io_names.new_self_k(0)]
@@ -112,20 +118,20 @@ class OrtBackend(ExportedGraphBackend):
 
     # -- IO binding ---------------------------------------------------------------------
 
-    def _bind_in(self, binding: Any, name: str, t: Tensor, alive: list[Tensor]) -> None:
+    def _bind_in(self, binding: ort.IOBinding, name: str, t: Tensor, alive: list[Tensor]) -> None:
         """Bind t by pointer; `alive` keeps any contiguous copy referenced until the run."""
         t = t.contiguous()
         alive.append(t)
         binding.bind_input(name, self._device_type, self._device_id, _NP_TYPES[t.dtype],
                            list(t.shape), t.data_ptr())
 
-    def _bind_out(self, binding: Any, name: str, shape: tuple[int, ...]) -> Tensor:
+    def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...]) -> Tensor:
         t = torch.empty(shape, dtype=self.out_types[name], device=self.device)
         binding.bind_output(name, self._device_type, self._device_id, _NP_TYPES[t.dtype],
                             list(t.shape), t.data_ptr())
         return t
 
-    def _run(self, session: Any, binding: Any) -> None:
+    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # inputs written by torch
         session.run_with_iobinding(binding)
@@ -136,7 +142,8 @@ class OrtBackend(ExportedGraphBackend):
     def encode(self, src_ids: Tensor) -> EncoderState:
         src_ids = src_ids.to(self.device, torch.int64).contiguous()
         b, s = src_ids.shape
-        binding, alive = self.encoder.io_binding(), []
+        binding = self.encoder.io_binding()
+        alive: list[Tensor] = []  # inputs stay referenced until the run has read them
         self._bind_in(binding, io_names.SRC_IDS, src_ids, alive)
         cross = (b, self.cfg.n_heads, s, self.cfg.d_head)
         tensors = {io_names.SRC_BIAS: self._bind_out(binding, io_names.SRC_BIAS, (b, s))}
@@ -151,7 +158,8 @@ class OrtBackend(ExportedGraphBackend):
              reorder: Tensor) -> tuple[StepOutput, SelfCache]:
         n_layers = self.cfg.n_dec_layers
         n = int(tokens.shape[0])
-        binding, alive = self.decoder.io_binding(), []
+        binding = self.decoder.io_binding()
+        alive: list[Tensor] = []
         self._bind_in(binding, io_names.TOKENS, tokens.to(self.device, torch.int64), alive)
         self._bind_in(binding, io_names.STEP, torch.tensor([step], dtype=torch.int64, device=self.device),
                       alive)

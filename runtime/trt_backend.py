@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -26,21 +26,33 @@ from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
+if TYPE_CHECKING:  # for annotations only: at run time tensorrt is imported once import_tensorrt() vouched
+    import tensorrt as trt  # for it, so mypy checks every engine/context/runtime call against the stubs
+
 log = logging.getLogger(__name__)
 
 REBUILD = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on this machine"
 
 
+MISSING = ("tensorrt is not installed (pip install 'pipeline[gpu]' on a machine with an NVIDIA GPU); "
+           "or use --backend onnxruntime or --backend torch")
+
+
 def import_tensorrt() -> ModuleType:
+    """The tensorrt module, or a RuntimeUserError saying what to install instead."""
     try:
         import tensorrt
     except ImportError:
-        raise RuntimeUserError("tensorrt is not installed (pip install 'pipeline[gpu]' on a machine with an "
-                               "NVIDIA GPU); or use --backend onnxruntime or --backend torch") from None
+        raise RuntimeUserError(MISSING) from None
+    # `tensorrt-stubs` alone leaves an importable namespace package with no code in it
+    if getattr(tensorrt, "__file__", None) is None or not hasattr(tensorrt, "Runtime"):
+        raise RuntimeUserError(MISSING.replace("is not installed", "is not installed (only its type stubs are)"))
     return tensorrt
 
 
-def _torch_dtype(trt: ModuleType, dtype: Any) -> torch.dtype:
+def _torch_dtype(dtype: trt.DataType) -> torch.dtype:
+    import tensorrt as trt
+
     table = {trt.DataType.FLOAT: torch.float32, trt.DataType.HALF: torch.float16,
              trt.DataType.INT64: torch.int64, trt.DataType.INT32: torch.int32}
     if dtype not in table:
@@ -64,8 +76,10 @@ def check_engine_identity(manifest: Manifest, trt_version: str, gpu: str) -> Non
 class _Engine:
     """One deserialised engine + execution context; runs with torch tensors as buffers."""
 
-    def __init__(self, trt: ModuleType, runtime: Any, path: Path):
-        engine = runtime.deserialize_cuda_engine(path.read_bytes())
+    def __init__(self, runtime: trt.Runtime, path: Path):
+        import tensorrt as trt
+
+        engine: trt.ICudaEngine | None = runtime.deserialize_cuda_engine(path.read_bytes())
         if engine is None:
             raise RuntimeUserError(f"{path}: TensorRT could not load this engine; {REBUILD}")
         self.engine = engine
@@ -73,22 +87,23 @@ class _Engine:
         names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
         self.inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self.outputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.OUTPUT]
-        self.dtypes = {n: _torch_dtype(trt, engine.get_tensor_dtype(n)) for n in names}
+        self.dtypes = {n: _torch_dtype(engine.get_tensor_dtype(n)) for n in names}
         # An input TensorRT needs at shape-inference time lives in host memory.
         self.host_inputs = {n for n in self.inputs if engine.is_shape_inference_io(n)}
 
     def run(self, feeds: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
         ctx = self.context
-        alive = []
+        alive: list[Tensor] = []  # inputs stay referenced until the engine has read them
         for name in self.inputs:
             t = feeds[name]
             t = t.to("cpu" if name in self.host_inputs else device, self.dtypes[name]).contiguous()
             alive.append(t)
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr())
-        outs = {}
+        outs: dict[str, Tensor] = {}
         for name in self.outputs:
-            shape = tuple(ctx.get_tensor_shape(name))
+            dims = ctx.get_tensor_shape(name)
+            shape = tuple(dims[i] for i in range(len(dims)))
             if any(d < 0 for d in shape):
                 raise RuntimeError(f"TensorRT could not infer the shape of {name}: {shape}")
             outs[name] = torch.empty(shape, dtype=self.dtypes[name], device=device)
@@ -107,7 +122,9 @@ class TrtBackend(ExportedGraphBackend):
     name = "tensorrt"
 
     def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None):
-        trt = import_tensorrt()
+        import_tensorrt()
+        import tensorrt as trt
+
         if not torch.cuda.is_available():
             raise RuntimeUserError("the tensorrt backend needs a CUDA GPU visible to PyTorch; "
                                    "use --backend onnxruntime or --backend torch")
@@ -127,8 +144,8 @@ class TrtBackend(ExportedGraphBackend):
         self._logger = trt.Logger(trt.Logger.WARNING)
         self._runtime = trt.Runtime(self._logger)
         model_dir = Path(model_dir)
-        self.encoder = _Engine(trt, self._runtime, model_dir / io_names.ENCODER_ENGINE)
-        self.decoder = _Engine(trt, self._runtime, model_dir / io_names.DECODER_ENGINE)
+        self.encoder = _Engine(self._runtime, model_dir / io_names.ENCODER_ENGINE)
+        self.decoder = _Engine(self._runtime, model_dir / io_names.DECODER_ENGINE)
         self.cache_dtype = self.decoder.dtypes[io_names.self_k(0)]
         log.info("TensorRT %s on %s", trt.__version__, torch.cuda.get_device_name(self.device))
 

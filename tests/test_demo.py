@@ -31,6 +31,16 @@ def test_demo_runs_every_stage(tmp_path, capsys):
         assert [r["backend"] for r in report["results"]] == ["torch", "onnxruntime"]
         assert report["results"][1]["precision"] == precision
     assert "== parity, fp16 model" in stdout and "parity: passed" in stdout
+    # what this machine cannot run is listed with its reason (here: TensorRT, at least)
+    import torch
+
+    from pipeline.demo_plan import plan_demo
+    from pipeline.doctor import gather_facts
+
+    skipped = plan_demo(gather_facts()).skipped
+    assert all(f"not run: {backend}: {why}" in stdout for backend, why in skipped)
+    if not torch.cuda.is_available():
+        assert "tensorrt" in dict(skipped)
     assert re.search(r"serve-batch: translated \d+ sentences .* target tokens/s; backend onnxruntime", stdout)
     # Rerunning resumes training (already finished) and replaces the exports.
     assert run_cli("demo", "--out", out, "--preset", "tiny", "--builtin-pairs", "600", "--max-steps", "40",

@@ -6,7 +6,6 @@ built once per module and shared by the read-only tests.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,7 +19,7 @@ import onnx
 import pytest
 import torch
 
-from export import api, verify
+from export import api, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
 from model import build_model, io_names, preset
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
@@ -29,7 +28,7 @@ from model.transformer import select_candidates
 from pipeline.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stubs alone
 SMALL_LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
 
 

@@ -3,7 +3,6 @@ profiles are consistent, and a missing TensorRT is one clear message."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import onnx
@@ -15,7 +14,7 @@ from export.errors import ExportError, TensorRTUnavailable
 from model import io_names, preset
 from model.manifest import read_manifest
 
-HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
+HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stubs alone
 LIMITS = tensorrt_build.Limits(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
 
 

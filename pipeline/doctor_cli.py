@@ -1,0 +1,32 @@
+"""`pipeline doctor` command."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.doctor import check_model_dir, format_facts, format_verdicts, gather_facts
+
+
+@click.command("doctor")
+@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the facts (and verdicts) as one JSON object.")
+def doctor(model_dir: Path | None, as_json: bool) -> None:
+    """Say what this machine can run: Python, PyTorch (CUDA, cuDNN, GPUs, bf16, NCCL),
+    onnxruntime and its execution providers, TensorRT (or exactly why not), tokenizer /
+    scoring / CTranslate2 versions and the CPU's instruction sets. With MODEL_DIR (what
+    `pipeline export` wrote), also which backend, precision and device can serve it here,
+    and why not for the others. Send this output with any bug report."""
+    facts = gather_facts()
+    verdicts = check_model_dir(model_dir, facts) if model_dir is not None else None
+    if as_json:
+        payload = facts.to_json()
+        if verdicts is not None:
+            payload["model_dir"] = {"path": str(model_dir), "backends": [v.__dict__ for v in verdicts]}
+        click.echo(json.dumps(payload, indent=2))
+        return
+    click.echo(format_facts(facts))
+    if model_dir is not None and verdicts is not None:
+        click.echo(format_verdicts(model_dir, verdicts))

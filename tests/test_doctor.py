@@ -1,0 +1,127 @@
+"""`pipeline doctor`: the machine's facts, and which backend can serve a model dir here and why not."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_cli
+
+from export.api import export_model
+from model import io_names
+from model.manifest import Engines, Manifest, read_manifest
+from pipeline.doctor import Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, cpu_facts, gather_facts, model_dir_verdicts
+
+ort = pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, random_checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("doctor") / "model"
+    export_model(random_checkpoint, out, tensorrt=False, max_batch=2, max_src_len=16, max_tgt_len=16, max_beam=2)
+    return out
+
+
+def test_doctor_prints_this_machine(capsys):
+    assert run_cli("doctor") == 0
+    out = capsys.readouterr().out
+    assert f"torch         {torch.__version__}" in out
+    assert f"onnxruntime   {ort.__version__}; providers {', '.join(ort.get_available_providers())}" in out
+    assert "tensorrt" in out and "sentencepiece" in out and "ctranslate2" in out and "cpu " in out
+
+
+def test_doctor_json_has_every_fact(capsys):
+    assert run_cli("doctor", "--json") == 0
+    facts = json.loads(capsys.readouterr().out)
+    assert set(facts) == {"python", "platform", "torch", "onnxruntime", "tensorrt", "packages", "cpu"}
+    assert set(facts["torch"]) >= {"version", "cuda", "cudnn", "gpus", "bf16", "nccl"}
+    assert facts["torch"]["version"] == torch.__version__
+    assert facts["torch"]["cuda"] == torch.version.cuda
+    assert len(facts["torch"]["gpus"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert facts["onnxruntime"]["providers"] == ort.get_available_providers()
+    assert set(facts["packages"]) == {"sentencepiece", "sacrebleu", "ctranslate2"}
+    assert facts["tensorrt"]["usable"] or facts["tensorrt"]["reason"]
+    assert set(facts["cpu"]["features"]) >= {"AVX2", "AVX-512", "AMX"}
+
+
+def test_model_dir_without_engines_says_why_not_tensorrt(model_dir, capsys):
+    assert run_cli("doctor", model_dir, "--json") == 0
+    report = json.loads(capsys.readouterr().out)["model_dir"]
+    by = {(v["backend"], v["device"]): v for v in report["backends"]}
+    assert by[("torch", "cpu")]["ok"] and by[("onnxruntime", "cpu")]["ok"]
+    trt = by[("tensorrt", "cuda")]
+    assert not trt["ok"] and "no TensorRT engines (export skipped them: --no-tensorrt)" in trt["reason"]
+    assert "--tensorrt --force" in trt["reason"]
+    if not torch.cuda.is_available():
+        assert not by[("torch", "cuda")]["ok"] and "no CUDA GPU" in by[("torch", "cuda")]["reason"]
+
+    assert run_cli("doctor", model_dir) == 0
+    out = capsys.readouterr().out
+    assert "torch         " in out and f"model dir {model_dir}:" in out
+    assert "  tensorrt     fp32  cuda  no: the model dir has no TensorRT engines" in out
+    assert "  onnxruntime  fp32  cpu   yes" in out
+
+
+def test_tampered_model_dir_is_one_line(model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / io_names.ENCODER_FILE).write_bytes(b"not onnx")
+    assert run_cli("doctor", bad) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "SHA-256" in err and err.count("\n") == 1
+
+
+def _gpu_facts(trt_version: str | None = "10.13.0.35", providers: tuple[str, ...] = (
+        "CUDAExecutionProvider", "CPUExecutionProvider")) -> Facts:
+    real = gather_facts()
+    gpu = TorchFacts("2.13.0+cu130", "13.0", 91000, (Gpu(0, "NVIDIA H100 80GB HBM3", 79.1, "9.0"),), True, True)
+    trt = TrtFacts(trt_version, usable=True) if trt_version else TrtFacts(None, reason="tensorrt is not installed")
+    return Facts(real.python, real.platform, gpu, OrtFacts("1.31.1", providers), trt, real.packages, real.cpu)
+
+
+def _manifest_with_engines(model_dir: Path, version: str, gpu: str) -> Manifest:
+    manifest = read_manifest(model_dir)
+    files = dict(manifest.files, **{io_names.ENCODER_ENGINE: "x", io_names.DECODER_ENGINE: "x"})
+    engines = Engines(version=version, gpu=gpu, compute_capability="9.0", precision="fp32", workspace_gib=4.0,
+                      timing_cache="timing.cache")
+    return dataclasses.replace(manifest, files=files, tensorrt=engines)
+
+
+def test_verdicts_on_a_gpu_machine(model_dir):
+    facts = _gpu_facts()
+    ok = {(v.backend, v.precision, v.device): v for v in
+          model_dir_verdicts(_manifest_with_engines(model_dir, "10.13.0.35", "NVIDIA H100 80GB HBM3"), facts)}
+    assert all(v.ok for v in ok.values()), ok
+    assert set(ok) == {("torch", "fp32", "cpu"), ("torch", "fp32", "cuda"), ("torch", "fp16", "cuda"),
+                       ("onnxruntime", "fp32", "cpu"), ("onnxruntime", "fp32", "cuda"), ("tensorrt", "fp32", "cuda")}
+
+    other_gpu = model_dir_verdicts(_manifest_with_engines(model_dir, "10.13.0.35", "NVIDIA A100"), facts)
+    trt = next(v for v in other_gpu if v.backend == "tensorrt")
+    assert not trt.ok and "built for NVIDIA A100, this GPU is NVIDIA H100 80GB HBM3" in trt.reason
+
+    old_trt = model_dir_verdicts(_manifest_with_engines(model_dir, "10.9.0", "NVIDIA H100 80GB HBM3"), facts)
+    assert "TensorRT 10.9.0, this is 10.13.0.35" in next(v for v in old_trt if v.backend == "tensorrt").reason
+
+    cpu_ort = model_dir_verdicts(read_manifest(model_dir),
+                                 _gpu_facts(None, providers=("CPUExecutionProvider",)))
+    ort_cuda = next(v for v in cpu_ort if v.backend == "onnxruntime" and v.device == "cuda")
+    assert not ort_cuda.ok and "install onnxruntime-gpu" in ort_cuda.reason
+    trt = next(v for v in cpu_ort if v.backend == "tensorrt")
+    assert not trt.ok and "no TensorRT engines" in trt.reason
+
+
+def test_cpu_features_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse avx2 avx512f amx_tile\n\n"
+                    "processor\t: 1\nmodel name\t: Test CPU 9000\nflags\t\t: fpu sse avx2 avx512f amx_tile\n")
+    cpu = cpu_facts(info)
+    assert cpu.model == "Test CPU 9000" and cpu.cores >= 1
+    assert cpu.features["AVX2"] and cpu.features["AVX-512"] and cpu.features["AMX"]
+    assert cpu.features["AVX512-VNNI"] is False
+    elsewhere = cpu_facts(tmp_path / "missing")
+    assert set(elsewhere.features.values()) == {None}
