@@ -23,7 +23,7 @@ from pipeline.errors import UserError
 from pipeline.parity import ParityReport, format_table, run_parity, write_json
 from pipeline.serve import ServeOptions, serve_files
 from pipeline.textio import read_lines
-from pipeline.train import DATA_DIR, TrainOptions, average_checkpoints, train
+from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.loader import load_backend
 
 log = logging.getLogger(__name__)

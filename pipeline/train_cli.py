@@ -1,4 +1,4 @@
-"""`pipeline train` and `pipeline average`: parse options, delegate to pipeline.train."""
+"""`pipeline train` and `pipeline average`: parse options, delegate to pipeline.training."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import click
 
 from model.config import PRESETS
-from pipeline.train import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
-from pipeline.train import train as run_training
+from pipeline.training import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
+from pipeline.training import train as run_training
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
