@@ -61,6 +61,14 @@ class DistContext:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def gather(self, value: T) -> list[T] | None:
+        """Every rank's value in rank order on rank 0; None on the other ranks."""
+        if not self.distributed:
+            return [value]
+        everyone: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, everyone, dst=0)
+        return everyone
+
 
 def env_ranks() -> tuple[int, int, int]:
     """(rank, world size, local rank) from torchrun's environment ((0, 1, 0) without it)."""
@@ -80,12 +88,24 @@ def pick_device(name: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device_name: str = "auto", backend: str | None = None) -> DistContext:
+def rank_device(ctx: DistContext, device: str | None) -> str | None:
+    """For stages whose backends pick their own device (serve-batch: None = the backend's
+    default): under torchrun each rank takes its own GPU, cuda:LOCAL_RANK modulo the GPUs."""
+    if not ctx.distributed:
+        return device
+    if device in (None, "cuda") and torch.cuda.is_available():
+        return f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
+    return device
+
+
+def init_distributed(device_name: str | None = "auto", backend: str | None = None) -> DistContext:
     """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*). The process group
     is NCCL on CUDA and gloo on CPU unless `backend` names one (gloo carries object
-    collectives on every build of torch). Pair with `shutdown`, or use `dist_context`."""
+    collectives on every build of torch). device_name None leaves the device to the caller
+    (see rank_device; ctx.device is then the CPU, where object collectives run).
+    Pair with `shutdown`, or use `dist_context`."""
     rank, world, local_rank = env_ranks()
-    device = pick_device(device_name, local_rank)
+    device = pick_device(device_name, local_rank) if device_name is not None else torch.device("cpu")
     owns = False
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
@@ -103,7 +123,7 @@ def shutdown(ctx: DistContext) -> None:
 
 
 @contextmanager
-def dist_context(device_name: str = "auto", backend: str | None = None) -> Iterator[DistContext]:
+def dist_context(device_name: str | None = "auto", backend: str | None = None) -> Iterator[DistContext]:
     """init_distributed, and the process group always torn down on the way out."""
     ctx = init_distributed(device_name, backend)
     try:

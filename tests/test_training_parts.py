@@ -4,6 +4,9 @@ the single-process distributed context, and the tokenizer parsed once."""
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing as mp
+import os
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from conftest import make_parallel, write_parallel
 from model.checkpoint import checkpoint_step, step_checkpoint_path, step_checkpoints
 from model.config import PRESETS, Preset, preset
 from pipeline.data import prepare_data
-from pipeline.distributed import DistContext, init_distributed, on_main, rank0_first
+from pipeline.distributed import DistContext, dist_context, init_distributed, on_main, rank0_first, rank_device
 from pipeline.errors import UserError
 from pipeline.training import TrainOptions, describe_defaults, resolve_options
 
@@ -81,3 +84,55 @@ def test_tokenizer_is_parsed_once(tmp_path):
     data = prepare_data(tmp_path / "run", s, t, None, None, vocab_size=40, max_len=64)
     assert data.tokenizer is data.tokenizer
     assert data.tokenizer.vocab_size <= 40
+
+
+def test_single_process_gather_and_rank_device(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = DistContext()
+    assert ctx.gather("mine") == ["mine"]
+    assert rank_device(ctx, None) is None and rank_device(ctx, "cpu") == "cpu"
+    assert init_distributed(None).device == torch.device("cpu")
+
+
+def _two_ranks(rank: int, port: int, results: Any) -> None:
+    """One rank of test_two_ranks_share_rank0s_result_and_error (gloo, CPU)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    calls = []
+
+    def fail() -> None:
+        raise UserError("rank 0 could not read data.txt")
+
+    with dist_context("cpu") as ctx:
+        shared = on_main(ctx, lambda: calls.append("main") or {"from": ctx.rank})
+        order = rank0_first(ctx, lambda writer: (calls.append(f"first:{writer}"), ctx.rank)[1])
+        try:
+            on_main(ctx, fail)
+            error = None
+        except UserError as e:
+            error = str(e)
+        gathered = ctx.gather(ctx.rank * 10)
+        total = ctx.all_reduce([ctx.rank + 1.0])
+    results.put((rank, shared, order, error, gathered, total, calls))
+
+
+def test_two_ranks_share_rank0s_result_and_error():
+    """Rank 0's result and its one-line error reach rank 1, which never runs the work."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = 29500 + os.getpid() % 2000
+    procs = [ctx.Process(target=_two_ranks, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (r0, shared0, order0, err0, gathered0, total0, calls0), (r1, shared1, order1, err1, gathered1, total1, calls1) = got
+    assert shared0 == shared1 == {"from": 0}
+    assert (order0, order1) == (0, 1)
+    assert err0 == err1 == "rank 0 could not read data.txt"
+    assert gathered0 == [0, 10] and gathered1 is None
+    assert total0 == total1 == [3.0]
+    assert calls0 == ["main", "first:True"] and calls1 == ["first:False"]
