@@ -67,13 +67,31 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transfor
     return model, payload["spm_model"], payload
 
 
+# A save dir's step checkpoints: written by training, found here; the name is defined once.
+STEP_PREFIX, STEP_SUFFIX = "checkpoint_", ".pt"
+
+
+def step_checkpoint_path(save_dir: Path, step: int) -> Path:
+    """save_dir/checkpoint_<step:08d>.pt (zero-padded so names sort like steps)."""
+    return Path(save_dir) / f"{STEP_PREFIX}{step:08d}{STEP_SUFFIX}"
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step in a `checkpoint_<step>.pt` name, or None for any other file name."""
+    name = Path(path).name
+    if not (name.startswith(STEP_PREFIX) and name.endswith(STEP_SUFFIX)):
+        return None
+    digits = name[len(STEP_PREFIX):-len(STEP_SUFFIX)]
+    return int(digits) if digits.isdigit() else None
+
+
 def step_checkpoints(save_dir: Path) -> list[Path]:
     """The save dir's `checkpoint_<step>.pt` files, oldest step first."""
     found = []
-    for p in Path(save_dir).glob("checkpoint_*.pt"):
-        suffix = p.stem.split("_", 1)[1]
-        if suffix.isdigit():
-            found.append((int(suffix), p))
+    for p in Path(save_dir).glob(f"{STEP_PREFIX}*{STEP_SUFFIX}"):
+        step = checkpoint_step(p)
+        if step is not None:
+            found.append((step, p))
     return [p for _, p in sorted(found)]
 
 

@@ -73,13 +73,46 @@ class ModelConfig:
         return cls(**data)
 
 
-# Presets. `base` and `big` are the paper's (Table 3); the others are for CPUs.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(d_model=32, n_heads=4, d_ff=64, n_enc_layers=2, n_dec_layers=2, dropout=0.0),
-    "demo": dict(d_model=64, n_heads=4, d_ff=256, n_enc_layers=2, n_dec_layers=2, dropout=0.1),
-    "small": dict(d_model=256, n_heads=4, d_ff=1024, n_enc_layers=3, n_dec_layers=3, dropout=0.1),
-    "base": dict(d_model=512, n_heads=8, d_ff=2048, n_enc_layers=6, n_dec_layers=6, dropout=0.1),
-    "big": dict(d_model=1024, n_heads=16, d_ff=4096, n_enc_layers=6, n_dec_layers=6, dropout=0.3),
+@dataclass(frozen=True)
+class Preset:
+    """One named model size: its shape and the training defaults it was tuned with, in one
+    row so that a new preset cannot lack either (every field is required)."""
+
+    d_model: int
+    n_heads: int
+    d_ff: int
+    layers: int  # encoder layers = decoder layers
+    dropout: float
+    vocab_size: int  # joint SentencePiece vocabulary
+    batch_tokens: int  # per process and micro-batch
+    warmup: int
+    max_steps: int
+
+    def shape(self) -> dict[str, Any]:
+        """The ModelConfig fields of this preset (vocab_size comes from the tokenizer)."""
+        return dict(d_model=self.d_model, n_heads=self.n_heads, d_ff=self.d_ff, n_enc_layers=self.layers,
+                    n_dec_layers=self.layers, dropout=self.dropout)
+
+    def training_defaults(self) -> dict[str, Any]:
+        """What `pipeline train` uses for the options left unset."""
+        return dict(batch_tokens=self.batch_tokens, warmup=self.warmup, max_steps=self.max_steps,
+                    vocab_size=self.vocab_size)
+
+
+# `base` and `big` are the paper's (Table 3: 25k-token batches, 4000 warmup steps, 100k /
+# 300k steps). The others are for CPUs: small models learn faster and are unstable at the
+# paper's long warmup with tiny batches, so they get short warmups and small budgets.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(d_model=32, n_heads=4, d_ff=64, layers=2, dropout=0.0,
+                   vocab_size=1000, batch_tokens=1024, warmup=200, max_steps=2000),
+    "demo": Preset(d_model=64, n_heads=4, d_ff=256, layers=2, dropout=0.1,
+                   vocab_size=4000, batch_tokens=4096, warmup=800, max_steps=20000),
+    "small": Preset(d_model=256, n_heads=4, d_ff=1024, layers=3, dropout=0.1,
+                    vocab_size=8000, batch_tokens=8192, warmup=2000, max_steps=50000),
+    "base": Preset(d_model=512, n_heads=8, d_ff=2048, layers=6, dropout=0.1,
+                   vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=100000),
+    "big": Preset(d_model=1024, n_heads=16, d_ff=4096, layers=6, dropout=0.3,
+                  vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=300000),
 }
 
 
@@ -87,6 +120,6 @@ def preset(name: str, vocab_size: int, **overrides: Any) -> ModelConfig:
     """Build a config from a named preset, with optional overrides (None values ignored)."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
-    values = dict(PRESETS[name], vocab_size=vocab_size)
+    values = dict(PRESETS[name].shape(), vocab_size=vocab_size)
     values.update({k: v for k, v in overrides.items() if v is not None})
     return ModelConfig(**values)

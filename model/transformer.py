@@ -101,9 +101,10 @@ class MultiHeadAttention(nn.Module):
     def forward(self, x: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
         """Queries from x (B, Tq, d_model) over already projected k, v (B, H, Tk, d_head)."""
         q = self.split_heads(self.q_proj(x))
-        if self.training and not torch.onnx.is_in_onnx_export():
+        if self.training:
             # Fused kernel for training speed; inference keeps the explicit path that is
-            # exported, so the PyTorch backend runs the same arithmetic as the graphs.
+            # exported (export always traces an eval() copy), so the PyTorch backend runs
+            # the same arithmetic as the graphs.
             mask = (bias > MASK_VALUE / 2).expand(q.shape[0], 1, q.shape[2], k.shape[2])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
+from model.manifest import SPM_FILE
 from pipeline.errors import UserError
 from pipeline.spm import train_sentencepiece
 from pipeline.textio import atomic_output, read_lines
@@ -37,7 +38,6 @@ from runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "cache"
-SPM_FILE = "spm.model"
 CACHE_VERSION = 1
 
 
@@ -99,10 +99,6 @@ class EncodedCorpus:
     def tgt(self, i: int) -> np.ndarray:
         return self.tgt_ids[self.tgt_offsets[i]:self.tgt_offsets[i + 1]]
 
-    @property
-    def n_tokens(self) -> int:
-        return int(len(self.src_ids) + len(self.tgt_ids))
-
     def to_dict(self) -> dict[str, np.ndarray]:
         return {"src_ids": self.src_ids, "src_offsets": self.src_offsets,
                 "tgt_ids": self.tgt_ids, "tgt_offsets": self.tgt_offsets}
@@ -150,8 +146,9 @@ class PreparedData:
     valid_src_lines: list[str]
     valid_ref_lines: list[str]
 
-    @property
+    @cached_property
     def tokenizer(self) -> Tokenizer:
+        """Parsed once: the validation of every checkpoint interval decodes with it."""
         return Tokenizer(self.spm_bytes)
 
 
@@ -333,9 +330,3 @@ def iter_eval_batches(corpus: EncodedCorpus, batch_tokens: int) -> list[Batch]:
     """Validation batches in a fixed order (no shuffling; one epoch)."""
     return [collate(corpus, idx) for idx in make_batches(corpus.src_lens, corpus.tgt_lens,
                                                          batch_tokens, seed=0, epoch=0)]
-
-
-def data_env_rank() -> tuple[int, int, int]:
-    """(rank, world size, local rank) from torchrun's environment (1 process without it)."""
-    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-            int(os.environ.get("LOCAL_RANK", 0)))

@@ -23,7 +23,7 @@ from pipeline.doctor import gather_facts
 from pipeline.parity import ParityReport, format_table, run_parity, write_json
 from pipeline.serve import ServeOptions, serve_files
 from pipeline.textio import read_lines
-from pipeline.train import DATA_DIR, TrainOptions, average_checkpoints, train
+from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import load_backend
 

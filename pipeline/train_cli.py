@@ -1,4 +1,4 @@
-"""`pipeline train` and `pipeline average`: parse options, delegate to pipeline.train."""
+"""`pipeline train` and `pipeline average`: parse options, delegate to pipeline.training."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from pathlib import Path
 import click
 
 from model.config import PRESETS
-from pipeline.train import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
-from pipeline.train import train as run_training
+from pipeline.training import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
+from pipeline.training import train as run_training
+from runtime.decoding import PAPER
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
 
@@ -49,7 +50,8 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--keep-last", type=int, default=5, show_default=True, help="Keep the last K step checkpoints.")
 @click.option("--valid-every", type=int, help="Validate every N updates (default: --save-every).")
 @click.option("--valid-beam", type=int, default=1, show_default=True,
-              help="Beam size of validation BLEU decoding (1 = greedy, fast; 4 = the paper's).")
+              help="Beam size of validation BLEU decoding (1 = greedy, fast; "
+              f"{PAPER.beam_size} = the paper's); length penalty and limit are the paper's.")
 @click.option("--valid-max-sentences", type=int, default=0, show_default=True,
               help="Decode at most this many validation sentences for BLEU (0 = all).")
 @click.option("--log-every", type=int, default=50, show_default=True,

@@ -87,10 +87,10 @@ def memorise_corpus(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def trained_save_dir(tmp_path_factory, memorise_corpus) -> Path:
-    """A save dir where the real `pipeline.train.train` trained the `tiny` preset until it
+    """A save dir where the real `pipeline.training.train` trained the `tiny` preset until it
     translates its training sentences (greedy output == references). Validation runs on
     the training set, so metrics.jsonl records the memorisation BLEU."""
-    from pipeline.train import TrainOptions, train
+    from pipeline.training import TrainOptions, train
 
     src, tgt = memorise_corpus
     save_dir = tmp_path_factory.mktemp("trained") / "run"

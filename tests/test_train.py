@@ -19,7 +19,7 @@ from conftest import MEMORISE_PAIRS, make_parallel, run_cli, write_parallel
 from model.checkpoint import read_checkpoint, step_checkpoints
 from pipeline import synthetic
 from pipeline.data import make_batches
-from pipeline.train import learning_rate
+from pipeline.training import learning_rate
 from runtime.loader import load_torch_backend_from_checkpoint
 from runtime.translate import translate_lines
 
@@ -185,6 +185,22 @@ def test_average_last_checkpoints(corpus, tmp_path, capsys):
     assert run_cli("average", tmp_path / "nothing") == 2
 
 
+def test_averaged_checkpoint_records_its_steps(corpus, tmp_path):
+    """extra["steps"]: the step numbers averaged, ascending (export reads them); uneven save
+    intervals, so they cannot be guessed from the checkpoint count."""
+    src, tgt = corpus
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, "--train-src", src, "--train-tgt", tgt, *TINY,
+                   "--max-steps", "5", "--save-every", "2") == 0
+    assert [read_checkpoint(p)["train_state"]["step"] for p in step_checkpoints(run)] == [2, 4, 5]
+    assert run_cli("average", run, "--last", "2", "--out", tmp_path / "avg.pt") == 0
+    extra = read_checkpoint(tmp_path / "avg.pt")["extra"]
+    assert extra["steps"] == [4, 5]
+    assert extra["averaged"] == ["checkpoint_00000004.pt", "checkpoint_00000005.pt"] and extra["step"] == 5
+    assert run_cli("average", run, "--last", "9") == 0
+    assert read_checkpoint(run / "averaged.pt")["extra"]["steps"] == [2, 4, 5]
+
+
 # -- the built-in default --------------------------------------------------------------------
 
 def test_builtin_corpus_needs_reordering_and_agreement():
@@ -337,9 +353,9 @@ def test_help_explains_every_option(capsys):
 def test_non_finite_loss_skips_updates_then_stops_with_a_clear_error(corpus, tmp_path, capsys, monkeypatch):
     """A NaN loss (injected into the real loss function) never reaches the weights: the update
     is skipped, and after --max-nonfinite in a row training stops naming what to change."""
-    import pipeline.train as train_module
+    import pipeline.training.step as step_module
 
-    real = train_module.token_losses
+    real = step_module.token_losses
 
     def poisoned(logits, target, label_smoothing):
         loss, nll = real(logits, target, label_smoothing)
@@ -349,7 +365,7 @@ def test_non_finite_loss_skips_updates_then_stops_with_a_clear_error(corpus, tmp
     run = tmp_path / "run"
     assert run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "2") == 0
     before = weights(run)
-    monkeypatch.setattr(train_module, "token_losses", poisoned)
+    monkeypatch.setattr(step_module, "token_losses", poisoned)
     capsys.readouterr()
     code = run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "50",
                    "--max-nonfinite", "3", "--save-every", "1")

@@ -1,0 +1,162 @@
+"""This process's place under torchrun, for every stage that runs on several ranks
+(training, serve-batch): the context, its device, its process group, and the one way
+rank 0 does some work and shares the result, or its error, with the others.
+
+Without torchrun (or with WORLD_SIZE 1) everything here is a plain single process and
+no collective is ever called, so the same code runs in tests and on a laptop.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from model.config import ConfigError
+from pipeline.errors import UserError
+
+T = TypeVar("T")
+
+# Errors that are the user's, raised on rank 0 while the others wait: they are sent to
+# every rank and raised there as the same one-line UserError.
+SHARED_ERRORS: tuple[type[Exception], ...] = (UserError, ConfigError)
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Rank, world size, local rank and device of this process (rank 0 of 1 without torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    owns_group: bool = False  # we called init_process_group, so we destroy it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def all_reduce(self, values: list[float]) -> list[float]:
+        """Sum a few numbers over ranks (float64 on this rank's device)."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        if self.distributed:
+            dist.all_reduce(t)
+        return t.tolist()
+
+    def broadcast(self, value: T) -> T:
+        """Rank 0's value on every rank (any picklable object)."""
+        if not self.distributed:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def gather(self, value: T) -> list[T] | None:
+        """Every rank's value in rank order on rank 0; None on the other ranks."""
+        if not self.distributed:
+            return [value]
+        everyone: list[Any] | None = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, everyone, dst=0)
+        return everyone
+
+
+def env_ranks() -> tuple[int, int, int]:
+    """(rank, world size, local rank) from torchrun's environment ((0, 1, 0) without it)."""
+    return (int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
+            int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    """auto / cpu / cuda -> this rank's device; CUDA takes the LOCAL_RANK-th GPU."""
+    if name not in ("auto", "cpu", "cuda"):
+        raise UserError(f"--device {name!r}: choose auto, cpu or cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA device is available; use --device cpu")
+    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def rank_device(ctx: DistContext, device: str | None) -> str | None:
+    """For stages whose backends pick their own device (serve-batch: None = the backend's
+    default): under torchrun each rank takes its own GPU, cuda:LOCAL_RANK modulo the GPUs."""
+    if not ctx.distributed:
+        return device
+    if device in (None, "cuda") and torch.cuda.is_available():
+        return f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
+    return device
+
+
+def init_distributed(device_name: str | None = "auto", backend: str | None = None) -> DistContext:
+    """From torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*). The process group
+    is NCCL on CUDA and gloo on CPU unless `backend` names one (gloo carries object
+    collectives on every build of torch). device_name None leaves the device to the caller
+    (see rank_device; ctx.device is then the CPU, where object collectives run).
+    Pair with `shutdown`, or use `dist_context`."""
+    rank, world, local_rank = env_ranks()
+    device = pick_device(device_name, local_rank) if device_name is not None else torch.device("cpu")
+    owns = False
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
+                                timeout=datetime.timedelta(minutes=60))
+        owns = True
+    if world > 1:
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistContext(rank, world, local_rank, device, owns)
+
+
+def shutdown(ctx: DistContext) -> None:
+    """Destroy the process group if this context created it."""
+    if ctx.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def dist_context(device_name: str | None = "auto", backend: str | None = None) -> Iterator[DistContext]:
+    """init_distributed, and the process group always torn down on the way out."""
+    ctx = init_distributed(device_name, backend)
+    try:
+        yield ctx
+    finally:
+        shutdown(ctx)
+
+
+def on_main(ctx: DistContext, fn: Callable[[], T], share: bool = True) -> T | None:
+    """Run fn on rank 0 only. Its result (with share; None without) reaches every rank; a
+    SHARED_ERRORS exception on rank 0 is raised as a UserError on every rank instead of
+    leaving the others waiting on a collective forever. Every rank must call this."""
+    if not ctx.distributed:
+        return fn()
+    result: Any = None
+    error: str | None = None
+    if ctx.is_main:
+        try:
+            result = fn()
+        except SHARED_ERRORS as e:
+            error = str(e)
+    box = [(result if share else None, error)]
+    dist.broadcast_object_list(box, src=0)
+    shared, error = box[0]
+    if error is not None:
+        raise UserError(error)
+    return result if ctx.is_main else shared
+
+
+def rank0_first(ctx: DistContext, fn: Callable[[bool], T]) -> T:
+    """fn(True) on rank 0 (which writes caches), then fn(False) on the others (which read
+    them); an error on rank 0 is raised on every rank."""
+    if not ctx.distributed:
+        return fn(True)
+    result = on_main(ctx, lambda: fn(True), share=False)
+    return result if ctx.is_main else fn(False)  # type: ignore[return-value]

@@ -1,0 +1,24 @@
+"""Training of "Attention Is All You Need" as components (torchtitan style):
+
+    options.py        TrainOptions, defaults from the preset table, checks, the resume config
+    step.py           one optimizer update: schedule, label-smoothed loss, precision, clipping
+    loop.py           the loop: update, then log / validate / save on their schedules
+    validation.py     validation loss and BLEU
+    checkpointing.py  step checkpoints: save, prune, exact resume (RNG of every rank), averaging
+    metrics.py        metrics.jsonl, and the signals that stop a run with a checkpoint
+    trainer.py        train(): puts the parts together, one process or one torchrun rank
+
+The process group, device and "rank 0 first" helpers are in pipeline/distributed.py
+(shared with serve-batch).
+"""
+
+from pipeline.training.checkpointing import average_checkpoints
+from pipeline.training.metrics import TrainingInterrupted
+from pipeline.training.options import RESUME_KEYS, TrainOptions, describe_defaults, resolve_options
+from pipeline.training.step import learning_rate, token_losses
+from pipeline.training.trainer import CONFIG_FILE, DATA_DIR, train
+
+__all__ = [
+    "CONFIG_FILE", "DATA_DIR", "RESUME_KEYS", "TrainOptions", "TrainingInterrupted", "average_checkpoints",
+    "describe_defaults", "learning_rate", "resolve_options", "token_losses", "train",
+]

@@ -1,0 +1,195 @@
+"""Step checkpoints of a save dir: what one holds, writing and pruning them, resuming from
+the latest (exactly: the RNG states of every rank and the data position are in it), and
+averaging the last few (section 6.1).
+
+A step checkpoint holds the model config, SentencePiece model and weights (model/checkpoint.py)
+plus `train_state`: optimizer, loss scaler, schedule step, data position, RNG states of
+every rank, tokens seen, best BLEU, the comparable config and the resolved options.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from model.checkpoint import (
+    AVERAGED,
+    checkpoint_step,
+    read_checkpoint,
+    save_checkpoint,
+    step_checkpoint_path,
+    step_checkpoints,
+)
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pipeline.data import ShardedBatches
+from pipeline.distributed import DistContext
+from pipeline.errors import UserError
+from pipeline.training.options import config_differences
+
+log = logging.getLogger(__name__)
+
+
+# -- RNG states ---------------------------------------------------------------------------
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator that dropout or data order may draw from, on this process."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def gather_rng(ctx: DistContext) -> list[dict[str, Any]]:
+    """Every rank's RNG state, in rank order (a collective: every rank calls it)."""
+    mine = rng_state(ctx.device)
+    if not ctx.distributed:
+        return [mine]
+    everyone: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+# -- resume ---------------------------------------------------------------------------------
+
+def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | None:
+    """The latest checkpoint's payload when resuming (after checking its config), else None."""
+    steps = step_checkpoints(save_dir)
+    if not steps:
+        return None
+    payload = read_checkpoint(steps[-1])
+    state = payload.get("train_state") or {}
+    old = state.get("config")
+    if old is None:
+        raise UserError(f"{steps[-1]}: has no training state to resume from; use a new --save-dir")
+    diffs = config_differences(old, wanted)
+    if diffs:
+        raise UserError(f"{save_dir} holds a run with a different config ({'; '.join(diffs)}); rerun with "
+                        "the original options or choose a new --save-dir")
+    return payload
+
+
+@dataclass
+class Progress:
+    """Where a run stands: what a checkpoint restores besides weights and optimizer."""
+
+    step: int = 0
+    tokens: int = 0
+    best_bleu: float | None = None
+
+
+@dataclass
+class Checkpointer:
+    """Writes and restores the step checkpoints of one run (every rank holds one)."""
+
+    save_dir: Path
+    ctx: DistContext
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    batches: ShardedBatches
+    spm_bytes: bytes
+    config: dict[str, Any]  # comparable_config, checked on resume
+    options: dict[str, Any]  # the resolved options, for the record
+    keep_last: int
+
+    def save(self, progress: Progress, last_valid: dict[str, Any]) -> Path | None:
+        """Every rank calls this (RNG states are gathered); rank 0 writes, then prunes."""
+        rng = gather_rng(self.ctx)
+        if not self.ctx.is_main:
+            return None
+        path = step_checkpoint_path(self.save_dir, progress.step)
+        state = {"step": progress.step, "optimizer": self.optimizer.state_dict(),
+                 "scaler": self.scaler.state_dict() if self.scaler else None,
+                 "data": self.batches.state_dict(), "rng": rng, "world_size": self.ctx.world_size,
+                 "tokens": progress.tokens, "best_bleu": progress.best_bleu, "config": self.config,
+                 "options": self.options}
+        save_checkpoint(path, self.model, self.spm_bytes, train_state=state,
+                        extra={"step": progress.step, "valid": last_valid})
+        prune(self.save_dir, self.keep_last)
+        log.debug("wrote %s", path)
+        return path
+
+    def restore(self, payload: dict[str, Any]) -> Progress:
+        """Load weights, optimizer, scaler, data position and this rank's RNG state."""
+        state = payload["train_state"]
+        saved_cfg = ModelConfig.from_dict(payload["model_config"])
+        if saved_cfg != self.model.cfg:
+            raise UserError(f"the checkpoint's model config differs from this run's: {saved_cfg} vs "
+                            f"{self.model.cfg}")
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.batches.load_state_dict(state["data"])
+        rngs = state["rng"]
+        if len(rngs) == self.ctx.world_size:
+            set_rng_state(rngs[self.ctx.rank], self.ctx.device)
+        else:
+            log.warning("the checkpoint holds RNG states of %d process(es), this run has %d: dropout "
+                        "masks will not replay exactly", len(rngs), self.ctx.world_size)
+        return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"))
+
+
+def prune(save_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step checkpoints."""
+    for old in step_checkpoints(save_dir)[:-keep_last]:
+        old.unlink(missing_ok=True)
+
+
+# -- averaging ------------------------------------------------------------------------------
+
+def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None) -> Path:
+    """Average the weights of the last `last` step checkpoints (section 6.1: the last 5
+    for base, 20 for big) into `out` (default save_dir/averaged.pt), atomically.
+
+    Its extra records the files averaged (`averaged`), their step numbers ascending
+    (`steps`), and the newest of them (`step`)."""
+    save_dir = Path(save_dir)
+    if last < 1:
+        raise UserError(f"--last must be at least 1 (got {last})")
+    if not save_dir.is_dir():
+        raise UserError(f"{save_dir}: no such save directory")
+    paths = step_checkpoints(save_dir)[-last:]
+    if not paths:
+        raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
+                        "--save-dir?")
+    if len(paths) < last:
+        log.warning("only %d checkpoint(s) in %s, averaging those (asked for %d)", len(paths), save_dir, last)
+    first = read_checkpoint(paths[0])
+    last_payload = first
+    # float64 sums: averaging 20 float32 checkpoints in float32 would round each addition.
+    total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
+    for path in paths[1:]:
+        payload = last_payload = read_checkpoint(path)
+        if payload["model_config"] != first["model_config"]:
+            raise UserError(f"{path}: its model config differs from {paths[0]}'s; cannot average them")
+        for k, v in payload["model"].items():
+            if v.is_floating_point():
+                total[k] += v.double()
+    model = Transformer(ModelConfig.from_dict(first["model_config"]))
+    state = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v
+             for k, v in total.items()}
+    model.load_state_dict(state)
+    out = Path(out) if out is not None else save_dir / AVERAGED
+    steps = [s for s in map(checkpoint_step, paths) if s is not None]  # ascending, as paths
+    save_checkpoint(out, model, first["spm_model"],
+                    extra={"averaged": [p.name for p in paths], "steps": steps,
+                           "step": last_payload["extra"].get("step")})
+    log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
+    return out

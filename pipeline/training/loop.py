@@ -1,0 +1,135 @@
+"""The training loop: take the next global batch, update, then log, validate and save on
+their schedules, until --max-steps or a signal (which writes a checkpoint first)."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from pipeline.data import PreparedData, ShardedBatches
+from pipeline.errors import UserError
+from pipeline.training.checkpointing import Checkpointer, Progress
+from pipeline.training.metrics import MetricsLog, StopFlag, TrainingInterrupted
+from pipeline.training.options import TrainOptions
+from pipeline.training.step import Stepper, UpdateStats, learning_rate
+from pipeline.training.validation import validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Throughput:
+    """Tokens (source + target, all ranks) since the run started and since the last log line."""
+
+    start: float = field(default_factory=time.time)
+    run_tokens: int = 0
+    window_start: float = field(default_factory=time.time)
+    window_tokens: int = 0
+
+    def add(self, n: int) -> None:
+        self.run_tokens += n
+        self.window_tokens += n
+
+    def window_rate(self) -> float:
+        """Tokens/s since the last call, and start a new window."""
+        now = time.time()
+        rate = self.window_tokens / max(now - self.window_start, 1e-9)
+        self.window_start, self.window_tokens = now, 0
+        return rate
+
+
+@dataclass
+class TrainLoop:
+    """The loop's parts; `run` is the loop, each scheduled task a small method."""
+
+    opts: TrainOptions
+    stepper: Stepper
+    batches: ShardedBatches
+    data: PreparedData
+    metrics: MetricsLog
+    checkpointer: Checkpointer
+    last_valid: dict[str, Any] = field(default_factory=dict)
+
+    def run(self, progress: Progress) -> Progress:
+        """Train from `progress` to --max-steps; raises TrainingInterrupted on SIGINT/SIGTERM."""
+        opts, ctx, model = self.opts, self.stepper.ctx, self.stepper.model
+        start_step, speed, nonfinite = progress.step, _Throughput(), 0
+        bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
+                   disable=not (ctx.is_main and opts.progress))
+        model.train()
+        with StopFlag() as stop, bar:
+            while progress.step < opts.max_steps:
+                position = self.batches.state_dict()
+                group = self.batches.next_group()
+                lr = learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale)
+                stats = self.stepper.update(group, lr, stop.signum is not None)
+                if stats.stop:
+                    self.batches.load_state_dict(position)  # this group was not trained on
+                    path = self.checkpointer.save(progress, self.last_valid)
+                    signum = stop.signum if stop.signum is not None else signal.SIGTERM
+                    raise TrainingInterrupted(signum, progress.step, path)
+                if not stats.finite:
+                    nonfinite += 1
+                    self._check_nonfinite(progress.step + 1, nonfinite)
+                    continue
+                nonfinite = 0
+                progress.step += 1
+                n_tok = stats.tgt_tokens + stats.src_tokens
+                progress.tokens += n_tok
+                speed.add(n_tok)
+                bar.update(1)
+                self._on_schedule(progress, stats, lr, speed, bar)
+        self._summary(progress, start_step, speed)
+        return progress
+
+    def _check_nonfinite(self, step: int, in_a_row: int) -> None:
+        log.warning("step %d: non-finite loss or gradient (%d in a row); update skipped", step, in_a_row)
+        if in_a_row >= self.opts.max_nonfinite:
+            raise UserError(f"the loss was not finite for {in_a_row} updates in a row at step "
+                            f"{step}; nothing was saved from them. Lower --lr-scale, raise "
+                            "--warmup, set --clip-norm, or use --precision fp32")
+
+    def _on_schedule(self, progress: Progress, stats: UpdateStats, lr: float, speed: _Throughput,
+                     bar: tqdm) -> None:
+        """Log, validate and save when their --*-every comes round (and at the last step)."""
+        opts, step = self.opts, progress.step
+        final = step == opts.max_steps
+        if step % opts.log_every == 0 or final:
+            tps = speed.window_rate()
+            bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
+            self.metrics.write("train", step=step, loss=stats.loss, nll=stats.nll, lr=lr,
+                               tokens=progress.tokens, tokens_per_s=round(tps, 1), epoch=self.batches.epoch)
+        if self.data.valid is not None and (step % opts.valid_every == 0 or final):
+            self._validate(progress, bar)
+        if step % opts.save_every == 0 or final:
+            self.checkpointer.save(progress, self.last_valid)
+
+    def _validate(self, progress: Progress, bar: tqdm) -> None:
+        """Rank 0 validates; every rank learns the best BLEU (it goes into checkpoints)."""
+        ctx = self.stepper.ctx
+        if ctx.is_main:
+            result = validate(self.stepper.model, self.data, self.opts, ctx.device, self.stepper.precision)
+            if progress.best_bleu is None or result["bleu"] > progress.best_bleu:
+                progress.best_bleu = result["bleu"]
+            self.last_valid = result
+            self.metrics.write("valid", step=progress.step, **result)
+            bar.write(f"step {progress.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} "
+                      f"BLEU {result['bleu']:.2f} ({result['bleu_signature']})")
+        progress.best_bleu = ctx.broadcast(progress.best_bleu)
+
+    def _summary(self, progress: Progress, start_step: int, speed: _Throughput) -> None:
+        seconds = time.time() - speed.start
+        summary = dict(steps=progress.step - start_step, step=progress.step, tokens=speed.run_tokens,
+                       seconds=round(seconds, 1), tokens_per_s=round(speed.run_tokens / max(seconds, 1e-9), 1),
+                       best_bleu=progress.best_bleu)
+        self.metrics.write("summary", **summary)
+        if self.stepper.ctx.is_main:
+            log.info("trained %d steps (to step %d): %d tokens in %.1f s, %.0f tokens/s (source + target, "
+                     "all processes); best valid BLEU %s", summary["steps"], progress.step, speed.run_tokens,
+                     seconds, summary["tokens_per_s"],
+                     progress.best_bleu if progress.best_bleu is not None else "n/a")

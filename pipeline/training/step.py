@@ -1,0 +1,135 @@
+"""One optimizer update (sections 5.3, 5.4): the learning-rate schedule, the label-smoothed
+loss, mixed precision, gradient clipping, and skipping updates that are not finite.
+
+The loss of an update is the sum of label-smoothed token losses over every micro-batch
+of every rank, divided by the target-token count of that whole global batch (all-reduced
+before backward) and multiplied by the world size (DDP averages gradients). One process
+with the global batch and N processes with its shards therefore make the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from model.config import PAD_ID
+from model.transformer import Transformer
+from pipeline.data import Batch
+from pipeline.distributed import DistContext
+from pipeline.errors import UserError
+
+
+def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
+    """Section 5.3: lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
+    step = max(step, 1)
+    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+
+
+def token_losses(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(label-smoothed loss sum, NLL sum) over non-pad target tokens (section 5.4)."""
+    flat_logits, flat_target = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID,
+                           label_smoothing=label_smoothing, reduction="sum")
+    with torch.no_grad():
+        nll = F.cross_entropy(flat_logits.detach(), flat_target, ignore_index=PAD_ID, reduction="sum")
+    return loss, nll
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """--precision to fp32 / bf16 / fp16 for this device (auto: bf16 on CUDA when it can)."""
+    if name == "auto":
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        return "fp32"
+    if name not in ("fp32", "bf16", "fp16"):
+        raise UserError(f"--precision {name!r}: choose auto, fp32, bf16 or fp16")
+    if name == "fp16" and device.type != "cuda":
+        raise UserError("--precision fp16 needs a CUDA device; use fp32 or bf16 on CPU")
+    return name
+
+
+def autocast(precision: str, device: torch.device) -> Any:
+    if precision == "fp32":
+        return nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+@dataclass
+class UpdateStats:
+    loss: float  # label-smoothed loss per target token (global batch)
+    nll: float
+    tgt_tokens: int
+    src_tokens: int
+    finite: bool
+    stop: bool  # some rank was asked to stop: nothing was computed
+
+
+@dataclass
+class Stepper:
+    """What an update needs besides its batches; `net` is `model`, or `model` wrapped in DDP."""
+
+    net: torch.nn.Module
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    ctx: DistContext
+    precision: str
+    label_smoothing: float
+    clip_norm: float  # 0 = off
+
+    def update(self, group: list[Batch], lr: float, stop_requested: bool) -> UpdateStats:
+        """One optimizer update over this rank's micro-batches of the global batch. Ranks agree
+        first on the token counts and on whether any of them was asked to stop."""
+        ctx, scaler = self.ctx, self.scaler
+        local_tgt = sum(b.n_tgt_tokens for b in group)
+        local_src = sum(b.n_src_tokens for b in group)
+        tgt_total, src_total, stop = ctx.all_reduce([local_tgt, local_src, float(stop_requested)])
+        if stop:
+            return UpdateStats(0.0, 0.0, 0, 0, True, True)
+        loss_sum = nll_sum = 0.0
+        for i, batch in enumerate(group):
+            batch = batch.to(ctx.device)
+            last = i == len(group) - 1
+            # Gradients are all-reduced once, on the last micro-batch of the update.
+            ddp = isinstance(self.net, DistributedDataParallel)
+            sync = nullcontext() if (last or not ddp) else self.net.no_sync()  # type: ignore[operator]
+            with sync:
+                with autocast(self.precision, ctx.device):
+                    logits = self.net(batch.src, batch.tgt_in)
+                loss, nll = token_losses(logits, batch.tgt_out, self.label_smoothing)
+                scaled = loss * (ctx.world_size / tgt_total)
+                (scaler.scale(scaled) if scaler else scaled).backward()
+            loss_sum += loss.item()
+            nll_sum += nll.item()
+        loss_sum, nll_sum = ctx.all_reduce([loss_sum, nll_sum])
+        finite = self._apply(lr) if math.isfinite(loss_sum) else False
+        self.optimizer.zero_grad(set_to_none=True)
+        return UpdateStats(loss_sum / tgt_total, nll_sum / tgt_total, int(tgt_total), int(src_total),
+                           finite, False)
+
+    def _apply(self, lr: float) -> bool:
+        """Clip and step; False (weights untouched) when the gradient is not finite."""
+        scaler, optimizer = self.scaler, self.optimizer
+        if scaler:
+            scaler.unscale_(optimizer)
+        max_norm = self.clip_norm if self.clip_norm > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        # GradScaler skips non-finite steps itself (and lowers its scale).
+        if scaler is None and not bool(torch.isfinite(grad_norm)):
+            return False
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return True

@@ -1,0 +1,122 @@
+"""`train(TrainOptions)`: the training of "Attention Is All You Need" (section 5), put
+together from its parts. Runs as one process or as one rank of
+`torchrun --nproc-per-node N -m pipeline train ...`: the model never sees
+torch.distributed; DistributedDataParallel is applied here, from outside.
+
+A save dir is self-contained and resumable: checkpoint_<step:08d>.pt files (see
+checkpointing.py), spm.model, config.json, metrics.jsonl and the encoded-corpus cache.
+Rerunning the same command continues exactly where the last checkpoint left off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from model.transformer import build_model
+from pipeline import synthetic
+from pipeline.data import PreparedData, ShardedBatches, prepare_data
+from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
+from pipeline.textio import atomic_output
+from pipeline.training.checkpointing import Checkpointer, Progress, check_resume
+from pipeline.training.loop import TrainLoop
+from pipeline.training.metrics import METRICS_FILE, MetricsLog
+from pipeline.training.options import TrainOptions, comparable_config, jsonable, model_config, resolve_options
+from pipeline.training.step import Stepper, resolve_precision
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+DATA_DIR = "data"  # the built-in corpus' text files, inside the save dir
+
+
+def train(opts: TrainOptions) -> Path:
+    """Train (or resume) into opts.save_dir; returns the save dir. Works under torchrun.
+
+    Raises TrainingInterrupted after writing a checkpoint when SIGINT/SIGTERM arrive.
+    """
+    opts = resolve_options(opts)
+    model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
+    ctx = init_distributed(opts.device)
+    try:
+        return _train(opts, ctx)
+    finally:
+        shutdown(ctx)
+
+
+def _train(opts: TrainOptions, ctx: DistContext) -> Path:
+    save_dir = Path(opts.save_dir)
+    precision = resolve_precision(opts.precision, ctx.device)
+    wanted = comparable_config(opts, model_config(opts, vocab_size=max(8, opts.vocab_size or 8)))
+    payload = check_resume(save_dir, wanted) if save_dir.is_dir() else None
+    data = _prepare(opts, ctx, payload["spm_model"] if payload else None)
+    cfg = model_config(opts, data.tokenizer.vocab_size)
+    if data.valid is None:
+        log.info("no --valid-src/--valid-tgt: validation loss and BLEU are skipped")
+
+    torch.manual_seed(opts.seed)  # the same initial weights on every rank
+    model = build_model(cfg).to(ctx.device)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    batches = ShardedBatches(data.train, opts.batch_tokens, opts.seed, ctx.world_size, ctx.rank,
+                             opts.update_freq)
+    torch.manual_seed(opts.seed + ctx.rank)  # dropout masks differ between ranks
+    random.seed(opts.seed + ctx.rank)
+    np.random.seed(opts.seed + ctx.rank)
+    checkpointer = Checkpointer(save_dir, ctx, model, optimizer, scaler, batches, data.spm_bytes, wanted,
+                                jsonable(opts), opts.keep_last)
+    metrics = MetricsLog(save_dir / METRICS_FILE, ctx.is_main)
+    progress = Progress()
+    if payload:
+        progress = checkpointer.restore(payload)
+        metrics.truncate_after(progress.step)
+        log.info("resuming %s from step %d", save_dir, progress.step)
+    elif ctx.is_main:
+        metrics.truncate_after(0)
+    if ctx.is_main:
+        with atomic_output(save_dir / CONFIG_FILE) as f:
+            json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts)}, f, indent=2)
+    if progress.step >= opts.max_steps:
+        log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
+                 opts.max_steps)
+        return save_dir
+
+    net: torch.nn.Module = model
+    if ctx.distributed:
+        net = DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters, vocab %d; %d training pairs; %d process(es) x --update-freq %d, "
+             "--batch-tokens %d; precision %s on %s", opts.preset, n_params / 1e6, cfg.vocab_size,
+             len(data.train), ctx.world_size, opts.update_freq, opts.batch_tokens, precision, ctx.device)
+    stepper = Stepper(net, model, optimizer, scaler, ctx, precision, opts.label_smoothing, opts.clip_norm)
+    TrainLoop(opts, stepper, batches, data, metrics, checkpointer).run(progress)
+    return save_dir
+
+
+def _prepare(opts: TrainOptions, ctx: DistContext, resume_spm: bytes | None) -> PreparedData:
+    """Tokenizer and encoded corpora; rank 0 trains/caches them, the other ranks read the cache."""
+    save_dir = Path(opts.save_dir)
+
+    def work(write: bool) -> PreparedData:
+        if opts.builtin_pairs is not None:
+            n_valid = max(5, min(500, opts.builtin_pairs // 20))
+            paths = synthetic.write_corpus(save_dir / DATA_DIR, n_train=opts.builtin_pairs,
+                                           n_valid=n_valid, n_test=n_valid, seed=opts.seed) if write else \
+                {s: (save_dir / DATA_DIR / f"{s}.src", save_dir / DATA_DIR / f"{s}.tgt")
+                 for s in synthetic.SPLITS}
+            train_pair, valid_pair = paths["train"], paths["valid"]
+        else:
+            train_pair = (Path(opts.train_src), Path(opts.train_tgt))  # type: ignore[arg-type]
+            valid_pair = (Path(opts.valid_src), Path(opts.valid_tgt)) if opts.valid_src else (None, None)
+        return prepare_data(save_dir, *train_pair, *valid_pair, vocab_size=opts.vocab_size,
+                            max_len=opts.max_len, spm_bytes=resume_spm, write=write)
+
+    return rank0_first(ctx, work)

@@ -1,0 +1,49 @@
+"""Validation during training: teacher-forced loss and perplexity, and the BLEU of the
+model's own translations (greedy by default; --valid-beam 4 is the paper's search)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from model.transformer import Transformer
+from pipeline.data import PreparedData, iter_eval_batches
+from pipeline.training.options import TrainOptions
+from pipeline.training.step import autocast, token_losses
+from runtime.decoding import PAPER
+
+
+@torch.no_grad()
+def validate(model: Transformer, data: PreparedData, opts: TrainOptions, device: torch.device,
+             precision: str) -> dict[str, Any]:
+    """Validation loss (teacher forcing) and detokenized sacrebleu BLEU of greedy/beam output."""
+    import sacrebleu
+
+    from runtime.torch_backend import TorchBackend
+    from runtime.translate import translate_lines
+
+    assert data.valid is not None, "validate needs a validation set"
+    model.eval()
+    try:
+        loss_sum = nll_sum = tokens = 0.0
+        for batch in iter_eval_batches(data.valid, opts.batch_tokens):
+            batch = batch.to(device)
+            with autocast(precision, device):
+                logits = model(batch.src, batch.tgt_in)
+            loss, nll = token_losses(logits, batch.tgt_out, opts.label_smoothing)
+            loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tgt_tokens
+        n = opts.valid_max_sentences or len(data.valid_src_lines)
+        sources, refs = data.valid_src_lines[:n], data.valid_ref_lines[:n]
+        backend = TorchBackend(model, device=device, max_src_len=opts.max_len)
+        # The paper's length penalty and length limit; only the beam width is ours (speed).
+        decoding = PAPER.replace(beam_size=opts.valid_beam)
+        hyps = translate_lines(backend, data.tokenizer, sources, decoding)
+        bleu = sacrebleu.metrics.BLEU()
+        score = bleu.corpus_score(hyps, [refs])
+        return {"loss": loss_sum / tokens, "nll": nll_sum / tokens, "ppl": math.exp(min(nll_sum / tokens, 50)),
+                "bleu": round(score.score, 2), "bleu_signature": str(bleu.get_signature()),
+                "sentences": len(sources), "beam": opts.valid_beam}
+    finally:
+        model.train()

@@ -1,0 +1,138 @@
+"""The training package's parts on their own: one preset table, one checkpoint name,
+the single-process distributed context, and the tokenizer parsed once."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_parallel, write_parallel
+
+from model.checkpoint import checkpoint_step, step_checkpoint_path, step_checkpoints
+from model.config import PRESETS, Preset, preset
+from pipeline.data import prepare_data
+from pipeline.distributed import DistContext, dist_context, init_distributed, on_main, rank0_first, rank_device
+from pipeline.errors import UserError
+from pipeline.training import TrainOptions, describe_defaults, resolve_options
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_has_a_shape_and_training_defaults(name, tmp_path):
+    row = PRESETS[name]
+    opts = resolve_options(TrainOptions(save_dir=tmp_path, train_src=tmp_path / "s", train_tgt=tmp_path / "t",
+                                        preset=name))
+    for key, value in row.training_defaults().items():
+        assert getattr(opts, key) == value
+    cfg = preset(name, vocab_size=100)
+    assert (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.n_enc_layers, cfg.n_dec_layers, cfg.dropout) == \
+        (row.d_model, row.n_heads, row.d_ff, row.layers, row.layers, row.dropout)
+    assert f"{name}: batch_tokens {row.batch_tokens}, warmup {row.warmup}" in describe_defaults()
+
+
+def test_a_preset_row_cannot_lack_training_defaults():
+    shape_only = dict(d_model=8, n_heads=2, d_ff=16, layers=1, dropout=0.0)
+    with pytest.raises(TypeError, match="batch_tokens"):
+        Preset(**shape_only)  # type: ignore[call-arg]
+    assert {f.name for f in dataclasses.fields(Preset)} >= {"batch_tokens", "warmup", "max_steps", "vocab_size"}
+
+
+def test_explicit_options_beat_preset_defaults(tmp_path):
+    opts = resolve_options(TrainOptions(save_dir=tmp_path, train_src=tmp_path / "s", train_tgt=tmp_path / "t",
+                                        preset="tiny", warmup=7, max_steps=30))
+    assert (opts.warmup, opts.max_steps, opts.batch_tokens) == (7, 30, PRESETS["tiny"].batch_tokens)
+    assert opts.save_every == 30 and opts.valid_every == 30
+
+
+def test_step_checkpoint_name_round_trips(tmp_path):
+    path = step_checkpoint_path(tmp_path, 12)
+    assert path == tmp_path / "checkpoint_00000012.pt" and checkpoint_step(path) == 12
+    for other in ("checkpoint_best.pt", "averaged.pt", "checkpoint_12.pt.tmp", "checkpoint_.pt"):
+        assert checkpoint_step(tmp_path / other) is None
+    for name in ("checkpoint_9.pt", "checkpoint_00000010.pt", "checkpoint_best.pt", "averaged.pt"):
+        (tmp_path / name).write_bytes(b"")
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["checkpoint_9.pt", "checkpoint_00000010.pt"]
+
+
+def test_single_process_context_runs_everything_locally(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = init_distributed("cpu")
+    assert (ctx.rank, ctx.world_size, ctx.is_main, ctx.distributed, ctx.owns_group) == (0, 1, True, False, False)
+    assert ctx.device == torch.device("cpu")
+    assert ctx.all_reduce([1.5, 2.0]) == [1.5, 2.0] and ctx.broadcast({"a": 1}) == {"a": 1}
+    assert rank0_first(ctx, lambda writer: writer) is True
+    assert on_main(ctx, lambda: 5) == 5
+    with pytest.raises(UserError, match="--device 'tpu'"):
+        init_distributed("tpu")
+
+
+def test_on_main_keeps_a_user_error_one_line():
+    def fail() -> None:
+        raise UserError("data.txt: no such file")
+
+    with pytest.raises(UserError, match="^data.txt: no such file$"):
+        on_main(DistContext(), fail)
+
+
+def test_tokenizer_is_parsed_once(tmp_path):
+    src, tgt = make_parallel(40, seed=5)
+    s, t = write_parallel(tmp_path, "train", src, tgt)
+    data = prepare_data(tmp_path / "run", s, t, None, None, vocab_size=40, max_len=64)
+    assert data.tokenizer is data.tokenizer
+    assert data.tokenizer.vocab_size <= 40
+
+
+def test_single_process_gather_and_rank_device(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = DistContext()
+    assert ctx.gather("mine") == ["mine"]
+    assert rank_device(ctx, None) is None and rank_device(ctx, "cpu") == "cpu"
+    assert init_distributed(None).device == torch.device("cpu")
+
+
+def _two_ranks(rank: int, port: int, results: Any) -> None:
+    """One rank of test_two_ranks_share_rank0s_result_and_error (gloo, CPU)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    calls = []
+
+    def fail() -> None:
+        raise UserError("rank 0 could not read data.txt")
+
+    with dist_context("cpu") as ctx:
+        shared = on_main(ctx, lambda: calls.append("main") or {"from": ctx.rank})
+        order = rank0_first(ctx, lambda writer: (calls.append(f"first:{writer}"), ctx.rank)[1])
+        try:
+            on_main(ctx, fail)
+            error = None
+        except UserError as e:
+            error = str(e)
+        gathered = ctx.gather(ctx.rank * 10)
+        total = ctx.all_reduce([ctx.rank + 1.0])
+    results.put((rank, shared, order, error, gathered, total, calls))
+
+
+def test_two_ranks_share_rank0s_result_and_error():
+    """Rank 0's result and its one-line error reach rank 1, which never runs the work."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = 29500 + os.getpid() % 2000
+    procs = [ctx.Process(target=_two_ranks, args=(r, port, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(results.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    (r0, shared0, order0, err0, gathered0, total0, calls0), (r1, shared1, order1, err1, gathered1, total1, calls1) = got
+    assert shared0 == shared1 == {"from": 0}
+    assert (order0, order1) == (0, 1)
+    assert err0 == err1 == "rank 0 could not read data.txt"
+    assert gathered0 == [0, 10] and gathered1 is None
+    assert total0 == total1 == [3.0]
+    assert calls0 == ["main", "first:True"] and calls1 == ["first:False"]
