@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,6 +45,61 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
+# Every temp file or dir we create is named .<target>.~pipeline-<pid>-<random><suffix>, so a
+# later run can tell our leftovers from the user's files and from a live writer's.
+_TEMP = re.compile(r"^\..+\.~pipeline-(\d+)-[^/]*$")
+
+
+def temp_prefix(name: str) -> str:
+    """The mkstemp/mkdtemp prefix for a temp file or dir that will become `name`."""
+    return f".{name}.~pipeline-{os.getpid()}-"
+
+
+def make_temp_dir(parent: str | Path, name: str, kind: str) -> Path:
+    """A temp dir beside `parent/name` (kind: 'partial', 'old', ...), our naming pattern."""
+    return Path(tempfile.mkdtemp(dir=parent, prefix=f"{temp_prefix(name)}{kind}-"))
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | Path) -> list[Path]:
+    """Delete the temp files and dirs that dead processes of ours left in `directory`
+    (kill -9, power cut): full-size checkpoint or translation temps would otherwise pile
+    up forever. Temps of live processes and every other file are left alone. Returns
+    what was removed; a missing directory has nothing to clean."""
+    removed: list[Path] = []
+    try:
+        entries = list(Path(directory).iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        if m is None or _alive(int(m.group(1))):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        except OSError as e:
+            log.warning("cannot remove stale temp %s: %s", entry, e)
+            continue
+        removed.append(entry)
+    if removed:
+        log.info("removed %d stale temp file(s)/dir(s) left by an interrupted run in %s", len(removed), directory)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> Iterator[IO[Any]]:
     """Yield a file to write; on success it replaces `path` (fsync'd, usual permissions).
@@ -54,7 +111,7 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
         raise ValueError(f"atomic_write needs a write mode, got {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=suffix, dir=path.parent)
     try:
         kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
         with open(fd, mode, **kwargs) as f:

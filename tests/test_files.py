@@ -114,3 +114,32 @@ def test_timing_cache_is_written_atomically(tmp_path, synced, umask_027):
     assert path.read_bytes() == b"timings" and [k for k, _, _ in synced] == ["file", "dir"]
     assert stat.S_IMODE(path.stat().st_mode) == 0o640
     assert sorted(p.name for p in Path(path.parent).iterdir()) == [path.name]
+
+
+def test_stale_temps_of_dead_processes_are_removed(tmp_path):
+    import subprocess
+    import sys
+
+    from model.files import make_temp_dir, remove_stale_temps, temp_prefix
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True)
+    dead_pid = int(dead.stdout)
+    stale_file = tmp_path / f".checkpoint_00000010.pt.~pipeline-{dead_pid}-abc.tmp"
+    stale_file.write_bytes(b"x" * 100)
+    stale_dir = tmp_path / f".model.~pipeline-{dead_pid}-partial-xyz"
+    (stale_dir / "sub").mkdir(parents=True)
+    mine = tmp_path / f"{temp_prefix('out.txt')}live.part"
+    mine.write_text("being written")
+    live_dir = make_temp_dir(tmp_path, "model", "partial")
+    user_files = [tmp_path / ".hidden", tmp_path / "notes.~pipeline-1-x", tmp_path / "checkpoint_00000010.pt"]
+    for f in user_files:
+        f.write_text("user data")
+
+    removed = remove_stale_temps(tmp_path)
+
+    assert sorted(removed) == sorted([stale_file, stale_dir])
+    assert not stale_file.exists() and not stale_dir.exists()
+    assert mine.exists() and live_dir.is_dir()
+    assert all(f.read_text() == "user data" for f in user_files)
+    assert remove_stale_temps(tmp_path / "missing") == []
