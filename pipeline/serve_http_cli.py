@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 import click
 
 from pipeline.errors import UserError
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import BACKENDS
 
-WEB_STACK = ("starlette", "uvicorn", "prometheus_client")
 H = DecodingOptions.help
 
 
 def _require_web_stack() -> None:
-    missing = [m for m in WEB_STACK if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"`pipeline serve` needs {', '.join(missing)}: pip install -e \".[serve]\"")
+    """The web stack is an optional extra: imported only when serving, refused in one line."""
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UserError(f"`pipeline serve` needs {e.name or 'its web stack'}, which is not installed: "
+                        'pip install -e ".[serve]"') from None
 
 
 @click.command("serve")
@@ -56,13 +58,13 @@ def _require_web_stack() -> None:
 @click.option("--long-lines", type=click.Choice(["truncate", "error"]), default="truncate", show_default=True,
               help="Lines longer than the model's source limit: truncate them (as serve-batch does, counted "
                    "in /metrics) or refuse the request with 413 naming the line.")
-@click.option("--grace-s", type=click.FloatRange(min=0), default=30.0, show_default=True,
-              help="On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this long, "
-                   "exit 0.")
+@click.option("--grace-s", type=click.IntRange(min=0), default=30, show_default=True,
+              help="On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this many "
+                   "seconds (then cancel them), exit 0.")
 def serve(model_dir: str, host: str, port: int, backend: str, device: str | None, threads: int | None,
           beam_size: int, alpha: float, max_len_a: float, max_len_b: int, min_len: int, nbest: int,
           max_batch_tokens: int, max_wait_ms: float, max_queue: int, max_lines: int, max_bytes: int,
-          long_lines: str, grace_s: float) -> None:
+          long_lines: str, grace_s: int) -> None:
     """Serve the model in MODEL_DIR over HTTP, batching concurrent requests dynamically.
 
     POST /translate {"text": [lines], "beam_size"?, "nbest"?, "scores"?} answers

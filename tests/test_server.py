@@ -260,3 +260,16 @@ def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):
         assert run_cli("serve", model_dir, "--backend", "torch", "--port", taken.getsockname()[1]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--port" in err[0] and "in use" in err[0]
+
+
+def test_cli_works_without_the_web_stack():
+    """The serve extra is optional: other commands never import it, and serve says how to get it."""
+    code = ("import sys; sys.modules['uvicorn'] = None\n"
+            "from pipeline.cli import _register, main\n"
+            "_register()\n"
+            "assert not {'starlette', 'prometheus_client'} & set(sys.modules), 'web stack imported eagerly'\n"
+            "main(['serve', 'some_model_dir'])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == ('error: `pipeline serve` needs uvicorn, which is not installed: '
+                                   'pip install -e ".[serve]"')

@@ -180,7 +180,8 @@ async def _translate(request: Request, state: ServerState, started: float) -> Re
                            {"Retry-After": str(state.limits.retry_after_s)}) from None
         watcher = asyncio.ensure_future(_client_gone(request))
         try:
-            await asyncio.wait({work.future, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            waiters: set[asyncio.Future[Any]] = {work.future, watcher}
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
         if not work.future.done():

@@ -38,7 +38,7 @@ class ServeHttpOptions:
     device: str | None = None
     threads: int | None = None
     long_lines: str = "truncate"
-    grace_s: float = 30.0
+    grace_s: int = 30
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -90,7 +90,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         if not self.state.draining:
-            log.info("signal %d: draining in-flight requests (up to %.0f s), then stopping", sig,
+            log.info("signal %d: draining in-flight requests (up to %d s), then stopping", sig,
                      self.config.timeout_graceful_shutdown or 0)
         self.state.draining = True
         super().handle_exit(sig, frame)
@@ -121,7 +121,7 @@ def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions
         engine.warm_up(decoding)
         state.warmed_up = True
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=opts.grace_s if opts.grace_s > 0 else None)
+                                timeout_graceful_shutdown=opts.grace_s)
         host, port = sock.getsockname()[:2]
         log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, impl.name, impl.device,
                  host if ":" not in host else f"[{host}]", port)
