@@ -156,6 +156,9 @@ async def translate(request: Request) -> Response:
     except ClientDisconnect:
         m.disconnects.inc()
         response = Response(status_code=CLIENT_CLOSED)
+    except Exception as e:  # a backend fault: this request fails, the server goes on
+        log.exception("translation failed")
+        response = JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"}, status_code=500)
     finally:
         m.in_flight.dec()
     m.requests.labels(code=str(response.status_code)).inc()
