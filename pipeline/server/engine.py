@@ -13,6 +13,7 @@ from typing import Any
 from pipeline.errors import UserError
 from pipeline.serve import ServeOptions, _tokenize, format_line
 from runtime.decoding import DecodingOptions
+from runtime.loader import load_backend, manifest_limit
 from runtime.tokenizer import Tokenizer
 from runtime.translate import translate_ids
 
@@ -41,10 +42,30 @@ class Encoded:
 class Engine:
     """A loaded backend + tokenizer, seen through serve-batch's functions."""
 
-    def __init__(self, backend: Any, tokenizer: Tokenizer, long_lines: str = "truncate"):
+    def __init__(self, backend: Any, tokenizer: Tokenizer, manifest: Any, long_lines: str = "truncate"):
         self.backend = backend
         self.tokenizer = tokenizer
+        self.manifest = manifest
         self.long_lines = long_lines
+
+    @classmethod
+    def load(cls, model_dir: str, backend: str, device: str | None, threads: int | None,
+             long_lines: str) -> Engine:
+        """The model dir verified against its manifest and loaded (UserErrors when unusable)."""
+        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads)
+        return cls(impl, tokenizer, manifest, long_lines)
+
+    def model_limit(self, key: str) -> int | None:
+        """max_src_len / max_tgt_len / max_batch / max_beam as the export recorded it."""
+        return manifest_limit(self.manifest, key)
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest's facts a client may see (no file paths)."""
+        return {"backend": self.backend.name, "device": str(self.backend.device),
+                "precision": self.manifest.get("precision"), "model_config": self.manifest.get("model_config"),
+                "model_limits": {k: self.model_limit(k) for k in ("max_src_len", "max_tgt_len", "max_batch",
+                                                                  "max_beam")},
+                "exported_with": self.manifest.get("versions")}
 
     @property
     def max_src_len(self) -> int:

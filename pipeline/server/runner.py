@@ -23,7 +23,6 @@ from pipeline.errors import UserError
 from pipeline.server.app import Limits, ServerState, create_app
 from pipeline.server.engine import Engine
 from runtime.decoding import DecodingOptions
-from runtime.loader import load_backend, manifest_limit
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +66,13 @@ def _version(package: str) -> str | None:
         return None
 
 
-def server_info(impl: Any, manifest: dict[str, Any], decoding: DecodingOptions, limits: Limits,
-                opts: ServeHttpOptions) -> dict[str, Any]:
-    """What /info tells: the manifest summary and this server's settings (no file paths)."""
-    model_limits = {k: manifest_limit(manifest, k) for k in ("max_src_len", "max_tgt_len", "max_batch", "max_beam")}
+def server_info(engine: Engine, decoding: DecodingOptions, limits: Limits, opts: ServeHttpOptions
+                ) -> dict[str, Any]:
+    """What /info tells: the manifest summary and this server's settings."""
     versions = {p: _version(p) for p in ("pipeline", "torch", "onnxruntime", "sentencepiece", "starlette",
                                          "uvicorn")}
-    return {"backend": impl.name, "device": str(impl.device), "precision": manifest.get("precision"),
-            "model_config": manifest.get("model_config"), "model_limits": model_limits,
-            "exported_with": manifest.get("versions"), "versions": versions,
-            "decoding": asdict(decoding), "limits": {**asdict(limits), "long_lines": opts.long_lines},
-            "grace_s": opts.grace_s}
+    return {**engine.summary(), "versions": versions, "decoding": asdict(decoding),
+            "limits": {**asdict(limits), "long_lines": opts.long_lines}, "grace_s": opts.grace_s}
 
 
 class _Server(uvicorn.Server):
@@ -108,14 +103,12 @@ class _Server(uvicorn.Server):
 def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, limits: Limits) -> None:
     """Run the service until stopped. Blocks; returns after a graceful stop."""
     decoding.validate()
-    impl, tokenizer, manifest = load_backend(model_dir, backend=opts.backend, device=opts.device,
-                                             threads=opts.threads)
-    max_beam = manifest_limit(manifest, "max_beam") or DEFAULT_MAX_BEAM
+    engine = Engine.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
+    max_beam = engine.model_limit("max_beam") or DEFAULT_MAX_BEAM
     if decoding.beam_size > max_beam:
         raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
     limits = Limits(**{**asdict(limits), "max_beam": max_beam})
-    engine = Engine(impl, tokenizer, opts.long_lines)
-    state = ServerState(engine, decoding, limits, server_info(impl, manifest, decoding, limits, opts))
+    state = ServerState(engine, decoding, limits, server_info(engine, decoding, limits, opts))
     sock = bind(opts.host, opts.port)
     try:
         engine.warm_up(decoding)
@@ -123,8 +116,8 @@ def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
         host, port = sock.getsockname()[:2]
-        log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, impl.name, impl.device,
-                 host if ":" not in host else f"[{host}]", port)
+        log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, engine.backend.name,
+                 engine.backend.device, host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:
         sock.close()
