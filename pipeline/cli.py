@@ -38,6 +38,8 @@ def _register() -> None:
     cli.add_command(average)
     from pipeline.serve_cli import serve_batch
     cli.add_command(serve_batch)
+    from pipeline.serve_http_cli import serve
+    cli.add_command(serve)
     from pipeline.export_cli import export
     cli.add_command(export)
     from pipeline.parity_cli import parity

@@ -1,0 +1,100 @@
+"""The one adapter between the HTTP service and serve-batch's translation path.
+
+Every call the server makes into encoding (blank lines, long-line policy, EOS), search
+and output formatting goes through here, so the service answers exactly what
+`pipeline serve-batch` writes for the same lines and there is no second decoding path.
+When serve-batch's path moves, only this module follows it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from model.manifest import Manifest
+from pipeline.translation import format_line
+from runtime.decoding import DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.loader import load_backend
+from runtime.tokenizer import Tokenizer
+from runtime.translate import encode_sources, translate_ids
+
+# (tokens, score) per hypothesis, best first; [] for a blank line.
+NBest = list[tuple[list[int], float]]
+
+WARMUP_LINE = "warm up"
+
+
+class LineTooLong(ValueError):
+    """A line over the model's source limit while the policy is `error` (an HTTP 413)."""
+
+
+@dataclass
+class Encoded:
+    """Source ids per line ([] for blank lines) and how many lines were truncated."""
+
+    ids: list[list[int]]
+    truncated: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.ids)
+
+
+class Engine:
+    """A loaded backend + tokenizer, seen through serve-batch's functions."""
+
+    def __init__(self, backend: Any, tokenizer: Tokenizer, manifest: Manifest, long_lines: str = "truncate"):
+        self.backend = backend
+        self.tokenizer = tokenizer
+        self.manifest = manifest
+        self.long_lines = long_lines
+
+    @classmethod
+    def load(cls, model_dir: str, backend: str, device: str | None, threads: int | None,
+             long_lines: str) -> Engine:
+        """The model dir verified against its manifest and loaded (UserErrors when unusable)."""
+        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads)
+        return cls(impl, tokenizer, manifest, long_lines)
+
+    def model_limit(self, key: str) -> int | None:
+        """max_src_len / max_tgt_len / max_batch / max_beam as the export recorded it."""
+        return getattr(self.manifest.limits, key)
+
+    def summary(self) -> dict[str, Any]:
+        """The manifest's facts a client may see (no file paths)."""
+        return {"backend": self.backend.name, "device": str(self.backend.device),
+                "precision": self.manifest.precision, "model_config": self.manifest.model_config.to_dict(),
+                "model_limits": dataclasses.asdict(self.manifest.limits),
+                "exported_with": self.manifest.versions}
+
+    @property
+    def max_src_len(self) -> int:
+        return int(self.backend.max_src_len)
+
+    def encode(self, lines: list[str]) -> Encoded:
+        """serve-batch's source policy for one request's lines (thread-safe, no model)."""
+        try:
+            sources = encode_sources(self.tokenizer, lines, self.max_src_len, long_lines=self.long_lines,
+                                     origin="request line")
+        except RuntimeUserError as e:
+            raise LineTooLong(str(e).split("; pass --long-lines")[0]) from None
+        return Encoded(sources.ids, sources.truncated)
+
+    def translate(self, ids: list[list[int]], decoding: DecodingOptions) -> list[NBest]:
+        """Hypotheses per source line, in order; batching by length inside (one thread only)."""
+        hyps = translate_ids(self.backend, ids, decoding)
+        return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
+
+    def format(self, nbest: NBest, n: int) -> str:
+        """The line serve-batch writes for these hypotheses."""
+        return format_line(self.tokenizer, nbest, n)
+
+    def hypotheses(self, nbest: NBest) -> list[dict[str, Any]]:
+        """Each hypothesis as {"text", "score"}, its text formatted as serve-batch's 1-best line."""
+        return [{"text": format_line(self.tokenizer, [h], 1), "score": h[1]} for h in nbest]
+
+    def warm_up(self, decoding: DecodingOptions) -> str:
+        """One real translation, so the first request pays no lazy initialisation."""
+        nbest = self.translate(self.encode([WARMUP_LINE]).ids, decoding)
+        return self.format(nbest[0], 1)

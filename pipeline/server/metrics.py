@@ -1,0 +1,46 @@
+"""Prometheus metrics of one server, in a registry of its own (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+COUNT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pipeline_requests", "HTTP /translate requests by status code.",
+                                ["code"], registry=r)
+        self.sentences = Counter("pipeline_sentences", "Lines translated (blank lines included).",
+                                 registry=r)
+        self.src_tokens = Counter("pipeline_source_tokens", "Source tokens translated (EOS included).",
+                                  registry=r)
+        self.tgt_tokens = Counter("pipeline_target_tokens",
+                                  "Target tokens generated (best hypothesis, EOS included); "
+                                  "rate() of it is target tokens/s.", registry=r)
+        self.truncated = Counter("pipeline_truncated_lines", "Lines cut to the model's source limit.",
+                                 registry=r)
+        self.disconnects = Counter("pipeline_client_disconnects",
+                                   "Requests whose client left before the answer; their work was dropped.",
+                                   registry=r)
+        self.queue_depth = Gauge("pipeline_queue_depth", "Requests waiting for a batch.", registry=r)
+        self.in_flight = Gauge("pipeline_in_flight_requests", "Requests accepted and not yet answered.",
+                               registry=r)
+        self.batch_requests = Histogram("pipeline_batch_requests", "Requests per dynamic batch.",
+                                        buckets=COUNT_BUCKETS, registry=r)
+        self.batch_sentences = Histogram("pipeline_batch_sentences", "Lines per dynamic batch.",
+                                         buckets=COUNT_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("pipeline_batch_seconds", "Backend time per dynamic batch.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_seconds = Histogram("pipeline_queue_seconds", "Time a request waited for its batch.",
+                                       buckets=LATENCY_BUCKETS, registry=r)
+        self.request_seconds = Histogram("pipeline_request_seconds",
+                                         "Latency of successful /translate requests, body read to answer.",
+                                         buckets=LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
