@@ -20,7 +20,7 @@ from typing import Any
 import onnx
 import torch
 
-from export import onnx_export, tensorrt_build, trt_compat, verify
+from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint, usual_permissions
@@ -87,11 +87,15 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _write_graphs(model: Transformer, tmp: Path, *, fp16: bool, opset: int, topk: int) -> dict[str, Any]:
+def _write_graphs(model: Transformer, tmp: Path, *, fp16: bool, opset: int, topk: int,
+                  int8: bool = False) -> dict[str, Any]:
     graph_model = onnx_export.inference_copy(model, fp16)
     t0 = time.perf_counter()
     onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
+    if int8:  # the fp32 graphs, post-processed to int8 QDQ weights
+        for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
+            quantize.quantize_file(str(tmp / name))
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         problems = trt_compat.check_model(onnx.load(str(tmp / name), load_external_data=False))
@@ -138,8 +142,12 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  max_batch: int = 64, max_src_len: int = 256, max_tgt_len: int = 306, max_beam: int = 8,
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
-                 timing_cache: Path | None = None) -> dict[str, Any]:
+                 timing_cache: Path | None = None, int8: bool = False,
+                 int8_atol: float = verify.INT8_ATOL) -> dict[str, Any]:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
+
+    int8: fp32 graphs with int8 QDQ weights (export/quantize.py), verified against the
+    fp32 PyTorch model within int8_atol; the manifest's precision is "int8".
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
     skips them (manifest["tensorrt_skipped"] says why); True requires them; False skips.
@@ -151,6 +159,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     source = resolve_checkpoint(checkpoint)
     limits = tensorrt_build.Limits(max_batch, max_src_len, max_tgt_len, max_beam)
     _prepare_out(out, force, source)
+    if int8 and fp16:
+        raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
     model, spm_bytes, payload = _load(source)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
     if tensorrt:  # asked for explicitly: fail now, not after minutes of export work
@@ -165,9 +175,10 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
         usual_permissions(tmp)
         save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
         (tmp / SPM_FILE).write_bytes(spm_bytes)
-        graphs = _write_graphs(model, tmp, fp16=fp16, opset=opset, topk=topk)
+        graphs = _write_graphs(model, tmp, fp16=fp16, opset=opset, topk=topk, int8=int8)
         verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
-                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol)
+                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol,
+                                            int8=int8, int8_atol=int8_atol)
         engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
                                     workspace_gib=workspace_gib, timing_cache=timing_cache)
         versions = _versions()
@@ -175,7 +186,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
             versions["tensorrt"] = engines["version"]
         manifest = write_manifest(tmp, {
             "model_config": model.cfg.to_dict(),
-            "precision": "fp16" if fp16 else "fp32",
+            "precision": "int8" if int8 else "fp16" if fp16 else "fp32",
+            **({"quantization": quantize.QDQ} if int8 else {}),
             "opset": opset,
             "topk": topk,
             "limits": {"max_batch": max_batch, "max_src_len": max_src_len,

@@ -71,6 +71,9 @@ def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
         return torch.float16
     if precision == "fp16":
         log.warning("fp16 asked for on %s: running the PyTorch model in fp32", device)
+    if precision == "int8":
+        log.warning("int8 model dir on the torch backend: running the fp32 weights of %s "
+                    "(the int8 weights are in the ONNX graphs)", CHECKPOINT_FILE)
     return torch.float32
 
 
