@@ -7,11 +7,12 @@ from pathlib import Path
 import click
 
 from pipeline.bench import format_table, run_bench, write_json
+from pipeline.bench_compare import format_comparison, run_comparison
 from pipeline.parity_cli import parse_backends
 
 
 @click.command("bench")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
               help="Comma-separated backends to measure (torch,onnxruntime,tensorrt).")
 @click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), default=(32,),
@@ -27,13 +28,32 @@ from pipeline.parity_cli import parse_backends
               help="Length of generated source sentences (tokens, EOS included) when --src is not given.")
 @click.option("--device", default=None, help="cpu or cuda (default: best available).")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--compare", "compare", multiple=True, type=click.Choice(["ctranslate2"]),
+              help="Also map the first MODEL_DIR's weights into this engine (after checking its greedy "
+                   "output is token-identical to ours) and time it in float32 and int8, with ratio "
+                   "columns. Needs the bench extra: pip install -e .[bench].")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
+              help="With several MODEL_DIRs or --compare: alternating rounds, each measurement in a fresh "
+                   "subprocess (honest peak RSS per engine); rows report medians.")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write results as JSON.")
-def bench(model_dir, backends, batch_sizes, beam_size, fixed_length, src, sentences, src_len, device, threads,
-          json_out):
-    """Measure target tokens/s, sentences/s, latency per batch and peak memory per backend."""
-    report = run_bench(model_dir, parse_backends(backends), list(batch_sizes), beam_size=beam_size,
-                       fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
-                       device=device, threads=threads)
-    click.echo(format_table(report))
+def bench(model_dirs, backends, batch_sizes, beam_size, fixed_length, src, sentences, src_len, device, threads,
+          json_out, compare=(), rounds=3):
+    """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
+
+    One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
+    fp32 and int8 exports of one checkpoint) or --compare: one table over every engine and
+    precision, measured alternately in fresh subprocesses, plus batch-1 latency (ms/sentence).
+    """
+    if len(model_dirs) == 1 and not compare:
+        report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), beam_size=beam_size,
+                           fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
+                           device=device, threads=threads)
+        click.echo(format_table(report))
+    else:
+        report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),
+                                compare=list(compare), beam_size=beam_size, fixed_length=fixed_length, src=src,
+                                sentences=sentences, src_len=src_len, device=device, threads=threads,
+                                rounds=rounds)
+        click.echo(format_comparison(report))
     if json_out:
         write_json(report, json_out)

@@ -39,13 +39,19 @@ def parse_backends(value: str) -> list[str]:
               type=float, help="fp16 gate: largest |BLEU(backend) - BLEU(torch)|.")
 @click.option("--fp16-min-identical", default=None, type=float,
               help="fp16 gate: least share of token-identical sentences (default: not gated).")
+@click.option("--int8-max-bleu-delta", default=DEFAULT_GATES["int8"].max_bleu_delta, show_default=True,
+              type=float, help="int8 gate: largest |BLEU(backend) - BLEU(torch fp32)|.")
+@click.option("--int8-min-identical", default=None, type=float,
+              help="int8 gate: least share of token-identical sentences (default: not gated).")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write the report as JSON.")
 def parity(model_dir, src, ref, backends, beam_size, alpha, batch_tokens, device, threads, min_identical,
-           max_bleu_delta, fp16_max_bleu_delta, fp16_min_identical, json_out):
+           max_bleu_delta, fp16_max_bleu_delta, fp16_min_identical, json_out,
+           int8_max_bleu_delta=DEFAULT_GATES["int8"].max_bleu_delta, int8_min_identical=None):
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Exits 1 when a backend misses its gate."""
-    gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta)}
+    gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
+             "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
     report = run_parity(model_dir, src, ref, parse_backends(backends), beam_size=beam_size, alpha=alpha,
                         batch_tokens=batch_tokens, device=device, gates=gates, threads=threads)
     click.echo(format_table(report))
