@@ -31,6 +31,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
 QDQ = "qdq"  # manifest "quantization": int8 QDQ weights, fp32 activations (TensorRT-parseable)
+# ONNX Runtime's quantize_dynamic (MatMulInteger): CPU ONNX Runtime only, TensorRT rejects it.
+ORT_DYNAMIC = "ort-dynamic"
+FLAVOURS = (QDQ, ORT_DYNAMIC)
 # What ONNX Runtime needs to run QDQ weights as int8 GEMMs (VNNI); export's verification and
 # runtime/ort_backend.py (which may not import export) both use these values.
 ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "4"}
@@ -170,3 +173,34 @@ def quantize_file(path: str, out: str | None = None) -> onnx.ModelProto:
     model = quantize_model(onnx.load(path))
     onnx.save(model, out or path)
     return model
+
+
+def untie_projection(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give each bias-free Gemm (the tied output projection) its own (K, N) MatMul weight, so
+    a quantizer that rewrites initializers cannot change the embedding table it shares."""
+    inits = {i.name: i for i in model.graph.initializer}
+    rewriter = _Rewriter(model)
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "Gemm" and rewriter._is_linear(node):
+            w = numpy_helper.to_array(inits[node.input[1]])
+            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
+            name = f"{node.input[1]}_kn"
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T if transb else w), name))
+            model.graph.node[i].CopyFrom(helper.make_node("MatMul", [node.input[0], name], list(node.output),
+                                                          name=node.name))
+    return model
+
+
+def quantize_file_ort_dynamic(path: str) -> None:
+    """ONNX Runtime's own dynamic quantization, in place (the CPU-only "ort-dynamic" flavour):
+    int8 per-channel weights, activations quantized at run time (DynamicQuantizeLinear ->
+    MatMulInteger). Only weight MatMuls are quantized; the embedding Gather stays fp32."""
+    import tempfile
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    with tempfile.TemporaryDirectory(prefix="ort-dynamic-") as tmp:
+        untied = f"{tmp}/untied.onnx"
+        onnx.save(untie_projection(onnx.load(path)), untied)
+        quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])

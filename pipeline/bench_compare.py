@@ -68,16 +68,19 @@ def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_di
           common: dict[str, Any]) -> list[dict[str, Any]]:
     jobs = []
     for model_dir in model_dirs:
-        precision = read_manifest(model_dir, verify=False).get("precision", "fp32")
+        manifest = read_manifest(model_dir, verify=False)
         for engine in engines:
             if engine == "torch" and any(j["engine"] == "torch" for j in jobs):
                 continue  # torch runs model.pt (fp32) whatever the dir: once is enough
+            ours = engine != "torch"
             jobs.append({**common, "engine": engine, "model_dir": str(model_dir),
-                         "precision": "fp32" if engine == "torch" else precision})
+                         "precision": manifest.get("precision", "fp32") if ours else "fp32",
+                         "quantization": manifest.get("quantization") if ours else None})
     if "ctranslate2" in compare:
         for precision in ctranslate2_compare.COMPUTE_TYPES:
             jobs.append({**common, "engine": "ctranslate2", "ct2_dir": str(ct2_dir),
-                         "model_dir": str(model_dirs[0]), "precision": precision})
+                         "model_dir": str(model_dirs[0]), "precision": precision,
+                         "quantization": "ctranslate2" if precision == "int8" else None})
     return jobs
 
 
@@ -140,7 +143,8 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
         return round(statistics.median(r[key] for r in runs), 2)
 
     rss = [r["peak_rss_mb"] for r in runs if r["peak_rss_mb"] is not None]
-    return {"engine": job["engine"], "precision": job["precision"], "model_dir": job["model_dir"],
+    return {"engine": job["engine"], "precision": job["precision"], "quantization": job["quantization"],
+            "model_dir": job["model_dir"],
             "device": runs[0]["device"], "batch_size": job["batch_size"], "beam_size": job["beam_size"],
             "sentences": len(job["sources"]), "target_tokens": runs[0]["target_tokens"],
             "target_tokens_per_s": med("target_tokens_per_s"), "sentences_per_s": med("sentences_per_s"),
@@ -151,7 +155,7 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_comparison(report: dict[str, Any]) -> str:
     """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch."""
-    head = (f"{'engine':<12} {'prec':<5} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'ms/sent':>8} "
+    head = (f"{'engine':<12} {'prec':<5} {'quant':<11} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'ms/sent':>8} "
             f"{'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
     lines = [head, "-" * len(head)]
     results = report["results"]
@@ -161,7 +165,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['batch_size']:>5} {r['beam_size']:>4} "
+        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
+                     f"{r['batch_size']:>5} {r['beam_size']:>4} "
                      f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
                      + " ".join(ratios))
     if "ctranslate2_greedy_agreement" in report:

@@ -88,6 +88,10 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir, verify=False)  # readable at all?
     name = choose_backend(manifest) if backend == "auto" else backend
+    if name == "tensorrt" and manifest.get("quantization") == "ort-dynamic":
+        raise RuntimeUserError(f"{model_dir}: int8 flavour ort-dynamic (MatMulInteger) runs on ONNX Runtime "
+                               "only; use --backend onnxruntime, or export with the default --int8-flavour qdq "
+                               "for TensorRT")
     manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":

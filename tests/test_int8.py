@@ -152,3 +152,21 @@ def test_quantize_columns_round_trip():
     assert q.dtype == np.int8 and scale.shape == (5,) and scale[2] == 1.0
     assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
     assert torch.equal(torch.from_numpy(np.abs(q).max(axis=0)[[0, 1, 3, 4]]), torch.full((4,), 127, dtype=torch.int8))
+
+
+def test_ort_dynamic_flavour_is_onnxruntime_only(random_checkpoint, tmp_path, caplog):
+    out = tmp_path / "dyn"
+    manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=quantize.ORT_DYNAMIC,
+                                tensorrt=None, **LIMITS)
+    assert manifest["precision"] == "int8" and manifest["quantization"] == "ort-dynamic"
+    assert manifest["tensorrt"] is None and "ONNX Runtime only" in manifest["tensorrt_skipped"]
+    ops = {n.op_type for n in onnx.load(str(out / io_names.DECODER_FILE)).graph.node}
+    assert "MatMulInteger" in ops and "Gemm" not in ops
+    backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
+    assert backend.name == "onnxruntime"
+    from runtime.errors import RuntimeUserError
+    with pytest.raises(RuntimeUserError, match="ort-dynamic .* ONNX Runtime only"):
+        load_backend(out, backend="tensorrt")
+    with pytest.raises(ExportError, match="TensorRT rejects"):
+        api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=quantize.ORT_DYNAMIC,
+                         tensorrt=True)
