@@ -197,7 +197,7 @@ def quantize_file_ort_dynamic(path: str) -> None:
     MatMulInteger). Only weight MatMuls are quantized; the embedding Gather stays fp32."""
     import tempfile
 
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # type: ignore[import-untyped]
 
     with tempfile.TemporaryDirectory(prefix="ort-dynamic-") as tmp:
         untied = f"{tmp}/untied.onnx"

@@ -312,8 +312,8 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
-                    "onnx.checker; ONNX Runtime CPU with int8 weights and int8 GEMMs (MatMulNBits, "
-                    "accuracy level 4) vs PyTorch fp32 on a padded batch, "
+                    "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
+                    "at accuracy level 4; ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")
 

@@ -66,7 +66,7 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
 
 def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_dir: Path | None,
           common: dict[str, Any]) -> list[dict[str, Any]]:
-    jobs = []
+    jobs: list[dict[str, Any]] = []
     for model_dir in model_dirs:
         manifest = read_manifest(model_dir, verify=False)
         for engine in engines:
@@ -97,7 +97,7 @@ def _check_same_model(model: Any, tokenizer: Tokenizer, ct2_dir: Path, sources: 
 
 
 def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list[int], *,
-                   compare: list[str] = (), beam_size: int = 4, fixed_length: int | None = None,
+                   compare: tuple[str, ...] | list[str] = (), beam_size: int = 4, fixed_length: int | None = None,
                    src: Path | None = None, sentences: int = 256, src_len: int = 20,
                    device: str | None = None, threads: int | None = None, rounds: int = 3,
                    latency: bool = True) -> dict[str, Any]:
@@ -119,7 +119,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
         if latency:
             settings.append((1, beam_size, sources[:LATENCY_SENTENCES], pieces[:LATENCY_SENTENCES]))
-        jobs = []
+        jobs: list[dict[str, Any]] = []
         for bs, beam, srcs, pcs in settings:
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
                       "device": device, "sources": srcs, "pieces": pcs}

@@ -27,7 +27,7 @@ COMPUTE_TYPES = {"fp32": "float32", "int8": "int8"}
 
 def import_ctranslate2() -> Any:
     try:
-        import ctranslate2
+        import ctranslate2  # type: ignore[import-untyped]
     except ImportError:
         raise UserError("--compare ctranslate2 needs CTranslate2: `pip install -e .[bench]` "
                         "(or `pip install ctranslate2`)") from None
@@ -36,7 +36,7 @@ def import_ctranslate2() -> Any:
 
 def to_ct2_spec(model: Any, tokenizer: Tokenizer) -> Any:
     """A CTranslate2 TransformerSpec holding `model`'s fp32 weights."""
-    from ctranslate2.specs import transformer_spec
+    from ctranslate2.specs import transformer_spec  # type: ignore[import-untyped]
 
     cfg = model.cfg
     spec = transformer_spec.TransformerSpec.from_config(
