@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 import torch
 
-from export import onnx_export, tensorrt_build, trt_compat, verify
+from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
@@ -100,12 +100,21 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int) -> Graphs:
+def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
+                  int8: str | None = None) -> Graphs:
     t0 = time.perf_counter()
     onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
+    if int8:  # the fp32 graphs, post-processed to int8 weights
+        for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
+            if int8 == quantize.ORT_DYNAMIC:
+                quantize.quantize_file_ort_dynamic(str(tmp / name))
+            else:
+                quantize.quantize_file(str(tmp / name))
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
+        if int8 == quantize.ORT_DYNAMIC:
+            break  # ONNX Runtime only by design: no engines are built from it
         problems = trt_compat.check_model(onnx.load(str(tmp / name), load_external_data=False))
         if problems:
             raise ExportError(f"{name} would not parse in TensorRT: " + "; ".join(problems))
@@ -150,8 +159,14 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  max_batch: int = 64, max_src_len: int = 256, max_tgt_len: int = 306, max_beam: int = 8,
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
-                 timing_cache: Path | None = None) -> Manifest:
+                 timing_cache: Path | None = None, int8: bool = False,
+                 int8_atol: float = verify.INT8_ATOL, int8_flavour: str = quantize.QDQ) -> Manifest:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
+
+    int8: fp32 graphs with int8 QDQ weights (export/quantize.py), verified against the
+    fp32 PyTorch model within int8_atol; the manifest's precision is "int8" and its
+    "quantization" the flavour: "qdq" (default, TensorRT-parseable) or "ort-dynamic"
+    (ONNX Runtime's MatMulInteger, CPU ONNX Runtime only: no engines).
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
     skips them (manifest.tensorrt_skipped says why); True requires them; False skips.
@@ -163,6 +178,15 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     source = resolve_checkpoint(checkpoint)
     limits = Limits(max_batch, max_src_len, max_tgt_len, max_beam)
     _prepare_out(out, force, source)
+    if int8 and fp16:
+        raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
+    if int8_flavour not in quantize.FLAVOURS:
+        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of {', '.join(quantize.FLAVOURS)}")
+    if int8 and int8_flavour == quantize.ORT_DYNAMIC:
+        if tensorrt:
+            raise ExportError("--int8-flavour ort-dynamic runs on ONNX Runtime only (TensorRT rejects "
+                              "MatMulInteger); use the default qdq flavour for TensorRT engines")
+        tensorrt = False
     model, spm_bytes, payload = _load(source)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
     if tensorrt:  # asked for explicitly: fail now, not after minutes of export work
@@ -180,17 +204,20 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
         # The one copy in the export precision: the graphs are traced from it and, for
         # fp16, the verifier runs it as the PyTorch half-precision reference.
         graph_model = onnx_export.inference_copy(model, fp16)
-        graphs = _write_graphs(graph_model, tmp, opset=opset, topk=topk)
+        graphs = _write_graphs(graph_model, tmp, opset=opset, topk=topk, int8=int8_flavour if int8 else None)
         verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
                                             fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol,
-                                            model16=graph_model if fp16 else None)
+                                            model16=graph_model if fp16 else None, int8=int8, int8_atol=int8_atol)
         engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
                                     workspace_gib=workspace_gib, timing_cache=timing_cache)
+        if int8 and int8_flavour == quantize.ORT_DYNAMIC:
+            skipped = "int8 flavour ort-dynamic runs on ONNX Runtime only"
         versions = _versions()
         if engines:
             versions["tensorrt"] = engines.version
         manifest = write_manifest(tmp, Manifest(
-            model_config=model.cfg, precision="fp16" if fp16 else "fp32", opset=opset, topk=topk,
+            model_config=model.cfg, precision="int8" if int8 else "fp16" if fp16 else "fp32",
+            quantization=int8_flavour if int8 else None, opset=opset, topk=topk,
             limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
             verification=verification,
             source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),

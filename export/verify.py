@@ -42,6 +42,11 @@ FP16_ATOL = 2e-2  # measured ~4e-3 on random tiny, small and base models
 # corpus), while the candidates search actually chooses (log-probs near 0) keep ~atol.
 FP32_RTOL = 0.0  # fp32 errors are ~1e-6 whatever the magnitude: abs alone
 FP16_RTOL = 1e-2
+# int8 weights (per-channel, symmetric) with int8 GEMMs in ONNX Runtime, against the fp32
+# PyTorch model: the error is the quantization's, not ORT's, and grows with |log-prob|
+# like fp16's. Measured on the tiny random and trained models: see tests/test_int8.py.
+INT8_ATOL = 0.15
+INT8_RTOL = 0.05
 N_STEPS = 12
 BEAM = 2
 
@@ -59,12 +64,14 @@ def check_graph(path: Path) -> None:
 StepFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def ort_runner(path: Path) -> StepFn:
+def ort_runner(path: Path, config: dict[str, str] | None = None) -> StepFn:
     """Feed named numpy arrays to an ONNX Runtime CPU session; outputs by name."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
+    for key, value in (config or {}).items():
+        opts.add_session_config_entry(key, value)
     session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
 
@@ -253,7 +260,8 @@ def _beam_like_choice(ref: dict[str, np.ndarray], sent: np.ndarray, step: int
 def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, *, fp16: bool,
                   topk: int, atol: float = FP32_ATOL, fp16_atol: float = FP16_ATOL,
                   rtol: float = FP32_RTOL, fp16_rtol: float = FP16_RTOL,
-                  model16: Transformer | None = None) -> dict[str, Any]:
+                  model16: Transformer | None = None, int8: bool = False,
+                  int8_atol: float = INT8_ATOL, int8_rtol: float = INT8_RTOL) -> dict[str, Any]:
     """Check both graphs and compare them with PyTorch; returns the manifest's figures.
 
     fp32: ORT vs the fp32 model. fp16: ORT vs the half model in PyTorch (same graph
@@ -263,6 +271,8 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
     """
     for path in (encoder_path, decoder_path):
         check_graph(path)
+    if int8:
+        return verify_int8(model32, encoder_path, decoder_path, topk=topk, atol=int8_atol, rtol=int8_rtol)
     enc, dec = ort_runner(encoder_path), ort_runner(decoder_path)
     if not fp16:
         rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
@@ -282,6 +292,26 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                     "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
                     "PyTorch half precision; PyTorch half precision (real fp16 matmuls) vs PyTorch "
                     f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
+
+
+def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *, topk: int,
+                atol: float = INT8_ATOL, rtol: float = INT8_RTOL) -> dict[str, Any]:
+    """int8 graphs in ONNX Runtime (int8 GEMMs, as served) vs the fp32 PyTorch model.
+
+    Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
+    must agree wherever the fp32 model ranks them apart by more than twice that.
+    """
+    from export.quantize import ORT_SESSION_CONFIG
+
+    enc = ort_runner(encoder_path, ORT_SESSION_CONFIG)
+    dec = ort_runner(decoder_path, ORT_SESSION_CONFIG)
+    rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
+                          atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
+    return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
+                    "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
+                    "at accuracy level 4; ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
+                    f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
+                    "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")
 
 
 def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report], how: str) -> dict[str, Any]:

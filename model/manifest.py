@@ -26,7 +26,7 @@ FORMAT = "pipeline-model-dir-v2"
 OLD_FORMATS = ("pipeline-model-dir-v1",)  # before the typed manifest (source_checkpoint.step)
 CHECKPOINT_FILE = "model.pt"
 SPM_FILE = "spm.model"
-PRECISIONS = ("fp32", "fp16")  # graph / engine precisions an export can record
+PRECISIONS = ("fp32", "fp16", "int8")  # graph / engine precisions an export can record
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
 
 
@@ -104,6 +104,7 @@ class Manifest:
     verification: dict[str, Any]  # the verifier's report (export/verify.py), read by people
     tensorrt: Engines | None = None
     tensorrt_skipped: str | None = None  # why no engines were built
+    quantization: str | None = None  # int8 only: "qdq" (standard ONNX, TensorRT-parseable) or "ort-dynamic"
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 
     def __post_init__(self) -> None:

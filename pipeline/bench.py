@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class BenchResult:
     backend: str
+    engine: str                  # "onnxruntime" | "torch" | "tensorrt" (| "ctranslate2" in comparisons)
+    precision: str               # what the engine computes: torch runs model.pt in fp32
     device: str
     batch_size: int
     beam_size: int
@@ -43,6 +45,7 @@ class BenchResult:
     latency_ms_mean: float
     latency_ms_p50: float
     latency_ms_p90: float
+    latency_ms_per_sentence: float
     peak_rss_mb: float | None
 
 
@@ -77,7 +80,7 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
 
 
 def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
-                  fixed_length: int | None) -> BenchResult:
+                  fixed_length: int | None, precision: str = "fp32") -> BenchResult:
     if fixed_length is not None:
         decoding = decoding.replace(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
     decoding.validate()
@@ -96,11 +99,13 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: 
     seconds = time.perf_counter() - t0
     ms = sorted(x * 1000 for x in latencies)
     return BenchResult(
-        backend=backend.name, device=str(backend.device), batch_size=batch_size, beam_size=decoding.beam_size,
+        backend=backend.name, engine=backend.name, precision=precision, device=str(backend.device),
+        batch_size=batch_size, beam_size=decoding.beam_size,
         sentences=len(sources), target_tokens=tokens, seconds=round(seconds, 3),
         target_tokens_per_s=round(tokens / seconds, 1), sentences_per_s=round(len(sources) / seconds, 2),
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
-        latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2), peak_rss_mb=None,
+        latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
+        latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
     )
 
 
@@ -113,7 +118,8 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
-            r = bench_backend(backend, sources, bs, decoding, fixed_length)
+            precision = "fp32" if name == "torch" else manifest.precision
+            r = bench_backend(backend, sources, bs, decoding, fixed_length, precision)
             r.peak_rss_mb = peak_rss_mb()
             log.info("%s batch %d: %.1f target tokens/s", name, bs, r.target_tokens_per_s)
             results.append(r)

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from pipeline.bench import format_table, run_bench, write_json
+from pipeline.bench_compare import format_comparison, run_comparison
 from pipeline.cli_options import decoding_options
 from pipeline.parity_cli import parse_backends
 from runtime.decoding import DecodingOptions
@@ -14,7 +15,7 @@ from runtime.loader import backend_names
 
 
 @click.command("bench")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
               help="Comma-separated backends to measure (" + ",".join(backend_names()) + ").")
 @click.option("--batch-size", "batch_sizes", multiple=True, type=click.IntRange(1), default=(32,),
@@ -30,14 +31,33 @@ from runtime.loader import backend_names
               help="Length of generated source sentences (tokens, EOS included) when --src is not given.")
 @click.option("--device", default=None, help="cpu or cuda (default: best available).")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--compare", "compare", multiple=True, type=click.Choice(["ctranslate2"]),
+              help="Also map the first MODEL_DIR's weights into this engine (after checking its greedy "
+                   "output is token-identical to ours) and time it in float32 and int8, with ratio "
+                   "columns. Needs the bench extra: pip install -e .[bench].")
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
+              help="With several MODEL_DIRs or --compare: alternating rounds, each measurement in a fresh "
+                   "subprocess (honest peak RSS per engine); rows report medians.")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write results as JSON.")
-def bench(model_dir: Path, backends: str, batch_sizes: tuple[int, ...], decoding: DecodingOptions,
+def bench(model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, ...], decoding: DecodingOptions,
           fixed_length: int | None, src: Path | None, sentences: int, src_len: int, device: str | None,
-          threads: int | None, json_out: Path | None) -> None:
-    """Measure target tokens/s, sentences/s, latency per batch and peak memory per backend."""
-    report = run_bench(model_dir, parse_backends(backends), list(batch_sizes), decoding=decoding,
-                       fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
-                       device=device, threads=threads)
-    click.echo(format_table(report))
+          threads: int | None, json_out: Path | None, compare: tuple[str, ...] = (), rounds: int = 3) -> None:
+    """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
+
+    One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
+    fp32 and int8 exports of one checkpoint) or --compare: one table over every engine and
+    precision, measured alternately in fresh subprocesses, plus batch-1 latency (ms/sentence).
+    """
+    if len(model_dirs) == 1 and not compare:
+        report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
+                           fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
+                           device=device, threads=threads)
+        click.echo(format_table(report))
+    else:
+        report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),
+                                compare=list(compare), beam_size=decoding.beam_size, fixed_length=fixed_length,
+                                src=src, sentences=sentences, src_len=src_len, device=device, threads=threads,
+                                rounds=rounds)
+        click.echo(format_comparison(report))
     if json_out:
         write_json(report, json_out)

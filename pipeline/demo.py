@@ -1,6 +1,6 @@
 """`pipeline demo`: the whole product on the built-in language pair, in minutes on a CPU.
 
-train (built-in synthetic corpus) -> average the last checkpoints -> export fp32 and fp16
+train (built-in synthetic corpus) -> average the last checkpoints -> export fp32, fp16 and int8
 (ONNX graphs verified against PyTorch) -> serve-batch the held-out test file -> parity of
 every backend against the PyTorch model, per precision. Each stage is the same function
 the corresponding command runs; rerunning the demo resumes training (nothing to do once
@@ -29,7 +29,7 @@ from runtime.loader import load_backend
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 @dataclass
@@ -88,7 +88,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     model_dirs = {p: out / f"model-{p}" for p in PRECISIONS}
     for precision, model_dir in model_dirs.items():
         clock.stage(f"export {precision}", export_model, checkpoint, model_dir, fp16=precision == "fp16",
-                    tensorrt=plan.export_tensorrt, force=True)
+                    int8=precision == "int8", tensorrt=plan.export_tensorrt, force=True)
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"

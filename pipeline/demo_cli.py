@@ -17,7 +17,8 @@ from runtime.loader import backend_names
 
 @click.command("demo")
 @click.option("--out", default=Path("runs/demo"), show_default=True, type=click.Path(file_okay=False, path_type=Path),
-              help="Working directory: train/ (save dir), model-fp32/, model-fp16/, test.hyp, parity-*.json.")
+              help="Working directory: train/ (save dir), model-fp32/, model-fp16/, model-int8/, test.hyp, "
+                   "parity-*.json.")
 @click.option("--preset", type=click.Choice(list(PRESETS)), default=None,
               help="Model size [default: the built-in default, demo].")
 @click.option("--max-steps", type=click.IntRange(1), default=None,
@@ -34,7 +35,7 @@ from runtime.loader import backend_names
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
          backends: str | None, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
-    """Train on the built-in made-up language pair, export fp32 and fp16, translate the test
+    """Train on the built-in made-up language pair, export fp32, fp16 and int8, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
     Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
     wanted = tuple(parse_backends(backends)) if backends else None

@@ -18,6 +18,15 @@ from model.manifest import Manifest
 @click.option("--fp16", is_flag=True,
               help="Half-precision graphs (fp16 weights, matmuls and caches; LayerNorm, softmax and "
                    "log-softmax stay fp32). TensorRT builds them strongly typed.")
+@click.option("--int8", is_flag=True,
+              help="int8 weights for every linear layer and the tied embedding/projection (symmetric, "
+                   "per output channel, as DequantizeLinear -> MatMul: ONNX Runtime runs int8 GEMMs, "
+                   "TensorRT parses it); activations, LayerNorm and softmax stay fp32. Verified "
+                   "against the fp32 PyTorch model within --int8-atol.")
+@click.option("--int8-flavour", type=click.Choice(["qdq", "ort-dynamic"]), default="qdq", show_default=True,
+              help="With --int8: qdq (standard DequantizeLinear -> MatMul; ONNX Runtime fuses it into "
+                   "int8 GEMMs, TensorRT parses it) or ort-dynamic (ONNX Runtime's quantize_dynamic, "
+                   "MatMulInteger: CPU ONNX Runtime only, no TensorRT engines).")
 @click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
               help="ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
 @click.option("--topk", default=api.DEFAULTS["topk"], show_default=True, type=int,
@@ -40,6 +49,9 @@ from model.manifest import Manifest
 @click.option("--fp16-atol", default=verify.FP16_ATOL, show_default=True, type=float,
               help="fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half vs fp32), plus "
                    f"{verify.FP16_RTOL:g} x |log-prob| (unlikely candidates carry larger fp16 errors).")
+@click.option("--int8-atol", default=verify.INT8_ATOL, show_default=True, type=float,
+              help="int8 verification bound on log-prob abs differences (ONNX Runtime int8 vs PyTorch "
+                   f"fp32), plus {verify.INT8_RTOL:g} x |log-prob|.")
 @click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
               type=float, help="TensorRT builder workspace limit in GiB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
@@ -47,7 +59,8 @@ from model.manifest import Manifest
                    "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).")
 def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
            max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
-           atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None) -> None:
+           atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
+           int8: bool = False, int8_atol: float = verify.INT8_ATOL, int8_flavour: str = "qdq") -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
@@ -55,7 +68,7 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
         checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
         max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
         force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
-        timing_cache=timing_cache)
+        timing_cache=timing_cache, int8=int8, int8_atol=int8_atol, int8_flavour=int8_flavour)
     if manifest.tensorrt_skipped:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(out, manifest))

@@ -47,6 +47,8 @@ class Gate:
 DEFAULT_GATES = {
     "fp32": Gate(min_identical=0.99, max_bleu_delta=0.1),
     "fp16": Gate(min_identical=None, max_bleu_delta=0.5),
+    # int8 weights change some beams by design; published int8 cost is well under 1 BLEU.
+    "int8": Gate(min_identical=None, max_bleu_delta=0.5),
 }
 
 

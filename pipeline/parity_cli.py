@@ -41,19 +41,26 @@ def parse_backends(value: str) -> list[str]:
               type=float, help="fp16 gate: largest |BLEU(backend) - BLEU(torch)|.")
 @click.option("--fp16-min-identical", default=None, type=float,
               help="fp16 gate: least share of token-identical sentences (default: not gated).")
+@click.option("--int8-max-bleu-delta", default=DEFAULT_GATES["int8"].max_bleu_delta, show_default=True,
+              type=float, help="int8 gate: largest |BLEU(backend) - BLEU(torch fp32)|.")
+@click.option("--int8-min-identical", default=None, type=float,
+              help="int8 gate: least share of token-identical sentences (default: not gated).")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write the report as JSON.")
 @click.option("--save-hyps", default=None, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Write each backend's translation of SRC, line-aligned, to DIR/<backend>.<precision>.txt "
                    "(what serve-batch writes with the same options).")
 def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: DecodingOptions, device: str | None,
            threads: int | None, min_identical: float, max_bleu_delta: float, fp16_max_bleu_delta: float,
-           fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None) -> None:
+           fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None,
+           int8_max_bleu_delta: float = DEFAULT_GATES["int8"].max_bleu_delta,
+           int8_min_identical: float | None = None) -> None:
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Each backend translates SRC exactly as
     serve-batch does (blank lines stay blank, long lines are truncated). Exits 1 when a
     backend misses its gate."""
-    gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta)}
+    gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
+             "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
     report = run_parity(model_dir, src, ref, parse_backends(backends), opts=ServeOptions(decoding=decoding),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps)
     click.echo(format_table(report))

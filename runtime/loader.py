@@ -70,6 +70,9 @@ def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
         return torch.float16
     if precision == "fp16":
         log.warning("fp16 asked for on %s: running the PyTorch model in fp32", device)
+    if precision == "int8":
+        log.warning("int8 model dir on the torch backend: running the fp32 weights of %s "
+                    "(the int8 weights are in the ONNX graphs)", CHECKPOINT_FILE)
     return torch.float32
 
 
@@ -84,6 +87,10 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir, verify=False)  # readable at all?
     name = choose_backend(manifest) if backend == "auto" else backend
+    if name == "tensorrt" and manifest.quantization == "ort-dynamic":
+        raise RuntimeUserError(f"{model_dir}: int8 flavour ort-dynamic (MatMulInteger) runs on ONNX Runtime "
+                               "only; use --backend onnxruntime, or export with the default --int8-flavour qdq "
+                               "for TensorRT")
     manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":

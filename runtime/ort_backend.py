@@ -8,6 +8,10 @@ beam's cache reordering happens inside the graph (`reorder`).
 Session options: full graph optimisation and, by default, no intra-op thread spinning:
 with several sessions (or processes) sharing few cores, spinning threads steal the
 cores the working ones need (measured 10-25% faster without it on 2 cores).
+
+int8 model dirs (int8 QDQ weights): ONNX Runtime fuses DequantizeLinear -> MatMul into
+MatMulNBits at load; accuracy level 4 makes it quantize activations and run int8 GEMMs
+(VNNI / AMX where present) instead of dequantizing the weights to fp32 every step.
 """
 
 from __future__ import annotations
@@ -39,6 +43,14 @@ CPU_EP = "CPUExecutionProvider"
 _ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
               "tensor(int64)": torch.int64}
 _NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+# Same values as export.quantize.ORT_SESSION_CONFIG (runtime does not import export;
+# tests/test_int8.py checks that they agree).
+INT8_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "4"}
+
+
+def session_config(manifest: Manifest) -> dict[str, str]:
+    """Session config entries the model dir's precision needs."""
+    return dict(INT8_SESSION_CONFIG) if manifest.precision == "int8" else {}
 
 
 def import_onnxruntime() -> ModuleType:
@@ -87,6 +99,8 @@ class OrtBackend(ExportedGraphBackend):
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         opts.log_severity_level = 3
+        for key, value in session_config(manifest).items():
+            opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
         self.encoder = ort.InferenceSession(str(model_dir / io_names.ENCODER_FILE), opts,

@@ -21,11 +21,12 @@ def test_demo_runs_every_stage(tmp_path, capsys):
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     for name in ("model-fp32/encoder.onnx", "model-fp32/decoder.onnx", "model-fp16/decoder.onnx",
-                 "model-fp32/manifest.json", "train/averaged.pt", "parity-fp32.json", "parity-fp16.json"):
+                 "model-fp32/manifest.json", "train/averaged.pt", "parity-fp32.json", "parity-fp16.json",
+                 "model-int8/decoder.onnx", "parity-int8.json"):
         assert (out / name).is_file(), name
     test_lines = (out / "train" / "data" / "test.src").read_text().count("\n")
     assert (out / "test.hyp").read_text().count("\n") == test_lines > 0
-    for precision in ("fp32", "fp16"):
+    for precision in ("fp32", "fp16", "int8"):
         report = json.loads((out / f"parity-{precision}.json").read_text())
         assert report["passed"] and report["sentences"] == test_lines
         assert [r["backend"] for r in report["results"]] == ["torch", "onnxruntime"]

@@ -1,4 +1,4 @@
-"""`pipeline parity` and `pipeline bench` on a tiny trained model exported to ONNX (fp32, fp16)."""
+"""`pipeline parity` and `pipeline bench` on a tiny trained model exported to ONNX (fp32, fp16, int8)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,10 @@ EXPORT_LIMITS = dict(max_batch=16, max_src_len=64, max_tgt_len=80)
 def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for precision in ("fp32", "fp16"):
+    for precision in ("fp32", "fp16", "int8"):
         out[precision] = root / precision
-        export_model(trained_save_dir, out[precision], fp16=precision == "fp16", tensorrt=False, **EXPORT_LIMITS)
+        export_model(trained_save_dir, out[precision], fp16=precision == "fp16", int8=precision == "int8",
+                     tensorrt=False, **EXPORT_LIMITS)
     return out
 
 
@@ -55,7 +56,7 @@ def test_gate_logic():
     assert r2.passed
 
 
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tmp_path):
     src, ref = test_files
     report = run_parity(model_dirs[precision], src, ref, ["torch", "onnxruntime"])
@@ -139,3 +140,38 @@ def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files,
     data = json.loads(report.read_text())
     assert data["sentences"] == len(src_lines)
     assert [r["identical"] for r in data["results"]] == [1.0, 1.0]
+
+
+def test_int8_gate_is_bleu_only_and_configurable(model_dirs, test_files, capsys):
+    assert DEFAULT_GATES["int8"].min_identical is None and DEFAULT_GATES["int8"].max_bleu_delta == 0.5
+    src, ref = test_files
+    # A gate no backend can meet (|dBLEU| <= -1) must fail: the option reaches the int8 gate.
+    assert run_cli("parity", model_dirs["int8"], "--src", src, "--ref", ref, "--backends", "onnxruntime",
+                   "--int8-max-bleu-delta", -1) == 1
+    out = capsys.readouterr().out
+    assert "int8" in out and "FAIL: |dBLEU|" in out
+
+
+def test_bench_rows_carry_engine_precision_and_latency(model_dirs):
+    report = run_bench(model_dirs["int8"], ["torch", "onnxruntime"], [4], decoding=PAPER.replace(beam_size=2),
+                       fixed_length=3, sentences=4, src_len=5)
+    rows = {(r["engine"], r["precision"]): r for r in report["results"]}
+    assert set(rows) == {("torch", "fp32"), ("onnxruntime", "int8")}
+    assert all(r["latency_ms_per_sentence"] > 0 for r in rows.values())
+
+
+def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "cmp.json"
+    code = run_cli("bench", model_dirs["fp32"], model_dirs["int8"], "--backends", "onnxruntime",
+                   "--compare", "ctranslate2", "--batch-size", 4, "--beam-size", 2, "--fixed-length", 3,
+                   "--sentences", 4, "--threads", 1, "--rounds", 1, "--json", out)
+    assert code == 0
+    report = json.loads(out.read_text())
+    rows = [(r["engine"], r["precision"], r["batch_size"]) for r in report["results"]]
+    engines = [("onnxruntime", "fp32"), ("onnxruntime", "int8"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")]
+    assert rows == [(e, p, 4) for e, p in engines] + [(e, p, 1) for e, p in engines]
+    assert report["ctranslate2_greedy_agreement"] == "4/4"
+    for r in report["results"]:
+        assert r["target_tokens"] == r["sentences"] * 3 and r["peak_rss_mb"] > 0
+        assert r["target_tokens_per_s"] > 0 and r["latency_ms_per_sentence"] > 0

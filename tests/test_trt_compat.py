@@ -18,11 +18,11 @@ HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stub
 LIMITS = tensorrt_build.Limits(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["fp32", "fp16"])
+@pytest.fixture(scope="module", params=["fp32", "fp16", "int8"])
 def model_dir(request, tmp_path_factory, random_checkpoint) -> Path:
     out = tmp_path_factory.mktemp("trt") / "m"
-    api.export_model(random_checkpoint, out, fp16=request.param, tensorrt=False, max_batch=4,
-                     max_src_len=32, max_tgt_len=40, max_beam=2)
+    api.export_model(random_checkpoint, out, fp16=request.param == "fp16", int8=request.param == "int8",
+                     tensorrt=False, max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
     return out
 
 
@@ -39,6 +39,11 @@ def test_graphs_are_parser_clean(model_dir, graph):
     assert {o.domain: o.version for o in proto.opset_import}[""] >= 17
     for value in proto.graph.input:
         assert value.type.tensor_type.HasField("shape") and value.type.tensor_type.shape.dim
+    if read_manifest(model_dir)["precision"] == "int8":  # weights as TensorRT takes them: int8, zero-point 0
+        inits = {i.name: i for i in proto.graph.initializer}
+        dqs = [n for n in nodes if n.op_type == "DequantizeLinear"]
+        assert dqs and all(inits[n.input[0]].data_type == TensorProto.INT8 for n in dqs)
+        assert all(not onnx.numpy_helper.to_array(inits[n.input[2]]).any() for n in dqs)
     if graph == io_names.DECODER_FILE:
         consts = {i.name for i in proto.graph.initializer}
         topk = [n for n in proto.graph.node if n.op_type == "TopK"]

@@ -1,0 +1,206 @@
+"""int8 weights for the exported fp32 graphs, as standard ONNX QDQ (`pipeline export --int8`).
+
+Every linear layer (a MatMul whose B is a constant, and the tied output projection, a
+Gemm with transB) gets an int8 weight initializer, symmetric (zero-point 0), with one
+float scale per output channel, read through `DequantizeLinear(axis = output channel)`
+into the unchanged MatMul. That is the form TensorRT's parser takes (int8 QDQ weights,
+zero-point 0) and the one ONNX Runtime (>= 1.20; checked on 1.31) fuses into its 8-bit
+MatMulNBits kernel at load time (`session.qdq_matmulnbits_accuracy_level` 4: int8
+compute with VNNI). LayerNorm, softmax and log-softmax are untouched and stay fp32.
+
+The tied embedding / pre-softmax weight E (vocab, d_model): the projection needs it as
+B = E^T (d_model, vocab) with one scale per vocab entry. The embedding lookup reads the
+same int8 values and scales, stored row-major (Gather rows, Cast, times the gathered
+per-row scales), so embedding and projection still share one quantized weight. It is
+held twice (as E^T and E, int8) because ONNX Runtime fuses a DequantizeLinear into
+MatMulNBits only when its int8 weight and scales have no other consumer (measured on 1.31:
+a shared one stays an unfused DequantizeLinear of the whole table every step); two
+int8 copies are still half the fp32 table. An embedding with no projection (the
+encoder's) is quantized per row the same way.
+
+Written with onnx.helper and numpy only, so the transformation can be read and tested.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
+QDQ = "qdq"  # manifest "quantization": int8 QDQ weights, fp32 activations (TensorRT-parseable)
+# ONNX Runtime's quantize_dynamic (MatMulInteger): CPU ONNX Runtime only, TensorRT rejects it.
+ORT_DYNAMIC = "ort-dynamic"
+FLAVOURS = (QDQ, ORT_DYNAMIC)
+# What ONNX Runtime needs to run QDQ weights as int8 GEMMs (VNNI); export's verification and
+# runtime/ort_backend.py (which may not import export) both use these values.
+ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "4"}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """Names of an int8 (K, N) weight, its per-column (N,) scales and zero-points."""
+
+    q: str
+    scale: str
+    zero_point: str
+
+
+def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 q, float32 scale) with w ~= q * scale[None, :]: one scale per column (axis 1)."""
+    amax = np.abs(w.astype(np.float32)).max(axis=0)
+    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
+    return q, scale
+
+
+class _Rewriter:
+    """One pass over a graph: replaces float weights by int8 + DequantizeLinear."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model = model
+        self.graph = model.graph
+        self.inits = {i.name: i for i in self.graph.initializer}
+        self.done: dict[str, QuantizedWeight] = {}  # float initializer -> its int8 (K, N) form
+        self.values: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # ... and its (q, scale) arrays
+        self.new_inits: list[TensorProto] = []
+        self.counter = 0
+
+    def _name(self, base: str) -> str:
+        self.counter += 1
+        return f"{base}_q{self.counter}"
+
+    def _float_matrix(self, name: str) -> np.ndarray | None:
+        init = self.inits.get(name)
+        if init is None or init.data_type != TensorProto.FLOAT or len(init.dims) != 2:
+            return None
+        return numpy_helper.to_array(init)
+
+    def _quantized(self, name: str, kn: np.ndarray) -> QuantizedWeight:
+        """The int8 (K, N) form of initializer `name` (given as its (K, N) float matrix), made once."""
+        if name not in self.done:
+            q, scale = quantize_columns(kn)
+            qw = QuantizedWeight(f"{name}_int8", f"{name}_scale", f"{name}_zero_point")
+            self.new_inits += [numpy_helper.from_array(q, qw.q), numpy_helper.from_array(scale, qw.scale),
+                               numpy_helper.from_array(np.zeros_like(q[0]), qw.zero_point)]
+            self.done[name] = qw
+            self.values[name] = q, scale
+        return self.done[name]
+
+    def _dequantize(self, qw: QuantizedWeight) -> tuple[onnx.NodeProto, str]:
+        out = self._name(f"{qw.q}_dq")
+        return helper.make_node("DequantizeLinear", [qw.q, qw.scale, qw.zero_point], [out], axis=1,
+                                name=out), out
+
+    def rewrite(self) -> None:
+        nodes: list[onnx.NodeProto] = []
+        # Projections first, so a table shared with an embedding is already in its (K, N) form.
+        projections = [n for n in self.graph.node if self._is_linear(n)]
+        for node in self.graph.node:
+            if node in projections:
+                nodes += self._linear(node)
+            elif self._is_embedding(node):
+                nodes += self._embedding(node)
+            else:
+                nodes.append(node)
+        del self.graph.node[:]
+        self.graph.node.extend(nodes)
+        used = {i for n in nodes for i in n.input}
+        kept = [i for i in self.graph.initializer if i.name in used]
+        del self.graph.initializer[:]
+        self.graph.initializer.extend(kept + self.new_inits)
+
+    def _is_linear(self, node: onnx.NodeProto) -> bool:
+        if node.op_type == "MatMul":
+            return self._float_matrix(node.input[1]) is not None
+        if node.op_type == "Gemm":
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            return (attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+                    and self._float_matrix(node.input[1]) is not None
+                    and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 0.0))
+        return False
+
+    def _linear(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        w = self._float_matrix(node.input[1])
+        assert w is not None
+        if node.op_type == "Gemm":
+            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
+            w = w.T if transb else w
+        dq, deq = self._dequantize(self._quantized(node.input[1], w))
+        # A Gemm without bias is a MatMul; MatMul is what ORT's DQ fusion matches.
+        matmul = helper.make_node("MatMul", [node.input[0], deq], list(node.output), name=node.name)
+        return [dq, matmul]
+
+    def _is_embedding(self, node: onnx.NodeProto) -> bool:
+        axis = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("axis", 0)
+        return (node.op_type == "Gather" and axis == 0 and self._float_matrix(node.input[0]) is not None
+                and node.input[1] not in self.inits)
+
+    def _embedding(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """table[ids] from int8 rows: Gather rows and their scales, Cast, multiply."""
+        table, ids = node.input[0], node.input[1]
+        if table not in self.values:  # no projection shares it: quantize per row
+            matrix = self._float_matrix(table)
+            assert matrix is not None
+            self._quantized(table, matrix.T)
+        q, scale = self.values[table]
+        q_rows, row_scale = f"{table}_int8_rows", f"{table}_row_scale"
+        if q_rows not in {i.name for i in self.new_inits}:
+            self.new_inits += [numpy_helper.from_array(np.ascontiguousarray(q.T), q_rows),
+                               numpy_helper.from_array(scale, row_scale)]
+        rows, values, scales, unsq, axes = (self._name(f"{node.name}_{s}") for s in
+                                            ("rows", "float", "scales", "scale_col", "axes"))
+        self.new_inits.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), axes))
+        return [
+            helper.make_node("Gather", [q_rows, ids], [rows], axis=0, name=rows),  # (*ids, d)
+            helper.make_node("Cast", [rows], [values], to=TensorProto.FLOAT, name=values),
+            helper.make_node("Gather", [row_scale, ids], [scales], axis=0, name=scales),  # (*ids)
+            helper.make_node("Unsqueeze", [scales, axes], [unsq], name=unsq),
+            helper.make_node("Mul", [values, unsq], list(node.output), name=node.name),
+        ]
+
+
+def quantize_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` with int8 QDQ weights for every linear layer and embedding (changed in place)."""
+    _Rewriter(model).rewrite()
+    return model
+
+
+def quantize_file(path: str, out: str | None = None) -> onnx.ModelProto:
+    """Quantize the ONNX file at `path`, writing it to `out` (default: in place)."""
+    model = quantize_model(onnx.load(path))
+    onnx.save(model, out or path)
+    return model
+
+
+def untie_projection(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give each bias-free Gemm (the tied output projection) its own (K, N) MatMul weight, so
+    a quantizer that rewrites initializers cannot change the embedding table it shares."""
+    inits = {i.name: i for i in model.graph.initializer}
+    rewriter = _Rewriter(model)
+    for i, node in enumerate(model.graph.node):
+        if node.op_type == "Gemm" and rewriter._is_linear(node):
+            w = numpy_helper.to_array(inits[node.input[1]])
+            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
+            name = f"{node.input[1]}_kn"
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T if transb else w), name))
+            model.graph.node[i].CopyFrom(helper.make_node("MatMul", [node.input[0], name], list(node.output),
+                                                          name=node.name))
+    return model
+
+
+def quantize_file_ort_dynamic(path: str) -> None:
+    """ONNX Runtime's own dynamic quantization, in place (the CPU-only "ort-dynamic" flavour):
+    int8 per-channel weights, activations quantized at run time (DynamicQuantizeLinear ->
+    MatMulInteger). Only weight MatMuls are quantized; the embedding Gather stays fp32."""
+    import tempfile
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic  # type: ignore[import-untyped]
+
+    with tempfile.TemporaryDirectory(prefix="ort-dynamic-") as tmp:
+        untied = f"{tmp}/untied.onnx"
+        onnx.save(untie_projection(onnx.load(path)), untied)
+        quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul"])

@@ -1,0 +1,178 @@
+"""`pipeline bench DIR [DIR...] [--compare ctranslate2]`: one table over engines and precisions.
+
+Every measurement (engine, precision, batch size) runs in a fresh spawned subprocess, so
+its peak RSS (VmHWM) is that engine's alone: in one process the counter cannot separate
+engines (freed memory is not returned, libraries stay mapped). The whole set is repeated
+`rounds` times in a rotating order, so engines alternate on a shared machine and drift
+hits all of them alike; each row reports the median over rounds (peak RSS: the largest).
+Every subprocess gets the same source ids and the same thread count, and imports the same
+modules (torch included: our runtime binds torch tensors), so the RSS baseline is common
+to all rows and the differences are the engines' own.
+
+CTranslate2 gets the weights of the first model dir's model.pt (the fp32 checkpoint every
+export carries), converted once; its greedy output must be token-identical to our
+PyTorch model's before anything is timed. float32 and int8 (compute_type, quantized at
+load with per-row scales) are both measured.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import multiprocessing
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.checkpoint import load_model
+from model.manifest import CHECKPOINT_FILE, read_manifest
+from pipeline import ctranslate2_compare
+from pipeline.bench import bench_backend, make_sources, peak_rss_mb
+from pipeline.errors import UserError
+from runtime.decoding import PAPER
+from runtime.loader import load_backend
+from runtime.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+AGREEMENT_SENTENCES = 16
+LATENCY_SENTENCES = 16  # batch 1, beam 4: ms per sentence
+
+
+def _measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One measurement in this (fresh) process; returns a results row."""
+    if job["threads"]:
+        torch.set_num_threads(job["threads"])
+    sources = job["sources"]
+    if job["engine"] == "ctranslate2":
+        translator = ctranslate2_compare.open_translator(Path(job["ct2_dir"]), job["threads"] or 0,
+                                                         ctranslate2_compare.COMPUTE_TYPES[job["precision"]])
+        row = ctranslate2_compare.bench_translator(translator, job["pieces"], job["batch_size"],
+                                                   job["beam_size"], job["fixed_length"])
+        device = "cpu"
+    else:
+        backend, _, _ = load_backend(job["model_dir"], backend=job["engine"], device=job["device"],
+                                     threads=job["threads"])
+        r = bench_backend(backend, sources, job["batch_size"], PAPER.replace(beam_size=job["beam_size"]),
+                          job["fixed_length"], job["precision"])
+        row = {"target_tokens": r.target_tokens, "seconds": r.seconds,
+               "target_tokens_per_s": r.target_tokens_per_s, "sentences_per_s": r.sentences_per_s,
+               "latency_ms_mean": r.latency_ms_mean, "latency_ms_per_sentence": r.latency_ms_per_sentence}
+        device = str(backend.device)
+    return {**row, "peak_rss_mb": peak_rss_mb(), "device": device}
+
+
+def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_dir: Path | None,
+          common: dict[str, Any]) -> list[dict[str, Any]]:
+    jobs: list[dict[str, Any]] = []
+    for model_dir in model_dirs:
+        manifest = read_manifest(model_dir, verify=False)
+        for engine in engines:
+            if engine == "torch" and any(j["engine"] == "torch" for j in jobs):
+                continue  # torch runs model.pt (fp32) whatever the dir: once is enough
+            ours = engine != "torch"
+            jobs.append({**common, "engine": engine, "model_dir": str(model_dir),
+                         "precision": manifest.precision if ours else "fp32",
+                         "quantization": manifest.quantization if ours else None})
+    if "ctranslate2" in compare:
+        for precision in ctranslate2_compare.COMPUTE_TYPES:
+            jobs.append({**common, "engine": "ctranslate2", "ct2_dir": str(ct2_dir),
+                         "model_dir": str(model_dirs[0]), "precision": precision,
+                         "quantization": "ctranslate2" if precision == "int8" else None})
+    return jobs
+
+
+def _check_same_model(model: Any, tokenizer: Tokenizer, ct2_dir: Path, sources: list[list[int]],
+                      threads: int | None) -> str:
+    translator = ctranslate2_compare.open_translator(ct2_dir, threads or 0)
+    check = sources[:AGREEMENT_SENTENCES]
+    agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check)
+    if agree != len(check):
+        raise UserError(f"CTranslate2's greedy output differs from our PyTorch model on "
+                        f"{len(check) - agree}/{len(check)} sentences: the weight mapping does not "
+                        "reproduce this model, so the comparison would not be of the same model")
+    return f"{agree}/{len(check)}"
+
+
+def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list[int], *,
+                   compare: tuple[str, ...] | list[str] = (), beam_size: int = 4, fixed_length: int | None = None,
+                   src: Path | None = None, sentences: int = 256, src_len: int = 20,
+                   device: str | None = None, threads: int | None = None, rounds: int = 3,
+                   latency: bool = True) -> dict[str, Any]:
+    """Bench every (model dir, engine) and the compared engines; one row per engine and precision."""
+    model_dirs = [Path(d) for d in model_dirs]
+    model, spm_bytes, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
+    tokenizer = Tokenizer(spm_bytes)
+    sources = make_sources(tokenizer, src, sentences, src_len, model.cfg.max_positions)
+    pieces = [[tokenizer.sp.id_to_piece(i) for i in s] for s in sources]
+    report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": model.cfg.to_dict(),
+                              "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
+                              "peak_rss": "VmHWM of a fresh subprocess per measurement"}
+    with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
+        ct2_dir = None
+        if "ctranslate2" in compare:
+            ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
+            report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
+                                                                       threads)
+        settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
+        if latency:
+            settings.append((1, beam_size, sources[:LATENCY_SENTENCES], pieces[:LATENCY_SENTENCES]))
+        jobs: list[dict[str, Any]] = []
+        for bs, beam, srcs, pcs in settings:
+            common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
+                      "device": device, "sources": srcs, "pieces": pcs}
+            jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common)
+        measured: list[list[dict[str, Any]]] = [[] for _ in jobs]
+        ctx = multiprocessing.get_context("spawn")
+        for r in range(rounds):
+            order = [(i + r) % len(jobs) for i in range(len(jobs))]  # rotate: engines alternate
+            for i in order:
+                with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
+                    measured[i].append(pool.submit(_measure, jobs[i]).result())
+                log.info("round %d: %s %s batch %d: %.1f target tokens/s", r + 1, jobs[i]["engine"],
+                         jobs[i]["precision"], jobs[i]["batch_size"], measured[i][-1]["target_tokens_per_s"])
+    report["results"] = [_row(job, runs) for job, runs in zip(jobs, measured)]
+    report["host"] = {"cpu_count": os.cpu_count(), "torch": torch.__version__}
+    return report
+
+
+def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return round(statistics.median(r[key] for r in runs), 2)
+
+    rss = [r["peak_rss_mb"] for r in runs if r["peak_rss_mb"] is not None]
+    return {"engine": job["engine"], "precision": job["precision"], "quantization": job["quantization"],
+            "model_dir": job["model_dir"],
+            "device": runs[0]["device"], "batch_size": job["batch_size"], "beam_size": job["beam_size"],
+            "sentences": len(job["sources"]), "target_tokens": runs[0]["target_tokens"],
+            "target_tokens_per_s": med("target_tokens_per_s"), "sentences_per_s": med("sentences_per_s"),
+            "latency_ms_mean": med("latency_ms_mean"), "latency_ms_per_sentence": med("latency_ms_per_sentence"),
+            "peak_rss_mb": round(max(rss), 1) if rss else None,
+            "rounds_target_tokens_per_s": [r["target_tokens_per_s"] for r in runs]}
+
+
+def format_comparison(report: dict[str, Any]) -> str:
+    """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch."""
+    head = (f"{'engine':<12} {'prec':<5} {'quant':<11} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'ms/sent':>8} "
+            f"{'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
+    lines = [head, "-" * len(head)]
+    results = report["results"]
+    for r in results:
+        ct2 = {x["precision"]: x["target_tokens_per_s"] for x in results
+               if x["engine"] == "ctranslate2" and x["batch_size"] == r["batch_size"]}
+        ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
+                  for p in ("fp32", "int8")]
+        peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
+                     f"{r['batch_size']:>5} {r['beam_size']:>4} "
+                     f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
+                     + " ".join(ratios))
+    if "ctranslate2_greedy_agreement" in report:
+        lines.append(f"CTranslate2 greedy output token-identical to PyTorch on "
+                     f"{report['ctranslate2_greedy_agreement']} sentences; medians of {report['rounds']} "
+                     "alternating rounds; peak RSS per fresh subprocess")
+    return "\n".join(lines)

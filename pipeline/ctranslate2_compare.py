@@ -1,0 +1,149 @@
+"""The same weights in CTranslate2, for `pipeline bench --compare ctranslate2`.
+
+Maps a model's weights to a CTranslate2 TransformerSpec (post-norm, shared embeddings,
+our sinusoidal table), proves the mapping by token-identical greedy output against our
+PyTorch model, and times CTranslate2's translate_batch on the same sources. CTranslate2
+is the optional `bench` extra (`pip install -e .[bench]`), imported only here and lazily.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.errors import UserError
+from runtime.search import greedy_search
+from runtime.tokenizer import Tokenizer
+from runtime.torch_backend import TorchBackend
+from runtime.translate import pad_batch
+
+# Our precision names -> CTranslate2 compute types (int8 GEMMs with per-row weight scales).
+COMPUTE_TYPES = {"fp32": "float32", "int8": "int8"}
+
+
+def import_ctranslate2() -> Any:
+    try:
+        import ctranslate2  # type: ignore[import-untyped]
+    except ImportError:
+        raise UserError("--compare ctranslate2 needs CTranslate2: `pip install -e .[bench]` "
+                        "(or `pip install ctranslate2`)") from None
+    return ctranslate2
+
+
+def to_ct2_spec(model: Any, tokenizer: Tokenizer) -> Any:
+    """A CTranslate2 TransformerSpec holding `model`'s fp32 weights."""
+    from ctranslate2.specs import transformer_spec  # type: ignore[import-untyped]
+
+    cfg = model.cfg
+    spec = transformer_spec.TransformerSpec.from_config(
+        (cfg.n_enc_layers, cfg.n_dec_layers), cfg.n_heads, pre_norm=False, no_final_norm=True)
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    pe = model.pe.float().numpy()
+
+    def linear(s: Any, name: str) -> None:
+        s.weight, s.bias = sd[f"{name}.weight"], sd[f"{name}.bias"]
+
+    def fused(s: Any, names: list[str]) -> None:
+        s.weight = np.concatenate([sd[f"{n}.weight"] for n in names])
+        s.bias = np.concatenate([sd[f"{n}.bias"] for n in names])
+
+    def norm(s: Any, name: str) -> None:
+        s.gamma, s.beta = sd[f"{name}.weight"], sd[f"{name}.bias"]
+
+    def ffn(s: Any, name: str, ln: str) -> None:
+        linear(s.linear_0, f"{name}.w1")
+        linear(s.linear_1, f"{name}.w2")
+        norm(s.layer_norm, ln)
+
+    emb = sd["embed.weight"]
+    spec.encoder.embeddings[0].weight = emb
+    spec.encoder.position_encodings.encodings = pe
+    for i, layer in enumerate(spec.encoder.layer):
+        p = f"encoder.{i}"
+        fused(layer.self_attention.linear[0], [f"{p}.self_attn.{x}_proj" for x in "qkv"])
+        linear(layer.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        norm(layer.self_attention.layer_norm, f"{p}.res_attn.norm")
+        ffn(layer.ffn, f"{p}.ffn", f"{p}.res_ffn.norm")
+    spec.decoder.embeddings.weight = emb
+    spec.decoder.position_encodings.encodings = pe
+    spec.decoder.projection.weight = emb
+    spec.decoder.projection.bias = np.zeros(emb.shape[0], dtype=np.float32)
+    for i, layer in enumerate(spec.decoder.layer):
+        p = f"decoder.{i}"
+        fused(layer.self_attention.linear[0], [f"{p}.self_attn.{x}_proj" for x in "qkv"])
+        linear(layer.self_attention.linear[1], f"{p}.self_attn.out_proj")
+        norm(layer.self_attention.layer_norm, f"{p}.res_self.norm")
+        linear(layer.attention.linear[0], f"{p}.cross_attn.q_proj")
+        fused(layer.attention.linear[1], [f"{p}.cross_attn.{x}_proj" for x in "kv"])
+        linear(layer.attention.linear[2], f"{p}.cross_attn.out_proj")
+        norm(layer.attention.layer_norm, f"{p}.res_cross.norm")
+        ffn(layer.ffn, f"{p}.ffn", f"{p}.res_ffn.norm")
+    vocab = [tokenizer.sp.id_to_piece(i) for i in range(tokenizer.vocab_size)]
+    spec.register_source_vocabulary(vocab)
+    spec.register_target_vocabulary(vocab)
+    spec.config.bos_token = tokenizer.sp.id_to_piece(tokenizer.sp.bos_id())
+    spec.config.eos_token = tokenizer.sp.id_to_piece(tokenizer.sp.eos_id())
+    spec.config.unk_token = tokenizer.sp.id_to_piece(tokenizer.sp.unk_id())
+    spec.config.decoder_start_token = spec.config.bos_token
+    return spec
+
+
+def convert(model: Any, tokenizer: Tokenizer, directory: Path) -> Path:
+    """Write `model` as a CTranslate2 fp32 model dir (int8 is chosen at load: compute_type)."""
+    import_ctranslate2()
+    spec = to_ct2_spec(model, tokenizer)
+    spec.validate()  # as ctranslate2's own converters do: check, then wrap the arrays
+    spec.optimize(quantization=None)
+    directory.mkdir(parents=True, exist_ok=True)
+    spec.save(str(directory))
+    return directory
+
+
+def open_translator(directory: Path, threads: int, compute_type: str = "float32") -> Any:
+    ctranslate2 = import_ctranslate2()
+    return ctranslate2.Translator(str(directory), device="cpu", compute_type=compute_type,
+                                  intra_threads=threads, inter_threads=1)
+
+
+def ct2_translator(model: Any, tokenizer: Tokenizer, directory: Path, threads: int,
+                   compute_type: str = "float32") -> Any:
+    """Convert `model` into `directory` and open it with CTranslate2 on the CPU."""
+    return open_translator(convert(model, tokenizer, directory), threads, compute_type)
+
+
+def greedy_agreement(model: Any, tokenizer: Tokenizer, translator: Any, sources: list[list[int]],
+                     max_len: int = 20) -> int:
+    """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:
+    proof that the benchmark compares the same model."""
+    piece = tokenizer.sp.id_to_piece
+    ours = greedy_search(TorchBackend(model), pad_batch(sources), max_len_a=0.0, max_len_b=max_len)
+    theirs = translator.translate_batch([[piece(i) for i in s] for s in sources], beam_size=1,
+                                        max_decoding_length=max_len)
+    return sum(o[0].tokens == [tokenizer.sp.piece_to_id(p) for p in t.hypotheses[0]]
+               for o, t in zip(ours, theirs))
+
+
+def bench_translator(translator: Any, src_tokens: list[list[str]], batch_size: int, beam_size: int,
+                     fixed_length: int | None) -> dict[str, Any]:
+    """Time translate_batch as bench_backend times our search: one warm-up batch, then all."""
+    opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=0.6)
+    if fixed_length:
+        opts.update(max_decoding_length=fixed_length, min_decoding_length=fixed_length)
+    translator.translate_batch(src_tokens[:batch_size], **opts)
+    latencies, tokens = [], 0
+    t0 = time.perf_counter()
+    for i in range(0, len(src_tokens), batch_size):
+        t = time.perf_counter()
+        out = translator.translate_batch(src_tokens[i: i + batch_size], **opts)
+        latencies.append((time.perf_counter() - t) * 1000)
+        tokens += sum(len(r.hypotheses[0]) for r in out)
+    seconds = time.perf_counter() - t0
+    return {"target_tokens": tokens, "seconds": round(seconds, 3),
+            "target_tokens_per_s": round(tokens / seconds, 1),
+            "sentences_per_s": round(len(src_tokens) / seconds, 2),
+            "latency_ms_mean": round(statistics.fmean(latencies), 2),
+            "latency_ms_per_sentence": round(seconds * 1000 / len(src_tokens), 2)}

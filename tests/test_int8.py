@@ -1,0 +1,172 @@
+"""`pipeline export --int8`: the QDQ graph form, ONNX Runtime's fusion, verification, serving."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import numpy_helper
+
+from export import api, quantize, trt_compat, verify
+from export.errors import ExportError
+from model import io_names
+from model.checkpoint import load_model, resolve_checkpoint
+from model.manifest import CHECKPOINT_FILE, read_manifest
+from runtime import ort_backend
+from runtime.loader import load_backend
+
+LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
+GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory, random_checkpoint):
+    root = tmp_path_factory.mktemp("int8")
+    out = {p: root / p for p in ("fp32", "int8")}
+    api.export_model(random_checkpoint, out["fp32"], tensorrt=False, **LIMITS)
+    api.export_model(random_checkpoint, out["int8"], int8=True, tensorrt=False, **LIMITS)
+    return out
+
+
+def _inits(proto):
+    return {i.name: numpy_helper.to_array(i) for i in proto.graph.initializer}
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_every_linear_layer_reads_int8_qdq_weights(dirs, graph):
+    proto = onnx.load(str(dirs["int8"] / graph))
+    inits = _inits(proto)
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    ops = [n.op_type for n in proto.graph.node]
+    assert "Gemm" not in ops and not {"MatMulInteger", "DynamicQuantizeLinear"} & set(ops)
+    assert {"LayerNormalization", "Softmax"} <= set(ops)
+    dq_matmuls = 0
+    for node in proto.graph.node:
+        if node.op_type != "MatMul":
+            continue
+        assert node.input[1] not in inits, f"{node.name} still multiplies by a float initializer"
+        dq = producers.get(node.input[1])
+        if dq is None or dq.op_type != "DequantizeLinear":
+            continue  # attention: activations times activations
+        dq_matmuls += 1
+        q, scale, zp = (inits[x] for x in dq.input)
+        axis = {a.name: a.i for a in dq.attribute}["axis"]
+        assert q.dtype == np.int8 and q.ndim == 2 and axis == 1  # (K, N): output channel is axis 1
+        assert scale.dtype == np.float32 and scale.shape == (q.shape[1],) and np.all(scale > 0)
+        assert zp.dtype == np.int8 and zp.shape == scale.shape and not zp.any()
+        assert np.abs(q).max() == quantize.QMAX  # each column's largest weight uses the full range
+    cfg = read_manifest(dirs["int8"]).model_config.to_dict()
+    # encoder: q/k/v/out, w1, w2 per layer + each decoder layer's cross K/V projections;
+    # decoder: self q/k/v/out, cross q/out, w1, w2 per layer + the tied output projection.
+    expected = (6 * cfg["n_enc_layers"] + 2 * cfg["n_dec_layers"] if graph == io_names.ENCODER_FILE
+                else 8 * cfg["n_dec_layers"] + 1)
+    assert dq_matmuls == expected
+    gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in inits]
+    assert gathers and all(inits[n.input[0]].dtype != np.float32 or inits[n.input[0]].ndim < 2 for n in gathers)
+    assert (dirs["int8"] / graph).stat().st_size < 0.8 * (dirs["fp32"] / graph).stat().st_size
+
+
+def test_tied_projection_and_embedding_share_the_quantized_weight(dirs):
+    model, _, _ = load_model(dirs["int8"] / CHECKPOINT_FILE)
+    emb = model.embed.weight.detach().numpy()
+    inits = _inits(onnx.load(str(dirs["int8"] / io_names.DECODER_FILE)))
+    q, scale = inits["model.embed.weight_int8"], inits["model.embed.weight_scale"]
+    assert q.shape == emb.T.shape and scale.shape == (emb.shape[0],)  # one scale per vocab entry
+    assert np.all(np.abs(q * scale - emb.T) <= scale / 2 + 1e-7)
+    assert np.array_equal(inits["model.embed.weight_int8_rows"], q.T)
+    assert np.array_equal(inits["model.embed.weight_row_scale"], scale)
+    assert "model.embed.weight" not in inits  # no fp32 copy left
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_onnxruntime_fuses_every_dequantize_into_matmulnbits(dirs, graph, tmp_path):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    for key, value in ort_backend.INT8_SESSION_CONFIG.items():
+        opts.add_session_config_entry(key, value)
+    ort.InferenceSession(str(dirs["int8"] / graph), opts, providers=["CPUExecutionProvider"])
+    before = [n.op_type for n in onnx.load(str(dirs["int8"] / graph)).graph.node]
+    after = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert "DequantizeLinear" not in after
+    assert after.count("MatMulNBits") == before.count("DequantizeLinear") > 0
+
+
+def test_session_options_follow_the_manifest(dirs, caplog):
+    assert quantize.ORT_SESSION_CONFIG == ort_backend.INT8_SESSION_CONFIG
+    backend, tokenizer, manifest = load_backend(dirs["int8"], backend="onnxruntime", threads=1)
+    assert manifest.precision == "int8" and manifest.quantization == quantize.QDQ
+    assert manifest.verification["precision"] == "int8"
+    key = "session.qdq_matmulnbits_accuracy_level"
+    assert backend.decoder.get_session_options().get_session_config_entry(key) == "4"
+    fp32, _, _ = load_backend(dirs["fp32"], backend="onnxruntime", threads=1)
+    with pytest.raises(RuntimeError, match="does not have configuration"):  # fp32: left at ORT's default
+        fp32.decoder.get_session_options().get_session_config_entry(key)
+    with caplog.at_level(logging.WARNING):
+        torch_backend, _, _ = load_backend(dirs["int8"], backend="torch", threads=1)
+    assert "fp32 weights" in caplog.text and torch_backend.name == "torch"
+
+
+def test_int8_graphs_are_tensorrt_parser_clean(dirs):
+    for graph in GRAPHS:
+        assert trt_compat.check_model(onnx.load(str(dirs["int8"] / graph))) == []
+
+
+def test_int8_and_fp16_are_exclusive(random_checkpoint, tmp_path):
+    with pytest.raises(ExportError, match="--int8 and --fp16"):
+        api.export_model(random_checkpoint, tmp_path / "m", int8=True, fp16=True, tensorrt=False)
+
+
+def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_path):
+    """Scales applied along the wrong axis (rows instead of output channels) must fail the
+    int8 verification, while the correct graphs of the same trained model pass it."""
+    out = tmp_path / "int8"
+    manifest = api.export_model(trained_save_dir, out, int8=True, tensorrt=False, **LIMITS)
+    lp = manifest.verification["onnxruntime_int8_vs_torch_fp32"]["max_abs_diff"][io_names.TOPK_LOG_PROBS]
+    assert lp > 0  # int8 is not exact; the export passed, so within atol + rtol * |log-prob|
+    proto = onnx.load(str(out / io_names.DECODER_FILE))
+    inits = {i.name: i for i in proto.graph.initializer}
+    flipped = 0
+    for node in proto.graph.node:
+        if node.op_type == "DequantizeLinear" and len(set(inits[node.input[0]].dims)) == 1:  # square
+            for attr in node.attribute:
+                if attr.name == "axis":
+                    attr.i, flipped = 0, flipped + 1
+    assert flipped
+    bad = tmp_path / "decoder.onnx"
+    onnx.save(proto, str(bad))
+    model, _, _ = load_model(resolve_checkpoint(trained_save_dir))
+    with pytest.raises(ExportError, match="verification failed"):
+        verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16)
+
+
+def test_quantize_columns_round_trip():
+    w = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
+    w[:, 2] = 0.0  # an all-zero column keeps a usable scale
+    q, scale = quantize.quantize_columns(w)
+    assert q.dtype == np.int8 and scale.shape == (5,) and scale[2] == 1.0
+    assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
+    assert torch.equal(torch.from_numpy(np.abs(q).max(axis=0)[[0, 1, 3, 4]]), torch.full((4,), 127, dtype=torch.int8))
+
+
+def test_ort_dynamic_flavour_is_onnxruntime_only(random_checkpoint, tmp_path, caplog):
+    out = tmp_path / "dyn"
+    manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=quantize.ORT_DYNAMIC,
+                                tensorrt=None, **LIMITS)
+    assert manifest.precision == "int8" and manifest.quantization == "ort-dynamic"
+    assert manifest.tensorrt is None and "ONNX Runtime only" in manifest.tensorrt_skipped
+    ops = {n.op_type for n in onnx.load(str(out / io_names.DECODER_FILE)).graph.node}
+    assert "MatMulInteger" in ops and "Gemm" not in ops
+    backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
+    assert backend.name == "onnxruntime"
+    from runtime.errors import RuntimeUserError
+    with pytest.raises(RuntimeUserError, match="ort-dynamic .* ONNX Runtime only"):
+        load_backend(out, backend="tensorrt")
+    with pytest.raises(ExportError, match="TensorRT rejects"):
+        api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=quantize.ORT_DYNAMIC,
+                         tensorrt=True)
