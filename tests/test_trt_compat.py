@@ -39,7 +39,7 @@ def test_graphs_are_parser_clean(model_dir, graph):
     assert {o.domain: o.version for o in proto.opset_import}[""] >= 17
     for value in proto.graph.input:
         assert value.type.tensor_type.HasField("shape") and value.type.tensor_type.shape.dim
-    if read_manifest(model_dir)["precision"] == "int8":  # weights as TensorRT takes them: int8, zero-point 0
+    if read_manifest(model_dir).precision == "int8":  # weights as TensorRT takes them: int8, zero-point 0
         inits = {i.name: i for i in proto.graph.initializer}
         dqs = [n for n in nodes if n.op_type == "DequantizeLinear"]
         assert dqs and all(inits[n.input[0]].data_type == TensorProto.INT8 for n in dqs)
