@@ -55,10 +55,13 @@ class ScriptedBackend:
 
     def step(self, state, tokens, step, cache, reorder):
         assert cache.shape[1] == step, "step index must equal the tokens fed so far"
-        assert tokens.shape[0] == reorder.shape[0] == state.n_rows
+        # One state row per sentence, shared by its consecutive hypothesis rows.
+        assert tokens.shape[0] == reorder.shape[0] and tokens.shape[0] % state.n_rows == 0
+        rows = tokens.shape[0] // state.n_rows
         cache = torch.cat([cache.index_select(0, reorder), tokens[:, None]], dim=1)
         lp = torch.full((tokens.shape[0], VOCAB), float("-inf"))
-        for i, (key, row) in enumerate(zip(state.tensors["table"].tolist(), cache.tolist())):
+        keys = state.tensors["table"].repeat_interleave(rows).tolist()
+        for i, (key, row) in enumerate(zip(keys, cache.tolist())):
             assert row[0] == BOS_ID
             for tok, p in self.tables[key](tuple(row[1:])).items():
                 lp[i, tok] = math.log(p)
