@@ -167,7 +167,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: Tensor, self_k: Tensor, self_v: Tensor, self_bias: Tensor,
                 cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
         """x (N, Tq, d_model); cross_k/cross_v (B, H, S, d_head) with N a multiple of B:
-        rows n*B/N .. (n+1)*B/N - 1 of x belong to sentence n (a beam's hypotheses)."""
+        rows b*N/B .. (b+1)*N/B - 1 of x belong to sentence b (a beam's hypotheses)."""
         x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
         # A sentence's hypotheses share its cross K/V: fold them into the query length
         # (B, rows * Tq, d_model), one matmul per sentence and no per-beam K/V copies.
