@@ -11,8 +11,10 @@ alternative (an `If` that merges a no-cache first step into the decoder) cannot 
 by TensorRT. One graph therefore serves every step with no control flow at all.
 
 Beam search never copies caches through the host: the step takes a `reorder` index and
-gathers the surviving beams' cache rows itself; cross K/V keep fixed rows per hypothesis
-(search selects them once when hypotheses are dropped), so they are never reordered.
+gathers the surviving beams' cache rows itself. Cross K/V and src_bias hold one row per
+sentence (batch), shared by the sentence's hyps / batch hypotheses (a fixed number per
+live sentence; search selects sentences when they finish), so they are never copied
+per beam nor reordered.
 """
 
 from __future__ import annotations
@@ -70,11 +72,12 @@ class DecoderStepGraph(nn.Module):
 
 # Example sizes for tracing: every dynamic dim >= 2 and pairwise distinct, so
 # torch.export neither specialises a dim to 0/1 nor infers a false equality.
+# hyps is a multiple of batch (rows per sentence), as search always feeds.
 EXAMPLE_BATCH = 3
 EXAMPLE_SRC_LEN = 7
-EXAMPLE_HYPS = 5
+EXAMPLE_HYPS = 6
 EXAMPLE_PREV_HYPS = 4
-EXAMPLE_CACHE_LEN = 6
+EXAMPLE_CACHE_LEN = 5
 
 
 def _dtype_of(model: Transformer) -> torch.dtype:
@@ -99,10 +102,10 @@ def decoder_example(model: Transformer) -> tuple[Tensor, ...]:
     step = torch.tensor([EXAMPLE_CACHE_LEN - 1], dtype=torch.int64)
     reorder = torch.randint(0, EXAMPLE_PREV_HYPS, (EXAMPLE_HYPS,), generator=g)
     self_shape = cache_shape(cfg, EXAMPLE_PREV_HYPS, EXAMPLE_CACHE_LEN)
-    cross_shape = (EXAMPLE_HYPS, h, EXAMPLE_SRC_LEN, dh)
+    cross_shape = (EXAMPLE_BATCH, h, EXAMPLE_SRC_LEN, dh)
     self_kv = [torch.randn(self_shape, generator=g).to(dtype) for _ in range(2 * n)]
     cross_kv = [torch.randn(cross_shape, generator=g).to(dtype) for _ in range(2 * n)]
-    src_bias = torch.zeros(EXAMPLE_HYPS, EXAMPLE_SRC_LEN)
+    src_bias = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SRC_LEN)
     return (tokens, step, reorder, *self_kv, *cross_kv, src_bias)
 
 
@@ -114,13 +117,14 @@ def encoder_dynamic_shapes() -> dict[str, Any]:
 
 def decoder_dynamic_shapes(n_layers: int) -> dict[str, Any]:
     """One Dim object per axis name, shared by every input that carries that axis."""
+    batch = Dim(io_names.BATCH, min=1)
     hyps = Dim(io_names.HYPS, min=1)
     prev_hyps = Dim(io_names.PREV_HYPS, min=1)
     cache_len = Dim(io_names.CACHE_LEN, min=1)
     src_len = Dim(io_names.SRC_LEN, min=1)
     cache = {0: prev_hyps, 2: cache_len}
-    cross = {0: hyps, 2: src_len}
-    rest = [cache] * (2 * n_layers) + [cross] * (2 * n_layers) + [{0: hyps, 1: src_len}]
+    cross = {0: batch, 2: src_len}
+    rest = [cache] * (2 * n_layers) + [cross] * (2 * n_layers) + [{0: batch, 1: src_len}]
     return {"tokens": {0: hyps}, "step": None, "reorder": {0: hyps}, "rest": tuple(rest)}
 
 
@@ -140,12 +144,12 @@ def encoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
 def decoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
     cache = [io_names.PREV_HYPS, None, io_names.CACHE_LEN, None]
     new_cache = [io_names.HYPS, None, io_names.NEW_CACHE_LEN, None]
-    cross = [io_names.HYPS, None, io_names.SRC_LEN, None]
+    cross = [io_names.BATCH, None, io_names.SRC_LEN, None]
     axes: dict[str, list[str | int | None]] = {
         io_names.TOKENS: [io_names.HYPS],
         io_names.STEP: [None],
         io_names.REORDER: [io_names.HYPS],
-        io_names.SRC_BIAS: [io_names.HYPS, io_names.SRC_LEN],
+        io_names.SRC_BIAS: [io_names.BATCH, io_names.SRC_LEN],
         io_names.TOPK_LOG_PROBS: [io_names.HYPS, None],
         io_names.TOPK_IDS: [io_names.HYPS, None],
         io_names.EOS_LOG_PROBS: [io_names.HYPS],

@@ -97,9 +97,11 @@ def encoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
 
 def decoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
     """Every dynamic decoder input, with one (min, opt, max) per axis name, so inputs
-    that share an axis (hyps: tokens, reorder, cross K/V, src_bias) get equal ranges."""
+    that share an axis get equal ranges: hyps (tokens, reorder), batch (cross K/V and
+    src_bias, one row per sentence; the same range as the encoder's batch)."""
     h, dh = cfg.n_heads, cfg.d_head
     axis = {
+        io_names.BATCH: (1, _opt(limits.max_batch, (limits.max_batch + 1) // 2), limits.max_batch),
         io_names.HYPS: (1, _opt(limits.max_hyps, (limits.max_hyps + 1) // 2), limits.max_hyps),
         io_names.PREV_HYPS: (1, _opt(limits.max_hyps, (limits.max_hyps + 1) // 2), limits.max_hyps),
         io_names.CACHE_LEN: (1, _opt(limits.max_cache_len, 24), limits.max_cache_len),
@@ -114,13 +116,13 @@ def decoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
     profile: Profile = {
         io_names.TOKENS: shape(io_names.HYPS),
         io_names.REORDER: shape(io_names.HYPS),
-        io_names.SRC_BIAS: shape(io_names.HYPS, io_names.SRC_LEN),
+        io_names.SRC_BIAS: shape(io_names.BATCH, io_names.SRC_LEN),
     }
     for i in range(n):
         for name in (io_names.self_k(i), io_names.self_v(i)):
             profile[name] = shape(io_names.PREV_HYPS, h, io_names.CACHE_LEN, dh)
         for name in (io_names.cross_k(i), io_names.cross_v(i)):
-            profile[name] = shape(io_names.HYPS, h, io_names.SRC_LEN, dh)
+            profile[name] = shape(io_names.BATCH, h, io_names.SRC_LEN, dh)
     return profile
 
 

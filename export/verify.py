@@ -2,8 +2,9 @@
 
 Both sides run the same functions (model.encode/cross_kv/decode_step + select_candidates)
 on a real padded batch, then 10+ beam-like decoding steps: every step gathers the cache
-through `reorder` with repeated rows, one step drops a hypothesis (so hyps != prev_hyps),
-and each engine's own grown caches are fed back, so errors accumulate as in serving.
+through `reorder` with repeated rows, one step drops a finished sentence's hypotheses and
+its cross K/V row (so hyps != prev_hyps), and each engine's own grown caches are fed
+back, so errors accumulate as in serving.
 Candidate log-probs are compared by max abs difference against a tolerance; candidate
 ids only where the gap to the neighbouring candidates exceeds that tolerance (a tie
 within the tolerance may legitimately order either way).
@@ -201,11 +202,11 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
     for name in io_names.encoder_outputs(n):
         _check(report, "encoder", f"{label} encoder output {name}", enc[name], ref_enc[name], None)
 
-    # Each sentence gets BEAM hypotheses with fixed rows: cross K/V and src_bias are
-    # selected once (as search does) and never reordered afterwards.
+    # Each sentence gets BEAM consecutive hypothesis rows that share its one row of cross
+    # K/V and src_bias (as search feeds them); a finished sentence's row is dropped.
     rows = np.repeat(np.arange(src.shape[0]), BEAM)
-    cross = {name: enc[name][rows] for name in io_names.encoder_outputs(n)}
-    ref_cross = {name: ref_enc[name][rows] for name in io_names.encoder_outputs(n)}
+    cross = {name: enc[name] for name in io_names.encoder_outputs(n)}
+    ref_cross = {name: ref_enc[name] for name in io_names.encoder_outputs(n)}
     dummy = cache_inputs(*dummy_slot_cache(cfg, len(rows)))
     cache = {name: t.numpy().astype(cache_dtype) for name, t in dummy.items()}
     ref_cache = {name: v.copy() for name, v in cache.items()}
@@ -226,11 +227,13 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
             for name in (io_names.new_self_k(i), io_names.new_self_v(i)):
                 _check(report, "cache", where + f" {name}", out[name], ref[name], None)
         keep, tokens, reorder = _beam_like_choice(ref, sent, step)
+        live = np.unique(sent, return_index=True)[1]  # each sentence's first row, in order
+        kept_sentences = np.flatnonzero(np.isin(sent[live], sent[keep]))
         sent = sent[keep]
         cache = cache_inputs(*cache_outputs(out, n))
         ref_cache = cache_inputs(*cache_outputs(ref, n))
-        cross = {k: v[keep] for k, v in cross.items()}
-        ref_cross = {k: v[keep] for k, v in ref_cross.items()}
+        cross = {k: v[kept_sentences] for k, v in cross.items()}
+        ref_cross = {k: v[kept_sentences] for k, v in ref_cross.items()}
         report.steps += 1
     return report
 
@@ -239,13 +242,15 @@ def _beam_like_choice(ref: dict[str, np.ndarray], sent: np.ndarray, step: int
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Next (kept rows, tokens, reorder): a deterministic stand-in for beam search.
 
-    `sent` maps each current row to its sentence. Each kept row continues a row of its
-    own sentence: on even steps the sentence's first row (so rows repeat in `reorder`),
-    on odd steps its last row; with the 1st or 2nd candidate by its rank in the
-    sentence. At step 3 the last row is dropped (a finished hypothesis), so the next
-    step has hyps = prev_hyps - 1 and the kept rows' cross K/V are selected.
+    `sent` maps each current row to its sentence (sorted: a sentence's rows are
+    consecutive). Each kept row continues a row of its own sentence: on even steps the
+    sentence's first row (so rows repeat in `reorder`), on odd steps its last row; with
+    the 1st or 2nd candidate by its rank in the sentence. At step 3 the last sentence
+    finishes (its rows are dropped), so the next step has hyps = prev_hyps - BEAM and
+    the kept sentences' cross K/V are selected.
     """
-    keep = np.arange(len(sent) - 1 if step == 3 and len(sent) > 1 else len(sent))
+    finished = step == 3 and len(np.unique(sent)) > 1
+    keep = np.flatnonzero(sent != sent[-1]) if finished else np.arange(len(sent))
     first = {int(s): int(np.flatnonzero(sent == s)[0]) for s in np.unique(sent)}
     last = {int(s): int(np.flatnonzero(sent == s)[-1]) for s in np.unique(sent)}
     pick = first if step % 2 == 0 else last
@@ -279,7 +284,7 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                               atol, rtol, np.dtype(np.float32), "onnxruntime vs torch fp32")
         return _summary("fp32", atol, rtol, {"onnxruntime_vs_torch_fp32": rep},
                         "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
-                        f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis")
+                        f"{rep.steps} decoder steps with beam reorder and a finished sentence")
     if model16 is None:
         model16 = inference_copy(model32, fp16=True)
     rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),

@@ -11,18 +11,18 @@ DECODER_ENGINE = "decoder.plan"
 # Symbolic axes. Related inputs share one name, so shapes stay mutually consistent.
 BATCH = "batch"          # sentences
 SRC_LEN = "src_len"      # source tokens
-HYPS = "hyps"            # hypotheses fed to the step (sentences x beam, live ones)
+HYPS = "hyps"            # hypotheses fed to the step: live sentences (batch) x rows each
 PREV_HYPS = "prev_hyps"  # rows of the previous step's cache, gathered by `reorder`
 CACHE_LEN = "cache_len"  # self-attention cache length: 1 dummy slot + steps so far
 NEW_CACHE_LEN = "new_cache_len"  # cache_len + 1
 
 # Encoder graph.
 SRC_IDS = "src_ids"      # (batch, src_len) int64, padded with PAD_ID
-SRC_BIAS = "src_bias"    # (batch, src_len) float32: 0 or MASK_VALUE
+SRC_BIAS = "src_bias"    # (batch, src_len) float32: 0 or MASK_VALUE (decoder: batch too)
 
 
 def cross_k(layer: int) -> str:
-    return f"cross_k.{layer}"   # (batch | hyps, n_heads, src_len, d_head)
+    return f"cross_k.{layer}"   # (batch, n_heads, src_len, d_head): one row per sentence
 
 
 def cross_v(layer: int) -> str:

@@ -5,7 +5,8 @@ offers the teacher-forced `forward` used in training and three plain-tensor infe
 functions that the PyTorch backend, the ONNX export and hence TensorRT all run:
 
     encode(src_ids)                 -> memory, src_bias
-    cross_kv(memory)                -> per decoder layer cross-attention K and V, once
+    cross_kv(memory)                -> per decoder layer cross-attention K and V, once per
+                                       sentence (its beam's hypotheses share them)
     decode_step(tokens, step, ...)  -> next-token log-probs and the grown self-attention cache
 
 Self-attention cache ("masked dummy slot"): each layer's cache holds one dummy slot at
@@ -166,8 +167,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, self_k: Tensor, self_v: Tensor, self_bias: Tensor,
                 cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
+        """x (N, Tq, d_model); cross_k/cross_v (B, H, S, d_head) with N a multiple of B:
+        rows b*N/B .. (b+1)*N/B - 1 of x belong to sentence b (a beam's hypotheses)."""
         x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
-        x = self.res_cross(x, self.cross_attn(x, cross_k, cross_v, cross_bias))
+        # A sentence's hypotheses share its cross K/V: fold them into the query length
+        # (B, rows * Tq, d_model), one matmul per sentence and no per-beam K/V copies.
+        # The rows factor comes from the shapes, so the graph has no control flow.
+        grouped = x.reshape(cross_k.shape[0], -1, x.shape[-1])
+        x = self.res_cross(x, self.cross_attn(grouped, cross_k, cross_v, cross_bias).reshape(x.shape))
         return self.res_ffn(x, self.ffn(x))
 
 
@@ -244,7 +251,8 @@ class Transformer(nn.Module):
         tokens (N,) int64: each hypothesis' last token; step (1,) int64: its position.
         reorder (N,) int64: the row of the previous cache each hypothesis continues.
         self_k/self_v: per layer (N_prev, H, 1 + step, d_head), dummy slot first.
-        cross_k/cross_v: per layer (N, H, S, d_head); src_bias (N, S) fp32.
+        cross_k/cross_v: per layer (B, H, S, d_head), once per sentence; src_bias (B, S)
+        fp32. N = B x rows: hypotheses rows*b .. rows*b + rows - 1 belong to sentence b.
         Returns log-probs (N, V) fp32 and the caches grown to (N, H, 2 + step, d_head).
         """
         x = self.embed_tokens(tokens[:, None], step)  # (N, 1, d_model)

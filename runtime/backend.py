@@ -21,7 +21,8 @@ class EncoderState:
     """What decoding needs from the source: per-layer cross K/V and the source bias.
 
     `tensors` maps io_names (cross_k.i, cross_v.i, src_bias) to backend-native arrays
-    with one row per hypothesis row.
+    with one row per sentence; a step's N hypotheses are N / n_rows consecutive rows per
+    sentence, which share that sentence's row (no per-beam copies).
     """
 
     tensors: dict[str, Any]
@@ -48,7 +49,7 @@ class Backend(Protocol):
         """src_ids (B, S) int64 padded with PAD_ID -> state with B rows."""
 
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
-        """A state whose row i is `state`'s row rows[i] (repeat for beams, drop finished)."""
+        """A state whose row i is `state`'s row rows[i] (drops finished sentences)."""
 
     def initial_cache(self, n_rows: int) -> Any:
         """Self-attention caches holding only the masked dummy slot (model.cache layout
@@ -56,8 +57,9 @@ class Backend(Protocol):
 
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
              reorder: Tensor) -> tuple[StepOutput, Any]:
-        """One decoder step. tokens (N,) int64; reorder (N,) int64 rows of `cache` each
-        hypothesis continues; returns the candidates and the grown cache (N rows)."""
+        """One decoder step. tokens (N,) int64 with N a multiple of state.n_rows (rows of
+        a sentence are consecutive); reorder (N,) int64 rows of `cache` each hypothesis
+        continues; returns the candidates and the grown cache (N rows)."""
 
 
 def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:

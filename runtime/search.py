@@ -11,6 +11,8 @@ and continues with the best `beam` non-EOS candidates. A sentence is finished wh
 holds `beam` finalised hypotheses or reaches its length limit, where EOS is forced with
 the step's EOS log-probs. Finished sentences leave the batch (backend.select on the
 encoder state, a shorter `reorder` on the cache), so steps shrink as sentences end.
+Every live sentence keeps exactly `beam` rows (at step 0 too, where only beam 0 scores),
+because the encoder state has one row per sentence, shared by its beam's rows.
 
 Search never touches cache tensors: it hands the backend, for each hypothesis of the
 next step, the row of the previous cache it continues (`reorder`). The only Python
@@ -141,8 +143,7 @@ def beam_search(backend: Backend, src_ids: Tensor, *, beam_size: int = PAPER.bea
     beam = beam_size
     max_len = max_output_lengths(src_ids, backend, max_len_a, max_len_b).to(dev)  # (B,)
 
-    state = backend.encode(src_ids)
-    state = backend.select(state, torch.arange(n_sent, device=dev).repeat_interleave(beam))
+    state = backend.encode(src_ids)  # one row per sentence, shared by its `beam` rows
     n_rows = n_sent * beam
     cache = backend.initial_cache(n_rows)
     tokens = torch.full((n_rows,), BOS_ID, dtype=torch.long, device=dev)
@@ -153,7 +154,6 @@ def beam_search(backend: Backend, src_ids: Tensor, *, beam_size: int = PAPER.bea
     history = torch.empty((n_sent, beam, 0), dtype=torch.long, device=dev)
     history_lp = torch.empty((n_sent, beam, 0), dtype=torch.float32, device=dev)
     sent_ids = torch.arange(n_sent, device=dev)  # original index of each live sentence
-    beam_offsets = torch.arange(beam, device=dev)
     cand_pos = torch.arange(2 * beam, device=dev)
 
     t = 0
@@ -200,7 +200,7 @@ def beam_search(backend: Backend, src_ids: Tensor, *, beam_size: int = PAPER.bea
             next_tok, src_rows = next_tok[live], src_rows[live]
             if live.numel() == 0:
                 break
-            state = backend.select(state, (live[:, None] * beam + beam_offsets).reshape(-1))
+            state = backend.select(state, live)
         tokens = next_tok.reshape(-1)
         reorder = src_rows.reshape(-1)
         t += 1

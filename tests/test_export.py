@@ -115,8 +115,8 @@ def test_graph_names_and_shared_axes(fp32_dir):
     assert dec_dims[io_names.TOKENS] == dec_dims[io_names.REORDER] == [io_names.HYPS]
     assert dec_dims[io_names.STEP] == [1]
     assert dec_dims[io_names.self_v(0)] == [io_names.PREV_HYPS, h, io_names.CACHE_LEN, dh]
-    assert dec_dims[io_names.cross_k(0)] == [io_names.HYPS, h, io_names.SRC_LEN, dh]
-    assert dec_dims[io_names.SRC_BIAS] == [io_names.HYPS, io_names.SRC_LEN]
+    assert dec_dims[io_names.cross_k(0)] == [io_names.BATCH, h, io_names.SRC_LEN, dh]  # per sentence
+    assert dec_dims[io_names.SRC_BIAS] == [io_names.BATCH, io_names.SRC_LEN]
     assert dec_dims[io_names.new_self_k(1)] == [io_names.HYPS, h, io_names.NEW_CACHE_LEN, dh]
     assert dec_dims[io_names.TOPK_IDS] == [io_names.HYPS, 16]
     # Shape inference agrees with the names we set (strict mode raises on conflicts).
@@ -154,7 +154,7 @@ def test_first_step_with_one_hypothesis_and_cache_len_one(fp32_dir):
 
 def test_beam_decoding_with_reorder_matches_torch(fp32_dir):
     """12 beam-like steps, independent of export's own verification run: ORT and torch
-    each feed back their own caches; a hypothesis is dropped midway (hyps < prev_hyps)."""
+    each feed back their own caches; a sentence finishes midway (hyps < prev_hyps)."""
     model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
     report = verify.compare_engines(
         model, verify.ort_runner(fp32_dir / io_names.ENCODER_FILE), verify.ort_runner(fp32_dir / io_names.DECODER_FILE),

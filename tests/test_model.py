@@ -110,6 +110,33 @@ def test_reorder_gathers_cache_rows(model):
     torch.testing.assert_close(lp[1], ref[1])
 
 
+def test_cross_kv_once_per_sentence_equals_per_hypothesis_copies(model):
+    """A sentence's beam rows share its one row of cross K/V and src_bias: the step must
+    give each row what it gives with that row's own copy (the layout before sharing)."""
+    beam = 3
+    src, tgt = batch(b=2, s=7, t=4)
+    src[1, 3:] = 0  # padding: the shared src_bias must mask every row of sentence 1
+    with torch.no_grad():
+        memory, src_bias = model.encode(src)
+        ck, cv = model.cross_kv(memory)
+        copies = [k.repeat_interleave(beam, 0) for k in ck], [v.repeat_interleave(beam, 0) for v in cv]
+        bias_copies = src_bias.repeat_interleave(beam, 0)
+        n = src.shape[0] * beam
+        shared_cache, copy_cache = model.initial_cache(n), model.initial_cache(n)
+        g = torch.Generator().manual_seed(3)
+        for t in range(tgt.shape[1]):
+            tokens = torch.randint(4, V, (n,), generator=g)
+            # each row continues a random row of its own sentence
+            reorder = torch.arange(n) // beam * beam + torch.randint(0, beam, (n,), generator=g)
+            step = torch.tensor([t])
+            shared, *shared_cache = model.decode_step(tokens, step, reorder, *shared_cache, ck, cv, src_bias)
+            per_row, *copy_cache = model.decode_step(tokens, step, reorder, *copy_cache, *copies, bias_copies)
+            torch.testing.assert_close(shared, per_row, atol=1e-5, rtol=1e-5)
+        assert shared.shape == (n, V)
+        # Sentence 1's rows really see sentence 1: its rows differ from sentence 0's.
+        assert not torch.allclose(shared[:beam], shared[beam:], atol=1e-3)
+
+
 def test_masks_stay_finite_in_fp16(model):
     assert MASK_VALUE > torch.finfo(torch.float16).min
     src, tgt = batch()

@@ -42,6 +42,7 @@ class ScriptedBackend:
         self.max_tgt_len = max_tgt_len
         self.steps_run = 0
         self.rows_seen: list[int] = []
+        self.state_rows_seen: list[int] = []
 
     def encode(self, src_ids: torch.Tensor) -> EncoderState:
         return EncoderState({"table": src_ids[:, 0] - KEY0}, src_ids.shape[0])
@@ -55,15 +56,19 @@ class ScriptedBackend:
 
     def step(self, state, tokens, step, cache, reorder):
         assert cache.shape[1] == step, "step index must equal the tokens fed so far"
-        assert tokens.shape[0] == reorder.shape[0] == state.n_rows
+        # One state row per sentence, shared by its consecutive hypothesis rows.
+        assert tokens.shape[0] == reorder.shape[0] and tokens.shape[0] % state.n_rows == 0
+        rows = tokens.shape[0] // state.n_rows
         cache = torch.cat([cache.index_select(0, reorder), tokens[:, None]], dim=1)
         lp = torch.full((tokens.shape[0], VOCAB), float("-inf"))
-        for i, (key, row) in enumerate(zip(state.tensors["table"].tolist(), cache.tolist())):
+        keys = state.tensors["table"].repeat_interleave(rows).tolist()
+        for i, (key, row) in enumerate(zip(keys, cache.tolist())):
             assert row[0] == BOS_ID
             for tok, p in self.tables[key](tuple(row[1:])).items():
                 lp[i, tok] = math.log(p)
         self.steps_run += 1
         self.rows_seen.append(tokens.shape[0])
+        self.state_rows_seen.append(state.n_rows)
         top_lp, top_ids = lp.topk(self.topk, dim=1)
         return StepOutput(top_lp, top_ids, lp[:, EOS_ID].clone()), cache
 
@@ -190,6 +195,8 @@ def test_batch_equals_sentences_alone_and_finished_rows_leave():
         assert [h.score for h in one] == pytest.approx([h.score for h in ref], rel=1e-6)
     # EAGER_EOS finishes at step 1, LENGTH_PENALTY at step 3: the step shrinks 6 -> 4 -> 2.
     assert backend.rows_seen[:3] == [6, 6, 4] and backend.rows_seen[4] == 2
+    # The encoder state keeps one row per live sentence (never a copy per beam).
+    assert backend.state_rows_seen[:3] == [3, 3, 2] and backend.state_rows_seen[4] == 1
 
 
 def test_beam_wider_than_topk_is_refused():

@@ -1,0 +1,159 @@
+#!/usr/bin/env python
+"""A/B benchmark of two exported decoder-step graphs under ONNX Runtime on the CPU.
+
+Measures ratios, not absolute speeds: the two graphs run alternately, round after round,
+in one process with the same thread count, so a busy machine slows both alike. Each
+round decodes a fixed number of steps for `batch` sentences x `beam` rows with a
+beam-like random `reorder` (each row continues a row of its own sentence) and feeds each
+step's grown caches back, as serving does. Graphs with per-sentence cross K/V
+(cross_k.i axis 0 named "batch") and older ones with per-hypothesis copies ("hyps") are
+both fed as they expect, so an export made by older code can be compared with a new one.
+
+    # one graph per code version, same random weights (seed), e.g. old code in /tmp/old:
+    python scripts/bench_decoder_step.py export --preset base --out /tmp/new-base
+    python /tmp/old/scripts/bench_decoder_step.py export --preset base --out /tmp/old-base
+    python scripts/bench_decoder_step.py run /tmp/old-base /tmp/new-base --batch 32 --beam 4 \
+        --steps 30 --threads 2 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+log = logging.getLogger("bench_decoder_step")
+
+
+def export(preset_name: str, vocab: int | None, out: Path, topk: int, seed: int) -> None:
+    import torch
+
+    from export.onnx_export import export_decoder, inference_copy
+    from model import build_model, preset
+
+    vocab = vocab or {"small": 8000, "base": 32000}.get(preset_name, 8000)
+    torch.manual_seed(seed)
+    model = inference_copy(build_model(preset(preset_name, vocab_size=vocab)), fp16=False)
+    out.mkdir(parents=True, exist_ok=True)
+    export_decoder(model, out / "decoder.onnx", opset=18, topk=topk)
+    log.info("wrote %s", out / "decoder.onnx")
+
+
+class StepRunner:
+    """One decoder.onnx session, fed by IO binding with ORT-owned outputs fed back."""
+
+    def __init__(self, path: Path, threads: int):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.intra_op_num_threads = threads
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.log_severity_level = 3
+        self.ort = ort
+        self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        self.outputs = [o.name for o in self.session.get_outputs()]
+        self.n_layers = sum(1 for n in self.inputs if n.startswith("self_k."))
+        cross = self.inputs["cross_k.0"]
+        self.per_sentence = cross.shape[0] == "batch"
+        self.n_heads, self.d_head = int(cross.shape[1]), int(cross.shape[3])
+
+    def decode(self, batch: int, beam: int, steps: int, src_len: int, rng: np.random.Generator
+               ) -> tuple[float, float]:
+        """(wall, CPU) seconds for `steps` decoder steps of batch x beam rows."""
+        ort, n = self.ort, batch * beam
+        cross_rows = batch if self.per_sentence else n
+        h, dh = self.n_heads, self.d_head
+        cross = {f"cross_{kv}.{i}": rng.standard_normal((cross_rows, h, src_len, dh), dtype=np.float32)
+                 for kv in "kv" for i in range(self.n_layers)}
+        bias = np.zeros((cross_rows, src_len), dtype=np.float32)
+        bias[::3, -4:] = -1e4  # some padded sources
+        fixed = {k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in cross.items()}
+        fixed["src_bias"] = ort.OrtValue.ortvalue_from_numpy(bias)
+        cache = {f"self_{kv}.{i}": ort.OrtValue.ortvalue_from_numpy(np.zeros((n, h, 1, dh), np.float32))
+                 for kv in "kv" for i in range(self.n_layers)}
+        vocab_hi = 1000
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for t in range(steps):
+            tokens = rng.integers(4, vocab_hi, n, dtype=np.int64)
+            parent = rng.integers(0, beam, n) if t else np.arange(n) % beam
+            reorder = (np.arange(n) // beam * beam + parent).astype(np.int64)
+            binding = self.session.io_binding()
+            binding.bind_cpu_input("tokens", tokens)
+            binding.bind_cpu_input("step", np.array([t], dtype=np.int64))
+            binding.bind_cpu_input("reorder", reorder)
+            for name, value in {**cache, **fixed}.items():
+                binding.bind_ortvalue_input(name, value)
+            for name in self.outputs:
+                binding.bind_output(name, "cpu")
+            self.session.run_with_iobinding(binding)
+            out: dict[str, Any] = dict(zip(self.outputs, binding.get_outputs()))
+            out["topk_log_probs"].numpy()  # what search reads each step
+            cache = {f"self_{kv}.{i}": out[f"new_self_{kv}.{i}"] for kv in "kv" for i in range(self.n_layers)}
+        return time.perf_counter() - start, time.process_time() - cpu_start
+
+
+def run(dirs: list[Path], batch: int, beam: int, steps: int, threads: int, rounds: int, src_len: int) -> None:
+    runners = [StepRunner(d / "decoder.onnx", threads) for d in dirs]
+    rng = np.random.default_rng(0)
+    for r in runners:  # warm-up (allocator, kernels)
+        r.decode(batch, beam, 3, src_len, rng)
+    wall: list[list[float]] = [[] for _ in runners]
+    cpu: list[list[float]] = [[] for _ in runners]
+    for k in range(rounds):
+        order = range(len(runners)) if k % 2 == 0 else reversed(range(len(runners)))
+        for i in order:
+            w, c = runners[i].decode(batch, beam, steps, src_len, np.random.default_rng(k))
+            wall[i].append(w)
+            cpu[i].append(c)
+    # CPU time (all threads, no spinning) is what a loaded machine distorts least.
+    for d, r, ws, cs in zip(dirs, runners, wall, cpu):
+        print(f"{d} ({'per-sentence' if r.per_sentence else 'per-hypothesis'} cross K/V): "
+              f"median per {steps}-step decode {statistics.median(ws) * 1000:.1f} ms wall, "
+              f"{statistics.median(cs) * 1000:.1f} ms CPU; speed-up vs first: "
+              f"wall {_paired(wall[0], ws)}, CPU {_paired(cpu[0], cs)}")
+
+
+def _paired(base: list[float], other: list[float]) -> str:
+    ratios = sorted(a / b for a, b in zip(base, other))
+    return f"{statistics.median(ratios):.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export", help="export a random-weight decoder step graph")
+    e.add_argument("--preset", default="small")
+    e.add_argument("--vocab", type=int, default=None, help="default: small 8000, base 32000")
+    e.add_argument("--out", type=Path, required=True)
+    e.add_argument("--topk", type=int, default=16)
+    e.add_argument("--seed", type=int, default=0)
+    r = sub.add_parser("run", help="time decoder graphs alternately; ratios against the first")
+    r.add_argument("dirs", type=Path, nargs="+")
+    r.add_argument("--batch", type=int, default=32)
+    r.add_argument("--beam", type=int, default=4)
+    r.add_argument("--steps", type=int, default=30)
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--rounds", type=int, default=10)
+    r.add_argument("--src-len", type=int, default=24)
+    a = p.parse_args()
+    if a.cmd == "export":
+        export(a.preset, a.vocab, a.out, a.topk, a.seed)
+    else:
+        run(a.dirs, a.batch, a.beam, a.steps, a.threads, a.rounds, a.src_len)
+
+
+if __name__ == "__main__":
+    main()
