@@ -18,6 +18,7 @@ from typing import Any
 import sacrebleu
 
 from export.api import export_model
+from model.manifest import PRECISIONS
 from pipeline.demo_plan import DemoPlan, format_plan, plan_demo
 from pipeline.doctor import gather_facts
 from pipeline.parity import ParityReport, format_table, run_parity, write_json
@@ -29,7 +30,6 @@ from runtime.loader import load_backend
 
 log = logging.getLogger(__name__)
 
-PRECISIONS = ("fp32", "fp16", "int8")
 
 
 @dataclass

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from model.manifest import PRECISIONS  # every precision the demo exports
 from pipeline.doctor import Facts
 from runtime.ort_backend import CUDA_EP
-
-PRECISIONS = ("fp32", "fp16")
 
 
 @dataclass(frozen=True)

@@ -183,6 +183,8 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
     serve-batch translates it with `opts` [default: serve-batch's defaults]. save_hyps: a directory that receives each
     backend's output as <backend>.<precision>.txt."""
     gates = gates or DEFAULT_GATES
+    if not backends:
+        raise UserError("parity needs at least one backend to compare (--backends)")
     opts = (opts or ServeOptions()).validate()
     if opts.decoding.nbest != 1:
         raise UserError(f"parity compares best translations; --nbest must be 1 (got {opts.decoding.nbest})")
