@@ -87,6 +87,15 @@ class _DigestWriter:
         return digest
 
 
+def _caused_by(e: BaseException, kind: type[BaseException]) -> bool:
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def _write_failure(e: BaseException) -> tuple[str, int | None] | None:
     """(reason, errno) when `e` is a failed write: an OSError, or the RuntimeError that
     torch's zip writer raises over one ('unexpected pos ...'); None for anything else."""
@@ -114,6 +123,8 @@ def atomic_torch_save(obj: Any, path: Path) -> str:
             torch.save(obj, writer)
             return writer.finish()
     except (OSError, RuntimeError) as e:
+        if _caused_by(e, KeyboardInterrupt):  # outside the main thread signals cannot be deferred
+            raise KeyboardInterrupt from e
         failure = _write_failure(e)
         if failure is None:
             raise

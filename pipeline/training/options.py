@@ -92,7 +92,7 @@ def resolve_options(opts: TrainOptions) -> TrainOptions:
     # `is None`, not `or`: an explicit 0 is a mistake for check_numbers to name, not "the default"
     if values["save_every"] is None:
         values["save_every"] = max(1, min(1000, max_steps))
-    if values["valid_every"] is None:
+    if values["valid_every"] is None and values["save_every"] >= 1:  # else only --save-every is named
         values["valid_every"] = values["save_every"]
     resolved = TrainOptions(**values)
     check_numbers(resolved)
