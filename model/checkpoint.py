@@ -15,8 +15,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -87,23 +88,21 @@ class _DigestWriter:
         return digest
 
 
-def _caused_by(e: BaseException, kind: type[BaseException]) -> bool:
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """`e` and the exceptions it was raised from or while handling."""
     seen: BaseException | None = e
     while seen is not None:
-        if isinstance(seen, kind):
-            return True
+        yield seen
         seen = seen.__cause__ or seen.__context__
-    return False
 
 
 def _write_failure(e: BaseException) -> tuple[str, int | None] | None:
     """(reason, errno) when `e` is a failed write: an OSError, or the RuntimeError that
     torch's zip writer raises over one ('unexpected pos ...'); None for anything else."""
-    seen: BaseException | None = e
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno is not None:
-            return os.strerror(seen.errno)[:1].lower() + os.strerror(seen.errno)[1:], seen.errno
-        seen = seen.__cause__ or seen.__context__
+    for cause in _chain(e):
+        if isinstance(cause, OSError) and cause.errno is not None:
+            reason = os.strerror(cause.errno)
+            return reason[:1].lower() + reason[1:], cause.errno
     if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "failed writing" in str(e)):
         return "the write failed (is the disk full?)", None
     return None
@@ -120,10 +119,11 @@ def atomic_torch_save(obj: Any, path: Path) -> str:
     try:
         with signals_deferred(), atomic_write(path, "wb") as f:
             writer = _DigestWriter(f)
-            torch.save(obj, writer)
+            torch.save(obj, cast(IO[bytes], writer))  # it writes only, in order
             return writer.finish()
     except (OSError, RuntimeError) as e:
-        if _caused_by(e, KeyboardInterrupt):  # outside the main thread signals cannot be deferred
+        # Ctrl-C outside the main thread, where signals cannot be deferred: still Ctrl-C.
+        if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
             raise KeyboardInterrupt from e
         failure = _write_failure(e)
         if failure is None:

@@ -207,6 +207,17 @@ def test_a_read_only_save_dir_fails_before_any_work(corpus, read_only_dir, capsy
     assert line == f"error: {run}: cannot write to this --save-dir ({reason}); choose a writable one"
 
 
+def test_average_into_a_read_only_dir_is_one_line(corpus, tmp_path, read_only_dir, capsys):
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "2", "--save-every", "1")) == 0
+    capsys.readouterr()
+    out = read_only_dir / "avg.pt"
+    assert run_cli("average", run, "--out", out) == 2
+    (line,) = messages(capsys.readouterr().err)
+    reason = "read-only file system" if os.geteuid() == 0 else "permission denied"
+    assert line.startswith(f"error: {out}: cannot write: {reason}") and not out.exists()
+
+
 # -- signals and kills inside a checkpoint write --------------------------------------------
 
 # Runs the real CLI with each write of a checkpoint slowed down, so that a signal sent
