@@ -2,10 +2,9 @@
 
 Reading is strict (invalid UTF-8 names file and line; mismatched line counts name both
 files and both counts). The joint SentencePiece model and the encoded corpus are cached
-in the save dir under a key made of the input files' paths, sizes and mtimes and the
-options that change them, so a second run neither retrains nor re-encodes. Files are
-identified by content (size + SHA-256, file_fingerprint), which is also what a resumed
-run checks its corpus against.
+in the save dir under a key made of the input files' paths, sizes and SHA-256s
+(file_fingerprint, also what a resumed run checks its corpus against) and the options
+that change them, so a second run neither retrains nor re-encodes.
 
 Batching follows the paper: sentences of similar length are packed together up to a
 token budget (`batch_tokens` counts the padded size of the larger side, max(S, T) *
