@@ -3,18 +3,29 @@
 A checkpoint file carries the model config and the SentencePiece model bytes, so a
 single file is enough to export or translate. Writes are atomic (temp file + rename):
 a crash never leaves a file that a later run would mistake for a valid checkpoint.
+
+Every file written here carries its own SHA-256, verified on every load: torch.load
+checks no CRC, so a few flipped bits in the weights would otherwise load silently. The
+file stays a plain torch.save zip archive (any tool can still torch.load it); the digest
+of all bytes before it is the archive's zip comment, `pipeline-sha256:<64 hex>`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 
 from model.config import ModelConfig
-from model.files import atomic_write
+from model.files import atomic_write, signals_deferred
 from model.transformer import Transformer
+
+log = logging.getLogger(__name__)
 
 FORMAT = "pipeline-checkpoint-v1"
 
@@ -23,15 +34,158 @@ class CheckpointError(ValueError):
     """A path that is not a usable checkpoint."""
 
 
-def atomic_torch_save(obj: Any, path: Path) -> None:
-    """torch.save that replaces `path` only once the whole file is on disk (model.files)."""
-    with atomic_write(path, "wb") as f:
-        torch.save(obj, f)
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (full disk, read-only dir...); nothing was replaced."""
+
+    def __init__(self, path: Path, reason: str, errno_: int | None = None):
+        self.path, self.reason, self.errno = path, reason, errno_
+        super().__init__(f"{path}: cannot write: {reason}; nothing was replaced, the files already there "
+                         "are intact")
+
+
+# The zip end-of-central-directory record torch.save ends with (22 bytes, no comment), and
+# the comment we give it.
+_EOCD, _EOCD_LEN = b"PK\x05\x06", 22
+_TAG = b"pipeline-sha256:"
+_TRAILER_LEN = len(_TAG) + 64
+
+
+class _DigestWriter:
+    """What torch.save writes to: passes bytes through to `f` while hashing them, holding
+    back the last 22 (the zip end record) so that its comment length can be set before
+    they are hashed; `finish` then appends the digest as the comment."""
+
+    def __init__(self, f: IO[bytes]):
+        self.f, self.hash, self.tail = f, hashlib.sha256(), b""
+
+    def _out(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.hash.update(data)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        if len(view) >= _EOCD_LEN:  # the common case: no copy of a large tensor's bytes
+            if self.tail:
+                self._out(self.tail)
+            self._out(view[:-_EOCD_LEN])
+            self.tail = bytes(view[-_EOCD_LEN:])
+        else:
+            buf = self.tail + bytes(view)
+            self._out(buf[:-_EOCD_LEN])
+            self.tail = buf[-_EOCD_LEN:]
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def finish(self) -> str:
+        tail = self.tail
+        if len(tail) != _EOCD_LEN or not tail.startswith(_EOCD) or tail[20:] != b"\0\0":
+            raise RuntimeError("torch.save did not end with a zip end record; cannot attach a checksum")
+        self._out(tail[:20] + _TRAILER_LEN.to_bytes(2, "little"))
+        digest = self.hash.hexdigest()
+        self.f.write(_TAG + digest.encode("ascii"))
+        return digest
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    """`e` and the exceptions it was raised from or while handling."""
+    seen: BaseException | None = e
+    while seen is not None:
+        yield seen
+        seen = seen.__cause__ or seen.__context__
+
+
+def _write_failure(e: BaseException) -> tuple[str, int | None] | None:
+    """(reason, errno) when `e` is a failed write: an OSError, or the RuntimeError that
+    torch's zip writer raises over one ('unexpected pos ...'); None for anything else."""
+    for cause in _chain(e):
+        if isinstance(cause, OSError) and cause.errno is not None:
+            reason = os.strerror(cause.errno)
+            return reason[:1].lower() + reason[1:], cause.errno
+    if isinstance(e, RuntimeError) and ("unexpected pos" in str(e) or "failed writing" in str(e)):
+        return "the write failed (is the disk full?)", None
+    return None
+
+
+def atomic_torch_save(obj: Any, path: Path) -> str:
+    """torch.save that replaces `path` only once the whole file is on disk (model.files),
+    with its SHA-256 attached; returns that digest.
+
+    SIGINT/SIGTERM arriving meanwhile are delivered once the file is complete, so a
+    second Ctrl-C cannot tear a checkpoint. A full disk, a read-only dir or any other
+    failed write is a CheckpointWriteError naming the path, and leaves no temp file."""
+    path = Path(path)
+    try:
+        with signals_deferred(), atomic_write(path, "wb") as f:
+            writer = _DigestWriter(f)
+            torch.save(obj, cast(IO[bytes], writer))  # it writes only, in order
+            return writer.finish()
+    except (OSError, RuntimeError) as e:
+        # Ctrl-C outside the main thread, where signals cannot be deferred: still Ctrl-C.
+        if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
+            raise KeyboardInterrupt from e
+        failure = _write_failure(e)
+        if failure is None:
+            raise
+        raise CheckpointWriteError(path, *failure) from e
+
+
+def _verify(f: IO[bytes], path: Path, chunk: int = 1 << 22) -> None:
+    """Check the digest at the end of an open checkpoint file; a file written before
+    checkpoints carried one (a plain torch.save archive) loads with a warning."""
+    size = f.seek(0, os.SEEK_END)
+    if size >= _TRAILER_LEN + _EOCD_LEN:
+        f.seek(size - _TRAILER_LEN)
+        trailer = f.read(_TRAILER_LEN)
+        if trailer.startswith(_TAG):
+            h, left = hashlib.sha256(), size - _TRAILER_LEN
+            f.seek(0)
+            while left > 0:
+                block = f.read(min(chunk, left))
+                if not block:
+                    break
+                h.update(block)
+                left -= len(block)
+            if h.hexdigest().encode("ascii") != trailer[len(_TAG):]:
+                raise CheckpointError(f"{path}: checksum mismatch: the file is damaged (its SHA-256 differs "
+                                      "from the one written with it); use another checkpoint, or retrain")
+            return
+    if size >= _EOCD_LEN:
+        f.seek(size - _EOCD_LEN)
+        tail = f.read(_EOCD_LEN)
+        # Why load rather than refuse: checkpoints of earlier versions hold days of
+        # training and were written atomically; they are only unverifiable, not suspect.
+        if tail.startswith(_EOCD) and tail[20:] == b"\0\0":
+            log.warning("%s: written before checkpoints carried a checksum, so it cannot be verified; "
+                        "loading it anyway (checkpoints written from now on carry one)", path)
+            return
+    raise CheckpointError(f"{path}: not a pipeline checkpoint, or a damaged one (no checksum at its end)")
+
+
+def torch_load_verified(path: Path) -> Any:
+    """torch.load of a file written by atomic_torch_save, after checking its digest; the
+    same open file is hashed and loaded, so what loads is what was checked."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        with open(path, "rb") as f:
+            _verify(f, path)
+            f.seek(0)
+            return torch.load(f, map_location="cpu", weights_only=False)
+    except CheckpointError:
+        raise
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise CheckpointError(f"{path}: not a pipeline checkpoint ({type(e).__name__}: {e})") from None
 
 
 def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,
                     train_state: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None) -> None:
+                    extra: dict[str, Any] | None = None) -> str:
+    """Write a checkpoint atomically; returns the SHA-256 it carries (see atomic_torch_save)."""
     payload = {
         "format": FORMAT,
         "model_config": model.cfg.to_dict(),
@@ -40,18 +194,13 @@ def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,
         "train_state": train_state,
         "extra": extra or {},
     }
-    atomic_torch_save(payload, path)
+    return atomic_torch_save(payload, path)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint file's payload, with a clear error for anything else."""
+    """Load a checkpoint file's payload, checksum verified, with a clear error for anything else."""
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
-        raise CheckpointError(f"{path}: not a pipeline checkpoint ({type(e).__name__}: {e})") from None
+    payload = torch_load_verified(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a pipeline checkpoint (expected format {FORMAT})")
     return payload

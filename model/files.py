@@ -13,9 +13,12 @@ import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -134,3 +137,48 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_text(path: str | Path, text: str) -> None:
     with atomic_write(path, "w") as f:
         f.write(text)
+
+
+@contextlib.contextmanager
+def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Hold SIGINT/SIGTERM back while the body runs, then deliver them to the handlers
+    that were in place, as if they had just arrived.
+
+    For short writes that must not be torn: a KeyboardInterrupt inside torch.save's zip
+    writer is replaced by the writer's own RuntimeError on the way out (a traceback, and
+    a checkpoint half-written). Only the main thread receives signals in Python, so
+    elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        pending.append(signum)  # each one: a second Ctrl-C must still mean "abort" afterwards
+        log.warning("%s received while writing a file: acting on it once the write is complete",
+                    signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, hold) for sig in signums}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for sig in pending:  # the restored handlers run now, in order (StopFlag, KeyboardInterrupt...)
+            signal.raise_signal(sig)
+
+
+def check_writable_dir(directory: str | Path) -> Path:
+    """Create `directory` if needed and prove a file can be written and removed there, so
+    that a read-only or full save dir fails before minutes of work, not after.
+    Raises OSError (its filename is the directory or the probe file)."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-probe"), suffix=".tmp", dir=directory)
+    try:
+        os.write(fd, b"probe\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        Path(probe).unlink(missing_ok=True)
+    return directory

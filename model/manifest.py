@@ -61,7 +61,11 @@ class Limits:
 @dataclass(frozen=True)
 class SourceCheckpoint:
     """The checkpoint file exported; `steps`: the training steps its weights come from
-    (one for a step checkpoint, several for an averaged one, none when unknown)."""
+    (one for a step checkpoint, several for an averaged one, none when unknown).
+
+    `sha256` is provenance (which file, as it was then), never a check of this model dir:
+    its model.pt is a re-saved copy with other bytes, verified by `files` and by the
+    checksum every checkpoint carries (model/checkpoint.py)."""
 
     path: str
     sha256: str

@@ -2,8 +2,9 @@
 
 Reading is strict (invalid UTF-8 names file and line; mismatched line counts name both
 files and both counts). The joint SentencePiece model and the encoded corpus are cached
-in the save dir under a key made of the input files' paths, sizes and mtimes and the
-options that change them, so a second run neither retrains nor re-encodes.
+in the save dir under a key made of the input files' paths, sizes and SHA-256s
+(file_fingerprint, also what a resumed run checks its corpus against) and the options
+that change them, so a second run neither retrains nor re-encodes.
 
 Batching follows the paper: sentences of similar length are packed together up to a
 token budget (`batch_tokens` counts the padded size of the larger side, max(S, T) *
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from model.checkpoint import CheckpointError, atomic_torch_save, torch_load_verified
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.manifest import SPM_FILE
 from pipeline.errors import UserError
@@ -38,7 +40,7 @@ from runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "cache"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: files keyed by content, caches carry a checksum
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -55,12 +57,26 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
     return src, tgt
 
 
+# (path, size, mtime, inode, device) -> SHA-256: the cache key and the resume check both
+# fingerprint the same files; hash each once per process while it stays the same file.
+_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
+
+
 def file_fingerprint(paths: list[Path]) -> list[dict[str, Any]]:
-    """What identifies an input file for caching: absolute path, size, mtime."""
+    """What identifies an input file: absolute path, size and SHA-256 of its bytes
+    (streamed in 4 MiB blocks, so a corpus of any size costs one sequential read)."""
     out = []
     for p in paths:
-        st = Path(p).stat()
-        out.append({"path": str(Path(p).resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        path = Path(p).resolve()
+        st = path.stat()
+        key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        if key not in _DIGESTS:
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                while block := f.read(1 << 22):
+                    h.update(block)
+            _DIGESTS[key] = h.hexdigest()
+        out.append({"path": str(path), "size": st.st_size, "sha256": _DIGESTS[key]})
     return out
 
 
@@ -176,14 +192,17 @@ def prepare_data(save_dir: Path, train_src: Path, train_tgt: Path, valid_src: Pa
                          "max_len": max_len})
         path = cache / f"{name}-{key}.pt"
         if path.is_file():
-            log.info("%s: using the encoded corpus cached in %s", name, path)
-            return EncodedCorpus(**torch.load(path, weights_only=False))
+            try:
+                cached = EncodedCorpus(**torch_load_verified(path))
+                log.info("%s: using the encoded corpus cached in %s", name, path)
+                return cached
+            except CheckpointError as e:  # a damaged cache is only a cache: encode again
+                log.warning("%s; encoding the corpus again", e)
         corpus = encode_and_filter(tokenizer, pair[0], pair[1], max_len, name)
         if write:
             for old in cache.glob(f"{name}-*.pt"):
                 old.unlink()
-            with atomic_output(path, "wb") as f:
-                torch.save(corpus.to_dict(), f)
+            atomic_torch_save(corpus.to_dict(), path)
         return corpus
 
     train = encoded("train", [train_src, train_tgt], train_pair)

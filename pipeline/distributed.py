@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from model.checkpoint import CheckpointError
 from model.config import ConfigError
 from pipeline.errors import UserError
 
@@ -25,7 +26,7 @@ T = TypeVar("T")
 
 # Errors that are the user's, raised on rank 0 while the others wait: they are sent to
 # every rank and raised there as the same one-line UserError.
-SHARED_ERRORS: tuple[type[Exception], ...] = (UserError, ConfigError)
+SHARED_ERRORS: tuple[type[Exception], ...] = (UserError, ConfigError, CheckpointError)
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,9 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--builtin-pairs", type=int, help="Training pairs of the built-in synthetic corpus "
               "(default 30000).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+@click.option("--allow-changed-data", is_flag=True, help="Resume even though a corpus file's contents "
+              "changed since the save dir's checkpoints (refused without it): keep the run's tokenizer "
+              "and data position, record the new files' fingerprints.")
 def train(**kwargs: object) -> None:
     """Train the Transformer on a parallel corpus (or the built-in one) into --save-dir.
 

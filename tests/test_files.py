@@ -143,3 +143,35 @@ def test_stale_temps_of_dead_processes_are_removed(tmp_path):
     assert mine.exists() and live_dir.is_dir()
     assert all(f.read_text() == "user data" for f in user_files)
     assert remove_stale_temps(tmp_path / "missing") == []
+
+
+def test_signals_wait_for_a_deferred_write_then_arrive_in_order():
+    """A second Ctrl-C inside a checkpoint write must neither tear it nor be lost."""
+    import signal
+    import time
+
+    from model.files import signals_deferred
+
+    got: list[int] = []
+
+    def record(signum, frame):
+        got.append(signum)
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with signals_deferred():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGINT):
+                os.kill(os.getpid(), sig)
+            time.sleep(0.05)  # a handler left in place would have run by now
+            assert got == []
+        assert got == [signal.SIGINT, signal.SIGTERM, signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is record
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    written = []
+    with pytest.raises(KeyboardInterrupt):  # the default handler: Ctrl-C after the body finished
+        with signals_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            written.append("complete")
+    assert written == ["complete"]

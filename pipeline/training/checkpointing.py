@@ -4,7 +4,8 @@ averaging the last few (section 6.1).
 
 A step checkpoint holds the model config, SentencePiece model and weights (model/checkpoint.py)
 plus `train_state`: optimizer, loss scaler, schedule step, data position, RNG states of
-every rank, tokens seen, best BLEU, the comparable config and the resolved options.
+every rank, tokens seen, best BLEU, the comparable config, the resolved options and the
+corpus files' fingerprints (size + SHA-256: resuming on changed data is refused).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 
 from model.checkpoint import (
     AVERAGED,
+    CheckpointWriteError,
     checkpoint_step,
     read_checkpoint,
     save_checkpoint,
@@ -28,11 +30,12 @@ from model.checkpoint import (
     step_checkpoints,
 )
 from model.config import ModelConfig
+from model.files import remove_stale_temps
 from model.transformer import Transformer
-from pipeline.data import ShardedBatches
-from pipeline.distributed import DistContext
+from pipeline.data import ShardedBatches, file_fingerprint
+from pipeline.distributed import DistContext, on_main
 from pipeline.errors import UserError
-from pipeline.training.options import config_differences
+from pipeline.training.options import TrainOptions, config_differences
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +87,53 @@ def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | Non
     return payload
 
 
+CORPUS_OPTIONS = ("train_src", "train_tgt", "valid_src", "valid_tgt")
+
+
+def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
+    """Size and SHA-256 of each corpus file given (pipeline.data.file_fingerprint), by option;
+    None for the built-in corpus, whose contents --seed and --builtin-pairs already pin."""
+    if opts.builtin_pairs is not None:
+        return None
+    found = {}
+    for name in CORPUS_OPTIONS:
+        path = getattr(opts, name)
+        if path is None:
+            continue
+        if not Path(path).is_file():
+            raise UserError(f"{path}: no such file" if not Path(path).exists() else
+                            f"{path}: is a directory, expected a text file")
+        found[name] = file_fingerprint([Path(path)])[0]
+    return found
+
+
+def check_data(save_dir: Path, recorded: dict[str, Any] | None, current: dict[str, Any] | None,
+               allow_changed: bool) -> list[str]:
+    """Compare the corpus files with the fingerprints the resumed checkpoint recorded: a
+    change is refused (it would resume the old tokenizer and data position on other text)
+    unless --allow-changed-data; returns what changed. Checkpoints of earlier versions
+    recorded none: nothing to compare."""
+    if not recorded or current is None:
+        return []
+    changed = []
+    for name in CORPUS_OPTIONS:
+        old, new = recorded.get(name), current.get(name)
+        if old is None or new is None:  # a file added or dropped is a config difference, checked before
+            continue
+        if (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
+            changed.append(f"--{name.replace('_', '-')} {new['path']} ({old['size']} -> {new['size']} bytes, "
+                           f"sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})")
+    if changed and not allow_changed:
+        raise UserError(f"{save_dir}: the corpus changed since this run wrote its checkpoints: "
+                        f"{'; '.join(changed)}. Resuming would apply the old tokenizer and data position to "
+                        "other text: start fresh with a new --save-dir, or rerun with --allow-changed-data "
+                        "to continue on the new contents knowingly")
+    if changed:
+        log.warning("the corpus changed since the last checkpoint (%s); continuing on the new contents as "
+                    "--allow-changed-data asks, with the run's tokenizer and data position", "; ".join(changed))
+    return changed
+
+
 @dataclass
 class Progress:
     """Where a run stands: what a checkpoint restores besides weights and optimizer."""
@@ -107,21 +157,32 @@ class Checkpointer:
     config: dict[str, Any]  # comparable_config, checked on resume
     options: dict[str, Any]  # the resolved options, for the record
     keep_last: int
+    data_files: dict[str, Any] | None = None  # data_fingerprint, checked on resume
 
     def save(self, progress: Progress, last_valid: dict[str, Any]) -> Path | None:
-        """Every rank calls this (RNG states are gathered); rank 0 writes, then prunes."""
+        """Every rank calls this (RNG states are gathered); rank 0 writes, then prunes. A
+        failed write (full disk...) stops every rank with one line; earlier checkpoints stay."""
         rng = gather_rng(self.ctx)
-        if not self.ctx.is_main:
-            return None
         path = step_checkpoint_path(self.save_dir, progress.step)
         state = {"step": progress.step, "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict() if self.scaler else None,
                  "data": self.batches.state_dict(), "rng": rng, "world_size": self.ctx.world_size,
                  "tokens": progress.tokens, "best_bleu": progress.best_bleu, "config": self.config,
-                 "options": self.options}
-        save_checkpoint(path, self.model, self.spm_bytes, train_state=state,
-                        extra={"step": progress.step, "valid": last_valid})
-        prune(self.save_dir, self.keep_last)
+                 "options": self.options, "data_files": self.data_files}
+
+        def write() -> None:
+            try:
+                save_checkpoint(path, self.model, self.spm_bytes, train_state=state,
+                                extra={"step": progress.step, "valid": last_valid})
+            except CheckpointWriteError as e:
+                latest = step_checkpoints(self.save_dir)
+                resume = f"from {latest[-1].name}" if latest else "from the start"
+                raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
+            prune(self.save_dir, self.keep_last)
+
+        on_main(self.ctx, write, share=False)
+        if not self.ctx.is_main:
+            return None
         log.debug("wrote %s", path)
         return path
 
@@ -165,6 +226,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None) 
         raise UserError(f"--last must be at least 1 (got {last})")
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
+    out = Path(out) if out is not None else save_dir / AVERAGED
+    remove_stale_temps(save_dir)
+    remove_stale_temps(out.parent)
     paths = step_checkpoints(save_dir)[-last:]
     if not paths:
         raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
@@ -186,7 +250,6 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None) 
     state = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v
              for k, v in total.items()}
     model.load_state_dict(state)
-    out = Path(out) if out is not None else save_dir / AVERAGED
     steps = [s for s in map(checkpoint_step, paths) if s is not None]  # ascending, as paths
     save_checkpoint(out, model, first["spm_model"],
                     extra={"averaged": [p.name for p in paths], "steps": steps,

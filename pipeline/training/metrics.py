@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pipeline.errors import UserError
 from pipeline.textio import atomic_output
 
 log = logging.getLogger(__name__)
@@ -24,31 +25,62 @@ class MetricsLog:
         self.path, self.enabled = path, enabled
 
     def truncate_after(self, step: int) -> None:
-        """On resume, forget events logged after the checkpoint we resume from."""
+        """On resume, forget events logged after the checkpoint we resume from.
+
+        A line that is not a JSON object (an append cut short by a full disk or a kill)
+        is dropped with a warning that counts them, rather than blocking every resume."""
         if not self.enabled or not self.path.is_file():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep, torn = [], 0
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            if not line.strip():
+                continue
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                event = None
+            if not isinstance(event, dict):
+                torn += 1
+                continue
+            if event.get("step", 0) <= step:
+                keep.append(line)
+        if torn:
+            log.warning("%s: dropped %d unreadable line(s), the remains of a write cut short (full disk "
+                        "or kill)", self.path, torn)
         with atomic_output(self.path) as f:
             f.write("".join(line + "\n" for line in keep))
 
     def write(self, event: str, **fields: Any) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        line = json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n"
+        try:
             with open(self.path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
+                f.write(line)
+        except OSError as e:
+            raise UserError(f"{self.path}: cannot append a metrics event: {e.strerror or e}; the checkpoints "
+                            "are intact, fix that and rerun the same command to resume") from None
 
 
 class TrainingInterrupted(Exception):
-    """SIGINT/SIGTERM stopped training after writing a checkpoint (exit 128 + signum)."""
+    """SIGINT/SIGTERM stopped training after writing a checkpoint (exit 128 + signum); or,
+    `aborted`, a second Ctrl-C stopped it at once, `checkpoint` being the latest complete one."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"stopped by {signal.Signals(signum).name} at step {step}; checkpoint "
-                         f"{checkpoint}; rerun the same command to resume")
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, aborted: bool = False):
+        self.signum, self.step, self.checkpoint, self.aborted = signum, step, checkpoint, aborted
+        name = signal.Signals(signum).name
+        if aborted:
+            super().__init__(f"aborted by a second {name} at step {step}; the latest complete checkpoint is "
+                             f"{checkpoint}; rerun the same command to resume from it")
+        else:
+            super().__init__(f"stopped by {name} at step {step}; checkpoint {checkpoint}; rerun the same "
+                             "command to resume")
 
 
 class StopFlag:
-    """SIGINT/SIGTERM ask to stop after the current update; a second SIGINT aborts at once."""
+    """SIGINT/SIGTERM ask to stop after the current update; a second SIGINT aborts at once
+    (KeyboardInterrupt), except inside a checkpoint write, which finishes first
+    (model.files.signals_deferred)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -55,6 +55,7 @@ class TrainOptions:
     max_nonfinite: int = 5
     builtin_pairs: int | None = None
     progress: bool = True
+    allow_changed_data: bool = False
 
 
 # Options whose change makes a save dir a different experiment (checked on resume).
@@ -88,8 +89,11 @@ def resolve_options(opts: TrainOptions) -> TrainOptions:
         if values.get(key) is None:
             values[key] = value
     max_steps = values["max_steps"]
-    values["save_every"] = values["save_every"] or max(1, min(1000, max_steps))
-    values["valid_every"] = values["valid_every"] or values["save_every"]
+    # `is None`, not `or`: an explicit 0 is a mistake for check_numbers to name, not "the default"
+    if values["save_every"] is None:
+        values["save_every"] = max(1, min(1000, max_steps))
+    if values["valid_every"] is None and values["save_every"] >= 1:  # else only --save-every is named
+        values["valid_every"] = values["save_every"]
     resolved = TrainOptions(**values)
     check_numbers(resolved)
     return resolved

@@ -5,7 +5,8 @@ torch.distributed; DistributedDataParallel is applied here, from outside.
 
 A save dir is self-contained and resumable: checkpoint_<step:08d>.pt files (see
 checkpointing.py), spm.model, config.json, metrics.jsonl and the encoded-corpus cache.
-Rerunning the same command continues exactly where the last checkpoint left off.
+Rerunning the same command continues exactly where the last checkpoint left off, on the
+same data: config.json and every checkpoint record the corpus files' size and SHA-256.
 """
 
 from __future__ import annotations
@@ -13,20 +14,24 @@ from __future__ import annotations
 import json
 import logging
 import random
+import signal
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from model.checkpoint import step_checkpoints
+from model.files import check_writable_dir, remove_stale_temps
 from model.transformer import build_model
 from pipeline import synthetic
-from pipeline.data import PreparedData, ShardedBatches, prepare_data
+from pipeline.data import CACHE_DIR, PreparedData, ShardedBatches, prepare_data
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
+from pipeline.errors import UserError
 from pipeline.textio import atomic_output
-from pipeline.training.checkpointing import Checkpointer, Progress, check_resume
+from pipeline.training.checkpointing import Checkpointer, Progress, check_data, check_resume, data_fingerprint
 from pipeline.training.loop import TrainLoop
-from pipeline.training.metrics import METRICS_FILE, MetricsLog
+from pipeline.training.metrics import METRICS_FILE, MetricsLog, TrainingInterrupted
 from pipeline.training.options import TrainOptions, comparable_config, jsonable, model_config, resolve_options
 from pipeline.training.step import Stepper, resolve_precision
 
@@ -43,6 +48,7 @@ def train(opts: TrainOptions) -> Path:
     """
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
+    _check_save_dir(Path(opts.save_dir))
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx = init_distributed(opts.device)
@@ -52,11 +58,27 @@ def train(opts: TrainOptions) -> Path:
         shutdown(ctx)
 
 
+def _check_save_dir(save_dir: Path) -> None:
+    """Fail fast: a save dir that cannot be written (read-only, full, not a dir) is found
+    before SentencePiece trains, not at the first checkpoint."""
+    try:
+        check_writable_dir(save_dir)
+    except OSError as e:
+        raise UserError(f"{save_dir}: cannot write to this --save-dir ({e.strerror or e}); choose a "
+                        "writable one") from None
+
+
 def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     save_dir = Path(opts.save_dir)
+    if ctx.is_main:  # only rank 0 writes here; another node's live temps have pids we cannot see
+        for d in (save_dir, save_dir / CACHE_DIR, save_dir / DATA_DIR):
+            remove_stale_temps(d)
     precision = resolve_precision(opts.precision, ctx.device)
     wanted = comparable_config(opts, model_config(opts, vocab_size=max(8, opts.vocab_size or 8)))
     payload = check_resume(save_dir, wanted) if save_dir.is_dir() else None
+    data_files = data_fingerprint(opts)
+    changed = check_data(save_dir, payload["train_state"].get("data_files"), data_files,
+                         opts.allow_changed_data) if payload else []
     data = _prepare(opts, ctx, payload["spm_model"] if payload else None)
     cfg = model_config(opts, data.tokenizer.vocab_size)
     if data.valid is None:
@@ -72,18 +94,21 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     random.seed(opts.seed + ctx.rank)
     np.random.seed(opts.seed + ctx.rank)
     checkpointer = Checkpointer(save_dir, ctx, model, optimizer, scaler, batches, data.spm_bytes, wanted,
-                                jsonable(opts), opts.keep_last)
+                                jsonable(opts), opts.keep_last, data_files)
     metrics = MetricsLog(save_dir / METRICS_FILE, ctx.is_main)
     progress = Progress()
     if payload:
         progress = checkpointer.restore(payload)
         metrics.truncate_after(progress.step)
         log.info("resuming %s from step %d", save_dir, progress.step)
+        if changed:
+            metrics.write("data_changed", step=progress.step, files=changed)
     elif ctx.is_main:
         metrics.truncate_after(0)
     if ctx.is_main:
         with atomic_output(save_dir / CONFIG_FILE) as f:
-            json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts)}, f, indent=2)
+            json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts),
+                       "data_files": data_files}, f, indent=2)
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
                  opts.max_steps)
@@ -97,7 +122,14 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
              "--batch-tokens %d; precision %s on %s", opts.preset, n_params / 1e6, cfg.vocab_size,
              len(data.train), ctx.world_size, opts.update_freq, opts.batch_tokens, precision, ctx.device)
     stepper = Stepper(net, model, optimizer, scaler, ctx, precision, opts.label_smoothing, opts.clip_norm)
-    TrainLoop(opts, stepper, batches, data, metrics, checkpointer).run(progress)
+    try:
+        TrainLoop(opts, stepper, batches, data, metrics, checkpointer).run(progress)
+    except KeyboardInterrupt:  # a second Ctrl-C; a checkpoint write it hit finished first
+        if not ctx.is_main:
+            raise
+        latest = step_checkpoints(save_dir)
+        raise TrainingInterrupted(signal.SIGINT, progress.step, latest[-1] if latest else None,
+                                  aborted=True) from None
     return save_dir
 
 
