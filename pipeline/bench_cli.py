@@ -9,6 +9,7 @@ import click
 from pipeline.bench import format_table, run_bench, write_json
 from pipeline.cli_options import decoding_options
 from pipeline.parity_cli import parse_backends
+from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
 
@@ -35,6 +36,9 @@ def bench(model_dir: Path, backends: str, batch_sizes: tuple[int, ...], decoding
           fixed_length: int | None, src: Path | None, sentences: int, src_len: int, device: str | None,
           threads: int | None, json_out: Path | None) -> None:
     """Measure target tokens/s, sentences/s, latency per batch and peak memory per backend."""
+    if json_out:
+        refuse_overwriting_inputs([src] if src else [], [json_out], "--json file")
+        check_output_file(json_out, "--json")
     report = run_bench(model_dir, parse_backends(backends), list(batch_sizes), decoding=decoding,
                        fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
                        device=device, threads=threads)
