@@ -167,7 +167,10 @@ def check_writable_dir(directory: str | Path, option: str) -> None:
         here = here.parent
     if not here.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"not a directory ({option} needs a directory here)", str(here))
-    fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-check"), dir=here)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-check"), dir=here)
+    except OSError as e:  # name the directory, not our probe file
+        raise OSError(e.errno, e.strerror, str(here)) from None
     os.close(fd)
     os.unlink(probe)
 
