@@ -217,6 +217,7 @@ def replace_dir(new: Path, target: Path) -> None:
         os.replace(new, target)
     except BaseException:
         os.replace(backup / target.name, target)
+        shutil.rmtree(backup, ignore_errors=True)
         raise
     fsync_dir(target.parent)
     shutil.rmtree(backup, ignore_errors=True)
