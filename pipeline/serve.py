@@ -172,13 +172,13 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None) 
     return paths
 
 
-def check_outputs(inputs: list[str], outputs: list[str]) -> None:
+def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output") -> None:
     """Everything that would make writing the outputs fail or destroy data, checked
     before the model is loaded or a line is read; then the temps a killed run left
     beside the outputs are removed."""
     refuse_overwriting_inputs(list(inputs), list(outputs))
     for out in outputs:
-        check_output_file(out, "--output")
+        check_output_file(out, option)
     for out in outputs:
         if out != "-":
             remove_stale_temps(Path(out).parent)

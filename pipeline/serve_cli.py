@@ -56,7 +56,7 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     opts = ServeOptions(window=window, long_lines=long_lines, invalid_utf8=invalid_utf8,
                         decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir)
-    check_outputs(list(inputs), outputs)
+    check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir")
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:
