@@ -25,7 +25,7 @@ from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.files import (
-    check_writable_dir,
+    check_can_create_in,
     make_temp_dir,
     remove_stale_temps,
     replace_dir,
@@ -92,7 +92,7 @@ def _prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
                               "--force only replaces model directories; choose another --out")
         if out.resolve() in checkpoint.resolve().parents:
             raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
-    check_writable_dir(out.parent, "--out")
+    check_can_create_in(out.parent, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 

@@ -139,6 +139,11 @@ def write_failure(error: BaseException, path: str | Path) -> OSError | None:
     ("PytorchStreamWriter failed writing file ... unexpected pos ..."), and a flush or
     fsync raises ENOSPC without a file name: both must reach the user as "path: no
     space left on device", not as a traceback."""
+    seen: BaseException | None = error
+    while seen is not None:  # Ctrl-C that surfaced as the writer's error stays Ctrl-C
+        if isinstance(seen, KeyboardInterrupt):
+            return None
+        seen = seen.__cause__ or seen.__context__
     if isinstance(error, OSError):
         if error.filename is not None or error.errno is None:
             return None
@@ -158,9 +163,9 @@ def disk_full(directory: str | Path, slack: int = 1 << 20) -> bool:
     return st.f_bavail * st.f_frsize < slack
 
 
-def check_writable_dir(directory: str | Path, option: str) -> None:
+def check_can_create_in(directory: str | Path, option: str) -> None:
     """Fail now, before minutes of work, if files cannot be created in `directory` (or in
-    its nearest existing parent, where it will be made). A real probe file, not
+    its nearest existing parent, where it will be made; nothing is created here). A real probe file, not
     os.access: root passes every access check, yet a read-only mount still refuses."""
     here = Path(directory).absolute()
     while not here.exists():

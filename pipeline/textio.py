@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from model.files import atomic_write, check_writable_dir
+from model.files import atomic_write, check_can_create_in
 from pipeline.errors import UserError
 
 
@@ -99,6 +99,6 @@ def check_output_file(path: str | Path, option: str) -> None:
     if Path(path).is_dir():
         raise UserError(f"{path}: is a directory; {option} needs a file path")
     try:
-        check_writable_dir(Path(path).parent, option)
+        check_can_create_in(Path(path).parent, option)
     except OSError as e:
         raise UserError(f"{e.filename}: cannot write {option} here ({e.strerror})") from None

@@ -16,7 +16,6 @@ import torch
 from reliability import assert_one_line_error, cli_env, dead_pid, pipeline_cmd, run_pipeline, small_tmpfs
 
 from model import files
-from model.checkpoint import atomic_torch_save
 from model.manifest import MANIFEST
 from pipeline.cli import describe_os_error
 
@@ -156,7 +155,8 @@ def test_torch_save_on_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
     turns it into ENOSPC on the target, and leaves neither file nor temp."""
     with small_tmpfs(tmp_path / "disk", "64k") as disk:
         with pytest.raises(OSError) as caught:
-            atomic_torch_save({"w": torch.zeros(100_000)}, disk / "ckpt.pt")
+            with files.atomic_write(disk / "ckpt.pt") as f:
+                torch.save({"w": torch.zeros(100_000)}, f)
         assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(disk / "ckpt.pt")
         assert list(disk.iterdir()) == []
 
