@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
 from pipeline.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
@@ -56,7 +57,7 @@ def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: Decod
     backend misses its gate."""
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta)}
     names = parse_backends(backends)
-    hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in ("fp32", "fp16")] if save_hyps else []
+    hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in PRECISIONS] if save_hyps else []
     refuse_overwriting_inputs([src, ref], hyp_files, "--save-hyps file")
     if json_out:
         refuse_overwriting_inputs([src, ref], [json_out], "--json file")
