@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,14 @@ from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
-from model.files import usual_permissions
+from model.files import (
+    check_can_create_in,
+    make_temp_dir,
+    remove_stale_temps,
+    replace_dir,
+    usual_permissions,
+    write_failure,
+)
 from model.manifest import (
     CHECKPOINT_FILE,
     MANIFEST,
@@ -74,7 +79,9 @@ def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) ->
 
 
 def _prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
-    """Refuse outputs we must not replace, before any work is done."""
+    """Refuse outputs we must not replace, before any work is done. What a killed export
+    left beside --out goes first (a model dir it was replacing is put back)."""
+    remove_stale_temps(out.parent)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory; choose another --out")
     if out.is_dir():
@@ -85,6 +92,7 @@ def _prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
                               "--force only replaces model directories; choose another --out")
         if out.resolve() in checkpoint.resolve().parents:
             raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
+    check_can_create_in(out.parent, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -140,19 +148,12 @@ def _engines(tmp: Path, cfg: ModelConfig, limits: Limits, *, fp16: bool,
         return None, str(e)
 
 
-def _replace_dir(tmp: Path, out: Path) -> None:
-    """Move the finished tmp dir to out; an existing out is replaced only now."""
-    if not out.exists():
-        os.replace(tmp, out)
-        return
-    backup = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
-    os.replace(out, backup / out.name)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        os.replace(backup / out.name, out)
-        raise
-    shutil.rmtree(backup, ignore_errors=True)
+def _write_failure(error: BaseException, tmp: Path, out: Path) -> OSError | None:
+    """A write that failed inside the hidden temp dir (full disk, ...) named as --out, the
+    path the user knows; None for any other error."""
+    if isinstance(error, OSError) and str(error.filename or "").startswith(str(tmp)):
+        return OSError(error.errno, error.strerror, str(out))
+    return write_failure(error, out)
 
 
 def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int = 18, topk: int = 16,
@@ -196,7 +197,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
         except TensorRTUnavailable as e:
             raise ExportError(f"--tensorrt was asked for but {e}") from None
 
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    tmp = make_temp_dir(out.parent, out.name, "partial")
     try:
         usual_permissions(tmp)
         save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
@@ -224,9 +225,12 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                                                steps=checkpoint_steps(payload))))
         for f in tmp.iterdir():
             usual_permissions(f)
-        _replace_dir(tmp, out)
-    except BaseException:
+        replace_dir(tmp, out)
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        failure = _write_failure(e, tmp, out)
+        if failure is not None:
+            raise failure from e
         raise
     log.info("export finished in %.1f s: %s", time.perf_counter() - started, out)
     return manifest

@@ -9,6 +9,8 @@ power cut. Model, export, runtime and pipeline all write files, so this lives in
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import logging
 import os
 import re
@@ -50,7 +52,7 @@ def fsync_dir(path: str | Path) -> None:
 
 # Every temp file or dir we create is named .<target>.~pipeline-<pid>-<random><suffix>, so a
 # later run can tell our leftovers from the user's files and from a live writer's.
-_TEMP = re.compile(r"^\..+\.~pipeline-(\d+)-[^/]*$")
+_TEMP = re.compile(r"^\.(?P<target>.+)\.~pipeline-(?P<pid>\d+)-(?P<kind>[^/]*)$")
 
 
 def temp_prefix(name: str) -> str:
@@ -87,8 +89,10 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or _alive(int(m["pid"])):
             continue
+        if m["kind"].startswith("old-") and restore_replaced_dir(entry.parent / m["target"]):
+            continue  # it held the only copy of its target: put back, not deleted
         try:
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry)
@@ -123,10 +127,132 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
             os.fsync(f.fileno())
         usual_permissions(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        failure = write_failure(e, path)
+        if failure is not None:
+            raise failure from e
         raise
     fsync_dir(path.parent)
+
+
+def write_failure(error: BaseException, path: str | Path) -> OSError | None:
+    """The OSError, naming `path`, that a failed write of `path` really is; None when
+    `error` is not a write failure. torch.save on a full disk raises a RuntimeError
+    ("PytorchStreamWriter failed writing file ... unexpected pos ..."), and a flush or
+    fsync raises ENOSPC without a file name: both must reach the user as "path: no
+    space left on device", not as a traceback."""
+    seen: BaseException | None = error
+    while seen is not None:  # Ctrl-C that surfaced as the writer's error stays Ctrl-C
+        if isinstance(seen, KeyboardInterrupt):
+            return None
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(error, OSError):
+        if error.filename is not None or error.errno is None:
+            return None
+        return OSError(error.errno, error.strerror, str(path))
+    if isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "failed writing" in str(error)):
+        code = errno.ENOSPC if disk_full(Path(path).parent) else errno.EIO
+        return OSError(code, os.strerror(code), str(path))
+    return None
+
+
+def disk_full(directory: str | Path, slack: int = 1 << 20) -> bool:
+    """Whether the file system holding `directory` has (almost) no space left."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < slack
+
+
+def check_can_create_in(directory: str | Path, option: str) -> None:
+    """Fail now, before minutes of work, if files cannot be created in `directory` (or in
+    its nearest existing parent, where it will be made; nothing is created here). A real probe file, not
+    os.access: root passes every access check, yet a read-only mount still refuses."""
+    here = Path(directory).absolute()
+    while not here.exists():
+        here = here.parent
+    if not here.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, f"not a directory ({option} needs a directory here)", str(here))
+    try:
+        fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-check"), dir=here)
+    except OSError as e:  # name the directory, not our probe file
+        raise OSError(e.errno, e.strerror, str(here)) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+# -- replacing a directory without a moment where it is missing ------------------------------
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+_AT_FDCWD = -100
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False where the
+    system or file system cannot, so the caller falls back to two renames."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+def replace_dir(new: Path, target: Path) -> None:
+    """Put the finished dir `new` at `target`. An existing target is swapped out in one
+    step where the system can; elsewhere it is parked in a `.<target>.~pipeline-PID-old-*`
+    dir first, and `restore_replaced_dir` brings it back if we die between the renames."""
+    new, target = Path(new), Path(target)
+    if not target.exists():
+        os.replace(new, target)
+        fsync_dir(target.parent)
+        return
+    if exchange(new, target):
+        fsync_dir(target.parent)
+        shutil.rmtree(new, ignore_errors=True)  # `new` now holds the old target
+        return
+    backup = make_temp_dir(target.parent, target.name, "old")
+    os.replace(target, backup / target.name)
+    try:
+        os.replace(new, target)
+    except BaseException:
+        os.replace(backup / target.name, target)
+        shutil.rmtree(backup, ignore_errors=True)
+        raise
+    fsync_dir(target.parent)
+    shutil.rmtree(backup, ignore_errors=True)
+
+
+def restore_replaced_dir(target: str | Path) -> bool:
+    """If a dead process parked `target` in its backup dir and died before the new one
+    took its place, move the old one back (and say so). True when something was restored."""
+    target = Path(target)
+    if target.exists() or not target.parent.is_dir():
+        return False
+    for entry in sorted(target.parent.glob(f".{glob_escape(target.name)}.~pipeline-*-old-*")):
+        m = _TEMP.match(entry.name)
+        parked = entry / target.name
+        if m is None or _alive(int(m["pid"])) or not parked.exists():
+            continue
+        os.replace(parked, target)
+        fsync_dir(target.parent)
+        shutil.rmtree(entry, ignore_errors=True)
+        log.warning("%s: restored the previous directory that an interrupted replacement left in %s",
+                    target, entry.name)
+        return True
+    return False
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:

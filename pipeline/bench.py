@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from model.config import EOS_ID
+from pipeline.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import load_backend
@@ -71,6 +72,9 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
     """Sources from a file (cycled to n lines) or random pieces of length src_len."""
     if src is not None:
         lines = [x for x in read_lines(src) if x.strip()]
+        if not lines:
+            raise UserError(f"{src}: has no non-blank line to translate; give a file with sentences, "
+                            "or leave out --src for random ones")
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
         return encode_sources(tokenizer, lines, max_len, origin=str(src)).ids
     rng = random.Random(seed)
@@ -112,6 +116,7 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: 
 def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, decoding: DecodingOptions = PAPER,
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None) -> dict:
+    decoding.validate()  # before any backend is loaded
     results = []
     for name in backends:
         reset_peak_rss()

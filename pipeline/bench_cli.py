@@ -10,6 +10,7 @@ from pipeline.bench import format_table, run_bench, write_json
 from pipeline.bench_compare import format_comparison, run_comparison
 from pipeline.cli_options import decoding_options
 from pipeline.parity_cli import parse_backends
+from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
 
@@ -48,6 +49,9 @@ def bench(model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, .
     fp32 and int8 exports of one checkpoint) or --compare: one table over every engine and
     precision, measured alternately in fresh subprocesses, plus batch-1 latency (ms/sentence).
     """
+    if json_out:
+        refuse_overwriting_inputs([src] if src else [], [json_out], "--json file")
+        check_output_file(json_out, "--json")
     if len(model_dirs) == 1 and not compare:
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,

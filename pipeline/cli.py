@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import logging
+import signal
 import sys
+from typing import Any
 
 import click
 
@@ -52,16 +55,60 @@ def _register() -> None:
     cli.add_command(doctor)
 
 
+# What to do about the environment faults a user meets (the OSError's own text says what happened).
+_FIXES = {
+    errno.ENOSPC: "no space left on device; free space and rerun",
+    errno.EDQUOT: "disk quota exceeded; free space and rerun",
+    errno.EROFS: "read-only file system; choose a writable location",
+    errno.EACCES: "permission denied; choose a location you can write, or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a location you can write, or fix its permissions",
+    errno.EISDIR: "is a directory; give a file path",
+    errno.ENOTDIR: "a parent of this path is not a directory",
+    errno.ENOENT: "no such file or directory",
+}
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so every `finally` and atomic write cleans
+    up on the way out (a BaseException: no `except Exception` may swallow it)."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+def describe_os_error(e: OSError) -> str:
+    """`<path>: <reason>` for an OSError, with the fix for the usual environment faults."""
+    reason = _FIXES.get(e.errno or 0) or e.strerror or str(e)
+    where = e.filename if e.filename is not None else e.filename2
+    return f"{where}: {reason}" if where is not None else reason
+
+
 def main(argv: list[str] | None = None) -> None:
+    """Run a command; every user mistake or environment fault ends as one line on stderr.
+    Anything else is a bug and keeps its traceback, so it can be reported."""
     _register()
     try:
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread (an embedding caller): leave signals alone
+        previous = None
+    try:
         cli.main(args=argv, prog_name="pipeline", standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted (Ctrl-C)", err=True)
         sys.exit(130)
+    except Terminated:
+        click.echo("terminated (SIGTERM)", err=True)
+        sys.exit(128 + signal.SIGTERM)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
     except USER_ERRORS as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except OSError as e:
+        click.echo(f"error: {describe_os_error(e)}", err=True)
+        sys.exit(2)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -76,6 +76,7 @@ class _Clock:
 
 
 def run_demo(opts: DemoOptions) -> DemoResult:
+    opts.decoding.validate()  # before minutes of training, not after
     out = Path(opts.out)
     save_dir = out / "train"
     clock = _Clock()

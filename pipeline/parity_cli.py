@@ -7,8 +7,10 @@ from pathlib import Path
 
 import click
 
+from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
 from pipeline.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from pipeline.translation import ServeOptions
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
@@ -61,7 +63,13 @@ def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: Decod
     backend misses its gate."""
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
              "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
-    report = run_parity(model_dir, src, ref, parse_backends(backends), opts=ServeOptions(decoding=decoding),
+    names = parse_backends(backends)
+    hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in PRECISIONS] if save_hyps else []
+    refuse_overwriting_inputs([src, ref], hyp_files, "--save-hyps file")
+    if json_out:
+        refuse_overwriting_inputs([src, ref], [json_out], "--json file")
+        check_output_file(json_out, "--json")
+    report = run_parity(model_dir, src, ref, names, opts=ServeOptions(decoding=decoding),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps)
     click.echo(format_table(report))
     if json_out:

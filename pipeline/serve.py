@@ -20,25 +20,23 @@ and writes them in input order.
 from __future__ import annotations
 
 import logging
-import os
+import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
+from model.files import remove_stale_temps
+from pipeline.distributed import DistContext, on_main
 from pipeline.errors import UserError
-from pipeline.textio import atomic_output, open_binary
+from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
 from pipeline.translation import (
     NBest,
     ServeOptions,
     TranslatedWindow,
-    Window,
     finish_window,
     read_windows,
 )
@@ -48,18 +46,22 @@ from runtime.translate import translate_ids
 
 log = logging.getLogger(__name__)
 
+ONE_PROCESS = DistContext()  # the default: no torchrun
+
 @dataclass
 class ServeStats:
     sentences: int = 0
     empty: int = 0
     truncated: int = 0
     replaced: int = 0
+    min_len_over: int = 0
     src_tokens: int = 0
     tgt_tokens: int = 0
     seconds: float = 0.0
 
     def add(self, other: ServeStats) -> None:
-        for name in ("sentences", "empty", "truncated", "replaced", "src_tokens", "tgt_tokens", "seconds"):
+        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "src_tokens", "tgt_tokens",
+                     "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
@@ -77,123 +79,71 @@ class ServeStats:
                 f"backend {backend}, device {device}")
 
 
-# -- distribution -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class World:
-    """This process's place under torchrun (rank 0 of 1 without it)."""
-
-    rank: int = 0
-    size: int = 1
-    local_rank: int = 0
-
-    @property
-    def is_writer(self) -> bool:
-        return self.rank == 0
-
-
-def world_from_env() -> World:
-    size = int(os.environ.get("WORLD_SIZE", "1"))
-    return World(int(os.environ.get("RANK", "0")), size, int(os.environ.get("LOCAL_RANK", "0")))
-
-
-@contextmanager
-def process_group(world: World) -> Iterator[None]:
-    """Initialise the process group for a torchrun launch and always tear it down.
-    Object collectives go through gloo, which every build of torch has."""
-    if world.size <= 1:
-        yield
-        return
-    dist.init_process_group("gloo", rank=world.rank, world_size=world.size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def rank_device(world: World, device: str | None) -> str | None:
-    """Under torchrun each rank takes its own GPU (cuda:LOCAL_RANK) when on CUDA."""
-    if world.size <= 1:
-        return device
-    if device in (None, "cuda") and torch.cuda.is_available():
-        return f"cuda:{world.local_rank % torch.cuda.device_count()}"
-    return device
-
-
 # -- translating --------------------------------------------------------------------------
 
 
-def _translate_share(backend: Any, ids: list[list[int]], world: World, decoding: DecodingOptions
+def _translate_share(backend: Any, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions
                      ) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
-    hyps = translate_ids(backend, ids[world.rank::world.size], decoding)
+    hyps = translate_ids(backend, ids[ctx.rank::ctx.world_size], decoding)
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
-def _gather(share: list[Any], world: World, n_lines: int) -> list[Any] | None:
+def _gather(share: list[Any], ctx: DistContext, n_lines: int) -> list[Any] | None:
     """All ranks' shares interleaved back into input order, on rank 0 (None elsewhere)."""
-    if world.size <= 1:
-        return share
-    shares: list[Any] = [None] * world.size if world.is_writer else None  # type: ignore[assignment]
-    dist.gather_object(share, shares, dst=0)
-    if not world.is_writer:
+    shares = ctx.gather(share)
+    if shares is None:
         return None
     merged: list[Any] = [None] * n_lines
     for rank, part in enumerate(shares):
-        merged[rank::world.size] = part
+        merged[rank::ctx.world_size] = part
     return merged
 
 
-def _broadcast(window: Window | None, error: str | None, world: World) -> tuple[Window | None, str | None]:
-    """Rank 0's window (or its error, or None at the end of the input) to every rank."""
-    if world.size <= 1:
-        return window, error
-    box = [(window, error)]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def min_len_over(ids: list[list[int]], decoding: DecodingOptions, max_tgt_len: int) -> int:
+    """Lines whose maximum output length (a * source tokens + b, as runtime.search caps it)
+    is below --min-len: the search stops them at the maximum, so --min-len cannot hold."""
+    if decoding.min_len == 0:
+        return 0
+    cap = max_tgt_len - 1
+    return sum(1 for line in ids if line
+               and min(math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), cap) < decoding.min_len)
 
 
 def translate_windows(backend: Any, tokenizer: Tokenizer, input_path: str, opts: ServeOptions,
-                      world: World = World(), progress: bool = False) -> Iterator[TranslatedWindow]:
+                      ctx: DistContext = ONE_PROCESS, progress: bool = False) -> Iterator[TranslatedWindow]:
     """The serving path: each window of `input_path` read, encoded, translated (split over
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
     do their share and get nothing. serve-batch writes these; parity measures them."""
-    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts) if world.is_writer else None
+    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts) if ctx.is_main else None
     bar = tqdm(desc=Path(input_path).name if input_path != "-" else "stdin", unit=" lines",
-               disable=not (progress and world.is_writer), leave=False)
+               disable=not (progress and ctx.is_main), leave=False)
     try:
         while True:
-            window: Window | None = None
-            error: str | None = None
-            if windows is not None:
-                try:
-                    window = next(windows, None)
-                except UserError as e:
-                    error = str(e)
-            window, error = _broadcast(window, error, world)
-            if error is not None:
-                raise UserError(error)
+            window = on_main(ctx, lambda: next(windows, None))  # type: ignore[arg-type]
             if window is None:
                 return
-            share = _translate_share(backend, window.ids, world, opts.decoding)
-            merged = _gather(share, world, len(window.ids))
+            share = _translate_share(backend, window.ids, ctx, opts.decoding)
+            merged = _gather(share, ctx, len(window.ids))
             if merged is None:
                 continue
-            yield finish_window(tokenizer, window, merged, opts.decoding.nbest)
+            done = finish_window(tokenizer, window, merged, opts.decoding.nbest)
+            done.min_len_over = min_len_over(window.ids, opts.decoding, backend.max_tgt_len)
+            yield done
             bar.update(len(window.ids))
     finally:
         bar.close()
 
 
 def translate_stream(backend: Any, tokenizer: Tokenizer, input_path: str, out: IO[str] | None,
-                     opts: ServeOptions, world: World = World(), progress: bool = True) -> ServeStats:
+                     opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate one input into `out` (rank 0; None on other ranks), window by window."""
     stats = ServeStats()
     started = time.perf_counter()
-    for window in translate_windows(backend, tokenizer, input_path, opts, world, progress):
+    for window in translate_windows(backend, tokenizer, input_path, opts, ctx, progress):
         out.write("".join(line + "\n" for line in window.lines))  # type: ignore[union-attr]
         stats.count(window)
+        stats.min_len_over += window.min_len_over
     stats.seconds = time.perf_counter() - started
     return stats
 
@@ -219,33 +169,45 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None) 
     if len(set(paths)) != len(paths):
         raise UserError("two inputs have the same file name, so --output-dir would write one over "
                         "the other; translate them in separate runs")
-    for inp, out in zip(inputs, paths):
-        if inp != "-" and out != "-" and Path(inp).exists() and Path(out).exists() \
-                and Path(inp).resolve() == Path(out).resolve():
-            raise UserError(f"{out}: output would replace its own input; choose another output")
     return paths
 
 
+def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output") -> None:
+    """Everything that would make writing the outputs fail or destroy data, checked
+    before the model is loaded or a line is read; then the temps a killed run left
+    beside the outputs are removed."""
+    refuse_overwriting_inputs(list(inputs), list(outputs))
+    for out in outputs:
+        check_output_file(out, option)
+    for out in outputs:
+        if out != "-":
+            remove_stale_temps(Path(out).parent)
+
+
 def serve_files(backend: Any, tokenizer: Tokenizer, inputs: list[str], outputs: list[str],
-                opts: ServeOptions, world: World = World(), progress: bool = True) -> ServeStats:
+                opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate every input to its output; each output appears complete or not at all."""
     total = ServeStats()
     for inp, outp in zip(inputs, outputs):
         if inp != "-":
             open_binary(inp).close()  # a missing input fails on every rank, before any output
-        if world.is_writer:
+        if ctx.is_main:
             with atomic_output(outp, "w") as out:
-                stats = translate_stream(backend, tokenizer, inp, out, opts, world, progress)
+                stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress)
         else:
-            stats = translate_stream(backend, tokenizer, inp, None, opts, world, progress)
+            stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
         total.add(stats)
-        _warn(stats, inp)
+        _warn(stats, inp, opts.decoding)
     return total
 
 
-def _warn(stats: ServeStats, path: str) -> None:
+def _warn(stats: ServeStats, path: str, decoding: DecodingOptions) -> None:
     if stats.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated "
                     "(--long-lines error refuses them)", path, stats.truncated)
     if stats.replaced:
         log.warning("%s: %d line(s) had invalid UTF-8, replaced by U+FFFD", path, stats.replaced)
+    if stats.min_len_over:
+        log.warning("%s: %d line(s) have a maximum output length (%g x source tokens + %d) below --min-len %d; "
+                    "they stop at that maximum", path, stats.min_len_over, decoding.max_len_a,
+                    decoding.max_len_b, decoding.min_len)

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-import signal
-import sys
-from typing import Any
-
 import click
 
 from pipeline.cli_options import decoding_options
-from pipeline.serve import (
-    ServeOptions,
-    World,
-    output_paths,
-    process_group,
-    rank_device,
-    serve_files,
-    world_from_env,
-)
+from pipeline.distributed import dist_context, rank_device
+from pipeline.serve import ServeOptions, check_outputs, output_paths, serve_files
 from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
 
@@ -67,20 +56,13 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     opts = ServeOptions(window=window, long_lines=long_lines, invalid_utf8=invalid_utf8,
                         decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir)
-    _exit_cleanly_on_sigterm()
-    world: World = world_from_env()
-    with process_group(world):
-        impl, tokenizer, _ = load_backend(model_dir, backend=backend, device=rank_device(world, device),
+    check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir")
+    # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
+    # so temp outputs are removed instead of being left behind by an abrupt exit.
+    with dist_context(None, backend="gloo") as ctx:
+        impl, tokenizer, _ = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
                                           threads=threads, dtype=dtype)
-        stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, world, progress)
-    if world.is_writer:
-        where = str(impl.device) if world.size == 1 else f"{world.size} ranks, rank 0 on {impl.device}"
+        stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
+    if ctx.is_main:
+        where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"
         click.echo(stats.summary(impl.name, where), err=True)
-
-
-def _exit_cleanly_on_sigterm() -> None:
-    """SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C, so temp
-    outputs are removed instead of being left behind by an abrupt exit."""
-    def handler(signum: int, frame: Any) -> None:
-        sys.exit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from model.files import atomic_write
+from model.files import atomic_write, check_can_create_in
 from pipeline.errors import UserError
 
 
@@ -73,3 +74,31 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
         return
     with atomic_write(path, mode, suffix=".part") as f:
         yield f
+
+
+def refuse_overwriting_inputs(inputs: list[str | Path], outputs: list[str | Path], what: str = "output") -> None:
+    """Refuse, before anything is read, an output that is one of the inputs under any
+    spelling (./in.de, dir/../in.de) or through a symlink either way. A hard link to an
+    input is allowed: the atomic rename replaces only the output's directory entry, so
+    the input's content survives under its own name."""
+    real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
+    for out in outputs:
+        if str(out) == "-":
+            continue
+        same = real_inputs.get(os.path.realpath(out))
+        if same is not None:
+            raise UserError(f"{out}: this {what} is the input {same}; writing it would destroy the input, "
+                            "choose another path")
+
+
+def check_output_file(path: str | Path, option: str) -> None:
+    """Fail fast, before a model is loaded: an output that is a directory, or whose
+    directory cannot be written, is one line now rather than a traceback at the end."""
+    if str(path) == "-":
+        return
+    if Path(path).is_dir():
+        raise UserError(f"{path}: is a directory; {option} needs a file path")
+    try:
+        check_can_create_in(Path(path).parent, option)
+    except OSError as e:
+        raise UserError(f"{e.filename}: cannot write {option} here ({e.strerror})") from None

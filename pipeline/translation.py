@@ -69,6 +69,7 @@ class TranslatedWindow:
     empty: int = 0
     truncated: int = 0
     replaced: int = 0
+    min_len_over: int = 0  # lines whose maximum output length is below --min-len
     best: list[list[int]] = field(init=False)  # best hypothesis' tokens per line ([] for blank)
 
     def __post_init__(self) -> None:

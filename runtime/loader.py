@@ -15,6 +15,7 @@ import torch
 
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint
+from model.files import restore_replaced_dir
 from model.manifest import CHECKPOINT_FILE, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
@@ -58,9 +59,14 @@ def resolve_device(device: str | None) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
         raise RuntimeUserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeUserError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeUserError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s); "
+                               "use cuda:0 .. cuda:N-1")
     return dev
 
 
@@ -85,6 +91,9 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     if backend not in BACKENDS:
         raise RuntimeUserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     model_dir = Path(model_dir)
+    if device is not None:
+        resolve_device(device)  # a bad --device is one line before anything is loaded, on any backend
+    restore_replaced_dir(model_dir)  # an export --force killed between its two renames
     manifest = read_manifest(model_dir, verify=False)  # readable at all?
     name = choose_backend(manifest) if backend == "auto" else backend
     if name == "tensorrt" and manifest.quantization == "ort-dynamic":

@@ -1,0 +1,172 @@
+"""export never leaves its target missing or half-written: an atomic swap (or a backup put
+back by the next run), SIGTERM handled like Ctrl-C, temps of killed runs removed, and a full
+disk or read-only parent reported as one line naming --out."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from reliability import assert_one_line_error, cli_env, dead_pid, pipeline_cmd, run_pipeline, small_tmpfs
+
+from model import files
+from model.manifest import MANIFEST
+from pipeline.cli import describe_os_error
+
+SMALL = ["--max-batch", "2", "--max-src-len", "16", "--max-tgt-len", "20", "--max-beam", "2", "--no-tensorrt"]
+
+
+def export(ckpt: Path, out: Path, *extra: str) -> None:
+    from export.api import export_model
+
+    export_model(ckpt, out, tensorrt=False, max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2,
+                 force="--force" in extra)
+
+
+def hidden(parent: Path) -> list[str]:
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, random_checkpoint) -> Path:
+    out = tmp_path_factory.mktemp("exported") / "m"
+    export(random_checkpoint, out)
+    return out
+
+
+# -- replacing a model dir -------------------------------------------------------------------
+
+
+def test_replace_dir_swaps_in_one_step_where_possible(tmp_path):
+    old, new = tmp_path / "m", tmp_path / "new"
+    old.mkdir()
+    (old / "f").write_text("old")
+    new.mkdir()
+    (new / "f").write_text("new")
+    swapped = files.exchange(new, old)
+    if not swapped:
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this file system")
+    assert (old / "f").read_text() == "new" and (new / "f").read_text() == "old"
+
+
+@pytest.mark.parametrize("where", ["export", "load"])
+def test_crash_between_the_two_renames_is_undone_by_the_next_run(exported, random_checkpoint, tmp_path, where):
+    """Where no atomic swap exists, replace_dir parks the old dir first; a process killed
+    right then leaves no target. The next export or load puts the old one back."""
+    import shutil
+
+    from runtime.loader import load_backend
+
+    out = tmp_path / "m"
+    shutil.copytree(exported, out)
+    parked = tmp_path / f".m.~pipeline-{dead_pid()}-old-x1y2z3"  # the state the killed process left
+    parked.mkdir()
+    os.replace(out, parked / "m")
+    assert not out.exists()
+    if where == "load":
+        _, _, manifest = load_backend(out, backend="torch", device="cpu")
+        assert manifest.precision == "fp32"
+    else:
+        export(random_checkpoint, out, "--force")
+    assert (out / MANIFEST).is_file() and hidden(tmp_path) == []
+
+
+def test_fallback_replacement_keeps_the_old_dir_when_the_second_rename_fails(tmp_path, monkeypatch):
+    target, new = tmp_path / "m", tmp_path / "new"
+    target.mkdir()
+    (target / "f").write_text("old")
+    new.mkdir()
+    monkeypatch.setattr(files, "exchange", lambda a, b: False)
+    real_replace = os.replace
+
+    def failing(src, dst):
+        if Path(src) == new:
+            raise OSError(errno.EIO, "I/O error", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(files.os, "replace", failing)
+    with pytest.raises(OSError):
+        files.replace_dir(new, target)
+    assert (target / "f").read_text() == "old" and hidden(tmp_path) == []
+
+
+def test_a_live_exports_backup_is_left_alone(tmp_path):
+    parked = tmp_path / f".m.~pipeline-{os.getpid()}-old-abc"
+    (parked / "m").mkdir(parents=True)
+    assert not files.restore_replaced_dir(tmp_path / "m") and files.remove_stale_temps(tmp_path) == []
+    assert (parked / "m").is_dir()
+
+
+# -- leftovers and signals ---------------------------------------------------------------------
+
+
+def test_partial_dirs_of_a_killed_export_are_removed(random_checkpoint, tmp_path):
+    stale = tmp_path / f".m.~pipeline-{dead_pid()}-partial-abc"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "encoder.onnx").write_bytes(b"x" * 1000)
+    export(random_checkpoint, tmp_path / "m")
+    assert hidden(tmp_path) == [] and (tmp_path / "m" / MANIFEST).is_file()
+
+
+def test_sigterm_during_export_exits_143_leaving_nothing(random_checkpoint, tmp_path):
+    out = tmp_path / "m"
+    proc = subprocess.Popen(pipeline_cmd("export", random_checkpoint, "--out", out, *SMALL), env=cli_env(),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not hidden(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hidden(tmp_path), "export never created its temp dir"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "terminated (SIGTERM)" in err
+    assert not out.exists() and hidden(tmp_path) == []
+
+
+# -- full disk, read-only parent ----------------------------------------------------------------
+
+
+def test_full_disk_during_export_is_one_line_naming_out(random_checkpoint, tmp_path):
+    with small_tmpfs(tmp_path / "disk", "256k") as disk:
+        code, err = run_pipeline("export", random_checkpoint, "--out", disk / "m", *SMALL)
+        assert_one_line_error(code, err, f"{disk / 'm'}: no space left on device; free space and rerun")
+        assert list(disk.iterdir()) == []
+
+
+def test_read_only_parent_fails_before_exporting(random_checkpoint, tmp_path):
+    with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
+        started = time.monotonic()
+        code, err = run_pipeline("export", random_checkpoint, "--out", ro / "m", *SMALL)
+        assert_one_line_error(code, err, f"{ro}: read-only file system")
+        assert time.monotonic() - started < 60
+
+
+def test_torch_save_on_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
+    """torch.save reports a full disk as RuntimeError('... unexpected pos ...'): atomic_write
+    turns it into ENOSPC on the target, and leaves neither file nor temp."""
+    with small_tmpfs(tmp_path / "disk", "64k") as disk:
+        with pytest.raises(OSError) as caught:
+            with files.atomic_write(disk / "ckpt.pt") as f:
+                torch.save({"w": torch.zeros(100_000)}, f)
+        assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(disk / "ckpt.pt")
+        assert list(disk.iterdir()) == []
+
+
+@pytest.mark.parametrize("code, says", [
+    (errno.ENOSPC, "out.en: no space left on device; free space and rerun"),
+    (errno.EROFS, "out.en: read-only file system"),
+    (errno.EACCES, "out.en: permission denied"),
+    (errno.EISDIR, "out.en: is a directory"),
+    (errno.ENOENT, "out.en: no such file or directory"),
+])
+def test_os_errors_read_as_path_and_fix(code, says):
+    assert describe_os_error(OSError(code, os.strerror(code), "out.en")).startswith(says)

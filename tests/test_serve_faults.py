@@ -1,0 +1,199 @@
+"""serve-batch, parity and bench never destroy an input, and every user mistake or
+environment fault (full disk, read-only dir, a directory as -o, a bad device, an empty
+--src, Ctrl-C) is one line, never a traceback, and leaves no partial output behind."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_parallel, run_cli
+from reliability import (
+    FAST,
+    assert_one_line_error,
+    cli_env,
+    dead_pid,
+    pipeline_cmd,
+    run_pipeline,
+    small_tmpfs,
+)
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, random_checkpoint) -> Path:
+    from export.api import export_model
+
+    out = tmp_path_factory.mktemp("faults") / "model"
+    export_model(random_checkpoint, out, tensorrt=False, max_batch=8, max_src_len=16, max_tgt_len=20, max_beam=4)
+    return out
+
+
+def write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+# -- inputs are sacred -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["in.de", "./in.de", "sub/../in.de", "link.de"])
+def test_output_that_is_the_input_is_refused_before_reading(model_dir, tmp_path, monkeypatch, capsys, spelling):
+    inp = write(tmp_path / "in.de", ["der hund", "die katze"])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link.de").symlink_to(inp)
+    before = inp.read_bytes()
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("serve-batch", model_dir, "in.de", "-o", spelling, *FAST) == 2
+    err = capsys.readouterr().err
+    assert f"{spelling}: this output is the input in.de" in err
+    assert inp.read_bytes() == before and (tmp_path / "link.de").is_symlink()
+
+
+def test_symlinked_input_cannot_overwrite_its_target(model_dir, tmp_path, capsys):
+    real = write(tmp_path / "real.de", ["der hund"])
+    (tmp_path / "alias.de").symlink_to(real)
+    assert run_cli("serve-batch", model_dir, tmp_path / "alias.de", "-o", real, *FAST) == 2
+    assert "is the input" in capsys.readouterr().err and real.read_text() == "der hund\n"
+
+
+def test_gz_input_as_its_own_output_is_refused(model_dir, tmp_path, capsys):
+    inp = tmp_path / "in.de.gz"
+    inp.write_bytes(gzip.compress(b"der hund\n"))
+    before = inp.read_bytes()
+    assert run_cli("serve-batch", model_dir, inp, "-o", inp, *FAST) == 2
+    assert "is the input" in capsys.readouterr().err and inp.read_bytes() == before
+
+
+@pytest.mark.parametrize("out_dir", [".", "sub/.."])
+def test_output_dir_onto_an_input_is_refused(model_dir, tmp_path, monkeypatch, capsys, out_dir):
+    plain = write(tmp_path / "a.de", ["der hund"])
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert run_cli("serve-batch", model_dir, "a.de", "--output-dir", out_dir, *FAST) == 2
+    assert "is the input a.de" in capsys.readouterr().err and plain.read_text() == "der hund\n"
+
+
+def test_hard_link_to_the_input_keeps_the_input(model_dir, tmp_path):
+    """The atomic rename replaces the output's directory entry, not the shared inode."""
+    inp = write(tmp_path / "in.de", ["der hund", "die katze"])
+    os.link(inp, tmp_path / "out.de")
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.de", *FAST) == 0
+    assert inp.read_text() == "der hund\ndie katze\n"
+    assert os.stat(inp).st_ino != os.stat(tmp_path / "out.de").st_ino
+    assert len((tmp_path / "out.de").read_text().splitlines()) == 2
+
+
+def test_parity_and_bench_outputs_never_replace_their_inputs(model_dir, tmp_path, capsys):
+    src = write(tmp_path / "src.de", ["der hund"])
+    ref = write(tmp_path / "ref.en", ["the dog"])
+    assert run_cli("parity", model_dir, "--src", src, "--ref", ref, "--backends", "torch", "--json", ref) == 2
+    assert "--json file is the input" in capsys.readouterr().err and ref.read_text() == "the dog\n"
+    hyps = tmp_path / "hyps"
+    hyps.mkdir()
+    (hyps / "torch.fp32.txt").symlink_to(src)
+    assert run_cli("parity", model_dir, "--src", src, "--ref", ref, "--backends", "torch", "--save-hyps", hyps) == 2
+    assert "--save-hyps file is the input" in capsys.readouterr().err and src.read_text() == "der hund\n"
+    assert run_cli("bench", model_dir, "--src", src, "--json", tmp_path / "." / "src.de") == 2
+    assert "--json file is the input" in capsys.readouterr().err and src.read_text() == "der hund\n"
+
+
+# -- one line, not a traceback ---------------------------------------------------------------
+
+
+def test_directory_as_output_is_one_line(model_dir, tmp_path):
+    inp = write(tmp_path / "in.de", ["der hund"])
+    (tmp_path / "out").mkdir()
+    code, err = run_pipeline("serve-batch", model_dir, inp, "-o", tmp_path / "out", *FAST)
+    assert_one_line_error(code, err, "out: is a directory")
+
+
+@pytest.mark.parametrize("device, says", [("gpu0", "use cpu, cuda or cuda:N"), ("cuda", "use --device cpu")])
+def test_unusable_device_is_one_line(model_dir, tmp_path, device, says):
+    import torch
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    inp = write(tmp_path / "in.de", ["der hund"])
+    code, err = run_pipeline("serve-batch", model_dir, inp, "-o", tmp_path / "o", *FAST, "--device", device)
+    assert_one_line_error(code, err, f"--device {device}" if device == "cuda" else "--device 'gpu0'", says)
+    assert not (tmp_path / "o").exists()
+
+
+def test_bench_on_an_empty_src_is_one_line(model_dir, tmp_path):
+    empty = tmp_path / "empty.de"
+    empty.write_text("\n\n")
+    code, err = run_pipeline("bench", model_dir, "--src", empty, "--backends", "torch", "--sentences", "2")
+    assert_one_line_error(code, err, "empty.de: has no non-blank line")
+
+
+def test_full_disk_is_one_line_and_leaves_nothing(model_dir, tmp_path):
+    src, _ = make_parallel(200, seed=3)
+    inp = write(tmp_path / "in.de", src * 10)  # 2,000 lines: far more output than 16 KiB
+    with small_tmpfs(tmp_path / "disk", "16k") as disk:
+        code, err = run_pipeline("serve-batch", model_dir, inp, "-o", disk / "out.en", *FAST, "--window", "500")
+        assert_one_line_error(code, err, "out.en: no space left on device; free space and rerun")
+        assert list(disk.iterdir()) == []
+
+
+def test_read_only_output_dir_fails_before_the_model_loads(tmp_path):
+    inp = write(tmp_path / "in.de", ["der hund"])
+    with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
+        # The model dir does not exist: the output is checked first, so that is not what we hear of.
+        code, err = run_pipeline("serve-batch", tmp_path / "no-model", inp, "-o", ro / "out.en", *FAST)
+        assert_one_line_error(code, err, f"{ro}: cannot write --output here (Read-only file system)")
+
+
+def test_ctrl_c_in_the_middle_exits_130_leaving_nothing(model_dir, tmp_path):
+    src, _ = make_parallel(200, seed=4)
+    inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below
+    out = tmp_path / "out.txt"
+    proc = subprocess.Popen(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, "--window", "50", *FAST),
+                            env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob(".out.txt.*")) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stderr.read()  # type: ignore[union-attr]
+            time.sleep(0.05)
+        time.sleep(0.5)  # some windows written to the temp file
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+# -- leftovers and warnings --------------------------------------------------------------------
+
+
+def test_temps_of_a_killed_run_are_removed_by_the_next(model_dir, tmp_path):
+    inp = write(tmp_path / "in.de", ["der hund"])
+    pid = dead_pid()
+    stale = tmp_path / f".out.en.~pipeline-{pid}-abc123.part"
+    stale.write_text("half a translation")
+    live = tmp_path / f".out.en.~pipeline-{os.getpid()}-abc123.part"  # a live writer's: kept
+    live.write_text("in progress")
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.en", *FAST) == 0
+    assert not stale.exists() and live.exists()
+    assert (tmp_path / "out.en").is_file()
+
+
+def test_min_len_above_a_lines_maximum_is_a_counted_warning(model_dir, tmp_path, caplog):
+    # max output = floor(0.5 * source tokens + 1): a two-word line (about 3-5 tokens) gets at most 3,
+    # below --min-len 4; a 12-word line gets 6 or more.
+    inp = write(tmp_path / "in.de", ["der hund", "", "der hund sieht die katze und das kind hat ein rotes haus"])
+    opts = ["--max-len-a", "0.5", "--max-len-b", "1", "--min-len", "4", "--no-progress", "--threads", "1"]
+    with caplog.at_level(logging.WARNING):
+        assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.en", *opts) == 0
+    warnings = [r.getMessage() for r in caplog.records if "below --min-len" in r.getMessage()]
+    assert len(warnings) == 1 and "1 line(s)" in warnings[0], warnings
+    assert len((tmp_path / "out.en").read_text().splitlines()) == 3
