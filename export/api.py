@@ -8,8 +8,10 @@ last: even a temp dir orphaned by a killed process has none, and backends refuse
 
 from __future__ import annotations
 
+import errno
 import importlib.metadata
 import logging
+import os
 import re
 import shutil
 import time
@@ -22,7 +24,7 @@ import torch
 from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
-from model.checkpoint import load_model, resolve_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointWriteError, load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.files import (
     check_can_create_in,
@@ -153,6 +155,9 @@ def _write_failure(error: BaseException, tmp: Path, out: Path) -> OSError | None
     path the user knows; None for any other error."""
     if isinstance(error, OSError) and str(error.filename or "").startswith(str(tmp)):
         return OSError(error.errno, error.strerror, str(out))
+    if isinstance(error, CheckpointWriteError) and str(error.path).startswith(str(tmp)):  # model.pt
+        code = error.errno or errno.EIO
+        return OSError(code, os.strerror(code), str(out))
     return write_failure(error, out)
 
 
