@@ -48,6 +48,8 @@ def _register() -> None:
     cli.add_command(demo)
     from pipeline.doctor_cli import doctor
     cli.add_command(doctor)
+    from pipeline.tune_cli import tune_decoding_cmd
+    cli.add_command(tune_decoding_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

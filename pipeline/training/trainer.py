@@ -23,12 +23,22 @@ from model.transformer import build_model
 from pipeline import synthetic
 from pipeline.data import PreparedData, ShardedBatches, prepare_data
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
+from pipeline.sampling import SubwordSampler
 from pipeline.textio import atomic_output
+from pipeline.training.budget import TimeBudget, process_start_time
 from pipeline.training.checkpointing import Checkpointer, Progress, check_resume
 from pipeline.training.loop import TrainLoop
 from pipeline.training.metrics import METRICS_FILE, MetricsLog
-from pipeline.training.options import TrainOptions, comparable_config, jsonable, model_config, resolve_options
+from pipeline.training.options import (
+    TrainOptions,
+    comparable_config,
+    jsonable,
+    model_config,
+    parse_duration,
+    resolve_options,
+)
 from pipeline.training.step import Stepper, resolve_precision
+from pipeline.training.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +51,7 @@ def train(opts: TrainOptions) -> Path:
 
     Raises TrainingInterrupted after writing a checkpoint when SIGINT/SIGTERM arrive.
     """
+    process_start_time()  # where /proc is missing, the budget counts from here
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
     if opts.threads:
@@ -66,8 +77,10 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     model = build_model(cfg).to(ctx.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    sampler = SubwordSampler(data.spm_bytes, data.train, data.train_lines, opts.spm_alpha, opts.spm_nbest,
+                             opts.max_len) if data.train_lines is not None else None
     batches = ShardedBatches(data.train, opts.batch_tokens, opts.seed, ctx.world_size, ctx.rank,
-                             opts.update_freq)
+                             opts.update_freq, sampler)
     torch.manual_seed(opts.seed + ctx.rank)  # dropout masks differ between ranks
     random.seed(opts.seed + ctx.rank)
     np.random.seed(opts.seed + ctx.rank)
@@ -84,6 +97,7 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     if ctx.is_main:
         with atomic_output(save_dir / CONFIG_FILE) as f:
             json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts)}, f, indent=2)
+    budget = TimeBudget(parse_duration(opts.max_time) if opts.max_time else None, progress.elapsed_s)
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
                  opts.max_steps)
@@ -97,7 +111,11 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
              "--batch-tokens %d; precision %s on %s", opts.preset, n_params / 1e6, cfg.vocab_size,
              len(data.train), ctx.world_size, opts.update_freq, opts.batch_tokens, precision, ctx.device)
     stepper = Stepper(net, model, optimizer, scaler, ctx, precision, opts.label_smoothing, opts.clip_norm)
-    TrainLoop(opts, stepper, batches, data, metrics, checkpointer).run(progress)
+    tensorboard = TensorBoardLog(save_dir, opts.tensorboard and ctx.is_main, progress.step if payload else None)
+    try:
+        TrainLoop(opts, stepper, batches, data, metrics, checkpointer, budget, tensorboard).run(progress)
+    finally:
+        tensorboard.close()
     return save_dir
 
 
@@ -117,6 +135,7 @@ def _prepare(opts: TrainOptions, ctx: DistContext, resume_spm: bytes | None) -> 
             train_pair = (Path(opts.train_src), Path(opts.train_tgt))  # type: ignore[arg-type]
             valid_pair = (Path(opts.valid_src), Path(opts.valid_tgt)) if opts.valid_src else (None, None)
         return prepare_data(save_dir, *train_pair, *valid_pair, vocab_size=opts.vocab_size,
-                            max_len=opts.max_len, spm_bytes=resume_spm, write=write)
+                            max_len=opts.max_len, spm_bytes=resume_spm, write=write,
+                            keep_train_text=opts.spm_alpha > 0)
 
     return rank0_first(ctx, work)
