@@ -12,6 +12,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from model.checkpoint import step_checkpoints
 from pipeline.data import PreparedData, ShardedBatches
 from pipeline.errors import UserError
 from pipeline.training.budget import TimeBudget
@@ -104,7 +105,7 @@ class TrainLoop:
     def _out_of_time(self, progress: Progress, start_step: int) -> None:
         """--max-time is spent: checkpoint what this run trained (a resume that finds the budget
         already spent has nothing new to save), then stop like --max-steps does."""
-        if progress.step > start_step:
+        if progress.step > start_step or not step_checkpoints(self.checkpointer.save_dir):
             self._save(progress)
         if self.stepper.ctx.is_main:
             log.info("time budget reached: --max-time %s spent (%.0f s in all runs) at step %d; a "

@@ -46,24 +46,25 @@ CONFIG_FILE = "config.json"
 DATA_DIR = "data"  # the built-in corpus' text files, inside the save dir
 
 
-def train(opts: TrainOptions) -> Path:
+def train(opts: TrainOptions, started: float | None = None) -> Path:
     """Train (or resume) into opts.save_dir; returns the save dir. Works under torchrun.
 
+    --max-time counts from `started` (epoch seconds; default: when this process started).
     Raises TrainingInterrupted after writing a checkpoint when SIGINT/SIGTERM arrive.
     """
-    process_start_time()  # where /proc is missing, the budget counts from here
+    started = process_start_time() if started is None else started
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx = init_distributed(opts.device)
     try:
-        return _train(opts, ctx)
+        return _train(opts, ctx, started)
     finally:
         shutdown(ctx)
 
 
-def _train(opts: TrainOptions, ctx: DistContext) -> Path:
+def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     save_dir = Path(opts.save_dir)
     precision = resolve_precision(opts.precision, ctx.device)
     wanted = comparable_config(opts, model_config(opts, vocab_size=max(8, opts.vocab_size or 8)))
@@ -97,7 +98,7 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     if ctx.is_main:
         with atomic_output(save_dir / CONFIG_FILE) as f:
             json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts)}, f, indent=2)
-    budget = TimeBudget(parse_duration(opts.max_time) if opts.max_time else None, progress.elapsed_s)
+    budget = TimeBudget(parse_duration(opts.max_time) if opts.max_time else None, progress.elapsed_s, started)
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
                  opts.max_steps)
