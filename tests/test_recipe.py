@@ -246,3 +246,13 @@ def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, 
     best = max(float(r[2]) for r in rows)
     assert f"(BLEU {best:.2f})" in out.splitlines()[5]
     assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "x") == 2
+
+
+def test_cpu_training_keeps_freed_memory_unless_the_user_tuned_malloc(monkeypatch):
+    from pipeline.training.allocator import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
+    assert keep_freed_memory() is False  # the user's own glibc setting wins
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    assert keep_freed_memory() is sys.platform.startswith("linux")

@@ -25,6 +25,7 @@ from pipeline.data import PreparedData, ShardedBatches, prepare_data
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
 from pipeline.sampling import SubwordSampler
 from pipeline.textio import atomic_output
+from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget, process_start_time
 from pipeline.training.checkpointing import Checkpointer, Progress, check_resume
 from pipeline.training.loop import TrainLoop
@@ -58,6 +59,8 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx = init_distributed(opts.device)
+    if ctx.device.type == "cpu":
+        keep_freed_memory()
     try:
         return _train(opts, ctx, started)
     finally:
