@@ -245,6 +245,7 @@ def step_checkpoints(save_dir: Path) -> list[Path]:
 
 
 AVERAGED = "averaged.pt"
+BEST = "checkpoint_best.pt"  # the best validation BLEU so far; not a step checkpoint, never pruned
 
 
 def resolve_checkpoint(path: Path) -> Path:

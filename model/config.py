@@ -87,6 +87,7 @@ class Preset:
     batch_tokens: int  # per process and micro-batch
     warmup: int
     max_steps: int
+    label_smoothing: float
 
     def shape(self) -> dict[str, Any]:
         """The ModelConfig fields of this preset (vocab_size comes from the tokenizer)."""
@@ -96,7 +97,7 @@ class Preset:
     def training_defaults(self) -> dict[str, Any]:
         """What `pipeline train` uses for the options left unset."""
         return dict(batch_tokens=self.batch_tokens, warmup=self.warmup, max_steps=self.max_steps,
-                    vocab_size=self.vocab_size)
+                    vocab_size=self.vocab_size, dropout=self.dropout, label_smoothing=self.label_smoothing)
 
 
 # `base` and `big` are the paper's (Table 3: 25k-token batches, 4000 warmup steps, 100k /
@@ -104,15 +105,20 @@ class Preset:
 # paper's long warmup with tiny batches, so they get short warmups and small budgets.
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(d_model=32, n_heads=4, d_ff=64, layers=2, dropout=0.0,
-                   vocab_size=1000, batch_tokens=1024, warmup=200, max_steps=2000),
+                   vocab_size=1000, batch_tokens=1024, warmup=200, max_steps=2000,
+                   label_smoothing=0.1),
     "demo": Preset(d_model=64, n_heads=4, d_ff=256, layers=2, dropout=0.1,
-                   vocab_size=4000, batch_tokens=4096, warmup=800, max_steps=20000),
+                   vocab_size=4000, batch_tokens=4096, warmup=800, max_steps=20000,
+                   label_smoothing=0.1),
     "small": Preset(d_model=256, n_heads=4, d_ff=1024, layers=3, dropout=0.1,
-                    vocab_size=8000, batch_tokens=8192, warmup=2000, max_steps=50000),
+                    vocab_size=8000, batch_tokens=8192, warmup=2000, max_steps=50000,
+                    label_smoothing=0.1),
     "base": Preset(d_model=512, n_heads=8, d_ff=2048, layers=6, dropout=0.1,
-                   vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=100000),
+                   vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=100000,
+                   label_smoothing=0.1),
     "big": Preset(d_model=1024, n_heads=16, d_ff=4096, layers=6, dropout=0.3,
-                  vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=300000),
+                  vocab_size=32000, batch_tokens=25000, warmup=4000, max_steps=300000,
+                  label_smoothing=0.1),
 }
 
 

@@ -53,6 +53,8 @@ def _register() -> None:
     cli.add_command(demo)
     from pipeline.doctor_cli import doctor
     cli.add_command(doctor)
+    from pipeline.tune_cli import tune_decoding_cmd
+    cli.add_command(tune_decoding_cmd)
 
 
 # What to do about the environment faults a user meets (the OSError's own text says what happened).

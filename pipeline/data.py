@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -40,7 +41,7 @@ from runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 CACHE_DIR = "cache"
-CACHE_VERSION = 2  # 2: files keyed by content, caches carry a checksum
+CACHE_VERSION = 3  # 2: files keyed by content, caches carry a checksum; 3: `rows` (line of each kept pair)
 
 
 # -- reading ---------------------------------------------------------------------------
@@ -97,6 +98,7 @@ class EncodedCorpus:
     src_offsets: np.ndarray  # int64, len n + 1
     tgt_ids: np.ndarray
     tgt_offsets: np.ndarray
+    rows: np.ndarray | None = None  # int64: the input line of each kept pair (subword sampling reads it)
 
     def __len__(self) -> int:
         return len(self.src_offsets) - 1
@@ -117,7 +119,7 @@ class EncodedCorpus:
 
     def to_dict(self) -> dict[str, np.ndarray]:
         return {"src_ids": self.src_ids, "src_offsets": self.src_offsets,
-                "tgt_ids": self.tgt_ids, "tgt_offsets": self.tgt_offsets}
+                "tgt_ids": self.tgt_ids, "tgt_offsets": self.tgt_offsets, "rows": self.rows}
 
 
 def _flatten(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -132,9 +134,9 @@ def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_
     """Encode both sides; drop pairs with an empty side or longer than max_len tokens
     (specials included), and log how many of each."""
     src_enc, tgt_enc = tokenizer.encode(src), tokenizer.encode(tgt)
-    keep_src, keep_tgt = [], []
+    keep_src, keep_tgt, rows = [], [], []
     n_empty = n_long = 0
-    for s_text, t_text, s, t in zip(src, tgt, src_enc, tgt_enc):
+    for row, (s_text, t_text, s, t) in enumerate(zip(src, tgt, src_enc, tgt_enc)):
         if not s_text.strip() or not t_text.strip() or not s or not t:
             n_empty += 1
         elif len(s) + 1 > max_len or len(t) + 1 > max_len:
@@ -142,6 +144,7 @@ def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_
         else:
             keep_src.append(s)
             keep_tgt.append(t)
+            rows.append(row)
     log.info("%s: %d pairs read, %d with an empty side dropped, %d longer than --max-len %d "
              "tokens dropped, %d kept", name, len(src), n_empty, n_long, max_len, len(keep_src))
     if not keep_src:
@@ -149,7 +152,7 @@ def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_
                         f"longer than --max-len {max_len}); raise --max-len or check the files")
     s_flat, s_off = _flatten(keep_src)
     t_flat, t_off = _flatten(keep_tgt)
-    return EncodedCorpus(s_flat, s_off, t_flat, t_off)
+    return EncodedCorpus(s_flat, s_off, t_flat, t_off, np.asarray(rows, dtype=np.int64))
 
 
 @dataclass
@@ -161,6 +164,7 @@ class PreparedData:
     valid: EncodedCorpus | None
     valid_src_lines: list[str]
     valid_ref_lines: list[str]
+    train_lines: tuple[list[str], list[str]] | None = None  # raw training text, kept for subword sampling
 
     @cached_property
     def tokenizer(self) -> Tokenizer:
@@ -170,9 +174,11 @@ class PreparedData:
 
 def prepare_data(save_dir: Path, train_src: Path, train_tgt: Path, valid_src: Path | None,
                  valid_tgt: Path | None, vocab_size: int, max_len: int,
-                 spm_bytes: bytes | None = None, write: bool = True) -> PreparedData:
+                 spm_bytes: bytes | None = None, write: bool = True, keep_train_text: bool = False
+                 ) -> PreparedData:
     """Read, check, tokenize and cache. `spm_bytes` (a resumed run's tokenizer) is used
-    as is, never retrained. With write=False (ranks other than 0) nothing is written."""
+    as is, never retrained. With write=False (ranks other than 0) nothing is written.
+    keep_train_text keeps the raw training lines (subword sampling re-encodes them)."""
     save_dir = Path(save_dir)
     cache = save_dir / CACHE_DIR
     train_pair = read_parallel(train_src, train_tgt)
@@ -207,7 +213,8 @@ def prepare_data(save_dir: Path, train_src: Path, train_tgt: Path, valid_src: Pa
 
     train = encoded("train", [train_src, train_tgt], train_pair)
     valid = encoded("valid", [valid_src, valid_tgt], valid_pair) if valid_pair else None
-    return PreparedData(spm_bytes, train, valid, *(valid_pair or ([], [])))
+    return PreparedData(spm_bytes, train, valid, *(valid_pair or ([], [])),
+                        train_lines=train_pair if keep_train_text else None)
 
 
 def _cached_spm(save_dir: Path, key: str, pair: tuple[list[str], list[str]], vocab_size: int,
@@ -226,6 +233,11 @@ def _cached_spm(save_dir: Path, key: str, pair: tuple[list[str], list[str]], voc
     with atomic_output(key_path) as f:
         f.write(key + "\n")
     return spm_bytes
+
+
+# A training batch's piece ids (source, target) re-made from its sentence indices and a key
+# (seed, epoch, batch number) that fixes any randomness: pipeline/sampling.py.
+BatchEncoder = Callable[[np.ndarray, tuple[int, int, int]], tuple[list[Any], list[Any]]]
 
 
 # -- batches ---------------------------------------------------------------------------
@@ -274,15 +286,20 @@ def make_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, batch_tokens: int, 
 
 def collate(corpus: EncodedCorpus, indices: np.ndarray) -> Batch:
     """Padded tensors for the given sentences: src + EOS; BOS + tgt; tgt + EOS."""
-    n = len(indices)
-    src_len = max(len(corpus.src(i)) for i in indices) + 1
-    tgt_len = max(len(corpus.tgt(i)) for i in indices) + 1
+    return pad_batch([corpus.src(i) for i in indices], [corpus.tgt(i) for i in indices])
+
+
+def pad_batch(src_seqs: Sequence[Sequence[int]], tgt_seqs: Sequence[Sequence[int]]) -> Batch:
+    """Padded tensors of piece ids (without specials): src + EOS; BOS + tgt; tgt + EOS."""
+    n = len(src_seqs)
+    src_len = max(len(s) for s in src_seqs) + 1
+    tgt_len = max(len(t) for t in tgt_seqs) + 1
     src = torch.full((n, src_len), PAD_ID, dtype=torch.int64)
     tgt_in = torch.full((n, tgt_len), PAD_ID, dtype=torch.int64)
     tgt_out = torch.full((n, tgt_len), PAD_ID, dtype=torch.int64)
     n_src = n_tgt = 0
-    for row, i in enumerate(indices):
-        s, t = torch.from_numpy(corpus.src(i).astype(np.int64)), torch.from_numpy(corpus.tgt(i).astype(np.int64))
+    for row, (s_ids, t_ids) in enumerate(zip(src_seqs, tgt_seqs)):
+        s, t = torch.as_tensor(np.asarray(s_ids, dtype=np.int64)), torch.as_tensor(np.asarray(t_ids, dtype=np.int64))
         src[row, :len(s)] = s
         src[row, len(s)] = EOS_ID
         tgt_in[row, 0] = BOS_ID
@@ -301,8 +318,8 @@ class ShardedBatches:
     """
 
     def __init__(self, corpus: EncodedCorpus, batch_tokens: int, seed: int, world_size: int,
-                 rank: int, update_freq: int):
-        self.corpus, self.batch_tokens, self.seed = corpus, batch_tokens, seed
+                 rank: int, update_freq: int, sampler: BatchEncoder | None = None):
+        self.corpus, self.batch_tokens, self.seed, self.sampler = corpus, batch_tokens, seed, sampler
         self.world_size, self.rank, self.update_freq = world_size, rank, update_freq
         self.group_size = world_size * update_freq
         self.epoch, self.group = 1, 0
@@ -330,9 +347,12 @@ class ShardedBatches:
             log.debug("epoch %d begins", self.epoch)
             batches = self._batches()
         start = self.group * self.group_size
-        mine = batches[start:start + self.group_size][self.rank::self.world_size]
+        numbers = range(start + self.rank, start + self.group_size, self.world_size)
         self.group += 1
-        return [collate(self.corpus, idx) for idx in mine]
+        if self.sampler is None:
+            return [collate(self.corpus, batches[n]) for n in numbers]
+        # Keyed by the batch's place in the epoch, not by rank: DDP shards see what one process sees.
+        return [pad_batch(*self.sampler(batches[n], (self.seed, self.epoch, n))) for n in numbers]
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "group": self.group, "group_size": self.group_size}

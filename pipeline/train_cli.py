@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from pipeline.training import train as run_training
 from runtime.decoding import PAPER
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
+# Defaults of options that no preset sets: TrainOptions holds them, --help shows them.
+_DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
 
 
 @click.command(epilog="Per-preset defaults for unset options: " + describe_defaults())
@@ -29,7 +32,8 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--n-heads", type=int, help="Override the preset's number of attention heads.")
 @click.option("--d-ff", type=int, help="Override the preset's feed-forward width.")
 @click.option("--layers", type=int, help="Override the number of encoder and of decoder layers.")
-@click.option("--dropout", type=float, help="Override the preset's dropout.")
+@click.option("--dropout", type=float, help="Dropout (default: the preset's; the paper: 0.1 base, 0.3 big; "
+              "0.3 suits small data such as Multi30k).")
 @click.option("--vocab-size", type=int, help="Joint SentencePiece vocabulary size (a soft limit).")
 @click.option("--max-len", type=int, default=256, show_default=True,
               help="Drop training pairs with a side longer than this many tokens (counts are logged).")
@@ -41,7 +45,7 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--lr-scale", type=float, default=1.0, show_default=True,
               help="Multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
 @click.option("--warmup", type=int, help="Warmup steps of the inverse-square-root schedule (paper: 4000).")
-@click.option("--label-smoothing", type=float, default=0.1, show_default=True, help="Label smoothing.")
+@click.option("--label-smoothing", type=float, help="Label smoothing (default: the preset's; the paper: 0.1).")
 @click.option("--clip-norm", type=float, default=0.0, show_default=True,
               help="Clip the gradient norm to this value (0 = off, as in the paper).")
 @click.option("--seed", type=int, default=1, show_default=True,
@@ -69,12 +73,23 @@ _FILE = click.Path(dir_okay=False, path_type=Path)
 @click.option("--allow-changed-data", is_flag=True, help="Resume even though a corpus file's contents "
               "changed since the save dir's checkpoints (refused without it): keep the run's tokenizer "
               "and data position, record the new files' fingerprints.")
+@click.option("--max-time", metavar="DURATION", help="Wall-clock budget of the whole run, e.g. 90s, 60m, 1h30m: "
+              "counted from process start (data preparation included) and over resumes; at the budget a "
+              "checkpoint is written and training stops with status 0.")
+@click.option("--spm-alpha", type=float, default=_DEFAULT["spm_alpha"], show_default=True,
+              help="SentencePiece subword regularisation during training: sampling smoothing alpha "
+              "(0 = off; 0.1-0.2 typical for small data). Never used for validation, export or serving.")
+@click.option("--spm-nbest", type=int, default=_DEFAULT["spm_nbest"], show_default=True,
+              help="Subword sampling among the n best segmentations (-1 = all, from the lattice).")
+@click.option("--tensorboard/--no-tensorboard", default=True, show_default=True,
+              help="Write TensorBoard events under SAVE_DIR/tensorboard (needs the `tensorboard` package).")
 def train(**kwargs: object) -> None:
     """Train the Transformer on a parallel corpus (or the built-in one) into --save-dir.
 
     One process: `pipeline train ...`. Several (DDP, gloo on CPU, NCCL on GPU):
     `torchrun --standalone --nproc-per-node N -m pipeline train ...`. SIGINT/SIGTERM
     write a checkpoint and exit with status 130/143; rerun the same command to resume.
+    Validation keeps the best-BLEU weights as SAVE_DIR/checkpoint_best.pt.
     """
     opts = TrainOptions(**kwargs)  # type: ignore[arg-type]
     try:
@@ -89,8 +104,10 @@ def train(**kwargs: object) -> None:
 @click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--last", type=int, default=5, show_default=True,
               help="Average the last K step checkpoints (the paper: 5 for base, 20 for big).")
+@click.option("--best", type=int, help="Average instead the K step checkpoints ending at the best validation "
+              "BLEU (checkpoint_best.pt's step); K up to the run's --keep-last survive pruning.")
 @click.option("--out", type=_FILE, help="Output checkpoint (default SAVE_DIR/averaged.pt).")
-def average(save_dir: Path, last: int, out: Path | None) -> None:
+def average(save_dir: Path, last: int, best: int | None, out: Path | None) -> None:
     """Average the weights of the last K checkpoints of a save dir (section 6.1)."""
-    path = average_checkpoints(save_dir, last=last, out=out)
+    path = average_checkpoints(save_dir, last=last, out=out, best=best)
     click.echo(f"wrote {path}")

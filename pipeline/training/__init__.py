@@ -4,8 +4,11 @@
     step.py           one optimizer update: schedule, label-smoothed loss, precision, clipping
     loop.py           the loop: update, then log / validate / save on their schedules
     validation.py     validation loss and BLEU
-    checkpointing.py  step checkpoints: save, prune, exact resume (RNG of every rank), averaging
+    checkpointing.py  step checkpoints: save, prune, exact resume (RNG of every rank), the best
+                      checkpoint, averaging the last or the best window
     metrics.py        metrics.jsonl, and the signals that stop a run with a checkpoint
+    tensorboard.py    TensorBoard scalars beside metrics.jsonl (optional package)
+    budget.py         --max-time: the run's wall clock, added up over resumes
     trainer.py        train(): puts the parts together, one process or one torchrun rank
 
 The process group, device and "rank 0 first" helpers are in pipeline/distributed.py

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from model.checkpoint import (
     AVERAGED,
+    BEST,
     CheckpointWriteError,
     checkpoint_step,
     read_checkpoint,
@@ -141,6 +142,8 @@ class Progress:
     step: int = 0
     tokens: int = 0
     best_bleu: float | None = None
+    best_step: int | None = None  # the step of best_bleu (and of checkpoint_best.pt)
+    elapsed_s: float = 0.0  # wall clock of this run and the runs it resumed (--max-time)
 
 
 @dataclass
@@ -168,7 +171,8 @@ class Checkpointer:
                  "scaler": self.scaler.state_dict() if self.scaler else None,
                  "data": self.batches.state_dict(), "rng": rng, "world_size": self.ctx.world_size,
                  "tokens": progress.tokens, "best_bleu": progress.best_bleu, "config": self.config,
-                 "options": self.options, "data_files": self.data_files}
+                 "options": self.options, "data_files": self.data_files,
+                 "best_step": progress.best_step, "elapsed_s": progress.elapsed_s}
 
         def write() -> None:
             try:
@@ -178,12 +182,22 @@ class Checkpointer:
                 latest = step_checkpoints(self.save_dir)
                 resume = f"from {latest[-1].name}" if latest else "from the start"
                 raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
-            prune(self.save_dir, self.keep_last)
+            prune(self.save_dir, self.keep_last, progress.best_step)
 
         on_main(self.ctx, write, share=False)
         if not self.ctx.is_main:
             return None
         log.debug("wrote %s", path)
+        return path
+
+    def save_best(self, progress: Progress, valid: dict[str, Any]) -> Path:
+        """checkpoint_best.pt: the weights of the best validation BLEU so far, with its step and
+        BLEU (rank 0; a model checkpoint without training state, like averaged.pt)."""
+        path = self.save_dir / BEST
+        save_checkpoint(path, self.model, self.spm_bytes,
+                        extra={"step": progress.step, "bleu": progress.best_bleu, "valid": valid})
+        log.info("step %d: best validation BLEU so far (%.2f), kept as %s", progress.step,
+                 progress.best_bleu or 0.0, path)
         return path
 
     def restore(self, payload: dict[str, Any]) -> Progress:
@@ -204,32 +218,55 @@ class Checkpointer:
         else:
             log.warning("the checkpoint holds RNG states of %d process(es), this run has %d: dropout "
                         "masks will not replay exactly", len(rngs), self.ctx.world_size)
-        return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"))
+        return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"), state.get("best_step"),
+                        state.get("elapsed_s", 0.0))
 
 
-def prune(save_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` step checkpoints."""
-    for old in step_checkpoints(save_dir)[:-keep_last]:
-        old.unlink(missing_ok=True)
+def prune(save_dir: Path, keep_last: int, best_step: int | None = None) -> None:
+    """Delete all but the newest `keep_last` step checkpoints and the `keep_last` ending at the
+    best validation step (the window `pipeline average --best K` averages, for K <= keep_last)."""
+    paths = step_checkpoints(save_dir)
+    keep = set(paths[-keep_last:]) | set(best_window(paths, best_step, keep_last))
+    for old in paths:
+        if old not in keep:
+            old.unlink(missing_ok=True)
+
+
+def best_window(paths: list[Path], best_step: int | None, k: int) -> list[Path]:
+    """The k newest of `paths` (step checkpoints, ascending) at or before best_step."""
+    if best_step is None:
+        return []
+    return [p for p in paths if (checkpoint_step(p) or 0) <= best_step][-k:]
 
 
 # -- averaging ------------------------------------------------------------------------------
 
-def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None) -> Path:
+def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, best: int | None = None) -> Path:
     """Average the weights of the last `last` step checkpoints (section 6.1: the last 5
-    for base, 20 for big) into `out` (default save_dir/averaged.pt), atomically.
+    for base, 20 for big) into `out` (default save_dir/averaged.pt), atomically. With `best`,
+    average instead the `best` step checkpoints ending at the best validation BLEU's step
+    (recorded in checkpoint_best.pt).
 
     Its extra records the files averaged (`averaged`), their step numbers ascending
     (`steps`), and the newest of them (`step`)."""
     save_dir = Path(save_dir)
-    if last < 1:
-        raise UserError(f"--last must be at least 1 (got {last})")
+    option, count = ("--best", best) if best is not None else ("--last", last)
+    if count < 1:
+        raise UserError(f"{option} must be at least 1 (got {count})")
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
     out = Path(out) if out is not None else save_dir / AVERAGED
     remove_stale_temps(save_dir)
     remove_stale_temps(out.parent)
     paths = step_checkpoints(save_dir)[-last:]
+    if best is not None:
+        if not (save_dir / BEST).is_file():
+            raise UserError(f"{save_dir / BEST}: not found; --best needs a run with validation "
+                            "(--valid-src/--valid-tgt)")
+        best_step = read_checkpoint(save_dir / BEST)["extra"].get("step")
+        paths, last = best_window(step_checkpoints(save_dir), best_step, best), best
+        if not paths:
+            raise UserError(f"{save_dir}: no step checkpoint at or before the best step {best_step}")
     if not paths:
         raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
                         "--save-dir?")

@@ -1,5 +1,6 @@
 """The training loop: take the next global batch, update, then log, validate and save on
-their schedules, until --max-steps or a signal (which writes a checkpoint first)."""
+their schedules, until --max-steps, --max-time or a signal (the last two write a checkpoint
+first)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from model.checkpoint import step_checkpoints
 from pipeline.data import PreparedData, ShardedBatches
 from pipeline.errors import UserError
+from pipeline.training.budget import TimeBudget
 from pipeline.training.checkpointing import Checkpointer, Progress
 from pipeline.training.metrics import MetricsLog, StopFlag, TrainingInterrupted
 from pipeline.training.options import TrainOptions
 from pipeline.training.step import Stepper, UpdateStats, learning_rate
+from pipeline.training.tensorboard import TensorBoardLog
 from pipeline.training.validation import validate
 
 log = logging.getLogger(__name__)
@@ -53,10 +57,13 @@ class TrainLoop:
     data: PreparedData
     metrics: MetricsLog
     checkpointer: Checkpointer
+    budget: TimeBudget
+    tensorboard: TensorBoardLog
     last_valid: dict[str, Any] = field(default_factory=dict)
 
     def run(self, progress: Progress) -> Progress:
-        """Train from `progress` to --max-steps; raises TrainingInterrupted on SIGINT/SIGTERM."""
+        """Train from `progress` to --max-steps, or until --max-time is spent (a checkpoint, then
+        a normal return); raises TrainingInterrupted on SIGINT/SIGTERM."""
         opts, ctx, model = self.opts, self.stepper.ctx, self.stepper.model
         start_step, speed, nonfinite = progress.step, _Throughput(), 0
         bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
@@ -67,12 +74,16 @@ class TrainLoop:
                 position = self.batches.state_dict()
                 group = self.batches.next_group()
                 lr = learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale)
-                stats = self.stepper.update(group, lr, stop.signum is not None)
-                if stats.stop:
+                stats = self.stepper.update(group, lr, stop.signum is not None, self.budget.exhausted())
+                if stats.stop or stats.out_of_time:
                     self.batches.load_state_dict(position)  # this group was not trained on
-                    path = self.checkpointer.save(progress, self.last_valid)
+                if stats.stop:
+                    path = self._save(progress)
                     signum = stop.signum if stop.signum is not None else signal.SIGTERM
                     raise TrainingInterrupted(signum, progress.step, path)
+                if stats.out_of_time:
+                    self._out_of_time(progress, start_step)
+                    break
                 if not stats.finite:
                     nonfinite += 1
                     self._check_nonfinite(progress.step + 1, nonfinite)
@@ -86,6 +97,20 @@ class TrainLoop:
                 self._on_schedule(progress, stats, lr, speed, bar)
         self._summary(progress, start_step, speed)
         return progress
+
+    def _save(self, progress: Progress) -> Any:
+        progress.elapsed_s = self.budget.elapsed()
+        return self.checkpointer.save(progress, self.last_valid)
+
+    def _out_of_time(self, progress: Progress, start_step: int) -> None:
+        """--max-time is spent: checkpoint what this run trained (a resume that finds the budget
+        already spent has nothing new to save), then stop like --max-steps does."""
+        if progress.step > start_step or not step_checkpoints(self.checkpointer.save_dir):
+            self._save(progress)
+        if self.stepper.ctx.is_main:
+            log.info("time budget reached: --max-time %s spent (%.0f s in all runs) at step %d; a "
+                     "checkpoint of step %d is in %s", self.opts.max_time, self.budget.elapsed(),
+                     progress.step, progress.step, self.checkpointer.save_dir)
 
     def _check_nonfinite(self, step: int, in_a_row: int) -> None:
         log.warning("step %d: non-finite loss or gradient (%d in a row); update skipped", step, in_a_row)
@@ -102,12 +127,15 @@ class TrainLoop:
         if step % opts.log_every == 0 or final:
             tps = speed.window_rate()
             bar.set_postfix(loss=f"{stats.loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:.0f}")
-            self.metrics.write("train", step=step, loss=stats.loss, nll=stats.nll, lr=lr,
-                               tokens=progress.tokens, tokens_per_s=round(tps, 1), epoch=self.batches.epoch)
+            fields = dict(loss=stats.loss, nll=stats.nll, lr=lr, tokens=progress.tokens,
+                          tokens_per_s=round(tps, 1), grad_norm=round(stats.grad_norm, 4),
+                          epoch=self.batches.epoch)
+            self.metrics.write("train", step=step, **fields)
+            self.tensorboard.write("train", step, fields)
         if self.data.valid is not None and (step % opts.valid_every == 0 or final):
             self._validate(progress, bar)
         if step % opts.save_every == 0 or final:
-            self.checkpointer.save(progress, self.last_valid)
+            self._save(progress)
 
     def _validate(self, progress: Progress, bar: tqdm) -> None:
         """Rank 0 validates; every rank learns the best BLEU (it goes into checkpoints)."""
@@ -115,12 +143,14 @@ class TrainLoop:
         if ctx.is_main:
             result = validate(self.stepper.model, self.data, self.opts, ctx.device, self.stepper.precision)
             if progress.best_bleu is None or result["bleu"] > progress.best_bleu:
-                progress.best_bleu = result["bleu"]
+                progress.best_bleu, progress.best_step = result["bleu"], progress.step
+                self.checkpointer.save_best(progress, result)
             self.last_valid = result
             self.metrics.write("valid", step=progress.step, **result)
+            self.tensorboard.write("valid", progress.step, result)
             bar.write(f"step {progress.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} "
                       f"BLEU {result['bleu']:.2f} ({result['bleu_signature']})")
-        progress.best_bleu = ctx.broadcast(progress.best_bleu)
+        progress.best_bleu, progress.best_step = ctx.broadcast((progress.best_bleu, progress.best_step))
 
     def _summary(self, progress: Progress, start_step: int, speed: _Throughput) -> None:
         seconds = time.time() - speed.start

@@ -4,6 +4,7 @@ the checks of impossible numbers, and the part of them that makes a save dir one
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ class TrainOptions:
     max_steps: int | None = None
     lr_scale: float = 1.0
     warmup: int | None = None
-    label_smoothing: float = 0.1
+    label_smoothing: float | None = None
     clip_norm: float = 0.0
     seed: int = 1
     save_every: int | None = None
@@ -56,6 +57,10 @@ class TrainOptions:
     builtin_pairs: int | None = None
     progress: bool = True
     allow_changed_data: bool = False
+    max_time: str | None = None  # a duration (90s, 60m, 1h30m): the whole run, resumes included
+    spm_alpha: float = 0.0  # SentencePiece sampling smoothing during training (0 = off)
+    spm_nbest: int = -1  # sample among the n best segmentations (-1 = all, from the lattice)
+    tensorboard: bool = True  # write TensorBoard events when the package is installed
 
 
 # Options whose change makes a save dir a different experiment (checked on resume).
@@ -63,6 +68,9 @@ class TrainOptions:
 RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size", "max_len",
                "batch_tokens", "lr_scale", "warmup", "label_smoothing", "clip_norm", "seed",
                "builtin_pairs")
+# Subword sampling changes the experiment too, but is recorded only when on, so that save dirs
+# made before it existed still resume.
+SAMPLING_KEYS = ("spm_alpha", "spm_nbest")
 
 
 def resolve_options(opts: TrainOptions) -> TrainOptions:
@@ -117,6 +125,15 @@ def check_numbers(o: TrainOptions) -> None:
         problems.append(f"--valid-max-sentences must be >= 0, 0 = all (got {o.valid_max_sentences})")
     if o.builtin_pairs is not None and o.builtin_pairs < 10:
         problems.append(f"--builtin-pairs must be at least 10 (got {o.builtin_pairs})")
+    if o.max_time is not None:
+        try:
+            parse_duration(o.max_time)
+        except ValueError as e:
+            problems.append(str(e))
+    if not 0 <= o.spm_alpha <= 1:
+        problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
+    if o.spm_nbest == 0 or o.spm_nbest < -1:
+        problems.append(f"--spm-nbest must be -1 (all segmentations) or at least 1 (got {o.spm_nbest})")
     if o.threads is not None and o.threads < 1:
         problems.append(f"--threads must be at least 1 (got {o.threads})")
     if problems:
@@ -133,6 +150,8 @@ def model_config(opts: TrainOptions, vocab_size: int) -> ModelConfig:
 def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
     """What config.json records and a resumed run must match."""
     training = {k: getattr(opts, k) for k in RESUME_KEYS}
+    if opts.spm_alpha > 0:
+        training.update({k: getattr(opts, k) for k in SAMPLING_KEYS})
     for k in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
         if training[k] is not None:
             training[k] = str(Path(training[k]).resolve())
@@ -163,3 +182,22 @@ def describe_defaults() -> str:
     rows = [f"{name}: " + ", ".join(f"{k} {v}" for k, v in p.training_defaults().items())
             for name, p in PRESETS.items()]
     return "; ".join(rows)
+
+
+_DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in `90s`, `60m`, `1h30m`, `1.5h` or a plain number of seconds."""
+    text = text.strip().lower()
+    try:
+        seconds = float(text)
+    except ValueError:
+        match = _DURATION.fullmatch(text)
+        if not text or match is None:
+            raise ValueError(f"--max-time {text!r} is not a duration; write e.g. 90s, 60m or 1h30m") from None
+        h, m, s = (float(g) if g else 0.0 for g in match.groups())
+        seconds = 3600 * h + 60 * m + s
+    if seconds <= 0:
+        raise ValueError(f"--max-time must be positive (got {text!r})")
+    return seconds

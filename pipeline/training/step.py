@@ -70,6 +70,8 @@ class UpdateStats:
     src_tokens: int
     finite: bool
     stop: bool  # some rank was asked to stop: nothing was computed
+    out_of_time: bool = False  # some rank found --max-time spent: nothing was computed
+    grad_norm: float = float("nan")  # before clipping
 
 
 @dataclass
@@ -85,15 +87,18 @@ class Stepper:
     label_smoothing: float
     clip_norm: float  # 0 = off
 
-    def update(self, group: list[Batch], lr: float, stop_requested: bool) -> UpdateStats:
+    def update(self, group: list[Batch], lr: float, stop_requested: bool,
+               out_of_time: bool = False) -> UpdateStats:
         """One optimizer update over this rank's micro-batches of the global batch. Ranks agree
-        first on the token counts and on whether any of them was asked to stop."""
+        first on the token counts and on whether any of them was asked to stop or ran out of
+        time (in the same all-reduce, so the budget costs no extra collective)."""
         ctx, scaler = self.ctx, self.scaler
         local_tgt = sum(b.n_tgt_tokens for b in group)
         local_src = sum(b.n_src_tokens for b in group)
-        tgt_total, src_total, stop = ctx.all_reduce([local_tgt, local_src, float(stop_requested)])
-        if stop:
-            return UpdateStats(0.0, 0.0, 0, 0, True, True)
+        tgt_total, src_total, stop, late = ctx.all_reduce([local_tgt, local_src, float(stop_requested),
+                                                           float(out_of_time)])
+        if stop or late:
+            return UpdateStats(0.0, 0.0, 0, 0, True, bool(stop), out_of_time=bool(late) and not stop)
         loss_sum = nll_sum = 0.0
         for i, batch in enumerate(group):
             batch = batch.to(ctx.device)
@@ -110,21 +115,23 @@ class Stepper:
             loss_sum += loss.item()
             nll_sum += nll.item()
         loss_sum, nll_sum = ctx.all_reduce([loss_sum, nll_sum])
-        finite = self._apply(lr) if math.isfinite(loss_sum) else False
+        finite, grad_norm = self._apply(lr) if math.isfinite(loss_sum) else (False, float("nan"))
         self.optimizer.zero_grad(set_to_none=True)
         return UpdateStats(loss_sum / tgt_total, nll_sum / tgt_total, int(tgt_total), int(src_total),
-                           finite, False)
+                           finite, False, grad_norm=grad_norm)
 
-    def _apply(self, lr: float) -> bool:
-        """Clip and step; False (weights untouched) when the gradient is not finite."""
+    def _apply(self, lr: float) -> tuple[bool, float]:
+        """Clip and step; False (weights untouched) when the gradient is not finite. Also the
+        gradient norm before clipping."""
         scaler, optimizer = self.scaler, self.optimizer
         if scaler:
             scaler.unscale_(optimizer)
         max_norm = self.clip_norm if self.clip_norm > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         # GradScaler skips non-finite steps itself (and lowers its scale).
-        if scaler is None and not bool(torch.isfinite(grad_norm)):
-            return False
+        norm = float(grad_norm)
+        if scaler is None and not math.isfinite(norm):
+            return False, norm
         for g in optimizer.param_groups:
             g["lr"] = lr
         if scaler:
@@ -132,4 +139,4 @@ class Stepper:
             scaler.update()
         else:
             optimizer.step()
-        return True
+        return True, norm

@@ -28,12 +28,23 @@ from pipeline import synthetic
 from pipeline.data import CACHE_DIR, PreparedData, ShardedBatches, prepare_data
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
 from pipeline.errors import UserError
+from pipeline.sampling import SubwordSampler
 from pipeline.textio import atomic_output
+from pipeline.training.allocator import keep_freed_memory
+from pipeline.training.budget import TimeBudget, process_start_time
 from pipeline.training.checkpointing import Checkpointer, Progress, check_data, check_resume, data_fingerprint
 from pipeline.training.loop import TrainLoop
 from pipeline.training.metrics import METRICS_FILE, MetricsLog, TrainingInterrupted
-from pipeline.training.options import TrainOptions, comparable_config, jsonable, model_config, resolve_options
+from pipeline.training.options import (
+    TrainOptions,
+    comparable_config,
+    jsonable,
+    model_config,
+    parse_duration,
+    resolve_options,
+)
 from pipeline.training.step import Stepper, resolve_precision
+from pipeline.training.tensorboard import TensorBoardLog
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +52,23 @@ CONFIG_FILE = "config.json"
 DATA_DIR = "data"  # the built-in corpus' text files, inside the save dir
 
 
-def train(opts: TrainOptions) -> Path:
+def train(opts: TrainOptions, started: float | None = None) -> Path:
     """Train (or resume) into opts.save_dir; returns the save dir. Works under torchrun.
 
+    --max-time counts from `started` (epoch seconds; default: when this process started).
     Raises TrainingInterrupted after writing a checkpoint when SIGINT/SIGTERM arrive.
     """
+    started = process_start_time() if started is None else started
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
     _check_save_dir(Path(opts.save_dir))
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx = init_distributed(opts.device)
+    if ctx.device.type == "cpu":
+        keep_freed_memory()
     try:
-        return _train(opts, ctx)
+        return _train(opts, ctx, started)
     finally:
         shutdown(ctx)
 
@@ -68,7 +83,7 @@ def _check_save_dir(save_dir: Path) -> None:
                         "writable one") from None
 
 
-def _train(opts: TrainOptions, ctx: DistContext) -> Path:
+def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     save_dir = Path(opts.save_dir)
     if ctx.is_main:  # only rank 0 writes here; another node's live temps have pids we cannot see
         for d in (save_dir, save_dir / CACHE_DIR, save_dir / DATA_DIR):
@@ -88,8 +103,10 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
     model = build_model(cfg).to(ctx.device)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.0, betas=(0.9, 0.98), eps=1e-9)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    sampler = SubwordSampler(data.spm_bytes, data.train, data.train_lines, opts.spm_alpha, opts.spm_nbest,
+                             opts.max_len) if data.train_lines is not None else None
     batches = ShardedBatches(data.train, opts.batch_tokens, opts.seed, ctx.world_size, ctx.rank,
-                             opts.update_freq)
+                             opts.update_freq, sampler)
     torch.manual_seed(opts.seed + ctx.rank)  # dropout masks differ between ranks
     random.seed(opts.seed + ctx.rank)
     np.random.seed(opts.seed + ctx.rank)
@@ -109,6 +126,7 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
         with atomic_output(save_dir / CONFIG_FILE) as f:
             json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts),
                        "data_files": data_files}, f, indent=2)
+    budget = TimeBudget(parse_duration(opts.max_time) if opts.max_time else None, progress.elapsed_s, started)
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
                  opts.max_steps)
@@ -122,14 +140,17 @@ def _train(opts: TrainOptions, ctx: DistContext) -> Path:
              "--batch-tokens %d; precision %s on %s", opts.preset, n_params / 1e6, cfg.vocab_size,
              len(data.train), ctx.world_size, opts.update_freq, opts.batch_tokens, precision, ctx.device)
     stepper = Stepper(net, model, optimizer, scaler, ctx, precision, opts.label_smoothing, opts.clip_norm)
+    tensorboard = TensorBoardLog(save_dir, opts.tensorboard and ctx.is_main, progress.step if payload else None)
     try:
-        TrainLoop(opts, stepper, batches, data, metrics, checkpointer).run(progress)
+        TrainLoop(opts, stepper, batches, data, metrics, checkpointer, budget, tensorboard).run(progress)
     except KeyboardInterrupt:  # a second Ctrl-C; a checkpoint write it hit finished first
         if not ctx.is_main:
             raise
         latest = step_checkpoints(save_dir)
         raise TrainingInterrupted(signal.SIGINT, progress.step, latest[-1] if latest else None,
                                   aborted=True) from None
+    finally:
+        tensorboard.close()
     return save_dir
 
 
@@ -149,6 +170,7 @@ def _prepare(opts: TrainOptions, ctx: DistContext, resume_spm: bytes | None) -> 
             train_pair = (Path(opts.train_src), Path(opts.train_tgt))  # type: ignore[arg-type]
             valid_pair = (Path(opts.valid_src), Path(opts.valid_tgt)) if opts.valid_src else (None, None)
         return prepare_data(save_dir, *train_pair, *valid_pair, vocab_size=opts.vocab_size,
-                            max_len=opts.max_len, spm_bytes=resume_spm, write=write)
+                            max_len=opts.max_len, spm_bytes=resume_spm, write=write,
+                            keep_train_text=opts.spm_alpha > 0)
 
     return rank0_first(ctx, work)

@@ -1,0 +1,42 @@
+"""--max-time: a wall-clock budget for a whole run, counted from process start (data
+preparation included) and added up over resumes through the checkpoints' `elapsed_s`."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+
+def process_start_time() -> float:
+    """When this process started (epoch seconds), so that imports and data preparation
+    count against the budget; the time of the first call where /proc is unavailable."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            # Field 22 (after the parenthesised command name) is the start time in clock ticks
+            # since boot.
+            ticks = float(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        started = time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+        return min(started, time.time())
+    except (OSError, ValueError, IndexError):
+        return _FIRST_CALL
+
+
+_FIRST_CALL = time.time()
+
+
+@dataclass
+class TimeBudget:
+    """Seconds spent by this run and the runs it resumes; `limit_s` None = no budget."""
+
+    limit_s: float | None
+    used_before_s: float = 0.0  # recorded by the checkpoint this run resumed from
+    started: float = field(default_factory=process_start_time)
+
+    def elapsed(self) -> float:
+        return self.used_before_s + (time.time() - self.started)
+
+    def exhausted(self) -> bool:
+        return self.limit_s is not None and self.elapsed() >= self.limit_s

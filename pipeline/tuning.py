@@ -1,0 +1,71 @@
+"""Choose the beam width and length penalty on a validation set (never a test set): translate
+it with every combination through the path serve-batch and parity use (runtime.translate with
+a DecodingOptions) and score each with sacreBLEU."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.manifest import MANIFEST
+from pipeline.errors import UserError
+from pipeline.textio import read_lines
+from runtime.decoding import DecodingOptions
+from runtime.loader import load_backend, load_torch_backend_from_checkpoint
+from runtime.translate import translate_lines
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Trial:
+    beam_size: int
+    alpha: float
+    bleu: float
+    chrf: float
+
+
+def parse_list(text: str, kind: type, option: str) -> list[Any]:
+    """`1,4,6` -> [1, 4, 6]; a one-line error naming the option otherwise."""
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{option} {text!r}: give comma-separated numbers, e.g. 1,4,6") from None
+    if not values:
+        raise UserError(f"{option} is empty")
+    return values
+
+
+def load_for_tuning(model: Path, device: str | None) -> tuple[Any, Any]:
+    """(backend, tokenizer) of an exported model dir (its default backend) or of a checkpoint /
+    training save dir (PyTorch; its averaged or latest checkpoint)."""
+    if (Path(model) / MANIFEST).is_file():
+        backend, tokenizer, _ = load_backend(model, device=device)
+        return backend, tokenizer
+    return load_torch_backend_from_checkpoint(model, device=device)
+
+
+def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: list[float],
+                  base: DecodingOptions, device: str | None = None) -> list[Trial]:
+    """Every (beam, alpha) scored on src/ref, best BLEU first (ties: smaller beam, then alpha)."""
+    import sacrebleu
+
+    if any(part in Path(src).name.lower() for part in ("test", "newstest")):
+        log.warning("%s looks like a test set: choose decoding options on validation data, and keep "
+                    "the test sets for the final score", src)
+    sources, refs = read_lines(src), read_lines(ref)
+    if len(sources) != len(refs):
+        raise UserError(f"{src} has {len(sources)} lines but {ref} has {len(refs)}; they must be line-aligned")
+    backend, tokenizer = load_for_tuning(model, device)
+    trials = []
+    for beam in beams:
+        for alpha in alphas:
+            options = base.replace(beam_size=beam, alpha=alpha).validate()
+            hyps = translate_lines(backend, tokenizer, sources, options)
+            trial = Trial(beam, alpha, round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+                          round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
+            log.info("beam %d alpha %.2f: BLEU %.2f chrF %.2f", beam, alpha, trial.bleu, trial.chrf)
+            trials.append(trial)
+    return sorted(trials, key=lambda t: (-t.bleu, t.beam_size, t.alpha))

@@ -1,0 +1,258 @@
+"""The recipe levers of `pipeline train`: --max-time over resumes, subword sampling (training
+only, exact on resume and across ranks), the best checkpoint and averaging its window,
+TensorBoard events, per-preset regularisation, and decoding options chosen on validation."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_parallel, run_cli, write_parallel
+from test_train import TINY, env_with_root, weights
+
+from model.checkpoint import BEST, read_checkpoint, step_checkpoints
+from pipeline.data import ShardedBatches, iter_eval_batches, prepare_data
+from pipeline.sampling import SubwordSampler
+from pipeline.training import TrainOptions, resolve_options, train
+from pipeline.training.checkpointing import prune
+from pipeline.training.options import parse_duration
+from runtime.loader import load_torch_backend_from_checkpoint
+from runtime.translate import translate_lines
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> tuple[Path, Path]:
+    src, tgt = make_parallel(120, seed=3)
+    return write_parallel(tmp_path_factory.mktemp("corpus"), "train", src, tgt)
+
+
+def tiny_opts(save_dir: Path, corpus: tuple[Path, Path], **changes) -> TrainOptions:
+    values = dict(save_dir=save_dir, train_src=corpus[0], train_tgt=corpus[1], preset="tiny", vocab_size=64,
+                  batch_tokens=256, warmup=20, threads=1, progress=False, max_steps=100000,
+                  save_every=100000, log_every=1)
+    return TrainOptions(**{**values, **changes})
+
+
+def train_state(save_dir: Path) -> dict:
+    return read_checkpoint(step_checkpoints(save_dir)[-1])["train_state"]
+
+
+# -- --max-time ------------------------------------------------------------------------------
+
+def test_durations_parse_and_bad_ones_are_named():
+    assert parse_duration("90s") == 90 and parse_duration("60m") == 3600
+    assert parse_duration("1h30m") == 5400 and parse_duration("1.5h") == 5400 and parse_duration("45") == 45
+    for bad in ("", "soon", "10x", "0s", "-5"):
+        with pytest.raises(ValueError, match="--max-time"):
+            parse_duration(bad)
+
+
+def test_time_budget_stops_with_a_checkpoint_and_resume_spends_only_the_rest(corpus, tmp_path):
+    run = tmp_path / "run"
+    started = time.time()
+    train(tiny_opts(run, corpus, max_time="8s"), started=started)
+    took = time.time() - started
+    first = train_state(run)
+    assert first["step"] > 0 and 8 <= first["elapsed_s"] <= took
+    # The same budget again: already spent, so nothing is trained and nothing rewritten.
+    before = [p.stat().st_mtime_ns for p in step_checkpoints(run)]
+    train(tiny_opts(run, corpus, max_time="8s"), started=time.time())
+    assert train_state(run)["step"] == first["step"]
+    assert [p.stat().st_mtime_ns for p in step_checkpoints(run)] == before
+    # A larger budget continues for the remainder only, and the time adds up over runs.
+    started = time.time()
+    train(tiny_opts(run, corpus, max_time="12s"), started=started)
+    second = train_state(run)
+    assert second["step"] > first["step"]
+    assert 12 <= second["elapsed_s"] <= first["elapsed_s"] + (time.time() - started)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in metrics if m["event"] == "train"]
+    assert steps == list(range(1, second["step"] + 1))
+
+
+def test_time_budget_exits_0_with_a_clear_line_counting_from_process_start(corpus, tmp_path):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), "--train-src", str(corpus[0]),
+           "--train-tgt", str(corpus[1]), *TINY, "--max-steps", "100000", "--max-time", "4s"]
+    done = subprocess.run(cmd, env=env_with_root(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "time budget reached" in done.stderr
+    # Python and torch start-up count too: the recorded time covers the whole process.
+    assert train_state(run)["elapsed_s"] >= 4
+    assert run_cli("train", "--save-dir", run, "--train-src", corpus[0], "--train-tgt", corpus[1], *TINY,
+                   "--max-time", "1h2", "--max-steps", "9") == 2
+
+
+# -- subword sampling ------------------------------------------------------------------------
+
+def prepared(corpus, tmp_path, keep_text=True):
+    return prepare_data(tmp_path / "prep", corpus[0], corpus[1], corpus[0], corpus[1], vocab_size=64,
+                        max_len=256, keep_train_text=keep_text)
+
+
+def test_sampling_varies_between_epochs_and_is_a_function_of_the_key(corpus, tmp_path):
+    data = prepared(corpus, tmp_path)
+    sampler = SubwordSampler(data.spm_bytes, data.train, data.train_lines, alpha=0.5, nbest=-1, max_len=256)
+    indices = torch.arange(len(data.train)).numpy()
+    epoch1, epoch2 = sampler(indices, (1, 1, 0)), sampler(indices, (1, 2, 0))
+    assert epoch1 != epoch2  # the same sentences, segmented differently
+    assert sampler(indices, (1, 1, 0)) == epoch1  # the key alone decides
+    # Every sampled segmentation spells the same text as the deterministic one.
+    tok = data.tokenizer
+    assert tok.decode(epoch2[0]) == tok.decode([list(data.train.src(i)) for i in indices])
+    deterministic = [list(data.train.src(i)) for i in indices]
+    assert epoch1[0] != deterministic
+
+
+def test_validation_batches_never_sample(corpus, tmp_path):
+    data = prepared(corpus, tmp_path)
+    sampler = SubwordSampler(data.spm_bytes, data.train, data.train_lines, alpha=0.5, nbest=-1, max_len=256)
+    sampler(torch.arange(10).numpy(), (1, 1, 0))  # sampling leaves no state behind in the tokenizer
+    assert data.valid is not None
+    expected = data.tokenizer.encode(data.valid_src_lines)
+    got = {}
+    for batch in iter_eval_batches(data.valid, 256):
+        for row in batch.src.tolist():
+            ids = [t for t in row if t not in (0, 3)]
+            got[tuple(ids)] = True
+    assert all(tuple(e) in got for e in expected if e)
+    assert data.tokenizer.encode(data.valid_src_lines) == expected
+
+
+def test_sampled_batches_are_the_same_on_any_number_of_ranks(corpus, tmp_path):
+    data = prepared(corpus, tmp_path)
+
+    def stream(world: int, rank: int) -> ShardedBatches:
+        sampler = SubwordSampler(data.spm_bytes, data.train, data.train_lines, 0.5, -1, 256)
+        return ShardedBatches(data.train, 128, 1, world, rank, 1, sampler)
+
+    one, r0, r1 = stream(1, 0), stream(2, 0), stream(2, 1)
+    for _ in range(3):
+        a, b = one.next_group(), one.next_group()
+        (c,), (d,) = r0.next_group(), r1.next_group()
+        assert torch.equal(a[0].src, c.src) and torch.equal(b[0].tgt_out, d.tgt_out)
+
+
+def test_resume_is_bit_exact_with_sampling_on(corpus, tmp_path):
+    common = ["--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, "--dropout", "0.1", "--save-every", "100",
+              "--spm-alpha", "0.3"]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_cli("train", "--save-dir", straight, *common, "--max-steps", "12") == 0
+    assert run_cli("train", "--save-dir", resumed, *common, "--max-steps", "5") == 0
+    assert run_cli("train", "--save-dir", resumed, *common, "--max-steps", "12") == 0
+    a, b = weights(straight), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # Sampling is part of the experiment: the same save dir without it is refused.
+    assert run_cli("train", "--save-dir", resumed, *common[:-2], "--max-steps", "13") == 2
+    off = tmp_path / "off"
+    assert run_cli("train", "--save-dir", off, *common[:-2], "--max-steps", "12") == 0
+    c = weights(off)
+    assert not all(torch.equal(a[k], c[k]) for k in a)  # sampling changed what was trained on
+
+
+# -- best checkpoint and averaging its window ------------------------------------------------
+
+def test_pruning_keeps_the_last_and_the_best_window(tmp_path):
+    for step in range(1, 10):
+        (tmp_path / f"checkpoint_{step:08d}.pt").write_bytes(b"x")
+    (tmp_path / BEST).write_bytes(b"x")
+    prune(tmp_path, keep_last=2, best_step=4)
+    assert [int(p.name[11:19]) for p in step_checkpoints(tmp_path)] == [3, 4, 8, 9]
+    assert (tmp_path / BEST).is_file()
+    prune(tmp_path, keep_last=2, best_step=None)
+    assert [int(p.name[11:19]) for p in step_checkpoints(tmp_path)] == [8, 9]
+
+
+def test_best_checkpoint_follows_validation_bleu_and_average_best_uses_its_window(tmp_path):
+    src, tgt = make_parallel(40, seed=7)
+    files = write_parallel(tmp_path / "data", "train", src, tgt)
+    run = tmp_path / "run"
+    train(tiny_opts(run, files, valid_src=files[0], valid_tgt=files[1], max_steps=40, warmup=10,
+                    batch_tokens=512, save_every=4, valid_every=4, keep_last=2, log_every=4))
+    valid = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
+             if json.loads(x)["event"] == "valid"]
+    best_bleu = max(v["bleu"] for v in valid)
+    best_step = next(v["step"] for v in valid if v["bleu"] == best_bleu)  # the first to reach it
+    extra = read_checkpoint(run / BEST)["extra"]
+    assert (extra["step"], extra["bleu"]) == (best_step, best_bleu)
+    assert train_state(run)["best_step"] == best_step and train_state(run)["best_bleu"] == best_bleu
+    kept = [read_checkpoint(p)["train_state"]["step"] for p in step_checkpoints(run)]
+    assert best_step in kept and kept[-2:] == [36, 40]
+    best_weights = read_checkpoint(run / BEST)["model"]
+    at_best = read_checkpoint(run / f"checkpoint_{best_step:08d}.pt")["model"]
+    assert all(torch.equal(best_weights[k], at_best[k]) for k in at_best)
+    assert run_cli("average", run, "--best", "2", "--out", tmp_path / "avg.pt") == 0
+    window = [s for s in kept if s <= best_step][-2:]
+    assert read_checkpoint(tmp_path / "avg.pt")["extra"]["steps"] == window
+    assert run_cli("average", tmp_path / "data", "--best", "2") == 2  # no checkpoint_best.pt there
+
+
+# -- TensorBoard -----------------------------------------------------------------------------
+
+def scalars(run: Path, tag: str) -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_tensorboard_events_are_written_and_not_duplicated_on_resume(corpus, tmp_path):
+    pytest.importorskip("tensorboard")
+    run = tmp_path / "run"
+    opts = dict(valid_src=corpus[0], valid_tgt=corpus[1], valid_every=3, save_every=3, valid_max_sentences=5)
+    train(tiny_opts(run, corpus, max_steps=6, **opts))
+    for tag in ("train/loss", "train/lr", "train/tokens_per_s", "train/grad_norm"):
+        assert scalars(run, tag) == [1, 2, 3, 4, 5, 6]
+    assert scalars(run, "valid/bleu") == [3, 6] and scalars(run, "valid/loss") == [3, 6]
+    # A run killed after logging steps 4-6 but before their checkpoint: resume from step 3.
+    (run / "checkpoint_00000006.pt").unlink()
+    train(tiny_opts(run, corpus, max_steps=8, **opts))
+    assert scalars(run, "train/loss") == list(range(1, 9))
+    assert scalars(run, "valid/bleu") == [3, 6, 8]  # 6 once (purged, then redone), 8 as the last step
+    quiet = tmp_path / "quiet"
+    train(tiny_opts(quiet, corpus, max_steps=2, tensorboard=False))
+    assert not (quiet / "tensorboard").exists()
+
+
+# -- per-preset regularisation and decoding tuned on validation ------------------------------
+
+def test_dropout_and_label_smoothing_default_per_preset_and_can_be_overridden(tmp_path):
+    base = dict(save_dir=tmp_path, train_src=tmp_path / "s", train_tgt=tmp_path / "t")
+    big = resolve_options(TrainOptions(**base, preset="big"))
+    assert (big.dropout, big.label_smoothing, big.warmup) == (0.3, 0.1, 4000)
+    mine = resolve_options(TrainOptions(**base, preset="big", dropout=0.2, label_smoothing=0.2, warmup=99))
+    assert (mine.dropout, mine.label_smoothing, mine.warmup) == (0.2, 0.2, 99)
+
+
+def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, memorise_corpus, capsys):
+    src, tgt = memorise_corpus
+    assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "1,2",
+                   "--alphas", "0.6,1.0") == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[1:5]]
+    assert sorted((int(r[0]), float(r[1])) for r in rows) == [(1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0)]
+    import sacrebleu
+
+    backend, tokenizer = load_torch_backend_from_checkpoint(trained_save_dir)
+    lines, refs = src.read_text().splitlines(), tgt.read_text().splitlines()
+    greedy = sacrebleu.corpus_bleu(translate_lines(backend, tokenizer, lines, beam_size=1), [refs]).score
+    assert any(int(r[0]) == 1 and float(r[2]) == round(greedy, 2) for r in rows)
+    best = max(float(r[2]) for r in rows)
+    assert f"(BLEU {best:.2f})" in out.splitlines()[5]
+    assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "x") == 2
+
+
+def test_cpu_training_keeps_freed_memory_unless_the_user_tuned_malloc(monkeypatch):
+    from pipeline.training.allocator import keep_freed_memory
+
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
+    assert keep_freed_memory() is False  # the user's own glibc setting wins
+    monkeypatch.delenv("MALLOC_MMAP_MAX_")
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    assert keep_freed_memory() is sys.platform.startswith("linux")
