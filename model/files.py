@@ -142,17 +142,22 @@ def write_failure(error: BaseException, path: str | Path) -> OSError | None:
     ("PytorchStreamWriter failed writing file ... unexpected pos ..."), and a flush or
     fsync raises ENOSPC without a file name: both must reach the user as "path: no
     space left on device", not as a traceback."""
+    chain: list[BaseException] = []
     seen: BaseException | None = error
     while seen is not None:  # Ctrl-C that surfaced as the writer's error stays Ctrl-C
         if isinstance(seen, KeyboardInterrupt):
             return None
+        chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     if isinstance(error, OSError):
         if error.filename is not None or error.errno is None:
             return None
         return OSError(error.errno, error.strerror, str(path))
     if isinstance(error, RuntimeError) and ("unexpected pos" in str(error) or "failed writing" in str(error)):
-        code = errno.ENOSPC if disk_full(Path(path).parent) else errno.EIO
+        # The OSError the writer hit, when torch kept it; else judge by the disk itself.
+        code = next((c.errno for c in chain if isinstance(c, OSError) and c.errno), None)
+        if code is None:
+            code = errno.ENOSPC if disk_full(Path(path).parent) else errno.EIO
         return OSError(code, os.strerror(code), str(path))
     return None
 
