@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # SentencePiece ids fixed for every model of this project (see runtime/tokenizer and
-# pipeline/data, which train the SentencePiece model with exactly these ids).
+# pipeline/corpus/data, which train the SentencePiece model with exactly these ids).
 PAD_ID = 0
 UNK_ID = 1
 BOS_ID = 2

@@ -36,24 +36,24 @@ def cli(verbose: bool) -> None:
 
 def _register() -> None:
     # One line per command module; each module defines exactly one click command.
-    from pipeline.train_cli import average, train
+    from pipeline.commands.train import average, train
     cli.add_command(train)
     cli.add_command(average)
-    from pipeline.serve_cli import serve_batch
+    from pipeline.commands.serve_batch import serve_batch
     cli.add_command(serve_batch)
-    from pipeline.serve_http_cli import serve
+    from pipeline.commands.serve import serve
     cli.add_command(serve)
-    from pipeline.export_cli import export
+    from pipeline.commands.export import export
     cli.add_command(export)
-    from pipeline.parity_cli import parity
+    from pipeline.commands.parity import parity
     cli.add_command(parity)
-    from pipeline.bench_cli import bench
+    from pipeline.commands.bench import bench
     cli.add_command(bench)
-    from pipeline.demo_cli import demo
+    from pipeline.commands.demo import demo
     cli.add_command(demo)
-    from pipeline.doctor_cli import doctor
+    from pipeline.commands.doctor import doctor
     cli.add_command(doctor)
-    from pipeline.tune_cli import tune_decoding_cmd
+    from pipeline.commands.tune import tune_decoding_cmd
     cli.add_command(tune_decoding_cmd)
 
 

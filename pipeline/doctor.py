@@ -1,7 +1,7 @@
 """`pipeline doctor`: what this machine can run, and what can serve a given model dir here.
 
 Facts are gathered once into plain dataclasses (`gather_facts`), so that what depends on
-them (the model dir verdicts here, the demo plan in pipeline/demo_plan.py) are pure
+them (the model dir verdicts here, the demo plan in pipeline/demo/plan.py) are pure
 functions that tests feed with fabricated machines. Every probe is guarded: a missing or
 broken library is a fact with its reason, never an exception.
 """

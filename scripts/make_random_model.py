@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model import build_model, preset  # noqa: E402
 from model.checkpoint import save_checkpoint  # noqa: E402
-from pipeline.spm import train_sentencepiece  # noqa: E402
+from pipeline.corpus.spm import train_sentencepiece  # noqa: E402
 from runtime.tokenizer import Tokenizer  # noqa: E402
 
 

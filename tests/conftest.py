@@ -10,7 +10,7 @@ import torch
 
 from model import build_model, preset
 from model.checkpoint import save_checkpoint
-from pipeline.spm import train_sentencepiece
+from pipeline.corpus.spm import train_sentencepiece
 
 
 def run_cli(*args) -> int:

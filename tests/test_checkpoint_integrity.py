@@ -110,7 +110,7 @@ def test_a_checkpoint_from_before_checksums_loads_with_a_warning(checkpoint, tmp
 
 
 def test_a_damaged_encoded_corpus_cache_is_encoded_again(tmp_path, caplog):
-    from pipeline.data import CACHE_DIR, prepare_data
+    from pipeline.corpus.data import CACHE_DIR, prepare_data
 
     src, tgt = write_parallel(tmp_path, "c", *make_parallel(60, seed=2))
     first = prepare_data(tmp_path / "run", src, tgt, None, None, vocab_size=40, max_len=64)

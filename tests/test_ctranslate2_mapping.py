@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from model.checkpoint import load_model, resolve_checkpoint
-from pipeline import ctranslate2_compare
+from pipeline.evaluation import ctranslate2_compare
 from runtime.tokenizer import Tokenizer
 
 pytest.importorskip("ctranslate2")

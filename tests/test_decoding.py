@@ -9,7 +9,7 @@ import pytest
 from conftest import run_cli
 
 from model.config import EOS_ID
-from pipeline.parity_cli import parse_backends
+from pipeline.commands.parity import parse_backends
 from runtime.decoding import PAPER, DecodingError, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.loader import backend_names

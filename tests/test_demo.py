@@ -35,7 +35,7 @@ def test_demo_runs_every_stage(tmp_path, capsys):
     # what this machine cannot run is listed with its reason (here: TensorRT, at least)
     import torch
 
-    from pipeline.demo_plan import plan_demo
+    from pipeline.demo.plan import plan_demo
     from pipeline.doctor import gather_facts
 
     skipped = plan_demo(gather_facts()).skipped

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.demo_plan import Run, format_plan, plan_demo
+from pipeline.demo.plan import Run, format_plan, plan_demo
 from pipeline.doctor import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts
 
 CPU_EPS = ("CPUExecutionProvider",)

@@ -16,8 +16,8 @@ from conftest import make_parallel, run_cli, write_parallel
 from test_train import TINY, env_with_root, weights
 
 from model.checkpoint import BEST, read_checkpoint, step_checkpoints
-from pipeline.data import ShardedBatches, iter_eval_batches, prepare_data
-from pipeline.sampling import SubwordSampler
+from pipeline.corpus.data import ShardedBatches, iter_eval_batches, prepare_data
+from pipeline.corpus.sampling import SubwordSampler
 from pipeline.training import TrainOptions, resolve_options, train
 from pipeline.training.checkpointing import prune
 from pipeline.training.options import parse_duration

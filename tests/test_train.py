@@ -17,8 +17,8 @@ import torch
 from conftest import MEMORISE_PAIRS, make_parallel, run_cli, write_parallel
 
 from model.checkpoint import read_checkpoint, step_checkpoints
-from pipeline import synthetic
-from pipeline.data import make_batches
+from pipeline.corpus import synthetic
+from pipeline.corpus.data import make_batches
 from pipeline.training import learning_rate
 from runtime.loader import load_torch_backend_from_checkpoint
 from runtime.translate import translate_lines

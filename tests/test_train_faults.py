@@ -23,7 +23,7 @@ from test_train import TINY, env_with_root, last_step, weights
 
 from model import checkpoint as checkpoint_module
 from model.checkpoint import read_checkpoint, step_checkpoints
-from pipeline.data import CACHE_DIR
+from pipeline.corpus.data import CACHE_DIR
 
 LOG_LINE = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR) ")
 
@@ -194,12 +194,12 @@ def read_only_dir(tmp_path, mount_tmpfs) -> Iterator[Path]:
 
 
 def test_a_read_only_save_dir_fails_before_any_work(corpus, read_only_dir, capsys, monkeypatch):
-    import pipeline.data
+    import pipeline.corpus.data
 
     def never(*args, **kwargs):
         raise AssertionError("SentencePiece trained before the save dir was checked")
 
-    monkeypatch.setattr(pipeline.data, "train_sentencepiece", never)
+    monkeypatch.setattr(pipeline.corpus.data, "train_sentencepiece", never)
     run = read_only_dir / "run"
     assert run_cli("train", *common(run, corpus, "--max-steps", "1")) == 2
     (line,) = messages(capsys.readouterr().err)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.manifest import Manifest
-from pipeline.translation import format_line
+from pipeline.serving.translation import format_line
 from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.loader import load_backend

@@ -33,7 +33,7 @@ from model.checkpoint import (
 from model.config import ModelConfig
 from model.files import remove_stale_temps
 from model.transformer import Transformer
-from pipeline.data import ShardedBatches, file_fingerprint
+from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
 from pipeline.errors import UserError
 from pipeline.training.options import TrainOptions, config_differences
@@ -92,7 +92,7 @@ CORPUS_OPTIONS = ("train_src", "train_tgt", "valid_src", "valid_tgt")
 
 
 def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
-    """Size and SHA-256 of each corpus file given (pipeline.data.file_fingerprint), by option;
+    """Size and SHA-256 of each corpus file given (pipeline.corpus.data.file_fingerprint), by option;
     None for the built-in corpus, whose contents --seed and --builtin-pairs already pin."""
     if opts.builtin_pairs is not None:
         return None

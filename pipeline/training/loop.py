@@ -13,7 +13,7 @@ from typing import Any
 from tqdm import tqdm
 
 from model.checkpoint import step_checkpoints
-from pipeline.data import PreparedData, ShardedBatches
+from pipeline.corpus.data import PreparedData, ShardedBatches
 from pipeline.errors import UserError
 from pipeline.training.budget import TimeBudget
 from pipeline.training.checkpointing import Checkpointer, Progress

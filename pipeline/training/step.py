@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from model.config import PAD_ID
 from model.transformer import Transformer
-from pipeline.data import Batch
+from pipeline.corpus.data import Batch
 from pipeline.distributed import DistContext
 from pipeline.errors import UserError
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from model.transformer import Transformer
-from pipeline.data import PreparedData, iter_eval_batches
+from pipeline.corpus.data import PreparedData, iter_eval_batches
 from pipeline.training.options import TrainOptions
 from pipeline.training.step import autocast, token_losses
 from runtime.decoding import PAPER

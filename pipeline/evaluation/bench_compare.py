@@ -30,9 +30,9 @@ import torch
 
 from model.checkpoint import load_model
 from model.manifest import CHECKPOINT_FILE, read_manifest
-from pipeline import ctranslate2_compare
-from pipeline.bench import bench_backend, make_sources, peak_rss_mb
 from pipeline.errors import UserError
+from pipeline.evaluation import ctranslate2_compare
+from pipeline.evaluation.bench import bench_backend, make_sources, peak_rss_mb
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 from runtime.tokenizer import Tokenizer

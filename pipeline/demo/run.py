@@ -19,10 +19,10 @@ import sacrebleu
 
 from export.api import export_model
 from model.manifest import PRECISIONS
-from pipeline.demo_plan import DemoPlan, format_plan, plan_demo
+from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.doctor import gather_facts
-from pipeline.parity import ParityReport, format_table, run_parity, write_json
-from pipeline.serve import ServeOptions, serve_files
+from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
+from pipeline.serving.serve import ServeOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.decoding import PAPER, DecodingOptions
@@ -39,7 +39,7 @@ class DemoOptions:
     max_steps: int | None = None
     builtin_pairs: int | None = None
     average_last: int = 3
-    backends: tuple[str, ...] | None = None  # None: every backend this machine can run (demo_plan)
+    backends: tuple[str, ...] | None = None  # None: every backend this machine can run (demo/plan.py)
     decoding: DecodingOptions = PAPER
     threads: int | None = None
     progress: bool = True

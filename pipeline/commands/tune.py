@@ -1,4 +1,4 @@
-"""`pipeline tune-decoding`: parse options, delegate to pipeline.tuning."""
+"""`pipeline tune-decoding`: parse options, delegate to pipeline.evaluation.tuning."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli_options import decoding_options
-from pipeline.tuning import parse_list, tune_decoding
+from pipeline.evaluation.tuning import parse_list, tune_decoding
 from runtime.decoding import DecodingOptions
 
 _PATH = click.Path(path_type=Path)

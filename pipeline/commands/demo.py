@@ -9,8 +9,8 @@ import click
 
 from model.config import PRESETS
 from pipeline.cli_options import decoding_options
-from pipeline.demo import DemoOptions, format_result, run_demo
-from pipeline.parity_cli import parse_backends
+from pipeline.commands.parity import parse_backends
+from pipeline.demo.run import DemoOptions, format_result, run_demo
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
 

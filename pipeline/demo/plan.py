@@ -6,7 +6,7 @@ with bf16 autocast (fp16 where the GPU has no bf16), build TensorRT engines when
 is usable, and check every backend that can run here on CUDA. A backend that cannot run
 is listed with its reason, never silently left out.
 
-torch is always parity's reference, and pipeline/parity.py runs it in fp32 on the CPU
+torch is always parity's reference, and pipeline/evaluation/parity.py runs it in fp32 on the CPU
 whatever the machine, so its runs say device "cpu"; the other backends run on `device`.
 """
 

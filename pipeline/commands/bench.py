@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from pipeline.bench import format_table, run_bench, write_json
-from pipeline.bench_compare import format_comparison, run_comparison
 from pipeline.cli_options import decoding_options
-from pipeline.parity_cli import parse_backends
+from pipeline.commands.parity import parse_backends
+from pipeline.evaluation.bench import format_table, run_bench, write_json
+from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
-from pipeline.data import EncodedCorpus
+from pipeline.corpus.data import EncodedCorpus
 from pipeline.errors import UserError
 
 

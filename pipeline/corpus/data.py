@@ -33,8 +33,8 @@ from torch import Tensor
 from model.checkpoint import CheckpointError, atomic_torch_save, torch_load_verified
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.manifest import SPM_FILE
+from pipeline.corpus.spm import train_sentencepiece
 from pipeline.errors import UserError
-from pipeline.spm import train_sentencepiece
 from pipeline.textio import atomic_output, read_lines
 from runtime.tokenizer import Tokenizer
 
@@ -236,7 +236,7 @@ def _cached_spm(save_dir: Path, key: str, pair: tuple[list[str], list[str]], voc
 
 
 # A training batch's piece ids (source, target) re-made from its sentence indices and a key
-# (seed, epoch, batch number) that fixes any randomness: pipeline/sampling.py.
+# (seed, epoch, batch number) that fixes any randomness: pipeline/corpus/sampling.py.
 BatchEncoder = Callable[[np.ndarray, tuple[int, int, int]], tuple[list[Any], list[Any]]]
 
 

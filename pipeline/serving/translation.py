@@ -4,7 +4,7 @@ measure exactly what is served).
 Reading: a window of lines at a time, split on b'\\n' only, strict UTF-8 (refused with
 file:line) or replaced (counted). The line policy and encoding: runtime.translate's
 encode_sources (blank lines -> no tokens -> "", long lines truncated or refused). The
-output format: format_line. pipeline/serve.py runs the windows through the backend
+output format: format_line. pipeline/serving/serve.py runs the windows through the backend
 (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 """
 

@@ -9,9 +9,9 @@ import click
 
 from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
-from pipeline.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+from pipeline.evaluation.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+from pipeline.serving.translation import ServeOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
-from pipeline.translation import ServeOptions
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
 

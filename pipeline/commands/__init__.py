@@ -1,0 +1,14 @@
+"""The click commands, one module each: they parse options, check them and delegate to the
+stage that does the work (pipeline.training, export, pipeline.serving, pipeline.server,
+pipeline.evaluation, pipeline.demo, pipeline.doctor). pipeline/cli.py registers them all.
+
+    train.py        `pipeline train` and `pipeline average`
+    export.py       `pipeline export`
+    serve_batch.py  `pipeline serve-batch` (files)
+    serve.py        `pipeline serve` (HTTP)
+    parity.py       `pipeline parity`
+    bench.py        `pipeline bench`
+    tune.py         `pipeline tune-decoding`
+    demo.py         `pipeline demo`
+    doctor.py       `pipeline doctor`
+"""
