@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,19 +134,6 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
     return Graphs(export_seconds=round(seconds, 2), bytes=sizes)
 
 
-def _engines_possible() -> bool:
-    return tensorrt_build.installed() and torch.cuda.is_available()
-
-
-def resolve_int8_flavour(flavour: str, tensorrt: bool | None, engines_possible: Callable[[], bool]) -> str:
-    """`auto`: qdq when TensorRT engines will be built (the only int8 form TensorRT parses),
-    else ort-dynamic, the faster one on CPU ONNX Runtime (README, "Measured here")."""
-    if flavour != quantize.AUTO:
-        return flavour
-    engines = tensorrt is True or (tensorrt is None and engines_possible())
-    return quantize.QDQ if engines else quantize.ORT_DYNAMIC
-
-
 def _engines(tmp: Path, cfg: ModelConfig, limits: Limits, *, fp16: bool,
              tensorrt: bool | None, workspace_gib: float, timing_cache: Path | None
              ) -> tuple[Engines | None, str | None]:
@@ -200,10 +186,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     _prepare_out(out, force, source)
     if int8 and fp16:
         raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
-    int8_flavour = resolve_int8_flavour(int8_flavour, tensorrt, engines_possible=_engines_possible)
     if int8_flavour not in quantize.FLAVOURS:
-        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of "
-                          f"{', '.join((quantize.AUTO, *quantize.FLAVOURS))}")
+        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of {', '.join(quantize.FLAVOURS)}")
     if int8 and int8_flavour == quantize.ORT_DYNAMIC:
         if tensorrt:
             raise ExportError("--int8-flavour ort-dynamic runs on ONNX Runtime only (TensorRT rejects "

@@ -34,9 +34,6 @@ QDQ = "qdq"  # manifest "quantization": int8 QDQ weights, fp32 activations (Tens
 # ONNX Runtime's quantize_dynamic (MatMulInteger): CPU ONNX Runtime only, TensorRT rejects it.
 ORT_DYNAMIC = "ort-dynamic"
 FLAVOURS = (QDQ, ORT_DYNAMIC)
-# `pipeline export --int8`'s default: ort-dynamic, measured 1.5-1.8x faster than qdq on CPU ONNX
-# Runtime (README, "Measured here"), unless TensorRT engines are being built, which need qdq.
-AUTO = "auto"
 # What ONNX Runtime needs to run QDQ weights as int8 GEMMs (VNNI); export's verification and
 # runtime/ort_backend.py (which may not import export) both use these values.
 ORT_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "4"}

@@ -170,22 +170,3 @@ def test_ort_dynamic_flavour_is_onnxruntime_only(random_checkpoint, tmp_path, ca
     with pytest.raises(ExportError, match="TensorRT rejects"):
         api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=quantize.ORT_DYNAMIC,
                          tensorrt=True)
-
-
-def test_auto_flavour_is_the_faster_cpu_one_unless_engines_are_built():
-    auto = quantize.AUTO
-    assert api.resolve_int8_flavour(auto, tensorrt=False, engines_possible=lambda: True) == quantize.ORT_DYNAMIC
-    assert api.resolve_int8_flavour(auto, tensorrt=None, engines_possible=lambda: False) == quantize.ORT_DYNAMIC
-    assert api.resolve_int8_flavour(auto, tensorrt=None, engines_possible=lambda: True) == quantize.QDQ
-    assert api.resolve_int8_flavour(auto, tensorrt=True, engines_possible=lambda: False) == quantize.QDQ
-    assert api.resolve_int8_flavour(quantize.QDQ, tensorrt=False, engines_possible=lambda: False) == quantize.QDQ
-
-
-def test_cli_int8_default_on_a_cpu_machine_is_ort_dynamic(random_checkpoint, tmp_path):
-    from conftest import run_cli
-
-    out = tmp_path / "m"
-    assert run_cli("export", random_checkpoint, "--out", out, "--int8", "--max-batch", 4, "--max-src-len", 32,
-                   "--max-tgt-len", 40, "--max-beam", 2) == 0
-    manifest = read_manifest(out)
-    assert manifest.precision == "int8" and manifest.quantization == quantize.ORT_DYNAMIC

@@ -23,12 +23,10 @@ from model.manifest import Manifest
                    "per output channel, as DequantizeLinear -> MatMul: ONNX Runtime runs int8 GEMMs, "
                    "TensorRT parses it); activations, LayerNorm and softmax stay fp32. Verified "
                    "against the fp32 PyTorch model within --int8-atol.")
-@click.option("--int8-flavour", type=click.Choice(["auto", "qdq", "ort-dynamic"]), default="auto",
-              show_default=True,
+@click.option("--int8-flavour", type=click.Choice(["qdq", "ort-dynamic"]), default="qdq", show_default=True,
               help="With --int8: qdq (standard DequantizeLinear -> MatMul; ONNX Runtime fuses it into "
                    "int8 GEMMs, TensorRT parses it) or ort-dynamic (ONNX Runtime's quantize_dynamic, "
-                   "MatMulInteger: CPU ONNX Runtime only, no TensorRT engines; measured 1.5-1.8x faster "
-                   "than qdq on CPU). auto: qdq when TensorRT engines are built, else ort-dynamic.")
+                   "MatMulInteger: CPU ONNX Runtime only, no TensorRT engines).")
 @click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
               help="ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
 @click.option("--topk", default=api.DEFAULTS["topk"], show_default=True, type=int,
@@ -62,7 +60,7 @@ from model.manifest import Manifest
 def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
            max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
            atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
-           int8: bool = False, int8_atol: float = verify.INT8_ATOL, int8_flavour: str = "auto") -> None:
+           int8: bool = False, int8_atol: float = verify.INT8_ATOL, int8_flavour: str = "qdq") -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
