@@ -101,6 +101,11 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
                                "only; use --backend onnxruntime, or export with the default --int8-flavour qdq "
                                "for TensorRT")
     manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
+    if name == "onnxruntime" and manifest.quantization == "ort-dynamic":
+        log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
+                    "can depend on the sentences batched with it (measured: about 1 line in 8 differed between "
+                    "`serve` and `serve-batch`); use the qdq flavour where outputs must not depend on batching",
+                    model_dir)
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":
         dev = resolve_device(device)

@@ -25,7 +25,7 @@ from typing import Any
 
 import click
 
-from pipeline.textio import atomic_output
+from pipeline.textio import atomic_output, read_lines
 
 log = logging.getLogger("pipeline.server.loadgen")
 READY_TIMEOUT_S = 300
@@ -154,7 +154,7 @@ def main(model_dir: str, input_path: str, out_path: str, backend: str, threads: 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    lines = Path(input_path).read_text(encoding="utf-8").split("\n")[:max_lines]
+    lines = read_lines(input_path)[:max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
     lines = [line for line in lines if line.strip()] or ["."]
     common = ["--backend", backend] + (["--threads", str(threads)] if threads else [])
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
