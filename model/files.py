@@ -180,12 +180,19 @@ def check_can_create_in(directory: str | Path, option: str) -> None:
         here = here.parent
     if not here.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, f"not a directory ({option} needs a directory here)", str(here))
-    try:
-        fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-check"), dir=here)
+    probe = None
+    try:  # write and sync a byte too: a full disk still lets us create an empty file
+        fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-check"), suffix=".tmp", dir=here)
+        try:
+            os.write(fd, b"probe\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as e:  # name the directory, not our probe file
         raise OSError(e.errno, e.strerror, str(here)) from None
-    os.close(fd)
-    os.unlink(probe)
+    finally:
+        if probe is not None:
+            Path(probe).unlink(missing_ok=True)
 
 
 # -- replacing a directory without a moment where it is missing ------------------------------
@@ -300,16 +307,9 @@ def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
 
 
 def check_writable_dir(directory: str | Path) -> Path:
-    """Create `directory` if needed and prove a file can be written and removed there, so
-    that a read-only or full save dir fails before minutes of work, not after.
-    Raises OSError (its filename is the directory or the probe file)."""
+    """Create `directory` if needed and prove a file can be written there (the same probe
+    as check_can_create_in), so a read-only or full save dir fails before minutes of work."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    fd, probe = tempfile.mkstemp(prefix=temp_prefix("write-probe"), suffix=".tmp", dir=directory)
-    try:
-        os.write(fd, b"probe\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-        Path(probe).unlink(missing_ok=True)
+    check_can_create_in(directory, "--save-dir")
     return directory
