@@ -5,6 +5,12 @@
 #
 #   bash scripts/multi30k.sh                      # data from ../shared/corpora/multi30k, 60 minutes
 #   DATA=/path/to/multi30k TIME=45m bash scripts/multi30k.sh
+#   MILESTONES="30m 45m" bash scripts/multi30k.sh   # also score the run as it stood at 30 and 45 min
+#
+# MILESTONES stop training at each of those budgets, copy the save dir aside ($RUN-at-30m) and
+# resume (bit-exactly, so training is what an uninterrupted run does); after training, each copy
+# is averaged, tuned on val and scored like the final run, which is what a run with TIME=30m
+# would have given. Scoring happens after training, so it never takes time from the budget.
 #
 # DATA holds train/val/test_2016_flickr/test_2017_flickr .de/.en (.gz or plain), as published at
 # github.com/multi30k/dataset (data/task1/raw). Rerunning resumes training where it stopped, with
@@ -32,7 +38,9 @@ AVERAGE=${AVERAGE:-5}          # checkpoints averaged ...
 AVERAGE_FROM=${AVERAGE_FROM:-best}  # ... ending at the best validation BLEU (best) or the last one (last)
 BEAMS=${BEAMS:-4,6}            # tried on val by `pipeline tune-decoding`
 ALPHAS=${ALPHAS:-0.6,1.0}
+VOCAB=${VOCAB:-8000}           # SentencePiece vocabulary, shared by both languages
 EXTRA=${EXTRA:-}
+MILESTONES=${MILESTONES:-}     # e.g. "30m 45m": budgets < TIME at which the run is also scored
 
 pick() {  # the .gz file if present, else the plain one
     if [ -f "$DATA/$1.gz" ]; then echo "$DATA/$1.gz"; else echo "$DATA/$1"; fi
@@ -41,31 +49,27 @@ pick() {  # the .gz file if present, else the plain one
 mkdir -p "$RUN"
 {
     echo "# scripts/multi30k.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    for v in DATA TIME STEPS DROPOUT LABEL_SMOOTHING SPM_ALPHA WARMUP LR_SCALE AVERAGE AVERAGE_FROM BEAMS ALPHAS EXTRA; do
+    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA WARMUP LR_SCALE AVERAGE AVERAGE_FROM BEAMS ALPHAS EXTRA; do
         echo "$v=${!v}"
     done
     echo "cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), cores=$(nproc)"
 } > "$RUN/recipe.txt"
 
-# shellcheck disable=SC2086
-pipeline train --train-src "$(pick train.de)" --train-tgt "$(pick train.en)" \
-    --valid-src "$(pick val.de)" --valid-tgt "$(pick val.en)" --save-dir "$RUN" \
-    --preset small --vocab-size 8000 --batch-tokens 4000 --warmup "$WARMUP" --lr-scale "$LR_SCALE" \
-    --dropout "$DROPOUT" --label-smoothing "$LABEL_SMOOTHING" --spm-alpha "$SPM_ALPHA" \
-    --max-time "$TIME" --max-steps "$STEPS" --save-every 200 --keep-last 10 \
-    --valid-every 400 --valid-beam 4 --valid-max-sentences 300 $EXTRA
+for budget in $MILESTONES "$TIME"; do
+    # shellcheck disable=SC2086
+    pipeline train --train-src "$(pick train.de)" --train-tgt "$(pick train.en)" \
+        --valid-src "$(pick val.de)" --valid-tgt "$(pick val.en)" --save-dir "$RUN" \
+        --preset small --vocab-size "$VOCAB" --batch-tokens 4000 --warmup "$WARMUP" --lr-scale "$LR_SCALE" \
+        --dropout "$DROPOUT" --label-smoothing "$LABEL_SMOOTHING" --spm-alpha "$SPM_ALPHA" \
+        --max-time "$budget" --max-steps "$STEPS" --save-every 200 --keep-last 10 \
+        --valid-every 400 --valid-beam 4 --valid-max-sentences 300 $EXTRA
+    if [ "$budget" != "$TIME" ]; then
+        rm -rf "$RUN-at-$budget" && cp -a "$RUN" "$RUN-at-$budget"
+    fi
+done
 
-pipeline average "$RUN" "--$AVERAGE_FROM" "$AVERAGE"
-# The averaged checkpoint is the newest file of the save dir: tune-decoding and export use it.
-pipeline tune-decoding "$RUN" --src "$(pick val.de)" --ref "$(pick val.en)" --beams "$BEAMS" \
-    --alphas "$ALPHAS" --json "$RUN/decoding.json" | tee "$RUN/tune-decoding.txt"
-read -r BEAM ALPHA < <(python -c 'import json,sys; t=json.load(open(sys.argv[1]))[0]; print(t["beam_size"], t["alpha"])' "$RUN/decoding.json")
-echo "decoding chosen on val: --beam-size $BEAM --alpha $ALPHA" | tee -a "$RUN/recipe.txt"
-pipeline export "$RUN" --out "$MODEL" --force
-
-for split in test_2016_flickr test_2017_flickr; do
-    pipeline serve-batch "$MODEL" "$(pick $split.de)" --output "$RUN/$split.hyp" --beam-size "$BEAM" --alpha "$ALPHA"
-    python - "$(pick $split.en)" "$RUN/$split.hyp" "$split" <<'PY' | tee -a "$RUN/recipe.txt"
+score() {  # score LABEL SPLIT HYP: sacreBLEU and chrF against the reference
+    python - "$(pick "$2.en")" "$3" "$1 $2" <<'PY'
 import sys
 
 import sacrebleu
@@ -73,9 +77,29 @@ import sacrebleu
 sys.path.insert(0, ".")
 from pipeline.textio import read_lines
 
-ref, hyp, split = read_lines(sys.argv[1]), read_lines(sys.argv[2]), sys.argv[3]
+ref, hyp, name = read_lines(sys.argv[1]), read_lines(sys.argv[2]), sys.argv[3]
 bleu, chrf = sacrebleu.BLEU(), sacrebleu.CHRF()
-print(f"{split}: BLEU {bleu.corpus_score(hyp, [ref]).score:.2f} ({bleu.get_signature()}), "
+print(f"{name}: BLEU {bleu.corpus_score(hyp, [ref]).score:.2f} ({bleu.get_signature()}), "
       f"chrF {chrf.corpus_score(hyp, [ref]).score:.2f}")
 PY
+}
+
+evaluate() {  # evaluate SAVE_DIR MODEL_DIR LABEL: average, tune decoding on val, export, score the tests
+    local run=$1 model=$2 label=$3 beam alpha
+    pipeline average "$run" "--$AVERAGE_FROM" "$AVERAGE"
+    # The averaged checkpoint is the newest file of the save dir: tune-decoding and export use it.
+    pipeline tune-decoding "$run" --src "$(pick val.de)" --ref "$(pick val.en)" --beams "$BEAMS" \
+        --alphas "$ALPHAS" --json "$run/decoding.json" | tee "$run/tune-decoding.txt"
+    read -r beam alpha < <(python -c 'import json,sys; t=json.load(open(sys.argv[1]))[0]; print(t["beam_size"], t["alpha"])' "$run/decoding.json")
+    echo "$label: decoding chosen on val: --beam-size $beam --alpha $alpha" | tee -a "$RUN/recipe.txt"
+    pipeline export "$run" --out "$model" --force
+    for split in test_2016_flickr test_2017_flickr; do
+        pipeline serve-batch "$model" "$(pick $split.de)" --output "$run/$split.hyp" --beam-size "$beam" --alpha "$alpha"
+        score "$label" "$split" "$run/$split.hyp" | tee -a "$RUN/recipe.txt"
+    done
+}
+
+for budget in $MILESTONES; do
+    evaluate "$RUN-at-$budget" "$MODEL-at-$budget" "$budget"
 done
+evaluate "$RUN" "$MODEL" "$TIME"
