@@ -37,6 +37,7 @@ from model.files import (
 from model.manifest import (
     CHECKPOINT_FILE,
     MANIFEST,
+    ONNXRUNTIME_ONLY,
     SPM_FILE,
     Engines,
     Graphs,
@@ -117,13 +118,11 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
     if int8:  # the fp32 graphs, post-processed to int8 weights
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-            if int8 == quantize.ORT_DYNAMIC:
-                quantize.quantize_file_ort_dynamic(str(tmp / name))
-            else:
-                quantize.quantize_file(str(tmp / name))
+            {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
+             quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(tmp / name))
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-        if int8 == quantize.ORT_DYNAMIC:
+        if int8 in ONNXRUNTIME_ONLY:
             break  # ONNX Runtime only by design: no engines are built from it
         problems = trt_compat.check_model(onnx.load(str(tmp / name), load_external_data=False))
         if problems:
@@ -166,13 +165,14 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
                  timing_cache: Path | None = None, int8: bool = False,
-                 int8_atol: float = verify.INT8_ATOL, int8_flavour: str = quantize.QDQ) -> Manifest:
+                 int8_atol: float | None = None, int8_flavour: str = quantize.AUTO) -> Manifest:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
 
-    int8: fp32 graphs with int8 QDQ weights (export/quantize.py), verified against the
-    fp32 PyTorch model within int8_atol; the manifest's precision is "int8" and its
-    "quantization" the flavour: "qdq" (default, TensorRT-parseable) or "ort-dynamic"
-    (ONNX Runtime's MatMulInteger, CPU ONNX Runtime only: no engines).
+    int8: graphs with int8 weights (export/quantize.py), verified against the fp32 PyTorch
+    model within int8_atol (default: verify.INT8_ATOL for qdq, INT8_ACTIVATIONS_ATOL for the
+    flavours with int8 activations); the manifest's precision is "int8" and its "quantization" the
+    flavour: "qdq" (TensorRT-parseable), "rowwise" or "ort-dynamic" (ONNX Runtime on CPU
+    only: no engines); "auto" is qdq when TensorRT engines are built, rowwise otherwise.
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
     skips them (manifest.tensorrt_skipped says why); True requires them; False skips.
@@ -186,21 +186,32 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     _prepare_out(out, force, source)
     if int8 and fp16:
         raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
-    if int8_flavour not in quantize.FLAVOURS:
-        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of {', '.join(quantize.FLAVOURS)}")
-    if int8 and int8_flavour == quantize.ORT_DYNAMIC:
+    if int8_flavour not in (quantize.AUTO, *quantize.FLAVOURS):
+        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of auto, {', '.join(quantize.FLAVOURS)}")
+    if int8 and int8_flavour in ONNXRUNTIME_ONLY:
         if tensorrt:
-            raise ExportError("--int8-flavour ort-dynamic runs on ONNX Runtime only (TensorRT rejects "
-                              "MatMulInteger); use the default qdq flavour for TensorRT engines")
+            raise ExportError(f"--int8-flavour {int8_flavour} runs on ONNX Runtime only (TensorRT rejects "
+                              "its integer-matmul operators); use --int8-flavour qdq for TensorRT engines")
         tensorrt = False
     model, spm_bytes, payload = _load(source)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
-    if tensorrt:  # asked for explicitly: fail now, not after minutes of export work
+    unavailable = None
+    if tensorrt is not False:  # fail now, not after minutes of export work; or skip engines knowingly
         try:
             tensorrt_build.load_tensorrt()
             tensorrt_build.gpu_identity()
         except TensorRTUnavailable as e:
-            raise ExportError(f"--tensorrt was asked for but {e}") from None
+            if tensorrt:
+                raise ExportError(f"--tensorrt was asked for but {e}") from None
+            unavailable = str(e)
+    if int8 and int8_flavour == quantize.AUTO:  # TensorRT parses only qdq; ONNX Runtime runs rowwise faster
+        int8_flavour = quantize.ROWWISE if tensorrt is False or unavailable else quantize.QDQ
+        log.info("--int8-flavour auto: %s (%s)", int8_flavour,
+                 "TensorRT engines will be built" if int8_flavour == quantize.QDQ else "no TensorRT engines")
+        if int8_flavour == quantize.ROWWISE:
+            tensorrt = False
+    if int8_atol is None:
+        int8_atol = verify.INT8_ATOL if int8_flavour in (quantize.QDQ, quantize.AUTO) else verify.INT8_ACTIVATIONS_ATOL
 
     tmp = make_temp_dir(out.parent, out.name, "partial")
     try:
@@ -216,8 +227,9 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                                             model16=graph_model if fp16 else None, int8=int8, int8_atol=int8_atol)
         engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
                                     workspace_gib=workspace_gib, timing_cache=timing_cache)
-        if int8 and int8_flavour == quantize.ORT_DYNAMIC:
-            skipped = "int8 flavour ort-dynamic runs on ONNX Runtime only"
+        if int8 and int8_flavour in ONNXRUNTIME_ONLY:
+            skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
+                                              unavailable]))
         versions = _versions()
         if engines:
             versions["tensorrt"] = engines.version

@@ -27,6 +27,12 @@ OLD_FORMATS = ("pipeline-model-dir-v1",)  # before the typed manifest (source_ch
 CHECKPOINT_FILE = "model.pt"
 SPM_FILE = "spm.model"
 PRECISIONS = ("fp32", "fp16", "int8")  # graph / engine precisions an export can record
+# int8 flavours an export can record as `quantization` (export/quantize.py makes them):
+QDQ = "qdq"  # int8 weights read through DequantizeLinear, fp32 activations: TensorRT parses it
+ROWWISE = "rowwise"  # int8 weights and int8 activations, one scale per row: ONNX Runtime CPU only
+ORT_DYNAMIC = "ort-dynamic"  # ONNX Runtime's quantize_dynamic, one activation scale per batch: CPU only
+QUANTIZATIONS = (QDQ, ROWWISE, ORT_DYNAMIC)
+ONNXRUNTIME_ONLY = (ROWWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: no TensorRT engines
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
 
 
@@ -108,11 +114,14 @@ class Manifest:
     verification: dict[str, Any]  # the verifier's report (export/verify.py), read by people
     tensorrt: Engines | None = None
     tensorrt_skipped: str | None = None  # why no engines were built
-    quantization: str | None = None  # int8 only: "qdq" (standard ONNX, TensorRT-parseable) or "ort-dynamic"
+    quantization: str | None = None  # int8 only: one of QUANTIZATIONS
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ModelDirError(f"manifest field 'quantization' is {self.quantization!r}, expected one of "
+                                f"{', '.join(QUANTIZATIONS)}; {REDO}")
 
     def lists(self, *names: str) -> bool:
         """Whether the manifest lists every one of these files."""

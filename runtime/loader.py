@@ -16,7 +16,7 @@ import torch
 from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint
 from model.files import restore_replaced_dir
-from model.manifest import CHECKPOINT_FILE, SPM_FILE, Manifest, read_manifest
+from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, ORT_DYNAMIC, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
 from runtime.torch_backend import DEFAULT_TOPK, TorchBackend
@@ -96,15 +96,16 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     restore_replaced_dir(model_dir)  # an export --force killed between its two renames
     manifest = read_manifest(model_dir, verify=False)  # readable at all?
     name = choose_backend(manifest) if backend == "auto" else backend
-    if name == "tensorrt" and manifest.quantization == "ort-dynamic":
-        raise RuntimeUserError(f"{model_dir}: int8 flavour ort-dynamic (MatMulInteger) runs on ONNX Runtime "
-                               "only; use --backend onnxruntime, or export with the default --int8-flavour qdq "
+    if name == "tensorrt" and manifest.quantization in ONNXRUNTIME_ONLY:
+        raise RuntimeUserError(f"{model_dir}: int8 flavour {manifest.quantization} (integer matmuls) runs on "
+                               "ONNX Runtime only; use --backend onnxruntime, or export with --int8-flavour qdq "
                                "for TensorRT")
     manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
-    if name == "onnxruntime" and manifest.quantization == "ort-dynamic":
+    if name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (measured: about 1 line in 8 differed between "
-                    "`serve` and `serve-batch`); use the qdq flavour where outputs must not depend on batching",
+                    "`serve` and `serve-batch`); use the rowwise or qdq flavour where outputs must not depend on "
+                    "batching",
                     model_dir)
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":

@@ -1,4 +1,5 @@
-"""`pipeline export --int8`: the QDQ graph form, ONNX Runtime's fusion, verification, serving."""
+"""`pipeline export --int8`: the QDQ and rowwise graph forms, ONNX Runtime's fusion, verification,
+the flavour chosen by default, batch independence, serving."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, random_checkpoint):
     root = tmp_path_factory.mktemp("int8")
-    out = {p: root / p for p in ("fp32", "int8")}
+    out = {p: root / p for p in ("fp32", "int8", "rowwise")}
     api.export_model(random_checkpoint, out["fp32"], tensorrt=False, **LIMITS)
-    api.export_model(random_checkpoint, out["int8"], int8=True, tensorrt=False, **LIMITS)
+    api.export_model(random_checkpoint, out["int8"], int8=True, int8_flavour=quantize.QDQ, tensorrt=False, **LIMITS)
+    # the default flavour where no TensorRT engines are built
+    api.export_model(random_checkpoint, out["rowwise"], int8=True, tensorrt=None, **LIMITS)
     return out
 
 
@@ -126,7 +129,8 @@ def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_pat
     """Scales applied along the wrong axis (rows instead of output channels) must fail the
     int8 verification, while the correct graphs of the same trained model pass it."""
     out = tmp_path / "int8"
-    manifest = api.export_model(trained_save_dir, out, int8=True, tensorrt=False, **LIMITS)
+    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.QDQ, tensorrt=False,
+                                **LIMITS)
     lp = manifest.verification["onnxruntime_int8_vs_torch_fp32"]["max_abs_diff"][io_names.TOPK_LOG_PROBS]
     assert lp > 0  # int8 is not exact; the export passed, so within atol + rtol * |log-prob|
     proto = onnx.load(str(out / io_names.DECODER_FILE))
@@ -154,19 +158,101 @@ def test_quantize_columns_round_trip():
     assert torch.equal(torch.from_numpy(np.abs(q).max(axis=0)[[0, 1, 3, 4]]), torch.full((4,), 127, dtype=torch.int8))
 
 
-def test_ort_dynamic_flavour_is_onnxruntime_only(random_checkpoint, tmp_path, caplog):
+@pytest.mark.parametrize("flavour, op", [(quantize.ORT_DYNAMIC, "MatMulInteger"),
+                                         (quantize.ROWWISE, "MatMulIntegerToFloat")])
+def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flavour, op):
     out = tmp_path / "dyn"
-    manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=quantize.ORT_DYNAMIC,
-                                tensorrt=None, **LIMITS)
-    assert manifest.precision == "int8" and manifest.quantization == "ort-dynamic"
+    manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=flavour, tensorrt=None, **LIMITS)
+    assert manifest.precision == "int8" and manifest.quantization == flavour
     assert manifest.tensorrt is None and "ONNX Runtime only" in manifest.tensorrt_skipped
     ops = {n.op_type for n in onnx.load(str(out / io_names.DECODER_FILE)).graph.node}
-    assert "MatMulInteger" in ops and "Gemm" not in ops
+    assert op in ops and "Gemm" not in ops
     backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
     assert backend.name == "onnxruntime"
     from runtime.errors import RuntimeUserError
-    with pytest.raises(RuntimeUserError, match="ort-dynamic .* ONNX Runtime only"):
+    with pytest.raises(RuntimeUserError, match=f"{flavour} .* ONNX Runtime only"):
         load_backend(out, backend="tensorrt")
     with pytest.raises(ExportError, match="TensorRT rejects"):
-        api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=quantize.ORT_DYNAMIC,
-                         tensorrt=True)
+        api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=flavour, tensorrt=True)
+
+
+def test_default_flavour_is_rowwise_without_tensorrt_engines(dirs):
+    """auto: rowwise where no engines are built (here: no TensorRT), qdq where they are
+    (TensorRT parses only qdq; with --tensorrt and no TensorRT the export fails first)."""
+    manifest = read_manifest(dirs["rowwise"])
+    assert manifest.quantization == quantize.ROWWISE and manifest.tensorrt is None
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
+    """Every linear layer: int8 (K, N) weight with per-column scales in MatMulIntegerToFloat, its
+    input quantized per row (max |x| over the last axis), no float weight and no per-batch
+    DynamicQuantizeLinear left; as many integer matmuls as qdq has DequantizeLinear matmuls."""
+    proto = onnx.load(str(dirs["rowwise"] / graph))
+    inits = _inits(proto)
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    ops = [n.op_type for n in proto.graph.node]
+    assert not {"Gemm", "DynamicQuantizeLinear", "DequantizeLinear"} & set(ops)
+    matmuls = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
+    qdq_ops = [n.op_type for n in onnx.load(str(dirs["int8"] / graph)).graph.node]
+    assert len(matmuls) == qdq_ops.count("DequantizeLinear") > 0
+    for node in matmuls:
+        qx, w, a_scale, b_scale, a_zp = node.input
+        assert inits[w].dtype == np.int8 and inits[b_scale].shape == (inits[w].shape[1],)
+        assert inits[a_scale] == 1.0 and inits[a_zp] == 128 and inits[a_zp].dtype == np.uint8
+        quant = producers[qx]
+        assert quant.op_type == "QuantizeLinear"
+        divide = producers[quant.input[0]]  # x / (max |x| over the row / 127)
+        scale = producers[divide.input[1]]
+        amax = producers[producers[scale.input[0]].input[0]]
+        assert amax.op_type == "ReduceMax" and inits[amax.input[1]].tolist() == [-1]
+        assert {a.name: a.i for a in amax.attribute}["keepdims"] == 1
+    for node in proto.graph.node:
+        assert node.op_type != "MatMul" or node.input[1] not in inits, f"{node.name}: float weight left"
+
+
+def test_rowwise_translations_do_not_depend_on_the_batch(dirs):
+    """A sentence's hypotheses and scores are the same alone as batched with others: what
+    makes `serve` (dynamic batches) answer as `serve-batch` does."""
+    from runtime.decoding import PAPER
+    from runtime.search import search
+
+    backend, _, manifest = load_backend(dirs["rowwise"], backend="onnxruntime", threads=1)
+    pad = manifest.model_config.pad_id
+    rng = np.random.default_rng(3)
+    cfg = manifest.model_config
+    sources = [rng.integers(4, cfg.vocab_size, size=n).tolist() + [cfg.eos_id] for n in (5, 17, 9, 30)]
+
+    def padded(rows):
+        batch = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+        for i, row in enumerate(rows):
+            batch[i, :len(row)] = torch.tensor(row)
+        return batch
+
+    options = PAPER.replace(beam_size=2, max_len_a=0.0, max_len_b=12)
+    together = [hyps[0] for hyps in search(backend, padded(sources), options)]
+    alone = [search(backend, padded([s]), options)[0][0] for s in sources]
+    assert [h.tokens for h in together] == [h.tokens for h in alone]
+    assert np.allclose([h.score for h in together], [h.score for h in alone], rtol=0, atol=1e-5)
+
+
+def test_verification_fails_on_wrong_rowwise_scales(trained_save_dir, tmp_path):
+    """The looser bound of the int8-activation flavours still catches a broken graph: the
+    trained model's rowwise export passes, and the same graphs with each linear layer's column
+    scales reversed fail."""
+    out = tmp_path / "rowwise"
+    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.ROWWISE, tensorrt=False,
+                                **LIMITS)
+    assert manifest.verification["atol"] == verify.INT8_ACTIVATIONS_ATOL
+    proto = onnx.load(str(out / io_names.DECODER_FILE))
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type == "MatMulIntegerToFloat":
+            scale = inits[node.input[3]]
+            scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale)[::-1].copy(), scale.name))
+    bad = tmp_path / "decoder.onnx"
+    onnx.save(proto, str(bad))
+    model, _, _ = load_model(resolve_checkpoint(trained_save_dir))
+    with pytest.raises(ExportError, match="verification failed"):
+        verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16,
+                           atol=verify.INT8_ACTIVATIONS_ATOL)

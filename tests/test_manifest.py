@@ -96,6 +96,7 @@ def _drop(path: str):
     (_set("model_config.d_model", "32"), "model_config.d_model", "must be an integer"),
     (_set("model_config.n_heads", 3), "model_config", "divisible by n_heads"),
     (_set("precision", "int4"), "precision", "expected one of fp32, fp16"),
+    (_set("quantization", "int4"), "quantization", "expected one of qdq, rowwise, ort-dynamic"),
     (_set("tensorrt", 5), "tensorrt", "must be an object or null"),
     (_set("graphs.bytes", {"encoder.onnx": "10"}), "graphs.bytes.encoder.onnx", "must be an integer"),
     (_set("files", ["encoder.onnx"]), "files", "must be an object"),

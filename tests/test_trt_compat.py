@@ -22,7 +22,7 @@ LIMITS = tensorrt_build.Limits(max_batch=4, max_src_len=32, max_tgt_len=40, max_
 def model_dir(request, tmp_path_factory, random_checkpoint) -> Path:
     out = tmp_path_factory.mktemp("trt") / "m"
     api.export_model(random_checkpoint, out, fp16=request.param == "fp16", int8=request.param == "int8",
-                     tensorrt=False, max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
+                     int8_flavour="qdq", tensorrt=False, max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
     return out
 
 

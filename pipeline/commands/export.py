@@ -20,13 +20,15 @@ from model.manifest import Manifest
                    "log-softmax stay fp32). TensorRT builds them strongly typed.")
 @click.option("--int8", is_flag=True,
               help="int8 weights for every linear layer and the tied embedding/projection (symmetric, "
-                   "per output channel, as DequantizeLinear -> MatMul: ONNX Runtime runs int8 GEMMs, "
-                   "TensorRT parses it); activations, LayerNorm and softmax stay fp32. Verified "
-                   "against the fp32 PyTorch model within --int8-atol.")
-@click.option("--int8-flavour", type=click.Choice(["qdq", "ort-dynamic"]), default="qdq", show_default=True,
-              help="With --int8: qdq (standard DequantizeLinear -> MatMul; ONNX Runtime fuses it into "
-                   "int8 GEMMs, TensorRT parses it) or ort-dynamic (ONNX Runtime's quantize_dynamic, "
-                   "MatMulInteger: CPU ONNX Runtime only, no TensorRT engines).")
+                   "per output channel); LayerNorm and softmax stay fp32. Verified against the fp32 "
+                   "PyTorch model within --int8-atol.")
+@click.option("--int8-flavour", type=click.Choice(["auto", "qdq", "rowwise", "ort-dynamic"]), default="auto",
+              show_default=True,
+              help="With --int8: qdq (int8 weights through DequantizeLinear -> MatMul, fp32 activations; "
+                   "the form TensorRT parses), rowwise (int8 activations too, quantized per row at run "
+                   "time: faster on CPU ONNX Runtime, batch-independent, no TensorRT) or ort-dynamic "
+                   "(ONNX Runtime's quantize_dynamic: one scale per batch, so results depend on "
+                   "batching; no TensorRT). auto: qdq when TensorRT engines are built, else rowwise.")
 @click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
               help="ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
 @click.option("--topk", default=api.DEFAULTS["topk"], show_default=True, type=int,
@@ -49,9 +51,10 @@ from model.manifest import Manifest
 @click.option("--fp16-atol", default=verify.FP16_ATOL, show_default=True, type=float,
               help="fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half vs fp32), plus "
                    f"{verify.FP16_RTOL:g} x |log-prob| (unlikely candidates carry larger fp16 errors).")
-@click.option("--int8-atol", default=verify.INT8_ATOL, show_default=True, type=float,
+@click.option("--int8-atol", default=None, type=float,
               help="int8 verification bound on log-prob abs differences (ONNX Runtime int8 vs PyTorch "
-                   f"fp32), plus {verify.INT8_RTOL:g} x |log-prob|.")
+                   f"fp32), plus {verify.INT8_RTOL:g} x |log-prob|. Default: {verify.INT8_ATOL:g} for qdq, "
+                   f"{verify.INT8_ACTIVATIONS_ATOL:g} for rowwise and ort-dynamic (8-bit activations too).")
 @click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
               type=float, help="TensorRT builder workspace limit in GiB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
@@ -60,7 +63,7 @@ from model.manifest import Manifest
 def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
            max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
            atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
-           int8: bool = False, int8_atol: float = verify.INT8_ATOL, int8_flavour: str = "qdq") -> None:
+           int8: bool = False, int8_atol: float | None = None, int8_flavour: str = "auto") -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""

@@ -80,7 +80,9 @@ _DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
               help="SentencePiece subword regularisation during training: sampling smoothing alpha "
               "(0 = off; 0.1-0.2 typical for small data). Never used for validation, export or serving.")
 @click.option("--spm-nbest", type=int, default=_DEFAULT["spm_nbest"], show_default=True,
-              help="Subword sampling among the n best segmentations (-1 = all, from the lattice).")
+              help="Subword sampling among the n best segmentations (-1 = all, from the lattice; at "
+              "alpha 0.1 that doubled the pieces per sentence on Multi30k, 64 added 10%). Batches are "
+              "formed on the deterministic lengths, so sampled batches exceed --batch-tokens by as much.")
 @click.option("--tensorboard/--no-tensorboard", default=True, show_default=True,
               help="Write TensorBoard events under SAVE_DIR/tensorboard (needs the `tensorboard` package).")
 def train(**kwargs: object) -> None:

@@ -59,7 +59,10 @@ class TrainOptions:
     allow_changed_data: bool = False
     max_time: str | None = None  # a duration (90s, 60m, 1h30m): the whole run, resumes included
     spm_alpha: float = 0.0  # SentencePiece sampling smoothing during training (0 = off)
-    spm_nbest: int = -1  # sample among the n best segmentations (-1 = all, from the lattice)
+    # Sample among the n best segmentations (-1 = all, from the lattice). 64: at alpha 0.1, sampling
+    # from all of them made Multi30k sentences 2.03x as many pieces (64 best: 1.10x), which halves
+    # the sentences trained per minute and doubles the padded batch beyond --batch-tokens.
+    spm_nbest: int = 64
     tensorboard: bool = True  # write TensorBoard events when the package is installed
 
 
