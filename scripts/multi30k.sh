@@ -36,13 +36,14 @@ SPM_NBEST=${SPM_NBEST:-64}     # sample among the 64 best segmentations: -1 (all
                                # sentence at alpha 0.1 (measured on this corpus), halving sentences per minute
 WARMUP=${WARMUP:-800}
 LR_SCALE=${LR_SCALE:-0.8}
-AVERAGE=${AVERAGE:-5}          # checkpoints averaged ...
+AVERAGES=${AVERAGES:-1,3,5}    # checkpoints averaged, chosen on val among these (1 = no averaging) ...
 AVERAGE_FROM=${AVERAGE_FROM:-best}  # ... ending at the best validation BLEU (best) or the last one (last)
 BEAMS=${BEAMS:-4,6}            # tried on val by `pipeline tune-decoding`
 ALPHAS=${ALPHAS:-0.6,1.0}
 VOCAB=${VOCAB:-8000}           # SentencePiece vocabulary, shared by both languages
 EXTRA=${EXTRA:-}
 MILESTONES=${MILESTONES:-}     # e.g. "30m 45m": budgets < TIME at which the run is also scored
+SKIP_TRAINING=${SKIP_TRAINING:-0}  # 1: only score the save dirs a previous run left (new AVERAGES, BEAMS...)
 
 pick() {  # the .gz file if present, else the plain one
     if [ -f "$DATA/$1.gz" ]; then echo "$DATA/$1.gz"; else echo "$DATA/$1"; fi
@@ -51,13 +52,14 @@ pick() {  # the .gz file if present, else the plain one
 mkdir -p "$RUN"
 {
     echo "# scripts/multi30k.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE AVERAGE AVERAGE_FROM BEAMS ALPHAS EXTRA; do
+    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE AVERAGES AVERAGE_FROM BEAMS ALPHAS EXTRA; do
         echo "$v=${!v}"
     done
     echo "cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), cores=$(nproc)"
 } > "$RUN/recipe.txt"
 
 for budget in $MILESTONES "$TIME"; do
+    [ "$SKIP_TRAINING" = 1 ] && break
     # shellcheck disable=SC2086
     pipeline train --train-src "$(pick train.de)" --train-tgt "$(pick train.en)" \
         --valid-src "$(pick val.de)" --valid-tgt "$(pick val.en)" --save-dir "$RUN" \
@@ -87,14 +89,25 @@ PY
 }
 
 evaluate() {  # evaluate SAVE_DIR MODEL_DIR LABEL: average, tune decoding on val, export, score the tests
-    local run=$1 model=$2 label=$3 beam alpha
-    pipeline average "$run" "--$AVERAGE_FROM" "$AVERAGE"
-    # The averaged checkpoint is the newest file of the save dir: tune-decoding and export use it.
-    pipeline tune-decoding "$run" --src "$(pick val.de)" --ref "$(pick val.en)" --beams "$BEAMS" \
+    local run=$1 model=$2 label=$3 beam alpha k bleu best_k="" best_bleu=-1
+    # How many checkpoints to average, on val (beam 4, alpha 0.6): a run still improving fast is
+    # hurt by averaging in its older checkpoints, a converged one gains.
+    for k in ${AVERAGES//,/ }; do
+        pipeline average "$run" "--$AVERAGE_FROM" "$k" --out "$run/averaged-$k.pt"
+        pipeline tune-decoding "$run/averaged-$k.pt" --src "$(pick val.de)" --ref "$(pick val.en)" --beams 4 \
+            --alphas 0.6 --json "$run/average-$k.json" > /dev/null
+        bleu=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["bleu"])' "$run/average-$k.json")
+        echo "$label: average of $k checkpoint(s) ending at the $AVERAGE_FROM: val BLEU $bleu" | tee -a "$RUN/recipe.txt"
+        if python -c 'import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))' "$bleu" "$best_bleu"; then
+            best_k=$k best_bleu=$bleu
+        fi
+    done
+    cp "$run/averaged-$best_k.pt" "$run/averaged.pt"
+    pipeline tune-decoding "$run/averaged.pt" --src "$(pick val.de)" --ref "$(pick val.en)" --beams "$BEAMS" \
         --alphas "$ALPHAS" --json "$run/decoding.json" | tee "$run/tune-decoding.txt"
     read -r beam alpha < <(python -c 'import json,sys; t=json.load(open(sys.argv[1]))[0]; print(t["beam_size"], t["alpha"])' "$run/decoding.json")
     echo "$label: decoding chosen on val: --beam-size $beam --alpha $alpha" | tee -a "$RUN/recipe.txt"
-    pipeline export "$run" --out "$model" --force
+    pipeline export "$run/averaged.pt" --out "$model" --force
     for split in test_2016_flickr test_2017_flickr; do
         pipeline serve-batch "$model" "$(pick $split.de)" --output "$run/$split.hyp" --beam-size "$beam" --alpha "$alpha"
         score "$label" "$split" "$run/$split.hyp" | tee -a "$RUN/recipe.txt"
