@@ -61,7 +61,8 @@ def test_readme_quick_start_is_what_ci_runs():
 
 def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
     """scripts/multi30k.sh on a tiny stand-in for the Multi30k files (tiny model, 3 steps):
-    train, average, export, serve-batch both test sets, score with sacreBLEU."""
+    train, average (how many checkpoints chosen on val), export, serve-batch both test sets,
+    score with sacreBLEU."""
     import os
     import subprocess
 
@@ -74,7 +75,7 @@ def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
         (data / f"{split}.de").write_text("\n".join(src) + "\n")
         (data / f"{split}.en").write_text("\n".join(tgt) + "\n")
     env = dict(os.environ, DATA=str(data), RUN=str(tmp_path / "run"), MODEL=str(tmp_path / "model"), STEPS="3",
-               AVERAGE="2", EXTRA="--preset tiny --vocab-size 64 --batch-tokens 256 --save-every 1 "
+               AVERAGES="1,2", EXTRA="--preset tiny --vocab-size 64 --batch-tokens 256 --save-every 1 "
                                   "--threads 1 --no-progress")
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "multi30k.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -83,3 +84,6 @@ def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
         assert re.search(rf"{split}: BLEU [\d.]+ \(nrefs:1\|case:mixed", proc.stdout), proc.stdout
         assert (tmp_path / "run" / f"{split}.hyp").read_text().count("\n") == 8
     assert (tmp_path / "model" / "manifest.json").is_file() and (tmp_path / "run" / "averaged.pt").is_file()
+    # the number of checkpoints averaged is chosen on val among AVERAGES
+    assert re.search(r"average of 1 checkpoint\(s\) .*val BLEU [\d.]+", proc.stdout), proc.stdout
+    assert re.search(r"average of 2 checkpoint\(s\) .*val BLEU [\d.]+", proc.stdout), proc.stdout
