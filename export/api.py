@@ -38,6 +38,7 @@ from model.manifest import (
     CHECKPOINT_FILE,
     MANIFEST,
     ONNXRUNTIME_ONLY,
+    QUANTIZATIONS,
     SPM_FILE,
     Engines,
     Graphs,
@@ -186,8 +187,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     _prepare_out(out, force, source)
     if int8 and fp16:
         raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
-    if int8_flavour not in (quantize.AUTO, *quantize.FLAVOURS):
-        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of auto, {', '.join(quantize.FLAVOURS)}")
+    if int8_flavour not in (quantize.AUTO, *QUANTIZATIONS):
+        raise ExportError(f"--int8-flavour {int8_flavour!r}: choose one of auto, {', '.join(QUANTIZATIONS)}")
     if int8 and int8_flavour in ONNXRUNTIME_ONLY:
         if tensorrt:
             raise ExportError(f"--int8-flavour {int8_flavour} runs on ONNX Runtime only (TensorRT rejects "
@@ -210,8 +211,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  "TensorRT engines will be built" if int8_flavour == quantize.QDQ else "no TensorRT engines")
         if int8_flavour == quantize.ROWWISE:
             tensorrt = False
-    if int8_atol is None:
-        int8_atol = verify.INT8_ATOL if int8_flavour in (quantize.QDQ, quantize.AUTO) else verify.INT8_ACTIVATIONS_ATOL
+    if int8_atol is None:  # the ONNX Runtime-only flavours are the ones that also quantize activations
+        int8_atol = verify.INT8_ACTIVATIONS_ATOL if int8_flavour in ONNXRUNTIME_ONLY else verify.INT8_ATOL
 
     tmp = make_temp_dir(out.parent, out.name, "partial")
     try:

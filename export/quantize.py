@@ -36,11 +36,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC  # the flavour names, re-exported for export/
 from model.manifest import QDQ as QDQ
-from model.manifest import QUANTIZATIONS
 from model.manifest import ROWWISE as ROWWISE
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
-FLAVOURS = QUANTIZATIONS  # qdq (TensorRT-parseable), rowwise and ort-dynamic (ONNX Runtime CPU only)
 # `--int8-flavour auto`, the default, chosen by measurement (README, "Measured here"): rowwise, about
 # 1.6x faster than qdq on CPU ONNX Runtime and, unlike ort-dynamic (one activation scale per batch:
 # 1 line in 8 differed between `serve` and `serve-batch` on Multi30k), independent of batching;

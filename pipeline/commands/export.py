@@ -8,7 +8,7 @@ import click
 
 from export import api, tensorrt_build, verify
 from model import io_names
-from model.manifest import Manifest
+from model.manifest import QUANTIZATIONS, Manifest
 
 
 @click.command("export")
@@ -22,7 +22,7 @@ from model.manifest import Manifest
               help="int8 weights for every linear layer and the tied embedding/projection (symmetric, "
                    "per output channel); LayerNorm and softmax stay fp32. Verified against the fp32 "
                    "PyTorch model within --int8-atol.")
-@click.option("--int8-flavour", type=click.Choice(["auto", "qdq", "rowwise", "ort-dynamic"]), default="auto",
+@click.option("--int8-flavour", type=click.Choice(["auto", *QUANTIZATIONS]), default="auto",
               show_default=True,
               help="With --int8: qdq (int8 weights through DequantizeLinear -> MatMul, fp32 activations; "
                    "the form TensorRT parses), rowwise (int8 activations too, quantized per row at run "
