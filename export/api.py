@@ -120,7 +120,6 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
     if int8:  # the fp32 graphs, post-processed to int8 weights
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
             {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
-             quantize.BLOCKWISE: quantize.quantize_file_blockwise,
              quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(tmp / name))
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):

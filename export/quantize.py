@@ -1,4 +1,4 @@
-"""int8 weights for the exported fp32 graphs (`pipeline export --int8`), in four flavours.
+"""int8 weights for the exported fp32 graphs (`pipeline export --int8`), in three flavours.
 
 qdq: every linear layer (a MatMul whose B is a constant, and the tied output projection, a
 Gemm with transB) gets an int8 weight initializer, symmetric (zero-point 0), with one
@@ -11,9 +11,6 @@ compute with VNNI). LayerNorm, softmax and log-softmax are untouched and stay fp
 rowwise: the same int8 weights, and each linear layer's input quantized at run time one
 row (one position of one hypothesis) at a time, so the GEMM runs on int8 x int8 in ONNX
 Runtime's integer kernels; no row's result depends on any other row (see _RowwiseRewriter).
-blockwise: each linear layer one ONNX Runtime MatMulNBits node, 8-bit weights with a scale per
-block of 32 input values, activations quantized by the kernel per row and per block, the bias
-added in the same kernel; also independent of batching (see _BlockwiseRewriter).
 ort-dynamic: ONNX Runtime's own quantize_dynamic, one activation scale per whole batch.
 
 The tied embedding / pre-softmax weight E (vocab, d_model): the projection needs it as
@@ -37,8 +34,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from model.manifest import BLOCKWISE as BLOCKWISE  # the flavour names, re-exported for export/
-from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC
+from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC  # the flavour names, re-exported for export/
 from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
 
@@ -124,7 +120,7 @@ class _Rewriter:
         used = {i for n in nodes for i in n.input}
         kept = [i for i in self.graph.initializer if i.name in used]
         del self.graph.initializer[:]
-        self.graph.initializer.extend(kept + self.new_inits)
+        self.graph.initializer.extend(kept + [i for i in self.new_inits if i.name in used])
 
     def _is_linear(self, node: onnx.NodeProto) -> bool:
         if node.op_type == "MatMul":
@@ -273,89 +269,5 @@ def quantize_file_rowwise(path: str) -> None:
     """The rowwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulIntegerToFloat), in place."""
     model = onnx.load(path)
     _RowwiseRewriter(model).rewrite()
-    model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    onnx.save(model, path)
-
-
-# blockwise: K is cut into blocks of this many values, each with its own weight scale and, at run
-# time, its own activation scale (ONNX Runtime quantizes A per block of BlkLen). Chosen by
-# measurement (README, "Measured here").
-BLOCK = 32
-
-
-def quantize_blocks(kn: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """MatMulNBits' 8-bit layout of a (K, N) weight: uint8 codes (N, K / block, block), symmetric
-    (code = q + 128, ONNX Runtime's default zero-point for 8 bits), and float32 scales
-    (N, K / block); w[k, n] ~= (code - 128) * scale. K is zero-padded to a whole block."""
-    k, n = kn.shape
-    blocks = -(-k // block)
-    w = np.zeros((n, blocks * block), np.float32)
-    w[:, :k] = kn.T
-    w = w.reshape(n, blocks, block)
-    amax = np.abs(w).max(axis=2)
-    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[..., None]), -QMAX, QMAX).astype(np.int16)
-    return (q + 128).astype(np.uint8), scale
-
-
-class _BlockwiseRewriter(_Rewriter):
-    """Each linear layer as one ONNX Runtime `MatMulNBits` (com.microsoft) node: 8-bit weights
-    with a scale per block of BLOCK input values, and `accuracy_level` 4, which has ONNX Runtime
-    quantize the activations at run time per row and per block too and compute in int8 (VNNI),
-    with the bias added in the same kernel. No row depends on another, so a sentence translates
-    the same in any batch. Embedding lookups read int8 rows as in the other flavours."""
-
-    def _linear(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        w = self._float_matrix(node.input[1])
-        assert w is not None
-        if node.op_type == "Gemm" and {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0):
-            w = w.T
-        k, n = w.shape
-        codes, scale = quantize_blocks(w)
-        base = node.input[1]
-        if f"{base}_nbits" not in {i.name for i in self.new_inits}:
-            self.new_inits += [numpy_helper.from_array(codes, f"{base}_nbits"),
-                               numpy_helper.from_array(scale, f"{base}_nbits_scale")]
-        return [helper.make_node("MatMulNBits", [node.input[0], f"{base}_nbits", f"{base}_nbits_scale"],
-                                 list(node.output), name=node.name, domain="com.microsoft",
-                                 K=k, N=n, bits=8, block_size=BLOCK, accuracy_level=4)]
-
-
-def fold_biases(graph: onnx.GraphProto) -> int:
-    """MatMulNBits -> Add(constant (N,) bias) becomes one MatMulNBits with its bias input, when
-    the product has no other use; returns how many were folded."""
-    inits = {i.name: i for i in graph.initializer}
-    outputs = {o.name for o in graph.output}
-    consumers: dict[str, list[int]] = {}
-    for i, node in enumerate(graph.node):
-        for name in node.input:
-            consumers.setdefault(name, []).append(i)
-    folded: set[int] = set()
-    for node in graph.node:
-        if node.op_type != "MatMulNBits" or len(node.input) > 3 or node.output[0] in outputs:
-            continue
-        users = consumers.get(node.output[0], [])
-        if len(users) != 1 or graph.node[users[0]].op_type != "Add":
-            continue
-        add = graph.node[users[0]]
-        bias = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        n = {a.name: helper.get_attribute_value(a) for a in node.attribute}["N"]
-        init = inits.get(bias)
-        if init is None or init.data_type != TensorProto.FLOAT or list(init.dims) != [n]:
-            continue
-        node.input.extend(["", "", bias])  # zero_points and g_idx absent, then the bias
-        node.output[0] = add.output[0]
-        folded.add(users[0])
-    kept = [n for i, n in enumerate(graph.node) if i not in folded]
-    del graph.node[:]
-    graph.node.extend(kept)
-    return len(folded)
-
-
-def quantize_file_blockwise(path: str) -> None:
-    """The blockwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulNBits), in place."""
-    model = onnx.load(path)
-    _BlockwiseRewriter(model).rewrite()
-    fold_biases(model.graph)
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)

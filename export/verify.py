@@ -48,7 +48,7 @@ FP16_RTOL = 1e-2
 # like fp16's. Measured on the tiny random and trained models: see tests/test_int8.py.
 INT8_ATOL = 0.15
 INT8_RTOL = 0.05
-# Flavours that also quantize activations to 8 bits (rowwise, blockwise, ort-dynamic) add that error on top.
+# Flavours that also quantize activations to 8 bits (rowwise, ort-dynamic) add that error on top.
 # Measured max |log-prob| differences: Multi30k `small` 0.126 (qdq 0.110, same checked inputs);
 # the tiny test model that memorised its corpus, fed the random tokens checked here, 0.22.
 INT8_ACTIVATIONS_ATOL = 0.3
@@ -319,7 +319,6 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     "at accuracy level 4; rowwise: MatMulIntegerToFloat on per-row int8 activations; "
-                    "blockwise: 8-bit MatMulNBits, activations int8 per row and block; "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")

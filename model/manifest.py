@@ -30,10 +30,9 @@ PRECISIONS = ("fp32", "fp16", "int8")  # graph / engine precisions an export can
 # int8 flavours an export can record as `quantization` (export/quantize.py makes them):
 QDQ = "qdq"  # int8 weights read through DequantizeLinear, fp32 activations: TensorRT parses it
 ROWWISE = "rowwise"  # int8 weights and int8 activations, one scale per row: ONNX Runtime CPU only
-BLOCKWISE = "blockwise"  # int8 weights and activations, one scale per block of K: ONNX Runtime MatMulNBits, CPU only
 ORT_DYNAMIC = "ort-dynamic"  # ONNX Runtime's quantize_dynamic, one activation scale per batch: CPU only
-QUANTIZATIONS = (QDQ, ROWWISE, BLOCKWISE, ORT_DYNAMIC)
-ONNXRUNTIME_ONLY = (ROWWISE, BLOCKWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: no TensorRT engines
+QUANTIZATIONS = (QDQ, ROWWISE, ORT_DYNAMIC)
+ONNXRUNTIME_ONLY = (ROWWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: no TensorRT engines
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
 
 

@@ -1,4 +1,4 @@
-"""`pipeline export --int8`: the QDQ, rowwise and blockwise graph forms, ONNX Runtime's fusion, verification,
+"""`pipeline export --int8`: the QDQ and rowwise graph forms, ONNX Runtime's fusion, verification,
 the flavour chosen by default, batch independence, serving."""
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory, random_checkpoint):
     root = tmp_path_factory.mktemp("int8")
-    out = {p: root / p for p in ("fp32", "int8", "auto", quantize.ROWWISE, quantize.BLOCKWISE)}
+    out = {p: root / p for p in ("fp32", "int8", "rowwise")}
     api.export_model(random_checkpoint, out["fp32"], tensorrt=False, **LIMITS)
     api.export_model(random_checkpoint, out["int8"], int8=True, int8_flavour=quantize.QDQ, tensorrt=False, **LIMITS)
     # the default flavour where no TensorRT engines are built
-    api.export_model(random_checkpoint, out["auto"], int8=True, tensorrt=None, **LIMITS)
-    for flavour in (quantize.ROWWISE, quantize.BLOCKWISE):
-        api.export_model(random_checkpoint, out[flavour], int8=True, int8_flavour=flavour, tensorrt=None, **LIMITS)
+    api.export_model(random_checkpoint, out["rowwise"], int8=True, tensorrt=None, **LIMITS)
     return out
 
 
@@ -151,6 +149,16 @@ def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_pat
         verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16)
 
 
+@pytest.mark.parametrize("flavour", ["int8", "rowwise"])
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_int8_graphs_store_no_unused_initializer(dirs, flavour, graph):
+    """Every initializer feeds a node: the encoder's embedding (no projection shares it) is stored
+    once, as int8 rows, not also as an unused (K, N) int8 copy (16 MB on `base`)."""
+    proto = onnx.load(str(dirs[flavour] / graph))
+    used = {i for n in proto.graph.node for i in n.input}
+    assert [i.name for i in proto.graph.initializer if i.name not in used] == []
+
+
 def test_quantize_columns_round_trip():
     w = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
     w[:, 2] = 0.0  # an all-zero column keeps a usable scale
@@ -161,8 +169,7 @@ def test_quantize_columns_round_trip():
 
 
 @pytest.mark.parametrize("flavour, op", [(quantize.ORT_DYNAMIC, "MatMulInteger"),
-                                         (quantize.ROWWISE, "MatMulIntegerToFloat"),
-                                         (quantize.BLOCKWISE, "MatMulNBits")])
+                                         (quantize.ROWWISE, "MatMulIntegerToFloat")])
 def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flavour, op):
     out = tmp_path / "dyn"
     manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=flavour, tensorrt=None, **LIMITS)
@@ -182,7 +189,7 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flav
 def test_default_flavour_is_rowwise_without_tensorrt_engines(dirs):
     """auto: rowwise where no engines are built (here: no TensorRT), qdq where they are
     (TensorRT parses only qdq; with --tensorrt and no TensorRT the export fails first)."""
-    manifest = read_manifest(dirs["auto"])
+    manifest = read_manifest(dirs["rowwise"])
     assert manifest.quantization == quantize.ROWWISE and manifest.tensorrt is None
 
 
@@ -214,58 +221,13 @@ def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
         assert node.op_type != "MatMul" or node.input[1] not in inits, f"{node.name}: float weight left"
 
 
-def test_quantize_blocks_round_trip():
-    """MatMulNBits' 8-bit layout: (N, blocks, block) codes around 128, one scale per block of K,
-    K zero-padded to a whole block, an all-zero block keeping a usable scale."""
-    w = np.random.default_rng(0).normal(size=(40, 3)).astype(np.float32)  # K = 40: 2 blocks of 32
-    w[:32, 1] = 0.0
-    codes, scale = quantize.quantize_blocks(w, block=32)
-    assert codes.dtype == np.uint8 and codes.shape == (3, 2, 32) and scale.shape == (3, 2)
-    assert scale[1, 0] == 1.0 and np.all(codes[1, 0] == 128) and np.all(codes[:, 1, 8:] == 128)
-    back = ((codes.astype(np.float32) - 128) * scale[..., None]).reshape(3, 64)[:, :40].T
-    assert np.all(np.abs(back - w) <= np.repeat(scale, 32, axis=1)[:, :40].T / 2 + 1e-7)
-    assert np.abs(codes.astype(int) - 128).max() == 127
-
-
-@pytest.mark.parametrize("graph", GRAPHS)
-def test_blockwise_makes_each_linear_layer_one_matmulnbits(dirs, graph):
-    """Every linear layer (as many as qdq's DequantizeLinear matmuls) is one 8-bit MatMulNBits
-    computing in int8 (accuracy_level 4) with its bias folded in; no float weight is left."""
-    proto = onnx.load(str(dirs[quantize.BLOCKWISE] / graph))
-    inits = _inits(proto)
-    ops = [n.op_type for n in proto.graph.node]
-    assert not {"Gemm", "DequantizeLinear", "DynamicQuantizeLinear", "MatMulInteger"} & set(ops)
-    nbits = [n for n in proto.graph.node if n.op_type == "MatMulNBits"]
-    qdq_ops = [n.op_type for n in onnx.load(str(dirs["int8"] / graph)).graph.node]
-    assert len(nbits) == qdq_ops.count("DequantizeLinear") > 0
-    biased = 0
-    for node in nbits:
-        attrs = {a.name: a.i for a in node.attribute}
-        assert attrs["bits"] == 8 and attrs["accuracy_level"] == 4 and attrs["block_size"] == quantize.BLOCK
-        codes, scale = inits[node.input[1]], inits[node.input[2]]
-        blocks = -(-attrs["K"] // quantize.BLOCK)
-        assert codes.dtype == np.uint8 and codes.shape == (attrs["N"], blocks, quantize.BLOCK)
-        assert scale.shape == (attrs["N"], blocks)
-        if len(node.input) == 6:
-            biased += 1
-            assert inits[node.input[5]].shape == (attrs["N"],)
-    assert biased == len(nbits) - (graph == io_names.DECODER_FILE)  # the tied projection has no bias
-    products = {n.output[0] for n in nbits}
-    for node in proto.graph.node:  # a residual sum may follow, a constant bias may not
-        if node.op_type == "Add" and products & set(node.input):
-            assert not set(node.input) & set(inits), f"{node.name}: a bias Add left after a MatMulNBits"
-    for node in proto.graph.node:
-        assert node.op_type != "MatMul" or node.input[1] not in inits, f"{node.name}: float weight left"
-
-
-@pytest.mark.parametrize("flavour", [quantize.ROWWISE, quantize.BLOCKWISE])
-def test_translations_do_not_depend_on_the_batch(dirs, flavour):
+def test_rowwise_translations_do_not_depend_on_the_batch(dirs):
     """A sentence's hypotheses and scores are the same alone as batched with others: what
     makes `serve` (dynamic batches) answer as `serve-batch` does."""
     from runtime.decoding import PAPER
     from runtime.search import search
 
-    backend, _, manifest = load_backend(dirs[flavour], backend="onnxruntime", threads=1)
+    backend, _, manifest = load_backend(dirs["rowwise"], backend="onnxruntime", threads=1)
     pad = manifest.model_config.pad_id
     rng = np.random.default_rng(3)
     cfg = manifest.model_config
@@ -284,20 +246,19 @@ def test_translations_do_not_depend_on_the_batch(dirs, flavour):
     assert np.allclose([h.score for h in together], [h.score for h in alone], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("flavour, op, scale_input", [(quantize.ROWWISE, "MatMulIntegerToFloat", 3),
-                                                      (quantize.BLOCKWISE, "MatMulNBits", 2)])
-def test_verification_fails_on_wrong_weight_scales(trained_save_dir, tmp_path, flavour, op, scale_input):
+def test_verification_fails_on_wrong_rowwise_scales(trained_save_dir, tmp_path):
     """The looser bound of the int8-activation flavours still catches a broken graph: the
-    trained model's export passes, and the same graphs with each linear layer's weight scales
-    reversed fail."""
-    out = tmp_path / flavour
-    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=flavour, tensorrt=False, **LIMITS)
+    trained model's rowwise export passes, and the same graphs with each linear layer's column
+    scales reversed fail."""
+    out = tmp_path / "rowwise"
+    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.ROWWISE, tensorrt=False,
+                                **LIMITS)
     assert manifest.verification["atol"] == verify.INT8_ACTIVATIONS_ATOL
     proto = onnx.load(str(out / io_names.DECODER_FILE))
     inits = {i.name: i for i in proto.graph.initializer}
     for node in proto.graph.node:
-        if node.op_type == op:
-            scale = inits[node.input[scale_input]]
+        if node.op_type == "MatMulIntegerToFloat":
+            scale = inits[node.input[3]]
             scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale)[::-1].copy(), scale.name))
     bad = tmp_path / "decoder.onnx"
     onnx.save(proto, str(bad))

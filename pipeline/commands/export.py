@@ -26,9 +26,7 @@ from model.manifest import QUANTIZATIONS, Manifest
               show_default=True,
               help="With --int8: qdq (int8 weights through DequantizeLinear -> MatMul, fp32 activations; "
                    "the form TensorRT parses), rowwise (int8 activations too, quantized per row at run "
-                   "time: faster on CPU ONNX Runtime, batch-independent, no TensorRT), blockwise (int8 "
-                   "activations quantized per row and per block of 32 inside ONNX Runtime's MatMulNBits: "
-                   "batch-independent, no TensorRT) or ort-dynamic "
+                   "time: faster on CPU ONNX Runtime, batch-independent, no TensorRT) or ort-dynamic "
                    "(ONNX Runtime's quantize_dynamic: one scale per batch, so results depend on "
                    "batching; no TensorRT). auto: qdq when TensorRT engines are built, else rowwise.")
 @click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
@@ -56,7 +54,7 @@ from model.manifest import QUANTIZATIONS, Manifest
 @click.option("--int8-atol", default=None, type=float,
               help="int8 verification bound on log-prob abs differences (ONNX Runtime int8 vs PyTorch "
                    f"fp32), plus {verify.INT8_RTOL:g} x |log-prob|. Default: {verify.INT8_ATOL:g} for qdq, "
-                   f"{verify.INT8_ACTIVATIONS_ATOL:g} for rowwise, blockwise and ort-dynamic (8-bit activations too).")
+                   f"{verify.INT8_ACTIVATIONS_ATOL:g} for rowwise and ort-dynamic (8-bit activations too).")
 @click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
               type=float, help="TensorRT builder workspace limit in GiB.")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
