@@ -117,7 +117,7 @@ class _Rewriter:
                 nodes.append(node)
         del self.graph.node[:]
         self.graph.node.extend(nodes)
-        used = {i for n in nodes for i in n.input}
+        used = {i for n in nodes for i in n.input}  # initializers nothing reads (old or new) are dropped
         kept = [i for i in self.graph.initializer if i.name in used]
         del self.graph.initializer[:]
         self.graph.initializer.extend(kept + [i for i in self.new_inits if i.name in used])
@@ -155,14 +155,13 @@ class _Rewriter:
     def _embedding(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
         """table[ids] from int8 rows: Gather rows and their scales, Cast, multiply."""
         table, ids = node.input[0], node.input[1]
+        if table not in self.values:  # no projection shares it: quantize per row
+            matrix = self._float_matrix(table)
+            assert matrix is not None
+            self._quantized(table, matrix.T)  # its unused (K, N) form is dropped by rewrite()
+        q, scale = self.values[table]
         q_rows, row_scale = f"{table}_int8_rows", f"{table}_row_scale"
         if q_rows not in {i.name for i in self.new_inits}:
-            if table in self.values:  # the (K, N) int8 form a projection made: the same values
-                q, scale = self.values[table]
-            else:  # quantized per row here; no unused (K, N) copy is stored
-                matrix = self._float_matrix(table)
-                assert matrix is not None
-                q, scale = quantize_columns(matrix.T)
             self.new_inits += [numpy_helper.from_array(np.ascontiguousarray(q.T), q_rows),
                                numpy_helper.from_array(scale, row_scale)]
         rows, values, scales, unsq, axes = (self._name(f"{node.name}_{s}") for s in
