@@ -6,7 +6,9 @@ float scale per output channel, read through `DequantizeLinear(axis = output cha
 into the unchanged MatMul. That is the form TensorRT's parser takes (int8 QDQ weights,
 zero-point 0) and the one ONNX Runtime (>= 1.20; checked on 1.31) fuses into its 8-bit
 MatMulNBits kernel at load time (`session.qdq_matmulnbits_accuracy_level` 4: int8
-compute with VNNI). LayerNorm, softmax and log-softmax are untouched and stay fp32.
+compute), which measured at about fp32 speed on our AVX-512 VNNI CPU (no 8-bit fast path in
+ONNX Runtime 1.31; README, "Measured here"): rowwise is the fast CPU form. LayerNorm,
+softmax and log-softmax are untouched and stay fp32.
 
 rowwise: the same int8 weights, and each linear layer's input quantized at run time one
 row (one position of one hypothesis) at a time, so the GEMM runs on int8 x int8 in ONNX
