@@ -40,6 +40,7 @@ SPM_NBEST=${SPM_NBEST:-64}     # sample among the 64 best segmentations: -1 (all
                                # sentence at alpha 0.1 (measured on this corpus), halving sentences per minute
 WARMUP=${WARMUP:-800}
 LR_SCALE=${LR_SCALE:-0.8}
+LR_SCHEDULE=${LR_SCHEDULE:-linear}  # linear: warmup, then straight down to zero at the end of TIME; rsqrt: the paper's
 AVERAGES=${AVERAGES:-1,3,5}    # checkpoints averaged, chosen on val among these (1 = no averaging) ...
 AVERAGE_FROM=${AVERAGE_FROM:-best}  # ... ending at the best validation BLEU (best) or the last one (last)
 BEAMS=${BEAMS:-4,6}            # tried on val by `pipeline tune-decoding`
@@ -56,7 +57,7 @@ pick() {  # the .gz file if present, else the plain one
 mkdir -p "$RUN"
 {
     echo "# scripts/multi30k.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE AVERAGES AVERAGE_FROM BEAMS ALPHAS EXTRA; do
+    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE LR_SCHEDULE AVERAGES AVERAGE_FROM BEAMS ALPHAS EXTRA; do
         echo "$v=${!v}"
     done
     echo "cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), cores=$(nproc)"
@@ -68,6 +69,7 @@ for budget in $MILESTONES "$TIME"; do
     pipeline train --train-src "$(pick train.de)" --train-tgt "$(pick train.en)" \
         --valid-src "$(pick val.de)" --valid-tgt "$(pick val.en)" --save-dir "$RUN" \
         --preset small --vocab-size "$VOCAB" --batch-tokens 4000 --warmup "$WARMUP" --lr-scale "$LR_SCALE" \
+        --lr-schedule "$LR_SCHEDULE" $([ "$LR_SCHEDULE" = linear ] && echo --decay-time "$TIME") \
         --dropout "$DROPOUT" --label-smoothing "$LABEL_SMOOTHING" --spm-alpha "$SPM_ALPHA" --spm-nbest "$SPM_NBEST" \
         --max-time "$budget" --max-steps "$STEPS" --save-every 200 --keep-last 10 \
         --valid-every 400 --valid-beam 4 --valid-max-sentences 300 $EXTRA

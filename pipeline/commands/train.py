@@ -11,6 +11,7 @@ import click
 from model.config import PRESETS
 from pipeline.training import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
+from pipeline.training.step import SCHEDULES
 from runtime.decoding import PAPER
 
 _FILE = click.Path(dir_okay=False, path_type=Path)
@@ -44,7 +45,14 @@ _DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
 @click.option("--max-steps", type=int, help="Stop after this many updates.")
 @click.option("--lr-scale", type=float, default=1.0, show_default=True,
               help="Multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
-@click.option("--warmup", type=int, help="Warmup steps of the inverse-square-root schedule (paper: 4000).")
+@click.option("--warmup", type=int, help="Warmup steps of the learning-rate schedule (paper: 4000).")
+@click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="rsqrt", show_default=True,
+              help="rsqrt: the paper's inverse square root. linear: the same warmup, then a straight line "
+              "from the peak down to zero at the end of the run (--max-steps, or the step --max-time is "
+              "estimated to end at, from the speed measured during warmup); better within a fixed budget.")
+@click.option("--decay-time", metavar="DURATION", help="With --lr-schedule linear: the budget to decay over "
+              "(default --max-time). Set it to the full budget when stopping earlier on purpose and "
+              "resuming, so the schedule is that of the full run.")
 @click.option("--label-smoothing", type=float, help="Label smoothing (default: the preset's; the paper: 0.1).")
 @click.option("--clip-norm", type=float, default=0.0, show_default=True,
               help="Clip the gradient norm to this value (0 = off, as in the paper).")

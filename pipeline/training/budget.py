@@ -40,3 +40,9 @@ class TimeBudget:
 
     def exhausted(self) -> bool:
         return self.limit_s is not None and self.elapsed() >= self.limit_s
+
+
+def steps_within(step: int, elapsed_s: float, budget_s: float, seconds_per_step: float) -> int:
+    """The step a budget of `budget_s` seconds ends at, from `step` after `elapsed_s`, at
+    `seconds_per_step` (at least `step + 1`)."""
+    return step + max(1, int((budget_s - elapsed_s) / max(seconds_per_step, 1e-9)))

@@ -144,6 +144,10 @@ class Progress:
     best_bleu: float | None = None
     best_step: int | None = None  # the step of best_bleu (and of checkpoint_best.pt)
     elapsed_s: float = 0.0  # wall clock of this run and the runs it resumed (--max-time)
+    # --lr-schedule linear under a time budget: the step where the learning rate reaches zero,
+    # estimated once (at the end of warmup) for a budget of decay_time_s seconds, then kept.
+    decay_steps: int | None = None
+    decay_time_s: float | None = None
 
 
 @dataclass
@@ -172,7 +176,8 @@ class Checkpointer:
                  "data": self.batches.state_dict(), "rng": rng, "world_size": self.ctx.world_size,
                  "tokens": progress.tokens, "best_bleu": progress.best_bleu, "config": self.config,
                  "options": self.options, "data_files": self.data_files,
-                 "best_step": progress.best_step, "elapsed_s": progress.elapsed_s}
+                 "best_step": progress.best_step, "elapsed_s": progress.elapsed_s,
+                 "decay_steps": progress.decay_steps, "decay_time_s": progress.decay_time_s}
 
         def write() -> None:
             try:
@@ -219,7 +224,7 @@ class Checkpointer:
             log.warning("the checkpoint holds RNG states of %d process(es), this run has %d: dropout "
                         "masks will not replay exactly", len(rngs), self.ctx.world_size)
         return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"), state.get("best_step"),
-                        state.get("elapsed_s", 0.0))
+                        state.get("elapsed_s", 0.0), state.get("decay_steps"), state.get("decay_time_s"))
 
 
 def prune(save_dir: Path, keep_last: int, best_step: int | None = None) -> None:

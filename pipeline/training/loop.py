@@ -15,10 +15,10 @@ from tqdm import tqdm
 from model.checkpoint import step_checkpoints
 from pipeline.corpus.data import PreparedData, ShardedBatches
 from pipeline.errors import UserError
-from pipeline.training.budget import TimeBudget
+from pipeline.training.budget import TimeBudget, steps_within
 from pipeline.training.checkpointing import Checkpointer, Progress
 from pipeline.training.metrics import MetricsLog, StopFlag, TrainingInterrupted
-from pipeline.training.options import TrainOptions
+from pipeline.training.options import TrainOptions, parse_duration
 from pipeline.training.step import Stepper, UpdateStats, learning_rate
 from pipeline.training.tensorboard import TensorBoardLog
 from pipeline.training.validation import validate
@@ -73,7 +73,8 @@ class TrainLoop:
             while progress.step < opts.max_steps:
                 position = self.batches.state_dict()
                 group = self.batches.next_group()
-                lr = learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale)
+                lr = learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale,
+                                   opts.lr_schedule, self._decay_steps(progress, start_step, speed))
                 stats = self.stepper.update(group, lr, stop.signum is not None, self.budget.exhausted())
                 if stats.stop or stats.out_of_time:
                     self.batches.load_state_dict(position)  # this group was not trained on
@@ -97,6 +98,35 @@ class TrainLoop:
                 self._on_schedule(progress, stats, lr, speed, bar)
         self._summary(progress, start_step, speed)
         return progress
+
+    def _decay_steps(self, progress: Progress, start_step: int, speed: _Throughput) -> int | None:
+        """Where --lr-schedule linear reaches zero: --max-steps without a time budget; with one
+        (--decay-time, else --max-time), the step the budget is estimated to end at, from the
+        speed so far, once warmup is over (the end of warmup is when the estimate is needed and
+        the speed is known). It is then recorded in the checkpoints, so a resumed run keeps it
+        and replays bit-exactly; only a different budget makes a new estimate."""
+        opts = self.opts
+        if opts.lr_schedule != "linear":
+            return None
+        budget_text = opts.decay_time or opts.max_time
+        if budget_text is None:
+            return opts.max_steps
+        budget_s = parse_duration(budget_text)
+        if progress.decay_steps is not None and progress.decay_time_s == budget_s:
+            return progress.decay_steps
+        if progress.step < opts.warmup:
+            return None
+        done_here = progress.step - start_step
+        # This process's training speed (validation and saving included) once it has one;
+        # right after a resume, the whole run's (data preparation included: a little slower).
+        per_step = ((time.time() - speed.start) / done_here if done_here >= 20
+                    else self.budget.elapsed() / max(progress.step, 1))
+        horizon = min(opts.max_steps, steps_within(progress.step, self.budget.elapsed(), budget_s, per_step))
+        progress.decay_steps, progress.decay_time_s = self.stepper.ctx.broadcast((horizon, budget_s))
+        if self.stepper.ctx.is_main:
+            log.info("--lr-schedule linear: at %.2f s per step, the %s budget ends near step %d; the "
+                     "learning rate falls to zero there", per_step, budget_text, progress.decay_steps)
+        return progress.decay_steps
 
     def _save(self, progress: Progress) -> Any:
         progress.elapsed_s = self.budget.elapsed()

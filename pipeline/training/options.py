@@ -11,6 +11,7 @@ from typing import Any
 
 from model.config import PRESETS, ModelConfig, preset
 from pipeline.errors import UserError
+from pipeline.training.step import SCHEDULES
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high
 # validation BLEU in a few CPU minutes.
@@ -58,6 +59,8 @@ class TrainOptions:
     progress: bool = True
     allow_changed_data: bool = False
     max_time: str | None = None  # a duration (90s, 60m, 1h30m): the whole run, resumes included
+    lr_schedule: str = "rsqrt"  # rsqrt (the paper's) or linear (warmup, then straight down to zero)
+    decay_time: str | None = None  # linear: the budget it decays over (default --max-time)
     spm_alpha: float = 0.0  # SentencePiece sampling smoothing during training (0 = off)
     # Sample among the n best segmentations (-1 = all, from the lattice). 64: at alpha 0.1, sampling
     # from all of them made Multi30k sentences 2.03x as many pieces (64 best: 1.10x), which halves
@@ -71,9 +74,10 @@ class TrainOptions:
 RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size", "max_len",
                "batch_tokens", "lr_scale", "warmup", "label_smoothing", "clip_norm", "seed",
                "builtin_pairs")
-# Subword sampling changes the experiment too, but is recorded only when on, so that save dirs
-# made before it existed still resume.
+# Subword sampling and the linear schedule change the experiment too, but are recorded only when
+# on, so that save dirs made before they existed still resume.
 SAMPLING_KEYS = ("spm_alpha", "spm_nbest")
+SCHEDULE_KEYS = ("lr_schedule",)
 
 
 def resolve_options(opts: TrainOptions) -> TrainOptions:
@@ -128,11 +132,16 @@ def check_numbers(o: TrainOptions) -> None:
         problems.append(f"--valid-max-sentences must be >= 0, 0 = all (got {o.valid_max_sentences})")
     if o.builtin_pairs is not None and o.builtin_pairs < 10:
         problems.append(f"--builtin-pairs must be at least 10 (got {o.builtin_pairs})")
-    if o.max_time is not None:
-        try:
-            parse_duration(o.max_time)
-        except ValueError as e:
-            problems.append(str(e))
+    for name in ("max_time", "decay_time"):
+        if getattr(o, name) is not None:
+            try:
+                parse_duration(getattr(o, name), "--" + name.replace("_", "-"))
+            except ValueError as e:
+                problems.append(str(e))
+    if o.lr_schedule not in SCHEDULES:
+        problems.append(f"--lr-schedule must be one of {', '.join(SCHEDULES)} (got {o.lr_schedule!r})")
+    if o.decay_time is not None and o.lr_schedule != "linear":
+        problems.append("--decay-time sets how long --lr-schedule linear decays; it needs --lr-schedule linear")
     if not 0 <= o.spm_alpha <= 1:
         problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
     if o.spm_nbest == 0 or o.spm_nbest < -1:
@@ -155,6 +164,8 @@ def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
     training = {k: getattr(opts, k) for k in RESUME_KEYS}
     if opts.spm_alpha > 0:
         training.update({k: getattr(opts, k) for k in SAMPLING_KEYS})
+    if opts.lr_schedule != "rsqrt":
+        training.update({k: getattr(opts, k) for k in SCHEDULE_KEYS})
     for k in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
         if training[k] is not None:
             training[k] = str(Path(training[k]).resolve())
@@ -190,7 +201,7 @@ def describe_defaults() -> str:
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
 
 
-def parse_duration(text: str) -> float:
+def parse_duration(text: str, option: str = "--max-time") -> float:
     """Seconds in `90s`, `60m`, `1h30m`, `1.5h` or a plain number of seconds."""
     text = text.strip().lower()
     try:
@@ -198,9 +209,9 @@ def parse_duration(text: str) -> float:
     except ValueError:
         match = _DURATION.fullmatch(text)
         if not text or match is None:
-            raise ValueError(f"--max-time {text!r} is not a duration; write e.g. 90s, 60m or 1h30m") from None
+            raise ValueError(f"{option} {text!r} is not a duration; write e.g. 90s, 60m or 1h30m") from None
         h, m, s = (float(g) if g else 0.0 for g in match.groups())
         seconds = 3600 * h + 60 * m + s
     if seconds <= 0:
-        raise ValueError(f"--max-time must be positive (got {text!r})")
+        raise ValueError(f"{option} must be positive (got {text!r})")
     return seconds

@@ -24,11 +24,26 @@ from pipeline.corpus.data import Batch
 from pipeline.distributed import DistContext
 from pipeline.errors import UserError
 
+SCHEDULES = ("rsqrt", "linear")
 
-def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0) -> float:
-    """Section 5.3: lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1."""
+
+def learning_rate(step: int, d_model: int, warmup: int, scale: float = 1.0, schedule: str = "rsqrt",
+                  decay_steps: int | None = None) -> float:
+    """Section 5.3 (`rsqrt`): lr = scale * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5), step >= 1.
+
+    `linear` warms up the same way, then falls in a straight line from that peak to zero at
+    `decay_steps` (and stays there): within a fixed budget, ending at a learning rate near
+    zero trains the last steps far better than rsqrt's slow tail. Until `decay_steps` is known
+    (it may be estimated from a time budget at the end of warmup) the peak holds."""
     step = max(step, 1)
-    return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    if schedule == "rsqrt" or step <= warmup:
+        return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    if schedule != "linear":
+        raise ValueError(f"unknown learning-rate schedule {schedule!r}; choose one of {SCHEDULES}")
+    peak = scale * d_model ** -0.5 * warmup ** -0.5
+    if decay_steps is None:
+        return peak
+    return peak * max(0.0, (decay_steps - step) / max(decay_steps - warmup, 1))
 
 
 def token_losses(logits: torch.Tensor, target: torch.Tensor, label_smoothing: float
