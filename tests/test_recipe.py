@@ -5,6 +5,7 @@ TensorBoard events, per-preset regularisation, and decoding options chosen on va
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from test_train import TINY, env_with_root, weights
 from model.checkpoint import BEST, read_checkpoint, step_checkpoints
 from pipeline.corpus.data import ShardedBatches, iter_eval_batches, prepare_data
 from pipeline.corpus.sampling import SubwordSampler
-from pipeline.training import TrainOptions, resolve_options, train
+from pipeline.training import TrainOptions, learning_rate, resolve_options, train
 from pipeline.training.checkpointing import prune
 from pipeline.training.options import parse_duration
 from runtime.loader import load_torch_backend_from_checkpoint
@@ -86,6 +87,91 @@ def test_time_budget_exits_0_with_a_clear_line_counting_from_process_start(corpu
     assert train_state(run)["elapsed_s"] >= 4
     assert run_cli("train", "--save-dir", run, "--train-src", corpus[0], "--train-tgt", corpus[1], *TINY,
                    "--max-time", "1h2", "--max-steps", "9") == 2
+
+
+# -- --lr-schedule linear ------------------------------------------------------------------
+
+def test_linear_schedule_warms_up_like_the_papers_then_falls_straight_to_zero():
+    d, warmup, end = 256, 100, 1100
+    peak = learning_rate(warmup, d, warmup)
+    for step in (1, 50, warmup):  # warmup: identical to rsqrt
+        assert learning_rate(step, d, warmup, 0.8, "linear", end) == learning_rate(step, d, warmup, 0.8)
+    assert learning_rate(600, d, warmup, 1.0, "linear", end) == pytest.approx(peak / 2)
+    assert learning_rate(1050, d, warmup, 1.0, "linear", end) == pytest.approx(peak / 20)
+    assert learning_rate(end, d, warmup, 1.0, "linear", end) == 0.0
+    assert learning_rate(end + 50, d, warmup, 1.0, "linear", end) == 0.0  # stays at zero
+    assert learning_rate(500, d, warmup, 1.0, "linear", None) == peak  # horizon not known yet
+    assert learning_rate(4 * warmup, d, warmup) == pytest.approx(peak / 2)  # rsqrt untouched
+
+
+def lrs(run: Path) -> dict[int, float]:
+    return {m["step"]: m["lr"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if m["event"] == "train"}
+
+
+def test_linear_schedule_under_a_time_budget_is_estimated_once_and_kept_on_resume(corpus, tmp_path):
+    run, d_model, warmup = tmp_path / "run", 32, 2
+    opts = dict(lr_schedule="linear", decay_time="60s", warmup=warmup)
+    # Stop early (--max-time 8s) while decaying over 60s: the horizon is estimated after warmup
+    # and 20 measured updates, and recorded in the checkpoint.
+    train(tiny_opts(run, corpus, max_time="8s", **opts), started=time.time())
+    first = train_state(run)
+    assert first["step"] > 20, "too slow to measure its speed in 8 s"
+    horizon = first["decay_steps"]
+    assert first["decay_time_s"] == 60 and horizon > first["step"]
+    # Resuming with the same --decay-time keeps it: the schedule is the uninterrupted run's.
+    train(tiny_opts(run, corpus, max_time="12s", **opts), started=time.time())
+    second = train_state(run)
+    assert second["step"] > first["step"] and second["decay_steps"] == horizon
+    logged = lrs(run)
+    assert sorted(logged) == list(range(1, second["step"] + 1))
+    for step, lr in logged.items():  # the peak holds until 20 updates measured the speed
+        assert lr == learning_rate(step, d_model, warmup, 1.0, "linear", horizon if step > 20 else None)
+    after = [logged[s] for s in sorted(logged) if s >= warmup]
+    assert after == sorted(after, reverse=True) and after[-1] < after[0]
+    # A different budget is a new estimate, from the speed recorded so far.
+    train(tiny_opts(run, corpus, max_time="20s", lr_schedule="linear", decay_time="20s", warmup=warmup),
+          started=time.time())
+    third = train_state(run)
+    assert third["decay_time_s"] == 20 and third["decay_steps"] < horizon
+
+
+def test_linear_schedule_resumes_bit_exactly_after_sigterm(corpus, tmp_path):
+    """Without a time budget the horizon is --max-steps, so the same command rerun after a stop
+    gives the uninterrupted run: weights and every step's learning rate."""
+    common = ["--train-src", str(corpus[0]), "--train-tgt", str(corpus[1]), *TINY, "--dropout", "0.1",
+              "--save-every", "100000", "--log-every", "1", "--lr-schedule", "linear", "--max-steps", "150"]
+    run, straight = tmp_path / "run", tmp_path / "straight"
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *common],
+                            env=env_with_root(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, metrics = time.monotonic() + 120, run / "metrics.jsonl"
+        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert 3 <= train_state(run)["step"] < 150
+    assert run_cli("train", "--save-dir", run, *common) == 0
+    assert run_cli("train", "--save-dir", straight, *common) == 0
+    a, b = weights(straight), weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert lrs(straight) == lrs(run) and lrs(run)[150] == 0.0
+
+
+def test_schedule_options_are_checked_and_change_the_experiment(corpus, tmp_path, capsys):
+    common = ["--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, "--max-steps", "2"]
+    assert run_cli("train", "--save-dir", tmp_path / "a", *common, "--decay-time", "10m") == 2
+    assert "needs --lr-schedule linear" in capsys.readouterr().err
+    assert run_cli("train", "--save-dir", tmp_path / "a", *common, "--lr-schedule", "linear",
+                   "--decay-time", "soon") == 2
+    assert "--decay-time 'soon' is not a duration" in capsys.readouterr().err
+    run = tmp_path / "b"
+    assert run_cli("train", "--save-dir", run, *common) == 0
+    assert run_cli("train", "--save-dir", run, *common, "--lr-schedule", "linear") == 2
+    assert "lr_schedule" in capsys.readouterr().err
 
 
 # -- subword sampling ------------------------------------------------------------------------

@@ -25,6 +25,8 @@ from pipeline.training.validation import validate
 
 log = logging.getLogger(__name__)
 
+_SPEED_STEPS = 20  # updates this process trains before --lr-schedule linear estimates a horizon
+
 
 @dataclass
 class _Throughput:
@@ -114,13 +116,12 @@ class TrainLoop:
         budget_s = parse_duration(budget_text)
         if progress.decay_steps is not None and progress.decay_time_s == budget_s:
             return progress.decay_steps
-        if progress.step < opts.warmup:
-            return None
         done_here = progress.step - start_step
-        # This process's training speed (validation and saving included) once it has one;
-        # right after a resume, the whole run's (data preparation included: a little slower).
-        per_step = ((time.time() - speed.start) / done_here if done_here >= 20
-                    else self.budget.elapsed() / max(progress.step, 1))
+        if progress.step < opts.warmup or done_here < _SPEED_STEPS:
+            # Until this process has measured its speed (validation and saving included; start-up
+            # would make it look slow), the peak holds, or a horizon made for another budget.
+            return progress.decay_steps
+        per_step = (time.time() - speed.start) / done_here
         horizon = min(opts.max_steps, steps_within(progress.step, self.budget.elapsed(), budget_s, per_step))
         progress.decay_steps, progress.decay_time_s = self.stepper.ctx.broadcast((horizon, budget_s))
         if self.stepper.ctx.is_main:
