@@ -99,6 +99,12 @@ class OrtBackend(ExportedGraphBackend):
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         opts.log_severity_level = 3
+        if self.device.type == "cpu":
+            # No BFC arena on the CPU: the decoder's shapes grow every step, and the arena keeps
+            # each larger region it grew to. Measured (base rowwise int8, batch 32, beam 4, 30
+            # tokens, 2 threads, fresh process per run, alternating): peak RSS 730-760 MB instead
+            # of 777-798 MB, tokens/s unchanged (611-630 vs 589-601); fp32 and small alike or better.
+            opts.enable_cpu_mem_arena = False
         for key, value in session_config(manifest).items():
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
