@@ -49,7 +49,7 @@ _DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
 @click.option("--lr-schedule", type=click.Choice(SCHEDULES), default="rsqrt", show_default=True,
               help="rsqrt: the paper's inverse square root. linear: the same warmup, then a straight line "
               "from the peak down to zero at the end of the run (--max-steps, or the step --max-time is "
-              "estimated to end at, from the speed measured during warmup); better within a fixed budget.")
+              "estimated to end at, from the speed measured after warmup). Measured on Multi30k: no better than rsqrt.")
 @click.option("--decay-time", metavar="DURATION", help="With --lr-schedule linear: the budget to decay over "
               "(default --max-time). Set it to the full budget when stopping earlier on purpose and "
               "resuming, so the schedule is that of the full run.")

@@ -145,7 +145,7 @@ class Progress:
     best_step: int | None = None  # the step of best_bleu (and of checkpoint_best.pt)
     elapsed_s: float = 0.0  # wall clock of this run and the runs it resumed (--max-time)
     # --lr-schedule linear under a time budget: the step where the learning rate reaches zero,
-    # estimated once (at the end of warmup) for a budget of decay_time_s seconds, then kept.
+    # estimated once (after warmup, from measured speed) for a budget of decay_time_s seconds, then kept.
     decay_steps: int | None = None
     decay_time_s: float | None = None
 

@@ -103,10 +103,10 @@ class TrainLoop:
 
     def _decay_steps(self, progress: Progress, start_step: int, speed: _Throughput) -> int | None:
         """Where --lr-schedule linear reaches zero: --max-steps without a time budget; with one
-        (--decay-time, else --max-time), the step the budget is estimated to end at, from the
-        speed so far, once warmup is over (the end of warmup is when the estimate is needed and
-        the speed is known). It is then recorded in the checkpoints, so a resumed run keeps it
-        and replays bit-exactly; only a different budget makes a new estimate."""
+        (--decay-time, else --max-time), the step the budget is estimated to end at, from this
+        process's speed once warmup is over and 20 updates are measured. It is then recorded
+        in the checkpoints, so a resumed run keeps it and replays bit-exactly; only a different
+        budget makes a new estimate."""
         opts = self.opts
         if opts.lr_schedule != "linear":
             return None
