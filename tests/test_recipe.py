@@ -5,7 +5,6 @@ TensorBoard events, per-preset regularisation, and decoding options chosen on va
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import make_parallel, run_cli, write_parallel
-from test_train import TINY, env_with_root, weights
+from test_train import TINY, env_with_root, train_until_sigterm, weights
 
 from model.checkpoint import BEST, read_checkpoint, step_checkpoints
 from pipeline.corpus.data import ShardedBatches, iter_eval_batches, prepare_data
@@ -142,17 +141,7 @@ def test_linear_schedule_resumes_bit_exactly_after_sigterm(corpus, tmp_path):
     common = ["--train-src", str(corpus[0]), "--train-tgt", str(corpus[1]), *TINY, "--dropout", "0.1",
               "--save-every", "100000", "--log-every", "1", "--lr-schedule", "linear", "--max-steps", "150"]
     run, straight = tmp_path / "run", tmp_path / "straight"
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *common],
-                            env=env_with_root(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline, metrics = time.monotonic() + 120, run / "metrics.jsonl"
-        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    finally:
-        proc.kill()
+    train_until_sigterm(run, common, tmp_path)
     assert 3 <= train_state(run)["step"] < 150
     assert run_cli("train", "--save-dir", run, *common) == 0
     assert run_cli("train", "--save-dir", straight, *common) == 0

@@ -34,6 +34,23 @@ def env_with_root() -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
 
 
+def train_until_sigterm(run: Path, args: list, cwd: Path, lines: int = 3) -> str:
+    """`pipeline train --save-dir run ARGS` in a subprocess, SIGTERM once metrics.jsonl holds
+    `lines` lines; asserts the exit status of a signalled stop and returns its stderr."""
+    cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env_with_root(), cwd=cwd, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline, metrics = time.monotonic() + 120, run / "metrics.jsonl"
+        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < lines):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        return proc.stderr.read()
+    finally:
+        proc.kill()
+
+
 def weights(save_dir: Path) -> dict[str, torch.Tensor]:
     return read_checkpoint(step_checkpoints(save_dir)[-1])["model"]
 
@@ -142,20 +159,8 @@ def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path)
     common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--dropout", "0.1", "--save-every", "100000",
               "--log-every", "1"]
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *map(str, common),
-           "--max-steps", "100000"]
-    proc = subprocess.Popen(cmd, env=env_with_root(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        metrics = run / "metrics.jsonl"
-        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 3):
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        assert "rerun the same command to resume" in proc.stderr.read()
-    finally:
-        proc.kill()
+    stderr = train_until_sigterm(run, [*common, "--max-steps", "100000"], tmp_path)
+    assert "rerun the same command to resume" in stderr
     stopped_at = last_step(run)
     assert stopped_at >= 3
     target = str(stopped_at + 4)

@@ -68,6 +68,8 @@ class TrainLoop:
         a normal return); raises TrainingInterrupted on SIGINT/SIGTERM."""
         opts, ctx, model = self.opts, self.stepper.ctx, self.stepper.model
         start_step, speed, nonfinite = progress.step, _Throughput(), 0
+        decay_text = opts.decay_time or opts.max_time  # the budget --lr-schedule linear decays over
+        decay_s = parse_duration(decay_text) if decay_text else None
         bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                    disable=not (ctx.is_main and opts.progress))
         model.train()
@@ -76,7 +78,7 @@ class TrainLoop:
                 position = self.batches.state_dict()
                 group = self.batches.next_group()
                 lr = learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale,
-                                   opts.lr_schedule, self._decay_steps(progress, start_step, speed))
+                                   opts.lr_schedule, self._decay_steps(progress, start_step, speed, decay_s))
                 stats = self.stepper.update(group, lr, stop.signum is not None, self.budget.exhausted())
                 if stats.stop or stats.out_of_time:
                     self.batches.load_state_dict(position)  # this group was not trained on
@@ -101,7 +103,8 @@ class TrainLoop:
         self._summary(progress, start_step, speed)
         return progress
 
-    def _decay_steps(self, progress: Progress, start_step: int, speed: _Throughput) -> int | None:
+    def _decay_steps(self, progress: Progress, start_step: int, speed: _Throughput,
+                     budget_s: float | None) -> int | None:
         """Where --lr-schedule linear reaches zero: --max-steps without a time budget; with one
         (--decay-time, else --max-time), the step the budget is estimated to end at, from this
         process's speed once warmup is over and 20 updates are measured. It is then recorded
@@ -110,10 +113,8 @@ class TrainLoop:
         opts = self.opts
         if opts.lr_schedule != "linear":
             return None
-        budget_text = opts.decay_time or opts.max_time
-        if budget_text is None:
+        if budget_s is None:
             return opts.max_steps
-        budget_s = parse_duration(budget_text)
         if progress.decay_steps is not None and progress.decay_time_s == budget_s:
             return progress.decay_steps
         done_here = progress.step - start_step
@@ -125,8 +126,8 @@ class TrainLoop:
         horizon = min(opts.max_steps, steps_within(progress.step, self.budget.elapsed(), budget_s, per_step))
         progress.decay_steps, progress.decay_time_s = self.stepper.ctx.broadcast((horizon, budget_s))
         if self.stepper.ctx.is_main:
-            log.info("--lr-schedule linear: at %.2f s per step, the %s budget ends near step %d; the "
-                     "learning rate falls to zero there", per_step, budget_text, progress.decay_steps)
+            log.info("--lr-schedule linear: at %.2f s per step, the %.0f s budget ends near step %d; the "
+                     "learning rate falls to zero there", per_step, budget_s, progress.decay_steps)
         return progress.decay_steps
 
     def _save(self, progress: Progress) -> Any:
