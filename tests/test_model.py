@@ -170,3 +170,34 @@ def test_impossible_configs_are_rejected():
         ModelConfig(vocab_size=0)
     with pytest.raises(ConfigError, match="unknown preset"):
         preset("huge", vocab_size=10)
+
+
+def test_cpu_dropout_drops_p_and_keeps_the_expectation():
+    from model.transformer import Dropout
+    drop = Dropout(0.1).train()
+    x = torch.ones(1000, 1001)  # odd size: the random bits are drawn four elements per int64
+    torch.manual_seed(3)
+    y = drop(x)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.1) < 0.003
+    assert abs(y.mean().item() - 1.0) < 0.005  # survivors scaled by 1 / keep probability
+    values = torch.unique(y).tolist()
+    assert values[0] == 0.0 and values[1:] == [pytest.approx(65536 / (65536 - round(0.1 * 65536)))]
+    torch.manual_seed(3)
+    assert torch.equal(drop(x), y)  # the global generator decides: seeded runs repeat
+    assert not torch.equal(drop(x), y)
+    x.requires_grad_(True)
+    torch.manual_seed(3)
+    drop(x).sum().backward()
+    assert torch.equal(x.grad, y)  # the gradient goes through the same mask and scale
+    assert torch.equal(drop.eval()(x), x)
+
+
+def test_forward_rows_projects_only_the_given_positions(model):
+    src, tgt = batch()
+    rows = torch.ones_like(tgt, dtype=torch.bool)
+    rows[0, 3:] = False
+    rows[2, 5:] = False
+    with torch.no_grad():
+        full = model(src, tgt)
+        torch.testing.assert_close(model(src, tgt, rows), full[rows])

@@ -136,3 +136,29 @@ def test_two_ranks_share_rank0s_result_and_error():
     assert gathered0 == [0, 10] and gathered1 is None
     assert total0 == total1 == [3.0]
     assert calls0 == ["main", "first:True"] and calls1 == ["first:False"]
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1, 0.3])
+def test_token_losses_equal_cross_entropy_in_value_and_gradient(smoothing):
+    """The fused loss is F.cross_entropy(label_smoothing, ignore_index=pad, sum) and its NLL."""
+    import torch.nn.functional as F
+
+    from model.config import PAD_ID
+    from pipeline.training.step import token_losses
+    torch.manual_seed(0)
+    logits = torch.randn(4, 6, 11, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(1, 11, (4, 6))
+    target[0, 2:] = PAD_ID
+    target[3, 5] = PAD_ID
+    loss, nll = token_losses(logits, target, smoothing)
+    (loss * 0.7).backward()
+    flat, flat_target = logits.reshape(-1, 11), target.reshape(-1)
+    ref = F.cross_entropy(flat, flat_target, ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
+    ref_nll = F.cross_entropy(flat, flat_target, ignore_index=PAD_ID, reduction="sum")
+    grad = logits.grad
+    logits.grad = None
+    (ref * 0.7).backward()
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(nll, ref_nll.detach())
+    torch.testing.assert_close(grad, logits.grad)
+    assert not nll.requires_grad
