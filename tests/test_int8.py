@@ -127,10 +127,13 @@ def test_int8_and_fp16_are_exclusive(random_checkpoint, tmp_path):
 
 def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_path):
     """Scales applied along the wrong axis (rows instead of output channels) must fail the
-    int8 verification, while the correct graphs of the same trained model pass it."""
+    int8 verification, while the correct graphs of the same trained model pass it. The
+    memorising model's log-probs are very sharp, so both sides use twice the default atol: the
+    correct graphs measured 0.258 at worst, the flipped ones far more."""
     out = tmp_path / "int8"
+    atol = 2 * verify.INT8_ATOL
     manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.QDQ, tensorrt=False,
-                                **LIMITS)
+                                int8_atol=atol, **LIMITS)
     lp = manifest.verification["onnxruntime_int8_vs_torch_fp32"]["max_abs_diff"][io_names.TOPK_LOG_PROBS]
     assert lp > 0  # int8 is not exact; the export passed, so within atol + rtol * |log-prob|
     proto = onnx.load(str(out / io_names.DECODER_FILE))
@@ -146,7 +149,7 @@ def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_pat
     onnx.save(proto, str(bad))
     model, _, _ = load_model(resolve_checkpoint(trained_save_dir))
     with pytest.raises(ExportError, match="verification failed"):
-        verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16)
+        verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16, atol=atol)
 
 
 @pytest.mark.parametrize("flavour", ["int8", "rowwise"])
