@@ -90,6 +90,15 @@ def token_losses(logits: torch.Tensor, target: torch.Tensor, label_smoothing: fl
     return loss, nll
 
 
+def batch_losses(net: torch.nn.Module, batch: Batch, label_smoothing: float, precision: str,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_losses of one batch on the device; the vocabulary projection skips padding."""
+    rows = batch.tgt_out != PAD_ID
+    with autocast(precision, device):
+        logits = net(batch.src, batch.tgt_in, rows)
+    return token_losses(logits, batch.tgt_out[rows], label_smoothing)
+
+
 def resolve_precision(name: str, device: torch.device) -> str:
     """--precision to fp32 / bf16 / fp16 for this device (auto: bf16 on CUDA when it can)."""
     if name == "auto":
@@ -155,10 +164,7 @@ class Stepper:
             ddp = isinstance(self.net, DistributedDataParallel)
             sync = nullcontext() if (last or not ddp) else self.net.no_sync()  # type: ignore[operator]
             with sync:
-                with autocast(self.precision, ctx.device):
-                    rows = batch.tgt_out != PAD_ID
-                    logits = self.net(batch.src, batch.tgt_in, rows)
-                loss, nll = token_losses(logits, batch.tgt_out[rows], self.label_smoothing)
+                loss, nll = batch_losses(self.net, batch, self.label_smoothing, self.precision, ctx.device)
                 scaled = loss * (ctx.world_size / tgt_total)
                 (scaler.scale(scaled) if scaler else scaled).backward()
             loss_sum += loss.item()

@@ -11,7 +11,7 @@ import torch
 from model.transformer import Transformer
 from pipeline.corpus.data import PreparedData, iter_eval_batches
 from pipeline.training.options import TrainOptions
-from pipeline.training.step import autocast, token_losses
+from pipeline.training.step import batch_losses
 from runtime.decoding import PAPER
 
 
@@ -30,9 +30,7 @@ def validate(model: Transformer, data: PreparedData, opts: TrainOptions, device:
         loss_sum = nll_sum = tokens = 0.0
         for batch in iter_eval_batches(data.valid, opts.batch_tokens):
             batch = batch.to(device)
-            with autocast(precision, device):
-                logits = model(batch.src, batch.tgt_in)
-            loss, nll = token_losses(logits, batch.tgt_out, opts.label_smoothing)
+            loss, nll = batch_losses(model, batch, opts.label_smoothing, precision, device)
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tgt_tokens
         n = opts.valid_max_sentences or len(data.valid_src_lines)
         sources, refs = data.valid_src_lines[:n], data.valid_ref_lines[:n]
