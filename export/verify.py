@@ -31,6 +31,7 @@ from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
+from model.cpu import ACCURACY_LEVEL, int8_session_config
 from model.transformer import Transformer, select_candidates
 
 log = logging.getLogger(__name__)
@@ -310,15 +311,15 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
-    from export.quantize import ORT_SESSION_CONFIG
-
-    enc = ort_runner(encoder_path, ORT_SESSION_CONFIG)
-    dec = ort_runner(decoder_path, ORT_SESSION_CONFIG)
+    config = int8_session_config()  # what the onnxruntime backend uses on this machine
+    enc = ort_runner(encoder_path, config)
+    dec = ort_runner(decoder_path, config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
-                    "at accuracy level 4; rowwise: MatMulIntegerToFloat on per-row int8 activations; "
+                    f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "
+                    "MatMulIntegerToFloat on per-row int8 activations; "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")

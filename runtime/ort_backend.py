@@ -11,7 +11,8 @@ cores the working ones need (measured 10-25% faster without it on 2 cores).
 
 int8 model dirs (int8 QDQ weights): ONNX Runtime fuses DequantizeLinear -> MatMul into
 MatMulNBits at load; accuracy level 4 makes it quantize activations and run int8 GEMMs
-(VNNI / AMX where present) instead of dequantizing the weights to fp32 every step.
+where the CPU has VNNI / AMX / dot-product instructions, level 1 (fp32 GEMM on dequantized
+weights) elsewhere, where level 4 measured much less accurate (model/cpu.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch import Tensor
 
 from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_shape
+from model.cpu import int8_session_config
 from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
@@ -43,14 +45,11 @@ CPU_EP = "CPUExecutionProvider"
 _ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
               "tensor(int64)": torch.int64}
 _NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
-# Same values as export.quantize.ORT_SESSION_CONFIG (runtime does not import export;
-# tests/test_int8.py checks that they agree).
-INT8_SESSION_CONFIG = {"session.qdq_matmulnbits_accuracy_level": "4"}
 
 
 def session_config(manifest: Manifest) -> dict[str, str]:
-    """Session config entries the model dir's precision needs."""
-    return dict(INT8_SESSION_CONFIG) if manifest.precision == "int8" else {}
+    """Session config entries the model dir's precision needs (int8: per this CPU, model/cpu.py)."""
+    return int8_session_config() if manifest.precision == "int8" else {}
 
 
 def import_onnxruntime() -> ModuleType:

@@ -13,10 +13,9 @@ from onnx import numpy_helper
 
 from export import api, quantize, trt_compat, verify
 from export.errors import ExportError
-from model import io_names
+from model import cpu, io_names
 from model.checkpoint import load_model, resolve_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest
-from runtime import ort_backend
 from runtime.loader import load_backend
 
 LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
@@ -91,7 +90,7 @@ def test_onnxruntime_fuses_every_dequantize_into_matmulnbits(dirs, graph, tmp_pa
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    for key, value in ort_backend.INT8_SESSION_CONFIG.items():
+    for key, value in cpu.int8_session_config().items():
         opts.add_session_config_entry(key, value)
     ort.InferenceSession(str(dirs["int8"] / graph), opts, providers=["CPUExecutionProvider"])
     before = [n.op_type for n in onnx.load(str(dirs["int8"] / graph)).graph.node]
@@ -101,12 +100,13 @@ def test_onnxruntime_fuses_every_dequantize_into_matmulnbits(dirs, graph, tmp_pa
 
 
 def test_session_options_follow_the_manifest(dirs, caplog):
-    assert quantize.ORT_SESSION_CONFIG == ort_backend.INT8_SESSION_CONFIG
     backend, tokenizer, manifest = load_backend(dirs["int8"], backend="onnxruntime", threads=1)
     assert manifest.precision == "int8" and manifest.quantization == quantize.QDQ
     assert manifest.verification["precision"] == "int8"
     key = "session.qdq_matmulnbits_accuracy_level"
-    assert backend.decoder.get_session_options().get_session_config_entry(key) == "4"
+    level = backend.decoder.get_session_options().get_session_config_entry(key)
+    assert level == ("4" if cpu.has_int8_dot_product() else "1")
+    assert f"accuracy level {level}" in manifest.verification["how"]  # verified as served here
     fp32, _, _ = load_backend(dirs["fp32"], backend="onnxruntime", threads=1)
     with pytest.raises(RuntimeError, match="does not have configuration"):  # fp32: left at ORT's default
         fp32.decoder.get_session_options().get_session_config_entry(key)
@@ -169,6 +169,8 @@ def test_quantize_columns_round_trip():
     assert q.dtype == np.int8 and scale.shape == (5,) and scale[2] == 1.0
     assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-7)
     assert torch.equal(torch.from_numpy(np.abs(q).max(axis=0)[[0, 1, 3, 4]]), torch.full((4,), 127, dtype=torch.int8))
+    q7, scale7 = quantize.quantize_columns(w, qmax=63)
+    assert np.abs(q7).max() == 63 and np.all(np.abs(q7 * scale7 - w) <= scale7 / 2 + 1e-7)
 
 
 @pytest.mark.parametrize("flavour, op", [(quantize.ORT_DYNAMIC, "MatMulInteger"),
@@ -178,8 +180,13 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flav
     manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=flavour, tensorrt=None, **LIMITS)
     assert manifest.precision == "int8" and manifest.quantization == flavour
     assert manifest.tensorrt is None and "ONNX Runtime only" in manifest.tensorrt_skipped
-    ops = {n.op_type for n in onnx.load(str(out / io_names.DECODER_FILE)).graph.node}
+    proto = onnx.load(str(out / io_names.DECODER_FILE))
+    ops = {n.op_type for n in proto.graph.node}
     assert op in ops and "Gemm" not in ops
+    # 7-bit weights, so that u8 x s8 pairs cannot saturate int16 on CPUs without VNNI (ort-dynamic
+    # is ONNX Runtime's reduce_range, -64..64): 255 * 64 * 2 < 32767
+    weights = [_inits(proto)[n.input[1]] for n in proto.graph.node if n.op_type == op]
+    assert weights and max(int(np.abs(w.astype(np.int32)).max()) for w in weights) <= 64
     backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
     assert backend.name == "onnxruntime"
     from runtime.errors import RuntimeUserError
@@ -212,6 +219,8 @@ def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
     for node in matmuls:
         qx, w, a_scale, b_scale, a_zp = node.input
         assert inits[w].dtype == np.int8 and inits[b_scale].shape == (inits[w].shape[1],)
+        # 7-bit weights: exact u8 x s8 products on CPUs without VNNI too (export/quantize.py)
+        assert np.abs(inits[w].astype(np.int32)).max() == quantize.INTEGER_GEMM_WEIGHT_QMAX
         assert inits[a_scale] == 1.0 and inits[a_zp] == 128 and inits[a_zp].dtype == np.uint8
         quant = producers[qx]
         assert quant.op_type == "QuantizeLinear"
@@ -269,3 +278,18 @@ def test_verification_fails_on_wrong_rowwise_scales(trained_save_dir, tmp_path):
     with pytest.raises(ExportError, match="verification failed"):
         verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16,
                            atol=verify.INT8_ACTIVATIONS_ATOL)
+
+
+def test_int8_compute_only_where_the_cpu_has_dot_product_instructions():
+    """Accuracy level 4 (int8 activations) needs VNNI / AMX / Arm dot product; an AVX2-only CPU
+    gets level 1 (fp32 GEMM on dequantized weights). Flags as /proc/cpuinfo writes them."""
+    x86_avx2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx fma avx2\n"
+    x86_vnni = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\nprocessor\t: 1\nflags\t\t: fpu\n"
+    arm = "processor\t: 0\nFeatures\t: fp asimd asimddp sha2\n"
+    assert cpu.cpu_flags(x86_avx2) == {"fpu", "sse2", "avx", "fma", "avx2"}
+    assert not cpu.cpu_flags(x86_avx2) & cpu.DOT_PRODUCT_FLAGS
+    assert "avx512_vnni" in cpu.cpu_flags(x86_vnni) and "asimddp" in cpu.cpu_flags(arm)
+    assert cpu.cpu_flags("") == set()
+    assert cpu.int8_session_config(dot_product=True) == {cpu.ACCURACY_LEVEL: "4"}
+    assert cpu.int8_session_config(dot_product=False) == {cpu.ACCURACY_LEVEL: "1"}
+    assert cpu.int8_session_config() == cpu.int8_session_config(cpu.has_int8_dot_product())
