@@ -41,14 +41,6 @@ from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
-# Weights of the flavours that run integer GEMMs on uint8 activations (rowwise, ort-dynamic) use 7
-# bits, -63..63 (ONNX Runtime's `reduce_range`): x86 CPUs without VNNI (AVX2, AVX-512 before
-# Cascade Lake, many AMD EPYCs) multiply u8 x s8 with VPMADDUBSW, which adds pairs of products into
-# a saturating int16, and 255 * 127 * 2 > 32767 saturates. Measured on an AVX2-only AMD EPYC: 8-bit
-# weights failed export verification (top-k log-prob off by 0.64-0.92 against the 0.3 bound), 7-bit
-# ones passed at 0.10. 255 * 63 * 2 = 32130 is exact on every CPU; VNNI machines lose one bit of
-# weight precision (README, "Measured here"). qdq keeps 8 bits: its kernels have no such pairs.
-INTEGER_GEMM_WEIGHT_QMAX = 63
 # `--int8-flavour auto`, the default, chosen by measurement (README, "Measured here"): rowwise, about
 # 1.6x faster than qdq on CPU ONNX Runtime and, unlike ort-dynamic (one activation scale per batch:
 # 1 line in 8 differed between `serve` and `serve-batch` on Multi30k), independent of batching;
@@ -65,20 +57,19 @@ class QuantizedWeight:
     zero_point: str
 
 
-def quantize_columns(w: np.ndarray, qmax: int = QMAX) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 q, float32 scale) with w ~= q * scale[None, :], |q| <= qmax: one scale per column (axis 1)."""
+def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 q, float32 scale) with w ~= q * scale[None, :]: one scale per column (axis 1)."""
     amax = np.abs(w.astype(np.float32)).max(axis=0)
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
-    q = np.clip(np.rint(w / scale[None, :]), -qmax, qmax).astype(np.int8)
+    scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
+    q = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
     return q, scale
 
 
 class _Rewriter:
     """One pass over a graph: replaces float weights by int8 + DequantizeLinear."""
 
-    def __init__(self, model: onnx.ModelProto, weight_qmax: int = QMAX):
+    def __init__(self, model: onnx.ModelProto):
         self.model = model
-        self.weight_qmax = weight_qmax
         self.graph = model.graph
         self.inits = {i.name: i for i in self.graph.initializer}
         self.done: dict[str, QuantizedWeight] = {}  # float initializer -> its int8 (K, N) form
@@ -99,7 +90,7 @@ class _Rewriter:
     def _quantized(self, name: str, kn: np.ndarray) -> QuantizedWeight:
         """The int8 (K, N) form of initializer `name` (given as its (K, N) float matrix), made once."""
         if name not in self.done:
-            q, scale = quantize_columns(kn, self.weight_qmax)
+            q, scale = quantize_columns(kn)
             qw = QuantizedWeight(f"{name}_int8", f"{name}_scale", f"{name}_zero_point")
             self.new_inits += [numpy_helper.from_array(q, qw.q), numpy_helper.from_array(scale, qw.scale),
                                numpy_helper.from_array(np.zeros_like(q[0]), qw.zero_point)]
@@ -224,20 +215,22 @@ def quantize_file_ort_dynamic(path: str) -> None:
     with tempfile.TemporaryDirectory(prefix="ort-dynamic-") as tmp:
         untied = f"{tmp}/untied.onnx"
         onnx.save(untie_projection(onnx.load(path)), untied)
+        # reduce_range: 7-bit weights, whose u8 x s8 products cannot saturate on CPUs without VNNI
+        # (model/cpu.py); rowwise keeps 8 bits and computes in floating point on such CPUs instead.
         quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
-                         op_types_to_quantize=["MatMul"])  # 7-bit weights: INTEGER_GEMM_WEIGHT_QMAX
+                         op_types_to_quantize=["MatMul"])
 
 
 class _RowwiseRewriter(_Rewriter):
-    """int8 weights as in qdq but within 7 bits (INTEGER_GEMM_WEIGHT_QMAX), and each linear
-    layer's input quantized at run time one row (one token of one sentence) at a time:
-    symmetric, scale = max|row| / 127, stored as uint8 with zero-point 128 so ONNX Runtime
-    takes its u8 x s8 integer GEMM. MatMulInteger's int32 result is exact on every x86 CPU,
-    then scaled by the row's and the column's scale:
+    """int8 weights as in qdq, and each linear layer's input quantized at run time one row
+    (one token of one sentence) at a time: symmetric, scale = max|row| / 127, stored as
+    uint8 with zero-point 128 so ONNX Runtime takes its u8 x s8 integer GEMM (VNNI; on a CPU
+    without it the products are computed in floating point when the graph is loaded, model/cpu.py).
+    MatMulInteger's int32 result is exact, then scaled by the row's and the column's scale:
     no value depends on another row, so a sentence translates the same in any batch."""
 
     def __init__(self, model: onnx.ModelProto):
-        super().__init__(model, weight_qmax=INTEGER_GEMM_WEIGHT_QMAX)
+        super().__init__(model)
         self.rows: dict[str, tuple[str, str]] = {}  # float input -> (its uint8 rows, their scales)
         self.new_inits += [numpy_helper.from_array(np.array(1.0, np.float32), "rowq_one"),
                            numpy_helper.from_array(np.array(QMAX, np.float32), "rowq_qmax"),

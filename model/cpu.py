@@ -7,8 +7,18 @@ them (an AVX2-only x86 CPU) the int8 path measured far less accurate: on the tra
 the worst candidate log-prob moved by 0.43 against fp32, against 0.30 with accuracy level 1
 (weights dequantized to fp32, fp32 GEMM), which is the weight quantization alone. Export's
 verification and the onnxruntime backend both take the level from here, so a model is verified
-the way this machine serves it. (The integer flavours avoid the problem in the graph instead:
-7-bit weights, export/quantize.py.)
+the way this machine serves it.
+
+The rowwise flavour multiplies uint8 activations (zero-point 128) by int8 weights in
+MatMulIntegerToFloat. Without VNNI, x86 CPUs do that with VPMADDUBSW, which adds pairs of
+u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case
+1024-long dot product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise
+export failed verification, 0.92 against its 0.3 bound). On such a CPU the graph is loaded with
+each integer matmul computed in floating point on the same 8-bit values (dequantize_integer_matmuls):
+exact, and as fast there (small, batch 32, beam 4: 485-499 against 495-498 target tokens/s for
+the saturating integer kernel, batch 1 alike), since without VNNI int8 GEMMs are no faster than
+fp32 ones. Halving the weights to 7 bits instead (ONNX Runtime's `reduce_range`) is exact too, but
+rounds twice and measured less accurate; the model dir stays the one VNNI machines serve.
 """
 
 from __future__ import annotations
@@ -16,10 +26,14 @@ from __future__ import annotations
 import functools
 import platform
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 ACCURACY_LEVEL = "session.qdq_matmulnbits_accuracy_level"
 INT8_COMPUTE = "4"  # activations quantized, int8 dot products
 FP32_COMPUTE = "1"  # weights dequantized, fp32 GEMM
+INTEGER_MATMUL = "MatMulIntegerToFloat"  # the rowwise flavour's GEMM (com.microsoft)
 # /proc/cpuinfo flags (x86 "flags", Arm "Features") of 8-bit dot-product instructions
 DOT_PRODUCT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8", "asimddp"})
 
@@ -51,3 +65,61 @@ def int8_session_config(dot_product: bool | None = None) -> dict[str, str]:
     if dot_product is None:
         dot_product = has_int8_dot_product()
     return {ACCURACY_LEVEL: INT8_COMPUTE if dot_product else FP32_COMPUTE}
+
+
+def dequantize_integer_matmuls(model: Any) -> int:
+    """Rewrite every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in place) into the same
+    product in floating point: its quantized activations cast to float (minus the zero-point,
+    times the scale), its int8 weights read through DequantizeLinear into a MatMul, which ONNX
+    Runtime fuses into MatMulNBits with fp32 compute (int8_session_config) while the weights stay
+    8-bit in memory. (A DequantizeLinear on the activations too would be fused straight back into
+    the integer kernel.) Integers of at most 8 bits multiply exactly in fp32, so the result is the
+    exact integer GEMM's up to fp32 rounding of the sums. Returns how many nodes changed."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    nodes, changed, added = [], 0, {}
+
+    def constant(name: str, value: np.ndarray) -> str:
+        if name not in added:
+            added[name] = name
+            model.graph.initializer.append(numpy_helper.from_array(value, name))
+        return name
+
+    for node in model.graph.node:
+        if (node.op_type != INTEGER_MATMUL or len(node.input) != 5
+                or not all(name in inits for name in node.input[1:])):
+            nodes.append(node)
+            continue
+        qx, w, a_scale, w_scale, a_zero_point = node.input
+        columns = numpy_helper.to_array(inits[w]).shape[1]
+        w_zero_point = constant(f"{w}_fp32_zero_point", np.zeros(columns, np.int8))  # symmetric weights
+        zero = constant(f"{a_zero_point}_fp32", numpy_helper.to_array(inits[a_zero_point]).astype(np.float32))
+        scale = numpy_helper.to_array(inits[a_scale])
+        cast, x, wf = f"{node.name}_x_cast", f"{node.name}_x_fp32", f"{node.name}_w_fp32"
+        nodes += [helper.make_node("Cast", [qx], [cast], to=TensorProto.FLOAT, name=cast),
+                  helper.make_node("Sub", [cast, zero], [x + "_centred"], name=x + "_centred")]
+        if np.all(scale == 1):
+            nodes[-1].output[0] = x
+        else:
+            nodes.append(helper.make_node("Mul", [x + "_centred", a_scale], [x], name=x))
+        nodes += [helper.make_node("DequantizeLinear", [w, w_scale, w_zero_point], [wf], axis=1, name=wf),
+                  helper.make_node("MatMul", [x, wf], list(node.output), name=node.name)]
+        changed += 1
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    return changed
+
+
+def session_graph(path: str | Path, dot_product: bool | None = None) -> str | bytes:
+    """What to give onnxruntime.InferenceSession for the graph at `path` on this CPU (or the one
+    described): the path itself, or, without int8 dot products and where the graph has integer
+    matmuls, the serialized graph with them in floating point (dequantize_integer_matmuls)."""
+    if dot_product is None:
+        dot_product = has_int8_dot_product()
+    if dot_product:
+        return str(path)
+    import onnx
+
+    model = onnx.load(str(path))
+    return model.SerializeToString() if dequantize_integer_matmuls(model) else str(path)

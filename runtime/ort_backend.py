@@ -28,8 +28,8 @@ from torch import Tensor
 
 from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_shape
-from model.cpu import int8_session_config
-from model.manifest import Manifest
+from model.cpu import int8_session_config, session_graph
+from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
 
@@ -108,9 +108,11 @@ class OrtBackend(ExportedGraphBackend):
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
-        self.encoder = ort.InferenceSession(str(model_dir / io_names.ENCODER_FILE), opts,
+        # rowwise int8 on a CPU without VNNI: its integer GEMMs in floating point, where they are exact
+        graph = session_graph if manifest.quantization == ROWWISE and self.device.type == "cpu" else str
+        self.encoder = ort.InferenceSession(graph(model_dir / io_names.ENCODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
-        self.decoder = ort.InferenceSession(str(model_dir / io_names.DECODER_FILE), opts,
+        self.decoder = ort.InferenceSession(graph(model_dir / io_names.DECODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
