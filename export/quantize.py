@@ -6,7 +6,7 @@ float scale per output channel, read through `DequantizeLinear(axis = output cha
 into the unchanged MatMul. That is the form TensorRT's parser takes (int8 QDQ weights,
 zero-point 0) and the one ONNX Runtime (>= 1.20; checked on 1.31) fuses into its 8-bit
 MatMulNBits kernel at load time (`session.qdq_matmulnbits_accuracy_level` 4, int8
-compute, where the CPU has VNNI: model/cpu.py), which measured at about fp32 speed on our
+compute, where the CPU has VNNI: runtime/cpu_int8.py), which measured at about fp32 speed on our
 AVX-512 VNNI CPU (no 8-bit fast path in ONNX Runtime 1.31; README, "Measured here"): rowwise
 is the fast CPU form. LayerNorm, softmax and log-softmax are untouched and stay fp32.
 
@@ -216,7 +216,7 @@ def quantize_file_ort_dynamic(path: str) -> None:
         untied = f"{tmp}/untied.onnx"
         onnx.save(untie_projection(onnx.load(path)), untied)
         # reduce_range: 7-bit weights, whose u8 x s8 products cannot saturate on CPUs without VNNI
-        # (model/cpu.py); rowwise keeps 8 bits and computes in floating point on such CPUs instead.
+        # (runtime/cpu_int8.py); rowwise keeps 8 bits and computes in floating point on such CPUs instead.
         quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"])
 
@@ -225,7 +225,7 @@ class _RowwiseRewriter(_Rewriter):
     """int8 weights as in qdq, and each linear layer's input quantized at run time one row
     (one token of one sentence) at a time: symmetric, scale = max|row| / 127, stored as
     uint8 with zero-point 128 so ONNX Runtime takes its u8 x s8 integer GEMM (VNNI; on a CPU
-    without it the products are computed in floating point when the graph is loaded, model/cpu.py).
+    without it the products are computed in floating point when the graph is loaded, runtime/cpu_int8.py).
     MatMulInteger's int32 result is exact, then scaled by the row's and the column's scale:
     no value depends on another row, so a sentence translates the same in any batch."""
 

@@ -31,8 +31,8 @@ from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
-from model.cpu import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config, session_graph
 from model.transformer import Transformer, select_candidates
+from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config, session_graph
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ cores the working ones need (measured 10-25% faster without it on 2 cores).
 int8 model dirs (int8 QDQ weights): ONNX Runtime fuses DequantizeLinear -> MatMul into
 MatMulNBits at load; accuracy level 4 makes it quantize activations and run int8 GEMMs
 where the CPU has VNNI / AMX / dot-product instructions, level 1 (fp32 GEMM on dequantized
-weights) elsewhere, where level 4 measured much less accurate (model/cpu.py).
+weights) elsewhere, where level 4 measured much less accurate (runtime/cpu_int8.py).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from torch import Tensor
 
 from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_shape
-from model.cpu import int8_session_config, session_graph
 from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
+from runtime.cpu_int8 import int8_session_config, session_graph
 from runtime.errors import RuntimeUserError
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -48,7 +48,7 @@ _NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: 
 
 
 def session_config(manifest: Manifest) -> dict[str, str]:
-    """Session config entries the model dir's precision needs (int8: per this CPU, model/cpu.py)."""
+    """Session config entries the model dir's precision needs (int8: per this CPU, runtime/cpu_int8.py)."""
     return int8_session_config() if manifest.precision == "int8" else {}
 
 

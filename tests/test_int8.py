@@ -13,9 +13,10 @@ from onnx import numpy_helper
 
 from export import api, quantize, trt_compat, verify
 from export.errors import ExportError
-from model import cpu, io_names
+from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest
+from runtime import cpu_int8 as cpu
 from runtime.loader import load_backend
 
 LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
@@ -182,7 +183,7 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flav
     ops = {n.op_type for n in proto.graph.node}
     assert op in ops and "Gemm" not in ops
     # ort-dynamic: ONNX Runtime's reduce_range, 7-bit weights (-64..64), so that u8 x s8 pairs cannot
-    # saturate int16 on CPUs without VNNI; rowwise keeps 8 bits (floating point there, model/cpu.py)
+    # saturate int16 on CPUs without VNNI; rowwise keeps 8 bits (floating point there, runtime/cpu_int8.py)
     weights = [_inits(proto)[n.input[1]] for n in proto.graph.node if n.op_type == op]
     widest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
     assert widest == (quantize.QMAX if flavour == quantize.ROWWISE else 64)
@@ -261,7 +262,7 @@ def test_verification_fails_on_wrong_rowwise_scales(trained_save_dir, tmp_path):
     trained model's rowwise export passes, and the same graphs with each linear layer's column
     scales reversed fail. As for qdq, the memorising model's sharp log-probs take twice the
     default atol on both sides (its weights differ from CPU to CPU: 0.43 at worst measured on an
-    AVX2-only CPU, computing exactly, model/cpu.py)."""
+    AVX2-only CPU, computing exactly, runtime/cpu_int8.py)."""
     out = tmp_path / "rowwise"
     atol = 2 * verify.INT8_ACTIVATIONS_ATOL
     manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.ROWWISE, tensorrt=False,
