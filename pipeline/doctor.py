@@ -21,6 +21,7 @@ from export.errors import TensorRTUnavailable
 from export.tensorrt_build import load_tensorrt
 from model import io_names
 from model.manifest import SPM_FILE, Manifest, read_manifest
+from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
 from runtime.loader import NEEDS
 from runtime.ort_backend import CPU_EP, CUDA_EP
 
@@ -75,6 +76,7 @@ class CpuFacts:
     model: str
     cores: int
     features: dict[str, bool | None] = field(default_factory=dict)  # None: unknown on this OS
+    int8_dot_product: bool | None = None  # VNNI / AMX / Arm dot product (runtime/cpu_int8.py)
 
 
 @dataclass(frozen=True)
@@ -144,14 +146,14 @@ def cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
     except OSError:  # not Linux: the model name only, instruction sets unknown
         return CpuFacts(platform.processor() or platform.machine(), cores,
                         {name: None for name in CPU_FEATURES.values()})
-    model, flags = platform.machine(), set[str]()
+    model, flags = platform.machine(), cpu_flags(text)
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() == "model name" and model == platform.machine():
+        if key.strip() == "model name":
             model = value.strip()
-        elif key.strip() == "flags" and not flags:
-            flags = set(value.split())
-    return CpuFacts(model, cores, {name: flag in flags for flag, name in CPU_FEATURES.items()})
+            break
+    return CpuFacts(model, cores, {name: flag in flags for flag, name in CPU_FEATURES.items()},
+                    bool(flags & DOT_PRODUCT_FLAGS))
 
 
 def gather_facts() -> Facts:
@@ -248,6 +250,11 @@ def format_facts(facts: Facts) -> str:
     lines += [f"{name:<13} {version}" for name, version in facts.packages.items()]
     lines.append(f"cpu           {c.model}; {c.cores} cores usable")
     lines.append("  features    " + ", ".join(f"{k} {_yes(v)}" for k, v in c.features.items()))
+    if c.int8_dot_product is not None:
+        lines.append("  int8        " + ("int8 GEMMs (dot-product instructions): --int8 model dirs run faster"
+                                         if c.int8_dot_product else
+                                         "no int8 dot-product instructions: --int8 model dirs run exactly, "
+                                         "at about fp32 speed"))
     return "\n".join(lines)
 
 

@@ -122,6 +122,8 @@ def test_cpu_features_from_cpuinfo(tmp_path):
     cpu = cpu_facts(info)
     assert cpu.model == "Test CPU 9000" and cpu.cores >= 1
     assert cpu.features["AVX2"] and cpu.features["AVX-512"] and cpu.features["AMX"]
-    assert cpu.features["AVX512-VNNI"] is False
+    assert cpu.features["AVX512-VNNI"] is False and cpu.int8_dot_product is False
+    info.write_text("processor\t: 0\nmodel name\t: Test CPU 9001\nflags\t\t: fpu avx2 avx512f avx512_vnni\n")
+    assert cpu_facts(info).int8_dot_product is True and cpu_facts(info).model == "Test CPU 9001"
     elsewhere = cpu_facts(tmp_path / "missing")
     assert set(elsewhere.features.values()) == {None}

@@ -10,12 +10,13 @@ import pytest
 import torch
 from conftest import run_cli
 
+from export import verify
 from export.api import export_model
 from model import build_model
 from model.checkpoint import load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest, write_manifest
 from pipeline.evaluation.bench import run_bench
-from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, check_gate, first_divergence, run_parity
+from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, Gate, check_gate, first_divergence, run_parity
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 
@@ -28,7 +29,11 @@ def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for precision in ("fp32", "fp16", "int8"):
         out[precision] = root / precision
+        # The memorising model's log-probs are very sharp and its weights differ from CPU to CPU (a
+        # chaotic run, conftest.py): its rowwise export measured 0.43 at worst on an AVX2-only CPU.
+        # Twice the default bound, as in test_int8.py; the parity gate below judges the BLEU.
         export_model(trained_save_dir, out[precision], fp16=precision == "fp16", int8=precision == "int8",
+                     int8_atol=2 * verify.INT8_ACTIVATIONS_ATOL if precision == "int8" else None,
                      tensorrt=False, **EXPORT_LIMITS)
     return out
 
@@ -58,8 +63,15 @@ def test_gate_logic():
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tmp_path):
+    """fp32 and fp16 at the default gates. int8 at a wider BLEU gate: the memorising model is
+    fragile to 8-bit rounding and differs from CPU to CPU (a chaotic run, conftest.py), so its
+    int8 BLEU moves either way by chance (rowwise +1.94 and qdq -4.0 on an AVX2-only CPU, within
+    0.5 on an AVX-512 VNNI one), while broken int8 arithmetic is far off (the saturating u8 x s8
+    kernel of runtime/cpu_int8.py: -15.1 BLEU, 70% identical)."""
     src, ref = test_files
-    report = run_parity(model_dirs[precision], src, ref, ["torch", "onnxruntime"])
+    int8_gate = Gate(min_identical=0.85, max_bleu_delta=2.5)
+    report = run_parity(model_dirs[precision], src, ref, ["torch", "onnxruntime"],
+                        gates={**DEFAULT_GATES, "int8": int8_gate})
     assert report.passed, report.results
     torch_row, ort_row = report.results
     assert torch_row.identical == 1.0
@@ -69,7 +81,9 @@ def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tm
     assert ort_row.precision == precision
     # The CLI: table on stdout, JSON on disk, exit 0.
     out = tmp_path / "parity.json"
-    assert run_cli("parity", model_dirs[precision], "--src", src, "--ref", ref, "--json", out) == 0
+    int8_options = (["--int8-max-bleu-delta", int8_gate.max_bleu_delta, "--int8-min-identical",
+                     int8_gate.min_identical] if precision == "int8" else [])
+    assert run_cli("parity", model_dirs[precision], "--src", src, "--ref", ref, "--json", out, *int8_options) == 0
     data = json.loads(out.read_text())
     assert data["passed"] and {r["backend"] for r in data["results"]} == {"torch", "onnxruntime"}
     assert "nrefs:1" in data["bleu_signature"]
