@@ -14,11 +14,11 @@ MatMulIntegerToFloat. Without VNNI, x86 CPUs do that with VPMADDUBSW, which adds
 u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case
 1024-long dot product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise
 export failed verification, 0.92 against its 0.3 bound). On such a CPU the graph is loaded with
-each integer matmul computed in floating point on the same 8-bit values (dequantize_integer_matmuls):
-exact, and as fast there (small, batch 32, beam 4: 485-499 against 495-498 target tokens/s for
-the saturating integer kernel, batch 1 alike), since without VNNI int8 GEMMs are no faster than
-fp32 ones. Halving the weights to 7 bits instead (ONNX Runtime's `reduce_range`) is exact too, but
-rounds twice and measured less accurate; the model dir stays the one VNNI machines serve.
+each integer matmul computed as an fp32 GEMM on the same 8-bit values (dequantize_integer_matmuls):
+exact, at fp32 speed and memory, which is what int8 GEMMs give there anyway (small, batch 32, beam
+4: the saturating integer kernel ran 479 target tokens/s against fp32's 519). Halving the weights to
+7 bits instead (ONNX Runtime's `reduce_range`) is exact too, but rounds twice and measured less
+accurate; the model dir stays the one VNNI machines serve with int8 GEMMs.
 """
 
 from __future__ import annotations
@@ -69,22 +69,27 @@ def int8_session_config(dot_product: bool | None = None) -> dict[str, str]:
 
 def dequantize_integer_matmuls(model: Any) -> int:
     """Rewrite every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in place) into the same
-    product in floating point: its quantized activations cast to float (minus the zero-point,
-    times the scale), its int8 weights read through DequantizeLinear into a MatMul, which ONNX
-    Runtime fuses into MatMulNBits with fp32 compute (int8_session_config) while the weights stay
-    8-bit in memory. (A DequantizeLinear on the activations too would be fused straight back into
-    the integer kernel.) Integers of at most 8 bits multiply exactly in fp32, so the result is the
-    exact integer GEMM's up to fp32 rounding of the sums. Returns how many nodes changed."""
+    product in fp32: its quantized activations cast to float (minus the zero-point, times the
+    scale) times its int8 weights dequantized once, here, into a float initializer, so that ONNX
+    Runtime runs a plain fp32 GEMM. (Read through DequantizeLinear instead, both get fused back
+    into the integer kernel, or into MatMulNBits, which measured 6x slower at batch 1.) Integers
+    of at most 8 bits multiply exactly in fp32, so the result is the exact integer GEMM's up to
+    fp32 rounding of the sums. Returns how many nodes changed."""
     from onnx import TensorProto, helper, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    nodes, changed, added = [], 0, {}
+    nodes, changed, added = [], 0, set()
 
-    def constant(name: str, value: np.ndarray) -> str:
-        if name not in added:
-            added[name] = name
-            model.graph.initializer.append(numpy_helper.from_array(value, name))
-        return name
+    def floats(name: str, scale: str | None = None) -> str:
+        """Initializer `name` as fp32 (times `scale`, per column), added once."""
+        out = f"{name}_fp32"
+        if out not in added:
+            value = numpy_helper.to_array(inits[name]).astype(np.float32)
+            if scale is not None:
+                value = value * numpy_helper.to_array(inits[scale]).astype(np.float32)
+            added.add(out)
+            model.graph.initializer.append(numpy_helper.from_array(value, out))
+        return out
 
     for node in model.graph.node:
         if (node.op_type != INTEGER_MATMUL or len(node.input) != 5
@@ -92,22 +97,19 @@ def dequantize_integer_matmuls(model: Any) -> int:
             nodes.append(node)
             continue
         qx, w, a_scale, w_scale, a_zero_point = node.input
-        columns = numpy_helper.to_array(inits[w]).shape[1]
-        w_zero_point = constant(f"{w}_fp32_zero_point", np.zeros(columns, np.int8))  # symmetric weights
-        zero = constant(f"{a_zero_point}_fp32", numpy_helper.to_array(inits[a_zero_point]).astype(np.float32))
-        scale = numpy_helper.to_array(inits[a_scale])
-        cast, x, wf = f"{node.name}_x_cast", f"{node.name}_x_fp32", f"{node.name}_w_fp32"
+        weight, zero = floats(w, scale=w_scale), floats(a_zero_point)
+        cast, centred, x = f"{node.name}_x_cast", f"{node.name}_x_centred", f"{node.name}_x_fp32"
         nodes += [helper.make_node("Cast", [qx], [cast], to=TensorProto.FLOAT, name=cast),
-                  helper.make_node("Sub", [cast, zero], [x + "_centred"], name=x + "_centred")]
-        if np.all(scale == 1):
-            nodes[-1].output[0] = x
-        else:
-            nodes.append(helper.make_node("Mul", [x + "_centred", a_scale], [x], name=x))
-        nodes += [helper.make_node("DequantizeLinear", [w, w_scale, w_zero_point], [wf], axis=1, name=wf),
-                  helper.make_node("MatMul", [x, wf], list(node.output), name=node.name)]
+                  helper.make_node("Sub", [cast, zero], [centred], name=centred),
+                  helper.make_node("Mul", [centred, a_scale], [x], name=x),
+                  helper.make_node("MatMul", [x, weight], list(node.output), name=node.name)]
         changed += 1
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+    used = {name for n in nodes for name in n.input}
+    kept = [i for i in model.graph.initializer if i.name in used]  # the int8 copies are not needed
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     return changed
 
 
