@@ -322,7 +322,7 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "
                     "MatMulIntegerToFloat on per-row int8 activations"
-                    f"{'' if has_int8_dot_product() else ' (as Cast + MatMulNBits on this CPU without VNNI)'}; "
+                    f"{'' if has_int8_dot_product() else ' (as fp32 GEMMs on this CPU without VNNI)'}; "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")
