@@ -31,6 +31,7 @@ from model.files import (
     make_temp_dir,
     remove_stale_temps,
     replace_dir,
+    signals_latched,
     usual_permissions,
     write_failure,
 )
@@ -214,42 +215,44 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     if int8_atol is None:  # the ONNX Runtime-only flavours are the ones that also quantize activations
         int8_atol = verify.INT8_ACTIVATIONS_ATOL if int8_flavour in ONNXRUNTIME_ONLY else verify.INT8_ATOL
 
-    tmp = make_temp_dir(out.parent, out.name, "partial")
-    try:
-        usual_permissions(tmp)
-        save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
-        (tmp / SPM_FILE).write_bytes(spm_bytes)
-        # The one copy in the export precision: the graphs are traced from it and, for
-        # fp16, the verifier runs it as the PyTorch half-precision reference.
-        graph_model = onnx_export.inference_copy(model, fp16)
-        graphs = _write_graphs(graph_model, tmp, opset=opset, topk=topk, int8=int8_flavour if int8 else None)
-        verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
-                                            fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol,
-                                            model16=graph_model if fp16 else None, int8=int8, int8_atol=int8_atol)
-        engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
-                                    workspace_gib=workspace_gib, timing_cache=timing_cache)
-        if int8 and int8_flavour in ONNXRUNTIME_ONLY:
-            skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
-                                              unavailable]))
-        versions = _versions()
-        if engines:
-            versions["tensorrt"] = engines.version
-        manifest = write_manifest(tmp, Manifest(
-            model_config=model.cfg, precision="int8" if int8 else "fp16" if fp16 else "fp32",
-            quantization=int8_flavour if int8 else None, opset=opset, topk=topk,
-            limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
-            verification=verification,
-            source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),
-                                               steps=checkpoint_steps(payload))))
-        for f in tmp.iterdir():
-            usual_permissions(f)
-        replace_dir(tmp, out)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        failure = _write_failure(e, tmp, out)
-        if failure is not None:
-            raise failure from e
-        raise
+    with signals_latched() as latch:
+        tmp = make_temp_dir(out.parent, out.name, "partial")
+        try:
+            usual_permissions(tmp)
+            save_checkpoint(tmp / CHECKPOINT_FILE, model, spm_bytes, extra=payload.get("extra") or {})
+            (tmp / SPM_FILE).write_bytes(spm_bytes)
+            # The one copy in the export precision: the graphs are traced from it and, for
+            # fp16, the verifier runs it as the PyTorch half-precision reference.
+            graph_model = onnx_export.inference_copy(model, fp16)
+            graphs = _write_graphs(graph_model, tmp, opset=opset, topk=topk, int8=int8_flavour if int8 else None)
+            verification = verify.verify_export(model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
+                                                fp16=fp16, topk=topk, atol=atol, fp16_atol=fp16_atol,
+                                                model16=graph_model if fp16 else None, int8=int8, int8_atol=int8_atol)
+            engines, skipped = _engines(tmp, model.cfg, limits, fp16=fp16, tensorrt=tensorrt,
+                                        workspace_gib=workspace_gib, timing_cache=timing_cache)
+            if int8 and int8_flavour in ONNXRUNTIME_ONLY:
+                skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
+                                                  unavailable]))
+            versions = _versions()
+            if engines:
+                versions["tensorrt"] = engines.version
+            manifest = write_manifest(tmp, Manifest(
+                model_config=model.cfg, precision="int8" if int8 else "fp16" if fp16 else "fp32",
+                quantization=int8_flavour if int8 else None, opset=opset, topk=topk,
+                limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
+                verification=verification,
+                source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),
+                                                   steps=checkpoint_steps(payload))))
+            for f in tmp.iterdir():
+                usual_permissions(f)
+            latch.raise_if_received(f"export to {out}")  # a Ctrl-C some library swallowed
+            replace_dir(tmp, out)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = _write_failure(e, tmp, out)
+            if failure is not None:
+                raise failure from e
+            raise
     log.info("export finished in %.1f s: %s", time.perf_counter() - started, out)
     return manifest
 

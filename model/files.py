@@ -306,6 +306,54 @@ def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
             signal.raise_signal(sig)
 
 
+class SignalLatch:
+    """What `signals_latched` saw: the signals received while it was in place."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+
+    def raise_if_received(self, what: str) -> None:
+        """KeyboardInterrupt if a signal arrived, even one whose KeyboardInterrupt some library
+        caught on the way: `what` (a commit) must not happen after the user asked to stop."""
+        if self.received:
+            raise KeyboardInterrupt(f"{signal.Signals(self.received[0]).name} received: {what} not done")
+
+
+@contextlib.contextmanager
+def signals_latched(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[SignalLatch]:
+    """Remember every SIGINT/SIGTERM that arrives while the body runs, and pass each on to the
+    handler that was in place (so Ctrl-C still raises KeyboardInterrupt at once).
+
+    For work that ends in a commit (a rename into place): Python's KeyboardInterrupt is an
+    exception like any other once raised, and a library that catches BaseException (or raises it
+    inside a finalizer) turns a Ctrl-C into nothing. The latch keeps the fact, so the commit can
+    refuse (`raise_if_received`). Signals the process ignores stay ignored; only the main thread
+    receives signals in Python, so elsewhere this only yields."""
+    latch = SignalLatch()
+    if threading.current_thread() is not threading.main_thread():
+        yield latch
+        return
+    previous: dict[int, Any] = {}
+
+    def note(signum: int, frame: FrameType | None) -> None:
+        latch.received.append(signum)
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        else:  # SIG_DFL: what the signal would have done without us (SIGTERM: the process ends)
+            signal.signal(signum, handler)
+            signal.raise_signal(signum)
+
+    for sig in signums:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            previous[sig] = signal.signal(sig, note)
+    try:
+        yield latch
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def check_writable_dir(directory: str | Path) -> Path:
     """Create `directory` if needed and prove a file can be written there (the same probe
     as check_can_create_in), so a read-only or full save dir fails before minutes of work."""

@@ -371,6 +371,27 @@ def test_interrupted_export_leaves_nothing(random_checkpoint, tmp_path):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
+def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint, tmp_path, monkeypatch):
+    """Ctrl-C lands in library code that catches BaseException: the export must not commit."""
+    verify_export = verify.verify_export
+
+    def swallowing(*args, **kwargs):
+        report = verify_export(*args, **kwargs)
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt is raised here...
+        except KeyboardInterrupt:
+            pass  # ...and lost, as inside a careless library
+        return report
+
+    monkeypatch.setattr(verify, "verify_export", swallowing)
+    out = tmp_path / "m"
+    with pytest.raises(KeyboardInterrupt, match="SIGINT received: export to .* not done"):
+        api.export_model(random_checkpoint, out, max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2)
+    assert not out.exists() and leftovers(tmp_path) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the latch is gone again
+
+
 def test_manifest_is_json_with_files_hashed(fp32_dir):
     data = json.loads((fp32_dir / MANIFEST).read_text())
     assert set(data["files"]) == {io_names.ENCODER_FILE, io_names.DECODER_FILE, CHECKPOINT_FILE, SPM_FILE}

@@ -175,3 +175,35 @@ def test_signals_wait_for_a_deferred_write_then_arrive_in_order():
             os.kill(os.getpid(), signal.SIGINT)
             written.append("complete")
     assert written == ["complete"]
+
+
+def test_latched_signals_survive_a_swallowed_keyboard_interrupt_and_reach_the_old_handler():
+    import signal
+    import time
+
+    from model.files import signals_latched
+
+    got: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    try:
+        with signals_latched() as latch:
+            latch.raise_if_received("nothing yet")  # no signal: no-op
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+            except KeyboardInterrupt:  # the default handler still ran: Ctrl-C acts at once
+                pass
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert got == [signal.SIGTERM]  # passed on to the handler that was in place
+            with pytest.raises(KeyboardInterrupt, match="SIGINT received: the commit not done"):
+                latch.raise_if_received("the commit")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with signals_latched() as latch:  # an ignored signal stays ignored
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            latch.raise_if_received("the commit")
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
