@@ -306,6 +306,9 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                     f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
 
 
+NO_VNNI_ROWWISE = " (on this CPU without VNNI: fp32 GEMMs of the float activations and the 8-bit weights)"
+
+
 def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *, topk: int,
                 atol: float = INT8_ATOL, rtol: float = INT8_RTOL) -> dict[str, Any]:
     """int8 graphs in ONNX Runtime (int8 GEMMs, as served) vs the fp32 PyTorch model.
@@ -322,7 +325,7 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "
                     "MatMulIntegerToFloat on per-row int8 activations"
-                    f"{'' if has_int8_dot_product() else ' (as fp32 GEMMs on this CPU without VNNI)'}; "
+                    f"{'' if has_int8_dot_product() else NO_VNNI_ROWWISE}; "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")

@@ -14,11 +14,13 @@ MatMulIntegerToFloat. Without VNNI, x86 CPUs do that with VPMADDUBSW, which adds
 u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case
 1024-long dot product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise
 export failed verification, 0.92 against its 0.3 bound). On such a CPU the graph is loaded with
-each integer matmul computed as an fp32 GEMM on the same 8-bit values (dequantize_integer_matmuls):
-exact, at fp32 speed and memory, which is what int8 GEMMs give there anyway (small, batch 32, beam
-4: the saturating integer kernel ran 479 target tokens/s against fp32's 519). Halving the weights to
-7 bits instead (ONNX Runtime's `reduce_range`) is exact too, but rounds twice and measured less
-accurate; the model dir stays the one VNNI machines serve with int8 GEMMs.
+each linear layer as an fp32 GEMM of its float input and the 8-bit weights dequantized once
+(dequantize_integer_matmuls): no saturation, only the weights' rounding, and fp32 speed and memory,
+which is what int8 GEMMs give there anyway (small, batch 32, beam 4: the saturating integer kernel
+ran 479 target tokens/s against fp32's 519). Emulating the int8 activations as well (an exact fp32
+GEMM of the quantized rows) cost 7-10% of the decoder step in per-row quantize ops for a less
+accurate result; halving the weights to 7 bits (ONNX Runtime's `reduce_range`) rounds twice and
+measured less accurate. The model dir stays the one VNNI machines serve with int8 GEMMs.
 """
 
 from __future__ import annotations
@@ -68,17 +70,26 @@ def int8_session_config(dot_product: bool | None = None) -> dict[str, str]:
 
 
 def dequantize_integer_matmuls(model: Any) -> int:
-    """Rewrite every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in place) into the same
-    product in fp32: its quantized activations cast to float (minus the zero-point, times the
-    scale) times its int8 weights dequantized once, here, into a float initializer, so that ONNX
-    Runtime runs a plain fp32 GEMM. (Read through DequantizeLinear instead, both get fused back
-    into the integer kernel, or into MatMulNBits, which measured 6x slower at batch 1.) Integers
-    of at most 8 bits multiply exactly in fp32, so the result is the exact integer GEMM's up to
-    fp32 rounding of the sums. Returns how many nodes changed."""
+    """Rewrite every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in place) into an fp32
+    MatMul on its int8 weights dequantized once, here, into a float initializer (read through
+    DequantizeLinear instead, ONNX Runtime fuses them back into the integer kernel, or into
+    MatMulNBits, which measured 6x slower at batch 1). Returns how many nodes changed.
+
+    A rowwise linear layer (its input quantized per row by Div(row scale) -> QuantizeLinear, its
+    output times the same row scales) becomes one MatMul of the float input itself: the per-row
+    quantize ops and the row-scale Mul go, so only the weights' 8-bit rounding is left, which is
+    more accurate than the integer GEMM and faster than emulating it (README, "Measured here").
+    Any other integer matmul is computed exactly: its quantized activations cast to float, minus
+    the zero-point, times the scale (integers of at most 8 bits multiply exactly in fp32)."""
     from onnx import TensorProto, helper, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
-    nodes, changed, added = [], 0, set()
+    producer = {out: n for n in model.graph.node for out in n.output}
+    consumers: dict[str, list[Any]] = {}
+    for n in model.graph.node:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+    nodes, changed, added, dropped = [], 0, set(), set()
 
     def floats(name: str, scale: str | None = None) -> str:
         """Initializer `name` as fp32 (times `scale`, per column), added once."""
@@ -91,19 +102,40 @@ def dequantize_integer_matmuls(model: Any) -> int:
             model.graph.initializer.append(numpy_helper.from_array(value, out))
         return out
 
+    def rowwise_input(node: Any) -> tuple[str, Any] | None:
+        """(the float input, the row-scale Mul after the node) where `node` is a rowwise linear."""
+        quantize = producer.get(node.input[0])
+        divide = producer.get(quantize.input[0]) if quantize is not None else None
+        after = consumers.get(node.output[0], [])
+        if (quantize is None or quantize.op_type != "QuantizeLinear" or divide is None
+                or divide.op_type != "Div" or len(after) != 1 or after[0].op_type != "Mul"):
+            return None
+        row_scale = divide.input[1]
+        return (divide.input[0], after[0]) if list(after[0].input) == [node.output[0], row_scale] else None
+
     for node in model.graph.node:
+        if id(node) in dropped:
+            continue
         if (node.op_type != INTEGER_MATMUL or len(node.input) != 5
                 or not all(name in inits for name in node.input[1:])):
             nodes.append(node)
             continue
         qx, w, a_scale, w_scale, a_zero_point = node.input
-        weight, zero = floats(w, scale=w_scale), floats(a_zero_point)
+        weight = floats(w, scale=w_scale)
+        changed += 1
+        rowwise = rowwise_input(node)
+        if rowwise is not None:
+            x, mul = rowwise
+            dropped.add(id(mul))
+            nodes.append(helper.make_node("MatMul", [x, weight], list(mul.output), name=mul.name))
+            continue
+        zero = floats(a_zero_point)
         cast, centred, x = f"{node.name}_x_cast", f"{node.name}_x_centred", f"{node.name}_x_fp32"
         nodes += [helper.make_node("Cast", [qx], [cast], to=TensorProto.FLOAT, name=cast),
                   helper.make_node("Sub", [cast, zero], [centred], name=centred),
                   helper.make_node("Mul", [centred, a_scale], [x], name=x),
                   helper.make_node("MatMul", [x, weight], list(node.output), name=node.name)]
-        changed += 1
+    nodes = _live(nodes, {o.name for o in model.graph.output})  # the per-row quantize ops nothing reads now
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     used = {name for n in nodes for name in n.input}
@@ -111,6 +143,16 @@ def dequantize_integer_matmuls(model: Any) -> int:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     return changed
+
+
+def _live(nodes: list[Any], outputs: set[str]) -> list[Any]:
+    """`nodes` (in topological order) less those whose results nothing reads."""
+    needed, kept = set(outputs), []
+    for node in reversed(nodes):
+        if any(out in needed for out in node.output):
+            kept.append(node)
+            needed.update(node.input)
+    return kept[::-1]
 
 
 def session_graph(path: str | Path, dot_product: bool | None = None) -> str | bytes:

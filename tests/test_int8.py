@@ -337,9 +337,9 @@ def test_integer_matmuls_run_exactly_on_cpus_without_dot_products(tmp_path):
 
 
 def test_rowwise_dirs_load_in_floating_point_only_where_needed(dirs, tmp_path):
-    """Without int8 dot products each integer matmul becomes an fp32 MatMul of the quantized rows
-    (cast, centred) and the dequantized 8-bit weights, which ONNX Runtime runs as a plain GEMM
-    (no integer kernel, no MatMulNBits)."""
+    """Without int8 dot products each rowwise linear layer becomes one fp32 MatMul of its float
+    input and the dequantized 8-bit weights, which ONNX Runtime runs as a plain GEMM (no integer
+    kernel, no MatMulNBits), and the per-row quantize ops and row-scale Muls are gone."""
     import onnxruntime as ort
 
     decoder = dirs["rowwise"] / io_names.DECODER_FILE
@@ -348,15 +348,22 @@ def test_rowwise_dirs_load_in_floating_point_only_where_needed(dirs, tmp_path):
     assert isinstance(graph, bytes)
     after = onnx.load_from_string(graph)
     old, new = _inits(before), _inits(after)
+    producer = {out: n for n in before.graph.node for out in n.output}
+    consumer = {n.input[0]: n for n in before.graph.node if n.op_type == "Mul"}
     rewritten = [n for n in before.graph.node if n.op_type == cpu.INTEGER_MATMUL]
     by_name = {n.name: n for n in after.graph.node}
     assert rewritten and cpu.INTEGER_MATMUL not in {n.op_type for n in after.graph.node}
     for node in rewritten:
-        matmul = by_name[node.name]
-        assert matmul.op_type == "MatMul" and list(matmul.output) == list(node.output)
+        row_scale_mul = consumer[node.output[0]]
+        matmul = by_name[row_scale_mul.name]
+        float_input = producer[producer[node.input[0]].input[0]].input[0]  # Div(x, row scale) -> QuantizeLinear
+        assert matmul.op_type == "MatMul" and list(matmul.output) == list(row_scale_mul.output)
+        assert matmul.input[0] == float_input
         weight = new[matmul.input[1]]
         assert weight.dtype == np.float32
         np.testing.assert_array_equal(weight, old[node.input[1]].astype(np.float32) * old[node.input[3]])
+    assert not {n.op_type for n in after.graph.node} & {"QuantizeLinear", "ReduceMax", "Abs"}
+    assert len(after.graph.node) < len(before.graph.node) - 3 * len(rewritten)
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")

@@ -64,12 +64,14 @@ def test_gate_logic():
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tmp_path):
     """fp32 and fp16 at the default gates. int8 at a wider BLEU gate: the memorising model is
-    fragile to 8-bit rounding and differs from CPU to CPU (a chaotic run, conftest.py), so its
-    int8 BLEU moves either way by chance (rowwise +1.94 and qdq -4.0 on an AVX2-only CPU, within
-    0.5 on an AVX-512 VNNI one), while broken int8 arithmetic is far off (the saturating u8 x s8
-    kernel of runtime/cpu_int8.py: -15.1 BLEU, 70% identical)."""
+    fragile to 8-bit rounding and differs from CPU to CPU (a chaotic run, conftest.py), and on its
+    40 sentences one changed translation moves BLEU by 2-4 points, so its int8 BLEU moves either way
+    by chance (on an AVX2-only CPU: int8 activations emulated +1.94 with 90% identical, weights-only
+    rounding -4.03 with 92.5% identical and closer to PyTorch's output, qdq -4.0; within 0.5 on an
+    AVX-512 VNNI CPU). The identical fraction is what tells broken int8 arithmetic apart (the
+    saturating u8 x s8 kernel of runtime/cpu_int8.py: -15.1 BLEU, 70% identical)."""
     src, ref = test_files
-    int8_gate = Gate(min_identical=0.85, max_bleu_delta=2.5)
+    int8_gate = Gate(min_identical=0.85, max_bleu_delta=6.0)
     report = run_parity(model_dirs[precision], src, ref, ["torch", "onnxruntime"],
                         gates={**DEFAULT_GATES, "int8": int8_gate})
     assert report.passed, report.results
