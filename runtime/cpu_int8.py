@@ -10,19 +10,20 @@ verification and the onnxruntime backend both take the level from here, so a mod
 the way this machine serves it.
 
 The rowwise flavour multiplies uint8 activations (zero-point 128) by int8 weights in
-MatMulIntegerToFloat. Without VNNI, x86 CPUs do that with VPMADDUBSW, which adds pairs of
-u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case
-1024-long dot product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise
-export failed verification, 0.92 against its 0.3 bound). On such a CPU the graph is loaded with
-each linear layer as an fp32 GEMM of its float input and the 8-bit weights dequantized once
+MatMulIntegerToFloat. Without VNNI, x86 CPUs do that with VPMADDUBSW, which adds pairs of u8 x s8
+products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case 1024-long dot
+product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise export failed
+verification, 0.92 against its 0.3 bound). On such a CPU the graph is loaded with each linear layer
+as an fp32 GEMM of its float input and the 8-bit weights dequantized once
 (dequantize_integer_matmuls): no saturation, only the weights' rounding, and fp32 speed and memory.
 Whether an int8 GEMM would be faster there depends on the CPU: on one AVX2-only EPYC the saturating
 kernel ran 479 target tokens/s against fp32's 519 (small, batch 32, beam 4); on a faster one, rows
-quantized to 7 bits (which cannot saturate) ran 1.28-1.33x the fp32 step but failed verification
-on a sharp model (1.02 against 0.3), so they are not used (README, "Measured here"). Emulating the int8 activations as well (an exact fp32
-GEMM of the quantized rows) cost 7-10% of the decoder step in per-row quantize ops for a less
-accurate result; halving the weights to 7 bits (ONNX Runtime's `reduce_range`) rounds twice and
-measured less accurate. The model dir stays the one VNNI machines serve with int8 GEMMs.
+quantized to 7 bits (which cannot saturate) ran 1.28-1.33x the fp32 step but failed verification on
+a sharp model (1.02 against 0.3), so they are not used (README, "Measured here"). Emulating the
+int8 activations as well (an exact fp32 GEMM of the quantized rows) cost 7-10% of the decoder step
+in per-row quantize ops for a less accurate result; halving the weights to 7 bits (ONNX Runtime's
+`reduce_range`) rounds twice and measured less accurate. The model dir stays the one VNNI machines
+serve with int8 GEMMs.
 """
 
 from __future__ import annotations
