@@ -32,7 +32,7 @@ from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
 from model.transformer import Transformer, select_candidates
-from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config, session_graph
+from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config
 
 log = logging.getLogger(__name__)
 
@@ -306,9 +306,6 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                     f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
 
 
-NO_VNNI_ROWWISE = " (on this CPU without VNNI: fp32 GEMMs of the float activations and the 8-bit weights)"
-
-
 def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *, topk: int,
                 atol: float = INT8_ATOL, rtol: float = INT8_RTOL) -> dict[str, Any]:
     """int8 graphs in ONNX Runtime (int8 GEMMs, as served) vs the fp32 PyTorch model.
@@ -317,15 +314,16 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
     config = int8_session_config()  # what the onnxruntime backend does on this machine
-    enc = ort_runner(session_graph(encoder_path), config)
-    dec = ort_runner(session_graph(decoder_path), config)
+    enc = ort_runner(str(encoder_path), config)
+    dec = ort_runner(str(decoder_path), config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "
-                    "MatMulIntegerToFloat on per-row int8 activations"
-                    f"{'' if has_int8_dot_product() else NO_VNNI_ROWWISE}; "
+                    "MatMulIntegerToFloat on per-row 8-bit activations and unsigned 8-bit weights, "
+                    f"exact integer GEMMs ({'u8 x s8 with' if has_int8_dot_product() else 'u8 x u8: no'} "
+                    "int8 dot products on this CPU); "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")

@@ -115,6 +115,9 @@ class Manifest:
     tensorrt: Engines | None = None
     tensorrt_skipped: str | None = None  # why no engines were built
     quantization: str | None = None  # int8 only: one of QUANTIZATIONS
+    # rowwise only: integer-matmul weights stored as uint8 w + 128 (exact on every CPU,
+    # runtime/cpu_int8.py); False in rowwise dirs exported before, whose int8 weights are shifted on loading
+    unsigned_weights: bool = False
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 
     def __post_init__(self) -> None:
@@ -144,7 +147,8 @@ def _type_name(tp: Any) -> str:
         return "a list" if origin is list else "an object"
     if dataclasses.is_dataclass(tp):
         return "an object"
-    return {int: "an integer", float: "a number", str: "a string", type(None): "null"}.get(tp, str(tp))
+    names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
+    return names.get(tp, str(tp))
 
 
 def _parse(tp: Any, value: Any, name: str, shown: Any = None) -> Any:

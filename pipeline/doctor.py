@@ -253,8 +253,8 @@ def format_facts(facts: Facts) -> str:
     if c.int8_dot_product is not None:
         lines.append("  int8        " + ("int8 GEMMs (dot-product instructions): --int8 model dirs run faster"
                                          if c.int8_dot_product else
-                                         "no int8 dot-product instructions: --int8 model dirs run exactly, "
-                                         "at about fp32 speed"))
+                                         "no int8 dot-product instructions: rowwise --int8 model dirs run "
+                                         "exact u8 x u8 integer GEMMs, qdq ones fp32 GEMMs"))
     return "\n".join(lines)
 
 

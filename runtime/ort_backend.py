@@ -108,8 +108,10 @@ class OrtBackend(ExportedGraphBackend):
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
-        # rowwise int8 on a CPU without VNNI: its integer GEMMs in floating point, where they are exact
-        graph = session_graph if manifest.quantization == ROWWISE and self.device.type == "cpu" else str
+        # a rowwise dir exported with int8 weights, on a CPU without VNNI: its weights made unsigned
+        # when loading, for the exact u8 x u8 integer GEMM (newer exports store them so)
+        older_rowwise = manifest.quantization == ROWWISE and not manifest.unsigned_weights
+        graph = session_graph if older_rowwise and self.device.type == "cpu" else str
         self.encoder = ort.InferenceSession(graph(model_dir / io_names.ENCODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
         self.decoder = ort.InferenceSession(graph(model_dir / io_names.DECODER_FILE), opts,

@@ -183,9 +183,10 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flav
     ops = {n.op_type for n in proto.graph.node}
     assert op in ops and "Gemm" not in ops
     # ort-dynamic: ONNX Runtime's reduce_range, 7-bit weights (-64..64), so that u8 x s8 pairs cannot
-    # saturate int16 on CPUs without VNNI; rowwise keeps 8 bits (floating point there, runtime/cpu_int8.py)
+    # saturate int16 on CPUs without VNNI; rowwise keeps 8 bits, stored unsigned (w + 128: runtime/cpu_int8.py)
     weights = [_inits(proto)[n.input[1]] for n in proto.graph.node if n.op_type == op]
-    widest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
+    shift = cpu.UNSIGNED_ZERO_POINT if flavour == quantize.ROWWISE else 0
+    widest = max(int(np.abs(w.astype(np.int32) - shift).max()) for w in weights)
     assert widest == (quantize.QMAX if flavour == quantize.ROWWISE else 64)
     backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
     assert backend.name == "onnxruntime"
@@ -205,9 +206,10 @@ def test_default_flavour_is_rowwise_without_tensorrt_engines(dirs):
 
 @pytest.mark.parametrize("graph", GRAPHS)
 def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
-    """Every linear layer: int8 (K, N) weight with per-column scales in MatMulIntegerToFloat, its
-    input quantized per row (max |x| over the last axis), no float weight and no per-batch
-    DynamicQuantizeLinear left; as many integer matmuls as qdq has DequantizeLinear matmuls."""
+    """Every linear layer: 8-bit (K, N) weight, stored unsigned (w + 128, zero-point 128), with
+    per-column scales in MatMulIntegerToFloat, its input quantized per row (max |x| over the last
+    axis), no float weight and no per-batch DynamicQuantizeLinear left; as many integer matmuls as
+    qdq has DequantizeLinear matmuls, with the same integer weights."""
     proto = onnx.load(str(dirs["rowwise"] / graph))
     inits = _inits(proto)
     producers = {o: n for n in proto.graph.node for o in n.output}
@@ -216,10 +218,14 @@ def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
     matmuls = [n for n in proto.graph.node if n.op_type == "MatMulIntegerToFloat"]
     qdq_ops = [n.op_type for n in onnx.load(str(dirs["int8"] / graph)).graph.node]
     assert len(matmuls) == qdq_ops.count("DequantizeLinear") > 0
+    qdq_weights = {w.dtype.type for w in _inits(onnx.load(str(dirs["int8"] / graph))).values()}
+    assert np.int8 in qdq_weights and np.uint8 not in qdq_weights  # TensorRT's form stays signed
     for node in matmuls:
-        qx, w, a_scale, b_scale, a_zp = node.input
-        assert inits[w].dtype == np.int8 and inits[b_scale].shape == (inits[w].shape[1],)
-        assert np.abs(inits[w].astype(np.int32)).max() == quantize.QMAX  # 8 bits in the model dir
+        qx, w, a_scale, b_scale, a_zp, b_zp = node.input
+        assert inits[w].dtype == np.uint8 and inits[b_scale].shape == (inits[w].shape[1],)
+        assert inits[b_zp] == cpu.UNSIGNED_ZERO_POINT and inits[b_zp].dtype == np.uint8
+        signed = inits[w].astype(np.int32) - cpu.UNSIGNED_ZERO_POINT
+        assert np.abs(signed).max() == quantize.QMAX  # 8 bits in the model dir
         assert inits[a_scale] == 1.0 and inits[a_zp] == 128 and inits[a_zp].dtype == np.uint8
         quant = producers[qx]
         assert quant.op_type == "QuantizeLinear"
@@ -313,8 +319,8 @@ def _integer_matmul(q: np.ndarray, w_scale: np.ndarray) -> onnx.ModelProto:
 
 def test_integer_matmuls_run_exactly_on_cpus_without_dot_products(tmp_path):
     """Worst case for VPMADDUBSW (x86 without VNNI): activations at 255 and weights at +-127 make
-    pairs of products far past int16. Loaded as a CPU without int8 dot products loads it, the
-    graph computes the exact integer product (in floating point), on this CPU, whatever it is."""
+    pairs of products far past int16. Loaded as a CPU without int8 dot products loads it (u8 x u8),
+    the graph computes the exact integer product, on this CPU, whatever it is."""
     import onnxruntime as ort
 
     rng = np.random.default_rng(0)
@@ -336,39 +342,94 @@ def test_integer_matmuls_run_exactly_on_cpus_without_dot_products(tmp_path):
     np.testing.assert_allclose(got, exact, rtol=5e-5, atol=1e-3)  # fp32 rounding; saturation is off by ~1e6
 
 
-def test_rowwise_dirs_load_in_floating_point_only_where_needed(dirs, tmp_path):
-    """Without int8 dot products each rowwise linear layer becomes one fp32 MatMul of its float
-    input and the dequantized 8-bit weights, which ONNX Runtime runs as a plain GEMM (no integer
-    kernel, no MatMulNBits), and the per-row quantize ops and row-scale Muls are gone."""
+def test_unsigned_weights_are_shifted_once_and_in_place_unless_something_else_reads_them():
+    """Two integer matmuls sharing a weight get one uint8 copy in place of the int8 one; a
+    weight that another node also reads keeps its int8 original for that node."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(1)
+    shared, other = (rng.integers(-127, 128, size=(16, 4)).astype(np.int8) for _ in range(2))
+    inits = [numpy_helper.from_array(shared, "shared"), numpy_helper.from_array(other, "other"),
+             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.full(4, 0.5, np.float32), "w_scale"),
+             numpy_helper.from_array(np.array(128, np.uint8), "zp")]
+    nodes = [helper.make_node("MatMulIntegerToFloat", ["a", w, "one", "w_scale", "zp"], [y], name=y,
+                              domain="com.microsoft") for w, y in (("shared", "y1"), ("shared", "y2"), ("other", "y3"))]
+    nodes.append(helper.make_node("Cast", ["other"], ["other_float"], to=TensorProto.FLOAT))
+    outputs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2, 4]) for y in ("y1", "y2", "y3")]
+    model = helper.make_model(helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 16])],
+        outputs + [helper.make_tensor_value_info("other_float", TensorProto.FLOAT, [16, 4])], inits))
+    assert cpu.unsigned_integer_weights(model) == 3
+    after = _inits(model)
+    assert [n.input[1] for n in model.graph.node[:3]] == ["shared", "shared", "other_u8"]
+    assert all(list(n.input[5:]) == [cpu.UNSIGNED_WEIGHT_ZERO_POINT] for n in model.graph.node[:3])
+    np.testing.assert_array_equal(after["shared"].astype(np.int16) - 128, shared)
+    np.testing.assert_array_equal(after["other_u8"].astype(np.int16) - 128, other)
+    assert after["other"].dtype == np.int8 and model.graph.node[3].input[0] == "other"
+    assert after[cpu.UNSIGNED_WEIGHT_ZERO_POINT] == 128
+    assert cpu.unsigned_integer_weights(model) == 0  # nothing int8 left to shift
+
+
+def test_onnxruntime_keeps_the_rowwise_integer_kernel(dirs, tmp_path):
+    """The manifest says the rowwise weights are unsigned, so the backend loads the graph files
+    as they are; ONNX Runtime keeps every integer matmul (no fp32 GEMM, no MatMulNBits)."""
     import onnxruntime as ort
 
+    assert read_manifest(dirs["rowwise"]).unsigned_weights
+    assert not read_manifest(dirs["int8"]).unsigned_weights
     decoder = dirs["rowwise"] / io_names.DECODER_FILE
-    before = onnx.load(str(decoder))
-    graph = cpu.session_graph(decoder, dot_product=False)
-    assert isinstance(graph, bytes)
-    after = onnx.load_from_string(graph)
-    old, new = _inits(before), _inits(after)
-    producer = {out: n for n in before.graph.node for out in n.output}
-    consumer = {n.input[0]: n for n in before.graph.node if n.op_type == "Mul"}
-    rewritten = [n for n in before.graph.node if n.op_type == cpu.INTEGER_MATMUL]
-    by_name = {n.name: n for n in after.graph.node}
-    assert rewritten and cpu.INTEGER_MATMUL not in {n.op_type for n in after.graph.node}
-    for node in rewritten:
-        row_scale_mul = consumer[node.output[0]]
-        matmul = by_name[row_scale_mul.name]
-        float_input = producer[producer[node.input[0]].input[0]].input[0]  # Div(x, row scale) -> QuantizeLinear
-        assert matmul.op_type == "MatMul" and list(matmul.output) == list(row_scale_mul.output)
-        assert matmul.input[0] == float_input
-        weight = new[matmul.input[1]]
-        assert weight.dtype == np.float32
-        np.testing.assert_array_equal(weight, old[node.input[1]].astype(np.float32) * old[node.input[3]])
-    assert not {n.op_type for n in after.graph.node} & {"QuantizeLinear", "ReduceMax", "Abs"}
-    assert len(after.graph.node) < len(before.graph.node) - 3 * len(rewritten)
+    assert cpu.session_graph(decoder, dot_product=False) == str(decoder)  # nothing left to shift
+    integer = [n for n in onnx.load(str(decoder)).graph.node if n.op_type == cpu.INTEGER_MATMUL]
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-    optimized = {n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node}
-    assert not optimized & {"MatMulNBits", "MatMulInteger", cpu.INTEGER_MATMUL}
-    fp32_decoder = dirs["fp32"] / io_names.DECODER_FILE
-    assert cpu.session_graph(fp32_decoder, dot_product=False) == str(fp32_decoder)
+    ort.InferenceSession(str(decoder), opts, providers=["CPUExecutionProvider"])
+    optimized = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx")).graph.node]
+    assert optimized.count(cpu.INTEGER_MATMUL) == len(integer) > 0 and "MatMulNBits" not in optimized
+
+
+def _signed_again(path):
+    """A rowwise graph as exports wrote it before the weights were stored unsigned."""
+    model = onnx.load(str(path))
+    inits = {i.name: i for i in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type == cpu.INTEGER_MATMUL and len(node.input) == 6:
+            weight = inits[node.input[1]]
+            signed = (numpy_helper.to_array(weight) ^ np.uint8(128)).view(np.int8)
+            weight.CopyFrom(numpy_helper.from_array(signed, weight.name))
+            del node.input[5]
+    onnx.save(model, str(path))
+
+
+def test_older_rowwise_dirs_load_shifted_on_cpus_without_dot_products(dirs, tmp_path, monkeypatch):
+    """A rowwise dir exported with int8 weights (manifest without unsigned_weights) still serves
+    exactly on a CPU without int8 dot products: its weights are shifted when loading, and it
+    translates as the dir with unsigned weights does."""
+    import dataclasses
+    import shutil
+
+    from model.manifest import write_manifest
+    from runtime.decoding import PAPER
+    from runtime.search import search
+
+    older = tmp_path / "older"
+    shutil.copytree(dirs["rowwise"], older)
+    for graph in GRAPHS:
+        _signed_again(older / graph)
+    write_manifest(older, dataclasses.replace(read_manifest(older, verify=False), unsigned_weights=False))
+    assert not read_manifest(older).unsigned_weights
+
+    shifted = []
+    real = cpu.session_graph
+    monkeypatch.setattr("runtime.ort_backend.session_graph",
+                        lambda path: shifted.append(path) or real(path, dot_product=False))
+    cfg = read_manifest(older).model_config
+    sources = torch.tensor([[5, 9, 17, 33, cfg.eos_id], [40, 41, 42, cfg.eos_id, cfg.pad_id]])
+    options = PAPER.replace(beam_size=2, max_len_a=0.0, max_len_b=10)
+    got = {}
+    for name in ("rowwise", "older"):
+        backend, _, _ = load_backend(older if name == "older" else dirs[name], backend="onnxruntime", threads=1)
+        got[name] = [[(h.tokens, round(h.score, 4)) for h in hyps] for hyps in search(backend, sources, options)]
+    assert [p.name for p in shifted] == GRAPHS  # only the older dir's graphs were rewritten
+    assert got["older"] == got["rowwise"]
