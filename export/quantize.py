@@ -217,7 +217,7 @@ def quantize_file_ort_dynamic(path: str) -> None:
         untied = f"{tmp}/untied.onnx"
         onnx.save(untie_projection(onnx.load(path)), untied)
         # reduce_range: 7-bit weights, whose u8 x s8 products cannot saturate on CPUs without VNNI
-        # (runtime/cpu_int8.py); rowwise keeps 8 bits and loads them unsigned (exact u8 x u8) there instead.
+        # (runtime/cpu_int8.py); rowwise keeps 8 bits and stores them unsigned (exact u8 x u8 there) instead.
         quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"])
 
