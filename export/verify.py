@@ -70,17 +70,15 @@ def check_graph(path: Path) -> None:
 StepFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def ort_runner(path: Path | str | bytes, config: dict[str, str] | None = None) -> StepFn:
-    """Feed named numpy arrays to an ONNX Runtime CPU session (a graph file or a serialized
-    graph); outputs by name."""
+def ort_runner(path: Path | str, config: dict[str, str] | None = None) -> StepFn:
+    """Feed named numpy arrays to an ONNX Runtime CPU session of the graph file; outputs by name."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     for key, value in (config or {}).items():
         opts.add_session_config_entry(key, value)
-    graph = path if isinstance(path, bytes) else str(path)
-    session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -314,8 +312,7 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
     config = int8_session_config()  # what the onnxruntime backend does on this machine
-    enc = ort_runner(str(encoder_path), config)
-    dec = ort_runner(str(decoder_path), config)
+    enc, dec = ort_runner(encoder_path, config), ort_runner(decoder_path, config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},

@@ -79,7 +79,8 @@ def unsigned_integer_weights(model: Any) -> int:
     """Store the int8 weights of every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in
     place) as uint8 with zero-point 128, so ONNX Runtime multiplies the uint8 rows by them with its
     u8 x u8 kernel, which widens both to 16 bits (VPMADDWD on AVX2): exact, unlike the u8 x s8 one
-    without VNNI, and the same integers a VNNI CPU computes. Returns how many nodes changed."""
+    without VNNI, and the same integers a VNNI CPU computes. The rowwise export calls it; so does
+    session_graph, for rowwise graphs exported before. Returns how many nodes changed."""
     from onnx import TensorProto, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
