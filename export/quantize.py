@@ -39,7 +39,6 @@ from onnx import TensorProto, helper, numpy_helper
 from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC  # the flavour names, re-exported for export/
 from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
-from runtime.cpu_int8 import unsigned_integer_weights
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
 # `--int8-flavour auto`, the default, chosen by measurement (README, "Measured here"): rowwise, about
@@ -217,7 +216,7 @@ def quantize_file_ort_dynamic(path: str) -> None:
         untied = f"{tmp}/untied.onnx"
         onnx.save(untie_projection(onnx.load(path)), untied)
         # reduce_range: 7-bit weights, whose u8 x s8 products cannot saturate on CPUs without VNNI
-        # (runtime/cpu_int8.py); rowwise keeps 8 bits and stores them unsigned (exact u8 x u8 there) instead.
+        # (runtime/cpu_int8.py); rowwise keeps 8 bits and runs them unsigned there (exact u8 x u8) instead.
         quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"])
 
@@ -225,12 +224,11 @@ def quantize_file_ort_dynamic(path: str) -> None:
 class _RowwiseRewriter(_Rewriter):
     """int8 weights as in qdq, and each linear layer's input quantized at run time one row
     (one token of one sentence) at a time: symmetric, scale = max|row| / 127, stored as
-    uint8 with zero-point 128. The weights are stored unsigned too, w + 128 with zero-point 128
-    (runtime/cpu_int8.unsigned_integer_weights), which ONNX Runtime multiplies exactly on every
-    CPU: with its u8 x s8 kernel where the CPU has int8 dot products (VNNI, AMX, Arm dot product;
-    it flips the weights back when packing them), with its u8 x u8 kernel where it has not, whose
-    u8 x s8 one would saturate. MatMulInteger's int32 result is exact, then scaled by the row's and
-    the column's scale: no value depends on another row, so a sentence translates the same in any batch."""
+    uint8 with zero-point 128. The weights stay int8 (zero-point 0), the form ONNX Runtime
+    multiplies fastest where the CPU has int8 dot products; a CPU without them loads them as
+    uint8 w + 128 (runtime/cpu_int8.py), since its u8 x s8 kernel would saturate. The integer
+    GEMM's int32 result is exact, then scaled by the row's and the column's scale: no value
+    depends on another row, so a sentence translates the same in any batch."""
 
     def __init__(self, model: onnx.ModelProto):
         super().__init__(model)
@@ -273,6 +271,5 @@ def quantize_file_rowwise(path: str) -> None:
     """The rowwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulIntegerToFloat), in place."""
     model = onnx.load(path)
     _RowwiseRewriter(model).rewrite()
-    unsigned_integer_weights(model)
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)

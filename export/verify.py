@@ -32,7 +32,7 @@ from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
 from model.transformer import Transformer, select_candidates
-from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config
+from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config, session_graph
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +70,17 @@ def check_graph(path: Path) -> None:
 StepFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
-def ort_runner(path: Path | str, config: dict[str, str] | None = None) -> StepFn:
-    """Feed named numpy arrays to an ONNX Runtime CPU session of the graph file; outputs by name."""
+def ort_runner(graph: Path | str | bytes, config: dict[str, str] | None = None) -> StepFn:
+    """Feed named numpy arrays to an ONNX Runtime CPU session of the graph (a file, or a serialized
+    graph); outputs by name."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     for key, value in (config or {}).items():
         opts.add_session_config_entry(key, value)
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(graph if isinstance(graph, bytes) else str(graph), opts,
+                                   providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -311,16 +313,17 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
-    config = int8_session_config()  # what the onnxruntime backend does on this machine
-    enc, dec = ort_runner(encoder_path, config), ort_runner(decoder_path, config)
+    config = int8_session_config()  # what the onnxruntime backend does on this machine,
+    # with the integer-matmul weights in the form it loads them in here (rowwise)
+    enc, dec = ort_runner(session_graph(encoder_path), config), ort_runner(session_graph(decoder_path), config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
+    kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "
-                    "MatMulIntegerToFloat on per-row 8-bit activations and unsigned 8-bit weights, "
-                    f"exact integer GEMMs ({'u8 x s8 with' if has_int8_dot_product() else 'u8 x u8: no'} "
-                    "int8 dot products on this CPU); "
+                    "MatMulIntegerToFloat on per-row 8-bit activations and 8-bit weights, exact integer "
+                    f"GEMMs ({kernel} on this CPU); "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
                     "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")

@@ -10,21 +10,22 @@ verification and the onnxruntime backend both take the level from here, so a mod
 the way this machine serves it.
 
 The rowwise flavour multiplies uint8 activations (zero-point 128) by 8-bit weights in
-MatMulIntegerToFloat. With int8 weights, x86 CPUs without VNNI do that with VPMADDUBSW, which adds
-pairs of u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767, and a single worst-case
-1024-long dot product came out 16 million off (measured on an AVX2-only AMD EPYC; the rowwise
-export failed verification, 0.92 against its 0.3 bound). So the export stores the weights unsigned,
-w + 128 with zero-point 128 (unsigned_integer_weights), which ONNX Runtime's MLAS multiplies exactly
-everywhere: where the CPU has int8 dot products (VNNI, AMX, Arm's) its u8 x u8 GEMM is the u8 x s8
-kernel, the weights flipped back when packed; without them it is a kernel that widens both operands
-to 16 bits. Measured on an AVX2-only EPYC (README, "Measured here"), that beat the earlier ways of
-avoiding the saturation: each layer as an fp32 GEMM of its float input and the dequantized weights
-(fp32 speed and memory, weights 4x larger) and an exact fp32 emulation of the integer GEMM (slower
-still); rows quantized to 7 bits (which cannot saturate) ran faster but failed verification on a
-sharp model (1.02 against 0.3), and halving the weights to 7 bits (ONNX Runtime's `reduce_range`)
-rounds twice and measured less accurate. Rowwise dirs exported before the weights were stored
-unsigned get them shifted when loaded on a CPU without int8 dot products (session_graph), which
-costs load time and the peak memory of a second copy of the graph.
+MatMulIntegerToFloat, exactly in integers, and the weights' form decides which MLAS kernel runs:
+- int8 weights (zero-point 0), as the export stores them: the u8 x s8 kernel. With int8 dot products
+  (VNNI, AVX-VNNI, AMX, Arm's) it is exact and the fastest: on an AVX-512 VNNI AMD EPYC (ONNX
+  Runtime 1.32, 2 threads, 128 x 512 x 32000) 6.2 ms against 14.0 ms for uint8 weights, and `base`
+  rowwise decoding at batch 32 1.45x faster (README, "Measured here"). Without them x86 runs it with
+  VPMADDUBSW, which adds pairs of u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767,
+  and a worst-case 1024-long dot product came out 16 million off (AVX2-only AMD EPYC; the export
+  failed verification, 0.92 against its 0.3 bound).
+- uint8 weights w + 128 (zero-point 128): the u8 x u8 kernel, which widens both operands to 16 bits:
+  exact on every CPU, the fastest exact form without dot products (measured on an AVX2-only EPYC
+  against an fp32 GEMM of dequantized weights, an fp32 emulation of the integer GEMM, and 7-bit
+  rows, which saturate less but failed verification on a sharp model: 1.02 against 0.3).
+So each CPU loads the form it multiplies fastest and exactly (wants_unsigned_weights; session_graph
+flips a graph stored in the other form when loading it, at the cost of load time and a second copy
+of the graph at its peak). Rowwise dirs exported between 2026-11-25 and this change store unsigned
+weights (manifest `unsigned_weights`); they load flipped to int8 on CPUs with dot products.
 """
 
 from __future__ import annotations
@@ -75,12 +76,13 @@ def int8_session_config(dot_product: bool | None = None) -> dict[str, str]:
     return {ACCURACY_LEVEL: INT8_COMPUTE if dot_product else FP32_COMPUTE}
 
 
-def unsigned_integer_weights(model: Any) -> int:
-    """Store the int8 weights of every MatMulIntegerToFloat of `model` (an onnx.ModelProto, in
-    place) as uint8 with zero-point 128, so ONNX Runtime multiplies the uint8 rows by them with its
-    u8 x u8 kernel, which widens both to 16 bits (VPMADDWD on AVX2): exact, unlike the u8 x s8 one
-    without VNNI, and the same integers a VNNI CPU computes. The rowwise export calls it; so does
-    session_graph, for rowwise graphs exported before. Returns how many nodes changed."""
+def integer_weights_as(model: Any, unsigned: bool) -> int:
+    """Store the 8-bit weights of every rowwise MatMulIntegerToFloat of `model` (an
+    onnx.ModelProto, changed in place) signed (int8 w, zero-point 0: the export's form, and the fast
+    u8 x s8 kernel where the CPU has int8 dot products) or unsigned (uint8 w + 128, zero-point 128:
+    the exact u8 x u8 kernel, which widens both operands to 16 bits, where it has not). Either way
+    the GEMM computes the same integers. A weight is flipped in place when integer matmuls are all
+    that read it, else copied. Returns how many nodes changed (0: already in that form)."""
     from onnx import TensorProto, numpy_helper
 
     inits = {i.name: i for i in model.graph.initializer}
@@ -89,40 +91,60 @@ def unsigned_integer_weights(model: Any) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
 
-    targets = [n for n in model.graph.node  # the rowwise pattern: int8 weights, no weight zero-point (0)
-               if n.op_type == INTEGER_MATMUL and len(n.input) == 5 and n.input[1] in inits
-               and inits[n.input[1]].data_type == TensorProto.INT8]
+    def stored_unsigned(node: Any) -> bool:  # uint8 weight, its zero-point a 128 initializer
+        zero_point = inits.get(node.input[5]) if len(node.input) == 6 else None
+        return (inits[node.input[1]].data_type == TensorProto.UINT8 and zero_point is not None
+                and numpy_helper.to_array(zero_point).tolist() == UNSIGNED_ZERO_POINT)
+
+    def stored_signed(node: Any) -> bool:  # int8 weight, zero-point 0 (no input)
+        return len(node.input) == 5 and inits[node.input[1]].data_type == TensorProto.INT8
+
+    wanted_from = stored_signed if unsigned else stored_unsigned
+    targets = [n for n in model.graph.node if n.op_type == INTEGER_MATMUL and len(n.input) >= 5
+               and n.input[1] in inits and wanted_from(n)]
     target_ids = {id(n) for n in targets}
-    shifted: dict[str, str] = {}  # int8 weight -> its uint8 copy
+    flipped: dict[str, str] = {}  # weight -> its flipped copy
+    dropped: set[str] = set()  # the unsigned weights' zero-points
     for node in targets:
         weight = node.input[1]
-        if weight not in shifted:
-            # w + 128 as uint8 is w's two's-complement byte with its top bit flipped
-            unsigned = numpy_helper.to_array(inits[weight]).view(np.uint8) ^ np.uint8(UNSIGNED_ZERO_POINT)
+        if weight not in flipped:
+            # w + 128 as uint8 is w's two's-complement byte with its top bit flipped, and back
+            data = numpy_helper.to_array(inits[weight]).view(np.uint8) ^ np.uint8(UNSIGNED_ZERO_POINT)
+            data = data if unsigned else data.view(np.int8)
             if all(id(r) in target_ids for r in readers[weight]):  # in place: no second copy in memory
-                shifted[weight] = weight
-                inits[weight].CopyFrom(numpy_helper.from_array(unsigned, weight))
+                flipped[weight] = weight
+                inits[weight].CopyFrom(numpy_helper.from_array(data, weight))
             else:
-                shifted[weight] = f"{weight}_u8"
-                model.graph.initializer.append(numpy_helper.from_array(unsigned, shifted[weight]))
-        node.input[1] = shifted[weight]
-        node.input.append(UNSIGNED_WEIGHT_ZERO_POINT)
-    changed = len(targets)
-    if changed:
+                flipped[weight] = f"{weight}_{'u8' if unsigned else 's8'}"
+                model.graph.initializer.append(numpy_helper.from_array(data, flipped[weight]))
+        node.input[1] = flipped[weight]
+        if unsigned:
+            node.input.append(UNSIGNED_WEIGHT_ZERO_POINT)
+        else:
+            dropped.add(node.input.pop(5))
+    if targets and unsigned and UNSIGNED_WEIGHT_ZERO_POINT not in inits:
         model.graph.initializer.append(
             numpy_helper.from_array(np.array(UNSIGNED_ZERO_POINT, np.uint8), UNSIGNED_WEIGHT_ZERO_POINT))
-    return changed
+    unread = dropped - {name for n in model.graph.node for name in n.input}  # zero-points no node reads
+    if unread:
+        kept = [i for i in model.graph.initializer if i.name not in unread]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+    return len(targets)
+
+
+def wants_unsigned_weights(dot_product: bool | None = None) -> bool:
+    """Whether this CPU (or the one described) should run rowwise GEMMs on unsigned weights."""
+    return not (has_int8_dot_product() if dot_product is None else dot_product)
 
 
 def session_graph(path: str | Path, dot_product: bool | None = None) -> str | bytes:
     """What to give onnxruntime.InferenceSession for the graph at `path` on this CPU (or the one
-    described): the path itself, or, without int8 dot products and where the graph has integer
-    matmuls, the serialized graph with their weights unsigned (unsigned_integer_weights)."""
-    if dot_product is None:
-        dot_product = has_int8_dot_product()
-    if dot_product:
-        return str(path)
+    described): the path itself where its integer-matmul weights (if any) are already in the form
+    this CPU multiplies fastest and exactly (wants_unsigned_weights), else the serialized graph with
+    them flipped (integer_weights_as)."""
     import onnx
 
     model = onnx.load(str(path))
-    return model.SerializeToString() if unsigned_integer_weights(model) else str(path)
+    changed = integer_weights_as(model, unsigned=wants_unsigned_weights(dot_product))
+    return model.SerializeToString() if changed else str(path)

@@ -30,7 +30,7 @@ from model import io_names
 from model.cache import SelfCache, cache_inputs, cache_shape
 from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
-from runtime.cpu_int8 import int8_session_config, session_graph
+from runtime.cpu_int8 import int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -108,10 +108,11 @@ class OrtBackend(ExportedGraphBackend):
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
-        # a rowwise dir exported with int8 weights, on a CPU without VNNI: its weights made unsigned
-        # when loading, for the exact u8 x u8 integer GEMM (newer exports store them so)
-        older_rowwise = manifest.quantization == ROWWISE and not manifest.unsigned_weights
-        graph = session_graph if older_rowwise and self.device.type == "cpu" else str
+        # rowwise on the CPU: integer-matmul weights in the form this CPU multiplies fastest and
+        # exactly (int8 with int8 dot products, uint8 without), flipped when loading if stored otherwise
+        flip = (manifest.quantization == ROWWISE and self.device.type == "cpu"
+                and manifest.unsigned_weights != wants_unsigned_weights())
+        graph = session_graph if flip else str
         self.encoder = ort.InferenceSession(graph(model_dir / io_names.ENCODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
         self.decoder = ort.InferenceSession(graph(model_dir / io_names.DECODER_FILE), opts,

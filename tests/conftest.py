@@ -107,3 +107,10 @@ def trained_save_dir(tmp_path_factory, memorise_corpus) -> Path:
 
 
 TRAINED_STEPS = 600
+# The memorising model's log-probs are so sharp, and its weights so dependent on the CPU that trained it
+# (a chaotic run, above), that int8's worst candidate log-prob error on it moves from CPU to CPU: 0.258
+# (qdq, Intel AVX-512 VNNI), 0.43 (rowwise, AVX2-only EPYC), 0.78 / 0.80 (qdq / rowwise, AVX-512 VNNI
+# EPYC, where both exports failed twice the default bound). Its int8 exports therefore use this bound,
+# far above those; the tests of verification bound a broken graph by twice what the correct graphs of
+# the same model measured on the machine at hand (test_int8.py).
+INT8_LOOSE_ATOL = 5.0

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import INT8_LOOSE_ATOL, run_cli
 
-from export import verify
 from export.api import export_model
 from model import build_model
 from model.checkpoint import load_model, save_checkpoint
@@ -29,11 +28,10 @@ def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
     out = {}
     for precision in ("fp32", "fp16", "int8"):
         out[precision] = root / precision
-        # The memorising model's log-probs are very sharp and its weights differ from CPU to CPU (a
-        # chaotic run, conftest.py): its rowwise export measured 0.43 at worst on an AVX2-only CPU.
-        # Twice the default bound, as in test_int8.py; the parity gate below judges the BLEU.
+        # Verification's bound is tested in test_int8.py (conftest.INT8_LOOSE_ATOL says why it is
+        # loose here); the parity gate below judges the int8 model by its translations.
         export_model(trained_save_dir, out[precision], fp16=precision == "fp16", int8=precision == "int8",
-                     int8_atol=2 * verify.INT8_ACTIVATIONS_ATOL if precision == "int8" else None,
+                     int8_atol=INT8_LOOSE_ATOL if precision == "int8" else None,
                      tensorrt=False, **EXPORT_LIMITS)
     return out
 
