@@ -10,7 +10,9 @@
 # MILESTONES stop training at each of those budgets, copy the save dir aside ($RUN-at-30m) and
 # resume (bit-exactly, so training is what an uninterrupted run does); after training, each copy
 # is averaged, tuned on val and scored like the final run, which is what a run with TIME=30m
-# would have given. Scoring happens after training, so it never takes time from the budget.
+# would have given (each stop validates its last update, as a TIME=30m run does; the final run
+# therefore has those extra validation points among the candidates for its best checkpoint).
+# Scoring happens after training, so it never takes time from the budget.
 #
 # DATA holds train/val/test_2016_flickr/test_2017_flickr .de/.en (.gz or plain), as published at
 # github.com/multi30k/dataset (data/task1/raw). Rerunning resumes training where it stopped, with

@@ -88,6 +88,27 @@ def test_time_budget_exits_0_with_a_clear_line_counting_from_process_start(corpu
                    "--max-time", "1h2", "--max-steps", "9") == 2
 
 
+def test_time_budget_validates_the_last_update_within_the_budget(corpus, tmp_path):
+    """A run that validated on its schedule validates its last update too when --max-time stops
+    it (keeping back the time a validation takes), so the updates after the last scheduled
+    validation can become checkpoint_best.pt; a run that never validated in this process does
+    not (it has no measure of how long that takes)."""
+    run = tmp_path / "run"
+    valid = dict(valid_src=corpus[0], valid_tgt=corpus[1], valid_max_sentences=20)
+    train(tiny_opts(run, corpus, max_time="8s", valid_every=7, **valid), started=time.time())
+    state = train_state(run)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    validated = [m["step"] for m in metrics if m["event"] == "valid"]
+    assert len(validated) >= 2 and validated[-1] == state["step"]
+    assert all(step % 7 == 0 for step in validated[:-1])
+    assert state["best_step"] in validated and read_checkpoint(run / BEST)["extra"]["step"] == state["best_step"]
+    # Resumed with a larger budget but no validation before it ends: nothing validated at the end.
+    train(tiny_opts(run, corpus, max_time="10s", valid_every=100000, **valid), started=time.time())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert train_state(run)["step"] > state["step"]
+    assert [m["step"] for m in metrics if m["event"] == "valid"] == validated
+
+
 # -- --lr-schedule linear ------------------------------------------------------------------
 
 def test_linear_schedule_warms_up_like_the_papers_then_falls_straight_to_zero():

@@ -83,7 +83,9 @@ _DEFAULT = {f.name: f.default for f in dataclasses.fields(TrainOptions)}
               "and data position, record the new files' fingerprints.")
 @click.option("--max-time", metavar="DURATION", help="Wall-clock budget of the whole run, e.g. 90s, 60m, 1h30m: "
               "counted from process start (data preparation included) and over resumes; at the budget a "
-              "checkpoint is written and training stops with status 0.")
+              "checkpoint is written and training stops with status 0. A run that validated on its "
+              "--valid-every schedule keeps back the time of one validation and validates its last "
+              "update too.")
 @click.option("--spm-alpha", type=float, default=_DEFAULT["spm_alpha"], show_default=True,
               help="SentencePiece subword regularisation during training: sampling smoothing alpha "
               "(0 = off; 0.1-0.2 typical for small data). Never used for validation, export or serving.")

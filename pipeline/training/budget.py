@@ -38,8 +38,9 @@ class TimeBudget:
     def elapsed(self) -> float:
         return self.used_before_s + (time.time() - self.started)
 
-    def exhausted(self) -> bool:
-        return self.limit_s is not None and self.elapsed() >= self.limit_s
+    def exhausted(self, reserve_s: float = 0.0) -> bool:
+        """Spent, or with less than `reserve_s` seconds left (kept for work after the last update)."""
+        return self.limit_s is not None and self.elapsed() + reserve_s >= self.limit_s
 
 
 def steps_within(step: int, elapsed_s: float, budget_s: float, seconds_per_step: float) -> int:
