@@ -27,6 +27,7 @@ from torch import nn
 
 from export import graphs
 from export.errors import ExportError
+from export.fuse import fuse_shared_input_linears
 from model import io_names
 from model.transformer import Transformer
 
@@ -111,6 +112,7 @@ def check_shape_inference(proto: onnx.ModelProto) -> None:
 def _finish(path: Path, axes: dict[str, list[str | int | None]]) -> None:
     proto = onnx.load(str(path))
     name_axes(proto, axes)
+    fuse_shared_input_linears(proto)  # Q/K/V, and the cross K/V of every layer: one GEMM each
     # Value infos carry the exporter's own symbol names ("s12", "cache_len + 1");
     # drop them so the only names in the file are ours; shape inference recomputes them.
     del proto.graph.value_info[:]

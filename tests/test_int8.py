@@ -63,10 +63,9 @@ def test_every_linear_layer_reads_int8_qdq_weights(dirs, graph):
         assert zp.dtype == np.int8 and zp.shape == scale.shape and not zp.any()
         assert np.abs(q).max() == quantize.QMAX  # each column's largest weight uses the full range
     cfg = read_manifest(dirs["int8"]).model_config.to_dict()
-    # encoder: q/k/v/out, w1, w2 per layer + each decoder layer's cross K/V projections;
-    # decoder: self q/k/v/out, cross q/out, w1, w2 per layer + the tied output projection.
-    expected = (6 * cfg["n_enc_layers"] + 2 * cfg["n_dec_layers"] if graph == io_names.ENCODER_FILE
-                else 8 * cfg["n_dec_layers"] + 1)
+    # encoder: fused q/k/v, out, w1, w2 per layer + every decoder layer's cross K/V in one (export/fuse.py);
+    # decoder: fused self q/k/v, out, cross q/out, w1, w2 per layer + the tied output projection.
+    expected = (4 * cfg["n_enc_layers"] + 1 if graph == io_names.ENCODER_FILE else 6 * cfg["n_dec_layers"] + 1)
     assert dq_matmuls == expected
     gathers = [n for n in proto.graph.node if n.op_type == "Gather" and n.input[0] in inits]
     assert gathers and all(inits[n.input[0]].dtype != np.float32 or inits[n.input[0]].ndim < 2 for n in gathers)
