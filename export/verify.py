@@ -32,7 +32,13 @@ from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
 from model.transformer import Transformer, select_candidates
-from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config, session_graph
+from runtime.cpu_int8 import (
+    ACCURACY_LEVEL,
+    has_int8_dot_product,
+    int8_session_config,
+    session_graph,
+    wants_unsigned_weights,
+)
 
 log = logging.getLogger(__name__)
 
@@ -313,9 +319,11 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
-    config = int8_session_config()  # what the onnxruntime backend does on this machine,
-    # with the integer-matmul weights in the form it loads them in here (rowwise)
-    enc, dec = ort_runner(session_graph(encoder_path), config), ort_runner(session_graph(decoder_path), config)
+    config = int8_session_config()  # what the onnxruntime backend does on this machine, with the
+    # rowwise weights in the form it loads them in here (exports store int8: only a CPU that wants
+    # uint8 has anything to flip, so only there is the graph parsed again)
+    graph = session_graph if wants_unsigned_weights() else str
+    enc, dec = ort_runner(graph(encoder_path), config), ort_runner(graph(decoder_path), config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
     kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"
