@@ -4,17 +4,15 @@ Both wrappers only rearrange arguments around the model's own inference function
 (`encode` + `cross_kv`, `decode_step` + `select_candidates`), so the graphs compute
 exactly what the PyTorch backend computes and parity tests one algorithm on two engines.
 
-First-step design ("masked dummy slot", see model/transformer.py): every self-attention
-cache starts with one masked slot, so the first step feeds cache_len = 1, never 0.
-TensorRT optimisation profiles and torch.export reject size-0 dynamic dims, and the
-alternative (an `If` that merges a no-cache first step into the decoder) cannot be built
-by TensorRT. One graph therefore serves every step with no control flow at all.
-
-Beam search never copies caches through the host: the step takes a `reorder` index and
-gathers the surviving beams' cache rows itself. Cross K/V and src_bias hold one row per
-sentence (batch), shared by the sentence's hyps / batch hypotheses (a fixed number per
-live sentence; search selects sentences when they finish), so they are never copied
-per beam nor reordered.
+The decoder step takes the self-attention cache as model/cache.py lays it out: per-layer
+buffers with one row per sentence that search never reorders, and a per-hypothesis index
+of its ancestors' keys, which the step gathers; it returns only the step's own keys and
+values, which the caller writes into the buffers. So the graph never returns a grown
+cache, has no control flow, and no dynamic dim is ever 0 (step 0 gathers one masked
+position). Cross K/V and
+src_bias hold one row per sentence (batch), shared by the sentence's hyps / batch
+hypotheses (a fixed number per live sentence; search selects sentences when they
+finish), so they are never copied per beam nor reordered.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from torch import Tensor, nn
 from torch.export import Dim
 
 from model import io_names
-from model.cache import cache_shape
 from model.transformer import Transformer, select_candidates
 
 
@@ -47,7 +44,7 @@ class EncoderGraph(nn.Module):
 
 
 class DecoderStepGraph(nn.Module):
-    """One decoder step over flat, named tensors -> top-k candidates and grown caches.
+    """One decoder step over flat, named tensors -> top-k candidates and the step's K/V.
 
     Log-softmax and top-k run inside the graph so only (hyps, K) candidates leave it;
     K is a constant so TopK has the build-time K that TensorRT's parser requires.
@@ -59,13 +56,14 @@ class DecoderStepGraph(nn.Module):
         self.topk = topk
         self.n_layers = model.cfg.n_dec_layers
 
-    def forward(self, tokens: Tensor, step: Tensor, reorder: Tensor, *rest: Tensor) -> tuple[Tensor, ...]:
+    def forward(self, tokens: Tensor, step: Tensor, self_index: Tensor, self_bias: Tensor,
+                *rest: Tensor) -> tuple[Tensor, ...]:
         n = self.n_layers
         self_k, self_v = list(rest[0:n]), list(rest[n:2 * n])
         cross_k, cross_v = list(rest[2 * n:3 * n]), list(rest[3 * n:4 * n])
         src_bias = rest[4 * n]
         log_probs, new_k, new_v = self.model.decode_step(
-            tokens, step, reorder, self_k, self_v, cross_k, cross_v, src_bias)
+            tokens, step, self_index, self_bias, self_k, self_v, cross_k, cross_v, src_bias)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.model.cfg.eos_id)
         return (top_lp, top_ids, eos_lp, *new_k, *new_v)  # io_names.decoder_outputs order
 
@@ -75,9 +73,9 @@ class DecoderStepGraph(nn.Module):
 # hyps is a multiple of batch (rows per sentence), as search always feeds.
 EXAMPLE_BATCH = 3
 EXAMPLE_SRC_LEN = 7
-EXAMPLE_HYPS = 6
-EXAMPLE_PREV_HYPS = 4
-EXAMPLE_CACHE_LEN = 5
+EXAMPLE_HYPS = 6  # 2 rows per sentence
+EXAMPLE_CAPACITY = 5  # steps the example buffers hold: 10 cache rows per sentence
+EXAMPLE_PAST = 4  # earlier steps
 
 
 def _dtype_of(model: Transformer) -> torch.dtype:
@@ -99,14 +97,16 @@ def decoder_example(model: Transformer) -> tuple[Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     n, h, dh = cfg.n_dec_layers, cfg.n_heads, cfg.d_head
     tokens = torch.randint(4, cfg.vocab_size, (EXAMPLE_HYPS,), generator=g)
-    step = torch.tensor([EXAMPLE_CACHE_LEN - 1], dtype=torch.int64)
-    reorder = torch.randint(0, EXAMPLE_PREV_HYPS, (EXAMPLE_HYPS,), generator=g)
-    self_shape = cache_shape(cfg, EXAMPLE_PREV_HYPS, EXAMPLE_CACHE_LEN)
+    step = torch.tensor([EXAMPLE_PAST], dtype=torch.int64)
+    cache_rows = EXAMPLE_CAPACITY * (EXAMPLE_HYPS // EXAMPLE_BATCH)
+    self_index = torch.randint(0, EXAMPLE_BATCH * h * cache_rows, (EXAMPLE_HYPS, h, EXAMPLE_PAST), generator=g)
+    self_bias = torch.zeros(EXAMPLE_HYPS, EXAMPLE_PAST)
+    self_shape = (EXAMPLE_BATCH, h, cache_rows, dh)
     cross_shape = (EXAMPLE_BATCH, h, EXAMPLE_SRC_LEN, dh)
     self_kv = [torch.randn(self_shape, generator=g).to(dtype) for _ in range(2 * n)]
     cross_kv = [torch.randn(cross_shape, generator=g).to(dtype) for _ in range(2 * n)]
     src_bias = torch.zeros(EXAMPLE_BATCH, EXAMPLE_SRC_LEN)
-    return (tokens, step, reorder, *self_kv, *cross_kv, src_bias)
+    return (tokens, step, self_index, self_bias, *self_kv, *cross_kv, src_bias)
 
 
 def encoder_dynamic_shapes() -> dict[str, Any]:
@@ -119,13 +119,14 @@ def decoder_dynamic_shapes(n_layers: int) -> dict[str, Any]:
     """One Dim object per axis name, shared by every input that carries that axis."""
     batch = Dim(io_names.BATCH, min=1)
     hyps = Dim(io_names.HYPS, min=1)
-    prev_hyps = Dim(io_names.PREV_HYPS, min=1)
-    cache_len = Dim(io_names.CACHE_LEN, min=1)
+    past = Dim(io_names.PAST, min=1)
+    cache_rows = Dim(io_names.CACHE_ROWS, min=1)
     src_len = Dim(io_names.SRC_LEN, min=1)
-    cache = {0: prev_hyps, 2: cache_len}
+    cache = {0: batch, 2: cache_rows}
     cross = {0: batch, 2: src_len}
     rest = [cache] * (2 * n_layers) + [cross] * (2 * n_layers) + [{0: batch, 1: src_len}]
-    return {"tokens": {0: hyps}, "step": None, "reorder": {0: hyps}, "rest": tuple(rest)}
+    return {"tokens": {0: hyps}, "step": None, "self_index": {0: hyps, 2: past}, "self_bias": {0: hyps, 1: past},
+            "rest": tuple(rest)}
 
 
 def encoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
@@ -142,13 +143,13 @@ def encoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
 
 
 def decoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
-    cache = [io_names.PREV_HYPS, None, io_names.CACHE_LEN, None]
-    new_cache = [io_names.HYPS, None, io_names.NEW_CACHE_LEN, None]
+    cache = [io_names.BATCH, None, io_names.CACHE_ROWS, None]
     cross = [io_names.BATCH, None, io_names.SRC_LEN, None]
     axes: dict[str, list[str | int | None]] = {
         io_names.TOKENS: [io_names.HYPS],
         io_names.STEP: [None],
-        io_names.REORDER: [io_names.HYPS],
+        io_names.SELF_INDEX: [io_names.HYPS, None, io_names.PAST],
+        io_names.SELF_BIAS: [io_names.HYPS, io_names.PAST],
         io_names.SRC_BIAS: [io_names.BATCH, io_names.SRC_LEN],
         io_names.TOPK_LOG_PROBS: [io_names.HYPS, None],
         io_names.TOPK_IDS: [io_names.HYPS, None],
@@ -157,8 +158,8 @@ def decoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
     for i in range(n_layers):
         for name in (io_names.self_k(i), io_names.self_v(i)):
             axes[name] = list(cache)
-        for name in (io_names.new_self_k(i), io_names.new_self_v(i)):
-            axes[name] = list(new_cache)
+        for name in (io_names.step_k(i), io_names.step_v(i)):
+            axes[name] = [io_names.HYPS, None]
         for name in (io_names.cross_k(i), io_names.cross_v(i)):
             axes[name] = list(cross)
     return axes

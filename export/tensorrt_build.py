@@ -97,14 +97,16 @@ def encoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
 
 def decoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
     """Every dynamic decoder input, with one (min, opt, max) per axis name, so inputs
-    that share an axis get equal ranges: hyps (tokens, reorder), batch (cross K/V and
-    src_bias, one row per sentence; the same range as the encoder's batch)."""
+    that share an axis get equal ranges: hyps (tokens, self_bias), batch (cache buffers,
+    cross K/V and src_bias, one row per sentence; the same range as the encoder's batch),
+    past (self_index and self_bias: earlier steps, up to max_tgt_len), cache_rows (cache
+    buffers: capacity x rows, up to max_tgt_len x max_beam)."""
     h, dh = cfg.n_heads, cfg.d_head
     axis = {
         io_names.BATCH: (1, _opt(limits.max_batch, (limits.max_batch + 1) // 2), limits.max_batch),
         io_names.HYPS: (1, _opt(limits.max_hyps, (limits.max_hyps + 1) // 2), limits.max_hyps),
-        io_names.PREV_HYPS: (1, _opt(limits.max_hyps, (limits.max_hyps + 1) // 2), limits.max_hyps),
-        io_names.CACHE_LEN: (1, _opt(limits.max_cache_len, 24), limits.max_cache_len),
+        io_names.PAST: (1, _opt(limits.max_tgt_len, 24), limits.max_tgt_len),
+        io_names.CACHE_ROWS: (1, _opt(limits.max_cache_rows, 32 * limits.max_beam), limits.max_cache_rows),
         io_names.SRC_LEN: (1, _opt(limits.max_src_len, 32), limits.max_src_len),
     }
 
@@ -115,12 +117,13 @@ def decoder_profile(cfg: ModelConfig, limits: Limits) -> Profile:
     n = cfg.n_dec_layers
     profile: Profile = {
         io_names.TOKENS: shape(io_names.HYPS),
-        io_names.REORDER: shape(io_names.HYPS),
+        io_names.SELF_INDEX: shape(io_names.HYPS, h, io_names.PAST),
+        io_names.SELF_BIAS: shape(io_names.HYPS, io_names.PAST),
         io_names.SRC_BIAS: shape(io_names.BATCH, io_names.SRC_LEN),
     }
     for i in range(n):
         for name in (io_names.self_k(i), io_names.self_v(i)):
-            profile[name] = shape(io_names.PREV_HYPS, h, io_names.CACHE_LEN, dh)
+            profile[name] = shape(io_names.BATCH, h, io_names.CACHE_ROWS, dh)
         for name in (io_names.cross_k(i), io_names.cross_v(i)):
             profile[name] = shape(io_names.BATCH, h, io_names.SRC_LEN, dh)
     return profile

@@ -1,10 +1,11 @@
 """Verification of exported graphs: onnx.checker, then ONNX Runtime against PyTorch.
 
 Both sides run the same functions (model.encode/cross_kv/decode_step + select_candidates)
-on a real padded batch, then 10+ beam-like decoding steps: every step gathers the cache
-through `reorder` with repeated rows, one step drops a finished sentence's hypotheses and
-its cross K/V row (so hyps != prev_hyps), and each engine's own grown caches are fed
-back, so errors accumulate as in serving.
+on a real padded batch, then 10+ beam-like decoding steps: every step follows a `reorder`
+with repeated rows (model/cache.py's ancestry index), the cache buffers grow past their
+capacity twice, one step drops a finished sentence's hypotheses, its cache rows and its
+cross K/V row, and each engine's own step K/V are written into its own cache, so errors
+accumulate as in serving.
 Candidate log-probs are compared by max abs difference against a tolerance; candidate
 ids only where the gap to the neighbouring candidates exceeds that tolerance (a tie
 within the tolerance may legitimately order either way).
@@ -30,7 +31,7 @@ import torch
 from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
-from model.cache import cache_inputs, cache_outputs, dummy_slot_cache
+from model.cache import BeamCache, step_outputs
 from model.transformer import Transformer, select_candidates
 from runtime.cpu_int8 import (
     ACCURACY_LEVEL,
@@ -60,6 +61,7 @@ INT8_RTOL = 0.05
 # the tiny test model that memorised its corpus, fed the random tokens checked here, 0.22.
 INT8_ACTIVATIONS_ATOL = 0.3
 N_STEPS = 12
+VERIFY_CAPACITY = 4  # initial cache capacity (steps) in verification: N_STEPS grows it twice
 BEAM = 2
 
 
@@ -115,15 +117,15 @@ def torch_decoder(model: Transformer, topk: int) -> StepFn:
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t = {k: torch.from_numpy(v) for k, v in feeds.items()}
         with torch.inference_mode():
-            log_probs, new_k, new_v = model.decode_step(
-                t[io_names.TOKENS], t[io_names.STEP], t[io_names.REORDER],
+            log_probs, step_k, step_v = model.decode_step(
+                t[io_names.TOKENS], t[io_names.STEP], t[io_names.SELF_INDEX], t[io_names.SELF_BIAS],
                 [t[io_names.self_k(i)] for i in range(n)], [t[io_names.self_v(i)] for i in range(n)],
                 [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
                 t[io_names.SRC_BIAS])
             lp, ids, eos = select_candidates(log_probs, topk, model.cfg.eos_id)
         out = {io_names.TOPK_LOG_PROBS: lp, io_names.TOPK_IDS: ids, io_names.EOS_LOG_PROBS: eos}
         for i in range(n):
-            out[io_names.new_self_k(i)], out[io_names.new_self_v(i)] = new_k[i], new_v[i]
+            out[io_names.step_k(i)], out[io_names.step_v(i)] = step_k[i], step_v[i]
         return {name: v.numpy() for name, v in out.items()}
     return run
 
@@ -204,7 +206,7 @@ def _check_ids(report: Report, where: str, ref_lp: np.ndarray, ref_ids: np.ndarr
 
 
 def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_encoder: StepFn,
-                    ref_decoder: StepFn, atol: float, rtol: float, cache_dtype: np.dtype, label: str,
+                    ref_decoder: StepFn, atol: float, rtol: float, label: str,
                     n_steps: int = N_STEPS) -> Report:
     """Run encoder + n_steps beam-like steps on both engines and bound their differences."""
     cfg = model.cfg
@@ -220,31 +222,34 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
     rows = np.repeat(np.arange(src.shape[0]), BEAM)
     cross = {name: enc[name] for name in io_names.encoder_outputs(n)}
     ref_cross = {name: ref_enc[name] for name in io_names.encoder_outputs(n)}
-    dummy = cache_inputs(*dummy_slot_cache(cfg, len(rows)))
-    cache = {name: t.numpy().astype(cache_dtype) for name, t in dummy.items()}
-    ref_cache = {name: v.copy() for name, v in cache.items()}
+    # Each engine writes its own step K/V into its own cache, of its own cross K/V's dtype;
+    # capacity 4, so the caches grow twice.
+    caches = [BeamCache(cfg, len(rows), torch.from_numpy(e[io_names.cross_k(0)][:0]).dtype,
+                        initial_capacity=VERIFY_CAPACITY) for e in (enc, ref_enc)]
     tokens = np.full(len(rows), cfg.bos_id, dtype=np.int64)
     sent = rows.copy()
     reorder = np.arange(len(rows), dtype=np.int64)
     for step in range(n_steps):
         where = f"{label} decoder step {step}"
-        feeds = {io_names.TOKENS: tokens, io_names.STEP: np.array([step], dtype=np.int64),
-                 io_names.REORDER: reorder}
-        out = decoder({**feeds, **cache, **cross})
-        ref = ref_decoder({**feeds, **ref_cache, **ref_cross})
+        feeds = {io_names.TOKENS: tokens, io_names.STEP: np.array([step], dtype=np.int64)}
+        n_sent = len(np.unique(sent))
+        own, ref_own = ({k: v.numpy() for k, v in c.advance(torch.from_numpy(reorder), n_sent).items()}
+                        for c in caches)
+        out = decoder({**feeds, **own, **cross})
+        ref = ref_decoder({**feeds, **ref_own, **ref_cross})
         for name in (io_names.TOPK_LOG_PROBS, io_names.EOS_LOG_PROBS):
             _check(report, name, where, out[name], ref[name], atol, rtol)
         _check_ids(report, where, ref[io_names.TOPK_LOG_PROBS], ref[io_names.TOPK_IDS],
                    out[io_names.TOPK_IDS], atol, rtol)
         for i in range(n):
-            for name in (io_names.new_self_k(i), io_names.new_self_v(i)):
+            for name in (io_names.step_k(i), io_names.step_v(i)):
                 _check(report, "cache", where + f" {name}", out[name], ref[name], None)
+        for c, o in zip(caches, (out, ref)):
+            c.append(*([torch.from_numpy(a) for a in kv] for kv in step_outputs(o, n)))
         keep, tokens, reorder = _beam_like_choice(ref, sent, step)
         live = np.unique(sent, return_index=True)[1]  # each sentence's first row, in order
         kept_sentences = np.flatnonzero(np.isin(sent[live], sent[keep]))
         sent = sent[keep]
-        cache = cache_inputs(*cache_outputs(out, n))
-        ref_cache = cache_inputs(*cache_outputs(ref, n))
         cross = {k: v[kept_sentences] for k, v in cross.items()}
         ref_cross = {k: v[kept_sentences] for k, v in ref_cross.items()}
         report.steps += 1
@@ -294,17 +299,17 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
     enc, dec = ort_runner(encoder_path), ort_runner(decoder_path)
     if not fp16:
         rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
-                              atol, rtol, np.dtype(np.float32), "onnxruntime vs torch fp32")
+                              atol, rtol, "onnxruntime vs torch fp32")
         return _summary("fp32", atol, rtol, {"onnxruntime_vs_torch_fp32": rep},
                         "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
                         f"{rep.steps} decoder steps with beam reorder and a finished sentence")
     if model16 is None:
         model16 = inference_copy(model32, fp16=True)
     rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),
-                              fp16_atol, fp16_rtol, np.dtype(np.float16), "onnxruntime fp16 vs torch fp16")
+                              fp16_atol, fp16_rtol, "onnxruntime fp16 vs torch fp16")
     rep_half = compare_engines(model32, torch_encoder(model16), torch_decoder(model16, topk),
                                torch_encoder(model32), torch_decoder(model32, topk), fp16_atol, fp16_rtol,
-                               np.dtype(np.float16), "torch fp16 vs torch fp32")
+                               "torch fp16 vs torch fp32")
     return _summary("fp16", fp16_atol, fp16_rtol, {"onnxruntime_vs_torch_fp16": rep_ort,
                                         "torch_fp16_vs_torch_fp32": rep_half},
                     "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
@@ -325,7 +330,7 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     graph = session_graph if wants_unsigned_weights() else str
     enc, dec = ort_runner(graph(encoder_path), config), ort_runner(graph(decoder_path), config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
-                          atol, rtol, np.dtype(np.float32), "onnxruntime int8 vs torch fp32")
+                          atol, rtol, "onnxruntime int8 vs torch fp32")
     kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "

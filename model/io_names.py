@@ -12,9 +12,8 @@ DECODER_ENGINE = "decoder.plan"
 BATCH = "batch"          # sentences
 SRC_LEN = "src_len"      # source tokens
 HYPS = "hyps"            # hypotheses fed to the step: live sentences (batch) x rows each
-PREV_HYPS = "prev_hyps"  # rows of the previous step's cache, gathered by `reorder`
-CACHE_LEN = "cache_len"  # self-attention cache length: 1 dummy slot + steps so far
-NEW_CACHE_LEN = "new_cache_len"  # cache_len + 1
+PAST = "past"            # earlier steps each hypothesis attends to (1 at step 0: masked)
+CACHE_ROWS = "cache_rows"  # self-attention keys held per sentence: capacity (steps) x rows
 
 # Encoder graph.
 SRC_IDS = "src_ids"      # (batch, src_len) int64, padded with PAD_ID
@@ -32,23 +31,24 @@ def cross_v(layer: int) -> str:
 # Decoder-step graph.
 TOKENS = "tokens"        # (hyps,) int64
 STEP = "step"            # (1,) int64: the position being decoded
-REORDER = "reorder"      # (hyps,) int64 rows of the previous cache
+SELF_INDEX = "self_index"  # (hyps, n_heads, past) int64: rows of the flattened cache (model/cache.py)
+SELF_BIAS = "self_bias"  # (hyps, past) float32: 0, or MASK_VALUE at step 0's placeholder
 
 
 def self_k(layer: int) -> str:
-    return f"self_k.{layer}"    # (prev_hyps, n_heads, cache_len, d_head)
+    return f"self_k.{layer}"    # (batch, n_heads, cache_rows, d_head): model/cache.py's layout
 
 
 def self_v(layer: int) -> str:
     return f"self_v.{layer}"
 
 
-def new_self_k(layer: int) -> str:
-    return f"new_self_k.{layer}"  # (hyps, n_heads, new_cache_len, d_head)
+def step_k(layer: int) -> str:
+    return f"step_k.{layer}"  # (hyps, d_model): this step's keys, written into self_k by the caller
 
 
-def new_self_v(layer: int) -> str:
-    return f"new_self_v.{layer}"
+def step_v(layer: int) -> str:
+    return f"step_v.{layer}"
 
 
 TOPK_LOG_PROBS = "topk_log_probs"  # (hyps, K) float32, sorted descending
@@ -68,7 +68,7 @@ def encoder_outputs(n_layers: int) -> list[str]:
 
 
 def decoder_inputs(n_layers: int) -> list[str]:
-    names = [TOKENS, STEP, REORDER]
+    names = [TOKENS, STEP, SELF_INDEX, SELF_BIAS]
     names += [self_k(i) for i in range(n_layers)] + [self_v(i) for i in range(n_layers)]
     names += [cross_k(i) for i in range(n_layers)] + [cross_v(i) for i in range(n_layers)]
     return names + [SRC_BIAS]
@@ -76,5 +76,5 @@ def decoder_inputs(n_layers: int) -> list[str]:
 
 def decoder_outputs(n_layers: int) -> list[str]:
     names = [TOPK_LOG_PROBS, TOPK_IDS, EOS_LOG_PROBS]
-    names += [new_self_k(i) for i in range(n_layers)] + [new_self_v(i) for i in range(n_layers)]
+    names += [step_k(i) for i in range(n_layers)] + [step_v(i) for i in range(n_layers)]
     return names

@@ -60,8 +60,8 @@ class Limits:
         return self.max_batch * self.max_beam
 
     @property
-    def max_cache_len(self) -> int:
-        return self.max_tgt_len + 1  # the dummy slot plus one slot per generated token
+    def max_cache_rows(self) -> int:
+        return self.max_tgt_len * self.max_beam  # self-attention keys per sentence (model/cache.py)
 
 
 @dataclass(frozen=True)

@@ -7,15 +7,12 @@ functions that the PyTorch backend, the ONNX export and hence TensorRT all run:
     encode(src_ids)                 -> memory, src_bias
     cross_kv(memory)                -> per decoder layer cross-attention K and V, once per
                                        sentence (its beam's hypotheses share them)
-    decode_step(tokens, step, ...)  -> next-token log-probs and the grown self-attention cache
+    decode_step(tokens, step, ...)  -> next-token log-probs and the step's self-attention K/V
 
-Self-attention cache ("masked dummy slot"): each layer's cache holds one dummy slot at
-time index 0 followed by the keys/values of every earlier step, shape (N, H, 1 + t, d_head)
-before step t. The first step therefore feeds a cache of length 1 rather than 0: TensorRT
-optimisation profiles and torch.export reject size-0 dynamic dims, and no `If` node is
-needed to special-case the first step. The dummy slot is masked out by a finite bias.
-A `reorder` index gathers the surviving hypotheses' cache rows inside the step, so beam
-search never copies caches through the host.
+Self-attention cache (model/cache.py): every step's keys and values are written once into
+per-layer buffers that beam search never reorders; each hypothesis gathers its ancestors'
+keys by an index, and attends to its own key of the step too, which decode_step computes,
+scores separately and returns for the caller to store.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.cache import SelfCache, dummy_slot_cache
 from model.config import ModelConfig
 
 # Additive attention bias for masked positions. Finite, and far inside fp16 range
@@ -135,6 +131,32 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(self.merge_heads(out))
 
 
+    def step_self(self, x: Tensor, past_k: Tensor, past_v: Tensor, past_index: Tensor, past_bias: Tensor
+                  ) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoder step of self-attention over the beam cache (model/cache.py).
+
+        x (N, 1, d_model); past_k/past_v (B, H, R, d_head), the cache buffers; past_index
+        (N, H, T) int64, the rows of the flattened buffers holding each hypothesis' earlier
+        keys per head; past_bias (N, T) fp32. The step's own key is scored apart. Returns
+        the attention output (N, 1, d_model) and the step's keys and values (N, d_model)."""
+        n = x.shape[0]
+        # (N, 1, d_model) as in training: the export fuses these three MatMuls into one GEMM
+        q, k_t, v_t = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_h = self.split_heads(q) * (1.0 / math.sqrt(self.d_head))  # (N, H, 1, d_head)
+        k_h, v_h = self.split_heads(k_t), self.split_heads(v_t)
+        rows = past_index.reshape(-1)
+        shape = (n, self.n_heads, -1, self.d_head)
+        k = past_k.reshape(-1, self.d_head).index_select(0, rows).view(shape)  # (N, H, T, d_head)
+        v = past_v.reshape(-1, self.d_head).index_select(0, rows).view(shape)
+        past = torch.matmul(q_h, k.transpose(-1, -2)).float() + past_bias[:, None, None, :]  # (N, H, 1, T)
+        own = (q_h.float() * k_h.float()).sum(dim=-1, keepdim=True)  # (N, H, 1, 1)
+        probs = torch.cat([own, past], dim=-1).softmax(dim=-1)  # fp32
+        # the two parts summed in fp32 and rounded once, as one matmul over both would
+        out = torch.matmul(probs[..., 1:].to(v.dtype), v).float() + probs[..., :1] * v_h.float()
+        out = out.to(v_t.dtype)  # (N, H, 1, d_head)
+        return self.out_proj(self.merge_heads(out)), k_t.view(n, -1), v_t.view(n, -1)
+
+
 class FeedForward(nn.Module):
     """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
 
@@ -189,9 +211,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: Tensor, self_k: Tensor, self_v: Tensor, self_bias: Tensor,
                 cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
+        """Teacher forcing: x (B, T, d_model) over its own k, v (B, H, T, d_head)."""
+        x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
+        return self.cross_and_ffn(x, cross_k, cross_v, cross_bias)
+
+    def step(self, x: Tensor, past_k: Tensor, past_v: Tensor, past_index: Tensor, past_bias: Tensor,
+             cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One decoder step: x (N, 1, d_model) over the beam cache (MultiHeadAttention.step_self);
+        returns x and the step's self-attention keys and values (N, d_model)."""
+        attn, k_t, v_t = self.self_attn.step_self(x, past_k, past_v, past_index, past_bias)
+        x = self.res_self(x, attn)
+        return self.cross_and_ffn(x, cross_k, cross_v, cross_bias), k_t, v_t
+
+    def cross_and_ffn(self, x: Tensor, cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
         """x (N, Tq, d_model); cross_k/cross_v (B, H, S, d_head) with N a multiple of B:
         rows b*N/B .. (b+1)*N/B - 1 of x belong to sentence b (a beam's hypotheses)."""
-        x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
         # A sentence's hypotheses share its cross K/V: fold them into the query length
         # (B, rows * Tq, d_model), one matmul per sentence and no per-beam K/V copies.
         # The rows factor comes from the shapes, so the graph has no control flow.
@@ -259,39 +293,29 @@ class Transformer(nn.Module):
             vs.append(v)
         return ks, vs
 
-    def initial_cache(self, n_rows: int, dtype: torch.dtype = torch.float32,
-                      device: torch.device | None = None) -> SelfCache:
-        """The length-1 cache (only the masked dummy slot) that the first step takes."""
-        return dummy_slot_cache(self.cfg, n_rows, dtype, device)
-
-    def decode_step(self, tokens: Tensor, step: Tensor, reorder: Tensor,
+    def decode_step(self, tokens: Tensor, step: Tensor, self_index: Tensor, self_bias: Tensor,
                     self_k: list[Tensor], self_v: list[Tensor],
                     cross_k: list[Tensor], cross_v: list[Tensor], src_bias: Tensor,
                     ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-        """One decoder step for N hypotheses.
+        """One decoder step for N hypotheses over the beam cache (model/cache.py).
 
         tokens (N,) int64: each hypothesis' last token; step (1,) int64: its position.
-        reorder (N,) int64: the row of the previous cache each hypothesis continues.
-        self_k/self_v: per layer (N_prev, H, 1 + step, d_head), dummy slot first.
+        self_index (N, H, T) int64 and self_bias (N, T) fp32: where each hypothesis' earlier
+        keys are in the flattened buffers, and their bias (model/cache.py).
+        self_k/self_v: per layer (B, H, R, d_head), the buffers of earlier steps.
         cross_k/cross_v: per layer (B, H, S, d_head), once per sentence; src_bias (B, S)
         fp32. N = B x rows: hypotheses rows*b .. rows*b + rows - 1 belong to sentence b.
-        Returns log-probs (N, V) fp32 and the caches grown to (N, H, 2 + step, d_head).
+        Returns log-probs (N, V) fp32 and per layer this step's keys and values (N, d_model).
         """
         x = self.embed_tokens(tokens[:, None], step)  # (N, 1, d_model)
-        cache_len = self_k[0].shape[2] + 1
-        slot = torch.arange(cache_len, device=tokens.device)
-        self_bias = (slot == 0).float() * MASK_VALUE  # (1 + step + 1,): mask the dummy slot
         cross_bias = src_bias[:, None, None, :]
-        new_k, new_v = [], []
+        step_k, step_v = [], []
         for layer, past_k, past_v, ck, cv in zip(self.decoder, self_k, self_v, cross_k, cross_v):
-            k_t, v_t = layer.self_attn.project_kv(x)  # (N, H, 1, d_head)
-            k = torch.cat([past_k.index_select(0, reorder), k_t], dim=2)
-            v = torch.cat([past_v.index_select(0, reorder), v_t], dim=2)
-            new_k.append(k)
-            new_v.append(v)
-            x = layer(x, k, v, self_bias, ck, cv, cross_bias)
+            x, k_t, v_t = layer.step(x, past_k, past_v, self_index, self_bias, ck, cv, cross_bias)
+            step_k.append(k_t)
+            step_v.append(v_t)
         log_probs = self.logits(x[:, 0]).log_softmax(dim=-1)  # (N, V) fp32
-        return log_probs, new_k, new_v
+        return log_probs, step_k, step_v
 
     # -- training ---------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from model.cache import SelfCache, dummy_slot_cache
+from model.cache import BeamCache
 
 
 @dataclass
@@ -52,14 +52,15 @@ class Backend(Protocol):
         """A state whose row i is `state`'s row rows[i] (drops finished sentences)."""
 
     def initial_cache(self, n_rows: int) -> Any:
-        """Self-attention caches holding only the masked dummy slot (model.cache layout
-        for the real backends; opaque to search)."""
+        """An empty self-attention cache for n_rows hypotheses (model.cache.BeamCache for
+        the real backends; opaque to search)."""
 
     def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
              reorder: Tensor) -> tuple[StepOutput, Any]:
         """One decoder step. tokens (N,) int64 with N a multiple of state.n_rows (rows of
         a sentence are consecutive); reorder (N,) int64 rows of `cache` each hypothesis
-        continues; returns the candidates and the grown cache (N rows)."""
+        continues (within its own sentence); returns the candidates and the cache with
+        this step added (the real backends extend it in place)."""
 
 
 def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:
@@ -72,7 +73,8 @@ def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:
 
 class ExportedGraphBackend:
     """What the onnxruntime and tensorrt backends share: torch tensors as state and caches,
-    laid out as the exported graphs take them. Subclasses set cfg, device, cache_dtype."""
+    laid out as the exported graphs take them. Subclasses set cfg, device, cache_dtype,
+    max_tgt_len."""
 
     cfg: Any
     device: torch.device
@@ -81,5 +83,7 @@ class ExportedGraphBackend:
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
 
-    def initial_cache(self, n_rows: int) -> SelfCache:
-        return dummy_slot_cache(self.cfg, n_rows, self.cache_dtype, self.device)
+    max_tgt_len: int
+
+    def initial_cache(self, n_rows: int) -> BeamCache:
+        return BeamCache(self.cfg, n_rows, self.cache_dtype, self.device, max_steps=self.max_tgt_len)

@@ -3,7 +3,7 @@
 Every input and output is a torch tensor bound by pointer through IO binding, on the CPU
 as on CUDA: caches and cross K/V never leave the device, outputs land in tensors that
 search and the next step use as they are (no numpy round trip, no copies), and the
-beam's cache reordering happens inside the graph (`reorder`).
+beam's cache is written in place and never reordered (model/cache.py).
 
 Session options: full graph optimisation and, by default, no intra-op thread spinning:
 with several sessions (or processes) sharing few cores, spinning threads steal the
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
-from model.cache import SelfCache, cache_inputs, cache_shape
+from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.cpu_int8 import int8_session_config, session_graph, wants_unsigned_weights
@@ -98,12 +98,12 @@ class OrtBackend(ExportedGraphBackend):
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         opts.log_severity_level = 3
-        if self.device.type == "cpu":
-            # No BFC arena on the CPU: the decoder's shapes grow every step, and the arena keeps
-            # each larger region it grew to. Measured (base rowwise int8, batch 32, beam 4, 30
-            # tokens, 2 threads, fresh process per run, alternating): peak RSS 730-760 MB instead
-            # of 777-798 MB, tokens/s unchanged (611-630 vs 589-601); fp32 and small alike or better.
-            opts.enable_cpu_mem_arena = False
+        # ONNX Runtime's BFC arena stays on, on the CPU too. It was off while every step returned
+        # the grown cache (the arena kept each larger region); with the beam cache
+        # (model/cache.py) the step's largest tensors are the gathered histories, a little
+        # larger every step, so without the arena glibc maps each one fresh: base rowwise int8,
+        # batch 32, beam 4, 30 tokens, 2 threads: 1.0-1.4 M page faults and 0.7x the speed,
+        # against 0.18-0.22 M with the arena, at the same peak RSS (630-650 MB).
         for key, value in session_config(manifest).items():
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
@@ -120,7 +120,7 @@ class OrtBackend(ExportedGraphBackend):
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
-        self.cache_dtype = self.out_types[io_names.new_self_k(0)]
+        self.cache_dtype = self.out_types[io_names.step_k(0)]
         self.topk = manifest.topk
         self.max_src_len = manifest.limits.max_src_len
         self.max_tgt_len = manifest.limits.max_tgt_len
@@ -178,23 +178,24 @@ class OrtBackend(ExportedGraphBackend):
         return EncoderState(tensors, b)
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
-             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
+             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
         n_layers = self.cfg.n_dec_layers
         n = int(tokens.shape[0])
+        feeds = cache.advance(reorder.to(self.device), state.n_rows)
         binding = self.decoder.io_binding()
         alive: list[Tensor] = []
         self._bind_in(binding, io_names.TOKENS, tokens.to(self.device, torch.int64), alive)
         self._bind_in(binding, io_names.STEP, torch.tensor([step], dtype=torch.int64, device=self.device),
                       alive)
-        self._bind_in(binding, io_names.REORDER, reorder.to(self.device, torch.int64), alive)
-        for name, t in {**cache_inputs(*cache), **state.tensors}.items():
+        for name, t in {**feeds, **state.tensors}.items():
             self._bind_in(binding, name, t, alive)
         top_lp = self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk))
         top_ids = self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk))
         eos_lp = self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,))
-        shape = cache_shape(self.cfg, n, cache[0][0].shape[2] + 1)
-        new_k = [self._bind_out(binding, io_names.new_self_k(i), shape) for i in range(n_layers)]
-        new_v = [self._bind_out(binding, io_names.new_self_v(i), shape) for i in range(n_layers)]
+        d = self.cfg.d_model
+        step_k = [self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)]
+        step_v = [self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)]
         self._run(self.decoder, binding)
-        return StepOutput(top_lp, top_ids, eos_lp), (new_k, new_v)
+        cache.append(step_k, step_v)
+        return StepOutput(top_lp, top_ids, eos_lp), cache

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
-from model.cache import SelfCache
+from model.cache import BeamCache
 from model.transformer import Transformer, select_candidates
 from runtime.backend import EncoderState, StepOutput, select_rows
 
@@ -43,18 +43,20 @@ class TorchBackend:
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
 
-    def initial_cache(self, n_rows: int) -> SelfCache:
-        return self.model.initial_cache(n_rows, self.dtype, self.device)
+    def initial_cache(self, n_rows: int) -> BeamCache:
+        return BeamCache(self.cfg, n_rows, self.dtype, self.device, max_steps=self.max_tgt_len)
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
-             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
+             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
         n = self.cfg.n_dec_layers
         t = state.tensors
-        log_probs, new_k, new_v = self.model.decode_step(
-            tokens.to(self.device), torch.tensor([step], device=self.device),
-            reorder.to(self.device), cache[0], cache[1],
-            [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
-            t[io_names.SRC_BIAS])
+        feeds = cache.advance(reorder, state.n_rows)
+        log_probs, step_k, step_v = self.model.decode_step(
+            tokens.to(self.device), torch.tensor([step], device=self.device), feeds[io_names.SELF_INDEX],
+            feeds[io_names.SELF_BIAS],
+            cache.k, cache.v, [t[io_names.cross_k(i)] for i in range(n)],
+            [t[io_names.cross_v(i)] for i in range(n)], t[io_names.SRC_BIAS])
+        cache.append(step_k, step_v)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id)
-        return StepOutput(top_lp, top_ids, eos_lp), (new_k, new_v)
+        return StepOutput(top_lp, top_ids, eos_lp), cache

@@ -3,8 +3,8 @@
 Buffers are torch CUDA tensors: inputs are bound by address, outputs are allocated by
 torch at the shapes TensorRT infers after `set_input_shape`, and both engines run with
 `execute_async_v3` on torch's current stream, so torch ops (search, select) and the
-engines are ordered on one stream without host synchronisation. Caches stay on the GPU
-and are reordered inside the decoder engine.
+engines are ordered on one stream without host synchronisation. Caches stay on the GPU,
+written in place and never reordered (model/cache.py).
 
 `tensorrt` is imported lazily: on machines without it the rest of the runtime works and
 asking for this backend says what to install.
@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from model import io_names
-from model.cache import SelfCache, cache_inputs, cache_outputs
+from model.cache import BeamCache, step_outputs
 from model.manifest import Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
 from runtime.errors import RuntimeUserError
@@ -155,16 +155,16 @@ class TrtBackend(ExportedGraphBackend):
         return EncoderState(out, int(src_ids.shape[0]))
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: SelfCache,
-             reorder: Tensor) -> tuple[StepOutput, SelfCache]:
+    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
+             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
         n_layers = self.cfg.n_dec_layers
         if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
             raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "
                                    f"{self.max_hyps} (max batch x max beam); lower --beam-size or {REBUILD} "
                                    "with larger --max-batch / --max-beam")
-        feeds = {io_names.TOKENS: tokens, io_names.REORDER: reorder,
-                 io_names.STEP: torch.tensor([step], dtype=torch.int64), **state.tensors,
-                 **cache_inputs(*cache)}
+        feeds = {io_names.TOKENS: tokens, io_names.STEP: torch.tensor([step], dtype=torch.int64),
+                 **state.tensors, **cache.advance(reorder.to(self.device), state.n_rows)}
         out = self.decoder.run(feeds, self.device)
+        cache.append(*step_outputs(out, n_layers))
         return StepOutput(out[io_names.TOPK_LOG_PROBS].float(), out[io_names.TOPK_IDS].long(),
-                          out[io_names.EOS_LOG_PROBS].float()), cache_outputs(out, n_layers)
+                          out[io_names.EOS_LOG_PROBS].float()), cache

@@ -4,10 +4,12 @@
 Measures ratios, not absolute speeds: the two graphs run alternately, round after round,
 in one process with the same thread count, so a busy machine slows both alike. Each
 round decodes a fixed number of steps for `batch` sentences x `beam` rows with a
-beam-like random `reorder` (each row continues a row of its own sentence) and feeds each
-step's grown caches back, as serving does. Graphs with per-sentence cross K/V
-(cross_k.i axis 0 named "batch") and older ones with per-hypothesis copies ("hyps") are
-both fed as they expect, so an export made by older code can be compared with a new one.
+beam-like random `reorder` (each row continues a row of its own sentence) and keeps the
+cache as serving does. Graphs of every interface so far are fed as they expect, so an
+export made by older code can be compared with a new one: the beam cache of model/cache.py
+(`self_index` input: buffers written in place, the graph returns the step's K/V), and the
+older graphs that gathered the cache by `reorder` and returned it grown, with
+per-sentence cross K/V (cross_k.i axis 0 named "batch") or per-hypothesis copies ("hyps").
 
     # one graph per code version, same random weights (seed), e.g. old code in /tmp/old:
     python scripts/bench_decoder_step.py export --preset base --out /tmp/new-base
@@ -67,11 +69,17 @@ class StepRunner:
         self.n_layers = sum(1 for n in self.inputs if n.startswith("self_k."))
         cross = self.inputs["cross_k.0"]
         self.per_sentence = cross.shape[0] == "batch"
+        self.beam_cache = "self_index" in self.inputs
         self.n_heads, self.d_head = int(cross.shape[1]), int(cross.shape[3])
 
     def decode(self, batch: int, beam: int, steps: int, src_len: int, rng: np.random.Generator
                ) -> tuple[float, float]:
         """(wall, CPU) seconds for `steps` decoder steps of batch x beam rows."""
+        import torch
+
+        from model.cache import BeamCache
+        from model.config import ModelConfig
+
         ort, n = self.ort, batch * beam
         cross_rows = batch if self.per_sentence else n
         h, dh = self.n_heads, self.d_head
@@ -83,6 +91,9 @@ class StepRunner:
         fixed["src_bias"] = ort.OrtValue.ortvalue_from_numpy(bias)
         cache = {f"self_{kv}.{i}": ort.OrtValue.ortvalue_from_numpy(np.zeros((n, h, 1, dh), np.float32))
                  for kv in "kv" for i in range(self.n_layers)}
+        cfg = ModelConfig(vocab_size=8, d_model=h * dh, n_heads=h, n_enc_layers=1, n_dec_layers=self.n_layers,
+                          d_ff=8)
+        beam_cache = BeamCache(cfg, n, max_steps=steps + 1)
         vocab_hi = 1000
         start, cpu_start = time.perf_counter(), time.process_time()
         for t in range(steps):
@@ -92,15 +103,26 @@ class StepRunner:
             binding = self.session.io_binding()
             binding.bind_cpu_input("tokens", tokens)
             binding.bind_cpu_input("step", np.array([t], dtype=np.int64))
-            binding.bind_cpu_input("reorder", reorder)
-            for name, value in {**cache, **fixed}.items():
+            if self.beam_cache:
+                feeds = beam_cache.advance(torch.from_numpy(reorder), batch)  # referenced until the run
+                for name, tensor in feeds.items():
+                    binding.bind_input(name, "cpu", 0, tensor.numpy().dtype, list(tensor.shape), tensor.data_ptr())
+            else:
+                binding.bind_cpu_input("reorder", reorder)
+                for name, value in cache.items():
+                    binding.bind_ortvalue_input(name, value)
+            for name, value in fixed.items():
                 binding.bind_ortvalue_input(name, value)
             for name in self.outputs:
                 binding.bind_output(name, "cpu")
             self.session.run_with_iobinding(binding)
             out: dict[str, Any] = dict(zip(self.outputs, binding.get_outputs()))
             out["topk_log_probs"].numpy()  # what search reads each step
-            cache = {f"self_{kv}.{i}": out[f"new_self_{kv}.{i}"] for kv in "kv" for i in range(self.n_layers)}
+            if self.beam_cache:
+                beam_cache.append(*([torch.from_numpy(out[f"step_{kv}.{i}"].numpy()) for i in range(self.n_layers)]
+                                    for kv in "kv"))
+            else:
+                cache = {f"self_{kv}.{i}": out[f"new_self_{kv}.{i}"] for kv in "kv" for i in range(self.n_layers)}
         return time.perf_counter() - start, time.process_time() - cpu_start
 
 
@@ -119,7 +141,9 @@ def run(dirs: list[Path], batch: int, beam: int, steps: int, threads: int, round
             cpu[i].append(c)
     # CPU time (all threads, no spinning) is what a loaded machine distorts least.
     for d, r, ws, cs in zip(dirs, runners, wall, cpu):
-        print(f"{d} ({'per-sentence' if r.per_sentence else 'per-hypothesis'} cross K/V): "
+        kind = ("beam cache" if r.beam_cache else "reorder, per-sentence cross K/V" if r.per_sentence
+                else "reorder, per-hypothesis cross K/V")
+        print(f"{d} ({kind}): "
               f"median per {steps}-step decode {statistics.median(ws) * 1000:.1f} ms wall, "
               f"{statistics.median(cs) * 1000:.1f} ms CPU; speed-up vs first: "
               f"wall {_paired(wall[0], ws)}, CPU {_paired(cpu[0], cs)}")

@@ -22,6 +22,7 @@ import torch
 from export import api, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
 from model import build_model, io_names, preset
+from model.cache import BeamCache
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, Limits, read_manifest
 from model.transformer import select_candidates
@@ -112,19 +113,21 @@ def test_graph_names_and_shared_axes(fp32_dir):
     dec_dims = {v.name: _dims(v) for v in list(dec.graph.input) + list(dec.graph.output)}
     assert enc_dims[io_names.SRC_IDS] == [io_names.BATCH, io_names.SRC_LEN]
     assert enc_dims[io_names.cross_k(1)] == [io_names.BATCH, h, io_names.SRC_LEN, dh]
-    assert dec_dims[io_names.TOKENS] == dec_dims[io_names.REORDER] == [io_names.HYPS]
+    assert dec_dims[io_names.TOKENS] == [io_names.HYPS]
+    assert dec_dims[io_names.SELF_INDEX] == [io_names.HYPS, h, io_names.PAST]
+    assert dec_dims[io_names.SELF_BIAS] == [io_names.HYPS, io_names.PAST]
     assert dec_dims[io_names.STEP] == [1]
-    assert dec_dims[io_names.self_v(0)] == [io_names.PREV_HYPS, h, io_names.CACHE_LEN, dh]
+    assert dec_dims[io_names.self_v(0)] == [io_names.BATCH, h, io_names.CACHE_ROWS, dh]  # per sentence
     assert dec_dims[io_names.cross_k(0)] == [io_names.BATCH, h, io_names.SRC_LEN, dh]  # per sentence
     assert dec_dims[io_names.SRC_BIAS] == [io_names.BATCH, io_names.SRC_LEN]
-    assert dec_dims[io_names.new_self_k(1)] == [io_names.HYPS, h, io_names.NEW_CACHE_LEN, dh]
+    assert dec_dims[io_names.step_k(1)] == [io_names.HYPS, h * dh]
     assert dec_dims[io_names.TOPK_IDS] == [io_names.HYPS, 16]
     # Shape inference agrees with the names we set (strict mode raises on conflicts).
     onnx.shape_inference.infer_shapes(dec, strict_mode=True)
 
 
-def test_first_step_with_one_hypothesis_and_cache_len_one(fp32_dir):
-    """hyps = 1, cache_len = 1, src_len = 1: the dims the exporter never saw."""
+def test_first_step_with_one_hypothesis_and_capacity_one(fp32_dir):
+    """hyps = 1, past = 1, cache_rows = 1, src_len = 1: the dims the exporter never saw."""
     model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
     cfg = model.cfg
     enc, dec = ort_session(fp32_dir / io_names.ENCODER_FILE), ort_session(fp32_dir / io_names.DECODER_FILE)
@@ -133,20 +136,21 @@ def test_first_step_with_one_hypothesis_and_cache_len_one(fp32_dir):
     with torch.inference_mode():
         memory, src_bias = model.encode(torch.from_numpy(src))
         ck, cv = model.cross_kv(memory)
-        self_k, self_v = model.initial_cache(1)
-        tokens, step, reorder = torch.tensor([cfg.bos_id]), torch.tensor([0]), torch.tensor([0])
-        lp, _, _ = model.decode_step(tokens, step, reorder, self_k, self_v, ck, cv, src_bias)
+        cache = BeamCache(cfg, 1, initial_capacity=1)
+        cache_feeds = cache.advance(torch.tensor([0]), 1)
+        tokens, step = torch.tensor([cfg.bos_id]), torch.tensor([0])
+        lp, _, _ = model.decode_step(tokens, step, cache_feeds[io_names.SELF_INDEX],
+                                     cache_feeds[io_names.SELF_BIAS], cache.k, cache.v, ck, cv, src_bias)
         ref_lp, ref_ids, ref_eos = select_candidates(lp, 16, cfg.eos_id)
     assert np.abs(enc_out[io_names.cross_k(0)] - ck[0].numpy()).max() < 1e-5
-    feeds = {io_names.TOKENS: tokens.numpy(), io_names.STEP: step.numpy(), io_names.REORDER: reorder.numpy(),
-             io_names.SRC_BIAS: enc_out[io_names.SRC_BIAS]}
+    feeds = {io_names.TOKENS: tokens.numpy(), io_names.STEP: step.numpy(),
+             io_names.SRC_BIAS: enc_out[io_names.SRC_BIAS], **{name: t.numpy() for name, t in cache_feeds.items()}}
+    assert feeds[io_names.self_k(0)].shape == (1, cfg.n_heads, 1, cfg.d_head)
     for i in range(cfg.n_dec_layers):
-        feeds[io_names.self_k(i)] = self_k[i].numpy()
-        feeds[io_names.self_v(i)] = self_v[i].numpy()
         feeds[io_names.cross_k(i)] = enc_out[io_names.cross_k(i)]
         feeds[io_names.cross_v(i)] = enc_out[io_names.cross_v(i)]
     out = dict(zip(io_names.decoder_outputs(cfg.n_dec_layers), dec.run(None, feeds)))
-    assert out[io_names.new_self_k(0)].shape == (1, cfg.n_heads, 2, cfg.d_head)
+    assert out[io_names.step_k(0)].shape == (1, cfg.d_model)
     assert np.abs(out[io_names.TOPK_LOG_PROBS] - ref_lp.numpy()).max() < 1e-4
     assert np.abs(out[io_names.EOS_LOG_PROBS] - ref_eos.numpy()).max() < 1e-4
     assert (out[io_names.TOPK_IDS][:, :3] == ref_ids.numpy()[:, :3]).all()
@@ -154,11 +158,11 @@ def test_first_step_with_one_hypothesis_and_cache_len_one(fp32_dir):
 
 def test_beam_decoding_with_reorder_matches_torch(fp32_dir):
     """12 beam-like steps, independent of export's own verification run: ORT and torch
-    each feed back their own caches; a sentence finishes midway (hyps < prev_hyps)."""
+    each write their own caches, which grow twice; a sentence finishes midway."""
     model, _, _ = load_model(fp32_dir / CHECKPOINT_FILE)
     report = verify.compare_engines(
         model, verify.ort_runner(fp32_dir / io_names.ENCODER_FILE), verify.ort_runner(fp32_dir / io_names.DECODER_FILE),
-        verify.torch_encoder(model), verify.torch_decoder(model, 16), 1e-4, 0.0, np.dtype(np.float32), "test")
+        verify.torch_encoder(model), verify.torch_decoder(model, 16), 1e-4, 0.0, "test")
     assert report.steps == verify.N_STEPS >= 10
     assert report.max_abs[io_names.TOPK_LOG_PROBS] <= 1e-4
     assert report.ids_checked > 100
@@ -217,7 +221,7 @@ def test_fp16_graph_carries_its_precision(fp16_dir, graph):
     big = [i for i in proto.graph.initializer if len(i.dims) == 2]
     assert big and all(i.data_type == f16 for i in big)
     if graph == io_names.DECODER_FILE:
-        assert types[io_names.self_k(0)] == types[io_names.cross_v(1)] == types[io_names.new_self_v(0)] == f16
+        assert types[io_names.self_k(0)] == types[io_names.cross_v(1)] == types[io_names.step_v(0)] == f16
         assert types[io_names.SRC_BIAS] == types[io_names.TOPK_LOG_PROBS] == types[io_names.EOS_LOG_PROBS] == f32
     else:
         assert types[io_names.SRC_BIAS] == f32 and types[io_names.cross_k(0)] == f16

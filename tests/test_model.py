@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from model import ConfigError, ModelConfig, build_model, preset, select_candidates
+from model import ConfigError, ModelConfig, build_model, io_names, preset, select_candidates
+from model.cache import BeamCache, CacheError
 from model.transformer import MASK_VALUE, sinusoidal_positions
 
 V = 40
@@ -73,6 +74,15 @@ def test_padding_does_not_change_a_sentence(model):
     torch.testing.assert_close(inside[1, :4], alone[0], atol=1e-5, rtol=1e-5)
 
 
+def _step(model, cache, tokens, t, reorder, n_sent, ck, cv, src_bias):
+    """One decode_step over `cache`, as the backends run it."""
+    feeds = cache.advance(reorder, n_sent)
+    lp, step_k, step_v = model.decode_step(tokens, torch.tensor([t]), feeds[io_names.SELF_INDEX],
+                                           feeds[io_names.SELF_BIAS], cache.k, cache.v, ck, cv, src_bias)
+    cache.append(step_k, step_v)
+    return lp
+
+
 @pytest.mark.parametrize("train_mode", [False, True])
 def test_incremental_decoding_equals_full_forward(model, train_mode):
     cfg = model.cfg
@@ -85,56 +95,59 @@ def test_incremental_decoding_equals_full_forward(model, train_mode):
         model.eval()
         memory, src_bias = model.encode(src)
         ck, cv = model.cross_kv(memory)
-        sk, sv = model.initial_cache(src.shape[0])
+        cache = BeamCache(cfg, src.shape[0], initial_capacity=2)
         reorder = torch.arange(src.shape[0])
         for t in range(tgt.shape[1]):
-            lp, sk, sv = model.decode_step(tgt[:, t], torch.tensor([t]), reorder, sk, sv, ck, cv, src_bias)
+            lp = _step(model, cache, tgt[:, t], t, reorder, src.shape[0], ck, cv, src_bias)
             torch.testing.assert_close(lp, full[:, t], atol=1e-5, rtol=1e-5)
-            assert sk[0].shape[2] == t + 2  # dummy slot + t + 1 steps
+            assert cache.steps == t + 1 and cache.capacity >= t + 1
+    assert cache.capacity == 8  # grew 2 -> 4 -> 8, keeping what was written
 
 
-def test_reorder_gathers_cache_rows(model):
-    src, tgt = batch(b=2)
-    with torch.no_grad():
-        memory, src_bias = model.encode(src)
-        ck, cv = model.cross_kv(memory)
-        sk, sv = model.initial_cache(2)
-        ident = torch.arange(2)
-        _, sk, sv = model.decode_step(tgt[:, 0], torch.tensor([0]), ident, sk, sv, ck, cv, src_bias)
-        # Row 0 continues row 1's history: its next step must equal row 1's with row 1's inputs.
-        swap = torch.tensor([1, 1])
-        same_src = [k[[1, 1]] for k in ck], [v[[1, 1]] for v in cv], src_bias[[1, 1]]
-        lp, _, _ = model.decode_step(tgt[[1, 1], 1], torch.tensor([1]), swap, sk, sv, *same_src)
-        ref, _, _ = model.decode_step(tgt[:, 1], torch.tensor([1]), ident, sk, sv, ck, cv, src_bias)
-    torch.testing.assert_close(lp[0], ref[1])
-    torch.testing.assert_close(lp[1], ref[1])
-
-
-def test_cross_kv_once_per_sentence_equals_per_hypothesis_copies(model):
-    """A sentence's beam rows share its one row of cross K/V and src_bias: the step must
-    give each row what it gives with that row's own copy (the layout before sharing)."""
-    beam = 3
-    src, tgt = batch(b=2, s=7, t=4)
+def test_beam_cache_follows_each_hypothesis_history(model):
+    """Sentences of `beam` rows sharing one row of cross K/V; every step each row continues a
+    random row of its own sentence (rows repeat, others die), and a sentence finishes midway.
+    Each row's log-probs must equal teacher forcing of the history it actually has, with its
+    own copy of its source: the ancestry index picks exactly the ancestors' keys."""
+    beam, n_steps = 3, 7
+    src, _ = batch(b=3, s=7)
     src[1, 3:] = 0  # padding: the shared src_bias must mask every row of sentence 1
+    g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         memory, src_bias = model.encode(src)
         ck, cv = model.cross_kv(memory)
-        copies = [k.repeat_interleave(beam, 0) for k in ck], [v.repeat_interleave(beam, 0) for v in cv]
-        bias_copies = src_bias.repeat_interleave(beam, 0)
+        sentences = torch.arange(src.shape[0])
         n = src.shape[0] * beam
-        shared_cache, copy_cache = model.initial_cache(n), model.initial_cache(n)
-        g = torch.Generator().manual_seed(3)
-        for t in range(tgt.shape[1]):
-            tokens = torch.randint(4, V, (n,), generator=g)
-            # each row continues a random row of its own sentence
-            reorder = torch.arange(n) // beam * beam + torch.randint(0, beam, (n,), generator=g)
-            step = torch.tensor([t])
-            shared, *shared_cache = model.decode_step(tokens, step, reorder, *shared_cache, ck, cv, src_bias)
-            per_row, *copy_cache = model.decode_step(tokens, step, reorder, *copy_cache, *copies, bias_copies)
-            torch.testing.assert_close(shared, per_row, atol=1e-5, rtol=1e-5)
-        assert shared.shape == (n, V)
-        # Sentence 1's rows really see sentence 1: its rows differ from sentence 0's.
-        assert not torch.allclose(shared[:beam], shared[beam:], atol=1e-3)
+        cache = BeamCache(model.cfg, n, initial_capacity=2)
+        history = [[2] for _ in range(n)]
+        reorder = torch.arange(n)
+        for t in range(n_steps):
+            n_sent = sentences.numel()
+            tokens = torch.tensor([h[-1] for h in history])
+            lp = _step(model, cache, tokens, t, reorder, n_sent, ck, cv, src_bias)
+            ref = model(src[sentences].repeat_interleave(beam, 0), torch.tensor(history))[:, -1].log_softmax(-1)
+            torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
+            # Sentence rows really see their own sentence.
+            assert not torch.allclose(lp[:beam], lp[beam:2 * beam], atol=1e-3)
+            keep = torch.arange(n_sent) if t != 3 else torch.tensor([0, 2])  # sentence 1 finishes
+            reorder = (keep[:, None] * beam + torch.randint(0, beam, (keep.numel(), beam), generator=g)).reshape(-1)
+            history = [history[r] + [int(torch.randint(4, V, (), generator=g))] for r in reorder.tolist()]
+            sentences, ck, cv, src_bias = sentences[keep], [k[keep] for k in ck], [v[keep] for v in cv], src_bias[keep]
+    assert cache.k[0].shape[0] == 2 and cache.capacity == 8
+
+
+def test_beam_cache_refuses_what_it_cannot_follow(model):
+    cache = BeamCache(model.cfg, 4, max_steps=2)
+    cache.advance(torch.arange(4), 2)
+    cache.append(*([torch.zeros(4, model.cfg.d_model)] * model.cfg.n_dec_layers,) * 2)
+    with pytest.raises(CacheError, match="its own sentence"):
+        cache.advance(torch.tensor([2, 2, 0, 1]), 2)  # sentence 0 continuing sentence 1's rows
+    with pytest.raises(CacheError, match="split into"):
+        cache.advance(torch.arange(3), 2)
+    cache.advance(torch.tensor([1, 1, 2, 3]), 2)
+    cache.append(*([torch.zeros(4, model.cfg.d_model)] * model.cfg.n_dec_layers,) * 2)
+    with pytest.raises(CacheError, match="past the 2 decoder positions"):
+        cache.advance(torch.arange(4), 2)
 
 
 def test_masks_stay_finite_in_fp16(model):

@@ -134,8 +134,8 @@ def test_profiles_cover_every_dynamic_input_consistently(model_dir):
         # One range per axis name: related inputs can never disagree.
         assert all(len(r) == 1 for r in ranges.values()), ranges
         maxima = {axis: next(iter(r))[2] for axis, r in ranges.items()}
-        expected = {io_names.BATCH: 4, io_names.SRC_LEN: 32, io_names.HYPS: 8, io_names.PREV_HYPS: 8,
-                    io_names.CACHE_LEN: 41}
+        expected = {io_names.BATCH: 4, io_names.SRC_LEN: 32, io_names.HYPS: 8, io_names.PAST: 40,
+                    io_names.CACHE_ROWS: 80}
         assert maxima == {k: v for k, v in expected.items() if k in maxima}
 
 
