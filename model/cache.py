@@ -85,7 +85,7 @@ class BeamCache:
         if self.steps == 0:
             self.rows = rows
             self._allocate(n_sentences, self.initial_capacity)
-            self.slots = torch.zeros(n, 0, dtype=torch.int64, device=self.device)
+            self.slots = self.slots.new_zeros(n, 0)  # step 0's hypotheses, whatever __init__ was told
         else:
             if rows != self.rows:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")

@@ -79,11 +79,10 @@ class ExportedGraphBackend:
     cfg: Any
     device: torch.device
     cache_dtype: torch.dtype
+    max_tgt_len: int
 
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
-
-    max_tgt_len: int
 
     def initial_cache(self, n_rows: int) -> BeamCache:
         return BeamCache(self.cfg, n_rows, self.cache_dtype, self.device, max_steps=self.max_tgt_len)

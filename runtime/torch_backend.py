@@ -53,10 +53,10 @@ class TorchBackend:
         t = state.tensors
         feeds = cache.advance(reorder, state.n_rows)
         log_probs, step_k, step_v = self.model.decode_step(
-            tokens.to(self.device), torch.tensor([step], device=self.device), feeds[io_names.SELF_INDEX],
-            feeds[io_names.SELF_BIAS],
-            cache.k, cache.v, [t[io_names.cross_k(i)] for i in range(n)],
-            [t[io_names.cross_v(i)] for i in range(n)], t[io_names.SRC_BIAS])
+            tokens.to(self.device), torch.tensor([step], device=self.device),
+            feeds[io_names.SELF_INDEX], feeds[io_names.SELF_BIAS], cache.k, cache.v,
+            [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
+            t[io_names.SRC_BIAS])
         cache.append(step_k, step_v)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id)
         return StepOutput(top_lp, top_ids, eos_lp), cache
