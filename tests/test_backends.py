@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from model import build_model, preset
+from model import build_model, io_names, preset
 from model.checkpoint import save_checkpoint
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.manifest import ModelDirError, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.loader import choose_backend, load_backend, load_torch_backend_from_checkpoint
+from runtime.ort_backend import OrtBackend
 from runtime.tokenizer import Tokenizer
 from runtime.translate import pad_batch, translate_ids, translate_lines
 
@@ -146,6 +147,23 @@ def test_tampered_and_missing_model_dirs_are_refused(trained_model_dir, tmp_path
     (missing / "model.pt").unlink()
     with pytest.raises(ModelDirError, match=r"model\.pt.*missing"):
         load_backend(missing, "torch")
+
+
+def test_older_decoder_interface_is_a_clear_error(trained_model_dir, tmp_path):
+    """A model dir exported before the beam cache (its decoder takes `reorder`) asks for re-export."""
+    import onnx
+
+    old = tmp_path / "old"
+    shutil.copytree(trained_model_dir, old)
+    proto = onnx.load(str(old / io_names.DECODER_FILE))
+    for value in proto.graph.input:
+        if value.name == io_names.SELF_INDEX:
+            value.name = "reorder"
+    for node in proto.graph.node:
+        node.input[:] = ["reorder" if x == io_names.SELF_INDEX else x for x in node.input]
+    onnx.save(proto, str(old / io_names.DECODER_FILE))
+    with pytest.raises(RuntimeUserError, match="older decoder interface.*export the model again"):
+        OrtBackend(old, read_manifest(old, verify=False), device="cpu")
 
 
 def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
