@@ -122,6 +122,8 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
             {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
              quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(tmp / name))
+    for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
+        onnx_export.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         if int8 in ONNXRUNTIME_ONLY:
@@ -129,7 +131,8 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
         problems = trt_compat.check_model(onnx.load(str(tmp / name), load_external_data=False))
         if problems:
             raise ExportError(f"{name} would not parse in TensorRT: " + "; ".join(problems))
-    sizes = {name: (tmp / name).stat().st_size for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE)}
+    sizes = {name: (tmp / name).stat().st_size for graph in (io_names.ENCODER_FILE, io_names.DECODER_FILE)
+             for name in (graph, io_names.weights_file(graph))}
     log.info("exported ONNX graphs in %.1f s (%s)", seconds,
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
     return Graphs(export_seconds=round(seconds, 2), bytes=sizes)

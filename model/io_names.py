@@ -8,6 +8,13 @@ DECODER_FILE = "decoder.onnx"
 ENCODER_ENGINE = "encoder.plan"
 DECODER_ENGINE = "decoder.plan"
 
+
+def weights_file(graph_file: str) -> str:
+    """The file beside an exported graph that holds its weights (ONNX external data):
+    encoder.onnx -> encoder.data."""
+    return graph_file.rsplit(".", 1)[0] + ".data"
+
+
 # Symbolic axes. Related inputs share one name, so shapes stay mutually consistent.
 BATCH = "batch"          # sentences
 SRC_LEN = "src_len"      # source tokens

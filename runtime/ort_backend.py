@@ -130,6 +130,14 @@ class OrtBackend(ExportedGraphBackend):
         self.max_src_len = manifest.limits.max_src_len
         self.max_tgt_len = manifest.limits.max_tgt_len
         self.max_batch = None  # dynamic shapes: no engine profile to respect
+        # The encoder's arena is released after each batch's encoding (CPU): kept, its
+        # high-water mark (an activation per layer of the whole batch) stays resident through
+        # all the decoding that follows. base rowwise int8, batch 32, beam 4, 30 tokens:
+        # peak RSS 569-613 MB against 621-661 without, at the same speed (the encoder
+        # runs once per batch; the decoder's arena is kept, see above).
+        self._encoder_run_options = ort.RunOptions()
+        if self.device.type == "cpu":
+            self._encoder_run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
         self._device_id = self.device.index or 0
         log.info("onnxruntime %s on %s with %s", ort.__version__, self.device, ", ".join(self.providers))
@@ -160,10 +168,11 @@ class OrtBackend(ExportedGraphBackend):
                             list(t.shape), t.data_ptr())
         return t
 
-    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+    def _run(self, session: ort.InferenceSession, binding: ort.IOBinding,
+             run_options: ort.RunOptions | None = None) -> None:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # inputs written by torch
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, run_options)
 
     # -- Backend protocol ---------------------------------------------------------------
 
@@ -179,7 +188,7 @@ class OrtBackend(ExportedGraphBackend):
         for i in range(self.cfg.n_dec_layers):
             tensors[io_names.cross_k(i)] = self._bind_out(binding, io_names.cross_k(i), cross)
             tensors[io_names.cross_v(i)] = self._bind_out(binding, io_names.cross_v(i), cross)
-        self._run(self.encoder, binding)
+        self._run(self.encoder, binding, self._encoder_run_options)
         return EncoderState(tensors, b)
 
     @torch.inference_mode()

@@ -119,6 +119,12 @@ def test_onnxruntime_greedy_and_spinning_option(trained_model_dir):
     # larger every step) were mapped fresh by glibc every step (measured in ort_backend.py).
     for session in (quiet.encoder, quiet.decoder):
         assert session.get_session_options().enable_cpu_mem_arena is True
+    # ... but the encoder's arena is released after each encoding, so its high-water mark is not
+    # held through the decoding; the next encoding allocates afresh and computes the same
+    shrink = quiet._encoder_run_options.get_run_config_entry("memory.enable_memory_arena_shrinkage")
+    assert shrink == "cpu:0"
+    first, again = quiet.encode(src), quiet.encode(src)
+    assert all(torch.equal(first.tensors[k], again.tensors[k]) for k in first.tensors)
 
 
 def test_limits_come_from_the_manifest(trained_model_dir):

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 import pytest
 import torch
 
-from export import api, tensorrt_build, verify
+from export import api, onnx_export, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
 from model import build_model, io_names, preset
 from model.cache import BeamCache
@@ -398,4 +399,39 @@ def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint
 
 def test_manifest_is_json_with_files_hashed(fp32_dir):
     data = json.loads((fp32_dir / MANIFEST).read_text())
-    assert set(data["files"]) == {io_names.ENCODER_FILE, io_names.DECODER_FILE, CHECKPOINT_FILE, SPM_FILE}
+    graphs = (io_names.ENCODER_FILE, io_names.DECODER_FILE)
+    assert set(data["files"]) == {*graphs, *map(io_names.weights_file, graphs), CHECKPOINT_FILE, SPM_FILE}
+
+
+@pytest.mark.parametrize("graph", [io_names.ENCODER_FILE, io_names.DECODER_FILE])
+def test_graph_weights_live_in_the_file_beside_the_graph(fp32_dir, graph):
+    """Every initializer of 1 KiB or more is external data in encoder.data / decoder.data
+    (what lets ONNX Runtime load them without a parsed copy of the whole graph); the graph
+    file itself holds only the structure and small constants."""
+    proto = onnx.load(str(fp32_dir / graph), load_external_data=False)
+    weights = io_names.weights_file(graph)
+    external = [i for i in proto.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert external and all({e.key: e.value for e in i.external_data}["location"] == weights for i in external)
+    assert all(len(i.raw_data) < 1024 for i in proto.graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL)
+
+
+def test_missing_weights_file_is_refused(fp32_dir, tmp_path):
+    import shutil
+    copy = tmp_path / "copy"
+    shutil.copytree(fp32_dir, copy)
+    (copy / io_names.weights_file(io_names.DECODER_FILE)).unlink()
+    with pytest.raises(Exception, match=r"decoder\.data: listed in the manifest but missing"):
+        read_manifest(copy)
+
+
+def test_save_graph_replaces_an_earlier_weights_file(fp32_dir, tmp_path):
+    """onnx appends external data to an existing file; saving over a graph must not grow it."""
+    proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
+    weights = [onnx.numpy_helper.to_array(i).tobytes() for i in proto.graph.initializer]
+    path = tmp_path / io_names.DECODER_FILE
+    onnx_export.save_graph(proto, path)
+    size = (tmp_path / "decoder.data").stat().st_size
+    onnx_export.externalize(path)
+    assert (tmp_path / "decoder.data").stat().st_size == size
+    reloaded = onnx.load(str(path))
+    assert [onnx.numpy_helper.to_array(i).tobytes() for i in reloaded.graph.initializer] == weights
