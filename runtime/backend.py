@@ -7,13 +7,16 @@ candidates as torch tensors on `backend.device`, and hands back row indices.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from model import io_names
 from model.cache import BeamCache
+from runtime.errors import RuntimeUserError
 
 
 @dataclass
@@ -83,6 +86,15 @@ class ExportedGraphBackend:
 
     def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
         return select_rows(state, rows)
+
+    @staticmethod
+    def check_decoder_inputs(inputs: Iterable[str], where: object) -> None:
+        """Refuse, with the way out, a decoder built before the beam cache (model/cache.py):
+        its inputs have a `reorder` instead of the ancestry index, so binding would fail at the
+        first step with an engine's message instead."""
+        if io_names.SELF_INDEX not in set(inputs):
+            raise RuntimeUserError(f"{where} has an older decoder interface (no `{io_names.SELF_INDEX}` input: "
+                                   "exported before the beam cache); export the model again with `pipeline export`")
 
     def initial_cache(self, n_rows: int) -> BeamCache:
         return BeamCache(self.cfg, n_rows, self.cache_dtype, self.device, max_steps=self.max_tgt_len)

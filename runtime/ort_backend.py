@@ -117,11 +117,7 @@ class OrtBackend(ExportedGraphBackend):
                                             providers=self.providers, provider_options=provider_args)
         self.decoder = ort.InferenceSession(graph(model_dir / io_names.DECODER_FILE), opts,
                                             providers=self.providers, provider_options=provider_args)
-        inputs = {i.name for i in self.decoder.get_inputs()}
-        if io_names.SELF_INDEX not in inputs:
-            raise RuntimeUserError(f"{model_dir / io_names.DECODER_FILE} has an older decoder interface (no "
-                                   f"`{io_names.SELF_INDEX}` input: exported before the beam cache); export "
-                                   "the model again with `pipeline export`")
+        self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / io_names.DECODER_FILE)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}

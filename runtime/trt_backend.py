@@ -146,6 +146,7 @@ class TrtBackend(ExportedGraphBackend):
         model_dir = Path(model_dir)
         self.encoder = _Engine(self._runtime, model_dir / io_names.ENCODER_ENGINE)
         self.decoder = _Engine(self._runtime, model_dir / io_names.DECODER_ENGINE)
+        self.check_decoder_inputs(self.decoder.inputs, model_dir / io_names.DECODER_ENGINE)
         self.cache_dtype = self.decoder.dtypes[io_names.self_k(0)]
         log.info("TensorRT %s on %s", trt.__version__, torch.cuda.get_device_name(self.device))
 

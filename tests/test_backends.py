@@ -14,6 +14,7 @@ from model import build_model, io_names, preset
 from model.checkpoint import save_checkpoint
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.manifest import ModelDirError, read_manifest
+from runtime.backend import ExportedGraphBackend
 from runtime.errors import RuntimeUserError
 from runtime.loader import choose_backend, load_backend, load_torch_backend_from_checkpoint
 from runtime.ort_backend import OrtBackend
@@ -170,6 +171,10 @@ def test_older_decoder_interface_is_a_clear_error(trained_model_dir, tmp_path):
     onnx.save(proto, str(old / io_names.DECODER_FILE))
     with pytest.raises(RuntimeUserError, match="older decoder interface.*export the model again"):
         OrtBackend(old, read_manifest(old, verify=False), device="cpu")
+    # the TensorRT backend runs the same check on its engine's inputs (no engine can be built here)
+    with pytest.raises(RuntimeUserError, match=r"decoder\.plan has an older decoder interface"):
+        ExportedGraphBackend.check_decoder_inputs(["tokens", "step", "reorder"], old / io_names.DECODER_ENGINE)
+    ExportedGraphBackend.check_decoder_inputs(io_names.decoder_inputs(2), old / io_names.DECODER_ENGINE)
 
 
 def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
