@@ -23,7 +23,7 @@ import torch
 
 from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
-from model import io_names
+from model import graph_files, io_names
 from model.checkpoint import CheckpointWriteError, load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.files import (
@@ -123,7 +123,7 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
             {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
              quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(tmp / name))
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-        onnx_export.externalize(tmp / name)  # what ships, verified and built from below
+        graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         if int8 in ONNXRUNTIME_ONLY:

@@ -5,12 +5,7 @@ because the default changed in torch 2.9). It names dynamic axes itself (e.g.
 "cache_len + 1"), so after export every graph input/output gets the axis names of
 model/io_names.py, and ONNX shape inference must still agree with them.
 
-Weights. The shipped graphs keep their weights in ONNX external data, one file beside each
-graph (encoder.onnx + encoder.data; `save_graph`). ONNX Runtime then reads each weight once
-from that file instead of from a parsed copy of the whole protobuf: `base` rowwise int8 loads
-at 313 MB resident against 385 MB with the weights inline (measured with both sessions
-created, 2 threads). The protobuf 2 GiB limit no longer bounds the model size, and
-TensorRT's parse_from_file and onnx.load read the same files.
+The shipped graphs keep their weights beside them (model/graph_files.py).
 
 fp16: the exporter traces whatever dtype the module holds, so a half copy of the model
 gives a graph whose precision is carried by the graph itself (fp16 weights, MatMuls and
@@ -126,24 +121,6 @@ def _finish(path: Path, axes: dict[str, list[str | int | None]]) -> None:
     check_shape_inference(proto)
     proto.producer_name = "pipeline"
     onnx.save(proto, str(path))
-
-
-def save_graph(proto: onnx.ModelProto, path: Path) -> Path:
-    """Write `proto` to `path` with every initializer of 1 KiB or more in `path`'s weights file
-    (io_names.weights_file). onnx appends to an existing weights file, so any earlier one goes
-    first: saving twice gives the same two files. Like onnx.save_model, this moves the weights
-    out of `proto` (it is left referring to the file)."""
-    path = Path(path)
-    data = path.with_name(io_names.weights_file(path.name))
-    data.unlink(missing_ok=True)
-    onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=data.name, size_threshold=1024)
-    return path
-
-
-def externalize(path: Path) -> Path:
-    """Re-save the graph at `path` (weights inline or external) with its weights external."""
-    return save_graph(onnx.load(str(path)), path)
 
 
 def export_encoder(model: Transformer, path: Path, opset: int) -> Path:

@@ -35,6 +35,7 @@ from model.cache import BeamCache, step_outputs
 from model.transformer import Transformer, select_candidates
 from runtime.cpu_int8 import (
     ACCURACY_LEVEL,
+    graph_as_is,
     has_int8_dot_product,
     int8_session_config,
     session_graph,
@@ -327,8 +328,9 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     config = int8_session_config()  # what the onnxruntime backend does on this machine, with the
     # rowwise weights in the form it loads them in here (exports store int8: only a CPU that wants
     # uint8 has anything to flip, so only there is the graph parsed again)
-    graph = session_graph if wants_unsigned_weights() else str
-    enc, dec = ort_runner(graph(encoder_path), config), ort_runner(graph(decoder_path), config)
+    graph = session_graph if wants_unsigned_weights() else graph_as_is
+    with graph(encoder_path) as encoder, graph(decoder_path) as decoder:
+        enc, dec = ort_runner(encoder, config), ort_runner(decoder, config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, "onnxruntime int8 vs torch fp32")
     kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"

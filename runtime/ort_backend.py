@@ -30,7 +30,7 @@ from model import io_names
 from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
-from runtime.cpu_int8 import int8_session_config, session_graph, wants_unsigned_weights
+from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -112,11 +112,12 @@ class OrtBackend(ExportedGraphBackend):
         # exactly (int8 with int8 dot products, uint8 without), flipped when loading if stored otherwise
         flip = (manifest.quantization == ROWWISE and self.device.type == "cpu"
                 and manifest.unsigned_weights != wants_unsigned_weights())
-        graph = session_graph if flip else str
-        self.encoder = ort.InferenceSession(graph(model_dir / io_names.ENCODER_FILE), opts,
-                                            providers=self.providers, provider_options=provider_args)
-        self.decoder = ort.InferenceSession(graph(model_dir / io_names.DECODER_FILE), opts,
-                                            providers=self.providers, provider_options=provider_args)
+        graph = session_graph if flip else graph_as_is
+        with graph(model_dir / io_names.ENCODER_FILE) as encoder, graph(model_dir / io_names.DECODER_FILE) as decoder:
+            self.encoder = ort.InferenceSession(encoder, opts, providers=self.providers,
+                                                provider_options=provider_args)
+            self.decoder = ort.InferenceSession(decoder, opts, providers=self.providers,
+                                                provider_options=provider_args)
         self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / io_names.DECODER_FILE)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)

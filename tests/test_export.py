@@ -20,9 +20,9 @@ import onnx.numpy_helper
 import pytest
 import torch
 
-from export import api, onnx_export, tensorrt_build, verify
+from export import api, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
-from model import build_model, io_names, preset
+from model import build_model, graph_files, io_names, preset
 from model.cache import BeamCache
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, Limits, read_manifest
@@ -429,9 +429,9 @@ def test_save_graph_replaces_an_earlier_weights_file(fp32_dir, tmp_path):
     proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
     weights = [onnx.numpy_helper.to_array(i).tobytes() for i in proto.graph.initializer]
     path = tmp_path / io_names.DECODER_FILE
-    onnx_export.save_graph(proto, path)
+    graph_files.save_graph(proto, path)
     size = (tmp_path / "decoder.data").stat().st_size
-    onnx_export.externalize(path)
+    graph_files.externalize(path)
     assert (tmp_path / "decoder.data").stat().st_size == size
     reloaded = onnx.load(str(path))
     assert [onnx.numpy_helper.to_array(i).tobytes() for i in reloaded.graph.initializer] == weights

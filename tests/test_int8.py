@@ -4,6 +4,7 @@ the flavour chosen by default, batch independence, serving."""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -334,15 +335,21 @@ def test_integer_matmuls_run_exactly(tmp_path, dot_product):
     scale = rng.uniform(0.001, 0.01, size=8).astype(np.float32)
     path = tmp_path / "mm.onnx"
     onnx.save(_integer_matmul(q, scale), str(path))
-    assert cpu.session_graph(path, dot_product=True) == str(path)  # int8 dot products: the file as it is
-    graph = cpu.session_graph(path, dot_product=dot_product)
-    assert isinstance(graph, bytes) == cpu.wants_unsigned_weights(dot_product)
+    with cpu.session_graph(path, dot_product=True) as graph:
+        assert graph == str(path)  # int8 dot products: the file as it is
     opts = ort.SessionOptions()
     for key, value in cpu.int8_session_config(dot_product=dot_product).items():
         opts.add_session_config_entry(key, value)
+    with cpu.session_graph(path, dot_product=dot_product) as graph:
+        # flipped: a temporary copy, its weights beside it as an export's are, gone after the `with`
+        flipped = graph != str(path)
+        assert flipped == cpu.wants_unsigned_weights(dot_product)
+        assert Path(graph).with_name(io_names.weights_file(Path(graph).name)).is_file() or not flipped
+        session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    assert Path(graph).exists() == (graph == str(path))
     a = rng.integers(1, 256, size=(4, 512)).astype(np.uint8)
     a[0] = 255
-    got = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"]).run(None, {"a": a})[0]
+    got = session.run(None, {"a": a})[0]
     exact = ((a.astype(np.int64) - 128) @ q.astype(np.int64)) * scale.astype(np.float64)
     np.testing.assert_allclose(got, exact, rtol=5e-5, atol=1e-3)  # fp32 rounding; saturation is off by ~1e6
 
@@ -393,7 +400,8 @@ def test_onnxruntime_keeps_the_rowwise_integer_kernel(dirs, tmp_path):
 
     assert not read_manifest(dirs["rowwise"]).unsigned_weights
     decoder = dirs["rowwise"] / io_names.DECODER_FILE
-    assert cpu.session_graph(decoder, dot_product=True) == str(decoder)  # nothing to flip
+    with cpu.session_graph(decoder, dot_product=True) as graph:
+        assert graph == str(decoder)  # nothing to flip
     integer = [n for n in onnx.load(str(decoder)).graph.node if n.op_type == cpu.INTEGER_MATMUL]
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
