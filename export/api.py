@@ -23,7 +23,7 @@ import torch
 
 from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
-from model import graph_files, io_names
+from model import io_names
 from model.checkpoint import CheckpointWriteError, load_model, resolve_checkpoint, save_checkpoint
 from model.config import ModelConfig
 from model.files import (
@@ -50,6 +50,7 @@ from model.manifest import (
     write_manifest,
 )
 from model.transformer import Transformer
+from runtime import graph_files
 
 log = logging.getLogger(__name__)
 

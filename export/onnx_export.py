@@ -5,7 +5,7 @@ because the default changed in torch 2.9). It names dynamic axes itself (e.g.
 "cache_len + 1"), so after export every graph input/output gets the axis names of
 model/io_names.py, and ONNX shape inference must still agree with them.
 
-The shipped graphs keep their weights beside them (model/graph_files.py).
+The shipped graphs keep their weights beside them (runtime/graph_files.py).
 
 fp16: the exporter traces whatever dtype the module holds, so a half copy of the model
 gives a graph whose precision is carried by the graph itself (fp16 weights, MatMuls and

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from model import graph_files
+from runtime import graph_files
 
 ACCURACY_LEVEL = "session.qdq_matmulnbits_accuracy_level"
 INT8_COMPUTE = "4"  # activations quantized, int8 dot products
@@ -155,7 +155,7 @@ def session_graph(path: str | Path, dot_product: bool | None = None) -> Iterator
     the one described), valid inside the `with`: the path itself where its integer-matmul weights
     (if any) are already in the form this CPU multiplies fastest and exactly (wants_unsigned_weights),
     else a temporary copy with them flipped (integer_weights_as), its weights beside it like an
-    export's (model/graph_files.py). Create the session inside the `with`; the copy goes after it.
+    export's (runtime/graph_files.py). Create the session inside the `with`; the copy goes after it.
 
     Written out, not handed over as serialized bytes: ONNX Runtime then reads the flipped weights
     from their file instead of parsing a second copy of the graph. `base` rowwise int8 flipped to

@@ -22,12 +22,13 @@ import torch
 
 from export import api, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
-from model import build_model, graph_files, io_names, preset
+from model import build_model, io_names, preset
 from model.cache import BeamCache
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, Limits, read_manifest
 from model.transformer import select_candidates
 from pipeline.cli import main
+from runtime import graph_files
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stubs alone
