@@ -24,17 +24,16 @@ import torch
 from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
-from model.checkpoint import CheckpointWriteError, load_model, resolve_checkpoint, save_checkpoint
-from model.config import ModelConfig
-from model.files import (
+from model.atomic import (
     check_can_create_in,
     make_temp_dir,
     remove_stale_temps,
     replace_dir,
-    signals_latched,
     usual_permissions,
     write_failure,
 )
+from model.checkpoint import CheckpointWriteError, load_model, resolve_checkpoint, save_checkpoint
+from model.config import ModelConfig
 from model.manifest import (
     CHECKPOINT_FILE,
     MANIFEST,
@@ -49,6 +48,7 @@ from model.manifest import (
     sha256_file,
     write_manifest,
 )
+from model.signals import signals_latched
 from model.transformer import Transformer
 from runtime import graph_files
 

@@ -1,10 +1,11 @@
-"""Typed export errors. `export` may import only `model`, so these are not pipeline's
-UserError; the CLI reports them the same way (one line, exit 2)."""
+"""Typed export errors: user errors (model.errors.UserError), reported by the CLI as one line."""
 
 from __future__ import annotations
 
+from model.errors import UserError
 
-class ExportError(Exception):
+
+class ExportError(UserError):
     """The export cannot proceed or produced something unusable (bad options, exporter
     failure, a graph TensorRT or ONNX would reject)."""
 

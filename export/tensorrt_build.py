@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any, cast
 
 from export.errors import ExportError, TensorRTUnavailable
 from model import io_names
+from model.atomic import atomic_write_bytes
 from model.config import ModelConfig
-from model.files import atomic_write_bytes
 from model.manifest import Limits  # the shape limits are one type, recorded in the manifest
 
 if TYPE_CHECKING:  # for annotations only: at run time each step imports tensorrt once load_tensorrt()

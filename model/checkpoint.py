@@ -21,8 +21,10 @@ from typing import IO, Any, cast
 
 import torch
 
+from model.atomic import atomic_write
 from model.config import ModelConfig
-from model.files import atomic_write, signals_deferred
+from model.errors import UserError
+from model.signals import signals_deferred
 from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 FORMAT = "pipeline-checkpoint-v1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A path that is not a usable checkpoint."""
 
 
@@ -109,7 +111,7 @@ def _write_failure(e: BaseException) -> tuple[str, int | None] | None:
 
 
 def atomic_torch_save(obj: Any, path: Path) -> str:
-    """torch.save that replaces `path` only once the whole file is on disk (model.files),
+    """torch.save that replaces `path` only once the whole file is on disk (model.atomic),
     with its SHA-256 attached; returns that digest.
 
     SIGINT/SIGTERM arriving meanwhile are delivered once the file is complete, so a

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from model.errors import UserError
+
 # SentencePiece ids fixed for every model of this project (see runtime/tokenizer and
 # pipeline/corpus/data, which train the SentencePiece model with exactly these ids).
 PAD_ID = 0
@@ -14,7 +16,7 @@ BOS_ID = 2
 EOS_ID = 3
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration that cannot describe a Transformer."""
 
 

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.atomic import atomic_write_text
 from model.config import ConfigError, ModelConfig
-from model.files import atomic_write_text
+from model.errors import UserError
 
 MANIFEST = "manifest.json"
 FORMAT = "pipeline-model-dir-v2"
@@ -36,7 +37,7 @@ ONNXRUNTIME_ONLY = (ROWWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: 
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
 
 
-class ModelDirError(ValueError):
+class ModelDirError(UserError, ValueError):
     """A model directory that is missing, incomplete, tampered with, or built elsewhere."""
 
 

@@ -10,17 +10,7 @@ from typing import Any
 
 import click
 
-from export.errors import ExportError
-from model.checkpoint import CheckpointError
-from model.config import ConfigError
-from model.manifest import ModelDirError
-from pipeline.errors import UserError
-from runtime.errors import RuntimeUserError
-
-# Errors that are the user's to fix: one line on stderr, exit status 2, no traceback.
-# ExportError covers VerificationError and TensorRTUnavailable; RuntimeUserError covers
-# the tokenizer's TokenizerError.
-USER_ERRORS = (UserError, ConfigError, CheckpointError, ModelDirError, RuntimeUserError, ExportError)
+from model.errors import UserError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -105,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except USER_ERRORS as e:
+    except UserError as e:  # the user's to fix: one line, exit 2, no traceback
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except OSError as e:

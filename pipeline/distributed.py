@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from model.checkpoint import CheckpointError
 from model.config import ConfigError
-from pipeline.errors import UserError
+from model.errors import UserError
 
 T = TypeVar("T")
 

@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from model.files import atomic_write, check_can_create_in
-from pipeline.errors import UserError
+from model.atomic import atomic_write, check_can_create_in
+from model.errors import UserError
 
 
 def open_binary(path: str | Path) -> IO[bytes]:

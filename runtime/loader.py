@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from model import io_names
+from model.atomic import restore_replaced_dir
 from model.checkpoint import load_model, resolve_checkpoint
-from model.files import restore_replaced_dir
 from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, ORT_DYNAMIC, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer

@@ -23,6 +23,9 @@ from runtime.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 LONG_LINE_POLICIES = ("truncate", "error")
+NBEST_SEP = " ||| "
+
+NBest = list[tuple[list[int], float]]  # one line's hypotheses as (tokens, score), best first; [] for blank
 
 
 def pad_batch(sources: list[list[int]]) -> torch.Tensor:
@@ -127,3 +130,14 @@ def translate_lines(backend: Backend, tokenizer: Tokenizer, lines: list[str], op
     hyps = translate_ids(backend, sources.ids, options, **changes)
     texts = tokenizer.decode([h[0].tokens if h else [] for h in hyps])
     return [text if src else "" for text, src in zip(texts, sources.ids)]
+
+
+def format_line(tokenizer: Tokenizer, nbest: NBest, n: int) -> str:
+    """One output line: the best translation, or with n > 1 the n best as
+    `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
+    if not nbest:
+        return ""
+    texts = tokenizer.decode([tokens for tokens, _ in nbest])
+    if n == 1:
+        return texts[0]
+    return NBEST_SEP.join(f"{t}{NBEST_SEP}{score:.4f}" for t, (_, score) in zip(texts, nbest))

@@ -217,7 +217,7 @@ def test_tokenizer_with_other_special_ids_is_a_user_error(tiny_corpus):
 
     import sentencepiece as spm
 
-    from pipeline.cli import USER_ERRORS
+    from model.errors import UserError
     from runtime.tokenizer import Tokenizer, TokenizerError
 
     model = io.BytesIO()
@@ -225,4 +225,4 @@ def test_tokenizer_with_other_special_ids_is_a_user_error(tiny_corpus):
     spm.SentencePieceTrainer.train(sentence_iterator=iter(src + tgt), model_writer=model, vocab_size=40)
     with pytest.raises(TokenizerError, match=r"special ids \(-1, 0, 1, 2\)") as e:
         Tokenizer(model.getvalue())
-    assert isinstance(e.value, USER_ERRORS)
+    assert isinstance(e.value, UserError)

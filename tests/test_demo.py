@@ -36,7 +36,7 @@ def test_demo_runs_every_stage(tmp_path, capsys):
     import torch
 
     from pipeline.demo.plan import plan_demo
-    from pipeline.doctor import gather_facts
+    from pipeline.environment import gather_facts
 
     skipped = plan_demo(gather_facts()).skipped
     assert all(f"not run: {backend}: {why}" in stdout for backend, why in skipped)

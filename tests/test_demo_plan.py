@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipeline.demo.plan import Run, format_plan, plan_demo
-from pipeline.doctor import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts
+from pipeline.environment import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts
 
 CPU_EPS = ("CPUExecutionProvider",)
 GPU_EPS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")

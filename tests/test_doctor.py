@@ -13,7 +13,7 @@ from conftest import run_cli
 from export.api import export_model
 from model import io_names
 from model.manifest import Engines, Manifest, read_manifest
-from pipeline.doctor import Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, cpu_facts, gather_facts, model_dir_verdicts
+from pipeline.environment import Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, cpu_facts, gather_facts, model_dir_verdicts
 
 ort = pytest.importorskip("onnxruntime")
 

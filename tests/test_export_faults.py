@@ -15,7 +15,7 @@ import pytest
 import torch
 from reliability import assert_one_line_error, cli_env, dead_pid, pipeline_cmd, run_pipeline, small_tmpfs
 
-from model import files
+from model import atomic
 from model.manifest import MANIFEST
 from pipeline.cli import describe_os_error
 
@@ -49,7 +49,7 @@ def test_replace_dir_swaps_in_one_step_where_possible(tmp_path):
     (old / "f").write_text("old")
     new.mkdir()
     (new / "f").write_text("new")
-    swapped = files.exchange(new, old)
+    swapped = atomic.exchange(new, old)
     if not swapped:
         pytest.skip("renameat2(RENAME_EXCHANGE) is not supported on this file system")
     assert (old / "f").read_text() == "new" and (new / "f").read_text() == "old"
@@ -82,7 +82,7 @@ def test_fallback_replacement_keeps_the_old_dir_when_the_second_rename_fails(tmp
     target.mkdir()
     (target / "f").write_text("old")
     new.mkdir()
-    monkeypatch.setattr(files, "exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic, "exchange", lambda a, b: False)
     real_replace = os.replace
 
     def failing(src, dst):
@@ -90,16 +90,16 @@ def test_fallback_replacement_keeps_the_old_dir_when_the_second_rename_fails(tmp
             raise OSError(errno.EIO, "I/O error", str(dst))
         real_replace(src, dst)
 
-    monkeypatch.setattr(files.os, "replace", failing)
+    monkeypatch.setattr(atomic.os, "replace", failing)
     with pytest.raises(OSError):
-        files.replace_dir(new, target)
+        atomic.replace_dir(new, target)
     assert (target / "f").read_text() == "old" and hidden(tmp_path) == []
 
 
 def test_a_live_exports_backup_is_left_alone(tmp_path):
     parked = tmp_path / f".m.~pipeline-{os.getpid()}-old-abc"
     (parked / "m").mkdir(parents=True)
-    assert not files.restore_replaced_dir(tmp_path / "m") and files.remove_stale_temps(tmp_path) == []
+    assert not atomic.restore_replaced_dir(tmp_path / "m") and atomic.remove_stale_temps(tmp_path) == []
     assert (parked / "m").is_dir()
 
 
@@ -155,7 +155,7 @@ def test_torch_save_on_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
     turns it into ENOSPC on the target, and leaves neither file nor temp."""
     with small_tmpfs(tmp_path / "disk", "64k") as disk:
         with pytest.raises(OSError) as caught:
-            with files.atomic_write(disk / "ckpt.pt") as f:
+            with atomic.atomic_write(disk / "ckpt.pt") as f:
                 torch.save({"w": torch.zeros(100_000)}, f)
         assert caught.value.errno == errno.ENOSPC and caught.value.filename == str(disk / "ckpt.pt")
         assert list(disk.iterdir()) == []

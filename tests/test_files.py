@@ -1,4 +1,4 @@
-"""model.files.atomic_write, the one atomic write behind checkpoints, outputs, reports,
+"""model.atomic.atomic_write, the one atomic write behind checkpoints, outputs, reports,
 the manifest and the TensorRT timing cache: fsync'd file and directory, umask
 permissions, and nothing left behind when the write fails."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from export import tensorrt_build
+from model.atomic import atomic_write, atomic_write_bytes, atomic_write_text
 from model.checkpoint import atomic_torch_save
-from model.files import atomic_write, atomic_write_bytes, atomic_write_text
 from pipeline.textio import atomic_output
 
 
@@ -120,7 +120,7 @@ def test_stale_temps_of_dead_processes_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from model.files import make_temp_dir, remove_stale_temps, temp_prefix
+    from model.atomic import make_temp_dir, remove_stale_temps, temp_prefix
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True)
@@ -150,7 +150,7 @@ def test_signals_wait_for_a_deferred_write_then_arrive_in_order():
     import signal
     import time
 
-    from model.files import signals_deferred
+    from model.signals import signals_deferred
 
     got: list[int] = []
 
@@ -181,7 +181,7 @@ def test_latched_signals_survive_a_swallowed_keyboard_interrupt_and_reach_the_ol
     import signal
     import time
 
-    from model.files import signals_latched
+    from model.signals import signals_latched
 
     got: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))

@@ -14,9 +14,9 @@ from conftest import make_parallel, write_parallel
 
 from model.checkpoint import checkpoint_step, step_checkpoint_path, step_checkpoints
 from model.config import PRESETS, Preset, preset
+from model.errors import UserError
 from pipeline.corpus.data import prepare_data
 from pipeline.distributed import DistContext, dist_context, init_distributed, on_main, rank0_first, rank_device
-from pipeline.errors import UserError
 from pipeline.training import TrainOptions, describe_defaults, resolve_options
 
 

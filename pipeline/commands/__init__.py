@@ -1,6 +1,6 @@
 """The click commands, one module each: they parse options, check them and delegate to the
-stage that does the work (pipeline.training, export, pipeline.serving, pipeline.server,
-pipeline.evaluation, pipeline.demo, pipeline.doctor). pipeline/cli.py registers them all.
+stage that does the work (pipeline.training, export, pipeline.serve_batch, pipeline.serve,
+pipeline.evaluation, pipeline.demo, pipeline.environment). pipeline/cli.py registers them all.
 
     train.py        `pipeline train` and `pipeline average`
     export.py       `pipeline export`

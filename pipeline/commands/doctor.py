@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.doctor import check_model_dir, format_facts, format_verdicts, gather_facts
+from pipeline.environment import check_model_dir, format_facts, format_verdicts, gather_facts
 
 
 @click.command("doctor")

@@ -10,7 +10,7 @@ import click
 from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
 from pipeline.evaluation.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
-from pipeline.serving.translation import ServeOptions
+from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names

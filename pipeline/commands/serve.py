@@ -1,10 +1,10 @@
-"""`pipeline serve`: the click command; the service is in pipeline/server/."""
+"""`pipeline serve`: the click command; the service is in pipeline/serve/."""
 
 from __future__ import annotations
 
 import click
 
-from pipeline.errors import UserError
+from model.errors import UserError
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import BACKENDS
 
@@ -73,12 +73,12 @@ def serve(model_dir: str, host: str, port: int, backend: str, device: str | None
     and as many replicas as needed behind any load balancer.
     """
     _require_web_stack()
-    from pipeline.server.app import Limits
-    from pipeline.server.runner import ServeHttpOptions, serve_http
+    from pipeline.serve.app import RequestLimits
+    from pipeline.serve.runner import ServeHttpOptions, serve_http
 
     decoding = DecodingOptions(beam_size=beam_size, alpha=alpha, max_len_a=max_len_a, max_len_b=max_len_b,
                                min_len=min_len, nbest=nbest, batch_tokens=max_batch_tokens)
-    limits = Limits(max_lines=max_lines, max_bytes=max_bytes, max_batch_tokens=max_batch_tokens,
+    limits = RequestLimits(max_lines=max_lines, max_bytes=max_bytes, max_batch_tokens=max_batch_tokens,
                     max_wait_ms=max_wait_ms, max_queue=max_queue)
     opts = ServeHttpOptions(host=host, port=port, backend=backend, device=device, threads=threads,
                             long_lines=long_lines, grace_s=grace_s)

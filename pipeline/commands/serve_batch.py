@@ -1,4 +1,4 @@
-"""`pipeline serve-batch`: the click command; the work is in pipeline/serving/serve.py."""
+"""`pipeline serve-batch`: the click command; the work is in pipeline/serve_batch/files.py."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import click
 
 from pipeline.cli_options import decoding_options
 from pipeline.distributed import dist_context, rank_device
-from pipeline.serving.serve import ServeOptions, check_outputs, output_paths, serve_files
+from pipeline.serve_batch.files import ServeOptions, check_outputs, output_paths, serve_files
 from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
 

@@ -32,9 +32,9 @@ from torch import Tensor
 
 from model.checkpoint import CheckpointError, atomic_torch_save, torch_load_verified
 from model.config import BOS_ID, EOS_ID, PAD_ID
+from model.errors import UserError
 from model.manifest import SPM_FILE
 from pipeline.corpus.spm import train_sentencepiece
-from pipeline.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.tokenizer import Tokenizer
 

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 import sentencepiece as spm
 
+from model.errors import UserError
 from pipeline.corpus.data import EncodedCorpus
-from pipeline.errors import UserError
 
 
 class SubwordSampler:

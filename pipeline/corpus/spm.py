@@ -10,7 +10,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from pipeline.errors import UserError
+from model.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model.manifest import PRECISIONS  # every precision the demo exports
-from pipeline.doctor import Facts
+from pipeline.environment import Facts
 from runtime.ort_backend import CUDA_EP
 
 

@@ -20,9 +20,9 @@ import sacrebleu
 from export.api import export_model
 from model.manifest import PRECISIONS
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
-from pipeline.doctor import gather_facts
+from pipeline.environment import gather_facts
 from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
-from pipeline.serving.serve import ServeOptions, serve_files
+from pipeline.serve_batch.files import ServeOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.decoding import PAPER, DecodingOptions

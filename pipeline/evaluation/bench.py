@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from model.config import EOS_ID
-from pipeline.errors import UserError
+from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.loader import load_backend

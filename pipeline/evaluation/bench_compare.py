@@ -29,8 +29,8 @@ from typing import Any
 import torch
 
 from model.checkpoint import load_model
+from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, read_manifest
-from pipeline.errors import UserError
 from pipeline.evaluation import ctranslate2_compare
 from pipeline.evaluation.bench import bench_backend, make_sources, peak_rss_mb
 from runtime.decoding import PAPER

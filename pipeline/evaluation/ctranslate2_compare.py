@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.errors import UserError
+from model.errors import UserError
 from runtime.search import greedy_search
 from runtime.tokenizer import Tokenizer
 from runtime.torch_backend import TorchBackend

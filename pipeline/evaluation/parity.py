@@ -5,7 +5,7 @@ share of sentences token-identical to PyTorch, and for the ones that differ the 
 step where they diverge and the PyTorch model's log-prob gap there (how close the call
 was: fp16 noise shows as tiny gaps on near-ties, a bug as large ones).
 
-Every backend translates SRC through serve-batch's own path (pipeline.serving.serve.translate_windows:
+Every backend translates SRC through serve-batch's own path (pipeline.serve_batch.files.translate_windows:
 reading, blank and long line policy, encoding, batching, search, formatting), so the
 numbers describe exactly what serve-batch writes; --save-hyps keeps those outputs.
 """
@@ -24,9 +24,9 @@ import sacrebleu
 import torch
 
 from model.config import BOS_ID, EOS_ID
-from pipeline.errors import UserError
-from pipeline.serving.serve import translate_windows
-from pipeline.serving.translation import ServeOptions
+from model.errors import UserError
+from pipeline.serve_batch.files import translate_windows
+from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
 from runtime.loader import load_backend
 from runtime.tokenizer import Tokenizer

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from model.errors import UserError
 from model.manifest import MANIFEST
-from pipeline.errors import UserError
 from pipeline.textio import read_lines
 from runtime.decoding import DecodingOptions
 from runtime.loader import load_backend, load_torch_backend_from_checkpoint

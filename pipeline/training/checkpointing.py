@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from model.atomic import remove_stale_temps
 from model.checkpoint import (
     AVERAGED,
     BEST,
@@ -31,11 +32,10 @@ from model.checkpoint import (
     step_checkpoints,
 )
 from model.config import ModelConfig
-from model.files import remove_stale_temps
+from model.errors import UserError
 from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
-from pipeline.errors import UserError
 from pipeline.training.options import TrainOptions, config_differences
 
 log = logging.getLogger(__name__)

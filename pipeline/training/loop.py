@@ -19,8 +19,8 @@ from typing import Any
 from tqdm import tqdm
 
 from model.checkpoint import step_checkpoints
+from model.errors import UserError
 from pipeline.corpus.data import PreparedData, ShardedBatches
-from pipeline.errors import UserError
 from pipeline.training.budget import TimeBudget, steps_within
 from pipeline.training.checkpointing import Checkpointer, Progress
 from pipeline.training.metrics import MetricsLog, StopFlag, TrainingInterrupted

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import UserError
+from model.errors import UserError
 from pipeline.textio import atomic_output
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ class TrainingInterrupted(Exception):
 class StopFlag:
     """SIGINT/SIGTERM ask to stop after the current update; a second SIGINT aborts at once
     (KeyboardInterrupt), except inside a checkpoint write, which finishes first
-    (model.files.signals_deferred)."""
+    (model.signals.signals_deferred)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import PRESETS, ModelConfig, preset
-from pipeline.errors import UserError
+from model.errors import UserError
 from pipeline.training.step import SCHEDULES
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high

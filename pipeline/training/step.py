@@ -18,10 +18,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from model.config import PAD_ID
+from model.errors import UserError
 from model.transformer import Transformer
 from pipeline.corpus.data import Batch
 from pipeline.distributed import DistContext
-from pipeline.errors import UserError
 
 SCHEDULES = ("rsqrt", "linear")
 

@@ -21,14 +21,14 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from model.atomic import check_writable_dir, remove_stale_temps
 from model.checkpoint import step_checkpoints
-from model.files import check_writable_dir, remove_stale_temps
+from model.errors import UserError
 from model.transformer import build_model
 from pipeline.corpus import synthetic
 from pipeline.corpus.data import CACHE_DIR, PreparedData, ShardedBatches, prepare_data
 from pipeline.corpus.sampling import SubwordSampler
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
-from pipeline.errors import UserError
 from pipeline.textio import atomic_output
 from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget, process_start_time

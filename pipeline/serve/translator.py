@@ -12,15 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.manifest import Manifest
-from pipeline.serving.translation import format_line
 from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.loader import load_backend
 from runtime.tokenizer import Tokenizer
-from runtime.translate import encode_sources, translate_ids
-
-# (tokens, score) per hypothesis, best first; [] for a blank line.
-NBest = list[tuple[list[int], float]]
+from runtime.translate import NBest, encode_sources, format_line, translate_ids
 
 WARMUP_LINE = "warm up"
 
@@ -41,7 +37,7 @@ class Encoded:
         return sum(len(s) for s in self.ids)
 
 
-class Engine:
+class Translator:
     """A loaded backend + tokenizer, seen through serve-batch's functions."""
 
     def __init__(self, backend: Any, tokenizer: Tokenizer, manifest: Manifest, long_lines: str = "truncate"):
@@ -52,7 +48,7 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str, backend: str, device: str | None, threads: int | None,
-             long_lines: str) -> Engine:
+             long_lines: str) -> Translator:
         """The model dir verified against its manifest and loaded (UserErrors when unusable)."""
         impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads)
         return cls(impl, tokenizer, manifest, long_lines)

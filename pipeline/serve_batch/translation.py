@@ -4,7 +4,7 @@ measure exactly what is served).
 Reading: a window of lines at a time, split on b'\\n' only, strict UTF-8 (refused with
 file:line) or replaced (counted). The line policy and encoding: runtime.translate's
 encode_sources (blank lines -> no tokens -> "", long lines truncated or refused). The
-output format: format_line. pipeline/serving/serve.py runs the windows through the backend
+output format: format_line. pipeline/serve_batch/files.py runs the windows through the backend
 (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 """
 
@@ -15,17 +15,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import IO
 
-from pipeline.errors import UserError
+from model.errors import UserError
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
-from runtime.translate import LONG_LINE_POLICIES, encode_sources
+from runtime.translate import LONG_LINE_POLICIES, NBest, encode_sources, format_line
 
-NBEST_SEP = " ||| "
 INVALID_UTF8_POLICIES = ("error", "replace")
-
-NBest = list[tuple[list[int], float]]  # one line's hypotheses as (tokens, score), best first; [] for blank
 
 
 @dataclass(frozen=True)
@@ -130,17 +127,6 @@ def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, 
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
         raise UserError(str(e)) from None
     return Window(sources.ids, empty=sources.empty, truncated=sources.truncated, replaced=replaced)
-
-
-def format_line(tokenizer: Tokenizer, nbest: NBest, n: int) -> str:
-    """One output line: the best translation, or with n > 1 the n best as
-    `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
-    if not nbest:
-        return ""
-    texts = tokenizer.decode([tokens for tokens, _ in nbest])
-    if n == 1:
-        return texts[0]
-    return NBEST_SEP.join(f"{t}{NBEST_SEP}{score:.4f}" for t, (_, score) in zip(texts, nbest))
 
 
 def finish_window(tokenizer: Tokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:

@@ -19,9 +19,9 @@ from typing import Any
 
 import uvicorn
 
-from pipeline.errors import UserError
-from pipeline.server.app import Limits, ServerState, create_app
-from pipeline.server.engine import Engine
+from model.errors import UserError
+from pipeline.serve.app import RequestLimits, ServerState, create_app
+from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 
 log = logging.getLogger(__name__)
@@ -66,12 +66,12 @@ def _version(package: str) -> str | None:
         return None
 
 
-def server_info(engine: Engine, decoding: DecodingOptions, limits: Limits, opts: ServeHttpOptions
+def server_info(translator: Translator, decoding: DecodingOptions, limits: RequestLimits, opts: ServeHttpOptions
                 ) -> dict[str, Any]:
     """What /info tells: the manifest summary and this server's settings."""
     versions = {p: _version(p) for p in ("pipeline", "torch", "onnxruntime", "sentencepiece", "starlette",
                                          "uvicorn")}
-    return {**engine.summary(), "versions": versions, "decoding": asdict(decoding),
+    return {**translator.summary(), "versions": versions, "decoding": asdict(decoding),
             "limits": {**asdict(limits), "long_lines": opts.long_lines}, "grace_s": opts.grace_s}
 
 
@@ -100,24 +100,24 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, limits: Limits) -> None:
+def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, limits: RequestLimits) -> None:
     """Run the service until stopped. Blocks; returns after a graceful stop."""
     decoding.validate()
-    engine = Engine.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
-    max_beam = engine.model_limit("max_beam") or DEFAULT_MAX_BEAM
+    translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
+    max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
     if decoding.beam_size > max_beam:
         raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
-    limits = Limits(**{**asdict(limits), "max_beam": max_beam})
-    state = ServerState(engine, decoding, limits, server_info(engine, decoding, limits, opts))
+    limits = RequestLimits(**{**asdict(limits), "max_beam": max_beam})
+    state = ServerState(translator, decoding, limits, server_info(translator, decoding, limits, opts))
     sock = bind(opts.host, opts.port)
     try:
-        engine.warm_up(decoding)
+        translator.warm_up(decoding)
         state.warmed_up = True
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
         host, port = sock.getsockname()[:2]
-        log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, engine.backend.name,
-                 engine.backend.device, host if ":" not in host else f"[{host}]", port)
+        log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, translator.backend.name,
+                 translator.backend.device, host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:
         sock.close()

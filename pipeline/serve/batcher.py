@@ -16,9 +16,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.server.engine import Engine, NBest
-from pipeline.server.metrics import Metrics
+from pipeline.serve.metrics import Metrics
+from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
+from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 
@@ -51,9 +52,9 @@ class Work:
 
 
 class Batcher:
-    def __init__(self, engine: Engine, metrics: Metrics, max_batch_tokens: int, max_wait_s: float,
+    def __init__(self, translator: Translator, metrics: Metrics, max_batch_tokens: int, max_wait_s: float,
                  max_queue: int):
-        self.engine = engine
+        self.translator = translator
         self.metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
@@ -159,7 +160,7 @@ class Batcher:
             self.metrics.queue_seconds.observe(started - work.enqueued)
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self.engine.translate, ids, batch[0].decoding)
+            results = await loop.run_in_executor(self._executor, self.translator.translate, ids, batch[0].decoding)
         except Exception as e:  # a backend fault fails this batch's requests, not the server
             log.exception("batch of %d request(s) failed", len(batch))
             for work in batch:

@@ -4,5 +4,5 @@
     serve.py        streaming, line-aligned, atomic file translation
 
 `pipeline parity` translates through this same path, so it measures what is served; the
-HTTP server (pipeline/server/) formats its output with translation.format_line.
+HTTP server (pipeline/serve/) formats its output with the same runtime.translate.format_line.
 """

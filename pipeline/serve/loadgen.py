@@ -1,6 +1,6 @@
 """Load generator for `pipeline serve`, on loopback only, bounded in requests and time.
 
-    python -m pipeline.server.loadgen MODEL_DIR INPUT --out serve_bench.json
+    python -m pipeline.serve.loadgen MODEL_DIR INPUT --out serve_bench.json
 
 Translates INPUT once with serve-batch (the offline bar), then starts `pipeline serve`
 on a free 127.0.0.1 port with the same backend and options and, at each concurrency
@@ -27,7 +27,7 @@ import click
 
 from pipeline.textio import atomic_output, read_lines
 
-log = logging.getLogger("pipeline.server.loadgen")
+log = logging.getLogger("pipeline.serve.loadgen")
 READY_TIMEOUT_S = 300
 
 

@@ -21,10 +21,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pipeline.server.batcher import Batcher, BatcherStopped, QueueFull
-from pipeline.server.engine import Engine, LineTooLong, NBest
-from pipeline.server.metrics import CONTENT_TYPE, Metrics
+from pipeline.serve.batcher import Batcher, BatcherStopped, QueueFull
+from pipeline.serve.metrics import CONTENT_TYPE, Metrics
+from pipeline.serve.translator import LineTooLong, Translator
 from runtime.decoding import DecodingOptions
+from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody rece
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     max_lines: int = 1024
     max_bytes: int = 1 << 20
     max_beam: int = 16
@@ -47,9 +48,9 @@ class Limits:
 class ServerState:
     """What the routes share; `draining` turns /health to 503 once shutdown has begun."""
 
-    engine: Engine
+    translator: Translator
     decoding: DecodingOptions
-    limits: Limits
+    limits: RequestLimits
     info: dict[str, Any]
     metrics: Metrics = field(default_factory=Metrics)
     warmed_up: bool = False
@@ -169,7 +170,7 @@ async def _translate(request: Request, state: ServerState, started: float) -> Re
     m = state.metrics
     req = parse_request(await read_body(request, state.limits.max_bytes), state)
     try:
-        encoded = await run_in_threadpool(state.engine.encode, req.text)
+        encoded = await run_in_threadpool(state.translator.encode, req.text)
     except LineTooLong as e:
         raise ApiError(413, f"{e}; split the line") from None
     if encoded.tokens == 0:  # blank lines only: nothing for the model
@@ -198,12 +199,12 @@ async def _translate(request: Request, state: ServerState, started: float) -> Re
     m.src_tokens.inc(encoded.tokens)
     m.truncated.inc(encoded.truncated)
     m.tgt_tokens.inc(sum(len(nbest[0][0]) + 1 for nbest in results if nbest))
-    engine = state.engine
+    translator = state.translator
     items: list[Any]
     if req.structured:
-        items = [{"hypotheses": engine.hypotheses(nbest)} for nbest in results]
+        items = [{"hypotheses": translator.hypotheses(nbest)} for nbest in results]
     else:
-        items = [engine.format(nbest, 1) for nbest in results]
+        items = [translator.format(nbest, 1) for nbest in results]
     m.request_seconds.observe(time.perf_counter() - started)
     return JSONResponse({"translations": items})
 
@@ -231,7 +232,7 @@ def create_app(state: ServerState) -> Starlette:
     server has drained its in-flight requests)."""
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        batcher = Batcher(state.engine, state.metrics, state.limits.max_batch_tokens,
+        batcher = Batcher(state.translator, state.metrics, state.limits.max_batch_tokens,
                           state.limits.max_wait_ms / 1000.0, state.limits.max_queue)
         await batcher.start()
         state.batcher = batcher

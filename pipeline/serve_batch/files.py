@@ -9,7 +9,7 @@ Bad input never shifts lines: empty or whitespace-only lines give empty lines; l
 longer than the model's source limit are truncated (counted) or refused; invalid UTF-8
 is refused with file:line or replaced (counted).
 
-`translate_windows` is the serving path itself (pipeline/serving/translation.py reads and formats);
+`translate_windows` is the serving path itself (pipeline/serve_batch/translation.py reads and formats);
 parity runs every backend through it, so it measures exactly what serve-batch writes.
 
 Under torchrun (WORLD_SIZE > 1) rank 0 reads and tokenizes each window, every rank
@@ -29,11 +29,10 @@ from typing import IO, Any
 
 from tqdm import tqdm
 
-from model.files import remove_stale_temps
+from model.atomic import remove_stale_temps
+from model.errors import UserError
 from pipeline.distributed import DistContext, on_main
-from pipeline.errors import UserError
-from pipeline.serving.translation import (
-    NBest,
+from pipeline.serve_batch.translation import (
     ServeOptions,
     TranslatedWindow,
     finish_window,
@@ -42,7 +41,7 @@ from pipeline.serving.translation import (
 from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.tokenizer import Tokenizer
-from runtime.translate import translate_ids
+from runtime.translate import NBest, translate_ids
 
 log = logging.getLogger(__name__)
 
