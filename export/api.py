@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,19 @@ from runtime import graph_files
 
 log = logging.getLogger(__name__)
 
-DEFAULTS = dict(opset=18, topk=16, max_batch=64, max_src_len=256, max_tgt_len=306, max_beam=8)
+@dataclass(frozen=True)
+class ExportDefaults:
+    """The shape options' defaults, for export_model and `pipeline export` alike."""
+
+    opset: int = 18
+    topk: int = 16
+    max_batch: int = 64
+    max_src_len: int = 256
+    max_tgt_len: int = 306  # max_src_len + the paper's 50
+    max_beam: int = 8
+
+
+DEFAULTS = ExportDefaults()
 
 
 def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) -> None:
@@ -166,8 +179,10 @@ def _write_failure(error: BaseException, tmp: Path, out: Path) -> OSError | None
     return write_failure(error, out)
 
 
-def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int = 18, topk: int = 16,
-                 max_batch: int = 64, max_src_len: int = 256, max_tgt_len: int = 306, max_beam: int = 8,
+def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int = DEFAULTS.opset,
+                 topk: int = DEFAULTS.topk, max_batch: int = DEFAULTS.max_batch,
+                 max_src_len: int = DEFAULTS.max_src_len, max_tgt_len: int = DEFAULTS.max_tgt_len,
+                 max_beam: int = DEFAULTS.max_beam,
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
                  timing_cache: Path | None = None, int8: bool = False,

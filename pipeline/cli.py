@@ -45,6 +45,8 @@ def _register() -> None:
     cli.add_command(doctor)
     from pipeline.commands.tune import tune_decoding_cmd
     cli.add_command(tune_decoding_cmd)
+    from pipeline.commands.random_checkpoint import random_checkpoint
+    cli.add_command(random_checkpoint)
 
 
 # What to do about the environment faults a user meets (the OSError's own text says what happened).

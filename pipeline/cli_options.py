@@ -1,15 +1,22 @@
-"""Click options shared by several commands, defined once.
+"""Click options generated from the dataclasses that own them, so each default and help text
+has one home.
 
-`decoding_options` gives serve-batch, parity, bench and demo the same decoding flags,
-with defaults and help taken from runtime.decoding.DecodingOptions, and hands the
-command one validated `decoding` object instead of loose values.
+`options_from(Cls)` turns every field of an options dataclass that carries a help text
+(`opt(default, help)`) into a click option with that default, help and a type derived from the
+annotation; the command receives the fields by name. `decoding_options` does the same for
+runtime.decoding.DecodingOptions and hands the command one validated `decoding` object.
+Used by `train` (TrainOptions), `serve` (RequestLimits, ServeHttpOptions), `bench --serve`
+(ServeBenchOptions) and every command that decodes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import types
+import typing
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
@@ -17,6 +24,82 @@ import click
 from runtime.decoding import PAPER, DecodingOptions
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions)}
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
+    """A dataclass field that is also a command-line option: its default, its help, and click-only
+    settings in `cli` (choices=..., min=..., max=..., metavar=..., multiple=True, path="dir" for a
+    directory, show_default=False)."""
+    metadata = {"help": help, "cli": cli}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def _base_type(annotation: Any) -> Any:
+    """int for `int`, `int | None` and `Optional[int]`."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return annotation
+
+
+def _click_type(base: Any, cli: dict[str, Any]) -> Any:
+    if "choices" in cli:
+        return click.Choice(list(cli["choices"]))
+    if base is Path:
+        directory = cli.get("path") == "dir"
+        return click.Path(path_type=Path, file_okay=not directory, dir_okay=directory)
+    if base is int:
+        return click.IntRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else int
+    if base is float:
+        return click.FloatRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else float
+    return str
+
+
+def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any]) -> Callable[[Any], Any]:
+    """The click option of one dataclass field (`--field-name`, passed to the command as `field_name`)."""
+    cli = dict(f.metadata.get("cli", {}))
+    flag = "--" + f.name.replace("_", "-")
+    base = _base_type(hints[f.name])
+    required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    kwargs: dict[str, Any] = {"help": f.metadata["help"]}
+    if "metavar" in cli:
+        kwargs["metavar"] = cli["metavar"]
+    if base is bool:
+        decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
+        kwargs.update(default=bool(f.default), show_default=bool(f.default))
+        if not f.default:
+            kwargs["is_flag"] = True
+        return click.option(*decls, f.name, **kwargs)
+    if cli.get("multiple"):
+        return click.option(flag, f.name, multiple=True, type=str, **kwargs)
+    kwargs["type"] = _click_type(base, cli)
+    if required:
+        kwargs["required"] = True
+    else:
+        kwargs["default"] = f.default
+        kwargs["show_default"] = cli.get("show_default", f.default is not None)
+    return click.option(flag, f.name, **kwargs)
+
+
+def options_from(cls: type, *, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add one option per field of `cls` that has a help text (in field order), except `skip`."""
+    hints = typing.get_type_hints(cls)
+    chosen = [f for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in skip]
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        for f in reversed(chosen):  # click lists options in reverse order of decoration
+            command = field_option(cls, f, hints)(command)
+        return command
+
+    return decorate
+
+
+def pick(cls: type, values: dict[str, Any]) -> Any:
+    """`cls(...)` from the command's keyword arguments that are its fields (removed from `values`)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: values.pop(k) for k in list(values) if k in names})
 
 
 def decoding_options(*names: str, notes: dict[str, str] | None = None

@@ -11,4 +11,5 @@ pipeline.evaluation, pipeline.demo, pipeline.environment). pipeline/cli.py regis
     tune.py         `pipeline tune-decoding`
     demo.py         `pipeline demo`
     doctor.py       `pipeline doctor`
+    random_checkpoint.py  `pipeline random-checkpoint` (a random-weight model to bench a shape)
 """

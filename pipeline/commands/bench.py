@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from pipeline.cli_options import decoding_options
+from model.errors import UserError
+from pipeline.cli_options import decoding_options, options_from, pick
 from pipeline.commands.parity import parse_backends
 from pipeline.evaluation.bench import format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
+from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
@@ -39,10 +42,18 @@ from runtime.loader import backend_names
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
               help="With several MODEL_DIRs or --compare: alternating rounds, each measurement in a fresh "
                    "subprocess (honest peak RSS per engine); rows report medians.")
+@click.option("--serve", "serve_input", default=None, metavar="INPUT",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Instead: load `pipeline serve` (started on a free 127.0.0.1 port with the first MODEL_DIR "
+                   "and backend) with INPUT's lines from --concurrency clients, and compare sentences/s and "
+                   "p50/p99 latency with serve-batch on the same lines. Bounded in requests and seconds.")
+@options_from(ServeBenchOptions)
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write results as JSON.")
-def bench(model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, ...], decoding: DecodingOptions,
-          fixed_length: int | None, src: Path | None, sentences: int, src_len: int, device: str | None,
-          threads: int | None, json_out: Path | None, compare: tuple[str, ...] = (), rounds: int = 3) -> None:
+@click.pass_context
+def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, ...],
+          decoding: DecodingOptions, fixed_length: int | None, src: Path | None, sentences: int, src_len: int,
+          device: str | None, threads: int | None, json_out: Path | None, compare: tuple[str, ...] = (),
+          rounds: int = 3, serve_input: Path | None = None, **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -50,9 +61,18 @@ def bench(model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, .
     precision, measured alternately in fresh subprocesses, plus batch-1 latency (ms/sentence).
     """
     if json_out:
-        refuse_overwriting_inputs([src] if src else [], [json_out], "--json file")
+        refuse_overwriting_inputs([p for p in (src, serve_input) if p], [json_out], "--json file")
         check_output_file(json_out, "--json")
-    if len(model_dirs) == 1 and not compare:
+    if serve_input is not None:
+        serve_bench = pick(ServeBenchOptions, serve_options)
+        default_backends = ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT
+        chosen = ["auto"] if default_backends else parse_backends(backends)
+        if len(chosen) != 1 or len(model_dirs) != 1 or compare:
+            raise UserError("--serve measures one MODEL_DIR on one backend (e.g. --backends onnxruntime), "
+                            "without --compare")
+        report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, serve_bench)
+        click.echo(format_serve_bench(report))
+    elif len(model_dirs) == 1 and not compare:
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
                            device=device, threads=threads)

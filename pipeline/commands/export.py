@@ -29,17 +29,17 @@ from model.manifest import QUANTIZATIONS, Manifest
                    "time: faster on CPU ONNX Runtime, batch-independent, no TensorRT) or ort-dynamic "
                    "(ONNX Runtime's quantize_dynamic: one scale per batch, so results depend on "
                    "batching; no TensorRT). auto: qdq when TensorRT engines are built, else rowwise.")
-@click.option("--opset", default=api.DEFAULTS["opset"], show_default=True, type=int,
+@click.option("--opset", default=api.DEFAULTS.opset, show_default=True, type=int,
               help="ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
-@click.option("--topk", default=api.DEFAULTS["topk"], show_default=True, type=int,
+@click.option("--topk", default=api.DEFAULTS.topk, show_default=True, type=int,
               help="Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
-@click.option("--max-batch", default=api.DEFAULTS["max_batch"], show_default=True, type=int,
+@click.option("--max-batch", default=api.DEFAULTS.max_batch, show_default=True, type=int,
               help="Most sentences per batch (TensorRT profiles; recorded in the manifest).")
-@click.option("--max-src-len", default=api.DEFAULTS["max_src_len"], show_default=True, type=int,
+@click.option("--max-src-len", default=api.DEFAULTS.max_src_len, show_default=True, type=int,
               help="Longest source in tokens, EOS included.")
-@click.option("--max-tgt-len", default=api.DEFAULTS["max_tgt_len"], show_default=True, type=int,
+@click.option("--max-tgt-len", default=api.DEFAULTS.max_tgt_len, show_default=True, type=int,
               help="Longest output in tokens (decoder cache holds max-tgt-len + 1 slots).")
-@click.option("--max-beam", default=api.DEFAULTS["max_beam"], show_default=True, type=int,
+@click.option("--max-beam", default=api.DEFAULTS.max_beam, show_default=True, type=int,
               help="Largest beam the engines serve (decoder rows up to max-batch x max-beam).")
 @click.option("--tensorrt/--no-tensorrt", default=None,
               help="Build TensorRT engines (error if TensorRT or a GPU is missing) or skip them. "

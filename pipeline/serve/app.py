@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from pipeline.serve.batcher import Batcher, BatcherStopped, QueueFull
 from pipeline.serve.metrics import CONTENT_TYPE, Metrics
+from pipeline.serve.options import RequestLimits
 from pipeline.serve.translator import LineTooLong, Translator
 from runtime.decoding import DecodingOptions
 from runtime.translate import NBest
@@ -31,17 +32,6 @@ log = logging.getLogger(__name__)
 
 REQUEST_KEYS = {"text", "beam_size", "nbest", "scores"}
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    max_lines: int = 1024
-    max_bytes: int = 1 << 20
-    max_beam: int = 16
-    max_batch_tokens: int = 4096
-    max_wait_ms: float = 5.0
-    max_queue: int = 256
-    retry_after_s: int = 1
 
 
 @dataclass

@@ -14,30 +14,18 @@ import logging
 import signal
 import socket
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import uvicorn
 
 from model.errors import UserError
-from pipeline.serve.app import RequestLimits, ServerState, create_app
+from pipeline.serve.app import ServerState, create_app
+from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 
 log = logging.getLogger(__name__)
-
-DEFAULT_MAX_BEAM = 16
-
-
-@dataclass(frozen=True)
-class ServeHttpOptions:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    backend: str = "auto"
-    device: str | None = None
-    threads: int | None = None
-    long_lines: str = "truncate"
-    grace_s: int = 30
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -11,7 +11,9 @@ from typing import Any
 
 from model.config import PRESETS, ModelConfig, preset
 from model.errors import UserError
+from pipeline.cli_options import opt
 from pipeline.training.step import SCHEDULES
+from runtime.decoding import PAPER
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high
 # validation BLEU in a few CPU minutes.
@@ -22,51 +24,77 @@ BUILTIN_DEFAULTS: dict[str, Any] = dict(preset="demo", batch_tokens=3000, warmup
 
 @dataclass
 class TrainOptions:
-    """Every option of `pipeline train` (None = the preset's / built-in corpus' default)."""
+    """Every option of `pipeline train` (None = the preset's / built-in corpus' default).
 
-    save_dir: Path
-    train_src: Path | None = None
-    train_tgt: Path | None = None
-    valid_src: Path | None = None
-    valid_tgt: Path | None = None
-    preset: str | None = None
-    d_model: int | None = None
-    n_heads: int | None = None
-    d_ff: int | None = None
-    layers: int | None = None
-    dropout: float | None = None
-    vocab_size: int | None = None
-    max_len: int = 256
-    batch_tokens: int | None = None
-    update_freq: int = 1
-    max_steps: int | None = None
-    lr_scale: float = 1.0
-    warmup: int | None = None
-    label_smoothing: float | None = None
-    clip_norm: float = 0.0
-    seed: int = 1
-    save_every: int | None = None
-    keep_last: int = 5
-    valid_every: int | None = None
-    valid_beam: int = 1
-    valid_max_sentences: int = 0
-    log_every: int = 50
-    device: str = "auto"
-    precision: str = "auto"
-    threads: int | None = None
-    max_nonfinite: int = 5
-    builtin_pairs: int | None = None
-    progress: bool = True
-    allow_changed_data: bool = False
-    max_time: str | None = None  # a duration (90s, 60m, 1h30m): the whole run, resumes included
-    lr_schedule: str = "rsqrt"  # rsqrt (the paper's) or linear (warmup, then straight down to zero)
-    decay_time: str | None = None  # linear: the budget it decays over (default --max-time)
-    spm_alpha: float = 0.0  # SentencePiece sampling smoothing during training (0 = off)
-    # Sample among the n best segmentations (-1 = all, from the lattice). 64: at alpha 0.1, sampling
-    # from all of them made Multi30k sentences 2.03x as many pieces (64 best: 1.10x), which halves
-    # the sentences trained per minute and doubles the padded batch beyond --batch-tokens.
-    spm_nbest: int = 64
-    tensorboard: bool = True  # write TensorBoard events when the package is installed
+    Each field's default and help text are the command line's (pipeline/cli_options.options_from)."""
+
+    save_dir: Path = opt(help="Checkpoints, tokenizer, config, metrics; rerunning the same command resumes "
+                              "from here.", path="dir")
+    train_src: Path | None = opt(None, "Training source text (plain or .gz), one sentence per line. "
+                                 "Without --train-src/--train-tgt: the built-in synthetic language pair.")
+    train_tgt: Path | None = opt(None, "Training target text, line-aligned with --train-src.")
+    valid_src: Path | None = opt(None, "Validation source text (for loss and BLEU).")
+    valid_tgt: Path | None = opt(None, "Validation references, line-aligned with --valid-src.")
+    preset: str | None = opt(None, "Model size (default: demo for the built-in corpus, else base).",
+                             choices=tuple(PRESETS))
+    d_model: int | None = opt(None, "Override the preset's d_model.")
+    n_heads: int | None = opt(None, "Override the preset's number of attention heads.")
+    d_ff: int | None = opt(None, "Override the preset's feed-forward width.")
+    layers: int | None = opt(None, "Override the number of encoder and of decoder layers.")
+    dropout: float | None = opt(None, "Dropout (default: the preset's; the paper: 0.1 base, 0.3 big).")
+    vocab_size: int | None = opt(None, "Joint SentencePiece vocabulary size (a soft limit).")
+    max_len: int = opt(256, "Drop training pairs with a side longer than this many tokens (counts are logged).")
+    batch_tokens: int | None = opt(None, "Token budget of one micro-batch per process (padded max(source, "
+                                   "target) tokens; the paper used ~25000).")
+    update_freq: int = opt(1, "Gradient accumulation: micro-batches per process per update.")
+    max_steps: int | None = opt(None, "Stop after this many updates.")
+    lr_scale: float = opt(1.0, "Multiplies the paper's d_model^-0.5 * min(step^-0.5, step * warmup^-1.5).")
+    warmup: int | None = opt(None, "Warmup steps of the learning-rate schedule (paper: 4000).")
+    lr_schedule: str = opt("rsqrt", "rsqrt: the paper's inverse square root. linear: the same warmup, then a "
+                           "straight line from the peak down to zero at the end of the run (--max-steps, or "
+                           "the step --max-time is estimated to end at, from the speed measured after warmup).",
+                           choices=SCHEDULES)
+    decay_time: str | None = opt(None, "With --lr-schedule linear: the budget to decay over (default "
+                                 "--max-time). Set it to the full budget when stopping earlier on purpose and "
+                                 "resuming, so the schedule is that of the full run.", metavar="DURATION")
+    label_smoothing: float | None = opt(None, "Label smoothing (default: the preset's; the paper: 0.1).")
+    clip_norm: float = opt(0.0, "Clip the gradient norm to this value (0 = off, as in the paper).")
+    seed: int = opt(1, "Seed of initialisation, data order, dropout (and of the built-in corpus).")
+    save_every: int | None = opt(None, "Write a checkpoint every N updates (and at the end).")
+    keep_last: int = opt(5, "Keep the last K step checkpoints.")
+    valid_every: int | None = opt(None, "Validate every N updates (default: --save-every).")
+    valid_beam: int = opt(1, "Beam size of validation BLEU decoding (1 = greedy, fast; "
+                          f"{PAPER.beam_size} = the paper's); length penalty and limit are the paper's.")
+    valid_max_sentences: int = opt(0, "Decode at most this many validation sentences for BLEU (0 = all).")
+    log_every: int = opt(50, "Write a train event to metrics.jsonl and refresh loss/lr/tokens/s every N updates.")
+    device: str = opt("auto", "auto = CUDA (this process's LOCAL_RANK GPU) when available, else CPU.",
+                      choices=("auto", "cpu", "cuda"))
+    precision: str = opt("auto", "auto = bf16 on CUDA (fp16 with loss scaling without bf16), fp32 on CPU.",
+                         choices=("auto", "fp32", "bf16", "fp16"))
+    threads: int | None = opt(None, "CPU threads per process (torch.set_num_threads).")
+    max_nonfinite: int = opt(5, "Fail after this many consecutive updates with a non-finite loss (each is "
+                             "skipped).")
+    builtin_pairs: int | None = opt(None, "Training pairs of the built-in synthetic corpus (default "
+                                    f"{BUILTIN_DEFAULTS['builtin_pairs']}).")
+    progress: bool = opt(True, "Show a progress bar.")
+    allow_changed_data: bool = opt(False, "Resume even though a corpus file's contents changed since the save "
+                                   "dir's checkpoints (refused without it): keep the run's tokenizer and data "
+                                   "position, record the new files' fingerprints.")
+    max_time: str | None = opt(None, "Wall-clock budget of the whole run, e.g. 90s, 60m, 1h30m: counted from "
+                               "process start (data preparation included) and over resumes; at the budget a "
+                               "checkpoint is written and training stops with status 0. A run that validated "
+                               "on its --valid-every schedule keeps back the time of one validation and "
+                               "validates its last update too.", metavar="DURATION")
+    spm_alpha: float = opt(0.0, "SentencePiece subword regularisation during training: sampling smoothing "
+                           "alpha (0 = off; 0.1-0.2 typical for small data). Never used for validation, "
+                           "export or serving.")
+    # 64 rather than -1: sampling among all segmentations about doubles the pieces per sentence
+    # (docs/training.md), and with it the cost of an epoch.
+    spm_nbest: int = opt(64, "Subword sampling among the n best segmentations (-1 = all, from the lattice). "
+                         "Batches are formed on the deterministic lengths, so sampled batches exceed "
+                         "--batch-tokens by as much.")
+    tensorboard: bool = opt(True, "Write TensorBoard events under SAVE_DIR/tensorboard (needs the "
+                            "`tensorboard` package).")
 
 
 # Options whose change makes a save dir a different experiment (checked on resume).

@@ -1,6 +1,5 @@
-"""Load generator for `pipeline serve`, on loopback only, bounded in requests and time.
-
-    python -m pipeline.serve.loadgen MODEL_DIR INPUT --out serve_bench.json
+"""`pipeline bench MODEL_DIR --serve INPUT`: load on `pipeline serve`, on loopback only, bounded
+in requests and time.
 
 Translates INPUT once with serve-batch (the offline bar), then starts `pipeline serve`
 on a free 127.0.0.1 port with the same backend and options and, at each concurrency
@@ -12,7 +11,6 @@ server's peak RSS. Writes JSON."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
 import signal
@@ -20,14 +18,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import click
+from model.errors import UserError
+from pipeline.cli_options import opt
+from pipeline.textio import read_lines
 
-from pipeline.textio import atomic_output, read_lines
-
-log = logging.getLogger("pipeline.serve.loadgen")
+log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
 
 
@@ -45,10 +44,10 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     proc = subprocess.run([sys.executable, "-m", "pipeline", "serve-batch", model_dir, str(inp), "-o", str(out),
                            "--no-progress", *common], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise click.ClickException(f"serve-batch failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"serve-batch failed: {proc.stderr.strip().splitlines()[-1:]}")
     m = re.search(r"translated (\d+) sentences .*?, (\d+) target tokens\) in ([\d.]+) s", proc.stderr)
     if not m:
-        raise click.ClickException("serve-batch printed no summary line")
+        raise UserError("serve-batch printed no summary line")
     n, tgt, seconds = int(m.group(1)), int(m.group(2)), float(m.group(3))
     summary = {"sentences": n, "target_tokens": tgt, "seconds": seconds,
                "sentences_per_s": n / seconds if seconds else None,
@@ -74,7 +73,7 @@ def start_server(model_dir: str, common: list[str], extra: list[str], log_path: 
                 pass
         time.sleep(0.2)
     stop_server(proc)
-    raise click.ClickException(f"the server did not become ready; see {log_path}")
+    raise UserError(f"the server did not become ready; see {log_path}")
 
 
 def stop_server(proc: subprocess.Popen) -> int | None:
@@ -131,59 +130,72 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}
 
 
-@click.command()
-@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
-@click.argument("input_path", metavar="INPUT", type=click.Path(exists=True, dir_okay=False))
-@click.option("--out", "out_path", required=True, metavar="FILE", help="Where the JSON report goes.")
-@click.option("--backend", default="auto", show_default=True, help="As `pipeline serve --backend`.")
-@click.option("--threads", type=click.IntRange(min=1), default=None, help="Backend threads (both runs).")
-@click.option("--concurrency", default="1,8,64", show_default=True, help="Comma-separated client counts.")
-@click.option("--max-lines", type=click.IntRange(min=1), default=2000, show_default=True,
-              help="Use at most this many lines of INPUT.")
-@click.option("--lines-per-request", type=click.IntRange(min=1), default=4, show_default=True)
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=500, show_default=True,
-              help="Requests per concurrency level at most.")
-@click.option("--max-seconds", type=click.FloatRange(min=1), default=120, show_default=True,
-              help="Time per concurrency level at most.")
-@click.option("--server-arg", "server_args", multiple=True,
-              help="Extra `pipeline serve` option, repeatable (e.g. --server-arg=--max-wait-ms=10).")
-def main(model_dir: str, input_path: str, out_path: str, backend: str, threads: int | None, concurrency: str,
-         max_lines: int, lines_per_request: int, n_requests: int, max_seconds: float,
-         server_args: tuple[str, ...]) -> None:
+@dataclass(frozen=True)
+class ServeBenchOptions:
+    """How `pipeline bench --serve` loads the server; each field is a `pipeline bench` option."""
+
+    concurrency: str = opt("1,8,64", "With --serve: comma-separated numbers of concurrent clients, one "
+                           "measurement each.")
+    max_lines: int = opt(2000, "With --serve: use at most this many lines of INPUT.", min=1)
+    lines_per_request: int = opt(4, "With --serve: lines per request.", min=1)
+    requests: int = opt(500, "With --serve: requests per concurrency level at most.", min=1)
+    max_seconds: float = opt(120.0, "With --serve: seconds per concurrency level at most.", min=1)
+    server_arg: tuple[str, ...] = opt((), "With --serve: an extra `pipeline serve` option, repeatable "
+                                      "(e.g. --server-arg=--max-wait-ms=10).", multiple=True)
+
+    def levels(self) -> list[int]:
+        try:
+            levels = [int(c) for c in self.concurrency.split(",") if c.strip()]
+        except ValueError:
+            levels = []
+        if not levels or min(levels) < 1:
+            raise UserError(f"--concurrency {self.concurrency!r}: give positive client counts, e.g. 1,8,64")
+        return levels
+
+
+def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int | None,
+                    opts: ServeBenchOptions) -> dict[str, Any]:
     """Throughput and latency of `pipeline serve` against serve-batch on the same lines."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    levels = opts.levels()  # a bad --concurrency fails before minutes of serve-batch
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
-    levels = [int(c) for c in concurrency.split(",") if c.strip()]
-    lines = read_lines(input_path)[:max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
+    lines = read_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
     lines = [line for line in lines if line.strip()] or ["."]
     common = ["--backend", backend] + (["--threads", str(threads)] if threads else [])
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         log.info("serve-batch on %d lines", len(lines))
         expected, offline = run_serve_batch(model_dir, lines, common, Path(tmp))
-        proc, url = start_server(model_dir, common, list(server_args), Path(tmp) / "serve.log")
+        proc, url = start_server(model_dir, common, list(opts.server_arg), Path(tmp) / "serve.log")
         try:
-            spans = [list(range(i, min(i + lines_per_request, len(lines))))
-                     for i in range(0, len(lines), lines_per_request)]
-            requests = [spans[k % len(spans)] for k in range(n_requests)]
+            spans = [list(range(i, min(i + opts.lines_per_request, len(lines))))
+                     for i in range(0, len(lines), opts.lines_per_request)]
+            requests = [spans[k % len(spans)] for k in range(opts.requests)]
             results = []
             for c in levels:
                 log.info("concurrency %d", c)
-                level = asyncio.run(run_level(url, requests, lines, expected, c, max_seconds))
+                level = asyncio.run(run_level(url, requests, lines, expected, c, opts.max_seconds))
                 if offline["sentences_per_s"] and level["sentences_per_s"]:
                     level["vs_serve_batch"] = level["sentences_per_s"] / offline["sentences_per_s"]
                 results.append(level)
             rss = peak_rss_mib(proc.pid)
         finally:
             code = stop_server(proc)
-    report = {"model_dir": model_dir, "backend": backend, "threads": threads, "lines": len(lines),
-              "lines_per_request": lines_per_request, "serve_batch": offline, "levels": results,
-              "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(server_args)}
-    with atomic_output(out_path, "w") as f:
-        json.dump(report, f, indent=2)
-    click.echo(json.dumps({"levels": [{k: lv[k] for k in ("concurrency", "sentences_per_s", "latency_p50_s",
-                                                          "latency_p99_s", "mismatched_lines")} for lv in results],
-                           "serve_batch_sentences_per_s": offline["sentences_per_s"], "out": out_path}))
+    return {"model_dir": model_dir, "backend": backend, "threads": threads, "lines": len(lines),
+            "lines_per_request": opts.lines_per_request, "serve_batch": offline, "levels": results,
+            "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg)}
 
 
-if __name__ == "__main__":
-    main()
+def format_serve_bench(report: dict[str, Any]) -> str:
+    """The report as a table: one row per concurrency level, serve-batch's rate as the bar."""
+    def ms(s: float | None) -> str:
+        return "-" if s is None else f"{1000 * s:.1f}"
+
+    offline = report["serve_batch"]
+    rows = [f"serve-batch: {offline['sentences_per_s']:.1f} sentences/s on {report['lines']} lines "
+            f"(backend {report['backend']}); server peak RSS {report['server_peak_rss_mib'] or 0:.0f} MiB",
+            f"{'clients':>8} {'sent/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'differ':>7}"]
+    for lv in report["levels"]:
+        ratio = lv.get("vs_serve_batch")
+        rows.append(f"{lv['concurrency']:>8} {lv['sentences_per_s'] or 0:>8.1f} "
+                    f"{'-' if ratio is None else f'{ratio:.2f}':>8} {ms(lv['latency_p50_s']):>8} "
+                    f"{ms(lv['latency_p99_s']):>8} {lv['errors']:>7} {lv['mismatched_lines']:>7}")
+    return "\n".join(rows)

@@ -1,0 +1,49 @@
+"""The options of `pipeline serve`, each with its default and help text (the CLI is generated
+from them). No web-stack imports, so `pipeline serve --help` works without the `serve` extra."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.cli_options import opt
+from runtime.decoding import PAPER
+from runtime.loader import BACKENDS
+from runtime.translate import LONG_LINE_POLICIES
+
+DEFAULT_MAX_BEAM = 16  # the largest beam a request may ask for when the model dir sets none
+
+
+@dataclass(frozen=True)
+class ServeHttpOptions:
+    """Where and how the process serves."""
+
+    host: str = opt("127.0.0.1", "Address to listen on; 0.0.0.0 exposes the service to the network (put it "
+                    "behind a proxy).")
+    port: int = opt(8000, "TCP port; 0 picks a free one (logged at startup).", min=0, max=65535)
+    backend: str = opt("auto", "auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
+                       "if installed, else torch.", choices=BACKENDS)
+    device: str | None = opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu]. One process "
+                             "per GPU.", metavar="DEV")
+    threads: int | None = opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
+    long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (as "
+                          "serve-batch does, counted in /metrics) or refuse the request with 413 naming the line.",
+                          choices=LONG_LINE_POLICIES)
+    grace_s: int = opt(30, "On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this "
+                       "many seconds (then cancel them), exit 0.", min=0)
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request, and the queue of them, may hold; beyond them the answer is 413 or 503."""
+
+    max_lines: int = opt(1024, "Most lines per request (413 beyond).", min=1)
+    max_bytes: int = opt(1 << 20, "Largest request body in bytes (413 beyond).", min=1)
+    max_batch_tokens: int = opt(PAPER.batch_tokens, "Dynamic batch budget: source tokens x beam of the requests "
+                                "batched together (and sentences x longest source x beam per search batch, as "
+                                "serve-batch's --batch-tokens).", min=1)
+    max_wait_ms: float = opt(5.0, "How long the oldest queued request may wait for others to share its batch.",
+                             min=0)
+    max_queue: int = opt(256, "Requests that may wait for a batch; beyond it requests get 503 with Retry-After.",
+                         min=1)
+    max_beam: int = DEFAULT_MAX_BEAM  # the model dir's own limit when it records one
+    retry_after_s: int = 1
