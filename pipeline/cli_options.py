@@ -73,7 +73,7 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any]) -> Call
             kwargs["is_flag"] = True
         return click.option(*decls, f.name, **kwargs)
     if cli.get("multiple"):
-        return click.option(flag, f.name, multiple=True, type=str, **kwargs)
+        return click.option(flag, f.name, multiple=True, type=str, default=f.default, **kwargs)
     kwargs["type"] = _click_type(base, cli)
     if required:
         kwargs["required"] = True

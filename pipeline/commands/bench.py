@@ -70,7 +70,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         if len(chosen) != 1 or len(model_dirs) != 1 or compare:
             raise UserError("--serve measures one MODEL_DIR on one backend (e.g. --backends onnxruntime), "
                             "without --compare")
-        report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, serve_bench)
+        report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, decoding.beam_size,
+                                 serve_bench)
         click.echo(format_serve_bench(report))
     elif len(model_dirs) == 1 and not compare:
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,

@@ -18,7 +18,7 @@ from pipeline.textio import check_output_file
 @click.option("--vocab-size", type=click.IntRange(min=16), default=32000, show_default=True,
               help="Vocabulary of the SentencePiece model trained on made-up text (a soft limit).")
 @click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the made-up text and the weights: the same seed gives the same checkpoint.")
+              help="Seed of the made-up text and of the weights (the same seed and shape give the same weights).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def random_checkpoint(out: Path, preset: str, vocab_size: int, seed: int, force: bool) -> None:
     """Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to

@@ -25,7 +25,7 @@ def made_up_text(vocab_size: int, seed: int = 0) -> list[str]:
 
 def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: int = 0) -> int:
     """Write the checkpoint (atomically, checksummed like any other); returns its vocabulary size.
-    The same arguments give the same weights and tokenizer, so fp32 and int8 exports of two calls match."""
+    The seed fixes the weights for a given shape; export one checkpoint several times to compare precisions."""
     spm_bytes = train_sentencepiece(made_up_text(vocab_size, seed), vocab_size)
     torch.manual_seed(seed)
     model = build_model(preset(preset_name, vocab_size=Tokenizer(spm_bytes).vocab_size)).eval()

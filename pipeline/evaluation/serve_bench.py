@@ -153,14 +153,14 @@ class ServeBenchOptions:
         return levels
 
 
-def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int | None,
+def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int | None, beam_size: int,
                     opts: ServeBenchOptions) -> dict[str, Any]:
     """Throughput and latency of `pipeline serve` against serve-batch on the same lines."""
     levels = opts.levels()  # a bad --concurrency fails before minutes of serve-batch
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     lines = read_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
     lines = [line for line in lines if line.strip()] or ["."]
-    common = ["--backend", backend] + (["--threads", str(threads)] if threads else [])
+    common = ["--backend", backend, "--beam-size", str(beam_size)] + (["--threads", str(threads)] if threads else [])
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         log.info("serve-batch on %d lines", len(lines))
         expected, offline = run_serve_batch(model_dir, lines, common, Path(tmp))
@@ -179,7 +179,8 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
             rss = peak_rss_mib(proc.pid)
         finally:
             code = stop_server(proc)
-    return {"model_dir": model_dir, "backend": backend, "threads": threads, "lines": len(lines),
+    return {"model_dir": model_dir, "backend": backend, "threads": threads, "beam_size": beam_size,
+            "lines": len(lines),
             "lines_per_request": opts.lines_per_request, "serve_batch": offline, "levels": results,
             "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg)}
 

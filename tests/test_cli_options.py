@@ -1,0 +1,154 @@
+"""One home per fact: every CLI default and help comes from the dataclass that owns it, every user
+error has one root, and the benchmark tools that ship in the package (random-checkpoint,
+bench --serve) work as a user runs them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import click
+import pytest
+
+from export.errors import ExportError, TensorRTUnavailable, VerificationError
+from model.checkpoint import CheckpointError, CheckpointWriteError, load_model
+from model.config import ConfigError
+from model.errors import UserError
+from model.manifest import ModelDirError
+from pipeline.cli import _register, cli
+from pipeline.evaluation.serve_bench import ServeBenchOptions
+from pipeline.serve.options import RequestLimits, ServeHttpOptions
+from pipeline.training.options import TrainOptions
+from runtime.decoding import DecodingError
+from runtime.errors import RuntimeUserError
+from runtime.search import SearchError
+from runtime.tokenizer import TokenizerError
+
+_register()
+
+
+def command(name: str) -> click.Command:
+    return cli.commands[name]
+
+
+def params(name: str) -> dict[str, click.Parameter]:
+    return {p.name: p for p in command(name).params if p.name}
+
+
+@pytest.mark.parametrize("cmd, classes", [
+    ("train", (TrainOptions,)),
+    ("serve", (ServeHttpOptions, RequestLimits)),
+    ("bench", (ServeBenchOptions,)),
+])
+def test_every_option_takes_default_and_help_from_its_dataclass(cmd, classes):
+    options = params(cmd)
+    for cls in classes:
+        for f in dataclasses.fields(cls):
+            if "help" not in f.metadata:
+                continue
+            p = options[f.name]
+            assert p.help == f.metadata["help"], (cmd, f.name)
+            if f.default is not dataclasses.MISSING:
+                assert p.default == f.default, (cmd, f.name, p.default, f.default)
+            else:
+                assert p.required, (cmd, f.name)
+
+
+def test_train_has_no_option_outside_its_dataclass():
+    """A new flag must be a TrainOptions field first, or the command would drop it."""
+    names = {f.name for f in dataclasses.fields(TrainOptions)}
+    assert set(params("train")) - {"help"} == names
+
+
+def test_serve_decoding_flags_are_the_shared_ones():
+    from runtime.decoding import PAPER, DecodingOptions
+
+    options = params("serve")
+    for name in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest"):
+        assert options[name].default == getattr(PAPER, name)
+        assert options[name].help.startswith(DecodingOptions.help(name))
+    assert options["max_batch_tokens"].default == PAPER.batch_tokens
+
+
+@pytest.mark.parametrize("cls", [ConfigError, CheckpointError, CheckpointWriteError, ModelDirError, ExportError,
+                                 VerificationError, TensorRTUnavailable, RuntimeUserError, TokenizerError,
+                                 DecodingError, SearchError])
+def test_every_user_error_has_the_one_root(cls):
+    assert issubclass(cls, UserError)
+
+
+def test_a_layer_error_is_one_line_and_exit_2(tmp_path, capsys):
+    from pipeline.cli import main
+
+    bad = tmp_path / "not-a-checkpoint.pt"
+    bad.write_bytes(b"garbage")
+    with pytest.raises(SystemExit) as e:
+        main(["export", str(bad), "--out", str(tmp_path / "m")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.startswith("error: ") and "Traceback" not in err and str(bad) in err
+
+
+def test_bench_serve_refuses_several_backends_before_any_work(tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("a\n")
+    result = subprocess.run([sys.executable, "-m", "pipeline", "bench", str(tmp_path), "--serve", str(src),
+                             "--backends", "torch,onnxruntime"], capture_output=True, text=True)
+    assert result.returncode == 2 and "one MODEL_DIR on one backend" in result.stderr
+
+
+def test_serve_bench_concurrency_must_be_counts():
+    assert ServeBenchOptions(concurrency="1, 4").levels() == [1, 4]
+    for bad in ("", "0,2", "a"):
+        with pytest.raises(UserError, match="--concurrency"):
+            ServeBenchOptions(concurrency=bad).levels()
+
+
+def _pipeline(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+@pytest.mark.slow
+def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
+    """The benchmark recipe as a user runs it: a random-weight checkpoint (weights fixed by the seed,
+    never overwriting), exported, then `pipeline serve` loaded and checked against serve-batch."""
+    pytest.importorskip("httpx")
+    ckpt = tmp_path / "r.pt"
+    made = _pipeline("random-checkpoint", ckpt, "--preset", "tiny", "--vocab-size", "120", "--seed", "3")
+    assert made.returncode == 0, made.stderr
+    model, _, _ = load_model(ckpt)
+    assert model.cfg.vocab_size <= 120
+
+    again = _pipeline("random-checkpoint", ckpt, "--preset", "tiny", "--vocab-size", "120")
+    assert again.returncode == 2 and "--force" in again.stderr
+    twin = tmp_path / "twin.pt"
+    assert _pipeline("random-checkpoint", twin, "--preset", "tiny", "--vocab-size", "120", "--seed", "3"
+                     ).returncode == 0
+    twin_model, _, _ = load_model(twin)
+    assert twin_model.cfg == model.cfg
+    for (name, a), (_, b) in zip(model.state_dict().items(), twin_model.state_dict().items()):
+        assert a.equal(b), name
+
+    exported = _pipeline("export", ckpt, "--out", tmp_path / "m", "--no-tensorrt", "--max-src-len", "16",
+                         "--max-tgt-len", "24", "--max-batch", "8", "--max-beam", "4")
+    assert exported.returncode == 0, exported.stderr
+    src = tmp_path / "src.txt"
+    src.write_text("".join(f"{w} {w}{i} x{i}\n" for i, w in enumerate(["ab", "cd", "ef", "gh"] * 3)))
+    out = tmp_path / "serve.json"
+    bench = _pipeline("bench", tmp_path / "m", "--serve", src, "--backends", "onnxruntime", "--threads", "1",
+                      "--concurrency", "1,3", "--requests", "6", "--lines-per-request", "2",
+                      "--beam-size", "2", "--json", out)
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(out.read_text())
+    assert [lv["concurrency"] for lv in report["levels"]] == [1, 3]
+    for level in report["levels"]:
+        assert level["requests"] == 6 and level["errors"] == 0
+        assert level["mismatched_lines"] == 0  # the server answers exactly what serve-batch writes
+        assert level["sentences_per_s"] > 0 and level["latency_p50_s"] <= level["latency_p99_s"]
+    assert report["server_exit_code"] == 0 and report["serve_batch"]["sentences"] == 12
+    assert report["beam_size"] == 2
+    assert "clients" in bench.stdout  # the table
