@@ -4,11 +4,9 @@ qdq: every linear layer (a MatMul whose B is a constant, and the tied output pro
 Gemm with transB) gets an int8 weight initializer, symmetric (zero-point 0), with one
 float scale per output channel, read through `DequantizeLinear(axis = output channel)`
 into the unchanged MatMul. That is the form TensorRT's parser takes (int8 QDQ weights,
-zero-point 0) and the one ONNX Runtime (>= 1.20; checked on 1.31) fuses into its 8-bit
-MatMulNBits kernel at load time (`session.qdq_matmulnbits_accuracy_level` 4, int8
-compute, where the CPU has VNNI: runtime/cpu_int8.py), which measured at about fp32 speed on our
-AVX-512 VNNI CPU (no 8-bit fast path in ONNX Runtime 1.31; README, "Measured here"): rowwise
-is the fast CPU form. LayerNorm, softmax and log-softmax are untouched and stay fp32.
+zero-point 0) and the one ONNX Runtime fuses into its 8-bit MatMulNBits kernel at load time
+(runtime/cpu_int8.py). On CPU ONNX Runtime it runs at about fp32 speed, so rowwise is the fast
+CPU form (docs/int8.md). LayerNorm, softmax and log-softmax are untouched and stay fp32.
 
 rowwise: the same int8 weights, and each linear layer's input quantized at run time one
 row (one position of one hypothesis) at a time, so the GEMM runs on int8 x int8 in ONNX
@@ -20,10 +18,9 @@ B = E^T (d_model, vocab) with one scale per vocab entry. The embedding lookup re
 same int8 values and scales, stored row-major (Gather rows, Cast, times the gathered
 per-row scales), so embedding and projection still share one quantized weight. It is
 held twice (as E^T and E, int8) because ONNX Runtime fuses a DequantizeLinear into
-MatMulNBits only when its int8 weight and scales have no other consumer (measured on 1.31:
-a shared one stays an unfused DequantizeLinear of the whole table every step); two
-int8 copies are still half the fp32 table. An embedding with no projection (the
-encoder's) is quantized per row the same way.
+MatMulNBits only when its int8 weight and scales have no other consumer (a shared one stays
+an unfused DequantizeLinear of the whole table every step); two int8 copies are still half
+the fp32 table. An embedding with no projection (the encoder's) is quantized per row the same way.
 
 Written with onnx.helper and numpy only, so the transformation can be read and tested.
 """
@@ -41,10 +38,9 @@ from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
-# `--int8-flavour auto`, the default, chosen by measurement (README, "Measured here"): rowwise, about
-# 1.6x faster than qdq on CPU ONNX Runtime and, unlike ort-dynamic (one activation scale per batch:
-# 1 line in 8 differed between `serve` and `serve-batch` on Multi30k), independent of batching;
-# qdq whenever TensorRT engines are built, since TensorRT parses only qdq.
+# `--int8-flavour auto`, the default: rowwise, the fastest CPU form and, unlike ort-dynamic (one
+# activation scale per batch), independent of batching; qdq whenever TensorRT engines are built,
+# since TensorRT parses only qdq (docs/int8.md).
 AUTO = "auto"
 
 

@@ -134,8 +134,7 @@ class BeamCache:
             src = new.reshape(b, self.rows, h, dh).transpose(1, 2)
             if single_thread:
                 # numpy copies on this thread. torch would split a copy this size over its OpenMP
-                # pool, whose threads then spin, taking the cores that the engine's threads need
-                # next: measured 0.90x step speed on 2 cores (small, batch 32, beam 4).
+                # pool, whose threads then spin, taking the cores that the engine's threads need next.
                 np.copyto(at_t.numpy(), src.numpy())
             else:
                 at_t.copy_(src)

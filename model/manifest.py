@@ -116,8 +116,8 @@ class Manifest:
     tensorrt: Engines | None = None
     tensorrt_skipped: str | None = None  # why no engines were built
     quantization: str | None = None  # int8 only: one of QUANTIZATIONS
-    # rowwise only: integer-matmul weights stored as uint8 w + 128 (exports of 2026-11-25; before and
-    # since: int8). Each CPU loads the form it multiplies fastest and exactly (runtime/cpu_int8.py)
+    # rowwise only: integer-matmul weights stored as uint8 w + 128 (some older exports; current ones
+    # store int8). Each CPU loads the form it multiplies fastest and exactly (runtime/cpu_int8.py)
     unsigned_weights: bool = False
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 

@@ -75,10 +75,9 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
 class Dropout(nn.Dropout):
     """Section 5.4's residual dropout: nn.Dropout, with a cheaper mask on CPU.
 
-    PyTorch's CPU dropout draws its mask with `bernoulli_`, one generator call per element:
-    ~7 ms per million elements on 2 cores, so the 17 dropouts of a `small` training step
-    (4000-token batches) took ~8% of the step. Here each element gets 16 random bits (four per
-    drawn int64) compared with a threshold: the same inverted dropout, with the drop
+    PyTorch's CPU dropout draws its mask with `bernoulli_`, one generator call per element, a
+    noticeable part of a CPU training step (docs/training.md). Here each element gets 16 random
+    bits (four per drawn int64) compared with a threshold: the same inverted dropout, with the drop
     probability rounded to a multiple of 1/65536 (within 8e-6 of p) and the survivors scaled
     by the inverse of the rounded keep probability, so the expectation is unchanged. It draws
     from the same global generator, so seeding and checkpointed RNG state keep training

@@ -1,31 +1,23 @@
 """What this CPU offers for int8 GEMMs, and how ONNX Runtime should therefore run int8 graphs.
 
-ONNX Runtime fuses qdq weights (DequantizeLinear -> MatMul) into MatMulNBits, whose accuracy
-level 4 quantizes the activations too and runs int8 dot products. That is fast and accurate
-where the CPU has 8-bit dot-product instructions (x86 VNNI or AMX, Arm's dot product); without
-them (an AVX2-only x86 CPU) the int8 path measured far less accurate: on the trained test model
-the worst candidate log-prob moved by 0.43 against fp32, against 0.30 with accuracy level 1
-(weights dequantized to fp32, fp32 GEMM), which is the weight quantization alone. Export's
-verification and the onnxruntime backend both take the level from here, so a model is verified
-the way this machine serves it.
+qdq graphs: ONNX Runtime fuses DequantizeLinear -> MatMul into MatMulNBits, whose accuracy level 4
+quantizes the activations and runs int8 dot products. That is accurate only where the CPU has
+8-bit dot-product instructions (x86 VNNI or AMX, Arm's dot product); elsewhere level 1 (fp32 GEMM
+on dequantized weights) keeps the error to the weight quantization alone. Export's verification
+and the onnxruntime backend both take the level from here, so a model is verified the way this
+machine serves it.
 
-The rowwise flavour multiplies uint8 activations (zero-point 128) by 8-bit weights in
-MatMulIntegerToFloat, exactly in integers, and the weights' form decides which MLAS kernel runs:
-- int8 weights (zero-point 0), as the export stores them: the u8 x s8 kernel. With int8 dot products
-  (VNNI, AVX-VNNI, AMX, Arm's) it is exact and the fastest: on an AVX-512 VNNI AMD EPYC (ONNX
-  Runtime 1.32, 2 threads, 128 x 512 x 32000) 6.2 ms against 14.0 ms for uint8 weights, and `base`
-  rowwise decoding at batch 32 1.45x faster (README, "Measured here"). Without them x86 runs it with
-  VPMADDUBSW, which adds pairs of u8 x s8 products into a saturating int16: 255 * 127 * 2 > 32767,
-  and a worst-case 1024-long dot product came out 16 million off (AVX2-only AMD EPYC; the export
-  failed verification, 0.92 against its 0.3 bound).
+rowwise graphs multiply uint8 activations (zero-point 128) by 8-bit weights exactly in integers,
+and the weights' form decides which MLAS kernel runs:
+- int8 weights (zero-point 0), as the export stores them: the u8 x s8 kernel, exact and fastest with
+  int8 dot products. Without them x86 runs it with VPMADDUBSW, whose int16 sums saturate
+  (255 * 127 * 2 > 32767), so results are wrong;
 - uint8 weights w + 128 (zero-point 128): the u8 x u8 kernel, which widens both operands to 16 bits:
-  exact on every CPU, the fastest exact form without dot products (measured on an AVX2-only EPYC
-  against an fp32 GEMM of dequantized weights, an fp32 emulation of the integer GEMM, and 7-bit
-  rows, which saturate less but failed verification on a sharp model: 1.02 against 0.3).
-So each CPU loads the form it multiplies fastest and exactly (wants_unsigned_weights; session_graph
-flips a graph stored in the other form when loading it, into a temporary copy with its weights
-beside it, at the cost of load time). Rowwise dirs exported between 2026-11-25 and this change store unsigned
-weights (manifest `unsigned_weights`); they load flipped to int8 on CPUs with dot products.
+  exact on every CPU, and the fastest exact form without dot products.
+So each CPU loads the form it multiplies fastest and exactly (wants_unsigned_weights); session_graph
+flips a graph stored in the other form into a temporary copy with its weights beside it. The
+measurements behind each choice are in docs/int8.md. Some older rowwise dirs store unsigned weights
+(manifest `unsigned_weights`); they load flipped to int8 on CPUs with dot products.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 Every graph the project writes for an engine to load (export's encoder.onnx / decoder.onnx,
 and the int8 graphs a CPU loads with their weights flipped, runtime/cpu_int8.py) keeps its
 weights in ONNX external data, one file beside the graph (io_names.weights_file). ONNX Runtime
-then reads each weight from that file instead of from a parsed copy of the whole protobuf:
-`base` rowwise int8 loads at 313 MB resident against 385 MB with the weights inline (both
-sessions created, 2 threads). The protobuf 2 GiB limit no longer bounds the model size, and
-TensorRT's parse_from_file and onnx.load read the same files.
+then reads each weight from that file instead of keeping a parsed copy of the whole protobuf,
+which lowers resident memory after loading (docs/design.md). The protobuf 2 GiB limit no
+longer bounds the model size, and TensorRT's parse_from_file and onnx.load read the same files.
 """
 
 from __future__ import annotations

@@ -103,10 +103,8 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
     if name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
-                    "can depend on the sentences batched with it (measured: about 1 line in 8 differed between "
-                    "`serve` and `serve-batch`); use the rowwise or qdq flavour where outputs must not depend on "
-                    "batching",
-                    model_dir)
+                    "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
+                    "where outputs must not depend on batching", model_dir)
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":
         dev = resolve_device(device)

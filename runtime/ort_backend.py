@@ -7,7 +7,7 @@ beam's cache is written in place and never reordered (model/cache.py).
 
 Session options: full graph optimisation and, by default, no intra-op thread spinning:
 with several sessions (or processes) sharing few cores, spinning threads steal the
-cores the working ones need (measured 10-25% faster without it on 2 cores).
+cores the working ones need.
 
 int8 model dirs (int8 QDQ weights): ONNX Runtime fuses DequantizeLinear -> MatMul into
 MatMulNBits at load; accuracy level 4 makes it quantize activations and run int8 GEMMs
@@ -98,12 +98,9 @@ class OrtBackend(ExportedGraphBackend):
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         opts.log_severity_level = 3
-        # ONNX Runtime's BFC arena stays on, on the CPU too. It was off while every step returned
-        # the grown cache (the arena kept each larger region); with the beam cache
-        # (model/cache.py) the step's largest tensors are the gathered histories, a little
-        # larger every step, so without the arena glibc maps each one fresh: base rowwise int8,
-        # batch 32, beam 4, 30 tokens, 2 threads: 1.0-1.4 M page faults and 0.7x the speed,
-        # against 0.18-0.22 M with the arena, at the same peak RSS (630-650 MB).
+        # ONNX Runtime's BFC arena stays on, on the CPU too: the step's largest tensors are the
+        # gathered cache histories (model/cache.py), a little larger every step, and without the
+        # arena glibc would map and page-fault each one fresh (docs/design.md).
         for key, value in session_config(manifest).items():
             opts.add_session_config_entry(key, value)
         provider_args = [self._provider_options(p, manifest) for p in self.providers]

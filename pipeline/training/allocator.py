@@ -5,7 +5,7 @@ back with munmap() when freed. A training step allocates and frees the same larg
 time (the logits alone are tokens x vocab floats: 4000 x 8000 x 4 B = 128 MiB, plus their
 gradients), so every step page-faults freshly zeroed pages in and unmaps them again: system time,
 not arithmetic. Serving freed memory again from the heap, never returned to the kernel, removes
-that (the measured system time fell from ~10% to ~3-5% of CPU time, see the report of issue 14).
+that (docs/training.md).
 The same as running with MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824; a user who sets
 either variable keeps their own setting.
 """
