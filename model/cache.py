@@ -26,6 +26,9 @@ position (past = 1, bias MASK_VALUE): the graph needs no control flow.
 `BeamCache` keeps the buffers and the ancestry and turns search's `reorder` (the previous
 step's row each hypothesis continues, within its own sentence) into the next index. When
 sentences finish, their buffer rows are dropped (one copy of the survivors, on such steps).
+The ancestry and the index are small integer arrays, kept in numpy on the host; the buffers
+are numpy arrays (the ONNX Runtime CPU backend, which must not need torch) or torch tensors
+on any device (the PyTorch and TensorRT backends), chosen by the `dtype` given.
 """
 
 from __future__ import annotations
@@ -34,12 +37,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from model import io_names
-from model.config import ModelConfig
-from model.transformer import MASK_VALUE
+from model.config import MASK_VALUE, ModelConfig
 
 INITIAL_CAPACITY = 16  # steps the buffers hold before their first doubling
 
@@ -48,36 +48,123 @@ class CacheError(ValueError):
     """A reorder that this cache cannot follow (a hypothesis continuing another sentence's)."""
 
 
+def host_ints(x: Any) -> np.ndarray:
+    """An int64 numpy array from a numpy array, a list or a torch tensor on any device."""
+    if hasattr(x, "detach"):  # a torch tensor: converted without this module importing torch
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=np.int64)
+
+
+class NumpyBuffers:
+    """Cache buffers as numpy arrays in host memory."""
+
+    def __init__(self, dtype: Any):
+        self.dtype = np.dtype(dtype)
+        self.device = "cpu"
+
+    def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, self.dtype)
+
+    def take_rows(self, buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        return np.take(buf, rows, axis=0)
+
+    def copy_prefix(self, new: np.ndarray, old: np.ndarray, used: int) -> None:
+        new[:, :, :used] = old
+
+    def write(self, at_t: np.ndarray, src: Any) -> None:
+        np.copyto(at_t, src)
+
+    def view_step(self, buf: np.ndarray, shape: tuple[int, ...], t: int) -> np.ndarray:
+        return buf.reshape(shape)[:, :, t]
+
+    def step_rows(self, new: Any, b: int, rows: int, h: int, dh: int) -> np.ndarray:
+        return np.asarray(new).reshape(b, rows, h, dh).transpose(0, 2, 1, 3)
+
+    def feed(self, array: np.ndarray) -> np.ndarray:
+        return array
+
+
+class TorchBuffers:
+    """Cache buffers as torch tensors on `device` (torch is imported only here)."""
+
+    def __init__(self, dtype: Any, device: Any):
+        import torch
+
+        self.torch = torch
+        self.dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, np.dtype(dtype).name)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        # numpy copies on this thread. torch would split a copy this size over its OpenMP
+        # pool, whose threads then spin, taking the cores that the engine's threads need next.
+        self.single_thread = self.device.type == "cpu" and self.dtype in (torch.float32, torch.float16)
+
+    def zeros(self, shape: tuple[int, ...]) -> Any:
+        return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def take_rows(self, buf: Any, rows: np.ndarray) -> Any:
+        return buf.index_select(0, self.torch.from_numpy(rows).to(self.device))
+
+    def copy_prefix(self, new: Any, old: Any, used: int) -> None:
+        new[:, :, :used].copy_(old)
+
+    def view_step(self, buf: Any, shape: tuple[int, ...], t: int) -> Any:
+        return buf.view(shape)[:, :, t]
+
+    def step_rows(self, new: Any, b: int, rows: int, h: int, dh: int) -> Any:
+        if isinstance(new, np.ndarray):
+            new = self.torch.from_numpy(new)
+        return new.reshape(b, rows, h, dh).transpose(1, 2)
+
+    def write(self, at_t: Any, src: Any) -> None:
+        if self.single_thread:
+            np.copyto(at_t.numpy(), src.numpy())
+        else:
+            at_t.copy_(src)
+
+    def feed(self, array: np.ndarray) -> Any:
+        return self.torch.from_numpy(array).to(self.device)
+
+
+def buffers_for(dtype: Any, device: Any = None) -> NumpyBuffers | TorchBuffers:
+    """numpy buffers for a numpy dtype on the CPU; torch tensors for a torch dtype or a torch device."""
+    torch_dtype = type(dtype).__module__.startswith("torch")
+    torch_device = device is not None and (type(device).__module__.startswith("torch") or str(device) != "cpu")
+    return TorchBuffers(dtype, device) if torch_dtype or torch_device else NumpyBuffers(dtype)
+
+
 class BeamCache:
     """Self-attention K/V of every decoder layer for one batch being decoded.
 
     Use: `feeds = cache.advance(reorder, n_sentences)` before step t (t = cache.steps),
     run the step with `feeds` (io_names self_index, self_bias, self_k.i, self_v.i), then
     `cache.append(step_k, step_v)` with the step's per-layer (hyps, d_model) outputs.
+    `dtype` picks the buffers: a numpy dtype (default float32) keeps them in numpy, a torch
+    dtype (or a torch device) in torch tensors; the feeds come in the same kind.
     """
 
-    def __init__(self, cfg: ModelConfig, n_hyps: int, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None, max_steps: int | None = None,
-                 initial_capacity: int = INITIAL_CAPACITY):
+    def __init__(self, cfg: ModelConfig, n_hyps: int, dtype: Any = np.float32, device: Any = None,
+                 max_steps: int | None = None, initial_capacity: int = INITIAL_CAPACITY):
         self.cfg = cfg
-        self.dtype = dtype
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.buffers = buffers_for(dtype, device)
+        self.dtype = self.buffers.dtype
+        self.device = self.buffers.device
         self.max_steps = max_steps or cfg.max_positions
         self.initial_capacity = max(1, min(initial_capacity, self.max_steps))
         self.n_hyps = n_hyps  # rows of the last step (before the first: of step 0)
         self.steps = 0  # steps written
         self.rows = 0  # hypotheses per sentence, fixed by the first step
         self.capacity = 0
-        self.k: list[Tensor] = []
-        self.v: list[Tensor] = []
+        self.k: list[Any] = []
+        self.v: list[Any] = []
+        self.n_sentences = 0
         # ancestry (hyps, steps) int64: the slot each hypothesis' ancestor wrote at each step
-        self.slots = torch.zeros(n_hyps, 0, dtype=torch.int64, device=self.device)
+        self.slots = np.zeros((n_hyps, 0), dtype=np.int64)
 
     # -- before a step ------------------------------------------------------------------
 
-    def advance(self, reorder: Tensor, n_sentences: int) -> dict[str, Tensor]:
+    def advance(self, reorder: Any, n_sentences: int) -> dict[str, Any]:
         """Follow `reorder` ((hyps,) rows of the previous step each hypothesis continues;
         step 0: any), and return the step's cache feeds."""
+        reorder = host_ints(reorder)
         n = int(reorder.shape[0])
         if n_sentences < 1 or n % n_sentences:
             raise CacheError(f"{n} hypotheses do not split into {n_sentences} sentences")
@@ -85,59 +172,51 @@ class BeamCache:
         if self.steps == 0:
             self.rows = rows
             self._allocate(n_sentences, self.initial_capacity)
-            self.slots = self.slots.new_zeros(n, 0)  # step 0's hypotheses, whatever __init__ was told
+            self.slots = np.zeros((n, 0), dtype=np.int64)  # step 0's hypotheses, whatever __init__ was told
         else:
             if rows != self.rows:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
-            reorder = reorder.to(self.device, torch.int64)
-            parent_sentence = torch.div(reorder, rows, rounding_mode="floor")
-            kept = parent_sentence.view(n_sentences, rows)[:, 0]
-            if self.device.type == "cpu" and not (torch.equal(parent_sentence, kept.repeat_interleave(rows))
-                                                   and bool((kept[1:] > kept[:-1]).all())):
-                # checked where it costs no device synchronisation; search never does this
+            parent_sentence = reorder // rows
+            kept = parent_sentence.reshape(n_sentences, rows)[:, 0]
+            if not (np.array_equal(parent_sentence, np.repeat(kept, rows)) and bool((kept[1:] > kept[:-1]).all())
+                    and kept[-1] < self.n_sentences):
                 raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's "
                                  "rows consecutive, sentences in their order (finished ones left out)")
-            own_slot = (torch.arange(self.n_hyps, device=self.device) % rows)[:, None]
-            self.slots = torch.cat([self.slots, own_slot], dim=1).index_select(0, reorder)
-            if n_sentences != self.k[0].shape[0]:  # finished sentences leave (search keeps the order)
-                self.k = [t.index_select(0, kept) for t in self.k]
-                self.v = [t.index_select(0, kept) for t in self.v]
+            own_slot = (np.arange(self.n_hyps, dtype=np.int64) % rows)[:, None]
+            self.slots = np.concatenate([self.slots, own_slot], axis=1)[reorder]
+            if n_sentences != self.n_sentences:  # finished sentences leave (search keeps the order)
+                self.k = [self.buffers.take_rows(t, kept) for t in self.k]
+                self.v = [self.buffers.take_rows(t, kept) for t in self.v]
+                self.n_sentences = n_sentences
         if self.steps >= self.capacity:
             if self.steps >= self.max_steps:
                 raise CacheError(f"step {self.steps} is past the {self.max_steps} decoder positions")
             self._grow(min(2 * self.capacity, self.max_steps))
         self.n_hyps = n
         index, bias = self.index()
-        return {io_names.SELF_INDEX: index, io_names.SELF_BIAS: bias, **cache_inputs(self.k, self.v)}
+        return {io_names.SELF_INDEX: self.buffers.feed(index), io_names.SELF_BIAS: self.buffers.feed(bias),
+                **cache_inputs(self.k, self.v)}
 
-    def index(self) -> tuple[Tensor, Tensor]:
-        """(self_index (hyps, n_heads, past), self_bias (hyps, past)) for the next step."""
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """(self_index (hyps, n_heads, past) int64, self_bias (hyps, past) float32) for the next step."""
         n, t = self.slots.shape
-        h, dev = self.cfg.n_heads, self.device
+        h = self.cfg.n_heads
         if t == 0:  # one masked position (no size-0 dims)
-            return (torch.zeros(n, h, 1, dtype=torch.int64, device=dev),
-                    torch.full((n, 1), MASK_VALUE, dtype=torch.float32, device=dev))
-        sentence = torch.arange(n, device=dev) // self.rows
-        head_start = (sentence[:, None] * h + torch.arange(h, device=dev)) * (self.capacity * self.rows)
-        position = torch.arange(t, device=dev) * self.rows + self.slots  # (hyps, t)
-        return (head_start[:, :, None] + position[:, None, :],
-                torch.zeros(n, t, dtype=torch.float32, device=dev))
+            return np.zeros((n, h, 1), dtype=np.int64), np.full((n, 1), MASK_VALUE, dtype=np.float32)
+        sentence = np.arange(n, dtype=np.int64) // self.rows
+        head_start = (sentence[:, None] * h + np.arange(h, dtype=np.int64)) * (self.capacity * self.rows)
+        position = np.arange(t, dtype=np.int64) * self.rows + self.slots  # (hyps, t)
+        return head_start[:, :, None] + position[:, None, :], np.zeros((n, t), dtype=np.float32)
 
     # -- after a step -------------------------------------------------------------------
 
-    def append(self, step_k: list[Tensor], step_v: list[Tensor]) -> None:
+    def append(self, step_k: list[Any], step_v: list[Any]) -> None:
         """Write the step's keys and values (per layer (hyps, d_model)) at time `steps`."""
-        b, h, dh, t = self.k[0].shape[0], self.cfg.n_heads, self.cfg.d_head, self.steps
-        single_thread = self.device.type == "cpu" and self.dtype in (torch.float32, torch.float16)
+        b, h, dh, t = self.n_sentences, self.cfg.n_heads, self.cfg.d_head, self.steps
+        shape = (b, h, self.capacity, self.rows, dh)
         for buf, new in zip(self.k + self.v, list(step_k) + list(step_v)):
-            at_t = buf.view(b, h, self.capacity, self.rows, dh)[:, :, t]  # (b, h, rows, dh)
-            src = new.reshape(b, self.rows, h, dh).transpose(1, 2)
-            if single_thread:
-                # numpy copies on this thread. torch would split a copy this size over its OpenMP
-                # pool, whose threads then spin, taking the cores that the engine's threads need next.
-                np.copyto(at_t.numpy(), src.numpy())
-            else:
-                at_t.copy_(src)
+            self.buffers.write(self.buffers.view_step(buf, shape, t),
+                               self.buffers.step_rows(new, b, self.rows, h, dh))
         self.steps += 1
 
     # -- storage ------------------------------------------------------------------------
@@ -148,17 +227,18 @@ class BeamCache:
     def _allocate(self, n_sentences: int, capacity: int) -> None:
         shape = self._shape(n_sentences, capacity)
         n = self.cfg.n_dec_layers
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(n)]
+        self.k = [self.buffers.zeros(shape) for _ in range(n)]
+        self.v = [self.buffers.zeros(shape) for _ in range(n)]
         self.capacity = capacity
+        self.n_sentences = n_sentences
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` steps; what is written keeps its place (time-major rows)."""
         used = self.capacity * self.rows
         for bufs in (self.k, self.v):
             for i, old in enumerate(bufs):
-                new = torch.zeros(self._shape(old.shape[0], capacity), dtype=self.dtype, device=self.device)
-                new[:, :, :used].copy_(old)
+                new = self.buffers.zeros(self._shape(self.n_sentences, capacity))
+                self.buffers.copy_prefix(new, old, used)
                 bufs[i] = new  # one layer at a time: the old buffer goes before the next grows
         self.capacity = capacity
 

@@ -15,6 +15,10 @@ UNK_ID = 1
 BOS_ID = 2
 EOS_ID = 3
 
+# Additive attention bias for masked positions. Finite, and far inside fp16 range
+# (65504), so masks never produce inf or NaN; exp(-1e4) is exactly 0 in fp32.
+MASK_VALUE = -1e4
+
 
 class ConfigError(UserError, ValueError):
     """A configuration that cannot describe a Transformer."""

@@ -23,11 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.config import ModelConfig
-
-# Additive attention bias for masked positions. Finite, and far inside fp16 range
-# (65504), so masks never produce inf or NaN; exp(-1e4) is exactly 0 in fp32.
-MASK_VALUE = -1e4
+from model.config import MASK_VALUE, ModelConfig
 
 
 def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import logging
 import signal
 import sys
@@ -12,8 +13,61 @@ import click
 
 from model.errors import UserError
 
+# Each command's module, imported only when that command runs (or --help lists it), so a
+# deploy-only install (no torch) serves, and every command starts without the others' imports.
+COMMANDS = {
+    "train": "pipeline.commands.train:train",
+    "average": "pipeline.commands.train:average",
+    "export": "pipeline.commands.export:export",
+    "serve-batch": "pipeline.commands.serve_batch:serve_batch",
+    "serve": "pipeline.commands.serve:serve",
+    "parity": "pipeline.commands.parity:parity",
+    "bench": "pipeline.commands.bench:bench",
+    "tune-decoding": "pipeline.commands.tune:tune_decoding_cmd",
+    "demo": "pipeline.commands.demo:demo",
+    "doctor": "pipeline.commands.doctor:doctor",
+    "random-checkpoint": "pipeline.commands.random_checkpoint:random_checkpoint",
+}
+TRAIN_EXTRA = 'pip install -e ".[train]"'
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+def needs_torch(name: str) -> click.Command:
+    """What `pipeline NAME` is in an install without PyTorch: one line saying how to get it."""
+    def refuse() -> None:
+        raise UserError(f"`pipeline {name}` needs PyTorch, which this install does not have (a deploy-only "
+                        f"install): {TRAIN_EXTRA}")
+
+    return click.Command(name, callback=refuse, help="Needs PyTorch: " + TRAIN_EXTRA,
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+
+
+class LazyGroup(click.Group):
+    """A click group whose commands are imported on first use (see COMMANDS)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[cmd_name].split(":")
+        try:
+            command = getattr(importlib.import_module(module), attr)
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            return needs_torch(cmd_name)
+        assert isinstance(command, click.Command)
+        return command
+
+
+def all_commands() -> dict[str, click.Command]:
+    """Every command, imported (tests and documentation)."""
+    found = {name: cli.get_command(click.Context(cli), name) for name in COMMANDS}
+    return {name: c for name, c in found.items() if c is not None}
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("-v", "--verbose", is_flag=True, help="Log debug details.")
 @click.version_option(package_name="pipeline")
 def cli(verbose: bool) -> None:
@@ -22,31 +76,6 @@ def cli(verbose: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-
-
-def _register() -> None:
-    # One line per command module; each module defines exactly one click command.
-    from pipeline.commands.train import average, train
-    cli.add_command(train)
-    cli.add_command(average)
-    from pipeline.commands.serve_batch import serve_batch
-    cli.add_command(serve_batch)
-    from pipeline.commands.serve import serve
-    cli.add_command(serve)
-    from pipeline.commands.export import export
-    cli.add_command(export)
-    from pipeline.commands.parity import parity
-    cli.add_command(parity)
-    from pipeline.commands.bench import bench
-    cli.add_command(bench)
-    from pipeline.commands.demo import demo
-    cli.add_command(demo)
-    from pipeline.commands.doctor import doctor
-    cli.add_command(doctor)
-    from pipeline.commands.tune import tune_decoding_cmd
-    cli.add_command(tune_decoding_cmd)
-    from pipeline.commands.random_checkpoint import random_checkpoint
-    cli.add_command(random_checkpoint)
 
 
 # What to do about the environment faults a user meets (the OSError's own text says what happened).
@@ -81,7 +110,6 @@ def describe_os_error(e: OSError) -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run a command; every user mistake or environment fault ends as one line on stderr.
     Anything else is a bug and keeps its traceback, so it can be reported."""
-    _register()
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
     except ValueError:  # not the main thread (an embedding caller): leave signals alone

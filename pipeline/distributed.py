@@ -3,7 +3,9 @@
 rank 0 does some work and shares the result, or its error, with the others.
 
 Without torchrun (or with WORLD_SIZE 1) everything here is a plain single process and
-no collective is ever called, so the same code runs in tests and on a laptop.
+no collective is ever called, so the same code runs in tests and on a laptop. torch is
+imported only for a device or a process group: a single serve-batch process on ONNX Runtime
+runs without it.
 """
 
 from __future__ import annotations
@@ -12,21 +14,22 @@ import datetime
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import torch
-import torch.distributed as dist
-
-from model.checkpoint import CheckpointError
-from model.config import ConfigError
 from model.errors import UserError
 
 T = TypeVar("T")
 
 # Errors that are the user's, raised on rank 0 while the others wait: they are sent to
 # every rank and raised there as the same one-line UserError.
-SHARED_ERRORS: tuple[type[Exception], ...] = (UserError, ConfigError, CheckpointError)
+SHARED_ERRORS: tuple[type[Exception], ...] = (UserError,)
+
+
+def _dist() -> Any:
+    import torch.distributed as dist
+
+    return dist
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    device: Any = "cpu"  # a torch.device once a stage picked one (training), else the name
     owns_group: bool = False  # we called init_process_group, so we destroy it
 
     @property
@@ -49,9 +52,12 @@ class DistContext:
 
     def all_reduce(self, values: list[float]) -> list[float]:
         """Sum a few numbers over ranks (float64 on this rank's device)."""
+        if not self.distributed:
+            return [float(v) for v in values]
+        import torch
+
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.distributed:
-            dist.all_reduce(t)
+        _dist().all_reduce(t)
         return t.tolist()
 
     def broadcast(self, value: T) -> T:
@@ -59,7 +65,7 @@ class DistContext:
         if not self.distributed:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        _dist().broadcast_object_list(box, src=0)
         return box[0]
 
     def gather(self, value: T) -> list[T] | None:
@@ -67,7 +73,7 @@ class DistContext:
         if not self.distributed:
             return [value]
         everyone: list[Any] | None = [None] * self.world_size if self.is_main else None
-        dist.gather_object(value, everyone, dst=0)
+        _dist().gather_object(value, everyone, dst=0)
         return everyone
 
 
@@ -77,8 +83,10 @@ def env_ranks() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    """auto / cpu / cuda -> this rank's device; CUDA takes the LOCAL_RANK-th GPU."""
+def pick_device(name: str, local_rank: int) -> Any:
+    """auto / cpu / cuda -> this rank's torch.device; CUDA takes the LOCAL_RANK-th GPU."""
+    import torch
+
     if name not in ("auto", "cpu", "cuda"):
         raise UserError(f"--device {name!r}: choose auto, cpu or cuda")
     if name == "cuda" and not torch.cuda.is_available():
@@ -94,6 +102,8 @@ def rank_device(ctx: DistContext, device: str | None) -> str | None:
     default): under torchrun each rank takes its own GPU, cuda:LOCAL_RANK modulo the GPUs."""
     if not ctx.distributed:
         return device
+    import torch
+
     if device in (None, "cuda") and torch.cuda.is_available():
         return f"cuda:{ctx.local_rank % torch.cuda.device_count()}"
     return device
@@ -106,21 +116,23 @@ def init_distributed(device_name: str | None = "auto", backend: str | None = Non
     (see rank_device; ctx.device is then the CPU, where object collectives run).
     Pair with `shutdown`, or use `dist_context`."""
     rank, world, local_rank = env_ranks()
-    device = pick_device(device_name, local_rank) if device_name is not None else torch.device("cpu")
+    device = pick_device(device_name, local_rank) if device_name is not None else "cpu"
     owns = False
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend or ("nccl" if device.type == "cuda" else "gloo"),
-                                timeout=datetime.timedelta(minutes=60))
-        owns = True
     if world > 1:
+        dist = _dist()
+        if not dist.is_initialized():
+            on_cuda = str(device).startswith("cuda")
+            dist.init_process_group(backend=backend or ("nccl" if on_cuda else "gloo"),
+                                    timeout=datetime.timedelta(minutes=60))
+            owns = True
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistContext(rank, world, local_rank, device, owns)
 
 
 def shutdown(ctx: DistContext) -> None:
     """Destroy the process group if this context created it."""
-    if ctx.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+    if ctx.owns_group and _dist().is_initialized():
+        _dist().destroy_process_group()
 
 
 @contextmanager
@@ -147,7 +159,7 @@ def on_main(ctx: DistContext, fn: Callable[[], T], share: bool = True) -> T | No
         except SHARED_ERRORS as e:
             error = str(e)
     box = [(result if share else None, error)]
-    dist.broadcast_object_list(box, src=0)
+    _dist().broadcast_object_list(box, src=0)
     shared, error = box[0]
     if error is not None:
         raise UserError(error)

@@ -44,7 +44,7 @@ class Gpu:
 
 @dataclass(frozen=True)
 class TorchFacts:
-    version: str
+    version: str | None              # None: PyTorch is not installed (a deploy-only install)
     cuda: str | None = None          # CUDA version this torch was built for; None: CPU-only build
     cudnn: int | None = None
     gpus: tuple[Gpu, ...] = ()
@@ -96,7 +96,11 @@ class Facts:
 # -- probes ------------------------------------------------------------------------------------
 
 def torch_facts() -> TorchFacts:
-    import torch
+    try:
+        import torch
+    except ImportError:
+        return TorchFacts(None, no_gpu_reason="PyTorch is not installed (deploy install; the torch backend, "
+                                              "training and export need pip install -e \".[train]\")")
 
     cuda = torch.version.cuda
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
@@ -186,7 +190,8 @@ def model_dir_verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:
     out: list[Verdict] = []
 
     missing = _missing(files, "torch")
-    torch_why = f"the model dir has no {', '.join(missing)}" if missing else ""
+    torch_why = (f"the model dir has no {', '.join(missing)}" if missing else
+                 "" if facts.torch.version else "PyTorch is not installed (pip install -e \".[train]\")")
     out.append(Verdict("torch", "fp32", "cpu", not torch_why, torch_why))
     for p in ("fp32", "fp16"):
         why = torch_why or ("" if gpu else no_gpu)
@@ -239,7 +244,8 @@ def _yes(value: bool | None) -> str:
 def format_facts(facts: Facts) -> str:
     t, o, r, c = facts.torch, facts.onnxruntime, facts.tensorrt, facts.cpu
     lines = [f"python        {facts.python} ({facts.platform})",
-             f"torch         {t.version}; CUDA {t.cuda or '-'}; cuDNN {t.cudnn or '-'}; NCCL {_yes(t.nccl)}"]
+             f"torch         {t.version}; CUDA {t.cuda or '-'}; cuDNN {t.cudnn or '-'}; NCCL {_yes(t.nccl)}"
+             if t.version else "torch         not installed (deploy install)"]
     for g in t.gpus:
         lines.append(f"  gpu {g.index}       {g.name}, {g.memory_gib:.1f} GiB, compute {g.compute_capability}")
     lines.append(f"  bf16        {_yes(t.bf16)}" if t.gpus else f"  gpu         none: {t.no_gpu_reason}")

@@ -1,8 +1,9 @@
 """The one interface beam and greedy search run against, whatever executes the model.
 
-A backend owns the encoder output and the decoder caches in its native form (torch
-tensors, ONNX Runtime values, TensorRT device buffers); search only sees the step's
-candidates as torch tensors on `backend.device`, and hands back row indices.
+A backend owns the encoder output and the decoder caches in its native form (numpy arrays
+for ONNX Runtime on the CPU, torch tensors for PyTorch and TensorRT); search only sees
+the step's candidates as numpy arrays on the host, and hands back row indices as numpy
+int64 arrays. So search, batching and the ONNX Runtime CPU path never import torch.
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-from torch import Tensor
+import numpy as np
 
 from model import io_names
 from model.cache import BeamCache
@@ -34,57 +34,73 @@ class EncoderState:
 
 @dataclass
 class StepOutput:
-    """Candidates of one decoder step, as torch tensors on the backend's device."""
+    """Candidates of one decoder step, as numpy arrays on the host."""
 
-    topk_log_probs: Tensor  # (N, K) float32, sorted descending
-    topk_ids: Tensor        # (N, K) int64
-    eos_log_probs: Tensor   # (N,) float32
+    topk_log_probs: np.ndarray  # (N, K) float32, sorted descending
+    topk_ids: np.ndarray        # (N, K) int64
+    eos_log_probs: np.ndarray   # (N,) float32
 
 
 class Backend(Protocol):
     name: str
-    device: torch.device  # where StepOutput tensors live and where reorder indices go
+    device: Any           # where the backend runs (str or torch.device), for reports
     topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
     max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
 
-    def encode(self, src_ids: Tensor) -> EncoderState:
+    def encode(self, src_ids: np.ndarray) -> EncoderState:
         """src_ids (B, S) int64 padded with PAD_ID -> state with B rows."""
 
-    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+    def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         """A state whose row i is `state`'s row rows[i] (drops finished sentences)."""
 
     def initial_cache(self, n_rows: int) -> Any:
         """An empty self-attention cache for n_rows hypotheses (model.cache.BeamCache for
         the real backends; opaque to search)."""
 
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: Any,
-             reorder: Tensor) -> tuple[StepOutput, Any]:
+    def step(self, state: EncoderState, tokens: np.ndarray, step: int, cache: Any,
+             reorder: np.ndarray) -> tuple[StepOutput, Any]:
         """One decoder step. tokens (N,) int64 with N a multiple of state.n_rows (rows of
         a sentence are consecutive); reorder (N,) int64 rows of `cache` each hypothesis
         continues (within its own sentence); returns the candidates and the cache with
         this step added (the real backends extend it in place)."""
 
 
-def select_rows(state: EncoderState, rows: Tensor) -> EncoderState:
-    """`Backend.select` for backends whose state tensors are torch tensors: row i of the
-    result is row rows[i] of every tensor."""
-    first = next(iter(state.tensors.values()))
-    rows = rows.to(first.device)
-    return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()}, int(rows.shape[0]))
+def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
+    """`Backend.select` for numpy or torch state tensors: row i of the result is row rows[i]
+    of every tensor."""
+    rows = np.asarray(rows, dtype=np.int64)
+    selected: dict[str, Any] = {}
+    index: Any = None
+    for name, v in state.tensors.items():
+        if isinstance(v, np.ndarray):
+            selected[name] = np.take(v, rows, axis=0)
+        else:  # a torch tensor (torch and TensorRT backends, ONNX Runtime on CUDA)
+            if index is None:
+                import torch
+
+                index = torch.from_numpy(rows).to(v.device)
+            selected[name] = v.index_select(0, index)
+    return EncoderState(selected, int(rows.shape[0]))
+
+
+def host(x: Any, dtype: Any = None) -> np.ndarray:
+    """A numpy array on the host from a numpy array or a torch tensor on any device."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
 
 
 class ExportedGraphBackend:
-    """What the onnxruntime and tensorrt backends share: torch tensors as state and caches,
-    laid out as the exported graphs take them. Subclasses set cfg, device, cache_dtype,
-    max_tgt_len."""
+    """What the onnxruntime and tensorrt backends share: state and caches laid out as the
+    exported graphs take them. Subclasses set cfg, device, cache_dtype, max_tgt_len."""
 
     cfg: Any
-    device: torch.device
-    cache_dtype: torch.dtype
+    device: Any
+    cache_dtype: Any
     max_tgt_len: int
 
-    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+    def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)
 
     @staticmethod

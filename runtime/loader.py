@@ -2,24 +2,27 @@
 
 The manifest is verified first (every file's SHA-256), so a tampered or half-copied
 directory is refused with the file named and the command that rebuilds it, rather than
-translating with the wrong weights."""
+translating with the wrong weights.
+
+PyTorch is imported only for the torch and tensorrt backends (and CUDA devices): opening a
+model dir with onnxruntime on the CPU, as `pip install pipeline[deploy]` does, never needs it."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from model import io_names
 from model.atomic import restore_replaced_dir
-from model.checkpoint import load_model, resolve_checkpoint
 from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, ORT_DYNAMIC, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
-from runtime.torch_backend import DEFAULT_TOPK, TorchBackend
+
+DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
+TRAIN_EXTRA = 'pip install -e ".[train]"'
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +46,48 @@ def installed(module: str) -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
+def import_torch(why: str) -> Any:
+    """torch, or a one-line error saying what needs it and how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeUserError(f"{why} needs PyTorch, which is not installed (a deploy-only install): "
+                               f"{TRAIN_EXTRA}, or use --backend onnxruntime") from None
+    return torch
+
+
+def cuda_available() -> bool:
+    """A CUDA GPU usable through PyTorch (False without torch, which is then not imported)."""
+    if not installed("torch"):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
 def choose_backend(manifest: Manifest) -> str:
     """auto: TensorRT when engines are present, tensorrt imports and CUDA is there; else
     ONNX Runtime when installed and the graphs are present; else PyTorch."""
-    if manifest.lists(*NEEDS["tensorrt"]) and installed("tensorrt") and torch.cuda.is_available():
+    if manifest.lists(*NEEDS["tensorrt"]) and installed("tensorrt") and cuda_available():
         return "tensorrt"
     if manifest.lists(*NEEDS["onnxruntime"]) and installed("onnxruntime"):
         return "onnxruntime"
     return "torch"
 
 
-def resolve_device(device: str | None) -> torch.device:
+def check_device(device: str | None) -> None:
+    """A bad --device is one line before anything is loaded, on any backend."""
+    if device is None:
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise RuntimeUserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N")
+    if device != "cpu":
+        resolve_device(device)
+
+
+def resolve_device(device: str | None) -> Any:
+    """The torch.device for the torch backend (imports torch)."""
+    torch = import_torch(f"--device {device}" if device and device != "cpu" else "the torch backend")
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -70,8 +104,10 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
+def torch_dtype(precision: str | None, device: Any) -> Any:
     """fp16 only on a GPU (CPU half matmuls are slow and not what the graphs compute)."""
+    import torch
+
     if precision == "fp16" and device.type == "cuda":
         return torch.float16
     if precision == "fp16":
@@ -91,8 +127,7 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
     if backend not in BACKENDS:
         raise RuntimeUserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     model_dir = Path(model_dir)
-    if device is not None:
-        resolve_device(device)  # a bad --device is one line before anything is loaded, on any backend
+    check_device(device)
     restore_replaced_dir(model_dir)  # an export --force killed between its two renames
     manifest = read_manifest(model_dir, verify=False)  # readable at all?
     name = choose_backend(manifest) if backend == "auto" else backend
@@ -107,6 +142,10 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
                     "where outputs must not depend on batching", model_dir)
     tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
     if name == "torch":
+        torch = import_torch("the torch backend")
+        from model.checkpoint import load_model
+        from runtime.torch_backend import TorchBackend
+
         dev = resolve_device(device)
         if threads:
             torch.set_num_threads(threads)
@@ -128,8 +167,12 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
 
 
 def load_torch_backend_from_checkpoint(path: str | Path, device: str | None = None,
-                                       topk: int = DEFAULT_TOPK) -> tuple[TorchBackend, Tokenizer]:
+                                       topk: int = DEFAULT_TOPK) -> tuple[Any, Tokenizer]:
     """The PyTorch reference straight from a checkpoint file or a training save dir."""
+    import_torch("a checkpoint")
+    from model.checkpoint import load_model, resolve_checkpoint
+    from runtime.torch_backend import TorchBackend
+
     ckpt = resolve_checkpoint(Path(path))
     model, spm_bytes, _ = load_model(ckpt, device="cpu")
     return TorchBackend(model, resolve_device(device), topk=topk), Tokenizer(spm_bytes)

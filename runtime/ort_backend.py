@@ -1,9 +1,9 @@
 """The ONNX Runtime backend: the exported encoder and decoder-step graphs.
 
-Every input and output is a torch tensor bound by pointer through IO binding, on the CPU
-as on CUDA: caches and cross K/V never leave the device, outputs land in tensors that
-search and the next step use as they are (no numpy round trip, no copies), and the
-beam's cache is written in place and never reordered (model/cache.py).
+Every input and output is bound by pointer through IO binding: numpy arrays on the CPU
+(this path never imports torch), torch CUDA tensors on a GPU. Caches and cross K/V never
+leave the device, outputs land in arrays that search and the next step use as they are
+(no copies), and the beam's cache is written in place and never reordered (model/cache.py).
 
 Session options: full graph optimisation and, by default, no intra-op thread spinning:
 with several sessions (or processes) sharing few cores, spinning threads steal the
@@ -23,13 +23,11 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from model import io_names
 from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest
-from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
+from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
 
@@ -42,9 +40,8 @@ TRT_EP = "TensorrtExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
 
-_ORT_TYPES = {"tensor(float)": torch.float32, "tensor(float16)": torch.float16,
-              "tensor(int64)": torch.int64}
-_NP_TYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.int64: np.int64}
+_ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
+              "tensor(int64)": np.dtype(np.int64)}
 
 
 def session_config(manifest: Manifest) -> dict[str, str]:
@@ -61,9 +58,9 @@ def import_onnxruntime() -> ModuleType:
     return onnxruntime
 
 
-def choose_providers(device: torch.device, available: list[str], use_tensorrt: bool = True) -> list[str]:
+def choose_providers(device: Any, available: list[str], use_tensorrt: bool = True) -> list[str]:
     """Execution providers for `device` from what this onnxruntime build offers, best first."""
-    if device.type == "cpu":
+    if str(device) == "cpu":
         return [CPU_EP]
     if CUDA_EP not in available:
         raise RuntimeUserError(
@@ -74,11 +71,11 @@ def choose_providers(device: torch.device, available: list[str], use_tensorrt: b
 
 
 class OrtBackend(ExportedGraphBackend):
-    """Encoder + decoder-step ONNX graphs run by onnxruntime, IO-bound to torch tensors."""
+    """Encoder + decoder-step ONNX graphs run by onnxruntime, IO-bound to numpy arrays (CPU) or torch tensors (CUDA)."""
 
     name = "onnxruntime"
 
-    def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None,
+    def __init__(self, model_dir: Path, manifest: Manifest, device: Any = None,
                  threads: int | None = None, spinning: bool = False,
                  providers: list[str] | None = None):
         import_onnxruntime()
@@ -87,10 +84,17 @@ class OrtBackend(ExportedGraphBackend):
         self.cfg = manifest.model_config
         available: list[str] = ort.get_available_providers()
         if device is None:
-            device = "cuda" if CUDA_EP in available and torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            device = "cuda" if CUDA_EP in available and _cuda_visible() else "cpu"
+        self.on_cuda = str(device).startswith("cuda")
+        if self.on_cuda:  # device buffers are torch CUDA tensors (onnxruntime-gpu + PyTorch)
+            torch = _import_torch_for_cuda()
+            self.device: Any = torch.device(device)
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+        elif str(device) == "cpu":
+            self.device = "cpu"
+        else:
+            raise RuntimeUserError(f"--device {device}: the onnxruntime backend runs on cpu or cuda[:N]")
         self.providers = providers or choose_providers(self.device, available)
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -107,7 +111,7 @@ class OrtBackend(ExportedGraphBackend):
         model_dir = Path(model_dir)
         # rowwise on the CPU: integer-matmul weights in the form this CPU multiplies fastest and
         # exactly (int8 with int8 dot products, uint8 without), flipped when loading if stored otherwise
-        flip = (manifest.quantization == ROWWISE and self.device.type == "cpu"
+        flip = (manifest.quantization == ROWWISE and not self.on_cuda
                 and manifest.unsigned_weights != wants_unsigned_weights())
         graph = session_graph if flip else graph_as_is
         with graph(model_dir / io_names.ENCODER_FILE) as encoder, graph(model_dir / io_names.DECODER_FILE) as decoder:
@@ -119,7 +123,7 @@ class OrtBackend(ExportedGraphBackend):
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
-        self.cache_dtype = self.out_types[io_names.step_k(0)]
+        self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
         self.max_src_len = manifest.limits.max_src_len
         self.max_tgt_len = manifest.limits.max_tgt_len
@@ -130,52 +134,81 @@ class OrtBackend(ExportedGraphBackend):
         # peak RSS 569-613 MB against 621-661 without, at the same speed (the encoder
         # runs once per batch; the decoder's arena is kept, see above).
         self._encoder_run_options = ort.RunOptions()
-        if self.device.type == "cpu":
+        if not self.on_cuda:
             self._encoder_run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-        self._device_type = "cuda" if self.device.type == "cuda" else "cpu"
-        self._device_id = self.device.index or 0
+        self._device_type = "cuda" if self.on_cuda else "cpu"
+        self._device_id = self.device.index or 0 if self.on_cuda else 0
         log.info("onnxruntime %s on %s with %s", ort.__version__, self.device, ", ".join(self.providers))
 
     def _provider_options(self, provider: str, manifest: Manifest) -> dict[str, Any]:
+        device_id = self.device.index or 0 if self.on_cuda else 0
         if provider == CUDA_EP:
-            return {"device_id": self.device.index or 0}
+            return {"device_id": device_id}
         if provider == TRT_EP:
             cache = Path.home() / ".cache" / "pipeline" / "ort-trt"
             cache.mkdir(parents=True, exist_ok=True)
-            return {"device_id": self.device.index or 0, "trt_engine_cache_enable": True,
+            return {"device_id": device_id, "trt_engine_cache_enable": True,
                     "trt_engine_cache_path": str(cache),
                     "trt_fp16_enable": manifest.precision == "fp16"}
         return {}
 
     # -- IO binding ---------------------------------------------------------------------
 
-    def _bind_in(self, binding: ort.IOBinding, name: str, t: Tensor, alive: list[Tensor]) -> None:
-        """Bind t by pointer; `alive` keeps any contiguous copy referenced until the run."""
-        t = t.contiguous()
-        alive.append(t)
-        binding.bind_input(name, self._device_type, self._device_id, _NP_TYPES[t.dtype],
-                           list(t.shape), t.data_ptr())
+    def _array_dtype(self, dtype: np.dtype) -> Any:
+        """The array dtype of this backend's buffers: numpy's on the CPU, torch's on CUDA."""
+        if not self.on_cuda:
+            return dtype
+        import torch
 
-    def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...]) -> Tensor:
-        t = torch.empty(shape, dtype=self.out_types[name], device=self.device)
-        binding.bind_output(name, self._device_type, self._device_id, _NP_TYPES[t.dtype],
-                            list(t.shape), t.data_ptr())
+        return getattr(torch, dtype.name)
+
+    def _bind_in(self, binding: ort.IOBinding, name: str, a: Any, alive: list[Any]) -> None:
+        """Bind `a` by pointer; `alive` keeps any contiguous copy referenced until the run."""
+        if isinstance(a, np.ndarray):
+            a = np.ascontiguousarray(a)
+            alive.append(a)
+            binding.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
+            return
+        a = a.contiguous()  # a torch CUDA tensor
+        alive.append(a)
+        binding.bind_input(name, self._device_type, self._device_id, np.dtype(str(a.dtype)[6:]).type,
+                           list(a.shape), a.data_ptr())
+
+    def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...]) -> Any:
+        dtype = self.out_types[name]
+        if not self.on_cuda:
+            a = np.empty(shape, dtype=dtype)
+            binding.bind_output(name, "cpu", 0, dtype.type, list(shape), a.ctypes.data)
+            return a
+        import torch
+
+        t = torch.empty(shape, dtype=self._array_dtype(dtype), device=self.device)
+        binding.bind_output(name, self._device_type, self._device_id, dtype.type, list(shape), t.data_ptr())
         return t
+
+    def _device_array(self, a: np.ndarray) -> Any:
+        """A host array as an input of this backend (a CUDA tensor on the GPU)."""
+        if not self.on_cuda:
+            return a
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
 
     def _run(self, session: ort.InferenceSession, binding: ort.IOBinding,
              run_options: ort.RunOptions | None = None) -> None:
-        if self.device.type == "cuda":
+        if self.on_cuda:
+            import torch
+
             torch.cuda.current_stream(self.device).synchronize()  # inputs written by torch
         session.run_with_iobinding(binding, run_options)
 
     # -- Backend protocol ---------------------------------------------------------------
 
-    @torch.inference_mode()
-    def encode(self, src_ids: Tensor) -> EncoderState:
-        src_ids = src_ids.to(self.device, torch.int64).contiguous()
+    def encode(self, src_ids: Any) -> EncoderState:
+        src_ids = self._device_array(host(src_ids, np.int64))
         b, s = src_ids.shape
         binding = self.encoder.io_binding()
-        alive: list[Tensor] = []  # inputs stay referenced until the run has read them
+        alive: list[Any] = []  # inputs stay referenced until the run has read them
         self._bind_in(binding, io_names.SRC_IDS, src_ids, alive)
         cross = (b, self.cfg.n_heads, s, self.cfg.d_head)
         tensors = {io_names.SRC_BIAS: self._bind_out(binding, io_names.SRC_BIAS, (b, s))}
@@ -185,17 +218,16 @@ class OrtBackend(ExportedGraphBackend):
         self._run(self.encoder, binding, self._encoder_run_options)
         return EncoderState(tensors, b)
 
-    @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
-             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
+    def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
+             reorder: Any) -> tuple[StepOutput, BeamCache]:
         n_layers = self.cfg.n_dec_layers
+        tokens = host(tokens, np.int64)
         n = int(tokens.shape[0])
-        feeds = cache.advance(reorder.to(self.device), state.n_rows)
+        feeds = cache.advance(reorder, state.n_rows)
         binding = self.decoder.io_binding()
-        alive: list[Tensor] = []
-        self._bind_in(binding, io_names.TOKENS, tokens.to(self.device, torch.int64), alive)
-        self._bind_in(binding, io_names.STEP, torch.tensor([step], dtype=torch.int64, device=self.device),
-                      alive)
+        alive: list[Any] = []
+        self._bind_in(binding, io_names.TOKENS, self._device_array(tokens), alive)
+        self._bind_in(binding, io_names.STEP, self._device_array(np.array([step], dtype=np.int64)), alive)
         for name, t in {**feeds, **state.tensors}.items():
             self._bind_in(binding, name, t, alive)
         top_lp = self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk))
@@ -206,4 +238,22 @@ class OrtBackend(ExportedGraphBackend):
         step_v = [self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)]
         self._run(self.decoder, binding)
         cache.append(step_k, step_v)
-        return StepOutput(top_lp, top_ids, eos_lp), cache
+        return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache
+
+
+def _cuda_visible() -> bool:
+    """Whether a CUDA GPU can be used: onnxruntime-gpu's CUDA buffers are torch tensors here."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _import_torch_for_cuda() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeUserError("the onnxruntime backend on cuda keeps its device buffers in PyTorch tensors: "
+                               "install torch, or use --device cpu") from None
+    return torch

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
-from torch import Tensor
 
 from model import io_names
 from model.cache import BeamCache
 from model.transformer import Transformer, select_candidates
-from runtime.backend import EncoderState, StepOutput, select_rows
-
-DEFAULT_TOPK = 16
+from runtime.backend import EncoderState, StepOutput, host, select_rows
+from runtime.loader import DEFAULT_TOPK
 
 
 class TorchBackend:
@@ -31,7 +30,8 @@ class TorchBackend:
         self.max_tgt_len = max_tgt_len or self.cfg.max_positions
 
     @torch.inference_mode()
-    def encode(self, src_ids: Tensor) -> EncoderState:
+    def encode(self, src_ids: Any) -> EncoderState:
+        src_ids = torch.as_tensor(src_ids, dtype=torch.int64)
         memory, src_bias = self.model.encode(src_ids.to(self.device))
         ks, vs = self.model.cross_kv(memory)
         tensors: dict[str, Any] = {io_names.SRC_BIAS: src_bias}
@@ -40,23 +40,23 @@ class TorchBackend:
             tensors[io_names.cross_v(i)] = v
         return EncoderState(tensors, src_ids.shape[0])
 
-    def select(self, state: EncoderState, rows: Tensor) -> EncoderState:
+    def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)
 
     def initial_cache(self, n_rows: int) -> BeamCache:
         return BeamCache(self.cfg, n_rows, self.dtype, self.device, max_steps=self.max_tgt_len)
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
-             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
+    def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
+             reorder: Any) -> tuple[StepOutput, BeamCache]:
         n = self.cfg.n_dec_layers
         t = state.tensors
         feeds = cache.advance(reorder, state.n_rows)
         log_probs, step_k, step_v = self.model.decode_step(
-            tokens.to(self.device), torch.tensor([step], device=self.device),
+            torch.as_tensor(tokens, dtype=torch.int64).to(self.device), torch.tensor([step], device=self.device),
             feeds[io_names.SELF_INDEX], feeds[io_names.SELF_BIAS], cache.k, cache.v,
             [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
             t[io_names.SRC_BIAS])
         cache.append(step_k, step_v)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id)
-        return StepOutput(top_lp, top_ids, eos_lp), cache
+        return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+import numpy as np
 
 from model.config import PAD_ID
 from runtime.backend import Backend
@@ -28,12 +28,12 @@ NBEST_SEP = " ||| "
 NBest = list[tuple[list[int], float]]  # one line's hypotheses as (tokens, score), best first; [] for blank
 
 
-def pad_batch(sources: list[list[int]]) -> torch.Tensor:
+def pad_batch(sources: list[list[int]]) -> np.ndarray:
     """(B, S) int64 right-padded with PAD_ID."""
     width = max(len(s) for s in sources)
-    out = torch.full((len(sources), width), PAD_ID, dtype=torch.long)
+    out = np.full((len(sources), width), PAD_ID, dtype=np.int64)
     for i, s in enumerate(sources):
-        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        out[i, : len(s)] = s
     return out
 
 

@@ -15,15 +15,16 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from model import io_names
 from model.cache import BeamCache, step_outputs
 from model.manifest import Manifest
-from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput
+from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.errors import RuntimeUserError
 
 if TYPE_CHECKING:  # for annotations only: at run time tensorrt is imported once import_tensorrt() vouched
@@ -151,21 +152,23 @@ class TrtBackend(ExportedGraphBackend):
         log.info("TensorRT %s on %s", trt.__version__, torch.cuda.get_device_name(self.device))
 
     @torch.inference_mode()
-    def encode(self, src_ids: Tensor) -> EncoderState:
+    def encode(self, src_ids: Any) -> EncoderState:
+        src_ids = torch.as_tensor(src_ids, dtype=torch.int64)
         out = self.encoder.run({io_names.SRC_IDS: src_ids}, self.device)
         return EncoderState(out, int(src_ids.shape[0]))
 
     @torch.inference_mode()
-    def step(self, state: EncoderState, tokens: Tensor, step: int, cache: BeamCache,
-             reorder: Tensor) -> tuple[StepOutput, BeamCache]:
+    def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
+             reorder: Any) -> tuple[StepOutput, BeamCache]:
         n_layers = self.cfg.n_dec_layers
         if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
             raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "
                                    f"{self.max_hyps} (max batch x max beam); lower --beam-size or {REBUILD} "
                                    "with larger --max-batch / --max-beam")
-        feeds = {io_names.TOKENS: tokens, io_names.STEP: torch.tensor([step], dtype=torch.int64),
-                 **state.tensors, **cache.advance(reorder.to(self.device), state.n_rows)}
+        feeds = {io_names.TOKENS: torch.as_tensor(tokens, dtype=torch.int64),
+                 io_names.STEP: torch.tensor([step], dtype=torch.int64),
+                 **state.tensors, **cache.advance(reorder, state.n_rows)}
         out = self.decoder.run(feeds, self.device)
         cache.append(*step_outputs(out, n_layers))
-        return StepOutput(out[io_names.TOPK_LOG_PROBS].float(), out[io_names.TOPK_IDS].long(),
-                          out[io_names.EOS_LOG_PROBS].float()), cache
+        return StepOutput(host(out[io_names.TOPK_LOG_PROBS], np.float32), host(out[io_names.TOPK_IDS], np.int64),
+                          host(out[io_names.EOS_LOG_PROBS], np.float32)), cache

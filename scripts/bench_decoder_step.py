@@ -75,8 +75,6 @@ class StepRunner:
     def decode(self, batch: int, beam: int, steps: int, src_len: int, rng: np.random.Generator
                ) -> tuple[float, float]:
         """(wall, CPU) seconds for `steps` decoder steps of batch x beam rows."""
-        import torch
-
         from model.cache import BeamCache
         from model.config import ModelConfig
 
@@ -104,9 +102,9 @@ class StepRunner:
             binding.bind_cpu_input("tokens", tokens)
             binding.bind_cpu_input("step", np.array([t], dtype=np.int64))
             if self.beam_cache:
-                feeds = beam_cache.advance(torch.from_numpy(reorder), batch)  # referenced until the run
-                for name, tensor in feeds.items():
-                    binding.bind_input(name, "cpu", 0, tensor.numpy().dtype, list(tensor.shape), tensor.data_ptr())
+                feeds = beam_cache.advance(reorder, batch)  # numpy arrays, referenced until the run
+                for name, array in feeds.items():
+                    binding.bind_input(name, "cpu", 0, array.dtype.type, list(array.shape), array.ctypes.data)
             else:
                 binding.bind_cpu_input("reorder", reorder)
                 for name, value in cache.items():
@@ -119,7 +117,7 @@ class StepRunner:
             out: dict[str, Any] = dict(zip(self.outputs, binding.get_outputs()))
             out["topk_log_probs"].numpy()  # what search reads each step
             if self.beam_cache:
-                beam_cache.append(*([torch.from_numpy(out[f"step_{kv}.{i}"].numpy()) for i in range(self.n_layers)]
+                beam_cache.append(*([out[f"step_{kv}.{i}"].numpy() for i in range(self.n_layers)]
                                     for kv in "kv"))
             else:
                 cache = {f"self_{kv}.{i}": out[f"new_self_{kv}.{i}"] for kv in "kv" for i in range(self.n_layers)}

@@ -18,7 +18,7 @@ from model.checkpoint import CheckpointError, CheckpointWriteError, load_model
 from model.config import ConfigError
 from model.errors import UserError
 from model.manifest import ModelDirError
-from pipeline.cli import _register, cli
+from pipeline.cli import all_commands
 from pipeline.evaluation.serve_bench import ServeBenchOptions
 from pipeline.serve.options import RequestLimits, ServeHttpOptions
 from pipeline.training.options import TrainOptions
@@ -27,11 +27,11 @@ from runtime.errors import RuntimeUserError
 from runtime.search import SearchError
 from runtime.tokenizer import TokenizerError
 
-_register()
+COMMANDS = all_commands()
 
 
 def command(name: str) -> click.Command:
-    return cli.commands[name]
+    return COMMANDS[name]
 
 
 def params(name: str) -> dict[str, click.Parameter]:

@@ -95,7 +95,7 @@ def test_incremental_decoding_equals_full_forward(model, train_mode):
         model.eval()
         memory, src_bias = model.encode(src)
         ck, cv = model.cross_kv(memory)
-        cache = BeamCache(cfg, src.shape[0], initial_capacity=2)
+        cache = BeamCache(cfg, src.shape[0], torch.float32, initial_capacity=2)
         reorder = torch.arange(src.shape[0])
         for t in range(tgt.shape[1]):
             lp = _step(model, cache, tgt[:, t], t, reorder, src.shape[0], ck, cv, src_bias)
@@ -118,7 +118,7 @@ def test_beam_cache_follows_each_hypothesis_history(model):
         ck, cv = model.cross_kv(memory)
         sentences = torch.arange(src.shape[0])
         n = src.shape[0] * beam
-        cache = BeamCache(model.cfg, n, initial_capacity=2)
+        cache = BeamCache(model.cfg, n, torch.float32, initial_capacity=2)
         history = [[2] for _ in range(n)]
         reorder = torch.arange(n)
         for t in range(n_steps):

@@ -8,6 +8,7 @@ import math
 import random
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -36,7 +37,7 @@ class ScriptedBackend:
 
     def __init__(self, tables: dict[int, Table], topk: int = VOCAB, max_tgt_len: int = 100):
         self.tables = tables
-        self.device = torch.device("cpu")
+        self.device = "cpu"
         self.topk = topk
         self.max_src_len = 64
         self.max_tgt_len = max_tgt_len
@@ -44,24 +45,25 @@ class ScriptedBackend:
         self.rows_seen: list[int] = []
         self.state_rows_seen: list[int] = []
 
-    def encode(self, src_ids: torch.Tensor) -> EncoderState:
+    def encode(self, src_ids: np.ndarray) -> EncoderState:
+        assert isinstance(src_ids, np.ndarray) and src_ids.dtype == np.int64
         return EncoderState({"table": src_ids[:, 0] - KEY0}, src_ids.shape[0])
 
-    def select(self, state: EncoderState, rows: torch.Tensor) -> EncoderState:
-        return EncoderState({k: v.index_select(0, rows) for k, v in state.tensors.items()},
+    def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
+        return EncoderState({k: np.take(v, rows, axis=0) for k, v in state.tensors.items()},
                             int(rows.shape[0]))
 
-    def initial_cache(self, n_rows: int) -> torch.Tensor:
-        return torch.zeros((n_rows, 0), dtype=torch.long)
+    def initial_cache(self, n_rows: int) -> np.ndarray:
+        return np.zeros((n_rows, 0), dtype=np.int64)
 
     def step(self, state, tokens, step, cache, reorder):
         assert cache.shape[1] == step, "step index must equal the tokens fed so far"
         # One state row per sentence, shared by its consecutive hypothesis rows.
         assert tokens.shape[0] == reorder.shape[0] and tokens.shape[0] % state.n_rows == 0
         rows = tokens.shape[0] // state.n_rows
-        cache = torch.cat([cache.index_select(0, reorder), tokens[:, None]], dim=1)
-        lp = torch.full((tokens.shape[0], VOCAB), float("-inf"))
-        keys = state.tensors["table"].repeat_interleave(rows).tolist()
+        cache = np.concatenate([cache[reorder], tokens[:, None]], axis=1)
+        lp = np.full((tokens.shape[0], VOCAB), float("-inf"), dtype=np.float32)
+        keys = np.repeat(state.tensors["table"], rows).tolist()
         for i, (key, row) in enumerate(zip(keys, cache.tolist())):
             assert row[0] == BOS_ID
             for tok, p in self.tables[key](tuple(row[1:])).items():
@@ -69,8 +71,8 @@ class ScriptedBackend:
         self.steps_run += 1
         self.rows_seen.append(tokens.shape[0])
         self.state_rows_seen.append(state.n_rows)
-        top_lp, top_ids = lp.topk(self.topk, dim=1)
-        return StepOutput(top_lp, top_ids, lp[:, EOS_ID].clone()), cache
+        top_ids = np.argsort(-lp, axis=1, kind="stable")[:, :self.topk]
+        return StepOutput(np.take_along_axis(lp, top_ids, axis=1), top_ids, lp[:, EOS_ID].copy()), cache
 
 
 def table(entries: dict[tuple[int, ...], dict[int, float]],
@@ -84,9 +86,9 @@ def table(entries: dict[tuple[int, ...], dict[int, float]],
     return lookup
 
 
-def src(*keys: int) -> torch.Tensor:
+def src(*keys: int) -> np.ndarray:
     """One source row per key: [KEY0 + key, EOS]; the key selects the scripted table."""
-    return torch.tensor([[KEY0 + k, EOS_ID] for k in keys], dtype=torch.long)
+    return np.array([[KEY0 + k, EOS_ID] for k in keys], dtype=np.int64)
 
 
 def lp_len(length: int, alpha: float = 0.6) -> float:
