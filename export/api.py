@@ -51,7 +51,10 @@ from model.manifest import (
 )
 from model.signals import signals_latched
 from model.transformer import Transformer
-from runtime import graph_files
+from runtime import graph_files, references
+from runtime.decoding import PAPER
+from runtime.tokenizer import Tokenizer
+from runtime.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +189,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
                  timing_cache: Path | None = None, int8: bool = False,
-                 int8_atol: float | None = None, int8_flavour: str = quantize.AUTO) -> Manifest:
+                 int8_atol: float | None = None, int8_flavour: str = quantize.AUTO,
+                 references: tuple[list[str], list[str]] | None = None) -> Manifest:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
 
     int8: graphs with int8 weights (export/quantize.py), verified against the fp32 PyTorch
@@ -194,6 +198,10 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     flavours with int8 activations); the manifest's precision is "int8" and its "quantization" the
     flavour: "qdq" (TensorRT-parseable), "rowwise" or "ort-dynamic" (ONNX Runtime on CPU
     only: no engines); "auto" is qdq when TensorRT engines are built, rowwise otherwise.
+
+    references: (sources, human references) of a held-out set; the fp32 PyTorch model's
+    translations of them are recorded in the model dir (runtime/references.py), so `pipeline
+    parity` can gate a backend where PyTorch is not installed.
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
     skips them (manifest.tensorrt_skipped says why); True requires them; False skips.
@@ -252,6 +260,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
             if int8 and int8_flavour in ONNXRUNTIME_ONLY:
                 skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
                                                   unavailable]))
+            if references is not None:
+                _record_references(tmp, model, spm_bytes, limits, topk, references)
             versions = _versions()
             if engines:
                 versions["tensorrt"] = engines.version
@@ -275,6 +285,19 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
             raise
     log.info("export finished in %.1f s: %s", time.perf_counter() - started, out)
     return manifest
+
+
+def _record_references(model_dir: Path, model: Transformer, spm_bytes: bytes, limits: Limits, topk: int,
+                       sources_refs: tuple[list[str], list[str]]) -> None:
+    """references.json: the fp32 model's translations of the held-out lines, as the torch backend
+    serves this model dir (its limits and top-k), with the paper's decoding within those limits."""
+    started = time.perf_counter()
+    backend = TorchBackend(model, "cpu", topk=topk, max_src_len=limits.max_src_len, max_tgt_len=limits.max_tgt_len)
+    decoding = PAPER.replace(beam_size=max(1, min(PAPER.beam_size, limits.max_beam, topk // 2)))
+    recorded = references.record(backend, Tokenizer(spm_bytes), *sources_refs, decoding)
+    references.write(model_dir, recorded)
+    log.info("recorded the fp32 model's translations of %d held-out lines for parity in %.1f s",
+             len(recorded.sources), time.perf_counter() - started)
 
 
 def checkpoint_steps(payload: dict[str, Any]) -> list[int]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import time
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ FORMAT = "pipeline-model-dir-v2"
 OLD_FORMATS = ("pipeline-model-dir-v1",)  # before the typed manifest (source_checkpoint.step)
 CHECKPOINT_FILE = "model.pt"
 SPM_FILE = "spm.model"
+REFERENCES_FILE = "references.json"  # the fp32 model's translations of a held-out set (runtime/references.py)
 PRECISIONS = ("fp32", "fp16", "int8")  # graph / engine precisions an export can record
 # int8 flavours an export can record as `quantization` (export/quantize.py makes them):
 QDQ = "qdq"  # int8 weights read through DequantizeLinear, fp32 activations: TensorRT parses it
@@ -210,6 +213,57 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+HASH_CACHE_ENV = "PIPELINE_HASH_CACHE"  # a directory for remembered digests, or "off"
+CACHED_MIN_BYTES = 1 << 20  # smaller files are hashed every time: it costs less than the lookup
+RACY_NS = 2_000_000_000  # a digest taken this soon after the file's last change is taken again next time
+
+
+def hash_cache_dir() -> Path | None:
+    """Where digests of large files are remembered: $PIPELINE_HASH_CACHE, else
+    $XDG_CACHE_HOME/pipeline/hashes (~/.cache/...); None when PIPELINE_HASH_CACHE=off."""
+    value = os.environ.get(HASH_CACHE_ENV)
+    if value == "off":
+        return None
+    if value:
+        return Path(value)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline" / "hashes"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of `path`, hashed once per version of the file.
+
+    A large file's digest is remembered with its identity: device, inode, size, mtime and ctime
+    (nanoseconds). Any write, rename over it, or attribute change (utime included, which resets
+    mtime but moves ctime) changes the identity, and the file is hashed again. A digest taken
+    less than RACY_NS after the file's last change is not trusted (a change within the same
+    clock tick would keep the identity; git calls such entries racily clean). What is not
+    caught is a change below the file system (bit rot, raw disk writes):
+    PIPELINE_HASH_CACHE=off hashes every file on every load."""
+    path = Path(path)
+    st = path.stat()
+    cache = hash_cache_dir()
+    if cache is None or st.st_size < CACHED_MIN_BYTES:
+        return sha256_file(path)
+    identity = [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    entry = cache / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32] + ".json")
+    try:
+        known = json.loads(entry.read_text())
+        if (known.get("identity") == identity and isinstance(known.get("sha256"), str)
+                and int(known.get("hashed_at_ns", 0)) - st.st_ctime_ns > RACY_NS):
+            return str(known["sha256"])
+    except (OSError, ValueError, TypeError):
+        pass
+    hashed_at = time.time_ns()
+    digest = sha256_file(path)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(entry, json.dumps({"path": str(path.resolve()), "identity": identity,
+                                             "sha256": digest, "hashed_at_ns": hashed_at}))
+    except OSError:  # a read-only home or cache: verification still works, it only costs more
+        pass
+    return digest
+
+
 def write_manifest(model_dir: Path, manifest: Manifest) -> Manifest:
     """Hash every file of model_dir (but the manifest) into `files` and write it atomically."""
     model_dir = Path(model_dir)
@@ -251,6 +305,6 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
             f = model_dir / name
             if not f.is_file():
                 raise ModelDirError(f"{f}: listed in the manifest but missing; {REDO}")
-            if sha256_file(f) != digest:
+            if file_digest(f) != digest:
                 raise ModelDirError(f"{f}: SHA-256 does not match the manifest (file changed); {REDO}")
     return manifest

@@ -152,3 +152,54 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     assert report["server_exit_code"] == 0 and report["serve_batch"]["sentences"] == 12
     assert report["beam_size"] == 2
     assert "clients" in bench.stdout  # the table
+
+
+def test_validation_files_from_a_save_dir(tmp_path):
+    from pipeline.training.trainer import validation_files
+
+    save = tmp_path / "run"
+    (save / "data").mkdir(parents=True)
+    ckpt = save / "checkpoint_5.pt"
+    assert validation_files(ckpt) is None  # no config.json
+    (save / "config.json").write_text(json.dumps({"resolved_options": {"builtin_pairs": 100}}))
+    assert validation_files(save) is None  # the built-in corpus' files are gone
+    for name in ("valid.src", "valid.tgt"):
+        (save / "data" / name).write_text("x\n")
+    assert validation_files(ckpt) == (save / "data" / "valid.src", save / "data" / "valid.tgt")
+    src, tgt = tmp_path / "v.de", tmp_path / "v.en"
+    src.write_text("a\n")
+    tgt.write_text("b\n")
+    (save / "config.json").write_text(json.dumps({"resolved_options": {
+        "builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)}}))
+    assert validation_files(ckpt) == (src, tgt)
+
+
+@pytest.mark.slow
+def test_export_records_the_save_dirs_held_out_translations(tmp_path):
+    """`pipeline export` on a checkpoint of a save dir records the fp32 model's translations of its
+    validation set, as the torch backend serves them; --reference-lines 0 records none."""
+    from model.checkpoint import load_model
+    from pipeline.evaluation.random_model import make_random_checkpoint
+    from runtime.loader import load_backend
+    from runtime.translate import translate_lines
+
+    save = tmp_path / "run"
+    save.mkdir()
+    make_random_checkpoint(save / "checkpoint_3.pt", "tiny", 120, seed=2)
+    src, tgt = tmp_path / "v.de", tmp_path / "v.en"
+    src.write_text("ab cd\n\nef gh ij\nkl\n")
+    tgt.write_text("AB\nBLANK SOURCE\nEF\nKL\n")
+    (save / "config.json").write_text(json.dumps({"resolved_options": {
+        "builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)}}))
+    done = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m", "--no-tensorrt",
+                     "--max-src-len", "16", "--max-tgt-len", "24", "--reference-lines", "2")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "m" / "references.json").read_text())
+    assert record["sources"] == ["ab cd", "ef gh ij"] and record["references"] == ["AB", "EF"]
+    backend, tokenizer, _ = load_backend(tmp_path / "m", "torch")
+    assert record["lines"] == translate_lines(backend, tokenizer, record["sources"], beam_size=4)
+    assert load_model(save / "checkpoint_3.pt")[0].cfg.vocab_size <= 120
+
+    none = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m0", "--no-tensorrt",
+                     "--max-src-len", "16", "--max-tgt-len", "24", "--reference-lines", "0")
+    assert none.returncode == 0 and not (tmp_path / "m0" / "references.json").exists()

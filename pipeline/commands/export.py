@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import click
@@ -9,6 +10,10 @@ import click
 from export import api, tensorrt_build, verify
 from model import io_names
 from model.manifest import QUANTIZATIONS, Manifest
+from pipeline.training.trainer import validation_files
+from runtime import references
+
+log = logging.getLogger(__name__)
 
 
 @click.command("export")
@@ -57,24 +62,51 @@ from model.manifest import QUANTIZATIONS, Manifest
                    f"{verify.INT8_ACTIVATIONS_ATOL:g} for rowwise and ort-dynamic (8-bit activations too).")
 @click.option("--workspace-gib", default=tensorrt_build.DEFAULT_WORKSPACE_GIB, show_default=True,
               type=float, help="TensorRT builder workspace limit in GiB.")
+@click.option("--reference-src", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Held-out source lines whose fp32 PyTorch translations are recorded in the model dir "
+                   "(references.json), so `pipeline parity MODEL_DIR` can gate a backend without PyTorch. "
+                   "Default: the checkpoint's save dir validation set, when it has one.")
+@click.option("--reference-tgt", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Human references of --reference-src, line-aligned.")
+@click.option("--reference-lines", type=click.IntRange(min=0), default=references.DEFAULT_LINES, show_default=True,
+              help="Record at most this many line pairs (0: record none).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, reused across builds "
                    "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).")
 def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
            max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
            atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
-           int8: bool = False, int8_atol: float | None = None, int8_flavour: str = "auto") -> None:
+           int8: bool = False, int8_atol: float | None = None, int8_flavour: str = "auto",
+           reference_src: Path | None = None, reference_tgt: Path | None = None,
+           reference_lines: int = references.DEFAULT_LINES) -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
+    held_out = reference_set(checkpoint, reference_src, reference_tgt, reference_lines)
     manifest = api.export_model(
         checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
         max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
         force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
-        timing_cache=timing_cache, int8=int8, int8_atol=int8_atol, int8_flavour=int8_flavour)
+        timing_cache=timing_cache, int8=int8, int8_atol=int8_atol, int8_flavour=int8_flavour,
+        references=held_out)
     if manifest.tensorrt_skipped:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(out, manifest))
+
+
+def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int
+                  ) -> tuple[list[str], list[str]] | None:
+    """The held-out lines to record: the given pair, else the save dir's validation set."""
+    if (src is None) != (tgt is None):
+        raise click.UsageError("give both --reference-src and --reference-tgt, or neither")
+    if limit == 0:
+        return None
+    pair = (src, tgt) if src is not None and tgt is not None else validation_files(checkpoint)
+    if pair is None:
+        log.info("no held-out set known for %s: no reference translations recorded (parity without PyTorch "
+                 "needs --reference-src/--reference-tgt)", checkpoint)
+        return None
+    return references.held_out_lines(*pair, limit=limit)
 
 
 def summary_line(out: Path, manifest: Manifest) -> str:

@@ -13,7 +13,7 @@ from pipeline.evaluation.parity import DEFAULT_GATES, Gate, format_table, run_pa
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
-from runtime.loader import backend_names
+from runtime.loader import backend_names, installed
 
 
 def parse_backends(value: str) -> list[str]:
@@ -28,8 +28,12 @@ def parse_backends(value: str) -> list[str]:
 
 @click.command("parity")
 @click.argument("model_dir", type=click.Path(path_type=Path))
-@click.option("--src", required=True, type=click.Path(path_type=Path), help="Source sentences, one per line.")
-@click.option("--ref", required=True, type=click.Path(path_type=Path), help="Reference translations, line-aligned.")
+@click.option("--src", default=None, type=click.Path(path_type=Path),
+              help="Source sentences, one per line; the PyTorch model translates them live. Without --src and "
+                   "--ref: the held-out lines recorded in MODEL_DIR at export, with their decoding options "
+                   "(needs no PyTorch).")
+@click.option("--ref", default=None, type=click.Path(path_type=Path), help="Reference translations of --src, "
+              "line-aligned.")
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
               help="Comma-separated backends to compare against the PyTorch model (" + ",".join(backend_names()) + ").")
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens")
@@ -51,7 +55,9 @@ def parse_backends(value: str) -> list[str]:
 @click.option("--save-hyps", default=None, type=click.Path(file_okay=False, path_type=Path), metavar="DIR",
               help="Write each backend's translation of SRC, line-aligned, to DIR/<backend>.<precision>.txt "
                    "(what serve-batch writes with the same options).")
-def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: DecodingOptions, device: str | None,
+@click.pass_context
+def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | None, backends: str,
+           decoding: DecodingOptions, device: str | None,
            threads: int | None, min_identical: float, max_bleu_delta: float, fp16_max_bleu_delta: float,
            fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None,
            int8_max_bleu_delta: float = DEFAULT_GATES["int8"].max_bleu_delta,
@@ -59,15 +65,26 @@ def parity(model_dir: Path, src: Path, ref: Path, backends: str, decoding: Decod
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Each backend translates SRC exactly as
-    serve-batch does (blank lines stay blank, long lines are truncated). Exits 1 when a
-    backend misses its gate."""
+    serve-batch does (blank lines stay blank, long lines are truncated). Without --src/--ref
+    the comparison is with the fp32 PyTorch translations recorded at export, so it runs where
+    PyTorch is not installed. Exits 1 when a backend misses its gate."""
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
              "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
     names = parse_backends(backends)
+    recorded = src is None and ref is None
+    if recorded:
+        given = [f"--{p.replace('_', '-')}" for p in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len")
+                 if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"{', '.join(given)}: parity against the recorded references uses the decoding "
+                                   "they were recorded with; pass --src and --ref to choose other options")
+        if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
+            names = [n for n in names if n != "torch"]  # no PyTorch here: gate the exported graphs
     hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in PRECISIONS] if save_hyps else []
-    refuse_overwriting_inputs([src, ref], hyp_files, "--save-hyps file")
+    inputs = [p for p in (src, ref) if p is not None]
+    refuse_overwriting_inputs(inputs, hyp_files, "--save-hyps file")
     if json_out:
-        refuse_overwriting_inputs([src, ref], [json_out], "--json file")
+        refuse_overwriting_inputs(inputs, [json_out], "--json file")
         check_output_file(json_out, "--json")
     report = run_parity(model_dir, src, ref, names, opts=ServeOptions(decoding=decoding),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps)

@@ -8,16 +8,16 @@ Peak memory is the process's peak resident set (VmHWM), reset before each backen
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import os
 import platform
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
 
 from model.config import EOS_ID
 from model.errors import UserError
@@ -56,6 +56,14 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version (None when it is not installed); nothing is imported."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def peak_rss_mb() -> float | None:
@@ -135,7 +143,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "precision": manifest.precision,
         "fixed_length": fixed_length,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
-                 "cpu_threads": torch.get_num_threads(), "torch": torch.__version__},
+                 "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
         "results": [asdict(r) for r in results],
     }
 

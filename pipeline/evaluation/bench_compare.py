@@ -6,8 +6,8 @@ engines (freed memory is not returned, libraries stay mapped). The whole set is 
 `rounds` times in a rotating order, so engines alternate on a shared machine and drift
 hits all of them alike; each row reports the median over rounds (peak RSS: the largest).
 Every subprocess gets the same source ids and the same thread count, and imports the same
-modules (torch included: our runtime binds torch tensors), so the RSS baseline is common
-to all rows and the differences are the engines' own.
+modules (not torch: only the torch engine loads it, as only it needs it), so the RSS baseline
+is common to all rows and the differences are the engines' own.
 
 CTranslate2 gets the weights of the first model dir's model.pt (the fp32 checkpoint every
 export carries), converted once; its greedy output must be token-identical to our
@@ -26,13 +26,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from model.checkpoint import load_model
 from model.errors import UserError
-from model.manifest import CHECKPOINT_FILE, read_manifest
+from model.manifest import CHECKPOINT_FILE, SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import bench_backend, make_sources, peak_rss_mb
+from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 from runtime.tokenizer import Tokenizer
@@ -45,7 +42,9 @@ LATENCY_SENTENCES = 16  # batch 1, beam 4: ms per sentence
 
 def _measure(job: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this (fresh) process; returns a results row."""
-    if job["threads"]:
+    if job["threads"] and job["engine"] == "torch":
+        import torch
+
         torch.set_num_threads(job["threads"])
     sources = job["sources"]
     if job["engine"] == "ctranslate2":
@@ -105,16 +104,21 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                    latency: bool = True) -> dict[str, Any]:
     """Bench every (model dir, engine) and the compared engines; one row per engine and precision."""
     model_dirs = [Path(d) for d in model_dirs]
-    model, spm_bytes, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
-    tokenizer = Tokenizer(spm_bytes)
-    sources = make_sources(tokenizer, src, sentences, src_len, model.cfg.max_positions)
+    manifest = read_manifest(model_dirs[0], verify=False)
+    tokenizer = Tokenizer.from_file(model_dirs[0] / SPM_FILE)
+    cfg = manifest.model_config
+    sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions)
     pieces = [[tokenizer.sp.id_to_piece(i) for i in s] for s in sources]
-    report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": model.cfg.to_dict(),
+    report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": cfg.to_dict(),
                               "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
                               "peak_rss": "VmHWM of a fresh subprocess per measurement"}
     with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
         ct2_dir = None
         if "ctranslate2" in compare:
+            # CTranslate2's weights come from the fp32 PyTorch checkpoint every export carries
+            from model.checkpoint import load_model
+
+            model, _, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
             ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
             report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
                                                                        threads)
@@ -136,7 +140,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                 log.info("round %d: %s %s batch %d: %.1f target tokens/s", r + 1, jobs[i]["engine"],
                          jobs[i]["precision"], jobs[i]["batch_size"], measured[i][-1]["target_tokens_per_s"])
     report["results"] = [_row(job, runs) for job, runs in zip(jobs, measured)]
-    report["host"] = {"cpu_count": os.cpu_count(), "torch": torch.__version__}
+    report["host"] = {"cpu_count": os.cpu_count(), "torch": package_version("torch")}
     return report
 
 

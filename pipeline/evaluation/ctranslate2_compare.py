@@ -18,7 +18,6 @@ import numpy as np
 from model.errors import UserError
 from runtime.search import greedy_search
 from runtime.tokenizer import Tokenizer
-from runtime.torch_backend import TorchBackend
 from runtime.translate import pad_batch
 
 # Our precision names -> CTranslate2 compute types (int8 GEMMs with per-row weight scales).
@@ -120,6 +119,8 @@ def greedy_agreement(model: Any, tokenizer: Tokenizer, translator: Any, sources:
     """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:
     proof that the benchmark compares the same model."""
     piece = tokenizer.sp.id_to_piece
+    from runtime.torch_backend import TorchBackend
+
     ours = greedy_search(TorchBackend(model), pad_batch(sources), max_len_a=0.0, max_len_b=max_len)
     theirs = translator.translate_batch([[piece(i) for i in s] for s in sources], beam_size=1,
                                         max_decoding_length=max_len)

@@ -15,20 +15,22 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import sacrebleu
-import torch
 
 from model.config import BOS_ID, EOS_ID
 from model.errors import UserError
+from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE, SPM_FILE, read_manifest
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
-from runtime.loader import load_backend
+from runtime import references
+from runtime.loader import installed, load_backend
 from runtime.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,8 @@ class Divergence:
     step: int           # first target position where the outputs differ
     torch_token: int    # what PyTorch chose there (EOS_ID if it ended)
     backend_token: int
-    log_prob_gap: float  # PyTorch's log p(torch_token) - log p(backend_token) at that step
+    # PyTorch's log p(torch_token) - log p(backend_token) at that step (None: no PyTorch model at hand)
+    log_prob_gap: float | None
 
 
 @dataclass
@@ -110,11 +113,30 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return n
 
 
-@torch.inference_mode()
-def divergence_gaps(model, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
+def divergence_gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
                     lines: list[int]) -> list[Divergence]:
     """For each differing pair, teacher-force the PyTorch model on the common prefix and
-    measure how much more it preferred its own token over the backend's."""
+    measure how much more it preferred its own token over the backend's (no gap where no
+    PyTorch model is at hand: the step is still reported)."""
+    if model is None:
+        out = []
+        for i in lines:
+            a, b = ref[i], other[i]
+            d = first_divergence(a, b)
+            if d is not None:
+                out.append(Divergence(i + 1, d, a[d] if d < len(a) else EOS_ID, b[d] if d < len(b) else EOS_ID,
+                                      None))
+        return out
+    import torch
+
+    with torch.inference_mode():
+        return _gaps(model, sources, ref, other, lines)
+
+
+def _gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
+          lines: list[int]) -> list[Divergence]:
+    import torch
+
     out = []
     for i in lines:
         a, b = ref[i], other[i]
@@ -175,16 +197,23 @@ def save_hypotheses(served: Served, directory: Path, backend: str, precision: st
     return path
 
 
-def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
+def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: list[str], *,
                opts: ServeOptions | None = None, device: str | None = None,
                gates: dict[str, Gate] | None = None, threads: int | None = None,
                save_hyps: Path | None = None) -> ParityReport:
-    """Parity of each backend against the fp32 PyTorch model on SRC, translated as
-    serve-batch translates it with `opts` [default: serve-batch's defaults]. save_hyps: a directory that receives each
-    backend's output as <backend>.<precision>.txt."""
+    """Parity of each backend against the fp32 PyTorch model, translated as serve-batch translates
+    with `opts` [default: serve-batch's defaults]: on SRC against REF with the PyTorch model run
+    live, or, with src and ref None, on the held-out lines recorded in the model dir at export
+    (runtime/references.py; their own decoding options), which needs no PyTorch. save_hyps: a
+    directory that receives each backend's output as <backend>.<precision>.txt."""
     gates = gates or DEFAULT_GATES
     if not backends:
         raise UserError("parity needs at least one backend to compare (--backends)")
+    if (src is None) != (ref is None):
+        raise UserError("give both --src and --ref, or neither (to use the model dir's recorded references)")
+    if src is None:
+        return _recorded_parity(model_dir, backends, device, gates, threads, save_hyps)
+    assert ref is not None
     opts = (opts or ServeOptions()).validate()
     if opts.decoding.nbest != 1:
         raise UserError(f"parity compares best translations; --nbest must be 1 (got {opts.decoding.nbest})")
@@ -195,6 +224,9 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
                         "source and reference must be line-aligned")
     if not n_src:
         raise UserError(f"{src} is empty")
+    if not installed("torch"):
+        raise UserError("parity against the PyTorch model run live needs PyTorch (pip install -e \".[train]\"); "
+                        "leave out --src/--ref to gate against the references recorded in the model dir")
 
     # The reference is always the fp32 PyTorch model on the CPU, whatever the export precision.
     reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
@@ -203,38 +235,89 @@ def run_parity(model_dir: Path, src: Path, ref: Path, backends: list[str], *,
     if ref_run.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
                     "does", src, ref_run.truncated)
+    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (reference, ref_run))
+            for name in backends)
+    results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps)
+    return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size, *signatures, results)
+
+
+def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, gates: dict[str, Gate],
+                     threads: int | None, save_hyps: Path | None) -> ParityReport:
+    """Every backend against the fp32 PyTorch translations recorded at export."""
+    manifest = read_manifest(model_dir, verify=True)
+    refs = references.read(model_dir)
+    opts = ServeOptions(decoding=refs.decoding).validate()
+    tokenizer = Tokenizer.from_file(Path(model_dir) / SPM_FILE)
+    ref_run = Served(refs.lines, [], refs.hypotheses, 0.0, 0)
+    model = ModelOnDemand(Path(model_dir) / CHECKPOINT_FILE
+                          if installed("torch") and manifest.lists(CHECKPOINT_FILE) else None)
+    with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
+        src = Path(tmp) / "references.src"
+        src.write_text("".join(line + "\n" for line in refs.sources), encoding="utf-8")
+        runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, None) for name in backends)
+        results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps)
+    where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
+    return ParityReport(str(model_dir), where, where, len(refs.sources), opts.decoding.beam_size, *signatures,
+                        results)
+
+
+class ModelOnDemand:
+    """The PyTorch model for log-prob gaps, loaded only if some sentence differs (None: no PyTorch)."""
+
+    def __init__(self, checkpoint: Path | None):
+        self.checkpoint = checkpoint
+        self.model: Any = None
+
+    def get(self) -> Any:
+        if self.model is None and self.checkpoint is not None:
+            from model.checkpoint import load_model
+
+            self.model = load_model(self.checkpoint)[0]
+        return self.model
+
+
+def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
+               tokenizer: Tokenizer, live: tuple[Any, Served] | None) -> tuple[str, Any, Served, str]:
+    """(name, backend, its run, precision): the live reference's own run is reused for `torch`."""
+    if name == REFERENCE and live is not None:
+        return name, live[0], live[1], "fp32"
+    backend, _, manifest = load_backend(model_dir, backend=name, device=device, threads=threads,
+                                        dtype="fp32" if name == REFERENCE else None)
+    precision = "fp32" if name == REFERENCE else manifest.precision
+    return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
+
+
+def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates: dict[str, Gate],
+             save_hyps: Path | None) -> tuple[list[BackendResult], tuple[str, str]]:
+    """Each run against the reference run; also the BLEU and chrF signatures."""
     bleu_metric, chrf_metric = sacrebleu.BLEU(), sacrebleu.CHRF()
     bleu_ref = bleu_metric.corpus_score(ref_run.lines, [ref_lines]).score
-
+    n = len(ref_lines)
     results = []
-    for name in backends:
-        if name == REFERENCE:
-            backend, run, precision = reference, ref_run, "fp32"
-        else:
-            backend, _, _ = load_backend(model_dir, backend=name, device=device, threads=threads)
-            run, precision = translate_as_served(backend, tokenizer, src, opts), manifest.precision
+    for name, backend, run, precision in runs:
         if save_hyps is not None:
             log.info("%s: wrote %s", name, save_hypotheses(run, save_hyps, name, precision))
         bleu = bleu_metric.corpus_score(run.lines, [ref_lines]).score
         different = [i for i, (a, b) in enumerate(zip(ref_run.tokens, run.tokens)) if a != b]
-        divs = divergence_gaps(reference.model, run.sources, ref_run.tokens, run.tokens, different)
+        at_hand = model.get() if isinstance(model, ModelOnDemand) and different else model
+        divs = divergence_gaps(None if isinstance(at_hand, ModelOnDemand) else at_hand, run.sources,
+                               ref_run.tokens, run.tokens, different)
+        gaps = [abs(d.log_prob_gap) for d in divs if d.log_prob_gap is not None]
         result = BackendResult(
             backend=name, precision=precision, device=str(getattr(backend, "device", "cpu")),
             seconds=round(run.seconds, 3), bleu=round(bleu, 2),
             chrf=round(chrf_metric.corpus_score(run.lines, [ref_lines]).score, 2),
             bleu_vs_torch=round(bleu_metric.corpus_score(run.lines, [ref_run.lines]).score, 2),
-            identical=1 - len(different) / n_src, n_different=len(different),
+            identical=1 - len(different) / n, n_different=len(different),
             bleu_delta=round(bleu - bleu_ref, 2),
-            max_log_prob_gap=max((abs(d.log_prob_gap) for d in divs), default=None),
+            max_log_prob_gap=max(gaps, default=None),
             median_divergence_step=statistics.median(d.step for d in divs) if divs else None,
             divergences=divs[:20],
         )
         check_gate(result, gates.get(precision, DEFAULT_GATES["fp32"]))
         results.append(result)
         log.info("%s: BLEU %.2f, identical %.1f%%", name, result.bleu, 100 * result.identical)
-
-    return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size,
-                        str(bleu_metric.get_signature()), str(chrf_metric.get_signature()), results)
+    return results, (str(bleu_metric.get_signature()), str(chrf_metric.get_signature()))
 
 
 def format_table(report: ParityReport) -> str:

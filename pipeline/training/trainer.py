@@ -154,6 +154,24 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     return save_dir
 
 
+def validation_files(checkpoint: Path) -> tuple[Path, Path] | None:
+    """The held-out (validation) pair a checkpoint's save dir trained with: the built-in corpus'
+    valid split or --valid-src/--valid-tgt as config.json records them; None when unknown or gone."""
+    checkpoint = Path(checkpoint)
+    save_dir = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    try:
+        options = json.loads((save_dir / CONFIG_FILE).read_text())["resolved_options"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if options.get("builtin_pairs") is not None:
+        pair = (save_dir / DATA_DIR / "valid.src", save_dir / DATA_DIR / "valid.tgt")
+    elif options.get("valid_src") and options.get("valid_tgt"):
+        pair = (Path(options["valid_src"]), Path(options["valid_tgt"]))
+    else:
+        return None
+    return pair if all(p.is_file() for p in pair) else None
+
+
 def _prepare(opts: TrainOptions, ctx: DistContext, resume_spm: bytes | None) -> PreparedData:
     """Tokenizer and encoded corpora; rank 0 trains/caches them, the other ranks read the cache."""
     save_dir = Path(opts.save_dir)

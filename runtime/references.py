@@ -1,0 +1,95 @@
+"""Reference translations recorded in a model dir at export: the fp32 PyTorch model's output on a
+small held-out set, so `pipeline parity` can gate a backend where PyTorch is not installed.
+
+The record holds the source lines, their human references, the decoding options, and the
+PyTorch model's best hypothesis per line (token ids and text), translated through the same
+encode / search / format functions that serve-batch uses (runtime.translate). The manifest
+hashes the file like every other, so a changed record is refused as a changed model dir."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.atomic import atomic_write_text
+from model.manifest import REFERENCES_FILE
+from runtime.backend import Backend
+from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.tokenizer import Tokenizer
+from runtime.translate import encode_sources, format_line, translate_ids
+
+FORMAT = "pipeline-references-v1"
+DEFAULT_LINES = 100  # enough sentences for a token-agreement gate, seconds to translate at export
+
+
+@dataclass(frozen=True)
+class References:
+    """What a model dir's references.json holds."""
+
+    sources: list[str]
+    references: list[str]  # human references, line-aligned with sources
+    decoding: DecodingOptions
+    hypotheses: list[list[int]]  # the fp32 PyTorch model's best hypothesis per line
+    lines: list[str]  # those hypotheses as serve-batch writes them
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "decoding": dataclasses.asdict(self.decoding), "sources": self.sources,
+                "references": self.references, "hypotheses": self.hypotheses, "lines": self.lines}
+
+
+def record(backend: Backend, tokenizer: Tokenizer, sources: list[str], references: list[str],
+           decoding: DecodingOptions = PAPER) -> References:
+    """The reference backend's (the fp32 PyTorch model's) translations of `sources`."""
+    if len(sources) != len(references):
+        raise RuntimeUserError(f"{len(sources)} reference sources but {len(references)} references: "
+                               "they must be line-aligned")
+    encoded = encode_sources(tokenizer, sources, backend.max_src_len)
+    nbest = translate_ids(backend, encoded.ids, decoding)
+    best = [hyps[0].tokens if hyps else [] for hyps in nbest]
+    lines = [format_line(tokenizer, [(h.tokens, h.score) for h in hyps], 1) for hyps in nbest]
+    return References(sources, references, decoding, best, lines)
+
+
+def write(model_dir: Path, refs: References) -> None:
+    atomic_write_text(Path(model_dir) / REFERENCES_FILE, json.dumps(refs.to_json(), ensure_ascii=False) + "\n")
+
+
+def read(model_dir: Path) -> References:
+    """The model dir's recorded references (verify the manifest first: this only parses)."""
+    path = Path(model_dir) / REFERENCES_FILE
+    if not path.is_file():
+        raise RuntimeUserError(f"{model_dir}: no {REFERENCES_FILE} (exported without a reference set); pass "
+                               "--src and --ref to compare against the PyTorch model live, or export again with "
+                               "--reference-src/--reference-tgt")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("format") != FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
+        refs = References([str(s) for s in data["sources"]], [str(r) for r in data["references"]],
+                          DecodingOptions(**data["decoding"]).validate(),
+                          [[int(t) for t in h] for h in data["hypotheses"]], [str(x) for x in data["lines"]])
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeUserError(f"{path}: unreadable reference record ({e}); export the model again") from None
+    if not (len(refs.sources) == len(refs.references) == len(refs.hypotheses) == len(refs.lines)):
+        raise RuntimeUserError(f"{path}: its lists are not line-aligned; export the model again")
+    return refs
+
+
+def held_out_lines(src: Path, tgt: Path, limit: int = DEFAULT_LINES) -> tuple[list[str], list[str]]:
+    """The first `limit` non-blank line pairs of a parallel held-out set (plain or .gz)."""
+    import gzip
+
+    def lines(path: Path) -> list[str]:
+        opener: Any = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n") for line in f]
+
+    a, b = lines(Path(src)), lines(Path(tgt))
+    if len(a) != len(b):
+        raise RuntimeUserError(f"{src} has {len(a)} lines but {tgt} has {len(b)}; they must be line-aligned")
+    pairs = [(s, t) for s, t in zip(a, b) if s.strip() and t.strip()][:limit]
+    return [s for s, _ in pairs], [t for _, t in pairs]
