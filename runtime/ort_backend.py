@@ -40,7 +40,7 @@ TRT_EP = "TensorrtExecutionProvider"
 CUDA_EP = "CUDAExecutionProvider"
 CPU_EP = "CPUExecutionProvider"
 
-_ORT_TYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
+_ORT_TYPES: dict[str, np.dtype[Any]] = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
               "tensor(int64)": np.dtype(np.int64)}
 
 
@@ -121,7 +121,7 @@ class OrtBackend(ExportedGraphBackend):
                                                 provider_options=provider_args)
         self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / io_names.DECODER_FILE)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
-        self.out_types = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
+        self.out_types: dict[str, np.dtype[Any]] = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
         self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
@@ -154,7 +154,7 @@ class OrtBackend(ExportedGraphBackend):
 
     # -- IO binding ---------------------------------------------------------------------
 
-    def _array_dtype(self, dtype: np.dtype) -> Any:
+    def _array_dtype(self, dtype: np.dtype[Any]) -> Any:
         """The array dtype of this backend's buffers: numpy's on the CPU, torch's on CUDA."""
         if not self.on_cuda:
             return dtype

@@ -13,6 +13,7 @@ from pipeline.commands.parity import parse_backends
 from pipeline.evaluation.bench import format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
+from pipeline.evaluation.whole_process import format_whole_process, run_whole_process
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
@@ -48,12 +49,19 @@ from runtime.loader import backend_names
                    "and backend) with INPUT's lines from --concurrency clients, and compare sentences/s and "
                    "p50/p99 latency with serve-batch on the same lines. Bounded in requests and seconds.")
 @options_from(ServeBenchOptions)
+@click.option("--whole-process", "whole_process", multiple=True, metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Instead: time what a user waits for, translating FILE (repeatable) start to exit in a fresh "
+                   "process per run: `pipeline serve-batch --backend onnxruntime` for each MODEL_DIR and, with "
+                   "--compare ctranslate2, a CTranslate2 script on the same weights; wall time and peak RSS, "
+                   "--rounds alternating rounds, --threads threads (default 2).")
 @click.option("--json", "json_out", default=None, type=click.Path(path_type=Path), help="Write results as JSON.")
 @click.pass_context
 def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, ...],
           decoding: DecodingOptions, fixed_length: int | None, src: Path | None, sentences: int, src_len: int,
           device: str | None, threads: int | None, json_out: Path | None, compare: tuple[str, ...] = (),
-          rounds: int = 3, serve_input: Path | None = None, **serve_options: Any) -> None:
+          rounds: int = 3, serve_input: Path | None = None, whole_process: tuple[Path, ...] = (),
+          **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -61,9 +69,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     precision, measured alternately in fresh subprocesses, plus batch-1 latency (ms/sentence).
     """
     if json_out:
-        refuse_overwriting_inputs([p for p in (src, serve_input) if p], [json_out], "--json file")
+        refuse_overwriting_inputs([p for p in (src, serve_input, *whole_process) if p], [json_out], "--json file")
         check_output_file(json_out, "--json")
-    if serve_input is not None:
+    if whole_process:
+        report = run_whole_process(list(model_dirs), list(whole_process), compare=list(compare),
+                                   threads=threads or 2, beam_size=decoding.beam_size, fixed_length=fixed_length,
+                                   rounds=rounds)
+        click.echo(format_whole_process(report))
+    elif serve_input is not None:
         serve_bench = pick(ServeBenchOptions, serve_options)
         default_backends = ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT
         chosen = ["auto"] if default_backends else parse_backends(backends)
