@@ -153,6 +153,18 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     assert report["beam_size"] == 2
     assert "clients" in bench.stdout  # the table
 
+    # What a user waits for: our serve-batch and CTranslate2's script on the same weights, whole processes.
+    pytest.importorskip("ctranslate2")
+    whole = tmp_path / "whole.json"
+    timed = _pipeline("bench", tmp_path / "m", "--whole-process", src, "--compare", "ctranslate2", "--rounds", "1",
+                      "--threads", "1", "--beam-size", "2", "--fixed-length", "3", "--json", whole)
+    assert timed.returncode == 0, timed.stderr
+    rows = json.loads(whole.read_text())["results"]
+    assert sorted((r["engine"], r["precision"]) for r in rows) == [
+        ("ctranslate2", "fp32"), ("ctranslate2", "int8"), ("onnxruntime", "fp32")]
+    assert all(r["lines"] == 12 and r["wall_s"] > 0 and r["peak_rss_mb"] > 10 for r in rows)
+    assert "whole process" in timed.stdout
+
 
 def test_validation_files_from_a_save_dir(tmp_path):
     from pipeline.training.trainer import validation_files
