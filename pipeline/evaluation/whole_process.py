@@ -6,7 +6,7 @@ dir verification and loading, reading, translating and writing. Ours is `pipelin
 write (SentencePiece + `Translator.translate_iterable`) on the same weights (converted from the
 model dir's fp32 checkpoint, its greedy output checked token-identical to ours first). Engines
 alternate within each round, so drift on a shared machine hits all of them alike; rows report
-the median wall time and the largest peak RSS (ru_maxrss of the finished process) over rounds.
+the median wall time and the largest peak RSS (the process's VmHWM) over rounds.
 With `fixed_length`, every sentence gets exactly that many target tokens in every engine, so
 all do the same work whatever the weights.
 """
@@ -14,7 +14,7 @@ all do the same work whatever the weights.
 from __future__ import annotations
 
 import logging
-import os
+import re
 import statistics
 import subprocess
 import sys
@@ -55,19 +55,31 @@ with open(out, "w", encoding="utf-8") as f:
 """
 
 
-def run_timed(command: list[str]) -> tuple[float, float]:
-    """(wall seconds, peak RSS MB) of a command run to completion in a fresh process."""
+def run_timed(command: list[str], poll_s: float = 0.01) -> tuple[float, float | None]:
+    """(wall seconds, peak RSS MB) of a command run to completion in a fresh process.
+
+    Peak RSS is the process's VmHWM, sampled until it exits: the kernel's ru_maxrss would carry
+    the forking parent's own peak over fork and exec, so it cannot be used. The last ~10 ms of the
+    run are not sampled (teardown, not a peak). None where /proc is not available."""
     started = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    peak: float | None = None
+    status = Path(f"/proc/{proc.pid}/status")
+    while proc.poll() is None:
+        try:
+            m = re.search(r"^VmHWM:\s+(\d+) kB", status.read_text(), re.M)
+        except OSError:
+            m = None
+        if m:
+            peak = max(peak or 0.0, int(m.group(1)) / 1024)
+        time.sleep(poll_s)
+    wall = time.perf_counter() - started
     assert proc.stderr is not None
     err = proc.stderr.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - started
-    proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-1:]
         raise UserError(f"{' '.join(command[:4])} ... failed with status {proc.returncode}: {tail}")
-    return wall, usage.ru_maxrss / 1024
+    return wall, peak
 
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
@@ -92,7 +104,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
                               "files": {str(f): len(read_lines(f)) for f in files},
-                              "measures": "wall: process start to exit (median); peak RSS: ru_maxrss (max)"}
+                              "measures": "wall: process start to exit (median); "
+                                          "peak RSS: VmHWM sampled every 10 ms (max)"}
     with tempfile.TemporaryDirectory(prefix="pipeline-whole-") as tmp:
         if "ctranslate2" in compare:
             from model.checkpoint import load_model  # the weights: the fp32 checkpoint every export carries
@@ -112,7 +125,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                 engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
                                 "ct2_dir": str(ct2_dir), "compute_type": compute_type})
         spm = str(model_dirs[0] / SPM_FILE)
-        samples: dict[tuple[int, str], list[tuple[float, float]]] = {}
+        samples: dict[tuple[int, str], list[tuple[float, float | None]]] = {}
         for r in range(rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]  # a different engine first
             for f in files:
@@ -126,11 +139,12 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                     wall, rss = run_timed(cmd)
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
                     log.info("round %d %s %s %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"], f.name,
-                             wall, rss)
+                             wall, rss or 0)
     report["results"] = [
         {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization")}, "file": f,
          "lines": report["files"][f], "wall_s": round(statistics.median(w for w, _ in runs), 3),
-         "wall_s_all": [round(w, 3) for w, _ in runs], "peak_rss_mb": round(max(m for _, m in runs), 1)}
+         "wall_s_all": [round(w, 3) for w, _ in runs],
+         "peak_rss_mb": max((round(m, 1) for _, m in runs if m is not None), default=None)}
         for (i, f), runs in samples.items()]
     return report
 
@@ -140,7 +154,8 @@ def format_whole_process(report: dict[str, Any]) -> str:
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
         rows.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} "
-                    f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} {r['peak_rss_mb']:>8.0f}")
+                    f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
+                    f"{r['peak_rss_mb'] or 0:>8.0f}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
                 f"{report['threads']} threads, beam {report['beam_size']}"
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else ""))
