@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -137,12 +138,18 @@ def test_torch_backend_asked_for_without_torch(model_dir, served_file):
     assert "needs PyTorch" in done.stderr and "--backend onnxruntime" in done.stderr
 
 
-def test_serve_without_torch(model_dir, served_file, tmp_path):
-    """The HTTP service answers exactly what serve-batch wrote, and stops cleanly on SIGTERM."""
+MAX_BYTES = 100_000
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """`pipeline serve` without torch on a free loopback port (--max-bytes MAX_BYTES); on teardown,
+    SIGTERM must stop it with status 0, torch never imported."""
     pytest.importorskip("uvicorn")
-    log_path = tmp_path / "serve.log"
+    log_path = tmp_path_factory.mktemp("deploy-serve") / "serve.log"
     code = (BLOCK_TORCH + "from pipeline.cli import main\n"
-            f"main(['serve', {str(model_dir)!r}, '--port', '0', '--backend', 'onnxruntime', '--threads', '1'])\n"
+            f"main(['serve', {str(model_dir)!r}, '--port', '0', '--backend', 'onnxruntime', '--threads', '1', "
+            f"'--max-bytes', '{MAX_BYTES}'])\n"
             "assert not [m for m in sys.modules if m.split('.')[0] == 'torch' and sys.modules[m] is not None]\n")
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -154,15 +161,41 @@ def test_serve_without_torch(model_dir, served_file, tmp_path):
             url = m.group(1) if m else None
             time.sleep(0.2)
         assert url, log_path.read_text()
-        _, expected = served_file
-        body = json.dumps({"text": LINES}).encode()
-        request = urllib.request.Request(f"{url}/translate", data=body, headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=60) as response:
-            assert json.loads(response.read())["translations"] == expected
+        yield url
     finally:
         proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    assert code == 0, log_path.read_text()
+        status = proc.wait(60)
+    assert status == 0, log_path.read_text()
+
+
+def post(url: str, body: bytes, timeout: float = 60) -> tuple[int, dict]:
+    """A plain urllib client, as users write one: (status, JSON answer), HTTP errors included."""
+    request = urllib.request.Request(f"{url}/translate", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_without_torch(server, served_file):
+    """The HTTP service answers exactly what serve-batch wrote."""
+    _, expected = served_file
+    status, answer = post(server, json.dumps({"text": LINES}).encode())
+    assert status == 200 and answer["translations"] == expected
+
+
+@pytest.mark.parametrize("size", [MAX_BYTES + 1, 20 << 20])
+def test_an_oversized_body_gets_its_413(server, size):
+    """The server reads and discards the rest of the body before answering, so a client that is
+    still sending receives the 413 rather than a connection reset; the server serves on."""
+    filler = b"a" * (size - len(b'{"text": [""]}'))
+    body = b'{"text": ["' + filler + b'"]}'
+    assert len(body) == size
+    status, answer = post(server, body)
+    assert status == 413 and str(MAX_BYTES) in answer["error"]
+    status, answer = post(server, json.dumps({"text": ["ab cd"]}).encode())
+    assert status == 200 and len(answer["translations"]) == 1
 
 
 # -- start-up: re-verifying a model dir hashes only what changed ------------------------------------

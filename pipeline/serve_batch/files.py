@@ -27,8 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from tqdm import tqdm
-
 from model.atomic import remove_stale_temps
 from model.errors import UserError
 from pipeline.distributed import DistContext, on_main
@@ -109,14 +107,30 @@ def min_len_over(ids: list[list[int]], decoding: DecodingOptions, max_tgt_len: i
                and min(math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), cap) < decoding.min_len)
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(desc: str, enabled: bool) -> Any:
+    """A tqdm bar of translated lines; tqdm (30 ms of start-up) is imported only when one is shown."""
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(desc=desc, unit=" lines", leave=False)
+
+
 def translate_windows(backend: Any, tokenizer: Tokenizer, input_path: str, opts: ServeOptions,
                       ctx: DistContext = ONE_PROCESS, progress: bool = False) -> Iterator[TranslatedWindow]:
     """The serving path: each window of `input_path` read, encoded, translated (split over
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
     do their share and get nothing. serve-batch writes these; parity measures them."""
     windows = read_windows(input_path, tokenizer, backend.max_src_len, opts) if ctx.is_main else None
-    bar = tqdm(desc=Path(input_path).name if input_path != "-" else "stdin", unit=" lines",
-               disable=not (progress and ctx.is_main), leave=False)
+    bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", progress and ctx.is_main)
     try:
         while True:
             window = on_main(ctx, lambda: next(windows, None))  # type: ignore[arg-type]
