@@ -92,6 +92,7 @@ def test_a_layer_error_is_one_line_and_exit_2(tmp_path, capsys):
     assert err.startswith("error: ") and "Traceback" not in err and str(bad) in err
 
 
+@pytest.mark.slow
 def test_bench_serve_refuses_several_backends_before_any_work(tmp_path):
     src = tmp_path / "in.txt"
     src.write_text("a\n")

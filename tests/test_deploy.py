@@ -22,6 +22,9 @@ from pathlib import Path
 
 import pytest
 
+# Every test here exports a model or spawns the CLI / a server: the slow tier.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
 LINES = ["ab cd", "", "ef gh ij", "kl", "mn op qr st"]
