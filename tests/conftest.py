@@ -1,44 +1,62 @@
-"""Shared fixtures: tiny corpora, tokenizers and checkpoints made in tmp, never downloaded."""
+"""Shared fixtures: tiny corpora, tokenizers, checkpoints and model dirs made in tmp, never downloaded.
+
+Every heavy artifact is built once per session, on first use, and shared read-only: a test that
+changes one works on its own copy (shutil.copytree into tmp_path). Each shared model dir is checked
+against its manifest's hashes at the end of the session, so a test that wrote into one fails there.
+A second process builds, on the other core, the artifacts that later tests of the session will ask
+for (helpers.Artifacts; PIPELINE_TESTS_ONE_PROCESS=1 builds everything here, when asked for).
+Helpers and constants live in helpers.py.
+"""
 
 from __future__ import annotations
 
-import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-
-from model import build_model, preset
-from model.checkpoint import save_checkpoint
-from pipeline.corpus.spm import train_sentencepiece
+from helpers import ARTIFACTS, Artifacts, make_parallel
 
 
-def run_cli(*args) -> int:
-    """Run `pipeline ARGS...` in-process as a user would; return its exit status."""
-    from pipeline.cli import main
+def shared(path: Path) -> Iterator[Path]:
+    """The end of a session fixture of a model dir: hand `path` out, then check that no test changed
+    it (read_manifest verifies every listed file's SHA-256; nothing added or removed either)."""
+    from model.manifest import read_manifest
 
-    try:
-        main([str(a) for a in args])
-    except SystemExit as e:
-        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    return 0
-
-
-WORDS_SRC = "der die das ein eine katze hund mann frau kind sieht hat rot blau gross klein".split()
-WORDS_TGT = "the a cat dog man woman child sees has red blue big small house tree car".split()
+    names = sorted(p.name for p in path.iterdir())
+    yield path
+    read_manifest(path, verify=True)
+    assert sorted(p.name for p in path.iterdir()) == names, f"a test changed the shared model dir {path}"
 
 
-def make_parallel(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
-    """A small made-up parallel corpus (word-for-word with reversal), for tokenizer fixtures."""
-    rng = random.Random(seed)
-    src, tgt = [], []
-    for _ in range(n):
-        k = rng.randint(2, 6)
-        idx = [rng.randrange(len(WORDS_SRC)) for _ in range(k)]
-        src.append(" ".join(WORDS_SRC[i] for i in idx))
-        tgt.append(" ".join(WORDS_TGT[i] for i in reversed(idx)))
-    return src, tgt
+@pytest.fixture(scope="session", autouse=True)
+def artifacts(request, tmp_path_factory) -> Iterator[Artifacts]:
+    """Where the session's heavy artifacts are built; a second process starts on those the selected
+    tests use (in the order they first do), so that the first test to need one rarely waits long."""
+    wanted = list(dict.fromkeys(name for item in request.session.items for name in item.fixturenames
+                                if name in ARTIFACTS))
+    arts = Artifacts(tmp_path_factory.mktemp("artifacts"))
+    arts.start_helper(wanted)
+    yield arts
+    arts.stop_helper()
 
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread_for_the_session() -> None:
+    """torch runs on one thread in this process: tiny models run fastest so on CI's two shared cores,
+    and the session fixtures below are built alike whichever test asks for them first."""
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """... and again after each test: an in-process CLI call with --threads N sets the process's
+    count, which would otherwise carry over to the tests after it (their speed and last bits)."""
+    yield
+    torch.set_num_threads(1)
+
+
+# -- tokenizer and an untrained model (helpers.ARTIFACTS says how each artifact is made) -------------
 
 @pytest.fixture(scope="session")
 def tiny_corpus() -> tuple[list[str], list[str]]:
@@ -46,71 +64,105 @@ def tiny_corpus() -> tuple[list[str], list[str]]:
 
 
 @pytest.fixture(scope="session")
-def spm_bytes(tiny_corpus) -> bytes:
-    src, tgt = tiny_corpus
-    return train_sentencepiece(src + tgt, vocab_size=64)
+def spm_bytes(artifacts) -> bytes:
+    """A SentencePiece model (vocabulary 64) of tiny_corpus."""
+    return artifacts.get("spm_bytes").read_bytes()
 
 
 @pytest.fixture(scope="session")
-def random_checkpoint(tmp_path_factory, spm_bytes) -> Path:
+def random_checkpoint(artifacts) -> Path:
     """A tiny untrained model saved as a checkpoint file (for export/runtime mechanics)."""
-    from runtime.tokenizer import Tokenizer
-
-    torch.manual_seed(0)
-    cfg = preset("tiny", vocab_size=Tokenizer(spm_bytes).vocab_size)
-    model = build_model(cfg).eval()
-    path = tmp_path_factory.mktemp("ckpt") / "random.pt"
-    save_checkpoint(path, model, spm_bytes)
-    return path
+    return artifacts.get("random_checkpoint")
 
 
-# -- a tiny model trained by the real training loop, shared by train/parity tests --------------
+# -- the random checkpoint exported, one dir per precision / flavour (helpers.SMALL_LIMITS) --------
 
-def write_parallel(directory: Path, name: str, src: list[str], tgt: list[str]) -> tuple[Path, Path]:
-    """Write a parallel corpus as name.src / name.tgt in `directory`."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = directory / f"{name}.src", directory / f"{name}.tgt"
-    for path, lines in zip(paths, (src, tgt)):
-        path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return paths
-
-
-MEMORISE_PAIRS = 40
+@pytest.fixture(scope="session")
+def fp32_dir(artifacts) -> Iterator[Path]:
+    """fp32, --no-tensorrt (so the manifest says why no engines, whatever the machine)."""
+    yield from shared(artifacts.get("fp32_dir"))
 
 
 @pytest.fixture(scope="session")
-def memorise_corpus(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny made-up corpus (word-for-word translation with reversal), as files."""
-    src, tgt = make_parallel(MEMORISE_PAIRS, seed=7)
-    return write_parallel(tmp_path_factory.mktemp("memorise"), "train", src, tgt)
+def fp16_dir(artifacts) -> Iterator[Path]:
+    """fp16, TensorRT engines where TensorRT and a GPU are (the default), skipped otherwise."""
+    yield from shared(artifacts.get("fp16_dir"))
 
 
 @pytest.fixture(scope="session")
-def trained_save_dir(tmp_path_factory, memorise_corpus) -> Path:
-    """A save dir where the real `pipeline.training.train` trained the `tiny` preset until it
-    translates its training sentences (greedy output == references). Validation runs on
-    the training set, so metrics.jsonl records the memorisation BLEU.
-
-    Near the label-smoothing floor Adam's steps on near-zero gradients make this run chaotic:
-    a change in the last bits of the loss's gradient (the fused loss of training/step.py)
-    turned seed 1's last 50 steps into a loss spike (BLEU 44.9 at step 600), where seeds 2
-    and 3 stayed at 100 / 99.4. Seed 2 memorised at every validation with both losses."""
-    from pipeline.training import TrainOptions, train
-
-    src, tgt = memorise_corpus
-    save_dir = tmp_path_factory.mktemp("trained") / "run"
-    train(TrainOptions(save_dir=save_dir, train_src=src, train_tgt=tgt, valid_src=src, valid_tgt=tgt,
-                       preset="tiny", vocab_size=64, batch_tokens=1024, warmup=100, threads=1,
-                       max_steps=TRAINED_STEPS, save_every=TRAINED_STEPS, valid_every=TRAINED_STEPS,
-                       log_every=50, seed=2, progress=False))
-    return save_dir
+def int8_dir(artifacts) -> Iterator[Path]:
+    """int8, the QDQ flavour (the one TensorRT parses), no engines."""
+    yield from shared(artifacts.get("int8_dir"))
 
 
-TRAINED_STEPS = 600
-# The memorising model's log-probs are so sharp, and its weights so dependent on the CPU that trained it
-# (a chaotic run, above), that int8's worst candidate log-prob error on it moves from CPU to CPU: 0.258
-# (qdq, Intel AVX-512 VNNI), 0.43 (rowwise, AVX2-only EPYC), 0.78 / 0.80 (qdq / rowwise, AVX-512 VNNI
-# EPYC, where both exports failed twice the default bound). Its int8 exports therefore use this bound,
-# far above those; the tests of verification bound a broken graph by twice what the correct graphs of
-# the same model measured on the machine at hand (test_int8.py).
-INT8_LOOSE_ATOL = 5.0
+@pytest.fixture(scope="session")
+def rowwise_dir(artifacts) -> Iterator[Path]:
+    """int8 in the flavour chosen by default where no TensorRT engines are built (rowwise)."""
+    yield from shared(artifacts.get("rowwise_dir"))
+
+
+@pytest.fixture(scope="session")
+def ort_dynamic_flavour_dir(artifacts) -> Iterator[Path]:
+    """int8, --int8-flavour ort-dynamic (ONNX Runtime only)."""
+    yield from shared(artifacts.get("ort_dynamic_flavour_dir"))
+
+
+@pytest.fixture(scope="session")
+def rowwise_flavour_dir(artifacts) -> Iterator[Path]:
+    """int8, --int8-flavour rowwise asked for by name (rowwise_dir has it by default)."""
+    yield from shared(artifacts.get("rowwise_flavour_dir"))
+
+
+# -- a tiny model that learnt the toy task (helpers.train_tiny: seconds), and its export -----------
+
+@pytest.fixture(scope="session")
+def trained_checkpoint(artifacts) -> Path:
+    return artifacts.get("trained_checkpoint")
+
+
+@pytest.fixture(scope="session")
+def trained_model_dir(artifacts) -> Iterator[Path]:
+    """The trained tiny model exported fp32 (helpers.TRAINED_LIMITS), no engines."""
+    yield from shared(artifacts.get("trained_model_dir"))
+
+
+# -- a tiny model trained by the real training loop until it memorised its corpus ------------------
+
+@pytest.fixture(scope="session")
+def memorise_corpus(artifacts) -> tuple[Path, Path]:
+    """A tiny made-up corpus (word-for-word translation with reversal) as train.src / train.tgt."""
+    corpus = artifacts.get("memorise_corpus")
+    return corpus / "train.src", corpus / "train.tgt"
+
+
+@pytest.fixture(scope="session")
+def trained_save_dir(artifacts) -> Path:
+    """A save dir where the real `pipeline.training.train` trained the `tiny` preset on
+    memorise_corpus until it translates its training sentences (helpers._trained_save_dir)."""
+    return artifacts.get("trained_save_dir")
+
+
+# trained_save_dir exported without engines (helpers.MEMORISED_LIMITS). Verification's bound is tested in
+# test_int8.py (helpers.INT8_LOOSE_ATOL says why it is loose for int8 here); the parity gate of
+# test_parity_bench.py judges the int8 model by its translations.
+
+@pytest.fixture(scope="session")
+def memorised_fp32_dir(artifacts) -> Iterator[Path]:
+    yield from shared(artifacts.get("memorised_fp32_dir"))
+
+
+@pytest.fixture(scope="session")
+def memorised_fp16_dir(artifacts) -> Iterator[Path]:
+    yield from shared(artifacts.get("memorised_fp16_dir"))
+
+
+@pytest.fixture(scope="session")
+def memorised_int8_dir(artifacts) -> Iterator[Path]:
+    """int8 in the default flavour without engines: rowwise."""
+    yield from shared(artifacts.get("memorised_int8_dir"))
+
+
+@pytest.fixture(scope="session")
+def memorised_qdq_dir(artifacts) -> Iterator[Path]:
+    """int8, the QDQ flavour."""
+    yield from shared(artifacts.get("memorised_qdq_dir"))

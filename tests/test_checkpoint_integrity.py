@@ -8,14 +8,12 @@ import hashlib
 import io
 import logging
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_parallel, run_cli, write_parallel
-from test_train import TINY, env_with_root
+from helpers import TINY, cli_env, make_parallel, pipeline_cmd, run_cli, write_parallel
 
 from model import build_model, preset
 from model.checkpoint import (
@@ -132,8 +130,7 @@ def test_checksum_digest_is_returned_and_written(tmp_path):
 # -- the real command line: resume, average and export refuse a bit-flipped checkpoint -------
 
 def _cli(*args: object, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], env=env_with_root(), cwd=cwd,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(pipeline_cmd(*args), env=cli_env(), cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
 def _one_error_line(proc: subprocess.CompletedProcess[str], path: Path) -> str:
@@ -144,6 +141,7 @@ def _one_error_line(proc: subprocess.CompletedProcess[str], path: Path) -> str:
     return errors[0]
 
 
+@pytest.mark.slow
 def test_resume_average_and_export_refuse_a_bit_flipped_checkpoint(tmp_path):
     src, tgt = write_parallel(tmp_path, "train", *make_parallel(80, seed=4))
     run = tmp_path / "run"

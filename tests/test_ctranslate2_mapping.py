@@ -13,6 +13,7 @@ from runtime.tokenizer import Tokenizer
 pytest.importorskip("ctranslate2")
 
 
+@pytest.mark.slow
 def test_ctranslate2_greedy_equals_pytorch(trained_save_dir, memorise_corpus, tmp_path):
     model, spm_bytes, _ = load_model(resolve_checkpoint(trained_save_dir))
     tokenizer = Tokenizer(spm_bytes)
@@ -22,6 +23,7 @@ def test_ctranslate2_greedy_equals_pytorch(trained_save_dir, memorise_corpus, tm
     assert ctranslate2_compare.greedy_agreement(model, tokenizer, translator, sources) == len(sources)
 
 
+@pytest.mark.slow
 def test_a_wrong_mapping_is_caught(trained_save_dir, memorise_corpus, tmp_path):
     """The agreement check can fail: a model whose weights differ from the mapped ones."""
     import torch

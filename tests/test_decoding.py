@@ -6,7 +6,7 @@ import math
 
 import click
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 from model.config import EOS_ID
 from pipeline.commands.parity import parse_backends

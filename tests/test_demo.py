@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from helpers import ROOT, make_parallel, run_cli
 
 pytest.importorskip("onnxruntime")
 
-ROOT = Path(__file__).resolve().parents[1]
 
-
+@pytest.mark.slow
 def test_demo_runs_every_stage(tmp_path, capsys):
     out = tmp_path / "demo"
     code = run_cli("demo", "--out", out, "--preset", "tiny", "--builtin-pairs", "600", "--max-steps", "40",
@@ -59,14 +57,13 @@ def test_readme_quick_start_is_what_ci_runs():
     assert ci.index("torch==2.13.0") < ci.index("pip install -e")
 
 
+@pytest.mark.slow
 def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
     """scripts/multi30k.sh on a tiny stand-in for the Multi30k files (tiny model, 3 steps):
     train, average (how many checkpoints chosen on val), export, serve-batch both test sets,
     score with sacreBLEU."""
     import os
     import subprocess
-
-    from conftest import make_parallel
 
     data = tmp_path / "multi30k"
     data.mkdir()

@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
+from helpers import run_cli
 
-from export.api import export_model
 from model import io_names
 from model.manifest import Engines, Manifest, read_manifest
 from pipeline.environment import Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, cpu_facts, gather_facts, model_dir_verdicts
@@ -18,11 +17,10 @@ from pipeline.environment import Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, cpu
 ort = pytest.importorskip("onnxruntime")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, random_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("doctor") / "model"
-    export_model(random_checkpoint, out, tensorrt=False, max_batch=2, max_src_len=16, max_tgt_len=16, max_beam=2)
-    return out
+@pytest.fixture()
+def model_dir(fp32_dir) -> Path:
+    """The random checkpoint exported fp32 with --no-tensorrt (conftest, shared read-only)."""
+    return fp32_dir
 
 
 def test_doctor_prints_this_machine(capsys):

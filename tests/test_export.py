@@ -1,7 +1,7 @@
 """`pipeline export`: graphs, axis names, verification, fp16, model dir, bad input.
 
-All on the tiny random checkpoint of conftest (CPU, seconds). The exported dirs are
-built once per module and shared by the read-only tests.
+All on the tiny random checkpoint of conftest (CPU, seconds). The exported dirs (conftest's
+fp32_dir and fp16_dir) are built once per session and shared by the read-only tests.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import onnx
 import onnx.numpy_helper
 import pytest
 import torch
+from helpers import ROOT, SMALL_LIMITS, hidden, run_cli_captured
 
 from export import api, tensorrt_build, verify
 from export.errors import ExportError, VerificationError
@@ -27,35 +28,14 @@ from model.cache import BeamCache
 from model.checkpoint import CheckpointError, load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, MANIFEST, SPM_FILE, Limits, read_manifest
 from model.transformer import select_candidates
-from pipeline.cli import main
 from runtime import graph_files
 
-REPO = Path(__file__).resolve().parents[1]
 HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stubs alone
-SMALL_LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
-
-
-@pytest.fixture(scope="module")
-def fp32_dir(tmp_path_factory, random_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("export") / "fp32"
-    api.export_model(random_checkpoint, out, **SMALL_LIMITS)
-    return out
-
-
-@pytest.fixture(scope="module")
-def fp16_dir(tmp_path_factory, random_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("export") / "fp16"
-    api.export_model(random_checkpoint, out, fp16=True, **SMALL_LIMITS)
-    return out
 
 
 def ort_session(path: Path):
     import onnxruntime as ort
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-
-
-def leftovers(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
 
 
 # -- the model dir ------------------------------------------------------------------------
@@ -79,11 +59,12 @@ def test_model_dir_is_complete_and_verified(fp32_dir, random_checkpoint):
 
 
 @pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
-def test_engines_skipped_without_tensorrt(fp32_dir):
-    manifest = read_manifest(fp32_dir)
+def test_engines_skipped_without_tensorrt(fp16_dir):
+    """Exported with the default tensorrt=None (conftest's fp16_dir; its fp32_dir says --no-tensorrt)."""
+    manifest = read_manifest(fp16_dir)
     assert manifest.tensorrt is None
     assert "tensorrt is not installed" in manifest.tensorrt_skipped
-    assert not (fp32_dir / io_names.ENCODER_ENGINE).exists()
+    assert not (fp16_dir / io_names.ENCODER_ENGINE).exists()
 
 
 def test_tampered_model_dir_is_refused(fp32_dir, tmp_path):
@@ -138,7 +119,7 @@ def test_first_step_with_one_hypothesis_and_capacity_one(fp32_dir):
     with torch.inference_mode():
         memory, src_bias = model.encode(torch.from_numpy(src))
         ck, cv = model.cross_kv(memory)
-        cache = BeamCache(cfg, 1, initial_capacity=1)
+        cache = BeamCache(cfg, 1, torch.float32, initial_capacity=1)
         cache_feeds = cache.advance(torch.tensor([0]), 1)
         tokens, step = torch.tensor([cfg.bos_id]), torch.tensor([0])
         lp, _, _ = model.decode_step(tokens, step, cache_feeds[io_names.SELF_INDEX],
@@ -248,16 +229,7 @@ def test_fp16_model_dir_verified_two_ways(fp16_dir, fp32_dir):
 
 # -- bad input ------------------------------------------------------------------------------
 
-def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        main(args)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
+@pytest.mark.slow
 def test_cli_export_of_a_save_dir_prints_summary(random_checkpoint, tmp_path, capsys):
     """A save dir resolves to its latest step checkpoint; options reach the graphs."""
     save_dir = tmp_path / "run"
@@ -266,9 +238,9 @@ def test_cli_export_of_a_save_dir_prints_summary(random_checkpoint, tmp_path, ca
     save_checkpoint(save_dir / "checkpoint_00000010.pt", model, spm, train_state={"step": 10})
     save_checkpoint(save_dir / "checkpoint_00000020.pt", model, spm, train_state={"step": 20})
     out = tmp_path / "m"
-    code, stdout, stderr = run_cli(["export", str(save_dir), "--out", str(out), "--max-batch", "2",
-                                    "--max-src-len", "16", "--max-tgt-len", "20", "--max-beam", "2",
-                                    "--topk", "4", "--opset", "17", "--no-tensorrt"], capsys)
+    code, stdout, stderr = run_cli_captured(capsys, "export", save_dir, "--out", out, "--max-batch", 2,
+                                            "--max-src-len", 16, "--max-tgt-len", 20, "--max-beam", 2,
+                                            "--topk", 4, "--opset", 17, "--no-tensorrt")
     assert code == 0, stderr
     assert "exported fp32 model to" in stdout and "max abs log-prob difference" in stdout
     assert "TensorRT engines skipped: --no-tensorrt" in stderr
@@ -282,7 +254,7 @@ def test_cli_export_of_a_save_dir_prints_summary(random_checkpoint, tmp_path, ca
 
 
 def test_cli_help_documents_every_option(capsys):
-    code, stdout, _ = run_cli(["export", "--help"], capsys)
+    code, stdout, _ = run_cli_captured(capsys, "export", "--help")
     assert code == 0
     for opt in ("--out", "--fp16", "--opset", "--topk", "--max-batch", "--max-src-len", "--max-tgt-len",
                 "--max-beam", "--tensorrt / --no-tensorrt", "--force", "--atol", "--fp16-atol",
@@ -298,28 +270,29 @@ def test_not_a_checkpoint(tmp_path, capsys, make):
     elif make == "empty_dir":
         path.mkdir()
     out = tmp_path / "out"
-    code, _, stderr = run_cli(["export", str(path), "--out", str(out)], capsys)
+    code, _, stderr = run_cli_captured(capsys, "export", str(path), "--out", str(out))
     assert code == 2 and stderr.startswith("error: ") and str(path) in stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and hidden(tmp_path) == []
     with pytest.raises(CheckpointError):
         api.export_model(path, out)
 
 
+@pytest.mark.slow
 def test_existing_out_needs_force_and_is_replaced_only_when_complete(fp32_dir, random_checkpoint,
                                                                    tmp_path, capsys):
     import shutil
     out = tmp_path / "m"
     shutil.copytree(fp32_dir, out)
     before = (out / MANIFEST).read_text()
-    code, _, stderr = run_cli(["export", str(random_checkpoint), "--out", str(out)], capsys)
+    code, _, stderr = run_cli_captured(capsys, "export", str(random_checkpoint), "--out", str(out))
     assert code == 2 and "--force" in stderr and (out / MANIFEST).read_text() == before
     # A failing export with --force leaves the old dir as it was.
     with pytest.raises(VerificationError):
         api.export_model(random_checkpoint, out, force=True, atol=1e-12, **SMALL_LIMITS)
-    assert (out / MANIFEST).read_text() == before and leftovers(tmp_path) == []
+    assert (out / MANIFEST).read_text() == before and hidden(tmp_path) == []
     manifest = api.export_model(random_checkpoint, out, force=True, topk=8, **SMALL_LIMITS)
-    assert read_manifest(out).topk == 8 == manifest.topk and leftovers(tmp_path) == []
+    assert read_manifest(out).topk == 8 == manifest.topk and hidden(tmp_path) == []
 
 
 def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoint, tmp_path):
@@ -331,13 +304,13 @@ def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoi
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.slow
 def test_verification_failure_leaves_nothing(random_checkpoint, tmp_path, capsys):
     out = tmp_path / "m"
-    code, _, stderr = run_cli(["export", str(random_checkpoint), "--out", str(out), "--atol", "1e-12",
-                               "--max-batch", "2", "--max-src-len", "16", "--max-tgt-len", "20",
-                               "--max-beam", "2"], capsys)
+    code, _, stderr = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--atol", "1e-12",
+                                       "--max-batch", 2, "--max-src-len", 16, "--max-tgt-len", 20, "--max-beam", 2)
     assert code == 2 and "verification failed" in stderr and "exceeds tolerance 1e-12" in stderr
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and hidden(tmp_path) == []
 
 
 def test_unsupported_config_and_options(spm_bytes, tmp_path, capsys):
@@ -346,8 +319,7 @@ def test_unsupported_config_and_options(spm_bytes, tmp_path, capsys):
     ckpt = tmp_path / "short.pt"
     save_checkpoint(ckpt, build_model(cfg), spm_bytes)
     out = tmp_path / "m"
-    code, _, stderr = run_cli(["export", str(ckpt), "--out", str(out), "--max-beam", "12",
-                               "--opset", "13"], capsys)
+    code, _, stderr = run_cli_captured(capsys, "export", ckpt, "--out", out, "--max-beam", 12, "--opset", 13)
     assert code == 2 and not out.exists()
     for fragment in ("--max-src-len 256 exceeds the model's max_positions (64)", "--max-tgt-len 306",
                      "--max-beam 12 needs --topk >= 24", "--opset 13 is not supported"):
@@ -356,27 +328,29 @@ def test_unsupported_config_and_options(spm_bytes, tmp_path, capsys):
     payload = torch.load(ckpt, weights_only=False)
     payload["model_config"]["d_ff"] = 128
     torch.save(payload, tmp_path / "mismatch.pt")
-    code, _, stderr = run_cli(["export", str(tmp_path / "mismatch.pt"), "--out", str(out)], capsys)
+    code, _, stderr = run_cli_captured(capsys, "export", str(tmp_path / "mismatch.pt"), "--out", str(out))
     assert code == 2 and "cannot be loaded into its model config" in stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_interrupted_export_leaves_nothing(random_checkpoint, tmp_path):
     """A real SIGINT in the middle of an export (once its temp dir exists)."""
     out = tmp_path / "m"
     code = (f"from export.api import export_model; export_model({str(random_checkpoint)!r}, {str(out)!r}, "
             "max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2)")
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
-    while not leftovers(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+    while not hidden(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert leftovers(tmp_path), "export never created its temp dir"
+    assert hidden(tmp_path), "export never created its temp dir"
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode != 0 and b"KeyboardInterrupt" in err, err.decode(errors="replace")[-3000:]
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and hidden(tmp_path) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint, tmp_path, monkeypatch):
     """Ctrl-C lands in library code that catches BaseException: the export must not commit."""
     verify_export = verify.verify_export
@@ -394,7 +368,7 @@ def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint
     out = tmp_path / "m"
     with pytest.raises(KeyboardInterrupt, match="SIGINT received: export to .* not done"):
         api.export_model(random_checkpoint, out, max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2)
-    assert not out.exists() and leftovers(tmp_path) == []
+    assert not out.exists() and hidden(tmp_path) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the latch is gone again
 
 

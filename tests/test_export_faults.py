@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from reliability import assert_one_line_error, cli_env, dead_pid, pipeline_cmd, run_pipeline, small_tmpfs
+from helpers import assert_one_line_error, cli_env, dead_pid, hidden, pipeline_cmd, run_pipeline, small_tmpfs
 
 from model import atomic
 from model.manifest import MANIFEST
@@ -29,15 +29,10 @@ def export(ckpt: Path, out: Path, *extra: str) -> None:
                  force="--force" in extra)
 
 
-def hidden(parent: Path) -> list[str]:
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith("."))
-
-
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory, random_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("exported") / "m"
-    export(random_checkpoint, out)
-    return out
+@pytest.fixture()
+def exported(fp32_dir) -> Path:
+    """An fp32 model dir of the random checkpoint (conftest, shared read-only: copy it to change it)."""
+    return fp32_dir
 
 
 # -- replacing a model dir -------------------------------------------------------------------
@@ -55,7 +50,7 @@ def test_replace_dir_swaps_in_one_step_where_possible(tmp_path):
     assert (old / "f").read_text() == "new" and (new / "f").read_text() == "old"
 
 
-@pytest.mark.parametrize("where", ["export", "load"])
+@pytest.mark.parametrize("where", [pytest.param("export", marks=pytest.mark.slow), "load"])
 def test_crash_between_the_two_renames_is_undone_by_the_next_run(exported, random_checkpoint, tmp_path, where):
     """Where no atomic swap exists, replace_dir parks the old dir first; a process killed
     right then leaves no target. The next export or load puts the old one back."""
@@ -106,6 +101,7 @@ def test_a_live_exports_backup_is_left_alone(tmp_path):
 # -- leftovers and signals ---------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_partial_dirs_of_a_killed_export_are_removed(random_checkpoint, tmp_path):
     stale = tmp_path / f".m.~pipeline-{dead_pid()}-partial-abc"
     (stale / "sub").mkdir(parents=True)
@@ -114,6 +110,7 @@ def test_partial_dirs_of_a_killed_export_are_removed(random_checkpoint, tmp_path
     assert hidden(tmp_path) == [] and (tmp_path / "m" / MANIFEST).is_file()
 
 
+@pytest.mark.slow
 def test_sigterm_during_export_exits_143_leaving_nothing(random_checkpoint, tmp_path):
     out = tmp_path / "m"
     proc = subprocess.Popen(pipeline_cmd("export", random_checkpoint, "--out", out, *SMALL), env=cli_env(),
@@ -135,6 +132,7 @@ def test_sigterm_during_export_exits_143_leaving_nothing(random_checkpoint, tmp_
 # -- full disk, read-only parent ----------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_full_disk_during_export_is_one_line_naming_out(random_checkpoint, tmp_path):
     with small_tmpfs(tmp_path / "disk", "256k") as disk:
         code, err = run_pipeline("export", random_checkpoint, "--out", disk / "m", *SMALL)
@@ -142,6 +140,7 @@ def test_full_disk_during_export_is_one_line_naming_out(random_checkpoint, tmp_p
         assert list(disk.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_read_only_parent_fails_before_exporting(random_checkpoint, tmp_path):
     with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
         started = time.monotonic()

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import INT8_LOOSE_ATOL
+from helpers import INT8_LOOSE_ATOL
 from onnx import numpy_helper
 
 from export import api, quantize, trt_compat, verify
@@ -21,19 +21,14 @@ from model.manifest import CHECKPOINT_FILE, read_manifest
 from runtime import cpu_int8 as cpu
 from runtime.loader import load_backend
 
-LIMITS = dict(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
 GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
 
 
-@pytest.fixture(scope="module")
-def dirs(tmp_path_factory, random_checkpoint):
-    root = tmp_path_factory.mktemp("int8")
-    out = {p: root / p for p in ("fp32", "int8", "rowwise")}
-    api.export_model(random_checkpoint, out["fp32"], tensorrt=False, **LIMITS)
-    api.export_model(random_checkpoint, out["int8"], int8=True, int8_flavour=quantize.QDQ, tensorrt=False, **LIMITS)
-    # the default flavour where no TensorRT engines are built
-    api.export_model(random_checkpoint, out["rowwise"], int8=True, tensorrt=None, **LIMITS)
-    return out
+@pytest.fixture()
+def dirs(fp32_dir, int8_dir, rowwise_dir) -> dict[str, Path]:
+    """The random checkpoint exported fp32, int8 qdq and int8 in the default flavour where no
+    TensorRT engines are built (conftest: once per session, shared read-only)."""
+    return {"fp32": fp32_dir, "int8": int8_dir, "rowwise": rowwise_dir}
 
 
 def _inits(proto):
@@ -139,13 +134,15 @@ def _twice_the_correct_error(manifest) -> float:
     return 2 * worst
 
 
-def test_verification_fails_on_a_transposed_scale_axis(trained_save_dir, tmp_path):
+@pytest.mark.slow
+def test_verification_fails_on_a_transposed_scale_axis(memorised_qdq_dir, trained_save_dir, tmp_path):
     """Scales applied along the wrong axis (rows instead of output channels) fail the int8
     verification at twice the error the correct graphs of the same trained model measured (on
-    this CPU: conftest.INT8_INT8_LOOSE_ATOL says why)."""
-    out = tmp_path / "int8"
-    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.QDQ, tensorrt=False,
-                                int8_atol=INT8_LOOSE_ATOL, **LIMITS)
+    this CPU: helpers.INT8_LOOSE_ATOL says why). The graphs: conftest's export of the model, read
+    here and changed in a copy."""
+    out = memorised_qdq_dir
+    manifest = read_manifest(out)
+    assert manifest.quantization == quantize.QDQ and manifest.verification["atol"] == INT8_LOOSE_ATOL
     atol = _twice_the_correct_error(manifest)
     proto = onnx.load(str(out / io_names.DECODER_FILE))
     inits = {i.name: i for i in proto.graph.initializer}
@@ -182,11 +179,18 @@ def test_quantize_columns_round_trip():
     assert torch.equal(torch.from_numpy(np.abs(q).max(axis=0)[[0, 1, 3, 4]]), torch.full((4,), 127, dtype=torch.int8))
 
 
+@pytest.fixture()
+def flavour_dirs(ort_dynamic_flavour_dir, rowwise_flavour_dir) -> dict[str, Path]:
+    """The random checkpoint exported with each ONNX Runtime-only flavour asked for by name (conftest)."""
+    return {quantize.ORT_DYNAMIC: ort_dynamic_flavour_dir, quantize.ROWWISE: rowwise_flavour_dir}
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour, op", [(quantize.ORT_DYNAMIC, "MatMulInteger"),
                                          (quantize.ROWWISE, "MatMulIntegerToFloat")])
-def test_integer_flavours_are_onnxruntime_only(random_checkpoint, tmp_path, flavour, op):
-    out = tmp_path / "dyn"
-    manifest = api.export_model(random_checkpoint, out, int8=True, int8_flavour=flavour, tensorrt=None, **LIMITS)
+def test_integer_flavours_are_onnxruntime_only(random_checkpoint, flavour_dirs, tmp_path, flavour, op):
+    out = flavour_dirs[flavour]  # export_model(random_checkpoint, out, int8=True, int8_flavour=flavour, tensorrt=None)
+    manifest = read_manifest(out)
     assert manifest.precision == "int8" and manifest.quantization == flavour
     assert manifest.tensorrt is None and "ONNX Runtime only" in manifest.tensorrt_skipped
     proto = onnx.load(str(out / io_names.DECODER_FILE))
@@ -271,13 +275,14 @@ def test_rowwise_translations_do_not_depend_on_the_batch(dirs):
     assert np.allclose([h.score for h in together], [h.score for h in alone], rtol=0, atol=1e-5)
 
 
-def test_verification_fails_on_wrong_rowwise_scales(trained_save_dir, tmp_path):
+@pytest.mark.slow
+def test_verification_fails_on_wrong_rowwise_scales(memorised_int8_dir, trained_save_dir, tmp_path):
     """The rowwise graphs with each linear layer's column scales reversed fail the int8
-    verification at twice the error the correct graphs of the same trained model measured."""
-    out = tmp_path / "rowwise"
-    manifest = api.export_model(trained_save_dir, out, int8=True, int8_flavour=quantize.ROWWISE, tensorrt=False,
-                                int8_atol=INT8_LOOSE_ATOL, **LIMITS)
-    assert manifest.verification["atol"] == INT8_LOOSE_ATOL
+    verification at twice the error the correct graphs of the same trained model measured
+    (conftest's export of it, shared with test_parity_bench.py: read here, changed in a copy)."""
+    out = memorised_int8_dir
+    manifest = read_manifest(out)
+    assert manifest.quantization == quantize.ROWWISE and manifest.verification["atol"] == INT8_LOOSE_ATOL
     atol = _twice_the_correct_error(manifest)
     proto = onnx.load(str(out / io_names.DECODER_FILE))
     inits = {i.name: i for i in proto.graph.initializer}

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from helpers import run_cli
 
 from export import api
 from model import preset
@@ -146,6 +146,7 @@ def test_checkpoint_steps_from_every_checkpoint_kind():
     assert api.checkpoint_steps({"train_state": None, "extra": {}}) == []
 
 
+@pytest.mark.slow
 def test_export_of_an_averaged_checkpoint_records_its_steps(random_checkpoint, tmp_path, capsys):
     save_dir = tmp_path / "run"
     model, spm, _ = load_model(random_checkpoint)

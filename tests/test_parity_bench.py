@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import INT8_LOOSE_ATOL, run_cli
+from helpers import MEMORISED_LIMITS, run_cli
 
-from export.api import export_model
 from model import build_model
 from model.checkpoint import load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest, write_manifest
@@ -19,21 +18,11 @@ from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, Gate, check
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 
-EXPORT_LIMITS = dict(max_batch=16, max_src_len=64, max_tgt_len=80)
 
-
-@pytest.fixture(scope="module")
-def model_dirs(trained_save_dir, tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    out = {}
-    for precision in ("fp32", "fp16", "int8"):
-        out[precision] = root / precision
-        # Verification's bound is tested in test_int8.py (conftest.INT8_LOOSE_ATOL says why it is
-        # loose here); the parity gate below judges the int8 model by its translations.
-        export_model(trained_save_dir, out[precision], fp16=precision == "fp16", int8=precision == "int8",
-                     int8_atol=INT8_LOOSE_ATOL if precision == "int8" else None,
-                     tensorrt=False, **EXPORT_LIMITS)
-    return out
+@pytest.fixture()
+def model_dirs(memorised_fp32_dir, memorised_fp16_dir, memorised_int8_dir) -> dict[str, Path]:
+    """The memorised tiny model exported fp32, fp16 and int8 (conftest, shared read-only)."""
+    return {"fp32": memorised_fp32_dir, "fp16": memorised_fp16_dir, "int8": memorised_int8_dir}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +48,7 @@ def test_gate_logic():
     assert r2.passed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "int8"])
 def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tmp_path):
     """fp32 at the default gate; fp16 allowing two changed sentences (below). int8 at a wider
@@ -98,6 +88,7 @@ def test_parity_gate_passes_on_onnxruntime(model_dirs, test_files, precision, tm
     assert "nrefs:1" in data["bleu_signature"]
 
 
+@pytest.mark.slow
 def test_parity_catches_graphs_out_of_sync_with_weights(model_dirs, test_files, tmp_path, capsys):
     """A model dir whose ONNX graphs came from other weights than model.pt must fail the gate."""
     bad = tmp_path / "bad"
@@ -111,6 +102,7 @@ def test_parity_catches_graphs_out_of_sync_with_weights(model_dirs, test_files, 
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_parity_rejects_misaligned_reference(model_dirs, test_files, tmp_path, capsys):
     src, _ = test_files
     short = tmp_path / "short.txt"
@@ -119,6 +111,7 @@ def test_parity_rejects_misaligned_reference(model_dirs, test_files, tmp_path, c
     assert "must be line-aligned" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
     report = run_bench(model_dirs["fp32"], ["torch", "onnxruntime"], [4], decoding=PAPER.replace(beam_size=2),
                        fixed_length=6,
@@ -134,6 +127,7 @@ def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
     assert json.loads(out.read_text())["results"][0]["target_tokens"] == 4 * 3
 
 
+@pytest.mark.slow
 def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files, tmp_path):
     """Blank, whitespace-only and over-long lines: each backend's hypotheses as parity saw
     them (--save-hyps) are byte for byte what serve-batch writes with the same options."""
@@ -142,7 +136,7 @@ def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files,
     ref_lines = test_files[1].read_text(encoding="utf-8").splitlines()[:6]
     long_line = " ".join(["der hund sieht die katze"] * 20)
     _, tok, _ = load_backend(model_dir, "torch")
-    assert len(tok.encode_source([long_line])[0]) > EXPORT_LIMITS["max_src_len"]
+    assert len(tok.encode_source([long_line])[0]) > MEMORISED_LIMITS["max_src_len"]
     src_lines[1:1] = ["", "  \t ", long_line]
     ref_lines[1:1] = ["", "", "the dog sees the cat"]
     src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
@@ -165,6 +159,7 @@ def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files,
     assert [r["identical"] for r in data["results"]] == [1.0, 1.0]
 
 
+@pytest.mark.slow
 def test_int8_gate_is_bleu_only_and_configurable(model_dirs, test_files, capsys):
     assert DEFAULT_GATES["int8"].min_identical is None and DEFAULT_GATES["int8"].max_bleu_delta == 0.5
     src, ref = test_files
@@ -175,6 +170,7 @@ def test_int8_gate_is_bleu_only_and_configurable(model_dirs, test_files, capsys)
     assert "int8" in out and "FAIL: |dBLEU|" in out
 
 
+@pytest.mark.slow
 def test_bench_rows_carry_engine_precision_and_latency(model_dirs):
     report = run_bench(model_dirs["int8"], ["torch", "onnxruntime"], [4], decoding=PAPER.replace(beam_size=2),
                        fixed_length=3, sentences=4, src_len=5)
@@ -183,6 +179,7 @@ def test_bench_rows_carry_engine_precision_and_latency(model_dirs):
     assert all(r["latency_ms_per_sentence"] > 0 for r in rows.values())
 
 
+@pytest.mark.slow
 def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
     pytest.importorskip("ctranslate2")
     out = tmp_path / "cmp.json"

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_parallel, run_cli, write_parallel
-from test_train import TINY, env_with_root, train_until_sigterm, weights
+from helpers import TINY, cli_env, make_parallel, run_cli, train_until_sigterm, weights, write_parallel
 
 from model.checkpoint import BEST, read_checkpoint, step_checkpoints
 from pipeline.corpus.data import ShardedBatches, iter_eval_batches, prepare_data
@@ -52,6 +51,7 @@ def test_durations_parse_and_bad_ones_are_named():
             parse_duration(bad)
 
 
+@pytest.mark.slow
 def test_time_budget_stops_with_a_checkpoint_and_resume_spends_only_the_rest(corpus, tmp_path):
     run = tmp_path / "run"
     started = time.time()
@@ -75,11 +75,12 @@ def test_time_budget_stops_with_a_checkpoint_and_resume_spends_only_the_rest(cor
     assert steps == list(range(1, second["step"] + 1))
 
 
+@pytest.mark.slow
 def test_time_budget_exits_0_with_a_clear_line_counting_from_process_start(corpus, tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), "--train-src", str(corpus[0]),
            "--train-tgt", str(corpus[1]), *TINY, "--max-steps", "100000", "--max-time", "4s"]
-    done = subprocess.run(cmd, env=env_with_root(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "time budget reached" in done.stderr
     # Python and torch start-up count too: the recorded time covers the whole process.
@@ -88,6 +89,7 @@ def test_time_budget_exits_0_with_a_clear_line_counting_from_process_start(corpu
                    "--max-time", "1h2", "--max-steps", "9") == 2
 
 
+@pytest.mark.slow
 def test_time_budget_validates_the_last_update_within_the_budget(corpus, tmp_path):
     """A run that validated on its schedule validates its last update too when --max-time stops
     it (keeping back the time a validation takes), so the updates after the last scheduled
@@ -129,6 +131,7 @@ def lrs(run: Path) -> dict[int, float]:
             if m["event"] == "train"}
 
 
+@pytest.mark.slow
 def test_linear_schedule_under_a_time_budget_is_estimated_once_and_kept_on_resume(corpus, tmp_path):
     run, d_model, warmup = tmp_path / "run", 32, 2
     opts = dict(lr_schedule="linear", decay_time="60s", warmup=warmup)
@@ -156,6 +159,7 @@ def test_linear_schedule_under_a_time_budget_is_estimated_once_and_kept_on_resum
     assert third["decay_time_s"] == 20 and third["decay_steps"] < horizon
 
 
+@pytest.mark.slow
 def test_linear_schedule_resumes_bit_exactly_after_sigterm(corpus, tmp_path):
     """Without a time budget the horizon is --max-steps, so the same command rerun after a stop
     gives the uninterrupted run: weights and every step's learning rate."""
@@ -171,6 +175,7 @@ def test_linear_schedule_resumes_bit_exactly_after_sigterm(corpus, tmp_path):
     assert lrs(straight) == lrs(run) and lrs(run)[150] == 0.0
 
 
+@pytest.mark.slow
 def test_schedule_options_are_checked_and_change_the_experiment(corpus, tmp_path, capsys):
     common = ["--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, "--max-steps", "2"]
     assert run_cli("train", "--save-dir", tmp_path / "a", *common, "--decay-time", "10m") == 2
@@ -234,6 +239,7 @@ def test_sampled_batches_are_the_same_on_any_number_of_ranks(corpus, tmp_path):
         assert torch.equal(a[0].src, c.src) and torch.equal(b[0].tgt_out, d.tgt_out)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_exact_with_sampling_on(corpus, tmp_path):
     common = ["--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, "--dropout", "0.1", "--save-every", "100",
               "--spm-alpha", "0.3"]
@@ -264,6 +270,7 @@ def test_pruning_keeps_the_last_and_the_best_window(tmp_path):
     assert [int(p.name[11:19]) for p in step_checkpoints(tmp_path)] == [8, 9]
 
 
+@pytest.mark.slow
 def test_best_checkpoint_follows_validation_bleu_and_average_best_uses_its_window(tmp_path):
     src, tgt = make_parallel(40, seed=7)
     files = write_parallel(tmp_path / "data", "train", src, tgt)
@@ -298,6 +305,7 @@ def scalars(run: Path, tag: str) -> list[int]:
     return [e.step for e in acc.Scalars(tag)]
 
 
+@pytest.mark.slow
 def test_tensorboard_events_are_written_and_not_duplicated_on_resume(corpus, tmp_path):
     pytest.importorskip("tensorboard")
     run = tmp_path / "run"
@@ -326,6 +334,7 @@ def test_dropout_and_label_smoothing_default_per_preset_and_can_be_overridden(tm
     assert (mine.dropout, mine.label_smoothing, mine.warmup) == (0.2, 0.2, 99)
 
 
+@pytest.mark.slow
 def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, memorise_corpus, capsys):
     src, tgt = memorise_corpus
     assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "1,2",

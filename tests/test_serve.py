@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -14,35 +13,22 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_parallel, run_cli
-from test_backends import one_thread, train_tiny
+from helpers import cli_env, make_parallel, pipeline_cmd, run_cli
+from helpers import write_lines as write
 
-from model.checkpoint import save_checkpoint
 from runtime.loader import load_backend
 from runtime.translate import translate_lines
 
 pytest.importorskip("onnxruntime")
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--max-len-a", "0", "--max-len-b", "6", "--no-progress", "--threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_corpus, spm_bytes) -> Path:
-    """A tiny trained model (so lines get different translations) exported with a
-    16-token source limit (so long lines are easy to make)."""
-    from export.api import export_model
-
-    tmp = tmp_path_factory.mktemp("serve")
-    with one_thread():
-        save_checkpoint(tmp / "trained.pt", train_tiny(*tiny_corpus, spm_bytes), spm_bytes)
-        export_model(tmp / "trained.pt", tmp / "model", tensorrt=False, max_src_len=16, max_tgt_len=32)
-    return tmp / "model"
-
-
-def write(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
+@pytest.fixture()
+def model_dir(trained_model_dir) -> Path:
+    """The tiny trained model (lines get different translations), exported with a source limit that
+    long lines are easy to exceed: conftest's trained_model_dir."""
+    return trained_model_dir
 
 
 def reference(model_dir: Path, lines: list[str], backend: str = "onnxruntime", **opts) -> list[str]:
@@ -82,7 +68,7 @@ def test_bad_input_stays_line_aligned(model_dir, tmp_path, caplog, capsys):
     normal = [0, 4, 5, 7]
     assert [got[i] for i in normal] == reference(model_dir, [(lines + ["", "der mann"])[i] for i in normal])
     assert got[6] == reference(model_dir, ["die \ufffd\ufffd katze"])[0]
-    assert got[3] == reference(model_dir, [long_line])[0]  # truncated to the same 16 tokens
+    assert got[3] == reference(model_dir, [long_line])[0]  # truncated to the same source-limit tokens
     text = caplog.text
     assert "1 line(s) longer than the model's source limit were truncated" in text
     assert "1 line(s) had invalid UTF-8" in text
@@ -161,32 +147,29 @@ def test_user_errors_are_one_line(model_dir, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_equal_one_process(model_dir, tmp_path):
     src, _ = make_parallel(31, seed=9)
     src[7] = ""
     inp = write(tmp_path / "in.txt", src)
     one, two = tmp_path / "one.txt", tmp_path / "two.txt"
     assert run_cli("serve-batch", model_dir, inp, "-o", one, "--window", 10, *FAST) == 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "pipeline", "serve-batch", str(model_dir), str(inp), "-o", str(two), "--window", "10",
            *FAST]
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert two.read_text() == one.read_text()
     assert "translated 31 sentences" in proc.stderr and "2 ranks" in proc.stderr
 
 
+@pytest.mark.slow
 def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
     src, _ = make_parallel(200, seed=4)
     inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below
     out = tmp_path / "out.txt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(inp),
-                             "-o", str(out), "--window", "50", *FAST], env=env, cwd=tmp_path,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, "--window", "50", *FAST),
+                            env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not list(tmp_path.glob(".out.txt.*")) and time.monotonic() < deadline:

@@ -13,32 +13,26 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import make_parallel, run_cli
-from reliability import (
+from helpers import (
     FAST,
     assert_one_line_error,
     cli_env,
     dead_pid,
+    make_parallel,
     pipeline_cmd,
+    run_cli,
     run_pipeline,
     small_tmpfs,
 )
+from helpers import write_lines as write
 
 pytest.importorskip("onnxruntime")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, random_checkpoint) -> Path:
-    from export.api import export_model
-
-    out = tmp_path_factory.mktemp("faults") / "model"
-    export_model(random_checkpoint, out, tensorrt=False, max_batch=8, max_src_len=16, max_tgt_len=20, max_beam=4)
-    return out
-
-
-def write(path: Path, lines: list[str]) -> Path:
-    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
+@pytest.fixture()
+def model_dir(fp32_dir) -> Path:
+    """The random checkpoint exported fp32 (conftest, shared read-only)."""
+    return fp32_dir
 
 
 # -- inputs are sacred -----------------------------------------------------------------------
@@ -108,6 +102,7 @@ def test_parity_and_bench_outputs_never_replace_their_inputs(model_dir, tmp_path
 # -- one line, not a traceback ---------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_directory_as_output_is_one_line(model_dir, tmp_path):
     inp = write(tmp_path / "in.de", ["der hund"])
     (tmp_path / "out").mkdir()
@@ -115,6 +110,7 @@ def test_directory_as_output_is_one_line(model_dir, tmp_path):
     assert_one_line_error(code, err, "out: is a directory")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("device, says", [("gpu0", "use cpu, cuda or cuda:N"), ("cuda", "use --device cpu")])
 def test_unusable_device_is_one_line(model_dir, tmp_path, device, says):
     import torch
@@ -127,6 +123,7 @@ def test_unusable_device_is_one_line(model_dir, tmp_path, device, says):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_bench_on_an_empty_src_is_one_line(model_dir, tmp_path):
     empty = tmp_path / "empty.de"
     empty.write_text("\n\n")
@@ -134,6 +131,7 @@ def test_bench_on_an_empty_src_is_one_line(model_dir, tmp_path):
     assert_one_line_error(code, err, "empty.de: has no non-blank line")
 
 
+@pytest.mark.slow
 def test_full_disk_is_one_line_and_leaves_nothing(model_dir, tmp_path):
     src, _ = make_parallel(200, seed=3)
     inp = write(tmp_path / "in.de", src * 10)  # 2,000 lines: far more output than 16 KiB
@@ -143,6 +141,7 @@ def test_full_disk_is_one_line_and_leaves_nothing(model_dir, tmp_path):
         assert list(disk.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_read_only_output_dir_fails_before_the_model_loads(tmp_path):
     inp = write(tmp_path / "in.de", ["der hund"])
     with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
@@ -151,6 +150,7 @@ def test_read_only_output_dir_fails_before_the_model_loads(tmp_path):
         assert_one_line_error(code, err, f"{ro}: cannot write --output here (Read-only file system)")
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_the_middle_exits_130_leaving_nothing(model_dir, tmp_path):
     src, _ = make_parallel(200, seed=4)
     inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below

@@ -17,31 +17,23 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import make_parallel, run_cli
-from test_backends import one_thread, train_tiny
-
-from model.checkpoint import save_checkpoint
+from helpers import ROOT, TRAINED_LIMITS, make_parallel, run_cli
 
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--max-len-a", "0", "--max-len-b", "6", "--threads", "1"]
-LONG_LINE = " ".join(["der hund sieht die katze"] * 12)  # over the 16-token source limit
+SRC_LIMIT = TRAINED_LIMITS["max_src_len"]  # of model_dir
+LONG_LINE = " ".join(["der hund sieht die katze"] * 12)  # 60 words: over SRC_LIMIT tokens
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, tiny_corpus, spm_bytes) -> Path:
-    """A tiny trained model (lines get different translations) with a 16-token source limit."""
-    from export.api import export_model
-
-    tmp = tmp_path_factory.mktemp("server")
-    with one_thread():
-        save_checkpoint(tmp / "trained.pt", train_tiny(*tiny_corpus, spm_bytes), spm_bytes)
-        export_model(tmp / "trained.pt", tmp / "model", tensorrt=False, max_src_len=16, max_tgt_len=32)
-    return tmp / "model"
+def model_dir(trained_model_dir) -> Path:
+    """The tiny trained model (lines get different translations), exported with a source limit that
+    LONG_LINE exceeds: conftest's trained_model_dir."""
+    return trained_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +111,7 @@ def metric(url: str, name: str) -> float:
     return float(m.group(1))
 
 
+@pytest.mark.slow
 def test_answers_equal_serve_batch(url, model_dir, lines, expected, tmp_path):
     r = post(url, {"text": lines})
     assert r.status_code == 200, r.text
@@ -134,6 +127,7 @@ def test_answers_equal_serve_batch(url, model_dir, lines, expected, tmp_path):
     assert metric(url, "pipeline_truncated_lines_total") >= 1
 
 
+@pytest.mark.slow
 def test_concurrent_clients_get_their_own_answers_in_order_and_are_batched(url, lines, expected):
     before = metric(url, "pipeline_batch_requests_count")
     before_sum = metric(url, "pipeline_batch_requests_sum")
@@ -156,6 +150,7 @@ def test_concurrent_clients_get_their_own_answers_in_order_and_are_batched(url, 
     assert metric(url, "pipeline_requests_total{code=\"200\"}") >= 100
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body, message", [
     (b"{not json", "not JSON"),
     (b"[1, 2]", "JSON object"),
@@ -177,6 +172,7 @@ def test_bad_requests_are_400_with_a_message(url, body, message):
     assert message in r.json()["error"]
 
 
+@pytest.mark.slow
 def test_oversized_requests_are_413(url):
     r = post(url, {"text": ["der hund"] * 51})
     assert r.status_code == 413 and "51 lines" in r.json()["error"]
@@ -185,13 +181,15 @@ def test_oversized_requests_are_413(url):
     assert post(url, {"text": []}).json() == {"translations": []}
 
 
+@pytest.mark.slow
 def test_info_and_health(url):
     info = httpx.get(f"{url}/info", timeout=10).json()
     assert info["backend"] == "torch" and info["precision"] == "fp32"
-    assert info["model_limits"]["max_src_len"] == 16 and info["limits"]["max_lines"] == 50
+    assert info["model_limits"]["max_src_len"] == SRC_LIMIT and info["limits"]["max_lines"] == 50
     assert httpx.get(f"{url}/health", timeout=10).json()["ready"] is True
 
 
+@pytest.mark.slow
 def test_departed_clients_do_not_break_the_others(url, lines, expected):
     before = metric(url, "pipeline_client_disconnects_total")
     host, port = url.removeprefix("http://").split(":")
@@ -219,11 +217,12 @@ def test_departed_clients_do_not_break_the_others(url, lines, expected):
     assert post(url, {"text": lines[:3]}).json()["translations"] == [expected[line] for line in lines[:3]]
 
 
+@pytest.mark.slow
 def test_full_queue_is_503_and_long_lines_policy_error_is_413(model_dir, tmp_path, lines, expected):
     with server(model_dir, tmp_path / "serve.log", "--max-queue", 1, "--max-wait-ms", 300,
                 "--long-lines", "error") as (_, u):
         r = post(u, {"text": ["der hund", LONG_LINE]})
-        assert r.status_code == 413 and "line:2" in r.json()["error"] and "16" in r.json()["error"]
+        assert r.status_code == 413 and "line:2" in r.json()["error"] and str(SRC_LIMIT) in r.json()["error"]
         with ThreadPoolExecutor(12) as pool:
             answers = list(pool.map(lambda i: post(u, {"text": [lines[i]]}), range(12)))
         busy = [r for r in answers if r.status_code == 503]
@@ -233,6 +232,7 @@ def test_full_queue_is_503_and_long_lines_policy_error_is_413(model_dir, tmp_pat
         assert all(r.json()["translations"] == [expected[lines[i]]] for i, r in ok)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, lines, expected):
     with server(model_dir, tmp_path / "serve.log", "--max-wait-ms", 1500) as (proc, u):
         with ThreadPoolExecutor(8) as pool:
@@ -262,11 +262,12 @@ def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):
     assert len(err) == 1 and "--port" in err[0] and "in use" in err[0]
 
 
+@pytest.mark.slow
 def test_cli_works_without_the_web_stack():
     """The serve extra is optional: other commands never import it, and serve says how to get it."""
     code = ("import sys; sys.modules['uvicorn'] = None\n"
-            "from pipeline.cli import _register, main\n"
-            "_register()\n"
+            "from pipeline.cli import all_commands, main\n"
+            "all_commands()\n"
             "assert not {'starlette', 'prometheus_client'} & set(sys.modules), 'web stack imported eagerly'\n"
             "main(['serve', 'some_model_dir'])\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)

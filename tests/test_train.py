@@ -5,16 +5,23 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import MEMORISE_PAIRS, make_parallel, run_cli, write_parallel
+from helpers import (
+    MEMORISE_PAIRS,
+    TINY,
+    cli_env,
+    last_step,
+    make_parallel,
+    run_cli,
+    train_until_sigterm,
+    weights,
+    write_parallel,
+)
 
 from model.checkpoint import read_checkpoint, step_checkpoints
 from pipeline.corpus import synthetic
@@ -22,41 +29,6 @@ from pipeline.corpus.data import make_batches
 from pipeline.training import learning_rate
 from runtime.loader import load_torch_backend_from_checkpoint
 from runtime.translate import translate_lines
-
-ROOT = Path(__file__).resolve().parents[1]
-# A tiny model, a few steps: fast enough to run several trainings per test.
-TINY = ["--preset", "tiny", "--vocab-size", "64", "--batch-tokens", "256", "--warmup", "20",
-        "--no-progress", "--threads", "1"]
-
-
-def env_with_root() -> dict[str, str]:
-    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(path))
-
-
-def train_until_sigterm(run: Path, args: list, cwd: Path, lines: int = 3) -> str:
-    """`pipeline train --save-dir run ARGS` in a subprocess, SIGTERM once metrics.jsonl holds
-    `lines` lines; asserts the exit status of a signalled stop and returns its stderr."""
-    cmd = [sys.executable, "-m", "pipeline", "train", "--save-dir", str(run), *map(str, args)]
-    proc = subprocess.Popen(cmd, env=env_with_root(), cwd=cwd, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline, metrics = time.monotonic() + 120, run / "metrics.jsonl"
-        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < lines):
-            assert proc.poll() is None, proc.stderr.read()
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        return proc.stderr.read()
-    finally:
-        proc.kill()
-
-
-def weights(save_dir: Path) -> dict[str, torch.Tensor]:
-    return read_checkpoint(step_checkpoints(save_dir)[-1])["model"]
-
-
-def last_step(save_dir: Path) -> int:
-    return read_checkpoint(step_checkpoints(save_dir)[-1])["train_state"]["step"]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +47,7 @@ def test_learning_rate_is_the_papers_schedule():
     assert learning_rate(100, d, warmup, scale=2.0) == pytest.approx(2 * learning_rate(100, d, warmup))
 
 
+@pytest.mark.slow
 def test_tiny_model_memorises_tiny_corpus(trained_save_dir, memorise_corpus):
     """Greedy output equals the references on every training sentence."""
     src_path, tgt_path = memorise_corpus
@@ -89,6 +62,7 @@ def test_tiny_model_memorises_tiny_corpus(trained_save_dir, memorise_corpus):
     assert train_events[-1]["loss"] < train_events[0]["loss"] and train_events[-1]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_save_dir_is_self_contained(trained_save_dir):
     payload = read_checkpoint(step_checkpoints(trained_save_dir)[-1])
     assert payload["model_config"]["d_model"] == 32 and payload["spm_model"]
@@ -101,6 +75,7 @@ def test_save_dir_is_self_contained(trained_save_dir):
 
 # -- DDP ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(corpus, tmp_path):
     """2 ranks x update-freq 1 and 1 process x update-freq 2 see the same global batches and
     normalise by the same global token count, so they make the same updates."""
@@ -111,7 +86,7 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(corpus,
     two = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "pipeline", "train", "--save-dir", str(two), "--update-freq", "1", *map(str, common)]
-    proc = subprocess.run(cmd, env=env_with_root(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, b = weights(one), weights(two)
     assert last_step(one) == last_step(two) == 6
@@ -134,6 +109,7 @@ def _init_weights(corpus, tmp_path) -> dict[str, torch.Tensor]:
 
 # -- resume --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(corpus, tmp_path):
     """N steps, stop, rerun to 2N == 2N at once (weights, optimizer, data position, dropout RNG)."""
     src, tgt = corpus
@@ -154,6 +130,7 @@ def test_resume_equals_uninterrupted(corpus, tmp_path):
     assert steps == sorted(set(steps))
 
 
+@pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path):
     src, tgt = corpus
     common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--dropout", "0.1", "--save-every", "100000",
@@ -173,6 +150,7 @@ def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path)
 
 # -- averaging -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_average_last_checkpoints(corpus, tmp_path, capsys):
     src, tgt = corpus
     run = tmp_path / "run"
@@ -190,6 +168,7 @@ def test_average_last_checkpoints(corpus, tmp_path, capsys):
     assert run_cli("average", tmp_path / "nothing") == 2
 
 
+@pytest.mark.slow
 def test_averaged_checkpoint_records_its_steps(corpus, tmp_path):
     """extra["steps"]: the step numbers averaged, ascending (export reads them); uneven save
     intervals, so they cannot be guessed from the checkpoint count."""
@@ -227,6 +206,7 @@ def test_builtin_corpus_needs_reordering_and_agreement():
     assert len(articles) > 3
 
 
+@pytest.mark.slow
 def test_train_without_data_uses_the_builtin_corpus(tmp_path, capsys):
     run = tmp_path / "builtin"
     assert run_cli("train", "--save-dir", run, "--preset", "tiny", "--builtin-pairs", "200",
@@ -240,6 +220,7 @@ def test_train_without_data_uses_the_builtin_corpus(tmp_path, capsys):
 
 # -- data: caching, filtering, batches -----------------------------------------------------
 
+@pytest.mark.slow
 def test_second_run_reuses_tokenizer_and_encoded_corpus(corpus, tmp_path, caplog):
     src, tgt = corpus
     run = tmp_path / "run"
@@ -262,6 +243,7 @@ def test_second_run_reuses_tokenizer_and_encoded_corpus(corpus, tmp_path, caplog
     assert (run / "spm.model").stat().st_mtime_ns == spm_mtime
 
 
+@pytest.mark.slow
 def test_length_filter_is_counted(tmp_path, caplog):
     src, tgt = make_parallel(60, seed=2)
     src[5] = " ".join(["katze"] * 80)
@@ -334,6 +316,7 @@ def test_impossible_model_config(corpus, tmp_path, capsys):
     assert "--update-freq must be at least 1" in err
 
 
+@pytest.mark.slow
 def test_resuming_with_a_different_config_is_refused(corpus, tmp_path, capsys):
     s, t = corpus
     run = tmp_path / "run"
@@ -355,6 +338,7 @@ def test_help_explains_every_option(capsys):
         assert option in out
 
 
+@pytest.mark.slow
 def test_non_finite_loss_skips_updates_then_stops_with_a_clear_error(corpus, tmp_path, capsys, monkeypatch):
     """A NaN loss (injected into the real loss function) never reaches the weights: the update
     is skipped, and after --max-nonfinite in a row training stops naming what to change."""

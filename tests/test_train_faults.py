@@ -18,8 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import make_parallel, run_cli, write_parallel
-from test_train import TINY, env_with_root, last_step, weights
+from helpers import TINY, cli_env, last_step, make_parallel, pipeline_cmd, run_cli, weights, write_parallel
 
 from model import checkpoint as checkpoint_module
 from model.checkpoint import read_checkpoint, step_checkpoints
@@ -46,12 +45,9 @@ def common(run: Path, corpus: tuple[Path, Path], *extra: object) -> list[object]
     return ["--save-dir", run, "--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, *extra]
 
 
-def pipeline_cmd(*args: object) -> list[str]:
-    return [sys.executable, "-m", "pipeline", *map(str, args)]
-
-
 # -- metrics.jsonl --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_torn_metrics_line_is_dropped_and_resume_works(corpus, tmp_path, caplog):
     run = tmp_path / "run"
     assert run_cli("train", *common(run, corpus, "--log-every", "1", "--max-steps", "2")) == 0
@@ -66,6 +62,7 @@ def test_a_torn_metrics_line_is_dropped_and_resume_works(corpus, tmp_path, caplo
 
 # -- the corpus is part of the resume contract ----------------------------------------------
 
+@pytest.mark.slow
 def test_a_changed_corpus_is_refused_unless_allowed(corpus, tmp_path, capsys, caplog):
     src, tgt = corpus
     run = tmp_path / "run"
@@ -103,6 +100,7 @@ def test_a_changed_corpus_is_refused_unless_allowed(corpus, tmp_path, capsys, ca
 
 # -- a full disk during a checkpoint write --------------------------------------------------
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_a_rerun_resumes_exactly(corpus, tmp_path, capsys,
                                                                          monkeypatch):
     """The disk fills in the middle of the step-2 checkpoint: torch.save's writer then
@@ -158,6 +156,7 @@ def mount_tmpfs(tmp_path) -> Iterator:
         subprocess.run(["umount", "-l", str(point)], check=False)
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_keeps_earlier_checkpoints_and_a_rerun_resumes(corpus, tmp_path, mount_tmpfs):
     disk = mount_tmpfs("size=16m")
     run = disk / "run"
@@ -171,7 +170,7 @@ def test_a_real_full_disk_keeps_earlier_checkpoints_and_a_rerun_resumes(corpus, 
         left = st.f_bavail * st.f_frsize - len(kept) // 2
         while left > 0:
             left -= f.write(b"\0" * min(left, 1 << 20))
-    proc = subprocess.run(pipeline_cmd("train", *args, "--max-steps", "3"), env=env_with_root(), cwd=tmp_path,
+    proc = subprocess.run(pipeline_cmd("train", *args, "--max-steps", "3"), env=cli_env(), cwd=tmp_path,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     (line,) = messages(proc.stderr)
@@ -207,6 +206,7 @@ def test_a_read_only_save_dir_fails_before_any_work(corpus, read_only_dir, capsy
     assert line == f"error: {run}: cannot write to this --save-dir ({reason}); choose a writable one"
 
 
+@pytest.mark.slow
 def test_average_into_a_read_only_dir_is_one_line(corpus, tmp_path, read_only_dir, capsys):
     run = tmp_path / "run"
     assert run_cli("train", *common(run, corpus, "--max-steps", "2", "--save-every", "1")) == 0
@@ -242,7 +242,7 @@ def _start_slow_run(run: Path, corpus: tuple[Path, Path], tmp_path: Path) -> tup
     marker = tmp_path / "in-write"
     args = map(str, ["train", *common(run, corpus, "--save-every", "2", "--max-steps", "1000")])
     proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVES, *args], cwd=tmp_path, text=True,
-                            env=dict(env_with_root(), MARKER=str(marker)), stderr=subprocess.PIPE)
+                            env=dict(cli_env(), MARKER=str(marker)), stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
@@ -251,6 +251,7 @@ def _start_slow_run(run: Path, corpus: tuple[Path, Path], tmp_path: Path) -> tup
     return proc, marker
 
 
+@pytest.mark.slow
 def test_a_double_ctrl_c_inside_a_checkpoint_write_leaves_it_complete(corpus, tmp_path):
     run = tmp_path / "run"
     proc, _ = _start_slow_run(run, corpus, tmp_path)
@@ -271,6 +272,7 @@ def test_a_double_ctrl_c_inside_a_checkpoint_write_leaves_it_complete(corpus, tm
     assert run_cli("train", *common(run, corpus, "--max-steps", "3")) == 0 and last_step(run) == 3
 
 
+@pytest.mark.slow
 def test_kill_9_inside_a_checkpoint_write_leaves_a_temp_the_next_run_removes(corpus, tmp_path):
     run = tmp_path / "run"
     proc, _ = _start_slow_run(run, corpus, tmp_path)
@@ -282,6 +284,7 @@ def test_kill_9_inside_a_checkpoint_write_leaves_a_temp_the_next_run_removes(cor
     assert temps(run) == [] and last_step(run) == 2
 
 
+@pytest.mark.slow
 def test_stale_temps_go_and_live_ones_stay_at_train_and_average(corpus, tmp_path):
     run = tmp_path / "run"
     assert run_cli("train", *common(run, corpus, "--max-steps", "2", "--save-every", "1")) == 0

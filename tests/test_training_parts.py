@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import make_parallel, write_parallel
+from helpers import make_parallel, write_parallel
 
 from model.checkpoint import checkpoint_step, step_checkpoint_path, step_checkpoints
 from model.config import PRESETS, Preset, preset
@@ -92,7 +92,7 @@ def test_single_process_gather_and_rank_device(monkeypatch):
     ctx = DistContext()
     assert ctx.gather("mine") == ["mine"]
     assert rank_device(ctx, None) is None and rank_device(ctx, "cpu") == "cpu"
-    assert init_distributed(None).device == torch.device("cpu")
+    assert str(init_distributed(None).device) == "cpu"  # no device picked: no torch needed
 
 
 def _two_ranks(rank: int, port: int, results: Any) -> None:
@@ -117,6 +117,7 @@ def _two_ranks(rank: int, port: int, results: Any) -> None:
     results.put((rank, shared, order, error, gathered, total, calls))
 
 
+@pytest.mark.slow
 def test_two_ranks_share_rank0s_result_and_error():
     """Rank 0's result and its one-line error reach rank 1, which never runs the work."""
     ctx = mp.get_context("spawn")

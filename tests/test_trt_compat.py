@@ -18,12 +18,11 @@ HAVE_TRT = tensorrt_build.installed()  # find_spec would also find tensorrt-stub
 LIMITS = tensorrt_build.Limits(max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
 
 
-@pytest.fixture(scope="module", params=["fp32", "fp16", "int8"])
-def model_dir(request, tmp_path_factory, random_checkpoint) -> Path:
-    out = tmp_path_factory.mktemp("trt") / "m"
-    api.export_model(random_checkpoint, out, fp16=request.param == "fp16", int8=request.param == "int8",
-                     int8_flavour="qdq", tensorrt=False, max_batch=4, max_src_len=32, max_tgt_len=40, max_beam=2)
-    return out
+@pytest.fixture(params=["fp32", "fp16", "int8"])
+def model_dir(request, fp32_dir, fp16_dir, int8_dir) -> Path:
+    """The random checkpoint exported in each precision (int8: qdq, the flavour TensorRT parses):
+    conftest's fp32_dir, fp16_dir and int8_dir, built once per session and shared."""
+    return {"fp32": fp32_dir, "fp16": fp16_dir, "int8": int8_dir}[request.param]
 
 
 # -- the graphs ------------------------------------------------------------------------------

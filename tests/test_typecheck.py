@@ -42,6 +42,7 @@ def run_mypy(stubs: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_gpu_paths_typecheck(stubs):
     result = run_mypy(stubs)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -63,6 +64,7 @@ MISTAKES = {
 }
 
 
+@pytest.mark.slow
 def test_wrong_tensorrt_calls_are_reported(stubs, tmp_path):
     copies = []
     for rel, edits in MISTAKES.items():
