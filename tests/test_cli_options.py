@@ -126,9 +126,10 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
 
     again = _pipeline("random-checkpoint", ckpt, "--preset", "tiny", "--vocab-size", "120")
     assert again.returncode == 2 and "--force" in again.stderr
+    from pipeline.evaluation.random_model import make_random_checkpoint
+
     twin = tmp_path / "twin.pt"
-    assert _pipeline("random-checkpoint", twin, "--preset", "tiny", "--vocab-size", "120", "--seed", "3"
-                     ).returncode == 0
+    make_random_checkpoint(twin, "tiny", 120, seed=3)
     twin_model, _, _ = load_model(twin)
     assert twin_model.cfg == model.cfg
     for (name, a), (_, b) in zip(model.state_dict().items(), twin_model.state_dict().items()):
@@ -213,6 +214,9 @@ def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     assert record["lines"] == translate_lines(backend, tokenizer, record["sources"], beam_size=4)
     assert load_model(save / "checkpoint_3.pt")[0].cfg.vocab_size <= 120
 
-    none = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m0", "--no-tensorrt",
-                     "--max-src-len", "16", "--max-tgt-len", "24", "--reference-lines", "0")
-    assert none.returncode == 0 and not (tmp_path / "m0" / "references.json").exists()
+    from pipeline.commands.export import reference_set
+
+    assert reference_set(save / "checkpoint_3.pt", None, None, 0) is None  # --reference-lines 0: none
+    assert reference_set(save / "checkpoint_3.pt", src, tgt, 1) == (["ab cd"], ["AB"])
+    with pytest.raises(click.UsageError, match="both"):
+        reference_set(save / "checkpoint_3.pt", src, None, 5)
