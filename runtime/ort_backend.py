@@ -137,11 +137,11 @@ class OrtBackend(ExportedGraphBackend):
         if not self.on_cuda:
             self._encoder_run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._device_type = "cuda" if self.on_cuda else "cpu"
-        self._device_id = self.device.index or 0 if self.on_cuda else 0
+        self._device_id = (self.device.index or 0) if self.on_cuda else 0
         log.info("onnxruntime %s on %s with %s", ort.__version__, self.device, ", ".join(self.providers))
 
     def _provider_options(self, provider: str, manifest: Manifest) -> dict[str, Any]:
-        device_id = self.device.index or 0 if self.on_cuda else 0
+        device_id = (self.device.index or 0) if self.on_cuda else 0
         if provider == CUDA_EP:
             return {"device_id": device_id}
         if provider == TRT_EP:
