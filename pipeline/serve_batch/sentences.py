@@ -1,0 +1,76 @@
+"""Documents as sentences: a text split into sentences and rebuilt around their translations with every
+character of whitespace it had between them (`--split sentences`, `"split": "sentences"`).
+
+Line breaks always separate; within a line sentencex finds the boundaries (accurate on en / de / fr and
+fast: benchmarks/2026-11-26_amd-epyc-avx2_serve-documents.md). A sentence never holds a line break and
+never starts or ends with whitespace; a text with no boundary is one sentence; an empty or
+whitespace-only text has none and is rebuilt as it was."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from model.errors import UserError
+
+SPLIT_MODES = ("none", "sentences")
+DEFAULT_LANG = "en"
+_EDGES = re.compile(r"^(\s*)(.*?)(\s*)$", re.S)
+
+
+@dataclass(frozen=True)
+class Split:
+    """text == gaps[0] + sentences[0] + gaps[1] + ... + sentences[-1] + gaps[-1]."""
+
+    sentences: list[str]
+    gaps: list[str]  # whitespace only, one more than sentences
+
+    def rebuild(self, translations: list[str]) -> str:
+        """The text with each sentence replaced by its translation."""
+        return "".join(self.pieces(translations))
+
+    def pieces(self, translations: list[str]) -> list[str]:
+        """One piece per sentence (one for a text without any): a translation with the whitespace after it,
+        the first also with the whitespace before it. Joined, they are `rebuild`."""
+        if len(translations) != len(self.sentences):
+            raise ValueError(f"{len(translations)} translations for {len(self.sentences)} sentences")
+        if not translations:
+            return [self.gaps[0]]
+        pieces = [t + gap for t, gap in zip(translations, self.gaps[1:])]
+        pieces[0] = self.gaps[0] + pieces[0]
+        return pieces
+
+
+def _segmenter() -> Callable[[str, str], list[str]]:
+    try:
+        from sentencex import segment
+    except ImportError:
+        raise UserError('splitting into sentences needs sentencex, which is not installed: '
+                        'pip install -e ".[serve]"') from None
+    return lambda lang, line: list(segment(lang, line))
+
+
+def split_sentences(text: str, lang: str = DEFAULT_LANG) -> Split:
+    """`text` as sentences and the whitespace around them (lang: an ISO 639 code; unknown codes get
+    sentencex's language-neutral rules)."""
+    segment = _segmenter()
+    split = _split(text, lambda line: segment(lang, line))
+    if split.rebuild(split.sentences) != text:  # a segmenter that dropped or changed a character
+        return _split(text, lambda line: [line])  # each line one sentence: nothing lost
+    return split
+
+
+def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
+    sentences: list[str] = []
+    gaps = [""]
+    for i, line in enumerate(text.split("\n")):
+        gaps[-1] += "\n" if i else ""
+        for piece in segment(line) if line.strip() else [line]:
+            lead, body, trail = _EDGES.fullmatch(piece).groups()  # type: ignore[union-attr]
+            gaps[-1] += lead
+            if body:
+                sentences.append(body)
+                gaps.append("")
+            gaps[-1] += trail
+    return Split(sentences, gaps)
