@@ -181,3 +181,30 @@ def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
     finally:
         proc.kill()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
+
+
+def documents(seed: int = 6) -> list[str]:
+    """Lines that are documents: several sentences (lowercase: split with English rules), whitespace of
+    every kind between and around them, a line without a boundary, empty and whitespace-only lines."""
+    s, _ = make_parallel(12, seed=seed)
+    return [f"{s[0]}.  {s[1]}!\t{s[2]}? {s[3]}", "", " \t ", f"  {s[4]} ", f"{s[5]}. {s[6]}.\u00a0{s[7]}.",
+            " ".join(f"{x}." for x in s[8:])]
+
+
+def test_split_sentences_translates_sentence_by_sentence_keeping_whitespace(model_dir, tmp_path, capsys):
+    from pipeline.serve_batch.sentences import split_sentences
+
+    docs = documents()
+    out = tmp_path / "out.txt"
+    assert run_cli("serve-batch", model_dir, write(tmp_path / "in.txt", docs), "-o", out, "--split", "sentences",
+                   "--window", 2, *FAST) == 0
+    got = out.read_text(encoding="utf-8").split("\n")[:-1]
+    splits = [split_sentences(d, "en") for d in docs]
+    assert [len(s.sentences) for s in splits] == [4, 0, 0, 1, 3, 4]
+    expected = [s.rebuild(reference(model_dir, s.sentences)) for s in splits]
+    assert got == expected
+    assert got[1:3] == ["", " \t "] and got[3].startswith("  ") and got[3].endswith(" ")
+    assert "translated 12 sentences" in capsys.readouterr().err
+    assert run_cli("serve-batch", model_dir, tmp_path / "in.txt", "-o", out, "--split", "sentences",
+                   "--nbest", 2, "--beam-size", 2, *FAST) == 2
+    assert "--split sentences" in capsys.readouterr().err

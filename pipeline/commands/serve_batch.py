@@ -7,6 +7,7 @@ import click
 from pipeline.cli_options import decoding_options
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeOptions, check_outputs, output_paths, serve_files
+from pipeline.serve_batch.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
 
@@ -40,11 +41,16 @@ from runtime.loader import BACKENDS, load_backend
               show_default=True,
               help="Invalid UTF-8: stop with an error naming file and line, or replace the bad bytes "
                    "with U+FFFD (counted warning).")
+@click.option("--split", type=click.Choice(SPLIT_MODES), default="none", show_default=True,
+              help="sentences: each line is a document, translated sentence by sentence and rebuilt with the "
+                   "whitespace it had between them (as `pipeline serve` does for \"split\": \"sentences\").")
+@click.option("--lang", default=DEFAULT_LANG, show_default=True, metavar="CODE",
+              help="The input's language (ISO 639, e.g. de), for --split sentences' rules.")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr (only on a terminal).")
 def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, output_dir: str | None,
                 backend: str, device: str | None, dtype: str | None, threads: int | None,
-                decoding: DecodingOptions, window: int, long_lines: str, invalid_utf8: str,
+                decoding: DecodingOptions, window: int, long_lines: str, invalid_utf8: str, split: str, lang: str,
                 progress: bool) -> None:
     """Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.
 
@@ -53,8 +59,8 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     to split the work over N processes / GPUs; the output stays complete and in order.
     Ends with a summary line on stderr.
     """
-    opts = ServeOptions(window=window, long_lines=long_lines, invalid_utf8=invalid_utf8,
-                        decoding=decoding).validate()
+    opts = ServeOptions(window=window, long_lines=long_lines, invalid_utf8=invalid_utf8, decoding=decoding,
+                        split=split, lang=lang).validate()
     outputs = output_paths(list(inputs), output, output_dir)
     check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir")
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),

@@ -62,7 +62,7 @@ class ServeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
-        self.sentences += len(window.lines)
+        self.sentences += len(window.sources)  # lines, or with --split sentences their sentences
         self.empty += window.empty
         self.truncated += window.truncated
         self.replaced += window.replaced

@@ -4,7 +4,9 @@ measure exactly what is served).
 Reading: a window of lines at a time, split on b'\\n' only, strict UTF-8 (refused with
 file:line) or replaced (counted). The line policy and encoding: runtime.translate's
 encode_sources (blank lines -> no tokens -> "", long lines truncated or refused). The
-output format: format_line. pipeline/serve_batch/files.py runs the windows through the backend
+output format: format_line. With `split` "sentences" each line is a document: its sentences are what
+is encoded and translated, and the line is rebuilt around their translations (sentences.py).
+pipeline/serve_batch/files.py runs the windows through the backend
 (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 """
 
@@ -16,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from model.errors import UserError
+from pipeline.serve_batch.sentences import (
+    DEFAULT_LANG,
+    SPLIT_MODES,
+    Split,
+    encode_split,
+    rebuild_all,
+    split_sentences,
+)
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -33,6 +43,8 @@ class ServeOptions:
     long_lines: str = "truncate"  # or "error"
     invalid_utf8: str = "error"   # or "replace"
     decoding: DecodingOptions = PAPER
+    split: str = "none"           # or "sentences"
+    lang: str = DEFAULT_LANG      # the sentence rules' language
 
     def validate(self) -> ServeOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
@@ -40,6 +52,10 @@ class ServeOptions:
             problems.append(f"--long-lines must be one of {', '.join(LONG_LINE_POLICIES)}")
         if self.invalid_utf8 not in INVALID_UTF8_POLICIES:
             problems.append(f"--invalid-utf8 must be one of {', '.join(INVALID_UTF8_POLICIES)}")
+        if self.split not in SPLIT_MODES:
+            problems.append(f"--split must be one of {', '.join(SPLIT_MODES)}")
+        elif self.split == "sentences" and self.decoding.nbest > 1:
+            problems.append("--split sentences writes one translation per line; it takes no --nbest above 1")
         if problems:
             raise UserError("; ".join(problems))
         self.decoding.validate()
@@ -48,12 +64,14 @@ class ServeOptions:
 
 @dataclass
 class Window:
-    """One window of an input: source ids per line ([] for blank lines) and counts."""
+    """One window of an input: source ids per line ([] for blank lines), or per sentence with the
+    lines' splits, and counts."""
 
     ids: list[list[int]]
     empty: int = 0
     truncated: int = 0
     replaced: int = 0
+    splits: list[Split] | None = None
 
 
 @dataclass
@@ -122,6 +140,12 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
 def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, max_src_len: int,
             opts: ServeOptions, replaced: int) -> Window:
     try:
+        if opts.split == "sentences":
+            splits = [split_sentences(text, opts.lang) for text in texts]
+            ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
+                                          lambda k: f"{path}:{first_line + k}")
+            return Window(ids, empty=sum(not s.sentences for s in splits), truncated=truncated, replaced=replaced,
+                          splits=splits)
         sources = encode_sources(tokenizer, texts, max_src_len, long_lines=opts.long_lines, origin=path,
                                  first_line=first_line)
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
@@ -131,5 +155,8 @@ def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, 
 
 def finish_window(tokenizer: Tokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
     """The window's output lines from its hypotheses (in input order)."""
-    return TranslatedWindow([format_line(tokenizer, hyps, n) for hyps in nbest], window.ids, nbest,
-                            empty=window.empty, truncated=window.truncated, replaced=window.replaced)
+    lines = [format_line(tokenizer, hyps, n) for hyps in nbest]
+    if window.splits is not None:
+        lines = rebuild_all(window.splits, lines)
+    return TranslatedWindow(lines, window.ids, nbest, empty=window.empty, truncated=window.truncated,
+                            replaced=window.replaced)
