@@ -93,6 +93,14 @@ def make_parallel(n: int, seed: int = 0) -> tuple[list[str], list[str]]:
     return src, tgt
 
 
+def documents(seed: int = 6) -> list[str]:
+    """Texts that are documents: several sentences (lowercase: split with English rules), whitespace of
+    every kind between and around them, a text without a boundary, empty and whitespace-only texts."""
+    s, _ = make_parallel(12, seed=seed)
+    return [f"{s[0]}.  {s[1]}!\t{s[2]}? {s[3]}", "", " \t ", f"  {s[4]} ", f"{s[5]}. {s[6]}.\u00a0{s[7]}.",
+            " ".join(f"{x}." for x in s[8:])]
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """`lines` as a UTF-8 text file, one per line."""
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -75,7 +75,8 @@ def test_deploy_modules_import_without_torch():
     """Everything the deploy commands load, imported with torch blocked."""
     modules = ["pipeline.cli", "pipeline.commands.serve_batch", "pipeline.commands.serve", "pipeline.commands.parity",
                "pipeline.commands.bench", "pipeline.commands.doctor", "pipeline.serve.options",
-               "pipeline.serve_batch.files", "pipeline.evaluation.parity", "pipeline.evaluation.bench",
+               "pipeline.serve_batch.files", "pipeline.serve_batch.sentences", "pipeline.evaluation.parity",
+               "pipeline.evaluation.bench",
                "pipeline.evaluation.bench_compare", "pipeline.environment", "runtime.loader", "runtime.ort_backend",
                "runtime.search", "runtime.translate", "runtime.references", "model", "model.cache", "model.manifest"]
     code = BLOCK_TORCH + "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
@@ -186,6 +187,9 @@ def test_serve_without_torch(server, served_file):
     _, expected = served_file
     status, answer = post(server, json.dumps({"text": LINES}).encode())
     assert status == 200 and answer["translations"] == expected
+    status, answer = post(server, json.dumps({"text": [" ab cd.  ef gh ij. "], "split": "sentences"}).encode())
+    [document] = answer["translations"]  # sentencex, too, runs without torch
+    assert status == 200 and document.startswith(" ") and "  " in document and document.endswith(" ")
 
 
 @pytest.mark.parametrize("size", [MAX_BYTES + 1, 20 << 20])

@@ -34,8 +34,8 @@ def test_rebuild_keeps_every_character_of_whitespace():
     split = split_sentences("  Der Hund bellt.\t Die Katze schläft!\r\n\n  Gut. ", "de")
     assert split.sentences == ["Der Hund bellt.", "Die Katze schläft!", "Gut."]
     assert split.rebuild(["A.", "B!", "C."]) == "  A.\t B!\r\n\n  C. "
-    assert split.pieces(["A.", "B!", "C."]) == ["  A.\t ", "B!\r\n\n  ", "C. "]
-    assert split_sentences("\n \n", "en").pieces([]) == ["\n \n"]
+    assert [split.piece(j, t) for j, t in enumerate(["A.", "B!", "C."])] == ["  A.\t ", "B!\r\n\n  ", "C. "]
+    assert split_sentences("\n \n", "en").rebuild([]) == "\n \n"
     with pytest.raises(ValueError):
         split.rebuild(["A."])
 

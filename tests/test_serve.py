@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import cli_env, make_parallel, pipeline_cmd, run_cli
+from helpers import cli_env, documents, make_parallel, pipeline_cmd, run_cli
 from helpers import write_lines as write
 
 from runtime.loader import load_backend
@@ -181,14 +181,6 @@ def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
     finally:
         proc.kill()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt"]
-
-
-def documents(seed: int = 6) -> list[str]:
-    """Lines that are documents: several sentences (lowercase: split with English rules), whitespace of
-    every kind between and around them, a line without a boundary, empty and whitespace-only lines."""
-    s, _ = make_parallel(12, seed=seed)
-    return [f"{s[0]}.  {s[1]}!\t{s[2]}? {s[3]}", "", " \t ", f"  {s[4]} ", f"{s[5]}. {s[6]}.\u00a0{s[7]}.",
-            " ".join(f"{x}." for x in s[8:])]
 
 
 def test_split_sentences_translates_sentence_by_sentence_keeping_whitespace(model_dir, tmp_path, capsys):

@@ -24,22 +24,26 @@ def _require_web_stack() -> None:
 
 
 @click.command("serve")
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=click.Path(file_okay=False), required=False)
 @options_from(ServeHttpOptions)
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
                          "nbest": "With N > 1 each translation is a list of {text, score}."})
 @options_from(RequestLimits)
-def serve(model_dir: str, decoding: DecodingOptions, **options: Any) -> None:
-    """Serve the model in MODEL_DIR over HTTP, batching concurrent requests dynamically.
+def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> None:
+    """Serve the model in MODEL_DIR (or several: --model NAME=DIR ...) over HTTP, batching
+    concurrent requests dynamically, one queue per model.
 
-    POST /translate {"text": [lines], "beam_size"?, "nbest"?, "scores"?} answers
-    {"translations": [...]}, exactly what serve-batch writes for those lines.
-    GET /health, /metrics (Prometheus) and /info. Stateless: run one process per GPU
-    and as many replicas as needed behind any load balancer.
+    POST /translate {"text": [lines], "model"?, "split"?, "lang"?, "stream"?, "beam_size"?,
+    "nbest"?, "scores"?} answers {"translations": [...]}, exactly what serve-batch writes for
+    those lines ("split": "sentences": documents, as serve-batch --split sentences; "stream":
+    true: NDJSON, one object per text as soon as it is done). GET /health, /metrics
+    (Prometheus, by model) and /info. Stateless: run one process per GPU and as many replicas
+    as needed behind any load balancer.
     """
     _require_web_stack()
-    from pipeline.serve.runner import serve_http
+    from pipeline.serve.runner import model_specs, serve_http
 
     opts, limits = pick(ServeHttpOptions, options), pick(RequestLimits, options)
-    serve_http(model_dir, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)
+    models = model_specs(model_dir, opts.model)
+    serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)

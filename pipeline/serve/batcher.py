@@ -2,10 +2,13 @@
 
 The collector coroutine takes the oldest request, adds the following ones that share
 its decoding options while their source tokens x beam fit `max_batch_tokens`, and
-waits at most `max_wait_s` (counted from the oldest request's arrival) for more. The
-batch then runs on a dedicated single thread, so the event loop keeps accepting,
-answering /health and reading bodies while the backend works; requests that arrive
-meanwhile form the next batch. Results go back to each request's future."""
+waits at most `max_wait_s` (counted from the oldest request's arrival) for more. A
+request larger than the budget is taken a budget's worth of lines at a time (it keeps
+its queue place until its last line is taken), so a streaming client receives its first
+lines while the rest are translated. The batch runs on a dedicated single thread, so the
+event loop keeps accepting, answering /health and reading bodies while the backend
+works; requests that arrive meanwhile form the next batch. Results go back to each
+request's Work: `ready(n)` waits for its first n lines, `future` for all of them."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from pipeline.serve.metrics import Metrics
+from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 from runtime.translate import NBest
@@ -40,19 +43,50 @@ class Work:
     decoding: DecodingOptions
     future: asyncio.Future[list[NBest]]
     enqueued: float = field(default_factory=time.monotonic)
+    taken: int = 0  # lines handed to a batch so far
+    results: list[NBest] = field(default_factory=list)  # of the first len(results) lines
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def finished(cls, results: list[NBest], decoding: DecodingOptions) -> Work:
+        """A Work with nothing to translate (blank lines only)."""
+        work = cls([[] for _ in results], decoding, asyncio.get_running_loop().create_future())
+        work._add(results)
+        return work
+
+    async def ready(self, n: int) -> None:
+        """Until the first n lines are translated (in `results`); this Work's error if it failed."""
+        while len(self.results) < n:
+            if self.future.done():
+                self.future.result()  # raises the failure or CancelledError
+            self.progress.clear()
+            await self.progress.wait()
+
+    def _add(self, share: list[NBest]) -> None:
+        self.results += share
+        if len(self.results) == len(self.ids):
+            self.future.set_result(self.results)
+        self.progress.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
+        self.progress.set()
 
     @property
     def key(self) -> tuple[int, int]:
         # Requests batch together only when the search would treat them alike.
         return (self.decoding.beam_size, self.decoding.nbest)
 
-    @property
-    def cost(self) -> int:
-        return sum(len(s) for s in self.ids) * self.decoding.beam_size
+    def cost(self, line: int) -> int:
+        return len(self.ids[line]) * self.decoding.beam_size
+
+
+Slice = tuple[Work, int, int]  # lines start:stop of a Work
 
 
 class Batcher:
-    def __init__(self, translator: Translator, metrics: Metrics, max_batch_tokens: int, max_wait_s: float,
+    def __init__(self, translator: Translator, metrics: ModelMetrics, max_batch_tokens: int, max_wait_s: float,
                  max_queue: int):
         self.translator = translator
         self.metrics = metrics
@@ -85,8 +119,7 @@ class Batcher:
             except asyncio.CancelledError:
                 pass
         for work in self._pending:
-            if not work.future.done():
-                work.future.set_exception(BatcherStopped("the server is shutting down"))
+            work._fail(BatcherStopped("the server is shutting down"))
         self._pending.clear()
         self._executor.shutdown(wait=True)
 
@@ -110,6 +143,7 @@ class Batcher:
             pass
         self.metrics.queue_depth.set(len(self._pending))
         work.future.cancel()
+        work.progress.set()
 
     async def _run(self) -> None:
         assert self._wakeup is not None
@@ -122,28 +156,36 @@ class Batcher:
             if batch:
                 await self._execute(batch)
 
-    def _select(self) -> tuple[list[Work], bool]:
-        """The oldest request and the next ones of the same kind that fit the budget
-        (in arrival order), and whether the batch is full."""
-        first = self._pending[0]
-        batch, cost = [first], first.cost
-        for work in list(self._pending)[1:]:
-            if work.key != first.key:
+    def _select(self) -> tuple[list[Slice], bool]:
+        """Lines of the oldest request and of the next ones of the same kind that fit the budget (in
+        arrival order; at least one line), and whether the batch is full."""
+        key = self._pending[0].key
+        batch: list[Slice] = []
+        cost = 0
+        for work in self._pending:
+            if work.key != key:
                 continue
-            if cost + work.cost > self.max_batch_tokens:
+            stop = work.taken
+            while stop < len(work.ids) and (cost + work.cost(stop) <= self.max_batch_tokens or not batch
+                                            and stop == work.taken):
+                cost += work.cost(stop)
+                stop += 1
+            if stop > work.taken:
+                batch.append((work, work.taken, stop))
+            if stop < len(work.ids):
                 return batch, True
-            batch.append(work)
-            cost += work.cost
         return batch, cost >= self.max_batch_tokens
 
-    async def _collect(self) -> list[Work]:
+    async def _collect(self) -> list[Slice]:
         assert self._wakeup is not None
         while self._pending:
             batch, full = self._select()
-            remaining = batch[0].enqueued + self.max_wait_s - time.monotonic()
+            remaining = self._pending[0].enqueued + self.max_wait_s - time.monotonic()
             if full or remaining <= 0:
-                for work in batch:
-                    self._pending.remove(work)
+                for work, _, stop in batch:
+                    work.taken = stop
+                    if stop == len(work.ids):
+                        self._pending.remove(work)
                 self.metrics.queue_depth.set(len(self._pending))
                 return batch
             self._wakeup.clear()
@@ -153,26 +195,30 @@ class Batcher:
                 pass
         return []  # every waiting client left
 
-    async def _execute(self, batch: list[Work]) -> None:
-        ids = [s for work in batch for s in work.ids]
+    async def _execute(self, batch: list[Slice]) -> None:
+        ids = [s for work, start, stop in batch for s in work.ids[start:stop]]
         started = time.monotonic()
-        for work in batch:
-            self.metrics.queue_seconds.observe(started - work.enqueued)
+        for work, start, _ in batch:
+            if start == 0:
+                self.metrics.queue_seconds.observe(started - work.enqueued)
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self.translator.translate, ids, batch[0].decoding)
+            results = await loop.run_in_executor(self._executor, self.translator.translate, ids,
+                                                 batch[0][0].decoding)
         except Exception as e:  # a backend fault fails this batch's requests, not the server
             log.exception("batch of %d request(s) failed", len(batch))
-            for work in batch:
-                if not work.future.done():
-                    work.future.set_exception(e)
+            for work, _, _ in batch:
+                if work in self._pending:
+                    self._pending.remove(work)
+                work._fail(e)
+            self.metrics.queue_depth.set(len(self._pending))
             return
         self.metrics.batch_seconds.observe(time.monotonic() - started)
         self.metrics.batch_requests.observe(len(batch))
         self.metrics.batch_sentences.observe(len(ids))
-        start = 0
-        for work in batch:
-            share = results[start:start + len(work.ids)]
-            start += len(work.ids)
+        done = 0
+        for work, start, stop in batch:
+            share = results[done:done + stop - start]
+            done += stop - start
             if not work.future.done():
-                work.future.set_result(share)
+                work._add(share)

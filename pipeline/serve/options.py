@@ -17,6 +17,10 @@ DEFAULT_MAX_BEAM = 16  # the largest beam a request may ask for when the model d
 class ServeHttpOptions:
     """Where and how the process serves."""
 
+    model: tuple[str, ...] = opt((), "Serve the model dir DIR as NAME; repeat it to serve several models, each with "
+                                 "its own queue (requests name one with \"model\"). A MODEL_DIR argument is served "
+                                 "as its directory's name. A NAME like de-en splits documents with de's sentence "
+                                 "rules.", multiple=True, metavar="NAME=DIR")
     host: str = opt("127.0.0.1", "Address to listen on; 0.0.0.0 exposes the service to the network (put it "
                     "behind a proxy).")
     port: int = opt(8000, "TCP port; 0 picks a free one (logged at startup).", min=0, max=65535)
@@ -43,7 +47,9 @@ class RequestLimits:
                                 "serve-batch's --batch-tokens).", min=1)
     max_wait_ms: float = opt(5.0, "How long the oldest queued request may wait for others to share its batch.",
                              min=0)
-    max_queue: int = opt(256, "Requests that may wait for a batch; beyond it requests get 503 with Retry-After.",
-                         min=1)
+    max_queue: int = opt(256, "Requests that may wait for a batch, per model; beyond it requests get 503 with "
+                         "Retry-After.", min=1)
+    body_timeout_s: float = opt(30.0, "Seconds a client may take to send its request body; a slower one gets 408 "
+                                "and its connection closed.", min=0.001)
     max_beam: int = DEFAULT_MAX_BEAM  # the model dir's own limit when it records one
     retry_after_s: int = 1

@@ -1,5 +1,5 @@
-"""Start, run and stop `pipeline serve`: verify and load the model dir, bind the port,
-warm up with one real translation, serve until SIGTERM / Ctrl-C, then drain.
+"""Start, run and stop `pipeline serve`: verify and load each model dir, bind the port,
+warm each up with one real translation, serve until SIGTERM / Ctrl-C, then drain.
 
 On a stop signal uvicorn stops accepting, lets in-flight requests finish for up to
 `grace_s` seconds, then the lifespan stops the batcher; the process then exits 0.
@@ -11,18 +11,22 @@ import asyncio
 import contextlib
 import importlib.metadata
 import logging
+import re
 import signal
 import socket
 from collections.abc import Iterator
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import uvicorn
 
 from model.errors import UserError
-from pipeline.serve.app import ServerState, create_app
+from pipeline.serve.app import ServedModel, ServerState, create_app
+from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.translator import Translator
+from pipeline.serve_batch.sentences import DEFAULT_LANG
 from runtime.decoding import DecodingOptions
 
 log = logging.getLogger(__name__)
@@ -54,13 +58,50 @@ def _version(package: str) -> str | None:
         return None
 
 
-def server_info(translator: Translator, decoding: DecodingOptions, limits: RequestLimits, opts: ServeHttpOptions
-                ) -> dict[str, Any]:
-    """What /info tells: the manifest summary and this server's settings."""
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+PAIR = re.compile(r"([a-z]{2,3})-[a-z]{2,3}")  # a model named SRC-TGT splits with SRC's sentence rules
+
+
+def model_specs(model_dir: str | None, specs: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name, dir) of every model to serve: MODEL_DIR as its directory's name, then each --model NAME=DIR."""
+    models = [(Path(model_dir).resolve().name or "model", model_dir)] if model_dir else []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not path or not NAME.fullmatch(name):
+            raise UserError(f"--model {spec!r}: give NAME=DIR, NAME of letters, digits, '.', '_' or '-'")
+        models.append((name, path))
+    if not models:
+        raise UserError("give a MODEL_DIR or at least one --model NAME=DIR")
+    names = [name for name, _ in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise UserError(f"model name(s) {', '.join(twice)} given twice; name each model once (--model NAME=DIR)")
+    return models
+
+
+def server_info(limits: RequestLimits, opts: ServeHttpOptions) -> dict[str, Any]:
+    """What /info tells of the server as a whole: versions and settings."""
     versions = {p: _version(p) for p in ("pipeline", "torch", "onnxruntime", "sentencepiece", "starlette",
-                                         "uvicorn")}
-    return {**translator.summary(), "versions": versions, "decoding": asdict(decoding),
-            "limits": {**asdict(limits), "long_lines": opts.long_lines}, "grace_s": opts.grace_s}
+                                         "uvicorn", "sentencex")}
+    return {"versions": versions, "limits": {**asdict(limits), "long_lines": opts.long_lines},
+            "grace_s": opts.grace_s}
+
+
+def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, metrics: Metrics
+               ) -> ServedModel:
+    """One model dir verified, loaded and warmed up (UserErrors name the model when it is unusable)."""
+    try:
+        translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
+        max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
+        if decoding.beam_size > max_beam:
+            raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
+    except UserError as e:
+        raise UserError(f"model {name}: {e}") from None
+    pair = PAIR.fullmatch(name)
+    lang = pair.group(1) if pair else DEFAULT_LANG
+    info = {**translator.summary(), "decoding": asdict(decoding), "max_beam": max_beam, "lang": lang}
+    translator.warm_up(decoding)
+    return ServedModel(name, translator, decoding, max_beam, lang, info, metrics.model(name))
 
 
 class _Server(uvicorn.Server):
@@ -88,24 +129,22 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def serve_http(model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, limits: RequestLimits) -> None:
-    """Run the service until stopped. Blocks; returns after a graceful stop."""
+def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: DecodingOptions,
+               limits: RequestLimits) -> None:
+    """Run the service for the (name, model dir) pairs until stopped. Blocks; returns after a graceful stop."""
     decoding.validate()
-    translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
-    max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
-    if decoding.beam_size > max_beam:
-        raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
-    limits = RequestLimits(**{**asdict(limits), "max_beam": max_beam})
-    state = ServerState(translator, decoding, limits, server_info(translator, decoding, limits, opts))
+    metrics = Metrics()
     sock = bind(opts.host, opts.port)
     try:
-        translator.warm_up(decoding)
-        state.warmed_up = True
+        served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
+        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True)
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
         host, port = sock.getsockname()[:2]
-        log.info("serving %s (backend %s on %s) at http://%s:%d", model_dir, translator.backend.name,
-                 translator.backend.device, host if ":" not in host else f"[{host}]", port)
+        for model in served.values():
+            log.info("model %s: %s (backend %s on %s)", model.name, dict(models)[model.name],
+                     model.translator.backend.name, model.translator.backend.device)
+        log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:
         sock.close()

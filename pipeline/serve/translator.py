@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.manifest import Manifest
+from pipeline.serve_batch.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
 from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.loader import load_backend
@@ -27,10 +28,12 @@ class LineTooLong(ValueError):
 
 @dataclass
 class Encoded:
-    """Source ids per line ([] for blank lines) and how many lines were truncated."""
+    """Source ids per line ([] for blank lines), or per sentence with the texts' splits, and how many
+    were truncated."""
 
     ids: list[list[int]]
     truncated: int = 0
+    splits: list[Split] | None = None
 
     @property
     def tokens(self) -> int:
@@ -68,9 +71,15 @@ class Translator:
     def max_src_len(self) -> int:
         return int(self.backend.max_src_len)
 
-    def encode(self, lines: list[str]) -> Encoded:
-        """serve-batch's source policy for one request's lines (thread-safe, no model)."""
+    def encode(self, lines: list[str], split: str = "none", lang: str = DEFAULT_LANG) -> Encoded:
+        """serve-batch's source policy for one request's lines, or with split "sentences" for their
+        sentences, as serve-batch --split sentences (thread-safe, no model)."""
         try:
+            if split == "sentences":
+                splits = [split_sentences(text, lang) for text in lines]
+                ids, truncated = encode_split(self.tokenizer, splits, self.max_src_len, self.long_lines,
+                                              lambda k: f"text[{k}]")
+                return Encoded(ids, truncated, splits)
             sources = encode_sources(self.tokenizer, lines, self.max_src_len, long_lines=self.long_lines,
                                      origin="request line")
         except RuntimeUserError as e:

@@ -28,20 +28,16 @@ class Split:
     sentences: list[str]
     gaps: list[str]  # whitespace only, one more than sentences
 
+    def piece(self, j: int, translation: str) -> str:
+        """Sentence j's translation with the whitespace after it (the first also with the whitespace
+        before it): the pieces of all sentences, joined, are `rebuild`."""
+        return (self.gaps[0] if j == 0 else "") + translation + self.gaps[j + 1]
+
     def rebuild(self, translations: list[str]) -> str:
         """The text with each sentence replaced by its translation."""
-        return "".join(self.pieces(translations))
-
-    def pieces(self, translations: list[str]) -> list[str]:
-        """One piece per sentence (one for a text without any): a translation with the whitespace after it,
-        the first also with the whitespace before it. Joined, they are `rebuild`."""
         if len(translations) != len(self.sentences):
             raise ValueError(f"{len(translations)} translations for {len(self.sentences)} sentences")
-        if not translations:
-            return [self.gaps[0]]
-        pieces = [t + gap for t, gap in zip(translations, self.gaps[1:])]
-        pieces[0] = self.gaps[0] + pieces[0]
-        return pieces
+        return "".join(self.piece(j, t) for j, t in enumerate(translations)) if translations else self.gaps[0]
 
 
 def _segmenter() -> Callable[[str, str], list[str]]:
