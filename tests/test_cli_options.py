@@ -155,6 +155,16 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     assert report["beam_size"] == 2
     assert "clients" in bench.stdout  # the table
 
+    docs = tmp_path / "docs.txt"  # --paragraph 3: three sentences a document, sent with "split": "sentences"
+    docs.write_text("".join(f"{w} {w}{i}.\n" for i, w in enumerate(["ab", "cd", "ef"] * 3)))
+    bench = _pipeline("bench", tmp_path / "m", "--serve", docs, "--backends", "onnxruntime", "--threads", "1",
+                      "--concurrency", "2", "--requests", "3", "--lines-per-request", "1", "--paragraph", "3",
+                      "--beam-size", "2", "--json", out)
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(out.read_text())
+    assert report["lines"] == 3 and report["paragraph"] == 3
+    assert report["levels"][0]["errors"] == 0 and report["levels"][0]["mismatched_lines"] == 0
+
     # What a user waits for: our serve-batch and CTranslate2's script on the same weights, whole processes.
     pytest.importorskip("ctranslate2")
     whole = tmp_path / "whole.json"

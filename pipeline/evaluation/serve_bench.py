@@ -6,7 +6,9 @@ on a free 127.0.0.1 port with the same backend and options and, at each concurre
 level, sends requests of --lines-per-request lines from that many concurrent clients.
 Reports per level: sentences/s and target tokens/s against serve-batch's, p50/p99
 request latency, answers that differ from serve-batch's (should be 0), and the
-server's peak RSS. Writes JSON."""
+server's peak RSS. With --paragraph N, every N lines of INPUT are one document, sent with
+"split": "sentences" and set against serve-batch --split sentences on the same documents
+(rates then count documents). Writes JSON."""
 
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Path) -> tuple[list[str], dict]:
-    """serve-batch's output for the lines and its own summary (model loading excluded)."""
+    """serve-batch's output for the lines and its own summary (model loading excluded); rates count lines."""
     inp, out = tmp / "input.txt", tmp / "output.txt"
     inp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     proc = subprocess.run([sys.executable, "-m", "pipeline", "serve-batch", model_dir, str(inp), "-o", str(out),
@@ -48,7 +50,7 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     m = re.search(r"translated (\d+) sentences .*?, (\d+) target tokens\) in ([\d.]+) s", proc.stderr)
     if not m:
         raise UserError("serve-batch printed no summary line")
-    n, tgt, seconds = int(m.group(1)), int(m.group(2)), float(m.group(3))
+    n, tgt, seconds = len(lines), int(m.group(2)), float(m.group(3))
     summary = {"sentences": n, "target_tokens": tgt, "seconds": seconds,
                "sentences_per_s": n / seconds if seconds else None,
                "target_tokens_per_s": tgt / seconds if seconds else None}
@@ -57,6 +59,7 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
 
 def start_server(model_dir: str, common: list[str], extra: list[str], log_path: Path
                  ) -> tuple[subprocess.Popen, str]:
+    """`pipeline serve MODEL_DIR` on a free loopback port, once /health says it is ready."""
     import httpx
 
     logf = open(log_path, "w")
@@ -97,8 +100,9 @@ def peak_rss_mib(pid: int) -> float | None:
 
 
 async def run_level(url: str, requests: list[list[int]], lines: list[str], expected: list[str],
-                    concurrency: int, max_seconds: float) -> dict[str, Any]:
-    """`concurrency` clients send the requests (indices into lines) until done or out of time."""
+                    concurrency: int, max_seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`concurrency` clients send the requests (indices into lines, plus `extra` fields) until done or out
+    of time."""
     import httpx
 
     latencies: list[float] = []
@@ -111,7 +115,7 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
             if time.perf_counter() - started > max_seconds:
                 return
             t0 = time.perf_counter()
-            r = await http.post(f"{url}/translate", json={"text": [lines[i] for i in idx]})
+            r = await http.post(f"{url}/translate", json={"text": [lines[i] for i in idx], **(extra or {})})
             latencies.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 counts["errors"] += 1
@@ -142,6 +146,9 @@ class ServeBenchOptions:
     max_seconds: float = opt(120.0, "With --serve: seconds per concurrency level at most.", min=1)
     server_arg: tuple[str, ...] = opt((), "With --serve: an extra `pipeline serve` option, repeatable "
                                       "(e.g. --server-arg=--max-wait-ms=10).", multiple=True)
+    paragraph: int = opt(0, "With --serve: join every N lines of INPUT into one document and send documents with "
+                         '"split": "sentences" (serve-batch: --split sentences); 0 sends lines.', min=0)
+    lang: str = opt("en", "With --serve --paragraph: the documents' language, for the sentence rules.")
 
     def levels(self) -> list[int]:
         try:
@@ -160,10 +167,16 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     lines = read_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
     lines = [line for line in lines if line.strip()] or ["."]
+    split: dict[str, Any] = {}
+    offline_args: list[str] = []
+    if opts.paragraph:
+        lines = [" ".join(lines[i:i + opts.paragraph]) for i in range(0, len(lines), opts.paragraph)]
+        split = {"split": "sentences", "lang": opts.lang}
+        offline_args = ["--split", "sentences", "--lang", opts.lang]
     common = ["--backend", backend, "--beam-size", str(beam_size)] + (["--threads", str(threads)] if threads else [])
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         log.info("serve-batch on %d lines", len(lines))
-        expected, offline = run_serve_batch(model_dir, lines, common, Path(tmp))
+        expected, offline = run_serve_batch(model_dir, lines, common + offline_args, Path(tmp))
         proc, url = start_server(model_dir, common, list(opts.server_arg), Path(tmp) / "serve.log")
         try:
             spans = [list(range(i, min(i + opts.lines_per_request, len(lines))))
@@ -172,7 +185,7 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
             results = []
             for c in levels:
                 log.info("concurrency %d", c)
-                level = asyncio.run(run_level(url, requests, lines, expected, c, opts.max_seconds))
+                level = asyncio.run(run_level(url, requests, lines, expected, c, opts.max_seconds, split))
                 if offline["sentences_per_s"] and level["sentences_per_s"]:
                     level["vs_serve_batch"] = level["sentences_per_s"] / offline["sentences_per_s"]
                 results.append(level)
@@ -180,7 +193,7 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
         finally:
             code = stop_server(proc)
     return {"model_dir": model_dir, "backend": backend, "threads": threads, "beam_size": beam_size,
-            "lines": len(lines),
+            "lines": len(lines), "paragraph": opts.paragraph,
             "lines_per_request": opts.lines_per_request, "serve_batch": offline, "levels": results,
             "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg)}
 
@@ -191,9 +204,10 @@ def format_serve_bench(report: dict[str, Any]) -> str:
         return "-" if s is None else f"{1000 * s:.1f}"
 
     offline = report["serve_batch"]
-    rows = [f"serve-batch: {offline['sentences_per_s']:.1f} sentences/s on {report['lines']} lines "
+    unit = f"documents of {report['paragraph']} lines" if report.get("paragraph") else "lines"
+    rows = [f"serve-batch: {offline['sentences_per_s']:.1f} {unit}/s on {report['lines']} {unit} "
             f"(backend {report['backend']}); server peak RSS {report['server_peak_rss_mib'] or 0:.0f} MiB",
-            f"{'clients':>8} {'sent/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'differ':>7}"]
+            f"{'clients':>8} {'texts/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'differ':>7}"]
     for lv in report["levels"]:
         ratio = lv.get("vs_serve_batch")
         rows.append(f"{lv['concurrency']:>8} {lv['sentences_per_s'] or 0:>8.1f} "
