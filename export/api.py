@@ -53,7 +53,7 @@ from model.signals import signals_latched
 from model.transformer import Transformer
 from runtime import graph_files, references
 from runtime.decoding import PAPER
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import load_tokenizer
 from runtime.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class ExportDefaults:
     opset: int = 18
     topk: int = 16
     max_batch: int = 64
-    max_src_len: int = 256
+    max_src_len: int = 256  # both capped by the model's max_positions when not given
     max_tgt_len: int = 306  # max_src_len + the paper's 50
     max_beam: int = 8
 
@@ -93,9 +93,9 @@ def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) ->
     if limits.max_tgt_len >= cfg.max_positions:
         problems.append(f"--max-tgt-len {limits.max_tgt_len} must be below the model's max_positions "
                         f"({cfg.max_positions})")
-    if len({cfg.pad_id, cfg.bos_id, cfg.eos_id}) != 3:
+    if cfg.eos_id in (cfg.pad_id, cfg.bos_id):  # (Marian starts from its pad id: pad = bos is fine)
         problems.append(f"model config has pad/bos/eos ids {cfg.pad_id}/{cfg.bos_id}/{cfg.eos_id}; "
-                        "the exporter needs three distinct ids")
+                        "the exporter needs an EOS id apart from the others")
     if problems:
         raise ExportError("cannot export: " + "; ".join(problems))
 
@@ -184,7 +184,7 @@ def _write_failure(error: BaseException, tmp: Path, out: Path) -> OSError | None
 
 def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int = DEFAULTS.opset,
                  topk: int = DEFAULTS.topk, max_batch: int = DEFAULTS.max_batch,
-                 max_src_len: int = DEFAULTS.max_src_len, max_tgt_len: int = DEFAULTS.max_tgt_len,
+                 max_src_len: int | None = None, max_tgt_len: int | None = None,
                  max_beam: int = DEFAULTS.max_beam,
                  tensorrt: bool | None = None, force: bool = False, atol: float = verify.FP32_ATOL,
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
@@ -211,7 +211,6 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     started = time.perf_counter()
     checkpoint, out = Path(checkpoint), Path(out)
     source = resolve_checkpoint(checkpoint)
-    limits = Limits(max_batch, max_src_len, max_tgt_len, max_beam)
     _prepare_out(out, force, source)
     if int8 and fp16:
         raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
@@ -223,6 +222,10 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                               "its integer-matmul operators); use --int8-flavour qdq for TensorRT engines")
         tensorrt = False
     model, spm_bytes, payload = _load(source)
+    # Unset source/target limits: the defaults, within the model's positions (an imported model may have fewer).
+    positions = model.cfg.max_positions
+    limits = Limits(max_batch, max_src_len if max_src_len is not None else min(DEFAULTS.max_src_len, positions),
+                    max_tgt_len if max_tgt_len is not None else min(DEFAULTS.max_tgt_len, positions - 1), max_beam)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
     unavailable = None
     if tensorrt is not False:  # fail now, not after minutes of export work; or skip engines knowingly
@@ -261,7 +264,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                 skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
                                                   unavailable]))
             if references is not None:
-                _record_references(tmp, model, spm_bytes, limits, topk, references)
+                _record_references(tmp, model, spm_bytes, limits, topk, references, decoding_defaults(payload))
             versions = _versions()
             if engines:
                 versions["tensorrt"] = engines.version
@@ -270,7 +273,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                 quantization=int8_flavour if int8 else None,
                 opset=opset, topk=topk,
                 limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
-                verification=verification,
+                verification=verification, decoding=decoding_defaults(payload),
                 source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),
                                                    steps=checkpoint_steps(payload))))
             for f in tmp.iterdir():
@@ -287,14 +290,23 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     return manifest
 
 
+def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's own decoding defaults (an imported model's generation config), checked."""
+    defaults = dict((payload.get("extra") or {}).get("decoding") or {})
+    PAPER.for_model(defaults)  # unknown or impossible values: one line now
+    return defaults
+
+
 def _record_references(model_dir: Path, model: Transformer, spm_bytes: bytes, limits: Limits, topk: int,
-                       sources_refs: tuple[list[str], list[str]]) -> None:
+                       sources_refs: tuple[list[str], list[str]], defaults: dict[str, Any]) -> None:
     """references.json: the fp32 model's translations of the held-out lines, as the torch backend
-    serves this model dir (its limits and top-k), with the paper's decoding within those limits."""
+    serves this model dir (its limits and top-k), with the model's decoding (the paper's unless it
+    brings its own) within those limits."""
     started = time.perf_counter()
     backend = TorchBackend(model, "cpu", topk=topk, max_src_len=limits.max_src_len, max_tgt_len=limits.max_tgt_len)
-    decoding = PAPER.replace(beam_size=max(1, min(PAPER.beam_size, limits.max_beam, topk // 2)))
-    recorded = references.record(backend, Tokenizer(spm_bytes), *sources_refs, decoding)
+    decoding = PAPER.for_model(defaults)
+    decoding = decoding.replace(beam_size=max(1, min(decoding.beam_size, limits.max_beam, topk // 2)))
+    recorded = references.record(backend, load_tokenizer(spm_bytes), *sources_refs, decoding)
     references.write(model_dir, recorded)
     log.info("recorded the fp32 model's translations of %d held-out lines for parity in %.1f s",
              len(recorded.sources), time.perf_counter() - started)

@@ -140,9 +140,9 @@ def sample_batch(model: Transformer, batch: int = 3, seed: int = 0) -> np.ndarra
     rng = np.random.default_rng(seed)
     lengths = [9, 4, 6, 2, 7][:batch] if batch <= 5 else list(rng.integers(2, 10, batch))
     ids = np.full((batch, max(lengths)), cfg.pad_id, dtype=np.int64)
-    first = max(cfg.pad_id, cfg.bos_id, cfg.eos_id) + 1
+    pieces = np.setdiff1d(np.arange(cfg.vocab_size), [cfg.pad_id, cfg.bos_id, cfg.eos_id, cfg.unk_id])
     for row, n in enumerate(lengths):
-        ids[row, :n - 1] = rng.integers(first, cfg.vocab_size, n - 1)
+        ids[row, :n - 1] = rng.choice(pieces, n - 1)
         ids[row, n - 1] = cfg.eos_id
     return ids
 

@@ -19,6 +19,9 @@ EOS_ID = 3
 # (65504), so masks never produce inf or NaN; exp(-1e4) is exactly 0 in fp32.
 MASK_VALUE = -1e4
 
+ACTIVATIONS = ("relu", "swish", "gelu")  # swish = SiLU, x * sigmoid(x); gelu: the exact (erf) one
+POSITION_LAYOUTS = ("interleaved", "halves")
+
 
 class ConfigError(UserError, ValueError):
     """A configuration that cannot describe a Transformer."""
@@ -37,10 +40,18 @@ class ModelConfig:
     dropout: float = 0.1
     max_positions: int = 1024
     pad_id: int = PAD_ID
-    bos_id: int = BOS_ID
+    bos_id: int = BOS_ID  # the decoder's start token
     eos_id: int = EOS_ID
+    unk_id: int = UNK_ID
+    # What models trained elsewhere differ in (pipeline/importers); the defaults are the paper's.
+    activation: str = "relu"  # the feed-forward's: "relu" (the paper), "swish" (OPUS-MT), "gelu"
+    positions: str = "interleaved"  # sinusoid layout: sin/cos interleaved (the paper) or "halves" (Marian)
+    scale_embedding: bool = True  # embeddings times sqrt(d_model) (section 3.4)
+    logits_bias: bool = False  # a bias vector added to the output logits (Marian's final_logits_bias)
+    suppress_ids: tuple[int, ...] = ()  # ids never generated: log-prob -inf (Marian's bad_words_ids [[pad]])
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))  # a JSON list read back
         self.validate()
 
     @property
@@ -60,10 +71,18 @@ class ModelConfig:
             problems.append(f"d_model ({self.d_model}) must be even for sinusoidal positions")
         if not 0.0 <= self.dropout < 1.0:
             problems.append(f"dropout must be in [0, 1), got {self.dropout}")
-        for name in ("pad_id", "bos_id", "eos_id"):
+        for name in ("pad_id", "bos_id", "eos_id", "unk_id"):
             value = getattr(self, name)
             if isinstance(self.vocab_size, int) and not 0 <= value < self.vocab_size:
                 problems.append(f"{name} ({value}) must be a valid id below vocab_size ({self.vocab_size})")
+        if self.eos_id in self.suppress_ids:
+            problems.append(f"suppress_ids must not hold eos_id ({self.eos_id}): nothing could end")
+        if isinstance(self.vocab_size, int) and any(not 0 <= i < self.vocab_size for i in self.suppress_ids):
+            problems.append(f"suppress_ids {list(self.suppress_ids)} must be ids below vocab_size ({self.vocab_size})")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        if self.positions not in POSITION_LAYOUTS:
+            problems.append(f"positions {self.positions!r} is not one of {', '.join(POSITION_LAYOUTS)}")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 

@@ -122,6 +122,10 @@ class Manifest:
     # rowwise only: integer-matmul weights stored as uint8 w + 128 (some older exports; current ones
     # store int8). Each CPU loads the form it multiplies fastest and exactly (runtime/cpu_int8.py)
     unsigned_weights: bool = False
+    # The model's own decoding defaults (runtime.decoding.DecodingOptions fields), from the checkpoint:
+    # an imported model's num_beams, max_length, length penalty and search rules. Options given on the
+    # command line override them (DecodingOptions.for_model); empty: the paper's.
+    decoding: dict[str, Any] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 
     def __post_init__(self) -> None:
@@ -147,8 +151,8 @@ def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if origin in (list, dict):
-        return "a list" if origin is list else "an object"
+    if origin in (list, tuple, dict):
+        return "an object" if origin is dict else "a list"
     if dataclasses.is_dataclass(tp):
         return "an object"
     names = {int: "an integer", float: "a number", str: "a string", bool: "true or false", type(None): "null"}
@@ -178,6 +182,11 @@ def _parse(tp: Any, value: Any, name: str, shown: Any = None) -> Any:
             raise wrong()
         (item,) = typing.get_args(tp)
         return [_parse(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:  # only tuple[X, ...]: a JSON list
+        if not isinstance(value, list):
+            raise wrong()
+        item = typing.get_args(tp)[0]
+        return tuple(_parse(item, v, f"{name}[{i}]") for i, v in enumerate(value))
     if origin is dict:
         if not isinstance(value, dict):
             raise wrong()

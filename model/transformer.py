@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -26,8 +27,15 @@ from torch import Tensor, nn
 from model.config import MASK_VALUE, ModelConfig
 
 
-def sinusoidal_positions(n_positions: int, d_model: int) -> Tensor:
-    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same)."""
+def sinusoidal_positions(n_positions: int, d_model: int, layout: str = "interleaved") -> Tensor:
+    """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
+
+    layout "halves" holds the same values as Marian lays them out: all the sines, then all
+    the cosines, computed as Marian computes them (numpy float64, then fp32)."""
+    if layout == "halves":
+        j = np.arange(d_model) // 2 * 2
+        angle = np.arange(n_positions)[:, None] / np.power(10000, j / d_model)[None, :]  # (P, d)
+        return torch.from_numpy(np.concatenate([np.sin(angle[:, 0::2]), np.cos(angle[:, 1::2])], axis=1)).float()
     pos = torch.arange(n_positions, dtype=torch.float64).unsqueeze(1)  # (P, 1)
     two_i = torch.arange(0, d_model, 2, dtype=torch.float64)  # (d/2,)
     angle = pos / torch.pow(10000.0, two_i / d_model)  # (P, d/2)
@@ -152,16 +160,21 @@ class MultiHeadAttention(nn.Module):
         return self.out_proj(self.merge_heads(out)), k_t.view(n, -1), v_t.view(n, -1)
 
 
-class FeedForward(nn.Module):
-    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+ACTIVATION_FUNCTIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}  # ModelConfig.activation
 
-    def __init__(self, d_model: int, d_ff: int):
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2 (ReLU; imported models may use another
+    activation, ModelConfig.activation)."""
+
+    def __init__(self, d_model: int, d_ff: int, activation: str = "relu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff)
         self.w2 = nn.Linear(d_ff, d_model)
+        self.act = ACTIVATION_FUNCTIONS[activation]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.relu(self.w1(x)))
+        return self.w2(self.act(self.w1(x)))
 
 
 class Residual(nn.Module):
@@ -182,7 +195,7 @@ class EncoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
         self.res_attn = Residual(cfg.d_model, cfg.dropout)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout)
 
@@ -199,7 +212,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff)
+        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
         self.res_self = Residual(cfg.d_model, cfg.dropout)
         self.res_cross = Residual(cfg.d_model, cfg.dropout)
         self.res_ffn = Residual(cfg.d_model, cfg.dropout)
@@ -232,12 +245,23 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """Section 3: encoder-decoder with one shared embedding / pre-softmax matrix (3.4)."""
 
+    logits_bias: Tensor | None
+    suppress: Tensor | None
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model),
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model, cfg.positions),
                              persistent=False)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
+        # weights of an imported model, saved with the checkpoint (None: not in the state dict)
+        self.register_buffer("logits_bias", torch.zeros(cfg.vocab_size) if cfg.logits_bias else None)
+        suppress = None
+        if cfg.suppress_ids:  # added to the step's log-probs: -inf where an id must never be generated
+            suppress = torch.zeros(cfg.vocab_size)
+            suppress[list(cfg.suppress_ids)] = float("-inf")
+        self.register_buffer("suppress", suppress, persistent=False)
         self.emb_dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
@@ -259,13 +283,15 @@ class Transformer(nn.Module):
 
     def embed_tokens(self, ids: Tensor, positions: Tensor) -> Tensor:
         """Section 3.4/3.5: embedding * sqrt(d_model) + PE[positions]. ids (B, T)."""
-        x = self.embed(ids) * math.sqrt(self.cfg.d_model)
+        x = self.embed(ids) * self.embed_scale
         x = x + self.pe[positions].to(x.dtype)
         return self.emb_dropout(x)
 
     def logits(self, x: Tensor) -> Tensor:
-        """Pre-softmax projection tied to the embedding (section 3.4); fp32 out."""
-        return F.linear(x, self.embed.weight).float()
+        """Pre-softmax projection tied to the embedding (section 3.4), plus the imported
+        models' logits bias; fp32 out."""
+        logits = F.linear(x, self.embed.weight).float()
+        return logits if self.logits_bias is None else logits + self.logits_bias.float()
 
     # -- inference functions (exported) ------------------------------------------------
 
@@ -310,6 +336,8 @@ class Transformer(nn.Module):
             step_k.append(k_t)
             step_v.append(v_t)
         log_probs = self.logits(x[:, 0]).log_softmax(dim=-1)  # (N, V) fp32
+        if self.suppress is not None:  # after the softmax, as transformers' bad_words_ids: others keep theirs
+            log_probs = log_probs + self.suppress.float()
         return log_probs, step_k, step_v
 
     # -- training ---------------------------------------------------------------------

@@ -21,9 +21,9 @@ from typing import Any
 
 import click
 
-from runtime.decoding import PAPER, DecodingOptions
+from runtime.decoding import OPTION_NAMES, PAPER, RULES, DecodingOptions
 
-_FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions)}
+_FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions) if f.name in OPTION_NAMES}
 
 
 def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
@@ -106,8 +106,10 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None
                      ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add --beam-size, --alpha, ... for the named DecodingOptions fields (all of them
     when none are named); the command receives `decoding: DecodingOptions`, already
-    validated, so a bad value is a one-line error naming its option. `notes` appends
-    a command's own remark to an option's help (what n-best looks like in its output)."""
+    validated, so a bad value is a one-line error naming its option. It records which options
+    the user set (`explicit`): the others give way to a model dir's own defaults
+    (DecodingOptions.for_model). `notes` appends a command's own remark to an option's help
+    (what n-best looks like in its output)."""
     chosen = names or tuple(_FIELDS)
     unknown = [n for n in chosen if n not in _FIELDS]
     if unknown:
@@ -117,13 +119,17 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None
         @functools.wraps(command)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             values = {name: kwargs.pop(name) for name in chosen}
-            return command(*args, decoding=PAPER.replace(**values).validate(), **kwargs)
+            ctx = click.get_current_context(silent=True)
+            given = frozenset(name for name in chosen if ctx is None
+                              or ctx.get_parameter_source(name) != click.core.ParameterSource.DEFAULT)
+            return command(*args, decoding=PAPER.replace(**values, explicit=given).validate(), **kwargs)
 
         # click lists options in reverse order of decoration: add the last one first.
         for name in reversed(chosen):
             default = getattr(PAPER, name)
             note = (notes or {}).get(name)
-            wrapper = click.option(f"--{name.replace('_', '-')}", name, type=type(default), default=default,
+            kind = click.Choice(RULES) if name == "rules" else type(default)
+            wrapper = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=default,
                                    show_default=True,
                                    help=DecodingOptions.help(name) + (f" {note}" if note else ""))(wrapper)
         return wrapper

@@ -43,13 +43,14 @@ class StepOutput:
 
 class Backend(Protocol):
     name: str
+    cfg: Any              # the model's ModelConfig: shapes and special ids (search reads pad, bos, eos)
     device: Any           # where the backend runs (str or torch.device), for reports
     topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
     max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
 
     def encode(self, src_ids: np.ndarray) -> EncoderState:
-        """src_ids (B, S) int64 padded with PAD_ID -> state with B rows."""
+        """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         """A state whose row i is `state`'s row rows[i] (drops finished sentences)."""

@@ -19,6 +19,9 @@ class DecodingError(RuntimeUserError):
     """Decoding options that make no sense (names every bad option at once)."""
 
 
+RULES = ("fairseq", "transformers")  # beam search rules (runtime/search.py)
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -35,14 +38,39 @@ class DecodingOptions:
     min_len: int = _opt(0, "Least tokens to generate before EOS is allowed.")
     nbest: int = _opt(1, "Hypotheses to return per sentence (at most the beam width).")
     batch_tokens: int = _opt(4096, "Batch budget: sentences x longest source x beam, per batch.")
+    rules: str = _opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
+                                 "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
+                                 "length ** alpha, the best beam ended hypotheses kept until none live can beat "
+                                 "them). Imported models default to transformers (their model dir says so).")
+    # The options the user set (the CLI fills it); None: those that differ from the paper's defaults.
+    # Only the others take a model dir's own defaults (for_model): an imported model's num_beams, ...
+    explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def search_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of runtime.search.beam_search (everything but batching)."""
         return dict(beam_size=self.beam_size, alpha=self.alpha, max_len_a=self.max_len_a,
-                    max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest)
+                    max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest, rules=self.rules)
 
     def replace(self, **changes: Any) -> DecodingOptions:
         return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options (not which of them the user set), for JSON."""
+        return {name: getattr(self, name) for name in OPTION_NAMES}
+
+    def for_model(self, defaults: dict[str, Any] | None) -> DecodingOptions:
+        """These options with a model dir's decoding defaults (manifest.decoding) in place of every
+        option the user did not set; validated."""
+        if not defaults:
+            return self
+        unknown = sorted(set(defaults) - set(OPTION_NAMES))
+        if unknown:
+            raise DecodingError(f"the model's decoding defaults name unknown options: {', '.join(unknown)}")
+        fixed = self.explicit
+        if fixed is None:
+            fixed = {name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name)}
+        changes = {k: v for k, v in defaults.items() if k not in fixed}
+        return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
 
     def problems(self) -> list[str]:
         """Every impossible setting, each naming its command-line option."""
@@ -65,6 +93,8 @@ class DecodingOptions:
             out.append(f"--min-len {self.min_len} is above the maximum output length {self.max_len_b}")
         if self.batch_tokens < 1:
             out.append(f"--batch-tokens must be at least 1 (got {self.batch_tokens})")
+        if self.rules not in RULES:
+            out.append(f"--rules must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out
 
     def validate(self) -> DecodingOptions:
@@ -80,4 +110,5 @@ class DecodingOptions:
         return next(f.metadata["help"] for f in dataclasses.fields(cls) if f.name == name)
 
 
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata)  # in order
 PAPER = DecodingOptions()

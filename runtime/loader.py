@@ -19,7 +19,7 @@ from model import io_names
 from model.atomic import restore_replaced_dir
 from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, ORT_DYNAMIC, SPM_FILE, Manifest, read_manifest
 from runtime.errors import RuntimeUserError
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer, load_tokenizer, tokenizer_from_file
 
 DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
 TRAIN_EXTRA = 'pip install -e ".[train]"'
@@ -120,7 +120,7 @@ def torch_dtype(precision: str | None, device: Any) -> Any:
 
 def load_backend(model_dir: str | Path, backend: str = "auto", device: str | None = None,
                  threads: int | None = None, dtype: str | None = None,
-                 ) -> tuple[Any, Tokenizer, Manifest]:
+                 ) -> tuple[Any, AnyTokenizer, Manifest]:
     """(backend, tokenizer, manifest) for a verified model dir. `dtype` ("fp32"/"fp16")
     overrides the manifest's precision for the torch backend; `threads` sets intra-op
     threads (torch and onnxruntime)."""
@@ -140,7 +140,7 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
                     "where outputs must not depend on batching", model_dir)
-    tokenizer = Tokenizer.from_file(model_dir / SPM_FILE)
+    tokenizer = tokenizer_from_file(model_dir / SPM_FILE)
     if name == "torch":
         torch = import_torch("the torch backend")
         from model.checkpoint import load_model
@@ -167,7 +167,7 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
 
 
 def load_torch_backend_from_checkpoint(path: str | Path, device: str | None = None,
-                                       topk: int = DEFAULT_TOPK) -> tuple[Any, Tokenizer]:
+                                       topk: int = DEFAULT_TOPK) -> tuple[Any, AnyTokenizer]:
     """The PyTorch reference straight from a checkpoint file or a training save dir."""
     import_torch("a checkpoint")
     from model.checkpoint import load_model, resolve_checkpoint
@@ -175,4 +175,4 @@ def load_torch_backend_from_checkpoint(path: str | Path, device: str | None = No
 
     ckpt = resolve_checkpoint(Path(path))
     model, spm_bytes, _ = load_model(ckpt, device="cpu")
-    return TorchBackend(model, resolve_device(device), topk=topk), Tokenizer(spm_bytes)
+    return TorchBackend(model, resolve_device(device), topk=topk), load_tokenizer(spm_bytes)

@@ -8,7 +8,6 @@ hashes the file like every other, so a changed record is refused as a changed mo
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ from model.manifest import REFERENCES_FILE
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, format_line, translate_ids
 
 FORMAT = "pipeline-references-v1"
@@ -37,11 +36,11 @@ class References:
     lines: list[str]  # those hypotheses as serve-batch writes them
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "decoding": dataclasses.asdict(self.decoding), "sources": self.sources,
+        return {"format": FORMAT, "decoding": self.decoding.to_dict(), "sources": self.sources,
                 "references": self.references, "hypotheses": self.hypotheses, "lines": self.lines}
 
 
-def record(backend: Backend, tokenizer: Tokenizer, sources: list[str], references: list[str],
+def record(backend: Backend, tokenizer: AnyTokenizer, sources: list[str], references: list[str],
            decoding: DecodingOptions = PAPER) -> References:
     """The reference backend's (the fp32 PyTorch model's) translations of `sources`."""
     if len(sources) != len(references):

@@ -19,6 +19,18 @@ next step, the row of the previous cache it continues (`reorder`). The only Pyth
 loop per step runs over the hypotheses finalised in that step. Search works on numpy
 arrays (the step's candidates are a few numbers per hypothesis), so it runs the same
 whatever the backend and never needs torch.
+
+Models imported from Hugging Face were tuned with transformers' `generate`, whose beam search
+differs in three rules; `rules="transformers"` (DecodingOptions.rules) follows them, so that an
+imported model translates token for token as `generate` does (pipeline/importers):
+
+    score = log_prob / length ** alpha                   (length counts the EOS)
+
+a sentence keeps its best `beam` finalised hypotheses (a better one replaces the worst) and ends
+when it holds `beam` and its best live hypothesis, scored at its current length, cannot beat the
+worst of them (transformers' `early_stopping=False` heuristic); an EOS forced at the length limit
+scores 0, as transformers' ForcedEOSTokenLogitsProcessor sets it. The special ids (start, EOS,
+padding) are the model's own (backend.cfg).
 """
 
 from __future__ import annotations
@@ -29,9 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from model.config import BOS_ID, EOS_ID, PAD_ID
 from runtime.backend import Backend, host
-from runtime.decoding import PAPER, DecodingOptions
+from runtime.decoding import PAPER, RULES, DecodingOptions
 from runtime.errors import RuntimeUserError
 
 log = logging.getLogger(__name__)
@@ -53,8 +64,11 @@ class Hypothesis:
     step_log_probs: list[float] = field(default_factory=list)  # per generated token, EOS included
 
 
-def length_penalty(length: Any, alpha: float) -> Any:
-    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha; alpha 0 turns normalisation off."""
+def length_penalty(length: Any, alpha: float, rules: str = "fairseq") -> Any:
+    """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha, or transformers' |Y| ** alpha; alpha 0 turns
+    normalisation off."""
+    if rules == "transformers":
+        return length ** alpha
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -62,7 +76,7 @@ def max_output_lengths(src_ids: np.ndarray, backend: Backend, max_len_a: float, 
     """Per sentence, the most tokens (EOS excluded) it may generate: a * src_len + b, where
     src_len counts the source's non-pad tokens (its EOS included), capped so that the
     forced EOS still fits the backend's decoder positions (max_tgt_len)."""
-    src_len = (src_ids != PAD_ID).sum(axis=1).astype(np.float64)
+    src_len = (src_ids != backend.cfg.pad_id).sum(axis=1).astype(np.float64)
     limit = np.floor(max_len_a * src_len + max_len_b).astype(np.int64)
     cap = int(backend.max_tgt_len) - 1  # positions 0..max_len: BOS + max_len tokens; EOS at max_len
     return np.clip(limit, 0, cap)
@@ -73,6 +87,8 @@ def _source(backend: Backend, src_ids: Any) -> np.ndarray:
     array = host(src_ids)
     if array.ndim != 2 or array.dtype != np.int64:
         raise SearchError(f"src_ids must be a (batch, src_len) int64 array, got {tuple(array.shape)} {array.dtype}")
+    if not hasattr(backend, "cfg"):
+        raise SearchError(f"the {backend.name} backend has no model config (cfg) to take the special ids from")
     if array.shape[1] > backend.max_src_len:
         raise SearchError(f"source of {array.shape[1]} tokens is longer than the {backend.name} "
                           f"backend's limit of {backend.max_src_len}; truncate it first")
@@ -81,40 +97,50 @@ def _source(backend: Backend, src_ids: Any) -> np.ndarray:
 
 @dataclass
 class _Finished:
-    """The finalised hypotheses of every sentence, best first once `ranked` is called."""
+    """The finalised hypotheses of every sentence, best first once `ranked` is called: the
+    first `want` (fairseq), or the best `want` so far (keep_best, transformers)."""
 
     n_sentences: int
     want: int
+    keep_best: bool = False
     hyps: list[list[Hypothesis]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.hyps = [[] for _ in range(self.n_sentences)]
 
     def add(self, sentence: int, hyp: Hypothesis) -> None:
-        if len(self.hyps[sentence]) < self.want:
-            self.hyps[sentence].append(hyp)
+        held = self.hyps[sentence]
+        if len(held) < self.want:
+            held.append(hyp)
+        elif self.keep_best:
+            worst = min(range(len(held)), key=lambda i: held[i].score)
+            if hyp.score > held[worst].score:
+                held[worst] = hyp
 
     def count(self, sentence: int) -> int:
         return len(self.hyps[sentence])
+
+    def worst(self, sentence: int) -> float:
+        return min(h.score for h in self.hyps[sentence])
 
     def ranked(self, nbest: int) -> list[list[Hypothesis]]:
         return [sorted(h, key=lambda x: -x.score)[:nbest] for h in self.hyps]
 
 
-def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int,
-                     min_len: int, max_len_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int, min_len: int,
+                     max_len_rows: np.ndarray, eos: int, rules: str) -> tuple[np.ndarray, np.ndarray]:
     """The rows' first n_cand candidates with min/max length applied: EOS masked before
-    min_len, and only EOS (with its true log-prob) at a row's length limit."""
+    min_len, and only EOS at a row's length limit (its true log-prob; 0 under transformers' rules)."""
     lp = host(out_lp)[:, :n_cand].astype(np.float32)
     ids = host(out_ids)[:, :n_cand].astype(np.int64)
     if t < min_len:
-        lp = np.where(ids == EOS_ID, np.float32(NEG_INF), lp)
+        lp = np.where(ids == eos, np.float32(NEG_INF), lp)
     at_limit = max_len_rows <= t  # (N,)
     if at_limit.any():
         forced_lp = np.full_like(lp, NEG_INF)
-        forced_lp[:, 0] = host(eos_lp).astype(np.float32)
+        forced_lp[:, 0] = 0.0 if rules == "transformers" else host(eos_lp).astype(np.float32)
         lp = np.where(at_limit[:, None], forced_lp, lp)
-        ids = np.where(at_limit[:, None], np.int64(EOS_ID), ids)
+        ids = np.where(at_limit[:, None], np.int64(eos), ids)
     return lp, ids
 
 
@@ -126,13 +152,15 @@ def _best(values: np.ndarray, k: int) -> np.ndarray:
 def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_size,
                 alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a,
                 max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
-                nbest: int = PAPER.nbest) -> list[list[Hypothesis]]:
+                nbest: int = PAPER.nbest, rules: str = PAPER.rules) -> list[list[Hypothesis]]:
     """Batched beam search (defaults: runtime.decoding.PAPER).
 
-    src_ids (B, S) int64 padded with PAD_ID, each row pieces + EOS. Returns, per sentence,
-    `nbest` hypotheses best first.
+    src_ids (B, S) int64 padded with the model's pad id, each row pieces + EOS. Returns, per
+    sentence, `nbest` hypotheses best first.
     """
     src_ids = _source(backend, src_ids)
+    if rules not in RULES:
+        raise SearchError(f"search rules {rules!r}: choose one of {', '.join(RULES)}")
     if beam_size < 1:
         raise SearchError(f"beam size must be at least 1, got {beam_size}")
     if not 1 <= nbest <= beam_size:
@@ -143,16 +171,18 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
                           f"{backend.name} backend returns only top-{backend.topk}; use a beam of at "
                           f"most {backend.topk // 2} or re-export with a larger --topk")
     n_sent = src_ids.shape[0]
-    finished = _Finished(n_sent, beam_size)
+    transformers = rules == "transformers"
+    finished = _Finished(n_sent, beam_size, keep_best=transformers)
     if n_sent == 0:
         return []
+    eos = backend.cfg.eos_id
     beam = beam_size
     max_len = max_output_lengths(src_ids, backend, max_len_a, max_len_b)  # (B,)
 
     state = backend.encode(src_ids)  # one row per sentence, shared by its `beam` rows
     n_rows = n_sent * beam
     cache = backend.initial_cache(n_rows)
-    tokens = np.full(n_rows, BOS_ID, dtype=np.int64)
+    tokens = np.full(n_rows, backend.cfg.bos_id, dtype=np.int64)
     reorder = np.arange(n_rows, dtype=np.int64)
     # Step 0: only beam 0 of each sentence is live, so the first candidates are distinct.
     scores = np.full((n_sent, beam), NEG_INF, dtype=np.float32)
@@ -168,26 +198,25 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         out, cache = backend.step(state, tokens, t, cache, reorder)
         rows_max = np.repeat(max_len[sent_ids], beam)
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, rows_max)
+                                   min_len, rows_max, eos, rules)
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
         top_scores = np.take_along_axis(cum, top_idx, axis=1)
         top_beam = top_idx // n_cand
         top_tok = np.take_along_axis(ids.reshape(b, beam * n_cand), top_idx, axis=1)
         top_lp = np.take_along_axis(lp.reshape(b, beam * n_cand), top_idx, axis=1)
-        is_eos = (top_tok == EOS_ID) & np.isfinite(top_scores)
+        is_eos = (top_tok == eos) & np.isfinite(top_scores)
 
         # Finalise EOS among the first `beam` candidates (the only Python loop, over them).
         final = is_eos & (cand_pos < beam)
         done = max_len[sent_ids] <= t  # at the length limit: finished whatever it holds
         if final.any():
             _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
-                      t, alpha)
-            counts = np.array([finished.count(s) for s in sent_ids.tolist()])
-            done = done | (counts >= beam)
+                      t, alpha, rules)
+        counts = np.array([finished.count(s) for s in sent_ids.tolist()])
 
         # Continue with the best `beam` non-EOS candidates (EOS pushed behind all others).
-        rank = (top_tok == EOS_ID).astype(np.int64) * (2 * beam) + cand_pos
+        rank = (top_tok == eos).astype(np.int64) * (2 * beam) + cand_pos
         keep_pos = np.sort(np.argsort(rank, axis=1, kind="stable")[:, :beam], axis=1)  # (b, beam)
         scores = np.take_along_axis(top_scores, keep_pos, axis=1)
         next_beam = np.take_along_axis(top_beam, keep_pos, axis=1)
@@ -198,6 +227,12 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         history_lp = np.concatenate([history_lp[sentence, next_beam], next_lp[..., None]], axis=2)
         # Cache rows (in this step's layout) that each continuing hypothesis extends.
         src_rows = sentence * beam + next_beam  # (b, beam)
+        if transformers:  # ends once the best live hypothesis, at its length now, cannot beat the worst kept
+            best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
+            worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
+            done = done | ((counts >= beam) & (best_live <= worst))
+        else:
+            done = done | (counts >= beam)
 
         if done.any():
             live = np.flatnonzero(~done)
@@ -215,10 +250,10 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
 
 def _finalise(finished: _Finished, final: np.ndarray, sent_ids: np.ndarray, top_beam: np.ndarray,
               top_scores: np.ndarray, top_lp: np.ndarray, history: np.ndarray, history_lp: np.ndarray,
-              t: int, alpha: float) -> None:
+              t: int, alpha: float, rules: str) -> None:
     """Record the EOS candidates marked in `final` (b, 2beam) as finished hypotheses."""
     length = t + 1  # generated tokens, EOS included
-    norm = (top_scores / np.float32(length_penalty(float(length), alpha))).astype(np.float32)
+    norm = (top_scores / np.float32(length_penalty(float(length), alpha, rules))).astype(np.float32)
     for i, j in zip(*np.nonzero(final)):  # row-major: within a sentence, best candidate first
         k = top_beam[i, j]
         hyp = Hypothesis(tokens=history[i, k].tolist(), score=float(norm[i, j]), log_prob=float(top_scores[i, j]),
@@ -228,7 +263,7 @@ def _finalise(finished: _Finished, final: np.ndarray, sent_ids: np.ndarray, top_
 
 def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.max_len_a,
                   max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
-                  alpha: float = PAPER.alpha) -> list[list[Hypothesis]]:
+                  alpha: float = PAPER.alpha, rules: str = PAPER.rules) -> list[list[Hypothesis]]:
     """Greedy decoding: each step takes the best candidate (the best non-EOS one before
     min_len). One hypothesis per sentence; `score` uses the same length penalty as beam
     search, so beam 1 and greedy agree on everything."""
@@ -238,10 +273,11 @@ def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.ma
     n_sent = src_ids.shape[0]
     if n_sent == 0:
         return []
+    eos = backend.cfg.eos_id
     max_len = max_output_lengths(src_ids, backend, max_len_a, max_len_b)
     state = backend.encode(src_ids)
     cache = backend.initial_cache(n_sent)
-    tokens = np.full(n_sent, BOS_ID, dtype=np.int64)
+    tokens = np.full(n_sent, backend.cfg.bos_id, dtype=np.int64)
     reorder = np.arange(n_sent, dtype=np.int64)
     sent_ids = np.arange(n_sent, dtype=np.int64)
     total = np.zeros(n_sent, dtype=np.float32)
@@ -253,16 +289,16 @@ def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.ma
         out, cache = backend.step(state, tokens, t, cache, reorder)
         n_cand = min(2, host(out.topk_ids).shape[1])
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, max_len[sent_ids])
+                                   min_len, max_len[sent_ids], eos, rules)
         best = lp.argmax(axis=1)[:, None]  # first maximum: the backend's own order
         tok = np.take_along_axis(ids, best, axis=1)[:, 0]
         tok_lp = np.take_along_axis(lp, best, axis=1)[:, 0]
         total = total + tok_lp
         history = np.concatenate([history, tok[:, None]], axis=1)
         history_lp = np.concatenate([history_lp, tok_lp[:, None]], axis=1)
-        done = tok == EOS_ID
+        done = tok == eos
         if done.any():
-            norm = total / np.float32(length_penalty(float(t + 1), alpha))
+            norm = total / np.float32(length_penalty(float(t + 1), alpha, rules))
             for i in np.flatnonzero(done).tolist():
                 results[int(sent_ids[i])] = [Hypothesis(
                     tokens=history[i, :-1].tolist(), score=float(norm[i]), log_prob=float(total[i]),
@@ -286,5 +322,5 @@ def search(backend: Backend, src_ids: Any, options: DecodingOptions = PAPER) -> 
     less work), beam search otherwise. options.batch_tokens is the caller's business."""
     if options.beam_size == 1:
         return greedy_search(backend, src_ids, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
-                             min_len=options.min_len, alpha=options.alpha)
+                             min_len=options.min_len, alpha=options.alpha, rules=options.rules)
     return beam_search(backend, src_ids, **options.search_kwargs())

@@ -1,17 +1,35 @@
-"""SentencePiece in and out, with the project's fixed special ids (model.config)."""
+"""Text in and out: SentencePiece with the model's special ids.
+
+Two kinds, one interface (vocab_size, encode_source, decode, model_bytes):
+
+- `Tokenizer`: one joint SentencePiece model whose ids are the model's (what `pipeline train`
+  makes, with the project's fixed special ids, model.config);
+- `VocabTokenizer`: Marian's (pipeline/importers): a source and a target SentencePiece model
+  whose pieces are looked up in one shared vocabulary (vocab.json), as transformers'
+  MarianTokenizer does. Sources are pieces + EOS with no BOS; a piece missing from the
+  vocabulary is UNK; a leading language code such as `>>fra<<` is one token.
+
+A checkpoint and a model dir hold a tokenizer as bytes (`model_bytes`, the model dir's spm.model):
+a SentencePiece model, or a bundle of the two models and the vocabulary; `load_tokenizer` tells
+them apart by the bundle's first line.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import sentencepiece as spm
 
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from runtime.errors import RuntimeUserError
 
+BUNDLE_MAGIC = b"pipeline-vocab-tokenizer-v1\n"
+
 
 class TokenizerError(RuntimeUserError):
-    """A SentencePiece model this project cannot use (wrong special ids)."""
+    """A SentencePiece model or vocabulary this project cannot use."""
 
 
 class Tokenizer:
@@ -23,15 +41,28 @@ class Tokenizer:
         ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise TokenizerError(f"SentencePiece model has special ids {ids}, expected "
-                             f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (pad, unk, bos, eos)")
+                                 f"{(PAD_ID, UNK_ID, BOS_ID, EOS_ID)} (pad, unk, bos, eos)")
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
         return cls(Path(path).read_bytes())
 
+    eos_id = EOS_ID
+
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
+
+    @property
+    def piece_ids(self) -> list[int]:
+        """The ids that are text pieces (no special id)."""
+        return [i for i in range(self.vocab_size) if i not in (PAD_ID, UNK_ID, BOS_ID, EOS_ID)]
+
+    def piece(self, i: int) -> str:
+        return str(self.sp.id_to_piece(i))
+
+    def piece_id(self, piece: str) -> int:
+        return int(self.sp.piece_to_id(piece))
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Piece ids without BOS/EOS."""
@@ -45,3 +76,105 @@ class Tokenizer:
         """Text from piece ids; special ids (pad/bos/eos) are dropped."""
         special = {PAD_ID, BOS_ID, EOS_ID}
         return self.sp.decode([[i for i in seq if i not in special] for seq in ids])
+
+
+class VocabTokenizer:
+    """Source and target SentencePiece models over one shared piece vocabulary (Marian's)."""
+
+    def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
+                 unk: str = "<unk>", pad: str = "<pad>"):
+        self.source = spm.SentencePieceProcessor(model_proto=source_spm)
+        self.target = spm.SentencePieceProcessor(model_proto=target_spm)
+        self.source_spm, self.target_spm = source_spm, target_spm
+        self.vocab = dict(vocab)
+        self.specials = {"eos": eos, "unk": unk, "pad": pad}
+        missing = [token for token in (eos, unk, pad) if token not in self.vocab]
+        if missing:
+            raise TokenizerError(f"the vocabulary has no {', '.join(missing)}")
+        ids = sorted(self.vocab.values())
+        if ids != list(range(len(ids))):
+            raise TokenizerError(f"the vocabulary's ids are not 0..{len(ids) - 1} without gaps or repeats")
+        self.pieces = {i: piece for piece, i in self.vocab.items()}
+        self.eos_id, self.unk_id, self.pad_id = (self.vocab[t] for t in (eos, unk, pad))
+        self.language_codes = {p for p in self.vocab if p.startswith(">>") and p.endswith("<<")}
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def piece_ids(self) -> list[int]:
+        """The ids that are text pieces (no special id)."""
+        return [i for i in range(self.vocab_size) if i not in (self.eos_id, self.unk_id, self.pad_id)]
+
+    def piece(self, i: int) -> str:
+        return self.pieces[i]
+
+    def piece_id(self, piece: str) -> int:
+        return self.vocab.get(piece, self.unk_id)
+
+    @property
+    def model_bytes(self) -> bytes:
+        """The bundle: a header line of JSON (vocabulary, special tokens, model sizes), then the
+        source and the target SentencePiece models."""
+        header = {"vocab": self.vocab, "specials": self.specials,
+                  "source_bytes": len(self.source_spm), "target_bytes": len(self.target_spm)}
+        return BUNDLE_MAGIC + json.dumps(header, ensure_ascii=False).encode() + b"\n" + self.source_spm \
+            + self.target_spm
+
+    @classmethod
+    def from_bundle(cls, data: bytes) -> VocabTokenizer:
+        body = data[len(BUNDLE_MAGIC):]
+        line_end = body.find(b"\n")
+        try:
+            header: dict[str, Any] = json.loads(body[:line_end])
+            start = line_end + 1
+            middle = start + int(header["source_bytes"])
+            end = middle + int(header["target_bytes"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise TokenizerError(f"unreadable tokenizer bundle ({e})") from None
+        if end != len(body):
+            raise TokenizerError(f"tokenizer bundle of {len(body)} bytes, its header says {end}: truncated?")
+        return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"])
+
+    def _ids(self, pieces: list[str]) -> list[int]:
+        return [self.vocab.get(p, self.unk_id) for p in pieces]
+
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        """Piece ids + EOS (MarianTokenizer: a leading >>code<< is one token, then the source pieces)."""
+        out = []
+        for text in texts:
+            code: list[str] = []
+            end = text.find("<<") if text.startswith(">>") else -1
+            if end != -1:
+                code, text = [text[: end + 2]], text[end + 2:]
+            out.append(self._ids(code + self.source.encode(text, out_type=str)) + [self.eos_id])
+        return out
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Target-side piece ids without EOS (references)."""
+        return [self._ids(self.target.encode(text, out_type=str)) for text in texts]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        """Text by the target model from the pieces of the ids; special tokens (EOS, padding, UNK) are
+        dropped, as MarianTokenizer.decode(skip_special_tokens=True) drops them."""
+        special = {self.eos_id, self.pad_id, self.unk_id}
+        out = []
+        for seq in ids:
+            pieces = [self.pieces[i] for i in seq if i not in special and i in self.pieces]
+            out.append(self.target.decode_pieces(pieces).replace("\u2581", " ").strip())
+        return out
+
+
+AnyTokenizer = Tokenizer | VocabTokenizer
+
+
+def load_tokenizer(data: bytes) -> AnyTokenizer:
+    """The tokenizer a checkpoint or model dir holds: a SentencePiece model, or a vocabulary bundle."""
+    if data.startswith(BUNDLE_MAGIC):
+        return VocabTokenizer.from_bundle(data)
+    return Tokenizer(data)
+
+
+def tokenizer_from_file(path: str | Path) -> AnyTokenizer:
+    return load_tokenizer(Path(path).read_bytes())

@@ -18,7 +18,7 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.search import Hypothesis, search
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -28,10 +28,10 @@ NBEST_SEP = " ||| "
 NBest = list[tuple[list[int], float]]  # one line's hypotheses as (tokens, score), best first; [] for blank
 
 
-def pad_batch(sources: list[list[int]]) -> np.ndarray:
-    """(B, S) int64 right-padded with PAD_ID."""
+def pad_batch(sources: list[list[int]], pad_id: int = PAD_ID) -> np.ndarray:
+    """(B, S) int64 right-padded with pad_id (the model's: backend.cfg.pad_id)."""
     width = max(len(s) for s in sources)
-    out = np.full((len(sources), width), PAD_ID, dtype=np.int64)
+    out = np.full((len(sources), width), pad_id, dtype=np.int64)
     for i, s in enumerate(sources):
         out[i, : len(s)] = s
     return out
@@ -78,7 +78,7 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     for batch in length_batches([len(sources[i]) for i in todo], options.batch_tokens, options.beam_size,
                                 max_batch):
         idx = [todo[j] for j in batch]
-        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx]), options)):
+        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options)):
             results[i] = h
     return results
 
@@ -92,7 +92,7 @@ class Sources:
     truncated: int = 0
 
 
-def encode_sources(tokenizer: Tokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
+def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
                    origin: str = "input", first_line: int = 1) -> Sources:
     """The one way text lines become source ids (serve-batch, parity, bench, validation).
 
@@ -118,7 +118,7 @@ def encode_sources(tokenizer: Tokenizer, lines: list[str], max_src_len: int, *, 
     return out
 
 
-def translate_lines(backend: Backend, tokenizer: Tokenizer, lines: list[str], options: DecodingOptions = PAPER,
+def translate_lines(backend: Backend, tokenizer: AnyTokenizer, lines: list[str], options: DecodingOptions = PAPER,
                     **changes: Any) -> list[str]:
     """Text in, text out, line-aligned: the best hypothesis of each line; blank lines give
     "" without touching the model; lines longer than the backend's source limit are
@@ -132,7 +132,7 @@ def translate_lines(backend: Backend, tokenizer: Tokenizer, lines: list[str], op
     return [text if src else "" for text, src in zip(texts, sources.ids)]
 
 
-def format_line(tokenizer: Tokenizer, nbest: NBest, n: int) -> str:
+def format_line(tokenizer: AnyTokenizer, nbest: NBest, n: int) -> str:
     """One output line: the best translation, or with n > 1 the n best as
     `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
     if not nbest:

@@ -319,7 +319,9 @@ def test_unsupported_config_and_options(spm_bytes, tmp_path, capsys):
     ckpt = tmp_path / "short.pt"
     save_checkpoint(ckpt, build_model(cfg), spm_bytes)
     out = tmp_path / "m"
-    code, _, stderr = run_cli_captured(capsys, "export", ckpt, "--out", out, "--max-beam", 12, "--opset", 13)
+    # limits given explicitly are checked against the model (unset ones default within its positions)
+    code, _, stderr = run_cli_captured(capsys, "export", ckpt, "--out", out, "--max-beam", 12, "--opset", 13,
+                                       "--max-src-len", 256, "--max-tgt-len", 306)
     assert code == 2 and not out.exists()
     for fragment in ("--max-src-len 256 exceeds the model's max_positions (64)", "--max-tgt-len 306",
                      "--max-beam 12 needs --topk >= 24", "--opset 13 is not supported"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.checkpoint import load_model
-from model.config import BOS_ID, EOS_ID
+from model.config import BOS_ID, EOS_ID, ModelConfig
 from runtime.backend import EncoderState, StepOutput
 from runtime.search import SearchError, beam_search, greedy_search
 from runtime.torch_backend import TorchBackend
@@ -34,6 +34,7 @@ class ScriptedBackend:
     probabilities and fails the expected scores."""
 
     name = "scripted"
+    cfg = ModelConfig(vocab_size=VOCAB, d_model=8, n_heads=1, d_ff=8, n_enc_layers=1, n_dec_layers=1)
 
     def __init__(self, tables: dict[int, Table], topk: int = VOCAB, max_tgt_len: int = 100):
         self.tables = tables

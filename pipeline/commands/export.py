@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
               help="Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
 @click.option("--max-batch", default=api.DEFAULTS.max_batch, show_default=True, type=int,
               help="Most sentences per batch (TensorRT profiles; recorded in the manifest).")
-@click.option("--max-src-len", default=api.DEFAULTS.max_src_len, show_default=True, type=int,
-              help="Longest source in tokens, EOS included.")
-@click.option("--max-tgt-len", default=api.DEFAULTS.max_tgt_len, show_default=True, type=int,
-              help="Longest output in tokens (decoder cache holds max-tgt-len + 1 slots).")
+@click.option("--max-src-len", default=None, type=int,
+              help=f"Longest source in tokens, EOS included [default: {api.DEFAULTS.max_src_len}, at most the "
+                   "model's max_positions].")
+@click.option("--max-tgt-len", default=None, type=int,
+              help="Longest output in tokens (decoder cache holds max-tgt-len + 1 slots) "
+                   f"[default: {api.DEFAULTS.max_tgt_len}, below the model's max_positions].")
 @click.option("--max-beam", default=api.DEFAULTS.max_beam, show_default=True, type=int,
               help="Largest beam the engines serve (decoder rows up to max-batch x max-beam).")
 @click.option("--tensorrt/--no-tensorrt", default=None,
@@ -74,7 +76,7 @@ log = logging.getLogger(__name__)
               help="TensorRT timing cache file, reused across builds "
                    "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).")
 def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_batch: int,
-           max_src_len: int, max_tgt_len: int, max_beam: int, tensorrt: bool | None, force: bool,
+           max_src_len: int | None, max_tgt_len: int | None, max_beam: int, tensorrt: bool | None, force: bool,
            atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
            int8: bool = False, int8_atol: float | None = None, int8_flavour: str = "auto",
            reference_src: Path | None = None, reference_tgt: Path | None = None,

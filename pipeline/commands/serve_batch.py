@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import click
 
 from pipeline.cli_options import decoding_options
@@ -66,8 +68,10 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:
-        impl, tokenizer, _ = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
-                                          threads=threads, dtype=dtype)
+        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
+                                                 threads=threads, dtype=dtype)
+        # an imported model's own decoding defaults (num_beams, max_length, ...) for the options not given
+        opts = dataclasses.replace(opts, decoding=decoding.for_model(manifest.decoding)).validate()
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"

@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from model.config import EOS_ID
 from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.decoding import PAPER, DecodingOptions
@@ -86,9 +85,8 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
         return encode_sources(tokenizer, lines, max_len, origin=str(src)).ids
     rng = random.Random(seed)
-    first = 4  # after pad, unk, bos, eos
-    return [[rng.randrange(first, tokenizer.vocab_size) for _ in range(src_len - 1)] + [EOS_ID]
-            for _ in range(n)]
+    pieces = tokenizer.piece_ids
+    return [[rng.choice(pieces) for _ in range(src_len - 1)] + [tokenizer.eos_id] for _ in range(n)]
 
 
 def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
@@ -98,7 +96,7 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: 
     decoding.validate()
 
     def run(batch: list[list[int]]):
-        return search(backend, pad_batch(batch), decoding)
+        return search(backend, pad_batch(batch, backend.cfg.pad_id), decoding)
 
     run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches
     latencies, tokens = [], 0
@@ -129,6 +127,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     for name in backends:
         reset_peak_rss()
         backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads)
+        decoding = decoding.for_model(manifest.decoding)  # an imported model's own defaults, unless set
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
             precision = "fp32" if name == "torch" else manifest.precision

@@ -92,6 +92,8 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
     """One model dir verified, loaded and warmed up (UserErrors name the model when it is unusable)."""
     try:
         translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines)
+        # the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
+        decoding = decoding.for_model(translator.manifest.decoding)
         max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
         if decoding.beam_size > max_beam:
             raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
@@ -99,7 +101,7 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
         raise UserError(f"model {name}: {e}") from None
     pair = PAIR.fullmatch(name)
     lang = pair.group(1) if pair else DEFAULT_LANG
-    info = {**translator.summary(), "decoding": asdict(decoding), "max_beam": max_beam, "lang": lang}
+    info = {**translator.summary(), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang}
     translator.warm_up(decoding)
     return ServedModel(name, translator, decoding, max_beam, lang, info, metrics.model(name))
 
