@@ -17,6 +17,7 @@ from model.errors import UserError
 # deploy-only install (no torch) serves, and every command starts without the others' imports.
 COMMANDS = {
     "train": "pipeline.commands.train:train",
+    "import": "pipeline.commands.import_model:import_group",
     "average": "pipeline.commands.train:average",
     "export": "pipeline.commands.export:export",
     "serve-batch": "pipeline.commands.serve_batch:serve_batch",

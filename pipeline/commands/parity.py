@@ -9,7 +9,15 @@ import click
 
 from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
-from pipeline.evaluation.parity import DEFAULT_GATES, Gate, format_table, run_parity, write_json
+from pipeline.evaluation.parity import (
+    DEFAULT_GATES,
+    REFERENCE,
+    REFERENCES,
+    Gate,
+    format_table,
+    run_parity,
+    write_json,
+)
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
@@ -36,7 +44,13 @@ def parse_backends(value: str) -> list[str]:
               "line-aligned.")
 @click.option("--backends", default="torch,onnxruntime", show_default=True,
               help="Comma-separated backends to compare against the PyTorch model (" + ",".join(backend_names()) + ").")
-@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens")
+@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens", "rules")
+@click.option("--reference", "reference_engine", type=click.Choice(REFERENCES), default=REFERENCE, show_default=True,
+              help="What the backends are compared with: our fp32 PyTorch model, or, for a model made by `pipeline "
+                   "import`, transformers' own generate on the directory it was imported from (all backends, "
+                   "torch included, gated token for token; needs --src and --ref).")
+@click.option("--hf-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
+              help="With --reference transformers: the Hugging Face directory (default: the one the import recorded).")
 @click.option("--device", default=None, help="Device for the backends under test (cpu, cuda); default: best available.")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
 @click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
@@ -61,7 +75,8 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
            threads: int | None, min_identical: float, max_bleu_delta: float, fp16_max_bleu_delta: float,
            fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None,
            int8_max_bleu_delta: float = DEFAULT_GATES["int8"].max_bleu_delta,
-           int8_min_identical: float | None = None) -> None:
+           int8_min_identical: float | None = None, reference_engine: str = REFERENCE,
+           hf_dir: Path | None = None) -> None:
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Each backend translates SRC exactly as
@@ -71,9 +86,10 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
              "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
     names = parse_backends(backends)
-    recorded = src is None and ref is None
+    recorded = src is None and ref is None and reference_engine == REFERENCE
     if recorded:
-        given = [f"--{p.replace('_', '-')}" for p in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len")
+        given = [f"--{p.replace('_', '-')}" for p in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len",
+                                                      "rules")
                  if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
         if given:
             raise click.UsageError(f"{', '.join(given)}: parity against the recorded references uses the decoding "
@@ -87,7 +103,8 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
         refuse_overwriting_inputs(inputs, [json_out], "--json file")
         check_output_file(json_out, "--json")
     report = run_parity(model_dir, src, ref, names, opts=ServeOptions(decoding=decoding),
-                        device=device, gates=gates, threads=threads, save_hyps=save_hyps)
+                        device=device, gates=gates, threads=threads, save_hyps=save_hyps,
+                        reference_engine=reference_engine, hf_dir=hf_dir)
     click.echo(format_table(report))
     if json_out:
         write_json(report, json_out)

@@ -32,7 +32,7 @@ from pipeline.evaluation import ctranslate2_compare
 from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,13 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         translator = ctranslate2_compare.open_translator(Path(job["ct2_dir"]), job["threads"] or 0,
                                                          ctranslate2_compare.COMPUTE_TYPES[job["precision"]])
         row = ctranslate2_compare.bench_translator(translator, job["pieces"], job["batch_size"],
-                                                   job["beam_size"], job["fixed_length"])
+                                                   job["beam_size"], job["fixed_length"], job["alpha"])
         device = "cpu"
     else:
         backend, _, _ = load_backend(job["model_dir"], backend=job["engine"], device=job["device"],
                                      threads=job["threads"])
-        r = bench_backend(backend, sources, job["batch_size"], PAPER.replace(beam_size=job["beam_size"]),
+        decoding = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
+        r = bench_backend(backend, sources, job["batch_size"], decoding.for_model(job["decoding"]),
                           job["fixed_length"], job["precision"])
         row = {"target_tokens": r.target_tokens, "seconds": r.seconds,
                "target_tokens_per_s": r.target_tokens_per_s, "sentences_per_s": r.sentences_per_s,
@@ -85,7 +86,7 @@ def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_di
     return jobs
 
 
-def _check_same_model(model: Any, tokenizer: Tokenizer, ct2_dir: Path, sources: list[list[int]],
+def _check_same_model(model: Any, tokenizer: AnyTokenizer, ct2_dir: Path, sources: list[list[int]],
                       threads: int | None) -> str:
     translator = ctranslate2_compare.open_translator(ct2_dir, threads or 0)
     check = sources[:AGREEMENT_SENTENCES]
@@ -105,21 +106,32 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     """Bench every (model dir, engine) and the compared engines; one row per engine and precision."""
     model_dirs = [Path(d) for d in model_dirs]
     manifest = read_manifest(model_dirs[0], verify=False)
-    tokenizer = Tokenizer.from_file(model_dirs[0] / SPM_FILE)
+    tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
     cfg = manifest.model_config
     sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions)
-    pieces = [[tokenizer.sp.id_to_piece(i) for i in s] for s in sources]
+    pieces = [[tokenizer.piece(i) for i in s] for s in sources]
+    # an imported model decodes with its own defaults (rules, alpha); CTranslate2 gets the same alpha
+    alpha = PAPER.for_model(manifest.decoding).alpha
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": cfg.to_dict(),
                               "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
-                              "peak_rss": "VmHWM of a fresh subprocess per measurement"}
+                              "peak_rss": "VmHWM of a fresh subprocess per measurement",
+                              "decoding": manifest.decoding or "the paper's"}
     with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
         ct2_dir = None
         if "ctranslate2" in compare:
-            # CTranslate2's weights come from the fp32 PyTorch checkpoint every export carries
+            # CTranslate2's weights come from the fp32 PyTorch checkpoint every export carries, or for an
+            # imported model from its own directory by CTranslate2's own converter
             from model.checkpoint import load_model
+            from pipeline.evaluation.transformers_reference import imported_from
 
             model, _, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
-            ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
+            hf_dir = imported_from(model_dirs[0] / CHECKPOINT_FILE)
+            if hf_dir is not None:
+                ct2_dir = ctranslate2_compare.convert_transformers(hf_dir, Path(tmp) / "ct2")
+                report["ctranslate2_converter"] = f"ctranslate2.converters.TransformersConverter({hf_dir})"
+            else:
+                ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
+                report["ctranslate2_converter"] = "pipeline/evaluation/ctranslate2_compare.to_ct2_spec"
             report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
                                                                        threads)
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
@@ -128,7 +140,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         jobs: list[dict[str, Any]] = []
         for bs, beam, srcs, pcs in settings:
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
-                      "device": device, "sources": srcs, "pieces": pcs}
+                      "device": device, "sources": srcs, "pieces": pcs, "decoding": manifest.decoding,
+                      "alpha": alpha}
             jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common)
         measured: list[list[dict[str, Any]]] = [[] for _ in jobs]
         ctx = multiprocessing.get_context("spawn")

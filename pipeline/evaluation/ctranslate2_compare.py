@@ -17,7 +17,7 @@ import numpy as np
 
 from model.errors import UserError
 from runtime.search import greedy_search
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer, Tokenizer
 from runtime.translate import pad_batch
 
 # Our precision names -> CTranslate2 compute types (int8 GEMMs with per-row weight scales).
@@ -114,24 +114,31 @@ def ct2_translator(model: Any, tokenizer: Tokenizer, directory: Path, threads: i
     return open_translator(convert(model, tokenizer, directory), threads, compute_type)
 
 
-def greedy_agreement(model: Any, tokenizer: Tokenizer, translator: Any, sources: list[list[int]],
+def convert_transformers(hf_dir: Path, directory: Path) -> Path:
+    """An imported model's own directory converted by CTranslate2's TransformersConverter (its mapping,
+    not ours), as a user of CTranslate2 would convert an OPUS-MT model."""
+    ctranslate2 = import_ctranslate2()
+    ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(directory), force=True)
+    return directory
+
+
+def greedy_agreement(model: Any, tokenizer: AnyTokenizer, translator: Any, sources: list[list[int]],
                      max_len: int = 20) -> int:
     """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:
     proof that the benchmark compares the same model."""
-    piece = tokenizer.sp.id_to_piece
     from runtime.torch_backend import TorchBackend
 
-    ours = greedy_search(TorchBackend(model), pad_batch(sources), max_len_a=0.0, max_len_b=max_len)
-    theirs = translator.translate_batch([[piece(i) for i in s] for s in sources], beam_size=1,
+    ours = greedy_search(TorchBackend(model), pad_batch(sources, model.cfg.pad_id), max_len_a=0.0,
+                         max_len_b=max_len)
+    theirs = translator.translate_batch([[tokenizer.piece(i) for i in s] for s in sources], beam_size=1,
                                         max_decoding_length=max_len)
-    return sum(o[0].tokens == [tokenizer.sp.piece_to_id(p) for p in t.hypotheses[0]]
-               for o, t in zip(ours, theirs))
+    return sum(o[0].tokens == [tokenizer.piece_id(p) for p in t.hypotheses[0]] for o, t in zip(ours, theirs))
 
 
 def bench_translator(translator: Any, src_tokens: list[list[str]], batch_size: int, beam_size: int,
-                     fixed_length: int | None) -> dict[str, Any]:
+                     fixed_length: int | None, length_penalty: float = 0.6) -> dict[str, Any]:
     """Time translate_batch as bench_backend times our search: one warm-up batch, then all."""
-    opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=0.6)
+    opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=length_penalty)
     if fixed_length:
         opts.update(max_decoding_length=fixed_length, min_decoding_length=fixed_length)
     translator.translate_batch(src_tokens[:batch_size], **opts)

@@ -25,6 +25,7 @@ from typing import Any
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.errors import UserError
+from pipeline.importers.marian import EMBEDDINGS, LOGITS_BIAS, POSITIONS, layer_name
 from runtime.search import greedy_search
 from runtime.translate import pad_batch
 
@@ -53,37 +54,14 @@ def marian_config(cfg: Any) -> Any:
     )
 
 
-# Marian's per-layer names -> ours (post-LN residual blocks hold our LayerNorms).
-_ENCODER_LAYER = {
-    "self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.k_proj",
-    "self_attn.v_proj": "self_attn.v_proj", "self_attn.out_proj": "self_attn.out_proj",
-    "self_attn_layer_norm": "res_attn.norm", "fc1": "ffn.w1", "fc2": "ffn.w2", "final_layer_norm": "res_ffn.norm",
-}
-_DECODER_LAYER = {
-    "self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.k_proj",
-    "self_attn.v_proj": "self_attn.v_proj", "self_attn.out_proj": "self_attn.out_proj",
-    "self_attn_layer_norm": "res_self.norm",
-    "encoder_attn.q_proj": "cross_attn.q_proj", "encoder_attn.k_proj": "cross_attn.k_proj",
-    "encoder_attn.v_proj": "cross_attn.v_proj", "encoder_attn.out_proj": "cross_attn.out_proj",
-    "encoder_attn_layer_norm": "res_cross.norm", "fc1": "ffn.w1", "fc2": "ffn.w2", "final_layer_norm": "res_ffn.norm",
-}
-_EMBEDDINGS = ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-               "lm_head.weight")
-_POSITIONS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
-
-
 def our_name(marian_name: str) -> str | None:
     """The name in our state dict of a Marian parameter or buffer; None for the embedding (tied),
     the position tables and final_logits_bias, which to_marian sets itself."""
-    if marian_name in _EMBEDDINGS or marian_name in _POSITIONS or marian_name == "final_logits_bias":
+    if marian_name in EMBEDDINGS or marian_name in POSITIONS or marian_name == LOGITS_BIAS:
         return None
-    for side, table in (("encoder", _ENCODER_LAYER), ("decoder", _DECODER_LAYER)):
-        prefix = f"model.{side}.layers."
-        if marian_name.startswith(prefix):
-            index, rest = marian_name[len(prefix):].split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            if module in table:
-                return f"{side}.{index}.{table[module]}.{leaf}"
+    name = layer_name(marian_name)
+    if name is not None:
+        return name
     raise UserError(f"MarianMTModel has a tensor {marian_name!r} that the mapping from our model does not know; "
                     "this transformers version changed Marian's layout")
 
@@ -100,11 +78,11 @@ def to_marian(model: Any) -> Any:
     pe = model.pe.detach().float().cpu()[: cfg.max_positions]
     with torch.no_grad():
         for name, tensor in list(marian.named_parameters()) + list(marian.named_buffers()):
-            if name in _EMBEDDINGS:
+            if name in EMBEDDINGS:
                 value = emb
-            elif name in _POSITIONS:
+            elif name in POSITIONS:
                 value = pe
-            elif name == "final_logits_bias":
+            elif name == LOGITS_BIAS:
                 value = torch.zeros_like(tensor)
             else:
                 value = ours[our_name(name) or ""]

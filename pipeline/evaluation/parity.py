@@ -17,13 +17,12 @@ import logging
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import sacrebleu
 
-from model.config import BOS_ID, EOS_ID
 from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE, SPM_FILE, read_manifest
 from pipeline.serve_batch.files import translate_windows
@@ -31,11 +30,12 @@ from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
 from runtime import references
 from runtime.loader import installed, load_backend
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
 
 REFERENCE = "torch"
+REFERENCES = ("torch", "transformers")  # what the backends are compared with (--reference)
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ DEFAULT_GATES = {
 class Divergence:
     line: int           # 1-based input line
     step: int           # first target position where the outputs differ
-    torch_token: int    # what PyTorch chose there (EOS_ID if it ended)
+    torch_token: int    # what PyTorch chose there (the EOS id if it ended)
     backend_token: int
     # PyTorch's log p(torch_token) - log p(backend_token) at that step (None: no PyTorch model at hand)
     log_prob_gap: float | None
@@ -93,6 +93,7 @@ class ParityReport:
     bleu_signature: str
     chrf_signature: str
     results: list[BackendResult]
+    reference: str = REFERENCE  # what "identical" and "BLEU/torch" compare with (REFERENCES)
 
     @property
     def passed(self) -> bool:
@@ -114,7 +115,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 
 def divergence_gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
-                    lines: list[int]) -> list[Divergence]:
+                    lines: list[int], eos: int) -> list[Divergence]:
     """For each differing pair, teacher-force the PyTorch model on the common prefix and
     measure how much more it preferred its own token over the backend's (no gap where no
     PyTorch model is at hand: the step is still reported)."""
@@ -124,8 +125,7 @@ def divergence_gaps(model: Any, sources: list[list[int]], ref: list[list[int]], 
             a, b = ref[i], other[i]
             d = first_divergence(a, b)
             if d is not None:
-                out.append(Divergence(i + 1, d, a[d] if d < len(a) else EOS_ID, b[d] if d < len(b) else EOS_ID,
-                                      None))
+                out.append(Divergence(i + 1, d, a[d] if d < len(a) else eos, b[d] if d < len(b) else eos, None))
         return out
     import torch
 
@@ -144,10 +144,10 @@ def _gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: lis
         if d is None:
             continue
         src = torch.tensor([sources[i]], dtype=torch.long)
-        tgt_in = torch.tensor([[BOS_ID] + a[:d]], dtype=torch.long)
+        tgt_in = torch.tensor([[model.cfg.bos_id] + a[:d]], dtype=torch.long)
         log_probs = model(src, tgt_in)[0, d].log_softmax(-1)
-        ta = a[d] if d < len(a) else EOS_ID
-        tb = b[d] if d < len(b) else EOS_ID
+        ta = a[d] if d < len(a) else model.cfg.eos_id
+        tb = b[d] if d < len(b) else model.cfg.eos_id
         out.append(Divergence(i + 1, d, ta, tb, float(log_probs[ta] - log_probs[tb])))
     return out
 
@@ -172,7 +172,7 @@ class Served:
     truncated: int
 
 
-def translate_as_served(backend: Any, tokenizer: Tokenizer, src: Path, opts: ServeOptions) -> Served:
+def translate_as_served(backend: Any, tokenizer: AnyTokenizer, src: Path, opts: ServeOptions) -> Served:
     """SRC through the serving path (one process), collected for comparison."""
     t0 = time.perf_counter()
     windows = list(translate_windows(backend, tokenizer, str(src), opts))
@@ -200,19 +200,28 @@ def save_hypotheses(served: Served, directory: Path, backend: str, precision: st
 def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: list[str], *,
                opts: ServeOptions | None = None, device: str | None = None,
                gates: dict[str, Gate] | None = None, threads: int | None = None,
-               save_hyps: Path | None = None) -> ParityReport:
+               save_hyps: Path | None = None, reference_engine: str = REFERENCE,
+               hf_dir: Path | None = None) -> ParityReport:
     """Parity of each backend against the fp32 PyTorch model, translated as serve-batch translates
     with `opts` [default: serve-batch's defaults]: on SRC against REF with the PyTorch model run
     live, or, with src and ref None, on the held-out lines recorded in the model dir at export
     (runtime/references.py; their own decoding options), which needs no PyTorch. save_hyps: a
-    directory that receives each backend's output as <backend>.<precision>.txt."""
+    directory that receives each backend's output as <backend>.<precision>.txt.
+
+    reference_engine "transformers": the reference is transformers' generate on the directory an
+    imported model came from (hf_dir, by default the one its checkpoint records), with the model dir's
+    decoding; every backend, torch included, is gated against it."""
     gates = gates or DEFAULT_GATES
+    if reference_engine not in REFERENCES:
+        raise UserError(f"--reference {reference_engine!r}: choose one of {', '.join(REFERENCES)}")
     if not backends:
         raise UserError("parity needs at least one backend to compare (--backends)")
     if (src is None) != (ref is None):
         raise UserError("give both --src and --ref, or neither (to use the model dir's recorded references)")
-    if src is None:
+    if src is None and reference_engine == REFERENCE:
         return _recorded_parity(model_dir, backends, device, gates, threads, save_hyps)
+    if src is None:
+        raise UserError("--reference transformers translates --src (with --ref for BLEU)")
     assert ref is not None
     opts = (opts or ServeOptions()).validate()
     if opts.decoding.nbest != 1:
@@ -228,17 +237,43 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
         raise UserError("parity against the PyTorch model run live needs PyTorch (pip install -e \".[train]\"); "
                         "leave out --src/--ref to gate against the references recorded in the model dir")
 
-    # The reference is always the fp32 PyTorch model on the CPU, whatever the export precision.
+    # The reference is the fp32 PyTorch model on the CPU, whatever the export precision (or transformers).
     reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
                                                   threads=threads, dtype="fp32")
+    opts = replace(opts, decoding=opts.decoding.for_model(manifest.decoding))
+    if reference_engine == "transformers":
+        return _transformers_parity(model_dir, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
+                                    hf_dir, reference, tokenizer)
     ref_run = translate_as_served(reference, tokenizer, src, opts)
     if ref_run.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
                     "does", src, ref_run.truncated)
     runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (reference, ref_run))
             for name in backends)
-    results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps)
+    results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps, reference.cfg.eos_id)
     return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size, *signatures, results)
+
+
+def _transformers_parity(model_dir: Path, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
+                         opts: ServeOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
+                         save_hyps: Path | None, hf_dir: Path | None, torch_backend: Any,
+                         tokenizer: AnyTokenizer) -> ParityReport:
+    """Every backend against transformers' generate on the imported model's own directory."""
+    from pipeline.evaluation import transformers_reference
+
+    hf_dir = hf_dir or transformers_reference.imported_from(Path(model_dir) / CHECKPOINT_FILE)
+    if hf_dir is None:
+        raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
+                        "--reference transformers needs --hf-dir")
+    torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
+    lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding)
+    ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
+    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (torch_backend, torch_run))
+            for name in backends)
+    results, signatures = _compare(runs, ref_run, ref_lines, torch_backend.model, gates, save_hyps,
+                                   torch_backend.cfg.eos_id)
+    return ParityReport(str(model_dir), str(src), str(ref_path), len(ref_lines), opts.decoding.beam_size,
+                        *signatures, results, reference=f"transformers generate on {hf_dir}")
 
 
 def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, gates: dict[str, Gate],
@@ -247,7 +282,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
     manifest = read_manifest(model_dir, verify=True)
     refs = references.read(model_dir)
     opts = ServeOptions(decoding=refs.decoding).validate()
-    tokenizer = Tokenizer.from_file(Path(model_dir) / SPM_FILE)
+    tokenizer = tokenizer_from_file(Path(model_dir) / SPM_FILE)
     ref_run = Served(refs.lines, [], refs.hypotheses, 0.0, 0)
     model = ModelOnDemand(Path(model_dir) / CHECKPOINT_FILE
                           if installed("torch") and manifest.lists(CHECKPOINT_FILE) else None)
@@ -255,7 +290,8 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
         src = Path(tmp) / "references.src"
         src.write_text("".join(line + "\n" for line in refs.sources), encoding="utf-8")
         runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, None) for name in backends)
-        results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps)
+        results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps,
+                                       manifest.model_config.eos_id)
     where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
     return ParityReport(str(model_dir), where, where, len(refs.sources), opts.decoding.beam_size, *signatures,
                         results)
@@ -277,7 +313,7 @@ class ModelOnDemand:
 
 
 def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
-               tokenizer: Tokenizer, live: tuple[Any, Served] | None) -> tuple[str, Any, Served, str]:
+               tokenizer: AnyTokenizer, live: tuple[Any, Served] | None) -> tuple[str, Any, Served, str]:
     """(name, backend, its run, precision): the live reference's own run is reused for `torch`."""
     if name == REFERENCE and live is not None:
         return name, live[0], live[1], "fp32"
@@ -288,7 +324,7 @@ def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device
 
 
 def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates: dict[str, Gate],
-             save_hyps: Path | None) -> tuple[list[BackendResult], tuple[str, str]]:
+             save_hyps: Path | None, eos: int) -> tuple[list[BackendResult], tuple[str, str]]:
     """Each run against the reference run; also the BLEU and chrF signatures."""
     bleu_metric, chrf_metric = sacrebleu.BLEU(), sacrebleu.CHRF()
     bleu_ref = bleu_metric.corpus_score(ref_run.lines, [ref_lines]).score
@@ -301,7 +337,7 @@ def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates
         different = [i for i, (a, b) in enumerate(zip(ref_run.tokens, run.tokens)) if a != b]
         at_hand = model.get() if isinstance(model, ModelOnDemand) and different else model
         divs = divergence_gaps(None if isinstance(at_hand, ModelOnDemand) else at_hand, run.sources,
-                               ref_run.tokens, run.tokens, different)
+                               ref_run.tokens, run.tokens, different, eos)
         gaps = [abs(d.log_prob_gap) for d in divs if d.log_prob_gap is not None]
         result = BackendResult(
             backend=name, precision=precision, device=str(getattr(backend, "device", "cpu")),
@@ -331,6 +367,8 @@ def format_table(report: ParityReport) -> str:
                     f"{r.bleu_vs_torch:>10.2f} {r.identical:>9.1%} {gap:>8} {r.seconds:>7.2f}  {gate}")
     rows.append(f"{report.sentences} sentences, beam {report.beam_size}; BLEU {report.bleu_signature}; "
                 f"chrF {report.chrf_signature}")
+    if report.reference != REFERENCE:
+        rows.append(f"'identical' and 'BLEU/torch' compare with {report.reference}")
     return "\n".join(rows)
 
 

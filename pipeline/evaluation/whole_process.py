@@ -109,8 +109,13 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     with tempfile.TemporaryDirectory(prefix="pipeline-whole-") as tmp:
         if "ctranslate2" in compare:
             from model.checkpoint import load_model  # the weights: the fp32 checkpoint every export carries
+            from pipeline.evaluation.transformers_reference import imported_from
 
-            tokenizer = Tokenizer.from_file(model_dirs[0] / SPM_FILE)
+            if imported_from(model_dirs[0] / CHECKPOINT_FILE) is not None:
+                raise UserError("--whole-process --compare ctranslate2 runs CTranslate2 with a joint SentencePiece "
+                                "model, which an imported model does not have; compare imported models with "
+                                "`pipeline bench MODEL_DIR --compare ctranslate2`")
+            tokenizer = Tokenizer.from_file(model_dirs[0] / SPM_FILE)  # ours: one joint SentencePiece model
             model, _, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
             ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
             check = [tokenizer.encode_source([f"{i} {i + 1}"])[0] for i in range(8)]

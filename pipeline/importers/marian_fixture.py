@@ -81,12 +81,15 @@ def _pieces(model: bytes) -> list[str]:
             if not (sp.is_control(i) or sp.is_unknown(i))]
 
 
-def build_vocab(source_pieces: list[str], target_pieces: list[str]) -> dict[str, int]:
+def build_vocab(source_pieces: list[str], target_pieces: list[str], size: int | None = None) -> dict[str, int]:
     """OPUS-MT's vocab.json: "</s>" 0, "<unk>" 1, the union of both models' pieces (source
-    order, then target pieces not seen yet), "<pad>" last (= vocab_size - 1)."""
+    order, then target pieces not seen yet), "<pad>" last (= vocab_size - 1). `size`: filler pieces
+    the SentencePiece models never produce make it that long (a real model's vocabulary size, to bench)."""
     vocab = {EOS: 0, UNK: 1}
     for piece in (*source_pieces, *target_pieces):
         vocab.setdefault(piece, len(vocab))
+    while size is not None and len(vocab) < size - 1:
+        vocab.setdefault(f"\u2581filler{len(vocab)}", len(vocab))
     vocab[PAD] = len(vocab)
     return vocab
 
@@ -186,10 +189,15 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
                     vocab_pieces: int = 200, activation: str = "swish", seed: int = 0,
                     final_logits_bias: bool = True, max_position_embeddings: int = 128,
                     corpus: list[str] | None = None, num_beams: int = 4, max_length: int = 64,
-                    safe_serialization: bool = True, spm_model_type: str = "unigram") -> Path:
+                    safe_serialization: bool = True, spm_model_type: str = "unigram",
+                    vocab_size: int | None = None, calibrate: bool = True, train_steps: int = 0) -> Path:
     """Write a random-weight OPUS-MT model dir into `out` (created; must be empty or absent)
     and return `out`. `vocab_pieces` is each SentencePiece model's vocab size (a soft limit).
-    `safe_serialization=False` writes pytorch_model.bin instead of model.safetensors."""
+    `safe_serialization=False` writes pytorch_model.bin instead of model.safetensors. `vocab_size` pads
+    vocab.json to a real model's size (OPUS-MT: ~58k); `calibrate=False` skips tuning the EOS bias
+    (slow on large shapes; benchmarks fix the output length anyway). `train_steps` > 0 then trains it
+    with transformers' own loss on the built-in pair (batches of 32, AdamW 3e-3), so that its
+    distributions are peaked as a real model's are (int8 parity means little on random weights)."""
     import torch
     from transformers import MarianMTModel, MarianTokenizer
 
@@ -200,7 +208,7 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
     src_text, tgt_text = _corpus(corpus)
     src_model = _train_spm(src_text, vocab_pieces, spm_model_type)
     tgt_model = _train_spm(tgt_text, vocab_pieces, spm_model_type)
-    vocab = build_vocab(_pieces(src_model), _pieces(tgt_model))
+    vocab = build_vocab(_pieces(src_model), _pieces(tgt_model), vocab_size)
 
     work = Path(tempfile.mkdtemp(prefix="marian-fixture-"))
     try:
@@ -222,8 +230,10 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
     _randomize(model, seed, eos_id=0, pad_id=config.pad_token_id, final_logits_bias=final_logits_bias)
     model.generation_config = make_generation_config(config.pad_token_id, num_beams=num_beams,
                                                      max_length=max_length)
-    if final_logits_bias:
+    if final_logits_bias and calibrate and not train_steps:
         _calibrate_eos(model, tokenizer, src_text[:N_CALIBRATION], max_length)
+    if train_steps:
+        _train(model, tokenizer, train_steps, seed)
     model.save_pretrained(out)
     if not safe_serialization:
         # transformers 5 always writes safetensors: rewrite the same tensors as a pytorch_model.bin,
@@ -234,6 +244,28 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
         torch.save(load_file(str(weights)), out / "pytorch_model.bin")
         weights.unlink()
     return out
+
+
+def _train(model, tokenizer, steps: int, seed: int) -> None:
+    """A few hundred steps of teacher-forced training, as a user of transformers would run them."""
+    import torch
+
+    from pipeline.corpus.synthetic import generate
+
+    src, tgt = generate(2000, seed=CORPUS_SEED + 1)
+    gen = torch.Generator().manual_seed(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        idx = torch.randint(0, len(src), (32,), generator=gen).tolist()
+        batch = tokenizer([src[i] for i in idx], text_target=[tgt[i] for i in idx], return_tensors="pt",
+                          padding=True)
+        batch["labels"][batch["labels"] == tokenizer.pad_token_id] = -100
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
 
 
 def _load(hf_dir: Path):

@@ -1,0 +1,47 @@
+"""`pipeline import FORMAT DIR --out CHECKPOINT`: a model trained elsewhere, as one of our checkpoints.
+
+One subcommand per format family (pipeline/importers): `marian` for OPUS-MT / MarianMTModel
+directories. Another family (fairseq, NLLB) is one more mapping module and subcommand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from pipeline.textio import check_output_file
+
+
+@click.group("import")
+def import_group() -> None:
+    """Import a model trained elsewhere as a checkpoint that export, serve-batch, serve, parity and
+    bench take as they take ours."""
+
+
+@import_group.command("marian")
+@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Checkpoint file to write (atomically, with its SHA-256).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def marian(hf_dir: Path, out: Path, force: bool) -> None:
+    """Import HF_DIR, a local OPUS-MT / MarianMTModel directory (what `save_pretrained` writes:
+    config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json and,
+    when present, generation_config.json). Never touches the network.
+
+        pipeline import marian opus-mt-de-en --out de-en.pt
+        pipeline export de-en.pt --out models/de-en --int8
+        pipeline serve-batch models/de-en --input in.de --output out.en
+
+    The model's generation defaults (num_beams, max_length, length_penalty) and transformers' beam
+    search rules become the model dir's decoding defaults; options given on the command line win.
+    `pipeline parity models/de-en --reference transformers --src FILE` checks the translations
+    token for token against transformers' own generate."""
+    from pipeline.importers.marian import import_marian
+
+    check_output_file(out, "--out")
+    summary = import_marian(hf_dir, out, force=force)
+    cfg = summary["config"]
+    click.echo(f"{out}: Marian model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
+               f"layers, vocabulary {cfg['vocab_size']}, activation {cfg['activation']}; decoding defaults "
+               f"{json.dumps(summary['decoding'])}")

@@ -1,0 +1,88 @@
+"""`pipeline parity --reference transformers`: an imported model's source directory translated by
+transformers itself (`MarianTokenizer` + `MarianMTModel.generate`), the independent implementation
+an import is checked against.
+
+The lines are read as serve-batch reads them (blank lines stay blank and are not translated); the
+tokenizer, the model and the search are transformers' own, with the generation config the directory
+ships and our decoding options in its place where they correspond: beam size (num_beams), alpha
+(length_penalty) and the length limit (max_length = max_len_b + 2: transformers counts the decoder
+start token and the EOS). Only transformers' search rules compare token for token, so other rules
+are refused.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from model.errors import UserError
+from runtime.decoding import DecodingOptions
+
+BATCH = 16  # sentences per generate call
+
+
+def imported_from(checkpoint: Path) -> Path | None:
+    """The directory an imported checkpoint was made from (None for our own checkpoints)."""
+    from model.checkpoint import read_checkpoint
+
+    imported = (read_checkpoint(checkpoint).get("extra") or {}).get("imported") or {}
+    directory = imported.get("directory")
+    return Path(directory) if directory else None
+
+
+def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
+    """The directory's GenerationConfig with our decoding options where they correspond."""
+    from transformers import GenerationConfig
+
+    if decoding.rules != "transformers":
+        raise UserError(f"--reference transformers compares token for token only under transformers' search "
+                        f"rules; this run decodes with --rules {decoding.rules}")
+    if decoding.max_len_a != 0 or decoding.min_len:
+        raise UserError("--reference transformers takes a fixed length limit (--max-len-a 0) and --min-len 0, "
+                        "as transformers' max_length / min_length are")
+    try:
+        gen = GenerationConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    except OSError:
+        gen = GenerationConfig()
+    gen.num_beams = decoding.beam_size
+    gen.length_penalty = decoding.alpha
+    gen.max_length = decoding.max_len_b + 2
+    gen.max_new_tokens = None
+    gen.early_stopping = False
+    gen.do_sample = False
+    gen.num_return_sequences = 1
+    return gen
+
+
+def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions) -> tuple[list[str], list[list[int]], float]:
+    """(output lines, token ids without start and EOS, seconds) of transformers on `lines`."""
+    try:
+        import torch
+        from transformers import MarianMTModel, MarianTokenizer
+    except ImportError:
+        raise UserError("--reference transformers needs Hugging Face transformers: pip install -e \".[import]\"") \
+            from None
+    if not Path(hf_dir).is_dir():
+        raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
+    gen = generation_settings(hf_dir, decoding)
+    tokenizer = MarianTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    model = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True, attn_implementation="eager").eval()
+    eos = model.config.eos_token_id
+    live = [i for i, line in enumerate(lines) if line.strip()]
+    texts, tokens = [""] * len(lines), [[] for _ in lines]
+    started = time.perf_counter()
+    for start in range(0, len(live), BATCH):
+        chunk = live[start: start + BATCH]
+        batch = tokenizer([lines[i] for i in chunk], return_tensors="pt", padding=True)
+        with torch.inference_mode():
+            out = model.generate(**batch, generation_config=gen)
+        for i, row in zip(chunk, out.tolist()):
+            ids = []
+            for token in row[1:]:  # after the decoder start token, up to the first EOS
+                if token == eos:
+                    break
+                ids.append(token)
+            tokens[i] = ids
+            texts[i] = tokenizer.decode(ids, skip_special_tokens=True)
+    return texts, tokens, time.perf_counter() - started

@@ -1,0 +1,240 @@
+"""`pipeline import marian`: a local random-weight MarianMTModel directory (made here, no download)
+imported, exported and served, token for token as transformers' own generate translates it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from click.testing import CliRunner  # noqa: E402
+
+from model.checkpoint import CheckpointError, load_model  # noqa: E402
+from model.transformer import sinusoidal_positions  # noqa: E402
+from pipeline.cli import cli  # noqa: E402
+from pipeline.corpus.synthetic import generate  # noqa: E402
+from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: E402
+from pipeline.importers.marian import MarianImportError, import_marian  # noqa: E402
+from pipeline.importers.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
+from pipeline.serve_batch.translation import ServeOptions  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+from runtime.loader import load_backend  # noqa: E402
+from runtime.tokenizer import load_tokenizer, tokenizer_from_file  # noqa: E402
+from runtime.translate import translate_ids  # noqa: E402
+
+MAX_LENGTH = 40
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    return make_marian_dir(tmp_path_factory.mktemp("opus") / "opus-mt-src-tgt", max_length=MAX_LENGTH)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "marian.pt"
+    import_marian(hf_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> tuple[Path, Path]:
+    """(HF dir, our checkpoint) of a Marian model briefly trained with transformers: peaked distributions
+    and learned lengths, as a real model has (int8 parity means little on random weights)."""
+    hf = make_marian_dir(tmp_path_factory.mktemp("opus-trained") / "hf", d_model=64, ffn=256,
+                         max_length=MAX_LENGTH, train_steps=300)
+    out = hf.parent / "marian.pt"
+    import_marian(hf, out)
+    return hf, out
+
+
+@pytest.fixture(scope="module")
+def texts() -> list[str]:
+    sources, _ = generate(24, seed=5)
+    return sources
+
+
+def test_positions_are_marians_table():
+    from transformers.models.marian.modeling_marian import MarianSinusoidalPositionalEmbedding
+
+    theirs = MarianSinusoidalPositionalEmbedding(50, 16)
+    assert np.array_equal(sinusoidal_positions(50, 16, "halves").numpy(), theirs.create_weight().numpy())
+
+
+def test_tokenizer_matches_marian_tokenizer(hf_dir, checkpoint, texts):
+    ours = load_tokenizer(load_model(checkpoint)[1])
+    theirs = transformers.MarianTokenizer.from_pretrained(str(hf_dir))
+    odd = texts[:8] + ["", "zzqx unknown ÆØÅ pieces", ">>tgt<< " + texts[0]]
+    assert ours.encode_source(odd) == [theirs(t)["input_ids"] for t in odd]
+    generated = marian_generate(hf_dir, texts[:8], num_beams=1, max_length=MAX_LENGTH)
+    assert ours.decode(generated) == theirs.batch_decode(generated, skip_special_tokens=True)
+
+
+def test_import_records_config_and_decoding_defaults(checkpoint, hf_dir):
+    model, tok_bytes, payload = load_model(checkpoint)
+    cfg = model.cfg
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert (cfg.activation, cfg.positions, cfg.scale_embedding) == ("swish", "halves", True)
+    assert (cfg.eos_id, cfg.pad_id, cfg.bos_id) == (0, config["pad_token_id"], config["pad_token_id"])
+    assert cfg.suppress_ids == (config["pad_token_id"],) and cfg.logits_bias
+    assert payload["extra"]["decoding"] == {"rules": "transformers", "beam_size": 4, "alpha": 1.0,
+                                            "max_len_a": 0.0, "max_len_b": MAX_LENGTH - 2, "min_len": 0}
+    assert payload["extra"]["imported"]["directory"] == str(hf_dir.resolve())
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_torch_backend_translates_as_generate(checkpoint, hf_dir, texts, beam):
+    """The imported checkpoint on our torch backend, with the model's own decoding defaults."""
+    from runtime.loader import load_torch_backend_from_checkpoint
+
+    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    _, _, payload = load_model(checkpoint)
+    decoding = PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})).for_model(
+        payload["extra"]["decoding"])
+    ours = [h[0].tokens for h in translate_ids(backend, tokenizer.encode_source(texts), decoding)]
+    theirs = marian_generate(hf_dir, texts, num_beams=beam, max_length=MAX_LENGTH)
+    assert ours == theirs
+    if beam > 1:  # beam search's finishing rules matter only when hypotheses end at different steps
+        assert len({len(t) for t in theirs}) >= 3, "the fixture should end sentences at varied lengths"
+
+
+@pytest.mark.slow
+def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
+    """The three user commands, then parity --reference transformers: 100% token-identical at beam 1
+    and 4, fp32 (torch and onnxruntime); the int8 dir passes its gate against human references."""
+    hf_dir, checkpoint = trained
+    texts, human = generate(40, seed=5)
+    runner = CliRunner()
+    src, ref, human_ref = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "human.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    human_ref.write_text("\n".join(human) + "\n", encoding="utf-8")
+    fp32, int8 = tmp_path / "fp32", tmp_path / "int8"
+    for out, flags in ((fp32, []), (int8, ["--int8"])):
+        result = runner.invoke(cli, ["export", str(checkpoint), "--out", str(out), "--no-tensorrt", *flags])
+        assert result.exit_code == 0, result.output
+    manifest = json.loads((fp32 / "manifest.json").read_text())
+    assert manifest["decoding"]["rules"] == "transformers"
+    # serve-batch with the model's defaults (beam 4) writes transformers' translations
+    theirs_text = transformers_translations(hf_dir, texts, 4)
+    ref.write_text("\n".join(theirs_text) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    result = runner.invoke(cli, ["serve-batch", str(fp32), str(src), "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert out.read_text(encoding="utf-8").splitlines() == theirs_text
+    for beam in (1, 4):
+        opts = ServeOptions(decoding=PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})))
+        report = run_parity(fp32, src, ref, ["torch", "onnxruntime"], opts=opts, reference_engine="transformers",
+                            gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
+        assert report.passed, [r.failures for r in report.results]
+        assert [r.identical for r in report.results] == [1.0, 1.0]
+    report = run_parity(int8, src, human_ref, ["onnxruntime"], reference_engine="transformers", gates=DEFAULT_GATES)
+    assert report.passed, [r.failures for r in report.results]
+    assert served_over_http(fp32, texts, tmp_path / "serve.log") == theirs_text
+
+
+def served_over_http(model_dir: Path, texts: list[str], log_path: Path) -> list[str]:
+    """`pipeline serve MODEL_DIR` (the model's own decoding defaults) answering one request."""
+    import re
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", str(model_dir), "--port", "0",
+                                 "--backend", "onnxruntime", "--threads", "1"], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while not (m := re.search(r"at (http://127\.0\.0\.1:\d+)", log_path.read_text())):
+                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.2)
+            while True:
+                try:
+                    answer = httpx.post(f"{m.group(1)}/translate", json={"text": texts}, timeout=120)
+                    break
+                except httpx.TransportError:
+                    assert time.monotonic() < deadline, log_path.read_text()
+                    time.sleep(0.2)
+            assert answer.status_code == 200, answer.text
+            return [t if isinstance(t, str) else t["text"] for t in answer.json()["translations"]]
+        finally:
+            proc.terminate()
+            proc.wait(30)
+
+
+def transformers_translations(hf_dir: Path, texts: list[str], beam: int) -> list[str]:
+    from pipeline.importers.marian_fixture import marian_translate
+
+    return marian_translate(hf_dir, texts, num_beams=beam, max_length=MAX_LENGTH)
+
+
+def test_cli_overrides_the_models_defaults(checkpoint, tmp_path):
+    """--beam-size given on the command line wins over the model's num_beams; the rest stay the model's."""
+    from runtime.decoding import DecodingOptions
+
+    defaults = load_model(checkpoint)[2]["extra"]["decoding"]
+    given = PAPER.replace(beam_size=2, explicit=frozenset({"beam_size"})).for_model(defaults)
+    assert (given.beam_size, given.rules, given.alpha, given.max_len_b) == (2, "transformers", 1.0, MAX_LENGTH - 2)
+    assert DecodingOptions(beam_size=3).for_model(defaults).beam_size == 3  # programmatic: what differs from PAPER
+    assert PAPER.for_model(defaults).beam_size == 4
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "target.spm").unlink(), "target.spm: missing"),
+    (lambda d: (d / "model.safetensors").unlink(), "model.safetensors: missing"),
+    (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "bart", "vocab_size": 10})),
+     "config.json: model_type is 'bart', not 'marian'"),
+    (lambda d: (d / "vocab.json").write_text(json.dumps(
+        {**json.loads((d / "vocab.json").read_text()), "extra-piece-xyz": 10 ** 6})), "vocab.json:"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "vocab_size": 7})), "decoder_vocab_size 375 differs"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "vocab_size": 400, "decoder_vocab_size": 400})),
+     "vocab.json: 375 entries but config.json says vocab_size 400"),
+])
+def test_bad_directory_is_one_line_naming_the_file(hf_dir, tmp_path, damage, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    damage(broken)
+    out = tmp_path / "out.pt"
+    result = CliRunner().invoke(cli, ["import", "marian", str(broken), "--out", str(out)])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, MarianImportError), result.output
+    assert message in str(result.exception) and "\n" not in str(result.exception)
+    assert not out.exists(), "a failed import leaves no checkpoint"
+
+
+def test_import_is_atomic_and_checksummed(hf_dir, checkpoint, tmp_path):
+    out = tmp_path / "m.pt"
+    out.write_bytes(b"previous")
+    with pytest.raises(MarianImportError, match="exists; pass --force"):
+        import_marian(hf_dir, out)
+    assert out.read_bytes() == b"previous"
+    import_marian(hf_dir, out, force=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.pt"], "no temp file left beside it"
+    data = bytearray(out.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    out.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="SHA-256|checksum|corrupt"):
+        load_model(out)
+
+
+@pytest.mark.slow
+def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
+    """export caps its default source/target limits to the model's positions; the model dir's tokenizer is
+    the bundle."""
+    from export.api import export_model
+
+    out = tmp_path / "dir"
+    manifest = export_model(checkpoint, out, tensorrt=False)
+    assert manifest.limits.max_src_len <= manifest.model_config.max_positions
+    assert manifest.limits.max_tgt_len < manifest.model_config.max_positions
+    backend, tokenizer, loaded = load_backend(out, backend="onnxruntime")
+    assert tokenizer.vocab_size == loaded.model_config.vocab_size
+    assert type(tokenizer_from_file(out / "spm.model")).__name__ == "VocabTokenizer"
