@@ -9,7 +9,7 @@ int64 arrays. So search, batching and the ONNX Runtime CPU path never import tor
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -30,6 +30,9 @@ class EncoderState:
 
     tensors: dict[str, Any]
     n_rows: int
+    # what a backend sets up once for this state's steps (ONNX Runtime: its IO binding, with
+    # these tensors bound once); a selected state starts without it
+    bound: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -18,6 +18,8 @@ weights) elsewhere, where level 4 measured much less accurate (runtime/cpu_int8.
 from __future__ import annotations
 
 import logging
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -162,17 +164,17 @@ class OrtBackend(ExportedGraphBackend):
 
         return getattr(torch, dtype.name)
 
-    def _bind_in(self, binding: ort.IOBinding, name: str, a: Any, alive: list[Any]) -> None:
-        """Bind `a` by pointer; `alive` keeps any contiguous copy referenced until the run."""
+    def _bind_in(self, binding: ort.IOBinding, name: str, a: Any) -> Any:
+        """Bind `a` by pointer; returns the array bound (a contiguous copy where `a` is not
+        contiguous), which must stay referenced until the run."""
         if isinstance(a, np.ndarray):
             a = np.ascontiguousarray(a)
-            alive.append(a)
             binding.bind_input(name, "cpu", 0, a.dtype.type, list(a.shape), a.ctypes.data)
-            return
+            return a
         a = a.contiguous()  # a torch CUDA tensor
-        alive.append(a)
         binding.bind_input(name, self._device_type, self._device_id, np.dtype(str(a.dtype)[6:]).type,
                            list(a.shape), a.data_ptr())
+        return a
 
     def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...]) -> Any:
         dtype = self.out_types[name]
@@ -208,8 +210,7 @@ class OrtBackend(ExportedGraphBackend):
         src_ids = self._device_array(host(src_ids, np.int64))
         b, s = src_ids.shape
         binding = self.encoder.io_binding()
-        alive: list[Any] = []  # inputs stay referenced until the run has read them
-        self._bind_in(binding, io_names.SRC_IDS, src_ids, alive)
+        src_ids = self._bind_in(binding, io_names.SRC_IDS, src_ids)  # referenced until the run has read it
         cross = (b, self.cfg.n_heads, s, self.cfg.d_head)
         tensors = {io_names.SRC_BIAS: self._bind_out(binding, io_names.SRC_BIAS, (b, s))}
         for i in range(self.cfg.n_dec_layers):
@@ -220,25 +221,70 @@ class OrtBackend(ExportedGraphBackend):
 
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
              reorder: Any) -> tuple[StepOutput, BeamCache]:
-        n_layers = self.cfg.n_dec_layers
-        tokens = host(tokens, np.int64)
-        n = int(tokens.shape[0])
+        n = len(tokens)
         feeds = cache.advance(reorder, state.n_rows)
+        bound = state.bound
+        if not isinstance(bound, _StepBinding) or bound.n != n:
+            bound = state.bound = self._step_binding(state, n)
+        self._fill(bound.tokens, host(tokens, np.int64))
+        self._fill(bound.step, np.array([step], dtype=np.int64))
+        feeds = {name: self._bind_changed(bound, name, value) for name, value in feeds.items()}
+        self._run(self.decoder, bound.binding)
+        cache.append(bound.step_k, bound.step_v)
+        # copies: the bound outputs are overwritten by the next step
+        return StepOutput(np.array(host(bound.top_lp)), np.array(host(bound.top_ids)),
+                          np.array(host(bound.eos_lp))), cache
+
+    def _step_binding(self, state: EncoderState, n: int) -> _StepBinding:
+        """The decoder's binding for `n` hypotheses of `state`: its tensors (cross K/V, src_bias)
+        and every output bound once; tokens and step in buffers bound once and filled per step."""
         binding = self.decoder.io_binding()
-        alive: list[Any] = []
-        self._bind_in(binding, io_names.TOKENS, self._device_array(tokens), alive)
-        self._bind_in(binding, io_names.STEP, self._device_array(np.array([step], dtype=np.int64)), alive)
-        for name, t in {**feeds, **state.tensors}.items():
-            self._bind_in(binding, name, t, alive)
-        top_lp = self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk))
-        top_ids = self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk))
-        eos_lp = self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,))
-        d = self.cfg.d_model
-        step_k = [self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)]
-        step_v = [self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)]
-        self._run(self.decoder, binding)
-        cache.append(step_k, step_v)
-        return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache
+        alive = {name: self._bind_in(binding, name, t) for name, t in state.tensors.items()}
+        tokens, step = self._device_array(np.zeros(n, np.int64)), self._device_array(np.zeros(1, np.int64))
+        alive[io_names.TOKENS] = self._bind_in(binding, io_names.TOKENS, tokens)
+        alive[io_names.STEP] = self._bind_in(binding, io_names.STEP, step)
+        d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
+        return _StepBinding(
+            binding, n, tokens, step, alive,
+            top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk)),
+            top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk)),
+            eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
+            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)],
+            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)])
+
+    def _bind_changed(self, bound: _StepBinding, name: str, a: Any) -> Any:
+        """Bind a cache feed unless this very array is bound already (the buffers change only
+        when the cache grows or drops sentences); returns what must stay referenced until the run."""
+        ref = bound.feeds.get(name)
+        if ref is not None and ref() is a:
+            return a
+        bound_a = self._bind_in(bound.binding, name, a)
+        # a weak reference: the cache owns its buffers (a grown cache frees the old ones at once)
+        bound.feeds[name] = weakref.ref(a) if bound_a is a else None
+        return bound_a
+
+    def _fill(self, buffer: Any, a: np.ndarray) -> None:
+        if self.on_cuda:
+            buffer.copy_(self._device_array(a))
+        else:
+            np.copyto(buffer, a)
+
+
+@dataclass
+class _StepBinding:
+    """The decoder's IO binding kept across the steps of one encoder state."""
+
+    binding: ort.IOBinding
+    n: int                      # hypotheses
+    tokens: Any                 # (n,) int64, bound; filled each step
+    step: Any                   # (1,) int64, bound; filled each step
+    alive: dict[str, Any]       # what the binding points into, referenced as long as it
+    top_lp: Any                 # outputs, bound once
+    top_ids: Any
+    eos_lp: Any
+    step_k: list[Any]
+    step_v: list[Any]
+    feeds: dict[str, weakref.ref[Any] | None] = field(default_factory=dict)  # cache feeds bound now
 
 
 def _cuda_visible() -> bool:
