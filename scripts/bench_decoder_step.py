@@ -16,15 +16,26 @@ per-sentence cross K/V (cross_k.i axis 0 named "batch") or per-hypothesis copies
     python /tmp/old/scripts/bench_decoder_step.py export --preset base --out /tmp/old-base
     python scripts/bench_decoder_step.py run /tmp/old-base /tmp/new-base --batch 32 --beam 4 \
         --steps 30 --threads 2 --rounds 10
+
+`overhead` splits beam search through the onnxruntime backend into its parts per decoder step
+(the engine's run, binding, the beam cache, search's bookkeeping), for one or more checkouts of
+the code, each round a fresh process per checkout and model dir, alternating:
+
+    git worktree add /tmp/base HEAD~1
+    python scripts/bench_decoder_step.py overhead models/small-fp32 --code /tmp/base --code . \
+        --batch 1 --beam 4 --length 30 --threads 2 --rounds 5
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +163,75 @@ def _paired(base: list[float], other: list[float]) -> str:
     return f"{statistics.median(ratios):.3f} (min {ratios[0]:.3f}, max {ratios[-1]:.3f})"
 
 
+PARTS = ("run", "bind", "cache", "search")
+
+
+def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences: int, threads: int,
+                  src_len: int) -> dict[str, float]:
+    """Beam search of `sentences` random sources, `length` tokens each, in batches of `batch`:
+    ms per sentence, and per decoder step the microseconds of each part (encoding excluded)."""
+    from model.cache import BeamCache
+    from pipeline.evaluation.bench import make_sources
+    from runtime.decoding import PAPER
+    from runtime.loader import load_backend
+    from runtime.search import search
+    from runtime.translate import pad_batch
+
+    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads)
+    spent: dict[str, float] = {}
+    calls: dict[str, int] = {}
+
+    def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] = spent.get(key, 0.0) + time.perf_counter() - start
+                calls[key] = calls.get(key, 0) + 1
+        return timed_call
+
+    backend.decoder.run_with_iobinding = timed("run", backend.decoder.run_with_iobinding)
+    backend.step = timed("step", backend.step)
+    backend.encode = timed("encode", backend.encode)
+    BeamCache.advance = timed("advance", BeamCache.advance)  # type: ignore[method-assign]
+    BeamCache.append = timed("append", BeamCache.append)  # type: ignore[method-assign]
+    decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)
+    sources = make_sources(tokenizer, None, sentences, src_len, backend.max_src_len)
+    batches = [pad_batch(sources[i:i + batch], backend.cfg.pad_id) for i in range(0, sentences, batch)]
+    search(backend, batches[0], decoding)  # warm-up
+    spent.clear()
+    calls.clear()
+    start = time.perf_counter()
+    for src in batches:
+        search(backend, src, decoding)
+    total = time.perf_counter() - start
+    cache = spent["advance"] + spent["append"]
+    parts = {"run": spent["run"], "bind": spent["step"] - spent["run"] - cache, "cache": cache,
+             "search": total - spent["step"] - spent["encode"]}
+    steps = calls["step"]
+    return {"ms_per_sentence": total * 1000 / sentences, "steps_per_batch": steps / len(batches),
+            **{k: v * 1e6 / steps for k, v in parts.items()}}
+
+
+def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) -> None:
+    """Each round, one fresh process per (checkout, model dir), the order reversed every other round."""
+    runs = [(code, d) for d in dirs for code in codes]
+    got: dict[tuple[Path, Path], list[dict[str, float]]] = {run: [] for run in runs}
+    for k in range(rounds):
+        for code, d in runs if k % 2 == 0 else reversed(runs):
+            out = subprocess.run([sys.executable, __file__, "overhead-once", str(d), "--code", str(code), *args],
+                                 check=True, capture_output=True, text=True).stdout
+            got[(code, d)].append(json.loads(out.splitlines()[-1]))
+    print(f"{'model dir':<24} {'code':<16} {'ms/sent':>8} " + " ".join(f"{p + ' us':>10}" for p in PARTS)
+          + f" {'not run us':>10}  (per step, medians of {rounds})")
+    for (code, d), results in got.items():
+        med = {key: statistics.median(r[key] for r in results) for key in results[0]}
+        print(f"{d.name:<24} {str(code)[-16:]:<16} {med['ms_per_sentence']:>8.2f} "
+              + " ".join(f"{med[p]:>10.0f}" for p in PARTS) + f" {sum(med[p] for p in PARTS[1:]):>10.0f}")
+    print(json.dumps({f"{d.name} {code}": results for (code, d), results in got.items()}))
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,8 +250,28 @@ def main() -> None:
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--rounds", type=int, default=10)
     r.add_argument("--src-len", type=int, default=24)
+    for name in ("overhead", "overhead-once"):
+        o = sub.add_parser(name, help="per decoder step: engine run, binding, cache, search (onnxruntime, CPU)"
+                           if name == "overhead" else argparse.SUPPRESS)
+        o.add_argument("dirs", type=Path, nargs="+", help="exported model dirs")
+        o.add_argument("--code", type=Path, action="append", help="a checkout whose code runs (repeat to A/B)")
+        o.add_argument("--batch", type=int, default=1)
+        o.add_argument("--beam", type=int, default=4)
+        o.add_argument("--length", type=int, default=30, help="tokens per hypothesis (EOS forced there)")
+        o.add_argument("--sentences", type=int, default=32)
+        o.add_argument("--threads", type=int, default=2)
+        o.add_argument("--src-len", type=int, default=20)
+        if name == "overhead":
+            o.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    if a.cmd == "export":
+    if a.cmd == "overhead-once":
+        sys.path.insert(0, str(a.code[0].resolve()))
+        print(json.dumps(overhead_once(a.dirs[0], a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)))
+    elif a.cmd == "overhead":
+        passed = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
+                  ("batch", "beam", "length", "sentences", "threads", "src_len")]
+        overhead(a.dirs, a.code or [ROOT], a.rounds, passed)
+    elif a.cmd == "export":
         export(a.preset, a.vocab, a.out, a.topk, a.seed)
     else:
         run(a.dirs, a.batch, a.beam, a.steps, a.threads, a.rounds, a.src_len)
