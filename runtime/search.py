@@ -104,21 +104,21 @@ class _Finished:
     want: int
     keep_best: bool = False
     hyps: list[list[Hypothesis]] = field(default_factory=list)
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per sentence, how many held
 
     def __post_init__(self) -> None:
         self.hyps = [[] for _ in range(self.n_sentences)]
+        self.counts = np.zeros(self.n_sentences, np.int64)
 
     def add(self, sentence: int, hyp: Hypothesis) -> None:
         held = self.hyps[sentence]
         if len(held) < self.want:
             held.append(hyp)
+            self.counts[sentence] += 1
         elif self.keep_best:
             worst = min(range(len(held)), key=lambda i: held[i].score)
             if hyp.score > held[worst].score:
                 held[worst] = hyp
-
-    def count(self, sentence: int) -> int:
-        return len(self.hyps[sentence])
 
     def worst(self, sentence: int) -> float:
         return min(h.score for h in self.hyps[sentence])
@@ -192,41 +192,40 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
     sent_ids = np.arange(n_sent, dtype=np.int64)  # original index of each live sentence
     cand_pos = np.arange(2 * beam, dtype=np.int64)
 
+    live_max = max_len  # (b,) of the live sentences
     t = 0
     while sent_ids.size > 0:
         b = sent_ids.size
         out, cache = backend.step(state, tokens, t, cache, reorder)
-        rows_max = np.repeat(max_len[sent_ids], beam)
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, rows_max, eos, rules)
+                                   min_len, np.repeat(live_max, beam), eos, rules)
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
-        top_scores = np.take_along_axis(cum, top_idx, axis=1)
+        # Flat indices (row offset added) take in one call what take_along_axis takes in several.
+        flat = top_idx + (np.arange(b) * (beam * n_cand))[:, None]
+        top_scores, top_tok, top_lp = cum.take(flat), ids.take(flat), lp.take(flat)
         top_beam = top_idx // n_cand
-        top_tok = np.take_along_axis(ids.reshape(b, beam * n_cand), top_idx, axis=1)
-        top_lp = np.take_along_axis(lp.reshape(b, beam * n_cand), top_idx, axis=1)
-        is_eos = (top_tok == eos) & np.isfinite(top_scores)
+        eos_cand = top_tok == eos
 
         # Finalise EOS among the first `beam` candidates (the only Python loop, over them).
-        final = is_eos & (cand_pos < beam)
-        done = max_len[sent_ids] <= t  # at the length limit: finished whatever it holds
+        final = eos_cand & np.isfinite(top_scores) & (cand_pos < beam)
+        done = live_max <= t  # at the length limit: finished whatever it holds
         if final.any():
             _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
                       t, alpha, rules)
-        counts = np.array([finished.count(s) for s in sent_ids.tolist()])
+        counts = finished.counts[sent_ids]
 
         # Continue with the best `beam` non-EOS candidates (EOS pushed behind all others).
-        rank = (top_tok == eos).astype(np.int64) * (2 * beam) + cand_pos
-        keep_pos = np.sort(np.argsort(rank, axis=1, kind="stable")[:, :beam], axis=1)  # (b, beam)
-        scores = np.take_along_axis(top_scores, keep_pos, axis=1)
-        next_beam = np.take_along_axis(top_beam, keep_pos, axis=1)
-        next_tok = np.take_along_axis(top_tok, keep_pos, axis=1)
-        next_lp = np.take_along_axis(top_lp, keep_pos, axis=1)
-        sentence = np.arange(b)[:, None]
-        history = np.concatenate([history[sentence, next_beam], next_tok[..., None]], axis=2)
-        history_lp = np.concatenate([history_lp[sentence, next_beam], next_lp[..., None]], axis=2)
+        rank = eos_cand * (2 * beam) + cand_pos
+        keep = np.argsort(rank, axis=1, kind="stable")[:, :beam]
+        keep.sort(axis=1)
+        keep += (np.arange(b) * (2 * beam))[:, None]  # (b, beam), flat
+        scores, next_beam, next_tok, next_lp = top_scores.take(keep), top_beam.take(keep), top_tok.take(keep), \
+            top_lp.take(keep)
         # Cache rows (in this step's layout) that each continuing hypothesis extends.
-        src_rows = sentence * beam + next_beam  # (b, beam)
+        src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam  # (b, beam)
+        history = _extend(history, src_rows, next_tok)
+        history_lp = _extend(history_lp, src_rows, next_lp)
         if transformers:  # ends once the best live hypothesis, at its length now, cannot beat the worst kept
             best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
             worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
@@ -236,7 +235,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
 
         if done.any():
             live = np.flatnonzero(~done)
-            sent_ids = sent_ids[live]
+            sent_ids, live_max = sent_ids[live], live_max[live]
             scores, history, history_lp = scores[live], history[live], history_lp[live]
             next_tok, src_rows = next_tok[live], src_rows[live]
             if live.size == 0:
@@ -246,6 +245,16 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         reorder = src_rows.reshape(-1)
         t += 1
     return finished.ranked(nbest)
+
+
+def _extend(history: np.ndarray, src_rows: np.ndarray, new: np.ndarray) -> np.ndarray:
+    """(b, beam, t) histories of the rows continued (src_rows, flat over this step's b x beam),
+    each extended by its new entry: (b, beam, t + 1)."""
+    b, beam, t = history.shape
+    grown = np.empty((b, beam, t + 1), dtype=history.dtype)
+    grown[:, :, :t] = history.reshape(b * beam, t)[src_rows]
+    grown[:, :, t] = new
+    return grown
 
 
 def _finalise(finished: _Finished, final: np.ndarray, sent_ids: np.ndarray, top_beam: np.ndarray,
