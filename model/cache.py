@@ -74,9 +74,6 @@ class NumpyBuffers:
     def write(self, at_t: np.ndarray, src: Any) -> None:
         np.copyto(at_t, src)
 
-    def view_step(self, buf: np.ndarray, shape: tuple[int, ...], t: int) -> np.ndarray:
-        return buf.reshape(shape)[:, :, t]
-
     def step_rows(self, new: Any, b: int, rows: int, h: int, dh: int) -> np.ndarray:
         return np.asarray(new).reshape(b, rows, h, dh).transpose(0, 2, 1, 3)
 
@@ -105,9 +102,6 @@ class TorchBuffers:
 
     def copy_prefix(self, new: Any, old: Any, used: int) -> None:
         new[:, :, :used].copy_(old)
-
-    def view_step(self, buf: Any, shape: tuple[int, ...], t: int) -> Any:
-        return buf.view(shape)[:, :, t]
 
     def step_rows(self, new: Any, b: int, rows: int, h: int, dh: int) -> Any:
         if isinstance(new, np.ndarray):
@@ -158,6 +152,9 @@ class BeamCache:
         self.n_sentences = 0
         # ancestry (hyps, steps) int64: the slot each hypothesis' ancestor wrote at each step
         self.slots = np.zeros((n_hyps, 0), dtype=np.int64)
+        # index()'s first row of each (hypothesis, head) in the flattened buffers, for (hyps, rows, capacity)
+        self._head_start = np.zeros((0, 0, 1), dtype=np.int64)
+        self._head_start_for = (0, 0, 0)
 
     # -- before a step ------------------------------------------------------------------
 
@@ -182,8 +179,11 @@ class BeamCache:
                     and kept[-1] < self.n_sentences):
                 raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's "
                                  "rows consecutive, sentences in their order (finished ones left out)")
-            own_slot = (np.arange(self.n_hyps, dtype=np.int64) % rows)[:, None]
-            self.slots = np.concatenate([self.slots, own_slot], axis=1)[reorder]
+            t = self.slots.shape[1]  # each hypothesis' ancestry: its parent's, then the slot its parent wrote
+            slots = np.empty((n, t + 1), dtype=np.int64)
+            slots[:, :t] = self.slots[reorder]
+            slots[:, t] = reorder % rows
+            self.slots = slots
             if n_sentences != self.n_sentences:  # finished sentences leave (search keeps the order)
                 self.k = [self.buffers.take_rows(t, kept) for t in self.k]
                 self.v = [self.buffers.take_rows(t, kept) for t in self.v]
@@ -203,20 +203,21 @@ class BeamCache:
         h = self.cfg.n_heads
         if t == 0:  # one masked position (no size-0 dims)
             return np.zeros((n, h, 1), dtype=np.int64), np.full((n, 1), MASK_VALUE, dtype=np.float32)
-        sentence = np.arange(n, dtype=np.int64) // self.rows
-        head_start = (sentence[:, None] * h + np.arange(h, dtype=np.int64)) * (self.capacity * self.rows)
-        position = np.arange(t, dtype=np.int64) * self.rows + self.slots  # (hyps, t)
-        return head_start[:, :, None] + position[:, None, :], np.zeros((n, t), dtype=np.float32)
+        if self._head_start_for != (n, self.rows, self.capacity):
+            sentence = np.arange(n, dtype=np.int64) // self.rows
+            head_start = (sentence[:, None] * h + np.arange(h, dtype=np.int64)) * (self.capacity * self.rows)
+            self._head_start, self._head_start_for = head_start[:, :, None], (n, self.rows, self.capacity)
+        position = self.slots + np.arange(0, t * self.rows, self.rows, dtype=np.int64)  # (hyps, t)
+        return self._head_start + position[:, None, :], np.zeros((n, t), dtype=np.float32)
 
     # -- after a step -------------------------------------------------------------------
 
     def append(self, step_k: list[Any], step_v: list[Any]) -> None:
         """Write the step's keys and values (per layer (hyps, d_model)) at time `steps`."""
-        b, h, dh, t = self.n_sentences, self.cfg.n_heads, self.cfg.d_head, self.steps
-        shape = (b, h, self.capacity, self.rows, dh)
+        b, h, dh, rows = self.n_sentences, self.cfg.n_heads, self.cfg.d_head, self.rows
+        at = slice(self.steps * rows, (self.steps + 1) * rows)  # step t's rows in time-major order
         for buf, new in zip(self.k + self.v, list(step_k) + list(step_v)):
-            self.buffers.write(self.buffers.view_step(buf, shape, t),
-                               self.buffers.step_rows(new, b, self.rows, h, dh))
+            self.buffers.write(buf[:, :, at], self.buffers.step_rows(new, b, rows, h, dh))
         self.steps += 1
 
     # -- storage ------------------------------------------------------------------------
