@@ -31,9 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -232,6 +234,56 @@ def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) 
     print(json.dumps({f"{d.name} {code}": results for (code, d), results in got.items()}))
 
 
+def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: int, threads: int,
+                src_len: int) -> None:
+    """ONNX Runtime's own profile of the decoder step in beam search: per step, the run against the
+    sum of its kernels (the rest is the executor's per-node cost), and the kernels by operator."""
+    from collections import Counter
+
+    import onnxruntime as ort
+
+    from model.manifest import ROWWISE, read_manifest
+    from pipeline.evaluation.bench import make_sources
+    from runtime.cpu_int8 import graph_as_is, session_graph, wants_unsigned_weights
+    from runtime.decoding import PAPER
+    from runtime.loader import load_backend
+    from runtime.ort_backend import session_config
+    from runtime.search import search
+    from runtime.translate import pad_batch
+
+    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads)
+    manifest = read_manifest(model_dir, verify=False)
+    opts = ort.SessionOptions()  # as OrtBackend's, with the profiler on
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
+    opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for key, value in session_config(manifest).items():
+        opts.add_session_config_entry(key, value)
+    opts.enable_profiling = True
+    opts.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="ort-profile-")) / "decoder")
+    flip = manifest.quantization == ROWWISE and manifest.unsigned_weights != wants_unsigned_weights()
+    with (session_graph if flip else graph_as_is)(model_dir / "decoder.onnx") as graph:
+        backend.decoder = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+    decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)
+    sources = make_sources(tokenizer, None, sentences, src_len, backend.max_src_len)
+    for i in range(0, sentences, batch):
+        search(backend, pad_batch(sources[i:i + batch], backend.cfg.pad_id), decoding)
+    profile = Path(backend.decoder.end_profiling())
+    events = json.loads(profile.read_text())
+    shutil.rmtree(profile.parent)
+    runs = sum(1 for e in events if e.get("name") == "model_run")
+    nodes = [e for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+    run_us = sum(e["dur"] for e in events if e.get("name") == "model_run") / runs
+    kernel_us, count = Counter[str](), Counter[str]()
+    for e in nodes:
+        kernel_us[e["args"]["op_name"]] += e["dur"]
+        count[e["args"]["op_name"]] += 1
+    print(f"{model_dir.name}: {runs} steps; per step: run {run_us:.0f} us, kernels "
+          f"{sum(kernel_us.values()) / runs:.0f} us, {len(nodes) / runs:.0f} nodes")
+    for op, us in kernel_us.most_common():
+        print(f"  {op:<24} {count[op] / runs:6.1f} nodes {us / runs:8.1f} us {us / count[op]:7.1f} us/node")
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,9 +302,10 @@ def main() -> None:
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--rounds", type=int, default=10)
     r.add_argument("--src-len", type=int, default=24)
-    for name in ("overhead", "overhead-once"):
-        o = sub.add_parser(name, help="per decoder step: engine run, binding, cache, search (onnxruntime, CPU)"
-                           if name == "overhead" else argparse.SUPPRESS)
+    helps = {"overhead": "per decoder step: engine run, binding, cache, search (onnxruntime, CPU)",
+             "overhead-once": argparse.SUPPRESS, "profile": "ONNX Runtime's profile of the decoder step in search"}
+    for name, help_text in helps.items():
+        o = sub.add_parser(name, help=help_text)
         o.add_argument("dirs", type=Path, nargs="+", help="exported model dirs")
         o.add_argument("--code", type=Path, action="append", help="a checkout whose code runs (repeat to A/B)")
         o.add_argument("--batch", type=int, default=1)
@@ -264,7 +317,10 @@ def main() -> None:
         if name == "overhead":
             o.add_argument("--rounds", type=int, default=5)
     a = p.parse_args()
-    if a.cmd == "overhead-once":
+    if a.cmd == "profile":
+        for d in a.dirs:
+            ort_profile(d, a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)
+    elif a.cmd == "overhead-once":
         sys.path.insert(0, str(a.code[0].resolve()))
         print(json.dumps(overhead_once(a.dirs[0], a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)))
     elif a.cmd == "overhead":
