@@ -68,7 +68,7 @@ class DecodingOptions:
             raise DecodingError(f"the model's decoding defaults name unknown options: {', '.join(unknown)}")
         fixed = self.explicit
         if fixed is None:
-            fixed = {name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name)}
+            fixed = frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
         changes = {k: v for k, v in defaults.items() if k not in fixed}
         return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
 
