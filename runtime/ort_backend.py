@@ -2,8 +2,9 @@
 
 Every input and output is bound by pointer through IO binding: numpy arrays on the CPU
 (this path never imports torch), torch CUDA tensors on a GPU. Caches and cross K/V never
-leave the device, outputs land in arrays that search and the next step use as they are
-(no copies), and the beam's cache is written in place and never reordered (model/cache.py).
+leave the device, and the beam's cache is written in place and never reordered (model/cache.py).
+The decoder's binding is made once per encoder state: its tensors, the outputs and the tokens /
+step buffers stay bound across the state's steps, and a step rebinds only what changed.
 
 Session options: full graph optimisation and, by default, no intra-op thread spinning:
 with several sessions (or processes) sharing few cores, spinning threads steal the
