@@ -113,8 +113,8 @@ def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
     src, ref, human_ref = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "human.txt"
     src.write_text("\n".join(texts) + "\n", encoding="utf-8")
     human_ref.write_text("\n".join(human) + "\n", encoding="utf-8")
-    fp32, int8 = tmp_path / "fp32", tmp_path / "int8"
-    for out, flags in ((fp32, []), (int8, ["--int8"])):
+    fp32, fp16, int8 = tmp_path / "fp32", tmp_path / "fp16", tmp_path / "int8"
+    for out, flags in ((fp32, []), (fp16, ["--fp16"]), (int8, ["--int8"])):
         result = runner.invoke(cli, ["export", str(checkpoint), "--out", str(out), "--no-tensorrt", *flags])
         assert result.exit_code == 0, result.output
     manifest = json.loads((fp32 / "manifest.json").read_text())
@@ -132,8 +132,12 @@ def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
                             gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
         assert report.passed, [r.failures for r in report.results]
         assert [r.identical for r in report.results] == [1.0, 1.0]
-    report = run_parity(int8, src, human_ref, ["onnxruntime"], reference_engine="transformers", gates=DEFAULT_GATES)
-    assert report.passed, [r.failures for r in report.results]
+    for reduced in (fp16, int8):
+        report = run_parity(reduced, src, human_ref, ["onnxruntime"], reference_engine="transformers",
+                            gates=DEFAULT_GATES)
+        assert report.passed, [r.failures for r in report.results]
+    result = runner.invoke(cli, ["doctor", str(int8)])
+    assert result.exit_code == 0 and "onnxruntime" in result.output, result.output
     assert served_over_http(fp32, texts, tmp_path / "serve.log") == theirs_text
 
 
