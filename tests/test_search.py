@@ -302,3 +302,40 @@ def test_length_batches_budget_and_order():
     assert flat == sorted(flat, reverse=True)
     assert all(len(b) <= 2 for b in length_batches(lengths, 10_000, 4, max_batch=2))
 
+
+
+# transformers' rules (rules="transformers"): score = log_prob / length ** alpha, the best `beam`
+# finished kept, and the search goes on while the best live hypothesis could still beat the worst.
+#   step 0: A .6, B .4
+#   step 1: A-EOS .33 (finished, -0.554), B-B .32, A-A .27; B-EOS .08 not among the first `beam`
+#   step 2: B-B-B .288, A-A-EOS .243 (finished, -0.472): two finished = beam. fairseq stops here;
+#           transformers goes on: the live B-B-B scores log(.288) / 3 = -0.415 > the worst, -0.554
+#   step 3: B-B-B-EOS .2736 (-0.324) replaces A-EOS; the live ones (.0144) cannot beat -0.472: done
+KEEP_BEST = table({
+    (): {A: .6, B: .4},
+    (A,): {EOS_ID: .55, A: .45},
+    (B,): {B: .8, EOS_ID: .2},
+    (A, A): {EOS_ID: .9, A: .1},
+    (B, B): {B: .9, EOS_ID: .1},
+    (A, A, A): {EOS_ID: .5, A: .5},
+    (B, B, B): {EOS_ID: .95, B: .05},
+})
+
+
+def test_transformers_rules_keep_the_best_finished_until_none_live_can_beat_them():
+    backend = ScriptedBackend({0: KEEP_BEST})
+    [hyps] = beam_search(backend, src(0), beam_size=2, alpha=1.0, nbest=2, rules="transformers")
+    assert [h.tokens for h in hyps] == [[B, B, B], [A, A]]
+    assert hyps[0].score == pytest.approx(math.log(.4 * .8 * .9 * .95) / 4, rel=1e-6)
+    assert hyps[1].score == pytest.approx(math.log(.6 * .45 * .9) / 3, rel=1e-6)
+    assert backend.steps_run == 4
+    [fairseq] = beam_search(ScriptedBackend({0: KEEP_BEST}), src(0), beam_size=2, alpha=1.0, nbest=2)
+    assert [h.tokens for h in fairseq] == [[A], [A, A]]  # the first two to finish; GNMT's penalty
+
+
+def test_transformers_rules_score_a_forced_eos_zero():
+    [[hyp]] = beam_search(ScriptedBackend({0: _last_token}), src(0), beam_size=2, max_len_a=0.0, max_len_b=2,
+                          nbest=1, alpha=1.0, rules="transformers")
+    assert hyp.tokens == [A, A]
+    assert hyp.log_prob == pytest.approx(math.log(.6 * .7), rel=1e-6)  # the forced EOS adds 0
+    assert hyp.score == pytest.approx(math.log(.6 * .7) / 3, rel=1e-6)
