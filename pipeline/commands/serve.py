@@ -26,7 +26,7 @@ def _require_web_stack() -> None:
 @click.command("serve")
 @click.argument("model_dir", type=click.Path(file_okay=False), required=False)
 @options_from(ServeHttpOptions)
-@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest",
+@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
                          "nbest": "With N > 1 each translation is a list of {text, score}."})
 @options_from(RequestLimits)
