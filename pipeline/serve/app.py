@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -25,197 +23,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.serve.batcher import Batcher, BatcherStopped, QueueFull, Work
-from pipeline.serve.metrics import CONTENT_TYPE, Metrics, ModelMetrics
-from pipeline.serve.options import RequestLimits
-from pipeline.serve.translator import Encoded, LineTooLong, Translator
-from pipeline.serve_batch.sentences import SPLIT_MODES, rebuild_all
-from runtime.decoding import DecodingOptions
+from pipeline.serve.metrics import CONTENT_TYPE, ModelMetrics
+from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request, read_body
+from pipeline.serve.translator import Encoded, LineTooLong
+from pipeline.serve_batch.sentences import rebuild_all
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 
-REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores"}
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
-LANG = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")
-
-
-@dataclass
-class ServedModel:
-    """One model dir as the routes see it: its translator, defaults, metrics and queue."""
-
-    name: str
-    translator: Translator
-    decoding: DecodingOptions
-    max_beam: int
-    lang: str  # sentence rules when a request names none
-    info: dict[str, Any]
-    metrics: ModelMetrics
-    batcher: Batcher | None = None
-
-
-@dataclass
-class ServerState:
-    """What the routes share; `draining` turns /health to 503 once shutdown has begun."""
-
-    models: dict[str, ServedModel]
-    limits: RequestLimits
-    info: dict[str, Any]
-    metrics: Metrics
-    warmed_up: bool = False
-    draining: bool = False
-    unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
-
-    def __post_init__(self) -> None:
-        self.unnamed = self.metrics.model("")
-
-
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status = status
-        self.headers = headers or {}
-
-
-@dataclass
-class TranslateRequest:
-    text: list[str]
-    model: ServedModel
-    decoding: DecodingOptions
-    structured: bool
-    split: str
-    lang: str
-    stream: bool
-
-
-def _field(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
-    value = data.get(key, default)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ApiError(400, f'"{key}" must be {what}')
-    return value
-
-
-def pick_model(data: dict[str, Any], state: ServerState) -> ServedModel:
-    """The model the request names; the only one when it names none (400 / 404 otherwise)."""
-    known = ", ".join(state.models)
-    if "model" not in data:
-        if len(state.models) == 1:
-            return next(iter(state.models.values()))
-        raise ApiError(400, f'"model" is required: this server has {known}')
-    name = _field(data, "model", str, None, "a model name")
-    if name not in state.models:
-        raise ApiError(404, f'unknown "model" {name!r}: this server has {known}')
-    return state.models[name]
-
-
-def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
-    """The JSON body checked for types, keys and limits (400 / 404 / 413 naming the problem)."""
-    try:
-        decoded = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})"
-                       ) from None
-    try:
-        data = json.loads(decoded)
-    except json.JSONDecodeError as e:
-        raise ApiError(400, f"request body is not JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, 'request body must be a JSON object like {"text": ["a line", ...]}')
-    unknown = sorted(set(data) - REQUEST_KEYS)
-    if unknown:
-        raise ApiError(400, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}")
-    model = pick_model(data, state)
-    text = data.get("text")
-    if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
-        raise ApiError(400, '"text" must be a list of strings, one line (or with split, one document) each')
-    if len(text) > state.limits.max_lines:
-        raise ApiError(413, f"{len(text)} lines, more than this server's limit of {state.limits.max_lines} "
-                            "per request; split the request")
-    split = data.get("split", "none")
-    if split not in SPLIT_MODES:
-        raise ApiError(400, f'"split" must be one of {", ".join(map(json.dumps, SPLIT_MODES))}')
-    lang = _field(data, "lang", str, model.lang, 'a language code like "de"')
-    if not LANG.fullmatch(lang):
-        raise ApiError(400, f'"lang" must be a language code like "de", not {lang[:20]!r}')
-    stream = _field(data, "stream", bool, False, "true or false")
-    for i, line in enumerate(text):
-        if "\n" in line and split == "none":
-            raise ApiError(400, f'text[{i}] holds a newline; send one line per list item, or "split": "sentences"')
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, f"text[{i}] holds a lone surrogate (\\ud800-\\udfff), not text") from None
-    changes = {key: _field(data, key, int, None, "an integer") for key in ("beam_size", "nbest") if key in data}
-    if "beam_size" in changes and "nbest" not in changes:
-        changes["nbest"] = min(model.decoding.nbest, changes["beam_size"])
-    decoding = model.decoding.replace(**changes)
-    problems = decoding.problems()
-    if decoding.beam_size > model.max_beam:
-        problems.append(f"beam_size {decoding.beam_size} is above this model's limit of {model.max_beam}")
-    if problems:
-        raise ApiError(400, "; ".join(p.replace("--beam-size", "beam_size").replace("--nbest", "nbest")
-                                      for p in problems))
-    scores = _field(data, "scores", bool, False, "true or false")
-    structured = scores or decoding.nbest > 1
-    if structured and split != "none":
-        raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
-                            '"split": "none"')
-    return TranslateRequest(text, model, decoding, structured, split, lang, stream)
-
-
-# An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
-# is still sending when the server answers and closes gets "connection reset" instead of the answer
-# (plain urllib / requests clients do). Past either bound the 413 goes out with Connection: close.
-DRAIN_BYTES = 64 << 20
-DRAIN_SECONDS = 30.0
-
-
-async def read_body(request: Request, limits: RequestLimits) -> bytes:
-    """The body, within body_timeout_s (408 and the connection closed beyond: a stalled client holds
-    nothing); over max_bytes (declared or streamed) a 413, sent once the rest of the body has been
-    drained within DRAIN_BYTES / DRAIN_SECONDS so that the client receives it."""
-    try:
-        return await asyncio.wait_for(_read_body(request, limits.max_bytes), limits.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
-                       {"Connection": "close"}) from None
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
-    declared = request.headers.get("content-length")
-    over = declared is not None and declared.isdigit() and int(declared) > max_bytes
-    stream = request.stream()
-    chunks: list[bytes] = []
-    size = 0
-    if not over:
-        async for chunk in stream:
-            size += len(chunk)
-            if size > max_bytes:
-                over = True
-                break
-            chunks.append(chunk)
-        else:
-            return b"".join(chunks)
-    drained = await _drain(stream, size)
-    what = f"request body of {declared} bytes" if declared and declared.isdigit() else "request body"
-    raise ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes; split the request",
-                   headers=None if drained else {"Connection": "close"})
-
-
-async def _drain(stream: AsyncIterator[bytes], seen: int) -> bool:
-    """Read and discard the rest of a body; False when it is longer than DRAIN_BYTES or slower than
-    DRAIN_SECONDS (the connection is then closed after the answer)."""
-    async def consume() -> bool:
-        total = seen
-        async for chunk in stream:
-            total += len(chunk)
-            if total > DRAIN_BYTES:
-                return False
-        return True
-
-    try:
-        return await asyncio.wait_for(consume(), DRAIN_SECONDS)
-    except asyncio.TimeoutError:
-        return False
 
 
 async def _client_gone(request: Request) -> None:

@@ -22,9 +22,10 @@ from typing import Any
 import uvicorn
 
 from model.errors import UserError
-from pipeline.serve.app import ServedModel, ServerState, create_app
+from pipeline.serve.app import create_app
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
+from pipeline.serve.requests import ServedModel, ServerState
 from pipeline.serve.translator import Translator
 from pipeline.serve_batch.sentences import DEFAULT_LANG
 from runtime.decoding import DecodingOptions

@@ -1,8 +1,8 @@
 """Documents as sentences: a text split into sentences and rebuilt around their translations with every
 character of whitespace it had between them (`--split sentences`, `"split": "sentences"`).
 
-Line breaks always separate; within a line sentencex finds the boundaries (accurate on en / de / fr and
-fast: benchmarks/2026-11-26_amd-epyc-avx2_serve-documents.md). A sentence never holds a line break and
+Line breaks always separate; within a line sentencex finds the boundaries (the most accurate of three
+segmenters on en / de / fr, and fast: docs/serving.md links the comparison). A sentence never holds a line break and
 never starts or ends with whitespace; a text with no boundary is one sentence; an empty or
 whitespace-only text has none and is rebuilt as it was."""
 
