@@ -38,13 +38,17 @@ def parse_list(text: str, kind: type, option: str) -> list[Any]:
     return values
 
 
-def load_for_tuning(model: Path, device: str | None) -> tuple[Any, Any]:
-    """(backend, tokenizer) of an exported model dir (its default backend) or of a checkpoint /
-    training save dir (PyTorch; its averaged or latest checkpoint)."""
+def load_for_tuning(model: Path, device: str | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(backend, tokenizer, the model's own decoding defaults) of an exported model dir (its default
+    backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint)."""
     if (Path(model) / MANIFEST).is_file():
-        backend, tokenizer, _ = load_backend(model, device=device)
-        return backend, tokenizer
-    return load_torch_backend_from_checkpoint(model, device=device)
+        backend, tokenizer, manifest = load_backend(model, device=device)
+        return backend, tokenizer, manifest.decoding
+    from model.checkpoint import read_checkpoint, resolve_checkpoint
+
+    backend, tokenizer = load_torch_backend_from_checkpoint(model, device=device)
+    extra = read_checkpoint(resolve_checkpoint(Path(model))).get("extra") or {}
+    return backend, tokenizer, extra.get("decoding") or {}
 
 
 def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: list[float],
@@ -58,7 +62,8 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     sources, refs = read_lines(src), read_lines(ref)
     if len(sources) != len(refs):
         raise UserError(f"{src} has {len(sources)} lines but {ref} has {len(refs)}; they must be line-aligned")
-    backend, tokenizer = load_for_tuning(model, device)
+    backend, tokenizer, defaults = load_for_tuning(model, device)
+    base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     trials = []
     for beam in beams:
         for alpha in alphas:
