@@ -138,6 +138,15 @@ def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
         assert report.passed, [r.failures for r in report.results]
     result = runner.invoke(cli, ["doctor", str(int8)])
     assert result.exit_code == 0 and "onnxruntime" in result.output, result.output
+    # CTranslate2 gets the same model through its own converter, proven by greedy agreement first
+    from pipeline.evaluation.whole_process import run_whole_process
+
+    report = run_whole_process([fp32], [src], compare=["ctranslate2"], threads=1, beam_size=2, fixed_length=None,
+                               rounds=1)
+    assert report["ctranslate2_converter"].startswith("ctranslate2.converters.TransformersConverter")
+    assert report["ctranslate2_greedy_agreement"] == "8/8"
+    assert {(r["engine"], r["precision"]) for r in report["results"]} == {
+        ("onnxruntime", "fp32"), ("ctranslate2", "fp32"), ("ctranslate2", "int8")}
     assert served_over_http(fp32, texts, tmp_path / "serve.log") == theirs_text
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
-from model.manifest import CHECKPOINT_FILE, SPM_FILE, read_manifest
+from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
 from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb
 from runtime.decoding import PAPER
@@ -119,19 +119,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
         ct2_dir = None
         if "ctranslate2" in compare:
-            # CTranslate2's weights come from the fp32 PyTorch checkpoint every export carries, or for an
-            # imported model from its own directory by CTranslate2's own converter
-            from model.checkpoint import load_model
-            from pipeline.evaluation.transformers_reference import imported_from
-
-            model, _, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
-            hf_dir = imported_from(model_dirs[0] / CHECKPOINT_FILE)
-            if hf_dir is not None:
-                ct2_dir = ctranslate2_compare.convert_transformers(hf_dir, Path(tmp) / "ct2")
-                report["ctranslate2_converter"] = f"ctranslate2.converters.TransformersConverter({hf_dir})"
-            else:
-                ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
-                report["ctranslate2_converter"] = "pipeline/evaluation/ctranslate2_compare.to_ct2_spec"
+            ct2_dir, model, _, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
+                model_dirs[0], Path(tmp) / "ct2")
             report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
                                                                        threads)
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]

@@ -122,6 +122,27 @@ def convert_transformers(hf_dir: Path, directory: Path) -> Path:
     return directory
 
 
+def for_model_dir(model_dir: Path, directory: Path) -> tuple[Path, Any, AnyTokenizer, str]:
+    """CTranslate2's copy of a model dir's model in `directory`, with (our fp32 model, its tokenizer, how it
+    was converted): an imported model by CTranslate2's own TransformersConverter from the directory it came
+    from, ours by to_ct2_spec from the fp32 checkpoint every export carries."""
+    from model.checkpoint import load_model
+    from model.manifest import CHECKPOINT_FILE
+    from pipeline.evaluation.transformers_reference import imported_from
+    from runtime.tokenizer import load_tokenizer
+
+    model, tokenizer_bytes, payload = load_model(model_dir / CHECKPOINT_FILE)
+    tokenizer = load_tokenizer(tokenizer_bytes)
+    hf_dir = imported_from(model_dir / CHECKPOINT_FILE, payload)
+    if hf_dir is not None:
+        return (convert_transformers(hf_dir, directory), model, tokenizer,
+                f"ctranslate2.converters.TransformersConverter({hf_dir})")
+    if not isinstance(tokenizer, Tokenizer):
+        raise UserError(f"{model_dir}: a Marian tokenizer without the directory it was imported from; "
+                        "CTranslate2 cannot be given the same model")
+    return convert(model, tokenizer, directory), model, tokenizer, "pipeline/evaluation/ctranslate2_compare.to_ct2_spec"
+
+
 def greedy_agreement(model: Any, tokenizer: AnyTokenizer, translator: Any, sources: list[list[int]],
                      max_len: int = 20) -> int:
     """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:

@@ -22,12 +22,13 @@ from runtime.decoding import DecodingOptions
 BATCH = 16  # sentences per generate call
 
 
-def imported_from(checkpoint: Path) -> Path | None:
-    """The directory an imported checkpoint was made from (None for our own checkpoints)."""
+def imported_from(checkpoint: Path, payload: dict[str, Any] | None = None) -> Path | None:
+    """The directory an imported checkpoint was made from (None for our own checkpoints); `payload`:
+    the checkpoint already read."""
     from model.checkpoint import read_checkpoint
 
-    imported = (read_checkpoint(checkpoint).get("extra") or {}).get("imported") or {}
-    directory = imported.get("directory")
+    payload = read_checkpoint(checkpoint) if payload is None else payload
+    directory = ((payload.get("extra") or {}).get("imported") or {}).get("directory")
     return Path(directory) if directory else None
 
 

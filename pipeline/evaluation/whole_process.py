@@ -24,10 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
-from model.manifest import CHECKPOINT_FILE, SPM_FILE, read_manifest
+from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
 from pipeline.textio import read_lines
-from runtime.tokenizer import Tokenizer
+from runtime.decoding import PAPER
+from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
 
@@ -35,21 +36,22 @@ log = logging.getLogger(__name__)
 CT2_SCRIPT = """
 import sys
 import ctranslate2, sentencepiece
-ct2_dir, spm, src, out, threads, beam, compute_type, fixed = sys.argv[1:9]
-sp = sentencepiece.SentencePieceProcessor(model_file=spm)
+ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len = sys.argv[1:12]
+sp = sentencepiece.SentencePieceProcessor(model_file=src_spm)
+sp_out = sentencepiece.SentencePieceProcessor(model_file=tgt_spm)
 translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
                                     intra_threads=int(threads), inter_threads=1)
 with open(src, encoding="utf-8") as f:
     lines = [line.rstrip("\\n") for line in f]
 live = [i for i, line in enumerate(lines) if line.strip()]
-opts = dict(beam_size=int(beam), length_penalty=0.6)
+opts = dict(beam_size=int(beam), length_penalty=float(alpha), max_decoding_length=int(max_len))
 if int(fixed):
     opts.update(max_decoding_length=int(fixed), min_decoding_length=int(fixed))
 tokens = (sp.encode(lines[i], out_type=str) + ["</s>"] for i in live)
 results = translator.translate_iterable(tokens, **opts)
 outputs = [""] * len(lines)
 for i, r in zip(live, results):
-    outputs[i] = sp.decode(r.hypotheses[0])
+    outputs[i] = sp_out.decode(r.hypotheses[0])
 with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outputs))
 """
@@ -91,6 +93,17 @@ def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size:
     return cmd
 
 
+def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
+    """(source, target) SentencePiece model files of a model dir, for the CTranslate2 script: the joint
+    model twice, or an imported model's two models written out of its tokenizer bundle."""
+    tokenizer = tokenizer_from_file(model_dir / SPM_FILE)
+    if not isinstance(tokenizer, VocabTokenizer):
+        return str(model_dir / SPM_FILE), str(model_dir / SPM_FILE)
+    (tmp / "source.spm").write_bytes(tokenizer.source_spm)
+    (tmp / "target.spm").write_bytes(tokenizer.target_spm)
+    return str(tmp / "source.spm"), str(tmp / "target.spm")
+
+
 def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: list[str], threads: int,
                       beam_size: int, fixed_length: int | None, rounds: int) -> dict[str, Any]:
     """One row per (engine, precision, file): median wall seconds and peak RSS over rounds."""
@@ -108,16 +121,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                                           "peak RSS: VmHWM sampled every 10 ms (max)"}
     with tempfile.TemporaryDirectory(prefix="pipeline-whole-") as tmp:
         if "ctranslate2" in compare:
-            from model.checkpoint import load_model  # the weights: the fp32 checkpoint every export carries
-            from pipeline.evaluation.transformers_reference import imported_from
-
-            if imported_from(model_dirs[0] / CHECKPOINT_FILE) is not None:
-                raise UserError("--whole-process --compare ctranslate2 runs CTranslate2 with a joint SentencePiece "
-                                "model, which an imported model does not have; compare imported models with "
-                                "`pipeline bench MODEL_DIR --compare ctranslate2`")
-            tokenizer = Tokenizer.from_file(model_dirs[0] / SPM_FILE)  # ours: one joint SentencePiece model
-            model, _, _ = load_model(model_dirs[0] / CHECKPOINT_FILE)
-            ct2_dir = ctranslate2_compare.convert(model, tokenizer, Path(tmp) / "ct2")
+            ct2_dir, model, tokenizer, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
+                model_dirs[0], Path(tmp) / "ct2")
             check = [tokenizer.encode_source([f"{i} {i + 1}"])[0] for i in range(8)]
             translator = ctranslate2_compare.open_translator(ct2_dir, threads)
             agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check)
@@ -129,7 +134,11 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             for precision, compute_type in ctranslate2_compare.COMPUTE_TYPES.items():
                 engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
                                 "ct2_dir": str(ct2_dir), "compute_type": compute_type})
-        spm = str(model_dirs[0] / SPM_FILE)
+        spms = sentencepiece_files(model_dirs[0], Path(tmp))
+        # CTranslate2 decodes with the model's length penalty, within our length limit and positions
+        manifest = read_manifest(model_dirs[0], verify=False)
+        decoding = PAPER.for_model(manifest.decoding)
+        max_len = min(decoding.max_len_b if decoding.max_len_a == 0 else 256, manifest.limits.max_tgt_len - 1)
         samples: dict[tuple[int, str], list[tuple[float, float | None]]] = {}
         for r in range(rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]  # a different engine first
@@ -137,8 +146,9 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                 for e in order:
                     out = Path(tmp) / "out.txt"
                     if e["engine"] == "ctranslate2":
-                        cmd = [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], spm, str(f), str(out), str(threads),
-                               str(beam_size), e["compute_type"], str(fixed_length or 0)]
+                        cmd = [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], *spms, str(f), str(out), str(threads),
+                               str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha),
+                               str(max_len)]
                     else:
                         cmd = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length)
                     wall, rss = run_timed(cmd)

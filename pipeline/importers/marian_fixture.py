@@ -265,6 +265,8 @@ def _train(model, tokenizer, steps: int, seed: int) -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+    with torch.no_grad():  # as in OPUS-MT models: the decoder starts from a zero <pad> embedding
+        model.get_input_embeddings().weight[tokenizer.pad_token_id].zero_()
     model.eval()
 
 
