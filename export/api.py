@@ -24,6 +24,7 @@ import torch
 
 from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
 from export.errors import ExportError, TensorRTUnavailable
+from export.shortlist import ShortlistCorpus, count_table, write_shortlist
 from model import io_names
 from model.atomic import (
     check_can_create_in,
@@ -190,7 +191,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                  fp16_atol: float = verify.FP16_ATOL, workspace_gib: float = tensorrt_build.DEFAULT_WORKSPACE_GIB,
                  timing_cache: Path | None = None, int8: bool = False,
                  int8_atol: float | None = None, int8_flavour: str = quantize.AUTO,
-                 references: tuple[list[str], list[str]] | None = None) -> Manifest:
+                 references: tuple[list[str], list[str]] | None = None,
+                 shortlist: ShortlistCorpus | None = None) -> Manifest:
     """Export CHECKPOINT (file or save dir) to the model dir `out`; returns the manifest.
 
     int8: graphs with int8 weights (export/quantize.py), verified against the fp32 PyTorch
@@ -202,6 +204,9 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     references: (sources, human references) of a held-out set; the fp32 PyTorch model's
     translations of them are recorded in the model dir (runtime/references.py), so `pipeline
     parity` can gate a backend where PyTorch is not installed.
+
+    shortlist: a parallel corpus to count a vocabulary shortlist from (export/shortlist.py): the model
+    dir then also holds shortlist.npz and decoder_shortlist.onnx, which backends load with --shortlist.
 
     tensorrt: None builds engines when TensorRT and a GPU are available and otherwise
     skips them (manifest.tensorrt_skipped says why); True requires them; False skips.
@@ -227,6 +232,8 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
     limits = Limits(max_batch, max_src_len if max_src_len is not None else min(DEFAULTS.max_src_len, positions),
                     max_tgt_len if max_tgt_len is not None else min(DEFAULTS.max_tgt_len, positions - 1), max_beam)
     check_options(model.cfg, opset=opset, topk=topk, limits=limits)
+    # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
+    counted = count_table(shortlist, load_tokenizer(spm_bytes), model.cfg, topk) if shortlist is not None else None
     unavailable = None
     if tensorrt is not False:  # fail now, not after minutes of export work; or skip engines knowingly
         try:
@@ -263,6 +270,12 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
             if int8 and int8_flavour in ONNXRUNTIME_ONLY:
                 skipped = "; ".join(filter(None, [f"int8 flavour {int8_flavour} runs on ONNX Runtime only",
                                                   unavailable]))
+            shortlist_info = None
+            if shortlist is not None and counted is not None:
+                shortlist_info = write_shortlist(
+                    tmp, model, graph_model, load_tokenizer(spm_bytes), shortlist, counted, opset=opset, topk=topk,
+                    fp16=fp16, int8=int8_flavour if int8 else None, atol=atol, fp16_atol=fp16_atol,
+                    int8_atol=int8_atol, held_out=references)
             if references is not None:
                 _record_references(tmp, model, spm_bytes, limits, topk, references, decoding_defaults(payload))
             versions = _versions()
@@ -273,7 +286,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
                 quantization=int8_flavour if int8 else None,
                 opset=opset, topk=topk,
                 limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
-                verification=verification, decoding=decoding_defaults(payload),
+                verification=verification, decoding=decoding_defaults(payload), shortlist=shortlist_info,
                 source_checkpoint=SourceCheckpoint(path=str(source.resolve()), sha256=sha256_file(source),
                                                    steps=checkpoint_steps(payload))))
             for f in tmp.iterdir():

@@ -50,11 +50,12 @@ class DecoderStepGraph(nn.Module):
     K is a constant so TopK has the build-time K that TensorRT's parser requires.
     """
 
-    def __init__(self, model: Transformer, topk: int):
+    def __init__(self, model: Transformer, topk: int, shortlist: bool = False):
         super().__init__()
         self.model = model
         self.topk = topk
         self.n_layers = model.cfg.n_dec_layers
+        self.shortlist = shortlist  # one more input, last: the candidate target ids (io_names.CANDIDATES)
 
     def forward(self, tokens: Tensor, step: Tensor, self_index: Tensor, self_bias: Tensor,
                 *rest: Tensor) -> tuple[Tensor, ...]:
@@ -62,9 +63,10 @@ class DecoderStepGraph(nn.Module):
         self_k, self_v = list(rest[0:n]), list(rest[n:2 * n])
         cross_k, cross_v = list(rest[2 * n:3 * n]), list(rest[3 * n:4 * n])
         src_bias = rest[4 * n]
+        candidates = rest[4 * n + 1] if self.shortlist else None
         log_probs, new_k, new_v = self.model.decode_step(
-            tokens, step, self_index, self_bias, self_k, self_v, cross_k, cross_v, src_bias)
-        top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.model.cfg.eos_id)
+            tokens, step, self_index, self_bias, self_k, self_v, cross_k, cross_v, src_bias, candidates)
+        top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.model.cfg.eos_id, candidates)
         return (top_lp, top_ids, eos_lp, *new_k, *new_v)  # io_names.decoder_outputs order
 
 
@@ -76,6 +78,17 @@ EXAMPLE_SRC_LEN = 7
 EXAMPLE_HYPS = 6  # 2 rows per sentence
 EXAMPLE_CAPACITY = 5  # steps the example buffers hold: 10 cache rows per sentence
 EXAMPLE_PAST = 4  # earlier steps
+
+
+def example_candidates(topk: int, vocab_size: int) -> int:
+    """How many candidates the shortlisted step is traced with: at least top-k (TopK's K is a
+    constant), at most the vocabulary, and unlike every other example size."""
+    taken = {EXAMPLE_BATCH, EXAMPLE_SRC_LEN, EXAMPLE_HYPS, EXAMPLE_CAPACITY, EXAMPLE_PAST,
+             EXAMPLE_CAPACITY * (EXAMPLE_HYPS // EXAMPLE_BATCH)}
+    size = max(topk, 2) + 1
+    while size in taken:
+        size += 1
+    return min(size, vocab_size)
 
 
 def _dtype_of(model: Transformer) -> torch.dtype:
@@ -109,6 +122,16 @@ def decoder_example(model: Transformer) -> tuple[Tensor, ...]:
     return (tokens, step, self_index, self_bias, *self_kv, *cross_kv, src_bias)
 
 
+def decoder_shortlist_example(model: Transformer, topk: int) -> tuple[Tensor, ...]:
+    """decoder_example's inputs and the candidates (EOS first, then ascending ids)."""
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(1)
+    others = torch.tensor([i for i in range(cfg.vocab_size) if i != cfg.eos_id])
+    n = example_candidates(topk, cfg.vocab_size) - 1
+    chosen = others[torch.randperm(others.numel(), generator=g)[:n]].sort().values
+    return (*decoder_example(model), torch.cat([torch.tensor([cfg.eos_id]), chosen]))
+
+
 def encoder_dynamic_shapes() -> dict[str, Any]:
     batch = Dim(io_names.BATCH, min=1)
     src_len = Dim(io_names.SRC_LEN, min=1)
@@ -127,6 +150,12 @@ def decoder_dynamic_shapes(n_layers: int) -> dict[str, Any]:
     rest = [cache] * (2 * n_layers) + [cross] * (2 * n_layers) + [{0: batch, 1: src_len}]
     return {"tokens": {0: hyps}, "step": None, "self_index": {0: hyps, 2: past}, "self_bias": {0: hyps, 1: past},
             "rest": tuple(rest)}
+
+
+def decoder_shortlist_dynamic_shapes(n_layers: int) -> dict[str, Any]:
+    shapes = decoder_dynamic_shapes(n_layers)
+    shapes["rest"] = (*shapes["rest"], {0: Dim(io_names.N_CANDIDATES, min=2)})
+    return shapes
 
 
 def encoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
@@ -163,3 +192,7 @@ def decoder_axes(n_layers: int) -> dict[str, list[str | int | None]]:
         for name in (io_names.cross_k(i), io_names.cross_v(i)):
             axes[name] = list(cross)
     return axes
+
+
+def decoder_shortlist_axes(n_layers: int) -> dict[str, list[str | int | None]]:
+    return {**decoder_axes(n_layers), io_names.CANDIDATES: [io_names.N_CANDIDATES]}

@@ -133,9 +133,16 @@ def export_encoder(model: Transformer, path: Path, opset: int) -> Path:
     return path
 
 
-def export_decoder(model: Transformer, path: Path, opset: int, topk: int) -> Path:
-    """Write the decoder-step graph (io_names.decoder_inputs -> decoder_outputs) to `path`."""
+def export_decoder(model: Transformer, path: Path, opset: int, topk: int, shortlist: bool = False) -> Path:
+    """Write the decoder-step graph (io_names.decoder_inputs -> decoder_outputs) to `path`; with
+    `shortlist`, the step over candidate ids (io_names.decoder_shortlist_inputs)."""
     n = model.cfg.n_dec_layers
+    if shortlist:
+        _export(graphs.DecoderStepGraph(model, topk, shortlist=True), graphs.decoder_shortlist_example(model, topk),
+                graphs.decoder_shortlist_dynamic_shapes(n), io_names.decoder_shortlist_inputs(n),
+                io_names.decoder_outputs(n), opset, path)
+        _finish(path, graphs.decoder_shortlist_axes(n))
+        return path
     _export(graphs.DecoderStepGraph(model, topk), graphs.decoder_example(model),
             graphs.decoder_dynamic_shapes(n),
             io_names.decoder_inputs(n), io_names.decoder_outputs(n), opset, path)

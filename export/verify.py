@@ -112,23 +112,32 @@ def torch_encoder(model: Transformer) -> StepFn:
 
 
 def torch_decoder(model: Transformer, topk: int) -> StepFn:
-    """The PyTorch decoder step with the decoder graph's names."""
+    """The PyTorch decoder step with the decoder graph's names (and the shortlisted step's, when
+    the feeds hold candidates)."""
     n = model.cfg.n_dec_layers
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+        candidates = t.get(io_names.CANDIDATES)
         with torch.inference_mode():
             log_probs, step_k, step_v = model.decode_step(
                 t[io_names.TOKENS], t[io_names.STEP], t[io_names.SELF_INDEX], t[io_names.SELF_BIAS],
                 [t[io_names.self_k(i)] for i in range(n)], [t[io_names.self_v(i)] for i in range(n)],
                 [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
-                t[io_names.SRC_BIAS])
-            lp, ids, eos = select_candidates(log_probs, topk, model.cfg.eos_id)
+                t[io_names.SRC_BIAS], candidates)
+            lp, ids, eos = select_candidates(log_probs, topk, model.cfg.eos_id, candidates)
         out = {io_names.TOPK_LOG_PROBS: lp, io_names.TOPK_IDS: ids, io_names.EOS_LOG_PROBS: eos}
         for i in range(n):
             out[io_names.step_k(i)], out[io_names.step_v(i)] = step_k[i], step_v[i]
         return {name: v.numpy() for name, v in out.items()}
     return run
+
+
+def with_candidates(decoder: StepFn, candidates: np.ndarray | None) -> StepFn:
+    """`decoder` fed `candidates` too at every step (the shortlisted step); itself when None."""
+    if candidates is None:
+        return decoder
+    return lambda feeds: decoder({**feeds, io_names.CANDIDATES: candidates})
 
 
 # -- inputs ------------------------------------------------------------------------------
@@ -208,12 +217,17 @@ def _check_ids(report: Report, where: str, ref_lp: np.ndarray, ref_ids: np.ndarr
 
 def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_encoder: StepFn,
                     ref_decoder: StepFn, atol: float, rtol: float, label: str,
-                    n_steps: int = N_STEPS) -> Report:
-    """Run encoder + n_steps beam-like steps on both engines and bound their differences."""
+                    n_steps: int = N_STEPS, shortlist: Any = None) -> Report:
+    """Run encoder + n_steps beam-like steps on both engines and bound their differences.
+    shortlist (runtime.shortlist.Shortlist): both decoders are shortlisted steps, fed the batch's
+    candidates."""
     cfg = model.cfg
     n = cfg.n_dec_layers
     report = Report()
     src = sample_batch(model)
+    if shortlist is not None:
+        candidates = shortlist.candidates(src)
+        decoder, ref_decoder = with_candidates(decoder, candidates), with_candidates(ref_decoder, candidates)
     enc, ref_enc = encoder({io_names.SRC_IDS: src}), ref_encoder({io_names.SRC_IDS: src})
     for name in io_names.encoder_outputs(n):
         _check(report, "encoder", f"{label} encoder output {name}", enc[name], ref_enc[name], None)
@@ -285,32 +299,35 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                   topk: int, atol: float = FP32_ATOL, fp16_atol: float = FP16_ATOL,
                   rtol: float = FP32_RTOL, fp16_rtol: float = FP16_RTOL,
                   model16: Transformer | None = None, int8: bool = False,
-                  int8_atol: float = INT8_ATOL, int8_rtol: float = INT8_RTOL) -> dict[str, Any]:
+                  int8_atol: float = INT8_ATOL, int8_rtol: float = INT8_RTOL, shortlist: Any = None) -> dict[str, Any]:
     """Check both graphs and compare them with PyTorch; returns the manifest's figures.
 
     fp32: ORT vs the fp32 model. fp16: ORT vs the half model in PyTorch (same graph
     arithmetic up to ORT's fp32 fallbacks), and the half model in PyTorch vs the fp32
     model (the honest fp16-arithmetic check), both within fp16_atol + fp16_rtol * |log-prob|.
     `model16`: the half copy the graphs were exported from, when the caller has one.
+    `shortlist` (runtime.shortlist.Shortlist): decoder_path is the shortlisted step, checked on the
+    sample batch's candidates against the PyTorch step over the same candidates.
     """
     for path in (encoder_path, decoder_path):
         check_graph(path)
     if int8:
-        return verify_int8(model32, encoder_path, decoder_path, topk=topk, atol=int8_atol, rtol=int8_rtol)
+        return verify_int8(model32, encoder_path, decoder_path, topk=topk, atol=int8_atol, rtol=int8_rtol,
+                           shortlist=shortlist)
     enc, dec = ort_runner(encoder_path), ort_runner(decoder_path)
     if not fp16:
         rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
-                              atol, rtol, "onnxruntime vs torch fp32")
+                              atol, rtol, "onnxruntime vs torch fp32", shortlist=shortlist)
         return _summary("fp32", atol, rtol, {"onnxruntime_vs_torch_fp32": rep},
                         "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
                         f"{rep.steps} decoder steps with beam reorder and a finished sentence")
     if model16 is None:
         model16 = inference_copy(model32, fp16=True)
     rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),
-                              fp16_atol, fp16_rtol, "onnxruntime fp16 vs torch fp16")
+                              fp16_atol, fp16_rtol, "onnxruntime fp16 vs torch fp16", shortlist=shortlist)
     rep_half = compare_engines(model32, torch_encoder(model16), torch_decoder(model16, topk),
                                torch_encoder(model32), torch_decoder(model32, topk), fp16_atol, fp16_rtol,
-                               "torch fp16 vs torch fp32")
+                               "torch fp16 vs torch fp32", shortlist=shortlist)
     return _summary("fp16", fp16_atol, fp16_rtol, {"onnxruntime_vs_torch_fp16": rep_ort,
                                         "torch_fp16_vs_torch_fp32": rep_half},
                     "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
@@ -319,7 +336,7 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
 
 
 def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *, topk: int,
-                atol: float = INT8_ATOL, rtol: float = INT8_RTOL) -> dict[str, Any]:
+                atol: float = INT8_ATOL, rtol: float = INT8_RTOL, shortlist: Any = None) -> dict[str, Any]:
     """int8 graphs in ONNX Runtime (int8 GEMMs, as served) vs the fp32 PyTorch model.
 
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
@@ -332,7 +349,7 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     with graph(encoder_path) as encoder, graph(decoder_path) as decoder:
         enc, dec = ort_runner(encoder, config), ort_runner(decoder, config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
-                          atol, rtol, "onnxruntime int8 vs torch fp32")
+                          atol, rtol, "onnxruntime int8 vs torch fp32", shortlist=shortlist)
     kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "

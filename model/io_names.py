@@ -5,6 +5,10 @@ from __future__ import annotations
 
 ENCODER_FILE = "encoder.onnx"
 DECODER_FILE = "decoder.onnx"
+# The decoder step over a vocabulary shortlist (export --shortlist-src/--shortlist-tgt): the same
+# weights as decoder.onnx (read from decoder.data), projecting onto `candidates` only.
+DECODER_SHORTLIST_FILE = "decoder_shortlist.onnx"
+SHORTLIST_FILE = "shortlist.npz"  # the lexical table the candidates come from (runtime/shortlist.py)
 ENCODER_ENGINE = "encoder.plan"
 DECODER_ENGINE = "decoder.plan"
 
@@ -21,6 +25,7 @@ SRC_LEN = "src_len"      # source tokens
 HYPS = "hyps"            # hypotheses fed to the step: live sentences (batch) x rows each
 PAST = "past"            # earlier steps each hypothesis attends to (1 at step 0: masked)
 CACHE_ROWS = "cache_rows"  # self-attention keys held per sentence: capacity (steps) x rows
+N_CANDIDATES = "n_candidates"  # target ids a shortlisted step scores (the batch's candidate union)
 
 # Encoder graph.
 SRC_IDS = "src_ids"      # (batch, src_len) int64, padded with PAD_ID
@@ -40,6 +45,9 @@ TOKENS = "tokens"        # (hyps,) int64
 STEP = "step"            # (1,) int64: the position being decoded
 SELF_INDEX = "self_index"  # (hyps, n_heads, past) int64: rows of the flattened cache (model/cache.py)
 SELF_BIAS = "self_bias"  # (hyps, past) float32: 0, or MASK_VALUE at step 0's placeholder
+# decoder_shortlist.onnx only, its last input: (n_candidates,) int64 target ids, EOS first, then
+# ascending; the step's log-softmax runs over them, and topk_ids are ids of the full vocabulary.
+CANDIDATES = "candidates"
 
 
 def self_k(layer: int) -> str:
@@ -79,6 +87,10 @@ def decoder_inputs(n_layers: int) -> list[str]:
     names += [self_k(i) for i in range(n_layers)] + [self_v(i) for i in range(n_layers)]
     names += [cross_k(i) for i in range(n_layers)] + [cross_v(i) for i in range(n_layers)]
     return names + [SRC_BIAS]
+
+
+def decoder_shortlist_inputs(n_layers: int) -> list[str]:
+    return decoder_inputs(n_layers) + [CANDIDATES]
 
 
 def decoder_outputs(n_layers: int) -> list[str]:

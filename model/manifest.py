@@ -106,6 +106,22 @@ class Graphs:
 
 
 @dataclass(frozen=True)
+class ShortlistInfo:
+    """The vocabulary shortlist exported with the model (export --shortlist-src/--shortlist-tgt):
+    shortlist.npz and decoder_shortlist.onnx (runtime/shortlist.py, export/shortlist.py)."""
+
+    corpus: list[str]               # the source and target files counted
+    pairs: int                      # sentence pairs counted
+    per_source: int                 # most target pieces listed per source piece
+    frequent: int                   # most frequent target pieces, always candidates
+    entries: int                    # listed (source, target) pairs
+    shared_weight_bytes: int        # of decoder.data that decoder_shortlist.onnx reads instead of a copy
+    held_out_coverage: float | None  # share of held-out reference tokens (EOS too) among their candidates
+    held_out_candidates: float | None  # mean candidates per held-out sentence
+    verification: dict[str, Any]    # the verifier's report on decoder_shortlist.onnx
+
+
+@dataclass(frozen=True)
 class Manifest:
     model_config: ModelConfig
     precision: str
@@ -126,6 +142,7 @@ class Manifest:
     # an imported model's num_beams, max_length, length penalty and search rules. Options given on the
     # command line override them (DecodingOptions.for_model); empty: the paper's.
     decoding: dict[str, Any] = field(default_factory=dict)
+    shortlist: ShortlistInfo | None = None  # a vocabulary shortlist was exported too (--shortlist)
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
 
     def __post_init__(self) -> None:

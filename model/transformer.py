@@ -287,11 +287,17 @@ class Transformer(nn.Module):
         x = x + self.pe[positions].to(x.dtype)
         return self.emb_dropout(x)
 
-    def logits(self, x: Tensor) -> Tensor:
+    def logits(self, x: Tensor, candidates: Tensor | None = None) -> Tensor:
         """Pre-softmax projection tied to the embedding (section 3.4), plus the imported
-        models' logits bias; fp32 out."""
-        logits = F.linear(x, self.embed.weight).float()
-        return logits if self.logits_bias is None else logits + self.logits_bias.float()
+        models' logits bias; fp32 out. With `candidates` (C,) int64, onto those target ids only
+        (a vocabulary shortlist): their embedding rows, gathered, and their biases."""
+        if candidates is None:
+            weight, bias = self.embed.weight, self.logits_bias
+        else:
+            weight = self.embed(candidates)  # (C, d_model): a Gather on the tied embedding
+            bias = None if self.logits_bias is None else self.logits_bias[candidates]
+        logits = F.linear(x, weight).float()
+        return logits if bias is None else logits + bias.float()
 
     # -- inference functions (exported) ------------------------------------------------
 
@@ -317,7 +323,7 @@ class Transformer(nn.Module):
     def decode_step(self, tokens: Tensor, step: Tensor, self_index: Tensor, self_bias: Tensor,
                     self_k: list[Tensor], self_v: list[Tensor],
                     cross_k: list[Tensor], cross_v: list[Tensor], src_bias: Tensor,
-                    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+                    candidates: Tensor | None = None) -> tuple[Tensor, list[Tensor], list[Tensor]]:
         """One decoder step for N hypotheses over the beam cache (model/cache.py).
 
         tokens (N,) int64: each hypothesis' last token; step (1,) int64: its position.
@@ -327,6 +333,8 @@ class Transformer(nn.Module):
         cross_k/cross_v: per layer (B, H, S, d_head), once per sentence; src_bias (B, S)
         fp32. N = B x rows: hypotheses rows*b .. rows*b + rows - 1 belong to sentence b.
         Returns log-probs (N, V) fp32 and per layer this step's keys and values (N, d_model).
+        candidates (C,) int64: score only these target ids (a vocabulary shortlist,
+        runtime/shortlist.py); the log-probs are then (N, C), normalised over them.
         """
         x = self.embed_tokens(tokens[:, None], step)  # (N, 1, d_model)
         cross_bias = src_bias[:, None, None, :]
@@ -335,9 +343,9 @@ class Transformer(nn.Module):
             x, k_t, v_t = layer.step(x, past_k, past_v, self_index, self_bias, ck, cv, cross_bias)
             step_k.append(k_t)
             step_v.append(v_t)
-        log_probs = self.logits(x[:, 0]).log_softmax(dim=-1)  # (N, V) fp32
+        log_probs = self.logits(x[:, 0], candidates).log_softmax(dim=-1)  # (N, V or C) fp32
         if self.suppress is not None:  # after the softmax, as transformers' bad_words_ids: others keep theirs
-            log_probs = log_probs + self.suppress.float()
+            log_probs = log_probs + (self.suppress if candidates is None else self.suppress[candidates]).float()
         return log_probs, step_k, step_v
 
     # -- training ---------------------------------------------------------------------
@@ -363,13 +371,17 @@ class Transformer(nn.Module):
         return self.logits(x if rows is None else x[rows])
 
 
-def select_candidates(log_probs: Tensor, k: int, eos_id: int) -> tuple[Tensor, Tensor, Tensor]:
+def select_candidates(log_probs: Tensor, k: int, eos_id: int,
+                      candidates: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """What leaves the decoder step for search: each row's top-k log-probs and ids, and
     the EOS log-prob (needed to force EOS at the length limit). k is a constant so the
-    TopK node has a build-time K, as TensorRT requires."""
-    k = min(k, log_probs.shape[-1])
-    top_lp, top_ids = log_probs.topk(k, dim=-1)  # sorted, descending
-    return top_lp, top_ids, log_probs[:, eos_id]
+    TopK node has a build-time K, as TensorRT requires. Over a shortlist (log_probs (N, C) of
+    `candidates`, whose first id is EOS), the ids are mapped back to the vocabulary's."""
+    if candidates is None:
+        top_lp, top_ids = log_probs.topk(min(k, log_probs.shape[-1]), dim=-1)  # sorted, descending
+        return top_lp, top_ids, log_probs[:, eos_id]
+    top_lp, top_pos = log_probs.topk(k, dim=-1)  # callers pass at least k candidates
+    return top_lp, candidates.index_select(0, top_pos.flatten()).view(top_pos.shape), log_probs[:, 0]
 
 
 def build_model(cfg: ModelConfig) -> Transformer:

@@ -30,6 +30,9 @@ class EncoderState:
 
     tensors: dict[str, Any]
     n_rows: int
+    # with a vocabulary shortlist (runtime/shortlist.py): the batch's candidate target ids, (C,) int64 in
+    # the backend's array type; kept as the batch's sentences finish
+    candidates: Any = None
     # what a backend sets up once for this state's steps (ONNX Runtime: its IO binding, with
     # these tensors bound once); a selected state starts without it
     bound: Any = field(default=None, repr=False, compare=False)
@@ -51,6 +54,7 @@ class Backend(Protocol):
     topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
     max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
+    shortlist: Any        # runtime.shortlist.Shortlist the steps score over, or None (the whole vocabulary)
 
     def encode(self, src_ids: np.ndarray) -> EncoderState:
         """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
@@ -85,7 +89,7 @@ def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
 
                 index = torch.from_numpy(rows).to(v.device)
             selected[name] = v.index_select(0, index)
-    return EncoderState(selected, int(rows.shape[0]))
+    return EncoderState(selected, int(rows.shape[0]), candidates=state.candidates)
 
 
 def host(x: Any, dtype: Any = None) -> np.ndarray:
@@ -103,6 +107,7 @@ class ExportedGraphBackend:
     device: Any
     cache_dtype: Any
     max_tgt_len: int
+    shortlist: Any = None
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)

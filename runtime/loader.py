@@ -119,11 +119,12 @@ def torch_dtype(precision: str | None, device: Any) -> Any:
 
 
 def load_backend(model_dir: str | Path, backend: str = "auto", device: str | None = None,
-                 threads: int | None = None, dtype: str | None = None,
+                 threads: int | None = None, dtype: str | None = None, shortlist: bool = False,
                  ) -> tuple[Any, AnyTokenizer, Manifest]:
     """(backend, tokenizer, manifest) for a verified model dir. `dtype` ("fp32"/"fp16")
     overrides the manifest's precision for the torch backend; `threads` sets intra-op
-    threads (torch and onnxruntime)."""
+    threads (torch and onnxruntime); `shortlist`: decode over the model dir's vocabulary shortlist
+    (runtime/shortlist.py; torch and onnxruntime)."""
     if backend not in BACKENDS:
         raise RuntimeUserError(f"--backend {backend!r}: choose one of {', '.join(BACKENDS)}")
     model_dir = Path(model_dir)
@@ -135,7 +136,21 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
         raise RuntimeUserError(f"{model_dir}: int8 flavour {manifest.quantization} (integer matmuls) runs on "
                                "ONNX Runtime only; use --backend onnxruntime, or export with --int8-flavour qdq "
                                "for TensorRT")
-    manifest = read_manifest(model_dir, verify=True, need=NEEDS[name])
+    need = NEEDS[name]
+    if shortlist:
+        if name == "tensorrt":
+            raise RuntimeUserError("--shortlist runs on the torch and onnxruntime backends; no TensorRT engine is "
+                                   "built from decoder_shortlist.onnx yet: use --backend onnxruntime")
+        if manifest.shortlist is None:
+            raise RuntimeUserError(f"{model_dir}: exported without a vocabulary shortlist; export it again with "
+                                   "--shortlist-src and --shortlist-tgt (a parallel corpus), or leave out --shortlist")
+        need = need + (io_names.SHORTLIST_FILE,) + ((io_names.DECODER_SHORTLIST_FILE,) if name == "onnxruntime" else ())
+    manifest = read_manifest(model_dir, verify=True, need=need)
+    table = None
+    if shortlist:
+        from runtime.shortlist import Shortlist
+
+        table = Shortlist.load(model_dir / io_names.SHORTLIST_FILE)
     if name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
@@ -152,10 +167,10 @@ def load_backend(model_dir: str | Path, backend: str = "auto", device: str | Non
         model, _, _ = load_model(model_dir / CHECKPOINT_FILE, device="cpu")
         impl: Any = TorchBackend(model, dev, torch_dtype(dtype or manifest.precision, dev), topk=manifest.topk,
                                  max_src_len=manifest.limits.max_src_len,
-                                 max_tgt_len=manifest.limits.max_tgt_len)
+                                 max_tgt_len=manifest.limits.max_tgt_len, shortlist=table)
     elif name == "onnxruntime":
         from runtime.ort_backend import OrtBackend
-        impl = OrtBackend(model_dir, manifest, device=device, threads=threads)
+        impl = OrtBackend(model_dir, manifest, device=device, threads=threads, shortlist=table)
     else:
         from runtime.trt_backend import TrtBackend
         impl = TrtBackend(model_dir, manifest, device=device)

@@ -33,6 +33,7 @@ from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
+from runtime.shortlist import Shortlist
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
     import onnxruntime as ort
@@ -80,7 +81,7 @@ class OrtBackend(ExportedGraphBackend):
 
     def __init__(self, model_dir: Path, manifest: Manifest, device: Any = None,
                  threads: int | None = None, spinning: bool = False,
-                 providers: list[str] | None = None):
+                 providers: list[str] | None = None, shortlist: Shortlist | None = None):
         import_onnxruntime()
         import onnxruntime as ort
 
@@ -117,17 +118,22 @@ class OrtBackend(ExportedGraphBackend):
         flip = (manifest.quantization == ROWWISE and not self.on_cuda
                 and manifest.unsigned_weights != wants_unsigned_weights())
         graph = session_graph if flip else graph_as_is
-        with graph(model_dir / io_names.ENCODER_FILE) as encoder, graph(model_dir / io_names.DECODER_FILE) as decoder:
+        # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
+        self.shortlist = shortlist
+        decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE
+        with graph(model_dir / io_names.ENCODER_FILE) as encoder, graph(model_dir / decoder_file) as decoder:
             self.encoder = ort.InferenceSession(encoder, opts, providers=self.providers,
                                                 provider_options=provider_args)
             self.decoder = ort.InferenceSession(decoder, opts, providers=self.providers,
                                                 provider_options=provider_args)
-        self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / io_names.DECODER_FILE)
+        self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / decoder_file)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types: dict[str, np.dtype[Any]] = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
         self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
+        if shortlist is not None:
+            shortlist.check(self.cfg.vocab_size, self.cfg.eos_id, self.topk, model_dir / io_names.SHORTLIST_FILE)
         self.max_src_len = manifest.limits.max_src_len
         self.max_tgt_len = manifest.limits.max_tgt_len
         self.max_batch = None  # dynamic shapes: no engine profile to respect
@@ -218,7 +224,10 @@ class OrtBackend(ExportedGraphBackend):
             tensors[io_names.cross_k(i)] = self._bind_out(binding, io_names.cross_k(i), cross)
             tensors[io_names.cross_v(i)] = self._bind_out(binding, io_names.cross_v(i), cross)
         self._run(self.encoder, binding, self._encoder_run_options)
-        return EncoderState(tensors, b)
+        candidates = None
+        if self.shortlist is not None:
+            candidates = self._device_array(self.shortlist.candidates(host(src_ids)))
+        return EncoderState(tensors, b, candidates=candidates)
 
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
              reorder: Any) -> tuple[StepOutput, BeamCache]:
@@ -244,6 +253,8 @@ class OrtBackend(ExportedGraphBackend):
         tokens, step = self._device_array(np.zeros(n, np.int64)), self._device_array(np.zeros(1, np.int64))
         alive[io_names.TOKENS] = self._bind_in(binding, io_names.TOKENS, tokens)
         alive[io_names.STEP] = self._bind_in(binding, io_names.STEP, step)
+        if state.candidates is not None:
+            alive[io_names.CANDIDATES] = self._bind_in(binding, io_names.CANDIDATES, state.candidates)
         d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
         return _StepBinding(
             binding, n, tokens, step, alive,

@@ -13,6 +13,7 @@ from model.cache import BeamCache
 from model.transformer import Transformer, select_candidates
 from runtime.backend import EncoderState, StepOutput, host, select_rows
 from runtime.loader import DEFAULT_TOPK
+from runtime.shortlist import Shortlist
 
 
 class TorchBackend:
@@ -20,7 +21,7 @@ class TorchBackend:
 
     def __init__(self, model: Transformer, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
-                 max_src_len: int | None = None, max_tgt_len: int | None = None):
+                 max_src_len: int | None = None, max_tgt_len: int | None = None, shortlist: Shortlist | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(self.device, dtype=dtype).eval()
@@ -28,6 +29,9 @@ class TorchBackend:
         self.topk = topk
         self.max_src_len = max_src_len or self.cfg.max_positions
         self.max_tgt_len = max_tgt_len or self.cfg.max_positions
+        self.shortlist = shortlist  # each batch's steps score its candidates only
+        if shortlist is not None:
+            shortlist.check(self.cfg.vocab_size, self.cfg.eos_id, topk, "--shortlist")
 
     @torch.inference_mode()
     def encode(self, src_ids: Any) -> EncoderState:
@@ -38,7 +42,10 @@ class TorchBackend:
         for i, (k, v) in enumerate(zip(ks, vs)):
             tensors[io_names.cross_k(i)] = k
             tensors[io_names.cross_v(i)] = v
-        return EncoderState(tensors, src_ids.shape[0])
+        candidates = None
+        if self.shortlist is not None:
+            candidates = torch.from_numpy(self.shortlist.candidates(src_ids.numpy())).to(self.device)
+        return EncoderState(tensors, src_ids.shape[0], candidates=candidates)
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)
@@ -56,7 +63,7 @@ class TorchBackend:
             torch.as_tensor(tokens, dtype=torch.int64).to(self.device), torch.tensor([step], device=self.device),
             feeds[io_names.SELF_INDEX], feeds[io_names.SELF_BIAS], cache.k, cache.v,
             [t[io_names.cross_k(i)] for i in range(n)], [t[io_names.cross_v(i)] for i in range(n)],
-            t[io_names.SRC_BIAS])
+            t[io_names.SRC_BIAS], state.candidates)
         cache.append(step_k, step_v)
-        top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id)
+        top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id, state.candidates)
         return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache

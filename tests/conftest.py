@@ -147,6 +147,18 @@ def trained_save_dir(artifacts) -> Path:
 # test_parity_bench.py judges the int8 model by its translations.
 
 @pytest.fixture(scope="session")
+def memorised_shortlist_fp32_dir(artifacts) -> Iterator[Path]:
+    """The memorised model exported fp32 with a vocabulary shortlist counted on its corpus."""
+    yield from shared(artifacts.get("memorised_shortlist_fp32_dir"))
+
+
+@pytest.fixture(scope="session")
+def memorised_shortlist_int8_dir(artifacts) -> Iterator[Path]:
+    """The memorised model exported int8 (rowwise) with a vocabulary shortlist counted on its corpus."""
+    yield from shared(artifacts.get("memorised_shortlist_int8_dir"))
+
+
+@pytest.fixture(scope="session")
 def memorised_fp32_dir(artifacts) -> Iterator[Path]:
     yield from shared(artifacts.get("memorised_fp32_dir"))
 

@@ -361,10 +361,17 @@ def _trained_save_dir(arts: Artifacts, out: Path) -> None:
                        log_every=50, seed=2, progress=False))
 
 
-def _export(source: str, **options: Any) -> Callable[[Artifacts, Path], None]:
+def _export(source: str, shortlist: bool = False, **options: Any) -> Callable[[Artifacts, Path], None]:
+    """An export of artifact `source`; shortlist: with a vocabulary shortlist counted on the memorised
+    corpus (sizes small enough that the tiny vocabulary still has per-source lists)."""
     def build(arts: Artifacts, out: Path) -> None:
         from export.api import export_model
+        from export.shortlist import ShortlistCorpus
 
+        if shortlist:
+            corpus = arts.path("memorise_corpus")
+            options["shortlist"] = ShortlistCorpus(corpus / "train.src", corpus / "train.tgt", per_source=4,
+                                                   frequent=16)
         export_model(arts.path(source), out, **options)
 
     return build
@@ -393,6 +400,10 @@ ARTIFACTS: dict[str, Artifact] = {
         "trained_save_dir", fp16=name == "fp16", int8=name in ("int8", "qdq"),
         int8_flavour="qdq" if name == "qdq" else "auto", int8_atol=INT8_LOOSE_ATOL if name in ("int8", "qdq") else None,
         tensorrt=False, **MEMORISED_LIMITS)) for name in ("fp32", "fp16", "int8", "qdq")},
+    # the memorised model with a vocabulary shortlist counted on its corpus (fp32; int8 rowwise)
+    **{f"memorised_shortlist_{name}_dir": Artifact("model", ("trained_save_dir", "memorise_corpus"), _export(
+        "trained_save_dir", shortlist=True, int8=name == "int8", int8_atol=INT8_LOOSE_ATOL if name == "int8" else None,
+        tensorrt=False, **MEMORISED_LIMITS)) for name in ("fp32", "int8")},
 }
 
 

@@ -8,10 +8,12 @@ from pathlib import Path
 import click
 
 from export import api, tensorrt_build, verify
+from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import QUANTIZATIONS, Manifest
 from pipeline.training.trainer import validation_files
 from runtime import references
+from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +74,16 @@ log = logging.getLogger(__name__)
               help="Human references of --reference-src, line-aligned.")
 @click.option("--reference-lines", type=click.IntRange(min=0), default=references.DEFAULT_LINES, show_default=True,
               help="Record at most this many line pairs (0: record none).")
+@click.option("--shortlist-src", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Source side of a parallel corpus (the training data, say) to count a vocabulary shortlist "
+                   "from: the model dir then also holds shortlist.npz and decoder_shortlist.onnx, which "
+                   "serve-batch, serve, parity and bench use with --shortlist (docs/shortlist.md).")
+@click.option("--shortlist-tgt", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="Target side of --shortlist-src, line-aligned.")
+@click.option("--shortlist-per-source", type=click.IntRange(min=0), default=DEFAULT_PER_SOURCE, show_default=True,
+              help="Target pieces listed per source piece: those most often in the same sentence pair.")
+@click.option("--shortlist-frequent", type=click.IntRange(min=1), default=DEFAULT_FREQUENT, show_default=True,
+              help="Most frequent target pieces, candidates in every batch (at least --topk).")
 @click.option("--timing-cache", type=click.Path(path_type=Path), default=None,
               help="TensorRT timing cache file, reused across builds "
                    "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).")
@@ -80,20 +92,28 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
            atol: float, fp16_atol: float, workspace_gib: float, timing_cache: Path | None,
            int8: bool = False, int8_atol: float | None = None, int8_flavour: str = "auto",
            reference_src: Path | None = None, reference_tgt: Path | None = None,
-           reference_lines: int = references.DEFAULT_LINES) -> None:
+           reference_lines: int = references.DEFAULT_LINES, shortlist_src: Path | None = None,
+           shortlist_tgt: Path | None = None, shortlist_per_source: int = DEFAULT_PER_SOURCE,
+           shortlist_frequent: int = DEFAULT_FREQUENT) -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
     held_out = reference_set(checkpoint, reference_src, reference_tgt, reference_lines)
+    if (shortlist_src is None) != (shortlist_tgt is None):
+        raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
+    shortlist = None if shortlist_src is None or shortlist_tgt is None else ShortlistCorpus(
+        shortlist_src, shortlist_tgt, per_source=shortlist_per_source, frequent=shortlist_frequent)
     manifest = api.export_model(
         checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
         max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
         force=force, atol=atol, fp16_atol=fp16_atol, workspace_gib=workspace_gib,
         timing_cache=timing_cache, int8=int8, int8_atol=int8_atol, int8_flavour=int8_flavour,
-        references=held_out)
+        references=held_out, shortlist=shortlist)
     if manifest.tensorrt_skipped:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(out, manifest))
+    if manifest.shortlist is not None:
+        click.echo(describe(manifest.shortlist))
 
 
 def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int
