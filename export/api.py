@@ -138,8 +138,7 @@ def _write_graphs(graph_model: Transformer, tmp: Path, *, opset: int, topk: int,
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
     if int8:  # the fp32 graphs, post-processed to int8 weights
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-            {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
-             quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(tmp / name))
+            quantize.quantize_flavour(int8, tmp / name)
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0

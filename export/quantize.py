@@ -27,7 +27,9 @@ Written with onnx.helper and numpy only, so the transformation can be read and t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -269,3 +271,10 @@ def quantize_file_rowwise(path: str) -> None:
     _RowwiseRewriter(model).rewrite()
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)
+
+
+def quantize_flavour(flavour: str, path: Path) -> None:
+    """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS)."""
+    quantizers: dict[str, Callable[[str], object]] = {QDQ: quantize_file, ROWWISE: quantize_file_rowwise,
+                                                      ORT_DYNAMIC: quantize_file_ort_dynamic}
+    quantizers[flavour](str(path))

@@ -79,17 +79,18 @@ def share_weights(graph: Path, donor: Path) -> int:
         if d is None or d.data_type != t.data_type or list(d.dims) != list(t.dims) or not t.HasField("raw_data"):
             continue
         info = ExternalDataInfo(d)
-        if info.location != io_names.weights_file(donor.name):
+        offset, length = info.offset, info.length
+        if info.location != io_names.weights_file(donor.name) or offset is None or length is None:
             continue
-        if bytes(donor_data[info.offset:info.offset + info.length]) != t.raw_data:
+        if bytes(donor_data[offset:offset + length]) != t.raw_data:
             continue
         t.ClearField("raw_data")
         t.data_location = onnx.TensorProto.EXTERNAL
         del t.external_data[:]
-        for key, value in (("location", info.location), ("offset", str(info.offset)), ("length", str(info.length))):
+        for key, value in (("location", info.location), ("offset", str(offset)), ("length", str(length))):
             entry = t.external_data.add()
             entry.key, entry.value = key, value
-        shared += info.length
+        shared += length
     own = graph.with_name(io_names.weights_file(graph.name))
     graph_files.save_graph(proto, graph)
     if own.exists() and own.stat().st_size == 0:
@@ -109,8 +110,7 @@ def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, t
     path = tmp / io_names.DECODER_SHORTLIST_FILE
     onnx_export.export_decoder(graph_model, path, opset, topk, shortlist=True)
     if int8:
-        {quantize.QDQ: quantize.quantize_file, quantize.ROWWISE: quantize.quantize_file_rowwise,
-         quantize.ORT_DYNAMIC: quantize.quantize_file_ort_dynamic}[int8](str(path))
+        quantize.quantize_flavour(int8, path)
     graph_files.externalize(path)
     shared = share_weights(path, tmp / io_names.DECODER_FILE)
     if int8 not in ONNXRUNTIME_ONLY:
