@@ -10,6 +10,7 @@ import click
 from model.errors import UserError
 from pipeline.cli_options import decoding_options, options_from, pick
 from pipeline.commands.parity import parse_backends
+from pipeline.commands.serve_batch import SHORTLIST_HELP
 from pipeline.evaluation.bench import format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
@@ -36,6 +37,9 @@ from runtime.loader import backend_names
               help="Length of generated source sentences (tokens, EOS included) when --src is not given.")
 @click.option("--device", default=None, help="cpu or cuda (default: best available).")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--shortlist", is_flag=True, default=False,
+              help=SHORTLIST_HELP + " Here: every engine of ours, in every mode but --serve (CTranslate2 is "
+                   "unchanged); its rows record \"shortlist\": true and show vocab 'shortlist'.")
 @click.option("--compare", "compare", multiple=True, type=click.Choice(["ctranslate2"]),
               help="Also map the first MODEL_DIR's weights into this engine (after checking its greedy "
                    "output is token-identical to ours) and time it in float32 and int8, with ratio "
@@ -59,9 +63,9 @@ from runtime.loader import backend_names
 @click.pass_context
 def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch_sizes: tuple[int, ...],
           decoding: DecodingOptions, fixed_length: int | None, src: Path | None, sentences: int, src_len: int,
-          device: str | None, threads: int | None, json_out: Path | None, compare: tuple[str, ...] = (),
-          rounds: int = 3, serve_input: Path | None = None, whole_process: tuple[Path, ...] = (),
-          **serve_options: Any) -> None:
+          device: str | None, threads: int | None, json_out: Path | None, shortlist: bool = False,
+          compare: tuple[str, ...] = (), rounds: int = 3, serve_input: Path | None = None,
+          whole_process: tuple[Path, ...] = (), **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -74,7 +78,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     if whole_process:
         report = run_whole_process(list(model_dirs), list(whole_process), compare=list(compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=fixed_length,
-                                   rounds=rounds)
+                                   rounds=rounds, shortlist=shortlist)
         click.echo(format_whole_process(report))
     elif serve_input is not None:
         serve_bench = pick(ServeBenchOptions, serve_options)
@@ -83,19 +87,21 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         if len(chosen) != 1 or len(model_dirs) != 1 or compare:
             raise UserError("--serve measures one MODEL_DIR on one backend (e.g. --backends onnxruntime), "
                             "without --compare")
+        if shortlist:
+            raise UserError("--serve does not measure --shortlist yet; bench it in-process (leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, decoding.beam_size,
                                  serve_bench)
         click.echo(format_serve_bench(report))
     elif len(model_dirs) == 1 and not compare:
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
-                           device=device, threads=threads)
+                           device=device, threads=threads, shortlist=shortlist)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),
                                 compare=list(compare), beam_size=decoding.beam_size, fixed_length=fixed_length,
                                 src=src, sentences=sentences, src_len=src_len, device=device, threads=threads,
-                                rounds=rounds)
+                                rounds=rounds, shortlist=shortlist)
         click.echo(format_comparison(report))
     if json_out:
         write_json(report, json_out)

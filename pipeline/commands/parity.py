@@ -9,10 +9,12 @@ import click
 
 from model.manifest import PRECISIONS
 from pipeline.cli_options import decoding_options
+from pipeline.commands.serve_batch import SHORTLIST_HELP
 from pipeline.evaluation.parity import (
     DEFAULT_GATES,
     REFERENCE,
     REFERENCES,
+    SHORTLISTED,
     Gate,
     format_table,
     run_parity,
@@ -53,6 +55,11 @@ def parse_backends(value: str) -> list[str]:
               help="With --reference transformers: the Hugging Face directory (default: the one the import recorded).")
 @click.option("--device", default=None, help="Device for the backends under test (cpu, cuda); default: best available.")
 @click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
+@click.option("--shortlist", is_flag=True, default=False,
+              help=SHORTLIST_HELP + " Here: every listed backend, torch included, decodes so against the "
+                   "full-vocabulary reference; labelled e.g. fp32+shortlist, gated by |dBLEU| <= "
+                   f"{DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of it and their own), "
+                   "with the shortlist's coverage of the reference's tokens.")
 @click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
               help="fp32 gate: least share of sentences token-identical to PyTorch.")
 @click.option("--max-bleu-delta", default=DEFAULT_GATES["fp32"].max_bleu_delta, show_default=True, type=float,
@@ -76,7 +83,7 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
            fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None,
            int8_max_bleu_delta: float = DEFAULT_GATES["int8"].max_bleu_delta,
            int8_min_identical: float | None = None, reference_engine: str = REFERENCE,
-           hf_dir: Path | None = None) -> None:
+           hf_dir: Path | None = None, shortlist: bool = False) -> None:
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Each backend translates SRC exactly as
@@ -84,7 +91,7 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
     the comparison is with the fp32 PyTorch translations recorded at export, so it runs where
     PyTorch is not installed. Exits 1 when a backend misses its gate."""
     gates = {"fp32": Gate(min_identical, max_bleu_delta), "fp16": Gate(fp16_min_identical, fp16_max_bleu_delta),
-             "int8": Gate(int8_min_identical, int8_max_bleu_delta)}
+             "int8": Gate(int8_min_identical, int8_max_bleu_delta), "shortlist": DEFAULT_GATES["shortlist"]}
     names = parse_backends(backends)
     recorded = src is None and ref is None and reference_engine == REFERENCE
     if recorded:
@@ -96,7 +103,8 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
                                    "they were recorded with; pass --src and --ref to choose other options")
         if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
             names = [n for n in names if n != "torch"]  # no PyTorch here: gate the exported graphs
-    hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in PRECISIONS] if save_hyps else []
+    labels = [p + (SHORTLISTED if shortlist else "") for p in PRECISIONS]
+    hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in labels] if save_hyps else []
     inputs = [p for p in (src, ref) if p is not None]
     refuse_overwriting_inputs(inputs, hyp_files, "--save-hyps file")
     if json_out:
@@ -104,7 +112,7 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
         check_output_file(json_out, "--json")
     report = run_parity(model_dir, src, ref, names, opts=ServeOptions(decoding=decoding),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps,
-                        reference_engine=reference_engine, hf_dir=hf_dir)
+                        reference_engine=reference_engine, hf_dir=hf_dir, shortlist=shortlist)
     click.echo(format_table(report))
     if json_out:
         write_json(report, json_out)

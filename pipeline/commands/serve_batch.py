@@ -13,6 +13,11 @@ from pipeline.serve_batch.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
 
+# the help of every command's --shortlist (serve, bench and parity add what it means for them)
+SHORTLIST_HELP = ("Decode over the model dir's vocabulary shortlist (export --shortlist-src/--shortlist-tgt): "
+                  "faster on large vocabularies, but a sentence's output may depend on the sentences batched "
+                  "with it. On torch and onnxruntime only; see docs/shortlist.md.")
+
 
 @click.command("serve-batch")
 @click.argument("model_dir", type=click.Path(file_okay=False))
@@ -31,6 +36,7 @@ from runtime.loader import BACKENDS, load_backend
               help="Torch backend precision [default: the model dir's; fp16 only on GPU].")
 @click.option("--threads", type=click.IntRange(min=1), default=None,
               help="Intra-op threads of torch / onnxruntime [default: all cores].")
+@click.option("--shortlist", is_flag=True, default=False, help=SHORTLIST_HELP)
 @decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
                                     "joined by ' ||| ', best first (still one line per input line)."})
 @click.option("--window", type=click.IntRange(min=1), default=10000, show_default=True,
@@ -51,7 +57,7 @@ from runtime.loader import BACKENDS, load_backend
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr (only on a terminal).")
 def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, output_dir: str | None,
-                backend: str, device: str | None, dtype: str | None, threads: int | None,
+                backend: str, device: str | None, dtype: str | None, threads: int | None, shortlist: bool,
                 decoding: DecodingOptions, window: int, long_lines: str, invalid_utf8: str, split: str, lang: str,
                 progress: bool) -> None:
     """Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.
@@ -69,10 +75,11 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:
         impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
-                                                 threads=threads, dtype=dtype)
+                                                 threads=threads, dtype=dtype, shortlist=shortlist)
         # an imported model's own decoding defaults (num_beams, max_length, ...) for the options not given
         opts = dataclasses.replace(opts, decoding=decoding.for_model(manifest.decoding)).validate()
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"
-        click.echo(stats.summary(impl.name, where), err=True)
+        shortlisted = " with shortlist" if getattr(impl, "shortlist", None) is not None else ""
+        click.echo(stats.summary(impl.name + shortlisted, where), err=True)

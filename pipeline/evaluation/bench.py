@@ -47,6 +47,7 @@ class BenchResult:
     latency_ms_p90: float
     latency_ms_per_sentence: float
     peak_rss_mb: float | None
+    shortlist: bool = False      # decoded over the model dir's vocabulary shortlist (bench --shortlist)
 
 
 def reset_peak_rss() -> None:
@@ -116,17 +117,22 @@ def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: 
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
         latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
         latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
+        shortlist=getattr(backend, "shortlist", None) is not None,
     )
 
 
 def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, decoding: DecodingOptions = PAPER,
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
-              src_len: int = 20, device: str | None = None, threads: int | None = None) -> dict:
+              src_len: int = 20, device: str | None = None, threads: int | None = None,
+              shortlist: bool = False) -> dict:
+    """Each backend in this process, one after the other; `shortlist`: each decodes over the model dir's
+    vocabulary shortlist."""
     decoding.validate()  # before any backend is loaded
     results = []
     for name in backends:
         reset_peak_rss()
-        backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads)
+        backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads,
+                                                    shortlist=shortlist)
         decoding = decoding.for_model(manifest.decoding)  # an imported model's own defaults, unless set
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
@@ -141,19 +147,25 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "model_config": manifest.model_config.to_dict(),
         "precision": manifest.precision,
         "fixed_length": fixed_length,
+        "shortlist": shortlist,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
         "results": [asdict(r) for r in results],
     }
 
 
+def vocabulary(row: dict) -> str:
+    """A results row's target vocabulary, as the tables show it: the full one or the shortlist."""
+    return "shortlist" if row.get("shortlist") else "full"
+
+
 def format_table(report: dict) -> str:
-    head = (f"{'backend':<12} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
+    head = (f"{'backend':<12} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
             f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        rows.append(f"{r['backend']:<12} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
+        rows.append(f"{r['backend']:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8}")
     return "\n".join(rows)

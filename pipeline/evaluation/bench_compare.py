@@ -29,7 +29,7 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb
+from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb, vocabulary
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
@@ -55,19 +55,21 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         device = "cpu"
     else:
         backend, _, _ = load_backend(job["model_dir"], backend=job["engine"], device=job["device"],
-                                     threads=job["threads"])
+                                     threads=job["threads"], shortlist=job["shortlist"])
         decoding = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
         r = bench_backend(backend, sources, job["batch_size"], decoding.for_model(job["decoding"]),
                           job["fixed_length"], job["precision"])
         row = {"target_tokens": r.target_tokens, "seconds": r.seconds,
                "target_tokens_per_s": r.target_tokens_per_s, "sentences_per_s": r.sentences_per_s,
-               "latency_ms_mean": r.latency_ms_mean, "latency_ms_per_sentence": r.latency_ms_per_sentence}
+               "latency_ms_mean": r.latency_ms_mean, "latency_ms_per_sentence": r.latency_ms_per_sentence,
+               "shortlist": r.shortlist}
         device = str(backend.device)
     return {**row, "peak_rss_mb": peak_rss_mb(), "device": device}
 
 
 def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_dir: Path | None,
-          common: dict[str, Any]) -> list[dict[str, Any]]:
+          common: dict[str, Any], shortlist: bool = False) -> list[dict[str, Any]]:
+    """One measurement per (model dir, engine) and compared engine; ours over the shortlist with `shortlist`."""
     jobs: list[dict[str, Any]] = []
     for model_dir in model_dirs:
         manifest = read_manifest(model_dir, verify=False)
@@ -77,12 +79,12 @@ def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_di
             ours = engine != "torch"
             jobs.append({**common, "engine": engine, "model_dir": str(model_dir),
                          "precision": manifest.precision if ours else "fp32",
-                         "quantization": manifest.quantization if ours else None})
+                         "quantization": manifest.quantization if ours else None, "shortlist": shortlist})
     if "ctranslate2" in compare:
         for precision in ctranslate2_compare.COMPUTE_TYPES:
             jobs.append({**common, "engine": "ctranslate2", "ct2_dir": str(ct2_dir),
                          "model_dir": str(model_dirs[0]), "precision": precision,
-                         "quantization": "ctranslate2" if precision == "int8" else None})
+                         "quantization": "ctranslate2" if precision == "int8" else None, "shortlist": False})
     return jobs
 
 
@@ -102,8 +104,10 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                    compare: tuple[str, ...] | list[str] = (), beam_size: int = 4, fixed_length: int | None = None,
                    src: Path | None = None, sentences: int = 256, src_len: int = 20,
                    device: str | None = None, threads: int | None = None, rounds: int = 3,
-                   latency: bool = True) -> dict[str, Any]:
-    """Bench every (model dir, engine) and the compared engines; one row per engine and precision."""
+                   latency: bool = True, shortlist: bool = False) -> dict[str, Any]:
+    """Bench every (model dir, engine) and the compared engines; one row per engine and precision.
+    `shortlist`: our engines decode over each model dir's vocabulary shortlist (the compared ones are
+    unchanged)."""
     model_dirs = [Path(d) for d in model_dirs]
     manifest = read_manifest(model_dirs[0], verify=False)
     tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
@@ -114,6 +118,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     alpha = PAPER.for_model(manifest.decoding).alpha
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": cfg.to_dict(),
                               "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
+                              "shortlist": shortlist,
                               "peak_rss": "VmHWM of a fresh subprocess per measurement",
                               "decoding": manifest.decoding or "the paper's"}
     with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
@@ -131,7 +136,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
                       "device": device, "sources": srcs, "pieces": pcs, "decoding": manifest.decoding,
                       "alpha": alpha}
-            jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common)
+            jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common, shortlist)
         measured: list[list[dict[str, Any]]] = [[] for _ in jobs]
         ctx = multiprocessing.get_context("spawn")
         for r in range(rounds):
@@ -152,7 +157,7 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
     rss = [r["peak_rss_mb"] for r in runs if r["peak_rss_mb"] is not None]
     return {"engine": job["engine"], "precision": job["precision"], "quantization": job["quantization"],
-            "model_dir": job["model_dir"],
+            "shortlist": runs[0].get("shortlist", False), "model_dir": job["model_dir"],
             "device": runs[0]["device"], "batch_size": job["batch_size"], "beam_size": job["beam_size"],
             "sentences": len(job["sources"]), "target_tokens": runs[0]["target_tokens"],
             "target_tokens_per_s": med("target_tokens_per_s"), "sentences_per_s": med("sentences_per_s"),
@@ -163,8 +168,8 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def format_comparison(report: dict[str, Any]) -> str:
     """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch."""
-    head = (f"{'engine':<12} {'prec':<5} {'quant':<11} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'ms/sent':>8} "
-            f"{'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
+    head = (f"{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
+            f"{'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
     lines = [head, "-" * len(head)]
     results = report["results"]
     for r in results:
@@ -173,7 +178,7 @@ def format_comparison(report: dict[str, Any]) -> str:
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
+        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} {vocabulary(r):<9} "
                      f"{r['batch_size']:>5} {r['beam_size']:>4} "
                      f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
                      + " ".join(ratios))

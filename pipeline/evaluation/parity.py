@@ -5,6 +5,11 @@ share of sentences token-identical to PyTorch, and for the ones that differ the 
 step where they diverge and the PyTorch model's log-prob gap there (how close the call
 was: fp16 noise shows as tiny gaps on near-ties, a bug as large ones).
 
+With `shortlist` every listed backend decodes over the model dir's vocabulary shortlist (runtime/shortlist.py),
+torch included, while the reference stays the full-vocabulary fp32 PyTorch model: its precision reads
+e.g. "fp32+shortlist", it is gated by BLEU like a precision (DEFAULT_GATES["shortlist"]), and
+`shortlist_coverage` says how many of the reference's tokens were among their sentence's candidates.
+
 Every backend translates SRC through serve-batch's own path (pipeline.serve_batch.files.translate_windows:
 reading, blank and long line policy, encoding, batching, search, formatting), so the
 numbers describe exactly what serve-batch writes; --save-hyps keeps those outputs.
@@ -51,7 +56,25 @@ DEFAULT_GATES = {
     "fp16": Gate(min_identical=None, max_bleu_delta=0.5),
     # int8 weights change some beams by design; published int8 cost is well under 1 BLEU.
     "int8": Gate(min_identical=None, max_bleu_delta=0.5),
+    # fp32 over a vocabulary shortlist: a token outside a batch's candidates cannot be produced, so some
+    # sentences change by design; fp16/int8 over one take the larger of this delta and their own (gate_for).
+    "shortlist": Gate(min_identical=None, max_bleu_delta=0.3),
 }
+SHORTLISTED = "+shortlist"  # appended to the precision of a backend decoding over the shortlist
+
+
+def gate_for(precision: str, gates: dict[str, Gate]) -> Gate:
+    """The gate of a precision label: "fp16", or "fp16+shortlist" (the shortlist gate, with the larger
+    BLEU delta of the two; None, not gated, is the larger)."""
+    base = precision.removesuffix(SHORTLISTED)
+    gate = gates.get(base, DEFAULT_GATES["fp32"])
+    if base == precision:
+        return gate
+    shortlist = gates.get("shortlist", DEFAULT_GATES["shortlist"])
+    if base == "fp32":
+        return shortlist
+    deltas = (shortlist.max_bleu_delta, gate.max_bleu_delta)
+    return Gate(shortlist.min_identical, None if None in deltas else max(d for d in deltas if d is not None))
 
 
 @dataclass
@@ -79,6 +102,9 @@ class BackendResult:
     max_log_prob_gap: float | None
     median_divergence_step: float | None
     divergences: list[Divergence] = field(default_factory=list)
+    # decoding over the shortlist: the share of the reference's tokens (EOS counted) among their own sentence's
+    # candidates, a lower bound (a batch decodes over the union of its sentences'); None: full vocabulary
+    shortlist_coverage: float | None = None
     passed: bool = True
     failures: list[str] = field(default_factory=list)
 
@@ -94,6 +120,7 @@ class ParityReport:
     chrf_signature: str
     results: list[BackendResult]
     reference: str = REFERENCE  # what "identical" and "BLEU/torch" compare with (REFERENCES)
+    shortlist: bool = False     # the backends decoded over the model dir's vocabulary shortlist
 
     @property
     def passed(self) -> bool:
@@ -201,7 +228,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
                opts: ServeOptions | None = None, device: str | None = None,
                gates: dict[str, Gate] | None = None, threads: int | None = None,
                save_hyps: Path | None = None, reference_engine: str = REFERENCE,
-               hf_dir: Path | None = None) -> ParityReport:
+               hf_dir: Path | None = None, shortlist: bool = False) -> ParityReport:
     """Parity of each backend against the fp32 PyTorch model, translated as serve-batch translates
     with `opts` [default: serve-batch's defaults]: on SRC against REF with the PyTorch model run
     live, or, with src and ref None, on the held-out lines recorded in the model dir at export
@@ -210,7 +237,10 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
 
     reference_engine "transformers": the reference is transformers' generate on the directory an
     imported model came from (hf_dir, by default the one its checkpoint records), with the model dir's
-    decoding; every backend, torch included, is gated against it."""
+    decoding; every backend, torch included, is gated against it.
+
+    shortlist: every backend (torch too) decodes over the model dir's vocabulary shortlist; the reference
+    is still the full-vocabulary model (module docstring)."""
     gates = gates or DEFAULT_GATES
     if reference_engine not in REFERENCES:
         raise UserError(f"--reference {reference_engine!r}: choose one of {', '.join(REFERENCES)}")
@@ -219,7 +249,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     if (src is None) != (ref is None):
         raise UserError("give both --src and --ref, or neither (to use the model dir's recorded references)")
     if src is None and reference_engine == REFERENCE:
-        return _recorded_parity(model_dir, backends, device, gates, threads, save_hyps)
+        return _recorded_parity(model_dir, backends, device, gates, threads, save_hyps, shortlist)
     if src is None:
         raise UserError("--reference transformers translates --src (with --ref for BLEU)")
     assert ref is not None
@@ -243,21 +273,22 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     opts = replace(opts, decoding=opts.decoding.for_model(manifest.decoding))
     if reference_engine == "transformers":
         return _transformers_parity(model_dir, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
-                                    hf_dir, reference, tokenizer)
+                                    hf_dir, reference, tokenizer, shortlist)
     ref_run = translate_as_served(reference, tokenizer, src, opts)
     if ref_run.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
                     "does", src, ref_run.truncated)
-    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (reference, ref_run))
+    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (reference, ref_run), shortlist)
             for name in backends)
     results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps, reference.cfg.eos_id)
-    return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size, *signatures, results)
+    return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size, *signatures, results,
+                        shortlist=shortlist)
 
 
 def _transformers_parity(model_dir: Path, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
                          opts: ServeOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
                          save_hyps: Path | None, hf_dir: Path | None, torch_backend: Any,
-                         tokenizer: AnyTokenizer) -> ParityReport:
+                         tokenizer: AnyTokenizer, shortlist: bool = False) -> ParityReport:
     """Every backend against transformers' generate on the imported model's own directory."""
     from pipeline.evaluation import transformers_reference
 
@@ -268,16 +299,16 @@ def _transformers_parity(model_dir: Path, src: Path, ref_path: Path, ref_lines: 
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
     lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding)
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
-    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (torch_backend, torch_run))
+    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)
     results, signatures = _compare(runs, ref_run, ref_lines, torch_backend.model, gates, save_hyps,
                                    torch_backend.cfg.eos_id)
     return ParityReport(str(model_dir), str(src), str(ref_path), len(ref_lines), opts.decoding.beam_size,
-                        *signatures, results, reference=f"transformers generate on {hf_dir}")
+                        *signatures, results, reference=f"transformers generate on {hf_dir}", shortlist=shortlist)
 
 
 def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, gates: dict[str, Gate],
-                     threads: int | None, save_hyps: Path | None) -> ParityReport:
+                     threads: int | None, save_hyps: Path | None, shortlist: bool = False) -> ParityReport:
     """Every backend against the fp32 PyTorch translations recorded at export."""
     manifest = read_manifest(model_dir, verify=True)
     refs = references.read(model_dir)
@@ -289,12 +320,13 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         src = Path(tmp) / "references.src"
         src.write_text("".join(line + "\n" for line in refs.sources), encoding="utf-8")
-        runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, None) for name in backends)
+        runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, None, shortlist)
+                for name in backends)
         results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps,
                                        manifest.model_config.eos_id)
     where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
     return ParityReport(str(model_dir), where, where, len(refs.sources), opts.decoding.beam_size, *signatures,
-                        results)
+                        results, shortlist=shortlist)
 
 
 class ModelOnDemand:
@@ -313,13 +345,15 @@ class ModelOnDemand:
 
 
 def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
-               tokenizer: AnyTokenizer, live: tuple[Any, Served] | None) -> tuple[str, Any, Served, str]:
-    """(name, backend, its run, precision): the live reference's own run is reused for `torch`."""
-    if name == REFERENCE and live is not None:
+               tokenizer: AnyTokenizer, live: tuple[Any, Served] | None,
+               shortlist: bool = False) -> tuple[str, Any, Served, str]:
+    """(name, backend, its run, precision): the live reference's own run is reused for `torch` (unless it
+    is to decode over the shortlist, which the reference does not)."""
+    if name == REFERENCE and live is not None and not shortlist:
         return name, live[0], live[1], "fp32"
     backend, _, manifest = load_backend(model_dir, backend=name, device=device, threads=threads,
-                                        dtype="fp32" if name == REFERENCE else None)
-    precision = "fp32" if name == REFERENCE else manifest.precision
+                                        dtype="fp32" if name == REFERENCE else None, shortlist=shortlist)
+    precision = ("fp32" if name == REFERENCE else manifest.precision) + (SHORTLISTED if shortlist else "")
     return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
 
 
@@ -349,26 +383,41 @@ def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates
             max_log_prob_gap=max(gaps, default=None),
             median_divergence_step=statistics.median(d.step for d in divs) if divs else None,
             divergences=divs[:20],
+            shortlist_coverage=_coverage(getattr(backend, "shortlist", None), run.sources, ref_run.tokens),
         )
-        check_gate(result, gates.get(precision, DEFAULT_GATES["fp32"]))
+        check_gate(result, gate_for(precision, gates))
         results.append(result)
         log.info("%s: BLEU %.2f, identical %.1f%%", name, result.bleu, 100 * result.identical)
     return results, (str(bleu_metric.get_signature()), str(chrf_metric.get_signature()))
 
 
+def _coverage(table: Any, sources: list[list[int]], reference: list[list[int]]) -> float | None:
+    """Shortlist.coverage of the reference's tokens as a share (None: no shortlist, or nothing decoded)."""
+    if table is None:
+        return None
+    inside, total = table.coverage(sources, reference)
+    return round(inside / total, 4) if total else None
+
+
 def format_table(report: ParityReport) -> str:
-    head = (f"{'backend':<12} {'prec':<5} {'BLEU':>6} {'chrF':>6} {'dBLEU':>6} {'BLEU/torch':>10} "
+    width = max([5] + [len(r.precision) for r in report.results])
+    head = (f"{'backend':<12} {'prec':<{width}} {'BLEU':>6} {'chrF':>6} {'dBLEU':>6} {'BLEU/torch':>10} "
             f"{'identical':>9} {'max gap':>8} {'sec':>7}  gate")
     rows = [head, "-" * len(head)]
     for r in report.results:
         gap = "-" if r.max_log_prob_gap is None else f"{r.max_log_prob_gap:.4f}"
         gate = "PASS" if r.passed else "FAIL: " + "; ".join(r.failures)
-        rows.append(f"{r.backend:<12} {r.precision:<5} {r.bleu:>6.2f} {r.chrf:>6.2f} {r.bleu_delta:>+6.2f} "
+        rows.append(f"{r.backend:<12} {r.precision:<{width}} {r.bleu:>6.2f} {r.chrf:>6.2f} {r.bleu_delta:>+6.2f} "
                     f"{r.bleu_vs_torch:>10.2f} {r.identical:>9.1%} {gap:>8} {r.seconds:>7.2f}  {gate}")
     rows.append(f"{report.sentences} sentences, beam {report.beam_size}; BLEU {report.bleu_signature}; "
                 f"chrF {report.chrf_signature}")
     if report.reference != REFERENCE:
         rows.append(f"'identical' and 'BLEU/torch' compare with {report.reference}")
+    for r in report.results:
+        if r.shortlist_coverage is not None:
+            rows.append(f"{r.backend} {r.precision}: shortlist coverage {r.shortlist_coverage:.1%} of the "
+                        "reference's tokens (EOS included) among their sentence's candidates (a lower bound: a batch "
+                        "decodes over their union)")
     return "\n".join(rows)
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
+from pipeline.evaluation.bench import vocabulary
 from pipeline.textio import read_lines
 from runtime.decoding import PAPER
 from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
@@ -85,9 +86,11 @@ def run_timed(command: list[str], poll_s: float = 0.01) -> tuple[float, float | 
 
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
-                 fixed_length: int | None) -> list[str]:
+                 fixed_length: int | None, shortlist: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(src), "-o", str(out),
            "--backend", "onnxruntime", "--threads", str(threads), "--beam-size", str(beam_size), "--no-progress"]
+    if shortlist:
+        cmd.append("--shortlist")
     if fixed_length:
         cmd += ["--max-len-a", "0", "--max-len-b", str(fixed_length), "--min-len", str(fixed_length)]
     return cmd
@@ -105,17 +108,20 @@ def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
 
 
 def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: list[str], threads: int,
-                      beam_size: int, fixed_length: int | None, rounds: int) -> dict[str, Any]:
-    """One row per (engine, precision, file): median wall seconds and peak RSS over rounds."""
+                      beam_size: int, fixed_length: int | None, rounds: int,
+                      shortlist: bool = False) -> dict[str, Any]:
+    """One row per (engine, precision, file): median wall seconds and peak RSS over rounds. `shortlist`:
+    ours runs serve-batch --shortlist (CTranslate2 is unchanged)."""
     if not files:
         raise UserError("--whole-process needs at least one FILE")
     engines: list[dict[str, Any]] = []
     for d in model_dirs:
         manifest = read_manifest(d, verify=False)
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
-                        "quantization": manifest.quantization, "model_dir": str(d)})
+                        "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
+                              "shortlist": shortlist,
                               "files": {str(f): len(read_lines(f)) for f in files},
                               "measures": "wall: process start to exit (median); "
                                           "peak RSS: VmHWM sampled every 10 ms (max)"}
@@ -133,7 +139,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             del translator, model
             for precision, compute_type in ctranslate2_compare.COMPUTE_TYPES.items():
                 engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
-                                "ct2_dir": str(ct2_dir), "compute_type": compute_type})
+                                "ct2_dir": str(ct2_dir), "compute_type": compute_type, "shortlist": False})
         spms = sentencepiece_files(model_dirs[0], Path(tmp))
         # CTranslate2 decodes with the model's length penalty, within our length limit and positions
         manifest = read_manifest(model_dirs[0], verify=False)
@@ -150,13 +156,15 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                                str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha),
                                str(max_len)]
                     else:
-                        cmd = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length)
+                        cmd = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length,
+                                           e["shortlist"])
                     wall, rss = run_timed(cmd)
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
                     log.info("round %d %s %s %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"], f.name,
                              wall, rss or 0)
     report["results"] = [
-        {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization")}, "file": f,
+        {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization", "shortlist")},
+         "file": f,
          "lines": report["files"][f], "wall_s": round(statistics.median(w for w, _ in runs), 3),
          "wall_s_all": [round(w, 3) for w, _ in runs],
          "peak_rss_mb": max((round(m, 1) for _, m in runs if m is not None), default=None)}
@@ -165,10 +173,11 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
 
 
 def format_whole_process(report: dict[str, Any]) -> str:
-    head = f"{'engine':<12} {'prec':<5} {'quant':<8} {'file':<28} {'lines':>6} {'wall s':>8} {'peak MB':>8}"
+    head = (f"{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
+            f"{'peak MB':>8}")
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
-        rows.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} "
+        rows.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
                     f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
                     f"{r['peak_rss_mb'] or 0:>8.0f}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "

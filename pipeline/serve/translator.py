@@ -51,9 +51,11 @@ class Translator:
 
     @classmethod
     def load(cls, model_dir: str, backend: str, device: str | None, threads: int | None,
-             long_lines: str) -> Translator:
-        """The model dir verified against its manifest and loaded (UserErrors when unusable)."""
-        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads)
+             long_lines: str, shortlist: bool = False) -> Translator:
+        """The model dir verified against its manifest and loaded (UserErrors when unusable); `shortlist`:
+        decoding over its vocabulary shortlist."""
+        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads,
+                                                 shortlist=shortlist)
         return cls(impl, tokenizer, manifest, long_lines)
 
     def model_limit(self, key: str) -> int | None:
@@ -63,7 +65,9 @@ class Translator:
     def summary(self) -> dict[str, Any]:
         """The manifest's facts a client may see (no file paths)."""
         return {"backend": self.backend.name, "device": str(self.backend.device),
-                "precision": self.manifest.precision, "model_config": self.manifest.model_config.to_dict(),
+                "precision": self.manifest.precision,
+                "shortlist": getattr(self.backend, "shortlist", None) is not None,  # serve --shortlist
+                "model_config": self.manifest.model_config.to_dict(),
                 "model_limits": dataclasses.asdict(self.manifest.limits),
                 "exported_with": self.manifest.versions}
 
