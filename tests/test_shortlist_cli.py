@@ -174,8 +174,8 @@ def test_bench_shortlist_rows_say_so(memorised_shortlist_fp32_dir, tmp_path, cap
 @pytest.mark.slow
 def test_bench_shortlist_in_subprocesses(memorised_shortlist_fp32_dir, memorised_shortlist_int8_dir,
                                          memorised_fp32_dir, memorise_corpus, tmp_path, capsys):
-    """--whole-process runs serve-batch --shortlist; the comparison's subprocesses load with it; CTranslate2
-    rows (where installed) are unchanged."""
+    """--whole-process runs serve-batch --shortlist; the comparison measures every engine over the whole
+    vocabulary and over the shortlist (CTranslate2, where installed, over its vmap of the same lists)."""
     src, _ = memorise_corpus
     whole = bench_json(capsys, tmp_path / "w.json", memorised_shortlist_fp32_dir, "--whole-process", src,
                        "--rounds", "1", "--beam-size", "1", "--shortlist")["report"]
@@ -194,5 +194,9 @@ def test_bench_shortlist_in_subprocesses(memorised_shortlist_fp32_dir, memorised
                         "--fixed-length", "3", "--sentences", "4", "--rounds", "1", "--shortlist")["report"]
     assert report["shortlist"] is True
     for r in report["results"]:
-        assert r["shortlist"] is (r["engine"] == "onnxruntime")
         assert r["target_tokens"] == r["sentences"] * 3
+    rows = [(r["engine"], r["model_dir"], r["precision"], r["batch_size"], r["shortlist"]) for r in report["results"]]
+    assert len(set(rows)) == len(rows)
+    for engine, model_dir, precision, batch, shortlist in rows:
+        assert (engine, model_dir, precision, batch, not shortlist) in rows
+    assert {r[0] for r in rows} == {"onnxruntime", *(["ctranslate2"] if compare else [])}

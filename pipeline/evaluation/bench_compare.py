@@ -51,7 +51,9 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         translator = ctranslate2_compare.open_translator(Path(job["ct2_dir"]), job["threads"] or 0,
                                                          ctranslate2_compare.COMPUTE_TYPES[job["precision"]])
         row = ctranslate2_compare.bench_translator(translator, job["pieces"], job["batch_size"],
-                                                   job["beam_size"], job["fixed_length"], job["alpha"])
+                                                   job["beam_size"], job["fixed_length"], job["alpha"],
+                                                   use_vmap=job["shortlist"])
+        row["shortlist"] = job["shortlist"]
         device = "cpu"
     else:
         backend, _, _ = load_backend(job["model_dir"], backend=job["engine"], device=job["device"],
@@ -69,22 +71,26 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
 
 def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_dir: Path | None,
           common: dict[str, Any], shortlist: bool = False) -> list[dict[str, Any]]:
-    """One measurement per (model dir, engine) and compared engine; ours over the shortlist with `shortlist`."""
+    """One measurement per (model dir, engine) and compared engine over the whole vocabulary; with
+    `shortlist`, each also over the shortlist (CTranslate2: its vocabulary map made from the same lists)."""
     jobs: list[dict[str, Any]] = []
+    vocabularies = (False, True) if shortlist else (False,)
     for model_dir in model_dirs:
         manifest = read_manifest(model_dir, verify=False)
         for engine in engines:
             if engine == "torch" and any(j["engine"] == "torch" for j in jobs):
                 continue  # torch runs model.pt (fp32) whatever the dir: once is enough
             ours = engine != "torch"
-            jobs.append({**common, "engine": engine, "model_dir": str(model_dir),
-                         "precision": manifest.precision if ours else "fp32",
-                         "quantization": manifest.quantization if ours else None, "shortlist": shortlist})
+            jobs += [{**common, "engine": engine, "model_dir": str(model_dir),
+                      "precision": manifest.precision if ours else "fp32",
+                      "quantization": manifest.quantization if ours else None, "shortlist": listed}
+                     for listed in vocabularies]
     if "ctranslate2" in compare:
         for precision in ctranslate2_compare.COMPUTE_TYPES:
-            jobs.append({**common, "engine": "ctranslate2", "ct2_dir": str(ct2_dir),
-                         "model_dir": str(model_dirs[0]), "precision": precision,
-                         "quantization": "ctranslate2" if precision == "int8" else None, "shortlist": False})
+            jobs += [{**common, "engine": "ctranslate2", "ct2_dir": str(ct2_dir),
+                      "model_dir": str(model_dirs[0]), "precision": precision,
+                      "quantization": "ctranslate2" if precision == "int8" else None, "shortlist": listed}
+                     for listed in vocabularies]
     return jobs
 
 
@@ -106,8 +112,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                    device: str | None = None, threads: int | None = None, rounds: int = 3,
                    latency: bool = True, shortlist: bool = False) -> dict[str, Any]:
     """Bench every (model dir, engine) and the compared engines; one row per engine and precision.
-    `shortlist`: our engines decode over each model dir's vocabulary shortlist (the compared ones are
-    unchanged)."""
+    `shortlist`: every engine is measured over the whole vocabulary and over the model dir's shortlist
+    (CTranslate2 over its vocabulary map, written from the same lists)."""
     model_dirs = [Path(d) for d in model_dirs]
     manifest = read_manifest(model_dirs[0], verify=False)
     tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
@@ -128,6 +134,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                 model_dirs[0], Path(tmp) / "ct2")
             report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
                                                                        threads)
+            if shortlist:  # CTranslate2 + vmap: the same lists, as its vocabulary map
+                ctranslate2_compare.write_vmap(model_dirs[0], ct2_dir, tokenizer)
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
         if latency:
             settings.append((1, beam_size, sources[:LATENCY_SENTENCES], pieces[:LATENCY_SENTENCES]))
@@ -173,8 +181,8 @@ def format_comparison(report: dict[str, Any]) -> str:
     lines = [head, "-" * len(head)]
     results = report["results"]
     for r in results:
-        ct2 = {x["precision"]: x["target_tokens_per_s"] for x in results
-               if x["engine"] == "ctranslate2" and x["batch_size"] == r["batch_size"]}
+        ct2 = {x["precision"]: x["target_tokens_per_s"] for x in results  # CTranslate2 without its vmap
+               if x["engine"] == "ctranslate2" and x["batch_size"] == r["batch_size"] and not x["shortlist"]}
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
@@ -185,5 +193,6 @@ def format_comparison(report: dict[str, Any]) -> str:
     if "ctranslate2_greedy_agreement" in report:
         lines.append(f"CTranslate2 greedy output token-identical to PyTorch on "
                      f"{report['ctranslate2_greedy_agreement']} sentences; medians of {report['rounds']} "
-                     "alternating rounds; peak RSS per fresh subprocess")
+                     "alternating rounds; peak RSS per fresh subprocess; ratios against CTranslate2 over the "
+                     "whole vocabulary")
     return "\n".join(lines)

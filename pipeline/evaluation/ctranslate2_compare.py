@@ -156,10 +156,29 @@ def greedy_agreement(model: Any, tokenizer: AnyTokenizer, translator: Any, sourc
     return sum(o[0].tokens == [tokenizer.piece_id(p) for p in t.hypotheses[0]] for o, t in zip(ours, theirs))
 
 
+def write_vmap(model_dir: Path, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
+    """CTranslate2's vocabulary map (vmap.txt: `source piece<TAB>target pieces`, the line with an empty
+    source holding the pieces that are always candidates) from the model dir's shortlist table, so that
+    CTranslate2 + vmap decodes over the same candidates as our --shortlist."""
+    from model import io_names
+    from runtime.shortlist import Shortlist
+
+    table = Shortlist.load(model_dir / io_names.SHORTLIST_FILE)
+    lines = ["\t" + " ".join(tokenizer.piece(int(i)) for i in table.frequent)]
+    for source in np.flatnonzero(np.diff(table.offsets)):
+        targets = table.targets[table.offsets[source]:table.offsets[source + 1]]
+        lines.append(tokenizer.piece(int(source)) + "\t" + " ".join(tokenizer.piece(int(i)) for i in targets))
+    path = ct2_dir / "vmap.txt"
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
 def bench_translator(translator: Any, src_tokens: list[list[str]], batch_size: int, beam_size: int,
-                     fixed_length: int | None, length_penalty: float = 0.6) -> dict[str, Any]:
-    """Time translate_batch as bench_backend times our search: one warm-up batch, then all."""
-    opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=length_penalty)
+                     fixed_length: int | None, length_penalty: float = 0.6, use_vmap: bool = False) -> dict[str, Any]:
+    """Time translate_batch as bench_backend times our search: one warm-up batch, then all (use_vmap:
+    over the model's vocabulary map, write_vmap)."""
+    opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=length_penalty,
+                                use_vmap=use_vmap)
     if fixed_length:
         opts.update(max_decoding_length=fixed_length, min_decoding_length=fixed_length)
     translator.translate_batch(src_tokens[:batch_size], **opts)
