@@ -17,10 +17,18 @@ words = ["ab", "cd", "ef", "gh", "ij", "kl"]
 src = [f"{w} {w}{i} x{i}" for i, w in enumerate(words * 3)]
 (work / "held_out.src").write_text("".join(s + "\n" for s in src))
 (work / "held_out.tgt").write_text("".join(s.upper() + "\n" for s in src))
+# a parallel corpus for the vocabulary shortlist (serve-batch/parity --shortlist without torch)
+import random
+rng = random.Random(0)
+vocab = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 6))) for _ in range(80)]
+pairs = [rng.sample(range(80), 4) for _ in range(300)]
+(work / "corpus.src").write_text("".join(" ".join(vocab[i] for i in p) + "\n" for p in pairs))
+(work / "corpus.tgt").write_text("".join(" ".join(vocab[(i + 7) % 80] for i in reversed(p)) + "\n" for p in pairs))
 PY
 pipeline random-checkpoint "$work/random.pt" --preset tiny --vocab-size 120 --force
 pipeline export "$work/random.pt" --out "$work/model" --force --no-tensorrt --max-src-len 32 --max-tgt-len 40 \
-    --reference-src "$work/held_out.src" --reference-tgt "$work/held_out.tgt"
+    --reference-src "$work/held_out.src" --reference-tgt "$work/held_out.tgt" \
+    --shortlist-src "$work/corpus.src" --shortlist-tgt "$work/corpus.tgt"
 python -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install -q -e ".[deploy]" pytest
 echo "deploy install: $(du -sm "$work/venv/lib" | cut -f1) MB in the venv's lib/ (pip and setuptools included)"

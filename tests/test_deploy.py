@@ -112,6 +112,26 @@ def test_parity_against_recorded_references_without_torch(model_dir, tmp_path):
     assert live.returncode == 2 and "needs PyTorch" in live.stderr and "Traceback" not in live.stderr
 
 
+def test_shortlist_without_torch(model_dir, tmp_path):
+    """serve-batch --shortlist writes what the runtime's shortlisted backend gives; parity --shortlist gates it
+    against the recorded full-vocabulary translations and reports their coverage."""
+    from runtime.loader import load_backend
+    from runtime.translate import translate_lines
+
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("".join(line + "\n" for line in LINES), encoding="utf-8")
+    done = run_blocked("serve-batch", model_dir, src, "-o", out, "--backend", "onnxruntime", "--no-progress",
+                       "--threads", "1", "--shortlist")
+    assert done.returncode == 0, done.stderr
+    assert "with shortlist" in done.stderr
+    backend, tokenizer, _ = load_backend(model_dir, "onnxruntime", threads=1, shortlist=True)
+    assert out.read_text(encoding="utf-8").splitlines() == translate_lines(backend, tokenizer, LINES)
+    report = tmp_path / "parity.json"
+    done = run_blocked("parity", model_dir, "--json", report, "--threads", "1", "--shortlist")
+    [result] = json.loads(report.read_text())["results"]
+    assert result["precision"] == "fp32+shortlist" and 0 < result["shortlist_coverage"] <= 1, done.stderr
+
+
 def test_bench_and_doctor_without_torch(model_dir, tmp_path):
     out = tmp_path / "bench.json"
     done = run_blocked("bench", model_dir, "--backends", "onnxruntime", "--batch-size", "2", "--sentences", "4",

@@ -5,6 +5,7 @@ counted on its own corpus (conftest's memorised_shortlist_*_dir)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,7 @@ def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_sh
                               "onnxruntime", "--shortlist", "--threads", "1", "--no-progress")  # beam 4
     opts, limits, metrics = ServeHttpOptions(backend="onnxruntime", threads=1), RequestLimits(), Metrics()
     decoding = PAPER.replace(batch_tokens=limits.max_batch_tokens)
-    model = load_model("m", str(memorised_shortlist_fp32_dir), opts, decoding, metrics, shortlist=True)
+    model = load_model("m", str(memorised_shortlist_fp32_dir), replace(opts, shortlist=True), decoding, metrics)
     assert model.translator.backend.shortlist is not None
     state = ServerState({"m": model}, limits, server_info(limits, opts), metrics, warmed_up=True)
     with TestClient(create_app(state)) as client:

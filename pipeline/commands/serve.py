@@ -8,7 +8,6 @@ import click
 
 from model.errors import UserError
 from pipeline.cli_options import decoding_options, options_from, pick
-from pipeline.commands.serve_batch import SHORTLIST_HELP
 from pipeline.serve.options import RequestLimits, ServeHttpOptions
 from runtime.decoding import DecodingOptions
 
@@ -27,13 +26,11 @@ def _require_web_stack() -> None:
 @click.command("serve")
 @click.argument("model_dir", type=click.Path(file_okay=False), required=False)
 @options_from(ServeHttpOptions)
-@click.option("--shortlist", is_flag=True, default=False,
-              help=SHORTLIST_HELP + " Every served model dir must have one; /info reports it per model.")
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
                          "nbest": "With N > 1 each translation is a list of {text, score}."})
 @options_from(RequestLimits)
-def serve(model_dir: str | None, shortlist: bool, decoding: DecodingOptions, **options: Any) -> None:
+def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> None:
     """Serve the model in MODEL_DIR (or several: --model NAME=DIR ...) over HTTP, batching
     concurrent requests dynamically, one queue per model.
 
@@ -49,4 +46,4 @@ def serve(model_dir: str | None, shortlist: bool, decoding: DecodingOptions, **o
 
     opts, limits = pick(ServeHttpOptions, options), pick(RequestLimits, options)
     models = model_specs(model_dir, opts.model)
-    serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits, shortlist=shortlist)
+    serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)

@@ -29,6 +29,10 @@ class ServeHttpOptions:
     device: str | None = opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu]. One process "
                              "per GPU.", metavar="DEV")
     threads: int | None = opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
+    shortlist: bool = opt(False, "Decode over each model dir's vocabulary shortlist (export --shortlist-src/"
+                          "--shortlist-tgt): faster on large vocabularies, but a sentence's output may depend on the "
+                          "sentences batched with it. Every served model dir must have one; /info reports it. "
+                          "See docs/shortlist.md.")
     long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (as "
                           "serve-batch does, counted in /metrics) or refuse the request with 413 naming the line.",
                           choices=LONG_LINE_POLICIES)

@@ -88,13 +88,13 @@ def server_info(limits: RequestLimits, opts: ServeHttpOptions) -> dict[str, Any]
             "grace_s": opts.grace_s}
 
 
-def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, metrics: Metrics,
-               shortlist: bool = False) -> ServedModel:
-    """One model dir verified, loaded and warmed up (UserErrors name the model when it is unusable);
-    `shortlist`: decoded over the model dir's vocabulary shortlist (serve --shortlist)."""
+def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: DecodingOptions, metrics: Metrics
+               ) -> ServedModel:
+    """One model dir verified, loaded and warmed up (UserErrors name the model when it is unusable); over its
+    vocabulary shortlist with opts.shortlist."""
     try:
         translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines,
-                                     shortlist=shortlist)
+                                     shortlist=opts.shortlist)
         # the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
         decoding = decoding.for_model(translator.manifest.decoding)
         max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
@@ -135,14 +135,13 @@ class _Server(uvicorn.Server):
 
 
 def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: DecodingOptions,
-               limits: RequestLimits, shortlist: bool = False) -> None:
-    """Run the service for the (name, model dir) pairs until stopped (each over its vocabulary shortlist
-    with `shortlist`). Blocks; returns after a graceful stop."""
+               limits: RequestLimits) -> None:
+    """Run the service for the (name, model dir) pairs until stopped. Blocks; returns after a graceful stop."""
     decoding.validate()
     metrics = Metrics()
     sock = bind(opts.host, opts.port)
     try:
-        served = {name: load_model(name, path, opts, decoding, metrics, shortlist) for name, path in models}
+        served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
         state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True)
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
@@ -150,7 +149,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         for model in served.values():
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
                      model.translator.backend.name, model.translator.backend.device,
-                     ", vocabulary shortlist" if shortlist else "")
+                     ", vocabulary shortlist" if opts.shortlist else "")
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:
