@@ -98,6 +98,7 @@ def test_model_step_over_candidates_is_the_full_step_renormalised(trained_checkp
     torch.testing.assert_close(eos, short[:, 0])
 
 
+@pytest.mark.slow
 def test_export_writes_the_table_and_a_step_graph_sharing_decoder_weights(memorised_shortlist_fp32_dir):
     d = memorised_shortlist_fp32_dir
     manifest = read_manifest(d)
@@ -116,6 +117,7 @@ def test_export_writes_the_table_and_a_step_graph_sharing_decoder_weights(memori
     assert verified["steps"] > 0 and verified["max_abs_diff"][io_names.TOPK_LOG_PROBS] < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["memorised_shortlist_fp32_dir", "memorised_shortlist_int8_dir"])
 def test_backends_with_the_shortlist_translate_the_memorised_corpus(fixture, memorise_corpus, request):
     """The table (4 pieces per source piece) covers most of the corpus the model memorised, so the
@@ -136,6 +138,7 @@ def test_backends_with_the_shortlist_translate_the_memorised_corpus(fixture, mem
         assert runs["onnxruntime", True] == runs["torch", True]
 
 
+@pytest.mark.slow
 def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(memorised_shortlist_fp32_dir):
     """With every id a candidate the step normalises over the whole vocabulary: token-identical to the full
     graph (in its own order of ids, EOS first), on both backends, at beam 1 and 3."""
@@ -158,6 +161,7 @@ def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(memorise
             assert translate_lines(backend, tok, lines, beam_size=beam) == want
 
 
+@pytest.mark.slow
 def test_model_dir_without_shortlist_or_tampered_table_is_refused(memorised_fp32_dir, memorised_shortlist_fp32_dir,
                                                                    tmp_path):
     with pytest.raises(RuntimeUserError, match="--shortlist-src"):
@@ -191,3 +195,21 @@ def test_export_shortlist_options_are_checked(trained_checkpoint, tmp_path, caps
                                     "--shortlist-frequent", "8")
     assert_one_line_error(code, err, "--shortlist-frequent 8", "--topk (16)")
     assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_ctranslate2_vmap_holds_the_same_lists(memorised_shortlist_fp32_dir, tmp_path):
+    """bench --compare ctranslate2 --shortlist gives CTranslate2 the same candidates: its vmap.txt has the
+    always-candidates on the line with an empty source, then each listed source piece with its target pieces."""
+    from pipeline.evaluation.ctranslate2_compare import write_vmap
+    from runtime.tokenizer import tokenizer_from_file
+
+    tokenizer = tokenizer_from_file(memorised_shortlist_fp32_dir / "spm.model")
+    table = Shortlist.load(memorised_shortlist_fp32_dir / io_names.SHORTLIST_FILE)
+    lines = write_vmap(memorised_shortlist_fp32_dir, tmp_path, tokenizer).read_text(encoding="utf-8").splitlines()
+    assert lines[0] == "\t" + " ".join(tokenizer.piece(int(i)) for i in table.frequent)
+    by_source = {line.split("\t")[0]: line.split("\t")[1].split(" ") for line in lines[1:]}
+    sources = [s for s in range(table.vocab_size) if table.offsets[s + 1] > table.offsets[s]]
+    assert len(by_source) == len(sources) > 0
+    for s in sources:
+        assert by_source[tokenizer.piece(s)] == [tokenizer.piece(t) for t in listed(table, s)]

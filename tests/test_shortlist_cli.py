@@ -31,6 +31,7 @@ def serve_batch(capsys, model_dir: Path, src: Path, out: Path, *extra: object) -
     return lines(out), err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
 def test_serve_batch_shortlist_translates_the_memorised_corpus(backend, memorised_shortlist_fp32_dir,
                                                                memorise_corpus, tmp_path, capsys):
@@ -43,6 +44,7 @@ def test_serve_batch_shortlist_translates_the_memorised_corpus(backend, memorise
     assert sum(a == b for a, b in zip(short, lines(ref))) >= 0.95 * len(lines(ref))
 
 
+@pytest.mark.slow
 def test_serve_batch_shortlist_needs_a_model_dir_with_one(memorised_fp32_dir, memorised_shortlist_fp32_dir,
                                                           memorise_corpus, tmp_path, capsys):
     src, _ = memorise_corpus
@@ -56,6 +58,7 @@ def test_serve_batch_shortlist_needs_a_model_dir_with_one(memorised_fp32_dir, me
     assert not (tmp_path / "o.txt").exists()
 
 
+@pytest.mark.slow
 def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_shortlist_fp32_dir, memorise_corpus,
                                                                     tmp_path, capsys):
     """The server's path in-process (runner.load_model, as serve_http loads each model, and the app
@@ -89,6 +92,7 @@ def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_sh
     assert plain.info["shortlist"] is False
 
 
+@pytest.mark.slow
 def test_serve_shortlist_refuses_a_served_model_dir_without_one(memorised_shortlist_fp32_dir, memorised_fp32_dir,
                                                                 monkeypatch, capsys):
     """--shortlist reaches every --model: the first loads with its shortlist, the second has none."""
@@ -105,6 +109,7 @@ def test_serve_shortlist_refuses_a_served_model_dir_without_one(memorised_shortl
     assert_one_line_error(code, err, "model b", str(memorised_fp32_dir), "--shortlist-src")
 
 
+@pytest.mark.slow
 def test_parity_shortlist_gates_and_reports_coverage(memorised_shortlist_fp32_dir, memorised_shortlist_int8_dir,
                                                      memorise_corpus, tmp_path, capsys):
     src, ref = memorise_corpus
@@ -136,6 +141,7 @@ def test_parity_shortlist_gates_and_reports_coverage(memorised_shortlist_fp32_di
     assert "coverage" not in stdout
 
 
+@pytest.mark.slow
 def test_parity_shortlist_needs_a_model_dir_with_one(memorised_fp32_dir, memorise_corpus, capsys):
     src, ref = memorise_corpus
     code, _, err = run_cli_captured(capsys, "parity", memorised_fp32_dir, "--src", src, "--ref", ref, "--backends",
@@ -158,6 +164,7 @@ def bench_json(capsys, out: Path, *args: object) -> dict:
     return {"report": json.loads(out.read_text()), "table": stdout}
 
 
+@pytest.mark.slow
 def test_bench_shortlist_rows_say_so(memorised_shortlist_fp32_dir, tmp_path, capsys):
     small = ["--backends", "torch,onnxruntime", "--batch-size", "4", "--beam-size", "2", "--sentences", "8",
              "--src-len", "6"]
