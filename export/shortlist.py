@@ -33,10 +33,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ShortlistCorpus:
-    """Where the table is counted from, and its sizes (export's --shortlist-* options)."""
+    """What the table is counted from (the lines of a parallel corpus, read by the caller, and the files
+    they came from, for messages and the manifest), and its sizes (export's --shortlist-* options)."""
 
-    src: Path
-    tgt: Path
+    sources: list[str]
+    targets: list[str]
+    files: tuple[str, str]
     per_source: int = DEFAULT_PER_SOURCE
     frequent: int = DEFAULT_FREQUENT
 
@@ -44,12 +46,10 @@ class ShortlistCorpus:
 def count_table(corpus: ShortlistCorpus, tokenizer: AnyTokenizer, cfg: ModelConfig, topk: int) -> tuple[Shortlist, int]:
     """The lexical table of `corpus` as this model tokenizes it; an error naming the files when they
     are not line-aligned or too small to give top-k candidates."""
-    from pipeline.textio import read_lines
-
-    src, tgt = read_lines(corpus.src), read_lines(corpus.tgt)
+    src, tgt = corpus.sources, corpus.targets
     if len(src) != len(tgt):
-        raise ExportError(f"--shortlist-src {corpus.src} has {len(src)} lines but --shortlist-tgt {corpus.tgt} "
-                          f"has {len(tgt)}; they must be line-aligned")
+        raise ExportError(f"--shortlist-src {corpus.files[0]} has {len(src)} lines but --shortlist-tgt "
+                          f"{corpus.files[1]} has {len(tgt)}; they must be line-aligned")
     if corpus.frequent < topk:
         raise ExportError(f"--shortlist-frequent {corpus.frequent} must be at least --topk ({topk}): every step "
                           "needs that many candidates")
@@ -57,8 +57,8 @@ def count_table(corpus: ShortlistCorpus, tokenizer: AnyTokenizer, cfg: ModelConf
     table, pairs = build(tokenizer.encode_source(src), tokenizer.encode(tgt), vocab_size=cfg.vocab_size,
                          eos_id=cfg.eos_id, exclude=exclude, per_source=corpus.per_source, frequent=corpus.frequent)
     if 1 + table.frequent.size < topk:
-        raise ExportError(f"--shortlist-tgt {corpus.tgt}: only {table.frequent.size} distinct target pieces, fewer "
-                          f"than the decoder step's top {topk}; give a larger corpus")
+        raise ExportError(f"--shortlist-tgt {corpus.files[1]}: only {table.frequent.size} distinct target pieces, "
+                          f"fewer than the decoder step's top {topk}; give a larger corpus")
     return table, pairs
 
 
@@ -128,7 +128,7 @@ def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, t
         inside, total = table.coverage(sources, tokenizer.encode(held_out[1]))
         coverage = round(inside / total, 4) if total else None
         candidates = round(float(np.mean([table.candidates(np.asarray(s)).size for s in sources if s])), 1)
-    info = ShortlistInfo(corpus=[str(corpus.src), str(corpus.tgt)], pairs=pairs, per_source=corpus.per_source,
+    info = ShortlistInfo(corpus=list(corpus.files), pairs=pairs, per_source=corpus.per_source,
                          frequent=int(table.frequent.size), entries=int(table.targets.size),
                          shared_weight_bytes=shared, held_out_coverage=coverage,
                          held_out_candidates=candidates, verification=verification)

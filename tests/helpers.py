@@ -369,8 +369,9 @@ def _export(source: str, shortlist: bool = False, **options: Any) -> Callable[[A
         from export.shortlist import ShortlistCorpus
 
         if shortlist:
-            corpus = arts.path("memorise_corpus")
-            options["shortlist"] = ShortlistCorpus(corpus / "train.src", corpus / "train.tgt", per_source=4,
+            files = [arts.path("memorise_corpus") / name for name in ("train.src", "train.tgt")]
+            src, tgt = (f.read_text(encoding="utf-8").splitlines() for f in files)
+            options["shortlist"] = ShortlistCorpus(src, tgt, (str(files[0]), str(files[1])), per_source=4,
                                                    frequent=16)
         export_model(arts.path(source), out, **options)
 

@@ -55,8 +55,22 @@ def model_dir(tmp_path_factory) -> Path:
     make_random_checkpoint(tmp / "r.pt", "tiny", 120, seed=1)
     sources = [f"{w} {w}{i} x{i}" for i, w in enumerate(["ab", "cd", "ef", "gh", "ij"] * 2)]
     export_model(tmp / "r.pt", tmp / "model", tensorrt=False, max_src_len=32, max_tgt_len=40,
-                 references=(sources, [s.upper() for s in sources]))
+                 references=(sources, [s.upper() for s in sources]), shortlist=shortlist_corpus())
     return tmp / "model"
+
+
+def shortlist_corpus():
+    """The made-up parallel corpus scripts/deploy_check.sh counts its model's shortlist on."""
+    import random
+
+    from export.shortlist import ShortlistCorpus
+
+    rng = random.Random(0)
+    vocab = ["".join(rng.choices("abcdefghijklmnop", k=rng.randint(2, 6))) for _ in range(80)]
+    pairs = [rng.sample(range(80), 4) for _ in range(300)]
+    src = [" ".join(vocab[i] for i in p) for p in pairs]
+    tgt = [" ".join(vocab[(i + 7) % 80] for i in reversed(p)) for p in pairs]
+    return ShortlistCorpus(src, tgt, ("corpus.src", "corpus.tgt"))
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from export import api, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import QUANTIZATIONS, Manifest
+from pipeline.textio import read_lines
 from pipeline.training.trainer import validation_files
 from runtime import references
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
@@ -102,7 +103,8 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
     if (shortlist_src is None) != (shortlist_tgt is None):
         raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
     shortlist = None if shortlist_src is None or shortlist_tgt is None else ShortlistCorpus(
-        shortlist_src, shortlist_tgt, per_source=shortlist_per_source, frequent=shortlist_frequent)
+        read_lines(shortlist_src), read_lines(shortlist_tgt), (str(shortlist_src), str(shortlist_tgt)),
+        per_source=shortlist_per_source, frequent=shortlist_frequent)
     manifest = api.export_model(
         checkpoint, out, fp16=fp16, opset=opset, topk=topk, max_batch=max_batch,
         max_src_len=max_src_len, max_tgt_len=max_tgt_len, max_beam=max_beam, tensorrt=tensorrt,
