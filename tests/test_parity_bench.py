@@ -14,7 +14,8 @@ from model import build_model
 from model.checkpoint import load_model, save_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest, write_manifest
 from pipeline.evaluation.bench import run_bench
-from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, Gate, check_gate, first_divergence, run_parity
+from pipeline.evaluation.divergence import first_divergence
+from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, Gate, check_gate, run_parity
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 

@@ -3,7 +3,7 @@
 Per backend: BLEU and chrF against the references, BLEU against the PyTorch output, the
 share of sentences token-identical to PyTorch, and for the ones that differ the first
 step where they diverge and the PyTorch model's log-prob gap there (how close the call
-was: fp16 noise shows as tiny gaps on near-ties, a bug as large ones).
+was: fp16 noise shows as tiny gaps on near-ties, a bug as large ones; pipeline/evaluation/divergence.py).
 
 With `shortlist` every listed backend decodes over the model dir's vocabulary shortlist (runtime/shortlist.py),
 torch included, while the reference stays the full-vocabulary fp32 PyTorch model: its precision reads
@@ -30,6 +30,7 @@ import sacrebleu
 
 from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE, SPM_FILE, read_manifest
+from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
@@ -78,16 +79,6 @@ def gate_for(precision: str, gates: dict[str, Gate]) -> Gate:
 
 
 @dataclass
-class Divergence:
-    line: int           # 1-based input line
-    step: int           # first target position where the outputs differ
-    torch_token: int    # what PyTorch chose there (the EOS id if it ended)
-    backend_token: int
-    # PyTorch's log p(torch_token) - log p(backend_token) at that step (None: no PyTorch model at hand)
-    log_prob_gap: float | None
-
-
-@dataclass
 class BackendResult:
     backend: str
     precision: str
@@ -128,55 +119,6 @@ class ParityReport:
 
     def to_json(self) -> dict[str, Any]:
         return dict(asdict(self), passed=self.passed)
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    """First position where two token sequences (EOS implied at the end) differ."""
-    if a == b:
-        return None
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-def divergence_gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
-                    lines: list[int], eos: int) -> list[Divergence]:
-    """For each differing pair, teacher-force the PyTorch model on the common prefix and
-    measure how much more it preferred its own token over the backend's (no gap where no
-    PyTorch model is at hand: the step is still reported)."""
-    if model is None:
-        out = []
-        for i in lines:
-            a, b = ref[i], other[i]
-            d = first_divergence(a, b)
-            if d is not None:
-                out.append(Divergence(i + 1, d, a[d] if d < len(a) else eos, b[d] if d < len(b) else eos, None))
-        return out
-    import torch
-
-    with torch.inference_mode():
-        return _gaps(model, sources, ref, other, lines)
-
-
-def _gaps(model: Any, sources: list[list[int]], ref: list[list[int]], other: list[list[int]],
-          lines: list[int]) -> list[Divergence]:
-    import torch
-
-    out = []
-    for i in lines:
-        a, b = ref[i], other[i]
-        d = first_divergence(a, b)
-        if d is None:
-            continue
-        src = torch.tensor([sources[i]], dtype=torch.long)
-        tgt_in = torch.tensor([[model.cfg.bos_id] + a[:d]], dtype=torch.long)
-        log_probs = model(src, tgt_in)[0, d].log_softmax(-1)
-        ta = a[d] if d < len(a) else model.cfg.eos_id
-        tb = b[d] if d < len(b) else model.cfg.eos_id
-        out.append(Divergence(i + 1, d, ta, tb, float(log_probs[ta] - log_probs[tb])))
-    return out
 
 
 def check_gate(result: BackendResult, gate: Gate) -> None:
@@ -327,21 +269,6 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
     where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
     return ParityReport(str(model_dir), where, where, len(refs.sources), opts.decoding.beam_size, *signatures,
                         results, shortlist=shortlist)
-
-
-class ModelOnDemand:
-    """The PyTorch model for log-prob gaps, loaded only if some sentence differs (None: no PyTorch)."""
-
-    def __init__(self, checkpoint: Path | None):
-        self.checkpoint = checkpoint
-        self.model: Any = None
-
-    def get(self) -> Any:
-        if self.model is None and self.checkpoint is not None:
-            from model.checkpoint import load_model
-
-            self.model = load_model(self.checkpoint)[0]
-        return self.model
 
 
 def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
