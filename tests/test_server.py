@@ -342,10 +342,13 @@ def test_several_models_each_with_its_own_queue(model_dir, fp32_dir, tmp_path, l
 @pytest.mark.slow
 def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expected):
     """A burst far larger than --max-queue: every answer is the right 200 or a 503 with Retry-After.
-    Clients that stall mid-body or vanish hold nothing: /health answers within seconds throughout, the
-    stalled ones get 408 after --body-timeout-s. --long-lines error refuses a long line with 413."""
+    Clients that stall mid-body or vanish hold nothing: /health answers throughout, well before a stalled
+    client's --body-timeout-s could have freed the server (a client timeout, not a wall-clock assertion,
+    so a slow shared CI machine does not fail it), and the stalled ones get 408 after --body-timeout-s.
+    --long-lines error refuses a long line with 413."""
+    body_timeout_s = 20
     with server(model_dir, tmp_path / "serve.log", "--max-queue", 2, "--max-wait-ms", 100, "--long-lines", "error",
-                "--body-timeout-s", 3) as (_, u):
+                "--body-timeout-s", body_timeout_s) as (_, u):
         r = post(u, {"text": ["der hund", LONG_LINE]})
         assert r.status_code == 413 and "line:2" in r.json()["error"] and str(SRC_LIMIT) in r.json()["error"]
         host, port = u.removeprefix("http://").split(":")
@@ -362,9 +365,7 @@ def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expecte
         with ThreadPoolExecutor(100) as pool:
             burst = [pool.submit(post, u, {"text": [lines[i % 10]]}) for i in range(200)]
             while not all(f.done() for f in burst):
-                t0 = time.monotonic()
-                assert httpx.get(f"{u}/health", timeout=5).status_code == 200
-                assert time.monotonic() - t0 < 3
+                assert httpx.get(f"{u}/health", timeout=body_timeout_s / 2).status_code == 200
                 time.sleep(0.1)
         answers = [f.result() for f in burst]
         busy = [r for r in answers if r.status_code == 503]
@@ -372,7 +373,7 @@ def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expecte
         ok = [(i, r) for i, r in enumerate(answers) if r.status_code == 200]
         assert ok and len(ok) + len(busy) == 200
         assert all(r.json()["translations"] == [expected[lines[i % 10]]] for i, r in ok)
-        stalled[1].settimeout(10)
+        stalled[1].settimeout(2 * body_timeout_s)
         assert stalled[1].recv(4096).startswith(b"HTTP/1.1 408")
         for s in stalled:
             s.close()
