@@ -283,6 +283,7 @@ def export_model(checkpoint: Path, out: Path, *, fp16: bool = False, opset: int 
             manifest = write_manifest(tmp, Manifest(
                 model_config=model.cfg, precision="int8" if int8 else "fp16" if fp16 else "fp32",
                 quantization=int8_flavour if int8 else None,
+                pair_bounded_weights=int8 and int8_flavour == quantize.ROWWISE,
                 opset=opset, topk=topk,
                 limits=limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped, graphs=graphs,
                 verification=verification, decoding=decoding_defaults(payload), shortlist=shortlist_info,

@@ -8,9 +8,11 @@ zero-point 0) and the one ONNX Runtime fuses into its 8-bit MatMulNBits kernel a
 (runtime/cpu_int8.py). On CPU ONNX Runtime it runs at about fp32 speed, so rowwise is the fast
 CPU form (docs/int8.md). LayerNorm, softmax and log-softmax are untouched and stay fp32.
 
-rowwise: the same int8 weights, and each linear layer's input quantized at run time one
+rowwise: int8 weights scaled so that each adjacent pair along K sums to at most 128 in
+absolute value (pair-bounded), and each linear layer's input quantized at run time one
 row (one position of one hypothesis) at a time, so the GEMM runs on int8 x int8 in ONNX
-Runtime's integer kernels; no row's result depends on any other row (see _RowwiseRewriter).
+Runtime's integer kernels, exactly on every x86 CPU; no row's result depends on any other
+row (see _RowwiseRewriter).
 ort-dynamic: ONNX Runtime's own quantize_dynamic, one activation scale per whole batch.
 
 The tied embedding / pre-softmax weight E (vocab, d_model): the projection needs it as
@@ -40,6 +42,7 @@ from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
+PAIR_MAX = 128  # pair-bounded weights: |q[2j]| + |q[2j+1]| (quantize_columns)
 # `--int8-flavour auto`, the default: rowwise, the fastest CPU form and, unlike ort-dynamic (one
 # activation scale per batch), independent of batching; qdq whenever TensorRT engines are built,
 # since TensorRT parses only qdq (docs/int8.md).
@@ -55,9 +58,22 @@ class QuantizedWeight:
     zero_point: str
 
 
-def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(int8 q, float32 scale) with w ~= q * scale[None, :]: one scale per column (axis 1)."""
-    amax = np.abs(w.astype(np.float32)).max(axis=0)
+def pair_sums(a: np.ndarray) -> np.ndarray:
+    """|a[2j]| + |a[2j+1]| along axis 0 (a last unpaired row alone): the pairs VPMADDUBSW adds."""
+    a = np.abs(a.astype(np.float32))
+    if a.shape[0] % 2:
+        a = np.concatenate([a, np.zeros_like(a[:1])])
+    return a[0::2] + a[1::2]
+
+
+def quantize_columns(w: np.ndarray, pair_bounded: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """(int8 q, float32 scale) with w ~= q * scale[None, :]: one scale per column (axis 1).
+
+    pair_bounded: the scale makes |q[2j]| + |q[2j+1]| <= PAIR_MAX in every column, so a u8 x s8
+    kernel built on VPMADDUBSW (x86 without int8 dot products) adds each pair of products into
+    int16 without saturating: 255 * 128 = 32640 <= 32767. Each pair sum is at most 127 before
+    rounding and each rounding adds at most 0.5, hence at most 128 after."""
+    amax = (pair_sums(w) if pair_bounded else np.abs(w.astype(np.float32))).max(axis=0)
     scale = np.where(amax > 0, amax / QMAX, 1.0).astype(np.float32)
     q = np.clip(np.rint(w / scale[None, :]), -QMAX, QMAX).astype(np.int8)
     return q, scale
@@ -65,6 +81,8 @@ def quantize_columns(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 class _Rewriter:
     """One pass over a graph: replaces float weights by int8 + DequantizeLinear."""
+
+    pair_bounded = False  # quantize_columns
 
     def __init__(self, model: onnx.ModelProto):
         self.model = model
@@ -88,7 +106,7 @@ class _Rewriter:
     def _quantized(self, name: str, kn: np.ndarray) -> QuantizedWeight:
         """The int8 (K, N) form of initializer `name` (given as its (K, N) float matrix), made once."""
         if name not in self.done:
-            q, scale = quantize_columns(kn)
+            q, scale = quantize_columns(kn, self.pair_bounded)
             qw = QuantizedWeight(f"{name}_int8", f"{name}_scale", f"{name}_zero_point")
             self.new_inits += [numpy_helper.from_array(q, qw.q), numpy_helper.from_array(scale, qw.scale),
                                numpy_helper.from_array(np.zeros_like(q[0]), qw.zero_point)]
@@ -222,11 +240,14 @@ def quantize_file_ort_dynamic(path: str) -> None:
 class _RowwiseRewriter(_Rewriter):
     """int8 weights as in qdq, and each linear layer's input quantized at run time one row
     (one token of one sentence) at a time: symmetric, scale = max|row| / 127, stored as
-    uint8 with zero-point 128. The weights stay int8 (zero-point 0), the form ONNX Runtime
-    multiplies fastest where the CPU has int8 dot products; a CPU without them loads them as
-    uint8 w + 128 (runtime/cpu_int8.py), since its u8 x s8 kernel would saturate. The integer
-    GEMM's int32 result is exact, then scaled by the row's and the column's scale: no value
-    depends on another row, so a sentence translates the same in any batch."""
+    uint8 with zero-point 128. The weights are int8 (zero-point 0) and pair-bounded
+    (quantize_columns): ONNX Runtime's u8 x s8 kernel, its fastest, then computes the exact
+    product on every CPU, with int8 dot products or, on AVX2 alone, with VPMADDUBSW's int16
+    pairs, which full-range weights would saturate. The integer GEMM's int32 result is exact,
+    then scaled by the row's and the column's scale: no value depends on another row, so a
+    sentence translates the same in any batch."""
+
+    pair_bounded = True  # exact on every CPU's u8 x s8 kernel, with or without int8 dot products
 
     def __init__(self, model: onnx.ModelProto):
         super().__init__(model)

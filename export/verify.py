@@ -33,14 +33,7 @@ from export.onnx_export import inference_copy
 from model import io_names
 from model.cache import BeamCache, step_outputs
 from model.transformer import Transformer, select_candidates
-from runtime.cpu_int8 import (
-    ACCURACY_LEVEL,
-    graph_as_is,
-    has_int8_dot_product,
-    int8_session_config,
-    session_graph,
-    wants_unsigned_weights,
-)
+from runtime.cpu_int8 import ACCURACY_LEVEL, has_int8_dot_product, int8_session_config
 
 log = logging.getLogger(__name__)
 
@@ -342,15 +335,13 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
     must agree wherever the fp32 model ranks them apart by more than twice that.
     """
-    config = int8_session_config()  # what the onnxruntime backend does on this machine, with the
-    # rowwise weights in the form it loads them in here (exports store int8: only a CPU that wants
-    # uint8 has anything to flip, so only there is the graph parsed again)
-    graph = session_graph if wants_unsigned_weights() else graph_as_is
-    with graph(encoder_path) as encoder, graph(decoder_path) as decoder:
-        enc, dec = ort_runner(encoder, config), ort_runner(decoder, config)
+    config = int8_session_config()  # what the onnxruntime backend does on this machine; the rowwise
+    # weights are pair-bounded int8, which every CPU loads as stored (runtime/cpu_int8.py)
+    enc, dec = ort_runner(encoder_path, config), ort_runner(decoder_path, config)
     rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
                           atol, rtol, "onnxruntime int8 vs torch fp32", shortlist=shortlist)
-    kernel = "u8 x s8: int8 dot products" if has_int8_dot_product() else "u8 x u8: no int8 dot products"
+    kernel = ("u8 x s8 with int8 dot products" if has_int8_dot_product() else
+              "u8 x s8 on int16 pairs of products, no int8 dot products; pair-bounded weights keep them exact")
     return _summary("int8", atol, rtol, {"onnxruntime_int8_vs_torch_fp32": rep},
                     "onnx.checker; ONNX Runtime CPU running the int8 graphs as served (qdq: MatMulNBits "
                     f"at accuracy level {config[ACCURACY_LEVEL]}, the level this CPU gets; rowwise: "

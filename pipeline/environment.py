@@ -260,7 +260,8 @@ def format_facts(facts: Facts) -> str:
         lines.append("  int8        " + ("int8 GEMMs (dot-product instructions): --int8 model dirs run faster"
                                          if c.int8_dot_product else
                                          "no int8 dot-product instructions: rowwise --int8 model dirs run "
-                                         "exact u8 x u8 integer GEMMs, qdq ones fp32 GEMMs"))
+                                         "exact u8 x s8 integer GEMMs on pair-bounded weights (u8 x u8 "
+                                         "for dirs exported before 2026-11-26), qdq ones fp32 GEMMs"))
     return "\n".join(lines)
 
 

@@ -9,12 +9,15 @@ machine serves it.
 
 rowwise graphs multiply uint8 activations (zero-point 128) by 8-bit weights exactly in integers,
 and the weights' form decides which MLAS kernel runs:
-- int8 weights (zero-point 0), as the export stores them: the u8 x s8 kernel, exact and fastest with
-  int8 dot products. Without them x86 runs it with VPMADDUBSW, whose int16 sums saturate
-  (255 * 127 * 2 > 32767), so results are wrong;
+- int8 weights (zero-point 0): the u8 x s8 kernel, the fastest. With int8 dot products it is exact.
+  Without them x86 runs it with VPMADDUBSW, which adds each adjacent pair of products into a
+  saturating int16: full-range weights overflow it (255 * 127 * 2 > 32767). The export therefore
+  stores pair-bounded weights (|w[2k]| + |w[2k+1]| <= 128, manifest `pair_bounded_weights`), whose
+  pairs cannot overflow (255 * 128 = 32640): exact on every CPU, loaded as stored everywhere;
 - uint8 weights w + 128 (zero-point 128): the u8 x u8 kernel, which widens both operands to 16 bits:
-  exact on every CPU, and the fastest exact form without dot products.
-So each CPU loads the form it multiplies fastest and exactly (wants_unsigned_weights); session_graph
+  exact on every CPU but slower. Rowwise dirs exported before the pair bound, with full-range int8
+  weights, load flipped to this form on CPUs without dot products.
+So each CPU loads a form it multiplies exactly, the fastest one (wants_unsigned_weights); session_graph
 flips a graph stored in the other form into a temporary copy with its weights beside it. The
 measurements behind each choice are in docs/int8.md. Some older rowwise dirs store unsigned weights
 (manifest `unsigned_weights`); they load flipped to int8 on CPUs with dot products.
@@ -130,9 +133,10 @@ def integer_weights_as(model: Any, unsigned: bool) -> int:
     return len(targets)
 
 
-def wants_unsigned_weights(dot_product: bool | None = None) -> bool:
-    """Whether this CPU (or the one described) should run rowwise GEMMs on unsigned weights."""
-    return not (has_int8_dot_product() if dot_product is None else dot_product)
+def wants_unsigned_weights(dot_product: bool | None = None, pair_bounded: bool = False) -> bool:
+    """Whether this CPU (or the one described) should run rowwise GEMMs on unsigned weights:
+    where it has no int8 dot products, unless the weights are pair-bounded (exact on u8 x s8)."""
+    return not pair_bounded and not (has_int8_dot_product() if dot_product is None else dot_product)
 
 
 @contextlib.contextmanager
@@ -142,7 +146,7 @@ def graph_as_is(path: str | Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def session_graph(path: str | Path, dot_product: bool | None = None) -> Iterator[str]:
+def session_graph(path: str | Path, dot_product: bool | None = None, pair_bounded: bool = False) -> Iterator[str]:
     """The graph file to give onnxruntime.InferenceSession for the graph at `path` on this CPU (or
     the one described), valid inside the `with`: the path itself where its integer-matmul weights
     (if any) are already in the form this CPU multiplies fastest and exactly (wants_unsigned_weights),
@@ -156,7 +160,7 @@ def session_graph(path: str | Path, dot_product: bool | None = None) -> Iterator
     import onnx
 
     model = onnx.load(str(path))
-    if not integer_weights_as(model, unsigned=wants_unsigned_weights(dot_product)):
+    if not integer_weights_as(model, unsigned=wants_unsigned_weights(dot_product, pair_bounded)):
         del model
         yield str(path)
         return

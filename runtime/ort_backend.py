@@ -18,6 +18,7 @@ weights) elsewhere, where level 4 measured much less accurate (runtime/cpu_int8.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -114,10 +115,12 @@ class OrtBackend(ExportedGraphBackend):
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
         # rowwise on the CPU: integer-matmul weights in the form this CPU multiplies fastest and
-        # exactly (int8 with int8 dot products, uint8 without), flipped when loading if stored otherwise
+        # exactly (int8; uint8 for full-range weights without int8 dot products), flipped when
+        # loading if stored otherwise. Pair-bounded ones (current exports) load as stored everywhere.
+        pair_bounded = manifest.pair_bounded_weights
         flip = (manifest.quantization == ROWWISE and not self.on_cuda
-                and manifest.unsigned_weights != wants_unsigned_weights())
-        graph = session_graph if flip else graph_as_is
+                and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=pair_bounded))
+        graph = functools.partial(session_graph, pair_bounded=pair_bounded) if flip else graph_as_is
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
         self.shortlist = shortlist
         decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE

@@ -261,7 +261,8 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
         opts.add_session_config_entry(key, value)
     opts.enable_profiling = True
     opts.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="ort-profile-")) / "decoder")
-    flip = manifest.quantization == ROWWISE and manifest.unsigned_weights != wants_unsigned_weights()
+    flip = (manifest.quantization == ROWWISE
+            and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=manifest.pair_bounded_weights))
     with (session_graph if flip else graph_as_is)(model_dir / "decoder.onnx") as graph:
         backend.decoder = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)

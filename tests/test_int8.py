@@ -170,6 +170,24 @@ def test_int8_graphs_store_no_unused_initializer(dirs, flavour, graph):
     assert [i.name for i in proto.graph.initializer if i.name not in used] == []
 
 
+def test_pair_bounded_columns_cost_at_most_one_bit():
+    """pair_bounded: every adjacent pair of a column sums to at most PAIR_MAX in absolute value, also
+    where rounding pushes both up (63.5 + 63.5), with each weight within half its scale; the scale
+    is between the full-range one and twice it (one bit less at most)."""
+    rng = np.random.default_rng(0)
+    for k in (7, 8, 256):
+        w = rng.standard_t(3, size=(k, 16)).astype(np.float32)
+        w[:, 3] = 0.0
+        w[:, 4] = 63.5
+        q, scale = quantize.quantize_columns(w, pair_bounded=True)
+        sums = quantize.pair_sums(q).max(axis=0)
+        assert sums.max() <= quantize.PAIR_MAX and scale[3] == 1.0
+        assert np.all(np.delete(sums, 3) >= quantize.QMAX)  # the range is used
+        assert np.all(np.abs(q * scale - w) <= scale / 2 + 1e-6 * np.abs(w))
+        _, full = quantize.quantize_columns(w)
+        assert np.all(full <= scale) and np.all(scale <= 2 * full)
+
+
 def test_quantize_columns_round_trip():
     w = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
     w[:, 2] = 0.0  # an all-zero column keeps a usable scale
@@ -196,12 +214,14 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, flavour_dirs, 
     proto = onnx.load(str(out / io_names.DECODER_FILE))
     ops = {n.op_type for n in proto.graph.node}
     assert op in ops and "Gemm" not in ops
-    # ort-dynamic: ONNX Runtime's reduce_range, 7-bit weights (-64..64), so that u8 x s8 pairs cannot
-    # saturate int16 on CPUs without VNNI; rowwise keeps 8 bits, loaded unsigned there (runtime/cpu_int8.py)
+    # Both keep u8 x s8 pairs from saturating int16 on CPUs without VNNI: ort-dynamic with ONNX
+    # Runtime's reduce_range, 7-bit weights (-64..64); rowwise with pair-bounded 8-bit ones.
     weights = [_inits(proto)[n.input[1]] for n in proto.graph.node if n.op_type == op]
     assert all(w.dtype == np.int8 for w in weights)
-    widest = max(int(np.abs(w.astype(np.int32)).max()) for w in weights)
-    assert widest == (quantize.QMAX if flavour == quantize.ROWWISE else 64)
+    if flavour == quantize.ROWWISE:
+        assert quantize.QMAX <= max(int(quantize.pair_sums(w).max()) for w in weights) <= quantize.PAIR_MAX
+    else:
+        assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == 64
     backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
     assert backend.name == "onnxruntime"
     from runtime.errors import RuntimeUserError
@@ -237,7 +257,7 @@ def test_rowwise_quantizes_each_linear_input_per_row(dirs, graph):
     for node in matmuls:
         qx, w, a_scale, b_scale, a_zp = node.input  # no weight zero-point: 0
         assert inits[w].dtype == np.int8 and inits[b_scale].shape == (inits[w].shape[1],)
-        assert np.abs(inits[w].astype(np.int32)).max() == quantize.QMAX  # 8 bits in the model dir
+        assert quantize.pair_sums(inits[w]).max() <= quantize.PAIR_MAX  # pair-bounded (test_cpu_int8.py)
         assert inits[a_scale] == 1.0 and inits[a_zp] == 128 and inits[a_zp].dtype == np.uint8
         quant = producers[qx]
         assert quant.op_type == "QuantizeLinear"
@@ -295,166 +315,3 @@ def test_verification_fails_on_wrong_rowwise_scales(memorised_int8_dir, trained_
     model, _, _ = load_model(resolve_checkpoint(trained_save_dir))
     with pytest.raises(ExportError, match="verification failed"):
         verify.verify_int8(model.float().eval(), out / io_names.ENCODER_FILE, bad, topk=16, atol=atol)
-
-
-def test_int8_compute_only_where_the_cpu_has_dot_product_instructions():
-    """Accuracy level 4 (int8 activations) needs VNNI / AMX / Arm dot product; an AVX2-only CPU
-    gets level 1 (fp32 GEMM on dequantized weights). Flags as /proc/cpuinfo writes them."""
-    x86_avx2 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx fma avx2\n"
-    x86_vnni = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\nprocessor\t: 1\nflags\t\t: fpu\n"
-    arm = "processor\t: 0\nFeatures\t: fp asimd asimddp sha2\n"
-    assert cpu.cpu_flags(x86_avx2) == {"fpu", "sse2", "avx", "fma", "avx2"}
-    assert not cpu.cpu_flags(x86_avx2) & cpu.DOT_PRODUCT_FLAGS
-    assert "avx512_vnni" in cpu.cpu_flags(x86_vnni) and "asimddp" in cpu.cpu_flags(arm)
-    assert cpu.cpu_flags("") == set()
-    assert cpu.int8_session_config(dot_product=True) == {cpu.ACCURACY_LEVEL: "4"}
-    assert cpu.int8_session_config(dot_product=False) == {cpu.ACCURACY_LEVEL: "1"}
-    assert cpu.int8_session_config() == cpu.int8_session_config(cpu.has_int8_dot_product())
-
-
-def _integer_matmul(q: np.ndarray, w_scale: np.ndarray) -> onnx.ModelProto:
-    """One rowwise-style MatMulIntegerToFloat: uint8 rows (zero-point 128) times int8 weights."""
-    from onnx import TensorProto, helper
-
-    m, k = 4, q.shape[0]
-    graph = helper.make_graph(
-        [helper.make_node("MatMulIntegerToFloat", ["a", "w", "one", "w_scale", "zp"], ["y"], domain="com.microsoft")],
-        "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [m, k])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, q.shape[1]])],
-        [numpy_helper.from_array(q, "w"), numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-         numpy_helper.from_array(w_scale, "w_scale"), numpy_helper.from_array(np.array(128, np.uint8), "zp")])
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    return helper.make_model(graph, opset_imports=opsets)
-
-
-@pytest.mark.parametrize("dot_product", [False, None], ids=["as-without-dot-products", "as-this-cpu"])
-def test_integer_matmuls_run_exactly(tmp_path, dot_product):
-    """Worst case for VPMADDUBSW (x86 without VNNI): activations at 255 and weights at +-127 make
-    pairs of products far past int16. Loaded as a CPU without int8 dot products loads it (u8 x u8),
-    and as this CPU loads it (whatever it is), the graph computes the exact integer product."""
-    import onnxruntime as ort
-
-    rng = np.random.default_rng(0)
-    q = rng.integers(-127, 128, size=(512, 8)).astype(np.int8)
-    q[:, 0], q[:, 1] = 127, -127
-    scale = rng.uniform(0.001, 0.01, size=8).astype(np.float32)
-    path = tmp_path / "mm.onnx"
-    onnx.save(_integer_matmul(q, scale), str(path))
-    with cpu.session_graph(path, dot_product=True) as graph:
-        assert graph == str(path)  # int8 dot products: the file as it is
-    opts = ort.SessionOptions()
-    for key, value in cpu.int8_session_config(dot_product=dot_product).items():
-        opts.add_session_config_entry(key, value)
-    with cpu.session_graph(path, dot_product=dot_product) as graph:
-        # flipped: a temporary copy, its weights beside it as an export's are, gone after the `with`
-        flipped = graph != str(path)
-        assert flipped == cpu.wants_unsigned_weights(dot_product)
-        assert Path(graph).with_name(io_names.weights_file(Path(graph).name)).is_file() or not flipped
-        session = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
-    assert Path(graph).exists() == (graph == str(path))
-    a = rng.integers(1, 256, size=(4, 512)).astype(np.uint8)
-    a[0] = 255
-    got = session.run(None, {"a": a})[0]
-    exact = ((a.astype(np.int64) - 128) @ q.astype(np.int64)) * scale.astype(np.float64)
-    np.testing.assert_allclose(got, exact, rtol=5e-5, atol=1e-3)  # fp32 rounding; saturation is off by ~1e6
-
-
-def test_integer_weights_are_flipped_once_and_in_place_unless_something_else_reads_them():
-    """Two integer matmuls sharing a weight get one uint8 copy in place of the int8 one; a
-    weight that another node also reads keeps its int8 original for that node. Flipping back
-    gives the int8 weights and the 5-input nodes again, and drops the unsigned zero-point."""
-    from onnx import TensorProto, helper
-
-    rng = np.random.default_rng(1)
-    shared, other = (rng.integers(-127, 128, size=(16, 4)).astype(np.int8) for _ in range(2))
-    inits = [numpy_helper.from_array(shared, "shared"), numpy_helper.from_array(other, "other"),
-             numpy_helper.from_array(np.array(1.0, np.float32), "one"),
-             numpy_helper.from_array(np.full(4, 0.5, np.float32), "w_scale"),
-             numpy_helper.from_array(np.array(128, np.uint8), "zp")]
-    nodes = [helper.make_node("MatMulIntegerToFloat", ["a", w, "one", "w_scale", "zp"], [y], name=y,
-                              domain="com.microsoft") for w, y in (("shared", "y1"), ("shared", "y2"), ("other", "y3"))]
-    nodes.append(helper.make_node("Cast", ["other"], ["other_float"], to=TensorProto.FLOAT))
-    outputs = [helper.make_tensor_value_info(y, TensorProto.FLOAT, [2, 4]) for y in ("y1", "y2", "y3")]
-    model = helper.make_model(helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("a", TensorProto.UINT8, [2, 16])],
-        outputs + [helper.make_tensor_value_info("other_float", TensorProto.FLOAT, [16, 4])], inits))
-    assert cpu.integer_weights_as(model, unsigned=False) == 0  # already int8
-    assert cpu.integer_weights_as(model, unsigned=True) == 3
-    after = _inits(model)
-    assert [n.input[1] for n in model.graph.node[:3]] == ["shared", "shared", "other_u8"]
-    assert all(list(n.input[5:]) == [cpu.UNSIGNED_WEIGHT_ZERO_POINT] for n in model.graph.node[:3])
-    np.testing.assert_array_equal(after["shared"].astype(np.int16) - 128, shared)
-    np.testing.assert_array_equal(after["other_u8"].astype(np.int16) - 128, other)
-    assert after["other"].dtype == np.int8 and model.graph.node[3].input[0] == "other"
-    assert after[cpu.UNSIGNED_WEIGHT_ZERO_POINT] == 128
-    assert cpu.integer_weights_as(model, unsigned=True) == 0  # nothing int8 left to shift
-    assert cpu.integer_weights_as(model, unsigned=False) == 3
-    back = _inits(model)
-    assert [list(n.input) for n in model.graph.node[:3]] == [
-        ["a", w, "one", "w_scale", "zp"] for w in ("shared", "shared", "other_u8")]
-    np.testing.assert_array_equal(back["shared"], shared)
-    np.testing.assert_array_equal(back["other_u8"], other)  # read by the integer matmul alone: in place
-    assert back["shared"].dtype == back["other_u8"].dtype == np.int8
-    assert cpu.UNSIGNED_WEIGHT_ZERO_POINT not in back and back["zp"] == 128  # the activations' stays
-
-
-def test_onnxruntime_keeps_the_rowwise_integer_kernel(dirs, tmp_path):
-    """The rowwise weights are stored int8, so a CPU with int8 dot products loads the graph files
-    as they are; ONNX Runtime keeps every integer matmul (no fp32 GEMM, no MatMulNBits)."""
-    import onnxruntime as ort
-
-    assert not read_manifest(dirs["rowwise"]).unsigned_weights
-    decoder = dirs["rowwise"] / io_names.DECODER_FILE
-    with cpu.session_graph(decoder, dot_product=True) as graph:
-        assert graph == str(decoder)  # nothing to flip
-    integer = [n for n in onnx.load(str(decoder)).graph.node if n.op_type == cpu.INTEGER_MATMUL]
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(decoder), opts, providers=["CPUExecutionProvider"])
-    optimized = [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph.node]
-    assert optimized.count(cpu.INTEGER_MATMUL) == len(integer) > 0 and "MatMulNBits" not in optimized
-
-
-def _unsigned(path):
-    """A rowwise graph as the exports of 2026-11-25 wrote it: weights stored as uint8 w + 128."""
-    model = onnx.load(str(path))
-    assert cpu.integer_weights_as(model, unsigned=True) > 0
-    onnx.save(model, str(path))
-
-
-@pytest.mark.parametrize("dot_product", [True, False], ids=["dot-products", "no-dot-products"])
-def test_rowwise_dirs_load_in_the_form_the_cpu_multiplies_fastest(dirs, tmp_path, monkeypatch, dot_product):
-    """A dir with int8 weights (exports now) and one with uint8 weights (exports of 2026-11-25,
-    manifest unsigned_weights) translate alike on either kind of CPU; a CPU with int8 dot products
-    flips only the uint8 dir's graphs when loading (to int8: its fast u8 x s8 kernel), one without
-    them only the int8 dir's (to uint8: the exact u8 x u8 kernel)."""
-    import dataclasses
-    import shutil
-
-    from model.manifest import write_manifest
-    from runtime.decoding import PAPER
-    from runtime.search import search
-
-    unsigned = tmp_path / "unsigned"
-    shutil.copytree(dirs["rowwise"], unsigned)
-    for graph in GRAPHS:
-        _unsigned(unsigned / graph)
-    write_manifest(unsigned, dataclasses.replace(read_manifest(unsigned, verify=False), unsigned_weights=True))
-    assert read_manifest(unsigned).unsigned_weights
-
-    flipped = []
-    real = cpu.session_graph
-    monkeypatch.setattr("runtime.ort_backend.wants_unsigned_weights", lambda: not dot_product)
-    monkeypatch.setattr("runtime.ort_backend.session_graph",
-                        lambda path: flipped.append(path) or real(path, dot_product=dot_product))
-    cfg = read_manifest(unsigned).model_config
-    sources = torch.tensor([[5, 9, 17, 33, cfg.eos_id], [40, 41, 42, cfg.eos_id, cfg.pad_id]])
-    options = PAPER.replace(beam_size=2, max_len_a=0.0, max_len_b=10)
-    got = {}
-    for name, model_dir in (("signed", dirs["rowwise"]), ("unsigned", unsigned)):
-        backend, _, _ = load_backend(model_dir, backend="onnxruntime", threads=1)
-        got[name] = [[(h.tokens, round(h.score, 4)) for h in hyps] for hyps in search(backend, sources, options)]
-    assert [p.parent for p in flipped] == [unsigned if dot_product else dirs["rowwise"]] * 2
-    assert [p.name for p in flipped] == GRAPHS
-    assert got["signed"] == got["unsigned"]
