@@ -180,6 +180,26 @@ def test_bench_rows_carry_engine_precision_and_latency(model_dirs):
     assert all(r["latency_ms_per_sentence"] > 0 for r in rows.values())
 
 
+def test_comparison_table_names_the_model_dir_of_each_row_when_there_are_several():
+    """Two int8 exports of one checkpoint (say two weight forms) give rows alike in engine and
+    precision: the table's first column tells them apart; with one dir there is no such column."""
+    from pipeline.evaluation.bench_compare import format_comparison
+
+    def row(model_dir, engine, precision, tok_s):
+        return {"engine": engine, "precision": precision, "quantization": None, "shortlist": False,
+                "model_dir": model_dir, "batch_size": 32, "beam_size": 4, "target_tokens_per_s": tok_s,
+                "latency_ms_per_sentence": 10.0, "peak_rss_mb": 100.0}
+
+    results = [row("runs/a-int8", "onnxruntime", "int8", 150.0), row("runs/b-int8", "onnxruntime", "int8", 120.0),
+               row("runs/a-int8", "ctranslate2", "int8", 100.0)]
+    lines = format_comparison({"model_dirs": ["runs/a-int8", "runs/b-int8"], "results": results}).splitlines()
+    assert lines[0].split()[:3] == ["model", "engine", "prec"]
+    assert [line.split()[0] for line in lines[2:]] == ["a-int8", "b-int8", "a-int8"]
+    assert lines[2].split()[-1] == "1.50" and lines[3].split()[-1] == "1.20"  # x CTranslate2 int8
+    single = format_comparison({"model_dirs": ["runs/a-int8"], "results": results[:1] + results[2:]})
+    assert single.splitlines()[0].split()[0] == "engine"
+
+
 @pytest.mark.slow
 def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
     pytest.importorskip("ctranslate2")

@@ -152,8 +152,9 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
             for i in order:
                 with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
                     measured[i].append(pool.submit(_measure, jobs[i]).result())
-                log.info("round %d: %s %s batch %d: %.1f target tokens/s", r + 1, jobs[i]["engine"],
-                         jobs[i]["precision"], jobs[i]["batch_size"], measured[i][-1]["target_tokens_per_s"])
+                log.info("round %d: %s %s (%s) batch %d: %.1f target tokens/s", r + 1, jobs[i]["engine"],
+                         jobs[i]["precision"], Path(jobs[i]["model_dir"]).name, jobs[i]["batch_size"],
+                         measured[i][-1]["target_tokens_per_s"])
     report["results"] = [_row(job, runs) for job, runs in zip(jobs, measured)]
     report["host"] = {"cpu_count": os.cpu_count(), "torch": package_version("torch")}
     return report
@@ -175,8 +176,12 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_comparison(report: dict[str, Any]) -> str:
-    """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch."""
-    head = (f"{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
+    """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch. With
+    several model dirs, a first column names each row's (CTranslate2's: the first dir, converted)."""
+    names = [Path(d).name for d in report["model_dirs"]]
+    width = max(map(len, names + ["model"])) if len(names) > 1 else 0
+    model = f"{'model':<{width}} " if width else ""
+    head = (f"{model}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
             f"{'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
     lines = [head, "-" * len(head)]
     results = report["results"]
@@ -186,7 +191,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        lines.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} {vocabulary(r):<9} "
+        model = f"{Path(r['model_dir']).name:<{width}} " if width else ""
+        lines.append(f"{model}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} {vocabulary(r):<9} "
                      f"{r['batch_size']:>5} {r['beam_size']:>4} "
                      f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
                      + " ".join(ratios))
