@@ -78,10 +78,11 @@ def int8_session_config(dot_product: bool | None = None) -> dict[str, str]:
 
 def integer_weights_as(model: Any, unsigned: bool) -> int:
     """Store the 8-bit weights of every rowwise MatMulIntegerToFloat of `model` (an
-    onnx.ModelProto, changed in place) signed (int8 w, zero-point 0: the export's form, and the fast
-    u8 x s8 kernel where the CPU has int8 dot products) or unsigned (uint8 w + 128, zero-point 128:
-    the exact u8 x u8 kernel, which widens both operands to 16 bits, where it has not). Either way
-    the GEMM computes the same integers. A weight is flipped in place when integer matmuls are all
+    onnx.ModelProto, changed in place) signed (int8 w, zero-point 0: the export's form and the fast
+    u8 x s8 kernel, exact everywhere for pair-bounded weights and with int8 dot products for any) or
+    unsigned (uint8 w + 128, zero-point 128: the exact u8 x u8 kernel, which widens both operands to
+    16 bits, for full-range weights on CPUs without dot products). Either way the GEMM computes the
+    same integers. A weight is flipped in place when integer matmuls are all
     that read it, else copied. Returns how many nodes changed (0: already in that form)."""
     from onnx import TensorProto, numpy_helper
 
