@@ -175,6 +175,7 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     assert sorted((r["engine"], r["precision"]) for r in rows) == [
         ("ctranslate2", "fp32"), ("ctranslate2", "int8"), ("onnxruntime", "fp32")]
     assert all(r["lines"] == 12 and r["wall_s"] > 0 and r["peak_rss_mb"] > 10 for r in rows)
+    assert {r["model_dir"] for r in rows} == {str(tmp_path / "m")}  # CTranslate2's: converted from it
     assert "whole process" in timed.stdout
 
 

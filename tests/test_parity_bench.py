@@ -180,10 +180,12 @@ def test_bench_rows_carry_engine_precision_and_latency(model_dirs):
     assert all(r["latency_ms_per_sentence"] > 0 for r in rows.values())
 
 
-def test_comparison_table_names_the_model_dir_of_each_row_when_there_are_several():
+def test_comparison_tables_name_the_model_dir_of_each_row_when_there_are_several():
     """Two int8 exports of one checkpoint (say two weight forms) give rows alike in engine and
-    precision: the table's first column tells them apart; with one dir there is no such column."""
+    precision: the first column of both comparison tables (bench --compare, --whole-process) tells
+    them apart; with one dir there is no such column."""
     from pipeline.evaluation.bench_compare import format_comparison
+    from pipeline.evaluation.whole_process import format_whole_process
 
     def row(model_dir, engine, precision, tok_s):
         return {"engine": engine, "precision": precision, "quantization": None, "shortlist": False,
@@ -198,6 +200,11 @@ def test_comparison_table_names_the_model_dir_of_each_row_when_there_are_several
     assert lines[2].split()[-1] == "1.50" and lines[3].split()[-1] == "1.20"  # x CTranslate2 int8
     single = format_comparison({"model_dirs": ["runs/a-int8"], "results": results[:1] + results[2:]})
     assert single.splitlines()[0].split()[0] == "engine"
+    whole = [{**r, "file": "in.de", "lines": 3, "wall_s": 1.0} for r in results]
+    lines = format_whole_process({"model_dirs": ["runs/a-int8", "runs/b-int8"], "results": whole, "rounds": 1,
+                                  "threads": 2, "beam_size": 4, "fixed_length": None}).splitlines()
+    assert lines[0].split()[:2] == ["model", "engine"]
+    assert [line.split()[0] for line in lines[2:5]] == ["a-int8", "b-int8", "a-int8"]
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import platform
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -157,6 +158,16 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
 def vocabulary(row: dict) -> str:
     """A results row's target vocabulary, as the tables show it: the full one or the shortlist."""
     return "shortlist" if row.get("shortlist") else "full"
+
+
+def model_column(report: dict) -> Callable[[dict], str]:
+    """A comparison table's first cell per row: the row's model dir name, padded, where the report
+    covers several model dirs (two exports of one precision give rows alike otherwise); else ""."""
+    names = [Path(d).name for d in report["model_dirs"]]
+    if len(names) < 2:
+        return lambda row: ""
+    width = max(map(len, names + ["model"]))
+    return lambda row: f"{Path(row['model_dir']).name if row else 'model':<{width}} "
 
 
 def format_table(report: dict) -> str:

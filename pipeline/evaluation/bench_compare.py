@@ -29,7 +29,14 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import bench_backend, make_sources, package_version, peak_rss_mb, vocabulary
+from pipeline.evaluation.bench import (
+    bench_backend,
+    make_sources,
+    model_column,
+    package_version,
+    peak_rss_mb,
+    vocabulary,
+)
 from runtime.decoding import PAPER
 from runtime.loader import load_backend
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
@@ -178,11 +185,9 @@ def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
 def format_comparison(report: dict[str, Any]) -> str:
     """Rows per batch size; ratio columns against CTranslate2 fp32 and int8 of the same batch. With
     several model dirs, a first column names each row's (CTranslate2's: the first dir, converted)."""
-    names = [Path(d).name for d in report["model_dirs"]]
-    width = max(map(len, names + ["model"])) if len(names) > 1 else 0
-    model = f"{'model':<{width}} " if width else ""
-    head = (f"{model}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
-            f"{'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
+    model = model_column(report)
+    head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} "
+            f"{'tgt tok/s':>10} {'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
     lines = [head, "-" * len(head)]
     results = report["results"]
     for r in results:
@@ -191,9 +196,8 @@ def format_comparison(report: dict[str, Any]) -> str:
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
-        model = f"{Path(r['model_dir']).name:<{width}} " if width else ""
-        lines.append(f"{model}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} {vocabulary(r):<9} "
-                     f"{r['batch_size']:>5} {r['beam_size']:>4} "
+        lines.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
+                     f"{vocabulary(r):<9} {r['batch_size']:>5} {r['beam_size']:>4} "
                      f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
                      + " ".join(ratios))
     if "ctranslate2_greedy_agreement" in report:

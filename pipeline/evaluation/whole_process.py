@@ -26,7 +26,7 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import vocabulary
+from pipeline.evaluation.bench import model_column, vocabulary
 from pipeline.textio import read_lines
 from runtime.decoding import PAPER
 from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
@@ -139,7 +139,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             del translator, model
             for precision, compute_type in ctranslate2_compare.COMPUTE_TYPES.items():
                 engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
-                                "ct2_dir": str(ct2_dir), "compute_type": compute_type, "shortlist": False})
+                                "model_dir": str(model_dirs[0]), "ct2_dir": str(ct2_dir),
+                                "compute_type": compute_type, "shortlist": False})
         spms = sentencepiece_files(model_dirs[0], Path(tmp))
         # CTranslate2 decodes with the model's length penalty, within our length limit and positions
         manifest = read_manifest(model_dirs[0], verify=False)
@@ -160,10 +161,11 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                                            e["shortlist"])
                     wall, rss = run_timed(cmd)
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
-                    log.info("round %d %s %s %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"], f.name,
-                             wall, rss or 0)
+                    log.info("round %d %s %s (%s) %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"],
+                             Path(e["model_dir"]).name, f.name, wall, rss or 0)
     report["results"] = [
-        {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization", "shortlist")},
+        {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization", "shortlist",
+                                                          "model_dir")},
          "file": f,
          "lines": report["files"][f], "wall_s": round(statistics.median(w for w, _ in runs), 3),
          "wall_s_all": [round(w, 3) for w, _ in runs],
@@ -173,11 +175,12 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
 
 
 def format_whole_process(report: dict[str, Any]) -> str:
-    head = (f"{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
+    model = model_column(report)
+    head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
             f"{'peak MB':>8}")
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
-        rows.append(f"{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
+        rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
                     f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
                     f"{r['peak_rss_mb'] or 0:>8.0f}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
