@@ -121,6 +121,10 @@ class OrtBackend(ExportedGraphBackend):
         flip = (manifest.quantization == ROWWISE and not self.on_cuda
                 and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=pair_bounded))
         graph = functools.partial(session_graph, pair_bounded=pair_bounded) if flip else graph_as_is
+        if flip and not manifest.unsigned_weights:
+            log.info("%s: int8 weights exported before 2026-11-26 (full range), loaded as uint8 for the exact "
+                     "but slower u8 x u8 kernel on this CPU without int8 dot products; export the model again "
+                     "for pair-bounded weights and the faster u8 x s8 kernel (docs/int8.md)", model_dir)
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
         self.shortlist = shortlist
         decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE

@@ -220,11 +220,14 @@ def _legacy(model_dir, tmp_path, name, unsigned):
 
 
 @pytest.mark.parametrize("dot_product", [True, False], ids=["dot-products", "no-dot-products"])
-def test_rowwise_dirs_load_in_the_form_the_cpu_multiplies_fastest(dirs, tmp_path, monkeypatch, dot_product):
+def test_rowwise_dirs_load_in_the_form_the_cpu_multiplies_fastest(dirs, tmp_path, monkeypatch, caplog, dot_product):
     """Three rowwise dirs translate alike on either kind of CPU: pair-bounded int8 weights (exports
     now) load as stored on both; full-range int8 weights (before 2026-11-26) are flipped to uint8
     (the exact u8 x u8 kernel) only on a CPU without int8 dot products; uint8 weights (2026-11-25)
-    are flipped to int8 (the fast u8 x s8 kernel) only on a CPU with them."""
+    are flipped to int8 (the fast u8 x s8 kernel) only on a CPU with them. A full-range dir loaded
+    the slow way says how to get the fast one."""
+    import logging
+
     from runtime.decoding import PAPER
     from runtime.search import search
 
@@ -242,7 +245,10 @@ def test_rowwise_dirs_load_in_the_form_the_cpu_multiplies_fastest(dirs, tmp_path
     options = PAPER.replace(beam_size=2, max_len_a=0.0, max_len_b=10)
     got = {}
     for model_dir in (dirs["rowwise"], full_range, unsigned):
-        backend, _, _ = load_backend(model_dir, backend="onnxruntime", threads=1)
+        with caplog.at_level(logging.INFO, logger="runtime.ort_backend"):
+            caplog.clear()
+            backend, _, _ = load_backend(model_dir, backend="onnxruntime", threads=1)
+        assert ("export the model again" in caplog.text) == (model_dir == full_range and not dot_product)
         got[model_dir] = [[(h.tokens, round(h.score, 4)) for h in hyps] for hyps in search(backend, sources, options)]
     assert [p.parent for p in flipped] == [unsigned if dot_product else full_range] * 2
     assert [p.name for p in flipped] == GRAPHS
