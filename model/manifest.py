@@ -139,7 +139,7 @@ class Manifest:
     # store int8). Each CPU loads the form it multiplies fastest and exactly (runtime/cpu_int8.py)
     unsigned_weights: bool = False
     # rowwise only: integer-matmul weights pair-bounded (export/quantize.py quantize_columns), so
-    # the u8 x s8 kernel is exact on every CPU and no CPU flips them (the exports since 2026-11-26)
+    # the u8 x s8 kernel is exact on every CPU and no CPU flips them (current exports)
     pair_bounded_weights: bool = False
     # The model's own decoding defaults (runtime.decoding.DecodingOptions fields), from the checkpoint:
     # an imported model's num_beams, max_length, length penalty and search rules. Options given on the

@@ -122,7 +122,7 @@ class OrtBackend(ExportedGraphBackend):
                 and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=pair_bounded))
         graph = functools.partial(session_graph, pair_bounded=pair_bounded) if flip else graph_as_is
         if flip and not manifest.unsigned_weights:
-            log.info("%s: int8 weights exported before 2026-11-26 (full range), loaded as uint8 for the exact "
+            log.info("%s: full-range int8 weights (exported before pair-bounded ones), loaded as uint8 for the exact "
                      "but slower u8 x u8 kernel on this CPU without int8 dot products; export the model again "
                      "for pair-bounded weights and the faster u8 x s8 kernel (docs/int8.md)", model_dir)
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
