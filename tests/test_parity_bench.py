@@ -207,6 +207,18 @@ def test_comparison_tables_name_the_model_dir_of_each_row_when_there_are_several
     assert [line.split()[0] for line in lines[2:5]] == ["a-int8", "b-int8", "a-int8"]
 
 
+def test_whole_process_runs_keep_bytecode_outside_the_tree(tmp_path, monkeypatch):
+    """A machine that sets PYTHONDONTWRITEBYTECODE would make every timed run compile our modules again,
+    which no installed user pays; the timed processes keep bytecode, in a cache under the run's tmp."""
+    from pipeline.evaluation.whole_process import user_env
+
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env = user_env(tmp_path)
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["OMP_NUM_THREADS"] == "2"
+    assert env["PYTHONPYCACHEPREFIX"] == str(tmp_path / "pycache")
+
+
 @pytest.mark.slow
 def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
     pytest.importorskip("ctranslate2")
