@@ -261,7 +261,7 @@ def format_facts(facts: Facts) -> str:
                                          if c.int8_dot_product else
                                          "no int8 dot-product instructions: rowwise --int8 model dirs run "
                                          "exact u8 x s8 integer GEMMs on pair-bounded weights (u8 x u8 "
-                                         "for dirs exported before 2026-11-26), qdq ones fp32 GEMMs"))
+                                         "for older full-range exports), qdq ones fp32 GEMMs"))
     return "\n".join(lines)
 
 
