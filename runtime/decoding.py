@@ -37,8 +37,8 @@ class DecodingOptions:
     max_len_b: int = _opt(50, "Output length limit b in a * source_len + b.")
     min_len: int = _opt(0, "Least tokens to generate before EOS is allowed.")
     nbest: int = _opt(1, "Hypotheses to return per sentence (at most the beam width).")
-    # 2048: on a 2-core AVX2 CPU as fast as 4096 on `small` and 1.1x faster on `base`, in 28-35% less
-    # peak memory (benchmarks/2026-11-26_amd-epyc-avx2_whole-process-batch-tokens.md)
+    # 2048: as fast as 4096 on `small` and faster on `base`, in a third less peak memory on a CPU
+    # (benchmarks/README.md, "whole-process-batch-tokens")
     batch_tokens: int = _opt(2048, "Batch budget: sentences x longest source x beam, per batch.")
     rules: str = _opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
