@@ -185,9 +185,7 @@ class BeamCache:
             slots[:, t] = reorder % rows
             self.slots = slots
             if n_sentences != self.n_sentences:  # finished sentences leave (search keeps the order)
-                self.k = [self.buffers.take_rows(t, kept) for t in self.k]
-                self.v = [self.buffers.take_rows(t, kept) for t in self.v]
-                self.n_sentences = n_sentences
+                self._drop(kept)
         if self.steps >= self.capacity:
             if self.steps >= self.max_steps:
                 raise CacheError(f"step {self.steps} is past the {self.max_steps} decoder positions")
@@ -207,8 +205,13 @@ class BeamCache:
             sentence = np.arange(n, dtype=np.int64) // self.rows
             head_start = (sentence[:, None] * h + np.arange(h, dtype=np.int64)) * (self.capacity * self.rows)
             self._head_start, self._head_start_for = head_start[:, :, None], (n, self.rows, self.capacity)
-        position = self.slots + np.arange(0, t * self.rows, self.rows, dtype=np.int64)  # (hyps, t)
-        return self._head_start + position[:, None, :], np.zeros((n, t), dtype=np.float32)
+        return self._head_start + self.positions()[:, None, :], np.zeros((n, t), dtype=np.float32)
+
+    def positions(self) -> np.ndarray:
+        """(hyps, steps) int64: where in its sentence's time-major rows each hypothesis' ancestor
+        wrote at each earlier step."""
+        t = self.slots.shape[1]
+        return self.slots + np.arange(0, t * self.rows, self.rows, dtype=np.int64)
 
     # -- after a step -------------------------------------------------------------------
 
@@ -232,6 +235,12 @@ class BeamCache:
         self.v = [self.buffers.zeros(shape) for _ in range(n)]
         self.capacity = capacity
         self.n_sentences = n_sentences
+
+    def _drop(self, kept: np.ndarray) -> None:
+        """Keep the sentences `kept` (their earlier indices, ascending) and drop the others' rows."""
+        self.k = [self.buffers.take_rows(t, kept) for t in self.k]
+        self.v = [self.buffers.take_rows(t, kept) for t in self.v]
+        self.n_sentences = int(kept.shape[0])
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` steps; what is written keeps its place (time-major rows)."""

@@ -1,5 +1,9 @@
 """The PyTorch backend: the checkpoint's model running the same incremental step that
-the ONNX graphs were exported from (model.Transformer.decode_step)."""
+the ONNX graphs were exported from (model.Transformer.decode_step).
+
+On a CUDA device the step runs on fixed shapes and is replayed as a CUDA graph
+(runtime/static_step.py), unless a vocabulary shortlist is used (its candidates change shape
+with every batch) or `step_mode="eager"` asks otherwise."""
 
 from __future__ import annotations
 
@@ -14,6 +18,9 @@ from model.transformer import Transformer, select_candidates
 from runtime.backend import EncoderState, StepOutput, host, select_rows
 from runtime.loader import DEFAULT_TOPK
 from runtime.shortlist import Shortlist
+from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
+
+STEP_MODES = ("eager", "static", "graph")  # static: the graph's fixed shapes without capture (CPU tests)
 
 
 class TorchBackend:
@@ -21,7 +28,8 @@ class TorchBackend:
 
     def __init__(self, model: Transformer, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
-                 max_src_len: int | None = None, max_tgt_len: int | None = None, shortlist: Shortlist | None = None):
+                 max_src_len: int | None = None, max_tgt_len: int | None = None, shortlist: Shortlist | None = None,
+                 step_mode: str | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(self.device, dtype=dtype).eval()
@@ -32,6 +40,15 @@ class TorchBackend:
         self.shortlist = shortlist  # each batch's steps score its candidates only
         if shortlist is not None:
             shortlist.check(self.cfg.vocab_size, self.cfg.eos_id, topk, "--shortlist")
+        if step_mode is None:
+            step_mode = "graph" if self.device.type == "cuda" and shortlist is None else "eager"
+        if step_mode not in STEP_MODES:
+            raise ValueError(f"step mode {step_mode!r}: choose one of {', '.join(STEP_MODES)}")
+        if step_mode != "eager" and shortlist is not None:
+            raise ValueError("a vocabulary shortlist needs the eager step (its candidates change with the batch)")
+        self.step_mode = step_mode
+        self.static = None if step_mode == "eager" else StaticStepRunner(
+            self.model, topk, dtype, self.device, capture=step_mode == "graph")
 
     @torch.inference_mode()
     def encode(self, src_ids: Any) -> EncoderState:
@@ -48,14 +65,22 @@ class TorchBackend:
         return EncoderState(tensors, src_ids.shape[0], candidates=candidates)
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
+        if isinstance(state.bound, StaticBatch):  # its sentences keep their static slots (the cache maps them)
+            return EncoderState({}, int(np.asarray(rows).shape[0]), bound=state.bound)
         return select_rows(state, rows)
 
     def initial_cache(self, n_rows: int) -> BeamCache:
+        if self.static is not None:
+            return self.static.cache(n_rows, self.max_tgt_len)
         return BeamCache(self.cfg, n_rows, self.dtype, self.device, max_steps=self.max_tgt_len)
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
              reorder: Any) -> tuple[StepOutput, BeamCache]:
+        if isinstance(cache, StaticCache) and self.static is not None:
+            out, cache = self.static.step(state, tokens, step, cache, reorder)
+            state.bound = cache.batch
+            return out, cache
         n = self.cfg.n_dec_layers
         t = state.tensors
         feeds = cache.advance(reorder, state.n_rows)

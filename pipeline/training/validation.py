@@ -34,7 +34,8 @@ def validate(model: Transformer, data: PreparedData, opts: TrainOptions, device:
             loss_sum, nll_sum, tokens = loss_sum + loss.item(), nll_sum + nll.item(), tokens + batch.n_tgt_tokens
         n = opts.valid_max_sentences or len(data.valid_src_lines)
         sources, refs = data.valid_src_lines[:n], data.valid_ref_lines[:n]
-        backend = TorchBackend(model, device=device, max_src_len=opts.max_len)
+        # eager: the training model's shapes and weights change between validations (graphs: not yet measured there)
+        backend = TorchBackend(model, device=device, max_src_len=opts.max_len, step_mode="eager")
         # The paper's length penalty and length limit; only the beam width is ours (speed).
         decoding = PAPER.replace(beam_size=opts.valid_beam)
         hyps = translate_lines(backend, data.tokenizer, sources, decoding)

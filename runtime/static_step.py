@@ -1,0 +1,260 @@
+"""The torch backend's decoder step at fixed shapes, replayed as a CUDA graph on the GPU.
+
+Eager PyTorch launches each of a step's few hundred kernels from Python, so on a GPU a base model's
+step costs about 5 ms whatever the batch, the card idle most of that time (docs/gpu.md). A CUDA graph
+launches them all at once, but every tensor it reads or writes must keep its address and shape. So, for
+one batch being decoded:
+
+- its sentences are padded up to a size bucket (`size_bucket`) and its source up to a multiple of
+  SOURCE_ALIGN; the cross-attention K/V and the source bias are copied once into static tensors of
+  that shape, the padding masked;
+- the self-attention cache keeps model/cache.py's layout, in static buffers per capacity (16, 32, 64...
+  steps) that the step itself writes in place at `write_pos`; growing copies the written part once;
+- each hypothesis reads its ancestors' keys through the eager step's index, padded to the capacity with
+  masked positions (-1 in `pos`), so the step's shapes depend on the bucket alone;
+- finished sentences keep their slots (their rows decode padding and are ignored): nothing is compacted
+  and the cross K/V are never selected again;
+- the small inputs (tokens, position, write rows, ancestry) travel to the device in one copy, and the
+  candidates come back in three.
+
+One graph per (sentences, beam, source, capacity) bucket, captured at its first step and replayed
+after; the buffers and graphs of the last MAX_BATCHES batch shapes are kept, all graphs in one memory
+pool (they run one at a time and their outputs are read before the next runs). Without capture (mode
+"static") the same body runs eagerly: that is how the CPU tests check the graph's arithmetic.
+Translations match the eager step's; log-probs may differ in rounding (sums over masked padding).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+import torch
+
+from model.cache import BeamCache
+from model.config import MASK_VALUE, ModelConfig
+from model.transformer import Transformer, select_candidates
+from runtime.backend import EncoderState, StepOutput, host
+
+log = logging.getLogger(__name__)
+
+SOURCE_ALIGN = 8  # source positions are padded up to a multiple of this
+MAX_BATCHES = 4  # batch shapes whose buffers and graphs are kept
+
+
+def size_bucket(n: int) -> int:
+    """The padded sentence count: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48... (at most 1.5x n)."""
+    if n < 1:
+        raise ValueError(f"a batch needs at least one sentence, got {n}")
+    p = 1 << (n - 1).bit_length()  # the power of two >= n
+    return p * 3 // 4 if p >= 4 and n <= p * 3 // 4 else p
+
+
+def source_bucket(s: int) -> int:
+    return -(-s // SOURCE_ALIGN) * SOURCE_ALIGN
+
+
+class StaticCache(BeamCache):
+    """BeamCache's ancestry over a StaticBatch's buffers: sentences that finish keep their slots
+    (`live` maps each live sentence to its slot), and the step writes its keys itself."""
+
+    def __init__(self, cfg: ModelConfig, n_hyps: int, max_steps: int):
+        super().__init__(cfg, n_hyps, max_steps=max_steps)  # its own numpy buffers stay empty
+        self.live = np.zeros(0, dtype=np.int64)
+        self.batch: StaticBatch | None = None
+        self.storage: _Capacity | None = None  # the batch's buffers for self.capacity
+
+    def _allocate(self, n_sentences: int, capacity: int) -> None:
+        self.capacity, self.n_sentences = capacity, n_sentences
+        self.live = np.arange(n_sentences, dtype=np.int64)
+
+    def _drop(self, kept: np.ndarray) -> None:
+        self.live = self.live[kept]
+        self.n_sentences = int(kept.shape[0])
+
+    def _grow(self, capacity: int) -> None:
+        self.capacity = capacity  # the runner moves the buffers (StaticStepRunner.step)
+
+    def static_rows(self) -> np.ndarray:
+        """(hyps,) the static row of each live hypothesis."""
+        return (self.live[:, None] * self.rows + np.arange(self.rows, dtype=np.int64)).reshape(-1)
+
+
+class _Capacity:
+    """A batch's buffers for one cache capacity, with the inputs its graph reads."""
+
+    def __init__(self, batch: StaticBatch, capacity: int):
+        cfg, n, rows = batch.cfg, batch.n_hyps, batch.rows
+        h, dh, dev = cfg.n_heads, cfg.d_head, batch.device
+        self.capacity = capacity
+        shape = (batch.n_sentences, h, capacity * rows, dh)
+        self.k = [torch.zeros(shape, dtype=batch.dtype, device=dev) for _ in range(cfg.n_dec_layers)]
+        self.v = [torch.zeros(shape, dtype=batch.dtype, device=dev) for _ in range(cfg.n_dec_layers)]
+        sentence = torch.arange(n, device=dev) // rows
+        self.head_start = ((sentence[:, None] * h + torch.arange(h, device=dev)) * (capacity * rows))[:, :, None]
+        # one host-to-device copy per step: tokens (n), position (1), write rows (rows), ancestry (n x capacity)
+        self.feed = torch.zeros(n + 1 + rows + n * capacity, dtype=torch.int64, device=dev)
+        self.tokens, self.step = self.feed[:n], self.feed[n:n + 1]
+        self.write_pos = self.feed[n + 1:n + 1 + rows]
+        self.pos = self.feed[n + 1 + rows:].view(n, capacity)
+        self.host_feed = np.zeros(self.feed.shape[0], dtype=np.int64)
+        self.graph: Any = None
+        self.out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class StaticBatch:
+    """Static storage for batches of one shape: `n_sentences` slots (padded), `rows` hypotheses each,
+    sources of `src_len` positions (padded); one _Capacity per cache capacity."""
+
+    def __init__(self, cfg: ModelConfig, n_sentences: int, rows: int, src_len: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.cfg, self.n_sentences, self.rows, self.src_len = cfg, n_sentences, rows, src_len
+        self.n_hyps = n_sentences * rows
+        self.dtype, self.device = dtype, device
+        shape = (n_sentences, cfg.n_heads, src_len, cfg.d_head)
+        self.cross_k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_dec_layers)]
+        self.cross_v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_dec_layers)]
+        self.src_bias = torch.full((n_sentences, src_len), MASK_VALUE, dtype=torch.float32, device=device)
+        self.capacities: dict[int, _Capacity] = {}
+        self.busy = False
+
+    def load(self, state: EncoderState) -> None:
+        """Copy a batch's encoder state into slots 0..n-1; other slots and positions masked."""
+        from model import io_names
+
+        t = state.tensors
+        bias = t[io_names.SRC_BIAS]
+        n, s = bias.shape
+        self.src_bias.fill_(MASK_VALUE)
+        self.src_bias[:n, :s].copy_(bias)
+        for i in range(self.cfg.n_dec_layers):
+            self.cross_k[i][:n, :, :s].copy_(t[io_names.cross_k(i)])
+            self.cross_v[i][:n, :, :s].copy_(t[io_names.cross_v(i)])
+
+    def capacity(self, capacity: int) -> _Capacity:
+        if capacity not in self.capacities:
+            self.capacities[capacity] = _Capacity(self, capacity)
+        return self.capacities[capacity]
+
+
+class StaticStepRunner:
+    """Runs TorchBackend's steps on StaticBatch storage: as CUDA graphs (`capture`), or eagerly."""
+
+    def __init__(self, model: Transformer, topk: int, dtype: torch.dtype, device: torch.device, capture: bool):
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.model, self.cfg, self.topk = model, model.cfg, topk
+        self.dtype, self.device, self.capture = dtype, device, capture
+        self.batches: OrderedDict[tuple[int, int, int], StaticBatch] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.captures = 0  # graphs captured so far (bench and tests read it)
+
+    def cache(self, n_hyps: int, max_steps: int) -> StaticCache:
+        return StaticCache(self.cfg, n_hyps, max_steps)
+
+    # -- binding a batch ----------------------------------------------------------------
+
+    def _bind(self, cache: StaticCache, state: EncoderState) -> StaticBatch:
+        from model import io_names
+
+        src_len = int(state.tensors[io_names.SRC_BIAS].shape[1])
+        key = (size_bucket(state.n_rows), cache.rows, source_bucket(src_len))
+        batch = self.batches.get(key)
+        if batch is None or batch.busy:  # a busy one serves another search (threads) at this moment
+            batch = StaticBatch(self.cfg, key[0], key[1], key[2], self.dtype, self.device)
+            if key not in self.batches:
+                self.batches[key] = batch
+                while len(self.batches) > MAX_BATCHES:
+                    oldest = next((k for k, b in self.batches.items() if not b.busy), None)
+                    if oldest is None:
+                        break
+                    del self.batches[oldest]
+        if self.batches.get(key) is batch:
+            self.batches.move_to_end(key)
+        batch.busy = True
+        weakref.finalize(cache, StaticStepRunner._release, batch)
+        batch.load(state)
+        return batch
+
+    @staticmethod
+    def _release(batch: StaticBatch) -> None:
+        batch.busy = False
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self, state: EncoderState, tokens: Any, step: int, cache: StaticCache,
+             reorder: Any) -> tuple[StepOutput, StaticCache]:
+        cache.advance(reorder, state.n_rows)
+        if cache.batch is None:
+            cache.batch = self._bind(cache, state)
+        batch = cache.batch
+        storage = batch.capacity(cache.capacity)
+        old = cache.storage
+        if old is not None and old is not storage:  # grown: the written steps move once
+            used = old.capacity * batch.rows
+            for new_buf, old_buf in zip(storage.k + storage.v, old.k + old.v):
+                new_buf[:, :, :used].copy_(old_buf)
+        cache.storage = storage
+
+        live = cache.static_rows()
+        n, rows_per = batch.n_hyps, batch.rows
+        feed = storage.host_feed
+        feed[:n] = self.cfg.pad_id
+        feed[live] = np.asarray(tokens, dtype=np.int64)
+        feed[n] = step
+        feed[n + 1:n + 1 + rows_per] = cache.steps * rows_per + np.arange(rows_per)
+        pos = feed[n + 1 + rows_per:].reshape(n, storage.capacity)
+        pos.fill(-1)
+        t = cache.slots.shape[1]
+        if t:
+            pos[live, :t] = cache.positions()
+        storage.feed.copy_(torch.from_numpy(feed))
+
+        if self.capture and storage.graph is None:
+            try:
+                self._capture(batch, storage)
+            except RuntimeError as e:  # the step stays correct, only slower
+                log.warning("the decoder step could not be captured as a CUDA graph (%s); it runs eagerly on "
+                            "fixed shapes from now on", e)
+                self.capture = False
+        if storage.graph is not None:
+            storage.graph.replay()
+            top_lp, top_ids, eos_lp = storage.out  # type: ignore[misc]
+        else:
+            top_lp, top_ids, eos_lp = self._body(batch, storage)
+        cache.steps += 1
+        return StepOutput(host(top_lp)[live], host(top_ids)[live], host(eos_lp)[live]), cache
+
+    def _body(self, batch: StaticBatch, s: _Capacity) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step on static tensors only: what a graph captures."""
+        cfg = self.cfg
+        index = s.head_start + s.pos.clamp(min=0)[:, None, :]
+        bias = (s.pos < 0).float() * MASK_VALUE
+        log_probs, step_k, step_v = self.model.decode_step(s.tokens, s.step, index, bias, s.k, s.v, batch.cross_k,
+                                                           batch.cross_v, batch.src_bias)
+        for buf, new in zip(s.k + s.v, step_k + step_v):
+            buf.index_copy_(2, s.write_pos, new.view(batch.n_sentences, batch.rows, cfg.n_heads,
+                                                     cfg.d_head).transpose(1, 2))
+        return select_candidates(log_probs, self.topk, cfg.eos_id)
+
+    def _capture(self, batch: StaticBatch, s: _Capacity) -> None:
+        """Capture the step for this bucket. The warm-up runs the step for real on a side stream (as
+        capture requires); it writes the same keys that the replay then writes again."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._body(batch, s)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            s.out = self._body(batch, s)
+        s.graph = graph
+        self.captures += 1
+        log.debug("captured the decoder step for %d sentences x %d rows, source %d, capacity %d",
+                  batch.n_sentences, batch.rows, batch.src_len, s.capacity)
