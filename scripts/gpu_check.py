@@ -91,6 +91,7 @@ class Mode:
     bench_sentences: dict[int, int]
     bench_dtypes: tuple[str, ...]
     roofline_batches: tuple[int, ...]
+    step_modes: tuple[str, ...]  # the torch backend's decoder step (runtime/static_step.py), the first the reference
     cli_batches: tuple[int, ...]
     copy_bytes: int
     matmul_n: int
@@ -115,6 +116,7 @@ MODES = {
         serve_threads=(), decode=(), test_lines=200,
         bench_presets=("base", "big"), bench_vocab=32000, bench_batches=(1, 32, 128),
         bench_sentences={1: 8, 32: 128, 128: 256}, bench_dtypes=("fp32", "fp16"), roofline_batches=(32, 128),
+        step_modes=("eager", "graph"),
         cli_batches=(1, 32), copy_bytes=1 << 30, matmul_n=8192, matmul_dtypes=("fp32", "fp16", "bf16"),
         threads=None, budget_s=460.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 120, "train": 180, "resume": 300,
@@ -129,7 +131,8 @@ MODES = {
         decode=("--max-len-a", "0", "--max-len-b", "12"),  # the untrained tiny model never ends by itself
         test_lines=50,
         bench_presets=("tiny", "demo"), bench_vocab=256, bench_batches=(1, 4), bench_sentences={1: 4, 4: 8},
-        bench_dtypes=("fp32",), roofline_batches=(4,), cli_batches=(1, 4), copy_bytes=64 << 20, matmul_n=512,
+        bench_dtypes=("fp32",), roofline_batches=(4,), step_modes=("eager", "static"),
+        cli_batches=(1, 4), copy_bytes=64 << 20, matmul_n=512,
         matmul_dtypes=("fp32",), threads=2, budget_s=600.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 90, "train": 120, "resume": 240,
                   "export-fp32": 180, "export-fp16": 180, "serve-fp32": 90, "serve-fp16": 90,
@@ -696,12 +699,19 @@ class Check:
             "device": m.device, "checkpoints": self.need_checkpoints(), "batches": list(m.bench_batches),
             "sentences": {str(k): v for k, v in m.bench_sentences.items()}, "beam": 4, "fixed_length": 30,
             "dtypes": list(m.bench_dtypes), "roofline_batches": list(m.roofline_batches), "threads": m.threads,
+            "step_modes": list(m.step_modes),
         }, deadline)
         st.data.update(data)
         if not data.get("rows"):
             raise Fail("no bench rows")
+        differ = [r for r in data["rows"] if r["identical_to_first_mode"] != r["identity_sentences"]]
+        if differ:
+            raise Fail("the decoder step modes translate differently: " + "; ".join(
+                f"{r['preset']} {r['dtype']} {r['step_mode']} batch {r['batch_size']}: {r['identical_to_first_mode']}"
+                f"/{r['identity_sentences']} identical to {m.step_modes[0]}" for r in differ))
         return f"{len(data['rows'])} rows ({', '.join(m.bench_presets)} x {', '.join(m.bench_dtypes)} x batch " \
-               f"{', '.join(map(str, m.bench_batches))}), beam 4, 30 tokens"
+               f"{', '.join(map(str, m.bench_batches))} x step {', '.join(m.step_modes)}), beam 4, 30 tokens; " \
+               f"the step modes token-identical"
 
     def marian(self, st: Stage, deadline: float) -> str:
         m = self.mode
@@ -746,8 +756,8 @@ class Check:
         if not data["rows"]:
             why = f"{head}; no step timings from stage bench ({self.stages['bench'].status}) to place on it"
             raise (Fail(why) if self.stages["bench"].status == PASS else Skip(why))
-        rows = "; ".join(f"{r['preset']} {r['dtype']} batch {r['batch_size']}: {r['achieved']['roofline_pct']:.0f}% "
-                         f"of roofline" for r in data["rows"])
+        rows = "; ".join(f"{r['preset']} {r['dtype']} {r.get('step_mode') or 'eager'} batch {r['batch_size']}: "
+                         f"{r['achieved']['roofline_pct']:.0f}% of roofline" for r in data["rows"])
         return f"{head}; {rows}"
 
     # -- all of it -------------------------------------------------------------------------------
@@ -924,16 +934,21 @@ def render_markdown(report: dict[str, Any], mode: Mode) -> str:
                   "the forced EOS; generate: min_new_tokens = max_new_tokens = 30), random sources of 20 tokens, "
                   "random weights. Peak memory: torch.cuda.max_memory_allocated during the measurement, "
                   "weights included (on the CPU: the process's peak RSS).", "",
-                  "| shape | dtype | batch | ours tok/s | ours ms/sent | ours peak MiB | Marian tok/s | "
-                  "Marian ms/sent | Marian peak MiB | ours / Marian |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "Ours in each decoder step mode (runtime/static_step.py: `eager` launches each kernel from "
+                  "Python; `graph` replays the step as a CUDA graph on fixed shapes; `static` is that without "
+                  "capture); 'same tokens' counts the first batch's translations identical to the first mode's.", "",
+                  "| shape | dtype | batch | step | ours tok/s | ours ms/sent | ours peak MiB | same tokens | "
+                  "Marian tok/s | Marian ms/sent | Marian peak MiB | ours / Marian |",
+                  "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in rows:
             peer = marian_rows.get((r["preset"], r["dtype"], r["batch_size"])) or {}
             speed = peer.get("target_tokens_per_s")
             ratio = r["target_tokens_per_s"] / speed if speed else None
             peak = r.get("peak_gpu_mib") if r.get("peak_gpu_mib") is not None else r.get("peak_rss_mb")
-            cells = [r["preset"], r["dtype"], r["batch_size"], fmt(r["target_tokens_per_s"], ".0f"),
-                     fmt(r["latency_ms_per_sentence"], ".2f"), fmt(peak, ".0f"), fmt(speed, ".0f"),
+            same = f"{r.get('identical_to_first_mode')}/{r.get('identity_sentences')}"
+            cells = [r["preset"], r["dtype"], r["batch_size"], r.get("step_mode", "eager"),
+                     fmt(r["target_tokens_per_s"], ".0f"), fmt(r["latency_ms_per_sentence"], ".2f"), fmt(peak, ".0f"),
+                     same, fmt(speed, ".0f"),
                      fmt(peer.get("latency_ms_per_sentence"), ".2f"), fmt(peer.get("peak_gpu_mib"), ".0f"),
                      fmt(ratio, ".2f")]
             lines.append("| " + " | ".join(map(str, cells)) + " |")
@@ -960,12 +975,13 @@ def render_markdown(report: dict[str, Any], mode: Mode) -> str:
                     "output projection, self K/V of t earlier positions per hypothesis, cross K/V once per sentence, "
                     "the fp32 log-probs written and read once; summed over the 31 steps of a batch and divided by "
                     "the measured time of those steps (search's host work included).", "",
-                  "| shape | dtype | batch x beam | MB/step | GFLOP/step | step ms | GB/s | % copy BW | TFLOP/s | "
-                  "% matmul | % roofline |",
-                  "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| shape | dtype | step | batch x beam | MB/step | GFLOP/step | step ms | GB/s | % copy BW | "
+                  "TFLOP/s | % matmul | % roofline |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in roof.get("rows", []):
             a, c, steps = r["achieved"], r["cost"], r["steps"]
-            cells = [r["preset"], r["dtype"], f"{r['batch_size']} x {r['beam']}", f"{c['bytes'] / steps / 1e6:.1f}",
+            cells = [r["preset"], r["dtype"], r.get("step_mode") or "eager", f"{r['batch_size']} x {r['beam']}",
+                     f"{c['bytes'] / steps / 1e6:.1f}",
                      f"{c['flops'] / steps / 1e9:.2f}", f"{1000 * a['seconds'] / steps:.2f}",
                      f"{a['bytes_per_s'] / 1e9:.0f}", f"{a['bandwidth_pct']:.1f}", f"{a['flops_per_s'] / 1e12:.2f}",
                      f"{a['flops_pct']:.1f}", f"{a['roofline_pct']:.1f}"]
@@ -1177,8 +1193,10 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
     from model.checkpoint import load_model
     from pipeline.evaluation.bench import bench_backend, make_sources, peak_rss_mb, reset_peak_rss
     from runtime.decoding import PAPER
+    from runtime.search import search
     from runtime.tokenizer import Tokenizer
     from runtime.torch_backend import TorchBackend
+    from runtime.translate import pad_batch
 
     _threads(p)
     device = torch.device(p["device"])
@@ -1187,32 +1205,39 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
     decoding = PAPER.replace(beam_size=p["beam"], max_len_a=0.0, max_len_b=p["fixed_length"],
                              min_len=p["fixed_length"])
     rows, timings = [], []
+    outputs: dict[tuple[str, str, int], list[list[int]]] = {}
     for preset, path in p["checkpoints"].items():
         model, spm_bytes, _ = load_model(Path(path), device="cpu")
         tokenizer = Tokenizer(spm_bytes)
         n = max(p["sentences"][str(b)] for b in p["batches"])
         sources = make_sources(tokenizer, None, n, 20, model.cfg.max_positions)
-        for dtype in p["dtypes"]:
-            backend = TorchBackend(model, device, dtypes[dtype])
+        for dtype, mode in ((d, m) for d in p["dtypes"] for m in p["step_modes"]):
+            backend = TorchBackend(model, device, dtypes[dtype], step_mode=mode)
             weights_mib = torch.cuda.memory_allocated(device) / 2 ** 20 if cuda else None
             for bs in p["batches"]:
+                first = [h[0].tokens for h in search(backend, pad_batch(sources[:bs]), decoding)]
+                reference = outputs.setdefault((preset, dtype, bs), first)  # the first mode's (eager)
                 if cuda:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats(device)
                 reset_peak_rss()
                 r = bench_backend(backend, sources[: p["sentences"][str(bs)]], bs, PAPER.replace(beam_size=p["beam"]),
                                   p["fixed_length"], dtype)
-                row = dict(asdict(r), preset=preset, dtype=dtype, peak_rss_mb=peak_rss_mb(),
+                row = dict(asdict(r), preset=preset, dtype=dtype, step_mode=mode, peak_rss_mb=peak_rss_mb(),
+                           identical_to_first_mode=sum(a == b for a, b in zip(first, reference)),
+                           identity_sentences=len(first),
+                           graphs_captured=backend.static.captures if backend.static is not None else 0,
                            peak_gpu_mib=round(torch.cuda.max_memory_allocated(device) / 2 ** 20, 1) if cuda else None,
                            weights_gpu_mib=round(weights_mib, 1) if weights_mib is not None else None,
                            model_config=model.cfg.to_dict())
                 rows.append(row)
-                print(f"bench {preset} {dtype} batch {bs}: {r.target_tokens_per_s:.0f} tok/s, "
+                print(f"bench {preset} {dtype} {mode} batch {bs}: {r.target_tokens_per_s:.0f} tok/s, "
                       f"{r.latency_ms_per_sentence:.2f} ms/sentence, peak GPU {row['peak_gpu_mib']} MiB",
                       file=sys.stderr, flush=True)
             for bs in p["roofline_batches"]:
                 best, steps = min(timed_steps(backend, sources[:bs], decoding) for _ in range(2))
-                timings.append({"preset": preset, "dtype": dtype, "batch_size": bs, "beam": p["beam"], "src_len": 20,
+                timings.append({"preset": preset, "dtype": dtype, "step_mode": mode, "batch_size": bs,
+                                "beam": p["beam"], "src_len": 20,
                                 "steps": steps, "step_seconds": best, "model_config": model.cfg.to_dict()})
             del backend
             if cuda:
@@ -1323,7 +1348,8 @@ def worker_roofline(p: dict[str, Any]) -> dict[str, Any]:
         width = 2 if t["dtype"] in ("fp16", "bf16") else 4
         cost = roofline.decode_cost(shape, t["batch_size"], t["beam"], t["steps"], t["src_len"], weight_bytes=width)
         rate = matmul.get(t["dtype"], matmul.get("fp32"))
-        rows.append({**{k: t[k] for k in ("preset", "dtype", "batch_size", "beam", "steps", "src_len")},
+        rows.append({**{k: t.get(k) for k in ("preset", "dtype", "step_mode", "batch_size", "beam", "steps",
+                                              "src_len")},
                      "cost": cost.to_dict(),
                      "per_step_at_t15": roofline.step_cost(shape, t["batch_size"], t["beam"], 15, t["src_len"],
                                                            weight_bytes=width).to_dict(),
