@@ -34,7 +34,8 @@ class EncoderState:
     # the backend's array type; kept as the batch's sentences finish
     candidates: Any = None
     # what a backend sets up once for this state's steps (ONNX Runtime: its IO binding, with
-    # these tensors bound once); a selected state starts without it
+    # these tensors bound once; the torch backend's fixed-shape step: the static batch its sentences
+    # live in, which a selected state keeps); an ONNX Runtime state selected starts without it
     bound: Any = field(default=None, repr=False, compare=False)
 
 
