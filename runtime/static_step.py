@@ -154,6 +154,7 @@ class StaticStepRunner:
         self.batches: OrderedDict[tuple[int, int, int], StaticBatch] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured so far (bench and tests read it)
+        self.gpu_times: list[float] | None = None  # a list: each replay's GPU seconds are appended (the GPU check)
 
     def cache(self, n_hyps: int, max_steps: int) -> StaticCache:
         return StaticCache(self.cfg, n_hyps, max_steps)
@@ -223,13 +224,22 @@ class StaticStepRunner:
                 log.warning("the decoder step could not be captured as a CUDA graph (%s); it runs eagerly on "
                             "fixed shapes from now on", e)
                 self.capture = False
+        events = None
         if storage.graph is not None:
+            if self.gpu_times is not None:
+                events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                events[0].record()
             storage.graph.replay()
+            if events is not None:
+                events[1].record()
             top_lp, top_ids, eos_lp = storage.out  # type: ignore[misc]
         else:
             top_lp, top_ids, eos_lp = self._body(batch, storage)
         cache.steps += 1
-        return StepOutput(host(top_lp)[live], host(top_ids)[live], host(eos_lp)[live]), cache
+        out = StepOutput(host(top_lp)[live], host(top_ids)[live], host(eos_lp)[live])  # waits for the device
+        if events is not None and self.gpu_times is not None:
+            self.gpu_times.append(events[0].elapsed_time(events[1]) / 1000)
+        return out, cache
 
     def _body(self, batch: StaticBatch, s: _Capacity) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The step on static tensors only: what a graph captures."""

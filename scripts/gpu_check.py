@@ -982,14 +982,19 @@ def render_markdown(report: dict[str, Any], mode: Mode) -> str:
                     "output projection, self K/V of t earlier positions per hypothesis, cross K/V once per sentence, "
                     "the fp32 log-probs written and read once; summed over the 31 steps of a batch and divided by "
                     "the measured time of those steps (search's host work included).", "",
-                  "| shape | dtype | step | batch x beam | MB/step | GFLOP/step | step ms | GB/s | % copy BW | "
-                  "TFLOP/s | % matmul | % roofline |",
-                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "The step ms is the host's wall time of each step (upload, replay or launches, downloads); GPU "
+                  "ms is the device's time in the graph (CUDA events around each replay); device ops counts "
+                  "what one eager step launches (torch.profiler), which the graph replays.", "",
+                  "| shape | dtype | step | batch x beam | MB/step | GFLOP/step | step ms | GPU ms | device ops | "
+                  "GB/s | % copy BW | TFLOP/s | % matmul | % roofline |",
+                  "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for r in roof.get("rows", []):
             a, c, steps = r["achieved"], r["cost"], r["steps"]
             cells = [r["preset"], r["dtype"], r.get("step_mode") or "eager", f"{r['batch_size']} x {r['beam']}",
                      f"{c['bytes'] / steps / 1e6:.1f}",
                      f"{c['flops'] / steps / 1e9:.2f}", f"{1000 * a['seconds'] / steps:.2f}",
+                     fmt(1000 * r["gpu_step_seconds"] / steps if r.get("gpu_step_seconds") else None, ".2f"),
+                     fmt((r.get("device_ops_per_step") or {}).get("per_step"), ".0f"),
                      f"{a['bytes_per_s'] / 1e9:.0f}", f"{a['bandwidth_pct']:.1f}", f"{a['flops_per_s'] / 1e12:.2f}",
                      f"{a['flops_pct']:.1f}", f"{a['roofline_pct']:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
@@ -1242,10 +1247,12 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
                       f"{r.latency_ms_per_sentence:.2f} ms/sentence, peak GPU {row['peak_gpu_mib']} MiB",
                       file=sys.stderr, flush=True)
             for bs in p["roofline_batches"]:
-                best, steps = min(timed_steps(backend, sources[:bs], decoding) for _ in range(2))
+                best, steps, gpu = min(timed_steps(backend, sources[:bs], decoding) for _ in range(2))
                 timings.append({"preset": preset, "dtype": dtype, "step_mode": mode, "batch_size": bs,
-                                "beam": p["beam"], "src_len": 20,
-                                "steps": steps, "step_seconds": best, "model_config": model.cfg.to_dict()})
+                                "beam": p["beam"], "src_len": 20, "steps": steps, "step_seconds": best,
+                                "gpu_step_seconds": gpu, "model_config": model.cfg.to_dict(),
+                                "device_ops_per_step": device_ops_per_step(backend, sources[:bs], decoding)
+                                if cuda and mode == "eager" else None})
             del backend
             if cuda:
                 torch.cuda.empty_cache()
@@ -1255,13 +1262,18 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
             "how": "pipeline.evaluation.bench.bench_backend on runtime.torch_backend.TorchBackend(checkpoint model)"}
 
 
-def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[float, int]:
+def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[float, int, float | None]:
     """Decode one batch with search as serving does, timing each backend.step call (the torch backend
-    returns host arrays, so the device is synchronised): (seconds in steps, steps)."""
+    returns host arrays, so the device is synchronised): (seconds in steps, steps, and for CUDA graphs
+    the seconds the device spent in the graphs, from CUDA events around each replay)."""
     from runtime.search import search
     from runtime.translate import pad_batch
 
     real_step, spent = backend.step, [0.0, 0]
+    runner = getattr(backend, "static", None)
+    graphs = runner is not None and runner.capture
+    if graphs:
+        runner.gpu_times = []
 
     def timed(*args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -1275,7 +1287,29 @@ def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[
         search(backend, pad_batch(sources), decoding)
     finally:
         del backend.step  # the class's method again
-    return spent[0], int(spent[1])
+    gpu = None
+    if graphs:
+        gpu = sum(runner.gpu_times) if len(runner.gpu_times) == spent[1] else None  # None: a step was captured
+        runner.gpu_times = None
+    return spent[0], int(spent[1]), gpu
+
+
+def device_ops_per_step(backend: Any, sources: list[list[int]], decoding: Any) -> dict[str, Any]:
+    """What one eager decoder step launches on the device (kernels, copies), counted by torch.profiler
+    over one batch and divided by its steps (the encoder's few included): what a CUDA graph replays."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _, steps, _ = timed_steps(backend, sources, decoding)
+        events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        ops = sum(e.count for e in events)
+        top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:8]
+        return {"per_step": round(ops / steps, 1), "steps": steps,
+                "top": [{"name": e.key[:80], "count": e.count, "device_us": round(e.device_time_total, 1)}
+                        for e in top]}
+    except Exception as e:  # noqa: BLE001 - a profiler that cannot run here must not fail the bench
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 def worker_marian(p: dict[str, Any]) -> dict[str, Any]:
@@ -1356,7 +1390,7 @@ def worker_roofline(p: dict[str, Any]) -> dict[str, Any]:
         cost = roofline.decode_cost(shape, t["batch_size"], t["beam"], t["steps"], t["src_len"], weight_bytes=width)
         rate = matmul.get(t["dtype"], matmul.get("fp32"))
         rows.append({**{k: t.get(k) for k in ("preset", "dtype", "step_mode", "batch_size", "beam", "steps",
-                                              "src_len")},
+                                              "src_len", "gpu_step_seconds", "device_ops_per_step")},
                      "cost": cost.to_dict(),
                      "per_step_at_t15": roofline.step_cost(shape, t["batch_size"], t["beam"], 15, t["src_len"],
                                                            weight_bytes=width).to_dict(),
