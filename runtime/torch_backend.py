@@ -3,10 +3,13 @@ the ONNX graphs were exported from (model.Transformer.decode_step).
 
 On a CUDA device the step runs on fixed shapes and is replayed as a CUDA graph
 (runtime/static_step.py), unless a vocabulary shortlist is used (its candidates change shape
-with every batch) or `step_mode="eager"` asks otherwise."""
+with every batch), `step_mode="eager"` asks otherwise, or the environment sets
+PIPELINE_CUDA_GRAPHS=0 (every command's switch, docs/gpu.md)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,13 @@ from runtime.shortlist import Shortlist
 from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
 
 STEP_MODES = ("eager", "static", "graph")  # static: the graph's fixed shapes without capture (CPU tests)
+CUDA_GRAPHS_ENV = "PIPELINE_CUDA_GRAPHS"
+
+
+def default_step_mode(device: torch.device, shortlist: Any, environ: Mapping[str, str] = os.environ) -> str:
+    """graph on CUDA without a shortlist, unless PIPELINE_CUDA_GRAPHS is 0 (or false, no, off); else eager."""
+    off = environ.get(CUDA_GRAPHS_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+    return "graph" if device.type == "cuda" and shortlist is None and not off else "eager"
 
 
 class TorchBackend:
@@ -41,7 +51,7 @@ class TorchBackend:
         if shortlist is not None:
             shortlist.check(self.cfg.vocab_size, self.cfg.eos_id, topk, "--shortlist")
         if step_mode is None:
-            step_mode = "graph" if self.device.type == "cuda" and shortlist is None else "eager"
+            step_mode = default_step_mode(self.device, shortlist)
         if step_mode not in STEP_MODES:
             raise ValueError(f"step mode {step_mode!r}: choose one of {', '.join(STEP_MODES)}")
         if step_mode != "eager" and shortlist is not None:

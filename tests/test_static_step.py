@@ -19,7 +19,7 @@ from runtime import static_step
 from runtime.search import beam_search, greedy_search
 from runtime.shortlist import build as build_shortlist
 from runtime.static_step import StaticBatch, StaticCache, size_bucket, source_bucket
-from runtime.torch_backend import TorchBackend
+from runtime.torch_backend import CUDA_GRAPHS_ENV, TorchBackend, default_step_mode
 from runtime.translate import pad_batch, translate_ids
 
 
@@ -65,6 +65,16 @@ def test_default_modes_and_refusals(random_checkpoint):
     with pytest.raises(ValueError, match="shortlist"):
         TorchBackend(model, step_mode="static", shortlist=table)
     assert TorchBackend(model, shortlist=table).step_mode == "eager"
+
+
+def test_cuda_graphs_by_default_on_cuda_unless_switched_off():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_step_mode(cuda, None, {}) == "graph"
+    assert default_step_mode(cuda, object(), {}) == "eager"  # a shortlist: shapes change per batch
+    assert default_step_mode(cpu, None, {}) == "eager"
+    for off in ("0", "false", "Off", " no "):
+        assert default_step_mode(cuda, None, {CUDA_GRAPHS_ENV: off}) == "eager"
+    assert default_step_mode(cuda, None, {CUDA_GRAPHS_ENV: "1"}) == "graph"
 
 
 @pytest.mark.parametrize("beam", [1, 4])
