@@ -125,7 +125,7 @@ MODES = {
                   "export-fp32": 200, "export-fp16": 200, "serve-fp32": 90, "serve-fp16": 90,
                   "parity-torch-recorded": 120, "parity-onnxruntime-fp32": 150, "parity-onnxruntime-fp16": 150,
                   "parity-serve": 60, "random-checkpoints": 200, "bench-cli": 90, "bench": 200, "marian": 200,
-                  "roofline": 90},
+                  "roofline": 90, "onnxruntime-cuda": 240},
     ),
     "cpu": Mode(
         name="cpu", device="cpu", precision="fp32", train=CPU_TRAIN, max_steps=60, signal_at=25,
@@ -140,7 +140,7 @@ MODES = {
                   "export-fp32": 180, "export-fp16": 180, "serve-fp32": 90, "serve-fp16": 90,
                   "parity-torch-recorded": 90, "parity-onnxruntime-fp32": 120, "parity-onnxruntime-fp16": 120,
                   "parity-serve": 60, "random-checkpoints": 120, "bench-cli": 90, "bench": 120, "marian": 120,
-                  "roofline": 60},
+                  "roofline": 60, "onnxruntime-cuda": 60},
     ),
 }
 
@@ -163,6 +163,7 @@ STAGES = [
     ("bench", "torch backend on the device: bench shapes, batch sizes, peak memory"),
     ("marian", "transformers MarianMTModel on the same weights: greedy agreement, generate() timing"),
     ("roofline", "bytes and FLOPs per decoder step vs measured copy bandwidth and matmul rate"),
+    ("onnxruntime-cuda", "onnxruntime's CUDA provider (onnxruntime-gpu carried in parts): parity and bench"),
 ]
 
 
@@ -767,6 +768,36 @@ class Check:
                          f"{r['achieved']['roofline_pct']:.0f}% of roofline" for r in data["rows"])
         return f"{head}; {rows}"
 
+    def onnxruntime_cuda(self, st: Stage, deadline: float) -> str:
+        """The exported dirs on onnxruntime's CUDA provider: parity against torch fp32 on the CPU, then bench
+        beside the torch backend on CUDA. Needs onnxruntime-gpu, which travels in parts (docs/gpu.md)."""
+        providers = ((self.stages["doctor"].data.get("facts") or {}).get("onnxruntime") or {}).get("providers") or []
+        if self.mode.name != "gpu" or "CUDAExecutionProvider" not in providers:
+            raise Skip(f"onnxruntime here has no CUDAExecutionProvider (providers {providers}): onnxruntime-gpu "
+                       "did not travel (docs/gpu.md, scripts/ort_gpu_parts.sh)")
+        src, ref = self.test_split()
+        results = []
+        for precision in ("fp32", "fp16"):
+            model_dir = self.need_model_dir(precision)
+            report = self.work / f"onnxruntime-cuda-parity-{precision}.json"
+            self.cmd(st, self.pipeline("parity", model_dir, "--src", src, "--ref", ref, "--backends", "onnxruntime",
+                                       "--device", "cuda", "--json", report, *self.mode.decode), deadline,
+                     label=f"parity-{precision}")
+            results.append(self.parity_summary(st, report))
+            st.data[f"parity_{precision}"] = st.data.pop("parity")
+            bench = self.work / f"onnxruntime-cuda-bench-{precision}.json"
+            batches = [a for b in self.mode.cli_batches for a in ("--batch-size", str(b))]
+            st.data[f"table_{precision}"] = self.cmd(
+                st, self.pipeline("bench", model_dir, "--backends", "onnxruntime,torch", "--device", "cuda", *batches,
+                                  "--beam-size", "4", "--fixed-length", "30", "--sentences",
+                                  str(max(self.mode.cli_batches) * 2), "--json", bench), deadline,
+                label=f"bench-{precision}").strip()
+            data = read_json(bench) or {}
+            st.data[f"bench_{precision}"] = data
+            results.append("; ".join(f"{r['backend']} {precision} batch {r['batch_size']}: "
+                                     f"{r['target_tokens_per_s']:.0f} tok/s" for r in data.get("results") or []))
+        return " | ".join(results)
+
     # -- all of it -------------------------------------------------------------------------------
 
     def run_all(self) -> None:
@@ -794,6 +825,7 @@ class Check:
         self.run("bench", self.bench)
         self.run("marian", self.marian)
         self.run("roofline", self.roofline)
+        self.run("onnxruntime-cuda", self.onnxruntime_cuda)
 
     # -- the report ------------------------------------------------------------------------------
 

@@ -197,7 +197,7 @@ def test_last_logged_step_ignores_torn_lines(tmp_path):
 
 # -- the whole check on the CPU --------------------------------------------------------------------
 
-GPU_ONLY = {"nvidia-smi"}  # stages that need a GPU and say so in --cpu mode
+GPU_ONLY = {"nvidia-smi", "onnxruntime-cuda"}  # stages that need a GPU and say so in --cpu mode
 
 
 @pytest.mark.slow
