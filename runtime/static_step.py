@@ -18,15 +18,17 @@ one batch being decoded:
   candidates come back in three.
 
 One graph per (sentences, beam, source, capacity) bucket, captured at its first step and replayed
-after; the buffers and graphs of the last MAX_BATCHES batch shapes are kept, all graphs in one memory
-pool (they run one at a time and their outputs are read before the next runs). Without capture (mode
-"static") the same body runs eagerly: that is how the CPU tests check the graph's arithmetic.
-Translations match the eager step's; log-probs may differ in rounding (sums over masked padding).
+after; the buffers and graphs of the last MAX_BATCHES batch shapes are kept. A batch's graphs share one
+memory pool: one search at a time uses them, and reads each step's outputs before the next replay.
+Without capture (mode "static") the same body runs eagerly: that is how the CPU tests check the
+graph's arithmetic. Translations match the eager step's in fp32; log-probs may differ in rounding
+(sums over masked padding), which in fp16 can flip a near-tie (docs/gpu.md).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -123,6 +125,7 @@ class StaticBatch:
         self.src_bias = torch.full((n_sentences, src_len), MASK_VALUE, dtype=torch.float32, device=device)
         self.capacities: dict[int, _Capacity] = {}
         self.busy = False
+        self.pool: Any = None  # the graphs' memory pool, made at the first capture
 
     def load(self, state: EncoderState) -> None:
         """Copy a batch's encoder state into slots 0..n-1; other slots and positions masked."""
@@ -152,7 +155,7 @@ class StaticStepRunner:
         self.model, self.cfg, self.topk = model, model.cfg, topk
         self.dtype, self.device, self.capture = dtype, device, capture
         self.batches: OrderedDict[tuple[int, int, int], StaticBatch] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.lock = threading.Lock()  # searches on other threads take storage too
         self.captures = 0  # graphs captured so far (bench and tests read it)
         self.gpu_times: list[float] | None = None  # a list: each replay's GPU seconds are appended (the GPU check)
 
@@ -166,6 +169,13 @@ class StaticStepRunner:
 
         src_len = int(state.tensors[io_names.SRC_BIAS].shape[1])
         key = (size_bucket(state.n_rows), cache.rows, source_bucket(src_len))
+        with self.lock:
+            batch = self._take(key)
+        weakref.finalize(cache, StaticStepRunner._release, batch)
+        batch.load(state)
+        return batch
+
+    def _take(self, key: tuple[int, int, int]) -> StaticBatch:
         batch = self.batches.get(key)
         if batch is None or batch.busy:  # a busy one serves another search (threads) at this moment
             batch = StaticBatch(self.cfg, key[0], key[1], key[2], self.dtype, self.device)
@@ -179,8 +189,6 @@ class StaticStepRunner:
         if self.batches.get(key) is batch:
             self.batches.move_to_end(key)
         batch.busy = True
-        weakref.finalize(cache, StaticStepRunner._release, batch)
-        batch.load(state)
         return batch
 
     @staticmethod
@@ -262,7 +270,10 @@ class StaticStepRunner:
             self._body(batch, s)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        if batch.pool is None:
+            batch.pool = torch.cuda.graph_pool_handle()
+        # thread_local: another thread's synchronising calls (another model served on this GPU) stay legal
+        with torch.cuda.graph(graph, pool=batch.pool, capture_error_mode="thread_local"):
             s.out = self._body(batch, s)
         s.graph = graph
         self.captures += 1
