@@ -34,6 +34,7 @@ from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
+from runtime.heap import release_free_memory
 from runtime.shortlist import Shortlist
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -221,6 +222,8 @@ class OrtBackend(ExportedGraphBackend):
     # -- Backend protocol ---------------------------------------------------------------
 
     def encode(self, src_ids: Any) -> EncoderState:
+        if not self.on_cuda:  # a new batch: the last one's memory is free, hand it back (runtime/heap.py)
+            release_free_memory()
         src_ids = self._device_array(host(src_ids, np.int64))
         b, s = src_ids.shape
         binding = self.encoder.io_binding()
