@@ -47,6 +47,9 @@ SOURCE_ALIGN = 8  # source positions are padded up to a multiple of this
 MAX_BATCHES = 4  # batch shapes whose buffers and graphs are kept
 
 
+_NO_INDEX = (np.zeros((0, 0, 0), dtype=np.int64), np.zeros((0, 0), dtype=np.float32))
+
+
 def size_bucket(n: int) -> int:
     """The padded sentence count: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48... (at most 1.5x n)."""
     if n < 1:
@@ -79,6 +82,10 @@ class StaticCache(BeamCache):
 
     def _grow(self, capacity: int) -> None:
         self.capacity = capacity  # the runner moves the buffers (StaticStepRunner.step)
+
+    def index(self) -> tuple[np.ndarray, np.ndarray]:
+        """Not built: the step reads positions() into its padded index on the device instead."""
+        return _NO_INDEX
 
     def static_rows(self) -> np.ndarray:
         """(hyps,) the static row of each live hypothesis."""
