@@ -687,6 +687,7 @@ class Check:
         if not rows:
             raise Fail("pipeline bench wrote no result rows")
         return "; ".join(f"batch {r['batch_size']}: {r['target_tokens_per_s']:.0f} tok/s on {r['device']}"
+                         + (f", peak GPU {r['peak_gpu_mb']:.0f} MB" if r.get("peak_gpu_mb") is not None else "")
                          for r in rows)
 
     def need_checkpoints(self) -> dict[str, str]:

@@ -235,3 +235,21 @@ def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
     for r in report["results"]:
         assert r["target_tokens"] == r["sentences"] * 3 and r["peak_rss_mb"] > 0
         assert r["target_tokens_per_s"] > 0 and r["latency_ms_per_sentence"] > 0
+
+
+def test_gpu_memory_is_read_only_for_the_torch_backend_on_cuda():
+    """bench's GPU MB column: PyTorch's allocator sees all of the torch backend's device memory, and
+    none of ONNX Runtime's arena, so only torch on CUDA gets a figure (and torch is never imported for it)."""
+    import types
+
+    import torch
+
+    from pipeline.evaluation.bench import torch_cuda
+
+    def backend(name: str, device: str) -> object:
+        return types.SimpleNamespace(name=name, device=torch.device(device))
+
+    assert torch_cuda(backend("torch", "cuda:0")) is torch
+    assert torch_cuda(backend("torch", "cpu")) is None
+    assert torch_cuda(backend("onnxruntime", "cuda:0")) is None
+    assert torch_cuda(types.SimpleNamespace(name="onnxruntime", device="cpu")) is None

@@ -15,10 +15,12 @@ import os
 import platform
 import random
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
@@ -49,6 +51,16 @@ class BenchResult:
     latency_ms_per_sentence: float
     peak_rss_mb: float | None
     shortlist: bool = False      # decoded over the model dir's vocabulary shortlist (bench --shortlist)
+    # the torch backend on CUDA: PyTorch's peak allocation on the device during the row, weights included
+    peak_gpu_mb: float | None = None
+
+
+def torch_cuda(backend: Any) -> Any:
+    """torch, where `backend` is the torch backend on a CUDA device (its allocator sees all the memory it
+    uses); else None. Never imports torch."""
+    torch = sys.modules.get("torch")
+    on_cuda = getattr(getattr(backend, "device", None), "type", None) == "cuda"
+    return torch if torch is not None and on_cuda and getattr(backend, "name", "") == "torch" else None
 
 
 def reset_peak_rss() -> None:
@@ -138,8 +150,13 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
             precision = "fp32" if name == "torch" else manifest.precision
+            cuda = torch_cuda(backend)
+            if cuda is not None:
+                cuda.cuda.reset_peak_memory_stats(backend.device)
             r = bench_backend(backend, sources, bs, decoding, fixed_length, precision)
             r.peak_rss_mb = peak_rss_mb()
+            if cuda is not None:
+                r.peak_gpu_mb = round(cuda.cuda.max_memory_allocated(backend.device) / 2 ** 20, 1)
             log.info("%s batch %d: %.1f target tokens/s", name, bs, r.target_tokens_per_s)
             results.append(r)
         del backend
@@ -172,13 +189,14 @@ def model_column(report: dict) -> Callable[[dict], str]:
 
 def format_table(report: dict) -> str:
     head = (f"{'backend':<12} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
-            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8}")
+            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
+        gpu = "-" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
         rows.append(f"{r['backend']:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
-                    f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8}")
+                    f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8}")
     return "\n".join(rows)
 
 
