@@ -64,8 +64,31 @@ def import_onnxruntime() -> ModuleType:
     return onnxruntime
 
 
+def tensorrt_loadable() -> bool:
+    """Whether TensorRT's runtime library loads in this process. onnxruntime-gpu lists its TensorRT
+    provider whether or not TensorRT is installed, and a session asked for it without the library
+    prints an "EP Error" block and retries without it (seen on an H100 without TensorRT,
+    benchmarks/2026-11-26_nvidia-h100_gpu-check-ort-cuda.md)."""
+    import ctypes
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt_libs") is not None:  # the pip wheel's libraries, preloaded on import
+        try:
+            importlib.import_module("tensorrt_libs")
+        except Exception:  # a broken install: the CDLL probe below decides
+            pass
+    for name in ("libnvinfer.so.10", "libnvinfer.so"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 def choose_providers(device: Any, available: list[str], use_tensorrt: bool = True) -> list[str]:
-    """Execution providers for `device` from what this onnxruntime build offers, best first."""
+    """Execution providers for `device` from what this onnxruntime build offers, best first:
+    TensorRT's only where `use_tensorrt` (OrtBackend passes tensorrt_loadable())."""
     if str(device) == "cpu":
         return [CPU_EP]
     if CUDA_EP not in available:
@@ -101,7 +124,8 @@ class OrtBackend(ExportedGraphBackend):
             self.device = "cpu"
         else:
             raise RuntimeUserError(f"--device {device}: the onnxruntime backend runs on cpu or cuda[:N]")
-        self.providers = providers or choose_providers(self.device, available)
+        self.providers = providers or choose_providers(
+            self.device, available, use_tensorrt=self.on_cuda and TRT_EP in available and tensorrt_loadable())
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.intra_op_num_threads = threads or 0

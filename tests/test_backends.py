@@ -3,6 +3,7 @@ the loader refuses tampered dirs and missing backends with clear messages."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 
 import numpy as np
@@ -142,6 +143,32 @@ def test_onnxruntime_cuda_without_cuda_build_is_a_clear_error():
         choose_providers(torch.device("cuda"), ["CPUExecutionProvider"])
     assert choose_providers(torch.device("cuda"), ["TensorrtExecutionProvider", "CUDAExecutionProvider",
                                                    "CPUExecutionProvider"])[0] == "TensorrtExecutionProvider"
+    # onnxruntime-gpu lists its TensorRT provider without TensorRT installed: not asked for then
+    assert choose_providers(torch.device("cuda"), ["TensorrtExecutionProvider", "CUDAExecutionProvider",
+                                                   "CPUExecutionProvider"], use_tensorrt=False) == [
+        "CUDAExecutionProvider", "CPUExecutionProvider"]
+
+
+def test_tensorrt_loadable_matches_the_library(monkeypatch):
+    import ctypes
+
+    from runtime.ort_backend import tensorrt_loadable
+
+    try:
+        ctypes.CDLL("libnvinfer.so.10")
+        present = True
+    except OSError:
+        present = False
+    assert tensorrt_loadable() is present or importlib.util.find_spec("tensorrt_libs") is not None
+    loaded = []
+
+    def cdll(name, *args, **kwargs):
+        loaded.append(name)
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", cdll)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert tensorrt_loadable() is False and loaded[0] == "libnvinfer.so.10"
 
 
 def test_torch_backend_from_save_dir(trained_checkpoint, tmp_path):
