@@ -71,7 +71,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     (B, H, Tq, Tk). The scale is applied to q before the matmul so fp16 scores stay small.
     """
     q = q * (1.0 / math.sqrt(q.shape[-1]))
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() + bias  # (B, H, Tq, Tk)
+    scores = torch.matmul(q, k.transpose(-1, -2)) + bias.float()  # (B, H, Tq, Tk) fp32: the sum promotes
     probs = scores.softmax(dim=-1).to(v.dtype)
     return torch.matmul(probs, v)  # (B, H, Tq, d_head)
 
@@ -100,6 +100,8 @@ class Dropout(nn.Dropout):
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h parallel heads of d_model / h dimensions, then an output projection."""
 
+    qkv: tuple[Tensor, Tensor] | None = None  # fuse_qkv_: the weight and bias q, k and v are views of
+
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
         self.n_heads = n_heads
@@ -108,6 +110,36 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+
+    def fuse_qkv_(self) -> None:
+        """For inference: make the q, k and v projections views of one (3 d_model, d_model) weight and
+        one bias, so that a decoder step projects with one GEMM instead of three (on a GPU, fewer and
+        larger kernels; on the CPU the same bits). Names, shapes, values and state_dict are unchanged.
+        `.to()` to another device or dtype afterwards copies the parameters apart: the step then
+        projects separately again until fused again. Not for a model being trained (its optimizer
+        holds the parameter objects this replaces)."""
+        if self._qkv_fused():
+            return
+        lins = (self.q_proj, self.k_proj, self.v_proj)
+        with torch.no_grad():
+            weight = torch.cat([lin.weight for lin in lins])
+            bias = torch.cat([lin.bias for lin in lins])
+        d = self.q_proj.out_features
+        for i, lin in enumerate(lins):
+            lin.weight = nn.Parameter(weight[i * d:(i + 1) * d], requires_grad=False)
+            lin.bias = nn.Parameter(bias[i * d:(i + 1) * d], requires_grad=False)
+        self.qkv = (weight, bias)
+
+    def _qkv_fused(self) -> bool:
+        """Whether q, k and v are still the views fuse_qkv_ made (not when traced for export)."""
+        if self.qkv is None or torch.compiler.is_compiling():
+            return False
+        weight, bias = self.qkv
+        d, size = self.q_proj.out_features, weight.element_size()
+        w0, b0 = weight.data_ptr(), bias.data_ptr()
+        return all(lin.weight.dtype == weight.dtype and lin.weight.data_ptr() == w0 + i * d * weight.shape[1] * size
+                   and lin.bias.data_ptr() == b0 + i * d * size
+                   for i, lin in enumerate((self.q_proj, self.k_proj, self.v_proj)))
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -143,21 +175,24 @@ class MultiHeadAttention(nn.Module):
         keys per head; past_bias (N, T) fp32. The step's own key is scored apart. Returns
         the attention output (N, 1, d_model) and the step's keys and values (N, d_model)."""
         n = x.shape[0]
-        # (N, 1, d_model) as in training: the export fuses these three MatMuls into one GEMM
-        q, k_t, v_t = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self._qkv_fused():  # one GEMM (fuse_qkv_); the export fuses the three MatMuls itself
+            q, k_t, v_t = F.linear(x, *self.qkv).split(self.q_proj.out_features, dim=-1)  # type: ignore[misc]
+        else:  # (N, 1, d_model) each, as in training
+            q, k_t, v_t = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q_h = self.split_heads(q) * (1.0 / math.sqrt(self.d_head))  # (N, H, 1, d_head)
         k_h, v_h = self.split_heads(k_t), self.split_heads(v_t)
         rows = past_index.reshape(-1)
         shape = (n, self.n_heads, -1, self.d_head)
         k = past_k.reshape(-1, self.d_head).index_select(0, rows).view(shape)  # (N, H, T, d_head)
         v = past_v.reshape(-1, self.d_head).index_select(0, rows).view(shape)
-        past = torch.matmul(q_h, k.transpose(-1, -2)).float() + past_bias[:, None, None, :]  # (N, H, 1, T)
-        own = (q_h.float() * k_h.float()).sum(dim=-1, keepdim=True)  # (N, H, 1, 1)
-        probs = torch.cat([own, past], dim=-1).softmax(dim=-1)  # fp32
+        # fp32 from here: a sum or product with an fp32 operand promotes (no separate casts in fp16)
+        past = torch.matmul(q_h, k.transpose(-1, -2)) + past_bias.float()[:, None, None, :]  # (N, H, 1, T)
+        own = (q_h.float() * k_h).sum(dim=-1, keepdim=True)  # (N, H, 1, 1)
+        probs = torch.cat([own, past], dim=-1).softmax(dim=-1)
         # the two parts summed in fp32 and rounded once, as one matmul over both would
-        out = torch.matmul(probs[..., 1:].to(v.dtype), v).float() + probs[..., :1] * v_h.float()
+        out = torch.matmul(probs[..., 1:].to(v.dtype), v) + probs[..., :1] * v_h
         out = out.to(v_t.dtype)  # (N, H, 1, d_head)
-        return self.out_proj(self.merge_heads(out)), k_t.view(n, -1), v_t.view(n, -1)
+        return self.out_proj(self.merge_heads(out)), k_t.reshape(n, -1), v_t.reshape(n, -1)
 
 
 ACTIVATION_FUNCTIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}  # ModelConfig.activation
@@ -186,7 +221,7 @@ class Residual(nn.Module):
         self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
-        return self.norm(x.float() + self.dropout(sublayer_out).float()).to(x.dtype)
+        return self.norm(x.float() + self.dropout(sublayer_out)).to(x.dtype)  # fp32 + fp16 promotes
 
 
 class EncoderLayer(nn.Module):

@@ -167,3 +167,49 @@ def test_static_cache_bytes_follow_the_bucket(backends):
     cfg = static.cfg
     assert cap.nbytes() == 2 * cfg.n_dec_layers * 6 * cfg.n_heads * 16 * 4 * cfg.d_head * 4
     assert batch.capacity(16) is cap and cap.pos.shape == (24, 16)
+
+
+def _decode_all(backend, sources):
+    found = beam_search(backend, pad_batch(sources), beam_size=4, nbest=4, max_len_a=0.0, max_len_b=12, min_len=12)
+    return [[(h.tokens, h.score, h.step_log_probs) for h in x] for x in found]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_inference_preparation_keeps_every_bit(random_checkpoint, dtype):
+    """prepare_for_inference (one GEMM for q, k and v; fp32 LayerNorm parameters in half precision)
+    translates with bitwise the same hypotheses, scores and step log-probs as the model as loaded, in
+    the eager and the graph's static step; a .to() that copies the parameters apart falls back to
+    three projections instead of reading stale fused weights."""
+    model, _, _ = load_model(random_checkpoint)
+    plain, _, _ = load_model(random_checkpoint)
+    sources = _sources(7, model.cfg.vocab_size, seed=5)
+    for mode in ("eager", "static"):
+        reference = _decode_all(TorchBackend(plain, dtype=dtype, step_mode=mode, fuse=False), sources)
+        backend = TorchBackend(model, dtype=dtype, step_mode=mode)
+        attn = [layer.self_attn for layer in backend.model.decoder]
+        assert all(a._qkv_fused() for a in attn)
+        assert attn[0].k_proj.weight.data_ptr() == attn[0].qkv[0][model.cfg.d_model].data_ptr()
+        assert all(m.weight.dtype == torch.float32 for m in backend.model.modules()
+                   if isinstance(m, torch.nn.LayerNorm))
+        assert _decode_all(backend, sources) == reference
+    assert model.state_dict().keys() == plain.state_dict().keys()
+    assert all(torch.equal(a.float(), b.float()) for a, b in zip(model.state_dict().values(),
+                                                                 plain.state_dict().values()))
+    model.to(torch.float64 if dtype == torch.float32 else torch.float32)  # copied apart: not fused any more
+    assert not any(layer.self_attn._qkv_fused() for layer in model.decoder)
+    with torch.no_grad():  # a change that stale fused weights would not see
+        model.decoder[0].self_attn.q_proj.weight.mul_(0.5)
+        plain.decoder[0].self_attn.q_proj.weight.mul_(0.5)
+    assert _decode_all(TorchBackend(model, dtype=dtype, fuse=False), sources) == \
+        _decode_all(TorchBackend(plain, dtype=dtype, fuse=False), sources)
+
+
+def test_validation_backend_leaves_the_training_parameters_alone(random_checkpoint):
+    model, _, _ = load_model(random_checkpoint)
+    model.train()
+    before = [id(p) for p in model.parameters()]
+    TorchBackend(model, fuse=False)
+    assert [id(p) for p in model.parameters()] == before
+    assert all(p.requires_grad for p in model.parameters())
+    TorchBackend(model)  # an inference backend replaces q, k and v with views of one weight
+    assert [id(p) for p in model.parameters()] != before

@@ -35,7 +35,8 @@ def validate(model: Transformer, data: PreparedData, opts: TrainOptions, device:
         n = opts.valid_max_sentences or len(data.valid_src_lines)
         sources, refs = data.valid_src_lines[:n], data.valid_ref_lines[:n]
         # eager: the training model's shapes and weights change between validations (graphs: not yet measured there)
-        backend = TorchBackend(model, device=device, max_src_len=opts.max_len, step_mode="eager")
+        # fuse=False: the optimizer holds these parameters, which fusing would replace
+        backend = TorchBackend(model, device=device, max_src_len=opts.max_len, step_mode="eager", fuse=False)
         # The paper's length penalty and length limit; only the beam width is ours (speed).
         decoding = PAPER.replace(beam_size=opts.valid_beam)
         hyps = translate_lines(backend, data.tokenizer, sources, decoding)
