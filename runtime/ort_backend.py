@@ -67,8 +67,7 @@ def import_onnxruntime() -> ModuleType:
 def tensorrt_loadable() -> bool:
     """Whether TensorRT's runtime library loads in this process. onnxruntime-gpu lists its TensorRT
     provider whether or not TensorRT is installed, and a session asked for it without the library
-    prints an "EP Error" block and retries without it (seen on an H100 without TensorRT,
-    benchmarks/2026-11-26_nvidia-h100_gpu-check-ort-cuda.md)."""
+    prints an "EP Error" block and retries without it (seen on an H100 without TensorRT; docs/gpu.md)."""
     import ctypes
     import importlib.util
 
