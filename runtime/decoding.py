@@ -22,6 +22,12 @@ class DecodingError(RuntimeUserError):
 RULES = ("fairseq", "transformers")  # beam search rules (runtime/search.py)
 
 
+# serve-batch on a GPU, unless --batch-tokens is given: 128 sentences of 16 tokens at beam 4. On an H100
+# the CUDA-graph step of `base` gave 2.2x the tokens/s at 128 x 4 rows as at 32 x 4 (benchmarks/README.md,
+# the GPU table: fewer-kernels).
+GPU_BATCH_TOKENS = 8192
+
+
 def _opt(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
@@ -39,7 +45,8 @@ class DecodingOptions:
     nbest: int = _opt(1, "Hypotheses to return per sentence (at most the beam width).")
     # 2048: as fast as 4096 on `small` and faster on `base`, in a third less peak memory on a CPU
     # (benchmarks/README.md, "whole-process-batch-tokens")
-    batch_tokens: int = _opt(2048, "Batch budget: sentences x longest source x beam, per batch.")
+    batch_tokens: int = _opt(2048, "Batch budget: sentences x longest source x beam, per batch "
+                                   f"({GPU_BATCH_TOKENS} on a GPU unless given).")
     rules: str = _opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
                                  "length ** alpha, the best beam ended hypotheses kept until none live can beat "
@@ -73,6 +80,17 @@ class DecodingOptions:
             fixed = frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
         changes = {k: v for k, v in defaults.items() if k not in fixed}
         return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
+
+    def for_device(self, device: Any) -> DecodingOptions:
+        """These options for a backend on `device`: on a GPU the batch budget is GPU_BATCH_TOKENS
+        unless the user set --batch-tokens (a GPU's step costs about the same for 32 sentences as for
+        128, so larger batches are faster there; on a CPU they only cost memory)."""
+        given = self.explicit
+        if given is None:
+            given = frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
+        if not str(device).startswith("cuda") or "batch_tokens" in given:
+            return self
+        return dataclasses.replace(self, batch_tokens=GPU_BATCH_TOKENS)
 
     def problems(self) -> list[str]:
         """Every impossible setting, each naming its command-line option."""

@@ -605,9 +605,15 @@ class Check:
                 raise Fail(f"{n_out} output lines for {n_in} input lines")
             err = Path(st.commands[-1]["stderr"]).read_text(errors="replace").strip().splitlines()
             st.data["summary"] = err[-1] if err else ""
+            # the batch budget: the GPU's own default (DecodingOptions.for_device), logged when it applies
+            budget = next((m for m in map(re.compile(r"batch budget (\d+) on (\S+)").search, err) if m), None)
+            st.data["batch_tokens"] = int(budget.group(1)) if budget else None
+            if (budget is not None) != (self.mode.device == "cuda"):
+                raise Fail(f"serve-batch on {self.mode.device} logged the batch budget "
+                           f"{budget.group(0) if budget else '(none)'}: the GPU default applies on CUDA only")
             note = " (the CPU runs torch in fp32: fp16 only on a GPU)" if precision == "fp16" and \
                 self.mode.device == "cpu" else ""
-            return f"{n_out} lines; {st.data['summary']}{note}"
+            return f"{n_out} lines; {st.data['summary']}{note}" + (f"; {budget.group(0)}" if budget else "")
         return stage
 
     def parity_recorded(self, st: Stage, deadline: float) -> str:

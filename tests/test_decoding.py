@@ -99,3 +99,20 @@ def test_encode_sources_is_the_one_line_policy(spm_bytes):
         encode_sources(tok, ["der hund", "", " \t ", long_line], limit, long_lines="error", origin="in.txt",
                        first_line=10)
     assert encode_sources(tok, ["", "  "], limit).ids == [[], []]
+
+
+def test_a_gpu_batches_more_unless_told():
+    """serve-batch's batch budget on a GPU (DecodingOptions.for_device): GPU_BATCH_TOKENS unless
+    --batch-tokens was given; a CPU keeps the default."""
+    from runtime.decoding import GPU_BATCH_TOKENS
+
+    assert GPU_BATCH_TOKENS > PAPER.batch_tokens
+    assert PAPER.for_device("cpu") == PAPER
+    for device in ("cuda", "cuda:1"):
+        assert PAPER.for_device(device).batch_tokens == GPU_BATCH_TOKENS
+    given = PAPER.replace(explicit=frozenset({"batch_tokens"}))  # --batch-tokens 2048 typed out
+    assert given.for_device("cuda").batch_tokens == PAPER.batch_tokens
+    other = PAPER.replace(explicit=frozenset({"beam_size"}), beam_size=5)
+    assert other.for_device("cuda").replace(explicit=None) == PAPER.replace(beam_size=5,
+                                                                            batch_tokens=GPU_BATCH_TOKENS)
+    assert PAPER.replace(batch_tokens=1000).for_device("cuda").batch_tokens == 1000  # from Python, not default

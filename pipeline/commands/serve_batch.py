@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import click
 
@@ -12,6 +13,8 @@ from pipeline.serve_batch.files import ServeOptions, check_outputs, output_paths
 from pipeline.serve_batch.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.decoding import DecodingOptions
 from runtime.loader import BACKENDS, load_backend
+
+log = logging.getLogger(__name__)
 
 # the help of every command's --shortlist (serve, bench and parity add what it means for them)
 SHORTLIST_HELP = ("Decode over the model dir's vocabulary shortlist (export --shortlist-src/--shortlist-tgt): "
@@ -77,7 +80,11 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
                                                  threads=threads, dtype=dtype, shortlist=shortlist)
         # an imported model's own decoding defaults (num_beams, max_length, ...) for the options not given
-        opts = dataclasses.replace(opts, decoding=decoding.for_model(manifest.decoding)).validate()
+        # on a GPU a larger batch budget unless given (DecodingOptions.for_device)
+        opts = dataclasses.replace(opts, decoding=decoding.for_device(impl.device).for_model(manifest.decoding)
+                                   ).validate()
+        if opts.decoding.batch_tokens != decoding.batch_tokens:
+            log.info("batch budget %d on %s (--batch-tokens sets another)", opts.decoding.batch_tokens, impl.device)
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"
