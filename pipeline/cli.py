@@ -13,7 +13,7 @@ import click
 
 from model.errors import UserError
 
-# Each command's module, imported only when that command runs (or --help lists it), so a
+# Each command's module, imported only when that command runs (`--help` lists SUMMARIES), so a
 # deploy-only install (no torch) serves, and every command starts without the others' imports.
 COMMANDS = {
     "train": "pipeline.commands.train:train",
@@ -28,6 +28,33 @@ COMMANDS = {
     "demo": "pipeline.commands.demo:demo",
     "doctor": "pipeline.commands.doctor:doctor",
     "random-checkpoint": "pipeline.commands.random_checkpoint:random_checkpoint",
+}
+# What `pipeline --help` lists for each command, without importing it (torch alone takes seconds):
+# each command's first sentence, tests/test_cli_options.py keeps them equal.
+SUMMARIES = {
+    "train": "Train the Transformer on a parallel corpus (or the built-in one) into --save-dir.",
+    "import": "Import a model trained elsewhere as a checkpoint that export, serve-batch, serve, parity and bench "
+              "take as they take ours.",
+    "average": "Average the weights of the last K checkpoints of a save dir (section 6.1).",
+    "export": "Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a verified "
+              "model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible, model.pt, spm.model and "
+              "manifest.json.",
+    "serve-batch": "Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.",
+    "serve": "Serve the model in MODEL_DIR (or several: --model NAME=DIR ...) over HTTP, batching concurrent "
+             "requests dynamically, one queue per model.",
+    "parity": "Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model: BLEU and chrF "
+              "against REF, BLEU against PyTorch, share of token-identical sentences, first divergence step and "
+              "log-prob gap.",
+    "bench": "Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.",
+    "tune-decoding": "Pick --beam-size and --alpha for serve-batch on a validation set: MODEL is an exported model "
+                     "dir, a checkpoint, or a training save dir (its averaged or latest checkpoint).",
+    "demo": "Train on the built-in made-up language pair, export fp32, fp16 and int8, translate the test file with "
+            "serve-batch and print the parity table of each backend against PyTorch.",
+    "doctor": "Say what this machine can run: Python, PyTorch (CUDA, cuDNN, GPUs, bf16, NCCL), onnxruntime and its "
+              "execution providers, TensorRT (or exactly why not), tokenizer / scoring / CTranslate2 versions and "
+              "the CPU's instruction sets.",
+    'random-checkpoint': "Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to "
+                         "measure a shape's speed and memory without training it:",
 }
 TRAIN_EXTRA = 'pip install -e ".[train]"'
 
@@ -47,6 +74,14 @@ class LazyGroup(click.Group):
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return list(COMMANDS)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The command list of `pipeline --help` as click writes it, from SUMMARIES: no command imported."""
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(len(name) for name in names)
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, click.Command(name, help=SUMMARIES[name]).get_short_help_str(limit))
+                                for name in names])
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
         if cmd_name not in COMMANDS:

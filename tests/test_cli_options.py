@@ -231,3 +231,20 @@ def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     assert reference_set(save / "checkpoint_3.pt", src, tgt, 1) == (["ab cd"], ["AB"])
     with pytest.raises(click.UsageError, match="both"):
         reference_set(save / "checkpoint_3.pt", src, None, 5)
+
+
+def test_help_lists_every_command_without_importing_any():
+    """`pipeline --help` lists each command's own first sentence (SUMMARIES, kept equal here) without
+    importing the commands: torch alone made it take seconds."""
+    from pipeline.cli import SUMMARIES
+
+    assert SUMMARIES == {name: c.get_short_help_str(limit=1000) for name, c in COMMANDS.items()}
+    code = ("import sys\nfrom pipeline.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('pipeline.commands.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1], env={"COLUMNS": "100", "PATH": ""})
+    assert done.returncode == 0, done.stderr
+    listing = done.stdout.splitlines()
+    assert listing[-1] == "[]"
+    for name in COMMANDS:
+        assert any(line.strip().startswith(name + " ") for line in listing), name
