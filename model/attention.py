@@ -92,7 +92,6 @@ class MultiHeadAttention(nn.Module):
             out = attend(q, k, v, bias)
         return self.out_proj(self.merge_heads(out))
 
-
     def step_self(self, x: Tensor, past_k: Tensor, past_v: Tensor, past_index: Tensor, past_bias: Tensor
                   ) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder step of self-attention over the beam cache (model/cache.py).

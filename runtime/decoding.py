@@ -67,6 +67,12 @@ class DecodingOptions:
         """The options (not which of them the user set), for JSON."""
         return {name: getattr(self, name) for name in OPTION_NAMES}
 
+    def given(self) -> frozenset[str]:
+        """The options the user set: `explicit` (the CLI), else those that differ from the paper's."""
+        if self.explicit is not None:
+            return self.explicit
+        return frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
+
     def for_model(self, defaults: dict[str, Any] | None) -> DecodingOptions:
         """These options with a model dir's decoding defaults (manifest.decoding) in place of every
         option the user did not set; validated."""
@@ -75,9 +81,7 @@ class DecodingOptions:
         unknown = sorted(set(defaults) - set(OPTION_NAMES))
         if unknown:
             raise DecodingError(f"the model's decoding defaults name unknown options: {', '.join(unknown)}")
-        fixed = self.explicit
-        if fixed is None:
-            fixed = frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
+        fixed = self.given()
         changes = {k: v for k, v in defaults.items() if k not in fixed}
         return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
 
@@ -85,10 +89,7 @@ class DecodingOptions:
         """These options for a backend on `device`: on a GPU the batch budget is GPU_BATCH_TOKENS
         unless the user set --batch-tokens (a GPU's step costs about the same for 32 sentences as for
         128, so larger batches are faster there; on a CPU they only cost memory)."""
-        given = self.explicit
-        if given is None:
-            given = frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
-        if not str(device).startswith("cuda") or "batch_tokens" in given:
+        if not str(device).startswith("cuda") or "batch_tokens" in self.given():
             return self
         return dataclasses.replace(self, batch_tokens=GPU_BATCH_TOKENS)
 
