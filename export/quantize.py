@@ -23,6 +23,8 @@ held twice (as E^T and E, int8) because ONNX Runtime fuses a DequantizeLinear in
 MatMulNBits only when its int8 weight and scales have no other consumer (a shared one stays
 an unfused DequantizeLinear of the whole table every step); two int8 copies are still half
 the fp32 table. An embedding with no projection (the encoder's) is quantized per row the same way.
+The vocabulary shortlist's step (decoder_shortlist.onnx) projects onto gathered rows of the table:
+rowwise runs that as the full projection's integer GEMM on the gathered int8 rows; qdq dequantizes them.
 
 Written with onnx.helper and numpy only, so the transformation can be read and tested.
 """
@@ -123,11 +125,16 @@ class _Rewriter:
         nodes: list[onnx.NodeProto] = []
         # Projections first, so a table shared with an embedding is already in its (K, N) form.
         projections = [n for n in self.graph.node if self._is_linear(n)]
+        gathered = self._gathered_projections()
+        read_elsewhere = {i for n in self.graph.node if n.name not in gathered for i in n.input}
         for node in self.graph.node:
             if node in projections:
                 nodes += self._linear(node)
+            elif node.name in gathered:
+                nodes += self._gathered_linear(node, gathered[node.name])
             elif self._is_embedding(node):
-                nodes += self._embedding(node)
+                if any(o in read_elsewhere for o in node.output):  # else only gathered projections read it
+                    nodes += self._embedding(node)
             else:
                 nodes.append(node)
         del self.graph.node[:]
@@ -167,9 +174,17 @@ class _Rewriter:
         return (node.op_type == "Gather" and axis == 0 and self._float_matrix(node.input[0]) is not None
                 and node.input[1] not in self.inits)
 
-    def _embedding(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
-        """table[ids] from int8 rows: Gather rows and their scales, Cast, multiply."""
-        table, ids = node.input[0], node.input[1]
+    def _gathered_projections(self) -> dict[str, onnx.NodeProto]:
+        """{name of a projection onto gathered table rows: its embedding Gather} for flavours that rewrite
+        them (_RowwiseRewriter); the others dequantize the gathered rows (_embedding) into a float Gemm."""
+        return {}
+
+    def _gathered_linear(self, node: onnx.NodeProto, gather: onnx.NodeProto) -> list[onnx.NodeProto]:
+        raise NotImplementedError  # only called for what _gathered_projections() returned
+
+    def _table_rows(self, table: str) -> tuple[str, str]:
+        """(int8 rows, their scales): the names of `table`'s int8 row-major (vocab, d) form and its
+        (vocab,) scales, the same values as its (K, N) projection weight."""
         if table not in self.values:  # no projection shares it: quantize per row
             matrix = self._float_matrix(table)
             assert matrix is not None
@@ -179,6 +194,12 @@ class _Rewriter:
         if q_rows not in {i.name for i in self.new_inits}:
             self.new_inits += [numpy_helper.from_array(np.ascontiguousarray(q.T), q_rows),
                                numpy_helper.from_array(scale, row_scale)]
+        return q_rows, row_scale
+
+    def _embedding(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """table[ids] from int8 rows: Gather rows and their scales, Cast, multiply."""
+        table, ids = node.input[0], node.input[1]
+        q_rows, row_scale = self._table_rows(table)
         rows, values, scales, unsq, axes = (self._name(f"{node.name}_{s}") for s in
                                             ("rows", "float", "scales", "scale_col", "axes"))
         self.new_inits.append(numpy_helper.from_array(np.array([-1], dtype=np.int64), axes))
@@ -283,6 +304,40 @@ class _RowwiseRewriter(_Rewriter):
             helper.make_node("MatMulIntegerToFloat", [qx, qw.q, "rowq_one", qw.scale, "rowq_zero_point"], [col],
                              name=col, domain="com.microsoft"),
             helper.make_node("Mul", [col, row_scale], list(node.output), name=node.name),
+        ]
+
+
+    def _gathered_projections(self) -> dict[str, onnx.NodeProto]:
+        """The shortlist's projection (decoder_shortlist.onnx): a Gemm(x, table[candidates], transB=1)
+        with no bias, the table a float initializer: it becomes an integer GEMM like the full
+        vocabulary's, on the gathered int8 rows."""
+        producer = {o: n for n in self.graph.node for o in n.output}
+        found: dict[str, onnx.NodeProto] = {}
+        for node in self.graph.node:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            gather = producer.get(node.input[1]) if node.op_type == "Gemm" and len(node.input) > 1 else None
+            if (gather is not None and self._is_embedding(gather) and attrs.get("transB", 0) == 1
+                    and attrs.get("transA", 0) == 0 and attrs.get("alpha", 1.0) == 1.0
+                    and (len(node.input) < 3 or not node.input[2] or attrs.get("beta", 1.0) == 0.0)):
+                found[node.name] = gather
+        return found
+
+    def _gathered_linear(self, node: onnx.NodeProto, gather: onnx.NodeProto) -> list[onnx.NodeProto]:
+        """x @ table[ids]^T on int8: the ids' int8 rows and scales gathered, the rows transposed to (K, C),
+        and the same integer GEMM as the full projection's. Each candidate's logit is the one the full
+        vocabulary's int8 projection gives it, bit for bit (the same int32 sums and scales)."""
+        q_rows, row_scale = self._table_rows(gather.input[0])
+        ids = gather.input[1]
+        rows, kc, scales = (self._name(f"{node.name}_{s}") for s in ("rows", "rows_kc", "col_scales"))
+        nodes, qx, x_scale = self._quantize_rows(node.input[0])
+        col = self._name(f"{node.name}_col_scaled")
+        return nodes + [
+            helper.make_node("Gather", [q_rows, ids], [rows], axis=0, name=rows),  # (C, K) int8
+            helper.make_node("Transpose", [rows], [kc], perm=[1, 0], name=kc),  # (K, C)
+            helper.make_node("Gather", [row_scale, ids], [scales], axis=0, name=scales),  # (C,)
+            helper.make_node("MatMulIntegerToFloat", [qx, kc, "rowq_one", scales, "rowq_zero_point"], [col],
+                             name=col, domain="com.microsoft"),
+            helper.make_node("Mul", [col, x_scale], list(node.output), name=node.name),
         ]
 
 

@@ -143,10 +143,14 @@ def test_backends_with_the_shortlist_translate_the_memorised_corpus(fixture, mem
 
 
 @pytest.mark.slow
-def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(memorised_shortlist_fp32_dir):
+@pytest.mark.parametrize("fixture", ["memorised_shortlist_fp32_dir", "memorised_shortlist_int8_dir"])
+def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(fixture, request):
     """With every id a candidate the step normalises over the whole vocabulary: token-identical to the full
-    graph (in its own order of ids, EOS first), on both backends, at beam 1 and 3."""
-    full, tok, manifest = load_backend(memorised_shortlist_fp32_dir, "onnxruntime", threads=1)
+    graph (in its own order of ids, EOS first), at beam 1 and 3; in fp32 on both backends. In int8 (rowwise)
+    the shortlist's projection is the full one's integer GEMM on the gathered int8 rows, so each candidate's
+    logit is the full projection's, bit for bit (a float projection on dequantized rows was not)."""
+    d = request.getfixturevalue(fixture)
+    full, tok, manifest = load_backend(d, "onnxruntime", threads=1)
     vocab = manifest.model_config.vocab_size
     everything = Shortlist(offsets=np.zeros(vocab + 1, np.int64), targets=np.zeros(0, np.int32),
                            frequent=np.arange(vocab, dtype=np.int32), eos_id=manifest.model_config.eos_id,
@@ -154,10 +158,16 @@ def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(memorise
     from runtime.ort_backend import OrtBackend
     from runtime.torch_backend import TorchBackend
 
-    torch_full, _, _ = load_backend(memorised_shortlist_fp32_dir, "torch", threads=1)
-    shortlisted = [OrtBackend(memorised_shortlist_fp32_dir, manifest, threads=1, shortlist=everything),
-                   TorchBackend(torch_full.model, topk=manifest.topk, max_src_len=manifest.limits.max_src_len,
-                                max_tgt_len=manifest.limits.max_tgt_len, shortlist=everything)]
+    shortlisted = [OrtBackend(d, manifest, threads=1, shortlist=everything)]
+    if manifest.precision == "int8":
+        graphs = [onnx.load(str(d / f), load_external_data=False).graph
+                  for f in (io_names.DECODER_FILE, io_names.DECODER_SHORTLIST_FILE)]
+        integer_gemms = [sum(n.op_type == "MatMulIntegerToFloat" for n in g.node) for g in graphs]
+        assert integer_gemms[0] == integer_gemms[1] > 0, integer_gemms  # the projection's included
+    else:  # torch runs the dir's fp32 weights
+        torch_full, _, _ = load_backend(d, "torch", threads=1)
+        shortlisted.append(TorchBackend(torch_full.model, topk=manifest.topk, max_src_len=manifest.limits.max_src_len,
+                                        max_tgt_len=manifest.limits.max_tgt_len, shortlist=everything))
     lines = ["der hund sieht", "eine katze hat ein kind", "rot blau gross klein der die das"]
     for beam in (1, 3):
         want = translate_lines(full, tok, lines, beam_size=beam)
