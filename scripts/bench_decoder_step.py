@@ -235,9 +235,11 @@ def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) 
 
 
 def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: int, threads: int,
-                src_len: int) -> None:
+                src_len: int, shortlist: bool = False, src: Path | None = None, nodes_shown: int = 0) -> None:
     """ONNX Runtime's own profile of the decoder step in beam search: per step, the run against the
-    sum of its kernels (the rest is the executor's per-node cost), and the kernels by operator."""
+    sum of its kernels (the rest is the executor's per-node cost), and the kernels by operator; with
+    `nodes_shown`, also the costliest nodes by name. `shortlist`: the step over the model dir's
+    vocabulary shortlist (decoder_shortlist.onnx), with sentences from `src` for real candidates."""
     from collections import Counter
 
     import onnxruntime as ort
@@ -251,7 +253,8 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
     from runtime.search import search
     from runtime.translate import pad_batch
 
-    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads)
+    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads,
+                                         shortlist=shortlist)
     manifest = read_manifest(model_dir, verify=False)
     opts = ort.SessionOptions()  # as OrtBackend's, with the profiler on
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -263,10 +266,11 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
     opts.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="ort-profile-")) / "decoder")
     flip = (manifest.quantization == ROWWISE
             and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=manifest.pair_bounded_weights))
-    with (session_graph if flip else graph_as_is)(model_dir / "decoder.onnx") as graph:
+    decoder_file = "decoder_shortlist.onnx" if shortlist else "decoder.onnx"
+    with (session_graph if flip else graph_as_is)(model_dir / decoder_file) as graph:
         backend.decoder = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)
-    sources = make_sources(tokenizer, None, sentences, src_len, backend.max_src_len)
+    sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
     for i in range(0, sentences, batch):
         search(backend, pad_batch(sources[i:i + batch], backend.cfg.pad_id), decoding)
     profile = Path(backend.decoder.end_profiling())
@@ -283,6 +287,13 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
           f"{sum(kernel_us.values()) / runs:.0f} us, {len(nodes) / runs:.0f} nodes")
     for op, us in kernel_us.most_common():
         print(f"  {op:<24} {count[op] / runs:6.1f} nodes {us / runs:8.1f} us {us / count[op]:7.1f} us/node")
+    if nodes_shown:
+        by_node = Counter[tuple[str, str]]()
+        for e in nodes:
+            by_node[e["name"].removesuffix("_kernel_time"), e["args"]["op_name"]] += e["dur"]
+        print(f"the {nodes_shown} costliest nodes, us per step:")
+        for (node, op), us in by_node.most_common(nodes_shown):
+            print(f"  {us / runs:8.1f}  {op:<22} {node}")
 
 
 def main() -> None:
@@ -317,10 +328,14 @@ def main() -> None:
         o.add_argument("--src-len", type=int, default=20)
         if name == "overhead":
             o.add_argument("--rounds", type=int, default=5)
+        if name == "profile":
+            o.add_argument("--shortlist", action="store_true", help="the step over the vocabulary shortlist")
+            o.add_argument("--src", type=Path, help="source sentences (default: random ones of --src-len)")
+            o.add_argument("--nodes", type=int, default=0, help="also list the N costliest nodes by name")
     a = p.parse_args()
     if a.cmd == "profile":
         for d in a.dirs:
-            ort_profile(d, a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)
+            ort_profile(d, a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len, a.shortlist, a.src, a.nodes)
     elif a.cmd == "overhead-once":
         sys.path.insert(0, str(a.code[0].resolve()))
         print(json.dumps(overhead_once(a.dirs[0], a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)))
