@@ -53,7 +53,7 @@ SUMMARIES = {
     "doctor": "Say what this machine can run: Python, PyTorch (CUDA, cuDNN, GPUs, bf16, NCCL), onnxruntime and its "
               "execution providers, TensorRT (or exactly why not), tokenizer / scoring / CTranslate2 versions and "
               "the CPU's instruction sets.",
-    'random-checkpoint': "Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to "
+    "random-checkpoint": "Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to "
                          "measure a shape's speed and memory without training it:",
 }
 TRAIN_EXTRA = 'pip install -e ".[train]"'
