@@ -152,7 +152,11 @@ class Manifest:
         check_precision(self.precision)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ModelDirError(f"manifest field 'quantization' is {self.quantization!r}, expected one of "
-                                f"{', '.join(QUANTIZATIONS)}; {REDO}")
+                                f"{', '.join(QUANTIZATIONS)}")
+        for name in self.files:
+            if not is_plain_name(name):
+                raise ModelDirError(f"manifest field 'files' lists {name[:80]!r}, which is not a file name inside "
+                                    f"the model directory")
 
     def lists(self, *names: str) -> bool:
         """Whether the manifest lists every one of these files."""
@@ -165,6 +169,23 @@ class Manifest:
     def from_json(cls, data: Any) -> Manifest:
         """A Manifest from parsed JSON; ModelDirError naming the first field of the wrong shape."""
         return _parse(cls, data, "")
+
+
+def is_plain_name(name: str) -> bool:
+    """A model dir is flat: a file it lists is one path component, never '..', absolute or a subpath,
+    so that nothing outside the named directory is ever opened or hashed through its manifest."""
+    return (bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+            and os.path.basename(name) == name)
+
+
+def inside(model_dir: Path, name: str) -> Path:
+    """model_dir / name, refused when it is a link that resolves outside model_dir."""
+    path = model_dir / name
+    real_dir = os.path.realpath(model_dir)
+    if os.path.commonpath([real_dir, os.path.realpath(path)]) != real_dir:
+        raise ModelDirError(f"{path}: a link to {os.path.realpath(path)}, outside the model directory; copy the "
+                            "file into the directory (a model dir never reads outside itself)")
+    return path
 
 
 def _type_name(tp: Any) -> str:
@@ -331,7 +352,7 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
             raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {REDO}")
     if verify:
         for name, digest in manifest.files.items():
-            f = model_dir / name
+            f = inside(model_dir, name)
             if not f.is_file():
                 raise ModelDirError(f"{f}: listed in the manifest but missing; {REDO}")
             if file_digest(f) != digest:

@@ -57,6 +57,13 @@ SUMMARIES = {
                          "measure a shape's speed and memory without training it:",
 }
 TRAIN_EXTRA = 'pip install -e ".[train]"'
+# Packages some commands import only when they need them, and the extra (pyproject.toml) that installs each:
+# a deploy-only install lacks most of them, and a command that reaches one says so in one line.
+OPTIONAL_PACKAGES = {
+    "torch": "train", "onnxscript": "train", "transformers": "import", "safetensors": "import",
+    "ctranslate2": "bench", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
+    "httpx": "serve", "sentencex": "serve", "tensorboard": "tensorboard", "onnxruntime": "cpu", "onnx": "deploy",
+}
 
 
 def needs_torch(name: str) -> click.Command:
@@ -143,6 +150,20 @@ def describe_os_error(e: OSError) -> str:
     return f"{where}: {reason}" if where is not None else reason
 
 
+def missing_package(e: ModuleNotFoundError, argv: list[str]) -> str | None:
+    """The one line for an optional package a command needs and this install lacks; None for any other
+    missing module (our own code missing is a bug, and keeps its traceback)."""
+    package = (e.name or "").split(".")[0]
+    extra = OPTIONAL_PACKAGES.get(package)
+    if extra is None:
+        return None
+    command = next((a for a in argv if a in COMMANDS), None)
+    if command == "import":  # its extra brings torch, transformers and safetensors together
+        extra = "import"
+    what = f"`pipeline {command}` as called here" if command else "this command"
+    return f"{what} needs {package}, which this install does not have: pip install -e \".[{extra}]\""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run a command; every user mistake or environment fault ends as one line on stderr.
     Anything else is a bug and keeps its traceback, so it can be reported."""
@@ -166,6 +187,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     except OSError as e:
         click.echo(f"error: {describe_os_error(e)}", err=True)
+        sys.exit(2)
+    except ModuleNotFoundError as e:
+        line = missing_package(e, sys.argv[1:] if argv is None else argv)
+        if line is None:
+            raise
+        click.echo(f"error: {line}", err=True)
         sys.exit(2)
     finally:
         if previous is not None:

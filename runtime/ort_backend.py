@@ -18,9 +18,11 @@ weights) elsewhere, where level 4 measured much less accurate (runtime/cpu_int8.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -33,7 +35,7 @@ from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
-from runtime.errors import RuntimeUserError
+from runtime.errors import RuntimeUserError, first_line
 from runtime.heap import release_free_memory
 from runtime.shortlist import Shortlist
 
@@ -83,6 +85,33 @@ def tensorrt_loadable() -> bool:
         except OSError:
             continue
     return False
+
+
+# What ONNX Runtime raises for a graph file it cannot read or build a session from (its exception types
+# derive from Exception alone); EPFail, an execution provider's own fault, is not the file's and keeps
+# its traceback. onnx's DecodeError / ValueError come from session_graph, which parses rowwise graphs.
+_DAMAGED = ("InvalidProtobuf", "InvalidGraph", "NoSuchFile", "NoModel")
+_UNLOADABLE = _DAMAGED + ("Fail", "InvalidArgument", "RuntimeException", "NotImplemented")
+
+
+@contextlib.contextmanager
+def loading_graph(path: Path) -> Iterator[None]:
+    """A graph (or its .data weights) that ONNX Runtime cannot load is one line naming the file, never
+    onnxruntime's multi-line traceback; the manifest's checksums passing only means the files are the
+    ones that were hashed."""
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    errors = tuple(getattr(state, name) for name in _UNLOADABLE if hasattr(state, name))
+    try:
+        yield
+    except (*errors, DecodeError, ValueError) as e:
+        message = first_line(e)
+        weights = path.with_suffix(".data")
+        where = weights if "external" in message.lower() and weights.exists() else path
+        damaged = type(e).__name__ in _DAMAGED or isinstance(e, DecodeError) or where == weights
+        fix = "damaged or not what export wrote; export the model again" if damaged else "export the model again"
+        raise RuntimeUserError(f"{where}: ONNX Runtime cannot load it ({message}); {fix}") from None
 
 
 def choose_providers(device: Any, available: list[str], use_tensorrt: bool = True) -> list[str]:
@@ -152,11 +181,12 @@ class OrtBackend(ExportedGraphBackend):
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
         self.shortlist = shortlist
         decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE
-        with graph(model_dir / io_names.ENCODER_FILE) as encoder, graph(model_dir / decoder_file) as decoder:
-            self.encoder = ort.InferenceSession(encoder, opts, providers=self.providers,
-                                                provider_options=provider_args)
-            self.decoder = ort.InferenceSession(decoder, opts, providers=self.providers,
-                                                provider_options=provider_args)
+        def session(path: Path) -> ort.InferenceSession:
+            with loading_graph(path), graph(path) as model:
+                return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args)
+
+        self.encoder = session(model_dir / io_names.ENCODER_FILE)
+        self.decoder = session(model_dir / decoder_file)
         self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / decoder_file)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types: dict[str, np.dtype[Any]] = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)

@@ -23,7 +23,7 @@ from typing import Any
 import sentencepiece as spm
 
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
-from runtime.errors import RuntimeUserError
+from runtime.errors import RuntimeUserError, first_line
 
 BUNDLE_MAGIC = b"pipeline-vocab-tokenizer-v1\n"
 
@@ -37,7 +37,7 @@ class Tokenizer:
 
     def __init__(self, model_bytes: bytes):
         self.model_bytes = model_bytes
-        self.sp = spm.SentencePieceProcessor(model_proto=model_bytes)
+        self.sp = _processor(model_bytes)
         ids = (self.sp.pad_id(), self.sp.unk_id(), self.sp.bos_id(), self.sp.eos_id())
         if ids != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
             raise TokenizerError(f"SentencePiece model has special ids {ids}, expected "
@@ -87,6 +87,11 @@ class VocabTokenizer:
         self.target = spm.SentencePieceProcessor(model_proto=target_spm)
         self.source_spm, self.target_spm = source_spm, target_spm
         self.vocab = dict(vocab)
+        wrong = [(piece, i) for piece, i in self.vocab.items()
+                 if not isinstance(piece, str) or not isinstance(i, int) or isinstance(i, bool)]
+        if wrong:
+            raise TokenizerError(f"the vocabulary maps {wrong[0][0]!r} to {wrong[0][1]!r}; every entry must map a "
+                                 f"piece to an integer id ({len(wrong)} do not)")
         self.specials = {"eos": eos, "unk": unk, "pad": pad}
         missing = [token for token in (eos, unk, pad) if token not in self.vocab]
         if missing:
@@ -135,7 +140,10 @@ class VocabTokenizer:
             raise TokenizerError(f"unreadable tokenizer bundle ({e})") from None
         if end != len(body):
             raise TokenizerError(f"tokenizer bundle of {len(body)} bytes, its header says {end}: truncated?")
-        return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"])
+        try:
+            return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"])
+        except (RuntimeError, TypeError, AttributeError) as e:  # SentencePiece's parse error; a header of wrong types
+            raise TokenizerError(f"unusable tokenizer bundle ({first_line(e)})") from None
 
     def _ids(self, pieces: list[str]) -> list[int]:
         return [self.vocab.get(p, self.unk_id) for p in pieces]
@@ -177,4 +185,16 @@ def load_tokenizer(data: bytes) -> AnyTokenizer:
 
 
 def tokenizer_from_file(path: str | Path) -> AnyTokenizer:
-    return load_tokenizer(Path(path).read_bytes())
+    """The tokenizer of a model dir's file; one that cannot be used is a TokenizerError naming it."""
+    try:
+        return load_tokenizer(Path(path).read_bytes())
+    except TokenizerError as e:
+        raise TokenizerError(f"{path}: {e}; export the model again") from None
+
+
+def _processor(model_bytes: bytes) -> spm.SentencePieceProcessor:
+    """SentencePiece's processor, or a TokenizerError: its own parse error is a multi-line C++ message."""
+    try:
+        return spm.SentencePieceProcessor(model_proto=model_bytes)
+    except (RuntimeError, TypeError, OSError) as e:
+        raise TokenizerError(f"not a SentencePiece model ({len(model_bytes)} bytes; {first_line(e)})") from None
