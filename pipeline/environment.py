@@ -22,8 +22,8 @@ from export.tensorrt_build import load_tensorrt
 from model import io_names
 from model.manifest import SPM_FILE, Manifest, read_manifest
 from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
-from runtime.loader import NEEDS
 from runtime.ort_backend import CPU_EP, CUDA_EP
+from runtime.registry import entry
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class Verdict:
 
 
 def _missing(files: set[str], backend: str) -> list[str]:
-    return [f for f in NEEDS[backend] if f not in files]
+    return [f for f in entry(backend).files if f not in files]
 
 
 def model_dir_verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:

@@ -18,6 +18,8 @@ from model import io_names
 from model.cache import BeamCache
 from runtime.errors import RuntimeUserError
 
+DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
+
 
 @dataclass
 class EncoderState:

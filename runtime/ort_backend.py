@@ -42,6 +42,8 @@ from runtime.shortlist import Shortlist
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
     import onnxruntime as ort
 
+    from runtime.model_dir import LoadOptions, ModelDir
+
 log = logging.getLogger(__name__)
 
 TRT_EP = "TensorrtExecutionProvider"
@@ -360,6 +362,12 @@ class _StepBinding:
     step_k: list[Any]
     step_v: list[Any]
     feeds: dict[str, weakref.ref[Any] | None] = field(default_factory=dict)  # cache feeds bound now
+
+
+def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> OrtBackend:
+    """The registry's opener (runtime/registry.py): the dir's graphs in ONNX Runtime sessions."""
+    return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=options.threads,
+                      shortlist=shortlist)
 
 
 def _cuda_visible() -> bool:

@@ -8,20 +8,27 @@ PIPELINE_CUDA_GRAPHS=0 (every command's switch, docs/gpu.md)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from model import io_names
 from model.cache import BeamCache
+from model.manifest import CHECKPOINT_FILE
 from model.transformer import Transformer, select_candidates
-from runtime.backend import EncoderState, StepOutput, host, select_rows
-from runtime.loader import DEFAULT_TOPK
+from runtime.backend import DEFAULT_TOPK, EncoderState, StepOutput, host, select_rows
+from runtime.registry import resolve_device
 from runtime.shortlist import Shortlist
 from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
+
+if TYPE_CHECKING:
+    from runtime.model_dir import LoadOptions, ModelDir
+
+log = logging.getLogger(__name__)
 
 STEP_MODES = ("eager", "static", "graph")  # static: the graph's fixed shapes without capture (CPU tests)
 CUDA_GRAPHS_ENV = "PIPELINE_CUDA_GRAPHS"
@@ -116,3 +123,29 @@ class TorchBackend:
         cache.append(step_k, step_v)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id, state.candidates)
         return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache
+
+
+def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:
+    """fp16 only on a GPU (CPU half matmuls are slow and not what the graphs compute)."""
+    if precision == "fp16" and device.type == "cuda":
+        return torch.float16
+    if precision == "fp16":
+        log.warning("fp16 asked for on %s: running the PyTorch model in fp32", device)
+    if precision == "int8":
+        log.warning("int8 model dir on the torch backend: running the fp32 weights of %s "
+                    "(the int8 weights are in the ONNX graphs)", CHECKPOINT_FILE)
+    return torch.float32
+
+
+def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> TorchBackend:
+    """The registry's opener (runtime/registry.py): the dir's model.pt on options.device."""
+    from model.checkpoint import load_model
+
+    dev = resolve_device(options.device)
+    if options.threads:
+        torch.set_num_threads(options.threads)
+    manifest = model_dir.manifest
+    model, _, _ = load_model(model_dir.file(CHECKPOINT_FILE), device="cpu")
+    return TorchBackend(model, dev, torch_dtype(options.precision or manifest.precision, dev), topk=manifest.topk,
+                        max_src_len=manifest.limits.max_src_len, max_tgt_len=manifest.limits.max_tgt_len,
+                        shortlist=shortlist)

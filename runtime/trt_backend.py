@@ -30,6 +30,9 @@ from runtime.errors import RuntimeUserError
 if TYPE_CHECKING:  # for annotations only: at run time tensorrt is imported once import_tensorrt() vouched
     import tensorrt as trt  # for it, so mypy checks every engine/context/runtime call against the stubs
 
+    from runtime.model_dir import LoadOptions, ModelDir
+    from runtime.shortlist import Shortlist
+
 log = logging.getLogger(__name__)
 
 REBUILD = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on this machine"
@@ -172,3 +175,9 @@ class TrtBackend(ExportedGraphBackend):
         cache.append(*step_outputs(out, n_layers))
         return StepOutput(host(out[io_names.TOPK_LOG_PROBS], np.float32), host(out[io_names.TOPK_IDS], np.int64),
                           host(out[io_names.EOS_LOG_PROBS], np.float32)), cache
+
+
+def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> TrtBackend:
+    """The registry's opener (runtime/registry.py): the dir's engines on options.device (the registry
+    refuses a shortlist for TensorRT before this is called)."""
+    return TrtBackend(model_dir.path, model_dir.manifest, device=options.device)

@@ -12,7 +12,8 @@ from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeOptions, check_outputs, output_paths, serve_files
 from pipeline.serve_batch.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.decoding import DecodingOptions
-from runtime.loader import BACKENDS, load_backend
+from runtime.model_dir import LoadOptions, load
+from runtime.registry import BACKENDS
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +78,12 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:
-        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=rank_device(ctx, device),
-                                                 threads=threads, dtype=dtype, shortlist=shortlist)
-        # an imported model's own decoding defaults (num_beams, max_length, ...) for the options not given
-        # on a GPU a larger batch budget unless given (DecodingOptions.for_device)
-        opts = dataclasses.replace(opts, decoding=decoding.for_device(impl.device).for_model(manifest.decoding)
-                                   ).validate()
+        # the decoding: an imported model's own defaults (num_beams, max_length, ...) for the options not
+        # given, and on a GPU a larger batch budget unless given (runtime/model_dir.py load)
+        loaded = load(model_dir, LoadOptions(backend=backend, device=rank_device(ctx, device), threads=threads,
+                                             precision=dtype, shortlist=shortlist), decoding)
+        impl, tokenizer = loaded.backend, loaded.tokenizer
+        opts = dataclasses.replace(opts, decoding=loaded.decoding).validate()
         if opts.decoding.batch_tokens != decoding.batch_tokens:
             log.info("batch budget %d on %s (--batch-tokens sets another)", opts.decoding.batch_tokens, impl.device)
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)

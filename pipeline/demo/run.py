@@ -26,7 +26,7 @@ from pipeline.serve_batch.files import ServeOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.decoding import PAPER, DecodingOptions
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
     serving = ServeOptions(decoding=opts.decoding)
-    backend, tokenizer, _ = load_backend(model_dirs["fp32"], backend="auto", threads=opts.threads)
+    loaded = load(model_dirs["fp32"], LoadOptions(threads=opts.threads), opts.decoding)
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     stats = clock.stage("serve-batch", serve_files, backend, tokenizer, [str(test_src)], [str(translation)],
                         serving, progress=opts.progress)
     bleu = sacrebleu.corpus_bleu(read_lines(translation), [read_lines(test_ref)]).score

@@ -25,7 +25,7 @@ from typing import Any
 from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.decoding import PAPER, DecodingOptions
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.search import search
 from runtime.translate import encode_sources, pad_batch
 
@@ -144,9 +144,10 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     results = []
     for name in backends:
         reset_peak_rss()
-        backend, tokenizer, manifest = load_backend(model_dir, backend=name, device=device, threads=threads,
-                                                    shortlist=shortlist)
-        decoding = decoding.for_model(manifest.decoding)  # an imported model's own defaults, unless set
+        # with an imported model's own decoding defaults for what is not set
+        loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist),
+                      decoding)
+        backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
         for bs in batch_sizes:
             precision = "fp32" if name == "torch" else manifest.precision

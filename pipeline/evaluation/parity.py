@@ -29,14 +29,14 @@ from typing import Any
 import sacrebleu
 
 from model.errors import UserError
-from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE, SPM_FILE, read_manifest
+from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE
 from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
-from runtime import references
-from runtime.loader import installed, load_backend
-from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
+from runtime.loader import installed
+from runtime.model_dir import LoadOptions, ModelDir, load
+from runtime.tokenizer import AnyTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -210,38 +210,40 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
                         "leave out --src/--ref to gate against the references recorded in the model dir")
 
     # The reference is the fp32 PyTorch model on the CPU, whatever the export precision (or transformers).
-    reference, tokenizer, manifest = load_backend(model_dir, backend=REFERENCE, device="cpu",
-                                                  threads=threads, dtype="fp32")
+    opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
+    loaded = load(opened, LoadOptions(backend=REFERENCE, device="cpu", threads=threads, precision="fp32"))
+    reference, tokenizer, manifest = loaded.backend, loaded.tokenizer, loaded.manifest
     opts = replace(opts, decoding=opts.decoding.for_model(manifest.decoding))
     if reference_engine == "transformers":
-        return _transformers_parity(model_dir, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
+        return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
                                     hf_dir, reference, tokenizer, shortlist)
     ref_run = translate_as_served(reference, tokenizer, src, opts)
     if ref_run.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
                     "does", src, ref_run.truncated)
-    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (reference, ref_run), shortlist)
+    runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (reference, ref_run), shortlist)
             for name in backends)
     results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps, reference.cfg.eos_id)
     return ParityReport(str(model_dir), str(src), str(ref), n_src, opts.decoding.beam_size, *signatures, results,
                         shortlist=shortlist)
 
 
-def _transformers_parity(model_dir: Path, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
+def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
                          opts: ServeOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
                          save_hyps: Path | None, hf_dir: Path | None, torch_backend: Any,
                          tokenizer: AnyTokenizer, shortlist: bool = False) -> ParityReport:
     """Every backend against transformers' generate on the imported model's own directory."""
     from pipeline.evaluation import transformers_reference
 
-    hf_dir = hf_dir or transformers_reference.imported_from(Path(model_dir) / CHECKPOINT_FILE)
+    model_dir = opened.path
+    hf_dir = hf_dir or transformers_reference.imported_from(opened.file(CHECKPOINT_FILE))
     if hf_dir is None:
         raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
                         "--reference transformers needs --hf-dir")
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
     lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding)
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
-    runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
+    runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)
     results, signatures = _compare(runs, ref_run, ref_lines, torch_backend.model, gates, save_hyps,
                                    torch_backend.cfg.eos_id)
@@ -252,17 +254,18 @@ def _transformers_parity(model_dir: Path, src: Path, ref_path: Path, ref_lines: 
 def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, gates: dict[str, Gate],
                      threads: int | None, save_hyps: Path | None, shortlist: bool = False) -> ParityReport:
     """Every backend against the fp32 PyTorch translations recorded at export."""
-    manifest = read_manifest(model_dir, verify=True)
-    refs = references.read(model_dir)
+    opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
+    manifest = opened.manifest
+    refs = opened.references()
     opts = ServeOptions(decoding=refs.decoding).validate()
-    tokenizer = tokenizer_from_file(Path(model_dir) / SPM_FILE)
+    tokenizer = opened.tokenizer
     ref_run = Served(refs.lines, [], refs.hypotheses, 0.0, 0)
     model = ModelOnDemand(Path(model_dir) / CHECKPOINT_FILE
                           if installed("torch") and manifest.lists(CHECKPOINT_FILE) else None)
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         src = Path(tmp) / "references.src"
         src.write_text("".join(line + "\n" for line in refs.sources), encoding="utf-8")
-        runs = (_translate(name, model_dir, src, opts, device, threads, tokenizer, None, shortlist)
+        runs = (_translate(name, opened, src, opts, device, threads, tokenizer, None, shortlist)
                 for name in backends)
         results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps,
                                        manifest.model_config.eos_id)
@@ -271,15 +274,16 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
                         results, shortlist=shortlist)
 
 
-def _translate(name: str, model_dir: Path, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
+def _translate(name: str, opened: ModelDir, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
                tokenizer: AnyTokenizer, live: tuple[Any, Served] | None,
                shortlist: bool = False) -> tuple[str, Any, Served, str]:
     """(name, backend, its run, precision): the live reference's own run is reused for `torch` (unless it
     is to decode over the shortlist, which the reference does not)."""
     if name == REFERENCE and live is not None and not shortlist:
         return name, live[0], live[1], "fp32"
-    backend, _, manifest = load_backend(model_dir, backend=name, device=device, threads=threads,
-                                        dtype="fp32" if name == REFERENCE else None, shortlist=shortlist)
+    loaded = load(opened, LoadOptions(backend=name, device=device, threads=threads,
+                                      precision="fp32" if name == REFERENCE else None, shortlist=shortlist))
+    backend, manifest = loaded.backend, loaded.manifest
     precision = ("fp32" if name == REFERENCE else manifest.precision) + (SHORTLISTED if shortlist else "")
     return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
 

@@ -13,7 +13,8 @@ from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.decoding import DecodingOptions
-from runtime.loader import load_backend, load_torch_backend_from_checkpoint
+from runtime.loader import load_torch_backend_from_checkpoint
+from runtime.model_dir import LoadOptions, load
 from runtime.translate import translate_lines
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,8 @@ def load_for_tuning(model: Path, device: str | None) -> tuple[Any, Any, dict[str
     """(backend, tokenizer, the model's own decoding defaults) of an exported model dir (its default
     backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint)."""
     if (Path(model) / MANIFEST).is_file():
-        backend, tokenizer, manifest = load_backend(model, device=device)
-        return backend, tokenizer, manifest.decoding
+        loaded = load(model, LoadOptions(device=device))
+        return loaded.backend, loaded.tokenizer, loaded.model_dir.decoding_defaults
     from model.checkpoint import read_checkpoint, resolve_checkpoint
 
     backend, tokenizer = load_torch_backend_from_checkpoint(model, device=device)

@@ -1,0 +1,157 @@
+"""A model dir as an object: opened once, loaded with one options type, decoded with its own defaults.
+
+    model_dir = ModelDir.open(path)                     # swap restored, manifest read and verified once,
+                                                        # tokenizer built once
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=2), decoding_given)
+    loaded.backend.encode(...)                          # a typed runtime.backend.Backend
+    loaded.decoding                                     # the model's defaults under what the user gave
+
+`load` is the one place where a model dir's decoding defaults (DecodingOptions.for_model) and the
+device's batch budget (for_device) are applied, and where the backend registry (runtime/registry.py)
+is asked which backend serves the dir. Nothing here imports torch: the deploy install opens and loads
+ONNX model dirs with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from model import io_names
+from model.atomic import restore_replaced_dir
+from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
+from runtime.backend import Backend
+from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.registry import BACKENDS, check_device, choose_backend, entry
+from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
+
+if TYPE_CHECKING:
+    from runtime.references import References
+    from runtime.shortlist import Shortlist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelDir:
+    """A verified model dir: its manifest (read once), its tokenizer, and what it records."""
+
+    path: Path
+    manifest: Manifest
+    tokenizer: AnyTokenizer = field(repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> ModelDir:
+        """Put back a dir an interrupted `export --force` left swapped, read the manifest, verify every
+        file it lists (a one-line ModelDirError naming the file otherwise) and build the tokenizer."""
+        path = Path(path)
+        restore_replaced_dir(path)
+        manifest = read_manifest(path, verify=True, need=(SPM_FILE,))
+        return cls(path, manifest, tokenizer_from_file(path / SPM_FILE))
+
+    @property
+    def decoding_defaults(self) -> dict[str, Any]:
+        """The model's own decoding defaults (an imported model's num_beams, ...); empty: the paper's."""
+        return self.manifest.decoding
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    def references(self) -> References:
+        """The fp32 model's translations recorded at export (runtime/references.py)."""
+        from runtime import references
+
+        return references.read(self.path)
+
+    @functools.cached_property
+    def shortlist(self) -> Shortlist:
+        """The vocabulary shortlist table exported with the dir (a one-line error when there is none)."""
+        from runtime.shortlist import Shortlist
+
+        if self.manifest.shortlist is None:
+            raise RuntimeUserError(f"{self.path}: exported without a vocabulary shortlist; export it again with "
+                                   "--shortlist-src and --shortlist-tgt (a parallel corpus), or leave out --shortlist")
+        return Shortlist.load(self.path / io_names.SHORTLIST_FILE)
+
+
+def _opt(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How to load a model dir: which engine, where, with how many threads, in which precision."""
+
+    backend: str = _opt("auto", "Engine: auto (TensorRT engines on a GPU where usable, else ONNX Runtime when "
+                                "installed, else PyTorch), torch, onnxruntime or tensorrt.")
+    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available to the backend).")
+    threads: int | None = _opt(None, "Intra-op threads of the torch and onnxruntime backends (default: all cores).")
+    precision: str | None = _opt(None, "fp32 or fp16 for the torch backend (default: the model dir's precision).")
+    shortlist: bool = _opt(False, "Decode over the model dir's vocabulary shortlist (torch and onnxruntime).")
+
+    def problems(self) -> list[str]:
+        """Every impossible setting, each naming its field (the CLI and HTTP layers phrase them)."""
+        out = []
+        if self.backend not in BACKENDS:
+            out.append(f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+        if self.threads is not None and self.threads < 1:
+            out.append(f"threads must be at least 1 (got {self.threads})")
+        if self.precision not in (None, "fp32", "fp16", "int8"):
+            out.append(f"precision {self.precision!r}: choose fp32 or fp16")
+        return out
+
+
+@dataclass
+class Loaded:
+    """A model dir with a backend running it and the decoding it will be run with."""
+
+    model_dir: ModelDir
+    backend: Backend
+    decoding: DecodingOptions
+
+    @property
+    def tokenizer(self) -> AnyTokenizer:
+        return self.model_dir.tokenizer
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.model_dir.manifest
+
+
+def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
+         decoding_given: DecodingOptions = PAPER) -> Loaded:
+    """The model dir (opened unless given open) on the backend `options` name or the registry picks,
+    with `decoding_given` under the model's own defaults and the device's batch budget."""
+    options = options or LoadOptions()
+    if options.backend not in BACKENDS:
+        raise RuntimeUserError(f"--backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")
+    check_device(options.device)
+    opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
+    manifest = opened.manifest
+    chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)
+    need = chosen.needs(manifest, options.shortlist, opened.path)
+    missing = [name for name in need if name not in manifest.files]
+    if missing:
+        raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
+    table = opened.shortlist if options.shortlist else None
+    if chosen.name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
+        log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
+                    "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
+                    "where outputs must not depend on batching", opened.path)
+    backend = chosen.open(opened, options, table)
+    if opened.tokenizer.vocab_size != backend.cfg.vocab_size:
+        raise RuntimeUserError(f"{opened.path / SPM_FILE}: {opened.tokenizer.vocab_size} pieces but the model has "
+                               f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
+    log.info("backend %s on %s", backend.name, backend.device)
+    decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults).validate()
+    return Loaded(opened, backend, decoding)
+
+
+def with_decoding(loaded: Loaded, decoding_given: DecodingOptions) -> Loaded:
+    """The same backend with other decoding options given (the model's defaults applied again)."""
+    decoding = decoding_given.for_device(loaded.backend.device).for_model(loaded.model_dir.decoding_defaults)
+    return dataclasses.replace(loaded, decoding=decoding.validate())

@@ -1,0 +1,149 @@
+"""The backends a model dir can be loaded on, declared once: what each needs of the dir and the machine,
+and the function that opens it. `auto`, the loader (runtime/model_dir.py) and the backend lists of the
+CLI read this table; adding a backend is one new module with an `open_model_dir` function plus one
+entry here.
+
+Nothing here imports a backend's module (PyTorch, TensorRT) until that backend is opened."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from model import io_names
+from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, SPM_FILE, Manifest
+from runtime.errors import RuntimeUserError
+
+if TYPE_CHECKING:
+    from runtime.backend import Backend
+    from runtime.model_dir import LoadOptions, ModelDir
+    from runtime.shortlist import Shortlist
+
+TRAIN_EXTRA = 'pip install -e ".[train]"'
+
+
+def installed(module: str) -> bool:
+    """Importable with code in it: tensorrt-stubs alone leaves a code-less namespace package
+    named tensorrt, which must not make `auto` pick TensorRT."""
+    spec = importlib.util.find_spec(module)
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
+def import_torch(why: str) -> Any:
+    """torch, or a one-line error saying what needs it and how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeUserError(f"{why} needs PyTorch, which is not installed (a deploy-only install): "
+                               f"{TRAIN_EXTRA}, or use --backend onnxruntime") from None
+    return torch
+
+
+def cuda_available() -> bool:
+    """A CUDA GPU usable through PyTorch (False without torch, which is then not imported)."""
+    if not installed("torch"):
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def check_device(device: str | None) -> None:
+    """A bad --device is one line before anything is loaded, on any backend."""
+    if device is None:
+        return
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise RuntimeUserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N")
+    if device != "cpu":
+        resolve_device(device)
+
+
+def resolve_device(device: str | None) -> Any:
+    """The torch.device for the torch backend (imports torch)."""
+    torch = import_torch(f"--device {device}" if device and device != "cpu" else "the torch backend")
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise RuntimeUserError(f"--device {device!r} is not a device; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeUserError(f"--device {device}: CUDA is not available here; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeUserError(f"--device {device}: this machine has {torch.cuda.device_count()} GPU(s); "
+                               "use cuda:0 .. cuda:N-1")
+    return dev
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """One backend: the files it runs, the package `auto` needs before picking it, and its opener."""
+
+    name: str
+    files: tuple[str, ...]        # what the model dir must list
+    package: str                  # importable, for `auto` to pick this backend
+    opener: str                   # "module:function" taking (ModelDir, LoadOptions, Shortlist | None)
+    shortlist_files: tuple[str, ...] | None = None  # more files a shortlisted decode runs; None: cannot
+    no_shortlist: str = ""        # why it cannot decode over a shortlist
+    runs_integer_matmuls: bool = True  # int8 flavours with integer matmuls (ONNXRUNTIME_ONLY)
+    cuda_only: bool = False
+    needs_torch: bool = False     # its module imports PyTorch: a deploy install gets one line, not an ImportError
+
+    def needs(self, manifest: Manifest, shortlist: bool, where: object) -> tuple[str, ...]:
+        """The files this backend reads from the dir; a one-line error when it cannot run the dir at all."""
+        if not self.runs_integer_matmuls and manifest.quantization in ONNXRUNTIME_ONLY:
+            raise RuntimeUserError(f"{where}: int8 flavour {manifest.quantization} (integer matmuls) runs on "
+                                   "ONNX Runtime only; use --backend onnxruntime, or export with --int8-flavour qdq "
+                                   "for TensorRT")
+        if not shortlist:
+            return self.files
+        if self.shortlist_files is None:
+            raise RuntimeUserError(self.no_shortlist)
+        return self.files + self.shortlist_files
+
+    def auto_ok(self, manifest: Manifest) -> bool:
+        """Whether `auto` may pick it for this dir on this machine."""
+        return manifest.lists(*self.files) and installed(self.package) and (not self.cuda_only or cuda_available())
+
+    def open(self, model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> Backend:
+        if self.needs_torch:
+            import_torch(f"the {self.name} backend")
+        module, name = self.opener.split(":")
+        opener: Callable[..., Backend] = getattr(importlib.import_module(module), name)
+        return opener(model_dir, options, shortlist)
+
+
+ENTRIES = (
+    BackendEntry("torch", (CHECKPOINT_FILE, SPM_FILE), "torch", "runtime.torch_backend:open_model_dir",
+                 shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True),
+    BackendEntry("onnxruntime", (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE), "onnxruntime",
+                 "runtime.ort_backend:open_model_dir",
+                 shortlist_files=(io_names.SHORTLIST_FILE, io_names.DECODER_SHORTLIST_FILE)),
+    BackendEntry("tensorrt", (io_names.ENCODER_ENGINE, io_names.DECODER_ENGINE, SPM_FILE), "tensorrt",
+                 "runtime.trt_backend:open_model_dir", runs_integer_matmuls=False, cuda_only=True, needs_torch=True,
+                 no_shortlist="--shortlist runs on the torch and onnxruntime backends; no TensorRT engine is built "
+                              "from decoder_shortlist.onnx yet: use --backend onnxruntime"),
+)
+AUTO_ORDER = ("tensorrt", "onnxruntime")  # tried in this order; torch otherwise
+BACKENDS = ("auto", *(e.name for e in ENTRIES))
+
+
+def entry(name: str) -> BackendEntry:
+    return next(e for e in ENTRIES if e.name == name)
+
+
+def backend_names() -> tuple[str, ...]:
+    """The concrete backends a model dir can be opened with ("auto" picks one of them)."""
+    return tuple(e.name for e in ENTRIES)
+
+
+def choose_backend(manifest: Manifest) -> str:
+    """auto: TensorRT when engines are present, tensorrt imports and CUDA is there; else
+    ONNX Runtime when installed and the graphs are present; else PyTorch."""
+    return next((name for name in AUTO_ORDER if entry(name).auto_ok(manifest)), "torch")

@@ -1,0 +1,98 @@
+"""The model-dir seam (runtime/model_dir.py, runtime/registry.py): a dir is opened once, its manifest
+read once per load whatever the caller, the model's decoding defaults applied in one place, and the
+backends declared in one table."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from pathlib import Path
+
+import pytest
+
+from model.manifest import MANIFEST
+from runtime import registry
+from runtime.decoding import PAPER
+from runtime.model_dir import LoadOptions, ModelDir, load
+from tests.helpers import FAST, run_cli_captured, write_lines
+
+
+@pytest.fixture
+def manifest_reads(monkeypatch) -> list[str]:
+    """Every read of a manifest.json in this test, by path."""
+    reads: list[str] = []
+    read_text = pathlib.Path.read_text
+
+    def counting(self: Path, *args, **kwargs):
+        if self.name == MANIFEST:
+            reads.append(str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", counting)
+    return reads
+
+
+def test_a_load_reads_the_manifest_once(fp32_dir, manifest_reads):
+    loaded = load(fp32_dir, LoadOptions(backend="onnxruntime", threads=1))
+    assert loaded.backend.name == "onnxruntime"
+    assert len(manifest_reads) == 1
+
+
+def test_an_open_dir_loads_every_backend_without_reading_it_again(fp32_dir, manifest_reads):
+    opened = ModelDir.open(fp32_dir)
+    for name in ("onnxruntime", "torch"):
+        assert load(opened, LoadOptions(backend=name, threads=1)).backend.name == name
+    assert len(manifest_reads) == 1
+
+
+def test_serve_batch_reads_the_manifest_once(fp32_dir, tmp_path, capsys, manifest_reads):
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef"])
+    code, _, err = run_cli_captured(capsys, "serve-batch", fp32_dir, src, "-o", tmp_path / "out.txt", *FAST)
+    assert code == 0, err
+    assert len(manifest_reads) == 1
+
+
+def test_parity_of_two_backends_reads_the_manifest_once(fp32_dir, tmp_path, manifest_reads):
+    from pipeline.evaluation.parity import run_parity
+    from pipeline.serve_batch.translation import ServeOptions
+
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef gh ij"])
+    report = run_parity(fp32_dir, src, src, ["torch", "onnxruntime"], threads=1,
+                        opts=ServeOptions(decoding=PAPER.replace(max_len_a=0.0, max_len_b=6)))
+    assert [r.backend for r in report.results] == ["torch", "onnxruntime"]
+    assert len(manifest_reads) == 1
+
+
+def test_the_models_own_decoding_defaults_apply_under_what_the_user_gave(fp32_dir, tmp_path):
+    import shutil
+
+    imported = tmp_path / "imported"
+    shutil.copytree(fp32_dir, imported)
+    manifest = json.loads((imported / MANIFEST).read_text())
+    manifest["decoding"] = {"beam_size": 2, "alpha": 1.0, "rules": "transformers"}
+    (imported / MANIFEST).write_text(json.dumps(manifest))
+
+    assert load(imported, LoadOptions(backend="onnxruntime")).decoding.beam_size == 2
+    given = PAPER.replace(beam_size=3, explicit=frozenset({"beam_size"}))
+    decoding = load(imported, LoadOptions(backend="onnxruntime"), given).decoding
+    assert (decoding.beam_size, decoding.alpha, decoding.rules) == (3, 1.0, "transformers")
+
+
+def test_the_registry_is_the_one_list_of_backends():
+    from runtime.loader import BACKENDS, backend_names
+
+    assert backend_names() == tuple(e.name for e in registry.ENTRIES)
+    assert BACKENDS == ("auto", *backend_names())
+
+
+def test_auto_picks_the_first_backend_the_machine_and_dir_allow(fp32_dir):
+    manifest = ModelDir.open(fp32_dir).manifest
+    expected = "onnxruntime" if registry.installed("onnxruntime") else "torch"
+    assert registry.choose_backend(manifest) == expected
+
+
+def test_a_backend_that_cannot_decode_over_a_shortlist_says_so(fp32_dir):
+    manifest = ModelDir.open(fp32_dir).manifest
+    with pytest.raises(registry.RuntimeUserError, match="--shortlist runs on the torch and onnxruntime"):
+        registry.entry("tensorrt").needs(manifest, True, fp32_dir)
+    assert registry.entry("onnxruntime").needs(manifest, False, fp32_dir) == registry.entry("onnxruntime").files
