@@ -274,10 +274,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         f.write(text)
 
 
-def check_writable_dir(directory: str | Path) -> Path:
+def check_writable_dir(directory: str | Path, option: str) -> Path:
     """Create `directory` if needed and prove a file can be written there (the same probe
-    as check_can_create_in), so a read-only or full save dir fails before minutes of work."""
+    as check_can_create_in), so a read-only or full dir fails before minutes of work; `option`
+    is what the user gave it as, for the message."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    check_can_create_in(directory, "--save-dir")
+    check_can_create_in(directory, option)
     return directory

@@ -77,7 +77,7 @@ def _check_save_dir(save_dir: Path) -> None:
     """Fail fast: a save dir that cannot be written (read-only, full, not a dir) is found
     before SentencePiece trains, not at the first checkpoint."""
     try:
-        check_writable_dir(save_dir)
+        check_writable_dir(save_dir, "--save-dir")
     except OSError as e:
         raise UserError(f"{save_dir}: cannot write to this --save-dir ({e.strerror or e}); choose a "
                         "writable one") from None
