@@ -1,9 +1,12 @@
 """Documents split into sentences and rebuilt: every character of whitespace kept, a text without a
-boundary is one sentence, an empty text stays empty, line breaks always separate."""
+boundary is one sentence, an empty text stays empty, line breaks always separate; and the time it takes
+grows linearly with the text, whatever the text holds."""
 
 from __future__ import annotations
 
+import functools
 import random
+import timeit
 
 import pytest
 
@@ -54,3 +57,57 @@ def test_random_texts_rebuild_exactly():
 def test_a_segmenter_that_changes_text_falls_back_to_lines(monkeypatch):
     monkeypatch.setattr(sentences, "_segmenter", lambda: lambda lang, line: [line.upper()])
     assert split_sentences(" a. b\nc ", "en") == Split(["a. b", "c"], [" ", "\n", " "])
+
+
+def test_long_lines_split_as_one_call_would():
+    """The segmenter sees a window at a time; on long lines (quotes, abbreviations and numbers whose
+    boundaries depend on the text around them) it finds the boundaries one call on the line finds."""
+    from sentencex import segment
+
+    rng = random.Random(1)
+    parts = ["Der Hund bellt laut.", "die katze", "Mr.", "Dr. X sagt: „Ja.“", "3.5", "?", "!", "\t", "\u00a0",
+             "z. B.", "Er kam um 3 Uhr an!", "Was?", "字。", "e.g.", "U.S.A.", "(siehe S. 4).", '"Yes."']
+    for _ in range(20):
+        line = " ".join(rng.choice(parts) for _ in range(rng.randint(500, 1500)))
+        lang = rng.choice(["en", "de", "fr", "zh"])
+        assert len(line) > 3 * sentences.WINDOW
+        assert split_sentences(line, lang).sentences == [s.strip() for s in segment(lang, line) if s.strip()]
+
+
+def test_a_sentence_longer_than_a_window_is_cut_at_whitespace():
+    text = " ".join(["ein hund ohne punkt"] * 200) + "  "
+    split = split_sentences(text, "de")
+    assert len(split.sentences) > 1 and all(len(s) <= sentences.WINDOW for s in split.sentences)
+    assert all(s.endswith("punkt") for s in split.sentences[:-1])  # cut at a space, not in a word
+    assert split.rebuild(split.sentences) == text
+    assert split_sentences("字" * 2500, "zh").sentences == ["字" * 1000, "字" * 1000, "字" * 500]
+
+
+# Texts made to be slow: a backtracking pattern was quadratic on runs of whitespace (a 30 KB body held
+# the server for 9.6 s), sentencex on boundaries with no space after them (Chinese, Hindi), joining
+# whitespace a part at a time on runs of line breaks. Each is about 5,000 characters at 1x.
+HOSTILE = {
+    "a run of spaces": lambda n: "Ein" + " " * 5000 * n + "Hund.",
+    "a run of line breaks": lambda n: "\n \n" * 1700 * n,
+    "many tiny sentences": lambda n: "A. " * 1700 * n,
+    "no boundary": lambda n: "ab " * 1700 * n,
+    "no boundary, no space": lambda n: "a" * 5000 * n,
+    "Chinese boundaries": lambda n: "字。" * 2500 * n,
+}
+
+
+@pytest.mark.parametrize("name", list(HOSTILE))
+def test_splitting_time_grows_linearly_with_the_text(name):
+    """Twice the text, twice the time: 4x the text must take under 8x the 1x time (linear is 4x,
+    quadratic 16x). Each size is timed over enough calls for ~20 ms of the 1x text, in 7 rounds that
+    take each size in turn (a busy machine slows all three alike), and the best round counts."""
+    texts = [HOSTILE[name](n) for n in (1, 2, 4)]
+    for text in texts:
+        assert split_sentences(text, "en").rebuild(split_sentences(text, "en").sentences) == text
+    calls = [functools.partial(split_sentences, text, "en") for text in texts]
+    number = max(1, round(0.02 / min(timeit.repeat(calls[0], number=1, repeat=3))))
+    rounds = [[timeit.timeit(call, number=number) / number for call in calls] for _ in range(7)]
+    seconds = [min(times) for times in zip(*rounds)]
+    print(f"{name}: 1x {seconds[0] * 1e3:.2f} ms, 2x {seconds[1] * 1e3:.2f} ms, 4x {seconds[2] * 1e3:.2f} ms "
+          f"({len(texts[0])} characters at 1x)")
+    assert seconds[2] / seconds[0] < 8, f"{name}: 4x the text took {seconds[2] / seconds[0]:.1f}x the time"

@@ -2,13 +2,16 @@
 character of whitespace it had between them (`--split sentences`, `"split": "sentences"`).
 
 Line breaks always separate; within a line sentencex finds the boundaries (the most accurate of three
-segmenters on en / de / fr, and fast: docs/serving.md links the comparison). A sentence never holds a line break and
-never starts or ends with whitespace; a text with no boundary is one sentence; an empty or
-whitespace-only text has none and is rebuilt as it was."""
+segmenters on en / de / fr, and fast: docs/serving.md links the comparison). A sentence never holds a line
+break and never starts or ends with whitespace; a text with no boundary is one sentence (cut at whitespace
+past WINDOW characters); an empty or whitespace-only text has none and is rebuilt as it was.
+
+The time is linear in the text whatever it holds (a request body is anyone's): the segmenter sees at most
+WINDOW characters at a time, and whitespace is measured with str.strip, not a backtracking pattern."""
 
 from __future__ import annotations
 
-import re
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +21,11 @@ from runtime.translate import encode_sources
 
 SPLIT_MODES = ("none", "sentences")
 DEFAULT_LANG = "en"
-_EDGES = re.compile(r"^(\s*)(.*?)(\s*)$", re.S)
+# sentencex's time grows with the square of its input on some texts (boundaries with no space after
+# them, as in Chinese: 100,000 characters took 2.5 s), and it holds the GIL, which stalls the server's
+# event loop too. A window bounds each call (about 1 ms at worst) and a long sentence (_windowed).
+WINDOW = 1000
+CONTEXT = 200  # the text around a boundary that decides it
 
 
 @dataclass(frozen=True)
@@ -53,24 +60,57 @@ def split_sentences(text: str, lang: str = DEFAULT_LANG) -> Split:
     """`text` as sentences and the whitespace around them (lang: an ISO 639 code; unknown codes get
     sentencex's language-neutral rules)."""
     segment = _segmenter()
-    split = _split(text, lambda line: segment(lang, line))
-    if split.rebuild(split.sentences) != text:  # a segmenter that dropped or changed a character
-        return _split(text, lambda line: [line])  # each line one sentence: nothing lost
-    return split
+    return _split(text, lambda line: _windowed(lambda window: segment(lang, window), line))
+
+
+def _windowed(segment: Callable[[str], list[str]], line: str) -> list[str]:
+    """The line cut where segment(line) cuts it, each call on at most WINDOW characters. A boundary
+    depends on the text around it: a window starts at the sentence before (when it is short) and the
+    boundaries found up to CONTEXT characters before its end (at least one) are kept. A window without
+    a boundary is cut after its last whitespace past the middle (a sentence that long is cut), else at
+    its end. A segmenter that changes a character leaves the line one sentence."""
+    cuts = [0]  # where the sentences found so far start
+    while True:
+        start = cuts[-1]
+        first = cuts[-2] if len(cuts) > 1 and start - cuts[-2] <= CONTEXT else start
+        window = line[first:first + WINDOW]
+        found = segment(window)
+        if "".join(found) != window:
+            return [line]
+        ends = [first + end for end in itertools.accumulate(map(len, found)) if first + end > start]
+        if first + len(window) == len(line):
+            return [line[a:b] for a, b in itertools.pairwise(cuts + ends)]
+        ends.pop()  # the window's end, not the line's
+        kept = [end for end in ends if end <= first + WINDOW - CONTEXT]
+        cuts += kept or ends[:1] or [start + _cut(line[start:first + WINDOW])]
+
+
+def _cut(window: str) -> int:
+    """Where a window without a sentence boundary is cut: after its last whitespace past the middle."""
+    for i in range(len(window) - 1, len(window) // 2 - 1, -1):
+        if window[i].isspace():
+            return i + 1
+    return len(window)
 
 
 def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
     sentences: list[str] = []
-    gaps = [""]
+    gaps: list[str] = []
+    gap: list[str] = []  # the whitespace since the last sentence, in parts (joined once: linear)
     for i, line in enumerate(text.split("\n")):
-        gaps[-1] += "\n" if i else ""
+        if i:
+            gap.append("\n")
         for piece in segment(line) if line.strip() else [line]:
-            lead, body, trail = _EDGES.fullmatch(piece).groups()  # type: ignore[union-attr]
-            gaps[-1] += lead
-            if body:
-                sentences.append(body)
-                gaps.append("")
-            gaps[-1] += trail
+            body = piece.strip()
+            if not body:
+                gap.append(piece)
+                continue
+            lead = len(piece) - len(piece.lstrip())
+            gap.append(piece[:lead])
+            gaps.append("".join(gap))
+            sentences.append(body)
+            gap = [piece[lead + len(body):]]
+    gaps.append("".join(gap))
     return Split(sentences, gaps)
 
 
