@@ -6,7 +6,7 @@ import contextlib
 import gzip
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -76,11 +76,14 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
         yield f
 
 
-def refuse_overwriting_inputs(inputs: list[str | Path], outputs: list[str | Path], what: str = "output") -> None:
-    """Refuse, before anything is read, an output that is one of the inputs under any
-    spelling (./in.de, dir/../in.de) or through a symlink either way. A hard link to an
-    input is allowed: the atomic rename replaces only the output's directory entry, so
-    the input's content survives under its own name."""
+def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[str | Path], what: str = "output", *,
+                              input_dirs: Sequence[str | Path] = (), output_dirs: Sequence[str | Path] = ()) -> None:
+    """Refuse, before anything is read, an output that would destroy an input, under any
+    spelling (./in.de, dir/../in.de) or through a symlink either way: an output file that is
+    one of the inputs or lies inside an input directory (a directory read whole: every file in
+    it is an input), and an output directory (replaced whole) that is, holds or lies inside one.
+    A hard link to an input file is allowed: the atomic rename replaces only the output's
+    directory entry, so the input's content survives under its own name."""
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
     for out in outputs:
         if str(out) == "-":
@@ -89,6 +92,25 @@ def refuse_overwriting_inputs(inputs: list[str | Path], outputs: list[str | Path
         if same is not None:
             raise UserError(f"{out}: this {what} is the input {same}; writing it would destroy the input, "
                             "choose another path")
+        for directory in input_dirs:
+            if _within(out, directory):
+                raise UserError(f"{out}: this {what} lies inside the input directory {directory}; writing there "
+                                "could replace its files, choose a path outside it")
+    for out in output_dirs:
+        for directory in input_dirs:
+            if _within(out, directory) or _within(directory, out):
+                raise UserError(f"{out}: this {what} overlaps the input directory {directory}; replacing it "
+                                "would destroy the input, choose another path")
+        for inp in inputs:
+            if str(inp) != "-" and _within(inp, out):
+                raise UserError(f"{out}: this {what} holds the input {inp}; replacing it would destroy the input, "
+                                "choose another path")
+
+
+def _within(path: str | Path, directory: str | Path) -> bool:
+    """Whether `path` is `directory` or lies inside it, as written (symlinks kept) or resolved."""
+    return any(os.path.commonpath([spell(path), spell(directory)]) == spell(directory)
+               for spell in (os.path.abspath, os.path.realpath))
 
 
 def check_output_file(path: str | Path, option: str) -> None:

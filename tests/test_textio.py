@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from model.checkpoint import atomic_torch_save
-from pipeline.textio import atomic_output
+from model.errors import UserError
+from pipeline.textio import atomic_output, refuse_overwriting_inputs
 
 
 @pytest.fixture()
@@ -38,3 +39,21 @@ def test_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
             raise RuntimeError("crash")
     assert target.read_text() == "old\n"
     assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
+def test_refuse_overwriting_inputs_understands_directories(tmp_path):
+    """An output inside a directory read whole, or a directory replaced whole that holds or lies in an
+    input, is refused under any spelling; a neighbour whose name merely starts alike is not."""
+    (tmp_path / "hf" / "sub").mkdir(parents=True)
+    (tmp_path / "hf" / "vocab.json").write_text("{}")
+    (tmp_path / "link").symlink_to(tmp_path / "hf")
+    for out in ("hf/vocab.json", "hf/sub/../new.pt", "link/x.pt", "hf"):
+        with pytest.raises(UserError, match="inside the input directory"):
+            refuse_overwriting_inputs([], [tmp_path / out], input_dirs=[tmp_path / "hf"])
+    refuse_overwriting_inputs([], [tmp_path / "hf2" / "x.pt", tmp_path / "x.pt"], input_dirs=[tmp_path / "hf"])
+    for out_dir in ("hf", "link", "."):
+        with pytest.raises(UserError, match="holds the input"):
+            refuse_overwriting_inputs([tmp_path / "hf" / "vocab.json"], [], output_dirs=[tmp_path / out_dir])
+        with pytest.raises(UserError, match="overlaps the input directory"):
+            refuse_overwriting_inputs([], [], input_dirs=[tmp_path / "hf" / "sub"], output_dirs=[tmp_path / out_dir])
+    refuse_overwriting_inputs([tmp_path / "hf" / "vocab.json"], [], output_dirs=[tmp_path / "hf" / "sub"])

@@ -11,7 +11,7 @@ from export import api, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import QUANTIZATIONS, Manifest
-from pipeline.textio import read_lines
+from pipeline.textio import read_lines, refuse_overwriting_inputs
 from pipeline.training.trainer import validation_files
 from runtime import references
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
@@ -99,9 +99,13 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
-    held_out = reference_set(checkpoint, reference_src, reference_tgt, reference_lines)
+    pair = held_out_pair(checkpoint, reference_src, reference_tgt, reference_lines)
     if (shortlist_src is None) != (shortlist_tgt is None):
         raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
+    # --force replaces the whole dir: never one that holds what this export reads
+    inputs = [checkpoint, *(pair or ()), *(p for p in (shortlist_src, shortlist_tgt, timing_cache) if p)]
+    refuse_overwriting_inputs(inputs, [], "--out dir", output_dirs=[out])
+    held_out = None if pair is None else references.held_out_lines(*pair, limit=reference_lines)
     shortlist = None if shortlist_src is None or shortlist_tgt is None else ShortlistCorpus(
         read_lines(shortlist_src), read_lines(shortlist_tgt), (str(shortlist_src), str(shortlist_tgt)),
         per_source=shortlist_per_source, frequent=shortlist_frequent)
@@ -118,9 +122,8 @@ def export(checkpoint: Path, out: Path, fp16: bool, opset: int, topk: int, max_b
         click.echo(describe(manifest.shortlist))
 
 
-def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int
-                  ) -> tuple[list[str], list[str]] | None:
-    """The held-out lines to record: the given pair, else the save dir's validation set."""
+def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int) -> tuple[Path, Path] | None:
+    """The held-out files to record translations of: the given pair, else the save dir's validation set."""
     if (src is None) != (tgt is None):
         raise click.UsageError("give both --reference-src and --reference-tgt, or neither")
     if limit == 0:
@@ -129,8 +132,14 @@ def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: i
     if pair is None:
         log.info("no held-out set known for %s: no reference translations recorded (parity without PyTorch "
                  "needs --reference-src/--reference-tgt)", checkpoint)
-        return None
-    return references.held_out_lines(*pair, limit=limit)
+    return pair
+
+
+def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int
+                  ) -> tuple[list[str], list[str]] | None:
+    """The held-out lines to record (held_out_pair's files, read)."""
+    pair = held_out_pair(checkpoint, src, tgt, limit)
+    return None if pair is None else references.held_out_lines(*pair, limit=limit)
 
 
 def summary_line(out: Path, manifest: Manifest) -> str:
