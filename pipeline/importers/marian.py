@@ -25,15 +25,21 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
+import os
+import pickle
+import re
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from model.checkpoint import save_checkpoint
-from model.config import ACTIVATIONS, ModelConfig
+from model.config import ACTIVATIONS, ConfigError, ModelConfig
 from model.errors import UserError
 from model.transformer import Transformer, sinusoidal_positions
+from pipeline.textio import refuse_overwriting_inputs
+from runtime.decoding import DecodingOptions
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,125 +69,282 @@ POSITIONS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positi
 LOGITS_BIAS = "final_logits_bias"
 
 
+MAX_POSITIONS = 16384  # OPUS-MT ships 512, Marian's big models 1024; the sinusoid table is built whole at load
+LAYER = re.compile(r"model\.(encoder|decoder)\.layers\.(\d{1,9})\.(.+)\.(weight|bias)")
+
+
 class MarianImportError(UserError):
     """A directory that is not a Marian model this importer can map (names the file)."""
 
 
+class TensorInfo(NamedTuple):
+    """What a weights file's header says of one tensor: enough to check it without reading it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    floating: bool
+
+
+def _layer_parts(marian_name: str) -> tuple[str, int, str, str] | None:
+    """(side, layer index, module, leaf) of a Marian per-layer tensor name; None when it is not one."""
+    match = LAYER.fullmatch(marian_name)
+    if match is None:
+        return None
+    side, index, module, leaf = match.groups()
+    return side, int(index), module, leaf
+
+
 def layer_name(marian_name: str) -> str | None:
     """Our state-dict name of a Marian per-layer tensor; None when it is not one."""
-    for side, table in (("encoder", ENCODER_LAYER), ("decoder", DECODER_LAYER)):
-        prefix = f"model.{side}.layers."
-        if marian_name.startswith(prefix):
-            index, rest = marian_name[len(prefix):].split(".", 1)
-            module, leaf = rest.rsplit(".", 1)
-            if module in table:
-                return f"{side}.{index}.{table[module]}.{leaf}"
-    return None
+    parts = _layer_parts(marian_name)
+    if parts is None:
+        return None
+    side, index, module, leaf = parts
+    table = ENCODER_LAYER if side == "encoder" else DECODER_LAYER
+    return f"{side}.{index}.{table[module]}.{leaf}" if module in table else None
+
+
+# -- typed reads of config.json and generation_config.json: a wrong type is one line naming the field --
+
+
+def _show(value: Any) -> str:
+    """A JSON value as the file spells it, cut short: an error stays one readable line."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _integer(data: dict[str, Any], key: str, where: Path, minimum: int = 1, why: str = "") -> int:
+    value = data.get(key)
+    if key not in data:
+        raise MarianImportError(f"{where}: no {key!r}")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected an integer")
+    if value < minimum:
+        raise MarianImportError(f"{where}: {key} {value} must be at least {minimum}{why}")
+    return value
+
+
+def _optional_integer(data: dict[str, Any], key: str, where: Path, default: int, minimum: int,
+                      why: str = "") -> int:
+    return default if data.get(key) is None else _integer(data, key, where, minimum, why)
+
+
+def _token_id(data: dict[str, Any], key: str, where: Path, vocab_size: int) -> int:
+    value = _integer(data, key, where, minimum=0)
+    if value >= vocab_size:
+        raise MarianImportError(f"{where}: {key} {value} is not an id of the vocabulary (0..{vocab_size - 1})")
+    return value
+
+
+def _number(data: dict[str, Any], key: str, where: Path, default: float) -> float:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected a finite number")
+    return float(value)
+
+
+def _flag(data: dict[str, Any], key: str, where: Path, default: bool) -> bool:
+    value = data.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected true or false")
+    return value
 
 
 def _json(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise MarianImportError(f"{path}: unreadable ({e})") from None
     if not isinstance(data, dict):
         raise MarianImportError(f"{path}: expected a JSON object")
     return data
 
 
+# -- the directory: what the import reads must lie inside it ----------------------------------------
+
+
+def _roots(hf_dir: Path) -> list[str]:
+    """Where the directory's files may resolve: inside it, and for a snapshot of the Hugging Face hub
+    cache (models--ORG--NAME/snapshots/REV, whose files link to ../../blobs) that repository's blobs."""
+    real = Path(os.path.realpath(hf_dir))
+    roots = [str(real)]
+    repo = real.parent.parent
+    if real.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        roots.append(str(repo / "blobs"))
+    return roots
+
+
+def _inside(path: Path, roots: list[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
 def _files(hf_dir: Path) -> Path:
-    """The weights file; every file the import needs is there (else an error naming it)."""
+    """The weights file; every file the import needs is there, inside the directory (else an error
+    naming it)."""
     if not hf_dir.is_dir():
         raise MarianImportError(f"{hf_dir}: no such directory (a MarianMTModel.save_pretrained directory)")
+    roots = _roots(hf_dir)
+    for name in (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB, GENERATION, TOKENIZER_CONFIG, *WEIGHTS):
+        path = hf_dir / name
+        if (path.exists() or path.is_symlink()) and not _inside(path, roots):
+            raise MarianImportError(f"{path}: links to {os.path.realpath(path)}, outside {hf_dir}; the import "
+                                    "reads only files inside the directory it is given: copy the file in")
     for name in (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB):
         if not (hf_dir / name).is_file():
             raise MarianImportError(f"{hf_dir / name}: missing; a Marian directory holds {CONFIG}, {SOURCE_SPM}, "
-                               f"{TARGET_SPM}, {VOCAB} and {' or '.join(WEIGHTS)}")
+                                    f"{TARGET_SPM}, {VOCAB} and {' or '.join(WEIGHTS)}")
     for name in WEIGHTS:
         if (hf_dir / name).is_file():
             return hf_dir / name
     raise MarianImportError(f"{hf_dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]})")
 
 
-def model_config(config: dict[str, Any], path: Path, suppress: tuple[int, ...]) -> ModelConfig:
+def _provenance(hf_dir: Path) -> dict[str, Any]:
+    """Every file of the directory with its SHA-256; a file linking outside it is neither read nor
+    hashed, but named (a counted warning, and `skipped` in the record)."""
+    roots = _roots(hf_dir)
+    files = sorted(p for p in hf_dir.iterdir() if p.is_file())
+    skipped = [p.name for p in files if not _inside(p, roots)]
+    if skipped:
+        log.warning("%s: skipped %d file%s linking outside the directory (not read, not hashed): %s", hf_dir,
+                    len(skipped), "" if len(skipped) == 1 else "s", ", ".join(skipped))
+    return {"format": "marian", "directory": str(hf_dir.resolve()),
+            "files": {p.name: digest(p) for p in files if p.name not in skipped}, "skipped": skipped}
+
+
+# -- config.json, generation_config.json, the tokenizer ---------------------------------------------
+
+
+def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     """Our ModelConfig for a Marian config.json (refusing what our model cannot compute)."""
     if config.get("model_type") != "marian":
-        raise MarianImportError(f"{path}: model_type is {config.get('model_type')!r}, not 'marian'")
-
-    def need(key: str) -> Any:
-        if key not in config:
-            raise MarianImportError(f"{path}: no {key!r}")
-        return config[key]
-
-    vocab = need("vocab_size")
+        raise MarianImportError(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'marian'")
+    sizes = {key: _integer(config, key, path) for key in ("vocab_size", "d_model", "encoder_attention_heads",
+                                                          "encoder_ffn_dim", "encoder_layers", "decoder_layers",
+                                                          "max_position_embeddings")}
+    vocab = sizes["vocab_size"]
     pairs = [("decoder_vocab_size", vocab), ("decoder_layers", None), ("decoder_attention_heads", None),
              ("decoder_ffn_dim", None)]
     for key, expected in pairs:
         twin = key.replace("decoder_", "encoder_") if expected is None else "vocab_size"
         value, want = config.get(key), config.get(twin) if expected is None else expected
         if value is not None and value != want:
-            raise MarianImportError(f"{path}: {key} {value} differs from {twin} {want}; only models with one shared "
-                               "shape and vocabulary for encoder and decoder can be imported")
+            raise MarianImportError(f"{path}: {key} {_show(value)} differs from {twin} {_show(want)}; only models "
+                                    "with one shared shape and vocabulary for encoder and decoder can be imported")
     if config.get("share_encoder_decoder_embeddings", True) is not True:
         raise MarianImportError(f"{path}: share_encoder_decoder_embeddings is false (separate vocabularies); only "
-                           "shared-vocabulary models can be imported")
-    act = ACTIVATION_NAMES.get(str(need("activation_function")))
+                                "shared-vocabulary models can be imported")
+    if sizes["max_position_embeddings"] > MAX_POSITIONS:
+        raise MarianImportError(f"{path}: max_position_embeddings {sizes['max_position_embeddings']} is above "
+                                f"{MAX_POSITIONS} (Marian models use 512 or 1024); fix the value")
+    d_model, heads = sizes["d_model"], sizes["encoder_attention_heads"]
+    if d_model % heads or d_model % 2:
+        raise MarianImportError(f"{path}: d_model {d_model} must be even and divisible by encoder_attention_heads "
+                                f"{heads}")
+    activation = config.get("activation_function")
+    act = ACTIVATION_NAMES.get(activation) if isinstance(activation, str) else None
     if act not in ACTIVATIONS:
-        raise MarianImportError(f"{path}: activation_function {config['activation_function']!r} is not one of "
-                           f"{', '.join(ACTIVATION_NAMES)}")
-    pad = need("pad_token_id")
-    return ModelConfig(
-        vocab_size=vocab, d_model=need("d_model"), n_heads=need("encoder_attention_heads"),
-        d_ff=need("encoder_ffn_dim"), n_enc_layers=need("encoder_layers"), n_dec_layers=need("decoder_layers"),
-        dropout=float(config.get("dropout", 0.1)), max_positions=need("max_position_embeddings"),
-        pad_id=pad, bos_id=config.get("decoder_start_token_id", pad), eos_id=need("eos_token_id"),
-        activation=act, positions="halves", scale_embedding=bool(config.get("scale_embedding", False)),
-        logits_bias=True, suppress_ids=suppress)
+        raise MarianImportError(f"{path}: activation_function {_show(activation)} is not one of "
+                                f"{', '.join(ACTIVATION_NAMES)}")
+    pad = _token_id(config, "pad_token_id", path, vocab)
+    start = pad if config.get("decoder_start_token_id") is None else _token_id(
+        config, "decoder_start_token_id", path, vocab)
+    dropout = _number(config, "dropout", path, 0.1)
+    if not 0.0 <= dropout < 1.0:
+        raise MarianImportError(f"{path}: dropout {dropout} must be in [0, 1)")
+    try:
+        return ModelConfig(
+            vocab_size=vocab, d_model=d_model, n_heads=heads, d_ff=sizes["encoder_ffn_dim"],
+            n_enc_layers=sizes["encoder_layers"], n_dec_layers=sizes["decoder_layers"], dropout=dropout,
+            max_positions=sizes["max_position_embeddings"], pad_id=pad, bos_id=start,
+            eos_id=_token_id(config, "eos_token_id", path, vocab), activation=act, positions="halves",
+            scale_embedding=_flag(config, "scale_embedding", path, False), logits_bias=True)
+    except ConfigError as e:
+        raise MarianImportError(f"{path}: {e}") from None
 
 
-def generation(hf_dir: Path, config: dict[str, Any], cfg_eos: int) -> tuple[dict[str, Any], tuple[int, ...]]:
-    """(our decoding defaults, ids never generated) from generation_config.json (else config.json)."""
+def _suppressed(gen: dict[str, Any], where: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    """The ids of bad_words_ids: single-token entries only, never the eos id."""
+    entries = gen.get("bad_words_ids") or []
+    if not isinstance(entries, list):
+        raise MarianImportError(f"{where}: bad_words_ids is {_show(entries)}; expected a list of [id] lists")
+    suppress = []
+    for words in entries:
+        if not isinstance(words, list) or len(words) != 1 or isinstance(words[0], bool) \
+                or not isinstance(words[0], int):
+            raise MarianImportError(f"{where}: bad_words_ids entry {_show(words)}: only single-token entries "
+                                    "(the padding id, as OPUS-MT ships) can be imported")
+        if not 0 <= words[0] < cfg.vocab_size or words[0] == cfg.eos_id:
+            raise MarianImportError(f"{where}: bad_words_ids entry {words}: not an id of the vocabulary other than "
+                                    f"the eos id {cfg.eos_id} (0..{cfg.vocab_size - 1})")
+        suppress.append(words[0])
+    return tuple(sorted(set(suppress)))
+
+
+def generation(hf_dir: Path, config: dict[str, Any], cfg: ModelConfig) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """(our decoding defaults, ids never generated) from generation_config.json (else config.json),
+    checked here, naming its fields, rather than blamed on a command-line option later."""
     path = hf_dir / GENERATION
     gen = _json(path) if path.is_file() else config
     where = path if path.is_file() else hf_dir / CONFIG
-    suppress = []
-    for words in gen.get("bad_words_ids") or []:
-        if not isinstance(words, list) or len(words) != 1 or not isinstance(words[0], int):
-            raise MarianImportError(f"{where}: bad_words_ids entry {words!r}: only single-token entries (the "
-                               "padding id, as OPUS-MT ships) can be imported")
-        suppress.append(words[0])
-    forced = gen.get("forced_eos_token_id", cfg_eos)
-    if forced not in (None, cfg_eos):
-        raise MarianImportError(f"{where}: forced_eos_token_id {forced} is not the eos id {cfg_eos}")
+    suppress = _suppressed(gen, where, cfg)
+    forced = gen.get("forced_eos_token_id", cfg.eos_id)
+    if isinstance(forced, list) and len(forced) == 1:
+        forced = forced[0]
+    if forced is not None and (isinstance(forced, bool) or forced != cfg.eos_id):
+        raise MarianImportError(f"{where}: forced_eos_token_id {_show(forced)} is not the eos id {cfg.eos_id}")
     if gen.get("early_stopping") not in (None, False):
-        raise MarianImportError(f"{where}: early_stopping {gen['early_stopping']!r}: only transformers' default "
-                           "(false) is implemented (runtime/search.py)")
+        raise MarianImportError(f"{where}: early_stopping {_show(gen['early_stopping'])}: only transformers' default "
+                                "(false) is implemented (runtime/search.py)")
     ignored = {k: gen[k] for k, default in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
                                              ("do_sample", False)) if gen.get(k) not in (None, default)}
     if ignored:
         log.warning("%s: %s not imported: the model dir decodes without them", where,
                     ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
-    max_length = int(gen.get("max_length") or 512)
-    if max_length < 3:
-        raise MarianImportError(f"{where}: max_length {max_length} leaves no room for a translation")
-    defaults = {
+    max_length = _optional_integer(gen, "max_length", where, 512, minimum=3,
+                                   why=" (it counts the decoder start and the EOS: 3 leaves room for one token)")
+    min_length = _optional_integer(gen, "min_length", where, 0, minimum=0)
+    if min_length > max_length - 1:
+        raise MarianImportError(f"{where}: min_length {min_length} is above max_length {max_length} - 1")
+    alpha = _number(gen, "length_penalty", where, 1.0)
+    if alpha < 0:
+        raise MarianImportError(f"{where}: length_penalty {alpha} is negative; our search takes 0 or more")
+    defaults: dict[str, Any] = {
         "rules": "transformers",
-        "beam_size": int(gen.get("num_beams") or 1),
-        "alpha": float(gen.get("length_penalty", 1.0)),
+        "beam_size": _optional_integer(gen, "num_beams", where, 1, minimum=1),
+        "alpha": alpha,
         # transformers' max_length counts the decoder start token and the EOS
         "max_len_a": 0.0, "max_len_b": max_length - 2,
-        "min_len": max(0, int(gen.get("min_length") or 0) - 1),
+        "min_len": max(0, min_length - 1),
     }
-    return defaults, tuple(sorted(set(suppress)))
+    problems = DecodingOptions(**defaults).problems()  # what a model dir's defaults must pass (runtime.decoding)
+    if problems:
+        raise MarianImportError(f"{where}: impossible decoding defaults ({'; '.join(problems)})")
+    return defaults, suppress
+
+
+def _token_text(tok_config: dict[str, Any], name: str, default: str, where: Path) -> str:
+    """A special token of tokenizer_config.json: a string, or an AddedToken's {"content": ...}."""
+    value = tok_config.get(f"{name}_token") or default
+    if isinstance(value, dict):
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise MarianImportError(f"{where}: {name}_token is {_show(value)}; expected a string")
+    return value
 
 
 def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
     """The source/target SentencePiece models over vocab.json, checked against the model's ids."""
-    tok_config = _json(hf_dir / TOKENIZER_CONFIG) if (hf_dir / TOKENIZER_CONFIG).is_file() else {}
-    if tok_config.get("separate_vocabs"):
-        raise MarianImportError(f"{hf_dir / TOKENIZER_CONFIG}: separate_vocabs is true; only a shared vocab.json "
-                           "can be imported")
-    specials = {name: str(tok_config.get(f"{name}_token") or default)
+    path = hf_dir / TOKENIZER_CONFIG
+    tok_config = _json(path) if path.is_file() else {}
+    if _flag(tok_config, "separate_vocabs", path, False):
+        raise MarianImportError(f"{path}: separate_vocabs is true; only a shared vocab.json can be imported")
+    specials = {name: _token_text(tok_config, name, default, path)
                 for name, default in (("eos", "</s>"), ("unk", "<unk>"), ("pad", "<pad>"))}
     vocab = _json(hf_dir / VOCAB)
     try:
@@ -193,54 +356,164 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
         raise MarianImportError(f"{hf_dir}: {SOURCE_SPM} or {TARGET_SPM} is not a SentencePiece model ({e})") from None
     if tok.vocab_size != cfg.vocab_size:
         raise MarianImportError(f"{hf_dir / VOCAB}: {tok.vocab_size} entries but {CONFIG} says vocab_size "
-                           f"{cfg.vocab_size}")
+                                f"{cfg.vocab_size}")
     for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
         if ours != theirs:
             raise MarianImportError(f"{hf_dir / VOCAB}: {specials[name]} is id {theirs} but {CONFIG} says "
-                               f"{name}_token_id {ours}")
+                                    f"{name}_token_id {ours}")
     return tok
 
 
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+# -- the weights: checked on the file's header, read only once they fit config.json ----------------
 
-            return load_file(str(path))
-        state = torch.load(path, map_location="cpu", weights_only=True)
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    """pytorch_model.bin as a plain dict of tensors, memory-mapped (nothing read until used); anything
+    else a pickle might hold is refused, never executed."""
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:  # the legacy (pre-zip) format cannot be mapped: read it whole
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise MarianImportError(f"{path}: not a plain tensor state dict (it holds pickled objects that are not "
+                                "tensors); refused for safety; re-save it with save_pretrained("
+                                "safe_serialization=True)") from None
     except Exception as e:  # a torn or foreign file: name it
-        raise MarianImportError(f"{path}: unreadable weights ({type(e).__name__}: {e})") from None
-    if not isinstance(state, dict):
-        raise MarianImportError(f"{path}: not a state dict")
+        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise MarianImportError(f"{path}: not a state dict (a flat dict of tensor names to tensors)")
     return state
 
 
-def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    """Our state dict from Marian's: every tensor placed or checked, none left over, none missing."""
-    state = {k: v.float() for k, v in state.items()}
-    present = [k for k in EMBEDDINGS if k in state]
+def _one_line(e: BaseException) -> str:
+    first = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {first}"
+
+
+def weight_infos(path: Path) -> dict[str, TensorInfo]:
+    """Each tensor's shape and dtype, from the header (safetensors) or the memory-mapped pickle, without
+    reading any weight."""
+    if path.suffix != ".safetensors":
+        return {k: TensorInfo(tuple(v.shape), str(v.dtype), v.dtype.is_floating_point)
+                for k, v in _load_pickle(path).items()}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
+            return {k: TensorInfo(tuple(s.get_shape()), s.get_dtype(), s.get_dtype().startswith(("F", "BF")))
+                    for k, s in slices.items()}
+    except Exception as e:  # a torn or foreign file (safetensors checks the header against the size)
+        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    if path.suffix != ".safetensors":
+        return _load_pickle(path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # changed since its header was read
+        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
+
+
+def marian_shape(name: str, cfg: ModelConfig) -> tuple[tuple[int, ...], str] | None:
+    """The shape config.json gives a Marian tensor, and the fields it follows from; None: no such tensor."""
+    d, v = cfg.d_model, cfg.vocab_size
+    if name in EMBEDDINGS:
+        return (v, d), f"vocab_size {v}, d_model {d}"
+    if name in POSITIONS:
+        return (cfg.max_positions, d), f"max_position_embeddings {cfg.max_positions}, d_model {d}"
+    if name == LOGITS_BIAS:
+        return (1, v), f"vocab_size {v}"
+    parts = _layer_parts(name)
+    if parts is None or layer_name(name) is None:
+        return None
+    side, _, module, leaf = parts
+    ffn = f"{side}_ffn_dim {cfg.d_ff}"
+    if module in ("fc1", "fc2"):
+        if leaf == "bias":
+            return ((cfg.d_ff,), ffn) if module == "fc1" else ((d,), f"d_model {d}")
+        return ((cfg.d_ff, d) if module == "fc1" else (d, cfg.d_ff)), f"{ffn}, d_model {d}"
+    return ((d, d) if module.endswith("_proj") and leaf == "weight" else (d,)), f"d_model {d}"
+
+
+def expected_names(cfg: ModelConfig) -> set[str]:
+    """The per-layer tensors config.json says the weights hold."""
+    return {f"model.{side}.layers.{i}.{module}.{leaf}"
+            for side, table, count in (("encoder", ENCODER_LAYER, cfg.n_enc_layers),
+                                       ("decoder", DECODER_LAYER, cfg.n_dec_layers))
+            for i in range(count) for module in table for leaf in ("weight", "bias")}
+
+
+def _check_layers(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
+    """The weights hold exactly config.json's layers (so that a huge layer count is refused unbuilt)."""
+    for side, count in (("encoder", cfg.n_enc_layers), ("decoder", cfg.n_dec_layers)):
+        held = {name: parts[1] for name in infos if (parts := _layer_parts(name)) and parts[0] == side}
+        beyond = sorted((i, name) for name, i in held.items() if i >= count)
+        if beyond:
+            i, name = beyond[0]
+            raise MarianImportError(f"{path}: tensor {name!r} is of {side} layer {i}, but {config_path.name} says "
+                                    f"{side}_layers {count}")
+        if len(set(held.values())) < count:
+            raise MarianImportError(f"{config_path}: {side}_layers {count}, but {path.name} holds "
+                                    f"{len(set(held.values()))} {side} layers; fix the value")
+
+
+def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
+    """Every tensor of the weights file placed, floating-point and of the shape config.json gives it,
+    and none missing: checked on the header, before anything of the model's size is allocated."""
+    present = [k for k in EMBEDDINGS if k in infos]
     if not present:
         raise MarianImportError(f"{path}: no embedding ({' / '.join(EMBEDDINGS)})")
+    shape = infos[present[0]].shape
+    if shape != (cfg.vocab_size, cfg.d_model):
+        raise MarianImportError(f"{config_path}: vocab_size {cfg.vocab_size}, d_model {cfg.d_model} disagree with "
+                                f"{path.name}, whose {present[0]} has shape {shape}; fix the values")
+    _check_layers(infos, cfg, path, config_path)
+    for name, info in infos.items():
+        expected = marian_shape(name, cfg)
+        if expected is None:
+            raise MarianImportError(f"{path}: tensor {name!r} has no place in our model (not a Marian layout "
+                                    "this importer knows)")
+        if not info.floating:
+            raise MarianImportError(f"{path}: {name} holds {info.dtype}, not floating-point weights")
+        want, fields = expected
+        if info.shape != want and not (name == LOGITS_BIAS and info.shape == (cfg.vocab_size,)):
+            raise MarianImportError(f"{path}: {name} has shape {info.shape}, but {config_path.name} ({fields}) "
+                                    f"implies {want}")
+    missing = sorted(expected_names(cfg) - set(infos))
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MarianImportError(f"{path}: no tensor {missing[0]!r}{more}, which {config_path.name} implies")
+
+
+def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+    """Our state dict from Marian's (checked by check_weights): the tied embedding, the logits bias,
+    the per-layer tensors; the sinusoid tables must be Marian's."""
+    state = {k: v.float() for k, v in state.items()}
+    present = [k for k in EMBEDDINGS if k in state]
     emb = state[present[0]]
     for k in present[1:]:
         if not torch.equal(state[k], emb):
             raise MarianImportError(f"{path}: {k} differs from {present[0]}: the model does not tie its embeddings "
-                               "and output projection, which our model requires")
+                                    "and output projection, which our model requires")
     ours: dict[str, torch.Tensor] = {"embed.weight": emb}
     bias = state.get(LOGITS_BIAS)
     ours["logits_bias"] = torch.zeros(cfg.vocab_size) if bias is None else bias.reshape(-1)
-    table = sinusoidal_positions(cfg.max_positions, cfg.d_model, "halves")
-    for k in POSITIONS:
-        if k in state and not torch.allclose(state[k], table, atol=1e-4):
-            raise MarianImportError(f"{path}: {k} is not Marian's sinusoidal table")
+    if any(k in state for k in POSITIONS):
+        table = sinusoidal_positions(cfg.max_positions, cfg.d_model, "halves")
+        for k in POSITIONS:
+            if k in state and not torch.allclose(state[k], table, atol=1e-4):
+                raise MarianImportError(f"{path}: {k} is not Marian's sinusoidal table")
     for k, v in state.items():
-        if k in EMBEDDINGS or k in POSITIONS or k == LOGITS_BIAS:
-            continue
         name = layer_name(k)
-        if name is None:
-            raise MarianImportError(f"{path}: tensor {k!r} has no place in our model (not a Marian layout this "
-                               "importer knows)")
-        ours[name] = v
+        if name is not None:
+            ours[name] = v
     return ours
 
 
@@ -253,33 +526,28 @@ def digest(path: Path) -> str:
 
 
 def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
-    """Write `out`, one of our checkpoints, from a local Marian directory; returns a summary."""
+    """Write `out`, one of our checkpoints, from a local Marian directory; returns a summary. Every
+    check that can fail runs before the model is built: a hostile config.json allocates nothing."""
     hf_dir, out = Path(hf_dir), Path(out)
+    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
     if out.exists() and not force:
         raise MarianImportError(f"{out}: exists; pass --force to replace it")
     weights = _files(hf_dir)
     config = _json(hf_dir / CONFIG)
-    defaults, suppress = generation(hf_dir, config, int(config.get("eos_token_id", 0)))
-    cfg = model_config(config, hf_dir / CONFIG, suppress)
+    cfg = model_config(config, hf_dir / CONFIG)
+    defaults, suppress = generation(hf_dir, config, cfg)
     tok = tokenizer(hf_dir, cfg)
-    cfg = dataclasses.replace(cfg, unk_id=tok.unk_id)
-    model = Transformer(cfg)
+    cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress)
+    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
     mapped = map_weights(read_weights(weights), cfg, weights)
-    result = model.load_state_dict(mapped, strict=False)
-    if result.missing_keys or result.unexpected_keys:
-        raise MarianImportError(f"{weights}: tensors missing for {result.missing_keys[:4]} "
-                           f"{'(and more)' if len(result.missing_keys) > 4 else ''}; unexpected "
-                           f"{result.unexpected_keys[:4]}")
-    for name, ours in mapped.items():
-        if tuple(ours.shape) != tuple(model.state_dict()[name].shape):
-            raise MarianImportError(f"{weights}: {name} has shape {tuple(ours.shape)}, {CONFIG} implies "
-                               f"{tuple(model.state_dict()[name].shape)}")
+    model = Transformer(cfg)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:  # check_weights' mapping and the model agree
+        raise RuntimeError(f"the Marian mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
+    model.load_state_dict(mapped)
     if not bool(mapped["logits_bias"].any()):  # all zeros: no bias to add at every step
         model = _without_logits_bias(model)
-    files = sorted(p for p in hf_dir.iterdir() if p.is_file())
-    extra = {"decoding": defaults,
-             "imported": {"format": "marian", "directory": str(hf_dir.resolve()),
-                          "files": {p.name: digest(p) for p in files}}}
+    extra = {"decoding": defaults, "imported": _provenance(hf_dir)}
     sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
     log.info("imported %s: %d parameters, vocabulary %d, decoding defaults %s -> %s", hf_dir,
              sum(p.numel() for p in model.parameters()), cfg.vocab_size, defaults, out)

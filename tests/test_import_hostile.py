@@ -1,0 +1,350 @@
+"""`pipeline import marian` on hostile directories: every mistake in a Marian directory is one `error:`
+line naming the file and field, exit 2, before anything large is allocated; no output destroys an
+input (import or export); nothing outside the named directory is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from helpers import cli_env, run_cli  # noqa: E402
+
+from pipeline.importers.marian_fixture import make_marian_dir  # noqa: E402
+
+Edit = Callable[[Path], Any]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """A tiny random OPUS-MT directory, shared read-only: every test edits its own copy."""
+    return make_marian_dir(tmp_path_factory.mktemp("hostile") / "opus-mt-src-tgt", vocab_pieces=60,
+                           calibrate=False)
+
+
+def copy_of(hf_dir: Path, tmp_path: Path, edit: Edit | None = None) -> Path:
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    if edit is not None:
+        edit(hf)
+    return hf
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def one_error_line(code: int, err: str, *needles: str) -> str:
+    """The single `error:` line of a refused command, which holds every needle."""
+    assert code == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+def import_cli(capsys, hf: Path, out: Path, *extra: str) -> tuple[int, str]:
+    code = run_cli("import", "marian", hf, "--out", out, *extra)
+    return code, capsys.readouterr().err
+
+
+def edit_json(name: str, **changes: Any) -> Edit:
+    def edit(hf: Path) -> None:
+        data = json.loads((hf / name).read_text())
+        data.update(changes)
+        (hf / name).write_text(json.dumps(data))
+    return edit
+
+
+def rewrite_weights(change: Callable[[dict[str, Any]], None]) -> Edit:
+    """Rewrite model.safetensors with `change` applied to its tensors."""
+    def edit(hf: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(hf / "model.safetensors"))
+        change(state)
+        save_file(state, str(hf / "model.safetensors"))
+    return edit
+
+
+def as_pytorch_bin(extra: dict[str, Any] | None = None) -> Edit:
+    """model.safetensors rewritten as pytorch_model.bin (plus `extra` entries)."""
+    def edit(hf: Path) -> None:
+        import torch
+        from safetensors.torch import load_file
+
+        state: dict[str, Any] = dict(load_file(str(hf / "model.safetensors")))
+        state.update(extra or {})
+        torch.save(state, hf / "pytorch_model.bin")
+        (hf / "model.safetensors").unlink()
+    return edit
+
+
+# -- 1. no output destroys an input -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spelling", ["model.safetensors", "sub/../vocab.json", "new.pt", "alias"])
+def test_import_output_inside_the_marian_dir_is_refused(hf_dir, tmp_path, capsys, spelling):
+    hf = copy_of(hf_dir, tmp_path)
+    (hf / "sub").mkdir()
+    (tmp_path / "alias").symlink_to(hf / "config.json")
+    before = snapshot(hf)
+    out = tmp_path / spelling if spelling == "alias" else hf / spelling
+    code, err = import_cli(capsys, hf, out, "--force")
+    one_error_line(code, err, str(out), "inside the input directory", str(hf))
+    assert snapshot(hf) == before and (tmp_path / "alias").is_symlink()
+    assert not (hf / "new.pt").exists()
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "marian.pt"
+    assert run_cli("import", "marian", hf_dir, "--out", out) == 0
+    return out
+
+
+@pytest.mark.parametrize("inside", ["reference", "checkpoint-link"])
+def test_export_force_never_replaces_a_dir_holding_an_input(imported, tmp_path, capsys, inside):
+    """`export --force` replaces the whole --out dir: one that holds an input (a held-out file, the
+    checkpoint under a symlinked name) is refused before anything is read."""
+    out = tmp_path / "model-dir"
+    out.mkdir()
+    (out / "manifest.json").write_text("{}")  # a model dir, as far as --force is concerned
+    (out / "val.src").write_text("a b c\n")
+    (out / "val.tgt").write_text("a b c\n")
+    checkpoint = imported
+    args: list[object] = []
+    if inside == "reference":
+        args = ["--reference-src", out / "val.src", "--reference-tgt", out / "val.tgt"]
+    else:
+        checkpoint = out / "link.pt"
+        checkpoint.symlink_to(imported)
+    before = snapshot(out)
+    code = run_cli("export", checkpoint, "--out", out, "--force", "--no-tensorrt", *args)
+    one_error_line(code, capsys.readouterr().err, str(out), "holds the input")
+    assert snapshot(out) == before
+
+
+# -- 2. memory bombs: refused from the weights file's header, before allocating ----------------
+
+
+@pytest.mark.parametrize("field, needle", [("d_model", "d_model"),
+                                           ("max_position_embeddings", "max_position_embeddings"),
+                                           ("encoder_layers", "encoder_layers")])
+def test_absurd_sizes_are_refused_before_allocating(hf_dir, tmp_path, field, needle):
+    """Under a 3 GiB address-space cap, in a few seconds: the model is never built for a config.json whose
+    sizes the weights do not have."""
+    changes: dict[str, Any] = {field: 10 ** 9}
+    if field == "encoder_layers":
+        changes["decoder_layers"] = 10 ** 9
+    hf = copy_of(hf_dir, tmp_path, edit_json("config.json", **changes))
+    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+              "from pipeline.cli import main; main(sys.argv[1:])")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, "import", "marian", str(hf), "--out", str(tmp_path / "o.pt")],
+                          capture_output=True, text=True, env=cli_env(), timeout=120)
+    one_error_line(proc.returncode, proc.stderr, "config.json", needle)
+    assert time.monotonic() - started < 60
+    assert not (tmp_path / "o.pt").exists()
+
+
+# -- 3. each mistake one line naming the file and field ------------------------------------------
+
+
+def _drop(name: str) -> Callable[[dict[str, Any]], None]:
+    return lambda state: state.pop(name)
+
+
+def _add(name: str) -> Callable[[dict[str, Any]], None]:
+    def change(state: dict[str, Any]) -> None:
+        import torch
+
+        state[name] = torch.zeros(32)
+    return change
+
+
+def _vocab(change: Callable[[dict[str, Any]], None]) -> Edit:
+    def edit(hf: Path) -> None:
+        vocab = json.loads((hf / "vocab.json").read_text())
+        change(vocab)
+        (hf / "vocab.json").write_text(json.dumps(vocab))
+    return edit
+
+
+def _first_piece(vocab: dict[str, Any]) -> str:
+    return next(p for p in vocab if p not in ("</s>", "<unk>", "<pad>"))
+
+
+def _set_piece(value: Any) -> Callable[[dict[str, Any]], None]:
+    return lambda vocab: vocab.__setitem__(_first_piece(vocab), value)
+
+
+HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
+    # weights that config.json does not describe
+    "ffn-dim": (edit_json("config.json", encoder_ffn_dim=128, decoder_ffn_dim=128),
+                ("model.safetensors", "fc1.", "ffn_dim 128")),
+    "d_model": (edit_json("config.json", d_model=64), ("config.json", "d_model 64")),
+    "layers-fewer": (edit_json("config.json", encoder_layers=1, decoder_layers=1),
+                     ("model.safetensors", "layers.1", "encoder_layers")),
+    "layers-more": (edit_json("config.json", encoder_layers=3, decoder_layers=3), ("encoder_layers 3",)),
+    "missing-tensor": (rewrite_weights(_drop("model.encoder.layers.0.fc1.weight")),
+                       ("model.safetensors", "model.encoder.layers.0.fc1.weight")),
+    "no-embedding": (rewrite_weights(_drop("model.shared.weight")), ("model.safetensors", "embedding")),
+    # wrong JSON types
+    "pad-str": (edit_json("config.json", pad_token_id="106"), ("config.json", "pad_token_id", "integer")),
+    "d_model-float": (edit_json("config.json", d_model=32.0), ("config.json", "d_model", "integer")),
+    "layers-bool": (edit_json("config.json", encoder_layers=True), ("config.json", "encoder_layers")),
+    "layers-list": (edit_json("config.json", encoder_layers=[2]), ("config.json", "encoder_layers")),
+    "eos-null": (edit_json("config.json", eos_token_id=None), ("config.json", "eos_token_id")),
+    "pad-out-of-range": (edit_json("config.json", pad_token_id=5000), ("config.json", "pad_token_id")),
+    "scale-str": (edit_json("config.json", scale_embedding="false"), ("config.json", "scale_embedding")),
+    "dropout-str": (edit_json("config.json", dropout="0.1"), ("config.json", "dropout")),
+    "activation-list": (edit_json("config.json", activation_function=["swish"]),
+                        ("config.json", "activation_function")),
+    "beams-str": (edit_json("generation_config.json", num_beams="four"), ("generation_config.json", "num_beams")),
+    "beams-float": (edit_json("generation_config.json", num_beams=4.5), ("generation_config.json", "num_beams")),
+    "max-length-bool": (edit_json("generation_config.json", max_length=True),
+                        ("generation_config.json", "max_length")),
+    "penalty-str": (edit_json("generation_config.json", length_penalty="1.0"),
+                    ("generation_config.json", "length_penalty")),
+    "bad-words-bool": (edit_json("generation_config.json", bad_words_ids=[[True]]),
+                       ("generation_config.json", "bad_words_ids")),
+    "bad-words-str": (edit_json("generation_config.json", bad_words_ids="106"),
+                      ("generation_config.json", "bad_words_ids")),
+    "bad-words-range": (edit_json("generation_config.json", bad_words_ids=[[10 ** 6]]),
+                        ("generation_config.json", "bad_words_ids")),
+    "forced-eos-list": (edit_json("generation_config.json", forced_eos_token_id=[0, 1]),
+                        ("generation_config.json", "forced_eos_token_id")),
+    # impossible decoding defaults, named as generation_config.json names them (never --beam-size)
+    "beams-negative": (edit_json("generation_config.json", num_beams=-3), ("generation_config.json", "num_beams")),
+    "beams-zero": (edit_json("generation_config.json", num_beams=0), ("generation_config.json", "num_beams")),
+    "penalty-negative": (edit_json("generation_config.json", length_penalty=-1.0),
+                         ("generation_config.json", "length_penalty")),
+    "penalty-nan": (lambda hf: (hf / "generation_config.json").write_text(
+        (hf / "generation_config.json").read_text().rstrip()[:-1] + ', "length_penalty": NaN}'),
+        ("generation_config.json", "length_penalty")),
+    "max-length-negative": (edit_json("generation_config.json", max_length=-5),
+                            ("generation_config.json", "max_length")),
+    "min-length-above": (edit_json("generation_config.json", min_length=100),
+                         ("generation_config.json", "min_length")),
+    # vocab.json ids
+    "vocab-null": (_vocab(_set_piece(None)), ("vocab.json",)),
+    "vocab-str": (_vocab(_set_piece("3")), ("vocab.json",)),
+    "vocab-float": (_vocab(_set_piece(3.0)), ("vocab.json",)),
+    "vocab-duplicate": (_vocab(_set_piece(0)), ("vocab.json",)),
+    "vocab-negative": (_vocab(_set_piece(-1)), ("vocab.json",)),
+    "vocab-list": (lambda hf: (hf / "vocab.json").write_text("[1, 2]"), ("vocab.json", "JSON object")),
+    # tensor names with no place
+    "name-x": (rewrite_weights(_add("model.encoder.layers.x")), ("model.safetensors", "'model.encoder.layers.x'")),
+    "name-no-dot": (rewrite_weights(_add("model.encoder.layers.0")), ("'model.encoder.layers.0'",)),
+    "name-no-leaf": (rewrite_weights(_add("model.encoder.layers.0.weight")), ("'model.encoder.layers.0.weight'",)),
+    "name-bad-index": (rewrite_weights(_add("model.encoder.layers.99.fc1.weight")),
+                       ("'model.encoder.layers.99.fc1.weight'", "encoder_layers")),
+    "name-unknown-module": (rewrite_weights(_add("model.decoder.layers.0.fc3.weight")),
+                            ("'model.decoder.layers.0.fc3.weight'",)),
+    "int-tensor": (rewrite_weights(lambda s: s.__setitem__("final_logits_bias", s["final_logits_bias"].long())),
+                   ("final_logits_bias", "float")),
+    # pickles that are not plain tensors
+    "pickle-object": (as_pytorch_bin({"extra": __import__("datetime").date(2020, 1, 1)}),
+                      ("pytorch_model.bin", "refused for safety", "safe_serialization=True")),
+    "torn-safetensors": (lambda hf: (hf / "model.safetensors").write_bytes(
+        (hf / "model.safetensors").read_bytes()[:1000]), ("model.safetensors",)),
+    "lying-header": (lambda hf: (hf / "model.safetensors").write_bytes(_header_only(10 ** 9)),
+                     ("model.safetensors",)),
+}
+
+
+def _header_only(rows: int) -> bytes:
+    header = json.dumps({"model.shared.weight": {"dtype": "F32", "shape": [rows, 32], "data_offsets": [0, 128]}})
+    return struct.pack("<Q", len(header)) + header.encode() + bytes(128)
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_directory_is_one_line_naming_file_and_field(hf_dir, tmp_path, capsys, case):
+    edit, needles = HOSTILE[case]
+    hf = copy_of(hf_dir, tmp_path, edit)
+    out = tmp_path / "out.pt"
+    code, err = import_cli(capsys, hf, out)
+    line = one_error_line(code, err, *needles)
+    assert "--beam-size" not in line and "weights_only=False" not in line
+    assert not out.exists()
+
+
+def test_pytorch_bin_imports_like_safetensors(hf_dir, tmp_path, capsys):
+    """The .bin path reads shapes through mmap and imports the same model."""
+    hf = copy_of(hf_dir, tmp_path, as_pytorch_bin())
+    code, err = import_cli(capsys, hf, tmp_path / "bin.pt")
+    assert code == 0, err
+
+
+def test_pytorch_bin_with_absurd_config_is_refused(hf_dir, tmp_path, capsys):
+    hf = copy_of(hf_dir, tmp_path, as_pytorch_bin())
+    edit_json("config.json", d_model=10 ** 9)(hf)
+    code, err = import_cli(capsys, hf, tmp_path / "bin.pt")
+    one_error_line(code, err, "config.json", "d_model")
+
+
+# -- 4. nothing outside the named directory is read ----------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "vocab.json", "source.spm",
+                                  "generation_config.json"])
+def test_needed_file_linked_outside_the_dir_is_refused(hf_dir, tmp_path, capsys, name):
+    hf = copy_of(hf_dir, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (hf / name).rename(elsewhere / name)
+    (hf / name).symlink_to(elsewhere / name)
+    code, err = import_cli(capsys, hf, tmp_path / "out.pt")
+    one_error_line(code, err, str(hf / name), "outside")
+
+
+def test_other_files_linked_outside_are_skipped_and_counted(hf_dir, tmp_path, capsys, caplog):
+    """A README linked to a file elsewhere is neither read nor hashed: a warning names it, and the
+    checkpoint records it as skipped."""
+    from model.checkpoint import load_model
+
+    hf = copy_of(hf_dir, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the model's\n")
+    (hf / "README.md").symlink_to(secret)
+    (hf / "inside.md").symlink_to(hf / "config.json")
+    out = tmp_path / "out.pt"
+    code, err = import_cli(capsys, hf, out)
+    assert code == 0, err
+    warned = err + caplog.text
+    assert "README.md" in warned and "1 file" in warned
+    imported = load_model(out)[2]["extra"]["imported"]
+    assert "README.md" not in imported["files"] and imported["skipped"] == ["README.md"]
+    assert "inside.md" in imported["files"]
+
+
+def test_hugging_face_cache_snapshot_imports(hf_dir, tmp_path, capsys):
+    """The hub cache's layout: snapshots/REV/NAME -> ../../blobs/HASH, within the same repo folder."""
+    repo = tmp_path / "models--Helsinki-NLP--opus-mt-src-tgt"
+    snap = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(hf_dir.iterdir())):
+        shutil.copy(f, repo / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("../../blobs") / f"blob{i}")
+    code, err = import_cli(capsys, snap, tmp_path / "out.pt")
+    assert code == 0, err
+
+
+def test_symlinked_directory_itself_imports(hf_dir, tmp_path, capsys):
+    (tmp_path / "link").symlink_to(hf_dir)
+    code, err = import_cli(capsys, tmp_path / "link", tmp_path / "out.pt")
+    assert code == 0, err
