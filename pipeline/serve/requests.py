@@ -103,6 +103,10 @@ def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
         data = json.loads(decoded)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not JSON: {e}") from None
+    except RecursionError:  # the client's mistake, not a fault to retry
+        raise ApiError(400, "request body is JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer past Python's int-string conversion limit
+        raise ApiError(400, f"request body is JSON this server cannot read: {str(e).split(';')[0]}") from None
     if not isinstance(data, dict):
         raise ApiError(400, 'request body must be a JSON object like {"text": ["a line", ...]}')
     unknown = sorted(set(data) - REQUEST_KEYS)

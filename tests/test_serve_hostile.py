@@ -1,0 +1,96 @@
+"""`pipeline serve` against hostile requests, in-process (starlette's TestClient) over a stand-in
+model, so each case runs in milliseconds: JSON no parser could read is the client's mistake (400, one
+line, no traceback)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from starlette.testclient import TestClient  # noqa: E402
+
+from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.metrics import Metrics  # noqa: E402
+from pipeline.serve.options import RequestLimits  # noqa: E402
+from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
+from pipeline.serve.translator import Translator  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+
+EOS = 2
+
+
+class CharTokenizer:
+    """Each character one piece (its code point + 3), then EOS; decoding upper-cases, which is the
+    stand-in model's 'translation'."""
+
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        return [[ord(c) + 3 for c in text] + [EOS] for text in texts]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return ["".join(chr(i - 3) for i in seq if i > EOS).upper() for seq in ids]
+
+
+class StandIn(Translator):
+    """serve's Translator (its encoding, splitting and formatting) over CharTokenizer and a search that
+    copies the source; each batch is recorded, and takes `delay` seconds."""
+
+    def __init__(self, delay: float = 0.0, max_src_len: int = 1000):
+        super().__init__(SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu"), CharTokenizer(),
+                         None)  # type: ignore[arg-type]
+        self.delay = delay
+        self.batches: list[list[list[int]]] = []
+
+    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+        self.batches.append(ids)
+        time.sleep(self.delay)
+        return [[(src[:-1], -1.0)] if src else [] for src in ids]
+
+
+@contextmanager
+def client(translator: Translator | None = None, **limits: Any) -> Iterator[TestClient]:
+    """The real app serving the stand-in as model "m", started (its batcher runs) and stopped."""
+    metrics, request_limits = Metrics(), RequestLimits(**limits)
+    decoding = PAPER.replace(batch_tokens=request_limits.max_batch_tokens)
+    model = ServedModel("m", translator or StandIn(), decoding, 16, "en", {}, metrics.model("m"))
+    state = ServerState({"m": model}, request_limits, {}, metrics, warmed_up=True)
+    with TestClient(create_app(state)) as c:
+        yield c
+
+
+def test_the_stand_in_answers_lines_and_documents():
+    with client() as c:
+        r = c.post("/translate", json={"text": ["der hund", "", "die katze"]})
+        assert r.json() == {"translations": ["DER HUND", "", "DIE KATZE"]}
+        r = c.post("/translate", json={"text": ["Der Hund.  Die Katze!\n ja"], "split": "sentences"})
+        assert r.json() == {"translations": ["DER HUND.  DIE KATZE!\n JA"]}
+
+
+# -- 3. JSON the parser cannot read is the client's mistake -----------------------------------------
+
+
+@pytest.mark.parametrize("body, says", [
+    pytest.param(b"[" * 100_000, "nested too deeply", id="100000 levels of nesting"),
+    pytest.param(b'{"text": ["a"], "beam_size": ' + b"9" * 5000 + b"}", "digits", id="a 5000-digit integer"),
+])
+def test_unreadable_json_is_400_in_one_line_without_a_traceback(body, says, caplog):
+    """Python's parser raises RecursionError on deep nesting and ValueError past its int-string limit:
+    the request is wrong and retrying it cannot help, so no 503 / Retry-After and nothing logged."""
+    with caplog.at_level(logging.INFO), client() as c:
+        r = c.post("/translate", content=body, headers={"content-type": "application/json"})
+        assert c.post("/translate", json={"text": ["ja"]}).json() == {"translations": ["JA"]}
+    assert r.status_code == 400 and "retry-after" not in r.headers
+    error = r.json()["error"]
+    assert says in error and "\n" not in error and "set_int_max_str_digits" not in error
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.WARNING]
+
