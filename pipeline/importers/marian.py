@@ -22,22 +22,34 @@ special case in the serving code:
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
-import math
 import os
-import pickle
 import re
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from model.checkpoint import save_checkpoint
 from model.config import ACTIVATIONS, ConfigError, ModelConfig
-from model.errors import UserError
 from model.transformer import Transformer, sinusoidal_positions
+from pipeline.importers.hf_files import (
+    ImportRefused,
+    TensorInfo,
+    allowed_roots,
+    digest,
+    flag,
+    inside,
+    integer,
+    load_pickle,
+    number,
+    one_line,
+    optional_integer,
+    read_json,
+    show,
+    token_id,
+    weight_infos,
+)
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.tokenizer import TokenizerError, VocabTokenizer
@@ -73,16 +85,7 @@ MAX_POSITIONS = 16384  # OPUS-MT ships 512, Marian's big models 1024; the sinuso
 LAYER = re.compile(r"model\.(encoder|decoder)\.layers\.(\d{1,9})\.(.+)\.(weight|bias)")
 
 
-class MarianImportError(UserError):
-    """A directory that is not a Marian model this importer can map (names the file)."""
-
-
-class TensorInfo(NamedTuple):
-    """What a weights file's header says of one tensor: enough to check it without reading it."""
-
-    shape: tuple[int, ...]
-    dtype: str
-    floating: bool
+MarianImportError = ImportRefused  # a directory that is not a Marian model this importer can map
 
 
 def _layer_parts(marian_name: str) -> tuple[str, int, str, str] | None:
@@ -104,83 +107,7 @@ def layer_name(marian_name: str) -> str | None:
     return f"{side}.{index}.{table[module]}.{leaf}" if module in table else None
 
 
-# -- typed reads of config.json and generation_config.json: a wrong type is one line naming the field --
-
-
-def _show(value: Any) -> str:
-    """A JSON value as the file spells it, cut short: an error stays one readable line."""
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _integer(data: dict[str, Any], key: str, where: Path, minimum: int = 1, why: str = "") -> int:
-    value = data.get(key)
-    if key not in data:
-        raise MarianImportError(f"{where}: no {key!r}")
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected an integer")
-    if value < minimum:
-        raise MarianImportError(f"{where}: {key} {value} must be at least {minimum}{why}")
-    return value
-
-
-def _optional_integer(data: dict[str, Any], key: str, where: Path, default: int, minimum: int,
-                      why: str = "") -> int:
-    return default if data.get(key) is None else _integer(data, key, where, minimum, why)
-
-
-def _token_id(data: dict[str, Any], key: str, where: Path, vocab_size: int) -> int:
-    value = _integer(data, key, where, minimum=0)
-    if value >= vocab_size:
-        raise MarianImportError(f"{where}: {key} {value} is not an id of the vocabulary (0..{vocab_size - 1})")
-    return value
-
-
-def _number(data: dict[str, Any], key: str, where: Path, default: float) -> float:
-    value = data.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected a finite number")
-    return float(value)
-
-
-def _flag(data: dict[str, Any], key: str, where: Path, default: bool) -> bool:
-    value = data.get(key, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise MarianImportError(f"{where}: {key} is {_show(value)}; expected true or false")
-    return value
-
-
-def _json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise MarianImportError(f"{path}: unreadable ({e})") from None
-    if not isinstance(data, dict):
-        raise MarianImportError(f"{path}: expected a JSON object")
-    return data
-
-
 # -- the directory: what the import reads must lie inside it ----------------------------------------
-
-
-def _roots(hf_dir: Path) -> list[str]:
-    """Where the directory's files may resolve: inside it, and for a snapshot of the Hugging Face hub
-    cache (models--ORG--NAME/snapshots/REV, whose files link to ../../blobs) that repository's blobs."""
-    real = Path(os.path.realpath(hf_dir))
-    roots = [str(real)]
-    repo = real.parent.parent
-    if real.parent.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
-        roots.append(str(repo / "blobs"))
-    return roots
-
-
-def _inside(path: Path, roots: list[str]) -> bool:
-    real = os.path.realpath(path)
-    return any(os.path.commonpath([real, root]) == root for root in roots)
 
 
 def _files(hf_dir: Path) -> Path:
@@ -188,10 +115,10 @@ def _files(hf_dir: Path) -> Path:
     naming it)."""
     if not hf_dir.is_dir():
         raise MarianImportError(f"{hf_dir}: no such directory (a MarianMTModel.save_pretrained directory)")
-    roots = _roots(hf_dir)
+    roots = allowed_roots(hf_dir)
     for name in (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB, GENERATION, TOKENIZER_CONFIG, *WEIGHTS):
         path = hf_dir / name
-        if (path.exists() or path.is_symlink()) and not _inside(path, roots):
+        if (path.exists() or path.is_symlink()) and not inside(path, roots):
             raise MarianImportError(f"{path}: links to {os.path.realpath(path)}, outside {hf_dir}; the import "
                                     "reads only files inside the directory it is given: copy the file in")
     for name in (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB):
@@ -207,9 +134,9 @@ def _files(hf_dir: Path) -> Path:
 def _provenance(hf_dir: Path) -> dict[str, Any]:
     """Every file of the directory with its SHA-256; a file linking outside it is neither read nor
     hashed, but named (a counted warning, and `skipped` in the record)."""
-    roots = _roots(hf_dir)
+    roots = allowed_roots(hf_dir)
     files = sorted(p for p in hf_dir.iterdir() if p.is_file())
-    skipped = [p.name for p in files if not _inside(p, roots)]
+    skipped = [p.name for p in files if not inside(p, roots)]
     if skipped:
         log.warning("%s: skipped %d file%s linking outside the directory (not read, not hashed): %s", hf_dir,
                     len(skipped), "" if len(skipped) == 1 else "s", ", ".join(skipped))
@@ -224,7 +151,7 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     """Our ModelConfig for a Marian config.json (refusing what our model cannot compute)."""
     if config.get("model_type") != "marian":
         raise MarianImportError(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'marian'")
-    sizes = {key: _integer(config, key, path) for key in ("vocab_size", "d_model", "encoder_attention_heads",
+    sizes = {key: integer(config, key, path) for key in ("vocab_size", "d_model", "encoder_attention_heads",
                                                           "encoder_ffn_dim", "encoder_layers", "decoder_layers",
                                                           "max_position_embeddings")}
     vocab = sizes["vocab_size"]
@@ -234,7 +161,7 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
         twin = key.replace("decoder_", "encoder_") if expected is None else "vocab_size"
         value, want = config.get(key), config.get(twin) if expected is None else expected
         if value is not None and value != want:
-            raise MarianImportError(f"{path}: {key} {_show(value)} differs from {twin} {_show(want)}; only models "
+            raise MarianImportError(f"{path}: {key} {show(value)} differs from {twin} {show(want)}; only models "
                                     "with one shared shape and vocabulary for encoder and decoder can be imported")
     if config.get("share_encoder_decoder_embeddings", True) is not True:
         raise MarianImportError(f"{path}: share_encoder_decoder_embeddings is false (separate vocabularies); only "
@@ -249,12 +176,12 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     activation = config.get("activation_function")
     act = ACTIVATION_NAMES.get(activation) if isinstance(activation, str) else None
     if act not in ACTIVATIONS:
-        raise MarianImportError(f"{path}: activation_function {_show(activation)} is not one of "
+        raise MarianImportError(f"{path}: activation_function {show(activation)} is not one of "
                                 f"{', '.join(ACTIVATION_NAMES)}")
-    pad = _token_id(config, "pad_token_id", path, vocab)
-    start = pad if config.get("decoder_start_token_id") is None else _token_id(
+    pad = token_id(config, "pad_token_id", path, vocab)
+    start = pad if config.get("decoder_start_token_id") is None else token_id(
         config, "decoder_start_token_id", path, vocab)
-    dropout = _number(config, "dropout", path, 0.1)
+    dropout = number(config, "dropout", path, 0.1)
     if not 0.0 <= dropout < 1.0:
         raise MarianImportError(f"{path}: dropout {dropout} must be in [0, 1)")
     try:
@@ -262,8 +189,8 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
             vocab_size=vocab, d_model=d_model, n_heads=heads, d_ff=sizes["encoder_ffn_dim"],
             n_enc_layers=sizes["encoder_layers"], n_dec_layers=sizes["decoder_layers"], dropout=dropout,
             max_positions=sizes["max_position_embeddings"], pad_id=pad, bos_id=start,
-            eos_id=_token_id(config, "eos_token_id", path, vocab), activation=act, positions="halves",
-            scale_embedding=_flag(config, "scale_embedding", path, False), logits_bias=True)
+            eos_id=token_id(config, "eos_token_id", path, vocab), activation=act, positions="halves",
+            scale_embedding=flag(config, "scale_embedding", path, False), logits_bias=True)
     except ConfigError as e:
         raise MarianImportError(f"{path}: {e}") from None
 
@@ -272,12 +199,12 @@ def _suppressed(gen: dict[str, Any], where: Path, cfg: ModelConfig) -> tuple[int
     """The ids of bad_words_ids: single-token entries only, never the eos id."""
     entries = gen.get("bad_words_ids") or []
     if not isinstance(entries, list):
-        raise MarianImportError(f"{where}: bad_words_ids is {_show(entries)}; expected a list of [id] lists")
+        raise MarianImportError(f"{where}: bad_words_ids is {show(entries)}; expected a list of [id] lists")
     suppress = []
     for words in entries:
         if not isinstance(words, list) or len(words) != 1 or isinstance(words[0], bool) \
                 or not isinstance(words[0], int):
-            raise MarianImportError(f"{where}: bad_words_ids entry {_show(words)}: only single-token entries "
+            raise MarianImportError(f"{where}: bad_words_ids entry {show(words)}: only single-token entries "
                                     "(the padding id, as OPUS-MT ships) can be imported")
         if not 0 <= words[0] < cfg.vocab_size or words[0] == cfg.eos_id:
             raise MarianImportError(f"{where}: bad_words_ids entry {words}: not an id of the vocabulary other than "
@@ -290,33 +217,33 @@ def generation(hf_dir: Path, config: dict[str, Any], cfg: ModelConfig) -> tuple[
     """(our decoding defaults, ids never generated) from generation_config.json (else config.json),
     checked here, naming its fields, rather than blamed on a command-line option later."""
     path = hf_dir / GENERATION
-    gen = _json(path) if path.is_file() else config
+    gen = read_json(path) if path.is_file() else config
     where = path if path.is_file() else hf_dir / CONFIG
     suppress = _suppressed(gen, where, cfg)
     forced = gen.get("forced_eos_token_id", cfg.eos_id)
     if isinstance(forced, list) and len(forced) == 1:
         forced = forced[0]
     if forced is not None and (isinstance(forced, bool) or forced != cfg.eos_id):
-        raise MarianImportError(f"{where}: forced_eos_token_id {_show(forced)} is not the eos id {cfg.eos_id}")
+        raise MarianImportError(f"{where}: forced_eos_token_id {show(forced)} is not the eos id {cfg.eos_id}")
     if gen.get("early_stopping") not in (None, False):
-        raise MarianImportError(f"{where}: early_stopping {_show(gen['early_stopping'])}: only transformers' default "
+        raise MarianImportError(f"{where}: early_stopping {show(gen['early_stopping'])}: only transformers' default "
                                 "(false) is implemented (runtime/search.py)")
     ignored = {k: gen[k] for k, default in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
                                              ("do_sample", False)) if gen.get(k) not in (None, default)}
     if ignored:
         log.warning("%s: %s not imported: the model dir decodes without them", where,
                     ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
-    max_length = _optional_integer(gen, "max_length", where, 512, minimum=3,
+    max_length = optional_integer(gen, "max_length", where, 512, minimum=3,
                                    why=" (it counts the decoder start and the EOS: 3 leaves room for one token)")
-    min_length = _optional_integer(gen, "min_length", where, 0, minimum=0)
+    min_length = optional_integer(gen, "min_length", where, 0, minimum=0)
     if min_length > max_length - 1:
         raise MarianImportError(f"{where}: min_length {min_length} is above max_length {max_length} - 1")
-    alpha = _number(gen, "length_penalty", where, 1.0)
+    alpha = number(gen, "length_penalty", where, 1.0)
     if alpha < 0:
         raise MarianImportError(f"{where}: length_penalty {alpha} is negative; our search takes 0 or more")
     defaults: dict[str, Any] = {
         "rules": "transformers",
-        "beam_size": _optional_integer(gen, "num_beams", where, 1, minimum=1),
+        "beam_size": optional_integer(gen, "num_beams", where, 1, minimum=1),
         "alpha": alpha,
         # transformers' max_length counts the decoder start token and the EOS
         "max_len_a": 0.0, "max_len_b": max_length - 2,
@@ -334,19 +261,19 @@ def _token_text(tok_config: dict[str, Any], name: str, default: str, where: Path
     if isinstance(value, dict):
         value = value.get("content")
     if not isinstance(value, str):
-        raise MarianImportError(f"{where}: {name}_token is {_show(value)}; expected a string")
+        raise MarianImportError(f"{where}: {name}_token is {show(value)}; expected a string")
     return value
 
 
 def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
     """The source/target SentencePiece models over vocab.json, checked against the model's ids."""
     path = hf_dir / TOKENIZER_CONFIG
-    tok_config = _json(path) if path.is_file() else {}
-    if _flag(tok_config, "separate_vocabs", path, False):
+    tok_config = read_json(path) if path.is_file() else {}
+    if flag(tok_config, "separate_vocabs", path, False):
         raise MarianImportError(f"{path}: separate_vocabs is true; only a shared vocab.json can be imported")
     specials = {name: _token_text(tok_config, name, default, path)
                 for name, default in (("eos", "</s>"), ("unk", "<unk>"), ("pad", "<pad>"))}
-    vocab = _json(hf_dir / VOCAB)
+    vocab = read_json(hf_dir / VOCAB)
     try:
         tok = VocabTokenizer((hf_dir / SOURCE_SPM).read_bytes(), (hf_dir / TARGET_SPM).read_bytes(),
                              vocab, **specials)
@@ -367,58 +294,15 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
 # -- the weights: checked on the file's header, read only once they fit config.json ----------------
 
 
-def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
-    """pytorch_model.bin as a plain dict of tensors, memory-mapped (nothing read until used); anything
-    else a pickle might hold is refused, never executed."""
-    try:
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as e:  # the legacy (pre-zip) format cannot be mapped: read it whole
-            if "mmap" not in str(e):
-                raise
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise MarianImportError(f"{path}: not a plain tensor state dict (it holds pickled objects that are not "
-                                "tensors); refused for safety; re-save it with save_pretrained("
-                                "safe_serialization=True)") from None
-    except Exception as e:  # a torn or foreign file: name it
-        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise MarianImportError(f"{path}: not a state dict (a flat dict of tensor names to tensors)")
-    return state
-
-
-def _one_line(e: BaseException) -> str:
-    first = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {first}"
-
-
-def weight_infos(path: Path) -> dict[str, TensorInfo]:
-    """Each tensor's shape and dtype, from the header (safetensors) or the memory-mapped pickle, without
-    reading any weight."""
-    if path.suffix != ".safetensors":
-        return {k: TensorInfo(tuple(v.shape), str(v.dtype), v.dtype.is_floating_point)
-                for k, v in _load_pickle(path).items()}
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            slices = {k: f.get_slice(k) for k in f.keys()}
-            return {k: TensorInfo(tuple(s.get_shape()), s.get_dtype(), s.get_dtype().startswith(("F", "BF")))
-                    for k, s in slices.items()}
-    except Exception as e:  # a torn or foreign file (safetensors checks the header against the size)
-        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
-
-
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix != ".safetensors":
-        return _load_pickle(path)
+        return load_pickle(path)
     from safetensors.torch import load_file
 
     try:
         return load_file(str(path))
     except Exception as e:  # changed since its header was read
-        raise MarianImportError(f"{path}: unreadable weights ({_one_line(e)})") from None
+        raise MarianImportError(f"{path}: unreadable weights ({one_line(e)})") from None
 
 
 def marian_shape(name: str, cfg: ModelConfig) -> tuple[tuple[int, ...], str] | None:
@@ -517,14 +401,6 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) ->
     return ours
 
 
-def digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
     """Write `out`, one of our checkpoints, from a local Marian directory; returns a summary. Every
     check that can fail runs before the model is built: a hostile config.json allocates nothing."""
@@ -533,7 +409,7 @@ def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     if out.exists() and not force:
         raise MarianImportError(f"{out}: exists; pass --force to replace it")
     weights = _files(hf_dir)
-    config = _json(hf_dir / CONFIG)
+    config = read_json(hf_dir / CONFIG)
     cfg = model_config(config, hf_dir / CONFIG)
     defaults, suppress = generation(hf_dir, config, cfg)
     tok = tokenizer(hf_dir, cfg)
