@@ -187,6 +187,14 @@ def test_a_failed_or_hung_stage_is_recorded_and_the_next_one_runs(tmp_path):
     assert "| doctor | FAIL |" in md and "the thing broke" in md
 
 
+def test_every_module_of_the_check_is_at_most_400_lines():
+    """scripts/gpu_check.py (the entry point) and its parts in scripts/gpucheck/, split by stage."""
+    modules = [ROOT / "scripts" / "gpu_check.py", *sorted((ROOT / "scripts" / "gpucheck").glob("*.py"))]
+    assert len(modules) > 5
+    long = {p.name: n for p in modules if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, long
+
+
 def test_last_logged_step_ignores_torn_lines(tmp_path):
     gpu_check = load_gpu_check()
     metrics = tmp_path / "metrics.jsonl"
