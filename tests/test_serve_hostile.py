@@ -1,10 +1,14 @@
 """`pipeline serve` against hostile requests, in-process (starlette's TestClient) over a stand-in
-model, so each case runs in milliseconds: JSON no parser could read is the client's mistake (400, one
-line, no traceback)."""
+model, so each case runs in milliseconds: a request's CPU work never holds the event loop (/health
+answers while a large body is parsed or split), one request is bounded in sentences and source tokens
+(413 naming the option), and JSON no parser could read is the client's mistake (400, one line, no
+traceback)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +24,7 @@ pytest.importorskip("sentencex")
 
 from starlette.testclient import TestClient  # noqa: E402
 
+from pipeline.serve import requests as serve_requests  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
@@ -74,6 +79,72 @@ def test_the_stand_in_answers_lines_and_documents():
         assert r.json() == {"translations": ["DER HUND", "", "DIE KATZE"]}
         r = c.post("/translate", json={"text": ["Der Hund.  Die Katze!\n ja"], "split": "sentences"})
         assert r.json() == {"translations": ["DER HUND.  DIE KATZE!\n JA"]}
+
+
+# -- 1. a request's CPU work runs off the event loop -----------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["parse", "split"])
+def test_health_answers_while_a_large_request_is_prepared(stage, monkeypatch):
+    """The request's JSON parsing or sentence splitting is held (as a large body's would take time)
+    until /health has answered: on the event loop it would hold /health too, for ever."""
+    started, release = threading.Event(), threading.Event()
+    released: list[bool] = []
+
+    def hold() -> None:
+        started.set()
+        released.append(release.wait(10))
+
+    loads = json.loads
+
+    def slow_loads(text: str, **kw: Any) -> Any:
+        if stage == "parse" and "HOLD" in text:
+            hold()
+        return loads(text, **kw)
+
+    class SlowSplit(StandIn):
+        def split(self, texts: list[str], lang: str = "en") -> Any:
+            if stage == "split":
+                hold()
+            return super().split(texts, lang)
+
+    monkeypatch.setattr(serve_requests, "json", SimpleNamespace(loads=slow_loads, JSONDecodeError=json.JSONDecodeError))
+    with client(SlowSplit()) as c:
+        answer: list[Any] = []
+        big = threading.Thread(target=lambda: answer.append(
+            c.post("/translate", json={"text": ["HOLD. Der Hund."], "split": "sentences"})))
+        big.start()
+        assert started.wait(10)
+        assert c.get("/health").status_code == 200
+        release.set()
+        big.join(20)
+    assert released == [True], f"/health waited for the request's {stage}"
+    assert answer[0].json() == {"translations": ["HOLD. DER HUND."]}
+
+
+# -- 2. one request is bounded --------------------------------------------------------------------
+
+
+def test_sentences_over_the_limit_are_413_naming_the_option():
+    with client(max_sentences=100) as c:
+        r = c.post("/translate", json={"text": ["Ja. " * 101], "split": "sentences"})
+        assert r.status_code == 413
+        assert r.json()["error"] == ("101 sentences, more than this server's limit of 100 per request "
+                                     "(--max-sentences); split the request")
+        assert c.post("/translate", json={"text": ["Ja. " * 100], "split": "sentences"}).status_code == 200
+        r = c.post("/translate", json={"text": ["ja"] * 101})  # without split, each line is a sentence
+        assert r.status_code == 413 and "--max-sentences" in r.json()["error"]
+
+
+def test_source_tokens_over_the_limit_are_413_naming_the_option():
+    with client(max_source_tokens=100) as c:
+        r = c.post("/translate", json={"text": ["x" * 60, "y" * 60]})  # 61 + 61 tokens with EOS
+        assert r.status_code == 413
+        assert r.json()["error"] == ("122 source tokens, more than this server's limit of 100 per request "
+                                     "(--max-source-tokens); split the request")
+        assert c.post("/translate", json={"text": ["x" * 60]}).status_code == 200
+        info = c.post("/translate", json={"text": ["ja"] * 2000})
+        assert info.status_code == 413 and "--max-lines" in info.json()["error"]
 
 
 # -- 3. JSON the parser cannot read is the client's mistake -----------------------------------------

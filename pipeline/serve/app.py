@@ -1,37 +1,50 @@
 """The HTTP routes: POST /translate, GET /health, GET /metrics, GET /info.
 
 No route reads or writes a file; every request is bounded (bytes, seconds to send them,
-lines, tokens per line, queue places) and every refusal is a JSON {"error": ...} with the
-status that tells a client what to do: 400 fix the request (naming the field), 404 name a
-served model, 408 send faster, 413 split it, 503 retry later (with Retry-After). 503 is the
-only 5xx: a backend fault is retried like an overload."""
+lines, sentences, source tokens, tokens per line, queue places) and every refusal is a JSON
+{"error": ...} with the status that tells a client what to do: 400 fix the request (naming the
+field), 404 name a served model, 408 send faster, 413 split it, 503 retry later (with
+Retry-After). 503 is the only 5xx: a backend fault is retried like an overload. A request's CPU
+work (its JSON, sentences, tokens and answer) runs off the event loop, so no request holds the
+others or /health while it is prepared."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from pipeline.serve.batcher import Batcher, BatcherStopped, QueueFull, Work
 from pipeline.serve.metrics import CONTENT_TYPE, ModelMetrics
-from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request, read_body
-from pipeline.serve.translator import Encoded, LineTooLong
+from pipeline.serve.requests import (
+    ApiError,
+    ServedModel,
+    ServerState,
+    TranslateRequest,
+    encode_request,
+    parse_request,
+    read_body,
+)
+from pipeline.serve.translator import Encoded
 from pipeline.serve_batch.sentences import rebuild_all
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
+PREPARE_THREADS = 4  # parse, split, tokenize and format requests (_off_loop), for every model
+T = TypeVar("T")
 
 
 async def _client_gone(request: Request) -> None:
@@ -51,7 +64,7 @@ async def translate(request: Request) -> Response:
     started = time.perf_counter()
     m = state.unnamed
     try:
-        req = parse_request(await read_body(request, state.limits), state)
+        req = await _off_loop(state, parse_request, await read_body(request, state.limits), state)
         m = req.model.metrics
         m.in_flight.inc()
         try:
@@ -76,13 +89,17 @@ async def translate(request: Request) -> Response:
     return response
 
 
+async def _off_loop(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the threads that prepare requests and answers: reading a large body's JSON, splitting
+    and tokenizing it, formatting its translations take CPU time in proportion to it, which on the
+    event loop would hold every other request and /health. Not the backend's thread, which translates."""
+    return await asyncio.get_running_loop().run_in_executor(state.prepare, functools.partial(fn, *args))
+
+
 async def _submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encoded]:
-    """The request encoded (its sentences, with split) and queued on its model's batcher."""
+    """The request encoded (its sentences, with split) within the limits and queued on its model's batcher."""
     model = req.model
-    try:
-        encoded = await run_in_threadpool(model.translator.encode, req.text, req.split, req.lang)
-    except LineTooLong as e:
-        raise ApiError(413, f"{e}; split the line") from None
+    encoded = await _off_loop(state, encode_request, req, state.limits)
     if encoded.tokens == 0:  # blank lines only: nothing for the model
         return Work.finished([[] for _ in encoded.ids], req.decoding), encoded
     assert model.batcher is not None
@@ -93,7 +110,10 @@ async def _submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Enco
 
 
 async def _wait(work: Work, n: int, state: ServerState) -> None:
-    """Until the first n lines of the work are translated (503 if the server stopped first)."""
+    """Until the first n lines of the work are translated (503 if the server stopped first). It lets
+    the event loop run the others first, even when they are: a long stream of lines translated already
+    holds no one."""
+    await asyncio.sleep(0)
     try:
         await work.ready(n)
     except BatcherStopped as e:
@@ -114,16 +134,22 @@ async def _answer(request: Request, req: TranslateRequest, work: Work, encoded: 
         waiter.cancel()
         model.batcher.drop(work)  # type: ignore[union-attr]
         raise ClientDisconnect()
-    results = work.results
-    _count(model.metrics, encoded, results)
+    _count(model.metrics, encoded, work.results)
+    response = await _off_loop(state, _translations, req, encoded, work.results)
+    model.metrics.request_seconds.observe(time.perf_counter() - started)
+    return response
+
+
+def _translations(req: TranslateRequest, encoded: Encoded, results: list[NBest]) -> Response:
+    """The whole answer: each line's translation (with split, each text rebuilt) or hypotheses."""
+    translator = req.model.translator
     items: list[Any]
     if req.structured:
-        items = [{"hypotheses": model.translator.hypotheses(nbest)} for nbest in results]
+        items = [{"hypotheses": translator.hypotheses(nbest)} for nbest in results]
     else:
-        items = [model.translator.format(nbest, 1) for nbest in results]
+        items = [translator.format(nbest, 1) for nbest in results]
         if encoded.splits is not None:
             items = rebuild_all(encoded.splits, items)
-    model.metrics.request_seconds.observe(time.perf_counter() - started)
     return JSONResponse({"translations": items})
 
 
@@ -231,6 +257,7 @@ def create_app(state: ServerState) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = state.limits
+        state.prepare = prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         for model in state.models.values():
             model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
                                     limits.max_wait_ms / 1000.0, limits.max_queue)
@@ -241,6 +268,7 @@ def create_app(state: ServerState) -> Starlette:
             state.draining = True
             for model in state.models.values():
                 await model.batcher.stop()  # type: ignore[union-attr]
+            prepare.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=[
         Route("/translate", translate, methods=["POST"]),

@@ -44,7 +44,11 @@ class ServeHttpOptions:
 class RequestLimits:
     """What one request, and the queue of them, may hold; beyond them the answer is 413 or 503."""
 
-    max_lines: int = opt(1024, "Most lines per request (413 beyond).", min=1)
+    max_lines: int = opt(1024, "Most lines (texts, with \"split\") per request (413 beyond).", min=1)
+    max_sentences: int = opt(10_000, "Most sentences per request once its texts are split (413 beyond): one "
+                             "document of many short sentences is bounded too.", min=1)
+    max_source_tokens: int = opt(100_000, "Most source tokens per request, all its sentences together (413 "
+                                 "beyond): what one request may ask of its model.", min=1)
     max_bytes: int = opt(1 << 20, "Largest request body in bytes (413 beyond).", min=1)
     max_batch_tokens: int = opt(PAPER.batch_tokens, "Dynamic batch budget: source tokens x beam of the requests "
                                 "batched together (and sentences x longest source x beam per search batch, as "

@@ -1,6 +1,7 @@
 """What a request to `pipeline serve` is: the served models and the server's shared state, the body
-read within its bounds (413 after a bounded drain, 408 for a stalled client) and the JSON checked field
-by field (400 naming the field, 404 naming the served models); the routes are in app.py."""
+read within its bounds (413 after a bounded drain, 408 for a stalled client), the JSON checked field
+by field (400 naming the field, 404 naming the served models) and encoded within the limits on
+sentences and source tokens (413 naming the limit); the routes are in app.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +18,7 @@ from starlette.requests import Request
 from pipeline.serve.batcher import Batcher
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
-from pipeline.serve.translator import Translator
+from pipeline.serve.translator import Encoded, LineTooLong, Translator
 from pipeline.serve_batch.sentences import SPLIT_MODES
 from runtime.decoding import DecodingOptions
 
@@ -48,6 +50,7 @@ class ServerState:
     metrics: Metrics
     warmed_up: bool = False
     draining: bool = False
+    prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
 
     def __post_init__(self) -> None:
@@ -117,8 +120,7 @@ def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
     if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
         raise ApiError(400, '"text" must be a list of strings, one line (or with split, one document) each')
     if len(text) > state.limits.max_lines:
-        raise ApiError(413, f"{len(text)} lines, more than this server's limit of {state.limits.max_lines} "
-                            "per request; split the request")
+        raise ApiError(413, too_many(len(text), "lines", state.limits.max_lines, "--max-lines"))
     split = data.get("split", "none")
     if split not in SPLIT_MODES:
         raise ApiError(400, f'"split" must be one of {", ".join(map(json.dumps, SPLIT_MODES))}')
@@ -149,6 +151,30 @@ def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
         raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
                             '"split": "none"')
     return TranslateRequest(text, model, decoding, structured, split, lang, stream)
+
+
+def too_many(count: int, what: str, limit: int, option: str) -> str:
+    """The 413 message: what is over which limit, and the server option that sets it."""
+    return f"{count} {what}, more than this server's limit of {limit} per request ({option}); split the request"
+
+
+def encode_request(req: TranslateRequest, limits: RequestLimits) -> Encoded:
+    """The request's lines (with split, its sentences) as source ids, within the limits on sentences and
+    source tokens (413 naming the limit, counted before the tokenizer's work where it can be). CPU work
+    in proportion to the body: the routes run it off the event loop."""
+    translator = req.model.translator
+    splits = translator.split(req.text, req.lang) if req.split == "sentences" else None
+    sentences = sum(len(s.sentences) for s in splits) if splits is not None else len(req.text)
+    if sentences > limits.max_sentences:
+        raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
+    try:
+        encoded = translator.encode(req.text, splits)
+    except LineTooLong as e:
+        raise ApiError(413, f"{e}; split the line") from None
+    if encoded.tokens > limits.max_source_tokens:
+        raise ApiError(413, too_many(encoded.tokens, "source tokens", limits.max_source_tokens,
+                                     "--max-source-tokens"))
+    return encoded
 
 
 # An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
@@ -186,7 +212,7 @@ async def _read_body(request: Request, max_bytes: int) -> bytes:
             return b"".join(chunks)
     drained = await _drain(stream, size)
     what = f"request body of {declared} bytes" if declared and declared.isdigit() else "request body"
-    raise ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes; split the request",
+    raise ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes (--max-bytes); split the request",
                    headers=None if drained else {"Connection": "close"})
 
 

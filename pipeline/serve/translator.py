@@ -75,12 +75,15 @@ class Translator:
     def max_src_len(self) -> int:
         return int(self.backend.max_src_len)
 
-    def encode(self, lines: list[str], split: str = "none", lang: str = DEFAULT_LANG) -> Encoded:
-        """serve-batch's source policy for one request's lines, or with split "sentences" for their
-        sentences, as serve-batch --split sentences (thread-safe, no model)."""
+    def split(self, texts: list[str], lang: str = DEFAULT_LANG) -> list[Split]:
+        """Each text as sentences, as serve-batch --split sentences splits a line (thread-safe, no model)."""
+        return [split_sentences(text, lang) for text in texts]
+
+    def encode(self, lines: list[str], splits: list[Split] | None = None) -> Encoded:
+        """serve-batch's source policy for one request's lines, or for the sentences of their `splits`
+        (thread-safe, no model)."""
         try:
-            if split == "sentences":
-                splits = [split_sentences(text, lang) for text in lines]
+            if splits is not None:
                 ids, truncated = encode_split(self.tokenizer, splits, self.max_src_len, self.long_lines,
                                               lambda k: f"text[{k}]")
                 return Encoded(ids, truncated, splits)
