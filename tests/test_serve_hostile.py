@@ -1,11 +1,12 @@
 """`pipeline serve` against hostile requests, in-process (starlette's TestClient) over a stand-in
 model, so each case runs in milliseconds: a request's CPU work never holds the event loop (/health
 answers while a large body is parsed or split), one request is bounded in sentences and source tokens
-(413 naming the option), and JSON no parser could read is the client's mistake (400, one line, no
-traceback)."""
+(413 naming the option), a big request takes turns with the others (one behind it waits about one
+batch), and JSON no parser could read is the client's mistake (400, one line, no traceback)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -26,6 +27,7 @@ from starlette.testclient import TestClient  # noqa: E402
 
 from pipeline.serve import requests as serve_requests  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.batcher import Batcher  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
 from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
@@ -122,7 +124,7 @@ def test_health_answers_while_a_large_request_is_prepared(stage, monkeypatch):
     assert answer[0].json() == {"translations": ["HOLD. DER HUND."]}
 
 
-# -- 2. one request is bounded --------------------------------------------------------------------
+# -- 2. one request is bounded, and takes turns ----------------------------------------------------
 
 
 def test_sentences_over_the_limit_are_413_naming_the_option():
@@ -145,6 +147,84 @@ def test_source_tokens_over_the_limit_are_413_naming_the_option():
         assert c.post("/translate", json={"text": ["x" * 60]}).status_code == 200
         info = c.post("/translate", json={"text": ["ja"] * 2000})
         assert info.status_code == 413 and "--max-lines" in info.json()["error"]
+
+
+def run_batcher(translator: StandIn, budget: int, scenario: Any) -> Any:
+    """scenario(batcher, decoding) on a started Batcher of the stand-in (beam 1: a line's cost is its
+    length), in a fresh event loop."""
+    async def main() -> Any:
+        batcher = Batcher(translator, Metrics().model("m"), budget, max_wait_s=0.0, max_queue=16)
+        await batcher.start()
+        try:
+            return await scenario(batcher, PAPER.replace(beam_size=1, nbest=1))
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
+def test_a_request_behind_a_big_one_waits_about_one_batch():
+    """A big request of 50 batches is being translated when a one-line request arrives: the small one
+    is in the next batch or the one after (not behind all 50), and both get every line, in order."""
+    big_lines = [[10 + i % 50, EOS] for i in range(200)]  # 4 lines of cost 2 per batch of budget 8
+
+    async def scenario(batcher: Batcher, decoding: Any) -> tuple[int, int, list[Any]]:
+        big = batcher.submit(big_lines, decoding)
+        while not translator.batches:
+            await asyncio.sleep(0.001)
+        arrived = len(translator.batches)  # batches started when the small request arrives
+        small = batcher.submit([[7, EOS]], decoding)
+        assert await small.future == [[([7], -1.0)]]
+        answered = next(i for i, batch in enumerate(translator.batches) if [7, EOS] in batch)
+        assert not big.future.done()
+        return arrived, answered, await big.future
+
+    translator = StandIn(delay=0.005)
+    arrived, answered, results = run_batcher(translator, 8, scenario)
+    assert answered - arrived <= 1, f"the small request waited {answered - arrived + 1} batches of the big one"
+    assert results == [[(line[:-1], -1.0)] for line in big_lines]
+
+
+def test_requests_cut_by_the_budget_keep_their_place():
+    """Small requests are batched in arrival order: one cut short by the budget (before it has had a
+    budget's worth) is finished first in the next batch."""
+    async def scenario(batcher: Batcher, decoding: Any) -> list[Any]:
+        works = [batcher.submit([[10 + r, EOS]] * 3, decoding) for r in range(4)]  # 3 lines of cost 2 each
+        return [await w.future for w in works]
+
+    translator = StandIn()
+    results = run_batcher(translator, 8, scenario)
+    assert [[line[0] - 10 for line in batch] for batch in translator.batches] == [[0, 0, 0, 1], [1, 1, 2, 2],
+                                                                                   [2, 3, 3, 3]]
+    assert results == [[[([10 + r], -1.0)]] * 3 for r in range(4)]
+
+
+def test_a_streamed_big_request_and_a_small_one_each_get_their_answer():
+    """Through the app: the big request streams every sentence in order while turns let the small
+    one through; both answers are complete."""
+    translator = StandIn(delay=0.01)
+    big_text = " ".join(f"Satz {i}." for i in range(60))
+    with client(translator, max_batch_tokens=60) as c:
+        objects: list[Any] = []
+
+        def stream() -> None:
+            with c.stream("POST", "/translate", json={"text": [big_text], "split": "sentences", "stream": True,
+                                                      "beam_size": 1}) as r:
+                objects.extend(json.loads(line) for line in r.iter_lines() if line)
+
+        big = threading.Thread(target=stream)
+        big.start()
+        while not translator.batches:
+            time.sleep(0.001)
+        arrived = len(translator.batches)
+        small = c.post("/translate", json={"text": ["ein kind"], "beam_size": 1})
+        big.join(30)
+    assert small.json() == {"translations": ["EIN KIND"]}
+    answered = next(i for i, batch in enumerate(translator.batches) if CharTokenizer().encode_source(["ein kind"])[0]
+                    in batch)
+    assert answered - arrived <= 2 and len(translator.batches) - answered > 3
+    assert [o["sentence"] for o in objects] == list(range(60))
+    assert "".join(o["translation"] for o in objects) == big_text.upper()
 
 
 # -- 3. JSON the parser cannot read is the client's mistake -----------------------------------------

@@ -1,14 +1,17 @@
 """Dynamic batching: requests queue on the event loop, one backend thread translates.
 
-The collector coroutine takes the oldest request, adds the following ones that share
-its decoding options while their source tokens x beam fit `max_batch_tokens`, and
-waits at most `max_wait_s` (counted from the oldest request's arrival) for more. A
-request larger than the budget is taken a budget's worth of lines at a time (it keeps
-its queue place until its last line is taken), so a streaming client receives its first
-lines while the rest are translated. The batch runs on a dedicated single thread, so the
-event loop keeps accepting, answering /health and reading bodies while the backend
-works; requests that arrive meanwhile form the next batch. Results go back to each
-request's Work: `ready(n)` waits for its first n lines, `future` for all of them."""
+The collector coroutine takes the first request of the queue, adds the following ones
+that share its decoding options while their source tokens x beam fit `max_batch_tokens`,
+and waits at most `max_wait_s` (counted from the first request's arrival) for more. A
+request larger than the budget is taken a budget's worth of lines at a time, so a
+streaming client receives its first lines while the rest are translated. Requests take
+turns: one that has had a budget's worth of lines since its turn began goes to the back
+of the queue before the next batch is collected, so a request that arrives behind a big
+one waits about one batch of it (one per big request ahead of it), not all of them.
+The batch runs on a dedicated single thread, so the event loop keeps accepting,
+answering /health and reading bodies while the backend works; requests that arrive
+meanwhile form the next batch. Results go back to each request's Work: `ready(n)`
+waits for its first n lines, `future` for all of them."""
 
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ class Work:
     future: asyncio.Future[list[NBest]]
     enqueued: float = field(default_factory=time.monotonic)
     taken: int = 0  # lines handed to a batch so far
+    turn: int = 0  # the cost of the lines taken since its turn began (Batcher._take_turns)
     results: list[NBest] = field(default_factory=list)  # of the first len(results) lines
     progress: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -157,8 +161,8 @@ class Batcher:
                 await self._execute(batch)
 
     def _select(self) -> tuple[list[Slice], bool]:
-        """Lines of the oldest request and of the next ones of the same kind that fit the budget (in
-        arrival order; at least one line), and whether the batch is full."""
+        """Lines of the first request and of the next ones of the same kind that fit the budget (in
+        queue order; at least one line), and whether the batch is full."""
         key = self._pending[0].key
         batch: list[Slice] = []
         cost = 0
@@ -176,14 +180,26 @@ class Batcher:
                 return batch, True
         return batch, cost >= self.max_batch_tokens
 
+    def _take_turns(self) -> None:
+        """Requests that have had a budget's worth of lines since their turn began go to the back of the
+        queue (in queue order), each with a new turn. A request cut short by the budget before that keeps
+        its place: small requests are batched in arrival order as before."""
+        done = [work for work in self._pending if work.turn >= self.max_batch_tokens]
+        for work in done:
+            self._pending.remove(work)
+            work.turn = 0
+        self._pending.extend(done)
+
     async def _collect(self) -> list[Slice]:
         assert self._wakeup is not None
+        self._take_turns()
         while self._pending:
             batch, full = self._select()
             remaining = self._pending[0].enqueued + self.max_wait_s - time.monotonic()
             if full or remaining <= 0:
-                for work, _, stop in batch:
+                for work, start, stop in batch:
                     work.taken = stop
+                    work.turn += sum(work.cost(line) for line in range(start, stop))
                     if stop == len(work.ids):
                         self._pending.remove(work)
                 self.metrics.queue_depth.set(len(self._pending))
