@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 
 from helpers import cli_env, run_cli  # noqa: E402
 
-from pipeline.importers.marian_fixture import make_marian_dir  # noqa: E402
+from tests.marian_fixture import make_marian_dir  # noqa: E402
 
 Edit = Callable[[Path], Any]
 

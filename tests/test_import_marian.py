@@ -20,7 +20,7 @@ from pipeline.cli import cli  # noqa: E402
 from pipeline.corpus.synthetic import generate  # noqa: E402
 from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: E402
 from pipeline.importers.marian import MarianImportError, import_marian  # noqa: E402
-from pipeline.importers.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
+from tests.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
 from pipeline.serve_batch.translation import ServeOptions  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.loader import load_backend  # noqa: E402
@@ -182,7 +182,7 @@ def served_over_http(model_dir: Path, texts: list[str], log_path: Path) -> list[
 
 
 def transformers_translations(hf_dir: Path, texts: list[str], beam: int) -> list[str]:
-    from pipeline.importers.marian_fixture import marian_translate
+    from tests.marian_fixture import marian_translate
 
     return marian_translate(hf_dir, texts, num_beams=beam, max_length=MAX_LENGTH)
 

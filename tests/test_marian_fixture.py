@@ -10,7 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 from pipeline.corpus.synthetic import generate  # noqa: E402
-from pipeline.importers.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
+from tests.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
 
 
 @pytest.fixture(scope="module")
