@@ -31,7 +31,7 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
 
         pipeline import marian opus-mt-de-en --out de-en.pt
         pipeline export de-en.pt --out models/de-en --int8
-        pipeline serve-batch models/de-en --input in.de --output out.en
+        pipeline serve-batch models/de-en in.de --output out.en
 
     The model's generation defaults (num_beams, max_length, length_penalty) and transformers' beam
     search rules become the model dir's decoding defaults; options given on the command line win.
