@@ -20,12 +20,12 @@ from pipeline.cli import cli  # noqa: E402
 from pipeline.corpus.synthetic import generate  # noqa: E402
 from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: E402
 from pipeline.importers.marian import MarianImportError, import_marian  # noqa: E402
-from tests.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
 from pipeline.serve_batch.translation import ServeOptions  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.loader import load_backend  # noqa: E402
 from runtime.tokenizer import load_tokenizer, tokenizer_from_file  # noqa: E402
 from runtime.translate import translate_ids  # noqa: E402
+from tests.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
 
 MAX_LENGTH = 40
 

@@ -29,6 +29,7 @@ from pipeline.serve.requests import ServedModel, ServerState
 from pipeline.serve.translator import Translator
 from pipeline.serve_batch.sentences import DEFAULT_LANG
 from runtime.decoding import DecodingOptions
+from runtime.model_dir import LoadOptions
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +94,10 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
     """One model dir verified, loaded and warmed up (UserErrors name the model when it is unusable); over its
     vocabulary shortlist with opts.shortlist."""
     try:
-        translator = Translator.load(model_dir, opts.backend, opts.device, opts.threads, opts.long_lines,
-                                     shortlist=opts.shortlist)
-        # the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
-        decoding = decoding.for_model(translator.manifest.decoding)
+        # with the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
+        options = LoadOptions(backend=opts.backend, device=opts.device, threads=opts.threads, shortlist=opts.shortlist)
+        translator = Translator.load(model_dir, options, opts.long_lines, decoding)
+        decoding = translator.decoding
         max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
         if decoding.beam_size > max_beam:
             raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")

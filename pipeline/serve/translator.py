@@ -13,9 +13,10 @@ from typing import Any
 
 from model.manifest import Manifest
 from pipeline.serve_batch.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
-from runtime.decoding import DecodingOptions
+from runtime.backend import Backend
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import Tokenizer
 from runtime.translate import NBest, encode_sources, format_line, translate_ids
 
@@ -41,22 +42,24 @@ class Encoded:
 
 
 class Translator:
-    """A loaded backend + tokenizer, seen through serve-batch's functions."""
+    """A loaded backend + tokenizer, seen through serve-batch's functions; `decoding` is the model's
+    (its own defaults under what the server was given)."""
 
-    def __init__(self, backend: Any, tokenizer: Tokenizer, manifest: Manifest, long_lines: str = "truncate"):
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, manifest: Manifest, long_lines: str = "truncate",
+                 decoding: DecodingOptions = PAPER):
         self.backend = backend
         self.tokenizer = tokenizer
         self.manifest = manifest
         self.long_lines = long_lines
+        self.decoding = decoding
 
     @classmethod
-    def load(cls, model_dir: str, backend: str, device: str | None, threads: int | None,
-             long_lines: str, shortlist: bool = False) -> Translator:
-        """The model dir verified against its manifest and loaded (UserErrors when unusable); `shortlist`:
-        decoding over its vocabulary shortlist."""
-        impl, tokenizer, manifest = load_backend(model_dir, backend=backend, device=device, threads=threads,
-                                                 shortlist=shortlist)
-        return cls(impl, tokenizer, manifest, long_lines)
+    def load(cls, model_dir: str, options: LoadOptions, long_lines: str,
+             decoding_given: DecodingOptions = PAPER) -> Translator:
+        """The model dir verified against its manifest and loaded (UserErrors when unusable), as every
+        command loads one (runtime/model_dir.py)."""
+        loaded = load(model_dir, options, decoding_given)
+        return cls(loaded.backend, loaded.tokenizer, loaded.manifest, long_lines, loaded.decoding)
 
     def model_limit(self, key: str) -> int | None:
         """max_src_len / max_tgt_len / max_batch / max_beam as the export recorded it."""
