@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,11 @@ RULES = ("fairseq", "transformers")  # beam search rules (runtime/search.py)
 # the CUDA-graph step of `base` gave 2.2x the tokens/s at 128 x 4 rows as at 32 x 4 (benchmarks/README.md,
 # the GPU table: fewer-kernels).
 GPU_BATCH_TOKENS = 8192
+
+
+def flag(field_name: str) -> str:
+    """The command-line option of a DecodingOptions field: beam_size -> --beam-size."""
+    return "--" + field_name.replace("_", "-")
 
 
 def _opt(default: Any, help: str) -> Any:
@@ -93,34 +99,36 @@ class DecodingOptions:
             return self
         return dataclasses.replace(self, batch_tokens=GPU_BATCH_TOKENS)
 
-    def problems(self) -> list[str]:
-        """Every impossible setting, each naming its command-line option."""
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default
+        (`--beam-size`); the HTTP layer passes its JSON field names."""
+        n = name or flag
         out = []
         if self.beam_size < 1:
-            out.append(f"--beam-size must be at least 1 (got {self.beam_size})")
+            out.append(f"{n('beam_size')} must be at least 1 (got {self.beam_size})")
         if not 1 <= self.nbest <= max(self.beam_size, 1):
-            out.append(f"--nbest must be between 1 and --beam-size {self.beam_size} (got {self.nbest})")
+            out.append(f"{n('nbest')} must be between 1 and {n('beam_size')} {self.beam_size} (got {self.nbest})")
         if not math.isfinite(self.alpha) or self.alpha < 0:
-            out.append(f"--alpha must be a finite number >= 0 (got {self.alpha})")
+            out.append(f"{n('alpha')} must be a finite number >= 0 (got {self.alpha})")
         if not math.isfinite(self.max_len_a) or self.max_len_a < 0:
-            out.append(f"--max-len-a must be a finite number >= 0 (got {self.max_len_a})")
+            out.append(f"{n('max_len_a')} must be a finite number >= 0 (got {self.max_len_a})")
         if self.max_len_b < 0:
-            out.append(f"--max-len-b must be >= 0 (got {self.max_len_b})")
+            out.append(f"{n('max_len_b')} must be >= 0 (got {self.max_len_b})")
         if self.max_len_a == 0 and self.max_len_b == 0:
-            out.append("--max-len-a 0 with --max-len-b 0 allows no output token at all")
+            out.append(f"{n('max_len_a')} 0 with {n('max_len_b')} 0 allows no output token at all")
         if self.min_len < 0:
-            out.append(f"--min-len must be >= 0 (got {self.min_len})")
+            out.append(f"{n('min_len')} must be >= 0 (got {self.min_len})")
         elif self.max_len_a == 0 and self.min_len > self.max_len_b:
-            out.append(f"--min-len {self.min_len} is above the maximum output length {self.max_len_b}")
+            out.append(f"{n('min_len')} {self.min_len} is above the maximum output length {self.max_len_b}")
         if self.batch_tokens < 1:
-            out.append(f"--batch-tokens must be at least 1 (got {self.batch_tokens})")
+            out.append(f"{n('batch_tokens')} must be at least 1 (got {self.batch_tokens})")
         if self.rules not in RULES:
-            out.append(f"--rules must be one of {', '.join(RULES)} (got {self.rules!r})")
+            out.append(f"{n('rules')} must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out
 
-    def validate(self) -> DecodingOptions:
-        """self, or a DecodingError listing every problem."""
-        problems = self.problems()
+    def validate(self, name: Callable[[str], str] | None = None) -> DecodingOptions:
+        """self, or a DecodingError listing every problem (fields named as in problems())."""
+        problems = self.problems(name)
         if problems:
             raise DecodingError("; ".join(problems))
         return self

@@ -92,6 +92,15 @@ class Sources:
     truncated: int = 0
 
 
+class SourceTooLong(RuntimeUserError):
+    """A source over the model's limit under long_lines "error". `what` names it and its length; the
+    message adds the command-line fix, which the HTTP layer leaves out (it has no such option)."""
+
+    def __init__(self, what: str):
+        super().__init__(f"{what}; pass --long-lines truncate or split the line")
+        self.what = what
+
+
 def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
                    origin: str = "input", first_line: int = 1) -> Sources:
     """The one way text lines become source ids (serve-batch, parity, bench, validation).
@@ -110,8 +119,8 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
     for i, seq in zip(live, tokenizer.encode_source([lines[i] for i in live])):
         if len(seq) > max_src_len:
             if long_lines == "error":
-                raise RuntimeUserError(f"{origin}:{first_line + i}: {len(seq)} tokens, more than the model's "
-                                       f"limit of {max_src_len}; pass --long-lines truncate or split the line")
+                raise SourceTooLong(f"{origin}:{first_line + i}: {len(seq)} tokens, more than the model's "
+                                    f"limit of {max_src_len}")
             out.truncated += 1
             seq = seq[: max_src_len - 1] + seq[-1:]
         out.ids[i] = seq

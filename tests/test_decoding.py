@@ -116,3 +116,10 @@ def test_a_gpu_batches_more_unless_told():
     assert other.for_device("cuda").replace(explicit=None) == PAPER.replace(beam_size=5,
                                                                             batch_tokens=GPU_BATCH_TOKENS)
     assert PAPER.replace(batch_tokens=1000).for_device("cuda").batch_tokens == 1000  # from Python, not default
+
+
+def test_problems_name_fields_as_the_caller_phrases_them():
+    bad = PAPER.replace(beam_size=0, nbest=2)
+    assert bad.problems()[0] == "--beam-size must be at least 1 (got 0)"
+    assert bad.problems(name=str) == ["beam_size must be at least 1 (got 0)",
+                                      "nbest must be between 1 and beam_size 0 (got 2)"]

@@ -183,6 +183,7 @@ def test_bad_requests_are_400_with_a_message(url, body, message):
     r = httpx.post(f"{url}/translate", content=body, headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     assert message in r.json()["error"]
+    assert "--" not in r.json()["error"], "an HTTP client gets its own field names, not the CLI's flags"
 
 
 @pytest.mark.slow
@@ -351,6 +352,7 @@ def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expecte
                 "--body-timeout-s", body_timeout_s) as (_, u):
         r = post(u, {"text": ["der hund", LONG_LINE]})
         assert r.status_code == 413 and "line:2" in r.json()["error"] and str(SRC_LIMIT) in r.json()["error"]
+        assert "--long-lines" not in r.json()["error"]
         host, port = u.removeprefix("http://").split(":")
         stalled = []
         for i in range(30):

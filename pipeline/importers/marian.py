@@ -81,6 +81,8 @@ POSITIONS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positi
 LOGITS_BIAS = "final_logits_bias"
 
 
+GENERATION_NAMES = {"beam_size": "num_beams", "alpha": "length_penalty", "max_len_b": "max_length",
+                    "min_len": "min_length"}  # our DecodingOptions fields as generation_config.json names them
 MAX_POSITIONS = 16384  # OPUS-MT ships 512, Marian's big models 1024; the sinusoid table is built whole at load
 LAYER = re.compile(r"model\.(encoder|decoder)\.layers\.(\d{1,9})\.(.+)\.(weight|bias)")
 
@@ -249,7 +251,8 @@ def generation(hf_dir: Path, config: dict[str, Any], cfg: ModelConfig) -> tuple[
         "max_len_a": 0.0, "max_len_b": max_length - 2,
         "min_len": max(0, min_length - 1),
     }
-    problems = DecodingOptions(**defaults).problems()  # what a model dir's defaults must pass (runtime.decoding)
+    # what a model dir's defaults must pass (runtime.decoding), named as generation_config.json names them
+    problems = DecodingOptions(**defaults).problems(name=lambda field: GENERATION_NAMES.get(field, field))
     if problems:
         raise MarianImportError(f"{where}: impossible decoding defaults ({'; '.join(problems)})")
     return defaults, suppress

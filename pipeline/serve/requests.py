@@ -139,12 +139,11 @@ def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
     if "beam_size" in changes and "nbest" not in changes:
         changes["nbest"] = min(model.decoding.nbest, changes["beam_size"])
     decoding = model.decoding.replace(**changes)
-    problems = decoding.problems()
+    problems = decoding.problems(name=str)  # the request's own field names
     if decoding.beam_size > model.max_beam:
         problems.append(f"beam_size {decoding.beam_size} is above this model's limit of {model.max_beam}")
     if problems:
-        raise ApiError(400, "; ".join(p.replace("--beam-size", "beam_size").replace("--nbest", "nbest")
-                                      for p in problems))
+        raise ApiError(400, "; ".join(problems))
     scores = _field(data, "scores", bool, False, "true or false")
     structured = scores or decoding.nbest > 1
     if structured and split != "none":

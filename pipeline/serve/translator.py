@@ -15,10 +15,9 @@ from model.manifest import Manifest
 from pipeline.serve_batch.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
-from runtime.errors import RuntimeUserError
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import Tokenizer
-from runtime.translate import NBest, encode_sources, format_line, translate_ids
+from runtime.translate import NBest, SourceTooLong, encode_sources, format_line, translate_ids
 
 WARMUP_LINE = "warm up"
 
@@ -92,8 +91,8 @@ class Translator:
                 return Encoded(ids, truncated, splits)
             sources = encode_sources(self.tokenizer, lines, self.max_src_len, long_lines=self.long_lines,
                                      origin="request line")
-        except RuntimeUserError as e:
-            raise LineTooLong(str(e).split("; pass --long-lines")[0]) from None
+        except SourceTooLong as e:
+            raise LineTooLong(e.what) from None
         return Encoded(sources.ids, sources.truncated)
 
     def translate(self, ids: list[list[int]], decoding: DecodingOptions) -> list[NBest]:
