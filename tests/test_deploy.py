@@ -89,7 +89,7 @@ def test_deploy_modules_import_without_torch():
     """Everything the deploy commands load, imported with torch blocked."""
     modules = ["pipeline.cli", "pipeline.commands.serve_batch", "pipeline.commands.serve", "pipeline.commands.parity",
                "pipeline.commands.bench", "pipeline.commands.doctor", "pipeline.serve.options",
-               "pipeline.serve_batch.files", "pipeline.serve_batch.sentences", "pipeline.evaluation.parity",
+               "pipeline.serve_batch.files", "runtime.sentences", "pipeline.evaluation.parity",
                "pipeline.evaluation.bench",
                "pipeline.evaluation.bench_compare", "pipeline.environment", "runtime.loader", "runtime.ort_backend",
                "runtime.search", "runtime.translate", "runtime.references", "model", "model.cache", "model.manifest"]

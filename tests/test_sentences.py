@@ -10,8 +10,8 @@ import timeit
 
 import pytest
 
-from pipeline.serve_batch import sentences
-from pipeline.serve_batch.sentences import Split, split_sentences
+from runtime import sentences
+from runtime.sentences import Split, split_sentences
 
 pytest.importorskip("sentencex")
 

@@ -184,7 +184,7 @@ def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
 
 
 def test_split_sentences_translates_sentence_by_sentence_keeping_whitespace(model_dir, tmp_path, capsys):
-    from pipeline.serve_batch.sentences import split_sentences
+    from runtime.sentences import split_sentences
 
     docs = documents()
     out = tmp_path / "out.txt"

@@ -10,10 +10,10 @@ import click
 from pipeline.cli_options import decoding_options
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeOptions, check_outputs, output_paths, serve_files
-from pipeline.serve_batch.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions, load
 from runtime.registry import BACKENDS
+from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from pipeline.serve.requests import (
     read_body,
 )
 from pipeline.serve.translator import Encoded
-from pipeline.serve_batch.sentences import rebuild_all
+from runtime.sentences import rebuild_all
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)

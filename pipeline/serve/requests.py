@@ -19,8 +19,8 @@ from pipeline.serve.batcher import Batcher
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
 from pipeline.serve.translator import Encoded, LineTooLong, Translator
-from pipeline.serve_batch.sentences import SPLIT_MODES
 from runtime.decoding import DecodingOptions
+from runtime.sentences import SPLIT_MODES
 
 REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores"}
 LANG = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")

@@ -27,9 +27,9 @@ from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.requests import ServedModel, ServerState
 from pipeline.serve.translator import Translator
-from pipeline.serve_batch.sentences import DEFAULT_LANG
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
+from runtime.sentences import DEFAULT_LANG
 
 log = logging.getLogger(__name__)
 

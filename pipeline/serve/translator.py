@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.manifest import Manifest
-from pipeline.serve_batch.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.model_dir import LoadOptions, load
+from runtime.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
 from runtime.tokenizer import Tokenizer
 from runtime.translate import NBest, SourceTooLong, encode_sources, format_line, translate_ids
 

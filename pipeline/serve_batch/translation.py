@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from model.errors import UserError
-from pipeline.serve_batch.sentences import (
+from pipeline.textio import decode_line, open_binary
+from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.sentences import (
     DEFAULT_LANG,
     SPLIT_MODES,
     Split,
@@ -26,9 +29,6 @@ from pipeline.serve_batch.sentences import (
     rebuild_all,
     split_sentences,
 )
-from pipeline.textio import decode_line, open_binary
-from runtime.decoding import PAPER, DecodingOptions
-from runtime.errors import RuntimeUserError
 from runtime.tokenizer import Tokenizer
 from runtime.translate import LONG_LINE_POLICIES, NBest, encode_sources, format_line
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from model.errors import UserError
+from runtime.errors import RuntimeUserError
 from runtime.translate import encode_sources
 
 SPLIT_MODES = ("none", "sentences")
@@ -51,7 +51,7 @@ def _segmenter() -> Callable[[str, str], list[str]]:
     try:
         from sentencex import segment
     except ImportError:
-        raise UserError('splitting into sentences needs sentencex, which is not installed: '
+        raise RuntimeUserError('splitting into sentences needs sentencex, which is not installed: '
                         'pip install -e ".[serve]"') from None
     return lambda lang, line: list(segment(lang, line))
 
