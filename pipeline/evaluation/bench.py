@@ -24,9 +24,11 @@ from typing import Any
 
 from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
+from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.model_dir import LoadOptions, load
-from runtime.search import search
+from runtime.search import Hypothesis, search
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, pad_batch
 
 log = logging.getLogger(__name__)
@@ -55,7 +57,7 @@ class BenchResult:
     peak_gpu_mb: float | None = None
 
 
-def torch_cuda(backend: Any) -> Any:
+def torch_cuda(backend: Backend) -> Any:
     """torch, where `backend` is the torch backend on a CUDA device (its allocator sees all the memory it
     uses); else None. Never imports torch."""
     torch = sys.modules.get("torch")
@@ -89,7 +91,8 @@ def peak_rss_mb() -> float | None:
     return None
 
 
-def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int, seed: int = 0) -> list[list[int]]:
+def make_sources(tokenizer: AnyTokenizer, src: Path | None, n: int, src_len: int, max_len: int,
+                 seed: int = 0) -> list[list[int]]:
     """Sources from a file (cycled to n lines) or random pieces of length src_len."""
     if src is not None:
         lines = [x for x in read_lines(src) if x.strip()]
@@ -103,13 +106,13 @@ def make_sources(tokenizer, src: Path | None, n: int, src_len: int, max_len: int
     return [[rng.choice(pieces) for _ in range(src_len - 1)] + [tokenizer.eos_id] for _ in range(n)]
 
 
-def bench_backend(backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
+def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
                   fixed_length: int | None, precision: str = "fp32") -> BenchResult:
     if fixed_length is not None:
         decoding = decoding.replace(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
     decoding.validate()
 
-    def run(batch: list[list[int]]):
+    def run(batch: list[list[int]]) -> list[list[Hypothesis]]:
         return search(backend, pad_batch(batch, backend.cfg.pad_id), decoding)
 
     run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import sacrebleu
 
@@ -34,9 +34,13 @@ from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
+from runtime.backend import Backend
 from runtime.loader import installed
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.tokenizer import AnyTokenizer
+
+if TYPE_CHECKING:
+    from runtime.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +145,7 @@ class Served:
     truncated: int
 
 
-def translate_as_served(backend: Any, tokenizer: AnyTokenizer, src: Path, opts: ServeOptions) -> Served:
+def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, opts: ServeOptions) -> Served:
     """SRC through the serving path (one process), collected for comparison."""
     t0 = time.perf_counter()
     windows = list(translate_windows(backend, tokenizer, str(src), opts))
@@ -213,6 +217,9 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
     loaded = load(opened, LoadOptions(backend=REFERENCE, device="cpu", threads=threads, precision="fp32"))
     reference, tokenizer, manifest = loaded.backend, loaded.tokenizer, loaded.manifest
+    from runtime.torch_backend import TorchBackend  # the live reference is PyTorch's (torch is installed here)
+
+    assert isinstance(reference, TorchBackend)
     opts = replace(opts, decoding=opts.decoding.for_model(manifest.decoding))
     if reference_engine == "transformers":
         return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
@@ -230,7 +237,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
 
 def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
                          opts: ServeOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
-                         save_hyps: Path | None, hf_dir: Path | None, torch_backend: Any,
+                         save_hyps: Path | None, hf_dir: Path | None, torch_backend: TorchBackend,
                          tokenizer: AnyTokenizer, shortlist: bool = False) -> ParityReport:
     """Every backend against transformers' generate on the imported model's own directory."""
     from pipeline.evaluation import transformers_reference
@@ -275,7 +282,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
 
 
 def _translate(name: str, opened: ModelDir, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
-               tokenizer: AnyTokenizer, live: tuple[Any, Served] | None,
+               tokenizer: AnyTokenizer, live: tuple[Backend, Served] | None,
                shortlist: bool = False) -> tuple[str, Any, Served, str]:
     """(name, backend, its run, precision): the live reference's own run is reused for `torch` (unless it
     is to decode over the shortlist, which the reference does not)."""

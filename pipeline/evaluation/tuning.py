@@ -12,9 +12,11 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.textio import read_lines
+from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.loader import load_torch_backend_from_checkpoint
 from runtime.model_dir import LoadOptions, load
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
 
 log = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ def parse_list(text: str, kind: type, option: str) -> list[Any]:
     return values
 
 
-def load_for_tuning(model: Path, device: str | None) -> tuple[Any, Any, dict[str, Any]]:
+def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokenizer, dict[str, Any]]:
     """(backend, tokenizer, the model's own decoding defaults) of an exported model dir (its default
     backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint)."""
     if (Path(model) / MANIFEST).is_file():

@@ -16,7 +16,7 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.model_dir import LoadOptions, load
 from runtime.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, SourceTooLong, encode_sources, format_line, translate_ids
 
 WARMUP_LINE = "warm up"
@@ -44,7 +44,7 @@ class Translator:
     """A loaded backend + tokenizer, seen through serve-batch's functions; `decoding` is the model's
     (its own defaults under what the server was given)."""
 
-    def __init__(self, backend: Backend, tokenizer: Tokenizer, manifest: Manifest, long_lines: str = "truncate",
+    def __init__(self, backend: Backend, tokenizer: AnyTokenizer, manifest: Manifest, long_lines: str = "truncate",
                  decoding: DecodingOptions = PAPER):
         self.backend = backend
         self.tokenizer = tokenizer

@@ -37,8 +37,9 @@ from pipeline.serve_batch.translation import (
     read_windows,
 )
 from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
+from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, translate_ids
 
 log = logging.getLogger(__name__)
@@ -79,7 +80,7 @@ class ServeStats:
 # -- translating --------------------------------------------------------------------------
 
 
-def _translate_share(backend: Any, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions
+def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions
                      ) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
     hyps = translate_ids(backend, ids[ctx.rank::ctx.world_size], decoding)
@@ -124,7 +125,7 @@ def progress_bar(desc: str, enabled: bool) -> Any:
     return tqdm(desc=desc, unit=" lines", leave=False)
 
 
-def translate_windows(backend: Any, tokenizer: Tokenizer, input_path: str, opts: ServeOptions,
+def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str, opts: ServeOptions,
                       ctx: DistContext = ONE_PROCESS, progress: bool = False) -> Iterator[TranslatedWindow]:
     """The serving path: each window of `input_path` read, encoded, translated (split over
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
@@ -148,7 +149,7 @@ def translate_windows(backend: Any, tokenizer: Tokenizer, input_path: str, opts:
         bar.close()
 
 
-def translate_stream(backend: Any, tokenizer: Tokenizer, input_path: str, out: IO[str] | None,
+def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str, out: IO[str] | None,
                      opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate one input into `out` (rank 0; None on other ranks), window by window."""
     stats = ServeStats()
@@ -173,6 +174,7 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None) 
         if len(inputs) != 1:
             raise UserError(f"--output takes one input, got {len(inputs)}; use --output-dir DIR")
         return [output]
+    assert output_dir is not None
     paths = []
     for inp in inputs:
         if inp == "-":
@@ -197,7 +199,7 @@ def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output
             remove_stale_temps(Path(out).parent)
 
 
-def serve_files(backend: Any, tokenizer: Tokenizer, inputs: list[str], outputs: list[str],
+def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], outputs: list[str],
                 opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate every input to its output; each output appears complete or not at all."""
     total = ServeStats()

@@ -29,7 +29,7 @@ from runtime.sentences import (
     rebuild_all,
     split_sentences,
 )
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import AnyTokenizer
 from runtime.translate import LONG_LINE_POLICIES, NBest, encode_sources, format_line
 
 INVALID_UTF8_POLICIES = ("error", "replace")
@@ -100,7 +100,7 @@ class TranslatedWindow:
         return sum(len(n[0][0]) + 1 for n in self.nbest if n)
 
 
-def read_windows(path: str, tokenizer: Tokenizer, max_src_len: int, opts: ServeOptions) -> Iterator[Window]:
+def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeOptions) -> Iterator[Window]:
     """Windows of `opts.window` lines, tokenized, with the bad-input policy applied."""
     f = open_binary(path)
     try:
@@ -137,7 +137,7 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
         return decode_line(raw, path, lineno, errors="replace"), 1
 
 
-def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, max_src_len: int,
+def _encode(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
             opts: ServeOptions, replaced: int) -> Window:
     try:
         if opts.split == "sentences":
@@ -153,7 +153,7 @@ def _encode(texts: list[str], first_line: int, path: str, tokenizer: Tokenizer, 
     return Window(sources.ids, empty=sources.empty, truncated=sources.truncated, replaced=replaced)
 
 
-def finish_window(tokenizer: Tokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
+def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
     """The window's output lines from its hypotheses (in input order)."""
     lines = [format_line(tokenizer, hyps, n) for hyps in nbest]
     if window.splits is not None:
