@@ -6,7 +6,7 @@ has one home.
 annotation; the command receives the fields by name. `decoding_options` does the same for
 runtime.decoding.DecodingOptions and hands the command one validated `decoding` object.
 Used by `train` (TrainOptions), `serve` (RequestLimits, ServeHttpOptions), `bench --serve`
-(ServeBenchOptions) and every command that decodes.
+(ServeBenchOptions), `export` (export/options.py's ExportOptions) and every command that decodes.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions) if f.name in O
 def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
     """A dataclass field that is also a command-line option: its default, its help, and click-only
     settings in `cli` (choices=..., min=..., max=..., metavar=..., multiple=True, path="dir" for a
-    directory, show_default=False)."""
+    directory or path="any" for either, exists=True for a path that must exist, show_default=False).
+    A `bool | None` field defaulting to None is a --flag/--no-flag option that leaves None unless given."""
     metadata = {"help": help, "cli": cli}
     if default is dataclasses.MISSING:
         return dataclasses.field(metadata=metadata)
@@ -48,8 +49,11 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
     if "choices" in cli:
         return click.Choice(list(cli["choices"]))
     if base is Path:
+        if cli.get("path") == "any":
+            return click.Path(path_type=Path, exists=cli.get("exists", False))
         directory = cli.get("path") == "dir"
-        return click.Path(path_type=Path, file_okay=not directory, dir_okay=directory)
+        return click.Path(path_type=Path, file_okay=not directory, dir_okay=directory,
+                          exists=cli.get("exists", False))
     if base is int:
         return click.IntRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else int
     if base is float:
@@ -66,6 +70,8 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any]) -> Call
     kwargs: dict[str, Any] = {"help": f.metadata["help"]}
     if "metavar" in cli:
         kwargs["metavar"] = cli["metavar"]
+    if base is bool and f.default is None:  # tri-state: --flag, --no-flag or neither
+        return click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, **kwargs)
     if base is bool:
         decls = [f"{flag}/--no-{flag[2:]}"] if f.default else [flag]
         kwargs.update(default=bool(f.default), show_default=bool(f.default))
