@@ -14,6 +14,7 @@ import click
 import pytest
 
 from export.errors import ExportError, TensorRTUnavailable, VerificationError
+from export.options import ExportOptions
 from model.checkpoint import CheckpointError, CheckpointWriteError, load_model
 from model.config import ConfigError
 from model.errors import UserError
@@ -42,6 +43,7 @@ def params(name: str) -> dict[str, click.Parameter]:
     ("train", (TrainOptions,)),
     ("serve", (ServeHttpOptions, RequestLimits)),
     ("bench", (ServeBenchOptions,)),
+    ("export", (ExportOptions,)),
 ])
 def test_every_option_takes_default_and_help_from_its_dataclass(cmd, classes):
     options = params(cmd)
@@ -61,6 +63,33 @@ def test_train_has_no_option_outside_its_dataclass():
     """A new flag must be a TrainOptions field first, or the command would drop it."""
     names = {f.name for f in dataclasses.fields(TrainOptions)}
     assert set(params("train")) - {"help"} == names
+
+
+def test_export_has_no_option_outside_its_dataclass():
+    """Every `pipeline export` flag is an ExportOptions field (export_model's keywords), none written by hand;
+    the fields without a help text are what the command reads from its files."""
+    options = {f.name for f in dataclasses.fields(ExportOptions) if "help" in f.metadata}
+    assert set(params("export")) - {"help", "checkpoint"} == options
+    assert {f.name for f in dataclasses.fields(ExportOptions)} - options == {"references", "shortlist"}
+
+
+def test_export_flags_keep_their_click_types():
+    """What the hand-written options checked, the generated ones check: files that must exist, an --out
+    that may be a directory, the tri-state --tensorrt/--no-tensorrt, ranges and choices."""
+    options = params("export")
+    for name in ("reference_src", "reference_tgt", "shortlist_src", "shortlist_tgt"):
+        t = options[name].type
+        assert isinstance(t, click.Path) and t.exists and t.file_okay and not t.dir_okay, name
+    for name in ("out", "timing_cache"):
+        t = options[name].type
+        assert isinstance(t, click.Path) and not t.exists and t.file_okay and t.dir_okay, name
+    assert options["out"].required
+    trt = options["tensorrt"]
+    assert trt.opts == ["--tensorrt"] and trt.secondary_opts == ["--no-tensorrt"] and trt.default is None
+    assert options["fp16"].is_flag and not options["fp16"].secondary_opts
+    assert options["reference_lines"].type.min == 0 and options["shortlist_frequent"].type.min == 1
+    assert list(options["int8_flavour"].type.choices) == ["auto", "qdq", "rowwise", "ort-dynamic"]
+    assert [p.name for p in command("export").params][:3] == ["checkpoint", "out", "fp16"]
 
 
 def test_serve_decoding_flags_are_the_shared_ones():

@@ -1,0 +1,95 @@
+"""Every option of an export, once: its default and its help text. `pipeline export`'s command line
+is generated from ExportOptions (pipeline/cli_options.options_from), and export_model's keywords
+are its fields, so the two cannot drift apart."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from export import quantize, tensorrt_build, verify
+from export.shortlist import ShortlistCorpus
+from model.manifest import QUANTIZATIONS
+from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
+from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
+
+DEFAULT_MAX_SRC_LEN = 256  # both capped by the model's max_positions when not given
+DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
+
+# The options naming files that the command line reads (it knows a save dir's validation set and reads
+# text strictly); export itself takes what they hold: ExportOptions.references and .shortlist.
+READ_BY_THE_CALLER = ("reference_src", "reference_tgt", "reference_lines", "shortlist_src", "shortlist_tgt",
+                      "shortlist_per_source", "shortlist_frequent")
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
+    """A field that is also a command-line option: the metadata pipeline.cli_options.opt writes (export
+    cannot import pipeline, tests/test_layout.py)."""
+    metadata = {"help": help, "cli": cli}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """What the user asked of one export (None: decided from the checkpoint and this machine, by
+    export/plan.resolve)."""
+
+    out: Path = opt(help="Model directory to create (everything serve-batch and parity need).", path="any")
+    fp16: bool = opt(False, "Half-precision graphs (fp16 weights, matmuls and caches; LayerNorm, softmax and "
+                     "log-softmax stay fp32). TensorRT builds them strongly typed.")
+    int8: bool = opt(False, "int8 weights for every linear layer and the tied embedding/projection (symmetric, "
+                     "per output channel); LayerNorm and softmax stay fp32. Verified against the fp32 "
+                     "PyTorch model within --int8-atol.")
+    int8_flavour: str = opt(quantize.AUTO, "With --int8: qdq (int8 weights through DequantizeLinear -> MatMul, "
+                            "fp32 activations; the form TensorRT parses), rowwise (int8 activations too, quantized "
+                            "per row at run time: faster on CPU ONNX Runtime, batch-independent, no TensorRT) or "
+                            "ort-dynamic (ONNX Runtime's quantize_dynamic: one scale per batch, so results depend "
+                            "on batching; no TensorRT). auto: qdq when TensorRT engines are built, else rowwise.",
+                            choices=(quantize.AUTO, *QUANTIZATIONS))
+    opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
+    topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
+    max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).")
+    max_src_len: int | None = opt(None, f"Longest source in tokens, EOS included [default: {DEFAULT_MAX_SRC_LEN}, "
+                                  "at most the model's max_positions].")
+    max_tgt_len: int | None = opt(None, "Longest output in tokens (decoder cache holds max-tgt-len + 1 slots) "
+                                  f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions].")
+    max_beam: int = opt(8, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).")
+    tensorrt: bool | None = opt(None, "Build TensorRT engines (error if TensorRT or a GPU is missing) or skip "
+                                "them. Default: build them when possible, else say why they were skipped.")
+    force: bool = opt(False, "Replace an existing model directory (only once the new one is complete).")
+    atol: float = opt(verify.FP32_ATOL, "fp32 verification bound on log-prob abs differences (ONNX Runtime vs "
+                      "PyTorch).")
+    fp16_atol: float = opt(verify.FP16_ATOL, "fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half "
+                           f"vs fp32), plus {verify.FP16_RTOL:g} x |log-prob| (unlikely candidates carry larger "
+                           "fp16 errors).")
+    int8_atol: float | None = opt(None, "int8 verification bound on log-prob abs differences (ONNX Runtime int8 "
+                                  f"vs PyTorch fp32), plus {verify.INT8_RTOL:g} x |log-prob|. Default: "
+                                  f"{verify.INT8_ATOL:g} for qdq, {verify.INT8_ACTIVATIONS_ATOL:g} for rowwise and "
+                                  "ort-dynamic (8-bit activations too).")
+    workspace_gib: float = opt(tensorrt_build.DEFAULT_WORKSPACE_GIB, "TensorRT builder workspace limit in GiB.")
+    reference_src: Path | None = opt(None, "Held-out source lines whose fp32 PyTorch translations are recorded in "
+                                     "the model dir (references.json), so `pipeline parity MODEL_DIR` can gate a "
+                                     "backend without PyTorch. Default: the checkpoint's save dir validation set, "
+                                     "when it has one.", exists=True)
+    reference_tgt: Path | None = opt(None, "Human references of --reference-src, line-aligned.", exists=True)
+    reference_lines: int = opt(DEFAULT_REFERENCE_LINES, "Record at most this many line pairs (0: record none).",
+                               min=0)
+    shortlist_src: Path | None = opt(None, "Source side of a parallel corpus (the training data, say) to count a "
+                                     "vocabulary shortlist from: the model dir then also holds shortlist.npz and "
+                                     "decoder_shortlist.onnx, which serve-batch, serve, parity and bench use with "
+                                     "--shortlist (docs/shortlist.md).", exists=True)
+    shortlist_tgt: Path | None = opt(None, "Target side of --shortlist-src, line-aligned.", exists=True)
+    shortlist_per_source: int = opt(DEFAULT_PER_SOURCE, "Target pieces listed per source piece: those most often "
+                                    "in the same sentence pair.", min=0)
+    shortlist_frequent: int = opt(DEFAULT_FREQUENT, "Most frequent target pieces, candidates in every batch (at "
+                                  "least --topk).", min=1)
+    timing_cache: Path | None = opt(None, "TensorRT timing cache file, reused across builds "
+                                    "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).", path="any")
+    # What the files above hold, read by the caller (no command-line option of their own):
+    # (sources, human references) of a held-out set, and the corpus to count a shortlist from.
+    references: tuple[list[str], list[str]] | None = None
+    shortlist: ShortlistCorpus | None = None

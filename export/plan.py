@@ -1,0 +1,240 @@
+"""`resolve(checkpoint, options) -> ExportPlan`: everything an export decides before it writes anything.
+
+The checkpoint and its tokenizer are loaded once, every option the user left to "auto" or unset is
+decided (precision, int8 flavour, limits within the model's positions, TensorRT built or why not, the
+int8 tolerance, the model's decoding defaults), and every reason the export would fail is raised here,
+before minutes of work (export/api.py runs the plan's steps).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from export import onnx_export, quantize, tensorrt_build, verify
+from export.errors import ExportError, TensorRTUnavailable
+from export.options import DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, ExportOptions
+from export.shortlist import ShortlistCorpus, count_table
+from model.atomic import check_can_create_in, remove_stale_temps
+from model.checkpoint import load_model, resolve_checkpoint
+from model.config import ModelConfig
+from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Limits
+from model.transformer import Transformer
+from runtime.decoding import PAPER
+from runtime.shortlist import Shortlist
+from runtime.tokenizer import AnyTokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """One export, decided: the options as given, what they resolve to for this checkpoint on this
+    machine, and the loaded model (fp32, eval) with its tokenizer bytes and payload."""
+
+    options: ExportOptions
+    source: Path  # the checkpoint file (a save dir resolved to its latest or averaged checkpoint)
+    model: Transformer
+    spm_bytes: bytes
+    payload: dict[str, Any]
+    tokenizer: AnyTokenizer | None  # built once, when references or a shortlist need it
+    limits: Limits
+    int8_flavour: str | None  # None: not int8; else qdq, rowwise or ort-dynamic ("auto" decided)
+    tensorrt: bool | None  # False: engines skipped; True: required; None: built if the build works
+    tensorrt_unavailable: str | None  # why TensorRT cannot run here, found before any work
+    int8_atol: float  # the int8 bound, per flavour when not given
+    decoding: dict[str, Any]  # the checkpoint's own decoding defaults, checked
+    steps: list[int]  # the training steps the weights come from
+    counted: tuple[Shortlist, int] | None  # the shortlist's table and its sentence pairs
+
+    @property
+    def out(self) -> Path:
+        return self.options.out
+
+    @property
+    def fp16(self) -> bool:
+        return self.options.fp16
+
+    @property
+    def precision(self) -> str:
+        return "int8" if self.int8_flavour else "fp16" if self.options.fp16 else "fp32"
+
+    @property
+    def references(self) -> tuple[list[str], list[str]] | None:
+        return self.options.references
+
+    @property
+    def shortlist(self) -> ShortlistCorpus | None:
+        return self.options.shortlist
+
+    def tensorrt_skip_note(self) -> str | None:
+        """Why engines are skipped, when the int8 flavour rules them out (else the build's own reason)."""
+        if self.int8_flavour not in ONNXRUNTIME_ONLY:
+            return None
+        return "; ".join(filter(None, [f"int8 flavour {self.int8_flavour} runs on ONNX Runtime only",
+                                       self.tensorrt_unavailable]))
+
+
+def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
+    """The plan of exporting `checkpoint` with `options`; raises ExportError / CheckpointError /
+    ConfigError for anything that would fail later, in the order a user fixes them: the paths, the
+    options that contradict each other, the checkpoint, the shapes, the shortlist corpus, TensorRT."""
+    source = resolve_checkpoint(Path(checkpoint))
+    prepare_out(options.out, options.force, source)
+    tensorrt = _check_precision(options)
+    model, spm_bytes, payload = load(source)
+    limits = _limits(options, model.cfg.max_positions)
+    check_options(model.cfg, opset=options.opset, topk=options.topk, limits=limits)
+    needed = options.references is not None or options.shortlist is not None
+    tokenizer = load_tokenizer(spm_bytes) if needed else None
+    # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
+    counted = None
+    if options.shortlist is not None and tokenizer is not None:
+        counted = count_table(options.shortlist, tokenizer, model.cfg, options.topk)
+    unavailable = _tensorrt_unavailable(tensorrt)
+    flavour = _int8_flavour(options, tensorrt, unavailable)
+    if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs
+        tensorrt = False
+    return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,
+                      tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
+                      tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
+                      decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted)
+
+
+def _check_precision(options: ExportOptions) -> bool | None:
+    """The --tensorrt wish after the precision options' own rules (False for an ONNX Runtime-only flavour)."""
+    if options.int8 and options.fp16:
+        raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
+    if options.int8_flavour not in (quantize.AUTO, *QUANTIZATIONS):
+        raise ExportError(f"--int8-flavour {options.int8_flavour!r}: choose one of auto, {', '.join(QUANTIZATIONS)}")
+    if options.int8 and options.int8_flavour in ONNXRUNTIME_ONLY:
+        if options.tensorrt:
+            raise ExportError(f"--int8-flavour {options.int8_flavour} runs on ONNX Runtime only (TensorRT rejects "
+                              "its integer-matmul operators); use --int8-flavour qdq for TensorRT engines")
+        return False
+    return options.tensorrt
+
+
+def _limits(options: ExportOptions, positions: int) -> Limits:
+    """Unset source/target limits: the defaults, within the model's positions (an imported model may have fewer)."""
+    src = options.max_src_len if options.max_src_len is not None else min(DEFAULT_MAX_SRC_LEN, positions)
+    tgt = options.max_tgt_len if options.max_tgt_len is not None else min(DEFAULT_MAX_TGT_LEN, positions - 1)
+    return Limits(options.max_batch, src, tgt, options.max_beam)
+
+
+def _tensorrt_unavailable(tensorrt: bool | None) -> str | None:
+    """Why TensorRT or a GPU is missing (None: present, or not wanted): an error now when --tensorrt
+    asks for them, not after minutes of export work."""
+    if tensorrt is False:
+        return None
+    try:
+        tensorrt_build.load_tensorrt()
+        tensorrt_build.gpu_identity()
+    except TensorRTUnavailable as e:
+        if tensorrt:
+            raise ExportError(f"--tensorrt was asked for but {e}") from None
+        return str(e)
+    return None
+
+
+def _int8_flavour(options: ExportOptions, tensorrt: bool | None, unavailable: str | None) -> str | None:
+    """The flavour of the int8 weights (None without --int8): auto is qdq when engines will be built
+    (TensorRT parses only qdq), else rowwise (faster on ONNX Runtime)."""
+    if not options.int8:
+        return None
+    if options.int8_flavour != quantize.AUTO:
+        return options.int8_flavour
+    flavour = quantize.ROWWISE if tensorrt is False or unavailable else quantize.QDQ
+    log.info("--int8-flavour auto: %s (%s)", flavour,
+             "TensorRT engines will be built" if flavour == quantize.QDQ else "no TensorRT engines")
+    return flavour
+
+
+def _int8_atol(options: ExportOptions, flavour: str | None) -> float:
+    """The int8 bound: as given, else wider for the flavours that also quantize activations."""
+    if options.int8_atol is not None:
+        return options.int8_atol
+    return verify.INT8_ACTIVATIONS_ATOL if flavour in ONNXRUNTIME_ONLY else verify.INT8_ATOL
+
+
+def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) -> None:
+    """Every reason the exporter cannot serve this config with these options, at once."""
+    problems = []
+    if not onnx_export.MIN_OPSET <= opset <= onnx_export.MAX_OPSET:
+        problems.append(f"--opset {opset} is not supported (use {onnx_export.MIN_OPSET}.."
+                        f"{onnx_export.MAX_OPSET}; TensorRT needs >= 17)")
+    for name in ("max_batch", "max_src_len", "max_tgt_len", "max_beam"):
+        if getattr(limits, name) < 1:
+            problems.append(f"--{name.replace('_', '-')} must be >= 1")
+    if not 1 <= topk <= cfg.vocab_size:
+        problems.append(f"--topk {topk} must be in 1..vocab_size ({cfg.vocab_size})")
+    elif 2 * limits.max_beam > topk:
+        problems.append(f"--max-beam {limits.max_beam} needs --topk >= {2 * limits.max_beam} "
+                        "(beam search takes 2 x beam candidates per hypothesis)")
+    if limits.max_src_len > cfg.max_positions:
+        problems.append(f"--max-src-len {limits.max_src_len} exceeds the model's max_positions "
+                        f"({cfg.max_positions})")
+    if limits.max_tgt_len >= cfg.max_positions:
+        problems.append(f"--max-tgt-len {limits.max_tgt_len} must be below the model's max_positions "
+                        f"({cfg.max_positions})")
+    if cfg.eos_id in (cfg.pad_id, cfg.bos_id):  # (Marian starts from its pad id: pad = bos is fine)
+        problems.append(f"model config has pad/bos/eos ids {cfg.pad_id}/{cfg.bos_id}/{cfg.eos_id}; "
+                        "the exporter needs an EOS id apart from the others")
+    if problems:
+        raise ExportError("cannot export: " + "; ".join(problems))
+
+
+def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
+    """Refuse outputs we must not replace, before any work is done. What a killed export
+    left beside --out goes first (a model dir it was replacing is put back)."""
+    remove_stale_temps(out.parent)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: exists and is not a directory; choose another --out")
+    if out.is_dir():
+        if not force:
+            raise ExportError(f"{out}: already exists; pass --force to replace it or choose another --out")
+        if any(out.iterdir()) and not (out / MANIFEST).is_file():
+            raise ExportError(f"{out}: exists and is not a model directory (no {MANIFEST}); "
+                              "--force only replaces model directories; choose another --out")
+        if out.resolve() in checkpoint.resolve().parents:
+            raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
+    check_can_create_in(out.parent, "--out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any]]:
+    """The fp32 model, tokenizer bytes and payload; a checkpoint whose weights do not fit
+    its config, or without a tokenizer, is an export error naming the file."""
+    try:
+        model, spm_bytes, payload = load_model(source, "cpu")
+    except (RuntimeError, KeyError, TypeError) as e:
+        raise ExportError(f"{source}: checkpoint cannot be loaded into its model config: "
+                          f"{str(e).splitlines()[0]}") from None
+    if not isinstance(spm_bytes, bytes) or not spm_bytes:
+        raise ExportError(f"{source}: checkpoint holds no SentencePiece model; re-save it with `pipeline train`")
+    return model.float().eval(), spm_bytes, payload
+
+
+def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint's own decoding defaults (an imported model's generation config), checked."""
+    defaults = dict((payload.get("extra") or {}).get("decoding") or {})
+    PAPER.for_model(defaults)  # unknown or impossible values: one line now
+    return defaults
+
+
+def checkpoint_steps(payload: dict[str, Any]) -> list[int]:
+    """The training steps a checkpoint's weights come from: an averaged checkpoint's
+    `extra["steps"]` (or, as older ones record, its `extra["averaged"]` file names
+    checkpoint_<step>.pt); a step checkpoint's train_state step; else none known."""
+    extra = payload.get("extra") or {}
+    if isinstance(extra.get("steps"), list):
+        return [int(s) for s in extra["steps"]]
+    if isinstance(extra.get("averaged"), list):
+        names = [re.fullmatch(r"checkpoint_(\d+)\.pt", Path(str(n)).name) for n in extra["averaged"]]
+        return sorted(int(m.group(1)) for m in names if m)
+    state = payload.get("train_state")
+    step = state.get("step") if isinstance(state, dict) else None
+    return [int(step)] if isinstance(step, int) else []

@@ -1,0 +1,118 @@
+"""export/plan.resolve: what an export decides before it writes anything (precision, int8 flavour,
+limits, TensorRT, tolerances, the checkpoint's own decoding), and that carrying a plan out writes the
+same model dir whichever door it came through (export_model or `pipeline export`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import SMALL_LIMITS, hidden, run_cli_captured
+
+from export import quantize, tensorrt_build, verify
+from export.api import export_model
+from export.errors import ExportError
+from export.options import DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, ExportOptions
+from export.plan import ExportPlan, resolve
+from export.shortlist import ShortlistCorpus
+from model import build_model, preset
+from model.checkpoint import save_checkpoint
+from model.manifest import MANIFEST, Limits
+
+HAVE_TRT = tensorrt_build.installed()
+
+
+def plan(checkpoint: Path, tmp_path: Path, **options) -> ExportPlan:
+    return resolve(checkpoint, ExportOptions(out=tmp_path / "m", **options))
+
+
+def test_plan_of_the_defaults(random_checkpoint, tmp_path):
+    p = plan(random_checkpoint, tmp_path, tensorrt=False)
+    positions = p.model.cfg.max_positions
+    assert p.precision == "fp32" and p.int8_flavour is None and p.tensorrt is False
+    assert p.limits == Limits(64, min(DEFAULT_MAX_SRC_LEN, positions), min(DEFAULT_MAX_TGT_LEN, positions - 1), 8)
+    assert p.int8_atol == verify.INT8_ATOL and p.tensorrt_skip_note() is None
+    assert p.tokenizer is None and p.counted is None  # nothing needs them: not built
+    assert p.decoding == {} and p.steps == [] and p.source == random_checkpoint
+    assert not p.model.training and next(p.model.parameters()).dtype == torch.float32
+    assert not (tmp_path / "m").exists() and hidden(tmp_path) == []  # a plan writes nothing
+
+
+def test_limits_left_unset_fit_the_models_positions(spm_bytes, tmp_path):
+    from runtime.tokenizer import Tokenizer
+
+    ckpt = tmp_path / "short.pt"
+    save_checkpoint(ckpt, build_model(preset("tiny", vocab_size=Tokenizer(spm_bytes).vocab_size, max_positions=64)),
+                    spm_bytes, train_state={"step": 7}, extra={"decoding": {"beam_size": 3, "alpha": 1.0}})
+    p = plan(ckpt, tmp_path, tensorrt=False, max_batch=2, max_beam=2)
+    assert p.limits == Limits(2, 64, 63, 2)
+    assert p.decoding == {"beam_size": 3, "alpha": 1.0} and p.steps == [7]
+    assert plan(ckpt, tmp_path, tensorrt=False, max_src_len=10).limits.max_src_len == 10
+
+
+@pytest.mark.skipif(HAVE_TRT, reason="TensorRT is installed here")
+def test_int8_flavour_and_tolerance_are_decided_per_machine(random_checkpoint, tmp_path):
+    """auto: rowwise when no engines will be built (asked not to, or no TensorRT here), with the bound
+    of 8-bit activations; the ONNX Runtime-only flavours never build engines and say so."""
+    no = plan(random_checkpoint, tmp_path, int8=True, tensorrt=False)
+    assert (no.precision, no.int8_flavour, no.tensorrt, no.tensorrt_unavailable) == ("int8", "rowwise", False, None)
+    assert no.int8_atol == verify.INT8_ACTIVATIONS_ATOL
+    assert no.tensorrt_skip_note() == "int8 flavour rowwise runs on ONNX Runtime only"
+    maybe = plan(random_checkpoint, tmp_path, int8=True)
+    assert maybe.int8_flavour == quantize.ROWWISE and maybe.tensorrt is False
+    assert maybe.tensorrt_unavailable and maybe.tensorrt_skip_note() == (
+        f"int8 flavour rowwise runs on ONNX Runtime only; {maybe.tensorrt_unavailable}")
+    qdq = plan(random_checkpoint, tmp_path, int8=True, int8_flavour="qdq", int8_atol=0.2)
+    assert (qdq.int8_flavour, qdq.int8_atol, qdq.tensorrt, qdq.tensorrt_skip_note()) == ("qdq", 0.2, None, None)
+    dynamic = plan(random_checkpoint, tmp_path, int8=True, int8_flavour="ort-dynamic")
+    assert dynamic.tensorrt is False and dynamic.tensorrt_unavailable is None  # TensorRT never probed
+    assert plan(random_checkpoint, tmp_path, fp16=True, tensorrt=False).precision == "fp16"
+
+
+def test_contradictions_are_refused_before_the_checkpoint_is_read(random_checkpoint, tmp_path):
+    for options, says in [(dict(int8=True, fp16=True), "cannot be combined"),
+                          (dict(int8=True, int8_flavour="rowwise", tensorrt=True), "ONNX Runtime only"),
+                          (dict(int8_flavour="fp4"), "choose one of auto")]:
+        with pytest.raises(ExportError, match=says):
+            plan(random_checkpoint, tmp_path, **options)
+    assert hidden(tmp_path) == [] and not (tmp_path / "m").exists()
+
+
+def test_references_and_shortlist_share_one_tokenizer(random_checkpoint, tmp_path):
+    words = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st"]
+    src = [" ".join(words[(i + k) % 10] for k in range(3)) for i in range(12)]
+    corpus = ShortlistCorpus(src, [" ".join(reversed(s.split())) for s in src], ("a.src", "a.tgt"),
+                             per_source=2, frequent=4)
+    p = plan(random_checkpoint, tmp_path, tensorrt=False, topk=4, max_beam=2, shortlist=corpus,
+             references=(["ab cd"], ["AB"]))
+    assert p.tokenizer is not None and p.counted is not None and p.counted[1] == 12
+    assert p.shortlist is corpus and p.references == (["ab cd"], ["AB"])
+    with pytest.raises(ExportError, match="--shortlist-frequent 4 must be at least --topk"):
+        plan(random_checkpoint, tmp_path, tensorrt=False, shortlist=corpus)
+
+
+def test_export_model_takes_what_files_hold_not_the_files(random_checkpoint, tmp_path):
+    with pytest.raises(TypeError, match="reads no files"):
+        export_model(random_checkpoint, tmp_path / "m", reference_src=tmp_path / "x")
+    with pytest.raises(TypeError):
+        export_model(random_checkpoint, tmp_path / "m", no_such_option=1)
+
+
+@pytest.mark.slow
+def test_the_cli_writes_what_export_model_writes(fp32_dir, random_checkpoint, tmp_path, capsys):
+    """conftest's fp32_dir is export_model(random_checkpoint, tensorrt=False, **SMALL_LIMITS): `pipeline
+    export` with the same options writes the same bytes, the manifest apart from its timing."""
+    out = tmp_path / "m"
+    flags = [x for k, v in SMALL_LIMITS.items() for x in (f"--{k.replace('_', '-')}", v)]
+    code, _, stderr = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--no-tensorrt", *flags)
+    assert code == 0, stderr
+    assert sorted(f.name for f in out.iterdir()) == sorted(f.name for f in fp32_dir.iterdir())
+    for f in fp32_dir.iterdir():
+        if f.name != MANIFEST:
+            assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+    ours, theirs = (json.loads((d / MANIFEST).read_text()) for d in (out, fp32_dir))
+    for m in (ours, theirs):
+        m["graphs"].pop("export_seconds")
+    assert ours == theirs
