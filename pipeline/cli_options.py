@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from runtime.decoding import OPTION_NAMES, PAPER, RULES, DecodingOptions
+from runtime.registry import backend_names
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions) if f.name in OPTION_NAMES}
 
@@ -61,13 +62,15 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
     return str
 
 
-def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any]) -> Callable[[Any], Any]:
-    """The click option of one dataclass field (`--field-name`, passed to the command as `field_name`)."""
+def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: str | None = None
+                 ) -> Callable[[Any], Any]:
+    """The click option of one dataclass field (`--field-name`, or the `flag` its cli settings name; passed to
+    the command as `field_name`); `note`: the command's own remark, appended to the field's help."""
     cli = dict(f.metadata.get("cli", {}))
-    flag = "--" + f.name.replace("_", "-")
+    flag = cli.get("flag") or "--" + f.name.replace("_", "-")
     base = _base_type(hints[f.name])
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    kwargs: dict[str, Any] = {"help": f.metadata["help"]}
+    kwargs: dict[str, Any] = {"help": f.metadata["help"] + (f" {note}" if note else "")}
     if "metavar" in cli:
         kwargs["metavar"] = cli["metavar"]
     if base is bool and f.default is None:  # tri-state: --flag, --no-flag or neither
@@ -89,14 +92,20 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any]) -> Call
     return click.option(flag, f.name, **kwargs)
 
 
-def options_from(cls: type, *, skip: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Add one option per field of `cls` that has a help text (in field order), except `skip`."""
+def options_from(cls: type, *, skip: tuple[str, ...] = (), only: tuple[str, ...] = (),
+                 notes: dict[str, str] | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Add one option per field of `cls` that has a help text (in field order): all of them, or `only` these,
+    except `skip`; `notes` appends a command's own remark to a field's help (what it means there)."""
     hints = typing.get_type_hints(cls)
-    chosen = [f for f in dataclasses.fields(cls) if "help" in f.metadata and f.name not in skip]
+    chosen = [f for f in dataclasses.fields(cls)
+              if "help" in f.metadata and f.name not in skip and (not only or f.name in only)]
+    unknown = set(notes or {}) - {f.name for f in chosen}
+    if unknown:
+        raise ValueError(f"notes for options not added: {sorted(unknown)}")
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         for f in reversed(chosen):  # click lists options in reverse order of decoration
-            command = field_option(cls, f, hints)(command)
+            command = field_option(cls, f, hints, (notes or {}).get(f.name))(command)
         return command
 
     return decorate
@@ -141,3 +150,14 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None
         return wrapper
 
     return decorate
+
+
+def parse_backends(value: str) -> list[str]:
+    """A comma-separated list of the registry's backends (runtime.registry.backend_names): the --backends of
+    parity, bench and demo."""
+    names = [b.strip() for b in value.split(",") if b.strip()]
+    allowed = backend_names()
+    unknown = [b for b in names if b not in allowed]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {', '.join(allowed)}")
+    return names

@@ -78,20 +78,29 @@ class ModelDir:
         return Shortlist.load(self.path / io_names.SHORTLIST_FILE)
 
 
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its command-line help and click settings (pipeline/cli_options.py generates the option;
+    runtime/ cannot import it, so the metadata is written here in its form)."""
+    return field(default=default, metadata={"help": help, "cli": cli})
+
+
+SHORTLIST_HELP = ("Decode over the model dir's vocabulary shortlist (export --shortlist-src/--shortlist-tgt): faster "
+                  "on large vocabularies, but a sentence's output may depend on the sentences batched with it. On "
+                  "torch and onnxruntime only; see docs/shortlist.md.")
 
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How to load a model dir: which engine, where, with how many threads, in which precision."""
+    """How to load a model dir: which engine, where, with how many threads, in which precision. Every
+    command that loads one takes its options from these fields (a command adds a note of its own)."""
 
-    backend: str = _opt("auto", "Engine: auto (TensorRT engines on a GPU where usable, else ONNX Runtime when "
-                                "installed, else PyTorch), torch, onnxruntime or tensorrt.")
-    device: str | None = _opt(None, "cpu, cuda or cuda:N (default: cuda when available to the backend).")
-    threads: int | None = _opt(None, "Intra-op threads of the torch and onnxruntime backends (default: all cores).")
-    precision: str | None = _opt(None, "fp32 or fp16 for the torch backend (default: the model dir's precision).")
-    shortlist: bool = _opt(False, "Decode over the model dir's vocabulary shortlist (torch and onnxruntime).")
+    backend: str = _opt("auto", "auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
+                                "if installed, else torch.", choices=BACKENDS)
+    device: str | None = _opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu].", metavar="DEV")
+    threads: int | None = _opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
+    precision: str | None = _opt(None, "Torch backend precision [default: the model dir's; fp16 only on GPU].",
+                                 flag="--dtype", choices=("fp32", "fp16"))
+    shortlist: bool = _opt(False, SHORTLIST_HELP)
 
     def problems(self) -> list[str]:
         """Every impossible setting, each naming its field (the CLI and HTTP layers phrase them)."""
@@ -134,10 +143,10 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     manifest = opened.manifest
     chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)
     need = chosen.needs(manifest, options.shortlist, opened.path)
+    table = opened.shortlist if options.shortlist else None  # a dir exported without one says how to get one
     missing = [name for name in need if name not in manifest.files]
     if missing:
         raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
-    table = opened.shortlist if options.shortlist else None
     if chosen.name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "

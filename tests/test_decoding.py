@@ -9,7 +9,7 @@ import pytest
 from helpers import run_cli
 
 from model.config import EOS_ID
-from pipeline.commands.parity import parse_backends
+from pipeline.cli_options import parse_backends
 from runtime.decoding import PAPER, DecodingError, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.loader import backend_names

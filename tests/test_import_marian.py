@@ -20,7 +20,7 @@ from pipeline.cli import cli  # noqa: E402
 from pipeline.corpus.synthetic import generate  # noqa: E402
 from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: E402
 from pipeline.importers.marian import MarianImportError, import_marian  # noqa: E402
-from pipeline.serve_batch.translation import ServeOptions  # noqa: E402
+from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.loader import load_backend  # noqa: E402
 from runtime.tokenizer import load_tokenizer, tokenizer_from_file  # noqa: E402
@@ -127,7 +127,7 @@ def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
     assert result.exit_code == 0, result.output
     assert out.read_text(encoding="utf-8").splitlines() == theirs_text
     for beam in (1, 4):
-        opts = ServeOptions(decoding=PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})))
+        opts = ServeBatchOptions(decoding=PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})))
         report = run_parity(fp32, src, ref, ["torch", "onnxruntime"], opts=opts, reference_engine="transformers",
                             gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
         assert report.passed, [r.failures for r in report.results]

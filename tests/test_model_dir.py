@@ -54,11 +54,11 @@ def test_serve_batch_reads_the_manifest_once(fp32_dir, tmp_path, capsys, manifes
 
 def test_parity_of_two_backends_reads_the_manifest_once(fp32_dir, tmp_path, manifest_reads):
     from pipeline.evaluation.parity import run_parity
-    from pipeline.serve_batch.translation import ServeOptions
+    from pipeline.serve_batch.translation import ServeBatchOptions
 
     src = write_lines(tmp_path / "in.txt", ["ab cd", "ef gh ij"])
     report = run_parity(fp32_dir, src, src, ["torch", "onnxruntime"], threads=1,
-                        opts=ServeOptions(decoding=PAPER.replace(max_len_a=0.0, max_len_b=6)))
+                        opts=ServeBatchOptions(decoding=PAPER.replace(max_len_a=0.0, max_len_b=6)))
     assert [r.backend for r in report.results] == ["torch", "onnxruntime"]
     assert len(manifest_reads) == 1
 

@@ -74,13 +74,16 @@ def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_sh
     from pipeline.serve.requests import ServerState
     from pipeline.serve.runner import load_model, server_info
     from runtime.decoding import PAPER
+    from runtime.model_dir import LoadOptions
 
     src, _ = memorise_corpus
     expected, _ = serve_batch(capsys, memorised_shortlist_fp32_dir, src, tmp_path / "sb.txt", "--backend",
                               "onnxruntime", "--shortlist", "--threads", "1", "--no-progress")  # beam 4
-    opts, limits, metrics = ServeHttpOptions(backend="onnxruntime", threads=1), RequestLimits(), Metrics()
+    opts, limits, metrics = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1)), RequestLimits(), \
+        Metrics()
     decoding = PAPER.replace(batch_tokens=limits.max_batch_tokens)
-    model = load_model("m", str(memorised_shortlist_fp32_dir), replace(opts, shortlist=True), decoding, metrics)
+    shortlisted = replace(opts, load=replace(opts.load, shortlist=True))
+    model = load_model("m", str(memorised_shortlist_fp32_dir), shortlisted, decoding, metrics)
     assert model.translator.backend.shortlist is not None
     state = ServerState({"m": model}, limits, server_info(limits, opts), metrics, warmed_up=True)
     with TestClient(create_app(state)) as client:

@@ -8,9 +8,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import decoding_options, options_from, pick
-from pipeline.commands.parity import parse_backends
-from pipeline.commands.serve_batch import SHORTLIST_HELP
+from pipeline.cli_options import decoding_options, options_from, parse_backends, pick
 from pipeline.evaluation.bench import format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
@@ -18,6 +16,7 @@ from pipeline.evaluation.whole_process import format_whole_process, run_whole_pr
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
+from runtime.model_dir import LoadOptions
 
 
 @click.command("bench")
@@ -35,11 +34,9 @@ from runtime.loader import backend_names
               help="Sentences per measurement.")
 @click.option("--src-len", default=20, show_default=True, type=click.IntRange(2),
               help="Length of generated source sentences (tokens, EOS included) when --src is not given.")
-@click.option("--device", default=None, help="cpu or cuda (default: best available).")
-@click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
-@click.option("--shortlist", is_flag=True, default=False,
-              help=SHORTLIST_HELP + " Here: every engine of ours, in every mode but --serve (CTranslate2 is "
-                   "unchanged); its rows record \"shortlist\": true and show vocab 'shortlist'.")
+@options_from(LoadOptions, skip=("backend", "precision"), notes={"shortlist": (
+    "Here: every engine of ours, in every mode but --serve (CTranslate2 is unchanged); its rows record "
+    "\"shortlist\": true and show vocab 'shortlist'.")})
 @click.option("--compare", "compare", multiple=True, type=click.Choice(["ctranslate2"]),
               help="Also map the first MODEL_DIR's weights into this engine (after checking its greedy "
                    "output is token-identical to ours) and time it in float32 and int8, with ratio "

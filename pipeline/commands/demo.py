@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 
 from model.config import PRESETS
-from pipeline.cli_options import decoding_options
-from pipeline.commands.parity import parse_backends
+from pipeline.cli_options import decoding_options, options_from, parse_backends
 from pipeline.demo.run import DemoOptions, format_result, run_demo
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
+from runtime.model_dir import LoadOptions
 
 
 @click.command("demo")
@@ -31,7 +31,7 @@ from runtime.loader import backend_names
               help="Backends whose parity with PyTorch is checked (" + ",".join(backend_names()) + ") "
                    "[default: every one this machine can run; see `pipeline doctor`].")
 @decoding_options("beam_size")
-@click.option("--threads", type=click.IntRange(1), default=None, help="CPU threads [default: all cores].")
+@options_from(LoadOptions, only=("threads",))
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
          backends: str | None, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:

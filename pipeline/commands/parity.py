@@ -8,8 +8,7 @@ from pathlib import Path
 import click
 
 from model.manifest import PRECISIONS
-from pipeline.cli_options import decoding_options
-from pipeline.commands.serve_batch import SHORTLIST_HELP
+from pipeline.cli_options import decoding_options, options_from, parse_backends
 from pipeline.evaluation.parity import (
     DEFAULT_GATES,
     REFERENCE,
@@ -20,20 +19,11 @@ from pipeline.evaluation.parity import (
     run_parity,
     write_json,
 )
-from pipeline.serve_batch.translation import ServeOptions
+from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names, installed
-
-
-def parse_backends(value: str) -> list[str]:
-    """A comma-separated list of the loader's backends (runtime.loader.backend_names)."""
-    names = [b.strip() for b in value.split(",") if b.strip()]
-    allowed = backend_names()
-    unknown = [b for b in names if b not in allowed]
-    if unknown or not names:
-        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {', '.join(allowed)}")
-    return names
+from runtime.model_dir import LoadOptions
 
 
 @click.command("parity")
@@ -53,13 +43,10 @@ def parse_backends(value: str) -> list[str]:
                    "torch included, gated token for token; needs --src and --ref).")
 @click.option("--hf-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="With --reference transformers: the Hugging Face directory (default: the one the import recorded).")
-@click.option("--device", default=None, help="Device for the backends under test (cpu, cuda); default: best available.")
-@click.option("--threads", default=None, type=click.IntRange(1), help="CPU threads per backend.")
-@click.option("--shortlist", is_flag=True, default=False,
-              help=SHORTLIST_HELP + " Here: every listed backend, torch included, decodes so against the "
-                   "full-vocabulary reference; labelled e.g. fp32+shortlist, gated by |dBLEU| <= "
-                   f"{DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of it and their own), "
-                   "with the shortlist's coverage of the reference's tokens.")
+@options_from(LoadOptions, skip=("backend", "precision"), notes={"shortlist": (
+    "Here: every listed backend, torch included, decodes so against the full-vocabulary reference; labelled e.g. "
+    f"fp32+shortlist, gated by |dBLEU| <= {DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of "
+    "it and their own), with the shortlist's coverage of the reference's tokens.")})
 @click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
               help="fp32 gate: least share of sentences token-identical to PyTorch.")
 @click.option("--max-bleu-delta", default=DEFAULT_GATES["fp32"].max_bleu_delta, show_default=True, type=float,
@@ -110,7 +97,7 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
     if json_out:
         refuse_overwriting_inputs(inputs, [json_out], "--json file")
         check_output_file(json_out, "--json")
-    report = run_parity(model_dir, src, ref, names, opts=ServeOptions(decoding=decoding),
+    report = run_parity(model_dir, src, ref, names, opts=ServeBatchOptions(decoding=decoding),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps,
                         reference_engine=reference_engine, hf_dir=hf_dir, shortlist=shortlist)
     click.echo(format_table(report))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import click
 
 from model.errors import UserError
 from pipeline.cli_options import decoding_options, options_from, pick
-from pipeline.serve.options import RequestLimits, ServeHttpOptions
+from pipeline.serve.options import LOAD_NOTES, RequestLimits, ServeHttpOptions
 from runtime.decoding import DecodingOptions
+from runtime.model_dir import LoadOptions
 
 
 def _require_web_stack() -> None:
@@ -26,6 +28,7 @@ def _require_web_stack() -> None:
 @click.command("serve")
 @click.argument("model_dir", type=click.Path(file_okay=False), required=False)
 @options_from(ServeHttpOptions)
+@options_from(LoadOptions, skip=("precision",), notes=LOAD_NOTES)
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
                          "nbest": "With N > 1 each translation is a list of {text, score}."})
@@ -44,6 +47,7 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     _require_web_stack()
     from pipeline.serve.runner import model_specs, serve_http
 
-    opts, limits = pick(ServeHttpOptions, options), pick(RequestLimits, options)
+    load = pick(LoadOptions, options)
+    opts, limits = dataclasses.replace(pick(ServeHttpOptions, options), load=load), pick(RequestLimits, options)
     models = model_specs(model_dir, opts.model)
     serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_options import decoding_options
+from pipeline.cli_options import decoding_options, options_from
 from pipeline.evaluation.tuning import parse_list, tune_decoding
 from runtime.decoding import DecodingOptions
+from runtime.model_dir import LoadOptions
 
 _PATH = click.Path(path_type=Path)
 
@@ -22,7 +23,7 @@ _PATH = click.Path(path_type=Path)
 @click.option("--beams", default="1,4,6", show_default=True, help="Beam widths to try, comma-separated.")
 @click.option("--alphas", default="0.6,1.0", show_default=True, help="Length penalties to try, comma-separated.")
 @decoding_options("max_len_a", "max_len_b", "batch_tokens")
-@click.option("--device", default=None, help="cpu or cuda (default: best available).")
+@options_from(LoadOptions, only=("device",))
 @click.option("--json", "json_out", type=_PATH, help="Also write every trial as JSON to this file.")
 def tune_decoding_cmd(model: Path, src: Path, ref: Path, beams: str, alphas: str, decoding: DecodingOptions,
                       device: str | None, json_out: Path | None) -> None:

@@ -22,7 +22,7 @@ from model.manifest import PRECISIONS
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
 from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
-from pipeline.serve_batch.files import ServeOptions, serve_files
+from pipeline.serve_batch.files import ServeBatchOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from runtime.decoding import PAPER, DecodingOptions
@@ -93,7 +93,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
-    serving = ServeOptions(decoding=opts.decoding)
+    serving = ServeBatchOptions(decoding=opts.decoding)
     loaded = load(model_dirs["fp32"], LoadOptions(threads=opts.threads), opts.decoding)
     backend, tokenizer = loaded.backend, loaded.tokenizer
     stats = clock.stage("serve-batch", serve_files, backend, tokenizer, [str(test_src)], [str(translation)],

@@ -32,7 +32,7 @@ from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE
 from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
 from pipeline.serve_batch.files import translate_windows
-from pipeline.serve_batch.translation import ServeOptions
+from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
 from runtime.backend import Backend
 from runtime.loader import installed
@@ -145,7 +145,7 @@ class Served:
     truncated: int
 
 
-def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, opts: ServeOptions) -> Served:
+def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, opts: ServeBatchOptions) -> Served:
     """SRC through the serving path (one process), collected for comparison."""
     t0 = time.perf_counter()
     windows = list(translate_windows(backend, tokenizer, str(src), opts))
@@ -171,7 +171,7 @@ def save_hypotheses(served: Served, directory: Path, backend: str, precision: st
 
 
 def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: list[str], *,
-               opts: ServeOptions | None = None, device: str | None = None,
+               opts: ServeBatchOptions | None = None, device: str | None = None,
                gates: dict[str, Gate] | None = None, threads: int | None = None,
                save_hyps: Path | None = None, reference_engine: str = REFERENCE,
                hf_dir: Path | None = None, shortlist: bool = False) -> ParityReport:
@@ -199,7 +199,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     if src is None:
         raise UserError("--reference transformers translates --src (with --ref for BLEU)")
     assert ref is not None
-    opts = (opts or ServeOptions()).validate()
+    opts = (opts or ServeBatchOptions()).validate()
     if opts.decoding.nbest != 1:
         raise UserError(f"parity compares best translations; --nbest must be 1 (got {opts.decoding.nbest})")
     ref_lines = read_lines(ref)
@@ -236,7 +236,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
 
 
 def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
-                         opts: ServeOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
+                         opts: ServeBatchOptions, device: str | None, gates: dict[str, Gate], threads: int | None,
                          save_hyps: Path | None, hf_dir: Path | None, torch_backend: TorchBackend,
                          tokenizer: AnyTokenizer, shortlist: bool = False) -> ParityReport:
     """Every backend against transformers' generate on the imported model's own directory."""
@@ -264,7 +264,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
     manifest = opened.manifest
     refs = opened.references()
-    opts = ServeOptions(decoding=refs.decoding).validate()
+    opts = ServeBatchOptions(decoding=refs.decoding).validate()
     tokenizer = opened.tokenizer
     ref_run = Served(refs.lines, [], refs.hypotheses, 0.0, 0)
     model = ModelOnDemand(Path(model_dir) / CHECKPOINT_FILE
@@ -281,7 +281,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
                         results, shortlist=shortlist)
 
 
-def _translate(name: str, opened: ModelDir, src: Path, opts: ServeOptions, device: str | None, threads: int | None,
+def _translate(name: str, opened: ModelDir, src: Path, opts: ServeBatchOptions, device: str | None, threads: int | None,
                tokenizer: AnyTokenizer, live: tuple[Backend, Served] | None,
                shortlist: bool = False) -> tuple[str, Any, Served, str]:
     """(name, backend, its run, precision): the live reference's own run is reused for `torch` (unless it

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pipeline.cli_options import opt
 from runtime.decoding import PAPER
-from runtime.loader import BACKENDS
+from runtime.model_dir import LoadOptions
 from runtime.translate import LONG_LINE_POLICIES
 
 DEFAULT_MAX_BEAM = 16  # the largest beam a request may ask for when the model dir sets none
@@ -24,20 +24,16 @@ class ServeHttpOptions:
     host: str = opt("127.0.0.1", "Address to listen on; 0.0.0.0 exposes the service to the network (put it "
                     "behind a proxy).")
     port: int = opt(8000, "TCP port; 0 picks a free one (logged at startup).", min=0, max=65535)
-    backend: str = opt("auto", "auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
-                       "if installed, else torch.", choices=BACKENDS)
-    device: str | None = opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu]. One process "
-                             "per GPU.", metavar="DEV")
-    threads: int | None = opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
-    shortlist: bool = opt(False, "Decode over each model dir's vocabulary shortlist (export --shortlist-src/"
-                          "--shortlist-tgt): faster on large vocabularies, but a sentence's output may depend on the "
-                          "sentences batched with it. Every served model dir must have one; /info reports it. "
-                          "See docs/shortlist.md.")
     long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (as "
                           "serve-batch does, counted in /metrics) or refuse the request with 413 naming the line.",
                           choices=LONG_LINE_POLICIES)
     grace_s: int = opt(30, "On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this "
                        "many seconds (then cancel them), exit 0.", min=0)
+    # how every served model dir is loaded (its own command-line options: runtime/model_dir.py LoadOptions)
+    load: LoadOptions = LoadOptions()
+
+# what `pipeline serve` adds to the LoadOptions options' help
+LOAD_NOTES = {"device": "One process per GPU.", "shortlist": "Every served model dir must have one; /info reports it."}
 
 
 @dataclass(frozen=True)

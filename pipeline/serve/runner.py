@@ -28,7 +28,6 @@ from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOpt
 from pipeline.serve.requests import ServedModel, ServerState
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
-from runtime.model_dir import LoadOptions
 from runtime.sentences import DEFAULT_LANG
 
 log = logging.getLogger(__name__)
@@ -95,8 +94,7 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
     vocabulary shortlist with opts.shortlist."""
     try:
         # with the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
-        options = LoadOptions(backend=opts.backend, device=opts.device, threads=opts.threads, shortlist=opts.shortlist)
-        translator = Translator.load(model_dir, options, opts.long_lines, decoding)
+        translator = Translator.load(model_dir, opts.load, opts.long_lines, decoding)
         decoding = translator.decoding
         max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
         if decoding.beam_size > max_beam:
@@ -150,7 +148,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         for model in served.values():
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
                      model.translator.backend.name, model.translator.backend.device,
-                     ", vocabulary shortlist" if opts.shortlist else "")
+                     ", vocabulary shortlist" if opts.load.shortlist else "")
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:

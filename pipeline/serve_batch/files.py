@@ -31,7 +31,7 @@ from model.atomic import remove_stale_temps
 from model.errors import UserError
 from pipeline.distributed import DistContext, on_main
 from pipeline.serve_batch.translation import (
-    ServeOptions,
+    ServeBatchOptions,
     TranslatedWindow,
     finish_window,
     read_windows,
@@ -125,7 +125,7 @@ def progress_bar(desc: str, enabled: bool) -> Any:
     return tqdm(desc=desc, unit=" lines", leave=False)
 
 
-def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str, opts: ServeOptions,
+def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str, opts: ServeBatchOptions,
                       ctx: DistContext = ONE_PROCESS, progress: bool = False) -> Iterator[TranslatedWindow]:
     """The serving path: each window of `input_path` read, encoded, translated (split over
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
@@ -150,7 +150,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
 
 
 def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str, out: IO[str] | None,
-                     opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
+                     opts: ServeBatchOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate one input into `out` (rank 0; None on other ranks), window by window."""
     stats = ServeStats()
     started = time.perf_counter()
@@ -200,7 +200,7 @@ def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output
 
 
 def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], outputs: list[str],
-                opts: ServeOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
+                opts: ServeBatchOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
     """Translate every input to its output; each output appears complete or not at all."""
     total = ServeStats()
     for inp, outp in zip(inputs, outputs):

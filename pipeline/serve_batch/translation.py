@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from model.errors import UserError
+from pipeline.cli_options import opt
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -36,17 +37,23 @@ INVALID_UTF8_POLICIES = ("error", "replace")
 
 
 @dataclass(frozen=True)
-class ServeOptions:
-    """How serve-batch (and parity) read, encode, decode and write."""
+class ServeBatchOptions:
+    """How serve-batch (and parity) read, encode, decode and write; serve-batch's options are generated
+    from these fields (pipeline/cli_options.py), the decoding options from DecodingOptions."""
 
-    window: int = 10000
-    long_lines: str = "truncate"  # or "error"
-    invalid_utf8: str = "error"   # or "replace"
+    window: int = opt(10000, "Lines read, sorted by length and translated at a time (bounds memory).", min=1)
+    long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (counted warning) "
+                                      "or stop with an error naming the line.", choices=LONG_LINE_POLICIES)
+    invalid_utf8: str = opt("error", "Invalid UTF-8: stop with an error naming file and line, or replace the bad "
+                                     "bytes with U+FFFD (counted warning).", choices=INVALID_UTF8_POLICIES)
     decoding: DecodingOptions = PAPER
-    split: str = "none"           # or "sentences"
-    lang: str = DEFAULT_LANG      # the sentence rules' language
+    split: str = opt("none", "sentences: each line is a document, translated sentence by sentence and rebuilt "
+                             "with the whitespace it had between them (as `pipeline serve` does for \"split\": "
+                             "\"sentences\").", choices=SPLIT_MODES)
+    lang: str = opt(DEFAULT_LANG, "The input's language (ISO 639, e.g. de), for --split sentences' rules.",
+                    metavar="CODE")
 
-    def validate(self) -> ServeOptions:
+    def validate(self) -> ServeBatchOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
         if self.long_lines not in LONG_LINE_POLICIES:
             problems.append(f"--long-lines must be one of {', '.join(LONG_LINE_POLICIES)}")
@@ -100,7 +107,7 @@ class TranslatedWindow:
         return sum(len(n[0][0]) + 1 for n in self.nbest if n)
 
 
-def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeOptions) -> Iterator[Window]:
+def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeBatchOptions) -> Iterator[Window]:
     """Windows of `opts.window` lines, tokenized, with the bad-input policy applied."""
     f = open_binary(path)
     try:
@@ -138,7 +145,7 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
 
 
 def _encode(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
-            opts: ServeOptions, replaced: int) -> Window:
+            opts: ServeBatchOptions, replaced: int) -> Window:
     try:
         if opts.split == "sentences":
             splits = [split_sentences(text, opts.lang) for text in texts]
