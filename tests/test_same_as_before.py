@@ -1,0 +1,86 @@
+"""The model-dir seam (runtime/model_dir.py, the generated options, ExportPlan) moved how every command opens
+a model dir and takes its options, and was to change nothing a user gets: this runs the same commands with the
+code of d3a47ad (the last commit before it) and with this checkout, on the same inputs, and compares what
+they write. Translations and parity reports must be identical apart from timings; export writes the same
+weights, tokenizer and checkpoint, and the same manifest apart from the .onnx files, which record the path of
+the code that traced them.
+
+Skipped where the checkout has no history to take d3a47ad from (a shallow clone)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, write_lines
+
+pytestmark = pytest.mark.slow
+
+BEFORE = "d3a47ad"
+SOURCES = ["ab cd ef", "", "gh ij", "kl mn op qr", "st"]
+FAST = ["--max-len-a", "0", "--max-len-b", "8", "--threads", "1", "--no-progress"]
+VOLATILE = {"seconds", "export_seconds", "target_tokens_per_s", "created", "elapsed_s", "timestamp"}
+
+
+@pytest.fixture(scope="module")
+def before(tmp_path_factory) -> Path:
+    """The tree of d3a47ad, unpacked (the repository itself is not touched)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"{BEFORE} is not in this checkout's history (shallow clone?)")
+    tree = tmp_path_factory.mktemp("before")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+def pipeline(code: Path, *args: object) -> None:
+    """`pipeline ARGS` with the code at `code` (its own modules first on the path)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(code), PIPELINE_HASH_CACHE="off")
+    done = subprocess.run([sys.executable, "-m", "pipeline", *map(str, args)], cwd=code, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def without(data: object) -> object:
+    """JSON without the fields that measure time."""
+    if isinstance(data, dict):
+        return {k: without(v) for k, v in data.items() if k not in VOLATILE}
+    if isinstance(data, list):
+        return [without(v) for v in data]
+    return data
+
+
+def test_export_writes_what_it_wrote_before(before, random_checkpoint, tmp_path):
+    for code, out in ((before, tmp_path / "old"), (ROOT, tmp_path / "new")):
+        pipeline(code, "export", random_checkpoint, "--out", out, "--no-tensorrt", "--max-src-len", 32,
+                 "--max-tgt-len", 40, "--reference-lines", 0)
+    old, new = (json.loads((d / "manifest.json").read_text()) for d in (tmp_path / "old", tmp_path / "new"))
+    for manifest in (old, new):  # the .onnx files hold the traced code's path: their size and digest differ
+        manifest["files"] = {k: v for k, v in manifest["files"].items() if not k.endswith(".onnx")}
+        manifest["graphs"]["bytes"] = {k: v for k, v in manifest["graphs"]["bytes"].items() if not k.endswith(".onnx")}
+    assert without(new) == without(old)
+    for name in ("encoder.data", "decoder.data", "spm.model", "model.pt"):
+        assert (tmp_path / "new" / name).read_bytes() == (tmp_path / "old" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_serve_batch_and_parity_write_what_they_wrote_before(before, fp32_dir, tmp_path, backend):
+    src = write_lines(tmp_path / "in.txt", SOURCES)
+    for code, tag in ((before, "old"), (ROOT, "new")):
+        pipeline(code, "serve-batch", fp32_dir, src, "-o", tmp_path / f"{tag}.txt", "--backend", backend, *FAST)
+        pipeline(code, "serve-batch", fp32_dir, src, "-o", tmp_path / f"{tag}.nbest.txt", "--backend", backend,
+                 "--nbest", 2, *FAST)
+        pipeline(code, "parity", fp32_dir, "--src", src, "--ref", src, "--backends", f"torch,{backend}",
+                 "--max-len-a", 0, "--max-len-b", 8, "--threads", 1, "--min-identical", 0, "--max-bleu-delta", 100,
+                 "--json", tmp_path / f"{tag}.json")
+    for name in ("txt", "nbest.txt"):
+        assert (tmp_path / f"new.{name}").read_text() == (tmp_path / f"old.{name}").read_text()
+    old, new = (json.loads((tmp_path / f"{tag}.json").read_text()) for tag in ("old", "new"))
+    assert without(new) == without(old)
