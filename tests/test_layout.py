@@ -42,3 +42,50 @@ def test_model_knows_nothing_of_onnx():
     for path in (ROOT / "model").rglob("*.py"):
         text = path.read_text()
         assert "import onnx" not in text and "onnxruntime" not in text, path
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Each of our modules -> ours it imports anywhere in it (lazy imports in functions included; the
+    annotation-only ones under `if TYPE_CHECKING:` excepted)."""
+    modules = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+        found = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+        graph[name] = {m for m in found if m in modules and m != name}
+    return graph
+
+
+def test_no_import_cycle():
+    """No two of our modules import each other, however lazily (a cycle over one constant, like the loader's
+    and the torch backend's over DEFAULT_TOPK, is a module in the wrong place)."""
+    graph, state, stack, cycles = _module_imports(), {}, [], []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if state.get(other) == "open" and not module.startswith(other + "."):  # a package's own __init__
+                cycles.append(" -> ".join(stack[stack.index(other):] + [other]))
+            elif other not in state:
+                visit(other)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not cycles, "\n".join(cycles)
