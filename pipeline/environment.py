@@ -13,17 +13,14 @@ import logging
 import os
 import platform
 import sys
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from export.errors import TensorRTUnavailable
 from export.tensorrt_build import load_tensorrt
-from model import io_names
 from model.manifest import SPM_FILE, Manifest, read_manifest
 from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
-from runtime.ort_backend import CPU_EP, CUDA_EP
-from runtime.registry import entry
+from runtime.machine import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, Verdict
+from runtime.registry import verdicts
 
 log = logging.getLogger(__name__)
 
@@ -32,65 +29,6 @@ NOT_INSTALLED = "not installed"
 # CTranslate2 and oneDNN switch on these.
 CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
                 "amx_tile": "AMX", "amx_bf16": "AMX-BF16", "amx_int8": "AMX-INT8"}
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int
-    name: str
-    memory_gib: float
-    compute_capability: str
-
-
-@dataclass(frozen=True)
-class TorchFacts:
-    version: str | None              # None: PyTorch is not installed (a deploy-only install)
-    cuda: str | None = None          # CUDA version this torch was built for; None: CPU-only build
-    cudnn: int | None = None
-    gpus: tuple[Gpu, ...] = ()
-    bf16: bool = False               # bf16 on the first GPU (training autocast)
-    nccl: bool = False
-    no_gpu_reason: str | None = None  # why no GPU can be used; None when one can
-
-    @property
-    def has_gpu(self) -> bool:
-        return bool(self.gpus)
-
-
-@dataclass(frozen=True)
-class OrtFacts:
-    version: str | None
-    providers: tuple[str, ...] = ()
-    reason: str | None = None        # why onnxruntime cannot be used at all
-
-
-@dataclass(frozen=True)
-class TrtFacts:
-    version: str | None
-    usable: bool = False
-    reason: str | None = None        # why TensorRT cannot build or run engines here
-
-
-@dataclass(frozen=True)
-class CpuFacts:
-    model: str
-    cores: int
-    features: dict[str, bool | None] = field(default_factory=dict)  # None: unknown on this OS
-    int8_dot_product: bool | None = None  # VNNI / AMX / Arm dot product (runtime/cpu_int8.py)
-
-
-@dataclass(frozen=True)
-class Facts:
-    python: str
-    platform: str
-    torch: TorchFacts
-    onnxruntime: OrtFacts
-    tensorrt: TrtFacts
-    packages: dict[str, str]         # sentencepiece, sacrebleu, ctranslate2: version or "not installed"
-    cpu: CpuFacts
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 # -- probes ------------------------------------------------------------------------------------
@@ -169,65 +107,10 @@ def gather_facts() -> Facts:
 
 
 # -- a model dir: which backend / precision / device can serve it here -------------------------
-@dataclass(frozen=True)
-class Verdict:
-    backend: str
-    precision: str
-    device: str
-    ok: bool
-    reason: str = ""  # why not, when not ok
-
-
-def _missing(files: set[str], backend: str) -> list[str]:
-    return [f for f in entry(backend).files if f not in files]
-
-
 def model_dir_verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:
-    """Every (backend, precision, device) this model dir could be served with, and whether it can here."""
-    files, precision = set(manifest.files), manifest.precision
-    gpu = facts.torch.has_gpu
-    no_gpu = f"no CUDA GPU: {facts.torch.no_gpu_reason}"
-    out: list[Verdict] = []
-
-    missing = _missing(files, "torch")
-    torch_why = (f"the model dir has no {', '.join(missing)}" if missing else
-                 "" if facts.torch.version else "PyTorch is not installed (pip install -e \".[train]\")")
-    out.append(Verdict("torch", "fp32", "cpu", not torch_why, torch_why))
-    for p in ("fp32", "fp16"):
-        why = torch_why or ("" if gpu else no_gpu)
-        out.append(Verdict("torch", p, "cuda", not why, why))
-
-    missing = _missing(files, "onnxruntime")
-    ort_why = (f"the model dir has no {', '.join(missing)} (re-run `pipeline export`)" if missing
-               else facts.onnxruntime.reason or "")
-    cpu_why = ort_why or ("" if CPU_EP in facts.onnxruntime.providers else f"this onnxruntime has no {CPU_EP}")
-    out.append(Verdict("onnxruntime", precision, "cpu", not cpu_why, cpu_why))
-    cuda_why = ort_why or ("" if CUDA_EP in facts.onnxruntime.providers else
-                           f"this onnxruntime build has no {CUDA_EP} (install onnxruntime-gpu instead of "
-                           "onnxruntime)") or ("" if gpu else no_gpu)
-    out.append(Verdict("onnxruntime", precision, "cuda", not cuda_why, cuda_why))
-
-    out.append(Verdict("tensorrt", precision, "cuda", *_trt_verdict(manifest, files, facts)))
-    return out
-
-
-def _trt_verdict(manifest: Manifest, files: set[str], facts: Facts) -> tuple[bool, str]:
-    rebuild = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on the serving machine"
-    missing = [f for f in (io_names.ENCODER_ENGINE, io_names.DECODER_ENGINE) if f not in files]
-    if missing:
-        skipped = manifest.tensorrt_skipped
-        why = f"export skipped them: {skipped}" if skipped else "export did not build them"
-        return False, f"the model dir has no TensorRT engines ({why}); {rebuild}"
-    if not facts.tensorrt.usable:
-        return False, str(facts.tensorrt.reason)
-    built = manifest.tensorrt
-    if built is None or built.version != facts.tensorrt.version:
-        was = built.version if built else "an unknown version"
-        return False, f"engines built with TensorRT {was}, this is {facts.tensorrt.version}; {rebuild}"
-    gpu = facts.torch.gpus[0].name
-    if built.gpu != gpu:
-        return False, f"engines built for {built.gpu}, this GPU is {gpu}; {rebuild}"
-    return True, ""
+    """Every (backend, precision, device) this model dir could be served with, and whether it can here
+    (each backend's reasons are its registry entry's: runtime/registry.py)."""
+    return verdicts(manifest, facts)
 
 
 def check_model_dir(model_dir: Path, facts: Facts) -> list[Verdict]:

@@ -37,6 +37,7 @@ from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError, first_line
 from runtime.heap import release_free_memory
+from runtime.machine import CPU_EP, CUDA_EP, TRT_EP
 from runtime.shortlist import Shortlist
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -46,9 +47,6 @@ if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntim
 
 log = logging.getLogger(__name__)
 
-TRT_EP = "TensorrtExecutionProvider"
-CUDA_EP = "CUDAExecutionProvider"
-CPU_EP = "CPUExecutionProvider"
 
 _ORT_TYPES: dict[str, np.dtype[Any]] = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16),
               "tensor(int64)": np.dtype(np.int64)}

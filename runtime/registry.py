@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from model import io_names
 from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, SPM_FILE, Manifest
 from runtime.errors import RuntimeUserError
+from runtime.machine import CPU_EP, CUDA_EP, Facts, Verdict
 
 if TYPE_CHECKING:
     from runtime.backend import Backend
@@ -81,6 +82,61 @@ def resolve_device(device: str | None) -> Any:
     return dev
 
 
+# -- why a backend cannot serve a model dir on this machine (pipeline doctor, the demo's plan) ---------
+
+
+def _no_gpu(facts: Facts) -> str:
+    return "" if facts.torch.has_gpu else f"no CUDA GPU: {facts.torch.no_gpu_reason}"
+
+
+def _torch_here(facts: Facts, device: str) -> str:
+    if not facts.torch.version:
+        return 'PyTorch is not installed (pip install -e ".[train]")'
+    return _no_gpu(facts) if device == "cuda" else ""
+
+
+def _ort_here(facts: Facts, device: str) -> str:
+    ort = facts.onnxruntime
+    if ort.reason:
+        return ort.reason
+    if device == "cpu":
+        return "" if CPU_EP in ort.providers else f"this onnxruntime has no {CPU_EP}"
+    if CUDA_EP not in ort.providers:
+        return f"this onnxruntime build has no {CUDA_EP} (install onnxruntime-gpu instead of onnxruntime)"
+    return _no_gpu(facts)
+
+
+def _trt_here(facts: Facts, device: str) -> str:
+    return "" if facts.tensorrt.usable else str(facts.tensorrt.reason)
+
+
+REBUILD_ENGINES = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on the serving machine"
+
+
+def _no_engines(manifest: Manifest, missing: list[str]) -> str:
+    skipped = manifest.tensorrt_skipped
+    why = f"export skipped them: {skipped}" if skipped else "export did not build them"
+    return f"the model dir has no TensorRT engines ({why}); {REBUILD_ENGINES}"
+
+
+def _engines_match(manifest: Manifest, facts: Facts) -> str:
+    """Engines run only with the TensorRT version and on the GPU model they were built with."""
+    built = manifest.tensorrt
+    if built is None or built.version != facts.tensorrt.version:
+        was = built.version if built else "an unknown version"
+        return f"engines built with TensorRT {was}, this is {facts.tensorrt.version}; {REBUILD_ENGINES}"
+    gpu = facts.torch.gpus[0].name
+    return f"engines built for {built.gpu}, this GPU is {gpu}; {REBUILD_ENGINES}" if built.gpu != gpu else ""
+
+
+def _missing_files(redo: str = "") -> Callable[[Manifest, list[str]], str]:
+    return lambda manifest, missing: f"the model dir has no {', '.join(missing)}{redo}"
+
+
+def _exported_precision(manifest: Manifest, devices: tuple[str, ...]) -> list[tuple[str, str]]:
+    return [(manifest.precision, device) for device in devices]
+
+
 @dataclass(frozen=True)
 class BackendEntry:
     """One backend: the files it runs, the package `auto` needs before picking it, and its opener."""
@@ -94,6 +150,19 @@ class BackendEntry:
     runs_integer_matmuls: bool = True  # int8 flavours with integer matmuls (ONNXRUNTIME_ONLY)
     cuda_only: bool = False
     needs_torch: bool = False     # its module imports PyTorch: a deploy install gets one line, not an ImportError
+    # why it cannot run on this machine's `device` ("" when it can), and what it needs of a dir beyond its files
+    here: Callable[[Facts, str], str] = _torch_here
+    missing: Callable[[Manifest, list[str]], str] = _missing_files()
+    matches: Callable[[Manifest, Facts], str] = lambda manifest, facts: ""
+    # the (precision, device) pairs it could serve a dir with
+    runs: Callable[[Manifest], list[tuple[str, str]]] = lambda manifest: _exported_precision(manifest, ("cpu",))
+
+    def why_not(self, manifest: Manifest, facts: Facts, device: str) -> str:
+        """Why it cannot serve this dir on this machine's `device`; "" when it can."""
+        missing = [name for name in self.files if name not in manifest.files]
+        if missing:
+            return self.missing(manifest, missing)
+        return self.here(facts, device) or self.matches(manifest, facts)
 
     def needs(self, manifest: Manifest, shortlist: bool, where: object) -> tuple[str, ...]:
         """The files this backend reads from the dir; a one-line error when it cannot run the dir at all."""
@@ -121,14 +190,19 @@ class BackendEntry:
 
 ENTRIES = (
     BackendEntry("torch", (CHECKPOINT_FILE, SPM_FILE), "torch", "runtime.torch_backend:open_model_dir",
-                 shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True),
+                 shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True,
+                 runs=lambda manifest: [("fp32", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")]),  # model.pt is fp32
     BackendEntry("onnxruntime", (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE), "onnxruntime",
                  "runtime.ort_backend:open_model_dir",
-                 shortlist_files=(io_names.SHORTLIST_FILE, io_names.DECODER_SHORTLIST_FILE)),
+                 shortlist_files=(io_names.SHORTLIST_FILE, io_names.DECODER_SHORTLIST_FILE), here=_ort_here,
+                 missing=_missing_files(" (re-run `pipeline export`)"),
+                 runs=lambda manifest: _exported_precision(manifest, ("cpu", "cuda"))),
     BackendEntry("tensorrt", (io_names.ENCODER_ENGINE, io_names.DECODER_ENGINE, SPM_FILE), "tensorrt",
                  "runtime.trt_backend:open_model_dir", runs_integer_matmuls=False, cuda_only=True, needs_torch=True,
                  no_shortlist="--shortlist runs on the torch and onnxruntime backends; no TensorRT engine is built "
-                              "from decoder_shortlist.onnx yet: use --backend onnxruntime"),
+                              "from decoder_shortlist.onnx yet: use --backend onnxruntime",
+                 here=_trt_here, missing=_no_engines, matches=_engines_match,
+                 runs=lambda manifest: _exported_precision(manifest, ("cuda",))),
 )
 AUTO_ORDER = ("tensorrt", "onnxruntime")  # tried in this order; torch otherwise
 BACKENDS = ("auto", *(e.name for e in ENTRIES))
@@ -147,3 +221,10 @@ def choose_backend(manifest: Manifest) -> str:
     """auto: TensorRT when engines are present, tensorrt imports and CUDA is there; else
     ONNX Runtime when installed and the graphs are present; else PyTorch."""
     return next((name for name in AUTO_ORDER if entry(name).auto_ok(manifest)), "torch")
+
+
+def verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:
+    """Every (backend, precision, device) this model dir could be served with, and whether it can here."""
+    return [Verdict(e.name, precision, device, not why, why)
+            for e in ENTRIES for precision, device in e.runs(manifest)
+            for why in (e.why_not(manifest, facts, device),)]

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from model.manifest import PRECISIONS  # every precision the demo exports
-from pipeline.environment import Facts
-from runtime.ort_backend import CUDA_EP
+from runtime.machine import Facts
+from runtime.registry import entry
 
 
 @dataclass(frozen=True)
@@ -47,19 +47,12 @@ def plan_demo(facts: Facts, wanted: tuple[str, ...] | None = None) -> DemoPlan:
     skipped: list[tuple[str, str]] = []
     names = ["torch"]
 
-    ort = facts.onnxruntime
-    if ort.version is None:
-        skipped.append(("onnxruntime", str(ort.reason)))
-    elif gpu and CUDA_EP not in ort.providers:
-        skipped.append(("onnxruntime", f"this onnxruntime build has no {CUDA_EP} (install onnxruntime-gpu "
-                                       "instead of onnxruntime)"))
-    else:
-        names.append("onnxruntime")
-
-    if facts.tensorrt.usable:
-        names.append("tensorrt")
-    else:
-        skipped.append(("tensorrt", str(facts.tensorrt.reason)))
+    for name in ("onnxruntime", "tensorrt"):  # torch always runs: it is the reference
+        why = entry(name).here(facts, device)
+        if why:
+            skipped.append((name, why))
+        else:
+            names.append(name)
 
     if wanted is not None:
         skipped = [(b, why) for b, why in skipped if b in wanted]
