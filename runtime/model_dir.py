@@ -13,7 +13,6 @@ ONNX model dirs with it."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass, field
@@ -158,9 +157,3 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     log.info("backend %s on %s", backend.name, backend.device)
     decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults).validate()
     return Loaded(opened, backend, decoding)
-
-
-def with_decoding(loaded: Loaded, decoding_given: DecodingOptions) -> Loaded:
-    """The same backend with other decoding options given (the model's defaults applied again)."""
-    decoding = decoding_given.for_device(loaded.backend.device).for_model(loaded.model_dir.decoding_defaults)
-    return dataclasses.replace(loaded, decoding=decoding.validate())

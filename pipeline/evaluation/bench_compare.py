@@ -38,7 +38,7 @@ from pipeline.evaluation.bench import (
     vocabulary,
 )
 from runtime.decoding import PAPER
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
@@ -63,11 +63,11 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         row["shortlist"] = job["shortlist"]
         device = "cpu"
     else:
-        backend, _, _ = load_backend(job["model_dir"], backend=job["engine"], device=job["device"],
-                                     threads=job["threads"], shortlist=job["shortlist"])
-        decoding = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
-        r = bench_backend(backend, sources, job["batch_size"], decoding.for_model(job["decoding"]),
-                          job["fixed_length"], job["precision"])
+        given = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
+        loaded = load(job["model_dir"], LoadOptions(backend=job["engine"], device=job["device"], threads=job["threads"],
+                                                    shortlist=job["shortlist"]), given)  # the model's defaults under it
+        backend = loaded.backend
+        r = bench_backend(backend, sources, job["batch_size"], loaded.decoding, job["fixed_length"], job["precision"])
         row = {"target_tokens": r.target_tokens, "seconds": r.seconds,
                "target_tokens_per_s": r.target_tokens_per_s, "sentences_per_s": r.sentences_per_s,
                "latency_ms_mean": r.latency_ms_mean, "latency_ms_per_sentence": r.latency_ms_per_sentence,
@@ -149,7 +149,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         jobs: list[dict[str, Any]] = []
         for bs, beam, srcs, pcs in settings:
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
-                      "device": device, "sources": srcs, "pieces": pcs, "decoding": manifest.decoding,
+                      "device": device, "sources": srcs, "pieces": pcs,
                       "alpha": alpha}
             jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common, shortlist)
         measured: list[list[dict[str, Any]]] = [[] for _ in jobs]

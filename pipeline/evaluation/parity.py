@@ -215,12 +215,13 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
 
     # The reference is the fp32 PyTorch model on the CPU, whatever the export precision (or transformers).
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
-    loaded = load(opened, LoadOptions(backend=REFERENCE, device="cpu", threads=threads, precision="fp32"))
-    reference, tokenizer, manifest = loaded.backend, loaded.tokenizer, loaded.manifest
+    loaded = load(opened, LoadOptions(backend=REFERENCE, device="cpu", threads=threads, precision="fp32"),
+                  opts.decoding)  # with the model's own decoding defaults for what is not given
+    reference, tokenizer = loaded.backend, loaded.tokenizer
     from runtime.torch_backend import TorchBackend  # the live reference is PyTorch's (torch is installed here)
 
     assert isinstance(reference, TorchBackend)
-    opts = replace(opts, decoding=opts.decoding.for_model(manifest.decoding))
+    opts = replace(opts, decoding=loaded.decoding)
     if reference_engine == "transformers":
         return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
                                     hf_dir, reference, tokenizer, shortlist)
