@@ -251,3 +251,33 @@ def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
     backend, tokenizer, loaded = load_backend(out, backend="onnxruntime")
     assert tokenizer.vocab_size == loaded.model_config.vocab_size
     assert type(tokenizer_from_file(out / "spm.model")).__name__ == "VocabTokenizer"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("encoder_layers, decoder_layers", [(3, 1), (1, 2)])
+def test_asymmetric_depths_import_export_and_serve_as_generate(tmp_path, texts, encoder_layers, decoder_layers):
+    """A deep-encoder, shallow-decoder student (and the reverse) imports, exports and serves token-identical
+    to transformers' generate, at beam 1 and at the model's beam 4."""
+    hf_dir = make_marian_dir(tmp_path / "hf", layers=encoder_layers, decoder_layers=decoder_layers,
+                             max_length=MAX_LENGTH)
+    checkpoint = tmp_path / "student.pt"
+    import_marian(hf_dir, checkpoint)
+    model, _, _ = load_model(checkpoint)
+    assert (model.cfg.n_enc_layers, model.cfg.n_dec_layers) == (encoder_layers, decoder_layers)
+    from export.api import export_model
+
+    export_model(checkpoint, tmp_path / "model", tensorrt=False)
+    from runtime.model_dir import LoadOptions, load
+
+    src = tmp_path / "src.txt"
+    src.write_text("".join(t + "\n" for t in texts[:12]))
+    result = CliRunner().invoke(cli, ["serve-batch", str(tmp_path / "model"), str(src), "-o", str(tmp_path / "out"),
+                                      "--backend", "onnxruntime", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert len((tmp_path / "out").read_text().splitlines()) == 12
+    for beam in (1, 4):
+        given = PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"}))
+        loaded = load(tmp_path / "model", LoadOptions(backend="onnxruntime", threads=1), given)
+        ours = [h[0].tokens for h in translate_ids(loaded.backend, loaded.tokenizer.encode_source(texts[:12]),
+                                                   loaded.decoding)]
+        assert ours == marian_generate(hf_dir, texts[:12], num_beams=beam, max_length=MAX_LENGTH), beam

@@ -157,14 +157,16 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
                                                           "encoder_ffn_dim", "encoder_layers", "decoder_layers",
                                                           "max_position_embeddings")}
     vocab = sizes["vocab_size"]
-    pairs = [("decoder_vocab_size", vocab), ("decoder_layers", None), ("decoder_attention_heads", None),
-             ("decoder_ffn_dim", None)]
+    # the depths may differ (our model has n_enc_layers and n_dec_layers: deep-encoder, shallow-decoder
+    # students); one FFN width, one head count and one vocabulary are what ModelConfig holds today
+    pairs = [("decoder_vocab_size", vocab), ("decoder_attention_heads", None), ("decoder_ffn_dim", None)]
     for key, expected in pairs:
         twin = key.replace("decoder_", "encoder_") if expected is None else "vocab_size"
         value, want = config.get(key), config.get(twin) if expected is None else expected
         if value is not None and value != want:
             raise MarianImportError(f"{path}: {key} {show(value)} differs from {twin} {show(want)}; only models "
-                                    "with one shared shape and vocabulary for encoder and decoder can be imported")
+                                    "with one FFN width, head count and vocabulary for encoder and decoder can be "
+                                    "imported (their depths may differ)")
     if config.get("share_encoder_decoder_embeddings", True) is not True:
         raise MarianImportError(f"{path}: share_encoder_decoder_embeddings is false (separate vocabularies); only "
                                 "shared-vocabulary models can be imported")
