@@ -14,7 +14,9 @@ ONNX model dirs with it."""
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +27,7 @@ from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError,
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.registry import BACKENDS, check_device, choose_backend, entry
+from runtime.registry import BACKENDS, check_device, choose_backend, entry, import_torch
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
 if TYPE_CHECKING:
@@ -150,7 +152,12 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
                     "where outputs must not depend on batching", opened.path)
-    backend = chosen.open(opened, options, table)
+    module, name = chosen.opener.split(":")  # the backend's module, imported only now (torch, TensorRT)
+    if chosen.needs_torch:
+        import_torch(f"the {chosen.name} backend")
+    opener: Callable[[ModelDir, LoadOptions, Shortlist | None], Backend] = getattr(importlib.import_module(module),
+                                                                                  name)
+    backend = opener(opened, options, table)
     if opened.tokenizer.vocab_size != backend.cfg.vocab_size:
         raise RuntimeUserError(f"{opened.path / SPM_FILE}: {opened.tokenizer.vocab_size} pieces but the model has "
                                f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")

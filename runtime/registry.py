@@ -12,17 +12,12 @@ import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from model import io_names
 from model.manifest import CHECKPOINT_FILE, ONNXRUNTIME_ONLY, SPM_FILE, Manifest
 from runtime.errors import RuntimeUserError
 from runtime.machine import CPU_EP, CUDA_EP, Facts, Verdict
-
-if TYPE_CHECKING:
-    from runtime.backend import Backend
-    from runtime.model_dir import LoadOptions, ModelDir
-    from runtime.shortlist import Shortlist
 
 TRAIN_EXTRA = 'pip install -e ".[train]"'
 
@@ -180,12 +175,6 @@ class BackendEntry:
         """Whether `auto` may pick it for this dir on this machine."""
         return manifest.lists(*self.files) and installed(self.package) and (not self.cuda_only or cuda_available())
 
-    def open(self, model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> Backend:
-        if self.needs_torch:
-            import_torch(f"the {self.name} backend")
-        module, name = self.opener.split(":")
-        opener: Callable[..., Backend] = getattr(importlib.import_module(module), name)
-        return opener(model_dir, options, shortlist)
 
 
 ENTRIES = (

@@ -25,7 +25,7 @@ from typing import Any
 
 from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.errors import UserError
-from pipeline.importers.marian import EMBEDDINGS, LOGITS_BIAS, POSITIONS, layer_name
+from pipeline.importers.marian_weights import EMBEDDINGS, LOGITS_BIAS, POSITIONS, layer_name
 from runtime.search import greedy_search
 from runtime.translate import pad_batch
 

@@ -24,31 +24,30 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import re
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from model.checkpoint import save_checkpoint
 from model.config import ACTIVATIONS, ConfigError, ModelConfig
-from model.transformer import Transformer, sinusoidal_positions
+from model.transformer import Transformer
 from pipeline.importers.hf_files import (
     ImportRefused,
-    TensorInfo,
     allowed_roots,
     digest,
     flag,
     inside,
     integer,
-    load_pickle,
     number,
-    one_line,
     optional_integer,
     read_json,
     show,
     token_id,
     weight_infos,
+)
+from pipeline.importers.marian_weights import (
+    check_weights,
+    map_weights,
+    read_weights,
 )
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
@@ -61,55 +60,15 @@ SOURCE_SPM, TARGET_SPM, TOKENIZER_CONFIG = "source.spm", "target.spm", "tokenize
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
 
-# Marian's per-layer module names -> ours (post-LN residual blocks hold our LayerNorms).
-ENCODER_LAYER = {
-    "self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.k_proj",
-    "self_attn.v_proj": "self_attn.v_proj", "self_attn.out_proj": "self_attn.out_proj",
-    "self_attn_layer_norm": "res_attn.norm", "fc1": "ffn.w1", "fc2": "ffn.w2", "final_layer_norm": "res_ffn.norm",
-}
-DECODER_LAYER = {
-    "self_attn.q_proj": "self_attn.q_proj", "self_attn.k_proj": "self_attn.k_proj",
-    "self_attn.v_proj": "self_attn.v_proj", "self_attn.out_proj": "self_attn.out_proj",
-    "self_attn_layer_norm": "res_self.norm",
-    "encoder_attn.q_proj": "cross_attn.q_proj", "encoder_attn.k_proj": "cross_attn.k_proj",
-    "encoder_attn.v_proj": "cross_attn.v_proj", "encoder_attn.out_proj": "cross_attn.out_proj",
-    "encoder_attn_layer_norm": "res_cross.norm", "fc1": "ffn.w1", "fc2": "ffn.w2", "final_layer_norm": "res_ffn.norm",
-}
-EMBEDDINGS = ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-              "lm_head.weight")
-POSITIONS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
-LOGITS_BIAS = "final_logits_bias"
 
 
 GENERATION_NAMES = {"beam_size": "num_beams", "alpha": "length_penalty", "max_len_b": "max_length",
                     "min_len": "min_length"}  # our DecodingOptions fields as generation_config.json names them
 MAX_POSITIONS = 16384  # OPUS-MT ships 512, Marian's big models 1024; the sinusoid table is built whole at load
-LAYER = re.compile(r"model\.(encoder|decoder)\.layers\.(\d{1,9})\.(.+)\.(weight|bias)")
+
 
 
 MarianImportError = ImportRefused  # a directory that is not a Marian model this importer can map
-
-
-def _layer_parts(marian_name: str) -> tuple[str, int, str, str] | None:
-    """(side, layer index, module, leaf) of a Marian per-layer tensor name; None when it is not one."""
-    match = LAYER.fullmatch(marian_name)
-    if match is None:
-        return None
-    side, index, module, leaf = match.groups()
-    return side, int(index), module, leaf
-
-
-def layer_name(marian_name: str) -> str | None:
-    """Our state-dict name of a Marian per-layer tensor; None when it is not one."""
-    parts = _layer_parts(marian_name)
-    if parts is None:
-        return None
-    side, index, module, leaf = parts
-    table = ENCODER_LAYER if side == "encoder" else DECODER_LAYER
-    return f"{side}.{index}.{table[module]}.{leaf}" if module in table else None
-
-
-# -- the directory: what the import reads must lie inside it ----------------------------------------
 
 
 def _files(hf_dir: Path) -> Path:
@@ -297,113 +256,6 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
 
 
 # -- the weights: checked on the file's header, read only once they fit config.json ----------------
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix != ".safetensors":
-        return load_pickle(path)
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as e:  # changed since its header was read
-        raise MarianImportError(f"{path}: unreadable weights ({one_line(e)})") from None
-
-
-def marian_shape(name: str, cfg: ModelConfig) -> tuple[tuple[int, ...], str] | None:
-    """The shape config.json gives a Marian tensor, and the fields it follows from; None: no such tensor."""
-    d, v = cfg.d_model, cfg.vocab_size
-    if name in EMBEDDINGS:
-        return (v, d), f"vocab_size {v}, d_model {d}"
-    if name in POSITIONS:
-        return (cfg.max_positions, d), f"max_position_embeddings {cfg.max_positions}, d_model {d}"
-    if name == LOGITS_BIAS:
-        return (1, v), f"vocab_size {v}"
-    parts = _layer_parts(name)
-    if parts is None or layer_name(name) is None:
-        return None
-    side, _, module, leaf = parts
-    ffn = f"{side}_ffn_dim {cfg.d_ff}"
-    if module in ("fc1", "fc2"):
-        if leaf == "bias":
-            return ((cfg.d_ff,), ffn) if module == "fc1" else ((d,), f"d_model {d}")
-        return ((cfg.d_ff, d) if module == "fc1" else (d, cfg.d_ff)), f"{ffn}, d_model {d}"
-    return ((d, d) if module.endswith("_proj") and leaf == "weight" else (d,)), f"d_model {d}"
-
-
-def expected_names(cfg: ModelConfig) -> set[str]:
-    """The per-layer tensors config.json says the weights hold."""
-    return {f"model.{side}.layers.{i}.{module}.{leaf}"
-            for side, table, count in (("encoder", ENCODER_LAYER, cfg.n_enc_layers),
-                                       ("decoder", DECODER_LAYER, cfg.n_dec_layers))
-            for i in range(count) for module in table for leaf in ("weight", "bias")}
-
-
-def _check_layers(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
-    """The weights hold exactly config.json's layers (so that a huge layer count is refused unbuilt)."""
-    for side, count in (("encoder", cfg.n_enc_layers), ("decoder", cfg.n_dec_layers)):
-        held = {name: parts[1] for name in infos if (parts := _layer_parts(name)) and parts[0] == side}
-        beyond = sorted((i, name) for name, i in held.items() if i >= count)
-        if beyond:
-            i, name = beyond[0]
-            raise MarianImportError(f"{path}: tensor {name!r} is of {side} layer {i}, but {config_path.name} says "
-                                    f"{side}_layers {count}")
-        if len(set(held.values())) < count:
-            raise MarianImportError(f"{config_path}: {side}_layers {count}, but {path.name} holds "
-                                    f"{len(set(held.values()))} {side} layers; fix the value")
-
-
-def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
-    """Every tensor of the weights file placed, floating-point and of the shape config.json gives it,
-    and none missing: checked on the header, before anything of the model's size is allocated."""
-    present = [k for k in EMBEDDINGS if k in infos]
-    if not present:
-        raise MarianImportError(f"{path}: no embedding ({' / '.join(EMBEDDINGS)})")
-    shape = infos[present[0]].shape
-    if shape != (cfg.vocab_size, cfg.d_model):
-        raise MarianImportError(f"{config_path}: vocab_size {cfg.vocab_size}, d_model {cfg.d_model} disagree with "
-                                f"{path.name}, whose {present[0]} has shape {shape}; fix the values")
-    _check_layers(infos, cfg, path, config_path)
-    for name, info in infos.items():
-        expected = marian_shape(name, cfg)
-        if expected is None:
-            raise MarianImportError(f"{path}: tensor {name!r} has no place in our model (not a Marian layout "
-                                    "this importer knows)")
-        if not info.floating:
-            raise MarianImportError(f"{path}: {name} holds {info.dtype}, not floating-point weights")
-        want, fields = expected
-        if info.shape != want and not (name == LOGITS_BIAS and info.shape == (cfg.vocab_size,)):
-            raise MarianImportError(f"{path}: {name} has shape {info.shape}, but {config_path.name} ({fields}) "
-                                    f"implies {want}")
-    missing = sorted(expected_names(cfg) - set(infos))
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise MarianImportError(f"{path}: no tensor {missing[0]!r}{more}, which {config_path.name} implies")
-
-
-def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
-    """Our state dict from Marian's (checked by check_weights): the tied embedding, the logits bias,
-    the per-layer tensors; the sinusoid tables must be Marian's."""
-    state = {k: v.float() for k, v in state.items()}
-    present = [k for k in EMBEDDINGS if k in state]
-    emb = state[present[0]]
-    for k in present[1:]:
-        if not torch.equal(state[k], emb):
-            raise MarianImportError(f"{path}: {k} differs from {present[0]}: the model does not tie its embeddings "
-                                    "and output projection, which our model requires")
-    ours: dict[str, torch.Tensor] = {"embed.weight": emb}
-    bias = state.get(LOGITS_BIAS)
-    ours["logits_bias"] = torch.zeros(cfg.vocab_size) if bias is None else bias.reshape(-1)
-    if any(k in state for k in POSITIONS):
-        table = sinusoidal_positions(cfg.max_positions, cfg.d_model, "halves")
-        for k in POSITIONS:
-            if k in state and not torch.allclose(state[k], table, atol=1e-4):
-                raise MarianImportError(f"{path}: {k} is not Marian's sinusoidal table")
-    for k, v in state.items():
-        name = layer_name(k)
-        if name is not None:
-            ours[name] = v
-    return ours
 
 
 def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
