@@ -20,7 +20,9 @@ EOS_ID = 3
 MASK_VALUE = -1e4
 
 ACTIVATIONS = ("relu", "swish", "gelu")  # swish = SiLU, x * sigmoid(x); gelu: the exact (erf) one
-POSITION_LAYOUTS = ("interleaved", "halves")
+# sinusoid layouts: the paper's sin/cos interleaved; Marian's (sines, then cosines); fairseq's (tensor2tensor's
+# frequencies 10000^(-i/(d/2-1)), sines then cosines: M2M-100 and NLLB)
+POSITION_LAYOUTS = ("interleaved", "halves", "fairseq")
 
 
 class ConfigError(UserError, ValueError):
@@ -49,14 +51,37 @@ class ModelConfig:
     scale_embedding: bool = True  # embeddings times sqrt(d_model) (section 3.4)
     logits_bias: bool = False  # a bias vector added to the output logits (Marian's final_logits_bias)
     suppress_ids: tuple[int, ...] = ()  # ids never generated: log-prob -inf (Marian's bad_words_ids [[pad]])
+    position_offset: int = 0  # position t reads the sinusoid table's row t + offset (M2M-100: padding id + 1)
+    pre_norm: bool = False  # LayerNorm before each sublayer, and one after each stack (M2M-100, NLLB)
+    enc_heads: int | None = None  # the encoder's self-attention heads where they differ from n_heads
+    enc_d_ff: int | None = None  # the encoder's feed-forward width where it differs from d_ff
+    # A multilingual model's language-code tokens, (code, token id) pairs: a source starts with its language's
+    # token, and the target language's token is forced as the first generated one (M2M-100, NLLB).
+    languages: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "suppress_ids", tuple(self.suppress_ids))  # a JSON list read back
+        if isinstance(self.languages, (list, tuple)):  # JSON gives lists of lists
+            object.__setattr__(self, "languages", tuple(tuple(pair) for pair in self.languages))
         self.validate()
 
     @property
     def d_head(self) -> int:
+        """The decoder's (and the caches'): self- and cross-attention use n_heads."""
         return self.d_model // self.n_heads
+
+    @property
+    def encoder_heads(self) -> int:
+        return self.n_heads if self.enc_heads is None else self.enc_heads
+
+    @property
+    def encoder_d_ff(self) -> int:
+        return self.d_ff if self.enc_d_ff is None else self.enc_d_ff
+
+    @property
+    def language_ids(self) -> dict[str, int]:
+        """Language code -> its token id ({} for a model of one language pair)."""
+        return dict(self.languages)
 
     def validate(self) -> None:
         """Collect every problem, then fail once with all of them."""
@@ -65,8 +90,14 @@ class ModelConfig:
                      "n_dec_layers", "max_positions"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 problems.append(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        if not problems and self.d_model % self.n_heads:
-            problems.append(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        for name in ("enc_heads", "enc_d_ff"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                problems.append(f"{name} must be a positive integer or null, got {value!r}")
+        if not problems:
+            for name, heads in (("n_heads", self.n_heads), ("enc_heads", self.encoder_heads)):
+                if self.d_model % heads:
+                    problems.append(f"d_model ({self.d_model}) must be divisible by {name} ({heads})")
         if not problems and self.d_model % 2:
             problems.append(f"d_model ({self.d_model}) must be even for sinusoidal positions")
         if not 0.0 <= self.dropout < 1.0:
@@ -83,8 +114,25 @@ class ModelConfig:
             problems.append(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
         if self.positions not in POSITION_LAYOUTS:
             problems.append(f"positions {self.positions!r} is not one of {', '.join(POSITION_LAYOUTS)}")
+        if not isinstance(self.position_offset, int) or isinstance(self.position_offset, bool) \
+                or self.position_offset < 0:
+            problems.append(f"position_offset must be an integer of 0 or more, got {self.position_offset!r}")
+        problems += self._language_problems()
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def _language_problems(self) -> list[str]:
+        if not isinstance(self.languages, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and p[0]
+                and isinstance(p[1], int) and not isinstance(p[1], bool) for p in self.languages):
+            return [f"languages must be (code, token id) pairs, got {self.languages!r:.80}"]
+        codes = [code for code, _ in self.languages]
+        if len(set(codes)) != len(codes):
+            return ["languages name a code twice"]
+        ids = [i for _, i in self.languages]
+        if isinstance(self.vocab_size, int) and any(not 0 <= i < self.vocab_size for i in ids):
+            return [f"languages' token ids must be below vocab_size ({self.vocab_size})"]
+        return []
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -28,11 +28,20 @@ from model.attention import MultiHeadAttention
 from model.config import MASK_VALUE, ModelConfig
 
 
-def sinusoidal_positions(n_positions: int, d_model: int, layout: str = "interleaved") -> Tensor:
+def sinusoidal_positions(n_positions: int, d_model: int, layout: str = "interleaved", offset: int = 0) -> Tensor:
     """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(same).
 
     layout "halves" holds the same values as Marian lays them out: all the sines, then all
-    the cosines, computed as Marian computes them (numpy float64, then fp32)."""
+    the cosines, computed as Marian computes them (numpy float64, then fp32). Layout "fairseq" is
+    fairseq's (M2M-100, NLLB): frequencies 10000^(-i / (d/2 - 1)), sines then cosines, in fp32 as
+    fairseq computes them. Row t is position t + offset (M2M-100's table starts at padding id + 1)."""
+    if layout == "fairseq":
+        half = d_model // 2
+        freq = torch.exp(torch.arange(half, dtype=torch.int64).float() * -(math.log(10000) / (half - 1)))
+        angle = torch.arange(offset, offset + n_positions, dtype=torch.int64).float().unsqueeze(1) * freq[None, :]
+        return torch.cat([torch.sin(angle), torch.cos(angle)], dim=1)
+    if offset:
+        return sinusoidal_positions(n_positions + offset, d_model, layout)[offset:]
     if layout == "halves":
         j = np.arange(d_model) // 2 * 2
         angle = np.arange(n_positions)[:, None] / np.power(10000, j / d_model)[None, :]  # (P, d)
@@ -104,14 +113,23 @@ class FeedForward(nn.Module):
 
 
 class Residual(nn.Module):
-    """Section 5.4 and 3.1: LayerNorm(x + Dropout(Sublayer(x))), the sum taken in fp32."""
+    """Section 5.4 and 3.1: LayerNorm(x + Dropout(Sublayer(x))), the sum taken in fp32 (post-LN).
+    Pre-LN (ModelConfig.pre_norm: M2M-100, NLLB): x + Dropout(Sublayer(LayerNorm(x))). A layer
+    feeds its sublayer `inp(x)` and closes the block with `self(x, sublayer_out)` either way."""
 
-    def __init__(self, d_model: int, dropout: float):
+    def __init__(self, d_model: int, dropout: float, pre_norm: bool = False):
         super().__init__()
         self.norm = LayerNorm(d_model)
         self.dropout = Dropout(dropout)
+        self.pre_norm = pre_norm
+
+    def inp(self, x: Tensor) -> Tensor:
+        """What the sublayer reads: x, or LayerNorm(x) before it (pre-LN)."""
+        return self.norm(x).to(x.dtype) if self.pre_norm else x
 
     def forward(self, x: Tensor, sublayer_out: Tensor) -> Tensor:
+        if self.pre_norm:
+            return (x.float() + self.dropout(sublayer_out)).to(x.dtype)
         return self.norm(x.float() + self.dropout(sublayer_out)).to(x.dtype)  # fp32 + fp16 promotes
 
 
@@ -120,15 +138,16 @@ class EncoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
-        self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
-        self.res_attn = Residual(cfg.d_model, cfg.dropout)
-        self.res_ffn = Residual(cfg.d_model, cfg.dropout)
+        self.self_attn = MultiHeadAttention(cfg.d_model, cfg.encoder_heads)
+        self.ffn = FeedForward(cfg.d_model, cfg.encoder_d_ff, cfg.activation)
+        self.res_attn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        k, v = self.self_attn.project_kv(x)
-        x = self.res_attn(x, self.self_attn(x, k, v, bias))
-        return self.res_ffn(x, self.ffn(x))
+        h = self.res_attn.inp(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.res_attn(x, self.self_attn(h, k, v, bias))
+        return self.res_ffn(x, self.ffn(self.res_ffn.inp(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -139,21 +158,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
         self.cross_attn = MultiHeadAttention(cfg.d_model, cfg.n_heads)
         self.ffn = FeedForward(cfg.d_model, cfg.d_ff, cfg.activation)
-        self.res_self = Residual(cfg.d_model, cfg.dropout)
-        self.res_cross = Residual(cfg.d_model, cfg.dropout)
-        self.res_ffn = Residual(cfg.d_model, cfg.dropout)
+        self.res_self = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_cross = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
+        self.res_ffn = Residual(cfg.d_model, cfg.dropout, cfg.pre_norm)
 
-    def forward(self, x: Tensor, self_k: Tensor, self_v: Tensor, self_bias: Tensor,
-                cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
-        """Teacher forcing: x (B, T, d_model) over its own k, v (B, H, T, d_head)."""
-        x = self.res_self(x, self.self_attn(x, self_k, self_v, self_bias))
+    def forward(self, x: Tensor, self_bias: Tensor, cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> Tensor:
+        """Teacher forcing: x (B, T, d_model) over its own keys and values."""
+        h = self.res_self.inp(x)
+        k, v = self.self_attn.project_kv(h)
+        x = self.res_self(x, self.self_attn(h, k, v, self_bias))
         return self.cross_and_ffn(x, cross_k, cross_v, cross_bias)
 
     def step(self, x: Tensor, past_k: Tensor, past_v: Tensor, past_index: Tensor, past_bias: Tensor,
              cross_k: Tensor, cross_v: Tensor, cross_bias: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One decoder step: x (N, 1, d_model) over the beam cache (MultiHeadAttention.step_self);
         returns x and the step's self-attention keys and values (N, d_model)."""
-        attn, k_t, v_t = self.self_attn.step_self(x, past_k, past_v, past_index, past_bias)
+        attn, k_t, v_t = self.self_attn.step_self(self.res_self.inp(x), past_k, past_v, past_index, past_bias)
         x = self.res_self(x, attn)
         return self.cross_and_ffn(x, cross_k, cross_v, cross_bias), k_t, v_t
 
@@ -163,9 +183,9 @@ class DecoderLayer(nn.Module):
         # A sentence's hypotheses share its cross K/V: fold them into the query length
         # (B, rows * Tq, d_model), one matmul per sentence and no per-beam K/V copies.
         # The rows factor comes from the shapes, so the graph has no control flow.
-        grouped = x.reshape(cross_k.shape[0], -1, x.shape[-1])
+        grouped = self.res_cross.inp(x).reshape(cross_k.shape[0], -1, x.shape[-1])
         x = self.res_cross(x, self.cross_attn(grouped, cross_k, cross_v, cross_bias).reshape(x.shape))
-        return self.res_ffn(x, self.ffn(x))
+        return self.res_ffn(x, self.ffn(self.res_ffn.inp(x)))
 
 
 class Transformer(nn.Module):
@@ -178,8 +198,8 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=cfg.pad_id)
-        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model, cfg.positions),
-                             persistent=False)
+        self.register_buffer("pe", sinusoidal_positions(cfg.max_positions, cfg.d_model, cfg.positions,
+                                                        cfg.position_offset), persistent=False)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embedding else 1.0
         # weights of an imported model, saved with the checkpoint (None: not in the state dict)
         self.register_buffer("logits_bias", torch.zeros(cfg.vocab_size) if cfg.logits_bias else None)
@@ -191,6 +211,9 @@ class Transformer(nn.Module):
         self.emb_dropout = Dropout(cfg.dropout)
         self.encoder = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.n_enc_layers))
         self.decoder = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_dec_layers))
+        # pre-LN: each stack ends with a LayerNorm (its output is otherwise the un-normalised residual stream)
+        self.enc_norm = LayerNorm(cfg.d_model) if cfg.pre_norm else None
+        self.dec_norm = LayerNorm(cfg.d_model) if cfg.pre_norm else None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -235,7 +258,12 @@ class Transformer(nn.Module):
         bias = src_bias[:, None, None, :]  # (B, 1, 1, S)
         for layer in self.encoder:
             x = layer(x, bias)
-        return x, src_bias
+        return self._closed(x, self.enc_norm), src_bias
+
+    @staticmethod
+    def _closed(x: Tensor, norm: LayerNorm | None) -> Tensor:
+        """A stack's output: pre-LN models' final LayerNorm, else x as it is."""
+        return x if norm is None else norm(x).to(x.dtype)
 
     def cross_kv(self, memory: Tensor) -> tuple[list[Tensor], list[Tensor]]:
         """Every decoder layer's cross-attention K and V, (B, H, S, d_head) each, once."""
@@ -269,7 +297,8 @@ class Transformer(nn.Module):
             x, k_t, v_t = layer.step(x, past_k, past_v, self_index, self_bias, ck, cv, cross_bias)
             step_k.append(k_t)
             step_v.append(v_t)
-        log_probs = self.logits(x[:, 0], candidates).log_softmax(dim=-1)  # (N, V or C) fp32
+        x = self._closed(x[:, 0], self.dec_norm)
+        log_probs = self.logits(x, candidates).log_softmax(dim=-1)  # (N, V or C) fp32
         if self.suppress is not None:  # after the softmax, as transformers' bad_words_ids: others keep theirs
             log_probs = log_probs + (self.suppress if candidates is None else self.suppress[candidates]).float()
         return log_probs, step_k, step_v
@@ -292,8 +321,8 @@ class Transformer(nn.Module):
         self_bias = causal_bias(t, tgt_in.device)  # (T, T)
         cross_bias = src_bias[:, None, None, :]
         for layer, ck, cv in zip(self.decoder, cross_k, cross_v):
-            k, v = layer.self_attn.project_kv(x)
-            x = layer(x, k, v, self_bias, ck, cv, cross_bias)
+            x = layer(x, self_bias, ck, cv, cross_bias)
+        x = self._closed(x, self.dec_norm)
         return self.logits(x if rows is None else x[rows])
 
 

@@ -20,7 +20,8 @@ class DecodingError(RuntimeUserError):
     """Decoding options that make no sense (names every bad option at once)."""
 
 
-RULES = ("fairseq", "transformers")  # beam search rules (runtime/search.py)
+# beam search rules (runtime/search.py); "transformers-early": generate's early_stopping=True
+RULES = ("fairseq", "transformers", "transformers-early")
 
 
 # serve-batch on a GPU, unless --batch-tokens is given: 128 sentences of 16 tokens at beam 4. On an H100
@@ -56,7 +57,9 @@ class DecodingOptions:
     rules: str = _opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
                                  "length ** alpha, the best beam ended hypotheses kept until none live can beat "
-                                 "them). Imported models default to transformers (their model dir says so).")
+                                 "them; transformers-early: ends once beam hypotheses have ended, as "
+                                 "early_stopping=True). Imported models default to their generate settings "
+                                 "(their model dir says so).")
     # The options the user set (the CLI fills it); None: those that differ from the paper's defaults.
     # Only the others take a model dir's own defaults (for_model): an imported model's num_beams, ...
     explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)

@@ -29,8 +29,13 @@ imported model translates token for token as `generate` does (pipeline/importers
 a sentence keeps its best `beam` finalised hypotheses (a better one replaces the worst) and ends
 when it holds `beam` and its best live hypothesis, scored at its current length, cannot beat the
 worst of them (transformers' `early_stopping=False` heuristic); an EOS forced at the length limit
-scores 0, as transformers' ForcedEOSTokenLogitsProcessor sets it. The special ids (start, EOS,
-padding) are the model's own (backend.cfg).
+scores 0, as transformers' ForcedEOSTokenLogitsProcessor sets it. `rules="transformers-early"` is
+generate's early_stopping=True: a sentence ends as soon as it holds `beam` finalised hypotheses. The
+special ids (start, EOS, padding) are the model's own (backend.cfg).
+
+A multilingual model (M2M-100, NLLB) is told the target language by its first generated token:
+`first_tokens` gives one per sentence, forced at step 0 with log-prob 0 (transformers'
+ForcedBOSTokenLogitsProcessor); it is part of the hypothesis' tokens and length, as in generate.
 """
 
 from __future__ import annotations
@@ -64,10 +69,15 @@ class Hypothesis:
     step_log_probs: list[float] = field(default_factory=list)  # per generated token, EOS included
 
 
+def hf_rules(rules: str) -> bool:
+    """Whether `rules` are transformers' generate's (with either early_stopping)."""
+    return rules.startswith("transformers")
+
+
 def length_penalty(length: Any, alpha: float, rules: str = "fairseq") -> Any:
     """GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha, or transformers' |Y| ** alpha; alpha 0 turns
     normalisation off."""
-    if rules == "transformers":
+    if hf_rules(rules):
         return length ** alpha
     return ((5.0 + length) / 6.0) ** alpha
 
@@ -128,17 +138,24 @@ class _Finished:
 
 
 def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int, min_len: int,
-                     max_len_rows: np.ndarray, eos: int, rules: str) -> tuple[np.ndarray, np.ndarray]:
+                     max_len_rows: np.ndarray, eos: int, rules: str,
+                     forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The rows' first n_cand candidates with min/max length applied: EOS masked before
-    min_len, and only EOS at a row's length limit (its true log-prob; 0 under transformers' rules)."""
+    min_len, and only EOS at a row's length limit (its true log-prob; 0 under transformers' rules).
+    At step 0, `forced` (one id per row) replaces every candidate: that id, log-prob 0."""
     lp = host(out_lp)[:, :n_cand].astype(np.float32)
     ids = host(out_ids)[:, :n_cand].astype(np.int64)
+    if t == 0 and forced is not None:
+        lp = np.full_like(lp, NEG_INF)
+        lp[:, 0] = 0.0
+        ids = np.where(np.arange(ids.shape[1])[None, :] == 0, forced[:, None], np.int64(eos))
+        return lp, ids
     if t < min_len:
         lp = np.where(ids == eos, np.float32(NEG_INF), lp)
     at_limit = max_len_rows <= t  # (N,)
     if at_limit.any():
         forced_lp = np.full_like(lp, NEG_INF)
-        forced_lp[:, 0] = 0.0 if rules == "transformers" else host(eos_lp).astype(np.float32)
+        forced_lp[:, 0] = 0.0 if hf_rules(rules) else host(eos_lp).astype(np.float32)
         lp = np.where(at_limit[:, None], forced_lp, lp)
         ids = np.where(at_limit[:, None], np.int64(eos), ids)
     return lp, ids
@@ -152,13 +169,15 @@ def _best(values: np.ndarray, k: int) -> np.ndarray:
 def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_size,
                 alpha: float = PAPER.alpha, max_len_a: float = PAPER.max_len_a,
                 max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
-                nbest: int = PAPER.nbest, rules: str = PAPER.rules) -> list[list[Hypothesis]]:
+                nbest: int = PAPER.nbest, rules: str = PAPER.rules,
+                first_tokens: Any = None) -> list[list[Hypothesis]]:
     """Batched beam search (defaults: runtime.decoding.PAPER).
 
     src_ids (B, S) int64 padded with the model's pad id, each row pieces + EOS. Returns, per
-    sentence, `nbest` hypotheses best first.
+    sentence, `nbest` hypotheses best first. first_tokens (B,): each sentence's forced first token.
     """
     src_ids = _source(backend, src_ids)
+    first = _first_tokens(first_tokens, src_ids.shape[0])
     if rules not in RULES:
         raise SearchError(f"search rules {rules!r}: choose one of {', '.join(RULES)}")
     if beam_size < 1:
@@ -171,7 +190,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
                           f"{backend.name} backend returns only top-{backend.topk}; use a beam of at "
                           f"most {backend.topk // 2} or re-export with a larger --topk")
     n_sent = src_ids.shape[0]
-    transformers = rules == "transformers"
+    transformers = hf_rules(rules)
     finished = _Finished(n_sent, beam_size, keep_best=transformers)
     if n_sent == 0:
         return []
@@ -198,7 +217,8 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         b = sent_ids.size
         out, cache = backend.step(state, tokens, t, cache, reorder)
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, np.repeat(live_max, beam), eos, rules)
+                                   min_len, np.repeat(live_max, beam), eos, rules,
+                                   None if first is None else np.repeat(first, beam))
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
         # Flat indices (row offset added) take in one call what take_along_axis takes in several.
@@ -226,7 +246,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam  # (b, beam)
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        if transformers:  # ends once the best live hypothesis, at its length now, cannot beat the worst kept
+        if rules == "transformers":  # ends once the best live hypothesis, at its length now, cannot beat the worst kept
             best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
             worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
             done = done | ((counts >= beam) & (best_live <= worst))
@@ -245,6 +265,16 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         reorder = src_rows.reshape(-1)
         t += 1
     return finished.ranked(nbest)
+
+
+def _first_tokens(first_tokens: Any, n_sent: int) -> np.ndarray | None:
+    """first_tokens as (n_sent,) int64, or None when no token is forced."""
+    if first_tokens is None:
+        return None
+    first = np.asarray(first_tokens, dtype=np.int64).reshape(-1)
+    if first.shape != (n_sent,):
+        raise SearchError(f"first_tokens has {first.size} ids for {n_sent} sentences")
+    return first
 
 
 def _extend(history: np.ndarray, src_rows: np.ndarray, new: np.ndarray) -> np.ndarray:
@@ -272,11 +302,13 @@ def _finalise(finished: _Finished, final: np.ndarray, sent_ids: np.ndarray, top_
 
 def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.max_len_a,
                   max_len_b: int = PAPER.max_len_b, min_len: int = PAPER.min_len,
-                  alpha: float = PAPER.alpha, rules: str = PAPER.rules) -> list[list[Hypothesis]]:
+                  alpha: float = PAPER.alpha, rules: str = PAPER.rules,
+                  first_tokens: Any = None) -> list[list[Hypothesis]]:
     """Greedy decoding: each step takes the best candidate (the best non-EOS one before
     min_len). One hypothesis per sentence; `score` uses the same length penalty as beam
-    search, so beam 1 and greedy agree on everything."""
+    search, so beam 1 and greedy agree on everything. first_tokens as beam_search's."""
     src_ids = _source(backend, src_ids)
+    first = _first_tokens(first_tokens, src_ids.shape[0])
     if min_len > 0 and backend.topk < 2:
         raise SearchError("min_len needs at least 2 candidates per step; re-export with --topk >= 2")
     n_sent = src_ids.shape[0]
@@ -298,7 +330,7 @@ def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.ma
         out, cache = backend.step(state, tokens, t, cache, reorder)
         n_cand = min(2, host(out.topk_ids).shape[1])
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, max_len[sent_ids], eos, rules)
+                                   min_len, max_len[sent_ids], eos, rules, first)
         best = lp.argmax(axis=1)[:, None]  # first maximum: the backend's own order
         tok = np.take_along_axis(ids, best, axis=1)[:, 0]
         tok_lp = np.take_along_axis(lp, best, axis=1)[:, 0]
@@ -326,10 +358,13 @@ def greedy_search(backend: Backend, src_ids: Any, *, max_len_a: float = PAPER.ma
     return results
 
 
-def search(backend: Backend, src_ids: Any, options: DecodingOptions = PAPER) -> list[list[Hypothesis]]:
+def search(backend: Backend, src_ids: Any, options: DecodingOptions = PAPER,
+           first_tokens: Any = None) -> list[list[Hypothesis]]:
     """One padded batch decoded as `options` says: greedy search for beam 1 (same results,
-    less work), beam search otherwise. options.batch_tokens is the caller's business."""
+    less work), beam search otherwise. options.batch_tokens is the caller's business;
+    first_tokens: each sentence's forced first token (a multilingual model's target language)."""
     if options.beam_size == 1:
         return greedy_search(backend, src_ids, max_len_a=options.max_len_a, max_len_b=options.max_len_b,
-                             min_len=options.min_len, alpha=options.alpha, rules=options.rules)
-    return beam_search(backend, src_ids, **options.search_kwargs())
+                             min_len=options.min_len, alpha=options.alpha, rules=options.rules,
+                             first_tokens=first_tokens)
+    return beam_search(backend, src_ids, **options.search_kwargs(), first_tokens=first_tokens)

@@ -115,14 +115,15 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
 
 
 def encode_split(tokenizer: Any, splits: list[Split], max_src_len: int, long_lines: str,
-                 where: Callable[[int], str]) -> tuple[list[list[int]], int]:
+                 where: Callable[[int], str], prefix: tuple[int, ...] = ()) -> tuple[list[list[int]], int]:
     """Source ids of every sentence of every text, in order, and how many were truncated; with
-    long_lines "error" a sentence over the limit is refused as `where(k) sentence:N` (text k)."""
+    long_lines "error" a sentence over the limit is refused as `where(k) sentence:N` (text k).
+    `prefix` as encode_sources'."""
     ids: list[list[int]] = []
     truncated = 0
     for k, split in enumerate(splits):
         sources = encode_sources(tokenizer, split.sentences, max_src_len, long_lines=long_lines,
-                                 origin=f"{where(k)} sentence")
+                                 origin=f"{where(k)} sentence", prefix=prefix)
         ids += sources.ids
         truncated += sources.truncated
     return ids, truncated

@@ -62,8 +62,10 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
 
 
 def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
-                  **changes: Any) -> list[list[Hypothesis]]:
+                  first_tokens: list[int] | None = None, **changes: Any) -> list[list[Hypothesis]]:
     """Hypotheses (options.nbest, best first) for each source, in input order.
+    first_tokens: per source, the token forced first (a multilingual model's target language; sources of
+    different targets may share a batch).
 
     `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)).
     Each source is pieces + EOS, at most backend.max_src_len tokens (encode_sources). An
@@ -78,7 +80,9 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     for batch in length_batches([len(sources[i]) for i in todo], options.batch_tokens, options.beam_size,
                                 max_batch):
         idx = [todo[j] for j in batch]
-        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options)):
+        first = None if first_tokens is None else [first_tokens[i] for i in idx]
+        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options,
+                                    first)):
             results[i] = h
     return results
 
@@ -102,13 +106,14 @@ class SourceTooLong(RuntimeUserError):
 
 
 def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
-                   origin: str = "input", first_line: int = 1) -> Sources:
+                   origin: str = "input", first_line: int = 1, prefix: tuple[int, ...] = ()) -> Sources:
     """The one way text lines become source ids (serve-batch, parity, bench, validation).
 
     Blank or whitespace-only lines get [] (they are never translated: the output line is
     empty); others are pieces + EOS. A line over max_src_len tokens (EOS included) is cut
     to its first max_src_len - 1 pieces + EOS (long_lines "truncate", counted) or refused
-    as `origin:line` (long_lines "error"; line numbers start at first_line).
+    as `origin:line` (long_lines "error"; line numbers start at first_line). `prefix` starts every
+    non-blank source (a multilingual model's source language token: runtime/languages.py).
     """
     if long_lines not in LONG_LINE_POLICIES:
         raise RuntimeUserError(f"--long-lines {long_lines!r}: choose one of {', '.join(LONG_LINE_POLICIES)}")
@@ -117,6 +122,7 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
     if not live:
         return out
     for i, seq in zip(live, tokenizer.encode_source([lines[i] for i in live])):
+        seq = list(prefix) + seq if prefix else seq
         if len(seq) > max_src_len:
             if long_lines == "error":
                 raise SourceTooLong(f"{origin}:{first_line + i}: {len(seq)} tokens, more than the model's "

@@ -37,8 +37,10 @@ from pipeline.serve_batch.translation import (
     read_windows,
 )
 from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
+from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
+from runtime.languages import ONE_PAIR, Direction
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, translate_ids
 
@@ -80,10 +82,11 @@ class ServeStats:
 # -- translating --------------------------------------------------------------------------
 
 
-def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions
-                     ) -> list[NBest]:
+def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions,
+                     direction: Direction = ONE_PAIR) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
-    hyps = translate_ids(backend, ids[ctx.rank::ctx.world_size], decoding)
+    share = ids[ctx.rank::ctx.world_size]
+    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)))
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
@@ -130,14 +133,15 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
     """The serving path: each window of `input_path` read, encoded, translated (split over
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
     do their share and get nothing. serve-batch writes these; parity measures them."""
-    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts) if ctx.is_main else None
+    direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
+    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix) if ctx.is_main else None
     bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", progress and ctx.is_main)
     try:
         while True:
             window = on_main(ctx, lambda: next(windows, None))  # type: ignore[arg-type]
             if window is None:
                 return
-            share = _translate_share(backend, window.ids, ctx, opts.decoding)
+            share = _translate_share(backend, window.ids, ctx, opts.decoding, direction)
             merged = _gather(share, ctx, len(window.ids))
             if merged is None:
                 continue

@@ -52,6 +52,10 @@ class ServeBatchOptions:
                              "\"sentences\").", choices=SPLIT_MODES)
     lang: str = opt(DEFAULT_LANG, "The input's language (ISO 639, e.g. de), for --split sentences' rules.",
                     metavar="CODE")
+    src_lang: str | None = opt(None, "A multilingual model's source language, as its model dir lists it (M2M-100: "
+                                     "en; NLLB: eng_Latn). manifest.json lists them.", metavar="CODE")
+    tgt_lang: str | None = opt(None, "A multilingual model's target language (its forced first token).",
+                               metavar="CODE")
 
     def validate(self) -> ServeBatchOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
@@ -107,8 +111,10 @@ class TranslatedWindow:
         return sum(len(n[0][0]) + 1 for n in self.nbest if n)
 
 
-def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeBatchOptions) -> Iterator[Window]:
-    """Windows of `opts.window` lines, tokenized, with the bad-input policy applied."""
+def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeBatchOptions,
+                 prefix: tuple[int, ...] = ()) -> Iterator[Window]:
+    """Windows of `opts.window` lines, tokenized (each source after `prefix`: runtime/languages.py), with the
+    bad-input policy applied."""
     f = open_binary(path)
     try:
         texts: list[str] = []
@@ -119,10 +125,10 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
             replaced += bad
             texts.append(text)
             if len(texts) == opts.window:
-                yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
+                yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
                 texts, replaced, first_line = [], 0, lineno + 1
         if texts:
-            yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced)
+            yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
     finally:
         if f is not sys.stdin.buffer:
             f.close()
@@ -145,16 +151,16 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
 
 
 def _encode(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
-            opts: ServeBatchOptions, replaced: int) -> Window:
+            opts: ServeBatchOptions, replaced: int, prefix: tuple[int, ...] = ()) -> Window:
     try:
         if opts.split == "sentences":
             splits = [split_sentences(text, opts.lang) for text in texts]
             ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
-                                          lambda k: f"{path}:{first_line + k}")
+                                          lambda k: f"{path}:{first_line + k}", prefix)
             return Window(ids, empty=sum(not s.sentences for s in splits), truncated=truncated, replaced=replaced,
                           splits=splits)
         sources = encode_sources(tokenizer, texts, max_src_len, long_lines=opts.long_lines, origin=path,
-                                 first_line=first_line)
+                                 first_line=first_line, prefix=prefix)
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
         raise UserError(str(e)) from None
     return Window(sources.ids, empty=sources.empty, truncated=sources.truncated, replaced=replaced)

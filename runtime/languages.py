@@ -1,0 +1,70 @@
+"""A translation direction for a multilingual model: which languages a model dir serves, and what a
+(source, target) pair means in token ids.
+
+A model of one language pair (the paper's, Marian's) has no language tokens: its direction is the
+empty one. A multilingual model (M2M-100, NLLB: ModelConfig.languages) is told both languages in
+tokens: its source starts with the source language's token, and the target language's token is
+forced as the first generated one (runtime/search.py, `first_tokens`). Both are data of the model
+config, so every backend and every command handles them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.config import ModelConfig
+from runtime.errors import RuntimeUserError
+
+
+class LanguageError(RuntimeUserError):
+    """A language the model does not have, or languages a one-pair model cannot take."""
+
+
+@dataclass(frozen=True)
+class Direction:
+    """Token ids for one (source, target) pair: `prefix` starts every source, `first` is forced as every
+    translation's first token. The empty direction (a one-pair model) adds nothing."""
+
+    source: str | None = None
+    target: str | None = None
+    prefix: tuple[int, ...] = ()
+    first: int | None = None
+
+    def first_tokens(self, n: int) -> list[int] | None:
+        """`first` for n sources (runtime.translate.translate_ids), or None when nothing is forced."""
+        return None if self.first is None else [self.first] * n
+
+
+ONE_PAIR = Direction()
+
+
+def codes(cfg: ModelConfig) -> list[str]:
+    """The language codes a model serves, in the model's order ([] for a one-pair model)."""
+    return [code for code, _ in cfg.languages]
+
+
+def direction(cfg: ModelConfig, source: str | None, target: str | None, *, source_name: str = "--src-lang",
+              target_name: str = "--tgt-lang") -> Direction:
+    """The direction `source` -> `target` of this model, or a LanguageError naming the field and the
+    languages the model has. A multilingual model needs both; a one-pair model takes neither."""
+    ids = cfg.language_ids
+    if not ids:
+        given = [f"{name} {value}" for name, value in ((source_name, source), (target_name, target)) if value]
+        if given:
+            raise LanguageError(f"{' and '.join(given)}: this model translates one language pair and has no "
+                                "language tokens; leave the languages out")
+        return ONE_PAIR
+    for name, value in ((source_name, source), (target_name, target)):
+        if not value:
+            raise LanguageError(f"{name} is required: this model translates between {len(ids)} languages "
+                                f"({_listed(cfg)})")
+        if value not in ids:
+            raise LanguageError(f"{name} {value[:40]!r} is not a language of this model; it has {_listed(cfg)}")
+    assert source is not None and target is not None
+    return Direction(source, target, (ids[source],), ids[target])
+
+
+def _listed(cfg: ModelConfig, limit: int = 40) -> str:
+    names = codes(cfg)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
