@@ -1,5 +1,8 @@
-"""Marian's tensors in our model: their names mapped to ours, checked against config.json on the weights
-file's header before anything is read, then read and placed (pipeline/importers/marian.py runs them)."""
+"""BART-family tensors (Marian, M2M-100, NLLB) in our model: their names mapped to ours, checked against
+config.json on the weights file's header before anything is read, then read and placed
+(pipeline/importers/marian.py and m2m100.py run them). The families share their per-layer names; a
+pre-LN model (ModelConfig.pre_norm) adds one final LayerNorm per stack, and its LayerNorms sit before the
+sublayers, where our Residual blocks apply them too."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ EMBEDDINGS = ("model.shared.weight", "model.encoder.embed_tokens.weight", "model
               "lm_head.weight")
 POSITIONS = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
 LOGITS_BIAS = "final_logits_bias"
+FINAL_NORMS = {"model.encoder.layer_norm": "enc_norm", "model.decoder.layer_norm": "dec_norm"}  # pre-LN stacks
 LAYER = re.compile(r"model\.(encoder|decoder)\.layers\.(\d{1,9})\.(.+)\.(weight|bias)")
 
 
@@ -73,27 +77,33 @@ def marian_shape(name: str, cfg: ModelConfig) -> tuple[tuple[int, ...], str] | N
     if name in EMBEDDINGS:
         return (v, d), f"vocab_size {v}, d_model {d}"
     if name in POSITIONS:
-        return (cfg.max_positions, d), f"max_position_embeddings {cfg.max_positions}, d_model {d}"
+        rows = cfg.max_positions + cfg.position_offset
+        return (rows, d), f"max_position_embeddings {cfg.max_positions} (+ {cfg.position_offset}), d_model {d}"
+    if cfg.pre_norm and name.rpartition(".")[0] in FINAL_NORMS:
+        return (d,), f"d_model {d}"
     if name == LOGITS_BIAS:
         return (1, v), f"vocab_size {v}"
     parts = _layer_parts(name)
     if parts is None or layer_name(name) is None:
         return None
     side, _, module, leaf = parts
-    ffn = f"{side}_ffn_dim {cfg.d_ff}"
+    width = cfg.encoder_d_ff if side == "encoder" else cfg.d_ff
+    ffn = f"{side}_ffn_dim {width}"
     if module in ("fc1", "fc2"):
         if leaf == "bias":
-            return ((cfg.d_ff,), ffn) if module == "fc1" else ((d,), f"d_model {d}")
-        return ((cfg.d_ff, d) if module == "fc1" else (d, cfg.d_ff)), f"{ffn}, d_model {d}"
+            return ((width,), ffn) if module == "fc1" else ((d,), f"d_model {d}")
+        return ((width, d) if module == "fc1" else (d, width)), f"{ffn}, d_model {d}"
     return ((d, d) if module.endswith("_proj") and leaf == "weight" else (d,)), f"d_model {d}"
 
 
 def expected_names(cfg: ModelConfig) -> set[str]:
-    """The per-layer tensors config.json says the weights hold."""
-    return {f"model.{side}.layers.{i}.{module}.{leaf}"
-            for side, table, count in (("encoder", ENCODER_LAYER, cfg.n_enc_layers),
-                                       ("decoder", DECODER_LAYER, cfg.n_dec_layers))
-            for i in range(count) for module in table for leaf in ("weight", "bias")}
+    """The per-layer tensors (and a pre-LN model's final LayerNorms) config.json says the weights hold."""
+    layers = {f"model.{side}.layers.{i}.{module}.{leaf}"
+              for side, table, count in (("encoder", ENCODER_LAYER, cfg.n_enc_layers),
+                                         ("decoder", DECODER_LAYER, cfg.n_dec_layers))
+              for i in range(count) for module in table for leaf in ("weight", "bias")}
+    norms = {f"{name}.{leaf}" for name in FINAL_NORMS for leaf in ("weight", "bias")} if cfg.pre_norm else set()
+    return layers | norms
 
 
 def _check_layers(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
@@ -124,8 +134,8 @@ def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, co
     for name, info in infos.items():
         expected = marian_shape(name, cfg)
         if expected is None:
-            raise MarianImportError(f"{path}: tensor {name!r} has no place in our model (not a Marian layout "
-                                    "this importer knows)")
+            raise MarianImportError(f"{path}: tensor {name!r} has no place in our model (not a layout this "
+                                    "importer knows)")
         if not info.floating:
             raise MarianImportError(f"{path}: {name} holds {info.dtype}, not floating-point weights")
         want, fields = expected
@@ -152,12 +162,15 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) ->
     bias = state.get(LOGITS_BIAS)
     ours["logits_bias"] = torch.zeros(cfg.vocab_size) if bias is None else bias.reshape(-1)
     if any(k in state for k in POSITIONS):
-        table = sinusoidal_positions(cfg.max_positions, cfg.d_model, "halves")
+        table = sinusoidal_positions(cfg.max_positions, cfg.d_model, cfg.positions, cfg.position_offset)
         for k in POSITIONS:
-            if k in state and not torch.allclose(state[k], table, atol=1e-4):
-                raise MarianImportError(f"{path}: {k} is not Marian's sinusoidal table")
+            if k in state and not torch.allclose(state[k][cfg.position_offset:], table, atol=1e-4):
+                raise MarianImportError(f"{path}: {k} is not the {cfg.positions} sinusoidal table")
     for k, v in state.items():
         name = layer_name(k)
         if name is not None:
             ours[name] = v
+        elif cfg.pre_norm and k.rpartition(".")[0] in FINAL_NORMS:
+            module, _, leaf = k.rpartition(".")
+            ours[f"{FINAL_NORMS[module]}.{leaf}"] = v
     return ours

@@ -1,0 +1,47 @@
+"""The shape fields of a BART-family config.json (Marian, M2M-100, NLLB), as our ModelConfig holds them.
+
+Encoder and decoder may differ in depth, feed-forward width and head count: ModelConfig's n_heads and d_ff
+are the decoder's (its caches and cross-attention use them), enc_heads and enc_d_ff the encoder's where they
+differ. One vocabulary is shared by encoder, decoder and output projection (ModelConfig has one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.importers.hf_files import ImportRefused, integer, show
+
+REQUIRED = ("vocab_size", "d_model", "encoder_attention_heads", "encoder_ffn_dim", "encoder_layers", "decoder_layers",
+            "max_position_embeddings")
+OPTIONAL = ("decoder_attention_heads", "decoder_ffn_dim")  # the encoder's when absent
+
+
+def shape(config: dict[str, Any], path: Path, max_positions: int) -> dict[str, Any]:
+    """ModelConfig's shape fields for `config` (refusing, with the field named, what our model cannot hold)."""
+    sizes = {key: integer(config, key, path) for key in REQUIRED + OPTIONAL if key in REQUIRED or key in config}
+    vocab = sizes["vocab_size"]
+    dec_vocab = config.get("decoder_vocab_size")
+    if dec_vocab is not None and dec_vocab != vocab:
+        raise ImportRefused(f"{path}: decoder_vocab_size {show(dec_vocab)} differs from vocab_size {vocab}: separate "
+                            "source and target vocabularies; our model has one embedding shared by encoder, decoder "
+                            "and output projection (ModelConfig.vocab_size), so it cannot hold them")
+    if config.get("share_encoder_decoder_embeddings", True) is not True:
+        raise ImportRefused(f"{path}: share_encoder_decoder_embeddings is "
+                            f"{show(config['share_encoder_decoder_embeddings'])} (separate vocabularies); our model "
+                            "has one embedding shared by encoder, decoder and output projection, so it cannot hold "
+                            "two")
+    if sizes["max_position_embeddings"] > max_positions:
+        raise ImportRefused(f"{path}: max_position_embeddings {sizes['max_position_embeddings']} is above "
+                            f"{max_positions}; fix the value")
+    d_model = sizes["d_model"]
+    enc_heads = sizes["encoder_attention_heads"]
+    dec_heads = sizes.get("decoder_attention_heads", enc_heads)
+    for key, heads in (("encoder_attention_heads", enc_heads), ("decoder_attention_heads", dec_heads)):
+        if d_model % heads or d_model % 2:
+            raise ImportRefused(f"{path}: d_model {d_model} must be even and divisible by {key} {heads}")
+    enc_ffn = sizes["encoder_ffn_dim"]
+    dec_ffn = sizes.get("decoder_ffn_dim", enc_ffn)
+    return dict(vocab_size=vocab, d_model=d_model, n_heads=dec_heads, enc_heads=None if enc_heads == dec_heads
+                else enc_heads, d_ff=dec_ffn, enc_d_ff=None if enc_ffn == dec_ffn else enc_ffn,
+                n_enc_layers=sizes["encoder_layers"], n_dec_layers=sizes["decoder_layers"],
+                max_positions=sizes["max_position_embeddings"])
