@@ -1,4 +1,5 @@
-"""The HTTP routes: POST /translate, GET /health, GET /metrics, GET /info.
+"""The HTTP routes: POST /translate, GET /health, GET /metrics, GET /info; LibreTranslate's POST /translate
+(a body with "q"), GET /languages and POST /detect are in libre.py.
 
 No route reads or writes a file; every request is bounded (bytes, seconds to send them,
 lines, sentences, source tokens, tokens per line, queue places) and every refusal is a JSON
@@ -10,32 +11,26 @@ others or /health while it is prepared."""
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.serve.batcher import Batcher, BatcherStopped, QueueFull, Work
-from pipeline.serve.metrics import CONTENT_TYPE, ModelMetrics
-from pipeline.serve.requests import (
-    ApiError,
-    ServedModel,
-    ServerState,
-    TranslateRequest,
-    encode_request,
-    parse_request,
-    read_body,
-)
+from pipeline.serve import libre
+from pipeline.serve.batcher import Batcher, Work
+from pipeline.serve.flow import count, off_loop, read_payload, submit, translated, wait
+from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.libre import speaks_libre
+from pipeline.serve.metrics import CONTENT_TYPE
+from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request
 from pipeline.serve.translator import Encoded
 from runtime.sentences import rebuild_all
 from runtime.translate import NBest
@@ -43,37 +38,62 @@ from runtime.translate import NBest
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
-PREPARE_THREADS = 4  # parse, split, tokenize and format requests (_off_loop), for every model
-T = TypeVar("T")
+PREPARE_THREADS = 4  # parse, split, tokenize and format requests (flow.off_loop), for every model
 
 
-async def _client_gone(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-def _busy(message: str, state: ServerState) -> ApiError:
-    return ApiError(503, message, {"Retry-After": str(state.limits.retry_after_s)})
+def _unauthorized(state: ServerState, request: Request) -> ApiError | None:
+    """With --api-keys, the native API's refusal of a request without a valid Authorization: Bearer key:
+    401 with WWW-Authenticate, or 429 over the key's rate."""
+    if state.keys is None:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    given = token.strip() if scheme.lower() == "bearer" else None
+    try:
+        state.keys.check(given)
+    except KeyRefused:
+        challenge = 'Bearer realm="pipeline"' + (', error="invalid_token"' if given else "")
+        return ApiError(401, "the API key in Authorization is not valid" if given else
+                        "this server needs an API key: send Authorization: Bearer KEY", {"WWW-Authenticate": challenge})
+    except RateLimited as e:
+        return ApiError(429, str(e), {"Retry-After": str(e.retry_after_s)})
+    return None
 
 
 async def translate(request: Request) -> Response:
+    """POST /translate: the native API ({"text": [...]}) or LibreTranslate's ({"q": ...}, JSON or form)."""
     state: ServerState = request.app.state.server
     started = time.perf_counter()
+    try:
+        data, form = await read_payload(request, state)
+    except ApiError as e:
+        response: Response = JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+        state.unnamed.request(response.status_code)
+        return response
+    except ClientDisconnect:
+        return Response(status_code=CLIENT_CLOSED)
+    if form or speaks_libre(data):
+        return await libre.translate(request, data, form, state)
+    return await _native(request, data, state, started)
+
+
+async def _native(request: Request, data: Any, state: ServerState, started: float) -> Response:
     m = state.unnamed
     try:
-        req = await _off_loop(state, parse_request, await read_body(request, state.limits), state)
+        refused = _unauthorized(state, request)
+        if refused is not None:
+            raise refused
+        req = await off_loop(state, parse_request, data, state)
         m = req.model.metrics
         m.in_flight.inc()
         try:
-            work, encoded = await _submit(req, state)
             if req.stream:
+                work, encoded = await submit(req, state)
                 m.in_flight.inc()  # held by the stream until it ends
                 response: Response = _Stream(_stream(req, work, encoded, state, started), req.model, work)
             else:
-                response = await _answer(request, req, work, encoded, state, started)
+                [(encoded, results)] = await translated(request, [req], state)
+                response = await off_loop(state, _translations, req, encoded, results)
+                m.request_seconds.observe(time.perf_counter() - started)
         finally:
             m.in_flight.dec()
     except ApiError as e:
@@ -86,57 +106,6 @@ async def translate(request: Request) -> Response:
         response = JSONResponse({"error": f"translation failed ({type(e).__name__}: {e}); retry later"},
                                 status_code=503, headers={"Retry-After": str(state.limits.retry_after_s)})
     m.request(response.status_code)
-    return response
-
-
-async def _off_loop(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on the threads that prepare requests and answers: reading a large body's JSON, splitting
-    and tokenizing it, formatting its translations take CPU time in proportion to it, which on the
-    event loop would hold every other request and /health. Not the backend's thread, which translates."""
-    return await asyncio.get_running_loop().run_in_executor(state.prepare, functools.partial(fn, *args))
-
-
-async def _submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encoded]:
-    """The request encoded (its sentences, with split) within the limits and queued on its model's batcher."""
-    model = req.model
-    encoded = await _off_loop(state, encode_request, req, state.limits)
-    if encoded.tokens == 0:  # blank lines only: nothing for the model
-        return Work.finished([[] for _ in encoded.ids], req.decoding), encoded
-    assert model.batcher is not None
-    try:
-        return model.batcher.submit(encoded.ids, req.decoding), encoded
-    except QueueFull as e:
-        raise _busy(f"server busy: {e}; retry later", state) from None
-
-
-async def _wait(work: Work, n: int, state: ServerState) -> None:
-    """Until the first n lines of the work are translated (503 if the server stopped first). It lets
-    the event loop run the others first, even when they are: a long stream of lines translated already
-    holds no one."""
-    await asyncio.sleep(0)
-    try:
-        await work.ready(n)
-    except BatcherStopped as e:
-        raise _busy(str(e), state) from None
-
-
-async def _answer(request: Request, req: TranslateRequest, work: Work, encoded: Encoded, state: ServerState,
-                  started: float) -> Response:
-    """The whole answer at once; the work is dropped if the client leaves first."""
-    model = req.model
-    waiter = asyncio.ensure_future(_wait(work, len(encoded.ids), state))
-    watcher = asyncio.ensure_future(_client_gone(request))
-    try:
-        await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not waiter.done():
-        waiter.cancel()
-        model.batcher.drop(work)  # type: ignore[union-attr]
-        raise ClientDisconnect()
-    _count(model.metrics, encoded, work.results)
-    response = await _off_loop(state, _translations, req, encoded, work.results)
-    model.metrics.request_seconds.observe(time.perf_counter() - started)
     return response
 
 
@@ -162,7 +131,7 @@ async def _stream(req: TranslateRequest, work: Work, encoded: Encoded, state: Se
         line = 0
         for index, split in enumerate(encoded.splits or [None] * len(encoded.ids)):
             if split is None:
-                await _wait(work, line + 1, state)
+                await wait(work, line + 1, state)
                 nbest = work.results[line]
                 line += 1
                 yield _ndjson({"index": index, **({"hypotheses": model.translator.hypotheses(nbest)} if req.structured
@@ -171,11 +140,11 @@ async def _stream(req: TranslateRequest, work: Work, encoded: Encoded, state: Se
             if not split.sentences:  # an empty or whitespace-only text: one object with its whitespace
                 yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0]})
             for j in range(len(split.sentences)):
-                await _wait(work, line + 1, state)
+                await wait(work, line + 1, state)
                 text = model.translator.format(work.results[line], 1)
                 line += 1
                 yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, text)})
-        _count(m, encoded, work.results)
+        count(m, encoded, work.results)
         m.request_seconds.observe(time.perf_counter() - started)
     except ApiError as e:  # the status went out already: the error is the last object
         yield _ndjson({"error": str(e)})
@@ -208,13 +177,6 @@ def _ndjson(item: dict[str, Any]) -> bytes:
     return json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n"
 
 
-def _count(m: ModelMetrics, encoded: Encoded, results: list[NBest]) -> None:
-    m.sentences.inc(len(encoded.ids))
-    m.src_tokens.inc(encoded.tokens)
-    m.truncated.inc(encoded.truncated)
-    m.tgt_tokens.inc(sum(len(nbest[0][0]) + 1 for nbest in results if nbest))
-
-
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.server
     running = all(model.batcher is not None and model.batcher.running for model in state.models.values())
@@ -234,6 +196,9 @@ async def metrics(request: Request) -> Response:
 async def info(request: Request) -> Response:
     """Every model's facts and the server's settings; ?model=NAME: that model's facts alone."""
     state: ServerState = request.app.state.server
+    refused = _unauthorized(state, request)
+    if refused is not None:
+        return JSONResponse({"error": str(refused)}, status_code=refused.status, headers=refused.headers)
     name = request.query_params.get("model")
     if name is None:
         return JSONResponse({"models": {n: m.info for n, m in state.models.items()}, **state.info})
@@ -275,6 +240,8 @@ def create_app(state: ServerState) -> Starlette:
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/info", info, methods=["GET"]),
+        Route("/languages", libre.languages, methods=["GET"]),
+        Route("/detect", libre.detect, methods=["POST"]),
     ], lifespan=lifespan, exception_handlers={Exception: _unavailable})
     app.state.server = state
     return app

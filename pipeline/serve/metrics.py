@@ -56,6 +56,19 @@ class Metrics:
 class ModelMetrics:
     """One model's series: the attributes of PER_MODEL, and `request(code)` to count an answer."""
 
+    sentences: Counter
+    src_tokens: Counter
+    tgt_tokens: Counter
+    truncated: Counter
+    disconnects: Counter
+    queue_depth: Gauge
+    in_flight: Gauge
+    batch_requests: Histogram
+    batch_sentences: Histogram
+    batch_seconds: Histogram
+    queue_seconds: Histogram
+    request_seconds: Histogram
+
     def __init__(self, metrics: Metrics, name: str):
         self.name = name
         self._requests = metrics.requests

@@ -4,6 +4,7 @@ from them). No web-stack imports, so `pipeline serve --help` works without the `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.cli_options import opt
 from runtime.decoding import PAPER
@@ -29,6 +30,11 @@ class ServeHttpOptions:
                           choices=LONG_LINE_POLICIES)
     grace_s: int = opt(30, "On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this "
                        "many seconds (then cancel them), exit 0.", min=0)
+    api_keys: Path | None = opt(None, "A file of API keys, one per line, each optionally followed by its requests "
+                                "per minute: every translation and detection request then needs one (native API: "
+                                "Authorization: Bearer KEY, else 401; LibreTranslate's: \"api_key\", else 403; over "
+                                "the rate: 429). /health, /metrics and /languages stay open.", exists=True,
+                                metavar="FILE")
     # how every served model dir is loaded (its own command-line options: runtime/model_dir.py LoadOptions)
     load: LoadOptions = LoadOptions()
 

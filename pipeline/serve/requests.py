@@ -16,6 +16,9 @@ from typing import Any
 from starlette.requests import Request
 
 from pipeline.serve.batcher import Batcher
+from pipeline.serve.detect import Detector
+from pipeline.serve.keys import ApiKeys
+from pipeline.serve.languages import Routes
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
 from pipeline.serve.translator import Encoded, LineTooLong, Translator
@@ -38,6 +41,9 @@ class ServedModel:
     info: dict[str, Any]
     metrics: ModelMetrics
     batcher: Batcher | None = None
+    # the languages it translates from and into (languages.served_languages): LibreTranslate's routes
+    sources: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
 
 
 @dataclass
@@ -51,10 +57,15 @@ class ServerState:
     warmed_up: bool = False
     draining: bool = False
     prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
+    keys: ApiKeys | None = None  # --api-keys: every translation request needs one of them
+    detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
+    no_detector: str = "language detection is off"
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
+    routes: Routes[ServedModel] = field(init=False)  # (source, target) -> model, for LibreTranslate's API
 
     def __post_init__(self) -> None:
         self.unnamed = self.metrics.model("")
+        self.routes = Routes.of((m.name, m, m.sources, m.targets) for m in self.models.values())
 
 
 class ApiError(Exception):
@@ -95,8 +106,8 @@ def pick_model(data: dict[str, Any], state: ServerState) -> ServedModel:
     return state.models[name]
 
 
-def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
-    """The JSON body checked for types, keys and limits (400 / 404 / 413 naming the problem)."""
+def parse_json(body: bytes) -> Any:
+    """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer)."""
     try:
         decoded = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -110,6 +121,11 @@ def parse_request(body: bytes, state: ServerState) -> TranslateRequest:
         raise ApiError(400, "request body is JSON nested too deeply to read") from None
     except ValueError as e:  # an integer past Python's int-string conversion limit
         raise ApiError(400, f"request body is JSON this server cannot read: {str(e).split(';')[0]}") from None
+    return data
+
+
+def parse_request(data: Any, state: ServerState) -> TranslateRequest:
+    """The JSON body checked for types, keys and limits (400 / 404 / 413 naming the problem)."""
     if not isinstance(data, dict):
         raise ApiError(400, 'request body must be a JSON object like {"text": ["a line", ...]}')
     unknown = sorted(set(data) - REQUEST_KEYS)

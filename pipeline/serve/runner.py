@@ -23,6 +23,9 @@ import uvicorn
 
 from model.errors import UserError
 from pipeline.serve.app import create_app
+from pipeline.serve.detect import Detector, DetectorMissing
+from pipeline.serve.keys import ApiKeys
+from pipeline.serve.languages import served_languages
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.requests import ServedModel, ServerState
@@ -60,7 +63,6 @@ def _version(package: str) -> str | None:
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-PAIR = re.compile(r"([a-z]{2,3})-[a-z]{2,3}")  # a model named SRC-TGT splits with SRC's sentence rules
 
 
 def model_specs(model_dir: str | None, specs: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -83,7 +85,7 @@ def model_specs(model_dir: str | None, specs: tuple[str, ...]) -> list[tuple[str
 def server_info(limits: RequestLimits, opts: ServeHttpOptions) -> dict[str, Any]:
     """What /info tells of the server as a whole: versions and settings."""
     versions = {p: _version(p) for p in ("pipeline", "torch", "onnxruntime", "sentencepiece", "starlette",
-                                         "uvicorn", "sentencex")}
+                                         "uvicorn", "sentencex", "py3langid")}
     return {"versions": versions, "limits": {**asdict(limits), "long_lines": opts.long_lines},
             "grace_s": opts.grace_s}
 
@@ -101,11 +103,31 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
             raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
     except UserError as e:
         raise UserError(f"model {name}: {e}") from None
-    pair = PAIR.fullmatch(name)
-    lang = pair.group(1) if pair else DEFAULT_LANG
-    info = {**translator.summary(), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang}
+    sources, targets = served_languages(name, translator.manifest)
+    lang = sources[0] if sources else DEFAULT_LANG  # documents split with the source's sentence rules
+    info = {**translator.summary(), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang,
+            "languages": {"source": list(sources), "target": list(targets)}}
     translator.warm_up(decoding)
-    return ServedModel(name, translator, decoding, max_beam, lang, info, metrics.model(name))
+    return ServedModel(name, translator, decoding, max_beam, lang, info, metrics.model(name), sources=sources,
+                       targets=targets)
+
+
+def attach_detector(state: ServerState) -> None:
+    """Language detection over the served languages, loaded and warmed up now when it is installed; without
+    it only "source": "auto" and /detect are refused (one line each)."""
+    codes = state.routes.codes
+    if not codes:
+        state.no_detector = "no served model has languages (name models SRC-TGT, like de-en)"
+        return
+    try:
+        state.detector = Detector(codes)
+    except DetectorMissing as e:
+        state.no_detector = str(e)
+        log.warning("%s; \"source\": \"auto\" and /detect are refused", e)
+        return
+    state.detector.best("warm up")
+    if state.detector.unknown:
+        log.warning("language detection does not know %s; name them as source", ", ".join(state.detector.unknown))
 
 
 class _Server(uvicorn.Server):
@@ -140,8 +162,10 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
     metrics = Metrics()
     sock = bind(opts.host, opts.port)
     try:
+        keys = ApiKeys.read(str(opts.api_keys)) if opts.api_keys is not None else None
         served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
-        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True)
+        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True, keys=keys)
+        attach_detector(state)
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
         host, port = sock.getsockname()[:2]
@@ -149,6 +173,8 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
                      model.translator.backend.name, model.translator.backend.device,
                      ", vocabulary shortlist" if opts.load.shortlist else "")
+        log.info("LibreTranslate API: %s%s", state.routes.listed(),
+                 f"; {len(keys)} API key(s) required" if keys is not None else "")
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:

@@ -1,0 +1,268 @@
+"""LibreTranslate's API, as its documentation and server define it, beside the native one: POST /translate
+(a body with "q"), GET /languages, POST /detect. Clients configured with this server's base URL (Mastodon,
+Weblate, libretranslatepy, ...) work unchanged.
+
+A request is JSON or form data (urlencoded or multipart); errors are {"error": "..."} naming the field: 400
+fix the request, 403 an API key is missing or wrong, 413 too large, 429 over the key's rate (Retry-After),
+503 retry later. Every text is translated as a document (split into sentences, its whitespace kept) through
+the same path as the native API's (flow.py); "format": "html" keeps the markup (markup.py). Each
+translation carries "score" (clients ignore it): its hypotheses' beam score, a length-normalised
+log-probability, not a quality guarantee."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.serve.flow import off_loop, read_payload, translated
+from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.markup import Markup, parse_html
+from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
+from pipeline.serve.translator import Encoded
+from runtime.translate import NBest
+
+KEYS = {"q", "source", "target", "format", "alternatives", "api_key"}
+
+
+def speaks_libre(data: Any) -> bool:
+    """A JSON body for LibreTranslate's /translate: it has "q", or LibreTranslate's fields and no "text"."""
+    return isinstance(data, dict) and ("q" in data or ("text" not in data and bool(KEYS & set(data))))
+
+
+def error(e: ApiError) -> Response:
+    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+
+
+def check_key(state: ServerState, given: Any, headers: Headers) -> None:
+    """With --api-keys: 403 without a valid key (the body's "api_key", or Authorization: Bearer), 429
+    over its rate."""
+    if state.keys is None:
+        return
+    if not given:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        given = token.strip() if scheme.lower() == "bearer" else None
+    if given is not None and not isinstance(given, str):
+        raise ApiError(400, '"api_key" must be a string')
+    try:
+        state.keys.check(given)
+    except KeyRefused as e:
+        raise ApiError(403, "Invalid API key" if str(e) == "invalid" else
+                       'this server needs an API key: give "api_key"') from None
+    except RateLimited as e:
+        raise ApiError(429, f"Slowdown: {e}", {"Retry-After": str(e.retry_after_s)}) from None
+
+
+@dataclass
+class LibreRequest:
+    q: list[str]
+    batch: bool  # q was a list: so is every field of the answer
+    source: str  # a code or "auto"
+    target: str
+    html: bool
+    alternatives: int
+
+
+def _code(data: dict[str, Any], key: str) -> str:
+    value = data.get(key)
+    if value is None or value == "":
+        raise ApiError(400, f"Invalid request: missing {key} parameter")
+    if not isinstance(value, str) or not (value == "auto" and key == "source" or LANG.fullmatch(value)):
+        raise ApiError(400, f'"{key}" must be a language code like "de"' + (' or "auto"' if key == "source" else "")
+                       + f", not {str(value)[:20]!r}")
+    return value.lower()
+
+
+def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
+    """LibreTranslate's fields checked (400 / 413 naming the field); unknown fields are ignored, as there."""
+    if not isinstance(data, dict):
+        raise ApiError(400, 'request body must be a JSON object like {"q": "text", "source": "en", "target": "de"}')
+    q = data.get("q")
+    if q is None or q == "" or q == []:
+        raise ApiError(400, "Invalid request: missing q parameter")
+    batch = isinstance(q, list)
+    texts = q if batch else [q]
+    if not all(isinstance(t, str) for t in texts):
+        raise ApiError(400, '"q" must be a string or a list of strings')
+    if len(texts) > state.limits.max_lines:
+        raise ApiError(413, too_many(len(texts), "texts in q", state.limits.max_lines, "--max-lines"))
+    for i, text in enumerate(texts):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            where = f"q[{i}]" if batch else "q"
+            raise ApiError(400, f"{where} holds a lone surrogate (\\ud800-\\udfff), not text") from None
+    if form:  # as LibreTranslate: line ends of form data are \n
+        texts = ["\n".join(t.splitlines()) for t in texts]
+    source, target = _code(data, "source"), _code(data, "target")
+    kind = data.get("format") or "text"
+    if kind not in ("text", "html"):
+        raise ApiError(400, f'"format" must be "text" or "html", not {str(kind)[:20]!r}')
+    n = data.get("alternatives", 0)
+    if isinstance(n, str) and n.strip().lstrip("-").isdigit():
+        n = int(n)
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ApiError(400, '"alternatives" must be a whole number')
+    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n))
+
+
+@dataclass
+class _Group:
+    """The texts (their places in q) one model translates, and the documents they are to it."""
+
+    model: ServedModel
+    source: str
+    places: list[int]
+    markups: list[Markup | None]  # per text: its markup with html, None as text
+    request: TranslateRequest | None = None
+
+
+def _route(state: ServerState, source: str, target: str, detected: str = "") -> ServedModel:
+    model = state.routes.pairs.get((source, target))
+    if model is None:
+        raise ApiError(400, f'{detected}"source" {source} to "target" {target} is not a language pair this server '
+                            f"translates; it translates {state.routes.listed()}")
+    return model
+
+
+def _detect(state: ServerState, req: LibreRequest) -> list[dict[str, Any]]:
+    """Each text's most likely language among the served ones (CPU work: off the event loop)."""
+    detector = state.detector
+    if detector is None:
+        raise ApiError(400, f'"source": "auto" needs language detection: {state.no_detector}; name the source '
+                            'language')
+    return [detector.best(" ".join(parse_html(t).sources) if req.html else t) for t in req.q]
+
+
+def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]] | None) -> list[_Group]:
+    """The texts by model (with "auto" each text goes where its detected language does), as documents."""
+    groups: dict[tuple[str, str], _Group] = {}
+    for i, text in enumerate(req.q):
+        source = detected[i]["language"] if detected else req.source
+        where = f"q[{i}]" if req.batch else "q"
+        model = _route(state, source, req.target, f"{where} is detected as {source} "
+                       f"(confidence {detected[i]['confidence']}): " if detected else "")
+        group = groups.setdefault((model.name, source), _Group(model, source, [], []))
+        group.places.append(i)
+        group.markups.append(parse_html(text) if req.html else None)
+    for group in groups.values():
+        docs = [d for i, m in zip(group.places, group.markups) for d in (m.sources if m else [req.q[i]])]
+        decoding = group.model.decoding
+        if req.alternatives:
+            n = req.alternatives + 1
+            if n > group.model.max_beam:
+                raise ApiError(400, f'"alternatives" {req.alternatives} is above this model\'s limit of '
+                                    f"{group.model.max_beam - 1}")
+            decoding = decoding.replace(nbest=n, beam_size=max(decoding.beam_size, n))
+        group.request = TranslateRequest(docs, group.model, decoding, False, "sentences", group.source, False)
+    return list(groups.values())
+
+
+def _documents(model: ServedModel, encoded: Encoded, results: list[NBest], n: int
+               ) -> list[tuple[str, list[str], float | None]]:
+    """Each document's translation, up to n alternatives (each sentence's k-th hypothesis, rebuilt; those
+    equal to an earlier one dropped, as LibreTranslate does) and score (the beam scores of its sentences'
+    best hypotheses, averaged by their length)."""
+    assert encoded.splits is not None
+    out = []
+    line = 0
+    for split in encoded.splits:
+        nbests = results[line:line + len(split.sentences)]
+        line += len(split.sentences)
+        best = split.rebuild([model.translator.format(nb[:1], 1) for nb in nbests])
+        alternatives: list[str] = []
+        for k in range(1, n + 1):
+            text = split.rebuild([model.translator.format(nb[k:k + 1] or nb[:1], 1) for nb in nbests])
+            if text != best and text not in alternatives:
+                alternatives.append(text)
+        weights = [(len(nb[0][0]) + 1, nb[0][1]) for nb in nbests if nb]
+        total = sum(w for w, _ in weights)
+        out.append((best, alternatives, sum(w * s for w, s in weights) / total if total else None))
+    return out
+
+
+def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[Encoded, list[NBest]]],
+            detected: list[dict[str, Any]] | None) -> dict[str, Any]:
+    texts: list[str] = [""] * len(req.q)
+    alternatives: list[list[str]] = [[] for _ in req.q]
+    scores: list[float | None] = [None] * len(req.q)
+    for group, (encoded, results) in zip(groups, done):
+        docs = iter(_documents(group.model, encoded, results, req.alternatives))
+        for place, markup in zip(group.places, group.markups):
+            if markup is None:
+                texts[place], alternatives[place], scores[place] = next(docs)
+                continue
+            parts = [next(docs) for _ in markup.sources]
+            texts[place] = markup.rebuild([t for t, _, _ in parts])  # no alternatives for html, as LibreTranslate
+            weighted = [(len(src), s) for src, (_, _, s) in zip(markup.sources, parts) if s is not None]
+            total = sum(w for w, _ in weighted)
+            scores[place] = sum(w * s for w, s in weighted) / total if total else None
+    one = (lambda xs: xs) if req.batch else (lambda xs: xs[0])
+    body: dict[str, Any] = {"translatedText": one(texts)}
+    if detected is not None:
+        body["detectedLanguage"] = one(detected)
+    if req.alternatives:
+        body["alternatives"] = one(alternatives)
+    body["score"] = one(scores)
+    return body
+
+
+async def translate(request: Request, data: Any, form: bool, state: ServerState) -> Response:
+    """POST /translate in LibreTranslate's form (the body read and parsed already)."""
+    started = time.perf_counter()
+    m = state.unnamed
+    try:
+        check_key(state, data.get("api_key") if isinstance(data, dict) else None, request.headers)
+        req = parse_libre(data, form, state)
+        detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
+        groups = await off_loop(state, _groups, state, req, detected)
+        m = groups[0].model.metrics
+        for g in groups:
+            g.model.metrics.in_flight.inc()
+        try:
+            done = await translated(request, [g.request for g in groups if g.request], state)
+        finally:
+            for g in groups:
+                g.model.metrics.in_flight.dec()
+        body = await off_loop(state, _answer, req, groups, done, detected)
+        m.request_seconds.observe(time.perf_counter() - started)
+        response: Response = JSONResponse(body)
+    except ApiError as e:
+        response = error(e)
+    except ClientDisconnect:
+        m.disconnects.inc()
+        response = Response(status_code=499)
+    m.request(response.status_code)
+    return response
+
+
+async def languages(request: Request) -> Response:
+    """GET /languages: [{"code", "name", "targets"}] of the served models; open, as LibreTranslate's."""
+    state: ServerState = request.app.state.server
+    return JSONResponse(state.routes.languages())
+
+
+async def detect(request: Request) -> Response:
+    """POST /detect {"q"}: [{"language", "confidence"}], most likely first, confidence in percent."""
+    state: ServerState = request.app.state.server
+    try:
+        data, _ = await read_payload(request, state)
+        if not isinstance(data, dict):
+            raise ApiError(400, 'request body must be a JSON object like {"q": "text"}')
+        check_key(state, data.get("api_key"), request.headers)
+        q = data.get("q")
+        if q is None or q == "" or q == []:
+            raise ApiError(400, "Invalid request: missing q parameter")
+        if isinstance(q, list) and all(isinstance(t, str) for t in q):
+            q = "\n".join(q)
+        if not isinstance(q, str):
+            raise ApiError(400, '"q" must be a string')
+        if state.detector is None:
+            raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
+        return JSONResponse(await off_loop(state, state.detector.rank, q))
+    except ApiError as e:
+        return error(e)

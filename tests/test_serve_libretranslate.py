@@ -1,0 +1,252 @@
+"""LibreTranslate's API on `pipeline serve`, in-process (starlette's TestClient) over stand-in models de-en and
+en-de, with the real language detector, HTML parser and API keys: the answers' shapes, form data, documents,
+HTML that keeps its markup, alternatives and scores, routing by language, and every refusal a clear 4xx naming
+the field (on both APIs), never a traceback. The real client against a real server: test_serve_libreclient.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from starlette.testclient import TestClient  # noqa: E402
+from test_serve_hostile import StandIn  # noqa: E402
+
+from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.detect import Detector  # noqa: E402
+from pipeline.serve.keys import ApiKeys  # noqa: E402
+from pipeline.serve.markup import parse_html  # noqa: E402
+from pipeline.serve.metrics import Metrics  # noqa: E402
+from pipeline.serve.options import RequestLimits  # noqa: E402
+from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+
+KEY, SLOW_KEY = "k3y-for-tests-0001", "k3y-rate-limited-2"
+
+
+class NBestStandIn(StandIn):
+    """The stand-in's upper-cased copy, and as further hypotheses the copy reversed and the copy without its
+    last character: n-best lists whose order and scores are known."""
+
+    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+        self.batches.append(ids)
+        hyps = lambda src: [(src[:-1], -0.5), (src[-2::-1], -1.5), (src[:-2], -2.5)]
+        return [hyps(src)[:decoding.nbest] if src else [] for src in ids]
+
+
+@functools.cache
+def _detector(codes: tuple[str, ...]) -> Detector:
+    pytest.importorskip("py3langid")
+    return Detector(list(codes))  # about a second to load: once for the module
+
+
+@contextmanager
+def client(detector: bool = True, keys: Path | None = None, **limits: Any) -> Iterator[TestClient]:
+    metrics, request_limits = Metrics(), RequestLimits(**limits)
+    decoding = PAPER.replace(batch_tokens=request_limits.max_batch_tokens)
+    models = {name: ServedModel(name, NBestStandIn(), decoding, 4, name[:2], {}, metrics.model(name),
+                                sources=(name[:2],), targets=(name[3:],)) for name in ("de-en", "en-de")}
+    state = ServerState(models, request_limits, {}, metrics, warmed_up=True,
+                        keys=ApiKeys.read(str(keys)) if keys else None)
+    if detector:
+        state.detector = _detector(tuple(state.routes.codes))
+    with TestClient(create_app(state)) as c:
+        yield c
+
+
+def lt(c: TestClient, **body: Any) -> tuple[int, Any]:
+    r = c.post("/translate", content=json.dumps(body), headers={"content-type": "application/json"})
+    return r.status_code, r.json()
+
+
+def test_translate_a_string_and_a_list_as_documents():
+    with client() as c:
+        status, got = lt(c, q="Ein Hund läuft.  Er bellt!\n\nJa.", source="de", target="en")
+        assert status == 200, got
+        assert got["translatedText"] == "EIN HUND LÄUFT.  ER BELLT!\n\nJA."  # sentences and whitespace kept
+        assert got["score"] == pytest.approx(-0.5) and "detectedLanguage" not in got and "alternatives" not in got
+        status, got = lt(c, q=["Ein Hund.", "", "Eine Katze."], source="de", target="en")
+        assert status == 200 and got["translatedText"] == ["EIN HUND.", "", "EINE KATZE."]
+        assert got["score"] == [pytest.approx(-0.5), None, pytest.approx(-0.5)]
+        # the native API answers the same text the same way
+        native = c.post("/translate", json={"text": ["Ein Hund läuft.  Er bellt!\n\nJa."], "model": "de-en",
+                                            "split": "sentences"}).json()
+        assert native["translations"] == ["EIN HUND LÄUFT.  ER BELLT!\n\nJA."]
+
+
+def test_form_data_urlencoded_and_multipart():
+    with client() as c:
+        for r in (c.post("/translate", data={"q": "Ein Hund\r\nbellt", "source": "de", "target": "en"}),
+                  c.post("/translate", files={"q": (None, "Ein Hund\r\nbellt"), "source": (None, "de"),
+                                              "target": (None, "en")})):
+            assert r.status_code == 200, r.text
+            assert r.json()["translatedText"] == "EIN HUND\nBELLT"  # form line ends are \n, as LibreTranslate
+        # curl -d sends JSON with the form content type: still the native API
+        r = c.post("/translate", content=b'{"text": ["ein hund"], "model": "de-en"}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200 and r.json() == {"translations": ["EIN HUND"]}
+
+
+def test_auto_detects_each_text_and_routes_it_to_its_model():
+    with client() as c:
+        status, got = lt(c, q="Der Mann fährt mit dem Fahrrad durch die Stadt.", source="auto", target="en")
+        assert status == 200, got
+        assert got["detectedLanguage"]["language"] == "de" and 50 < got["detectedLanguage"]["confidence"] <= 100
+        status, got = lt(c, q=["Ein kleines Mädchen spielt im Garten.", "A little girl plays in the garden."],
+                         source="auto", target="en")
+        assert status == 400 and 'q[1] is detected as en' in got["error"] and "de-en, en-de" in got["error"]
+        status, got = lt(c, q=["Ein kleines Mädchen spielt im Garten."], source="auto", target="en")
+        assert status == 200 and [d["language"] for d in got["detectedLanguage"]] == ["de"]
+
+
+def test_detect_and_languages():
+    with client() as c:
+        r = c.post("/detect", data={"q": "A man is riding a bicycle down the street."})
+        assert r.status_code == 200
+        got = r.json()
+        assert got[0]["language"] == "en" and got[0]["confidence"] > got[-1]["confidence"]
+        assert {d["language"] for d in got} == {"en", "de"}
+        assert c.get("/languages").json() == [{"code": "de", "name": "German", "targets": ["en"]},
+                                              {"code": "en", "name": "English", "targets": ["de"]}]
+
+
+def test_alternatives_are_the_n_best_and_scores_the_best_hypothesis():
+    with client() as c:
+        status, got = lt(c, q="Hund. Katze.", source="de", target="en", alternatives=2)
+        assert status == 200, got
+        assert got["translatedText"] == "HUND. KATZE."
+        assert got["alternatives"] == [".DNUH .EZTAK", "HUND KATZE"]  # sentence by sentence, k-th best
+        status, got = lt(c, q=["ja"], source="de", target="en", alternatives="1")
+        assert got["alternatives"] == [["AJ"]]
+        status, got = lt(c, q="ja", source="de", target="en", alternatives=4)
+        assert status == 400 and '"alternatives" 4' in got["error"] and "limit of 3" in got["error"]
+
+
+HTML = ('<!DOCTYPE html><p class="x" title="Ein Hund">Ein <b>großer</b> Hund &amp; eine&nbsp;Katze.</p>'
+        '<pre>kein hund</pre><code>x = 1</code><script>var s = "<p>hund</p>";</script>'
+        '<style>p { color: red }</style><span translate="no">Hund</span><!-- ein Hund --><br/>')
+
+
+def test_html_keeps_tags_attributes_entities_and_untranslated_elements():
+    with client() as c:
+        status, got = lt(c, q=HTML, source="de", target="en", format="html")
+        assert status == 200, got
+        assert got["translatedText"] == HTML.replace("Ein <b>", "EIN <b>").replace("großer", "GROSSER").replace(
+            "Hund &amp; eine&nbsp;Katze.", "HUND &amp; EINE&nbsp;KATZE.")
+        # the markup of the answer is the markup of the question
+        markup = lambda doc: [p for i, p in enumerate(parse_html(doc).pieces) if i not in parse_html(doc).texts]
+        assert markup(got["translatedText"]) == markup(HTML)
+        status, got = lt(c, q="<p>unfinished <b", source="de", target="en", format="html")
+        assert status == 200 and got["translatedText"] == "<p>unfinished <b"  # copied, never broken further
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    ({"source": "de", "target": "en"}, 400, "missing q"),
+    ({"q": 3, "source": "de", "target": "en"}, 400, '"q" must be a string'),
+    ({"q": ["a", 3], "source": "de", "target": "en"}, 400, '"q" must be a string'),
+    ({"q": "a", "target": "en"}, 400, "missing source"),
+    ({"q": "a", "source": "de"}, 400, "missing target"),
+    ({"q": "a", "source": "de!", "target": "en"}, 400, '"source" must be a language code'),
+    ({"q": "a", "source": "de", "target": ["en"]}, 400, '"target" must be a language code'),
+    ({"q": "a", "source": "de", "target": "en", "format": "pdf"}, 400, '"format" must be'),
+    ({"q": "a", "source": "de", "target": "en", "alternatives": "many"}, 400, '"alternatives" must be'),
+    ({"q": "a", "source": "de", "target": "en", "alternatives": 1e9}, 400, '"alternatives" must be'),
+    ({"q": "a", "source": "fr", "target": "en"}, 400, "it translates de-en, en-de"),
+    ({"q": "\ud800", "source": "de", "target": "en"}, 400, "q holds a lone surrogate"),
+    ({"q": ["a"] * 11, "source": "de", "target": "en"}, 413, "--max-lines"),
+])
+def test_refusals_name_the_field(body, status, needle, caplog):
+    with caplog.at_level(logging.WARNING), client(max_lines=10) as c:
+        got_status, got = lt(c, **body)
+        assert got_status == status and needle in got["error"], got
+    assert not [r for r in caplog.records if r.exc_info]  # no traceback logged
+
+
+def test_malformed_bodies_are_400_on_both_apis(caplog):
+    with caplog.at_level(logging.WARNING), client(max_bytes=2000) as c:
+        for body, needle in [(b'{"q": "a", ', "not JSON"), (b"[" * 100_000 + b"]" * 100_000, None),
+                             (b'{"q": ' + b"1" * 5000 + b"}", "cannot read"), (b"\xff\xfe", "UTF-8")]:
+            r = c.post("/translate", content=body, headers={"content-type": "application/json"})
+            assert r.status_code in (400, 413) and "error" in r.json(), r.text
+            if needle and len(body) <= 2000:
+                assert needle in r.json()["error"]
+        r = c.post("/translate", content=b"q=%FF&source=de&target=en",
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 400 and "UTF-8" in r.json()["error"]
+        r = c.post("/translate", content=b"--nope", headers={"content-type": "multipart/form-data; boundary=x"})
+        assert r.status_code == 400 and "form data" in r.json()["error"]
+        r = c.post("/translate", json={"text": "not a list", "model": "de-en"})  # the native API
+        assert r.status_code == 400 and '"text" must be a list' in r.json()["error"]
+        r = c.post("/detect", json={"q": 5})
+        assert r.status_code == 400 and '"q" must be a string' in r.json()["error"]
+        r = c.post("/translate", json={"q": "x" * 3000, "source": "de", "target": "en"})
+        assert r.status_code == 413 and "--max-bytes" in r.json()["error"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def test_without_a_detector_only_detection_is_refused():
+    with client(detector=False) as c:
+        status, got = lt(c, q="Ein Hund", source="auto", target="en")
+        assert status == 400 and '"source": "auto" needs language detection' in got["error"]
+        assert lt(c, q="Ein Hund", source="de", target="en")[0] == 200
+        r = c.post("/detect", json={"q": "Ein Hund"})
+        assert r.status_code == 501 and "cannot detect" in r.json()["error"]
+
+
+def test_api_keys_on_both_apis_with_a_rate(tmp_path, caplog):
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"# key  requests per minute\n{KEY}\n\n{SLOW_KEY} 2\n")
+    with caplog.at_level(logging.DEBUG), client(keys=keys) as c:
+        body = {"q": "Ein Hund", "source": "de", "target": "en"}
+        assert lt(c, **body)[0] == 403
+        status, got = lt(c, **body, api_key="wrong-key-123")
+        assert status == 403 and got["error"] == "Invalid API key"
+        assert lt(c, **body, api_key=KEY) == (200, {"translatedText": "EIN HUND", "score": -0.5})
+        assert c.post("/translate", data={**body, "api_key": KEY}).status_code == 200
+        assert c.post("/detect", json={"q": "Ein Hund"}).status_code == 403
+        assert c.post("/detect", json={"q": "Ein Hund", "api_key": KEY}).status_code == 200
+        native = {"text": ["ein hund"], "model": "de-en"}
+        r = c.post("/translate", json=native)
+        assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+        r = c.post("/translate", json=native, headers={"Authorization": "Bearer wrong-key-123"})
+        assert r.status_code == 401 and 'error="invalid_token"' in r.headers["www-authenticate"]
+        r = c.post("/translate", json=native, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json() == {"translations": ["EIN HUND"]}
+        assert c.get("/info").status_code == 401
+        for path in ("/health", "/metrics", "/languages"):  # open
+            assert c.get(path).status_code == 200
+        # the rate: 2 requests per minute for SLOW_KEY, over either API
+        assert lt(c, **body, api_key=SLOW_KEY)[0] == 200
+        r = c.post("/translate", json=native, headers={"Authorization": f"Bearer {SLOW_KEY}"})
+        assert r.status_code == 200
+        r = c.post("/translate", json={**body, "api_key": SLOW_KEY})
+        assert r.status_code == 429 and 1 <= int(r.headers["retry-after"]) <= 60 and "Slowdown" in r.json()["error"]
+        r = c.post("/translate", json=native, headers={"Authorization": f"Bearer {SLOW_KEY}"})
+        assert r.status_code == 429 and "retry-after" in r.headers
+        assert lt(c, **body, api_key=KEY)[0] == 200  # one key's rate is its own
+    logged = "\n".join(r.getMessage() for r in caplog.records)
+    assert KEY not in logged and SLOW_KEY not in logged and "wrong-key-123" not in logged
+
+
+@pytest.mark.parametrize("content, needle", [
+    ("", "holds no key"), ("short\n", "at least 8 characters"), (f"{KEY} fast\n", "line 1"),
+    (f"{KEY}\n{KEY}\n", "line 2: this key is in the file twice"),
+])
+def test_a_bad_keys_file_is_one_line_naming_the_line(tmp_path, content, needle):
+    from model.errors import UserError
+    path = tmp_path / "keys.txt"
+    path.write_text(content)
+    with pytest.raises(UserError, match=needle) as e:
+        ApiKeys.read(str(path))
+    assert KEY not in str(e.value)
