@@ -194,6 +194,15 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     assert report["lines"] == 3 and report["paragraph"] == 3
     assert report["levels"][0]["errors"] == 0 and report["levels"][0]["mismatched_lines"] == 0
 
+    # --api both: the same levels in LibreTranslate's form too, to the model served as de-en (documents)
+    bench = _pipeline("bench", tmp_path / "m", "--serve", docs, "--backends", "onnxruntime", "--threads", "1",
+                      "--concurrency", "2", "--requests", "3", "--lines-per-request", "1", "--api", "both",
+                      "--pair", "de-en", "--beam-size", "2", "--json", out)
+    assert bench.returncode == 0, bench.stderr
+    report = json.loads(out.read_text())
+    assert [lv["api"] for lv in report["levels"]] == ["native", "libretranslate"] and report["pair"] == "de-en"
+    assert all(lv["requests"] == 3 and lv["errors"] == 0 and lv["mismatched_lines"] == 0 for lv in report["levels"])
+
     # What a user waits for: our serve-batch and CTranslate2's script on the same weights, whole processes.
     pytest.importorskip("ctranslate2")
     whole = tmp_path / "whole.json"

@@ -250,3 +250,17 @@ def test_a_bad_keys_file_is_one_line_naming_the_line(tmp_path, content, needle):
     with pytest.raises(UserError, match=needle) as e:
         ApiKeys.read(str(path))
     assert KEY not in str(e.value)
+
+
+def test_served_languages_come_from_the_manifest_else_the_name():
+    from types import SimpleNamespace
+
+    from pipeline.serve.languages import Routes, served_languages
+    plain = SimpleNamespace()  # a manifest of today: no `languages`
+    assert served_languages("de-en", plain) == (("de",), ("en",))
+    assert served_languages("model", plain) == ((), ())
+    many = SimpleNamespace(languages=SimpleNamespace(source=("de", "en", "fr"), target=("de", "en", "fr")))
+    assert served_languages("m2m", many) == (("de", "en", "fr"), ("de", "en", "fr"))
+    routes = Routes.of([("m2m", "M", ("de", "en", "fr"), ("de", "en", "fr")), ("de-en", "D", ("de",), ("en",))])
+    assert len(routes.pairs) == 6 and routes.pairs[("de", "en")] == "M"  # the first model given wins a pair
+    assert routes.languages()[0] == {"code": "de", "name": "German", "targets": ["en", "fr"]}

@@ -41,7 +41,10 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     "nbest"?, "scores"?} answers {"translations": [...]}, exactly what serve-batch writes for
     those lines ("split": "sentences": documents, as serve-batch --split sentences; "stream":
     true: NDJSON, one object per text as soon as it is done). GET /health, /metrics
-    (Prometheus, by model) and /info. Stateless: run one process per GPU and as many replicas
+    (Prometheus, by model) and /info. Beside it, LibreTranslate's API: POST /translate
+    {"q", "source" (or "auto"), "target", "format"?, "alternatives"?, "api_key"?} (JSON or
+    form data), GET /languages, POST /detect, routed by each model's languages (a model named
+    SRC-TGT, like --model de-en=DIR). Stateless: run one process per GPU and as many replicas
     as needed behind any load balancer.
     """
     _require_web_stack()

@@ -8,7 +8,9 @@ Reports per level: sentences/s and target tokens/s against serve-batch's, p50/p9
 request latency, answers that differ from serve-batch's (should be 0), and the
 server's peak RSS. With --paragraph N, every N lines of INPUT are one document, sent with
 "split": "sentences" and set against serve-batch --split sentences on the same documents
-(rates then count documents). Writes JSON."""
+(rates then count documents). With --api libretranslate (or both) the clients speak LibreTranslate's
+API to the model served as --pair (each text a document, set against serve-batch --split sentences).
+Writes JSON."""
 
 from __future__ import annotations
 
@@ -57,13 +59,15 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     return out.read_text(encoding="utf-8").split("\n")[:-1], summary
 
 
-def start_server(model_dir: str, common: list[str], extra: list[str], log_path: Path
+def start_server(model_dir: str, common: list[str], extra: list[str], log_path: Path, name: str | None = None
                  ) -> tuple[subprocess.Popen, str]:
-    """`pipeline serve MODEL_DIR` on a free loopback port, once /health says it is ready."""
+    """`pipeline serve MODEL_DIR` (or `--model NAME=MODEL_DIR`) on a free loopback port, once /health says it
+    is ready."""
     import httpx
 
     logf = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", model_dir, "--host", "127.0.0.1",
+    served = ["--model", f"{name}={model_dir}"] if name else [model_dir]
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline", "serve", *served, "--host", "127.0.0.1",
                              "--port", "0", *common, *extra], stdout=logf, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline and proc.poll() is None:
@@ -99,11 +103,27 @@ def peak_rss_mib(pid: int) -> float | None:
     return int(m.group(1)) / 1024 if m else None
 
 
+def _native(texts: list[str], extra: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    return {"text": texts, **extra}, "translations"
+
+
+def _libretranslate(pair: str) -> Any:
+    """LibreTranslate's request for the texts: "q" a string for one text, a list for several."""
+    source, _, target = pair.partition("-")
+
+    def body(texts: list[str], extra: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        return {"q": texts[0] if len(texts) == 1 else texts, "source": source, "target": target}, "translatedText"
+    return body
+
+
 async def run_level(url: str, requests: list[list[int]], lines: list[str], expected: list[str],
-                    concurrency: int, max_seconds: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    concurrency: int, max_seconds: float, extra: dict[str, Any] | None = None,
+                    api: str = "native", pair: str = "") -> dict[str, Any]:
     """`concurrency` clients send the requests (indices into lines, plus `extra` fields) until done or out
-    of time."""
+    of time, in the native API's form or LibreTranslate's (api "libretranslate", the model's `pair`)."""
     import httpx
+
+    make = _native if api == "native" else _libretranslate(pair)
 
     latencies: list[float] = []
     counts = {"requests": 0, "sentences": 0, "mismatched_lines": 0, "errors": 0}
@@ -115,21 +135,23 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
             if time.perf_counter() - started > max_seconds:
                 return
             t0 = time.perf_counter()
-            r = await http.post(f"{url}/translate", json={"text": [lines[i] for i in idx], **(extra or {})})
+            body, key = make([lines[i] for i in idx], extra or {})
+            r = await http.post(f"{url}/translate", json=body)
             latencies.append(time.perf_counter() - t0)
             if r.status_code != 200:
                 counts["errors"] += 1
                 continue
             counts["requests"] += 1
             counts["sentences"] += len(idx)
-            got = r.json()["translations"]
+            got = r.json()[key]
+            got = [got] if isinstance(got, str) else got
             counts["mismatched_lines"] += sum(g != expected[i] for g, i in zip(got, idx))
 
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=max(60.0, max_seconds), limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     seconds = time.perf_counter() - started
-    return {"concurrency": concurrency, **counts, "seconds": seconds,
+    return {"api": api, "concurrency": concurrency, **counts, "seconds": seconds,
             "sentences_per_s": counts["sentences"] / seconds if seconds else None,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}
 
@@ -149,6 +171,12 @@ class ServeBenchOptions:
     paragraph: int = opt(0, "With --serve: join every N lines of INPUT into one document and send documents with "
                          '"split": "sentences" (serve-batch: --split sentences); 0 sends lines.', min=0)
     lang: str = opt("en", "With --serve --paragraph: the documents' language, for the sentence rules.")
+    api: str = opt("native", "With --serve: the API the clients speak: native ({\"text\": [...]}), libretranslate "
+                   "({\"q\", \"source\", \"target\"}; each text a document, set against serve-batch --split "
+                   "sentences) or both (each level measured with one, then the other).",
+                   choices=("native", "libretranslate", "both"))
+    pair: str = opt("de-en", "With --serve --api libretranslate or both: the model's languages SRC-TGT; it is served "
+                    "under that name.")
 
     def levels(self) -> list[int]:
         try:
@@ -173,28 +201,39 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
         lines = [" ".join(lines[i:i + opts.paragraph]) for i in range(0, len(lines), opts.paragraph)]
         split = {"split": "sentences", "lang": opts.lang}
         offline_args = ["--split", "sentences", "--lang", opts.lang]
+    apis = ["native", "libretranslate"] if opts.api == "both" else [opts.api]
+    if "libretranslate" in apis and not re.fullmatch(r"[a-z]{2,3}-[a-z]{2,3}", opts.pair):
+        raise UserError(f"--pair {opts.pair!r}: give the model's languages as SRC-TGT, e.g. de-en")
     common = ["--backend", backend, "--beam-size", str(beam_size)] + (["--threads", str(threads)] if threads else [])
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         log.info("serve-batch on %d lines", len(lines))
         expected, offline = run_serve_batch(model_dir, lines, common + offline_args, Path(tmp))
-        proc, url = start_server(model_dir, common, list(opts.server_arg), Path(tmp) / "serve.log")
+        documents = expected
+        if "libretranslate" in apis and not opts.paragraph:  # LibreTranslate's texts are documents
+            documents, _ = run_serve_batch(model_dir, lines, common + ["--split", "sentences", "--lang",
+                                                                       opts.pair.split("-")[0]], Path(tmp))
+        name = opts.pair if "libretranslate" in apis else None
+        proc, url = start_server(model_dir, common, list(opts.server_arg), Path(tmp) / "serve.log", name)
         try:
             spans = [list(range(i, min(i + opts.lines_per_request, len(lines))))
                      for i in range(0, len(lines), opts.lines_per_request)]
             requests = [spans[k % len(spans)] for k in range(opts.requests)]
             results = []
             for c in levels:
-                log.info("concurrency %d", c)
-                level = asyncio.run(run_level(url, requests, lines, expected, c, opts.max_seconds, split))
-                if offline["sentences_per_s"] and level["sentences_per_s"]:
-                    level["vs_serve_batch"] = level["sentences_per_s"] / offline["sentences_per_s"]
-                results.append(level)
+                for api in apis:
+                    log.info("concurrency %d, %s API", c, api)
+                    level = asyncio.run(run_level(url, requests, lines, expected if api == "native" else documents,
+                                                  c, opts.max_seconds, split, api, opts.pair))
+                    if offline["sentences_per_s"] and level["sentences_per_s"]:
+                        level["vs_serve_batch"] = level["sentences_per_s"] / offline["sentences_per_s"]
+                    results.append(level)
             rss = peak_rss_mib(proc.pid)
         finally:
             code = stop_server(proc)
     return {"model_dir": model_dir, "backend": backend, "threads": threads, "beam_size": beam_size,
             "lines": len(lines), "paragraph": opts.paragraph,
-            "lines_per_request": opts.lines_per_request, "serve_batch": offline, "levels": results,
+            "lines_per_request": opts.lines_per_request, "api": opts.api, "pair": opts.pair if opts.api != "native"
+            else None, "serve_batch": offline, "levels": results,
             "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg)}
 
 
@@ -207,10 +246,11 @@ def format_serve_bench(report: dict[str, Any]) -> str:
     unit = f"documents of {report['paragraph']} lines" if report.get("paragraph") else "lines"
     rows = [f"serve-batch: {offline['sentences_per_s']:.1f} {unit}/s on {report['lines']} {unit} "
             f"(backend {report['backend']}); server peak RSS {report['server_peak_rss_mib'] or 0:.0f} MiB",
-            f"{'clients':>8} {'texts/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} {'differ':>7}"]
+            f"{'api':>14} {'clients':>8} {'texts/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
+            f"{'differ':>7}"]
     for lv in report["levels"]:
         ratio = lv.get("vs_serve_batch")
-        rows.append(f"{lv['concurrency']:>8} {lv['sentences_per_s'] or 0:>8.1f} "
+        rows.append(f"{lv.get('api', 'native'):>14} {lv['concurrency']:>8} {lv['sentences_per_s'] or 0:>8.1f} "
                     f"{'-' if ratio is None else f'{ratio:.2f}':>8} {ms(lv['latency_p50_s']):>8} "
                     f"{ms(lv['latency_p99_s']):>8} {lv['errors']:>7} {lv['mismatched_lines']:>7}")
     return "\n".join(rows)
