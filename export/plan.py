@@ -180,9 +180,11 @@ def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) ->
     if limits.max_tgt_len >= cfg.max_positions:
         problems.append(f"--max-tgt-len {limits.max_tgt_len} must be below the model's max_positions "
                         f"({cfg.max_positions})")
-    if cfg.eos_id in (cfg.pad_id, cfg.bos_id):  # (Marian starts from its pad id: pad = bos is fine)
-        problems.append(f"model config has pad/bos/eos ids {cfg.pad_id}/{cfg.bos_id}/{cfg.eos_id}; "
-                        "the exporter needs an EOS id apart from the others")
+    # Marian starts from its pad id, M2M-100 from its EOS: a start token equal to either is fine; padding must
+    # differ from EOS, or every source's EOS would be masked as padding
+    if cfg.eos_id == cfg.pad_id:
+        problems.append(f"model config has pad and eos id {cfg.pad_id}; the exporter needs an EOS id apart from "
+                        "the padding id")
     if problems:
         raise ExportError("cannot export: " + "; ".join(problems))
 

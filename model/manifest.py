@@ -51,6 +51,14 @@ def check_precision(value: str, name: str = "precision") -> str:
 
 
 @dataclass(frozen=True)
+class Languages:
+    """The source and target language codes a model dir serves (a multilingual model: every pair of them)."""
+
+    source: tuple[str, ...]
+    target: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Limits:
     """Shape limits the export was built for (its --max-* options; TensorRT profiles)."""
 
@@ -158,6 +166,13 @@ class Manifest:
                 raise ModelDirError(f"manifest field 'files' lists {name[:80]!r}, which is not a file name inside "
                                     f"the model directory")
 
+    @property
+    def languages(self) -> Languages | None:
+        """The languages a multilingual model dir serves (model_config.languages, every pair among them);
+        None for a model of one language pair, whose languages are not recorded."""
+        codes = tuple(code for code, _ in self.model_config.languages)
+        return Languages(codes, codes) if codes else None
+
     def lists(self, *names: str) -> bool:
         """Whether the manifest lists every one of these files."""
         return all(name in self.files for name in names)
@@ -223,11 +238,12 @@ def _parse(tp: Any, value: Any, name: str, shown: Any = None) -> Any:
             raise wrong()
         (item,) = typing.get_args(tp)
         return [_parse(item, v, f"{name}[{i}]") for i, v in enumerate(value)]
-    if origin is tuple:  # only tuple[X, ...]: a JSON list
-        if not isinstance(value, list):
+    if origin is tuple:  # tuple[X, ...] or tuple[X, Y]: a JSON list
+        args = typing.get_args(tp)
+        if not isinstance(value, list) or (args[-1] is not Ellipsis and len(value) != len(args)):
             raise wrong()
-        item = typing.get_args(tp)[0]
-        return tuple(_parse(item, v, f"{name}[{i}]") for i, v in enumerate(value))
+        items = [args[0]] * len(value) if args[-1] is Ellipsis else list(args)
+        return tuple(_parse(item, v, f"{name}[{i}]") for i, (item, v) in enumerate(zip(items, value)))
     if origin is dict:
         if not isinstance(value, dict):
             raise wrong()

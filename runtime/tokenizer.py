@@ -4,10 +4,11 @@ Two kinds, one interface (vocab_size, encode_source, decode, model_bytes):
 
 - `Tokenizer`: one joint SentencePiece model whose ids are the model's (what `pipeline train`
   makes, with the project's fixed special ids, model.config);
-- `VocabTokenizer`: Marian's (pipeline/importers): a source and a target SentencePiece model
-  whose pieces are looked up in one shared vocabulary (vocab.json), as transformers'
-  MarianTokenizer does. Sources are pieces + EOS with no BOS; a piece missing from the
-  vocabulary is UNK; a leading language code such as `>>fra<<` is one token.
+- `VocabTokenizer`: Marian's and M2M-100's (pipeline/importers): a source and a target SentencePiece
+  model (M2M-100: one model for both) whose pieces are looked up in one shared vocabulary
+  (vocab.json), as transformers' MarianTokenizer and M2M100Tokenizer do. Sources are pieces + EOS with
+  no BOS; a piece missing from the vocabulary is UNK; a leading language code such as `>>fra<<` is one
+  token. `hidden` tokens (M2M-100's language tokens, <s>) are never text: decoding drops them.
 
 A checkpoint and a model dir hold a tokenizer as bytes (`model_bytes`, the model dir's spm.model):
 a SentencePiece model, or a bundle of the two models and the vocabulary; `load_tokenizer` tells
@@ -82,7 +83,7 @@ class VocabTokenizer:
     """Source and target SentencePiece models over one shared piece vocabulary (Marian's)."""
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
-                 unk: str = "<unk>", pad: str = "<pad>"):
+                 unk: str = "<unk>", pad: str = "<pad>", hidden: list[str] | tuple[str, ...] = ()):
         self.source = spm.SentencePieceProcessor(model_proto=source_spm)
         self.target = spm.SentencePieceProcessor(model_proto=target_spm)
         self.source_spm, self.target_spm = source_spm, target_spm
@@ -101,6 +102,11 @@ class VocabTokenizer:
             raise TokenizerError(f"the vocabulary's ids are not 0..{len(ids) - 1} without gaps or repeats")
         self.pieces = {i: piece for piece, i in self.vocab.items()}
         self.eos_id, self.unk_id, self.pad_id = (self.vocab[t] for t in (eos, unk, pad))
+        unknown = [token for token in hidden if token not in self.vocab]
+        if unknown:
+            raise TokenizerError(f"the vocabulary has no {unknown[0]!r} (a token decoding must drop)")
+        self.hidden = tuple(hidden)
+        self.dropped = {self.eos_id, self.pad_id, self.unk_id} | {self.vocab[t] for t in self.hidden}
         self.language_codes = {p for p in self.vocab if p.startswith(">>") and p.endswith("<<")}
 
     @property
@@ -110,7 +116,7 @@ class VocabTokenizer:
     @property
     def piece_ids(self) -> list[int]:
         """The ids that are text pieces (no special id)."""
-        return [i for i in range(self.vocab_size) if i not in (self.eos_id, self.unk_id, self.pad_id)]
+        return [i for i in range(self.vocab_size) if i not in self.dropped]
 
     def piece(self, i: int) -> str:
         return self.pieces[i]
@@ -122,8 +128,10 @@ class VocabTokenizer:
     def model_bytes(self) -> bytes:
         """The bundle: a header line of JSON (vocabulary, special tokens, model sizes), then the
         source and the target SentencePiece models."""
-        header = {"vocab": self.vocab, "specials": self.specials,
-                  "source_bytes": len(self.source_spm), "target_bytes": len(self.target_spm)}
+        header: dict[str, Any] = {"vocab": self.vocab, "specials": self.specials}
+        if self.hidden:  # absent for Marian's bundles, which stay byte for byte what they were
+            header["hidden"] = list(self.hidden)
+        header.update(source_bytes=len(self.source_spm), target_bytes=len(self.target_spm))
         return BUNDLE_MAGIC + json.dumps(header, ensure_ascii=False).encode() + b"\n" + self.source_spm \
             + self.target_spm
 
@@ -141,7 +149,8 @@ class VocabTokenizer:
         if end != len(body):
             raise TokenizerError(f"tokenizer bundle of {len(body)} bytes, its header says {end}: truncated?")
         try:
-            return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"])
+            return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"],
+                       hidden=header.get("hidden", []))
         except (RuntimeError, TypeError, AttributeError) as e:  # SentencePiece's parse error; a header of wrong types
             raise TokenizerError(f"unusable tokenizer bundle ({first_line(e)})") from None
 
@@ -164,12 +173,11 @@ class VocabTokenizer:
         return [self._ids(self.target.encode(text, out_type=str)) for text in texts]
 
     def decode(self, ids: list[list[int]]) -> list[str]:
-        """Text by the target model from the pieces of the ids; special tokens (EOS, padding, UNK) are
-        dropped, as MarianTokenizer.decode(skip_special_tokens=True) drops them."""
-        special = {self.eos_id, self.pad_id, self.unk_id}
+        """Text by the target model from the pieces of the ids; special tokens (EOS, padding, UNK, the hidden
+        ones) are dropped, as MarianTokenizer.decode(skip_special_tokens=True) drops them."""
         out = []
         for seq in ids:
-            pieces = [self.pieces[i] for i in seq if i not in special and i in self.pieces]
+            pieces = [self.pieces[i] for i in seq if i not in self.dropped and i in self.pieces]
             out.append(self.target.decode_pieces(pieces).replace("\u2581", " ").strip())
         return out
 

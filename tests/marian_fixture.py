@@ -154,17 +154,18 @@ def _calibrate_eos(model, tokenizer, sentences: list[str], max_length: int) -> f
 
 def make_marian_config(vocab_size: int, *, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64,
                        activation: str = "swish", max_position_embeddings: int = 128, num_beams: int = 4,
-                       max_length: int = 64, decoder_layers: int | None = None):
-    """A MarianConfig shaped like a real opus-mt-* config.json (legacy keys included); `decoder_layers`
-    other than `layers`: a deep-encoder, shallow-decoder student's shape."""
+                       max_length: int = 64, decoder_layers: int | None = None, decoder_ffn: int | None = None,
+                       decoder_heads: int | None = None):
+    """A MarianConfig shaped like a real opus-mt-* config.json (legacy keys included); `decoder_layers`,
+    `decoder_ffn`, `decoder_heads` other than the encoder's: a deep-encoder, shallow-decoder student's shape."""
     from transformers import MarianConfig
 
     pad = vocab_size - 1
     config = MarianConfig(
         vocab_size=vocab_size, decoder_vocab_size=vocab_size, d_model=d_model,
         encoder_layers=layers, decoder_layers=layers if decoder_layers is None else decoder_layers,
-        encoder_attention_heads=heads, decoder_attention_heads=heads,
-        encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, activation_function=activation,
+        encoder_attention_heads=heads, decoder_attention_heads=decoder_heads or heads,
+        encoder_ffn_dim=ffn, decoder_ffn_dim=decoder_ffn or ffn, activation_function=activation,
         max_position_embeddings=max_position_embeddings, dropout=0.1, attention_dropout=0.0,
         activation_dropout=0.0, init_std=0.02, scale_embedding=True, share_encoder_decoder_embeddings=True,
         tie_word_embeddings=True, pad_token_id=pad, eos_token_id=0, bos_token_id=0,
@@ -193,7 +194,8 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
                     corpus: list[str] | None = None, num_beams: int = 4, max_length: int = 64,
                     safe_serialization: bool = True, spm_model_type: str = "unigram",
                     vocab_size: int | None = None, calibrate: bool = True, train_steps: int = 0,
-                    decoder_layers: int | None = None) -> Path:
+                    decoder_layers: int | None = None, decoder_ffn: int | None = None,
+                    decoder_heads: int | None = None) -> Path:
     """Write a random-weight OPUS-MT model dir into `out` (created; must be empty or absent)
     and return `out`. `vocab_pieces` is each SentencePiece model's vocab size (a soft limit).
     `safe_serialization=False` writes pytorch_model.bin instead of model.safetensors. `vocab_size` pads
@@ -227,7 +229,8 @@ def make_marian_dir(out: Path, *, d_model: int = 32, layers: int = 2, heads: int
 
     config = make_marian_config(len(vocab), d_model=d_model, layers=layers, heads=heads, ffn=ffn,
                                 activation=activation, max_position_embeddings=max_position_embeddings,
-                                num_beams=num_beams, max_length=max_length, decoder_layers=decoder_layers)
+                                num_beams=num_beams, max_length=max_length, decoder_layers=decoder_layers,
+                                decoder_ffn=decoder_ffn, decoder_heads=decoder_heads)
     torch.manual_seed(seed)
     model = MarianMTModel(config).eval()
     _randomize(model, seed, eos_id=0, pad_id=config.pad_token_id, final_logits_bias=final_logits_bias)

@@ -210,6 +210,9 @@ def test_cli_overrides_the_models_defaults(checkpoint, tmp_path):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "vocab_size": 400, "decoder_vocab_size": 400})),
      "vocab.json: 375 entries but config.json says vocab_size 400"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "share_encoder_decoder_embeddings": False})),
+     "share_encoder_decoder_embeddings is false (separate vocabularies); our model has one embedding"),
 ])
 def test_bad_directory_is_one_line_naming_the_file(hf_dir, tmp_path, damage, message):
     broken = tmp_path / "broken"
@@ -254,16 +257,21 @@ def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("encoder_layers, decoder_layers", [(3, 1), (1, 2)])
-def test_asymmetric_depths_import_export_and_serve_as_generate(tmp_path, texts, encoder_layers, decoder_layers):
-    """A deep-encoder, shallow-decoder student (and the reverse) imports, exports and serves token-identical
-    to transformers' generate, at beam 1 and at the model's beam 4."""
+@pytest.mark.parametrize("encoder_layers, decoder_layers, decoder_ffn, decoder_heads",
+                         [(3, 1, 32, 2), (1, 2, None, None)])
+def test_asymmetric_shapes_import_export_and_serve_as_generate(tmp_path, texts, encoder_layers, decoder_layers,
+                                                               decoder_ffn, decoder_heads):
+    """A deep-encoder, shallow-decoder student with a narrower decoder (FFN 32 against 64, 2 heads against 4),
+    and the reverse depths, import, export and serve token-identical to transformers' generate, at beam 1 and
+    at the model's beam 4."""
     hf_dir = make_marian_dir(tmp_path / "hf", layers=encoder_layers, decoder_layers=decoder_layers,
-                             max_length=MAX_LENGTH)
+                             max_length=MAX_LENGTH, decoder_ffn=decoder_ffn, decoder_heads=decoder_heads)
     checkpoint = tmp_path / "student.pt"
     import_marian(hf_dir, checkpoint)
     model, _, _ = load_model(checkpoint)
     assert (model.cfg.n_enc_layers, model.cfg.n_dec_layers) == (encoder_layers, decoder_layers)
+    assert (model.cfg.d_ff, model.cfg.n_heads) == (decoder_ffn or 64, decoder_heads or 4)
+    assert (model.cfg.encoder_d_ff, model.cfg.encoder_heads) == (64, 4)
     from export.api import export_model
 
     export_model(checkpoint, tmp_path / "model", tensorrt=False)

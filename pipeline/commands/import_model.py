@@ -1,7 +1,7 @@
 """`pipeline import FORMAT DIR --out CHECKPOINT`: a model trained elsewhere, as one of our checkpoints.
 
 One subcommand per format family (pipeline/importers): `marian` for OPUS-MT / MarianMTModel
-directories. Another family (fairseq, NLLB) is one more mapping module and subcommand."""
+directories, `m2m100` for M2M-100. Another family is one more mapping module and subcommand."""
 
 from __future__ import annotations
 
@@ -45,3 +45,31 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
     click.echo(f"{out}: Marian model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
                f"layers, vocabulary {cfg['vocab_size']}, activation {cfg['activation']}; decoding defaults "
                f"{json.dumps(summary['decoding'])}")
+
+
+@import_group.command("m2m100")
+@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+              help="Checkpoint file to write (atomically, with its SHA-256).")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
+    """Import HF_DIR, a local M2M-100 directory (what `save_pretrained` writes: config.json,
+    model.safetensors or pytorch_model.bin, sentencepiece.bpe.model, vocab.json, tokenizer_config.json
+    and, when present, generation_config.json): one model for many language pairs. Never touches the network.
+
+        pipeline import m2m100 m2m100_418M --out m2m.pt
+        pipeline export m2m.pt --out models/m2m --int8
+        pipeline serve-batch models/m2m in.en --src-lang en --tgt-lang de --output out.de
+
+    Every language the tokenizer lists is served: a source starts with its language's token, the
+    target's is forced as the first generated one. generate's defaults (num_beams, max_length,
+    early_stopping) become the model dir's decoding defaults; options given on the command line win."""
+    from pipeline.importers.m2m100 import import_m2m100
+
+    check_output_file(out, "--out")
+    summary = import_m2m100(hf_dir, out, force=force)
+    cfg = summary["config"]
+    langs = summary["languages"]
+    click.echo(f"{out}: M2M-100 model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
+               f"layers, vocabulary {cfg['vocab_size']}, {len(langs)} languages ({', '.join(langs[:12])}"
+               f"{', ...' if len(langs) > 12 else ''}); decoding defaults {json.dumps(summary['decoding'])}")

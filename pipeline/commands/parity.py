@@ -47,6 +47,7 @@ from runtime.model_dir import LoadOptions
     "Here: every listed backend, torch included, decodes so against the full-vocabulary reference; labelled e.g. "
     f"fp32+shortlist, gated by |dBLEU| <= {DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of "
     "it and their own), with the shortlist's coverage of the reference's tokens.")})
+@options_from(ServeBatchOptions, only=("src_lang", "tgt_lang"))
 @click.option("--min-identical", default=DEFAULT_GATES["fp32"].min_identical, show_default=True, type=float,
               help="fp32 gate: least share of sentences token-identical to PyTorch.")
 @click.option("--max-bleu-delta", default=DEFAULT_GATES["fp32"].max_bleu_delta, show_default=True, type=float,
@@ -70,7 +71,8 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
            fp16_min_identical: float | None, json_out: Path | None, save_hyps: Path | None,
            int8_max_bleu_delta: float = DEFAULT_GATES["int8"].max_bleu_delta,
            int8_min_identical: float | None = None, reference_engine: str = REFERENCE,
-           hf_dir: Path | None = None, shortlist: bool = False) -> None:
+           hf_dir: Path | None = None, shortlist: bool = False, src_lang: str | None = None,
+           tgt_lang: str | None = None) -> None:
     """Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model:
     BLEU and chrF against REF, BLEU against PyTorch, share of token-identical sentences,
     first divergence step and log-prob gap. Each backend translates SRC exactly as
@@ -97,7 +99,8 @@ def parity(ctx: click.Context, model_dir: Path, src: Path | None, ref: Path | No
     if json_out:
         refuse_overwriting_inputs(inputs, [json_out], "--json file")
         check_output_file(json_out, "--json")
-    report = run_parity(model_dir, src, ref, names, opts=ServeBatchOptions(decoding=decoding),
+    report = run_parity(model_dir, src, ref, names, opts=ServeBatchOptions(decoding=decoding, src_lang=src_lang,
+                                                                              tgt_lang=tgt_lang),
                         device=device, gates=gates, threads=threads, save_hyps=save_hyps,
                         reference_engine=reference_engine, hf_dir=hf_dir, shortlist=shortlist)
     click.echo(format_table(report))

@@ -249,7 +249,8 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
         raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
                         "--reference transformers needs --hf-dir")
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
-    lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding)
+    lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding, opts.src_lang,
+                                                              opts.tgt_lang)
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
     runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)

@@ -1,13 +1,14 @@
 """`pipeline parity --reference transformers`: an imported model's source directory translated by
-transformers itself (`MarianTokenizer` + `MarianMTModel.generate`), the independent implementation
-an import is checked against.
+transformers itself (`MarianTokenizer` + `MarianMTModel.generate`, or `M2M100Tokenizer` +
+`M2M100ForConditionalGeneration.generate` with the source language set and the target's token forced
+first), the independent implementation an import is checked against.
 
 The lines are read as serve-batch reads them (blank lines stay blank and are not translated); the
 tokenizer, the model and the search are transformers' own, with the generation config the directory
 ships and our decoding options in its place where they correspond: beam size (num_beams), alpha
 (length_penalty) and the length limit (max_length = max_len_b + 2: transformers counts the decoder
-start token and the EOS). Only transformers' search rules compare token for token, so other rules
-are refused.
+start token and the EOS), early_stopping (rules transformers-early). Only transformers' search rules
+compare token for token, so other rules are refused.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
     """The directory's GenerationConfig with our decoding options where they correspond."""
     from transformers import GenerationConfig
 
-    if decoding.rules != "transformers":
+    if not decoding.rules.startswith("transformers"):
         raise UserError(f"--reference transformers compares token for token only under transformers' search "
                         f"rules; this run decodes with --rules {decoding.rules}")
     if decoding.max_len_a != 0 or decoding.min_len:
@@ -50,25 +51,46 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
     gen.length_penalty = decoding.alpha
     gen.max_length = decoding.max_len_b + 2
     gen.max_new_tokens = None
-    gen.early_stopping = False
+    gen.early_stopping = decoding.rules == "transformers-early"
     gen.do_sample = False
     gen.num_return_sequences = 1
     return gen
 
 
-def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions) -> tuple[list[str], list[list[int]], float]:
-    """(output lines, token ids without start and EOS, seconds) of transformers on `lines`."""
+def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(tokenizer, model, extra generate arguments) of the directory's family, as its config.json names it."""
+    import json
+
+    from transformers import M2M100ForConditionalGeneration, M2M100Tokenizer, MarianMTModel, MarianTokenizer
+
+    model_type = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if model_type == "m2m_100":
+        if not src_lang or not tgt_lang:
+            raise UserError("--reference transformers on a multilingual model needs --src-lang and --tgt-lang")
+        tokenizer = M2M100Tokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        tokenizer.src_lang = src_lang
+        model = M2M100ForConditionalGeneration.from_pretrained(str(hf_dir), local_files_only=True,
+                                                               attn_implementation="eager")
+        return tokenizer, model.eval(), {"forced_bos_token_id": tokenizer.get_lang_id(tgt_lang)}
+    tokenizer = MarianTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    model = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True, attn_implementation="eager")
+    return tokenizer, model.eval(), {}
+
+
+def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lang: str | None = None,
+              tgt_lang: str | None = None) -> tuple[list[str], list[list[int]], float]:
+    """(output lines, token ids without start and EOS, seconds) of transformers on `lines`; a multilingual
+    model's ids start with the forced target-language token, its text does not."""
     try:
         import torch
-        from transformers import MarianMTModel, MarianTokenizer
+        import transformers  # noqa: F401
     except ImportError:
         raise UserError("--reference transformers needs Hugging Face transformers: pip install -e \".[import]\"") \
             from None
     if not Path(hf_dir).is_dir():
         raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
     gen = generation_settings(hf_dir, decoding)
-    tokenizer = MarianTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-    model = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True, attn_implementation="eager").eval()
+    tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang)
     eos = model.config.eos_token_id
     live = [i for i, line in enumerate(lines) if line.strip()]
     texts, tokens = [""] * len(lines), [[] for _ in lines]
@@ -77,7 +99,7 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions) -> tupl
         chunk = live[start: start + BATCH]
         batch = tokenizer([lines[i] for i in chunk], return_tensors="pt", padding=True)
         with torch.inference_mode():
-            out = model.generate(**batch, generation_config=gen)
+            out = model.generate(**batch, generation_config=gen, **forced)
         for i, row in zip(chunk, out.tolist()):
             ids = []
             for token in row[1:]:  # after the decoder start token, up to the first EOS
@@ -85,5 +107,6 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions) -> tupl
                     break
                 ids.append(token)
             tokens[i] = ids
-            texts[i] = tokenizer.decode(ids, skip_special_tokens=True)
+            text_ids = ids[1:] if forced and ids[:1] == [forced["forced_bos_token_id"]] else ids
+            texts[i] = tokenizer.decode(text_ids, skip_special_tokens=True)
     return texts, tokens, time.perf_counter() - started

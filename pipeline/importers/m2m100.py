@@ -1,0 +1,168 @@
+"""`pipeline import m2m100 HF_DIR --out CHECKPOINT`: an M2M-100 model (facebook/m2m100_*), as transformers'
+`M2M100ForConditionalGeneration.save_pretrained` and `M2M100Tokenizer.save_pretrained` write it, into one of
+our checkpoints: one model for many language pairs. Reads local files only.
+
+M2M-100 (transformers/models/m2m_100/modeling_m2m_100.py) is the paper's Transformer with one shared
+embedding, like ours; what it differs in is data of the checkpoint (model.config.ModelConfig), never a
+special case in the serving code:
+
+- pre-LN blocks and a final LayerNorm per stack (`pre_norm`);
+- fairseq's sinusoid table, whose position t is row t + padding id + 1 (`positions="fairseq"`,
+  `position_offset`);
+- the language tokens `__xx__` (ids after vocab.json's, in the order of the tokenizer's language-code list):
+  a source starts with its language's token, and the target language's token is forced as the first
+  generated one (`languages`; runtime/languages.py); 8 "madeup" ids pad the embedding;
+- decoder start = EOS (id 2), padding 1, and generate's settings (num_beams, max_length, early_stopping)
+  as the model dir's decoding defaults (pipeline/importers/hf_generation.py).
+
+The tokenizer (one SentencePiece model looked up in vocab.json, as M2M100Tokenizer does) goes into the
+checkpoint and the model dir like Marian's (runtime.tokenizer.VocabTokenizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from model.checkpoint import save_checkpoint
+from model.config import ACTIVATIONS, ConfigError, ModelConfig
+from model.transformer import Transformer
+from pipeline.importers.bart_config import shape
+from pipeline.importers.hf_files import (
+    ImportRefused,
+    flag,
+    number,
+    read_json,
+    show,
+    token_id,
+    weight_infos,
+)
+from pipeline.importers.hf_generation import generation
+from pipeline.importers.hf_layout import checked_files, provenance
+from pipeline.importers.marian_weights import check_weights, map_weights, read_weights
+from pipeline.textio import refuse_overwriting_inputs
+from runtime.tokenizer import TokenizerError, VocabTokenizer
+
+log = logging.getLogger(__name__)
+
+CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
+TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
+ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
+MAX_POSITIONS = 16384
+MADEUP = "madeupword{:04d}"  # fairseq's names of the ids that only pad the embedding
+
+
+def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
+    """Our ModelConfig for an M2M-100 config.json, without its languages (the tokenizer gives them)."""
+    if config.get("model_type") != "m2m_100":
+        raise ImportRefused(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'm2m_100'")
+    sizes = shape(config, path, MAX_POSITIONS)
+    vocab = sizes["vocab_size"]
+    activation = config.get("activation_function", "relu")
+    act = ACTIVATION_NAMES.get(activation) if isinstance(activation, str) else None
+    if act not in ACTIVATIONS:
+        raise ImportRefused(f"{path}: activation_function {show(activation)} is not one of "
+                            f"{', '.join(ACTIVATION_NAMES)}")
+    pad = token_id(config, "pad_token_id", path, vocab)
+    eos = token_id(config, "eos_token_id", path, vocab)
+    start = eos if config.get("decoder_start_token_id") is None else token_id(
+        config, "decoder_start_token_id", path, vocab)
+    dropout = number(config, "dropout", path, 0.1)
+    if not 0.0 <= dropout < 1.0:
+        raise ImportRefused(f"{path}: dropout {dropout} must be in [0, 1)")
+    if config.get("tie_word_embeddings", True) is not True:
+        raise ImportRefused(f"{path}: tie_word_embeddings is {show(config['tie_word_embeddings'])}; our model ties "
+                            "its output projection to the embedding")
+    try:
+        return ModelConfig(**sizes, dropout=dropout, pad_id=pad, bos_id=start, eos_id=eos, activation=act,
+                           positions="fairseq", position_offset=pad + 1, pre_norm=True,
+                           scale_embedding=flag(config, "scale_embedding", path, True), logits_bias=False)
+    except ConfigError as e:
+        raise ImportRefused(f"{path}: {e}") from None
+
+
+def language_codes(tok_config: dict[str, Any], where: Path) -> list[str]:
+    """The tokenizer's language codes, in the order their token ids follow vocab.json's: the list
+    M2M100Tokenizer names by `language_codes` (transformers holds them: "m2m100", 100 codes; "wmt21", 8)."""
+    from transformers.models.m2m_100.tokenization_m2m_100 import FAIRSEQ_LANGUAGE_CODES
+
+    name = tok_config.get("language_codes", "m2m100")
+    if not isinstance(name, str) or name not in FAIRSEQ_LANGUAGE_CODES:
+        raise ImportRefused(f"{where}: language_codes is {show(name)}; expected one of "
+                            f"{', '.join(FAIRSEQ_LANGUAGE_CODES)}")
+    return list(FAIRSEQ_LANGUAGE_CODES[name])
+
+
+def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tuple[str, int]]]:
+    """The SentencePiece model over vocab.json, its language tokens and madeup ids appended (as
+    M2M100Tokenizer numbers them), checked against the model's ids; and the (code, token id) pairs."""
+    path = hf_dir / TOKENIZER_CONFIG
+    tok_config = read_json(path) if path.is_file() else {}
+    codes = language_codes(tok_config, path)
+    vocab = read_json(hf_dir / VOCAB)
+    if not all(isinstance(i, int) for i in vocab.values()):
+        raise ImportRefused(f"{hf_dir / VOCAB}: every entry must map a piece to an integer id")
+    base = len(vocab)
+    languages = [(code, base + i) for i, code in enumerate(codes)]
+    full = dict(vocab)
+    for code, i in languages:
+        token = f"__{code}__"
+        if token in full:
+            raise ImportRefused(f"{hf_dir / VOCAB}: holds the language token {token!r}, which M2M100Tokenizer "
+                                "numbers after the vocabulary")
+        full[token] = i
+    madeup = [MADEUP.format(k) for k in range(max(0, cfg.vocab_size - len(full)))]
+    for token in madeup:
+        full[token] = len(full)
+    if len(full) != cfg.vocab_size:
+        raise ImportRefused(f"{hf_dir / VOCAB}: {base} entries and {len(codes)} language tokens are "
+                            f"{base + len(codes)} ids, more than {CONFIG}'s vocab_size {cfg.vocab_size}")
+    spm_bytes = (hf_dir / SPM).read_bytes()
+    hidden = [f"__{code}__" for code in codes] + [t for t in ("<s>",) if t in full] + madeup
+    try:
+        tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden)
+    except TokenizerError as e:
+        raise ImportRefused(f"{hf_dir / VOCAB}: {e}") from None
+    except RuntimeError as e:  # SentencePiece's own parse error
+        raise ImportRefused(f"{hf_dir / SPM}: not a SentencePiece model ({e})") from None
+    for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
+        if ours != theirs:
+            raise ImportRefused(f"{hf_dir / VOCAB}: {tok.specials[name]} is id {theirs} but {CONFIG} says "
+                                f"{name}_token_id {ours}")
+    return tok, languages
+
+
+def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
+    """Write `out`, one of our checkpoints, from a local M2M-100 directory; returns a summary. Every check
+    that can fail runs before the model is built: a hostile config.json allocates nothing."""
+    hf_dir, out = Path(hf_dir), Path(out)
+    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
+    if out.exists() and not force:
+        raise ImportRefused(f"{out}: exists; pass --force to replace it")
+    weights = checked_files(hf_dir, "an M2M100ForConditionalGeneration.save_pretrained directory",
+                            (CONFIG, VOCAB, SPM), (GENERATION, TOKENIZER_CONFIG))
+    config = read_json(hf_dir / CONFIG)
+    cfg = model_config(config, hf_dir / CONFIG)
+    defaults, suppress = generation(hf_dir, config, cfg)
+    tok, languages = tokenizer(hf_dir, cfg)
+    try:
+        cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress, languages=tuple(languages))
+    except ConfigError as e:
+        raise ImportRefused(f"{hf_dir / CONFIG}: {e}") from None
+    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
+    mapped = map_weights(read_weights(weights), cfg, weights)
+    if bool(mapped.pop("logits_bias").any()):
+        raise ImportRefused(f"{weights}: final_logits_bias is not zero; M2M-100 has no logits bias")
+    model = Transformer(cfg)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:  # check_weights' mapping and the model agree
+        raise RuntimeError(f"the M2M-100 mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
+    model.load_state_dict(mapped)
+    extra = {"decoding": defaults, "imported": provenance(hf_dir, "m2m100")}
+    sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
+    log.info("imported %s: %d parameters, vocabulary %d, %d languages, decoding defaults %s -> %s", hf_dir,
+             sum(p.numel() for p in model.parameters()), cfg.vocab_size, len(languages), defaults, out)
+    return {"checkpoint": str(out), "sha256": sha, "config": cfg.to_dict(), "decoding": defaults,
+            "languages": [code for code, _ in languages]}

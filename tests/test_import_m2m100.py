@@ -1,0 +1,211 @@
+"""`pipeline import m2m100`: local M2M-100 directories (made here with transformers' own classes, briefly
+trained, no download) imported, exported and served for many language pairs, token for token as
+transformers' own generate translates them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from click.testing import CliRunner  # noqa: E402
+
+from model.checkpoint import load_model  # noqa: E402
+from model.transformer import sinusoidal_positions  # noqa: E402
+from pipeline.cli import cli  # noqa: E402
+from pipeline.corpus.synthetic import generate  # noqa: E402
+from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: E402
+from pipeline.importers.hf_files import ImportRefused  # noqa: E402
+from pipeline.importers.m2m100 import import_m2m100  # noqa: E402
+from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+from runtime.languages import LanguageError, direction  # noqa: E402
+from runtime.loader import load_torch_backend_from_checkpoint  # noqa: E402
+from runtime.translate import encode_sources, translate_ids  # noqa: E402
+from tests.m2m100_fixture import m2m100_generate, make_m2m100_dir  # noqa: E402
+
+MAX_LENGTH = 48
+SHAPE = dict(encoder_layers=2, decoder_layers=1, encoder_ffn=96, decoder_ffn=64, encoder_heads=4, decoder_heads=2)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory) -> Path:
+    """Asymmetric in depth, FFN width and heads; pre-LN; 8 languages (the wmt21 list), trained en<->de."""
+    return make_m2m100_dir(tmp_path_factory.mktemp("m2m") / "m2m100-tiny", max_length=MAX_LENGTH, **SHAPE)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("imported") / "m2m.pt"
+    import_m2m100(hf_dir, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs() -> tuple[list[str], list[str]]:
+    return generate(30, seed=11)
+
+
+def ours(backend, tokenizer, texts: list[str], src: str, tgt: str, beam: int) -> list[list[int]]:
+    d = direction(backend.cfg, src, tgt)
+    ids = encode_sources(tokenizer, texts, backend.max_src_len, prefix=d.prefix).ids
+    decoding = PAPER.replace(rules="transformers-early", beam_size=beam, alpha=1.0, max_len_a=0.0,
+                             max_len_b=MAX_LENGTH - 2)
+    return [h[0].tokens for h in translate_ids(backend, ids, decoding, d.first_tokens(len(texts)))]
+
+
+def test_positions_are_fairseqs_table():
+    from transformers.models.m2m_100.modeling_m2m_100 import M2M100SinusoidalPositionalEmbedding
+
+    theirs = M2M100SinusoidalPositionalEmbedding(50, 16, padding_idx=1).weights
+    assert np.array_equal(sinusoidal_positions(50, 16, "fairseq", offset=2).numpy(), theirs[2:52].numpy())
+
+
+def test_import_records_the_models_shape_languages_and_defaults(checkpoint):
+    model, _, payload = load_model(checkpoint)
+    cfg = model.cfg
+    assert (cfg.pre_norm, cfg.positions, cfg.position_offset, cfg.logits_bias) == (True, "fairseq", 2, False)
+    assert (cfg.n_enc_layers, cfg.n_dec_layers, cfg.encoder_d_ff, cfg.d_ff, cfg.encoder_heads, cfg.n_heads) == \
+        (2, 1, 96, 64, 4, 2)
+    assert [code for code, _ in cfg.languages] == ["en", "ha", "is", "ja", "cs", "ru", "zh", "de"]
+    assert (cfg.bos_id, cfg.eos_id, cfg.pad_id) == (2, 2, 1)
+    assert payload["extra"]["decoding"] == {"rules": "transformers-early", "beam_size": 4, "alpha": 1.0,
+                                            "max_len_a": 0.0, "max_len_b": MAX_LENGTH - 2, "min_len": 0}
+
+
+def test_tokenizer_matches_m2m100_tokenizer(hf_dir, checkpoint, pairs):
+    backend, ours_tok = load_torch_backend_from_checkpoint(checkpoint)
+    theirs = transformers.M2M100Tokenizer.from_pretrained(str(hf_dir))
+    texts = pairs[0][:8] + ["zzqx unknown ÆØÅ pieces"]
+    for lang in ("en", "de"):
+        theirs.src_lang = lang
+        d = direction(backend.cfg, lang, "en")
+        assert encode_sources(ours_tok, texts, 512, prefix=d.prefix).ids == [theirs(t)["input_ids"] for t in texts]
+    generated, text = m2m100_generate(hf_dir, pairs[0][:8], "en", "de", num_beams=1, max_length=MAX_LENGTH)
+    assert ours_tok.decode(generated) == [t.removeprefix("__de__").strip() for t in text]
+
+
+@pytest.mark.parametrize("beam", [1, 4])
+def test_torch_backend_translates_as_generate_in_both_directions(checkpoint, hf_dir, pairs, beam):
+    """Token for token (the forced language token included), en->de and de->en, at beam 1 and the model's 4
+    (generate's early_stopping=True)."""
+    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    for (src, tgt), texts in ((("en", "de"), pairs[0]), (("de", "en"), pairs[1])):
+        theirs, _ = m2m100_generate(hf_dir, texts, src, tgt, num_beams=beam, max_length=MAX_LENGTH)
+        mine = ours(backend, tokenizer, texts, src, tgt, beam)
+        assert mine == theirs, (src, tgt, beam)
+        assert {t[0] for t in mine} == {backend.cfg.language_ids[tgt]}
+    if beam > 1:
+        assert len({len(t) for t in theirs}) >= 3, "the fixture should end sentences at varied lengths"
+
+
+def test_targets_of_one_batch_may_differ(checkpoint, pairs):
+    """Sentences for different target languages share a batch: each gets its own forced first token, and its
+    translation is the one it gets alone."""
+    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    texts = pairs[0][:6]
+    ids = encode_sources(tokenizer, texts, 512, prefix=direction(backend.cfg, "en", "de").prefix).ids
+    targets = ["de", "cs", "de", "ru", "de", "cs"]
+    first = [backend.cfg.language_ids[t] for t in targets]
+    decoding = PAPER.replace(rules="transformers-early", beam_size=4, alpha=1.0, max_len_a=0.0, max_len_b=20)
+    mixed = [h[0].tokens for h in translate_ids(backend, ids, decoding, first)]
+    alone = [translate_ids(backend, [s], decoding, [f])[0][0].tokens for s, f in zip(ids, first)]
+    assert mixed == alone
+    assert [t[0] for t in mixed] == first
+
+
+def test_languages_are_checked_with_one_line(checkpoint):
+    backend, _ = load_torch_backend_from_checkpoint(checkpoint)
+    with pytest.raises(LanguageError, match=r"^--src-lang is required: this model translates between 8 languages"):
+        direction(backend.cfg, None, "de")
+    with pytest.raises(LanguageError, match=r"--tgt-lang 'xx' is not a language of this model; it has en, ha"):
+        direction(backend.cfg, "en", "xx")
+
+
+@pytest.mark.slow
+def test_import_export_serve_batch_and_parity_against_transformers(hf_dir, checkpoint, pairs, tmp_path):
+    """The user's commands: export fp32 and int8, serve-batch with --src-lang/--tgt-lang (transformers' own
+    translations), the manifest's languages, parity --reference transformers at beam 1 and 4 (100% identical,
+    torch and onnxruntime), int8 within its gate."""
+    texts, human = pairs
+    runner = CliRunner()
+    src, ref, human_ref = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "human.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    human_ref.write_text("\n".join(human) + "\n", encoding="utf-8")
+    fp32, int8 = tmp_path / "fp32", tmp_path / "int8"
+    for out, flags in ((fp32, []), (int8, ["--int8"])):
+        result = runner.invoke(cli, ["export", str(checkpoint), "--out", str(out), "--no-tensorrt", *flags])
+        assert result.exit_code == 0, result.output
+    from model.manifest import read_manifest
+
+    languages = read_manifest(fp32).languages
+    assert languages is not None and languages.source == languages.target and "de" in languages.target
+    _, theirs_text = m2m100_generate(hf_dir, texts, "en", "de", num_beams=4, max_length=MAX_LENGTH)
+    theirs_text = [t.removeprefix("__de__").strip() for t in theirs_text]
+    ref.write_text("\n".join(theirs_text) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    result = runner.invoke(cli, ["serve-batch", str(fp32), str(src), "--output", str(out), "--src-lang", "en",
+                                 "--tgt-lang", "de", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert out.read_text(encoding="utf-8").splitlines() == theirs_text
+    result = runner.invoke(cli, ["serve-batch", str(fp32), str(src), "--output", str(tmp_path / "x.txt"),
+                                 "--src-lang", "en", "--tgt-lang", "fr", "--no-progress"])
+    assert result.exit_code != 0 and "--tgt-lang 'fr' is not a language of this model" in str(result.exception)
+    for beam in (1, 4):
+        opts = ServeBatchOptions(decoding=PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})),
+                                 src_lang="en", tgt_lang="de")
+        report = run_parity(fp32, src, ref, ["torch", "onnxruntime"], opts=opts, reference_engine="transformers",
+                            gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
+        assert report.passed, [r.failures for r in report.results]
+        assert [r.identical for r in report.results] == [1.0, 1.0]
+    opts = ServeBatchOptions(src_lang="en", tgt_lang="de")
+    report = run_parity(int8, src, human_ref, ["onnxruntime"], opts=opts, reference_engine="transformers",
+                        gates=DEFAULT_GATES)
+    assert report.passed, [r.failures for r in report.results]
+
+
+def test_one_pair_models_take_no_languages(tmp_path):
+    from model.config import ModelConfig
+
+    with pytest.raises(LanguageError, match="translates one language pair and has no language tokens"):
+        direction(ModelConfig(vocab_size=16), "en", None)
+    assert direction(ModelConfig(vocab_size=16), None, None).first_tokens(3) is None
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda d: (d / "sentencepiece.bpe.model").unlink(), "sentencepiece.bpe.model: missing"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "model_type": "marian"})), "not 'm2m_100'"),
+    (lambda d: (d / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((d / "tokenizer_config.json").read_text()), "language_codes": "klingon"})),
+     "language_codes is \"klingon\"; expected one of"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "vocab_size": 20})), "vocab_size 20"),
+    (lambda d: (d / "config.json").write_text(json.dumps(
+        {**json.loads((d / "config.json").read_text()), "decoder_vocab_size": 99})),
+     "decoder_vocab_size 99 differs from vocab_size"),
+])
+def test_bad_directory_is_one_line_naming_the_file(hf_dir, tmp_path, damage, message):
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    damage(broken)
+    out = tmp_path / "out.pt"
+    result = CliRunner().invoke(cli, ["import", "m2m100", str(broken), "--out", str(out)])
+    assert result.exit_code != 0
+    assert isinstance(result.exception, ImportRefused), result.output
+    assert message in str(result.exception) and "\n" not in str(result.exception)
+    assert not out.exists(), "a failed import leaves no checkpoint"
+
+
+def test_import_refuses_to_write_inside_its_input(hf_dir, tmp_path):
+    copy = tmp_path / "hf"
+    shutil.copytree(hf_dir, copy)
+    before = {p.name: p.read_bytes() for p in copy.iterdir()}
+    with pytest.raises(Exception, match="inside|input"):
+        import_m2m100(copy, copy / "model.safetensors", force=True)
+    assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
