@@ -13,6 +13,10 @@
     tokenizer_config.json    its language codes (the language tokens `__xx__` follow vocab.json's ids,
                              then 8 "madeup" ids pad the embedding)
 
+`family="nllb"` writes NLLB-200's form instead: NllbTokenizer's tokenizer.json (fairseq's ids: the pieces
+shifted by one, the language codes such as eng_Latn as added tokens) beside the sentencepiece.bpe.model the
+hub's NLLB directories ship, and generate's default early_stopping (false).
+
 The built-in pair's two sides play two languages of the wmt21 code list ("en" and "de"), and the model is
 trained briefly in both directions with its language tokens (transformers' own loss), so that it stops at
 varied lengths and its forced first token matters. Shapes are parameters: asymmetric depth, per-side FFN
@@ -28,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 LANGS = ("en", "de")  # the synthetic pair's source and target sides
+NLLB_LANGS = ("eng_Latn", "deu_Latn")
 LANGUAGE_CODES = "wmt21"  # transformers' 8-language list (m2m100's own has 100): a small embedding
 N_PAIRS = 400
 CORPUS_SEED = 7
@@ -59,8 +64,10 @@ def _vocab(model: bytes) -> dict[str, int]:
 def make_m2m100_dir(out: Path, *, d_model: int = 32, encoder_layers: int = 2, decoder_layers: int = 2,
                     encoder_heads: int = 4, decoder_heads: int = 4, encoder_ffn: int = 64, decoder_ffn: int = 64,
                     vocab_pieces: int = 160, seed: int = 0, train_steps: int = 300, num_beams: int = 4,
-                    max_length: int = 48, early_stopping: bool = True, max_position_embeddings: int = 128) -> Path:
-    """Write a briefly trained M2M-100 model dir into `out` (created; must be empty or absent); return `out`."""
+                    max_length: int = 48, early_stopping: bool | None = None, max_position_embeddings: int = 128,
+                    family: str = "m2m100") -> Path:
+    """Write a briefly trained M2M-100 (or NLLB) model dir into `out` (created; must be empty or absent);
+    return `out`. early_stopping: the family's (M2M-100 ships true, NLLB transformers' default false)."""
     import torch
     from transformers import GenerationConfig, M2M100Config, M2M100ForConditionalGeneration, M2M100Tokenizer
 
@@ -77,15 +84,23 @@ def make_m2m100_dir(out: Path, *, d_model: int = 32, encoder_layers: int = 2, de
     try:
         (work / "sentencepiece.bpe.model").write_bytes(model_bytes)
         (work / "vocab.json").write_text(json.dumps(vocab, indent=2, ensure_ascii=False), encoding="utf-8")
-        tokenizer = M2M100Tokenizer(vocab_file=str(work / "vocab.json"), spm_file=str(work / "sentencepiece.bpe.model"),
-                                    src_lang=LANGS[0], tgt_lang=LANGS[1], language_codes=LANGUAGE_CODES,
-                                    model_max_length=max_position_embeddings)
+        if family == "nllb":
+            tokenizer = _nllb_tokenizer(work / "sentencepiece.bpe.model", max_position_embeddings)
+            (out / "sentencepiece.bpe.model").write_bytes(model_bytes)  # as the hub's NLLB directories hold it
+            vocab_size = len(tokenizer)
+        else:
+            tokenizer = M2M100Tokenizer(vocab_file=str(work / "vocab.json"),
+                                        spm_file=str(work / "sentencepiece.bpe.model"), src_lang=LANGS[0],
+                                        tgt_lang=LANGS[1], language_codes=LANGUAGE_CODES,
+                                        model_max_length=max_position_embeddings)
+            vocab_size = len(vocab) + len(tokenizer.lang_code_to_id) + tokenizer.num_madeup_words
         tokenizer.save_pretrained(out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    n_langs = len(tokenizer.lang_code_to_id)
+    if early_stopping is None:
+        early_stopping = family != "nllb"
     config = M2M100Config(
-        vocab_size=len(vocab) + n_langs + tokenizer.num_madeup_words, d_model=d_model,
+        vocab_size=vocab_size, d_model=d_model,
         encoder_layers=encoder_layers, decoder_layers=decoder_layers, encoder_attention_heads=encoder_heads,
         decoder_attention_heads=decoder_heads, encoder_ffn_dim=encoder_ffn, decoder_ffn_dim=decoder_ffn,
         activation_function="relu", max_position_embeddings=max_position_embeddings, dropout=0.1,
@@ -94,7 +109,7 @@ def make_m2m100_dir(out: Path, *, d_model: int = 32, encoder_layers: int = 2, de
         tie_word_embeddings=True, architectures=["M2M100ForConditionalGeneration"])
     torch.manual_seed(seed)
     model = M2M100ForConditionalGeneration(config)
-    _train(model, tokenizer, src, tgt, train_steps, seed)
+    _train(model, tokenizer, src, tgt, train_steps, seed, NLLB_LANGS if family == "nllb" else LANGS)
     model.generation_config = GenerationConfig(
         bos_token_id=0, decoder_start_token_id=2, eos_token_id=2, pad_token_id=1, forced_eos_token_id=2,
         num_beams=num_beams, max_length=max_length, early_stopping=early_stopping)
@@ -102,14 +117,32 @@ def make_m2m100_dir(out: Path, *, d_model: int = 32, encoder_layers: int = 2, de
     return out
 
 
-def _train(model, tokenizer, src: list[str], tgt: list[str], steps: int, seed: int) -> None:
+def _nllb_tokenizer(spm_path: Path, max_length: int):
+    """NllbTokenizer over a SentencePiece BPE model, numbered as fairseq numbers NLLB's dictionary: <s> 0,
+    <pad> 1, </s> 2, <unk> 3, each other piece its SentencePiece id + 1 (transformers builds its own
+    NLLB tokenizers from the same pieces and merges)."""
+    from tokenizers.models import BPE
+    from transformers import NllbTokenizer
+    from transformers.convert_slow_tokenizer import SentencePieceExtractor
+
+    extracted = SentencePieceExtractor(str(spm_path)).extract(BPE)
+    vocab = {"<s>": 0, "<pad>": 1, "</s>": 2, "<unk>": 3}
+    for piece, i in sorted(extracted["vocab"].items(), key=lambda item: item[1]):
+        if i >= 3:  # SentencePiece's own <unk>, <s>, </s> are fairseq's specials above
+            vocab[piece] = i + 1
+    return NllbTokenizer(vocab=vocab, merges=extracted["merges"], src_lang=NLLB_LANGS[0], tgt_lang=NLLB_LANGS[1],
+                         _spm_precompiled_charsmap=extracted["_spm_precompiled_charsmap"],
+                         model_max_length=max_length)
+
+
+def _train(model, tokenizer, src: list[str], tgt: list[str], steps: int, seed: int, langs: tuple[str, str]) -> None:
     """Teacher-forced training in both directions, each batch one direction with its language tokens
     (the corpus tokenized once per direction: the tokenizer is slow Python)."""
     import torch
 
     directions = []
-    for (a, b), langs in (((src, tgt), LANGS), ((tgt, src), LANGS[::-1])):
-        tokenizer.src_lang, tokenizer.tgt_lang = langs
+    for (a, b), pair in (((src, tgt), langs), ((tgt, src), langs[::-1])):
+        tokenizer.src_lang, tokenizer.tgt_lang = pair
         batch = tokenizer(a, text_target=b, return_tensors="pt", padding=True)
         batch["labels"][batch["labels"] == tokenizer.pad_token_id] = -100
         directions.append(batch)
@@ -139,11 +172,17 @@ def _steps(model, optimizer, directions, steps: int, gen, n: int) -> None:
 
 
 def _load(hf_dir: Path):
-    from transformers import M2M100ForConditionalGeneration, M2M100Tokenizer
+    from transformers import M2M100ForConditionalGeneration, M2M100Tokenizer, NllbTokenizer
 
-    tokenizer = M2M100Tokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+    nllb = json.loads((Path(hf_dir) / "tokenizer_config.json").read_text())["tokenizer_class"].startswith("Nllb")
+    tokenizer = (NllbTokenizer if nllb else M2M100Tokenizer).from_pretrained(str(hf_dir), local_files_only=True)
     model = M2M100ForConditionalGeneration.from_pretrained(str(hf_dir), local_files_only=True).eval()
     return tokenizer, model
+
+
+def _token(tokenizer, lang: str) -> str:
+    """The language's token: M2M-100's __xx__, NLLB's code itself."""
+    return tokenizer.get_lang_token(lang) if hasattr(tokenizer, "get_lang_token") else lang
 
 
 def m2m100_generate(hf_dir: Path, texts: list[str], src_lang: str, tgt_lang: str, num_beams: int = 4,
@@ -157,7 +196,7 @@ def m2m100_generate(hf_dir: Path, texts: list[str], src_lang: str, tgt_lang: str
     batch = tokenizer(list(texts), return_tensors="pt", padding=True)
     with torch.no_grad():
         rows = model.generate(**batch, num_beams=num_beams, max_length=max_length, do_sample=False,
-                              forced_bos_token_id=tokenizer.get_lang_id(tgt_lang))
+                              forced_bos_token_id=tokenizer.convert_tokens_to_ids(_token(tokenizer, tgt_lang)))
     eos, pad = model.config.eos_token_id, model.config.pad_token_id
     ids = []
     for row in rows.tolist():

@@ -209,3 +209,45 @@ def test_import_refuses_to_write_inside_its_input(hf_dir, tmp_path):
     with pytest.raises(Exception, match="inside|input"):
         import_m2m100(copy, copy / "model.safetensors", force=True)
     assert {p.name: p.read_bytes() for p in copy.iterdir()} == before
+
+
+@pytest.fixture(scope="module")
+def nllb_dir(tmp_path_factory) -> Path:
+    """NLLB-200's form: tokenizer.json numbering (pieces + 1, 202 language codes as added tokens), early_stopping
+    false, a 1-layer decoder."""
+    return make_m2m100_dir(tmp_path_factory.mktemp("nllb") / "nllb-tiny", family="nllb", max_length=MAX_LENGTH,
+                           decoder_layers=1)
+
+
+def test_nllb_imports_and_translates_as_generate(nllb_dir, pairs, tmp_path):
+    """`pipeline import nllb`: NllbTokenizer's ids exactly, and generate's tokens at beam 1 and 4."""
+    out = tmp_path / "nllb.pt"
+    result = CliRunner().invoke(cli, ["import", "nllb", str(nllb_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "NLLB model" in result.output and "202 languages" in result.output
+    backend, tokenizer = load_torch_backend_from_checkpoint(out)
+    assert backend.cfg.language_ids["eng_Latn"] > backend.cfg.language_ids["ace_Arab"]
+    theirs_tok = transformers.NllbTokenizer.from_pretrained(str(nllb_dir))
+    theirs_tok.src_lang = "eng_Latn"
+    d = direction(backend.cfg, "eng_Latn", "deu_Latn")
+    texts = pairs[0]
+    assert encode_sources(tokenizer, texts, 512, prefix=d.prefix).ids == [theirs_tok(t)["input_ids"] for t in texts]
+    for beam in (1, 4):
+        theirs, theirs_text = m2m100_generate(nllb_dir, texts, "eng_Latn", "deu_Latn", num_beams=beam,
+                                              max_length=MAX_LENGTH)
+        decoding = PAPER.replace(rules="transformers", beam_size=beam, alpha=1.0, max_len_a=0.0,
+                                 max_len_b=MAX_LENGTH - 2)
+        hyps = translate_ids(backend, encode_sources(tokenizer, texts, 512, prefix=d.prefix).ids, decoding,
+                             d.first_tokens(len(texts)))
+        mine = [h[0].tokens for h in hyps]
+        assert mine == theirs, beam
+        assert tokenizer.decode(mine) == theirs_text
+
+
+def test_nllb_legacy_source_form_is_refused(nllb_dir, tmp_path):
+    broken = tmp_path / "legacy"
+    shutil.copytree(nllb_dir, broken)
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "legacy_behaviour": True}))
+    with pytest.raises(ImportRefused, match="legacy_behaviour is true"):
+        import_m2m100(broken, tmp_path / "out.pt")

@@ -53,13 +53,15 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
               help="Checkpoint file to write (atomically, with its SHA-256).")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
-    """Import HF_DIR, a local M2M-100 directory (what `save_pretrained` writes: config.json,
-    model.safetensors or pytorch_model.bin, sentencepiece.bpe.model, vocab.json, tokenizer_config.json
-    and, when present, generation_config.json): one model for many language pairs. Never touches the network.
+    """Import HF_DIR, a local M2M-100 or NLLB-200 directory (what `save_pretrained` writes: config.json,
+    model.safetensors or pytorch_model.bin, sentencepiece.bpe.model, tokenizer_config.json, vocab.json
+    (M2M-100) or tokenizer.json (NLLB) and, when present, generation_config.json): one model for many
+    language pairs. `pipeline import nllb` is the same command. Never touches the network.
 
         pipeline import m2m100 m2m100_418M --out m2m.pt
         pipeline export m2m.pt --out models/m2m --int8
         pipeline serve-batch models/m2m in.en --src-lang en --tgt-lang de --output out.de
+        (NLLB: --src-lang eng_Latn --tgt-lang deu_Latn)
 
     Every language the tokenizer lists is served: a source starts with its language's token, the
     target's is forced as the first generated one. generate's defaults (num_beams, max_length,
@@ -70,6 +72,9 @@ def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
     summary = import_m2m100(hf_dir, out, force=force)
     cfg = summary["config"]
     langs = summary["languages"]
-    click.echo(f"{out}: M2M-100 model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
+    click.echo(f"{out}: {summary['family']} model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
                f"layers, vocabulary {cfg['vocab_size']}, {len(langs)} languages ({', '.join(langs[:12])}"
                f"{', ...' if len(langs) > 12 else ''}); decoding defaults {json.dumps(summary['decoding'])}")
+
+
+import_group.add_command(m2m100, name="nllb")  # NLLB-200: M2M-100's architecture with its own tokenizer

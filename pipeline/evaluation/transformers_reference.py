@@ -61,17 +61,27 @@ def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any
     """(tokenizer, model, extra generate arguments) of the directory's family, as its config.json names it."""
     import json
 
-    from transformers import M2M100ForConditionalGeneration, M2M100Tokenizer, MarianMTModel, MarianTokenizer
+    from transformers import (
+        M2M100ForConditionalGeneration,
+        M2M100Tokenizer,
+        MarianMTModel,
+        MarianTokenizer,
+        NllbTokenizer,
+    )
+
+    from pipeline.importers.m2m100 import is_nllb
 
     model_type = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
     if model_type == "m2m_100":
         if not src_lang or not tgt_lang:
             raise UserError("--reference transformers on a multilingual model needs --src-lang and --tgt-lang")
-        tokenizer = M2M100Tokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+        nllb = is_nllb(Path(hf_dir))
+        tokenizer = (NllbTokenizer if nllb else M2M100Tokenizer).from_pretrained(str(hf_dir), local_files_only=True)
         tokenizer.src_lang = src_lang
         model = M2M100ForConditionalGeneration.from_pretrained(str(hf_dir), local_files_only=True,
                                                                attn_implementation="eager")
-        return tokenizer, model.eval(), {"forced_bos_token_id": tokenizer.get_lang_id(tgt_lang)}
+        forced = tokenizer.convert_tokens_to_ids(tgt_lang if nllb else tokenizer.get_lang_token(tgt_lang))
+        return tokenizer, model.eval(), {"forced_bos_token_id": forced}
     tokenizer = MarianTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
     model = MarianMTModel.from_pretrained(str(hf_dir), local_files_only=True, attn_implementation="eager")
     return tokenizer, model.eval(), {}

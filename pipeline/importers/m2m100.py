@@ -17,12 +17,18 @@ special case in the serving code:
 
 The tokenizer (one SentencePiece model looked up in vocab.json, as M2M100Tokenizer does) goes into the
 checkpoint and the model dir like Marian's (runtime.tokenizer.VocabTokenizer).
+
+NLLB-200 (facebook/nllb-200-*) is the same architecture with another tokenizer: its ids are tokenizer.json's
+(the SentencePiece pieces shifted by fairseq's offset, then the language codes such as `eng_Latn` as added
+tokens), and its pieces are cut by the sentencepiece.bpe.model the hub's directories ship. Sources are
+[language] pieces </s> (NllbTokenizer's default; its legacy_behaviour suffix form is refused).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +54,8 @@ from runtime.tokenizer import TokenizerError, VocabTokenizer
 log = logging.getLogger(__name__)
 
 CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
-TOKENIZER_CONFIG, GENERATION = "tokenizer_config.json", "generation_config.json"
+TOKENIZER_CONFIG, GENERATION, TOKENIZER_JSON = "tokenizer_config.json", "generation_config.json", "tokenizer.json"
+NLLB_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")  # eng_Latn: NLLB's language tokens are their codes
 ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
 MAX_POSITIONS = 16384
 MADEUP = "madeupword{:04d}"  # fairseq's names of the ids that only pad the embedding
@@ -95,11 +102,81 @@ def language_codes(tok_config: dict[str, Any], where: Path) -> list[str]:
     return list(FAIRSEQ_LANGUAGE_CODES[name])
 
 
-def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tuple[str, int]]]:
-    """The SentencePiece model over vocab.json, its language tokens and madeup ids appended (as
-    M2M100Tokenizer numbers them), checked against the model's ids; and the (code, token id) pairs."""
+def is_nllb(hf_dir: Path) -> bool:
+    """Whether the directory holds NLLB's tokenizer (tokenizer.json, no vocab.json) rather than M2M-100's."""
     path = hf_dir / TOKENIZER_CONFIG
     tok_config = read_json(path) if path.is_file() else {}
+    return tok_config.get("tokenizer_class") in ("NllbTokenizer", "NllbTokenizerFast") or (
+        not (hf_dir / VOCAB).is_file() and (hf_dir / TOKENIZER_JSON).is_file())
+
+
+def nllb_vocabulary(hf_dir: Path) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """tokenizer.json's piece -> id (its model's vocabulary and its added tokens) and the language codes
+    among the added tokens, by id."""
+    path = hf_dir / TOKENIZER_JSON
+    data = read_json(path)
+    model = data.get("model")
+    vocab = model.get("vocab") if isinstance(model, dict) else None
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise ImportRefused(f"{path}: model.vocab is not a piece -> id object (a BPE tokenizer.json, as NLLB's)")
+    added = data.get("added_tokens") or []
+    if not isinstance(added, list) or not all(isinstance(a, dict) and isinstance(a.get("content"), str)
+                                              and isinstance(a.get("id"), int) for a in added):
+        raise ImportRefused(f"{path}: added_tokens must be a list of {{\"id\", \"content\"}} objects")
+    full = dict(vocab)
+    for token in added:
+        if full.get(token["content"], token["id"]) != token["id"]:
+            raise ImportRefused(f"{path}: {token['content']!r} has two ids")
+        full[token["content"]] = token["id"]
+    languages = sorted(((a["content"], a["id"]) for a in added if NLLB_CODE.fullmatch(a["content"])),
+                       key=lambda pair: pair[1])
+    if not languages:
+        raise ImportRefused(f"{path}: no language tokens (such as eng_Latn) among added_tokens")
+    return full, languages
+
+
+def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tuple[str, int]]]:
+    """The SentencePiece model over vocab.json, its language tokens and madeup ids appended (as
+    M2M100Tokenizer numbers them), or over NLLB's tokenizer.json, checked against the model's ids; and the
+    (code, token id) pairs."""
+    path = hf_dir / TOKENIZER_CONFIG
+    tok_config = read_json(path) if path.is_file() else {}
+    if is_nllb(hf_dir):
+        if tok_config.get("legacy_behaviour") is True:
+            raise ImportRefused(f"{path}: legacy_behaviour is true (the language token after the source's </s>); "
+                                "only NllbTokenizer's default, the language token first, is imported")
+        full, languages = nllb_vocabulary(hf_dir)
+        hidden = [code for code, _ in languages]
+    else:
+        full, languages = _m2m100_vocabulary(hf_dir, tok_config, path)
+        hidden = [f"__{code}__" for code, _ in languages]
+    ids = sorted(full.values())
+    if ids != list(range(len(ids))):
+        raise ImportRefused(f"{hf_dir}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats")
+    madeup = [MADEUP.format(k) for k in range(max(0, cfg.vocab_size - len(full)))]
+    for token in madeup:
+        full[token] = len(full)
+    if len(full) != cfg.vocab_size:
+        raise ImportRefused(f"{hf_dir}: the tokenizer has {len(full)} ids (with its language tokens), more than "
+                            f"{CONFIG}'s vocab_size {cfg.vocab_size}")
+    hidden += [t for t in ("<s>", "<mask>") if t in full] + madeup
+    try:
+        spm_bytes = (hf_dir / SPM).read_bytes()
+        tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden)
+    except TokenizerError as e:
+        raise ImportRefused(f"{hf_dir}: {e}") from None
+    except RuntimeError as e:  # SentencePiece's own parse error
+        raise ImportRefused(f"{hf_dir / SPM}: not a SentencePiece model ({e})") from None
+    for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
+        if ours != theirs:
+            raise ImportRefused(f"{hf_dir}: the tokenizer's {tok.specials[name]} is id {theirs} but {CONFIG} says "
+                                f"{name}_token_id {ours}")
+    return tok, languages
+
+
+def _m2m100_vocabulary(hf_dir: Path, tok_config: dict[str, Any], path: Path
+                       ) -> tuple[dict[str, int], list[tuple[str, int]]]:
+    """vocab.json with M2M100Tokenizer's language tokens numbered after it, and the (code, id) pairs."""
     codes = language_codes(tok_config, path)
     vocab = read_json(hf_dir / VOCAB)
     if not all(isinstance(i, int) for i in vocab.values()):
@@ -113,25 +190,7 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tupl
             raise ImportRefused(f"{hf_dir / VOCAB}: holds the language token {token!r}, which M2M100Tokenizer "
                                 "numbers after the vocabulary")
         full[token] = i
-    madeup = [MADEUP.format(k) for k in range(max(0, cfg.vocab_size - len(full)))]
-    for token in madeup:
-        full[token] = len(full)
-    if len(full) != cfg.vocab_size:
-        raise ImportRefused(f"{hf_dir / VOCAB}: {base} entries and {len(codes)} language tokens are "
-                            f"{base + len(codes)} ids, more than {CONFIG}'s vocab_size {cfg.vocab_size}")
-    spm_bytes = (hf_dir / SPM).read_bytes()
-    hidden = [f"__{code}__" for code in codes] + [t for t in ("<s>",) if t in full] + madeup
-    try:
-        tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden)
-    except TokenizerError as e:
-        raise ImportRefused(f"{hf_dir / VOCAB}: {e}") from None
-    except RuntimeError as e:  # SentencePiece's own parse error
-        raise ImportRefused(f"{hf_dir / SPM}: not a SentencePiece model ({e})") from None
-    for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
-        if ours != theirs:
-            raise ImportRefused(f"{hf_dir / VOCAB}: {tok.specials[name]} is id {theirs} but {CONFIG} says "
-                                f"{name}_token_id {ours}")
-    return tok, languages
+    return full, languages
 
 
 def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
@@ -141,8 +200,10 @@ def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
     if out.exists() and not force:
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
-    weights = checked_files(hf_dir, "an M2M100ForConditionalGeneration.save_pretrained directory",
-                            (CONFIG, VOCAB, SPM), (GENERATION, TOKENIZER_CONFIG))
+    hf_dir = Path(hf_dir)
+    nllb = hf_dir.is_dir() and is_nllb(hf_dir)
+    weights = checked_files(hf_dir, "an M2M100ForConditionalGeneration.save_pretrained directory (M2M-100 or NLLB)",
+                            (CONFIG, TOKENIZER_JSON if nllb else VOCAB, SPM), (GENERATION, TOKENIZER_CONFIG))
     config = read_json(hf_dir / CONFIG)
     cfg = model_config(config, hf_dir / CONFIG)
     defaults, suppress = generation(hf_dir, config, cfg)
@@ -160,9 +221,9 @@ def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:  # check_weights' mapping and the model agree
         raise RuntimeError(f"the M2M-100 mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
     model.load_state_dict(mapped)
-    extra = {"decoding": defaults, "imported": provenance(hf_dir, "m2m100")}
+    extra = {"decoding": defaults, "imported": provenance(hf_dir, "nllb" if nllb else "m2m100")}
     sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
     log.info("imported %s: %d parameters, vocabulary %d, %d languages, decoding defaults %s -> %s", hf_dir,
              sum(p.numel() for p in model.parameters()), cfg.vocab_size, len(languages), defaults, out)
     return {"checkpoint": str(out), "sha256": sha, "config": cfg.to_dict(), "decoding": defaults,
-            "languages": [code for code, _ in languages]}
+            "languages": [code for code, _ in languages], "family": "NLLB" if nllb else "M2M-100"}

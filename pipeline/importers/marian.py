@@ -115,7 +115,7 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
     vocab = read_json(hf_dir / VOCAB)
     try:
         tok = VocabTokenizer((hf_dir / SOURCE_SPM).read_bytes(), (hf_dir / TARGET_SPM).read_bytes(),
-                             vocab, **specials)
+                             vocab, eos=specials["eos"], unk=specials["unk"], pad=specials["pad"])
     except TokenizerError as e:
         raise MarianImportError(f"{hf_dir / VOCAB}: {e}") from None
     except RuntimeError as e:  # SentencePiece's own parse error
