@@ -264,3 +264,17 @@ def test_served_languages_come_from_the_manifest_else_the_name():
     routes = Routes.of([("m2m", "M", ("de", "en", "fr"), ("de", "en", "fr")), ("de-en", "D", ("de",), ("en",))])
     assert len(routes.pairs) == 6 and routes.pairs[("de", "en")] == "M"  # the first model given wins a pair
     assert routes.languages()[0] == {"code": "de", "name": "German", "targets": ["en", "fr"]}
+
+
+class Failing(NBestStandIn):
+    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+        raise RuntimeError("the backend fell over")
+
+
+def test_a_backend_fault_is_a_503_to_retry_and_the_server_goes_on():
+    with client() as c:
+        c.app.state.server.models["de-en"].batcher.translator = Failing()
+        status, got = lt(c, q="Ein Hund", source="de", target="en")
+        assert status == 503 and "retry later" in got["error"]
+        assert lt(c, q="a dog", source="en", target="de") == (200, {"translatedText": "A DOG", "score": -0.5})
+        assert c.get("/health").status_code == 200

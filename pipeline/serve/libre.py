@@ -11,6 +11,7 @@ log-probability, not a quality guarantee."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,7 @@ from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, Tr
 from pipeline.serve.translator import Encoded
 from runtime.translate import NBest
 
+log = logging.getLogger(__name__)
 KEYS = {"q", "source", "target", "format", "alternatives", "api_key"}
 
 
@@ -217,7 +219,7 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     m = state.unnamed
     try:
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request.headers)
-        req = parse_libre(data, form, state)
+        req = await off_loop(state, parse_libre, data, form, state)  # in proportion to the body: off the loop
         detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
         groups = await off_loop(state, _groups, state, req, detected)
         m = groups[0].model.metrics
@@ -236,6 +238,10 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     except ClientDisconnect:
         m.disconnects.inc()
         response = Response(status_code=499)
+    except Exception as e:  # a backend fault: this request fails, the server goes on (as the native API's)
+        log.exception("translation failed")
+        response = error(ApiError(503, f"translation failed ({type(e).__name__}: {e}); retry later",
+                                  {"Retry-After": str(state.limits.retry_after_s)}))
     m.request(response.status_code)
     return response
 
