@@ -129,16 +129,16 @@ def test_languages_are_checked_with_one_line(checkpoint):
 
 @pytest.mark.slow
 def test_import_export_serve_batch_and_parity_against_transformers(hf_dir, checkpoint, pairs, tmp_path):
-    """The user's commands: export fp32 and int8, serve-batch with --src-lang/--tgt-lang (transformers' own
+    """The user's commands: export fp32, fp16 and int8, serve-batch with --src-lang/--tgt-lang (transformers' own
     translations), the manifest's languages, parity --reference transformers at beam 1 and 4 (100% identical,
-    torch and onnxruntime), int8 within its gate."""
+    torch and onnxruntime), fp16 and int8 within their gates."""
     texts, human = pairs
     runner = CliRunner()
     src, ref, human_ref = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "human.txt"
     src.write_text("\n".join(texts) + "\n", encoding="utf-8")
     human_ref.write_text("\n".join(human) + "\n", encoding="utf-8")
-    fp32, int8 = tmp_path / "fp32", tmp_path / "int8"
-    for out, flags in ((fp32, []), (int8, ["--int8"])):
+    fp32, fp16, int8 = tmp_path / "fp32", tmp_path / "fp16", tmp_path / "int8"
+    for out, flags in ((fp32, []), (fp16, ["--fp16"]), (int8, ["--int8"])):
         result = runner.invoke(cli, ["export", str(checkpoint), "--out", str(out), "--no-tensorrt", *flags])
         assert result.exit_code == 0, result.output
     from model.manifest import read_manifest
@@ -164,9 +164,10 @@ def test_import_export_serve_batch_and_parity_against_transformers(hf_dir, check
         assert report.passed, [r.failures for r in report.results]
         assert [r.identical for r in report.results] == [1.0, 1.0]
     opts = ServeBatchOptions(src_lang="en", tgt_lang="de")
-    report = run_parity(int8, src, human_ref, ["onnxruntime"], opts=opts, reference_engine="transformers",
-                        gates=DEFAULT_GATES)
-    assert report.passed, [r.failures for r in report.results]
+    for reduced in (fp16, int8):
+        report = run_parity(reduced, src, human_ref, ["onnxruntime"], opts=opts, reference_engine="transformers",
+                            gates=DEFAULT_GATES)
+        assert report.passed, [r.failures for r in report.results]
 
 
 def test_one_pair_models_take_no_languages(tmp_path):
