@@ -19,6 +19,7 @@ from typing import IO
 
 from model.errors import UserError
 from pipeline.cli_options import opt
+from pipeline.serve.markup import Markup, parse_html
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -34,6 +35,7 @@ from runtime.tokenizer import AnyTokenizer
 from runtime.translate import LONG_LINE_POLICIES, NBest, encode_sources, format_line
 
 INVALID_UTF8_POLICIES = ("error", "replace")
+FORMATS = ("text", "html")
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class ServeBatchOptions:
                                      "en; NLLB: eng_Latn). manifest.json lists them.", metavar="CODE")
     tgt_lang: str | None = opt(None, "A multilingual model's target language (its forced first token).",
                                metavar="CODE")
+    format: str = opt("text", "html: each line is an HTML document whose text is translated (each text node as "
+                              "with --split sentences) and whose markup is kept byte for byte, as `pipeline serve` "
+                              "does for \"format\": \"html\" (docs/serving.md).", choices=FORMATS)
 
     def validate(self) -> ServeBatchOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
@@ -67,6 +72,10 @@ class ServeBatchOptions:
             problems.append(f"--split must be one of {', '.join(SPLIT_MODES)}")
         elif self.split == "sentences" and self.decoding.nbest > 1:
             problems.append("--split sentences writes one translation per line; it takes no --nbest above 1")
+        if self.format not in FORMATS:
+            problems.append(f"--format must be one of {', '.join(FORMATS)}")
+        elif self.format == "html" and self.decoding.nbest > 1:
+            problems.append("--format html writes one translation per line; it takes no --nbest above 1")
         if problems:
             raise UserError("; ".join(problems))
         self.decoding.validate()
@@ -83,6 +92,7 @@ class Window:
     truncated: int = 0
     replaced: int = 0
     splits: list[Split] | None = None
+    markups: list[Markup] | None = None  # --format html: each line's markup; `splits` are its text nodes'
 
 
 @dataclass
@@ -153,6 +163,14 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
 def _encode(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
             opts: ServeBatchOptions, replaced: int, prefix: tuple[int, ...] = ()) -> Window:
     try:
+        if opts.format == "html":  # each text node a document, as pipeline serve's "format": "html"
+            markups = [parse_html(text) for text in texts]
+            splits = [split_sentences(node, opts.lang) for m in markups for node in m.sources]
+            line_of = [first_line + i for i, m in enumerate(markups) for _ in m.sources]
+            ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
+                                          lambda k: f"{path}:{line_of[k]} text node", prefix)
+            return Window(ids, empty=sum(not m.sources for m in markups), truncated=truncated, replaced=replaced,
+                          splits=splits, markups=markups)
         if opts.split == "sentences":
             splits = [split_sentences(text, opts.lang) for text in texts]
             ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
@@ -171,5 +189,8 @@ def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n
     lines = [format_line(tokenizer, hyps, n) for hyps in nbest]
     if window.splits is not None:
         lines = rebuild_all(window.splits, lines)
+    if window.markups is not None:
+        nodes = iter(lines)
+        lines = [m.rebuild([next(nodes) for _ in m.sources]) for m in window.markups]
     return TranslatedWindow(lines, window.ids, nbest, empty=window.empty, truncated=window.truncated,
                             replaced=window.replaced)
