@@ -2,7 +2,8 @@
 loopback port, serving a tiny exported model as de-en and en-de with API keys: languages, translate (a named
 source and "auto"), detect, the key refused and accepted; and over plain HTTP, on the same server, what that
 client cannot send: a list, HTML, alternatives. Every translation is checked against the native API's answer
-for the same text, so a wrong route, a lost sentence or broken markup shows."""
+for the same text, so a wrong route, a lost sentence or broken markup shows; and `serve-batch --format html`
+writes what the server answers for the same documents."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ pytest.importorskip("py3langid")
 libretranslatepy = pytest.importorskip("libretranslatepy")
 
 import httpx  # noqa: E402
-from test_server import server  # noqa: E402
+from helpers import run_cli  # noqa: E402
+from test_server import FAST, server  # noqa: E402
 
 KEY = "client-test-key-0123456789"
 TEXT = "der hund sieht die katze. die frau hat ein rotes auto!"
@@ -85,3 +87,18 @@ def test_what_the_client_cannot_send_a_list_html_and_alternatives(url):
     assert r.status_code == 200, r.text
     assert r.json()["translatedText"] == native(url, "de-en", [TEXT])[0]
     assert len(r.json()["alternatives"]) <= 2 and r.json()["translatedText"] not in r.json()["alternatives"]
+
+
+@pytest.mark.slow
+def test_serve_batch_format_html_writes_what_the_server_answers(url, fp32_dir, tmp_path):
+    docs = ['<p title="der hund">der hund <b>sieht</b> die katze &amp; das auto.</p><code>der hund</code>', "",
+            "<br/>", "die frau hat ein rotes auto. <i>der mann</i> sieht es!"]
+    inp, out = tmp_path / "in.html", tmp_path / "out.html"
+    inp.write_text("".join(d + "\n" for d in docs), encoding="utf-8")
+    assert run_cli("serve-batch", fp32_dir, inp, "-o", out, "--format", "html", "--lang", "de", "--backend", "torch",
+                   "--no-progress", *FAST) == 0
+    r = httpx.post(f"{url}/translate", json={"q": docs, "source": "de", "target": "en", "format": "html",
+                                             "api_key": KEY}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert out.read_text(encoding="utf-8").split("\n")[:-1] == r.json()["translatedText"]
+    assert r.json()["translatedText"][1:3] == ["", "<br/>"]
