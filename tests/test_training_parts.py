@@ -29,8 +29,23 @@ def test_every_preset_has_a_shape_and_training_defaults(name, tmp_path):
         assert getattr(opts, key) == value
     cfg = preset(name, vocab_size=100)
     assert (cfg.d_model, cfg.n_heads, cfg.d_ff, cfg.n_enc_layers, cfg.n_dec_layers, cfg.dropout) == \
-        (row.d_model, row.n_heads, row.d_ff, row.layers, row.layers, row.dropout)
+        (row.d_model, row.n_heads, row.d_ff, row.layers, row.decoder_layers or row.layers, row.dropout)
     assert f"{name}: batch_tokens {row.batch_tokens}, warmup {row.warmup}" in describe_defaults()
+
+
+def test_shallow_decoder_preset_and_option():
+    """small-fast is small's width with 6 encoder and 2 decoder layers; --decoder-layers overrides the decoder
+    alone, --layers both unless --decoder-layers is given too."""
+    from pipeline.training.options import model_config
+
+    fast = preset("small-fast", vocab_size=100)
+    assert (fast.d_model, fast.n_enc_layers, fast.n_dec_layers) == (PRESETS["small"].d_model, 6, 2)
+    base = dict(save_dir="x", preset="small")
+    cfg = model_config(TrainOptions(**base, decoder_layers=1), 100)
+    assert (cfg.n_enc_layers, cfg.n_dec_layers) == (3, 1)
+    cfg = model_config(TrainOptions(**base, layers=4, decoder_layers=2), 100)
+    assert (cfg.n_enc_layers, cfg.n_dec_layers) == (4, 2)
+    assert model_config(TrainOptions(**base, layers=4), 100).n_dec_layers == 4
 
 
 def test_a_preset_row_cannot_lack_training_defaults():

@@ -41,6 +41,8 @@ class TrainOptions:
     n_heads: int | None = opt(None, "Override the preset's number of attention heads.")
     d_ff: int | None = opt(None, "Override the preset's feed-forward width.")
     layers: int | None = opt(None, "Override the number of encoder and of decoder layers.")
+    decoder_layers: int | None = opt(None, "Override the number of decoder layers only (a deep-encoder, "
+                                           "shallow-decoder model; default: --layers, or the preset's).")
     dropout: float | None = opt(None, "Dropout (default: the preset's; the paper: 0.1 base, 0.3 big).")
     vocab_size: int | None = opt(None, "Joint SentencePiece vocabulary size (a soft limit).")
     max_len: int = opt(256, "Drop training pairs with a side longer than this many tokens (counts are logged).")
@@ -183,7 +185,8 @@ def check_numbers(o: TrainOptions) -> None:
 def model_config(opts: TrainOptions, vocab_size: int) -> ModelConfig:
     """The preset with the command-line overrides (ConfigError names every problem)."""
     return preset(opts.preset, vocab_size=vocab_size, d_model=opts.d_model, n_heads=opts.n_heads,
-                  d_ff=opts.d_ff, n_enc_layers=opts.layers, n_dec_layers=opts.layers,
+                  d_ff=opts.d_ff, n_enc_layers=opts.layers,
+                  n_dec_layers=opts.decoder_layers if opts.decoder_layers is not None else opts.layers,
                   dropout=opts.dropout, max_positions=max(1024, opts.max_len + 1))
 
 
