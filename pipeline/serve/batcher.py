@@ -45,6 +45,7 @@ class Work:
     ids: list[list[int]]
     decoding: DecodingOptions
     future: asyncio.Future[list[NBest]]
+    first: int | None = None  # a multilingual model's target language token, forced first in every line
     enqueued: float = field(default_factory=time.monotonic)
     taken: int = 0  # lines handed to a batch so far
     turn: int = 0  # the cost of the lines taken since its turn began (Batcher._take_turns)
@@ -78,9 +79,9 @@ class Work:
         self.progress.set()
 
     @property
-    def key(self) -> tuple[int, int]:
-        # Requests batch together only when the search would treat them alike.
-        return (self.decoding.beam_size, self.decoding.nbest)
+    def key(self) -> tuple[int, int, bool]:
+        # Requests batch together only when the search would treat them alike (targets may differ).
+        return (self.decoding.beam_size, self.decoding.nbest, self.first is None)
 
     def cost(self, line: int) -> int:
         return len(self.ids[line]) * self.decoding.beam_size
@@ -127,11 +128,12 @@ class Batcher:
         self._pending.clear()
         self._executor.shutdown(wait=True)
 
-    def submit(self, ids: list[list[int]], decoding: DecodingOptions) -> Work:
-        """Queue one request's source ids; await `work.future` for its hypotheses."""
+    def submit(self, ids: list[list[int]], decoding: DecodingOptions, first: int | None = None) -> Work:
+        """Queue one request's source ids (with a multilingual model's target token); await `work.future` for
+        its hypotheses."""
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests are queued already (--max-queue {self.max_queue})")
-        work = Work(ids, decoding, asyncio.get_running_loop().create_future())
+        work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first)
         self._pending.append(work)
         self.metrics.queue_depth.set(len(self._pending))
         assert self._wakeup is not None, "Batcher.start() was not awaited"
@@ -219,8 +221,10 @@ class Batcher:
                 self.metrics.queue_seconds.observe(started - work.enqueued)
         loop = asyncio.get_running_loop()
         try:
-            results = await loop.run_in_executor(self._executor, self.translator.translate, ids,
-                                                 batch[0][0].decoding)
+            args: tuple = (ids, batch[0][0].decoding)
+            if batch[0][0].first is not None:  # the key keeps works with and without one apart
+                args += ([work.first for work, start, stop in batch for _ in range(start, stop)],)
+            results = await loop.run_in_executor(self._executor, self.translator.translate, *args)
         except Exception as e:  # a backend fault fails this batch's requests, not the server
             log.exception("batch of %d request(s) failed", len(batch))
             for work, _, _ in batch:

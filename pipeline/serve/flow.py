@@ -53,7 +53,7 @@ async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encod
         return Work.finished([[] for _ in encoded.ids], req.decoding), encoded
     assert model.batcher is not None
     try:
-        return model.batcher.submit(encoded.ids, req.decoding), encoded
+        return model.batcher.submit(encoded.ids, req.decoding, req.way.first), encoded
     except QueueFull as e:
         raise busy(f"server busy: {e}; retry later", state) from None
 

@@ -76,7 +76,7 @@ def _code(data: dict[str, Any], key: str) -> str:
     if not isinstance(value, str) or not (value == "auto" and key == "source" or LANG.fullmatch(value)):
         raise ApiError(400, f'"{key}" must be a language code like "de"' + (' or "auto"' if key == "source" else "")
                        + f", not {str(value)[:20]!r}")
-    return value.lower()
+    return value  # as the model lists it (NLLB: eng_Latn)
 
 
 def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
@@ -160,7 +160,11 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
                 raise ApiError(400, f'"alternatives" {req.alternatives} is above this model\'s limit of '
                                     f"{group.model.max_beam - 1}")
             decoding = decoding.replace(nbest=n, beam_size=max(decoding.beam_size, n))
-        group.request = TranslateRequest(docs, group.model, decoding, False, "sentences", group.source, False)
+        try:
+            way = group.model.translator.direction(group.source, req.target)
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        group.request = TranslateRequest(docs, group.model, decoding, False, "sentences", group.source, False, way)
     return list(groups.values())
 
 

@@ -23,6 +23,7 @@ from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
 from pipeline.serve.translator import Encoded, LineTooLong, Translator
 from runtime.decoding import DecodingOptions
+from runtime.languages import ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
 
 REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores"}
@@ -84,6 +85,7 @@ class TranslateRequest:
     split: str
     lang: str
     stream: bool
+    way: Direction = ONE_PAIR  # a multilingual model's source -> target (LibreTranslate's API); none for one pair
 
 
 def _field(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
@@ -183,7 +185,7 @@ def encode_request(req: TranslateRequest, limits: RequestLimits) -> Encoded:
     if sentences > limits.max_sentences:
         raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
     try:
-        encoded = translator.encode(req.text, splits)
+        encoded = translator.encode(req.text, splits, req.way)
     except LineTooLong as e:
         raise ApiError(413, f"{e}; split the line") from None
     if encoded.tokens > limits.max_source_tokens:

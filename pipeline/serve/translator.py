@@ -14,6 +14,7 @@ from typing import Any
 from model.manifest import Manifest
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
+from runtime.languages import ONE_PAIR, Direction, LanguageError, direction
 from runtime.model_dir import LoadOptions, load
 from runtime.sentences import DEFAULT_LANG, Split, encode_split, split_sentences
 from runtime.tokenizer import AnyTokenizer
@@ -81,23 +82,35 @@ class Translator:
         """Each text as sentences, as serve-batch --split sentences splits a line (thread-safe, no model)."""
         return [split_sentences(text, lang) for text in texts]
 
-    def encode(self, lines: list[str], splits: list[Split] | None = None) -> Encoded:
-        """serve-batch's source policy for one request's lines, or for the sentences of their `splits`
-        (thread-safe, no model)."""
+    def direction(self, source: str, target: str) -> Direction:
+        """The token ids that tell a multilingual model (its manifest lists languages) to translate source ->
+        target; nothing for a model of one pair (ValueError naming "source" / "target" when it lacks one)."""
+        if getattr(self.manifest, "languages", None) is None:
+            return ONE_PAIR
+        try:
+            return direction(self.backend.cfg, source, target, source_name='"source"', target_name='"target"')
+        except LanguageError as e:
+            raise ValueError(str(e)) from None
+
+    def encode(self, lines: list[str], splits: list[Split] | None = None, way: Direction = ONE_PAIR) -> Encoded:
+        """serve-batch's source policy for one request's lines, or for the sentences of their `splits`, each
+        source started with the direction's prefix (thread-safe, no model)."""
         try:
             if splits is not None:
                 ids, truncated = encode_split(self.tokenizer, splits, self.max_src_len, self.long_lines,
-                                              lambda k: f"text[{k}]")
+                                              lambda k: f"text[{k}]", way.prefix)
                 return Encoded(ids, truncated, splits)
             sources = encode_sources(self.tokenizer, lines, self.max_src_len, long_lines=self.long_lines,
-                                     origin="request line")
+                                     origin="request line", prefix=way.prefix)
         except SourceTooLong as e:
             raise LineTooLong(e.what) from None
         return Encoded(sources.ids, sources.truncated)
 
-    def translate(self, ids: list[list[int]], decoding: DecodingOptions) -> list[NBest]:
-        """Hypotheses per source line, in order; batching by length inside (one thread only)."""
-        hyps = translate_ids(self.backend, ids, decoding)
+    def translate(self, ids: list[list[int]], decoding: DecodingOptions, first_tokens: list[int] | None = None
+                  ) -> list[NBest]:
+        """Hypotheses per source line, in order; batching by length inside (one thread only). first_tokens:
+        per line, a multilingual model's target language token, forced first."""
+        hyps = translate_ids(self.backend, ids, decoding, first_tokens)
         return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
     def format(self, nbest: NBest, n: int) -> str:

@@ -1,0 +1,73 @@
+"""A multilingual model dir (a tiny M2M-100 made here, imported and exported) served by `pipeline serve`: its
+manifest's languages are LibreTranslate's routes, and each request's source and target reach the model as its
+language tokens, so LibreTranslate's /translate writes what `serve-batch --src-lang --tgt-lang --split sentences`
+writes, in both directions, with requests of different targets in the app at once."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("starlette")
+pytest.importorskip("sentencex")
+
+from click.testing import CliRunner  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+
+from pipeline.cli import cli  # noqa: E402
+from pipeline.corpus.synthetic import generate  # noqa: E402
+from pipeline.importers.m2m100 import import_m2m100  # noqa: E402
+from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.metrics import Metrics  # noqa: E402
+from pipeline.serve.options import RequestLimits, ServeHttpOptions  # noqa: E402
+from pipeline.serve.requests import ServerState  # noqa: E402
+from pipeline.serve.runner import load_model  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+from runtime.model_dir import LoadOptions  # noqa: E402
+from tests.m2m100_fixture import make_m2m100_dir  # noqa: E402
+
+SHAPE = dict(encoder_layers=2, decoder_layers=1, encoder_ffn=96, decoder_ffn=64, encoder_heads=4, decoder_heads=2)
+
+
+@pytest.fixture(scope="module")
+def m2m_dir(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("m2m-serve")
+    hf = make_m2m100_dir(tmp / "m2m100-tiny", max_length=48, **SHAPE)
+    import_m2m100(hf, tmp / "m2m.pt")
+    result = CliRunner().invoke(cli, ["export", str(tmp / "m2m.pt"), "--out", str(tmp / "fp32"), "--no-tensorrt"])
+    assert result.exit_code == 0, result.output
+    return tmp / "fp32"
+
+
+def serve_batch(model_dir: Path, tmp: Path, texts: list[str], src: str, tgt: str) -> list[str]:
+    inp, out = tmp / f"{src}.txt", tmp / f"{src}-{tgt}.out"
+    inp.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    result = CliRunner().invoke(cli, ["serve-batch", str(model_dir), str(inp), "-o", str(out), "--src-lang", src,
+                                      "--tgt-lang", tgt, "--split", "sentences", "--lang", src, "--backend",
+                                      "onnxruntime", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return out.read_text(encoding="utf-8").split("\n")[:-1]
+
+
+@pytest.mark.slow
+def test_libretranslate_routes_a_multilingual_model_by_its_languages(m2m_dir, tmp_path):
+    en, de = generate(6, seed=4)
+    metrics, limits = Metrics(), RequestLimits()
+    opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1))
+    model = load_model("m2m", str(m2m_dir), opts, PAPER.replace(batch_tokens=limits.max_batch_tokens), metrics)
+    languages = json.loads((m2m_dir / "manifest.json").read_text())["model_config"]["languages"]
+    assert set(model.sources) == {code for code, _ in languages}  # from the manifest, not the name
+    state = ServerState({"m2m": model}, limits, {}, metrics, warmed_up=True)
+    with TestClient(create_app(state)) as c:
+        listed = {lang["code"]: lang["targets"] for lang in c.get("/languages").json()}
+        assert "de" in listed["en"] and "en" in listed["de"] and "en" not in listed["en"]
+        doc = f"{en[0]}. {en[1]}!"
+        for q, src, tgt in (([doc, en[2]], "en", "de"), (de[:3], "de", "en")):
+            r = c.post("/translate", json={"q": q, "source": src, "target": tgt})
+            assert r.status_code == 200, r.text
+            assert r.json()["translatedText"] == serve_batch(m2m_dir, tmp_path, q, src, tgt)
+        r = c.post("/translate", json={"q": "x", "source": "en", "target": "xx"})
+        assert r.status_code == 400 and "it translates" in r.json()["error"]
