@@ -278,3 +278,14 @@ def test_a_backend_fault_is_a_503_to_retry_and_the_server_goes_on():
         assert status == 503 and "retry later" in got["error"]
         assert lt(c, q="a dog", source="en", target="de") == (200, {"translatedText": "A DOG", "score": -0.5})
         assert c.get("/health").status_code == 200
+
+
+def test_native_api_takes_a_one_pair_models_own_languages_only():
+    """"source"/"target" on the native API: a model of one pair takes its own (and they set the sentence rules),
+    others are a 400 naming the field and the model's languages."""
+    with client(detector=False) as c:
+        r = c.post("/translate", json={"text": ["Ein Hund. Er bellt."], "model": "de-en", "source": "de",
+                                       "target": "en", "split": "sentences"})
+        assert r.status_code == 200 and r.json()["translations"] == ["EIN HUND. ER BELLT."], r.text
+        r = c.post("/translate", json={"text": ["x"], "model": "de-en", "source": "de", "target": "fr"})
+        assert r.status_code == 400 and r.json()["error"] == '"target" \'fr\' is not a language of model de-en (en)'

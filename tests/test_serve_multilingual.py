@@ -71,3 +71,27 @@ def test_libretranslate_routes_a_multilingual_model_by_its_languages(m2m_dir, tm
             assert r.json()["translatedText"] == serve_batch(m2m_dir, tmp_path, q, src, tgt)
         r = c.post("/translate", json={"q": "x", "source": "en", "target": "xx"})
         assert r.status_code == 400 and "it translates" in r.json()["error"]
+
+
+@pytest.mark.slow
+def test_native_api_takes_source_and_target_for_a_multilingual_model(m2m_dir, tmp_path):
+    """The native /translate names "source" and "target": what serve-batch --src-lang --tgt-lang writes, the
+    languages required by a multilingual model, an unknown one a 400 naming the field and the model's languages;
+    /info lists the languages."""
+    en, de = generate(4, seed=9)
+    metrics, limits = Metrics(), RequestLimits()
+    opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1))
+    model = load_model("m2m", str(m2m_dir), opts, PAPER.replace(batch_tokens=limits.max_batch_tokens), metrics)
+    state = ServerState({"m2m": model}, limits, {}, metrics, warmed_up=True)
+    with TestClient(create_app(state)) as c:
+        assert "de" in c.get("/info").json()["models"]["m2m"]["languages"]["target"]
+        for text, src, tgt in ((en, "en", "de"), (de, "de", "en")):
+            r = c.post("/translate", json={"text": text, "source": src, "target": tgt, "split": "sentences"})
+            assert r.status_code == 200, r.text
+            assert r.json()["translations"] == serve_batch(m2m_dir, tmp_path, text, src, tgt)
+        r = c.post("/translate", json={"text": en, "target": "de"})
+        assert r.status_code == 400 and r.json()["error"].startswith('"source" is required'), r.text
+        r = c.post("/translate", json={"text": en, "source": "en", "target": "fr"})
+        assert r.status_code == 400 and "\"target\" 'fr' is not a language of this model" in r.json()["error"]
+        r = c.post("/translate", json={"text": en, "source": 3, "target": "de"})
+        assert r.status_code == 400 and '"source" must be a language code' in r.json()["error"]

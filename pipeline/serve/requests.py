@@ -26,7 +26,7 @@ from runtime.decoding import DecodingOptions
 from runtime.languages import ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
 
-REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores"}
+REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target"}
 LANG = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")
 
 
@@ -142,7 +142,8 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     split = data.get("split", "none")
     if split not in SPLIT_MODES:
         raise ApiError(400, f'"split" must be one of {", ".join(map(json.dumps, SPLIT_MODES))}')
-    lang = _field(data, "lang", str, model.lang, 'a language code like "de"')
+    way = _direction(data, model)
+    lang = _field(data, "lang", str, way.source or model.lang, 'a language code like "de"')
     if not LANG.fullmatch(lang):
         raise ApiError(400, f'"lang" must be a language code like "de", not {lang[:20]!r}')
     stream = _field(data, "stream", bool, False, "true or false")
@@ -167,7 +168,24 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     if structured and split != "none":
         raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
                             '"split": "none"')
-    return TranslateRequest(text, model, decoding, structured, split, lang, stream)
+    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way)
+
+
+def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
+    """The request's "source" -> "target" for the model: a multilingual model needs both (its language tokens);
+    a model of one pair takes them only when they are its own (400 naming the field otherwise)."""
+    given = {key: _field(data, key, str, None, 'a language code like "de"') for key in ("source", "target")
+             if key in data}
+    try:
+        way = model.translator.direction(given.get("source"), given.get("target"))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    if way is ONE_PAIR:
+        for key, known in (("source", model.sources), ("target", model.targets)):
+            if key in given and known and given[key] not in known:
+                raise ApiError(400, f'"{key}" {given[key][:20]!r} is not a language of model {model.name} '
+                                    f'({", ".join(known)})')
+    return way
 
 
 def too_many(count: int, what: str, limit: int, option: str) -> str:

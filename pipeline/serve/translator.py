@@ -82,7 +82,7 @@ class Translator:
         """Each text as sentences, as serve-batch --split sentences splits a line (thread-safe, no model)."""
         return [split_sentences(text, lang) for text in texts]
 
-    def direction(self, source: str, target: str) -> Direction:
+    def direction(self, source: str | None, target: str | None) -> Direction:
         """The token ids that tell a multilingual model (its manifest lists languages) to translate source ->
         target; nothing for a model of one pair (ValueError naming "source" / "target" when it lacks one)."""
         if getattr(self.manifest, "languages", None) is None:
