@@ -1,0 +1,43 @@
+"""Spark: the same Translator under `pyspark.ml.functions.predict_batch_udf`.
+
+    from pyspark.ml.functions import predict_batch_udf
+    from pipeline.integrations.spark import RETURN_TYPE, make_predict_fn
+
+    translate = predict_batch_udf(make_predict_fn("models/en-de"), return_type=RETURN_TYPE, batch_size=500)
+    df.withColumn("out", translate("text")).select("out.translation", "out.score")
+
+Spark calls the factory once per Python worker, which loads the model dir once; each batch of the column
+comes as a numpy array of strings and goes back as the Translator's columns, translated as serve-batch
+does. Nothing here imports pyspark: the executors need this package, its model dir, and no torch."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.integrations.translator import Translator
+
+# predict_batch_udf's return_type for the struct make_predict_fn's function returns (Translator's columns)
+RETURN_TYPE = "struct<translation:string,score:double,empty:boolean,truncated:int>"
+
+PredictFn = Callable[[np.ndarray], dict[str, np.ndarray]]
+
+
+def make_predict_fn(model_dir: str | Path, **translator_options: Any) -> Callable[[], PredictFn]:
+    """The `make_predict_fn` predict_batch_udf takes: a picklable factory that, on an executor, loads
+    `model_dir` (Translator's keyword options: load_options, decoding, options) and returns the function
+    from a batch of source strings to the columns of RETURN_TYPE."""
+    return functools.partial(_load, str(model_dir), translator_options)
+
+
+def _load(model_dir: str, translator_options: dict[str, Any]) -> PredictFn:
+    translator = Translator(model_dir, **translator_options)
+
+    def predict(sources: np.ndarray) -> dict[str, np.ndarray]:
+        return translator.translate(list(sources)).columns()
+
+    return predict
