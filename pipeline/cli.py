@@ -21,6 +21,7 @@ COMMANDS = {
     "average": "pipeline.commands.train:average",
     "export": "pipeline.commands.export:export",
     "serve-batch": "pipeline.commands.serve_batch:serve_batch",
+    "ray-translate": "pipeline.commands.ray_translate:ray_translate",
     "serve": "pipeline.commands.serve:serve",
     "parity": "pipeline.commands.parity:parity",
     "bench": "pipeline.commands.bench:bench",
@@ -40,6 +41,9 @@ SUMMARIES = {
               "model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible, model.pt, spm.model and "
               "manifest.json.",
     "serve-batch": "Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.",
+    "ray-translate": "Translate INPUT files, globs or directories of shards (plain, .gz or Parquet) on a Ray cluster "
+                     "with the model in MODEL_DIR, one line-aligned output per input, exactly as serve-batch "
+                     "translates them.",
     "serve": "Serve the model in MODEL_DIR (or several: --model NAME=DIR ...) over HTTP, batching concurrent "
              "requests dynamically, one queue per model.",
     "parity": "Translate SRC with each backend of MODEL_DIR and compare with the PyTorch model: BLEU and chrF "
@@ -63,6 +67,7 @@ OPTIONAL_PACKAGES = {
     "torch": "train", "onnxscript": "train", "transformers": "import", "safetensors": "import",
     "ctranslate2": "bench", "starlette": "serve", "uvicorn": "serve", "prometheus_client": "serve",
     "httpx": "serve", "sentencex": "serve", "tensorboard": "tensorboard", "onnxruntime": "cpu", "onnx": "deploy",
+    "ray": "ray", "pyarrow": "ray", "pyspark": "spark",
 }
 
 

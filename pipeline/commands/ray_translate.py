@@ -1,0 +1,70 @@
+"""`pipeline ray-translate`: the click command; the work is in pipeline/integrations/ray_job.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+import click
+
+from pipeline.cli_options import decoding_options, options_from, pick
+from pipeline.integrations.options import RayOptions
+from pipeline.integrations.shards import job_record, plan
+from pipeline.serve_batch.translation import ServeBatchOptions
+from runtime.decoding import DecodingOptions
+from runtime.model_dir import LoadOptions, ModelDir
+
+log = logging.getLogger(__name__)
+
+# what changes a translation, recorded beside the outputs so that a rerun resumes only the same job
+_RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", "split", "lang", "src_lang", "tgt_lang",
+             "format", "column")
+
+
+@click.command("ray-translate")
+@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
+@click.option("--output-dir", metavar="DIR", required=True,
+              help="Write each input's translation to DIR/<input file name> (.gz dropped; a Parquet file's gets "
+                   ".txt). Rerunning the same command skips the inputs whose output is there.")
+@options_from(LoadOptions, notes={"threads": "Per actor [default here: 1]; actors x threads = the cores used.",
+                                  "device": "Per actor."})
+@decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
+                                    "joined by ' ||| ', best first (still one line per input line)."})
+@options_from(ServeBatchOptions, skip=("window",))
+@options_from(RayOptions)
+@click.option("--progress/--no-progress", default=True, show_default=True,
+              help="Show translated lines and lines/s across the cluster on stderr (only on a terminal).")
+def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, decoding: DecodingOptions,
+                  progress: bool, **fields: Any) -> None:
+    """Translate INPUT files, globs or directories of shards (plain, .gz or Parquet) on a Ray cluster with the
+    model in MODEL_DIR, one line-aligned output per input, exactly as serve-batch translates them.
+
+    Ray Data reads the shards; actors (one per core by default) each load the model once and translate
+    batches of rows; each output is written in line order and renamed into place when complete, so an
+    interrupted job resumes where it stopped when rerun. A killed actor is restarted and its rows retried.
+    Ends with a summary line on stderr (lines/s; Ray's start-up apart).
+    """
+    from pipeline.integrations.ray_job import translate_shards
+
+    load_options: LoadOptions = pick(LoadOptions, fields)
+    ray_opts: RayOptions = pick(RayOptions, fields)
+    opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
+    ModelDir.open(model_dir)  # a bad model dir is one line here, before a cluster is reached
+    settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
+                                     **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
+                "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
+    job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings))
+    if not job.todo:
+        click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
+        return
+    stats = translate_shards(model_dir, job, load_options, decoding, opts, ray_opts,
+                             progress and sys.stderr.isatty())
+    if stats.truncated:
+        log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "
+                    "them)", stats.truncated)
+    if stats.replaced:
+        log.warning("%d line(s) had invalid UTF-8, replaced by U+FFFD", stats.replaced)
+    click.echo(stats.summary(job), err=True)

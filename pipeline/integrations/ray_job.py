@@ -1,0 +1,256 @@
+"""`pipeline ray-translate`: shards read by Ray Data, translated by a pool of `Translator` actors, written
+back per shard in line order.
+
+    read (LinesDatasource: each row's shard, line number, text)  ->  map_batches(Translator, concurrency=actors)
+        ->  the driver: ShardWriter (line order restored, each output renamed into place when complete)
+
+Order: Ray Data is asked to keep block order (cheap, and it bounds what the writer holds back), but the
+writer does not rely on it: every row carries its shard and line, so rows are put back in place whatever
+order they come in, and a line that comes twice or never is an error. Faults: an actor that dies is
+restarted and its batches retried by Ray Data; outputs are written only by the driver, so a retried batch
+is written once. A driver that dies leaves the completed shards' outputs and no partial one: rerunning the
+same command translates the rest."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from model.errors import UserError
+from pipeline.integrations.options import RayOptions
+from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter
+from pipeline.integrations.translator import Translator
+from pipeline.serve_batch.files import progress_bar
+from pipeline.serve_batch.rows import decode_row
+from pipeline.serve_batch.translation import ServeBatchOptions
+from pipeline.textio import open_binary
+from runtime.decoding import DecodingOptions
+from runtime.model_dir import LoadOptions
+
+log = logging.getLogger(__name__)
+
+READ_CHUNK = 1 << 20
+
+
+@dataclass
+class JobStats:
+    lines: int = 0
+    empty: int = 0
+    truncated: int = 0
+    replaced: int = 0
+    startup_seconds: float = 0.0  # reaching or starting the cluster
+    seconds: float = 0.0          # from then to the last output renamed into place
+    actors: int = 0
+
+    def summary(self, plan: Plan) -> str:
+        rate = self.lines / self.seconds if self.seconds > 0 else 0.0
+        return (f"translated {self.lines} lines of {len(plan.todo)} shard(s) in {self.seconds:.2f} s: {rate:.1f} "
+                f"lines/s on {self.actors} actor(s); {len(plan.skipped)} shard(s) already complete; Ray start-up "
+                f"{self.startup_seconds:.2f} s")
+
+
+def connect(address: str | None) -> bool:
+    """Reach the cluster (or start a local one); whether this call started the connection (and so ends it)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    root = str(Path(__file__).resolve().parents[2])  # workers import this checkout, installed or not
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    try:
+        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+    except ConnectionError as e:
+        raise UserError(f"--address {address}: no Ray cluster there ({e}); start one with `ray start --head`") from None
+    return True
+
+
+def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
+                     opts: ServeBatchOptions, ray_opts: RayOptions, progress: bool = False) -> JobStats:
+    """Translate every shard of plan.todo on the cluster (reached or started here) into its output."""
+    import ray
+
+    stats = JobStats()
+    started = time.perf_counter()
+    ours = connect(ray_opts.address)
+    stats.startup_seconds = time.perf_counter() - started
+    try:
+        if plan.todo:
+            stats.actors = actors(ray_opts, load_options, ray.cluster_resources())
+            _run(model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress)
+    finally:
+        if ours:
+            ray.shutdown()
+    stats.seconds = time.perf_counter() - started - stats.startup_seconds
+    return stats
+
+
+def actors(ray_opts: RayOptions, load_options: LoadOptions, resources: dict[str, float]) -> int:
+    """How many actors: as asked, or as many as the cluster's CPUs (GPUs) hold; asking for more GPUs than the
+    cluster has is refused now rather than left waiting."""
+    threads = load_options.threads or 1
+    if ray_opts.gpus_per_actor > 0:
+        gpus = resources.get("GPU", 0.0)
+        if gpus < ray_opts.gpus_per_actor:
+            raise UserError(f"--gpus-per-actor {ray_opts.gpus_per_actor:g}: the cluster has {gpus:g} GPU(s); "
+                            "leave it at 0 for CPU actors")
+        fit = int(gpus // ray_opts.gpus_per_actor)
+    else:
+        fit = max(1, int(resources.get("CPU", 1.0) // threads))
+    return ray_opts.actors or fit
+
+
+def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
+         opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool) -> None:
+    import ray.data
+
+    if not log.isEnabledFor(logging.DEBUG):  # Ray Data's plan and timing lines, unless -v
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False  # ours counts lines across the cluster
+    # Ray Data joins what a task yields into blocks of up to this many bytes (128 MiB by default: a whole
+    # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
+    # every actor busy, the writer fed, and a retry small.
+    context.target_max_block_size = max(1 << 12, int(0.75 * ray_opts.batch_size * _row_bytes(plan.todo[0])))
+    threads = load_options.threads or 1
+    ds = ray.data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8,
+                                                  ray_opts.batch_size), num_cpus=0)
+    ds = ds.map_batches(Translator, batch_size=ray_opts.batch_size,
+                        compute=ray.data.ActorPoolStrategy(size=stats.actors),
+                        num_cpus=0 if ray_opts.gpus_per_actor else threads, num_gpus=ray_opts.gpus_per_actor or None,
+                        fn_constructor_kwargs={"model_dir": str(Path(model_dir).resolve()), "column": "text",
+                                               "load_options": dataclasses.replace(load_options, threads=threads),
+                                               "decoding": decoding, "options": opts,
+                                               "origin_columns": ("path", "line")})
+    writer = ShardWriter(plan.todo)
+    bar = progress_bar("translating", progress)
+    try:
+        for batch in ds.select_columns(["shard", "line", "translation", "last", "replaced", "empty", "truncated"],
+                                       num_cpus=0).iter_batches(batch_size=None, batch_format="numpy"):
+            writer.add_rows(batch["shard"], batch["line"] - 1, batch["translation"], batch["last"])
+            stats.lines += len(batch["line"])
+            stats.empty += int(batch["empty"].sum())
+            stats.truncated += int(batch["truncated"].sum())
+            stats.replaced += int(batch["replaced"].sum())
+            bar.update(len(batch["line"]))
+        writer.finish()
+    except BaseException as e:
+        writer.abort(e)
+        raise _user_error(e) or e from None
+    finally:
+        bar.close()
+
+
+def _row_bytes(shard: Shard) -> int:
+    """About how many bytes a row of `shard` takes in a block (its text, measured on the first lines, and the
+    columns beside it)."""
+    if shard.parquet:
+        import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+        meta = pq.read_metadata(shard.path)
+        text = meta.serialized_size if meta.num_rows == 0 else sum(
+            meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) // meta.num_rows
+    else:
+        with open_binary(shard.path) as f:
+            head = f.read(1 << 16)
+        text = len(head) // max(1, head.count(b"\n"))
+    return text + len(shard.path) + 4 * 4 + 8 + 4 + 2  # text, path and their offsets, line, shard, flags
+
+
+def _user_error(e: BaseException) -> UserError | None:
+    """The user's mistake a worker raised (a refused line, invalid UTF-8, a bad model dir), without the layers
+    of Ray's wrapping: one line, as serve-batch says it."""
+    from ray.exceptions import RayError
+
+    seen: BaseException | None = e
+    for _ in range(20):
+        if seen is None:
+            return None
+        if isinstance(seen, UserError) and not isinstance(seen, RayError):
+            return seen
+        seen = getattr(seen, "cause", None) or seen.__cause__
+    return None
+
+
+def _datasource_base() -> type:
+    from ray.data.datasource import FileBasedDatasource
+
+    return FileBasedDatasource
+
+
+class LinesDatasource(_datasource_base()):  # type: ignore[misc]
+    """Each shard's rows as blocks of (shard, line, text, path, last, replaced): text files split on b'\\n' only
+    and decoded with serve-batch's --invalid-utf8 policy; Parquet files' `column`, a null as a blank row."""
+
+    def __init__(self, shards: list[Shard], column: str, invalid_utf8: str, rows_per_block: int):
+        super().__init__([s.path for s in shards])
+        self.index = {s.path: s.index for s in shards} | {os.path.realpath(s.path): s.index for s in shards}
+        self.column, self.invalid_utf8, self.rows_per_block = column, invalid_utf8, rows_per_block
+
+    def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
+        shard = self.index.get(path, self.index.get(os.path.realpath(path)))
+        if shard is None:
+            raise RuntimeError(f"{path}: Ray read a file that is not one of the shards")
+        rows = _parquet_rows(f, path, self.column) if path.endswith(PARQUET) else \
+            _text_rows(f, path, self.invalid_utf8)
+        block: list[tuple[str, int]] = []
+        lineno = 0
+        for lineno, row in enumerate(rows, start=1):
+            block.append(row)
+            if len(block) > self.rows_per_block:  # one row held back, to mark the shard's last
+                yield _block(shard, path, lineno - len(block) + 1, block[:-1], last=False)
+                block = block[-1:]
+        if block:
+            yield _block(shard, path, lineno - len(block) + 1, block, last=True)
+
+
+def _block(shard: int, path: str, first: int, rows: list[tuple[str, int]], last: bool) -> Any:
+    import pyarrow as pa
+
+    n = len(rows)
+    return pa.table({"shard": pa.array([shard] * n, pa.int32()),
+                     "line": pa.array(range(first, first + n), pa.int64()),
+                     "text": pa.array([r[0] for r in rows], pa.string()),
+                     "path": pa.array([path] * n, pa.string()),
+                     "last": pa.array([False] * (n - 1) + [last], pa.bool_()),
+                     "replaced": pa.array([bool(r[1]) for r in rows], pa.bool_())})
+
+
+def _text_rows(f: Any, path: str, invalid_utf8: str) -> Iterator[tuple[str, int]]:
+    """Lines as serve-batch reads them: split on b'\\n' only, a last line without one kept."""
+    rest = b""
+    lineno = 0
+    while True:
+        try:
+            chunk = f.read(READ_CHUNK)
+        except (OSError, EOFError) as e:
+            raise UserError(f"{path}: cannot read ({e})") from None
+        if not chunk:
+            break
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for raw in lines:
+            lineno += 1
+            yield decode_row(raw, path, lineno, invalid_utf8)
+    if rest:
+        yield decode_row(rest, path, lineno + 1, invalid_utf8)
+
+
+def _parquet_rows(f: Any, path: str, column: str) -> Iterator[tuple[str, int]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.ParquetFile(pa.BufferReader(f.readall()))
+    field = table.schema_arrow.field(column)
+    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
+        raise UserError(f"{path}: column {column!r} holds {field.type}, not text; name a string column")
+    for batch in table.iter_batches(columns=[column]):
+        for value in batch.column(0).to_pylist():
+            yield (value or "", 0)

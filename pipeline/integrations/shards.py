@@ -1,0 +1,225 @@
+"""A corpus as shards: which files, where each translation goes, which are already done, and the writer that
+puts each shard's translated rows back in line order and renames its output into place when it is complete.
+
+Nothing here imports Ray: the plan is made (and every refusal said) before a cluster is reached, and the
+writer takes rows in whatever order the cluster returns them."""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from model.atomic import atomic_write_text, remove_stale_temps
+from model.errors import UserError
+from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
+
+log = logging.getLogger(__name__)
+
+PARQUET = (".parquet", ".pq")
+RECORD = ".pipeline-ray-translate.json"  # what the outputs in a directory were made with
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    path: str      # absolute
+    output: Path
+
+    @property
+    def parquet(self) -> bool:
+        return self.path.endswith(PARQUET)
+
+
+@dataclass
+class Plan:
+    shards: list[Shard]               # every input, in order
+    todo: list[Shard]                 # those without a complete output
+    skipped: list[Shard] = field(default_factory=list)
+
+
+def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
+    """Input files from files, globs and directories (their files, in name order; hidden files and Spark's
+    `_SUCCESS`-style markers left out), and the directories named."""
+    files: list[str] = []
+    dirs: list[str] = []
+    for given in inputs:
+        if given == "-":
+            raise UserError("input '-' (stdin): a cluster reads files; give files, globs or a directory")
+        if Path(given).is_dir():
+            dirs.append(given)
+            found = sorted(p for p in Path(given).iterdir() if not p.name.startswith((".", "_")))
+            nested = [p for p in found if p.is_dir()]
+            if nested:
+                raise UserError(f"{nested[0]}: a directory inside the input directory {given}; name the files or "
+                                "globs to translate")
+            if not found:
+                raise UserError(f"{given}: an input directory with no files")
+            files += [str(p) for p in found]
+        elif glob.has_magic(given):
+            matched = sorted(p for p in glob.glob(given) if Path(p).is_file())
+            if not matched:
+                raise UserError(f"{given}: no file matches this pattern")
+            files += matched
+        else:
+            files.append(given)
+    return files, dirs
+
+
+def output_name(path: str) -> str:
+    """DIR/<input name> as serve-batch names it (a .gz suffix dropped); a Parquet file's gets .txt."""
+    name = Path(path).name
+    if name.endswith(PARQUET):
+        return name[: name.rindex(".")] + ".txt"
+    return name[:-3] if name.endswith(".gz") else name
+
+
+def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any]) -> Plan:
+    """Every check before any work: inputs readable (a Parquet file holding `column`), outputs distinct and
+    not inputs, the output dir writable and made with the same model and options if it has outputs already
+    (`record`; a rerun of the same command resumes, another refuses). Leftover temps are removed."""
+    files, dirs = expand(inputs)
+    out_dir = Path(output_dir)
+    outputs = [out_dir / output_name(f) for f in files]
+    seen: dict[Path, str] = {}
+    for f, out in zip(files, outputs):
+        if out in seen:
+            raise UserError(f"{f} and {seen[out]} would both be written to {out}; translate them in separate runs")
+        seen[out] = f
+    refuse_overwriting_inputs(files, outputs, input_dirs=dirs, output_dirs=[out_dir])
+    for f in files:
+        if f.endswith(PARQUET):
+            _check_parquet(f, column)
+        else:
+            open_binary(f).close()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for out in outputs:
+        check_output_file(out, "--output-dir")
+    remove_stale_temps(out_dir)
+    _check_record(out_dir, record, any(out.exists() for out in outputs))
+    shards = [Shard(i, os.path.abspath(f), out) for i, (f, out) in enumerate(zip(files, outputs))]
+    todo = [s for s in shards if not s.output.exists()]  # an output exists only once complete (renamed)
+    return Plan(shards, todo, [s for s in shards if s.output.exists()])
+
+
+def _check_parquet(path: str, column: str) -> None:
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+
+    try:
+        names = pq.read_schema(path).names
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise UserError(f"{path}: cannot read as Parquet ({e})") from None
+    if column not in names:
+        raise UserError(f"{path}: no column {column!r} (it has: {', '.join(names)}); pass --column NAME")
+
+
+def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
+    """What a directory's outputs are made with: the model dir's manifest (its bytes' SHA-256: every file's
+    hash is in it) and the options that change a translation."""
+    manifest = Path(model_dir) / "manifest.json"
+    digest = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None
+    return {"manifest_sha256": digest, **settings}
+
+
+def _check_record(out_dir: Path, record: dict[str, Any], has_outputs: bool) -> None:
+    path = out_dir / RECORD
+    if path.exists() and has_outputs:
+        try:
+            before = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            before = None
+        if before != record:
+            changed = sorted(k for k in set(before or {}) | set(record)
+                             if (before or {}).get(k) != record.get(k)) if isinstance(before, dict) else ["all"]
+            raise UserError(f"{out_dir}: holds translations made with another model or options "
+                            f"({', '.join(changed)} differ); rerun with the same ones to resume, or choose another "
+                            "--output-dir")
+    elif has_outputs:
+        raise UserError(f"{out_dir}: already holds outputs this command did not record; choose another "
+                        "--output-dir")
+    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+
+def _empty_input(shard: Shard) -> bool:
+    if shard.parquet:
+        import pyarrow.parquet as pq
+
+        return bool(pq.read_metadata(shard.path).num_rows == 0)
+    with open_binary(shard.path) as f:
+        return f.read(1) == b""
+
+
+class ShardWriter:
+    """Rows (shard, line, text, last) in any order to one output per shard: each written in line order as the
+    lines before it arrive, and renamed into place once its last line is written. A line that comes twice or
+    a shard left with a gap is an error; on any error every unfinished output is removed."""
+
+    def __init__(self, shards: Iterable[Shard]):
+        self.shards = {s.index: s for s in shards}
+        self.next: dict[int, int] = {}                      # shard -> next line to write (0-based)
+        self.pending: dict[int, dict[int, str]] = {}        # shard -> line -> text, arrived early
+        self.last: dict[int, int] = {}                      # shard -> its last line, once seen
+        self.open: dict[int, tuple[contextlib.ExitStack, IO[str]]] = {}
+        self.done: set[int] = set()
+        self.lines = 0
+
+    def add(self, shard: int, line: int, text: str, last: bool) -> None:
+        if shard in self.done or line < self.next.get(shard, 0) or line in self.pending.get(shard, {}):
+            raise RuntimeError(f"{self.shards[shard].path}: line {line + 1} came back twice")
+        if last:
+            self.last[shard] = line
+        self.pending.setdefault(shard, {})[line] = text
+        self._flush(shard)
+
+    def add_rows(self, shards: Iterable[int], lines: Iterable[int], texts: Iterable[str], last: Iterable[bool]
+                 ) -> None:
+        for row in zip(shards, lines, texts, last):
+            self.add(int(row[0]), int(row[1]), str(row[2]), bool(row[3]))
+
+    def _flush(self, shard: int) -> None:
+        pending, start = self.pending[shard], self.next.get(shard, 0)
+        end = start
+        while end in pending:
+            end += 1
+        if end == start:
+            return
+        out = self._file(shard)
+        out.write("".join(pending.pop(i) + "\n" for i in range(start, end)))
+        self.next[shard] = end
+        self.lines += end - start
+        if self.last.get(shard) == end - 1:
+            stack, _ = self.open.pop(shard)
+            stack.close()  # fsync and rename into place
+            self.done.add(shard)
+            del self.pending[shard]
+
+    def _file(self, shard: int) -> IO[str]:
+        if shard not in self.open:
+            stack = contextlib.ExitStack()
+            self.open[shard] = (stack, stack.enter_context(atomic_output(self.shards[shard].output, "w")))
+        return self.open[shard][1]
+
+    def finish(self) -> None:
+        """After the last row: a shard that produced no rows is an empty input (an empty output); one that
+        started but never reached its last line lost rows, which is an error."""
+        for index, shard in self.shards.items():
+            if index in self.done:
+                continue
+            if index in self.next or self.pending.get(index) or not _empty_input(shard):
+                raise RuntimeError(f"{shard.path}: rows after line {self.next.get(index, 0)} never came back")
+            with atomic_output(shard.output, "w"):
+                pass
+            self.done.add(index)
+
+    def abort(self, error: BaseException) -> None:
+        """Remove every unfinished output's temp file."""
+        for stack, _ in self.open.values():
+            stack.__exit__(type(error), error, error.__traceback__)
+        self.open.clear()

@@ -1,0 +1,253 @@
+"""The Translator class (Ray Data's map_batches, Spark's predict_batch_udf) translates as serve-batch does, byte
+for byte, without torch; the shard plan refuses bad input before any work and resumes; the shard writer puts
+rows back in line order and writes each output whole or not at all. No Ray cluster here: test_ray_translate.py
+runs the jobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import math
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import ROOT, assert_one_line_error, dead_pid, hidden, run_cli_captured, write_lines
+
+from model.errors import UserError
+from pipeline.integrations import Translator
+from pipeline.integrations.shards import RECORD, ShardWriter, job_record, plan
+from pipeline.serve_batch.files import ServeStats, serve_files
+from pipeline.serve_batch.translation import ServeBatchOptions
+from runtime.decoding import PAPER
+from runtime.model_dir import LoadOptions, load
+
+
+def corpus_lines(n: int, seed: int = 3) -> list[str]:
+    """Rows as users have them: blank and whitespace-only lines, short ones, and lines far over the
+    export's 32-token source limit (helpers.SMALL_LIMITS)."""
+    rng = random.Random(seed)
+    words = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "x1", "y22"]
+    out = []
+    for i in range(n):
+        length = rng.choice([0, 1, 2, 4, 7, 12, 60])
+        out.append("   " if i % 17 == 5 else " ".join(rng.choices(words, k=length)))
+    return out
+
+
+def serve_batch_lines(model_dir: Path, lines: list[str], tmp: Path, opts: ServeBatchOptions
+                      ) -> tuple[list[str], ServeStats]:
+    """What serve-batch writes for `lines` (its own files path, one process), and what it counts."""
+    src = write_lines(tmp / "src.txt", lines)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1), opts.decoding)
+    out = tmp / "served.txt"
+    stats = serve_files(loaded.backend, loaded.tokenizer, [str(src)], [str(out)],
+                        dataclasses.replace(opts, decoding=loaded.decoding), progress=False)
+    return out.read_text(encoding="utf-8").split("\n")[:-1], stats
+
+
+NBEST2 = PAPER.replace(nbest=2, explicit=frozenset({"nbest"}))
+
+
+@pytest.mark.parametrize("decoding, split, fmt", [(PAPER, "none", "text"), (NBEST2, "none", "text"),
+                                                  (PAPER, "sentences", "text"), (PAPER, "none", "html")])
+def test_translator_is_serve_batch_byte_for_byte(fp32_dir, tmp_path, decoding, split, fmt):
+    """Blank rows, long rows (truncated), n-best, documents and HTML: the rows in batches of any size give the
+    lines serve-batch writes, and the repair columns count what serve-batch counts."""
+    lines = corpus_lines(90)
+    if split == "sentences":
+        lines = [f"{a}. {b}?  {c}" if a else a for a, b, c in zip(lines, lines[1:] + [""], lines[2:] + ["", ""])]
+    if fmt == "html":
+        lines = [f"<p>{a} <b>{b}</b></p>" if a.strip() else a for a, b in zip(lines, lines[1:] + [""])]
+    opts = ServeBatchOptions(decoding=decoding, split=split, format=fmt)
+    expected, stats = serve_batch_lines(fp32_dir, lines, tmp_path, opts)
+    translator = Translator(fp32_dir, column="src", load_options=LoadOptions(backend="onnxruntime"),
+                            decoding=decoding, options=opts)
+    rows: dict[str, list] = {"translation": [], "score": [], "empty": [], "truncated": []}
+    start = 0
+    for size in (1, 7, 30, 52):  # batches unlike serve-batch's one window
+        batch = translator({"src": lines[start:start + size], "id": list(range(start, start + size))})
+        assert list(batch["id"]) == list(range(start, start + size))  # the other columns pass through
+        for name in rows:
+            rows[name] += list(batch[name])
+        start += size
+    assert rows["translation"] == expected
+    assert rows["empty"] == [not line.strip() for line in lines]
+    assert sum(rows["empty"]) == stats.empty and sum(rows["truncated"]) == stats.truncated > 0
+    if split == "none" and fmt == "text":
+        assert [bool(n) for n in rows["truncated"]] == [len(translator.loaded.tokenizer.encode_source([t])[0]) > 32
+                                                        for t in lines]
+        scores = [s for s, e in zip(rows["score"], rows["empty"]) if not e]
+        assert all(s < 0 for s in scores) and all(math.isnan(s) for s, e in zip(rows["score"], rows["empty"]) if e)
+    if decoding.nbest == 2:
+        assert all(" ||| " in t for t, e in zip(rows["translation"], rows["empty"]) if not e)
+
+
+def test_translator_takes_pandas_and_nulls(fp32_dir):
+    import pandas as pd
+
+    translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
+    frame = translator(pd.DataFrame({"text": ["ab cd", None, "ef"]}))
+    assert list(frame["empty"]) == [False, True, False]
+    assert frame["translation"][1] == ""
+    assert list(frame["translation"]) == translator.translate(["ab cd", "", "ef"]).translation
+
+
+def test_translator_errors_are_one_line_naming_the_row(fp32_dir):
+    translator = Translator(fp32_dir, column="src", load_options=LoadOptions(backend="onnxruntime"),
+                            options=ServeBatchOptions(long_lines="error"), origin_columns=("path", "line"))
+    with pytest.raises(UserError, match=r"no column 'src' in the rows \(they have: text\)"):
+        translator({"text": ["ab"]})
+    long = " ".join(["ab"] * 80)
+    with pytest.raises(UserError, match=r"^shard\.txt:12: \d+ tokens, more than the model's limit of 32; pass "):
+        translator({"src": ["ab", long], "path": ["shard.txt", "shard.txt"], "line": [11, 12]})
+
+
+BLOCKED = """
+import sys
+sys.modules['torch'] = None
+from pipeline.integrations import Translator
+from pipeline.integrations.spark import make_predict_fn
+from runtime.model_dir import LoadOptions
+import numpy as np
+rows = Translator(sys.argv[1], load_options=LoadOptions(backend='onnxruntime')).translate(['ab cd', '', 'ef'])
+predicted = make_predict_fn(sys.argv[1])()(np.array(['ab cd', '', 'ef'], dtype=object))
+assert list(predicted['translation']) == rows.translation, (predicted, rows)
+loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' and sys.modules[m] is not None)
+assert not loaded, loaded
+print(rows.translation)
+"""
+
+
+def test_translator_and_spark_predict_fn_need_no_torch(fp32_dir):
+    proc = subprocess.run([sys.executable, "-c", BLOCKED, str(fp32_dir)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("''") == 1
+
+
+# -- the shard plan -----------------------------------------------------------------------------------
+
+
+def write_parquet(path: Path, columns: dict[str, list]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_plan_reads_files_globs_and_directories(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for name in ("b.txt", "a.txt.gz", "_SUCCESS", ".a.crc"):
+        (shards / name).write_bytes(gzip.compress(b"x\n") if name.endswith(".gz") else b"x\n")
+    write_parquet(tmp_path / "p.parquet", {"src": ["x"]})
+    write_lines(tmp_path / "c1.txt", ["x"])
+    write_lines(tmp_path / "c2.txt", ["x"])
+    job = plan([str(shards), str(tmp_path / "c*.txt"), str(tmp_path / "p.parquet")], tmp_path / "out", "src", {})
+    assert [s.output.name for s in job.shards] == ["a.txt", "b.txt", "c1.txt", "c2.txt", "p.txt"]
+    assert [s.index for s in job.todo] == [0, 1, 2, 3, 4] and not job.skipped
+    assert job.shards[4].parquet and not job.shards[0].parquet
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("missing column", ["p.parquet", "no column 'text'", "(it has: src)", "--column"]),
+    ("not parquet", ["bad.parquet", "cannot read as Parquet"]),
+    ("missing shard", ["nope.txt", "no such file"]),
+    ("empty glob", ["none*.txt", "no file matches"]),
+    ("output is input dir", ["this output is the input", "choose another path"]),
+    ("output inside input dir", ["the input directory", "choose a"]),
+    ("same output name", ["would both be written to"]),
+    ("stdin", ["input '-'"]),
+])
+def test_plan_refuses_bad_input_in_one_line(tmp_path, capsys, fp32_dir, case, needles):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_lines(shards / "a.txt", ["x"])
+    inputs, out = [str(shards)], tmp_path / "out"
+    if case == "missing column":
+        inputs = [str(write_parquet(tmp_path / "p.parquet", {"src": ["x"]}))]
+    elif case == "not parquet":
+        inputs = [str(write_lines(tmp_path / "bad.parquet", ["x"]))]
+    elif case == "missing shard":
+        inputs = [str(tmp_path / "nope.txt")]
+    elif case == "empty glob":
+        inputs = [str(tmp_path / "none*.txt")]
+    elif case == "output is input dir":
+        out = shards
+    elif case == "output inside input dir":
+        out = shards / "sub"
+    elif case == "same output name":
+        inputs = [str(shards / "a.txt"), str(write_lines(tmp_path / "a.txt", ["y"]))]
+    elif case == "stdin":
+        inputs = ["-"]
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, *inputs, "--output-dir", out)
+    assert_one_line_error(code, err, *needles)
+    assert not (shards / "sub").exists()
+
+
+def test_plan_resumes_the_same_job_and_refuses_another(tmp_path):
+    for name in ("a.txt", "b.txt"):
+        write_lines(tmp_path / name, ["x"])
+    inputs, out = [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], tmp_path / "out"
+    record = {"manifest_sha256": "1", "beam_size": 4}
+    assert len(plan(inputs, out, "text", record).todo) == 2
+    write_lines(out / "a.txt", ["X"])  # a's output renamed into place: complete
+    (out / f".a.txt.~pipeline-{dead_pid()}-x.part").write_text("torn")  # a killed run's temp
+    job = plan(inputs, out, "text", record)
+    assert [s.output.name for s in job.todo] == ["b.txt"] and [s.output.name for s in job.skipped] == ["a.txt"]
+    assert hidden(out) == [RECORD]  # the dead writer's temp is gone
+    with pytest.raises(UserError, match=r"another model or options \(beam_size differ\); rerun with the same"):
+        plan(inputs, out, "text", {**record, "beam_size": 5})
+    (out / RECORD).unlink()
+    with pytest.raises(UserError, match="already holds outputs this command did not record"):
+        plan(inputs, out, "text", record)
+
+
+def test_job_record_names_the_model_by_its_manifest(fp32_dir):
+    record = job_record(fp32_dir, {"beam_size": 4})
+    assert record["beam_size"] == 4 and len(record["manifest_sha256"]) == 64
+    assert json.loads(json.dumps(record)) == record
+
+
+# -- the writer ---------------------------------------------------------------------------------------
+
+
+def test_writer_restores_line_order_and_writes_each_shard_whole(tmp_path):
+    for name in ("a.txt", "b.txt", "empty.txt"):
+        write_lines(tmp_path / name, [])
+    job = plan([str(tmp_path / n) for n in ("a.txt", "b.txt", "empty.txt")], tmp_path / "out", "text", {})
+    rows = [(0, i, f"a{i}", i == 9) for i in range(10)] + [(1, i, f"b{i}", i == 4) for i in range(5)]
+    random.Random(1).shuffle(rows)
+    writer = ShardWriter(job.todo)
+    for k, row in enumerate(rows):
+        writer.add(*row)
+        done = {p.name for p in (tmp_path / "out").iterdir() if not p.name.startswith(".")}
+        a_complete = all(r in rows[:k + 1] for r in rows if r[0] == 0)
+        assert ("a.txt" in done) == a_complete  # an output exists only once complete
+    writer.finish()
+    assert (tmp_path / "out/a.txt").read_text() == "".join(f"a{i}\n" for i in range(10))
+    assert (tmp_path / "out/b.txt").read_text() == "".join(f"b{i}\n" for i in range(5))
+    assert (tmp_path / "out/empty.txt").read_text() == ""
+    assert writer.lines == 15
+
+
+def test_writer_refuses_a_line_twice_or_missing_and_leaves_no_temp(tmp_path):
+    write_lines(tmp_path / "a.txt", ["x", "y", "z"])
+    job = plan([str(tmp_path / "a.txt")], tmp_path / "out", "text", {})
+    writer = ShardWriter(job.todo)
+    writer.add(0, 0, "X", False)
+    with pytest.raises(RuntimeError, match="line 1 came back twice"):
+        writer.add(0, 0, "X", False)
+    writer.add(0, 2, "Z", True)
+    with pytest.raises(RuntimeError, match="rows after line 1 never came back"):
+        writer.finish()
+    writer.abort(RuntimeError("stop"))
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [RECORD]  # no output, no temp
+    writer = ShardWriter(job.todo)  # a shard with rows missing entirely is not an empty input
+    with pytest.raises(RuntimeError, match="never came back"):
+        writer.finish()

@@ -1,0 +1,142 @@
+"""`pipeline ray-translate` on a local Ray cluster (two CPUs, started once for this module): outputs byte-identical
+to serve-batch's for plain, .gz and Parquet shards; a rerun skips complete shards; a worker's refusal is one
+line; and (slow tier) a Translator actor killed mid-job is restarted, its rows retried, and the outputs are
+complete and identical, nothing lost or duplicated."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, hidden, run_cli_captured, write_lines
+from test_integrations import corpus_lines, write_parquet
+
+from pipeline.integrations.options import RayOptions
+from pipeline.integrations.ray_job import translate_shards
+from pipeline.integrations.shards import RECORD, plan
+from pipeline.serve_batch.files import serve_files
+from pipeline.serve_batch.translation import ServeBatchOptions
+from runtime.decoding import PAPER
+from runtime.model_dir import LoadOptions, load
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local cluster for the module: ray-translate finds it connected and uses it (ray.init costs seconds)."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    yield
+    ray.shutdown()
+
+
+def serve_batch_outputs(model_dir: Path, shards: dict[str, list[str]], tmp: Path) -> dict[str, str]:
+    """serve-batch's translation of each shard (its lines), by shard name."""
+    tmp.mkdir()
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1))
+    out = {}
+    for name, lines in shards.items():
+        write_lines(tmp / name, lines)
+        serve_files(loaded.backend, loaded.tokenizer, [str(tmp / name)], [str(tmp / f"{name}.out")],
+                    ServeBatchOptions(decoding=loaded.decoding), progress=False)
+        out[name] = (tmp / f"{name}.out").read_text(encoding="utf-8")
+    return out
+
+
+def test_shards_translate_as_serve_batch_and_a_rerun_resumes(cluster, fp32_dir, tmp_path, capsys):
+    lines = corpus_lines(300)
+    shards = {"a.txt": lines[:120], "b.txt": lines[120:250], "c.txt": lines[250:], "d.txt": []}
+    expected = serve_batch_outputs(fp32_dir, shards, tmp_path / "served")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_lines(corpus / "a.txt", shards["a.txt"])
+    (corpus / "b.txt.gz").write_bytes(gzip.compress("".join(t + "\n" for t in shards["b.txt"]).encode()))
+    write_parquet(corpus / "c.parquet", {"src": shards["c.txt"][:10] + [None] + shards["c.txt"][11:]})
+    write_lines(corpus / "d.txt", [])
+    args = ["ray-translate", fp32_dir, corpus, "--output-dir", tmp_path / "out", "--column", "src",
+            "--batch-size", "40", "--backend", "onnxruntime"]
+    code, _, err = run_cli_captured(capsys, *args)
+    assert code == 0, err
+    assert "translated 300 lines of 4 shard(s)" in err and "lines/s on 2 actor(s)" in err
+    got = {name: (tmp_path / "out" / name).read_text(encoding="utf-8") for name in shards}
+    expected["c.txt"] = expected["c.txt"].split("\n")
+    expected["c.txt"][10] = ""  # the null row: a blank line
+    expected["c.txt"] = "\n".join(expected["c.txt"])
+    assert got == expected
+    assert hidden(tmp_path / "out") == [RECORD]  # no temp left
+
+    code, _, err = run_cli_captured(capsys, *args)  # everything done: nothing to start
+    assert code == 0 and "all 4 shard(s) already translated" in err, err
+    (tmp_path / "out" / "b.txt").unlink()
+    code, _, err = run_cli_captured(capsys, *args)
+    assert code == 0 and "translated 130 lines of 1 shard(s)" in err and "3 shard(s) already complete" in err, err
+    assert (tmp_path / "out" / "b.txt").read_text(encoding="utf-8") == expected["b.txt"]
+
+
+def test_a_workers_refusal_is_one_line_and_leaves_no_output(cluster, fp32_dir, tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_lines(corpus / "a.txt", ["ab cd"] * 5)
+    (corpus / "b.txt").write_bytes(b"ab\ncd \xff ef\n")
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, corpus, "--output-dir", tmp_path / "out",
+                                    "--backend", "onnxruntime")
+    assert_one_line_error(code, err, "b.txt:2: invalid UTF-8", "--invalid-utf8 replace")
+    assert not (tmp_path / "out" / "b.txt").exists()
+    assert [p for p in hidden(tmp_path / "out") if p != RECORD] == []
+
+
+def actor_pids() -> list[int]:
+    """The processes of this cluster's Translator actors (Ray titles them after the class)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"MapBatches(Translator)" in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+@pytest.mark.slow
+def test_a_killed_actor_is_retried_and_the_outputs_are_whole(cluster, fp32_dir, tmp_path):
+    lines = corpus_lines(1200, seed=5)
+    shards = {f"s{k}.txt": lines[k * 200:(k + 1) * 200] for k in range(6)}
+    expected = serve_batch_outputs(fp32_dir, shards, tmp_path / "served")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name, shard in shards.items():
+        write_lines(corpus / name, shard)
+    job = plan([str(corpus)], tmp_path / "out", "text", {})
+    done: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            done["stats"] = translate_shards(fp32_dir, job, LoadOptions(backend="onnxruntime"), PAPER,
+                                             ServeBatchOptions(), RayOptions(batch_size=25))
+        except BaseException as e:  # noqa: B036 - handed to the test thread
+            done["error"] = e
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not [p for p in hidden(tmp_path / "out") if p != RECORD] and time.monotonic() < deadline:
+        time.sleep(0.02)  # the first shard's temp output: translated rows are coming back
+    pids = actor_pids()
+    assert pids, "no Translator actor found"
+    os.kill(pids[0], signal.SIGKILL)
+    finished_at_kill = [name for name in shards if (tmp_path / "out" / name).exists()]
+    thread.join(600)
+    assert not thread.is_alive() and "error" not in done, done.get("error")
+    assert len(finished_at_kill) < len(shards)  # the kill landed before the end
+    assert pids[0] not in actor_pids()
+    got = {name: (tmp_path / "out" / name).read_text(encoding="utf-8") for name in shards}
+    assert got == expected
+    assert done["stats"].lines == 1200  # type: ignore[attr-defined]
