@@ -13,6 +13,7 @@ from pipeline.evaluation.bench import format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
 from pipeline.evaluation.whole_process import format_whole_process, run_whole_process
+from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
@@ -41,6 +42,11 @@ from runtime.model_dir import LoadOptions
               help="Also map the first MODEL_DIR's weights into this engine (after checking its greedy "
                    "output is token-identical to ours) and time it in float32 and int8, with ratio "
                    "columns. Needs the bench extra: pip install -e .[bench].")
+@click.option("--min-agreement", default=1.0, show_default=True, type=click.FloatRange(0.0, 1.0),
+              help="With --compare ctranslate2: least share of check sentences whose greedy output must be "
+                   "token-identical in both engines before anything is timed (the share is reported either way). "
+                   "Lower it only for random weights, whose near-ties the two engines' arithmetic may break apart.")
+@options_from(ServeBatchOptions, only=("src_lang", "tgt_lang"))
 @click.option("--rounds", default=3, show_default=True, type=click.IntRange(1),
               help="With several MODEL_DIRs or --compare: alternating rounds, each measurement in a fresh "
                    "subprocess (honest peak RSS per engine); rows report medians.")
@@ -62,7 +68,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
           decoding: DecodingOptions, fixed_length: int | None, src: Path | None, sentences: int, src_len: int,
           device: str | None, threads: int | None, json_out: Path | None, shortlist: bool = False,
           compare: tuple[str, ...] = (), rounds: int = 3, serve_input: Path | None = None,
-          whole_process: tuple[Path, ...] = (), **serve_options: Any) -> None:
+          whole_process: tuple[Path, ...] = (), min_agreement: float = 1.0, src_lang: str | None = None,
+          tgt_lang: str | None = None, **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -75,7 +82,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     if whole_process:
         report = run_whole_process(list(model_dirs), list(whole_process), compare=list(compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=fixed_length,
-                                   rounds=rounds, shortlist=shortlist)
+                                   rounds=rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
+                                   min_agreement=min_agreement)
         click.echo(format_whole_process(report))
     elif serve_input is not None:
         serve_bench = pick(ServeBenchOptions, serve_options)
@@ -84,6 +92,9 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         if len(chosen) != 1 or len(model_dirs) != 1 or compare:
             raise UserError("--serve measures one MODEL_DIR on one backend (e.g. --backends onnxruntime), "
                             "without --compare")
+        if src_lang or tgt_lang:
+            raise UserError("--serve does not take --src-lang/--tgt-lang yet; bench a multilingual model in-process "
+                            "(leave out --serve) or with --whole-process")
         if shortlist:
             raise UserError("--serve does not measure --shortlist yet; bench it in-process (leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, decoding.beam_size,
@@ -92,13 +103,15 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     elif len(model_dirs) == 1 and not compare:
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
-                           device=device, threads=threads, shortlist=shortlist)
+                           device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
+                           tgt_lang=tgt_lang)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),
                                 compare=list(compare), beam_size=decoding.beam_size, fixed_length=fixed_length,
                                 src=src, sentences=sentences, src_len=src_len, device=device, threads=threads,
-                                rounds=rounds, shortlist=shortlist)
+                                rounds=rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
+                                min_agreement=min_agreement)
         click.echo(format_comparison(report))
     if json_out:
         write_json(report, json_out)

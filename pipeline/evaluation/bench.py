@@ -26,6 +26,7 @@ from model.errors import UserError
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
+from runtime.languages import direction
 from runtime.model_dir import LoadOptions, load
 from runtime.search import Hypothesis, search
 from runtime.tokenizer import AnyTokenizer
@@ -92,28 +93,32 @@ def peak_rss_mb() -> float | None:
 
 
 def make_sources(tokenizer: AnyTokenizer, src: Path | None, n: int, src_len: int, max_len: int,
-                 seed: int = 0) -> list[list[int]]:
-    """Sources from a file (cycled to n lines) or random pieces of length src_len."""
+                 seed: int = 0, prefix: tuple[int, ...] = ()) -> list[list[int]]:
+    """Sources from a file (cycled to n lines) or random pieces of length src_len; `prefix` starts each (a
+    multilingual model's source language token, counted in src_len)."""
     if src is not None:
         lines = [x for x in read_lines(src) if x.strip()]
         if not lines:
             raise UserError(f"{src}: has no non-blank line to translate; give a file with sentences, "
                             "or leave out --src for random ones")
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
-        return encode_sources(tokenizer, lines, max_len, origin=str(src)).ids
+        return encode_sources(tokenizer, lines, max_len, origin=str(src), prefix=prefix).ids
     rng = random.Random(seed)
     pieces = tokenizer.piece_ids
-    return [[rng.choice(pieces) for _ in range(src_len - 1)] + [tokenizer.eos_id] for _ in range(n)]
+    return [[*prefix, *(rng.choice(pieces) for _ in range(max(0, src_len - 1 - len(prefix)))), tokenizer.eos_id]
+            for _ in range(n)]
 
 
 def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
-                  fixed_length: int | None, precision: str = "fp32") -> BenchResult:
+                  fixed_length: int | None, precision: str = "fp32", first: int | None = None) -> BenchResult:
+    """`first`: the token forced first in every translation (a multilingual model's target language)."""
     if fixed_length is not None:
         decoding = decoding.replace(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
     decoding.validate()
 
     def run(batch: list[list[int]]) -> list[list[Hypothesis]]:
-        return search(backend, pad_batch(batch, backend.cfg.pad_id), decoding)
+        return search(backend, pad_batch(batch, backend.cfg.pad_id), decoding,
+                      None if first is None else [first] * len(batch))
 
     run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches
     latencies, tokens = [], 0
@@ -140,9 +145,9 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
 def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, decoding: DecodingOptions = PAPER,
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None,
-              shortlist: bool = False) -> dict:
+              shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None) -> dict:
     """Each backend in this process, one after the other; `shortlist`: each decodes over the model dir's
-    vocabulary shortlist."""
+    vocabulary shortlist; src_lang/tgt_lang: a multilingual model's direction (runtime/languages.py)."""
     decoding.validate()  # before any backend is loaded
     results = []
     for name in backends:
@@ -151,13 +156,14 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist),
                       decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
-        sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
+        way = direction(manifest.model_config, src_lang, tgt_lang)
+        sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
             precision = "fp32" if name == "torch" else manifest.precision
             cuda = torch_cuda(backend)
             if cuda is not None:
                 cuda.cuda.reset_peak_memory_stats(backend.device)
-            r = bench_backend(backend, sources, bs, decoding, fixed_length, precision)
+            r = bench_backend(backend, sources, bs, decoding, fixed_length, precision, way.first)
             r.peak_rss_mb = peak_rss_mb()
             if cuda is not None:
                 r.peak_gpu_mb = round(cuda.cuda.max_memory_allocated(backend.device) / 2 ** 20, 1)
@@ -170,6 +176,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "precision": manifest.precision,
         "fixed_length": fixed_length,
         "shortlist": shortlist,
+        "src_lang": src_lang, "tgt_lang": tgt_lang,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
         "results": [asdict(r) for r in results],

@@ -38,6 +38,7 @@ from pipeline.evaluation.bench import (
     vocabulary,
 )
 from runtime.decoding import PAPER
+from runtime.languages import ONE_PAIR, Direction, direction
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
@@ -59,7 +60,7 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
                                                          ctranslate2_compare.COMPUTE_TYPES[job["precision"]])
         row = ctranslate2_compare.bench_translator(translator, job["pieces"], job["batch_size"],
                                                    job["beam_size"], job["fixed_length"], job["alpha"],
-                                                   use_vmap=job["shortlist"])
+                                                   use_vmap=job["shortlist"], prefix=job["target_prefix"])
         row["shortlist"] = job["shortlist"]
         device = "cpu"
     else:
@@ -67,7 +68,8 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         loaded = load(job["model_dir"], LoadOptions(backend=job["engine"], device=job["device"], threads=job["threads"],
                                                     shortlist=job["shortlist"]), given)  # the model's defaults under it
         backend = loaded.backend
-        r = bench_backend(backend, sources, job["batch_size"], loaded.decoding, job["fixed_length"], job["precision"])
+        r = bench_backend(backend, sources, job["batch_size"], loaded.decoding, job["fixed_length"], job["precision"],
+                          job["first"])
         row = {"target_tokens": r.target_tokens, "seconds": r.seconds,
                "target_tokens_per_s": r.target_tokens_per_s, "sentences_per_s": r.sentences_per_s,
                "latency_ms_mean": r.latency_ms_mean, "latency_ms_per_sentence": r.latency_ms_per_sentence,
@@ -101,12 +103,16 @@ def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_di
     return jobs
 
 
-def _check_same_model(model: Any, tokenizer: AnyTokenizer, ct2_dir: Path, sources: list[list[int]],
-                      threads: int | None) -> str:
+def check_same_model(model: Any, tokenizer: AnyTokenizer, ct2_dir: Path, sources: list[list[int]],
+                     threads: int | None, way: Direction = ONE_PAIR, pieces: list[str] | None = None,
+                     min_agreement: float = 1.0) -> str:
+    """"agreed/checked": sentences whose greedy output is token-identical in CTranslate2 and our PyTorch
+    model, in the direction `way`; a UserError below `min_agreement` (a share). A trained model agrees on
+    all; random weights may tie near-equal candidates differently in the two engines' arithmetic."""
     translator = ctranslate2_compare.open_translator(ct2_dir, threads or 0)
     check = sources[:AGREEMENT_SENTENCES]
-    agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check)
-    if agree != len(check):
+    agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check, first=way.first, pieces=pieces)
+    if agree < min_agreement * len(check):
         raise UserError(f"CTranslate2's greedy output differs from our PyTorch model on "
                         f"{len(check) - agree}/{len(check)} sentences: the weight mapping does not "
                         "reproduce this model, so the comparison would not be of the same model")
@@ -117,32 +123,40 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                    compare: tuple[str, ...] | list[str] = (), beam_size: int = 4, fixed_length: int | None = None,
                    src: Path | None = None, sentences: int = 256, src_len: int = 20,
                    device: str | None = None, threads: int | None = None, rounds: int = 3,
-                   latency: bool = True, shortlist: bool = False) -> dict[str, Any]:
+                   latency: bool = True, shortlist: bool = False, src_lang: str | None = None,
+                   tgt_lang: str | None = None, min_agreement: float = 1.0) -> dict[str, Any]:
     """Bench every (model dir, engine) and the compared engines; one row per engine and precision.
     `shortlist`: every engine is measured over the whole vocabulary and over the model dir's shortlist
-    (CTranslate2 over its vocabulary map, written from the same lists)."""
+    (CTranslate2 over its vocabulary map, written from the same lists). src_lang/tgt_lang: a multilingual
+    model's direction: every source starts with the source language's token, and every engine forces the
+    target language's token first (CTranslate2: target_prefix)."""
     model_dirs = [Path(d) for d in model_dirs]
     manifest = read_manifest(model_dirs[0], verify=False)
     tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
     cfg = manifest.model_config
-    sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions)
-    pieces = [[tokenizer.piece(i) for i in s] for s in sources]
+    way = direction(cfg, src_lang, tgt_lang)
+    sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions, prefix=way.prefix)
     # an imported model decodes with its own defaults (rules, alpha); CTranslate2 gets the same alpha
     alpha = PAPER.for_model(manifest.decoding).alpha
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": cfg.to_dict(),
                               "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
                               "shortlist": shortlist,
                               "peak_rss": "VmHWM of a fresh subprocess per measurement",
-                              "decoding": manifest.decoding or "the paper's"}
+                              "decoding": manifest.decoding or "the paper's", "src_lang": src_lang,
+                              "tgt_lang": tgt_lang}
     with tempfile.TemporaryDirectory(prefix="pipeline-ct2-") as tmp:
-        ct2_dir = None
+        ct2_dir, names = None, [tokenizer.piece(i) for i in range(tokenizer.vocab_size)]
         if "ctranslate2" in compare:
             ct2_dir, model, _, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
                 model_dirs[0], Path(tmp) / "ct2")
-            report["ctranslate2_greedy_agreement"] = _check_same_model(model, tokenizer, ct2_dir, sources,
-                                                                       threads)
+            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer)  # CTranslate2 gets exactly our ids
+            report["ctranslate2_greedy_agreement"] = check_same_model(model, tokenizer, ct2_dir, sources, threads,
+                                                                      way, names, min_agreement)
+            del model
             if shortlist:  # CTranslate2 + vmap: the same lists, as its vocabulary map
                 ctranslate2_compare.write_vmap(model_dirs[0], ct2_dir, tokenizer)
+        pieces = [[names[i] for i in s] for s in sources]
+        prefix = ctranslate2_compare.target_prefix(names, way.first, len(sources))
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
         if latency:
             settings.append((1, beam_size, sources[:LATENCY_SENTENCES], pieces[:LATENCY_SENTENCES]))
@@ -150,7 +164,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         for bs, beam, srcs, pcs in settings:
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
                       "device": device, "sources": srcs, "pieces": pcs,
-                      "alpha": alpha}
+                      "alpha": alpha, "first": way.first, "target_prefix": prefix and prefix[:len(srcs)]}
             jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common, shortlist)
         measured: list[list[dict[str, Any]]] = [[] for _ in jobs]
         ctx = multiprocessing.get_context("spawn")
@@ -205,4 +219,9 @@ def format_comparison(report: dict[str, Any]) -> str:
                      f"{report['ctranslate2_greedy_agreement']} sentences; medians of {report['rounds']} "
                      "alternating rounds; peak RSS per fresh subprocess; ratios against CTranslate2 over the "
                      "whole vocabulary")
+    if report.get("ctranslate2_converter"):
+        lines.append(f"CTranslate2 converted by {report['ctranslate2_converter']}")
+    if report.get("src_lang"):
+        lines.append(f"direction {report['src_lang']} -> {report['tgt_lang']}: every source starts with its language "
+                     "token, every engine forces the target language's token first (CTranslate2: target_prefix)")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ is the optional `bench` extra (`pip install -e .[bench]`), imported only here an
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from model.errors import UserError
 from runtime.search import greedy_search
 from runtime.tokenizer import AnyTokenizer, Tokenizer
 from runtime.translate import pad_batch
+
+log = logging.getLogger(__name__)
 
 # Our precision names -> CTranslate2 compute types (int8 GEMMs with per-row weight scales).
 COMPUTE_TYPES = {"fp32": "float32", "int8": "int8"}
@@ -114,12 +117,74 @@ def ct2_translator(model: Any, tokenizer: Tokenizer, directory: Path, threads: i
     return open_translator(convert(model, tokenizer, directory), threads, compute_type)
 
 
-def convert_transformers(hf_dir: Path, directory: Path) -> Path:
+class _ListedLanguageTokens:
+    """An M2M100Tokenizer as CTranslate2's M2M-100 loader reads it: its language tokens (`__en__`...) listed in
+    special_tokens_map["additional_special_tokens"], in id order. transformers 5 no longer lists them there
+    (nor in get_vocab), so CTranslate2 4.x's loader would build a vocabulary without them and refuse the model
+    ("Source vocabulary 0 has size N but the model expected ... N + languages"). Everything else is the
+    tokenizer's own."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    @property
+    def special_tokens_map(self) -> dict[str, Any]:
+        listed = dict(self._tokenizer.special_tokens_map)
+        if not listed.get("additional_special_tokens"):
+            ordered = sorted(self._tokenizer.lang_token_to_id.items(), key=lambda item: item[1])
+            listed["additional_special_tokens"] = [token for token, _ in ordered]
+        return listed
+
+
+def convert_transformers(hf_dir: Path, directory: Path) -> tuple[Path, str]:
     """An imported model's own directory converted by CTranslate2's TransformersConverter (its mapping,
-    not ours), as a user of CTranslate2 would convert an OPUS-MT model."""
+    not ours), as a user of CTranslate2 would convert an OPUS-MT, M2M-100 or NLLB model; with how it was
+    converted. An M2M100Tokenizer's language tokens are handed to the converter as it expects them
+    (_ListedLanguageTokens), its weights, vocabulary and config are the converter's own."""
     ctranslate2 = import_ctranslate2()
-    ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(directory), force=True)
-    return directory
+    noted: list[str] = []
+
+    class Converter(ctranslate2.converters.TransformersConverter):
+        def load_tokenizer(self, tokenizer_class: Any, path: str, **kwargs: Any) -> Any:
+            tokenizer = super().load_tokenizer(tokenizer_class, path, **kwargs)
+            if hasattr(tokenizer, "lang_token_to_id") and \
+                    not tokenizer.special_tokens_map.get("additional_special_tokens"):
+                noted.append(" with M2M100Tokenizer's language tokens listed as additional_special_tokens "
+                             "(transformers 5 no longer lists them; CTranslate2's loader needs them)")
+                return _ListedLanguageTokens(tokenizer)
+            return tokenizer
+
+    Converter(str(hf_dir)).convert(str(directory), force=True)
+    return directory, f"ctranslate2.converters.TransformersConverter({hf_dir})" + "".join(noted)
+
+
+def vocabulary(directory: Path) -> list[str]:
+    """A CTranslate2 model dir's tokens by id (shared_vocabulary.json, or .txt from older converters)."""
+    import json
+
+    if (directory / "shared_vocabulary.json").is_file():
+        return list(json.loads((directory / "shared_vocabulary.json").read_text(encoding="utf-8")))
+    return (directory / "shared_vocabulary.txt").read_text(encoding="utf-8").split("\n")[:-1]
+
+
+def id_pieces(directory: Path, tokenizer: AnyTokenizer) -> list[str]:
+    """CTranslate2's token for each of our ids: its own vocabulary, by id, so that it is given exactly our source
+    ids and its output maps back to ids whatever it names them (its M2M-100 loader names the padding ids
+    `madeupwordN`, ours `madeupword000N`); a vocabulary of another size is not the same model."""
+    tokens = vocabulary(directory)
+    if len(tokens) != tokenizer.vocab_size:
+        raise UserError(f"{directory}: CTranslate2's vocabulary has {len(tokens)} tokens, the model "
+                        f"{tokenizer.vocab_size}: not the same model")
+    renamed = [i for i, t in enumerate(tokens) if t != tokenizer.piece(i)]
+    if len(set(tokens)) != len(tokens):
+        raise UserError(f"{directory}: CTranslate2's vocabulary repeats a token; ids cannot be given to it exactly")
+    if renamed:
+        log.info("CTranslate2 names %d of %d ids differently (first: %d %r, ours %r)", len(renamed), len(tokens),
+                 renamed[0], tokens[renamed[0]], tokenizer.piece(renamed[0]))
+    return tokens
 
 
 def for_model_dir(model_dir: Path, directory: Path) -> tuple[Path, Any, AnyTokenizer, str]:
@@ -135,8 +200,12 @@ def for_model_dir(model_dir: Path, directory: Path) -> tuple[Path, Any, AnyToken
     tokenizer = load_tokenizer(tokenizer_bytes)
     hf_dir = imported_from(model_dir / CHECKPOINT_FILE, payload)
     if hf_dir is not None:
-        return (convert_transformers(hf_dir, directory), model, tokenizer,
-                f"ctranslate2.converters.TransformersConverter({hf_dir})")
+        if model.cfg.encoder_heads != model.cfg.n_heads:
+            raise UserError(f"{model_dir}: {model.cfg.encoder_heads} encoder heads and {model.cfg.n_heads} decoder "
+                            "heads; CTranslate2's TransformersConverter gives both stacks the encoder's head count "
+                            "(TransformerSpec.from_config takes one num_heads), so it cannot hold this model")
+        converted, how = convert_transformers(hf_dir, directory)
+        return converted, model, tokenizer, how
     if not isinstance(tokenizer, Tokenizer):
         raise UserError(f"{model_dir}: a Marian tokenizer without the directory it was imported from; "
                         "CTranslate2 cannot be given the same model")
@@ -144,16 +213,25 @@ def for_model_dir(model_dir: Path, directory: Path) -> tuple[Path, Any, AnyToken
 
 
 def greedy_agreement(model: Any, tokenizer: AnyTokenizer, translator: Any, sources: list[list[int]],
-                     max_len: int = 20) -> int:
+                     max_len: int = 20, first: int | None = None, pieces: list[str] | None = None) -> int:
     """Sentences whose greedy output is token-identical in CTranslate2 and our PyTorch model:
-    proof that the benchmark compares the same model."""
+    proof that the benchmark compares the same model. `first`: the token forced first (a multilingual
+    model's target language; CTranslate2's target_prefix); `pieces`: CTranslate2's token per id (id_pieces)."""
     from runtime.torch_backend import TorchBackend
 
+    names = pieces or [tokenizer.piece(i) for i in range(tokenizer.vocab_size)]
+    ids = {name: i for i, name in enumerate(names)}
     ours = greedy_search(TorchBackend(model), pad_batch(sources, model.cfg.pad_id), max_len_a=0.0,
-                         max_len_b=max_len)
-    theirs = translator.translate_batch([[tokenizer.piece(i) for i in s] for s in sources], beam_size=1,
-                                        max_decoding_length=max_len)
-    return sum(o[0].tokens == [tokenizer.piece_id(p) for p in t.hypotheses[0]] for o, t in zip(ours, theirs))
+                         max_len_b=max_len, first_tokens=None if first is None else [first] * len(sources))
+    theirs = translator.translate_batch([[names[i] for i in s] for s in sources], beam_size=1,
+                                        max_decoding_length=max_len, target_prefix=target_prefix(names, first,
+                                                                                                  len(sources)))
+    return sum(o[0].tokens == [ids.get(p, -1) for p in t.hypotheses[0]] for o, t in zip(ours, theirs))
+
+
+def target_prefix(pieces: list[str], first: int | None, n: int) -> list[list[str]] | None:
+    """CTranslate2's target_prefix for n sentences whose first token is forced (None: nothing forced)."""
+    return None if first is None else [[pieces[first]] for _ in range(n)]
 
 
 def write_vmap(model_dir: Path, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
@@ -174,19 +252,23 @@ def write_vmap(model_dir: Path, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
 
 
 def bench_translator(translator: Any, src_tokens: list[list[str]], batch_size: int, beam_size: int,
-                     fixed_length: int | None, length_penalty: float = 0.6, use_vmap: bool = False) -> dict[str, Any]:
+                     fixed_length: int | None, length_penalty: float = 0.6, use_vmap: bool = False,
+                     prefix: list[list[str]] | None = None) -> dict[str, Any]:
     """Time translate_batch as bench_backend times our search: one warm-up batch, then all (use_vmap:
-    over the model's vocabulary map, write_vmap)."""
+    over the model's vocabulary map, write_vmap; prefix: each sentence's target_prefix)."""
     opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=length_penalty,
                                 use_vmap=use_vmap)
     if fixed_length:
         opts.update(max_decoding_length=fixed_length, min_decoding_length=fixed_length)
-    translator.translate_batch(src_tokens[:batch_size], **opts)
+    def part(i: int) -> dict[str, Any]:
+        return {} if prefix is None else {"target_prefix": prefix[i: i + batch_size]}
+
+    translator.translate_batch(src_tokens[:batch_size], **opts, **part(0))
     latencies, tokens = [], 0
     t0 = time.perf_counter()
     for i in range(0, len(src_tokens), batch_size):
         t = time.perf_counter()
-        out = translator.translate_batch(src_tokens[i: i + batch_size], **opts)
+        out = translator.translate_batch(src_tokens[i: i + batch_size], **opts, **part(i))
         latencies.append((time.perf_counter() - t) * 1000)
         tokens += sum(len(r.hypotheses[0]) for r in out)
     seconds = time.perf_counter() - t0

@@ -32,15 +32,19 @@ from pipeline.evaluation import ctranslate2_compare
 from pipeline.evaluation.bench import model_column, vocabulary
 from pipeline.textio import read_lines
 from runtime.decoding import PAPER
+from runtime.languages import ONE_PAIR, Direction, direction
 from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
 
-# The CTranslate2 user's script: arguments ct2_dir spm input output threads beam compute_type fixed_length.
+# The CTranslate2 user's script: arguments ct2_dir spm input output threads beam compute_type fixed_length alpha
+# max_len, and a multilingual model's source and target language tokens ("" for a one-pair model): the source
+# starts with the first, the second is the target prefix (forced first), left out of the output text.
 CT2_SCRIPT = """
 import sys
 import ctranslate2, sentencepiece
-ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len = sys.argv[1:12]
+(ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len, src_tok,
+ tgt_tok) = sys.argv[1:14]
 sp = sentencepiece.SentencePieceProcessor(model_file=src_spm)
 sp_out = sentencepiece.SentencePieceProcessor(model_file=tgt_spm)
 translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
@@ -51,11 +55,13 @@ live = [i for i, line in enumerate(lines) if line.strip()]
 opts = dict(beam_size=int(beam), length_penalty=float(alpha), max_decoding_length=int(max_len))
 if int(fixed):
     opts.update(max_decoding_length=int(fixed), min_decoding_length=int(fixed))
-tokens = (sp.encode(lines[i], out_type=str) + ["</s>"] for i in live)
-results = translator.translate_iterable(tokens, **opts)
+head = [src_tok] if src_tok else []
+tokens = (head + sp.encode(lines[i], out_type=str) + ["</s>"] for i in live)
+prefix = ([tgt_tok] for _ in live) if tgt_tok else None
+results = translator.translate_iterable(tokens, prefix, **opts)
 outputs = [""] * len(lines)
 for i, r in zip(live, results):
-    outputs[i] = sp_out.decode(r.hypotheses[0])
+    outputs[i] = sp_out.decode(r.hypotheses[0][1:] if tgt_tok else r.hypotheses[0])
 with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outputs))
 """
@@ -100,11 +106,13 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
 
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
-                 fixed_length: int | None, shortlist: bool = False) -> list[str]:
+                 fixed_length: int | None, shortlist: bool = False, way: Direction = ONE_PAIR) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(src), "-o", str(out),
            "--backend", "onnxruntime", "--threads", str(threads), "--beam-size", str(beam_size), "--no-progress"]
     if shortlist:
         cmd.append("--shortlist")
+    if way.source:
+        cmd += ["--src-lang", way.source, "--tgt-lang", str(way.target)]
     if fixed_length:
         cmd += ["--max-len-a", "0", "--max-len-b", str(fixed_length), "--min-len", str(fixed_length)]
     return cmd
@@ -123,11 +131,15 @@ def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
 
 def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: list[str], threads: int,
                       beam_size: int, fixed_length: int | None, rounds: int,
-                      shortlist: bool = False) -> dict[str, Any]:
+                      shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
+                      min_agreement: float = 1.0) -> dict[str, Any]:
     """One row per (engine, precision, file): median wall seconds and peak RSS over rounds. `shortlist`:
-    ours runs serve-batch --shortlist (CTranslate2 is unchanged)."""
+    ours runs serve-batch --shortlist (CTranslate2 is unchanged). src_lang/tgt_lang: a multilingual model's
+    direction (serve-batch --src-lang/--tgt-lang; CTranslate2's script puts the source language token first
+    and gives the target's as target_prefix)."""
     if not files:
         raise UserError("--whole-process needs at least one FILE")
+    way = direction(read_manifest(model_dirs[0], verify=False).model_config, src_lang, tgt_lang)
     engines: list[dict[str, Any]] = []
     for d in model_dirs:
         manifest = read_manifest(d, verify=False)
@@ -135,7 +147,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                         "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
-                              "shortlist": shortlist,
+                              "shortlist": shortlist, "src_lang": src_lang, "tgt_lang": tgt_lang,
                               "files": {str(f): len(read_lines(f)) for f in files},
                               "measures": "wall: process start to exit (median), after one untimed run of each "
                                           "engine (bytecode compiled and kept, files in the page cache); "
@@ -144,10 +156,12 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         if "ctranslate2" in compare:
             ct2_dir, model, tokenizer, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
                 model_dirs[0], Path(tmp) / "ct2")
-            check = [tokenizer.encode_source([f"{i} {i + 1}"])[0] for i in range(8)]
+            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer)
+            check = [[*way.prefix, *tokenizer.encode_source([f"{i} {i + 1}"])[0]] for i in range(8)]
             translator = ctranslate2_compare.open_translator(ct2_dir, threads)
-            agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check)
-            if agree != len(check):
+            agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check, first=way.first,
+                                                         pieces=names)
+            if agree < min_agreement * len(check):
                 raise UserError(f"CTranslate2's greedy output differs from ours on {len(check) - agree} of "
                                 f"{len(check)} sentences: not the same model")
             report["ctranslate2_greedy_agreement"] = f"{agree}/{len(check)}"
@@ -162,12 +176,16 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         decoding = PAPER.for_model(manifest.decoding)
         max_len = min(decoding.max_len_b if decoding.max_len_a == 0 else 256, manifest.limits.max_tgt_len - 1)
         out = Path(tmp) / "out.txt"
+        tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
+        tokens = [tokenizer.piece(way.prefix[0]) if way.prefix else "",
+                  tokenizer.piece(way.first) if way.first is not None else ""]
 
         def command(e: dict[str, Any], f: Path) -> list[str]:
             if e["engine"] == "ctranslate2":
                 return [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], *spms, str(f), str(out), str(threads),
-                        str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len)]
-            return ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"])
+                        str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len),
+                        *tokens]
+            return ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way)
 
         env = user_env(Path(tmp))
         shortest = min(files, key=lambda f: report["files"][str(f)])
@@ -204,5 +222,9 @@ def format_whole_process(report: dict[str, Any]) -> str:
                     f"{r['peak_rss_mb'] or 0:>8.0f}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
                 f"{report['threads']} threads, beam {report['beam_size']}"
-                + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else ""))
+                + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
+                + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else ""))
+    if "ctranslate2_converter" in report:
+        rows.append(f"CTranslate2 converted by {report['ctranslate2_converter']}; greedy output token-identical to "
+                    f"PyTorch on {report['ctranslate2_greedy_agreement']} sentences")
     return "\n".join(rows)
