@@ -116,6 +116,7 @@ import numpy as np
 rows = Translator(sys.argv[1], load_options=LoadOptions(backend='onnxruntime')).translate(['ab cd', '', 'ef'])
 predicted = make_predict_fn(sys.argv[1])()(np.array(['ab cd', '', 'ef'], dtype=object))
 assert list(predicted['translation']) == rows.translation, (predicted, rows)
+assert list(predicted['empty']) == [0, 1, 0], predicted
 loaded = sorted(m for m in sys.modules if m.split('.')[0] == 'torch' and sys.modules[m] is not None)
 assert not loaded, loaded
 print(rows.translation)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 from test_integrations import corpus_lines, serve_batch_lines
 
-from pipeline.integrations.spark import RETURN_TYPE, make_predict_fn
+from pipeline.integrations.spark import make_predict_fn, return_type
 from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime.model_dir import LoadOptions
 
@@ -30,11 +30,12 @@ def test_predict_batch_udf_translates_as_serve_batch(fp32_dir, tmp_path):
         rows = [(i, None if i == 7 else text) for i, text in enumerate(lines)]
         frame = spark.createDataFrame(rows, "id long, text string").repartition(2)
         translate = predict_batch_udf(make_predict_fn(str(fp32_dir), load_options=LoadOptions(backend="onnxruntime")),
-                                      return_type=RETURN_TYPE, batch_size=16)
+                                      return_type=return_type(), batch_size=16)
         out = frame.withColumn("out", translate("text")).select("id", "out.translation", "out.empty").collect()
     finally:
         spark.stop()
     got = {row["id"]: (row["translation"], row["empty"]) for row in out}
     expected[7] = ""
     assert [got[i][0] for i in range(len(lines))] == expected
-    assert got[7] == ("", True)
+    assert got[7] == ("", 1)
+    assert sum(e for _, e in got.values()) == 1 + sum(not t.strip() for t in lines[:7] + lines[8:])

@@ -1,9 +1,9 @@
 """Spark: the same Translator under `pyspark.ml.functions.predict_batch_udf`.
 
     from pyspark.ml.functions import predict_batch_udf
-    from pipeline.integrations.spark import RETURN_TYPE, make_predict_fn
+    from pipeline.integrations.spark import make_predict_fn, return_type
 
-    translate = predict_batch_udf(make_predict_fn("models/en-de"), return_type=RETURN_TYPE, batch_size=500)
+    translate = predict_batch_udf(make_predict_fn("models/en-de"), return_type=return_type(), batch_size=500)
     df.withColumn("out", translate("text")).select("out.translation", "out.score")
 
 Spark calls the factory once per Python worker, which loads the model dir once; each batch of the column
@@ -21,16 +21,22 @@ import numpy as np
 
 from pipeline.integrations.translator import Translator
 
-# predict_batch_udf's return_type for the struct make_predict_fn's function returns (Translator's columns)
-RETURN_TYPE = "struct<translation:string,score:double,empty:boolean,truncated:int>"
-
 PredictFn = Callable[[np.ndarray], dict[str, np.ndarray]]
+
+
+def return_type() -> Any:
+    """predict_batch_udf's return_type for what make_predict_fn's function returns: Translator's columns as a
+    struct (a StructType: predict_batch_udf takes no DDL string, and no boolean field, so `empty` is 0 or 1)."""
+    from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
+
+    return StructType([StructField("translation", StringType()), StructField("score", DoubleType()),
+                       StructField("empty", IntegerType()), StructField("truncated", IntegerType())])
 
 
 def make_predict_fn(model_dir: str | Path, **translator_options: Any) -> Callable[[], PredictFn]:
     """The `make_predict_fn` predict_batch_udf takes: a picklable factory that, on an executor, loads
     `model_dir` (Translator's keyword options: load_options, decoding, options) and returns the function
-    from a batch of source strings to the columns of RETURN_TYPE."""
+    from a batch of source strings to the columns of return_type()."""
     return functools.partial(_load, str(model_dir), translator_options)
 
 
@@ -38,6 +44,8 @@ def _load(model_dir: str, translator_options: dict[str, Any]) -> PredictFn:
     translator = Translator(model_dir, **translator_options)
 
     def predict(sources: np.ndarray) -> dict[str, np.ndarray]:
-        return translator.translate(list(sources)).columns()
+        columns = translator.translate(list(sources)).columns()
+        columns["empty"] = columns["empty"].astype(np.int32)
+        return columns
 
     return predict
