@@ -13,18 +13,18 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
 from helpers import assert_one_line_error, hidden, run_cli_captured, write_lines
 from test_integrations import corpus_lines, write_parquet
 
+from model.errors import UserError
 from pipeline.integrations.options import RayOptions
-from pipeline.integrations.ray_job import translate_shards
+from pipeline.integrations.ray_job import actors, translate_shards
 from pipeline.integrations.shards import RECORD, plan
 from pipeline.serve_batch.files import serve_files
 from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime.decoding import PAPER
 from runtime.model_dir import LoadOptions, load
-
-ray = pytest.importorskip("ray")
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +34,16 @@ def cluster():
              runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
     yield
     ray.shutdown()
+
+
+def test_actors_fill_the_cluster_and_gpus_are_checked():
+    cpus = {"CPU": 16.0}
+    assert actors(RayOptions(), LoadOptions(), cpus) == 16  # one 1-thread actor per core
+    assert actors(RayOptions(), LoadOptions(threads=4), cpus) == 4  # actors x threads = cores
+    assert actors(RayOptions(actors=3), LoadOptions(), cpus) == 3
+    assert actors(RayOptions(gpus_per_actor=1), LoadOptions(), {"CPU": 16.0, "GPU": 4.0}) == 4
+    with pytest.raises(UserError, match=r"--gpus-per-actor 1: the cluster has 0 GPU\(s\)"):
+        actors(RayOptions(gpus_per_actor=1), LoadOptions(), cpus)
 
 
 def serve_batch_outputs(model_dir: Path, shards: dict[str, list[str]], tmp: Path) -> dict[str, str]:

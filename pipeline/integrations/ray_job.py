@@ -118,6 +118,7 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
     # Ray Data joins what a task yields into blocks of up to this many bytes (128 MiB by default: a whole
     # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
     # every actor busy, the writer fed, and a retry small.
+    default_block_size = context.target_max_block_size
     context.target_max_block_size = max(1 << 12, int(0.75 * ray_opts.batch_size * _row_bytes(plan.todo[0])))
     threads = load_options.threads or 1
     ds = ray.data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8,
@@ -146,6 +147,7 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
         raise _user_error(e) or e from None
     finally:
         bar.close()
+        context.target_max_block_size = default_block_size  # the caller's Ray Data jobs as they were
 
 
 def _row_bytes(shard: Shard) -> int:
