@@ -9,8 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.importers.hf_files import ImportRefused, integer, show
+from model.config import ACTIVATIONS
+from pipeline.importers.hf_files import ImportRefused, integer, number, show
 
+ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
+MAX_POSITIONS = 16384  # Marian and M2M-100 ship 512 or 1024; the sinusoid table is built whole at load
 REQUIRED = ("vocab_size", "d_model", "encoder_attention_heads", "encoder_ffn_dim", "encoder_layers", "decoder_layers",
             "max_position_embeddings")
 OPTIONAL = ("decoder_attention_heads", "decoder_ffn_dim")  # the encoder's when absent
@@ -45,3 +48,15 @@ def shape(config: dict[str, Any], path: Path, max_positions: int) -> dict[str, A
                 else enc_heads, d_ff=dec_ffn, enc_d_ff=None if enc_ffn == dec_ffn else enc_ffn,
                 n_enc_layers=sizes["encoder_layers"], n_dec_layers=sizes["decoder_layers"],
                 max_positions=sizes["max_position_embeddings"])
+
+
+def activation_and_dropout(config: dict[str, Any], path: Path, default_activation: str | None) -> dict[str, Any]:
+    """ModelConfig's activation and dropout from `activation_function` and `dropout`."""
+    value = config.get("activation_function", default_activation)
+    act = ACTIVATION_NAMES.get(value) if isinstance(value, str) else None
+    if act not in ACTIVATIONS:
+        raise ImportRefused(f"{path}: activation_function {show(value)} is not one of {', '.join(ACTIVATION_NAMES)}")
+    dropout = number(config, "dropout", path, 0.1)
+    if not 0.0 <= dropout < 1.0:
+        raise ImportRefused(f"{path}: dropout {dropout} must be in [0, 1)")
+    return dict(activation=act, dropout=dropout)

@@ -33,13 +33,11 @@ from pathlib import Path
 from typing import Any
 
 from model.checkpoint import save_checkpoint
-from model.config import ACTIVATIONS, ConfigError, ModelConfig
-from model.transformer import Transformer
-from pipeline.importers.bart_config import shape
+from model.config import ConfigError, ModelConfig
+from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
 from pipeline.importers.hf_files import (
     ImportRefused,
     flag,
-    number,
     read_json,
     show,
     token_id,
@@ -47,7 +45,7 @@ from pipeline.importers.hf_files import (
 )
 from pipeline.importers.hf_generation import generation
 from pipeline.importers.hf_layout import checked_files, provenance
-from pipeline.importers.marian_weights import check_weights, map_weights, read_weights
+from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
@@ -56,8 +54,6 @@ log = logging.getLogger(__name__)
 CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
 TOKENIZER_CONFIG, GENERATION, TOKENIZER_JSON = "tokenizer_config.json", "generation_config.json", "tokenizer.json"
 NLLB_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")  # eng_Latn: NLLB's language tokens are their codes
-ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
-MAX_POSITIONS = 16384
 MADEUP = "madeupword{:04d}"  # fairseq's names of the ids that only pad the embedding
 
 
@@ -67,23 +63,16 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
         raise ImportRefused(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'm2m_100'")
     sizes = shape(config, path, MAX_POSITIONS)
     vocab = sizes["vocab_size"]
-    activation = config.get("activation_function", "relu")
-    act = ACTIVATION_NAMES.get(activation) if isinstance(activation, str) else None
-    if act not in ACTIVATIONS:
-        raise ImportRefused(f"{path}: activation_function {show(activation)} is not one of "
-                            f"{', '.join(ACTIVATION_NAMES)}")
     pad = token_id(config, "pad_token_id", path, vocab)
     eos = token_id(config, "eos_token_id", path, vocab)
     start = eos if config.get("decoder_start_token_id") is None else token_id(
         config, "decoder_start_token_id", path, vocab)
-    dropout = number(config, "dropout", path, 0.1)
-    if not 0.0 <= dropout < 1.0:
-        raise ImportRefused(f"{path}: dropout {dropout} must be in [0, 1)")
+    common = activation_and_dropout(config, path, "relu")
     if config.get("tie_word_embeddings", True) is not True:
         raise ImportRefused(f"{path}: tie_word_embeddings is {show(config['tie_word_embeddings'])}; our model ties "
                             "its output projection to the embedding")
     try:
-        return ModelConfig(**sizes, dropout=dropout, pad_id=pad, bos_id=start, eos_id=eos, activation=act,
+        return ModelConfig(**sizes, **common, pad_id=pad, bos_id=start, eos_id=eos,
                            positions="fairseq", position_offset=pad + 1, pre_norm=True,
                            scale_embedding=flag(config, "scale_embedding", path, True), logits_bias=False)
     except ConfigError as e:
@@ -216,11 +205,7 @@ def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     mapped = map_weights(read_weights(weights), cfg, weights)
     if bool(mapped.pop("logits_bias").any()):
         raise ImportRefused(f"{weights}: final_logits_bias is not zero; M2M-100 has no logits bias")
-    model = Transformer(cfg)
-    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:  # check_weights' mapping and the model agree
-        raise RuntimeError(f"the M2M-100 mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
-    model.load_state_dict(mapped)
+    model = build(cfg, mapped, "M2M-100")
     extra = {"decoding": defaults, "imported": provenance(hf_dir, "nllb" if nllb else "m2m100")}
     sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
     log.info("imported %s: %d parameters, vocabulary %d, %d languages, decoding defaults %s -> %s", hf_dir,

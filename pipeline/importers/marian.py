@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from model.checkpoint import save_checkpoint
-from model.config import ACTIVATIONS, ConfigError, ModelConfig
+from model.config import ConfigError, ModelConfig
 from model.transformer import Transformer
-from pipeline.importers.bart_config import shape
+from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
 from pipeline.importers.hf_files import (
     ImportRefused,
     flag,
-    number,
     read_json,
     show,
     token_id,
@@ -41,11 +40,7 @@ from pipeline.importers.hf_files import (
 )
 from pipeline.importers.hf_generation import GENERATION_NAMES, generation  # noqa: F401 (GENERATION_NAMES: re-export)
 from pipeline.importers.hf_layout import checked_files, provenance
-from pipeline.importers.marian_weights import (
-    check_weights,
-    map_weights,
-    read_weights,
-)
+from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
@@ -53,8 +48,6 @@ log = logging.getLogger(__name__)
 
 CONFIG, GENERATION, VOCAB = "config.json", "generation_config.json", "vocab.json"
 SOURCE_SPM, TARGET_SPM, TOKENIZER_CONFIG = "source.spm", "target.spm", "tokenizer_config.json"
-ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
-MAX_POSITIONS = 16384  # OPUS-MT ships 512, Marian's big models 1024; the sinusoid table is built whole at load
 
 MarianImportError = ImportRefused  # a directory that is not a Marian model this importer can map
 
@@ -74,21 +67,14 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
         raise MarianImportError(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'marian'")
     sizes = shape(config, path, MAX_POSITIONS)
     vocab = sizes["vocab_size"]
-    activation = config.get("activation_function")
-    act = ACTIVATION_NAMES.get(activation) if isinstance(activation, str) else None
-    if act not in ACTIVATIONS:
-        raise MarianImportError(f"{path}: activation_function {show(activation)} is not one of "
-                                f"{', '.join(ACTIVATION_NAMES)}")
     pad = token_id(config, "pad_token_id", path, vocab)
     start = pad if config.get("decoder_start_token_id") is None else token_id(
         config, "decoder_start_token_id", path, vocab)
-    dropout = number(config, "dropout", path, 0.1)
-    if not 0.0 <= dropout < 1.0:
-        raise MarianImportError(f"{path}: dropout {dropout} must be in [0, 1)")
+    common = activation_and_dropout(config, path, None)
     try:
         return ModelConfig(
-            **sizes, dropout=dropout, pad_id=pad, bos_id=start,
-            eos_id=token_id(config, "eos_token_id", path, vocab), activation=act, positions="halves",
+            **sizes, **common, pad_id=pad, bos_id=start,
+            eos_id=token_id(config, "eos_token_id", path, vocab), positions="halves",
             scale_embedding=flag(config, "scale_embedding", path, False), logits_bias=True)
     except ConfigError as e:
         raise MarianImportError(f"{path}: {e}") from None
@@ -148,11 +134,7 @@ def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress)
     check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
     mapped = map_weights(read_weights(weights), cfg, weights)
-    model = Transformer(cfg)
-    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:  # check_weights' mapping and the model agree
-        raise RuntimeError(f"the Marian mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
-    model.load_state_dict(mapped)
+    model = build(cfg, mapped, "Marian")
     if not bool(mapped["logits_bias"].any()):  # all zeros: no bias to add at every step
         model = _without_logits_bias(model)
     extra = {"decoding": defaults, "imported": provenance(hf_dir, "marian")}

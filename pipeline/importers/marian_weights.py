@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from model.transformer import sinusoidal_positions
+from model.transformer import Transformer, sinusoidal_positions
 from pipeline.importers.hf_files import ImportRefused as MarianImportError
 from pipeline.importers.hf_files import TensorInfo, load_pickle, one_line
 
@@ -174,3 +174,13 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) ->
             module, _, leaf = k.rpartition(".")
             ours[f"{FINAL_NORMS[module]}.{leaf}"] = v
     return ours
+
+
+def build(cfg: ModelConfig, mapped: dict[str, torch.Tensor], family: str) -> Transformer:
+    """Our model holding the mapped weights (check_weights' mapping and the model must agree: a bug if not)."""
+    model = Transformer(cfg)
+    wanted = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in mapped.items()} != wanted:
+        raise RuntimeError(f"the {family} mapping disagrees with the model: {sorted(set(mapped) ^ set(wanted))[:4]}")
+    model.load_state_dict(mapped)
+    return model
