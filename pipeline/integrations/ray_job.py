@@ -13,6 +13,7 @@ same command translates the rest."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -64,11 +65,30 @@ def connect(address: str | None) -> bool:
     root = str(Path(__file__).resolve().parents[2])  # workers import this checkout, installed or not
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     try:
-        ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"PYTHONPATH": path}})
+        if address is None:
+            # a local cluster's processes inherit this environment: no runtime_env, which would leave the workers
+            # Ray prestarts unusable for the job (they start without it) and start fresh ones, ~3 s of CPU each
+            with _environ("PYTHONPATH", path):
+                ray.init(include_dashboard=False, logging_level=logging.WARNING)
+        else:
+            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
+                     runtime_env={"env_vars": {"PYTHONPATH": path}})
     except ConnectionError as e:
         raise UserError(f"--address {address}: no Ray cluster there ({e}); start one with `ray start --head`") from None
     return True
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
@@ -123,7 +143,7 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
     threads = load_options.threads or 1
     ds = ray.data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8,
                                                   ray_opts.batch_size), num_cpus=0)
-    ds = ds.map_batches(Translator, batch_size=ray_opts.batch_size,
+    ds = ds.map_batches(_JobTranslator, batch_size=ray_opts.batch_size,
                         compute=ray.data.ActorPoolStrategy(size=stats.actors),
                         num_cpus=0 if ray_opts.gpus_per_actor else threads, num_gpus=ray_opts.gpus_per_actor or None,
                         fn_constructor_kwargs={"model_dir": str(Path(model_dir).resolve()), "column": "text",
@@ -133,8 +153,7 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
     writer = ShardWriter(plan.todo)
     bar = progress_bar("translating", progress)
     try:
-        for batch in ds.select_columns(["shard", "line", "translation", "last", "replaced", "empty", "truncated"],
-                                       num_cpus=0).iter_batches(batch_size=None, batch_format="numpy"):
+        for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
             writer.add_rows(batch["shard"], batch["line"] - 1, batch["translation"], batch["last"])
             stats.lines += len(batch["line"])
             stats.empty += int(batch["empty"].sum())
@@ -148,6 +167,19 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
     finally:
         bar.close()
         context.target_max_block_size = default_block_size  # the caller's Ray Data jobs as they were
+
+
+class _JobTranslator(Translator):
+    """The Translator returning only the columns the writer takes: the actors drop the source text and path
+    themselves, so no projection step (a Ray task per block, each a worker process to start on a small
+    machine) follows them."""
+
+    def __call__(self, batch: Any) -> Any:
+        done = super().__call__(batch)
+        return {name: done[name] for name in _BACK}
+
+
+_BACK = ("shard", "line", "translation", "last", "replaced", "empty", "truncated")
 
 
 def _row_bytes(shard: Shard) -> int:
