@@ -135,7 +135,10 @@ class ModelConfig:
         return []
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except the later ones (OPTIONAL_FIELDS) at their defaults: a model that does not use
+        them is written byte for byte as before they existed, and older readers still take it."""
+        data = dataclasses.asdict(self)
+        return {k: v for k, v in data.items() if not (k in OPTIONAL_FIELDS and v == OPTIONAL_FIELDS[k])}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -144,6 +147,12 @@ class ModelConfig:
         if unknown:
             raise ConfigError(f"unknown model config keys: {', '.join(unknown)}")
         return cls(**data)
+
+
+# Fields added after checkpoints and model dirs were first written, with the value meaning "not used"
+# (ModelConfig.to_dict leaves them out then)
+OPTIONAL_FIELDS: dict[str, Any] = {"position_offset": 0, "pre_norm": False, "enc_heads": None, "enc_d_ff": None,
+                                   "languages": ()}
 
 
 @dataclass(frozen=True)

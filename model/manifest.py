@@ -178,7 +178,9 @@ class Manifest:
         return all(name in self.files for name in names)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, **dataclasses.asdict(self)}
+        data = dataclasses.asdict(self)
+        data["model_config"] = self.model_config.to_dict()  # without the later fields a model does not use
+        return {"format": FORMAT, **data}
 
     @classmethod
     def from_json(cls, data: Any) -> Manifest:
