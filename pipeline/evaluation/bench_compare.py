@@ -149,7 +149,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         if "ctranslate2" in compare:
             ct2_dir, model, _, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
                 model_dirs[0], Path(tmp) / "ct2")
-            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer)  # CTranslate2 gets exactly our ids
+            # a multilingual model: CTranslate2 gets exactly our ids
+            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer, by_id=way.first is not None)
             report["ctranslate2_greedy_agreement"] = check_same_model(model, tokenizer, ct2_dir, sources, threads,
                                                                       way, names, min_agreement)
             del model

@@ -170,10 +170,14 @@ def vocabulary(directory: Path) -> list[str]:
     return (directory / "shared_vocabulary.txt").read_text(encoding="utf-8").split("\n")[:-1]
 
 
-def id_pieces(directory: Path, tokenizer: AnyTokenizer) -> list[str]:
+def id_pieces(directory: Path, tokenizer: AnyTokenizer, by_id: bool = True) -> list[str]:
     """CTranslate2's token for each of our ids: its own vocabulary, by id, so that it is given exactly our source
     ids and its output maps back to ids whatever it names them (its M2M-100 loader names the padding ids
-    `madeupwordN`, ours `madeupword000N`); a vocabulary of another size is not the same model."""
+    `madeupwordN`, ours `madeupword000N`); a vocabulary of another size is not the same model. by_id False (a
+    one-pair model, e.g. Marian's, whose converted vocabulary may leave out its unused <pad>): our own pieces,
+    which CTranslate2 looks up by name, as before multilingual models."""
+    if not by_id:
+        return [tokenizer.piece(i) for i in range(tokenizer.vocab_size)]
     tokens = vocabulary(directory)
     if len(tokens) != tokenizer.vocab_size:
         raise UserError(f"{directory}: CTranslate2's vocabulary has {len(tokens)} tokens, the model "

@@ -156,7 +156,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         if "ctranslate2" in compare:
             ct2_dir, model, tokenizer, report["ctranslate2_converter"] = ctranslate2_compare.for_model_dir(
                 model_dirs[0], Path(tmp) / "ct2")
-            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer)
+            names = ctranslate2_compare.id_pieces(ct2_dir, tokenizer, by_id=way.first is not None)
             check = [[*way.prefix, *tokenizer.encode_source([f"{i} {i + 1}"])[0]] for i in range(8)]
             translator = ctranslate2_compare.open_translator(ct2_dir, threads)
             agree = ctranslate2_compare.greedy_agreement(model, tokenizer, translator, check, first=way.first,
