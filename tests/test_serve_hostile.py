@@ -201,8 +201,9 @@ def test_requests_cut_by_the_budget_keep_their_place():
 
 def test_a_streamed_big_request_and_a_small_one_each_get_their_answer():
     """Through the app: the big request streams every sentence in order while turns let the small
-    one through; both answers are complete."""
-    translator = StandIn(delay=0.01)
+    one through; both answers are complete. Each batch takes 50 ms, so that the small request's own preparation
+    (on the prepare threads) fits well within one batch whatever the machine's load."""
+    translator = StandIn(delay=0.05)
     big_text = " ".join(f"Satz {i}." for i in range(60))
     with client(translator, max_batch_tokens=60) as c:
         objects: list[Any] = []
