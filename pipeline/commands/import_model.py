@@ -7,10 +7,26 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import click
 
 from pipeline.textio import check_output_file
+
+
+def _import_arguments(command: Any) -> Any:
+    """HF_DIR, --out and --force: what every importer takes."""
+    command = click.option("--force", is_flag=True, help="Replace OUT if it exists.")(command)
+    command = click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
+                           help="Checkpoint file to write (atomically, with its SHA-256).")(command)
+    return click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))(command)
+
+
+def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str:
+    """The line an import ends with: the model's shape, `extra`, and its decoding defaults."""
+    cfg = summary["config"]
+    return (f"{out}: {family} model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} layers, "
+            f"vocabulary {cfg['vocab_size']}, {extra}; decoding defaults {json.dumps(summary['decoding'])}")
 
 
 @click.group("import")
@@ -20,10 +36,7 @@ def import_group() -> None:
 
 
 @import_group.command("marian")
-@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Checkpoint file to write (atomically, with its SHA-256).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_import_arguments
 def marian(hf_dir: Path, out: Path, force: bool) -> None:
     """Import HF_DIR, a local OPUS-MT / MarianMTModel directory (what `save_pretrained` writes:
     config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json and,
@@ -41,17 +54,11 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
 
     check_output_file(out, "--out")
     summary = import_marian(hf_dir, out, force=force)
-    cfg = summary["config"]
-    click.echo(f"{out}: Marian model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
-               f"layers, vocabulary {cfg['vocab_size']}, activation {cfg['activation']}; decoding defaults "
-               f"{json.dumps(summary['decoding'])}")
+    click.echo(_summary(out, "Marian", summary, f"activation {summary['config']['activation']}"))
 
 
 @import_group.command("m2m100")
-@click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-              help="Checkpoint file to write (atomically, with its SHA-256).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@_import_arguments
 def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
     """Import HF_DIR, a local M2M-100 or NLLB-200 directory (what `save_pretrained` writes: config.json,
     model.safetensors or pytorch_model.bin, sentencepiece.bpe.model, tokenizer_config.json, vocab.json
@@ -70,11 +77,9 @@ def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
 
     check_output_file(out, "--out")
     summary = import_m2m100(hf_dir, out, force=force)
-    cfg = summary["config"]
     langs = summary["languages"]
-    click.echo(f"{out}: {summary['family']} model, d_model {cfg['d_model']}, {cfg['n_enc_layers']}+{cfg['n_dec_layers']} "
-               f"layers, vocabulary {cfg['vocab_size']}, {len(langs)} languages ({', '.join(langs[:12])}"
-               f"{', ...' if len(langs) > 12 else ''}); decoding defaults {json.dumps(summary['decoding'])}")
+    shown = ", ".join(langs[:12]) + (", ..." if len(langs) > 12 else "")
+    click.echo(_summary(out, summary["family"], summary, f"{len(langs)} languages ({shown})"))
 
 
 import_group.add_command(m2m100, name="nllb")  # NLLB-200: M2M-100's architecture with its own tokenizer

