@@ -28,6 +28,8 @@ class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h parallel heads of d_model / h dimensions, then an output projection."""
 
     qkv: tuple[Tensor, Tensor] | None = None  # fuse_qkv_: the weight and bias q, k and v are views of
+    compile_fused = False  # trust qkv under torch.compile (set by the compiled step, which checked it eagerly)
+    sdpa_step = False  # under torch.compile: each attention one fused kernel (set by the compiled step)
 
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
@@ -59,14 +61,21 @@ class MultiHeadAttention(nn.Module):
 
     def _qkv_fused(self) -> bool:
         """Whether q, k and v are still the views fuse_qkv_ made (not when traced for export)."""
-        if self.qkv is None or torch.compiler.is_compiling():
+        if self.qkv is None:
             return False
+        if torch.compiler.is_compiling():  # data pointers cannot be traced: the compiled step's word for it
+            return self.compile_fused
         weight, bias = self.qkv
         d, size = self.q_proj.out_features, weight.element_size()
         w0, b0 = weight.data_ptr(), bias.data_ptr()
         return all(lin.weight.dtype == weight.dtype and lin.weight.data_ptr() == w0 + i * d * weight.shape[1] * size
                    and lin.bias.data_ptr() == b0 + i * d * size
                    for i, lin in enumerate((self.q_proj, self.k_proj, self.v_proj)))
+
+    def _sdpa(self) -> bool:
+        """Only while torch.compile traces the compiled step (runtime/static_step.py); the eager and the
+        exported step keep the explicit arithmetic, with its fp32 scores."""
+        return self.sdpa_step and torch.compiler.is_compiling()
 
     def split_heads(self, x: Tensor) -> Tensor:
         b, t, _ = x.shape
@@ -88,6 +97,8 @@ class MultiHeadAttention(nn.Module):
             # the same arithmetic as the graphs.
             mask = (bias > MASK_VALUE / 2).expand(q.shape[0], 1, q.shape[2], k.shape[2])
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        elif self._sdpa():  # the compiled step: one kernel instead of two matmuls and a softmax
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
         else:
             out = attend(q, k, v, bias)
         return self.out_proj(self.merge_heads(out))
@@ -105,12 +116,17 @@ class MultiHeadAttention(nn.Module):
             q, k_t, v_t = F.linear(x, *self.qkv).split(self.q_proj.out_features, dim=-1)  # type: ignore[misc]
         else:  # (N, 1, d_model) each, as in training
             q, k_t, v_t = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q_h = self.split_heads(q) * (1.0 / math.sqrt(self.d_head))  # (N, H, 1, d_head)
         k_h, v_h = self.split_heads(k_t), self.split_heads(v_t)
         rows = past_index.reshape(-1)
         shape = (n, self.n_heads, -1, self.d_head)
         k = past_k.reshape(-1, self.d_head).index_select(0, rows).view(shape)  # (N, H, T, d_head)
         v = past_v.reshape(-1, self.d_head).index_select(0, rows).view(shape)
+        if self._sdpa():  # the step's own key first, unmasked; one fused attention kernel
+            mask = F.pad(past_bias, (1, 0))[:, None, None, :].to(q.dtype)
+            out = F.scaled_dot_product_attention(self.split_heads(q), torch.cat([k_h, k], dim=2),
+                                                 torch.cat([v_h, v], dim=2), attn_mask=mask)
+            return self.out_proj(self.merge_heads(out)), k_t.reshape(n, -1), v_t.reshape(n, -1)
+        q_h = self.split_heads(q) * (1.0 / math.sqrt(self.d_head))  # (N, H, 1, d_head)
         # fp32 from here: a sum or product with an fp32 operand promotes (no separate casts in fp16)
         past = torch.matmul(q_h, k.transpose(-1, -2)) + past_bias.float()[:, None, None, :]  # (N, H, 1, T)
         own = (q_h.float() * k_h).sum(dim=-1, keepdim=True)  # (N, H, 1, 1)

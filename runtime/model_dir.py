@@ -79,6 +79,9 @@ class ModelDir:
         return Shortlist.load(self.path / io_names.SHORTLIST_FILE)
 
 
+STEPS = ("eager", "graph", "compiled")  # the torch backend's decoder steps a user picks (runtime/torch_backend.py)
+
+
 def _opt(default: Any, help: str, **cli: Any) -> Any:
     """A field with its command-line help and click settings (pipeline/cli_options.py generates the option;
     runtime/ cannot import it, so the metadata is written here in its form)."""
@@ -102,6 +105,10 @@ class LoadOptions:
     precision: str | None = _opt(None, "Torch backend precision [default: the model dir's; fp16 only on GPU].",
                                  flag="--dtype", choices=("fp32", "fp16"))
     shortlist: bool = _opt(False, SHORTLIST_HELP)
+    step: str | None = _opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
+                                  "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
+                                  "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
+                            choices=STEPS)
 
     def problems(self) -> list[str]:
         """Every impossible setting, each naming its field (the CLI and HTTP layers phrase them)."""
@@ -112,6 +119,8 @@ class LoadOptions:
             out.append(f"threads must be at least 1 (got {self.threads})")
         if self.precision not in (None, "fp32", "fp16", "int8"):
             out.append(f"precision {self.precision!r}: choose fp32 or fp16")
+        if self.step not in (None, *STEPS):
+            out.append(f"step {self.step!r}: choose one of {', '.join(STEPS)}")
         return out
 
 
@@ -143,6 +152,9 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
     manifest = opened.manifest
     chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)
+    if options.step is not None and chosen.name != "torch":
+        raise RuntimeUserError(f"--step {options.step} chooses the torch backend's decoder step, but the backend is "
+                               f"{chosen.name}; add --backend torch")
     need = chosen.needs(manifest, options.shortlist, opened.path)
     table = opened.shortlist if options.shortlist else None  # a dir exported without one says how to get one
     missing = [name for name in need if name not in manifest.files]

@@ -23,12 +23,19 @@ memory pool: one search at a time uses them, and reads each step's outputs befor
 Without capture (mode "static") the same body runs eagerly: that is how the CPU tests check the
 graph's arithmetic. Translations match the eager step's in fp32; log-probs may differ in rounding
 (sums over masked padding), which in fp16 can flip a near-tie (docs/gpu.md).
+
+Mode "compiled" hands the body to torch.compile (inductor) first, once per bucket (`compile_body`; the
+cache's capacity is a symbolic size, so growing it recompiles nothing): LayerNorms, residuals, bias
+epilogues, masks and gathers become a few fused kernels, each attention one scaled_dot_product_attention
+kernel, the GEMMs stay cuBLAS's. On CUDA the compiled body is then captured like the plain one (a base
+step: 110 kernels instead of 296); on the CPU it runs inductor's C++ kernels uncaptured.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -153,10 +160,49 @@ class StaticBatch:
         return self.capacities[capacity]
 
 
-class StaticStepRunner:
-    """Runs TorchBackend's steps on StaticBatch storage: as CUDA graphs (`capture`), or eagerly."""
+def _step_body(model: Transformer, topk: int, n_sentences: int, tokens: torch.Tensor, step: torch.Tensor,
+               pos: torch.Tensor, head_start: torch.Tensor, write_pos: torch.Tensor, k: list[torch.Tensor],
+               v: list[torch.Tensor], cross_k: list[torch.Tensor], cross_v: list[torch.Tensor],
+               src_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step on static tensors only: what a graph captures, and what torch.compile compiles (a plain
+    function of tensors, so that its guards are shapes, not the runner's objects)."""
+    cfg = model.cfg
+    index = head_start + pos.clamp(min=0)[:, None, :]
+    bias = (pos < 0).float() * MASK_VALUE
+    log_probs, step_k, step_v = model.decode_step(tokens, step, index, bias, k, v, cross_k, cross_v, src_bias)
+    for buf, new in zip(k + v, step_k + step_v):
+        buf.index_copy_(2, write_pos, new.view(n_sentences, -1, cfg.n_heads, cfg.d_head).transpose(1, 2))
+    return select_candidates(log_probs, topk, cfg.eos_id)
 
-    def __init__(self, model: Transformer, topk: int, dtype: torch.dtype, device: torch.device, capture: bool):
+
+def compile_body(options: dict[str, Any] | None = None) -> Any:
+    """_step_body through torch.compile: fixed shapes but for the cache's capacity (one compilation per
+    bucket; a runner keeps at most MAX_BATCHES of them), the whole body one graph or an error.
+    `options`: inductor settings for this compilation (torch.compile's options)."""
+    import torch._dynamo.config as dynamo_config
+
+    # every (sentences, beam, source, capacity) bucket is a recompilation, not a fallback to eager
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
+    return torch.compile(_step_body, dynamic=False, fullgraph=True, options=options)
+
+
+def mark_compiled(model: Transformer, sdpa: bool = True) -> None:
+    """What the compiled step may assume of `model` while traced: its fused q/k/v views (checked here,
+    eagerly: data pointers cannot be traced) and, with `sdpa`, each attention as
+    scaled_dot_product_attention (one fused kernel; its softmax in fp32 inside the kernel)."""
+    for layer in model.decoder:
+        layer.self_attn.compile_fused = layer.self_attn._qkv_fused()
+        layer.self_attn.sdpa_step = layer.cross_attn.sdpa_step = sdpa
+
+
+class StaticStepRunner:
+    """Runs TorchBackend's steps on StaticBatch storage: as CUDA graphs (`capture`), or eagerly;
+    `compiled`: the body through torch.compile (inductor) first."""
+
+    def __init__(self, model: Transformer, topk: int, dtype: torch.dtype, device: torch.device, capture: bool,
+                 compiled: bool = False, sdpa: bool = True, options: dict[str, Any] | None = None):
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
         self.model, self.cfg, self.topk = model, model.cfg, topk
@@ -165,6 +211,13 @@ class StaticStepRunner:
         self.lock = threading.Lock()  # searches on other threads take storage too
         self.captures = 0  # graphs captured so far (bench and tests read it)
         self.gpu_times: list[float] | None = None  # a list: each replay's GPU seconds are appended (the GPU check)
+        self.body = compile_body(options) if compiled else _step_body
+        if compiled:
+            mark_compiled(model, sdpa)
+        # per bucket and capacity compiled: (sentences, rows, source, capacity) -> seconds of its first call
+        self.compile_seconds: dict[tuple[int, int, int, int], float] = {}
+        self.dynamic_capacity = True  # the capacity dimension symbolic: no recompilation as the cache grows
+        self.keep_graphs = False  # keep each captured cudaGraph_t (CUDAGraph.raw_cuda_graph: counting its kernels)
 
     def cache(self, n_hyps: int, max_steps: int) -> StaticCache:
         return StaticCache(self.cfg, n_hyps, max_steps)
@@ -257,16 +310,21 @@ class StaticStepRunner:
         return out, cache
 
     def _body(self, batch: StaticBatch, s: _Capacity) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The step on static tensors only: what a graph captures."""
-        cfg = self.cfg
-        index = s.head_start + s.pos.clamp(min=0)[:, None, :]
-        bias = (s.pos < 0).float() * MASK_VALUE
-        log_probs, step_k, step_v = self.model.decode_step(s.tokens, s.step, index, bias, s.k, s.v, batch.cross_k,
-                                                           batch.cross_v, batch.src_bias)
-        for buf, new in zip(s.k + s.v, step_k + step_v):
-            buf.index_copy_(2, s.write_pos, new.view(batch.n_sentences, batch.rows, cfg.n_heads,
-                                                     cfg.d_head).transpose(1, 2))
-        return select_candidates(log_probs, self.topk, cfg.eos_id)
+        key = (batch.n_sentences, batch.rows, batch.src_len, s.capacity)
+        first = self.body is not _step_body and key not in self.compile_seconds
+        start = time.perf_counter()
+        if first and self.dynamic_capacity:  # one compilation serves every capacity of the bucket
+            for t in [s.pos] + s.k + s.v:
+                torch._dynamo.mark_dynamic(t, t.dim() - 1 if t is s.pos else 2)
+        out = self.body(self.model, self.topk, batch.n_sentences, s.tokens, s.step, s.pos, s.head_start,
+                        s.write_pos, s.k, s.v, batch.cross_k, batch.cross_v, batch.src_bias)
+        if first:  # the compilation (and on CUDA the first run's wait): what a new bucket costs once
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.compile_seconds[key] = time.perf_counter() - start
+            log.info("compiled the decoder step for %d sentences x %d rows, source %d, capacity %d in %.1f s",
+                     *key, self.compile_seconds[key])
+        return out
 
     def _capture(self, batch: StaticBatch, s: _Capacity) -> None:
         """Capture the step for this bucket. The warm-up runs the step for real on a side stream (as
@@ -276,7 +334,7 @@ class StaticStepRunner:
         with torch.cuda.stream(side):
             self._body(batch, s)
         torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if self.keep_graphs else torch.cuda.CUDAGraph()
         if batch.pool is None:
             batch.pool = torch.cuda.graph_pool_handle()
         # thread_local: another thread's synchronising calls (another model served on this GPU) stay legal

@@ -21,6 +21,7 @@ from model.cache import BeamCache
 from model.manifest import CHECKPOINT_FILE
 from model.transformer import Transformer, select_candidates
 from runtime.backend import DEFAULT_TOPK, EncoderState, StepOutput, host, select_rows
+from runtime.errors import RuntimeUserError
 from runtime.registry import resolve_device
 from runtime.shortlist import Shortlist
 from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
@@ -30,7 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STEP_MODES = ("eager", "static", "graph")  # static: the graph's fixed shapes without capture (CPU tests)
+# static: the graph's fixed shapes without capture (CPU tests); compiled: the same body through torch.compile,
+# captured as a CUDA graph on CUDA (runtime/static_step.py)
+STEP_MODES = ("eager", "static", "graph", "compiled")
 CUDA_GRAPHS_ENV = "PIPELINE_CUDA_GRAPHS"
 
 
@@ -78,8 +81,9 @@ class TorchBackend:
         if step_mode != "eager" and shortlist is not None:
             raise ValueError("a vocabulary shortlist needs the eager step (its candidates change with the batch)")
         self.step_mode = step_mode
+        capture = step_mode == "graph" or (step_mode == "compiled" and self.device.type == "cuda")
         self.static = None if step_mode == "eager" else StaticStepRunner(
-            self.model, topk, dtype, self.device, capture=step_mode == "graph")
+            self.model, topk, dtype, self.device, capture=capture, compiled=step_mode == "compiled")
 
     @torch.inference_mode()
     def encode(self, src_ids: Any) -> EncoderState:
@@ -146,6 +150,12 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
         torch.set_num_threads(options.threads)
     manifest = model_dir.manifest
     model, _, _ = load_model(model_dir.file(CHECKPOINT_FILE), device="cpu")
+    if options.step == "graph" and dev.type != "cuda":
+        raise RuntimeUserError(f"--step graph replays CUDA graphs: it needs a CUDA device, not {dev}; use --step "
+                               "compiled or eager on the CPU")
+    if options.step not in (None, "eager") and shortlist is not None:
+        raise RuntimeUserError(f"--step {options.step} runs fixed shapes; --shortlist changes them with every batch: "
+                               "use one or the other")
     return TorchBackend(model, dev, torch_dtype(options.precision or manifest.precision, dev), topk=manifest.topk,
                         max_src_len=manifest.limits.max_src_len, max_tgt_len=manifest.limits.max_tgt_len,
-                        shortlist=shortlist)
+                        shortlist=shortlist, step_mode=options.step)

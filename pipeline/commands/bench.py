@@ -69,7 +69,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
           device: str | None, threads: int | None, json_out: Path | None, shortlist: bool = False,
           compare: tuple[str, ...] = (), rounds: int = 3, serve_input: Path | None = None,
           whole_process: tuple[Path, ...] = (), min_agreement: float = 1.0, src_lang: str | None = None,
-          tgt_lang: str | None = None, **serve_options: Any) -> None:
+          tgt_lang: str | None = None, step: str | None = None, **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -79,6 +79,9 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     if json_out:
         refuse_overwriting_inputs([p for p in (src, serve_input, *whole_process) if p], [json_out], "--json file")
         check_output_file(json_out, "--json")
+    if step is not None and (whole_process or serve_input is not None or len(model_dirs) > 1 or compare):
+        raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
+                        "--whole-process, --serve and --compare")
     if whole_process:
         report = run_whole_process(list(model_dirs), list(whole_process), compare=list(compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=fixed_length,
@@ -104,7 +107,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
-                           tgt_lang=tgt_lang)
+                           tgt_lang=tgt_lang, step=step)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),

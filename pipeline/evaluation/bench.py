@@ -56,6 +56,8 @@ class BenchResult:
     shortlist: bool = False      # decoded over the model dir's vocabulary shortlist (bench --shortlist)
     # the torch backend on CUDA: PyTorch's peak allocation on the device during the row, weights included
     peak_gpu_mb: float | None = None
+    step: str | None = None      # the torch backend's decoder step (eager, graph, compiled; --step)
+    compile_seconds: float | None = None  # step "compiled": torch.compile's time, in the warm-up, not in `seconds`
 
 
 def torch_cuda(backend: Backend) -> Any:
@@ -138,23 +140,26 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
         latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
         latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
-        shortlist=getattr(backend, "shortlist", None) is not None,
+        shortlist=getattr(backend, "shortlist", None) is not None, step=getattr(backend, "step_mode", None),
     )
 
 
 def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, decoding: DecodingOptions = PAPER,
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None,
-              shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None) -> dict:
+              shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
+              step: str | None = None) -> dict:
     """Each backend in this process, one after the other; `shortlist`: each decodes over the model dir's
-    vocabulary shortlist; src_lang/tgt_lang: a multilingual model's direction (runtime/languages.py)."""
+    vocabulary shortlist; src_lang/tgt_lang: a multilingual model's direction (runtime/languages.py);
+    `step`: the torch backend's decoder step (the others have none). The warm-up batch before each row
+    pays a compiled step's compilation, which is reported apart (`compile_seconds`)."""
     decoding.validate()  # before any backend is loaded
     results = []
     for name in backends:
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
-        loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist),
-                      decoding)
+        loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist,
+                                             step=step if name == "torch" else None), decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
         way = direction(manifest.model_config, src_lang, tgt_lang)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
@@ -163,7 +168,11 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
             cuda = torch_cuda(backend)
             if cuda is not None:
                 cuda.cuda.reset_peak_memory_stats(backend.device)
+            runner = getattr(backend, "static", None) if getattr(backend, "step_mode", None) == "compiled" else None
+            compiled = sum(runner.compile_seconds.values()) if runner is not None else 0.0
             r = bench_backend(backend, sources, bs, decoding, fixed_length, precision, way.first)
+            if runner is not None:
+                r.compile_seconds = round(sum(runner.compile_seconds.values()) - compiled, 2)
             r.peak_rss_mb = peak_rss_mb()
             if cuda is not None:
                 r.peak_gpu_mb = round(cuda.cuda.max_memory_allocated(backend.device) / 2 ** 20, 1)
@@ -205,7 +214,8 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         gpu = "-" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
-        rows.append(f"{r['backend']:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
+        name = r["backend"] + (f"/{r['step']}" if r.get("step") not in (None, "eager") else "")
+        rows.append(f"{name:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8}")
     return "\n".join(rows)
