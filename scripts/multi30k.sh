@@ -6,6 +6,7 @@
 #   bash scripts/multi30k.sh                      # data from ../shared/corpora/multi30k, 60 minutes
 #   DATA=/path/to/multi30k TIME=45m bash scripts/multi30k.sh
 #   MILESTONES="30m 45m" bash scripts/multi30k.sh   # also score the run as it stood at 30 and 45 min
+#   PRESET=small-fast RUN=runs/m30k-fast MODEL=runs/m30k-fast-model bash scripts/multi30k.sh
 #
 # MILESTONES stop training at each of those budgets, copy the save dir aside ($RUN-at-30m) and
 # resume (bit-exactly, so training is what an uninterrupted run does); after training, each copy
@@ -34,6 +35,7 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/corpora/multi30k}
 RUN=${RUN:-runs/multi30k}
 MODEL=${MODEL:-runs/multi30k-model}
+PRESET=${PRESET:-small}        # e.g. small-fast: the same width, 6 encoder and 2 decoder layers
 TIME=${TIME:-60m}              # --max-time: the whole training run, data preparation included
 STEPS=${STEPS:-100000}         # an upper bound; TIME decides
 DROPOUT=${DROPOUT:-0.1}
@@ -73,7 +75,7 @@ for budget in $MILESTONES "$TIME"; do
     # shellcheck disable=SC2086
     pipeline train --train-src "$(pick train.de)" --train-tgt "$(pick train.en)" \
         --valid-src "$(pick val.de)" --valid-tgt "$(pick val.en)" --save-dir "$RUN" \
-        --preset small --vocab-size "$VOCAB" --batch-tokens 4000 --warmup "$WARMUP" --lr-scale "$LR_SCALE" \
+        --preset "$PRESET" --vocab-size "$VOCAB" --batch-tokens 4000 --warmup "$WARMUP" --lr-scale "$LR_SCALE" \
         --lr-schedule "$LR_SCHEDULE" $([ "$LR_SCHEDULE" = linear ] && echo --decay-time "$TIME") \
         --dropout "$DROPOUT" --label-smoothing "$LABEL_SMOOTHING" --spm-alpha "$SPM_ALPHA" --spm-nbest "$SPM_NBEST" \
         --max-time "$budget" --max-steps "$STEPS" --save-every 200 --keep-last 10 \

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
+from pipeline.evaluation.cpu_peak import peak_line, percent
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
@@ -58,6 +59,10 @@ class BenchResult:
     peak_gpu_mb: float | None = None
     step: str | None = None      # the torch backend's decoder step (eager, graph, compiled; --step)
     compile_seconds: float | None = None  # step "compiled": torch.compile's time, in the warm-up, not in `seconds`
+    # on the CPU, against the machine (pipeline/evaluation/cpu_peak.py)
+    macs_per_target_token: int | None = None
+    pct_of_measured_peak: float | None = None
+    pct_of_theoretical_peak: float | None = None
 
 
 def torch_cuda(backend: Backend) -> Any:
@@ -154,7 +159,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     `step`: the torch backend's decoder step (the others have none). The warm-up batch before each row
     pays a compiled step's compilation, which is reported apart (`compile_seconds`)."""
     decoding.validate()  # before any backend is loaded
-    results = []
+    results, rows_sources = [], []
     for name in backends:
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
@@ -178,7 +183,16 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
                 r.peak_gpu_mb = round(cuda.cuda.max_memory_allocated(backend.device) / 2 ** 20, 1)
             log.info("%s batch %d: %.1f target tokens/s", name, bs, r.target_tokens_per_s)
             results.append(r)
+            rows_sources.append((sources, loaded.model_dir.shortlist if r.shortlist else None))
         del backend
+    rows = [asdict(r) for r in results]
+    peak = None
+    if any(str(r.device).startswith("cpu") for r in results):
+        from pipeline.evaluation import cpu_peak
+
+        peak = cpu_peak.measure(threads).to_dict()
+        for row, (srcs, table) in zip(rows, rows_sources):
+            cpu_peak.annotate(row, manifest.model_config, srcs, peak, table)
     return {
         "model_dir": str(model_dir),
         "model_config": manifest.model_config.to_dict(),
@@ -188,7 +202,8 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "src_lang": src_lang, "tgt_lang": tgt_lang,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
-        "results": [asdict(r) for r in results],
+        "cpu_peak": peak,
+        "results": rows,
     }
 
 
@@ -209,7 +224,7 @@ def model_column(report: dict) -> Callable[[dict], str]:
 
 def format_table(report: dict) -> str:
     head = (f"{'backend':<12} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
-            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8}")
+            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8} {'% peak':>6}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
@@ -217,7 +232,10 @@ def format_table(report: dict) -> str:
         name = r["backend"] + (f"/{r['step']}" if r.get("step") not in (None, "eager") else "")
         rows.append(f"{name:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
-                    f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8}")
+                    f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8} "
+                    f"{percent(r):>6}")
+    if report.get("cpu_peak"):
+        rows.append(peak_line(report["cpu_peak"]))
     return "\n".join(rows)
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 from model.errors import UserError
 from model.manifest import SPM_FILE, read_manifest
-from pipeline.evaluation import ctranslate2_compare
+from pipeline.evaluation import cpu_peak, ctranslate2_compare
 from pipeline.evaluation.bench import (
     bench_backend,
     make_sources,
@@ -37,9 +37,10 @@ from pipeline.evaluation.bench import (
     peak_rss_mb,
     vocabulary,
 )
+from pipeline.evaluation.cpu_peak import peak_line, percent
 from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
-from runtime.model_dir import LoadOptions, load
+from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,12 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                          jobs[i]["precision"], Path(jobs[i]["model_dir"]).name, jobs[i]["batch_size"],
                          measured[i][-1]["target_tokens_per_s"])
     report["results"] = [_row(job, runs) for job, runs in zip(jobs, measured)]
+    if device in (None, "cpu"):  # against the machine: MACs per target token over its int8 / fp32 peak
+        peak = cpu_peak.measure(threads).to_dict()
+        report["cpu_peak"] = peak
+        table = ModelDir.open(model_dirs[0]).shortlist if shortlist else None
+        for job, row in zip(jobs, report["results"]):
+            cpu_peak.annotate(row, cfg, job["sources"], peak, table)
     report["host"] = {"cpu_count": os.cpu_count(), "torch": package_version("torch")}
     return report
 
@@ -202,7 +209,7 @@ def format_comparison(report: dict[str, Any]) -> str:
     several model dirs, a first column names each row's (CTranslate2's: the first dir, converted)."""
     model = model_column(report)
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} "
-            f"{'tgt tok/s':>10} {'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10}")
+            f"{'tgt tok/s':>10} {'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10} {'% peak':>6}")
     lines = [head, "-" * len(head)]
     results = report["results"]
     for r in results:
@@ -214,12 +221,14 @@ def format_comparison(report: dict[str, Any]) -> str:
         lines.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
                      f"{vocabulary(r):<9} {r['batch_size']:>5} {r['beam_size']:>4} "
                      f"{r['target_tokens_per_s']:>10.1f} {r['latency_ms_per_sentence']:>8.1f} {peak:>8} "
-                     + " ".join(ratios))
+                     + " ".join(ratios) + f" {percent(r):>6}")
     if "ctranslate2_greedy_agreement" in report:
         lines.append(f"CTranslate2 greedy output token-identical to PyTorch on "
                      f"{report['ctranslate2_greedy_agreement']} sentences; medians of {report['rounds']} "
                      "alternating rounds; peak RSS per fresh subprocess; ratios against CTranslate2 over the "
                      "whole vocabulary")
+    if report.get("cpu_peak"):
+        lines.append(peak_line(report["cpu_peak"]))
     if report.get("ctranslate2_converter"):
         lines.append(f"CTranslate2 converted by {report['ctranslate2_converter']}")
     if report.get("src_lang"):
