@@ -21,7 +21,8 @@ from typing import Any
 import onnx
 import torch
 
-from export import onnx_export, quantize, tensorrt_build, trt_compat, verify
+from export import calibrate, onnx_export, quantize, tensorrt_build, trt_compat, verify
+from export.calibrate import RangeTable
 from export.errors import ExportError, TensorRTUnavailable
 from export.options import READ_BY_THE_CALLER, ExportOptions
 from export.plan import ExportPlan, checkpoint_steps, decoding_defaults, resolve
@@ -46,6 +47,7 @@ from model.transformer import Transformer
 from runtime import graph_files, references
 from runtime.decoding import PAPER
 from runtime.torch_backend import TorchBackend
+from runtime.translate import encode_sources
 
 __all__ = ["ExportOptions", "ExportPlan", "checkpoint_steps", "decoding_defaults", "export", "export_model",
            "resolve"]
@@ -120,10 +122,13 @@ def write_model_dir(plan: ExportPlan, tmp: Path) -> Manifest:
     # The one copy in the export precision: the graphs are traced from it and, for
     # fp16, the verifier runs it as the PyTorch half-precision reference.
     graph_model = onnx_export.inference_copy(plan.model, plan.fp16)
-    graphs = _write_graphs(plan, graph_model, tmp)
+    ranges = _calibrate(plan)
+    graphs, static_scales = _write_graphs(plan, graph_model, tmp, ranges)
     verification = _verify(plan, graph_model, tmp)
+    if static_scales is not None:  # which layers run with calibrated constant scales
+        verification["int8_static_scales"] = static_scales
     engines, skipped = _engines(plan, tmp)
-    shortlist = _write_shortlist(plan, graph_model, tmp)
+    shortlist = _write_shortlist(plan, graph_model, tmp, ranges)
     if plan.references is not None:
         _record_references(plan, tmp)
     manifest = write_manifest(tmp, _manifest(plan, graphs, verification, engines,
@@ -145,16 +150,37 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> Graphs:
+def _calibrate(plan: ExportPlan) -> RangeTable | None:
+    """--int8-calibrate: each linear layer's input range over the fp32 model's decoding of the lines."""
+    if plan.options.calibration is None:
+        return None
+    assert plan.tokenizer is not None  # resolve builds it for the calibration lines
+    started = time.perf_counter()
+    lines = plan.options.calibration
+    sources = encode_sources(plan.tokenizer, lines, plan.limits.max_src_len, origin="--int8-calibrate").ids
+    ranges = calibrate.activation_ranges(plan.model, sources, plan.limits.max_tgt_len, plan.options.topk)
+    log.info("calibrated %d activation ranges on %d lines in %.1f s", len(ranges), len(lines),
+             time.perf_counter() - started)
+    return calibrate.RangeTable(plan.model, ranges)
+
+
+def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
+                  ranges: RangeTable | None = None) -> tuple[Graphs, dict[str, Any] | None]:
     """encoder.onnx and decoder.onnx (int8 when planned), their weights in .data files, checked
-    against the TensorRT parser's rules unless their flavour is ONNX Runtime's only."""
+    against the TensorRT parser's rules unless their flavour is ONNX Runtime's only; with `ranges`,
+    rowwise int8 with static activation scales (and how many layers got them)."""
     opset, topk, int8 = plan.options.opset, plan.options.topk, plan.int8_flavour
     t0 = time.perf_counter()
     onnx_export.export_encoder(graph_model, tmp / io_names.ENCODER_FILE, opset)
     onnx_export.export_decoder(graph_model, tmp / io_names.DECODER_FILE, opset, topk)
+    static: dict[str, Any] | None = None
     if int8:  # the fp32 graphs, post-processed to int8 weights
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-            quantize.quantize_flavour(int8, tmp / name)
+            counts = quantize.quantize_flavour(int8, tmp / name, ranges)
+            if ranges is not None and counts is not None:
+                static = static or {"calibration_lines": len(plan.options.calibration or [])}
+                static[name] = {"static": counts[0], "per_row": counts[1]}
+                log.info("%s: %d linear layers with static activation scales, %d per row", name, *counts)
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0
@@ -168,7 +194,7 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> Grap
              for name in (graph, io_names.weights_file(graph))}
     log.info("exported ONNX graphs in %.1f s (%s)", seconds,
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
-    return Graphs(export_seconds=round(seconds, 2), bytes=sizes)
+    return Graphs(export_seconds=round(seconds, 2), bytes=sizes), static
 
 
 def _verify(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> dict[str, Any]:
@@ -195,14 +221,15 @@ def _engines(plan: ExportPlan, tmp: Path) -> tuple[Engines | None, str | None]:
         return None, str(e)
 
 
-def _write_shortlist(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> ShortlistInfo | None:
+def _write_shortlist(plan: ExportPlan, graph_model: Transformer, tmp: Path,
+                     ranges: RangeTable | None = None) -> ShortlistInfo | None:
     """shortlist.npz and decoder_shortlist.onnx, when the plan counted a shortlist table."""
     if plan.shortlist is None or plan.counted is None or plan.tokenizer is None:
         return None
     o = plan.options
     return write_shortlist(tmp, plan.model, graph_model, plan.tokenizer, plan.shortlist, plan.counted,
                            opset=o.opset, topk=o.topk, fp16=o.fp16, int8=plan.int8_flavour, atol=o.atol,
-                           fp16_atol=o.fp16_atol, int8_atol=plan.int8_atol, held_out=plan.references)
+                           fp16_atol=o.fp16_atol, int8_atol=plan.int8_atol, held_out=plan.references, ranges=ranges)
 
 
 def _record_references(plan: ExportPlan, model_dir: Path) -> None:

@@ -15,6 +15,8 @@ from model.manifest import QUANTIZATIONS
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
 
+CALIBRATION_LINES = 500  # --int8-calibrate reads at most this many lines
+
 DEFAULT_MAX_SRC_LEN = 256  # both capped by the model's max_positions when not given
 DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
 
@@ -50,6 +52,11 @@ class ExportOptions:
                             "ort-dynamic (ONNX Runtime's quantize_dynamic: one scale per batch, so results depend "
                             "on batching; no TensorRT). auto: qdq when TensorRT engines are built, else rowwise.",
                             choices=(quantize.AUTO, *QUANTIZATIONS))
+    int8_calibrate: Path | None = opt(None, "With rowwise int8: source sentences (one per line, at most "
+                                      f"{CALIBRATION_LINES} read) that the fp32 model decodes to measure each "
+                                      "linear layer's input range, stored as constant activation scales: one "
+                                      "QuantizeLinear per layer instead of a per-row quantization (docs/int8.md). "
+                                      "Gate the result with `pipeline parity`.", exists=True)
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
     topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
     max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).")
@@ -92,4 +99,5 @@ class ExportOptions:
     # What the files above hold, read by the caller (no command-line option of their own):
     # (sources, human references) of a held-out set, and the corpus to count a shortlist from.
     references: tuple[list[str], list[str]] | None = None
+    calibration: list[str] | None = None  # --int8-calibrate's lines
     shortlist: ShortlistCorpus | None = None

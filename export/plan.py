@@ -88,7 +88,7 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     model, spm_bytes, payload = load(source)
     limits = _limits(options, model.cfg.max_positions)
     check_options(model.cfg, opset=options.opset, topk=options.topk, limits=limits)
-    needed = options.references is not None or options.shortlist is not None
+    needed = options.references is not None or options.shortlist is not None or options.calibration is not None
     tokenizer = load_tokenizer(spm_bytes) if needed else None
     # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
     counted = None
@@ -96,6 +96,9 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
         counted = count_table(options.shortlist, tokenizer, model.cfg, options.topk)
     unavailable = _tensorrt_unavailable(tensorrt)
     flavour = _int8_flavour(options, tensorrt, unavailable)
+    if options.int8_calibrate is not None and flavour != quantize.ROWWISE:
+        raise ExportError(f"--int8-calibrate measures static activation scales for --int8 --int8-flavour rowwise; "
+                          f"this export's int8 flavour is {flavour or 'none (no --int8)'}")
     if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs
         tensorrt = False
     return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,

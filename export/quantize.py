@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -42,6 +43,9 @@ from onnx import TensorProto, helper, numpy_helper
 from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC  # the flavour names, re-exported for export/
 from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
+
+if TYPE_CHECKING:
+    from export.calibrate import RangeTable
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
 PAIR_MAX = 128  # pair-bounded weights: |q[2j]| + |q[2j+1]| (quantize_columns)
@@ -275,9 +279,13 @@ class _RowwiseRewriter(_Rewriter):
 
     pair_bounded = True  # exact on every CPU's u8 x s8 kernel, with or without int8 dot products
 
-    def __init__(self, model: onnx.ModelProto):
+    def __init__(self, model: onnx.ModelProto, ranges: RangeTable | None = None):
         super().__init__(model)
         self.rows: dict[str, tuple[str, str]] = {}  # float input -> (its uint8 rows, their scales)
+        # static activation scales (export/calibrate.py): float input -> (its uint8 form, its constant scale)
+        self.ranges = ranges
+        self.static: dict[str, tuple[str, str]] = {}
+        self.static_gemms = self.dynamic_gemms = 0
         self.new_inits += [numpy_helper.from_array(np.array(1.0, np.float32), "rowq_one"),
                            numpy_helper.from_array(np.array(QMAX, np.float32), "rowq_qmax"),
                            numpy_helper.from_array(np.array(1e-30, np.float32), "rowq_tiny"),
@@ -301,11 +309,35 @@ class _RowwiseRewriter(_Rewriter):
         return nodes, qx, scale
 
     def _int8_linear(self, node: onnx.NodeProto, qw: QuantizedWeight) -> list[onnx.NodeProto]:
-        return self._integer_gemm(node, qw.q, qw.scale)
+        amax = None
+        if self.ranges is not None:
+            w = self._float_matrix(node.input[1])
+            assert w is not None
+            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
+            amax = self.ranges.lookup(w.T if node.op_type == "Gemm" and transb else w)
+        return self._integer_gemm(node, qw.q, qw.scale, amax)
 
-    def _integer_gemm(self, node: onnx.NodeProto, b: str, b_scale: str) -> list[onnx.NodeProto]:
+    def _quantize_static(self, x: str, amax: float) -> tuple[list[onnx.NodeProto], str, str]:
+        """x quantized with one constant scale (amax / 127, calibrated): values beyond the calibrated
+        range saturate at the ends of uint8 (zero-point 128)."""
+        if x in self.static:
+            return [], *self.static[x]
+        scale, qx = self._name(f"{x}_static_scale"), self._name(f"{x}_u8")
+        self.new_inits.append(numpy_helper.from_array(np.array(max(amax, 1e-30) / QMAX, np.float32), scale))
+        self.static[x] = qx, scale
+        return [helper.make_node("QuantizeLinear", [x, scale, "rowq_zero_point"], [qx], name=qx)], qx, scale
+
+    def _integer_gemm(self, node: onnx.NodeProto, b: str, b_scale: str,
+                      amax: float | None = None) -> list[onnx.NodeProto]:
         """Nodes computing `node`'s output as its input, quantized per row, times the int8 (K, N) `b`,
-        scaled by `b_scale` (N,) and by the rows' scales."""
+        scaled by `b_scale` (N,) and by the rows' scales; with `amax` (a calibrated range), quantized with
+        one constant scale instead, which the integer GEMM applies itself."""
+        if amax is not None:
+            self.static_gemms += 1
+            nodes, qx, scale = self._quantize_static(node.input[0], amax)
+            return nodes + [helper.make_node("MatMulIntegerToFloat", [qx, b, scale, b_scale, "rowq_zero_point"],
+                                             list(node.output), name=node.name, domain="com.microsoft")]
+        self.dynamic_gemms += 1
         nodes, qx, row_scale = self._quantize_rows(node.input[0])
         col = self._name(f"{node.name}_col_scaled")
         # ONNX Runtime's MatMulInteger -> Cast -> Mul(column scales) in one kernel (measured: 1.06x
@@ -342,19 +374,27 @@ class _RowwiseRewriter(_Rewriter):
             helper.make_node("Gather", [q_rows, ids], [rows], axis=0, name=rows),  # (C, K) int8
             helper.make_node("Transpose", [rows], [kc], perm=[1, 0], name=kc),  # (K, C)
             helper.make_node("Gather", [row_scale, ids], [scales], axis=0, name=scales),  # (C,)
-        ] + self._integer_gemm(node, kc, scales)
+        ] + self._integer_gemm(node, kc, scales, None if self.ranges is None else self.ranges.output_projection())
 
 
-def quantize_file_rowwise(path: str) -> None:
-    """The rowwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulIntegerToFloat), in place."""
+def quantize_file_rowwise(path: str, ranges: RangeTable | None = None) -> tuple[int, int]:
+    """The rowwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulIntegerToFloat), in place; with
+    `ranges`, static activation scales where a layer was calibrated. Returns (static, per-row) GEMMs."""
     model = onnx.load(path)
-    _RowwiseRewriter(model).rewrite()
+    rewriter = _RowwiseRewriter(model, ranges)
+    rewriter.rewrite()
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)
+    return rewriter.static_gemms, rewriter.dynamic_gemms
 
 
-def quantize_flavour(flavour: str, path: Path) -> None:
-    """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS)."""
-    quantizers: dict[str, Callable[[str], object]] = {QDQ: quantize_file, ROWWISE: quantize_file_rowwise,
-                                                      ORT_DYNAMIC: quantize_file_ort_dynamic}
+def quantize_flavour(flavour: str, path: Path, ranges: RangeTable | None = None) -> tuple[int, int] | None:
+    """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS); rowwise
+    with `ranges` (calibrated): static activation scales. Returns rowwise's (static, per-row) GEMM counts."""
+    if flavour == ROWWISE:
+        return quantize_file_rowwise(str(path), ranges)
+    if ranges is not None:
+        raise ValueError(f"static activation scales are for the rowwise flavour, not {flavour}")
+    quantizers: dict[str, Callable[[str], object]] = {QDQ: quantize_file, ORT_DYNAMIC: quantize_file_ort_dynamic}
     quantizers[flavour](str(path))
+    return None

@@ -15,6 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -27,6 +28,9 @@ from model.transformer import Transformer
 from runtime import graph_files
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE, Shortlist, build
 from runtime.tokenizer import AnyTokenizer
+
+if TYPE_CHECKING:
+    from export.calibrate import RangeTable
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +105,7 @@ def share_weights(graph: Path, donor: Path) -> int:
 def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, tokenizer: AnyTokenizer,
                     corpus: ShortlistCorpus, counted: tuple[Shortlist, int], *, opset: int, topk: int, fp16: bool,
                     int8: str | None, atol: float, fp16_atol: float, int8_atol: float,
-                    held_out: tuple[list[str], list[str]] | None) -> ShortlistInfo:
+                    held_out: tuple[list[str], list[str]] | None, ranges: RangeTable | None = None) -> ShortlistInfo:
     """shortlist.npz (the table `count_table` counted) and decoder_shortlist.onnx in the model dir being
     built at `tmp` (after decoder.onnx)."""
     started = time.perf_counter()
@@ -110,7 +114,7 @@ def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, t
     path = tmp / io_names.DECODER_SHORTLIST_FILE
     onnx_export.export_decoder(graph_model, path, opset, topk, shortlist=True)
     if int8:
-        quantize.quantize_flavour(int8, path)
+        quantize.quantize_flavour(int8, path, ranges)
     graph_files.externalize(path)
     shared = share_weights(path, tmp / io_names.DECODER_FILE)
     if int8 not in ONNXRUNTIME_ONLY:

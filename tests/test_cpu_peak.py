@@ -8,9 +8,9 @@ import json
 
 import pytest
 import torch
+from helpers import run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
-from helpers import run_cli
 from model.config import preset
 from model.transformer import build_model
 from pipeline.evaluation import cpu_peak

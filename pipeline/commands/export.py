@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from export import api, tensorrt_build
-from export.options import ExportOptions
+from export.options import CALIBRATION_LINES, ExportOptions
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import Manifest
@@ -46,13 +46,19 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
     pair = held_out_pair(checkpoint, o.reference_src, o.reference_tgt, o.reference_lines)
     if (o.shortlist_src is None) != (o.shortlist_tgt is None):
         raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
-    inputs = [checkpoint, *(pair or ()), *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache) if p)]
+    inputs = [checkpoint, *(pair or ()),
+              *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache, o.int8_calibrate) if p)]
     refuse_overwriting_inputs(inputs, [], "--out dir", output_dirs=[o.out])
     held_out = None if pair is None else references.held_out_lines(*pair, limit=o.reference_lines)
     shortlist = None if o.shortlist_src is None or o.shortlist_tgt is None else ShortlistCorpus(
         read_lines(o.shortlist_src), read_lines(o.shortlist_tgt), (str(o.shortlist_src), str(o.shortlist_tgt)),
         per_source=o.shortlist_per_source, frequent=o.shortlist_frequent)
-    return dataclasses.replace(o, references=held_out, shortlist=shortlist)
+    calibration = None
+    if o.int8_calibrate is not None:
+        calibration = [x for x in read_lines(o.int8_calibrate) if x.strip()][:CALIBRATION_LINES]
+        if not calibration:
+            raise click.UsageError(f"--int8-calibrate {o.int8_calibrate}: no non-blank line to calibrate on")
+    return dataclasses.replace(o, references=held_out, shortlist=shortlist, calibration=calibration)
 
 
 def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int) -> tuple[Path, Path] | None:
