@@ -32,7 +32,9 @@ CALIBRATION_BATCH = 16
 
 def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len: int, topk: int,
                       beam_size: int = 4) -> dict[str, float]:
-    """{module name (or LOGITS): the largest |input| it saw} over a beam search of `sources` (token ids)."""
+    """{module name (or LOGITS): the largest |input| it saw} over a beam search of `sources` (token ids), each
+    output at most source length + 50 tokens (the paper's limit, serving's default) and max_tgt_len."""
+    from runtime.decoding import PAPER
     from runtime.search import beam_search
     from runtime.torch_backend import TorchBackend
     from runtime.translate import pad_batch
@@ -56,8 +58,10 @@ def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len:
         backend = TorchBackend(model, "cpu", topk=topk, max_tgt_len=max_tgt_len, step_mode="eager", fuse=False)
         with torch.inference_mode():
             for i in range(0, len(sources), CALIBRATION_BATCH):
-                beam_search(backend, pad_batch(sources[i:i + CALIBRATION_BATCH], model.cfg.pad_id),
-                            beam_size=min(beam_size, topk // 2), max_len_a=0.0, max_len_b=max_tgt_len - 1)
+                batch = sources[i:i + CALIBRATION_BATCH]
+                longest = min(max_tgt_len - 1, max(map(len, batch)) + PAPER.max_len_b)
+                beam_search(backend, pad_batch(batch, model.cfg.pad_id), beam_size=min(beam_size, topk // 2),
+                            max_len_a=0.0, max_len_b=longest)
     finally:
         for h in handles:
             h.remove()

@@ -15,7 +15,7 @@ from model.manifest import QUANTIZATIONS
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
 
-CALIBRATION_LINES = 500  # --int8-calibrate reads at most this many lines
+CALIBRATION_LINES = 200  # --int8-calibrate reads at most this many lines
 
 DEFAULT_MAX_SRC_LEN = 256  # both capped by the model's max_positions when not given
 DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
