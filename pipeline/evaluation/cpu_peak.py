@@ -11,9 +11,10 @@ The peak, two ways (`measure`), both for the threads the bench ran:
 - `theoretical`: cores x clock x multiply-adds per cycle and core from the instruction set, for the
   widest form our int8 graphs use (ONNX Runtime's MLAS kernels), two vector multiplies per cycle:
   AVX-512 VNNI 128 int8 (VPDPBUSD, 64 lanes); AVX-512 without VNNI 128 (VPMADDUBSW, 64 byte products
-  summed in pairs); AVX-VNNI and AVX2 64 (32 lanes); fp32 two FMAs (AVX-512 32, AVX2 16). An upper
+  summed in pairs); AVX-VNNI and AVX2 64 (32 lanes); fp32 two FMAs (AVX-512 32, AVX2 16). Not a
   bound: AMD Zen 4 runs 512-bit instructions in two halves (half the AVX-512 figure), and the clock is
-  /proc/cpuinfo's, not the turbo clock under load. (On an AVX2 EPYC at 2.45 GHz one thread's int8 GEMM
+  /proc/cpuinfo's, which can be below the boost clock (a 2-core AVX2 EPYC's fp32 GEMM measured 90
+  GMAC/s against 78 from its reported 2.445 GHz). (On an AVX2 EPYC at 2.45 GHz one thread's int8 GEMM
   measured 94 GMAC/s, 38 per cycle: more than the one VPMADDUBSW per cycle an earlier estimate assumed.)
 - `measured`: the best rate of one large GEMM in ONNX Runtime (MatMulInteger u8 x s8 for int8, MatMul
   for fp32), the same library's kernels our int8 rows run: what this machine gives in practice.
