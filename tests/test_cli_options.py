@@ -70,7 +70,7 @@ def test_export_has_no_option_outside_its_dataclass():
     the fields without a help text are what the command reads from its files."""
     options = {f.name for f in dataclasses.fields(ExportOptions) if "help" in f.metadata}
     assert set(params("export")) - {"help", "checkpoint"} == options
-    assert {f.name for f in dataclasses.fields(ExportOptions)} - options == {"references", "shortlist"}
+    assert {f.name for f in dataclasses.fields(ExportOptions)} - options == {"references", "shortlist", "calibration"}
 
 
 def test_export_flags_keep_their_click_types():
