@@ -16,7 +16,7 @@ import pytest
 from export.errors import ExportError, TensorRTUnavailable, VerificationError
 from export.options import ExportOptions
 from model.checkpoint import CheckpointError, CheckpointWriteError, load_model
-from model.config import ConfigError
+from model.config import ConfigError, preset
 from model.errors import UserError
 from model.manifest import ModelDirError
 from pipeline.cli import all_commands
@@ -286,3 +286,14 @@ def test_help_lists_every_command_without_importing_any():
     assert listing[-1] == "[]"
     for name in COMMANDS:
         assert any(line.strip().startswith(name + " ") for line in listing), name
+
+
+def test_random_checkpoint_takes_a_students_decoder_depth(tmp_path):
+    """`random-checkpoint --decoder-layers N`: the preset's shape with an N-layer decoder (a student's, to bench)."""
+    from helpers import run_cli
+
+    out = tmp_path / "student.pt"
+    assert run_cli("random-checkpoint", out, "--preset", "tiny", "--vocab-size", 64, "--decoder-layers", 1) == 0
+    model, _, _ = load_model(out)
+    assert model.cfg.n_dec_layers == 1 and model.cfg.n_enc_layers == preset("tiny", 64).n_enc_layers
+    assert len(model.decoder) == 1

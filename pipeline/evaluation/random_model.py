@@ -23,11 +23,14 @@ def made_up_text(vocab_size: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choices(words, k=12)) for _ in range(max(20_000, 4 * vocab_size))]
 
 
-def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: int = 0) -> int:
+def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: int = 0,
+                           decoder_layers: int | None = None) -> int:
     """Write the checkpoint (atomically, checksummed like any other); returns its vocabulary size.
-    The seed fixes the weights for a given shape; export one checkpoint several times to compare precisions."""
+    The seed fixes the weights for a given shape; export one checkpoint several times to compare precisions.
+    `decoder_layers`: the preset's decoder that many layers deep instead (a student's shape)."""
     spm_bytes = train_sentencepiece(made_up_text(vocab_size, seed), vocab_size)
     torch.manual_seed(seed)
-    model = build_model(preset(preset_name, vocab_size=Tokenizer(spm_bytes).vocab_size)).eval()
+    model = build_model(preset(preset_name, vocab_size=Tokenizer(spm_bytes).vocab_size,
+                               n_dec_layers=decoder_layers)).eval()
     save_checkpoint(out, model, spm_bytes)
     return model.cfg.vocab_size
