@@ -153,16 +153,19 @@ class _Rewriter:
             return self._float_matrix(node.input[1]) is not None
         return _bias_free_gemm(node) is not None and self._float_matrix(node.input[1]) is not None
 
-    def _linear(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+    def _kn_weight(self, node: onnx.NodeProto) -> np.ndarray:
+        """A linear node's float weight as (K, N): a Gemm with transB stores it (N, K)."""
         w = self._float_matrix(node.input[1])
         assert w is not None
-        if node.op_type == "Gemm":
-            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
-            w = w.T if transb else w
-        return self._int8_linear(node, self._quantized(node.input[1], w))
+        transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
+        return w.T if node.op_type == "Gemm" and transb else w
 
-    def _int8_linear(self, node: onnx.NodeProto, qw: QuantizedWeight) -> list[onnx.NodeProto]:
-        """Nodes computing `node`'s output from its float input and the int8 weight `qw`."""
+    def _linear(self, node: onnx.NodeProto) -> list[onnx.NodeProto]:
+        w = self._kn_weight(node)
+        return self._int8_linear(node, self._quantized(node.input[1], w), w)
+
+    def _int8_linear(self, node: onnx.NodeProto, qw: QuantizedWeight, w: np.ndarray) -> list[onnx.NodeProto]:
+        """Nodes computing `node`'s output from its float input and the int8 weight `qw` (of the float `w`)."""
         dq, deq = self._dequantize(qw)
         # A Gemm without bias is a MatMul; MatMul is what ORT's DQ fusion matches.
         matmul = helper.make_node("MatMul", [node.input[0], deq], list(node.output), name=node.name)
@@ -237,14 +240,12 @@ def quantize_file(path: str, out: str | None = None) -> onnx.ModelProto:
 def untie_projection(model: onnx.ModelProto) -> onnx.ModelProto:
     """Give each bias-free Gemm (the tied output projection) its own (K, N) MatMul weight, so
     a quantizer that rewrites initializers cannot change the embedding table it shares."""
-    inits = {i.name: i for i in model.graph.initializer}
     rewriter = _Rewriter(model)
     for i, node in enumerate(model.graph.node):
         if node.op_type == "Gemm" and rewriter._is_linear(node):
-            w = numpy_helper.to_array(inits[node.input[1]])
-            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
             name = f"{node.input[1]}_kn"
-            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T if transb else w), name))
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(rewriter._kn_weight(node)),
+                                                                   name))
             model.graph.node[i].CopyFrom(helper.make_node("MatMul", [node.input[0], name], list(node.output),
                                                           name=node.name))
     return model
@@ -308,14 +309,8 @@ class _RowwiseRewriter(_Rewriter):
         self.rows[x] = qx, scale
         return nodes, qx, scale
 
-    def _int8_linear(self, node: onnx.NodeProto, qw: QuantizedWeight) -> list[onnx.NodeProto]:
-        amax = None
-        if self.ranges is not None:
-            w = self._float_matrix(node.input[1])
-            assert w is not None
-            transb = {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("transB", 0)
-            amax = self.ranges.lookup(w.T if node.op_type == "Gemm" and transb else w)
-        return self._integer_gemm(node, qw.q, qw.scale, amax)
+    def _int8_linear(self, node: onnx.NodeProto, qw: QuantizedWeight, w: np.ndarray) -> list[onnx.NodeProto]:
+        return self._integer_gemm(node, qw.q, qw.scale, None if self.ranges is None else self.ranges.lookup(w))
 
     def _quantize_static(self, x: str, amax: float) -> tuple[list[onnx.NodeProto], str, str]:
         """x quantized with one constant scale (amax / 127, calibrated): values beyond the calibrated
