@@ -64,7 +64,7 @@ pick() {  # the .gz file if present, else the plain one
 mkdir -p "$RUN"
 {
     echo "# scripts/multi30k.sh, $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-    for v in DATA TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE LR_SCHEDULE AVERAGES AVERAGE_FROM BEAMS ALPHAS EXTRA; do
+    for v in DATA PRESET TIME MILESTONES STEPS VOCAB DROPOUT LABEL_SMOOTHING SPM_ALPHA SPM_NBEST WARMUP LR_SCALE LR_SCHEDULE AVERAGES AVERAGE_FROM BEAMS ALPHAS EXTRA; do
         echo "$v=${!v}"
     done
     echo "cpu=$(lscpu 2>/dev/null | sed -n 's/^Model name: *//p'), cores=$(nproc)"
