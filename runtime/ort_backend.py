@@ -32,10 +32,11 @@ import numpy as np
 
 from model import io_names
 from model.cache import BeamCache
-from model.manifest import ROWWISE, Manifest
+from model.manifest import ROWWISE, Manifest, file_digest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError, first_line
+from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
 from runtime.machine import CPU_EP, CUDA_EP, TRT_EP
 from runtime.shortlist import Shortlist
@@ -154,17 +155,22 @@ class OrtBackend(ExportedGraphBackend):
             raise RuntimeUserError(f"--device {device}: the onnxruntime backend runs on cpu or cuda[:N]")
         self.providers = providers or choose_providers(
             self.device, available, use_tensorrt=self.on_cuda and TRT_EP in available and tensorrt_loadable())
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = threads or 0
-        opts.inter_op_num_threads = 1
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        opts.log_severity_level = 3
-        # ONNX Runtime's BFC arena stays on, on the CPU too: the step's largest tensors are the
-        # gathered cache histories (model/cache.py), a little larger every step, and without the
-        # arena glibc would map and page-fault each one fresh (docs/design.md).
-        for key, value in session_config(manifest).items():
-            opts.add_session_config_entry(key, value)
+        config = session_config(manifest)
+
+        def options() -> ort.SessionOptions:
+            opts = ort.SessionOptions()
+            opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            opts.intra_op_num_threads = threads or 0
+            opts.inter_op_num_threads = 1
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+            opts.log_severity_level = 3
+            # ONNX Runtime's BFC arena stays on, on the CPU too: the step's largest tensors are the
+            # gathered cache histories (model/cache.py), a little larger every step, and without the
+            # arena glibc would map and page-fault each one fresh (docs/design.md).
+            for key, value in config.items():
+                opts.add_session_config_entry(key, value)
+            return opts
+
         provider_args = [self._provider_options(p, manifest) for p in self.providers]
         model_dir = Path(model_dir)
         # rowwise on the CPU: integer-matmul weights in the form this CPU multiplies fastest and
@@ -181,9 +187,18 @@ class OrtBackend(ExportedGraphBackend):
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
         self.shortlist = shortlist
         decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE
+        def create(model: str, opts: ort.SessionOptions) -> ort.InferenceSession:
+            return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args)
+
         def session(path: Path) -> ort.InferenceSession:
-            with loading_graph(path), graph(path) as model:
-                return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args)
+            with loading_graph(path):
+                if flip or self.providers != [CPU_EP]:  # optimised graphs are remembered for the CPU only
+                    with graph(path) as model:
+                        return create(model, options())
+                # keyed by the files as they are (digests remembered as the manifest's check remembers them)
+                weights = {f.name: file_digest(f) for f in sorted(model_dir.glob("*.data")) if f.is_file()}
+                key = entry_key(file_digest(path), weights, ort.__version__, self.providers, config)
+                return cached_session(path, key, create, options, ort)
 
         self.encoder = session(model_dir / io_names.ENCODER_FILE)
         self.decoder = session(model_dir / decoder_file)

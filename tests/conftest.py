@@ -10,6 +10,7 @@ Helpers and constants live in helpers.py.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,7 +31,23 @@ def shared(path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def artifacts(request, tmp_path_factory) -> Iterator[Artifacts]:
+def ort_graph_cache(tmp_path_factory) -> Iterator[Path]:
+    """ONNX Runtime's optimised graphs (runtime/graph_cache.py) go to the session's tmp, not the user's
+    ~/.cache; every process of the session (the artifact helper, CLI subprocesses) shares it."""
+    from runtime.graph_cache import CACHE_ENV
+
+    root = tmp_path_factory.mktemp("ort-graphs")
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(root)
+    yield root
+    if before is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = before
+
+
+@pytest.fixture(scope="session", autouse=True)
+def artifacts(request, tmp_path_factory, ort_graph_cache) -> Iterator[Artifacts]:
     """Where the session's heavy artifacts are built; a second process starts on those the selected
     tests use (in the order they first do), so that the first test to need one rarely waits long."""
     wanted = list(dict.fromkeys(name for item in request.session.items for name in item.fixturenames
