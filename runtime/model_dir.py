@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,6 +146,7 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
          decoding_given: DecodingOptions = PAPER) -> Loaded:
     """The model dir (opened unless given open) on the backend `options` name or the registry picks,
     with `decoding_given` under the model's own defaults and the device's batch budget."""
+    started = time.perf_counter()
     options = options or LoadOptions()
     if options.backend not in BACKENDS:
         raise RuntimeUserError(f"--backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")
@@ -173,6 +175,6 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     if opened.tokenizer.vocab_size != backend.cfg.vocab_size:
         raise RuntimeUserError(f"{opened.path / SPM_FILE}: {opened.tokenizer.vocab_size} pieces but the model has "
                                f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
-    log.info("backend %s on %s", backend.name, backend.device)
+    log.info("backend %s on %s, loaded in %.2f s", backend.name, backend.device, time.perf_counter() - started)
     decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults).validate()
     return Loaded(opened, backend, decoding)

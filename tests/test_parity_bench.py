@@ -208,6 +208,18 @@ def test_comparison_tables_name_the_model_dir_of_each_row_when_there_are_several
     assert [line.split()[0] for line in lines[2:5]] == ["a-int8", "b-int8", "a-int8"]
 
 
+def test_whole_process_phases_come_from_serve_batch_log():
+    from pipeline.evaluation.whole_process import phases
+
+    log = ("12:28:35 INFO runtime.model_dir: backend onnxruntime on cpu, loaded in 0.06 s\n"
+           "translated 1 sentences (47 source tokens, 31 target tokens) in 0.07 s: 416.6 target tokens/s; "
+           "backend onnxruntime, device cpu\n"
+           "translated 2 sentences (9 source tokens, 12 target tokens) in 0.10 s: 120.0 target tokens/s; "
+           "backend onnxruntime, device cpu\n")
+    assert phases(log) == {"load_s": 0.06, "translate_s": pytest.approx(0.17)}
+    assert phases("a CTranslate2 script logs nothing\n") == {}
+
+
 def test_whole_process_runs_keep_bytecode_outside_the_tree(tmp_path, monkeypatch):
     """A machine that sets PYTHONDONTWRITEBYTECODE would make every timed run compile our modules again,
     which no installed user pays; the timed processes keep bytecode, in a cache under the run's tmp."""

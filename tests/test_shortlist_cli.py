@@ -191,6 +191,8 @@ def test_bench_shortlist_in_subprocesses(memorised_shortlist_fp32_dir, memorised
     whole = bench_json(capsys, tmp_path / "w.json", memorised_shortlist_fp32_dir, "--whole-process", src,
                        "--rounds", "1", "--beam-size", "1", "--shortlist")["report"]
     assert whole["shortlist"] is True and [r["shortlist"] for r in whole["results"]] == [True]
+    row = whole["results"][0]  # serve-batch's own log splits its wall time: loading, then translating
+    assert 0 < row["load_s"] and 0 < row["translate_s"] and row["load_s"] + row["translate_s"] < row["wall_s"]
     # ... as serve-batch --shortlist, which a model dir without one refuses
     code, _, err = run_cli_captured(capsys, "bench", memorised_fp32_dir, "--whole-process", src, "--rounds", "1",
                                     "--threads", "1", "--shortlist")

@@ -77,9 +77,26 @@ def user_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+# serve-batch's own timings, from its log (runtime/model_dir.py, pipeline/serve_batch/files.py)
+_LOADED = re.compile(r"\bloaded in (\d+(?:\.\d+)?) s\b")
+_TRANSLATED = re.compile(r"\btranslated \d+ sentences .*? in (\d+(?:\.\d+)?) s:")
+
+
+def phases(stderr: str) -> dict[str, float]:
+    """Where a serve-batch process's time went, as it logged it: `load_s` (the model dir opened and its
+    sessions created) and `translate_s` (reading, translating and writing the files). The rest of the
+    wall time is the interpreter's start, the imports and the exit."""
+    out = {}
+    if m := _LOADED.search(stderr):
+        out["load_s"] = float(m.group(1))
+    if spans := _TRANSLATED.findall(stderr):
+        out["translate_s"] = sum(float(x) for x in spans)
+    return out
+
+
 def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | None = None
-              ) -> tuple[float, float | None]:
-    """(wall seconds, peak RSS MB) of a command run to completion in a fresh process.
+              ) -> tuple[float, float | None, str]:
+    """(wall seconds, peak RSS MB, standard error) of a command run to completion in a fresh process.
 
     Peak RSS is the process's VmHWM, sampled until it exits: the kernel's ru_maxrss would carry
     the forking parent's own peak over fork and exec, so it cannot be used. The last ~10 ms of the
@@ -102,7 +119,7 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-1:]
         raise UserError(f"{' '.join(command[:4])} ... failed with status {proc.returncode}: {tail}")
-    return wall, peak
+    return wall, peak, err.decode(errors="replace")
 
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
@@ -192,12 +209,14 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         for e in engines:  # untimed: what a user who has run the tool before has (bytecode, page cache)
             run_timed(command(e, shortest), env=env)
         samples: dict[tuple[int, str], list[tuple[float, float | None]]] = {}
+        logged: dict[tuple[int, str], list[dict[str, float]]] = {}
         for r in range(rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]  # a different engine first
             for f in files:
                 for e in order:
-                    wall, rss = run_timed(command(e, f), env=env)
+                    wall, rss, err = run_timed(command(e, f), env=env)
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
+                    logged.setdefault((engines.index(e), str(f)), []).append(phases(err))
                     log.info("round %d %s %s (%s) %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"],
                              Path(e["model_dir"]).name, f.name, wall, rss or 0)
     report["results"] = [
@@ -206,24 +225,38 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
          "file": f,
          "lines": report["files"][f], "wall_s": round(statistics.median(w for w, _ in runs), 3),
          "wall_s_all": [round(w, 3) for w, _ in runs],
-         "peak_rss_mb": max((round(m, 1) for _, m in runs if m is not None), default=None)}
+         "peak_rss_mb": max((round(m, 1) for _, m in runs if m is not None), default=None),
+         **_median_phases(logged[i, f])}
         for (i, f), runs in samples.items()]
     return report
+
+
+def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the runs that logged it (ours; CTranslate2's script logs none)."""
+    names = sorted({name for run in runs for name in run})
+    return {name: round(statistics.median(run[name] for run in runs if name in run), 3) for name in names}
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def format_whole_process(report: dict[str, Any]) -> str:
     model = model_column(report)
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
-            f"{'peak MB':>8}")
+            f"{'peak MB':>8} {'load s':>7} {'decode s':>8}")
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
         rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
                     f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
-                    f"{r['peak_rss_mb'] or 0:>8.0f}")
+                    f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
                 f"{report['threads']} threads, beam {report['beam_size']}"
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
                 + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else ""))
+    if any("load_s" in r for r in report["results"]):
+        rows.append("load s, decode s: serve-batch's own log (the model dir opened and its sessions created; reading, "
+                    "translating, writing); the rest of the wall time is the interpreter's start, imports and exit")
     if "ctranslate2_converter" in report:
         rows.append(f"CTranslate2 converted by {report['ctranslate2_converter']}; greedy output token-identical to "
                     f"PyTorch on {report['ctranslate2_greedy_agreement']} sentences")
