@@ -35,7 +35,7 @@ cd "$(dirname "$0")/.."
 DATA=${DATA:-../shared/corpora/multi30k}
 RUN=${RUN:-runs/multi30k}
 MODEL=${MODEL:-runs/multi30k-model}
-PRESET=${PRESET:-small}        # e.g. small-fast: the same width, 6 encoder and 2 decoder layers
+PRESET=${PRESET:-small}        # e.g. small-fast: small with 1 decoder layer
 TIME=${TIME:-60m}              # --max-time: the whole training run, data preparation included
 STEPS=${STEPS:-100000}         # an upper bound; TIME decides
 DROPOUT=${DROPOUT:-0.1}

@@ -34,12 +34,12 @@ def test_every_preset_has_a_shape_and_training_defaults(name, tmp_path):
 
 
 def test_shallow_decoder_preset_and_option():
-    """small-fast is small's width with 6 encoder and 2 decoder layers; --decoder-layers overrides the decoder
-    alone, --layers both unless --decoder-layers is given too."""
+    """small-fast is small with 1 decoder layer; --decoder-layers overrides the decoder alone, --layers both
+    unless --decoder-layers is given too."""
     from pipeline.training.options import model_config
 
-    fast = preset("small-fast", vocab_size=100)
-    assert (fast.d_model, fast.n_enc_layers, fast.n_dec_layers) == (PRESETS["small"].d_model, 6, 2)
+    fast, small = preset("small-fast", vocab_size=100), preset("small", vocab_size=100)
+    assert (fast.d_model, fast.n_enc_layers, fast.n_dec_layers) == (small.d_model, small.n_enc_layers, 1)
     base = dict(save_dir="x", preset="small")
     cfg = model_config(TrainOptions(**base, decoder_layers=1), 100)
     assert (cfg.n_enc_layers, cfg.n_dec_layers) == (3, 1)
