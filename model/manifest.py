@@ -286,15 +286,21 @@ CACHED_MIN_BYTES = 1 << 20  # smaller files are hashed every time: it costs less
 RACY_NS = 2_000_000_000  # a digest taken this soon after the file's last change is taken again next time
 
 
-def hash_cache_dir() -> Path | None:
-    """Where digests of large files are remembered: $PIPELINE_HASH_CACHE, else
-    $XDG_CACHE_HOME/pipeline/hashes (~/.cache/...); None when PIPELINE_HASH_CACHE=off."""
-    value = os.environ.get(HASH_CACHE_ENV)
+def user_cache_dir(env: str, name: str) -> Path | None:
+    """A cache of this tool's: the directory $`env` names, else $XDG_CACHE_HOME/pipeline/`name`
+    (~/.cache/...); None when $`env` is "off"."""
+    value = os.environ.get(env)
     if value == "off":
         return None
     if value:
         return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline" / "hashes"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline" / name
+
+
+def hash_cache_dir() -> Path | None:
+    """Where digests of large files are remembered: $PIPELINE_HASH_CACHE, else
+    $XDG_CACHE_HOME/pipeline/hashes (~/.cache/...); None when PIPELINE_HASH_CACHE=off."""
+    return user_cache_dir(HASH_CACHE_ENV, "hashes")
 
 
 def file_digest(path: Path) -> str:

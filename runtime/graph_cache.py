@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from model.atomic import atomic_write_text
-from model.manifest import file_digest
+from model.manifest import file_digest, user_cache_dir
 from runtime.cpu_int8 import cpu_flags
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,7 @@ STALE_S = 3600  # a build directory this old was left by a process killed while 
 
 def cache_root() -> Path | None:
     """$PIPELINE_ORT_CACHE, else $XDG_CACHE_HOME/pipeline/ort-graphs; None when PIPELINE_ORT_CACHE=off."""
-    value = os.environ.get(CACHE_ENV)
-    if value == "off":
-        return None
-    if value:
-        return Path(value)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline" / "ort-graphs"
+    return user_cache_dir(CACHE_ENV, "ort-graphs")
 
 
 def entry_key(graph_sha256: str, weights_sha256: dict[str, str], ort_version: str, providers: list[str],

@@ -101,6 +101,23 @@ def documents(seed: int = 6) -> list[str]:
             " ".join(f"{x}." for x in s[8:])]
 
 
+def to_old_decoder_interface(model_dir: Path) -> None:
+    """Rewrite model_dir's decoder.onnx as exported before the beam cache: its `self_index` input named
+    `reorder` (the manifest is left as it was)."""
+    import onnx
+
+    from model import io_names
+
+    path = model_dir / io_names.DECODER_FILE
+    proto = onnx.load(str(path), load_external_data=False)
+    for value in proto.graph.input:
+        if value.name == io_names.SELF_INDEX:
+            value.name = "reorder"
+    for node in proto.graph.node:
+        node.input[:] = ["reorder" if x == io_names.SELF_INDEX else x for x in node.input]
+    onnx.save(proto, str(path))
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """`lines` as a UTF-8 text file, one per line."""
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

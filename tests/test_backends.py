@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from helpers import make_parallel
+from helpers import make_parallel, to_old_decoder_interface
 
 from model import io_names
 from model.manifest import ModelDirError, read_manifest
@@ -102,17 +102,9 @@ def test_tampered_and_missing_model_dirs_are_refused(trained_model_dir, tmp_path
 
 def test_older_decoder_interface_is_a_clear_error(trained_model_dir, tmp_path):
     """A model dir exported before the beam cache (its decoder takes `reorder`) asks for re-export."""
-    import onnx
-
     old = tmp_path / "old"
     shutil.copytree(trained_model_dir, old)
-    proto = onnx.load(str(old / io_names.DECODER_FILE))
-    for value in proto.graph.input:
-        if value.name == io_names.SELF_INDEX:
-            value.name = "reorder"
-    for node in proto.graph.node:
-        node.input[:] = ["reorder" if x == io_names.SELF_INDEX else x for x in node.input]
-    onnx.save(proto, str(old / io_names.DECODER_FILE))
+    to_old_decoder_interface(old)
     with pytest.raises(RuntimeUserError, match="older decoder interface.*export the model again"):
         OrtBackend(old, read_manifest(old, verify=False), device="cpu")
     # the TensorRT backend runs the same check on its engine's inputs (no engine can be built here)

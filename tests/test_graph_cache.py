@@ -9,7 +9,7 @@ import logging
 import shutil
 
 import pytest
-from helpers import make_parallel
+from helpers import make_parallel, to_old_decoder_interface
 
 from runtime import graph_cache
 from runtime.graph_cache import CACHE_ENV, GRAPH, META, WEIGHTS, entry_key
@@ -89,9 +89,6 @@ def test_an_entry_that_does_not_load_is_rebuilt(trained_model_dir, tmp_path, mon
 def test_a_changed_graph_gets_its_own_entry(trained_model_dir, tmp_path, monkeypatch):
     """The key is the files' content, not the manifest's word for it: a model dir loaded without
     verification after its graph changed never gets the old graph's optimised copy."""
-    import onnx
-
-    from model import io_names
     from model.manifest import read_manifest
     from runtime.errors import RuntimeUserError
     from runtime.ort_backend import OrtBackend
@@ -100,13 +97,7 @@ def test_a_changed_graph_gets_its_own_entry(trained_model_dir, tmp_path, monkeyp
     copy = tmp_path / "copy"
     shutil.copytree(trained_model_dir, copy)
     _decode(copy)
-    proto = onnx.load(str(copy / io_names.DECODER_FILE), load_external_data=False)
-    for value in proto.graph.input:  # the interface before the self_index cache (as in test_backends)
-        if value.name == io_names.SELF_INDEX:
-            value.name = "reorder"
-    for node in proto.graph.node:
-        node.input[:] = ["reorder" if x == io_names.SELF_INDEX else x for x in node.input]
-    onnx.save(proto, str(copy / io_names.DECODER_FILE))
+    to_old_decoder_interface(copy)  # as test_backends' older-interface test, after an entry was made
     with pytest.raises(RuntimeUserError, match="older decoder interface"):
         OrtBackend(copy, read_manifest(copy, verify=False), device="cpu")
 
