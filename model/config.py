@@ -197,10 +197,8 @@ PRESETS: dict[str, Preset] = {
     "small": Preset(d_model=256, n_heads=4, d_ff=1024, layers=3, dropout=0.1,
                     vocab_size=8000, batch_tokens=8192, warmup=2000, max_steps=50000,
                     label_smoothing=0.1),
-    # small with one decoder layer: a decoder step, what batch-1 latency is made of, costs about 1/3 of
-    # small's. Not the 6 + 1/2 of Marian/Bergamot's distilled students: trained from scratch on Multi30k,
-    # 6-layer encoders learnt far more slowly per update than 3 (benchmarks/2026-11-27_amd-epyc-avx2_
-    # multi30k-small-fast.md), while 3 + 1 beat small by 6 BLEU in the same 20 minutes
+    # small with one decoder layer, since batch-1 latency follows the decoder's depth and, trained from
+    # scratch, a 6-layer encoder learns far more slowly than small's 3 (docs/training.md, "Levers")
     "small-fast": Preset(d_model=256, n_heads=4, d_ff=1024, layers=3, decoder_layers=1, dropout=0.1,
                          vocab_size=8000, batch_tokens=8192, warmup=2000, max_steps=50000,
                          label_smoothing=0.1),

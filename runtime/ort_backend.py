@@ -18,14 +18,11 @@ weights) elsewhere, where level 4 measured much less accurate (runtime/cpu_int8.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -35,10 +32,11 @@ from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest, file_digest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
-from runtime.errors import RuntimeUserError, first_line
+from runtime.errors import RuntimeUserError
 from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
 from runtime.machine import CPU_EP, CUDA_EP, TRT_EP
+from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
 from runtime.shortlist import Shortlist
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -56,76 +54,6 @@ _ORT_TYPES: dict[str, np.dtype[Any]] = {"tensor(float)": np.dtype(np.float32), "
 def session_config(manifest: Manifest) -> dict[str, str]:
     """Session config entries the model dir's precision needs (int8: per this CPU, runtime/cpu_int8.py)."""
     return int8_session_config() if manifest.precision == "int8" else {}
-
-
-def import_onnxruntime() -> ModuleType:
-    try:
-        import onnxruntime
-    except ImportError:
-        raise RuntimeUserError("onnxruntime is not installed: `pip install onnxruntime` (CPU) or "
-                               "`pip install onnxruntime-gpu` (CUDA), or use --backend torch") from None
-    return onnxruntime
-
-
-def tensorrt_loadable() -> bool:
-    """Whether TensorRT's runtime library loads in this process. onnxruntime-gpu lists its TensorRT
-    provider whether or not TensorRT is installed, and a session asked for it without the library
-    prints an "EP Error" block and retries without it (seen on an H100 without TensorRT; docs/gpu.md)."""
-    import ctypes
-    import importlib.util
-
-    if importlib.util.find_spec("tensorrt_libs") is not None:  # the pip wheel's libraries, preloaded on import
-        try:
-            importlib.import_module("tensorrt_libs")
-        except Exception:  # a broken install: the CDLL probe below decides
-            pass
-    for name in ("libnvinfer.so.10", "libnvinfer.so"):
-        try:
-            ctypes.CDLL(name)
-            return True
-        except OSError:
-            continue
-    return False
-
-
-# What ONNX Runtime raises for a graph file it cannot read or build a session from (its exception types
-# derive from Exception alone); EPFail, an execution provider's own fault, is not the file's and keeps
-# its traceback. onnx's DecodeError / ValueError come from session_graph, which parses rowwise graphs.
-_DAMAGED = ("InvalidProtobuf", "InvalidGraph", "NoSuchFile", "NoModel")
-_UNLOADABLE = _DAMAGED + ("Fail", "InvalidArgument", "RuntimeException", "NotImplemented")
-
-
-@contextlib.contextmanager
-def loading_graph(path: Path) -> Iterator[None]:
-    """A graph (or its .data weights) that ONNX Runtime cannot load is one line naming the file, never
-    onnxruntime's multi-line traceback; the manifest's checksums passing only means the files are the
-    ones that were hashed."""
-    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
-    from onnxruntime.capi import onnxruntime_pybind11_state as state
-
-    errors = tuple(getattr(state, name) for name in _UNLOADABLE if hasattr(state, name))
-    try:
-        yield
-    except (*errors, DecodeError, ValueError) as e:
-        message = first_line(e)
-        weights = path.with_suffix(".data")
-        where = weights if "external" in message.lower() and weights.exists() else path
-        damaged = type(e).__name__ in _DAMAGED or isinstance(e, DecodeError) or where == weights
-        fix = "damaged or not what export wrote; export the model again" if damaged else "export the model again"
-        raise RuntimeUserError(f"{where}: ONNX Runtime cannot load it ({message}); {fix}") from None
-
-
-def choose_providers(device: Any, available: list[str], use_tensorrt: bool = True) -> list[str]:
-    """Execution providers for `device` from what this onnxruntime build offers, best first:
-    TensorRT's only where `use_tensorrt` (OrtBackend passes tensorrt_loadable())."""
-    if str(device) == "cpu":
-        return [CPU_EP]
-    if CUDA_EP not in available:
-        raise RuntimeUserError(
-            f"device {device} asked for, but this onnxruntime build has only {', '.join(available)}; "
-            "install onnxruntime-gpu (and uninstall onnxruntime) or use --device cpu")
-    providers = [TRT_EP] if use_tensorrt and TRT_EP in available else []
-    return providers + [CUDA_EP, CPU_EP]
 
 
 class OrtBackend(ExportedGraphBackend):
