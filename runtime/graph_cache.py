@@ -7,9 +7,9 @@ session creation on an AVX2 EPYC. The first session of a graph on a machine save
 (`SessionOptions.optimized_model_filepath`, its weights in a file beside it); later ones load that with
 optimisation off, which ONNX Runtime documents as its "offline" mode. Its caveat, that a graph optimised
 at the highest level may hold operators specific to the hardware and build, is why an entry is keyed by
-everything the result depends on: the SHA-256 of the graph and of the model dir's weight files (from
-the verified manifest), the onnxruntime version, the execution providers, the session config entries,
-and this CPU's instruction-set flags. Nothing is shared between machines.
+everything the result depends on: the SHA-256 of the graph and of the model dir's weight files (of the
+files as they are, not as a manifest says), the onnxruntime version, the execution providers, the
+session config entries, and this CPU's instruction-set flags. Nothing is shared between machines.
 
 Entries are directories under $PIPELINE_ORT_CACHE, else $XDG_CACHE_HOME/pipeline/ort-graphs
 (~/.cache/...); `PIPELINE_ORT_CACHE=off` turns the cache off. An entry is built in a temporary directory

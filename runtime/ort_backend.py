@@ -118,14 +118,18 @@ class OrtBackend(ExportedGraphBackend):
         def create(model: str, opts: ort.SessionOptions) -> ort.InferenceSession:
             return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args)
 
+        @functools.cache
+        def weights() -> dict[str, str]:
+            """The dir's weight files by their digests as they are (remembered as the manifest check's are),
+            taken once for both graphs."""
+            return {f.name: file_digest(f) for f in sorted(model_dir.glob("*.data")) if f.is_file()}
+
         def session(path: Path) -> ort.InferenceSession:
             with loading_graph(path):
                 if flip or self.providers != [CPU_EP]:  # optimised graphs are remembered for the CPU only
                     with graph(path) as model:
                         return create(model, options())
-                # keyed by the files as they are (digests remembered as the manifest's check remembers them)
-                weights = {f.name: file_digest(f) for f in sorted(model_dir.glob("*.data")) if f.is_file()}
-                key = entry_key(file_digest(path), weights, ort.__version__, self.providers, config)
+                key = entry_key(file_digest(path), weights(), ort.__version__, self.providers, config)
                 return cached_session(path, key, create, options, ort)
 
         self.encoder = session(model_dir / io_names.ENCODER_FILE)
