@@ -44,6 +44,14 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
         assert len(onnx.load(str(static), load_external_data=False).graph.node) < \
             len(onnx.load(str(plain), load_external_data=False).graph.node)
 
+        # each static GEMM adds its own bias (fold_biases): no Add of a GEMM's output and a constant is left
+        graph = onnx.load(str(static), load_external_data=False).graph
+        gemm_outputs = {n.output[0] for n in graph.node if n.op_type == "MatMulIntegerToFloat"}
+        constants = {i.name for i in graph.initializer}
+        assert not [n.name for n in graph.node
+                    if n.op_type == "Add" and gemm_outputs & set(n.input) and constants & set(n.input)]
+        assert sum(len(n.input) == 7 for n in graph.node if n.op_type == "MatMulIntegerToFloat") > 0
+
     # a layer whose range was not measured keeps its per-row quantization; the others stay static
     assert "decoder.0.ffn.w2" in ranges
     partial = {k: v for k, v in ranges.items() if k != "decoder.0.ffn.w2"}
@@ -52,6 +60,45 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
     static_gemms, per_row_gemms = quantize.quantize_file_rowwise(str(path), calibrate.RangeTable(model, partial))
     assert per_row_gemms == 1 and static_gemms == counts[0] - 1
     assert _ops(path)["ReduceMax"] == 1
+
+
+def test_folded_biases_compute_what_the_adds_did(random_checkpoint, tmp_path):
+    """The encoder, quantized with static scales, run by ONNX Runtime before and after fold_biases: the same
+    outputs (the bias is added in the GEMM's output pass instead of by an Add); per-row GEMMs are left alone."""
+    import numpy as np
+    import onnxruntime as ort
+
+    model, _, _ = load_model(random_checkpoint)
+    rng = random.Random(1)
+    sources = [[rng.randrange(4, model.cfg.vocab_size) for _ in range(rng.randint(2, 9))] + [EOS_ID]
+               for _ in range(6)]
+    ranges = calibrate.activation_ranges(model, sources, max_tgt_len=12, topk=8)
+    path = tmp_path / "encoder.onnx"
+    onnx_export.export_encoder(onnx_export.inference_copy(model, False), path, 18)
+    partial = {k: v for k, v in ranges.items() if k != "encoder.0.ffn.w2"}  # one GEMM per row
+    graphs = []
+    for fold in (False, True):
+        m = onnx.load(str(path))
+        quantize._RowwiseRewriter(m, calibrate.RangeTable(model, partial)).rewrite()
+        m.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        adds = _ops_of(m)["Add"]
+        folded = quantize.fold_biases(m) if fold else 0
+        assert _ops_of(m)["Add"] == adds - folded
+        graphs.append((m, folded))
+    assert graphs[1][1] > 0
+    assert "encoder.0.ffn.w2" in ranges and _ops_of(graphs[1][0])["ReduceMax"] == 1  # one per-row GEMM, kept
+    src = np.array([s + [model.cfg.pad_id] * (10 - len(s)) for s in sources], dtype=np.int64)
+    outs = []
+    for m, _ in graphs:
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        feeds = {i.name: src for i in session.get_inputs()}
+        outs.append(session.run(None, feeds))
+    for before, after in zip(*outs):
+        np.testing.assert_allclose(after, before, rtol=1e-5, atol=1e-5)
+
+
+def _ops_of(m: onnx.ModelProto) -> collections.Counter:
+    return collections.Counter(n.op_type for n in m.graph.node)
 
 
 @pytest.mark.slow
