@@ -7,10 +7,11 @@ output is already scaled (export/quantize.py). Like rowwise, no sentence's resul
 
 Measured: the fp32 PyTorch model decodes the calibration sentences as the torch backend serves them (beam
 search, q/k/v projected apart), and a hook on every nn.Linear and on the output projection keeps the
-largest |input| each sees (`activation_ranges`). A graph's linear layers are then found by their weights,
-not their names (`RangeTable`): a column of an ONNX weight is a row of the torch weight it was exported
-from (fused q/k/v share their input, so any of the three serves). A layer whose weight is found nowhere
-(none is, in the graphs exported here) keeps per-row scales; the export logs how many did.
+largest |input| each sees (`activation_ranges`), except a post-norm model's first layers, which read the
+embedding table and keep per-row scales (`first_layer_projections`). A graph's linear layers are then found
+by their weights, not their names (`RangeTable`): a column of an ONNX weight is a row of the torch weight it
+was exported from (fused q/k/v share their input, so any of the three serves). A layer whose weight is found
+nowhere keeps per-row scales; the export logs how many did.
 """
 
 from __future__ import annotations
@@ -66,7 +67,22 @@ def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len:
         for h in handles:
             h.remove()
         del model.logits
+    if not model.cfg.pre_norm:  # the first layers read embedding + position: kept per row (FIRST_LAYERS)
+        for name in first_layer_projections():
+            seen.pop(name, None)
     return seen
+
+
+def first_layer_projections() -> list[str]:
+    """A post-norm model's linear layers that read embedding x scale + position directly: the first encoder
+    and decoder layers' q, k and v. Their input range is the embedding table's over every token, of which
+    decoding the calibration lines sees only the tokens it generates. On an imported Marian model (the
+    fixture of benchmarks/2026-11-27_amd-epyc-avx2_static-scales-parity.md) the table reached 15.5 where
+    decoding saw 7.4: the measured scale clipped an unseen token (log-probs off by 1.2, export refused),
+    and the table's exact range made every common token coarser (8% of sentences identical to transformers
+    instead of 80%). Per-row scales are right for both, so these layers keep them."""
+    return [f"{stack}.0.self_attn.{proj}" for stack in ("encoder", "decoder")
+            for proj in ("q_proj", "k_proj", "v_proj")]
 
 
 class RangeTable:
