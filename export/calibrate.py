@@ -75,12 +75,9 @@ def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len:
 
 def first_layer_projections() -> list[str]:
     """A post-norm model's linear layers that read embedding x scale + position directly: the first encoder
-    and decoder layers' q, k and v. Their input range is the embedding table's over every token, of which
-    decoding the calibration lines sees only the tokens it generates. On an imported Marian model (the
-    fixture of benchmarks/2026-11-27_amd-epyc-avx2_static-scales-parity.md) the table reached 15.5 where
-    decoding saw 7.4: the measured scale clipped an unseen token (log-probs off by 1.2, export refused),
-    and the table's exact range made every common token coarser (8% of sentences identical to transformers
-    instead of 80%). Per-row scales are right for both, so these layers keep them."""
+    and decoder layers' q, k and v. They keep per-row scales, because any token of the table can reach them
+    but calibration sees only the tokens it decodes, and neither that range nor the table's whole one
+    served an imported Marian model (benchmarks/2026-11-27_amd-epyc-avx2_static-scales-parity.md)."""
     return [f"{stack}.0.self_attn.{proj}" for stack in ("encoder", "decoder")
             for proj in ("q_proj", "k_proj", "v_proj")]
 

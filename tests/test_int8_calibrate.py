@@ -13,7 +13,7 @@ import onnx
 import pytest
 from helpers import MEMORISED_LIMITS, run_cli, run_cli_captured
 
-from export import calibrate, onnx_export, quantize
+from export import calibrate, onnx_export, rowwise
 from model.checkpoint import load_model, resolve_checkpoint
 from model.config import EOS_ID
 
@@ -38,8 +38,8 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
         args = (graph_model, plain, 18) if name == "encoder.onnx" else (graph_model, plain, 18, 8)
         export(*args)
         static.write_bytes(plain.read_bytes())
-        per_row = quantize.quantize_file_rowwise(str(plain))
-        counts = quantize.quantize_file_rowwise(str(static), calibrate.RangeTable(model, ranges))
+        per_row = rowwise.quantize_file_rowwise(str(plain))
+        counts = rowwise.quantize_file_rowwise(str(static), calibrate.RangeTable(model, ranges))
         assert counts == (per_row[1], 0) and counts[0] > 0  # every GEMM static, none per row
         ops = _ops(static)
         assert ops["ReduceMax"] == ops["Abs"] == 0 and ops["MatMulIntegerToFloat"] == counts[0]
@@ -59,7 +59,7 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
     partial = {k: v for k, v in ranges.items() if k != "decoder.0.ffn.w2"}
     path = tmp_path / "partial.onnx"
     onnx_export.export_decoder(graph_model, path, 18, 8)
-    static_gemms, per_row_gemms = quantize.quantize_file_rowwise(str(path), calibrate.RangeTable(model, partial))
+    static_gemms, per_row_gemms = rowwise.quantize_file_rowwise(str(path), calibrate.RangeTable(model, partial))
     assert per_row_gemms == 1 and static_gemms == counts[0] - 1
     assert _ops(path)["ReduceMax"] == 1
 
@@ -77,7 +77,7 @@ def test_first_layers_keep_per_row_scales(random_checkpoint, tmp_path):
     assert "decoder.1.self_attn.q_proj" in ranges and "encoder.0.ffn.w1" in ranges
     path = tmp_path / "decoder.onnx"
     onnx_export.export_decoder(onnx_export.inference_copy(model, False), path, 18, 8)
-    static_gemms, per_row_gemms = quantize.quantize_file_rowwise(str(path), calibrate.RangeTable(model, ranges))
+    static_gemms, per_row_gemms = rowwise.quantize_file_rowwise(str(path), calibrate.RangeTable(model, ranges))
     assert per_row_gemms == 1 and static_gemms > 1 and _ops(path)["ReduceMax"] == 1
 
 
@@ -98,10 +98,10 @@ def test_folded_biases_compute_what_the_adds_did(random_checkpoint, tmp_path):
     graphs = []
     for fold in (False, True):
         m = onnx.load(str(path))
-        quantize._RowwiseRewriter(m, calibrate.RangeTable(model, partial)).rewrite()
+        rowwise.RowwiseRewriter(m, calibrate.RangeTable(model, partial)).rewrite()
         m.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
         adds = _ops_of(m)["Add"]
-        folded = quantize.fold_biases(m) if fold else 0
+        folded = rowwise.fold_biases(m) if fold else 0
         assert _ops_of(m)["Add"] == adds - folded
         graphs.append((m, folded))
     assert graphs[1][1] > 0
