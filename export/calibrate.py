@@ -67,7 +67,7 @@ def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len:
         for h in handles:
             h.remove()
         del model.logits
-    if not model.cfg.pre_norm:  # the first layers read embedding + position: kept per row (FIRST_LAYERS)
+    if not model.cfg.pre_norm:  # the first layers read embedding + position: kept per row (first_layer_projections)
         for name in first_layer_projections():
             seen.pop(name, None)
     return seen

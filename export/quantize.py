@@ -85,7 +85,7 @@ def quantize_columns(w: np.ndarray, pair_bounded: bool = False) -> tuple[np.ndar
     return q, scale
 
 
-class _Rewriter:
+class Rewriter:
     """One pass over a graph: replaces float weights by int8 + DequantizeLinear."""
 
     pair_bounded = False  # quantize_columns
@@ -151,7 +151,7 @@ class _Rewriter:
     def _is_linear(self, node: onnx.NodeProto) -> bool:
         if node.op_type == "MatMul":
             return self._float_matrix(node.input[1]) is not None
-        return _bias_free_gemm(node) is not None and self._float_matrix(node.input[1]) is not None
+        return bias_free_gemm(node) is not None and self._float_matrix(node.input[1]) is not None
 
     def _kn_weight(self, node: onnx.NodeProto) -> np.ndarray:
         """A linear node's float weight as (K, N): a Gemm with transB stores it (N, K)."""
@@ -214,7 +214,7 @@ class _Rewriter:
         ]
 
 
-def _bias_free_gemm(node: onnx.NodeProto) -> dict[str, object] | None:
+def bias_free_gemm(node: onnx.NodeProto) -> dict[str, object] | None:
     """The attributes of a Gemm that is a plain matmul (A not transposed, alpha 1, no bias), else None."""
     if node.op_type != "Gemm":
         return None
@@ -226,7 +226,7 @@ def _bias_free_gemm(node: onnx.NodeProto) -> dict[str, object] | None:
 
 def quantize_model(model: onnx.ModelProto) -> onnx.ModelProto:
     """`model` with int8 QDQ weights for every linear layer and embedding (changed in place)."""
-    _Rewriter(model).rewrite()
+    Rewriter(model).rewrite()
     return model
 
 
@@ -240,7 +240,7 @@ def quantize_file(path: str, out: str | None = None) -> onnx.ModelProto:
 def untie_projection(model: onnx.ModelProto) -> onnx.ModelProto:
     """Give each bias-free Gemm (the tied output projection) its own (K, N) MatMul weight, so
     a quantizer that rewrites initializers cannot change the embedding table it shares."""
-    rewriter = _Rewriter(model)
+    rewriter = Rewriter(model)
     for i, node in enumerate(model.graph.node):
         if node.op_type == "Gemm" and rewriter._is_linear(node):
             name = f"{node.input[1]}_kn"
@@ -272,7 +272,7 @@ def quantize_flavour(flavour: str, path: Path, ranges: RangeTable | None = None)
     """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS); rowwise
     with `ranges` (calibrated): static activation scales. Returns rowwise's (static, per-row) GEMM counts."""
     if flavour == ROWWISE:
-        from export.rowwise import quantize_file_rowwise  # that module builds on this one's _Rewriter
+        from export.rowwise import quantize_file_rowwise  # that module builds on this one's Rewriter
 
         return quantize_file_rowwise(str(path), ranges)
     if ranges is not None:

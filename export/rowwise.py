@@ -11,13 +11,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export.quantize import QMAX, QuantizedWeight, _bias_free_gemm, _Rewriter
+from export.quantize import QMAX, QuantizedWeight, Rewriter, bias_free_gemm
 
 if TYPE_CHECKING:
     from export.calibrate import RangeTable
 
 
-class RowwiseRewriter(_Rewriter):
+class RowwiseRewriter(Rewriter):
     """int8 weights as in qdq, and each linear layer's input quantized at run time one row
     (one token of one sentence) at a time: symmetric, scale = max|row| / 127, stored as
     uint8 with zero-point 128. The weights are int8 (zero-point 0) and pair-bounded
@@ -99,7 +99,7 @@ class RowwiseRewriter(_Rewriter):
         producer = {o: n for n in self.graph.node for o in n.output}
         found: dict[str, onnx.NodeProto] = {}
         for node in self.graph.node:
-            attrs = _bias_free_gemm(node)
+            attrs = bias_free_gemm(node)
             if attrs is None or attrs.get("transB", 0) != 1:
                 continue
             gather = producer.get(node.input[1])
