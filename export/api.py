@@ -21,7 +21,7 @@ from typing import Any
 import onnx
 import torch
 
-from export import calibrate, onnx_export, quantize, tensorrt_build, trt_compat, verify
+from export import calibrate, onnx_export, quantize, rowwise, tensorrt_build, trt_compat, verify
 from export.calibrate import RangeTable
 from export.errors import ExportError, TensorRTUnavailable
 from export.options import READ_BY_THE_CALLER, ExportOptions
@@ -176,7 +176,7 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
     static: dict[str, Any] | None = None
     if int8:  # the fp32 graphs, post-processed to int8 weights
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
-            counts = quantize.quantize_flavour(int8, tmp / name, ranges)
+            counts = rowwise.quantize_flavour(int8, tmp / name, ranges)
             if ranges is not None and counts is not None:
                 static = static or {"calibration_lines": len(plan.options.calibration or [])}
                 static[name] = {"static": counts[0], "per_row": counts[1]}

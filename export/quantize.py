@@ -31,10 +31,7 @@ Written with onnx.helper and numpy only, so the transformation can be read and t
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -43,9 +40,6 @@ from onnx import TensorProto, helper, numpy_helper
 from model.manifest import ORT_DYNAMIC as ORT_DYNAMIC  # the flavour names, re-exported for export/
 from model.manifest import QDQ as QDQ
 from model.manifest import ROWWISE as ROWWISE
-
-if TYPE_CHECKING:
-    from export.calibrate import RangeTable
 
 QMAX = 127  # symmetric int8: -127..127 keeps the range symmetric around zero-point 0
 PAIR_MAX = 128  # pair-bounded weights: |q[2j]| + |q[2j+1]| (quantize_columns)
@@ -266,17 +260,3 @@ def quantize_file_ort_dynamic(path: str) -> None:
         # (runtime/cpu_int8.py); rowwise keeps 8 bits and runs them unsigned there (exact u8 x u8) instead.
         quantize_dynamic(untied, path, weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
                          op_types_to_quantize=["MatMul"])
-
-
-def quantize_flavour(flavour: str, path: Path, ranges: RangeTable | None = None) -> tuple[int, int] | None:
-    """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS); rowwise
-    with `ranges` (calibrated): static activation scales. Returns rowwise's (static, per-row) GEMM counts."""
-    if flavour == ROWWISE:
-        from export.rowwise import quantize_file_rowwise  # that module builds on this one's Rewriter
-
-        return quantize_file_rowwise(str(path), ranges)
-    if ranges is not None:
-        raise ValueError(f"static activation scales are for the rowwise flavour, not {flavour}")
-    quantizers: dict[str, Callable[[str], object]] = {QDQ: quantize_file, ORT_DYNAMIC: quantize_file_ort_dynamic}
-    quantizers[flavour](str(path))
-    return None

@@ -5,13 +5,25 @@ layer's bias itself (`fold_biases`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from export.quantize import QMAX, QuantizedWeight, Rewriter, bias_free_gemm
+from export.quantize import (
+    ORT_DYNAMIC,
+    QDQ,
+    QMAX,
+    ROWWISE,
+    QuantizedWeight,
+    Rewriter,
+    bias_free_gemm,
+    quantize_file,
+    quantize_file_ort_dynamic,
+)
 
 if TYPE_CHECKING:
     from export.calibrate import RangeTable
@@ -167,3 +179,16 @@ def quantize_file_rowwise(path: str, ranges: RangeTable | None = None) -> tuple[
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)
     return rewriter.static_gemms, rewriter.dynamic_gemms
+
+
+def quantize_flavour(flavour: str, path: Path, ranges: RangeTable | None = None) -> tuple[int, int] | None:
+    """The fp32 graph at `path` rewritten in place with int8 weights of `flavour` (QUANTIZATIONS); rowwise
+    with `ranges` (calibrated): static activation scales. Returns rowwise's (static, per-row) GEMM counts.
+    Every flavour's entry point lives here, since this module builds on quantize.py and not the reverse."""
+    if flavour == ROWWISE:
+        return quantize_file_rowwise(str(path), ranges)
+    if ranges is not None:
+        raise ValueError(f"static activation scales are for the rowwise flavour, not {flavour}")
+    quantizers: dict[str, Callable[[str], object]] = {QDQ: quantize_file, ORT_DYNAMIC: quantize_file_ort_dynamic}
+    quantizers[flavour](str(path))
+    return None

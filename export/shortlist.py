@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from export import onnx_export, quantize, trt_compat, verify
+from export import onnx_export, rowwise, trt_compat, verify
 from export.errors import ExportError
 from model import io_names
 from model.config import ModelConfig
@@ -114,7 +114,7 @@ def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, t
     path = tmp / io_names.DECODER_SHORTLIST_FILE
     onnx_export.export_decoder(graph_model, path, opset, topk, shortlist=True)
     if int8:
-        quantize.quantize_flavour(int8, path, ranges)
+        rowwise.quantize_flavour(int8, path, ranges)
     graph_files.externalize(path)
     shared = share_weights(path, tmp / io_names.DECODER_FILE)
     if int8 not in ONNXRUNTIME_ONLY:
