@@ -25,7 +25,7 @@ position (past = 1, bias MASK_VALUE): the graph needs no control flow.
 
 `BeamCache` keeps the buffers and the ancestry and turns search's `reorder` (the previous
 step's row each hypothesis continues, within its own sentence) into the next index. When
-sentences finish, their buffer rows are dropped (one copy of the survivors, on such steps).
+sentences finish, their buffer rows are dropped (the survivors moved up in place, on such steps).
 The ancestry and the index are small integer arrays, kept in numpy on the host; the buffers
 are numpy arrays (the ONNX Runtime CPU backend, which must not need torch) or torch tensors
 on any device (the PyTorch and TensorRT backends), chosen by the `dtype` given.
@@ -33,6 +33,7 @@ on any device (the PyTorch and TensorRT backends), chosen by the `dtype` given.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,8 +66,21 @@ class NumpyBuffers:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, self.dtype)
 
-    def take_rows(self, buf: np.ndarray, rows: np.ndarray) -> np.ndarray:
-        return np.take(buf, rows, axis=0)
+    def keep_rows(self, buf: np.ndarray, kept: np.ndarray) -> np.ndarray:
+        """buf's rows `kept` (ascending) moved to its front, in place: a view of the first len(kept) rows.
+        No new buffer, so no fresh pages to fault in, and the old and new never coexist (peak memory)."""
+        if not buf.flags.c_contiguous:
+            return np.take(buf, kept, axis=0)
+        n, row, at = int(kept.shape[0]), buf.strides[0], buf.ctypes.data
+        j = 0
+        while j < n:  # runs of consecutive rows, each one memmove (dst <= src: safe in order)
+            e = j + 1
+            while e < n and kept[e] == kept[j] + (e - j):
+                e += 1
+            if kept[j] != j:
+                ctypes.memmove(at + j * row, at + int(kept[j]) * row, (e - j) * row)
+            j = e
+        return buf[:n]
 
     def copy_prefix(self, new: np.ndarray, old: np.ndarray, used: int) -> None:
         new[:, :, :used] = old
@@ -97,8 +111,9 @@ class TorchBuffers:
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def take_rows(self, buf: Any, rows: np.ndarray) -> Any:
-        return buf.index_select(0, self.torch.from_numpy(rows).to(self.device))
+    def keep_rows(self, buf: Any, kept: np.ndarray) -> Any:
+        """buf's rows `kept`, in a new tensor (CUDA-graph steps bind their own static buffers)."""
+        return buf.index_select(0, self.torch.from_numpy(kept).to(self.device))
 
     def copy_prefix(self, new: Any, old: Any, used: int) -> None:
         new[:, :, :used].copy_(old)
@@ -238,8 +253,8 @@ class BeamCache:
 
     def _drop(self, kept: np.ndarray) -> None:
         """Keep the sentences `kept` (their earlier indices, ascending) and drop the others' rows."""
-        self.k = [self.buffers.take_rows(t, kept) for t in self.k]
-        self.v = [self.buffers.take_rows(t, kept) for t in self.v]
+        self.k = [self.buffers.keep_rows(t, kept) for t in self.k]
+        self.v = [self.buffers.keep_rows(t, kept) for t in self.v]
         self.n_sentences = int(kept.shape[0])
 
     def _grow(self, capacity: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -75,10 +76,12 @@ def test_padding_does_not_change_a_sentence(model):
 
 
 def _step(model, cache, tokens, t, reorder, n_sent, ck, cv, src_bias):
-    """One decode_step over `cache`, as the backends run it."""
-    feeds = cache.advance(reorder, n_sent)
+    """One decode_step over `cache`, as the backends run it (numpy buffers shared with torch, no copy)."""
+    feeds = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in
+             cache.advance(reorder, n_sent).items()}
+    k, v = ([torch.from_numpy(b) if isinstance(b, np.ndarray) else b for b in bufs] for bufs in (cache.k, cache.v))
     lp, step_k, step_v = model.decode_step(tokens, torch.tensor([t]), feeds[io_names.SELF_INDEX],
-                                           feeds[io_names.SELF_BIAS], cache.k, cache.v, ck, cv, src_bias)
+                                           feeds[io_names.SELF_BIAS], k, v, ck, cv, src_bias)
     cache.append(step_k, step_v)
     return lp
 
@@ -104,13 +107,15 @@ def test_incremental_decoding_equals_full_forward(model, train_mode):
     assert cache.capacity == 8  # grew 2 -> 4 -> 8, keeping what was written
 
 
-def test_beam_cache_follows_each_hypothesis_history(model):
+@pytest.mark.parametrize("dtype", [torch.float32, np.float32], ids=["torch", "numpy"])
+def test_beam_cache_follows_each_hypothesis_history(model, dtype):
     """Sentences of `beam` rows sharing one row of cross K/V; every step each row continues a
-    random row of its own sentence (rows repeat, others die), and a sentence finishes midway.
-    Each row's log-probs must equal teacher forcing of the history it actually has, with its
-    own copy of its source: the ancestry index picks exactly the ancestors' keys."""
+    random row of its own sentence (rows repeat, others die), and sentences finish midway (numpy
+    buffers move the survivors up in place, torch ones copy them). Each row's log-probs must equal
+    teacher forcing of the history it actually has, with its own copy of its source: the ancestry
+    index picks exactly the ancestors' keys."""
     beam, n_steps = 3, 7
-    src, _ = batch(b=3, s=7)
+    src, _ = batch(b=5, s=7)
     src[1, 3:] = 0  # padding: the shared src_bias must mask every row of sentence 1
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -118,7 +123,7 @@ def test_beam_cache_follows_each_hypothesis_history(model):
         ck, cv = model.cross_kv(memory)
         sentences = torch.arange(src.shape[0])
         n = src.shape[0] * beam
-        cache = BeamCache(model.cfg, n, torch.float32, initial_capacity=2)
+        cache = BeamCache(model.cfg, n, dtype, initial_capacity=2)
         history = [[2] for _ in range(n)]
         reorder = torch.arange(n)
         for t in range(n_steps):
@@ -129,11 +134,12 @@ def test_beam_cache_follows_each_hypothesis_history(model):
             torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-5)
             # Sentence rows really see their own sentence.
             assert not torch.allclose(lp[:beam], lp[beam:2 * beam], atol=1e-3)
-            keep = torch.arange(n_sent) if t != 3 else torch.tensor([0, 2])  # sentence 1 finishes
+            # sentence 2 finishes (rows 3 and 4 move up together), then the first of those left (all move)
+            keep = {2: torch.tensor([0, 1, 3, 4]), 4: torch.tensor([1, 2, 3])}.get(t, torch.arange(n_sent))
             reorder = (keep[:, None] * beam + torch.randint(0, beam, (keep.numel(), beam), generator=g)).reshape(-1)
             history = [history[r] + [int(torch.randint(4, V, (), generator=g))] for r in reorder.tolist()]
             sentences, ck, cv, src_bias = sentences[keep], [k[keep] for k in ck], [v[keep] for v in cv], src_bias[keep]
-    assert cache.k[0].shape[0] == 2 and cache.capacity == 8
+    assert cache.k[0].shape[0] == 3 and cache.capacity == 8
 
 
 def test_beam_cache_refuses_what_it_cannot_follow(model):
