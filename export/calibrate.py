@@ -77,7 +77,7 @@ def first_layer_projections() -> list[str]:
     """A post-norm model's linear layers that read embedding x scale + position directly: the first encoder
     and decoder layers' q, k and v. They keep per-row scales, because any token of the table can reach them
     but calibration sees only the tokens it decodes, and neither that range nor the table's whole one
-    served an imported Marian model (benchmarks/2026-11-27_amd-epyc-avx2_static-scales-parity.md)."""
+    served an imported Marian model (benchmarks/README.md, "static-scales-parity")."""
     return [f"{stack}.0.self_attn.{proj}" for stack in ("encoder", "decoder")
             for proj in ("q_proj", "k_proj", "v_proj")]
 

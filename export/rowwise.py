@@ -137,7 +137,7 @@ def fold_biases(model: onnx.ModelProto) -> int:
     """Each bias Add after a statically scaled integer GEMM (MatMulIntegerToFloat with a constant input
     scale and no Mul after it) moved into the GEMM's own bias input, in place; returns how many. ONNX Runtime
     adds it in the GEMM's output pass instead of a second pass over the output: one node fewer per linear
-    layer (benchmarks/2026-11-27_amd-epyc-avx2_small-step-profile.md).
+    layer (benchmarks/README.md, "small-step-profile").
     Per-row GEMMs keep their Add: the row scales are applied after the GEMM, and the bias must not be scaled."""
     graph = model.graph
     inits = {i.name: i for i in graph.initializer}
