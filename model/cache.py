@@ -66,21 +66,22 @@ class NumpyBuffers:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, self.dtype)
 
-    def keep_rows(self, buf: np.ndarray, kept: np.ndarray) -> np.ndarray:
-        """buf's rows `kept` (ascending) moved to its front, in place: a view of the first len(kept) rows.
-        No new buffer, so no fresh pages to fault in, and the old and new never coexist (peak memory)."""
-        if not buf.flags.c_contiguous:
-            return np.take(buf, kept, axis=0)
-        n, row, at = int(kept.shape[0]), buf.strides[0], buf.ctypes.data
-        j = 0
-        while j < n:  # runs of consecutive rows, each one memmove (dst <= src: safe in order)
-            e = j + 1
-            while e < n and kept[e] == kept[j] + (e - j):
-                e += 1
-            if kept[j] != j:
-                ctypes.memmove(at + j * row, at + int(kept[j]) * row, (e - j) * row)
-            j = e
-        return buf[:n]
+    def keep_rows(self, bufs: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
+        """Each buffer's rows `kept` (ascending) moved to its front, in place: views of the first len(kept)
+        rows. No new buffer, so no fresh pages to fault in, and old and new never coexist (peak memory)."""
+        n = int(kept.shape[0])
+        starts = np.flatnonzero(np.diff(kept, prepend=-2) != 1)  # runs of consecutive rows: one memmove each
+        runs = [(int(j), int(kept[j]), int(e - j)) for j, e in zip(starts, [*starts[1:], n]) if kept[j] != j]
+        kept_bufs = []
+        for buf in bufs:
+            if not buf.flags.c_contiguous:
+                kept_bufs.append(np.take(buf, kept, axis=0))
+                continue
+            row, at = buf.strides[0], buf.ctypes.data
+            for dst, src, length in runs:  # dst <= src, in order: memmove is safe
+                ctypes.memmove(at + dst * row, at + src * row, length * row)
+            kept_bufs.append(buf[:n])
+        return kept_bufs
 
     def copy_prefix(self, new: np.ndarray, old: np.ndarray, used: int) -> None:
         new[:, :, :used] = old
@@ -111,9 +112,10 @@ class TorchBuffers:
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
-    def keep_rows(self, buf: Any, kept: np.ndarray) -> Any:
-        """buf's rows `kept`, in a new tensor (CUDA-graph steps bind their own static buffers)."""
-        return buf.index_select(0, self.torch.from_numpy(kept).to(self.device))
+    def keep_rows(self, bufs: list[Any], kept: np.ndarray) -> list[Any]:
+        """Each buffer's rows `kept`, in new tensors (CUDA-graph steps bind their own static buffers)."""
+        index = self.torch.from_numpy(kept).to(self.device)
+        return [buf.index_select(0, index) for buf in bufs]
 
     def copy_prefix(self, new: Any, old: Any, used: int) -> None:
         new[:, :, :used].copy_(old)
@@ -253,8 +255,8 @@ class BeamCache:
 
     def _drop(self, kept: np.ndarray) -> None:
         """Keep the sentences `kept` (their earlier indices, ascending) and drop the others' rows."""
-        self.k = [self.buffers.keep_rows(t, kept) for t in self.k]
-        self.v = [self.buffers.keep_rows(t, kept) for t in self.v]
+        self.k = self.buffers.keep_rows(self.k, kept)
+        self.v = self.buffers.keep_rows(self.v, kept)
         self.n_sentences = int(kept.shape[0])
 
     def _grow(self, capacity: int) -> None:
