@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import platform
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from export.errors import TensorRTUnavailable
 from export.tensorrt_build import load_tensorrt
 from model.manifest import SPM_FILE, Manifest, read_manifest
 from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
-from runtime.machine import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, Verdict
+from runtime.machine import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, Verdict, usable_cores
 from runtime.registry import verdicts
 
 log = logging.getLogger(__name__)
@@ -82,7 +81,7 @@ def package_version(module: str) -> str:
 
 
 def cpu_facts(cpuinfo: Path = Path("/proc/cpuinfo")) -> CpuFacts:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     try:
         text = cpuinfo.read_text(errors="replace")
     except OSError:  # not Linux: the model name only, instruction sets unknown

@@ -35,7 +35,7 @@ from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wa
 from runtime.errors import RuntimeUserError
 from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
-from runtime.machine import CPU_EP, CUDA_EP, TRT_EP
+from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, usable_cores
 from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
 from runtime.shortlist import Shortlist
 
@@ -63,7 +63,8 @@ class OrtBackend(ExportedGraphBackend):
 
     def __init__(self, model_dir: Path, manifest: Manifest, device: Any = None,
                  threads: int | None = None, spinning: bool = False,
-                 providers: list[str] | None = None, shortlist: Shortlist | None = None):
+                 providers: list[str] | None = None, shortlist: Shortlist | None = None,
+                 parallel_batches: int = 1):
         import_onnxruntime()
         import onnxruntime as ort
 
@@ -72,6 +73,10 @@ class OrtBackend(ExportedGraphBackend):
         if device is None:
             device = "cuda" if CUDA_EP in available and _cuda_visible() else "cpu"
         self.on_cuda = str(device).startswith("cuda")
+        if parallel_batches > 1 and self.on_cuda:
+            raise RuntimeUserError(f"--parallel-batches {parallel_batches} is for the CPU: on {device} the "
+                                   "onnxruntime backend runs one batch at a time (make batches larger instead: "
+                                   "--batch-tokens)")
         if self.on_cuda:  # device buffers are torch CUDA tensors (onnxruntime-gpu + PyTorch)
             torch = _import_torch_for_cuda()
             self.device: Any = torch.device(device)
@@ -81,6 +86,9 @@ class OrtBackend(ExportedGraphBackend):
             self.device = "cpu"
         else:
             raise RuntimeUserError(f"--device {device}: the onnxruntime backend runs on cpu or cuda[:N]")
+        # batches that runtime.translate may decode at once on threads: sessions run concurrently (each
+        # batch has its own binding and cache), and a run releases the GIL
+        self.parallel_batches = parallel_batches
         self.providers = providers or choose_providers(
             self.device, available, use_tensorrt=self.on_cuda and TRT_EP in available and tensorrt_loadable())
         config = session_config(manifest)
@@ -310,9 +318,14 @@ class _StepBinding:
 
 
 def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> OrtBackend:
-    """The registry's opener (runtime/registry.py): the dir's graphs in ONNX Runtime sessions."""
-    return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=options.threads,
-                      shortlist=shortlist)
+    """The registry's opener (runtime/registry.py): the dir's graphs in ONNX Runtime sessions; with
+    parallel batches, each batch's runs get an equal share of the threads (of every usable core when
+    --threads is not given)."""
+    threads, batches = options.threads, options.parallel_batches
+    if batches > 1:
+        threads = max(1, (threads or usable_cores()) // batches)
+    return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=threads,
+                      shortlist=shortlist, parallel_batches=batches)
 
 
 def _cuda_visible() -> bool:

@@ -7,9 +7,11 @@ budget keeps each batch's work roughly constant whatever the sentence lengths.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -77,14 +79,50 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     results: list[list[Hypothesis]] = [[] for _ in sources]
     todo = [i for i, s in enumerate(sources) if s]
     max_batch = getattr(backend, "max_batch", None)
-    for batch in length_batches([len(sources[i]) for i in todo], options.batch_tokens, options.beam_size,
-                                max_batch):
-        idx = [todo[j] for j in batch]
+
+    def decode(idx: list[int]) -> list[list[Hypothesis]]:
         first = None if first_tokens is None else [first_tokens[i] for i in idx]
-        for i, h in zip(idx, search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options,
-                                    first)):
+        return search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options, first)
+
+    batches = ([todo[j] for j in batch] for batch in length_batches([len(sources[i]) for i in todo],
+                                                                   options.batch_tokens, options.beam_size, max_batch))
+    for idx, hyps in decode_batches(backend, batches, decode):
+        for i, h in zip(idx, hyps):
             results[i] = h
     return results
+
+
+B = TypeVar("B")
+R = TypeVar("R")
+
+
+def decode_batches(backend: Backend, batches: Iterable[B], decode: Callable[[B], R]) -> Iterator[tuple[B, R]]:
+    """(batch, decode(batch)) for each batch, in the batches' order.
+
+    A backend that can decode several batches at once (`parallel_batches`, the onnxruntime backend on
+    the CPU: runtime/ort_backend.py) gets that many on threads, each run on its share of the cores, so
+    the operators of two batches run side by side instead of each operator split over the cores. At
+    most that many batches are decoded at once and as many more wait their turn, so memory holds
+    `parallel_batches` batches' caches. An error in one batch, or Ctrl-C, cancels the batches not yet
+    started and is raised once the running ones have ended."""
+    workers = int(getattr(backend, "parallel_batches", 1) or 1)
+    if workers <= 1:
+        for batch in batches:
+            yield batch, decode(batch)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="batch")
+    pending: deque[tuple[B, Future[R]]] = deque()
+    try:
+        for batch in batches:
+            pending.append((batch, pool.submit(decode, batch)))
+            if len(pending) >= 2 * workers:  # the oldest's result, while the others run and wait
+                done, future = pending.popleft()
+                yield done, future.result()
+        while pending:
+            done, future = pending.popleft()
+            yield done, future.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 @dataclass

@@ -69,7 +69,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
           device: str | None, threads: int | None, json_out: Path | None, shortlist: bool = False,
           compare: tuple[str, ...] = (), rounds: int = 3, serve_input: Path | None = None,
           whole_process: tuple[Path, ...] = (), min_agreement: float = 1.0, src_lang: str | None = None,
-          tgt_lang: str | None = None, step: str | None = None, **serve_options: Any) -> None:
+          tgt_lang: str | None = None, step: str | None = None, parallel_batches: int = 1,
+          **serve_options: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -86,7 +87,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         report = run_whole_process(list(model_dirs), list(whole_process), compare=list(compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=fixed_length,
                                    rounds=rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                   min_agreement=min_agreement)
+                                   min_agreement=min_agreement, parallel_batches=parallel_batches)
         click.echo(format_whole_process(report))
     elif serve_input is not None:
         serve_bench = pick(ServeBenchOptions, serve_options)
@@ -98,8 +99,9 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         if src_lang or tgt_lang:
             raise UserError("--serve does not take --src-lang/--tgt-lang yet; bench a multilingual model in-process "
                             "(leave out --serve) or with --whole-process")
-        if shortlist:
-            raise UserError("--serve does not measure --shortlist yet; bench it in-process (leave out --serve)")
+        if shortlist or parallel_batches > 1:
+            raise UserError("--serve does not measure --shortlist or --parallel-batches yet; bench them in-process "
+                            "(leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(serve_input), chosen[0], threads, decoding.beam_size,
                                  serve_bench)
         click.echo(format_serve_bench(report))
@@ -107,14 +109,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
         report = run_bench(model_dirs[0], parse_backends(backends), list(batch_sizes), decoding=decoding,
                            fixed_length=fixed_length, src=src, sentences=sentences, src_len=src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
-                           tgt_lang=tgt_lang, step=step)
+                           tgt_lang=tgt_lang, step=step, parallel_batches=parallel_batches)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(backends), list(batch_sizes),
                                 compare=list(compare), beam_size=decoding.beam_size, fixed_length=fixed_length,
                                 src=src, sentences=sentences, src_len=src_len, device=device, threads=threads,
                                 rounds=rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                min_agreement=min_agreement)
+                                min_agreement=min_agreement, parallel_batches=parallel_batches)
         click.echo(format_comparison(report))
     if json_out:
         write_json(report, json_out)

@@ -43,7 +43,7 @@ from runtime.model_dir import LoadOptions
                    "torch included, gated token for token; needs --src and --ref).")
 @click.option("--hf-dir", default=None, type=click.Path(file_okay=False, path_type=Path),
               help="With --reference transformers: the Hugging Face directory (default: the one the import recorded).")
-@options_from(LoadOptions, skip=("backend", "precision", "step"), notes={"shortlist": (
+@options_from(LoadOptions, skip=("backend", "precision", "step", "parallel_batches"), notes={"shortlist": (
     "Here: every listed backend, torch included, decodes so against the full-vocabulary reference; labelled e.g. "
     f"fp32+shortlist, gated by |dBLEU| <= {DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of "
     "it and their own), with the shortlist's coverage of the reference's tokens.")})

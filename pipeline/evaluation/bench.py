@@ -31,7 +31,7 @@ from runtime.languages import direction
 from runtime.model_dir import LoadOptions, load
 from runtime.search import Hypothesis, search
 from runtime.tokenizer import AnyTokenizer
-from runtime.translate import encode_sources, pad_batch
+from runtime.translate import decode_batches, encode_sources, pad_batch
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,7 @@ class BenchResult:
     peak_gpu_mb: float | None = None
     step: str | None = None      # the torch backend's decoder step (eager, graph, compiled; --step)
     compile_seconds: float | None = None  # step "compiled": torch.compile's time, in the warm-up, not in `seconds`
+    parallel_batches: int = 1    # batches decoded at once (--parallel-batches); latencies are then each batch's own
     # on the CPU, against the machine (pipeline/evaluation/cpu_peak.py)
     macs_per_target_token: int | None = None
     pct_of_measured_peak: float | None = None
@@ -127,13 +128,16 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
         return search(backend, pad_batch(batch, backend.cfg.pad_id), decoding,
                       None if first is None else [first] * len(batch))
 
+    def timed(batch: list[list[int]]) -> tuple[list[list[Hypothesis]], float]:
+        t = time.perf_counter()
+        return run(batch), time.perf_counter() - t
+
     run(sources[:batch_size])  # warm-up: allocators, ORT kernels, caches
     latencies, tokens = [], 0
     t0 = time.perf_counter()
-    for i in range(0, len(sources), batch_size):
-        t = time.perf_counter()
-        hyps = run(sources[i: i + batch_size])
-        latencies.append(time.perf_counter() - t)
+    batches = (sources[i: i + batch_size] for i in range(0, len(sources), batch_size))
+    for _, (hyps, latency) in decode_batches(backend, batches, timed):  # several at once: parallel_batches
+        latencies.append(latency)
         tokens += sum(len(h[0].tokens) for h in hyps)
     seconds = time.perf_counter() - t0
     ms = sorted(x * 1000 for x in latencies)
@@ -146,6 +150,7 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
         latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
         latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
         shortlist=getattr(backend, "shortlist", None) is not None, step=getattr(backend, "step_mode", None),
+        parallel_batches=getattr(backend, "parallel_batches", 1),
     )
 
 
@@ -153,7 +158,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None,
               shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-              step: str | None = None) -> dict:
+              step: str | None = None, parallel_batches: int = 1) -> dict:
     """Each backend in this process, one after the other; `shortlist`: each decodes over the model dir's
     vocabulary shortlist; src_lang/tgt_lang: a multilingual model's direction (runtime/languages.py);
     `step`: the torch backend's decoder step (the others have none). The warm-up batch before each row
@@ -164,7 +169,9 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
         loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist,
-                                             step=step if name == "torch" else None), decoding)
+                                             step=step if name == "torch" else None,
+                                             parallel_batches=parallel_batches if name == "onnxruntime" else 1),
+                      decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
         way = direction(manifest.model_config, src_lang, tgt_lang)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
@@ -199,6 +206,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "precision": manifest.precision,
         "fixed_length": fixed_length,
         "shortlist": shortlist,
+        "parallel_batches": parallel_batches,
         "src_lang": src_lang, "tgt_lang": tgt_lang,
         "host": {"machine": platform.machine(), "processor": platform.processor(),
                  "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
@@ -223,14 +231,15 @@ def model_column(report: dict) -> Callable[[dict], str]:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'backend':<12} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
+    head = (f"{'backend':<14} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
             f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8} {'% peak':>6}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         gpu = "-" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
         name = r["backend"] + (f"/{r['step']}" if r.get("step") not in (None, "eager") else "")
-        rows.append(f"{name:<12} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
+        name += f" x{r['parallel_batches']}" if r.get("parallel_batches", 1) > 1 else ""  # batches at once
+        rows.append(f"{name:<14} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8} "
                     f"{percent(r):>6}")

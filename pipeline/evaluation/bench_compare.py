@@ -58,16 +58,20 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
     sources = job["sources"]
     if job["engine"] == "ctranslate2":
         translator = ctranslate2_compare.open_translator(Path(job["ct2_dir"]), job["threads"] or 0,
-                                                         ctranslate2_compare.COMPUTE_TYPES[job["precision"]])
+                                                         ctranslate2_compare.COMPUTE_TYPES[job["precision"]],
+                                                         inter_threads=job["parallel_batches"])
         row = ctranslate2_compare.bench_translator(translator, job["pieces"], job["batch_size"],
                                                    job["beam_size"], job["fixed_length"], job["alpha"],
-                                                   use_vmap=job["shortlist"], prefix=job["target_prefix"])
+                                                   use_vmap=job["shortlist"], prefix=job["target_prefix"],
+                                                   parallel_batches=job["parallel_batches"])
         row["shortlist"] = job["shortlist"]
         device = "cpu"
     else:
         given = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
+        parallel = job["parallel_batches"] if job["engine"] == "onnxruntime" else 1
         loaded = load(job["model_dir"], LoadOptions(backend=job["engine"], device=job["device"], threads=job["threads"],
-                                                    shortlist=job["shortlist"]), given)  # the model's defaults under it
+                                                    shortlist=job["shortlist"], parallel_batches=parallel),
+                      given)  # the model's defaults under it
         backend = loaded.backend
         r = bench_backend(backend, sources, job["batch_size"], loaded.decoding, job["fixed_length"], job["precision"],
                           job["first"])
@@ -125,12 +129,15 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                    src: Path | None = None, sentences: int = 256, src_len: int = 20,
                    device: str | None = None, threads: int | None = None, rounds: int = 3,
                    latency: bool = True, shortlist: bool = False, src_lang: str | None = None,
-                   tgt_lang: str | None = None, min_agreement: float = 1.0) -> dict[str, Any]:
+                   tgt_lang: str | None = None, min_agreement: float = 1.0,
+                   parallel_batches: int = 1) -> dict[str, Any]:
     """Bench every (model dir, engine) and the compared engines; one row per engine and precision.
     `shortlist`: every engine is measured over the whole vocabulary and over the model dir's shortlist
     (CTranslate2 over its vocabulary map, written from the same lists). src_lang/tgt_lang: a multilingual
     model's direction: every source starts with the source language's token, and every engine forces the
-    target language's token first (CTranslate2: target_prefix)."""
+    target language's token first (CTranslate2: target_prefix). `parallel_batches`: ours on onnxruntime decodes
+    that many batches at once (--parallel-batches) and CTranslate2 runs as many inter_threads, each engine's
+    batches on threads / that many (the latency rows stay one batch at a time: there is only one)."""
     model_dirs = [Path(d) for d in model_dirs]
     manifest = read_manifest(model_dirs[0], verify=False)
     tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
@@ -141,7 +148,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     alpha = PAPER.for_model(manifest.decoding).alpha
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "model_config": cfg.to_dict(),
                               "fixed_length": fixed_length, "threads": threads, "rounds": rounds,
-                              "shortlist": shortlist,
+                              "shortlist": shortlist, "parallel_batches": parallel_batches,
                               "peak_rss": "VmHWM of a fresh subprocess per measurement",
                               "decoding": manifest.decoding or "the paper's", "src_lang": src_lang,
                               "tgt_lang": tgt_lang}
@@ -165,6 +172,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         jobs: list[dict[str, Any]] = []
         for bs, beam, srcs, pcs in settings:
             common = {"batch_size": bs, "beam_size": beam, "fixed_length": fixed_length, "threads": threads,
+                      "parallel_batches": parallel_batches if bs > 1 else 1,
                       "device": device, "sources": srcs, "pieces": pcs,
                       "alpha": alpha, "first": way.first, "target_prefix": prefix and prefix[:len(srcs)]}
             jobs += _jobs(model_dirs, engines, list(compare), ct2_dir, common, shortlist)

@@ -105,10 +105,12 @@ def convert(model: Any, tokenizer: Tokenizer, directory: Path) -> Path:
     return directory
 
 
-def open_translator(directory: Path, threads: int, compute_type: str = "float32") -> Any:
+def open_translator(directory: Path, threads: int, compute_type: str = "float32", inter_threads: int = 1) -> Any:
+    """`threads` in all (0: CTranslate2's default), split over `inter_threads` batches translated at once."""
     ctranslate2 = import_ctranslate2()
+    intra = threads // inter_threads if threads else 0
     return ctranslate2.Translator(str(directory), device="cpu", compute_type=compute_type,
-                                  intra_threads=threads, inter_threads=1)
+                                  intra_threads=intra, inter_threads=inter_threads)
 
 
 def ct2_translator(model: Any, tokenizer: Tokenizer, directory: Path, threads: int,
@@ -257,24 +259,33 @@ def write_vmap(model_dir: Path, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
 
 def bench_translator(translator: Any, src_tokens: list[list[str]], batch_size: int, beam_size: int,
                      fixed_length: int | None, length_penalty: float = 0.6, use_vmap: bool = False,
-                     prefix: list[list[str]] | None = None) -> dict[str, Any]:
+                     prefix: list[list[str]] | None = None, parallel_batches: int = 1) -> dict[str, Any]:
     """Time translate_batch as bench_backend times our search: one warm-up batch, then all (use_vmap:
-    over the model's vocabulary map, write_vmap; prefix: each sentence's target_prefix)."""
+    over the model's vocabulary map, write_vmap; prefix: each sentence's target_prefix). With
+    `parallel_batches` (the translator's inter_threads), all batches are given in one call, which CTranslate2
+    cuts into batch_size batches and translates that many at once; a batch's latency is then estimated as
+    the call's time per batch times the batches at once."""
     opts: dict[str, Any] = dict(beam_size=beam_size, max_batch_size=batch_size, length_penalty=length_penalty,
                                 use_vmap=use_vmap)
     if fixed_length:
         opts.update(max_decoding_length=fixed_length, min_decoding_length=fixed_length)
-    def part(i: int) -> dict[str, Any]:
-        return {} if prefix is None else {"target_prefix": prefix[i: i + batch_size]}
+    def part(i: int, n: int = batch_size) -> dict[str, Any]:
+        return {} if prefix is None else {"target_prefix": prefix[i: i + n]}
 
     translator.translate_batch(src_tokens[:batch_size], **opts, **part(0))
     latencies, tokens = [], 0
     t0 = time.perf_counter()
-    for i in range(0, len(src_tokens), batch_size):
-        t = time.perf_counter()
-        out = translator.translate_batch(src_tokens[i: i + batch_size], **opts, **part(i))
-        latencies.append((time.perf_counter() - t) * 1000)
-        tokens += sum(len(r.hypotheses[0]) for r in out)
+    if parallel_batches > 1:
+        out = translator.translate_batch(src_tokens, **opts, **part(0, len(src_tokens)))
+        tokens = sum(len(r.hypotheses[0]) for r in out)
+        n_batches = -(-len(src_tokens) // batch_size)
+        latencies.append((time.perf_counter() - t0) * 1000 * min(parallel_batches, n_batches) / n_batches)
+    else:
+        for i in range(0, len(src_tokens), batch_size):
+            t = time.perf_counter()
+            out = translator.translate_batch(src_tokens[i: i + batch_size], **opts, **part(i))
+            latencies.append((time.perf_counter() - t) * 1000)
+            tokens += sum(len(r.hypotheses[0]) for r in out)
     seconds = time.perf_counter() - t0
     return {"target_tokens": tokens, "seconds": round(seconds, 3),
             "target_tokens_per_s": round(tokens / seconds, 1),

@@ -38,17 +38,18 @@ from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
 log = logging.getLogger(__name__)
 
 # The CTranslate2 user's script: arguments ct2_dir spm input output threads beam compute_type fixed_length alpha
-# max_len, and a multilingual model's source and target language tokens ("" for a one-pair model): the source
-# starts with the first, the second is the target prefix (forced first), left out of the output text.
+# max_len, a multilingual model's source and target language tokens ("" for a one-pair model): the source
+# starts with the first, the second is the target prefix (forced first), left out of the output text; and the
+# batches translated at once (inter_threads, each on threads / inter_threads intra-op threads).
 CT2_SCRIPT = """
 import sys
 import ctranslate2, sentencepiece
 (ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len, src_tok,
- tgt_tok) = sys.argv[1:14]
+ tgt_tok, inter) = sys.argv[1:15]
 sp = sentencepiece.SentencePieceProcessor(model_file=src_spm)
 sp_out = sentencepiece.SentencePieceProcessor(model_file=tgt_spm)
 translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
-                                    intra_threads=int(threads), inter_threads=1)
+                                    intra_threads=int(threads) // int(inter), inter_threads=int(inter))
 with open(src, encoding="utf-8") as f:
     lines = [line.rstrip("\\n") for line in f]
 live = [i for i, line in enumerate(lines) if line.strip()]
@@ -123,9 +124,12 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
 
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
-                 fixed_length: int | None, shortlist: bool = False, way: Direction = ONE_PAIR) -> list[str]:
+                 fixed_length: int | None, shortlist: bool = False, way: Direction = ONE_PAIR,
+                 parallel_batches: int = 1) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(src), "-o", str(out),
            "--backend", "onnxruntime", "--threads", str(threads), "--beam-size", str(beam_size), "--no-progress"]
+    if parallel_batches > 1:
+        cmd += ["--parallel-batches", str(parallel_batches)]
     if shortlist:
         cmd.append("--shortlist")
     if way.source:
@@ -149,11 +153,12 @@ def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
 def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: list[str], threads: int,
                       beam_size: int, fixed_length: int | None, rounds: int,
                       shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-                      min_agreement: float = 1.0) -> dict[str, Any]:
+                      min_agreement: float = 1.0, parallel_batches: int = 1) -> dict[str, Any]:
     """One row per (engine, precision, file): median wall seconds and peak RSS over rounds. `shortlist`:
-    ours runs serve-batch --shortlist (CTranslate2 is unchanged). src_lang/tgt_lang: a multilingual model's
-    direction (serve-batch --src-lang/--tgt-lang; CTranslate2's script puts the source language token first
-    and gives the target's as target_prefix)."""
+    ours runs serve-batch --shortlist (CTranslate2 is unchanged). `parallel_batches`: ours runs serve-batch
+    --parallel-batches, CTranslate2 as many inter_threads, each engine's batches on threads / that many.
+    src_lang/tgt_lang: a multilingual model's direction (serve-batch --src-lang/--tgt-lang; CTranslate2's
+    script puts the source language token first and gives the target's as target_prefix)."""
     if not files:
         raise UserError("--whole-process needs at least one FILE")
     way = direction(read_manifest(model_dirs[0], verify=False).model_config, src_lang, tgt_lang)
@@ -162,7 +167,10 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         manifest = read_manifest(d, verify=False)
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
                         "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
+    if threads < parallel_batches:
+        raise UserError(f"--parallel-batches {parallel_batches} needs at least as many --threads (got {threads})")
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
+                              "parallel_batches": parallel_batches,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
                               "shortlist": shortlist, "src_lang": src_lang, "tgt_lang": tgt_lang,
                               "files": {str(f): len(read_lines(f)) for f in files},
@@ -201,8 +209,9 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             if e["engine"] == "ctranslate2":
                 return [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], *spms, str(f), str(out), str(threads),
                         str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len),
-                        *tokens]
-            return ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way)
+                        *tokens, str(parallel_batches)]
+            return ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way,
+                                parallel_batches)
 
         env = user_env(Path(tmp))
         shortest = min(files, key=lambda f: report["files"][str(f)])
@@ -252,6 +261,8 @@ def format_whole_process(report: dict[str, Any]) -> str:
                     f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}")
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
                 f"{report['threads']} threads, beam {report['beam_size']}"
+                + (f", {report['parallel_batches']} batches at once in every engine"
+                   if report.get("parallel_batches", 1) > 1 else "")
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
                 + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else ""))
     if any("load_s" in r for r in report["results"]):

@@ -1,0 +1,149 @@
+"""Batches decoded side by side (`--parallel-batches`, runtime/translate.py decode_batches): the same
+translations in the same order, never more batches at once than asked, an error that stops the batches
+not yet started, and a clear refusal where the backend cannot."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from helpers import run_cli, run_cli_captured
+
+from runtime.decoding import PAPER
+from runtime.errors import RuntimeUserError
+from runtime.model_dir import LoadOptions, load
+from runtime.translate import decode_batches, encode_sources, length_batches, translate_ids
+
+
+class _Batches:
+    """The one thing decode_batches asks of a backend: how many batches it decodes at once."""
+
+    def __init__(self, parallel_batches: int):
+        self.parallel_batches = parallel_batches
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_batches_come_back_in_order_and_never_more_at_once_than_asked(workers):
+    running = most = 0
+    lock = threading.Lock()
+
+    def decode(i: int) -> int:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.03 if i % 3 == 0 else 0.002)  # some batches slow: later ones end first
+        with lock:
+            running -= 1
+        return i * 10
+
+    out = list(decode_batches(_Batches(workers), iter(range(12)), decode))
+    assert out == [(i, i * 10) for i in range(12)]
+    assert most == workers
+
+
+def test_an_error_in_one_batch_is_raised_and_stops_the_batches_not_started():
+    started: list[int] = []
+    taken = 0
+
+    def batches():
+        nonlocal taken
+        for i in range(100):
+            taken += 1
+            yield i
+
+    def decode(i: int) -> int:
+        started.append(i)
+        if i == 1:
+            raise ValueError("batch 1 is bad")
+        time.sleep(0.01)
+        return i
+
+    got = []
+    with pytest.raises(ValueError, match="batch 1 is bad"):
+        for batch, result in decode_batches(_Batches(2), batches(), decode):
+            got.append((batch, result))
+    assert got == [(0, 0)]  # what came before the bad batch, in order
+    assert taken <= 6 and len(started) <= 6, (taken, started)  # 2 running + 2 waiting, not the 100
+
+
+def _lines(memorise_corpus: tuple[Path, Path]) -> list[str]:
+    src, _ = memorise_corpus
+    lines = src.read_text(encoding="utf-8").splitlines()
+    return lines[:15] + ["", "   "] + lines[15:]  # blank lines keep their place
+
+
+def test_onnxruntime_int8_shortlist_two_batches_at_a_time_gives_the_same_hypotheses(
+        memorised_shortlist_int8_dir, memorise_corpus):
+    """Real sessions, several batches (a small budget): hypotheses, scores and order as one at a time."""
+    one = load(memorised_shortlist_int8_dir, LoadOptions(backend="onnxruntime", threads=2, shortlist=True))
+    two = load(memorised_shortlist_int8_dir, LoadOptions(backend="onnxruntime", threads=2, shortlist=True,
+                                                          parallel_batches=2))
+    assert two.backend.parallel_batches == 2 and one.backend.parallel_batches == 1
+    # each batch runs on its share of the threads
+    assert two.backend.decoder.get_session_options().intra_op_num_threads == 1
+    assert one.backend.decoder.get_session_options().intra_op_num_threads == 2
+    ids = encode_sources(one.tokenizer, _lines(memorise_corpus), one.backend.max_src_len).ids
+    options = PAPER.replace(batch_tokens=60)
+    todo = [len(s) for s in ids if s]
+    assert len(list(length_batches(todo, options.batch_tokens, options.beam_size))) >= 6
+    expected = translate_ids(one.backend, ids, options)
+    assert translate_ids(two.backend, ids, options) == expected
+    assert expected[15] == [] and expected[16] == [] and all(expected[i] for i in range(15))
+
+
+def test_serve_batch_parallel_batches_writes_the_same_file(memorised_fp32_dir, memorise_corpus, tmp_path):
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(_lines(memorise_corpus)) + "\n", encoding="utf-8")
+    outs = []
+    for n in (1, 2):
+        out = tmp_path / f"out{n}.txt"
+        assert run_cli("serve-batch", memorised_fp32_dir, src, "-o", out, "--backend", "onnxruntime",
+                       "--threads", 2, "--parallel-batches", n, "--batch-tokens", 60, "--no-progress") == 0
+        outs.append(out.read_text(encoding="utf-8"))
+    assert outs[1] == outs[0]
+    assert len(outs[0].splitlines()) == len(_lines(memorise_corpus))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--backend", "torch", "--parallel-batches", "2"], "only the onnxruntime backend"),
+    (["--backend", "onnxruntime", "--threads", "1", "--parallel-batches", "2"], "needs at least as many threads"),
+])
+def test_parallel_batches_is_refused_where_it_cannot_run(memorised_fp32_dir, memorise_corpus, tmp_path, capsys,
+                                                         args, message):
+    src, _ = memorise_corpus
+    out = tmp_path / "out.txt"
+    code, _, err = run_cli_captured(capsys, "serve-batch", memorised_fp32_dir, src, "-o", out, "--no-progress",
+                                    *args)
+    assert code != 0 and message in err, err
+    assert not out.exists()
+
+
+def test_load_refuses_parallel_batches_on_cuda(memorised_fp32_dir):
+    from runtime.ort_backend import OrtBackend
+
+    opened = load(memorised_fp32_dir, LoadOptions(backend="onnxruntime", threads=1)).model_dir
+    with pytest.raises(RuntimeUserError, match="is for the CPU"):
+        OrtBackend(opened.path, opened.manifest, device="cuda", parallel_batches=2)
+
+
+def test_bench_measures_parallel_batches_against_ctranslate2_inter_threads(memorised_fp32_dir, tmp_path):
+    pytest.importorskip("ctranslate2")
+    out = tmp_path / "cmp.json"
+    code = run_cli("bench", memorised_fp32_dir, "--backends", "onnxruntime", "--compare", "ctranslate2",
+                   "--batch-size", 2, "--beam-size", 2, "--fixed-length", 3, "--sentences", 8, "--threads", 2,
+                   "--parallel-batches", 2, "--rounds", 1, "--json", out)
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["parallel_batches"] == 2
+    for r in report["results"]:  # every engine did the whole work, batches at once or not
+        assert r["target_tokens"] == r["sentences"] * 3 and r["target_tokens_per_s"] > 0
+    one = tmp_path / "one.json"
+    assert run_cli("bench", memorised_fp32_dir, "--backends", "onnxruntime", "--batch-size", 2, "--beam-size", 2,
+                   "--fixed-length", 3, "--sentences", 8, "--threads", 2, "--parallel-batches", 2,
+                   "--json", one) == 0
+    [row] = json.loads(one.read_text())["results"]
+    assert row["parallel_batches"] == 2 and row["target_tokens"] == 8 * 3
