@@ -147,3 +147,33 @@ def test_bench_measures_parallel_batches_against_ctranslate2_inter_threads(memor
                    "--json", one) == 0
     [row] = json.loads(one.read_text())["results"]
     assert row["parallel_batches"] == 2 and row["target_tokens"] == 8 * 3
+
+
+def test_http_service_with_parallel_batches_answers_what_serve_batch_writes(memorised_fp32_dir, memorise_corpus,
+                                                                          tmp_path):
+    """`pipeline serve --parallel-batches 2`: a request of several batches (the budget is small) decoded two at a
+    time, answered line for line as serve-batch one batch at a time writes it."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from pipeline.serve.app import create_app
+    from pipeline.serve.metrics import Metrics
+    from pipeline.serve.options import RequestLimits, ServeHttpOptions
+    from pipeline.serve.requests import ServerState
+    from pipeline.serve.runner import load_model
+
+    lines = _lines(memorise_corpus)
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path / "out.txt"
+    assert run_cli("serve-batch", memorised_fp32_dir, src, "-o", out, "--backend", "onnxruntime", "--threads", 2,
+                   "--batch-tokens", 60, "--no-progress") == 0
+    metrics, limits = Metrics(), RequestLimits()
+    opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=2, parallel_batches=2))
+    model = load_model("m", str(memorised_fp32_dir), opts, PAPER.replace(batch_tokens=60), metrics)
+    assert model.translator.backend.parallel_batches == 2
+    state = ServerState({"m": model}, limits, {}, metrics, warmed_up=True)
+    with TestClient(create_app(state)) as client:
+        r = client.post("/translate", json={"text": lines})
+        assert r.status_code == 200, r.text
+        assert r.json()["translations"] == out.read_text(encoding="utf-8").split("\n")[:-1]
