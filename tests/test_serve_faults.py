@@ -151,11 +151,14 @@ def test_read_only_output_dir_fails_before_the_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_the_middle_exits_130_leaving_nothing(model_dir, tmp_path):
+@pytest.mark.parametrize("batches", [[], ["--threads", "2", "--parallel-batches", "2"]],
+                         ids=["one-batch", "two-batches"])
+def test_ctrl_c_in_the_middle_exits_130_leaving_nothing(model_dir, tmp_path, batches):
+    """Also with two batches decoded at once: the running ones end, the waiting ones are dropped."""
     src, _ = make_parallel(200, seed=4)
     inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below
     out = tmp_path / "out.txt"
-    proc = subprocess.Popen(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, "--window", "50", *FAST),
+    proc = subprocess.Popen(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, "--window", "50", *FAST, *batches),
                             env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
