@@ -122,6 +122,12 @@ def test_parallel_batches_is_refused_where_it_cannot_run(memorised_fp32_dir, mem
     assert not out.exists()
 
 
+def test_bench_refuses_fewer_threads_than_batches_before_measuring(memorised_fp32_dir, capsys):
+    code, _, err = run_cli_captured(capsys, "bench", memorised_fp32_dir, "--compare", "ctranslate2", "--threads", 1,
+                                    "--parallel-batches", 2)
+    assert code == 2 and "--parallel-batches 2 needs at least as many --threads (got 1)" in err, err
+
+
 def test_load_refuses_parallel_batches_on_cuda(memorised_fp32_dir):
     from runtime.ort_backend import OrtBackend
 

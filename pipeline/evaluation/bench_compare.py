@@ -40,6 +40,7 @@ from pipeline.evaluation.bench import (
 from pipeline.evaluation.cpu_peak import peak_line, percent
 from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
+from runtime.machine import usable_cores
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 
@@ -139,6 +140,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     that many batches at once (--parallel-batches) and CTranslate2 runs as many inter_threads, each engine's
     batches on threads / that many (the latency rows stay one batch at a time: there is only one)."""
     model_dirs = [Path(d) for d in model_dirs]
+    if parallel_batches > 1 and threads is None:  # both engines split the same cores (CTranslate2's 0 is its own)
+        threads = usable_cores()
     manifest = read_manifest(model_dirs[0], verify=False)
     tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
     cfg = manifest.model_config
