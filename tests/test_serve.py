@@ -200,3 +200,25 @@ def test_split_sentences_translates_sentence_by_sentence_keeping_whitespace(mode
     assert run_cli("serve-batch", model_dir, tmp_path / "in.txt", "-o", out, "--split", "sentences",
                    "--nbest", 2, "--beam-size", 2, *FAST) == 2
     assert "--split sentences" in capsys.readouterr().err
+
+
+def test_progress_bar_only_on_a_terminal(model_dir, tmp_path, capsys, monkeypatch):
+    """The bar is on by default, but a log or a pipe gets no carriage-return redraws (and the process does not
+    pay tqdm's import); on a terminal it is drawn."""
+    from pipeline.serve_batch import files
+
+    inp = write(tmp_path / "in.txt", ["ein Hund läuft", "zwei Männer"])
+    args = ["serve-batch", model_dir, inp, "-o", tmp_path / "out.txt", *[a for a in FAST if a != "--no-progress"]]
+    assert run_cli(*args) == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "lines/s" not in err, err
+    assert "2 lines" in err or "2 sentences" in err, err  # the summary line is still there
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    bar = files.progress_bar("in.txt", True)
+    bar.close()
+    assert type(bar).__name__ == "tqdm" and type(files.progress_bar("in.txt", False)).__name__ == "_NoBar"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -120,8 +121,9 @@ class _NoBar:
 
 
 def progress_bar(desc: str, enabled: bool) -> Any:
-    """A tqdm bar of translated lines; tqdm (30 ms of start-up) is imported only when one is shown."""
-    if not enabled:
+    """A tqdm bar of translated lines, only on a terminal: a log or a pipe gets no carriage-return
+    redraws, and tqdm (30 ms of start-up) is imported only when a bar is shown."""
+    if not (enabled and sys.stderr.isatty()):
         return _NoBar()
     from tqdm import tqdm
 
