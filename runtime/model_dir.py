@@ -18,7 +18,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from model import io_names
 from model.atomic import restore_replaced_dir
 from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
 from runtime.backend import Backend
-from runtime.decoding import PAPER, DecodingOptions
+from runtime.decoding import PAPER, DecodingOptions, flag
 from runtime.errors import RuntimeUserError
 from runtime.registry import BACKENDS, check_device, choose_backend, entry, import_torch
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
@@ -116,22 +116,29 @@ class LoadOptions:
                                   "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
                             choices=STEPS)
 
-    def problems(self) -> list[str]:
-        """Every impossible setting, each naming its field (the CLI and HTTP layers phrase them)."""
+    @classmethod
+    def flag(cls, name: str) -> str:
+        """The command-line option of a field (precision -> --dtype), as the CLI generates it."""
+        cli = next(f for f in fields(cls) if f.name == name).metadata.get("cli", {})
+        return cli.get("flag") or flag(name)
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default."""
+        n = name or self.flag
         out = []
         if self.backend not in BACKENDS:
-            out.append(f"backend {self.backend!r}: choose one of {', '.join(BACKENDS)}")
+            out.append(f"{n('backend')} {self.backend!r}: choose one of {', '.join(BACKENDS)}")
         if self.threads is not None and self.threads < 1:
-            out.append(f"threads must be at least 1 (got {self.threads})")
+            out.append(f"{n('threads')} must be at least 1 (got {self.threads})")
         if self.precision not in (None, "fp32", "fp16", "int8"):
-            out.append(f"precision {self.precision!r}: choose fp32 or fp16")
+            out.append(f"{n('precision')} {self.precision!r}: choose fp32 or fp16")
         if self.step not in (None, *STEPS):
-            out.append(f"step {self.step!r}: choose one of {', '.join(STEPS)}")
+            out.append(f"{n('step')} {self.step!r}: choose one of {', '.join(STEPS)}")
         if self.parallel_batches < 1:
-            out.append(f"parallel_batches must be at least 1 (got {self.parallel_batches})")
+            out.append(f"{n('parallel_batches')} must be at least 1 (got {self.parallel_batches})")
         elif self.threads is not None and self.threads < self.parallel_batches:
-            out.append(f"parallel_batches {self.parallel_batches} needs at least as many threads (got "
-                       f"{self.threads}): each batch runs on threads / parallel_batches of them")
+            out.append(f"{n('parallel_batches')} {self.parallel_batches} needs at least as many {n('threads')} (got "
+                       f"{self.threads}): each batch runs on {n('threads')} / {n('parallel_batches')} of them")
         return out
 
 
@@ -158,12 +165,10 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     with `decoding_given` under the model's own defaults and the device's batch budget."""
     started = time.perf_counter()
     options = options or LoadOptions()
-    if options.backend not in BACKENDS:
-        raise RuntimeUserError(f"--backend {options.backend!r}: choose one of {', '.join(BACKENDS)}")
-    check_device(options.device)
     problems = options.problems()
     if problems:
         raise RuntimeUserError("; ".join(problems))
+    check_device(options.device)
     opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
     manifest = opened.manifest
     chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)

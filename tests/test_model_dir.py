@@ -96,3 +96,24 @@ def test_a_backend_that_cannot_decode_over_a_shortlist_says_so(fp32_dir):
     with pytest.raises(registry.RuntimeUserError, match="--shortlist runs on the torch and onnxruntime"):
         registry.entry("tensorrt").needs(manifest, True, fp32_dir)
     assert registry.entry("onnxruntime").needs(manifest, False, fp32_dir) == registry.entry("onnxruntime").files
+
+
+def test_load_options_problems_name_each_field_as_the_front_end_calls_it(tmp_path):
+    """Every impossible setting at once, as the CLI's flags (precision's is --dtype), or as another front end
+    names the fields; load() refuses with them before the model dir is read."""
+    bad = LoadOptions(backend="nope", threads=2, precision="fp64", parallel_batches=3)
+    assert bad.problems() == [
+        "--backend 'nope': choose one of " + ", ".join(registry.BACKENDS),
+        "--dtype 'fp64': choose fp32 or fp16",
+        "--parallel-batches 3 needs at least as many --threads (got 2): each batch runs on --threads / "
+        "--parallel-batches of them"]
+    assert bad.problems(name=str)[1:] == [
+        "precision 'fp64': choose fp32 or fp16",
+        "parallel_batches 3 needs at least as many threads (got 2): each batch runs on threads / parallel_batches "
+        "of them"]
+    assert LoadOptions(threads=0, parallel_batches=0).problems() == [
+        "--threads must be at least 1 (got 0)", "--parallel-batches must be at least 1 (got 0)"]
+    assert LoadOptions(threads=4, parallel_batches=2).problems() == []
+    with pytest.raises(Exception) as e:
+        load(tmp_path / "missing", bad)
+    assert str(e.value).startswith("--backend 'nope'") and "--dtype" in str(e.value)

@@ -110,7 +110,8 @@ def test_serve_batch_parallel_batches_writes_the_same_file(memorised_fp32_dir, m
 
 @pytest.mark.parametrize("args, message", [
     (["--backend", "torch", "--parallel-batches", "2"], "only the onnxruntime backend"),
-    (["--backend", "onnxruntime", "--threads", "1", "--parallel-batches", "2"], "needs at least as many threads"),
+    (["--backend", "onnxruntime", "--threads", "1", "--parallel-batches", "2"],
+     "--parallel-batches 2 needs at least as many --threads (got 1)"),
 ])
 def test_parallel_batches_is_refused_where_it_cannot_run(memorised_fp32_dir, memorise_corpus, tmp_path, capsys,
                                                          args, message):

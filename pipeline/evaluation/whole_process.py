@@ -33,6 +33,7 @@ from pipeline.evaluation.bench import model_column, vocabulary
 from pipeline.textio import read_lines
 from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
+from runtime.model_dir import LoadOptions
 from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
 
 log = logging.getLogger(__name__)
@@ -167,8 +168,9 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         manifest = read_manifest(d, verify=False)
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
                         "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
-    if threads < parallel_batches:
-        raise UserError(f"--parallel-batches {parallel_batches} needs at least as many --threads (got {threads})")
+    problems = LoadOptions(threads=threads, parallel_batches=parallel_batches).problems()
+    if problems:
+        raise UserError("; ".join(problems))
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "parallel_batches": parallel_batches,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
