@@ -362,3 +362,16 @@ def test_non_finite_loss_skips_updates_then_stops_with_a_clear_error(corpus, tmp
     assert code == 2 and "the loss was not finite for 3 updates in a row at step 3" in err
     assert last_step(run) == 2  # nothing was saved from the poisoned updates
     assert all(torch.equal(before[k], weights(run)[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_progress_bar_only_on_a_terminal(corpus, tmp_path, capsys):
+    """The bar is on by default, but stderr redirected to a log (here captured: not a terminal) gets no
+    carriage-return redraws, which would grow a long run's log by megabytes; the log lines stay."""
+    src, tgt = corpus
+    args = [a for a in TINY if a != "--no-progress"]
+    assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", src, "--train-tgt", tgt, *args,
+                   "--max-steps", "2") == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "step/s" not in err and "2/2" not in err, err
+    assert last_step(tmp_path / "run") == 2

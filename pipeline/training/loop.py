@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,7 @@ class TrainLoop:
         decay_text = opts.decay_time or opts.max_time  # the budget --lr-schedule linear decays over
         decay_s = parse_duration(decay_text) if decay_text else None
         bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
-                   disable=not (ctx.is_main and opts.progress))
+                   disable=not (ctx.is_main and opts.progress and sys.stderr.isatty()))  # a log gets no redraws
         model.train()
         with StopFlag() as stop, bar:
             while progress.step < opts.max_steps:

@@ -78,7 +78,7 @@ class TrainOptions:
                              "skipped).")
     builtin_pairs: int | None = opt(None, "Training pairs of the built-in synthetic corpus (default "
                                     f"{BUILTIN_DEFAULTS['builtin_pairs']}).")
-    progress: bool = opt(True, "Show a progress bar.")
+    progress: bool = opt(True, "Show a progress bar on stderr (only on a terminal).")
     allow_changed_data: bool = opt(False, "Resume even though a corpus file's contents changed since the save "
                                    "dir's checkpoints (refused without it): keep the run's tokenizer and data "
                                    "position, record the new files' fingerprints.")
