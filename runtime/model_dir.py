@@ -141,6 +141,13 @@ class LoadOptions:
                        f"{self.threads}): each batch runs on {n('threads')} / {n('parallel_batches')} of them")
         return out
 
+    def validate(self) -> LoadOptions:
+        """self, or a RuntimeUserError listing every problem (as DecodingOptions.validate does)."""
+        problems = self.problems()
+        if problems:
+            raise RuntimeUserError("; ".join(problems))
+        return self
+
 
 @dataclass
 class Loaded:
@@ -164,10 +171,7 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     """The model dir (opened unless given open) on the backend `options` name or the registry picks,
     with `decoding_given` under the model's own defaults and the device's batch budget."""
     started = time.perf_counter()
-    options = options or LoadOptions()
-    problems = options.problems()
-    if problems:
-        raise RuntimeUserError("; ".join(problems))
+    options = (options or LoadOptions()).validate()
     check_device(options.device)
     opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
     manifest = opened.manifest

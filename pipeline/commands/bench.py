@@ -80,9 +80,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], backends: str, batch
     if json_out:
         refuse_overwriting_inputs([p for p in (src, serve_input, *whole_process) if p], [json_out], "--json file")
         check_output_file(json_out, "--json")
-    problems = LoadOptions(threads=threads, parallel_batches=parallel_batches).problems()
-    if problems:  # before anything is measured
-        raise UserError("; ".join(problems))
+    LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
     if step is not None and (whole_process or serve_input is not None or len(model_dirs) > 1 or compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from typing import Any
 
 import click
@@ -61,7 +60,7 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, deco
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return
     stats = translate_shards(model_dir, job, load_options, decoding, opts, ray_opts,
-                             progress and sys.stderr.isatty())
+                             progress)  # drawn only on a terminal (serve_batch.files.progress_bar)
     if stats.truncated:
         log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "
                     "them)", stats.truncated)

@@ -168,9 +168,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
         manifest = read_manifest(d, verify=False)
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
                         "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
-    problems = LoadOptions(threads=threads, parallel_batches=parallel_batches).problems()
-    if problems:
-        raise UserError("; ".join(problems))
+    LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "parallel_batches": parallel_batches,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
