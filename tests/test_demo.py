@@ -84,3 +84,35 @@ def test_multi30k_recipe_script_runs_end_to_end(tmp_path):
     # the number of checkpoints averaged is chosen on val among AVERAGES
     assert re.search(r"average of 1 checkpoint\(s\) .*val BLEU [\d.]+", proc.stdout), proc.stdout
     assert re.search(r"average of 2 checkpoint\(s\) .*val BLEU [\d.]+", proc.stdout), proc.stdout
+
+
+@pytest.mark.slow
+def test_demo_stopped_by_sigterm_during_training_is_one_line_like_train(tmp_path):
+    """SIGTERM while the demo trains: a checkpoint, then the one line `pipeline train` prints for the same
+    stop and exit 143, never a traceback ending in TrainingInterrupted."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import cli_env, pipeline_cmd
+
+    out = tmp_path / "demo"
+    proc = subprocess.Popen(pipeline_cmd("demo", "--out", out, "--preset", "tiny", "--builtin-pairs", "600",
+                                         "--max-steps", "100000", "--no-progress", "--threads", "1"),
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "train" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and (not metrics.is_file() or len(metrics.read_text().splitlines()) < 2):
+            assert proc.poll() is None, proc.communicate()[1]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "TrainingInterrupted" not in err, err
+    logged = re.compile(r"\d\d:\d\d:\d\d (DEBUG|INFO|WARNING) ")  # the log lines of the run itself
+    lines = [line for line in err.strip().splitlines() if line.strip() and not logged.match(line)]
+    assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM at step "), err
+    assert "rerun the same command to resume" in lines[0]

@@ -10,6 +10,7 @@ import click
 from model.config import PRESETS
 from pipeline.cli_options import decoding_options, options_from, parse_backends
 from pipeline.demo.run import DemoOptions, format_result, run_demo
+from pipeline.training import TrainingInterrupted
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
 from runtime.model_dir import LoadOptions
@@ -37,11 +38,17 @@ def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: in
          backends: str | None, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
     """Train on the built-in made-up language pair, export fp32, fp16 and int8, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
-    Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails."""
+    Needs no data and no network; a few minutes on 2 CPU cores. Exits 1 if parity fails.
+    SIGINT/SIGTERM during training write a checkpoint and exit with status 130/143, as `pipeline
+    train` does; rerun the same command to resume."""
     wanted = tuple(parse_backends(backends)) if backends else None
-    result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
-                                  average_last=average_last, backends=wanted,
-                                  decoding=decoding, threads=threads, progress=progress))
+    try:
+        result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
+                                      average_last=average_last, backends=wanted,
+                                      decoding=decoding, threads=threads, progress=progress))
+    except TrainingInterrupted as e:  # the stop train's command reports: one line, 128 + signum
+        click.echo(str(e), err=True)
+        sys.exit(128 + e.signum)
     click.echo(format_result(result))
     if not result.passed:
         sys.exit(1)
