@@ -26,7 +26,7 @@ from test_serve_hostile import StandIn  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.detect import Detector  # noqa: E402
 from pipeline.serve.keys import ApiKeys  # noqa: E402
-from pipeline.serve.markup import parse_html  # noqa: E402
+from runtime.markup import parse_html  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
 from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402

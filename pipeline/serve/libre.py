@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.serve.flow import off_loop, read_payload, translated
 from pipeline.serve.keys import KeyRefused, RateLimited
-from pipeline.serve.markup import Markup, parse_html
 from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
 from pipeline.serve.translator import Encoded
+from runtime.markup import Markup, parse_html
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)

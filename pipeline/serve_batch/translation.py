@@ -19,10 +19,10 @@ from typing import IO
 
 from model.errors import UserError
 from pipeline.cli_options import opt
-from pipeline.serve.markup import Markup, parse_html
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
+from runtime.markup import Markup, parse_html
 from runtime.sentences import (
     DEFAULT_LANG,
     SPLIT_MODES,

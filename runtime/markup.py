@@ -1,0 +1,150 @@
+"""HTML in, HTML out: the text of a document is translated and its markup kept byte for byte.
+
+The document is cut into markup and text by a small tokenizer of our own, which follows the HTML standard's
+tokenizer for what a translation service needs to know (where each tag, comment, doctype and processing
+instruction starts and ends, the tag's name, its translate attribute, raw-text elements) and builds no tree.
+It visits every character a bounded number of times, so any document costs time in proportion to its size.
+The standard library's html.parser was quadratic on unterminated constructs (`<a ` or `<!--` repeated:
+CPython gh-135462), so 36 KB held a request for 11 s. The rule, written down in docs/serving.md:
+
+- Every tag, attribute (alt and title included), comment, doctype and processing instruction is copied
+  from the source unchanged.
+- Each text node (the text between two tags) is translated on its own, as a document (split into
+  sentences, its whitespace kept). So an inline tag splits the sentence it is in: in `The <b>big</b> dog`
+  the model sees "The ", "big" and " dog" apart, and the tags stay where they were; words are never moved
+  across a tag.
+- The content of <code>, <pre>, <script>, <style> and of any element with translate="no" is copied
+  unchanged, and so is a text node without letters (whitespace, numbers, punctuation, entities alone).
+- Entities: the model sees the characters they stand for; in the translation each character that the
+  source wrote as an entity is written with the same entity again, and &, < are escaped.
+- A construct that never ends (`<b` or `<!--` with no closing `>` / `-->`) runs to the end of the document,
+  as in a browser: everything from it on is copied unchanged, never translated.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+SKIP = frozenset({"code", "pre", "script", "style"})
+VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
+                  "track", "wbr"})
+RAW_TEXT = frozenset({"script", "style"})  # their content is text up to the matching end tag, never tags
+ENTITY = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
+# A start or end tag from its "<": the name, then attributes (a value quoted after "=" may hold ">"), then ">".
+# Every character can be read one way only (each run is maximal, a quote opens a value only after "="), so
+# a match that fails at the end of the document backtracks in linear time.
+TAG = re.compile(r"""</?([A-Za-z][^\t\n\f\r />]*)(?![^\t\n\f\r />])"""
+                 r"""((?:[^>"'=]+(?![^>"'=])|=[\t\n\f\r ]*(?:"[^"]*"|'[^']*')|=(?![\t\n\f\r ]*["'])|["'])*)>""")
+TRANSLATE_NO = re.compile(r"""(?:^|[\t\n\f\r /])translate[\t\n\f\r ]*=[\t\n\f\r ]*(?:"([^"]*)"|'([^']*)'|"""
+                          r"""([^\t\n\f\r >]*))""", re.IGNORECASE)
+
+
+@dataclass
+class Markup:
+    """A document as pieces of its source; `texts[k]` is the piece index of the k-th text to translate,
+    `sources[k]` what the model sees, `entities[k]` how the source spelled its characters."""
+
+    pieces: list[str]
+    texts: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    entities: list[dict[str, str]] = field(default_factory=list)
+
+    def rebuild(self, translations: list[str]) -> str:
+        """The document with the k-th text replaced by translations[k] (escaped as its source was)."""
+        if len(translations) != len(self.texts):
+            raise ValueError(f"{len(translations)} translations for {len(self.texts)} texts")
+        out = list(self.pieces)
+        for index, text, spelled in zip(self.texts, translations, self.entities):
+            out[index] = _escape(text, spelled)
+        return "".join(out)
+
+
+def _escape(text: str, spelled: dict[str, str]) -> str:
+    return "".join(spelled.get(c) or ("&amp;" if c == "&" else "&lt;" if c == "<" else c) for c in text)
+
+
+def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
+    """(start, stop, translatable) for each construct in order: text runs, and markup (tags, comments,
+    declarations, raw-text content, and an unterminated construct with the rest of the document)."""
+    skip: list[str] = []  # the element that opened a copied region, once per nesting level
+    n, i = len(document), 0
+    while i < n:
+        lt = document.find("<", i)
+        if lt < 0:
+            yield i, n, not skip
+            return
+        if lt > i:
+            yield i, lt, not skip
+        nxt = document[lt + 1:lt + 2]
+        if nxt.isascii() and nxt.isalpha() or nxt == "/" and document[lt + 2:lt + 3].isascii() \
+                and document[lt + 2:lt + 3].isalpha():
+            tag = TAG.match(document, lt)
+            if tag is None:  # "<b" with no ">" after it: a tag to the end of the document
+                yield lt, n, False
+                return
+            i = tag.end()
+            yield lt, i, False
+            name = tag.group(1).lower()
+            if nxt == "/":
+                if skip and name == skip[0]:
+                    skip.pop()
+                continue
+            if tag.group(0).endswith("/>") or name in VOID:
+                continue
+            no = TRANSLATE_NO.search(tag.group(2))
+            opens = name in SKIP or bool(no) and "".join(g or "" for g in no.groups()).strip().lower() == "no"
+            if skip and name == skip[0] or not skip and opens:
+                skip.append(name)
+            if name in RAW_TEXT:  # its content is copied up to its end tag, which the loop reads next
+                end = re.compile(rf"</{name}[\t\n\f\r />]", re.IGNORECASE).search(document, i)
+                stop = n if end is None else end.start()
+                if stop > i:
+                    yield i, stop, False
+                i = stop
+            continue
+        if document.startswith("<!--", lt):
+            end = document.find("-->", lt + 4)
+            stop = n if end < 0 else end + 3
+        elif nxt in ("!", "?", "/"):  # a declaration, processing instruction, or "</" + not a letter
+            end = document.find(">", lt + 2)
+            stop = n if end < 0 else end + 1
+        else:  # "<" before a space, a digit, ...: text, as in a browser
+            yield lt, lt + 1, not skip
+            i = lt + 1
+            continue
+        yield lt, stop, False
+        i = stop
+
+
+def parse_html(document: str) -> Markup:
+    """The document's pieces: markup copied, text nodes (adjacent text runs together) to translate."""
+    merged: list[list[int | bool]] = []  # start, stop, translatable
+    for start, stop, translatable in _runs(document):
+        if merged and merged[-1][2] == translatable and merged[-1][1] == start:
+            merged[-1][1] = stop
+        else:
+            merged.append([start, stop, translatable])
+    markup = Markup([document[int(a):int(b)] for a, b, _ in merged])
+    for index, (_, _, translatable) in enumerate(merged):
+        raw = markup.pieces[index]
+        if not translatable:
+            continue
+        text = html.unescape(raw)
+        if any(c.isalpha() for c in text):
+            markup.texts.append(index)
+            markup.sources.append(text)
+            markup.entities.append(_spelled(raw))
+    return markup
+
+
+def _spelled(raw: str) -> dict[str, str]:
+    """Each character the source wrote as an entity -> that entity, as written."""
+    spelled: dict[str, str] = {}
+    for m in ENTITY.finditer(raw):
+        char = html.unescape(m.group(0))
+        if len(char) == 1 and char != m.group(0):
+            spelled.setdefault(char, m.group(0) if m.group(0).endswith(";") else m.group(0) + ";")
+    return spelled
