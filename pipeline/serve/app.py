@@ -26,8 +26,8 @@ from starlette.routing import Route
 
 from pipeline.serve import libre
 from pipeline.serve.batcher import Batcher, Work
-from pipeline.serve.flow import count, off_loop, read_payload, submit, translated, wait
-from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.flow import count, off_loop, off_loop_reading, read_payload, submit, translated, wait
+from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.libre import speaks_libre
 from pipeline.serve.metrics import CONTENT_TYPE
 from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request
@@ -38,7 +38,8 @@ from runtime.translate import NBest
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
-PREPARE_THREADS = 4  # parse, split, tokenize and format requests (flow.off_loop), for every model
+PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (flow.off_loop), for every model
+READING_THREADS = 2  # read bodies' JSON and forms (flow.off_loop_reading), never held by documents
 
 
 def _unauthorized(state: ServerState, request: Request) -> ApiError | None:
@@ -46,8 +47,7 @@ def _unauthorized(state: ServerState, request: Request) -> ApiError | None:
     401 with WWW-Authenticate, or 429 over the key's rate."""
     if state.keys is None:
         return None
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else None
+    given = bearer(request.headers.get("authorization", ""))
     try:
         state.keys.check(given)
     except KeyRefused:
@@ -82,7 +82,7 @@ async def _native(request: Request, data: Any, state: ServerState, started: floa
         refused = _unauthorized(state, request)
         if refused is not None:
             raise refused
-        req = await off_loop(state, parse_request, data, state)
+        req = await off_loop_reading(state, parse_request, data, state)
         m = req.model.metrics
         m.in_flight.inc()
         try:
@@ -223,6 +223,7 @@ def create_app(state: ServerState) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = state.limits
         state.prepare = prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
+        state.reading = reading = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="reading")
         for model in state.models.values():
             model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
                                     limits.max_wait_ms / 1000.0, limits.max_queue)
@@ -234,6 +235,7 @@ def create_app(state: ServerState) -> Starlette:
             for model in state.models.values():
                 await model.batcher.stop()  # type: ignore[union-attr]
             prepare.shutdown(wait=False, cancel_futures=True)
+            reading.shutdown(wait=False, cancel_futures=True)
 
     app = Starlette(routes=[
         Route("/translate", translate, methods=["POST"]),

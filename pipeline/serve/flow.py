@@ -27,10 +27,17 @@ MAX_FORM_FIELDS = 64
 
 
 async def off_loop(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
-    """fn(*args) on the threads that prepare requests and answers: reading a large body's JSON, splitting
-    and tokenizing it, formatting its translations take CPU time in proportion to it, which on the
-    event loop would hold every other request and /health. Not the backend's thread, which translates."""
+    """fn(*args) on the threads that prepare requests and answers: parsing HTML, splitting and tokenizing a
+    document, formatting its translations take CPU time in proportion to it, which on the event loop would
+    hold every other request and /health. Not the backend's thread, which translates."""
     return await asyncio.get_running_loop().run_in_executor(state.prepare, functools.partial(fn, *args))
+
+
+async def off_loop_reading(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on the threads that read bodies (JSON, form data): apart from those preparing documents,
+    so that however many large documents are being prepared, the next request's body is still read."""
+    return await asyncio.get_running_loop().run_in_executor(state.reading or state.prepare,
+                                                            functools.partial(fn, *args))
 
 
 def busy(message: str, state: ServerState) -> ApiError:
@@ -87,6 +94,9 @@ async def translated(request: Request, reqs: list[TranslateRequest], state: Serv
             watcher.cancel()
         if not waiter.done():
             waiter.cancel()
+            # a cancelled gather holds its CancelledError as an exception: retrieved here, or asyncio logs
+            # "_GatheringFuture exception was never retrieved" with a traceback for every client that left
+            waiter.add_done_callback(_retrieve)
             raise ClientDisconnect()
         waiter.result()  # its ApiError, if any
     except BaseException:
@@ -99,6 +109,11 @@ async def translated(request: Request, reqs: list[TranslateRequest], state: Serv
     return [(encoded, work.results) for _, work, encoded in submitted]
 
 
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 def count(m: ModelMetrics, encoded: Encoded, results: list[NBest]) -> None:
     m.sentences.inc(len(encoded.ids))
     m.src_tokens.inc(encoded.tokens)
@@ -107,14 +122,30 @@ def count(m: ModelMetrics, encoded: Encoded, results: list[NBest]) -> None:
 
 
 async def read_payload(request: Request, state: ServerState) -> tuple[Any, bool]:
-    """The body within its limits, as JSON or as a form's fields, and whether it was a form (400 naming what
-    is unreadable)."""
+    """The body within its limits, as JSON or as fields, and whether it was fields (400 naming what is
+    unreadable). Fields are read as LibreTranslate reads `request.values`: the query string's, then the form's
+    (urlencoded or multipart); a request with an empty body and a query string (deep-translator sends every
+    field there) is its query string's fields."""
     body = await read_body(request, state.limits)
-    if not is_form(request.headers, body):
-        return await off_loop(state, parse_json, body), False
-    if request.headers.get("content-type", "").lower().startswith("multipart/"):
-        return await read_multipart(request.headers, body), True
-    return await off_loop(state, parse_urlencoded, body), True
+    if is_form(request.headers, body):
+        if request.headers.get("content-type", "").lower().startswith("multipart/"):
+            fields = await read_multipart(request.headers, body)
+        else:
+            fields = await off_loop_reading(state, parse_urlencoded, body)
+        return {**fields, **query_fields(request)}, True
+    if not body.strip() and request.url.query:
+        return query_fields(request), True
+    return await off_loop_reading(state, parse_json, body), False
+
+
+def query_fields(request: Request) -> dict[str, str]:
+    """The query string's fields (the first of a repeated one, at most MAX_FORM_FIELDS)."""
+    fields: dict[str, str] = {}
+    for key, value in request.query_params.multi_items():
+        if key not in fields and len(fields) >= MAX_FORM_FIELDS:
+            raise ApiError(400, f"the query string has more than {MAX_FORM_FIELDS} fields")
+        fields.setdefault(key, value)
+    return fields
 
 
 def is_form(headers: Headers, body: bytes) -> bool:

@@ -7,24 +7,26 @@ seconds; blank lines and lines starting with # are skipped:
     3f1c9a6e0b7d4e52a8c1f0e9d2b7a6c4    120
     ops-dashboard-key
 
-Keys are held as SHA-256 digests and a given key is compared with every one of them by
-hmac.compare_digest, so neither the comparison's time nor an early exit tells how close a guess was. A key
-is never logged or put in an error message. /health and /metrics need no key."""
+The file may start with a UTF-8 byte-order mark (Windows editors write one); it is read up to MAX_FILE_BYTES,
+so a device or a runaway file is refused, not read without end. Keys are held as SHA-256 digests in a dict:
+a given key is hashed once and looked up, so a check costs the same with 10 keys or 200,000, and its time
+depends on the digest of the guess, never on how many characters of a stored key it shares. A key is never
+logged or put in an error message. /health and /metrics need no key."""
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import math
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from model.errors import UserError
 
 WINDOW_S = 60.0
+MAX_FILE_BYTES = 64 << 20  # about a million keys
+MAX_KEY_CHARS = 512  # a longer key in the file is refused at start; a longer one given is not looked up
 
 
 @dataclass
@@ -47,20 +49,38 @@ class RateLimited(Exception):
         self.retry_after_s = retry_after_s
 
 
+def bearer(authorization: str) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header, or None. HTTP hands header bytes over as Latin-1;
+    a client sends a non-ASCII key as UTF-8, so it is read as UTF-8 again (the key as the file holds it)."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = token.strip()
+    try:
+        return token.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return token
+
+
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 class ApiKeys:
     def __init__(self, keys: list[_Key]):
-        self._keys = keys
+        self._keys = {key.digest: key for key in keys}
         self._lock = threading.Lock()
 
     @classmethod
     def read(cls, path: str) -> ApiKeys:
         """The keys of FILE (UserErrors name the file and line; the key itself is never repeated)."""
         try:
-            text = Path(path).read_text(encoding="utf-8")
+            with open(path, "rb") as f:
+                raw = f.read(MAX_FILE_BYTES + 1)
+            if len(raw) > MAX_FILE_BYTES:
+                raise UserError(f"--api-keys {path}: the file is over {MAX_FILE_BYTES >> 20} MiB; give a file of "
+                                "keys, one per line")
+            text = raw.decode("utf-8-sig")  # a byte-order mark is not part of the first key
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"--api-keys {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
         keys: list[_Key] = []
@@ -72,8 +92,8 @@ class ApiKeys:
             where = f"--api-keys {path} line {n}"
             if len(fields) > 2 or (len(fields) == 2 and not (fields[1].isdigit() and int(fields[1]) > 0)):
                 raise UserError(f"{where}: write KEY or KEY REQUESTS_PER_MINUTE (a whole number above 0)")
-            if len(fields[0]) < 8:
-                raise UserError(f"{where}: a key must have at least 8 characters")
+            if not 8 <= len(fields[0]) <= MAX_KEY_CHARS:
+                raise UserError(f"{where}: a key must have 8 to {MAX_KEY_CHARS} characters")
             digest = _digest(fields[0])
             if digest in seen:
                 raise UserError(f"{where}: this key is in the file twice")
@@ -90,11 +110,7 @@ class ApiKeys:
         """Accept one request with this key: KeyRefused when missing or unknown, RateLimited when over its rate."""
         if not given:
             raise KeyRefused("missing")
-        digest = _digest(given)
-        found = None
-        for key in self._keys:  # every key compared, whichever matches
-            if hmac.compare_digest(key.digest, digest):
-                found = key
+        found = self._keys.get(_digest(given)) if len(given) <= MAX_KEY_CHARS else None
         if found is None:
             raise KeyRefused("invalid")
         if found.per_minute is None:

@@ -6,14 +6,18 @@ is SRC-TGT ("de-en"). A model with neither is served by the native API only. No 
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
+
+from model.errors import UserError
 
 log = logging.getLogger(__name__)
 
+MAX_LANGUAGES = 1000  # per model and side: GET /languages lists up to this squared
 PAIR = re.compile(r"([a-z]{2,3})-([a-z]{2,3})")  # a model named SRC-TGT
 M = TypeVar("M")
 
@@ -35,6 +39,10 @@ def served_languages(name: str, manifest: Any) -> tuple[tuple[str, ...], tuple[s
     declares them, else (SRC,), (TGT,) from a name like "de-en", else nothing (native API only)."""
     declared = getattr(manifest, "languages", None)
     if declared is not None and (declared.source or declared.target):
+        many = max(len(declared.source), len(declared.target))
+        if many > MAX_LANGUAGES:
+            raise UserError(f"manifest.json lists {many} languages, more than the {MAX_LANGUAGES} a served model may "
+                            "have (NLLB has 202); export the model again")
         return tuple(declared.source), tuple(declared.target)
     pair = PAIR.fullmatch(name)
     return ((pair.group(1),), (pair.group(2),)) if pair else ((), ())
@@ -44,39 +52,70 @@ def language_name(code: str) -> str:
     return NAMES.get(code, code)
 
 
-@dataclass
-class Routes(Generic[M]):
-    """(source, target) -> the model that translates it; the first model given wins a pair two serve."""
+LISTED = 20  # pairs an error message names; past that it counts them and points at GET /languages
 
-    pairs: dict[tuple[str, str], M]
+
+class Routes(Generic[M]):
+    """(source, target) -> the model that translates it; the first model given wins a pair two serve.
+
+    Held per model as sets of codes, not as pairs: a lookup costs the number of models, memory the number of
+    codes, and GET /languages is built once here (NLLB serves 202 x 201 pairs; built per request, the list
+    cost N^3 and stalled the event loop)."""
+
+    def __init__(self, models: list[tuple[str, M, frozenset[str], frozenset[str]]]):
+        self._models = models
+        targets: dict[str, set[str]] = {}
+        for _, _, sources, into in models:
+            for src in sources:
+                targets.setdefault(src, set()).update(into)
+        for src, into in targets.items():
+            into.discard(src)
+        self.codes = sorted({src for src, into in targets.items() if into}.union(*targets.values()))
+        self.count = sum(len(t) for t in targets.values())
+        self._languages = [{"code": code, "name": language_name(code), "targets": sorted(targets.get(code, ()))}
+                           for code in self.codes]
+        for name, _, sources, into in models:
+            for src in sources:
+                for other, _, s2, t2 in models:
+                    if other == name:
+                        break
+                    shared = (into & t2) - {src} if src in s2 else set()
+                    if shared:
+                        log.warning("model %s also translates %s-%s; model %s answers it", name, src,
+                                    min(shared), other)
 
     @classmethod
     def of(cls, models: Iterable[tuple[str, M, tuple[str, ...], tuple[str, ...]]]) -> Routes[M]:
         """From (name, model, sources, targets) in the order the models were given."""
-        pairs: dict[tuple[str, str], M] = {}
-        owner: dict[tuple[str, str], str] = {}
-        for name, model, sources, targets in models:
-            for src in sources:
-                for tgt in targets:
-                    if src == tgt:
-                        continue
-                    if (src, tgt) in pairs:
-                        log.warning("model %s also translates %s-%s; model %s answers it", name, src, tgt,
-                                    owner[(src, tgt)])
-                        continue
-                    pairs[(src, tgt)], owner[(src, tgt)] = model, name
-        return cls(pairs)
+        return cls([(name, model, frozenset(sources), frozenset(targets)) for name, model, sources, targets in models])
 
-    @property
-    def codes(self) -> list[str]:
-        """Every language a route starts or ends in, sorted: what detection chooses among."""
-        return sorted({code for pair in self.pairs for code in pair})
+    def model(self, source: str, target: str) -> M | None:
+        """The model that translates source into target, or None."""
+        if source == target:
+            return None
+        for _, model, sources, targets in self._models:
+            if source in sources and target in targets:
+                return model
+        return None
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (source, target) served, sorted."""
+        return [(lang["code"], t) for lang in self._languages for t in lang["targets"]]
 
     def listed(self) -> str:
-        return ", ".join(f"{s}-{t}" for s, t in sorted(self.pairs)) or "none (name models SRC-TGT, like de-en)"
+        """The served pairs for a message: each one while they are few, else how many and where to look."""
+        if self.count == 0:
+            return "none (name models SRC-TGT, like de-en)"
+        if self.count > LISTED:
+            return f"{self.count} pairs of {len(self.codes)} languages (GET /languages lists them)"
+        return ", ".join(f"{s}-{t}" for s, t in self.pairs())
 
     def languages(self) -> list[dict[str, Any]]:
         """GET /languages: every language with the targets it translates into; a target-only language
         has no targets."""
-        return [{"code": code, "name": language_name(code),
-                 "targets": sorted(t for s, t in self.pairs if s == code)} for code in self.codes]
+        return self._languages
+
+    @functools.cached_property
+    def languages_json(self) -> bytes:
+        """GET /languages' body, encoded once."""
+        return json.dumps(self._languages, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

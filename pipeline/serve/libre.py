@@ -12,16 +12,16 @@ log-probability, not a quality guarantee."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from starlette.datastructures import Headers
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from pipeline.serve.flow import off_loop, read_payload, translated
-from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.flow import off_loop, off_loop_reading, read_payload, translated
+from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
 from pipeline.serve.translator import Encoded
 from runtime.markup import Markup, parse_html
@@ -29,6 +29,7 @@ from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 KEYS = {"q", "source", "target", "format", "alternatives", "api_key"}
+WHOLE = re.compile(r"-?[0-9]{1,9}")
 
 
 def speaks_libre(data: Any) -> bool:
@@ -40,14 +41,13 @@ def error(e: ApiError) -> Response:
     return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
 
 
-def check_key(state: ServerState, given: Any, headers: Headers) -> None:
-    """With --api-keys: 403 without a valid key (the body's "api_key", or Authorization: Bearer), 429
-    over its rate."""
+def check_key(state: ServerState, given: Any, request: Request) -> None:
+    """With --api-keys: 403 without a valid key (the request's "api_key": JSON, form or query string, as
+    LibreTranslate reads it; or Authorization: Bearer), 429 over its rate."""
     if state.keys is None:
         return
     if not given:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        given = token.strip() if scheme.lower() == "bearer" else None
+        given = request.query_params.get("api_key") or bearer(request.headers.get("authorization", ""))
     if given is not None and not isinstance(given, str):
         raise ApiError(400, '"api_key" must be a string')
     try:
@@ -105,10 +105,10 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
     if kind not in ("text", "html"):
         raise ApiError(400, f'"format" must be "text" or "html", not {str(kind)[:20]!r}')
     n = data.get("alternatives", 0)
-    if isinstance(n, str) and n.strip().lstrip("-").isdigit():
+    if isinstance(n, str) and WHOLE.fullmatch(n.strip()):  # ASCII digits only: int("²") raises
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool):
-        raise ApiError(400, '"alternatives" must be a whole number')
+        raise ApiError(400, f'"alternatives" must be a whole number, not {str(n)[:20]!r}')
     return LibreRequest(texts, batch, source, target, kind == "html", max(0, n))
 
 
@@ -124,7 +124,7 @@ class _Group:
 
 
 def _route(state: ServerState, source: str, target: str, detected: str = "") -> ServedModel:
-    model = state.routes.pairs.get((source, target))
+    model = state.routes.model(source, target)
     if model is None:
         raise ApiError(400, f'{detected}"source" {source} to "target" {target} is not a language pair this server '
                             f"translates; it translates {state.routes.listed()}")
@@ -222,8 +222,8 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     started = time.perf_counter()
     m = state.unnamed
     try:
-        check_key(state, data.get("api_key") if isinstance(data, dict) else None, request.headers)
-        req = await off_loop(state, parse_libre, data, form, state)  # in proportion to the body: off the loop
+        check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
+        req = await off_loop_reading(state, parse_libre, data, form, state)  # in proportion to the body
         detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
         groups = await off_loop(state, _groups, state, req, detected)
         m = groups[0].model.metrics
@@ -253,7 +253,7 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
 async def languages(request: Request) -> Response:
     """GET /languages: [{"code", "name", "targets"}] of the served models; open, as LibreTranslate's."""
     state: ServerState = request.app.state.server
-    return JSONResponse(state.routes.languages())
+    return Response(state.routes.languages_json, media_type="application/json")
 
 
 async def detect(request: Request) -> Response:
@@ -263,7 +263,7 @@ async def detect(request: Request) -> Response:
         data, _ = await read_payload(request, state)
         if not isinstance(data, dict):
             raise ApiError(400, 'request body must be a JSON object like {"q": "text"}')
-        check_key(state, data.get("api_key"), request.headers)
+        check_key(state, data.get("api_key"), request)
         q = data.get("q")
         if q is None or q == "" or q == []:
             raise ApiError(400, "Invalid request: missing q parameter")

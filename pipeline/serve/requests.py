@@ -58,6 +58,7 @@ class ServerState:
     warmed_up: bool = False
     draining: bool = False
     prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
+    reading: ThreadPoolExecutor | None = None  # threads reading bodies, apart from `prepare` (app.py's lifespan)
     keys: ApiKeys | None = None  # --api-keys: every translation request needs one of them
     detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
     no_detector: str = "language detection is off"
