@@ -6,7 +6,6 @@ is SRC-TGT ("de-en"). A model with neither is served by the native API only. No 
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import re
@@ -74,6 +73,7 @@ class Routes(Generic[M]):
         self.count = sum(len(t) for t in targets.values())
         self._languages = [{"code": code, "name": language_name(code), "targets": sorted(targets.get(code, ()))}
                            for code in self.codes]
+        self.languages_json = json.dumps(self._languages, ensure_ascii=False).encode("utf-8")  # GET /languages
         for name, _, sources, into in models:
             for src in sources:
                 for other, _, s2, t2 in models:
@@ -114,8 +114,3 @@ class Routes(Generic[M]):
         """GET /languages: every language with the targets it translates into; a target-only language
         has no targets."""
         return self._languages
-
-    @functools.cached_property
-    def languages_json(self) -> bytes:
-        """GET /languages' body, encoded once."""
-        return json.dumps(self._languages, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
