@@ -25,7 +25,7 @@ from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Limits
 from model.transformer import Transformer
 from runtime.decoding import PAPER
 from runtime.shortlist import Shortlist
-from runtime.tokenizer import AnyTokenizer, load_tokenizer
+from runtime.tokenizer import AnyTokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +85,11 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     source = resolve_checkpoint(Path(checkpoint))
     prepare_out(options.out, options.force, source)
     tensorrt = _check_precision(options)
-    model, spm_bytes, payload = load(source)
+    model, spm_bytes, payload, loaded = load(source)
     limits = _limits(options, model.cfg.max_positions)
     check_options(model.cfg, opset=options.opset, topk=options.topk, limits=limits)
     needed = options.references is not None or options.shortlist is not None or options.calibration is not None
-    tokenizer = load_tokenizer(spm_bytes) if needed else None
+    tokenizer = loaded if needed else None
     # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
     counted = None
     if options.shortlist is not None and tokenizer is not None:
@@ -210,9 +210,10 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any]]:
-    """The fp32 model, tokenizer bytes and payload; a checkpoint whose weights do not fit
-    its config, or without a tokenizer, is an export error naming the file."""
+def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any], AnyTokenizer]:
+    """The fp32 model, tokenizer bytes, payload and tokenizer; a checkpoint whose weights do not fit
+    its config, or without a tokenizer that loads, is an export error naming the file (a model dir must never
+    ship an spm.model that serve cannot load)."""
     try:
         model, spm_bytes, payload = load_model(source, "cpu")
     except (RuntimeError, KeyError, TypeError) as e:
@@ -220,7 +221,12 @@ def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any]]:
                           f"{str(e).splitlines()[0]}") from None
     if not isinstance(spm_bytes, bytes) or not spm_bytes:
         raise ExportError(f"{source}: checkpoint holds no SentencePiece model; re-save it with `pipeline train`")
-    return model.float().eval(), spm_bytes, payload
+    try:
+        tokenizer = load_tokenizer(spm_bytes)
+    except TokenizerError as e:
+        raise ExportError(f"{source}: the checkpoint's tokenizer cannot be loaded ({e}); re-import or re-train "
+                          "it") from None
+    return model.float().eval(), spm_bytes, payload, tokenizer
 
 
 def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:

@@ -84,8 +84,8 @@ class VocabTokenizer:
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
                  unk: str = "<unk>", pad: str = "<pad>", hidden: list[str] | tuple[str, ...] = ()):
-        self.source = spm.SentencePieceProcessor(model_proto=source_spm)
-        self.target = spm.SentencePieceProcessor(model_proto=target_spm)
+        self.source = _processor(source_spm, "source: ")
+        self.target = _processor(target_spm, "target: ")
         self.source_spm, self.target_spm = source_spm, target_spm
         self.vocab = dict(vocab)
         wrong = [(piece, i) for piece, i in self.vocab.items()
@@ -200,9 +200,13 @@ def tokenizer_from_file(path: str | Path) -> AnyTokenizer:
         raise TokenizerError(f"{path}: {e}; export the model again") from None
 
 
-def _processor(model_bytes: bytes) -> spm.SentencePieceProcessor:
-    """SentencePiece's processor, or a TokenizerError: its own parse error is a multi-line C++ message."""
+def _processor(model_bytes: bytes, which: str = "") -> spm.SentencePieceProcessor:
+    """SentencePiece's processor, or a TokenizerError: its own parse error is a multi-line C++ message, and
+    empty bytes load no model without an error (every later call then fails), so they are refused here.
+    `which`: "source: " or "target: " of a bundle."""
+    if not model_bytes:
+        raise TokenizerError(f"{which}not a SentencePiece model (0 bytes)")
     try:
         return spm.SentencePieceProcessor(model_proto=model_bytes)
     except (RuntimeError, TypeError, OSError) as e:
-        raise TokenizerError(f"not a SentencePiece model ({len(model_bytes)} bytes; {first_line(e)})") from None
+        raise TokenizerError(f"{which}not a SentencePiece model ({len(model_bytes)} bytes; {first_line(e)})") from None
