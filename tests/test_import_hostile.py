@@ -259,6 +259,8 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
     # pickles that are not plain tensors
     "pickle-object": (as_pytorch_bin({"extra": __import__("datetime").date(2020, 1, 1)}),
                       ("pytorch_model.bin", "refused for safety", "safe_serialization=True")),
+    "pickle-int-key": (lambda hf: as_pytorch_bin({1: __import__("torch").zeros(3)})(hf),
+                       ("pytorch_model.bin", "key 1 is not a tensor name")),
     "torn-safetensors": (lambda hf: (hf / "model.safetensors").write_bytes(
         (hf / "model.safetensors").read_bytes()[:1000]), ("model.safetensors",)),
     "lying-header": (lambda hf: (hf / "model.safetensors").write_bytes(_header_only(10 ** 9)),

@@ -1,7 +1,13 @@
 """Reading a model directory written by transformers' `save_pretrained`, for every importer
 (pipeline/importers): typed reads of its JSON files, where its files may resolve, and its weights'
 shapes from the file's header, so that a hostile directory is one line naming the file and field
-before anything is allocated, and nothing outside the directory is read."""
+before anything is allocated, and nothing outside the directory is read.
+
+Every file an importer reads whole (the JSON files, the SentencePiece models) goes through one
+`HFFiles` per import: the file must resolve inside the directory before it is opened, must be a
+regular file (a FIFO or a device is refused, never waited on), and is read up to its size limit
+(LIMITS) plus one byte, so a 4 GB config.json or /dev/zero costs nothing; each JSON file is parsed
+once per import."""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import json
 import math
 import os
 import pickle
+import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -80,14 +87,63 @@ def flag(data: dict[str, Any], key: str, where: Path, default: bool) -> bool:
     return value
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise ImportRefused(f"{path}: unreadable ({e})") from None
-    if not isinstance(data, dict):
-        raise ImportRefused(f"{path}: expected a JSON object")
+# -- bounded reads: every file read whole has a size limit (docs/import.md) --------------------------
+
+MiB = 1 << 20
+CONFIG_LIMIT = 4 * MiB  # config.json, generation_config.json, tokenizer_config.json, ...: a few KB each
+VOCABULARY_LIMIT = 64 * MiB  # NLLB-200's tokenizer.json is 17 MB, M2M-100's vocab.json 4 MB
+SENTENCEPIECE_LIMIT = 64 * MiB  # NLLB-200's sentencepiece.bpe.model is 5 MB, an OPUS-MT source.spm 1 MB
+LIMITS = {"vocab.json": VOCABULARY_LIMIT, "tokenizer.json": VOCABULARY_LIMIT,
+          "source.spm": SENTENCEPIECE_LIMIT, "target.spm": SENTENCEPIECE_LIMIT,
+          "sentencepiece.bpe.model": SENTENCEPIECE_LIMIT}
+
+
+def limit_of(name: str) -> int:
+    """The size limit of a file read whole, by its name: the vocabularies' and SentencePiece models', else a
+    config file's."""
+    return LIMITS.get(name, CONFIG_LIMIT)
+
+
+def size_text(n: int) -> str:
+    return f"{n / MiB:g} MiB" if n >= MiB else f"{n} bytes"
+
+
+def read_bounded(path: Path, limit: int | None = None) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (by its name's limit when None), read as at most
+    limit + 1 bytes: a larger file, a FIFO or a device is one line naming the file, never a hang or a
+    multi-GB read."""
+    limit = limit_of(path.name) if limit is None else limit
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer (no effect on a regular file)
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise ImportRefused(f"{path}: unreadable ({e.strerror or e})") from None
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ImportRefused(f"{path}: not a regular file; the import reads files only")
+        too_large = f"{path}: larger than {size_text(limit)}, the limit for {path.name} (docs/import.md); " \
+                    f"not a file save_pretrained writes: replace it with the model's own"
+        if info.st_size > limit:
+            raise ImportRefused(f"{too_large} ({info.st_size} bytes)")
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise ImportRefused(f"{path}: unreadable ({e.strerror or e})") from None
+    if len(data) > limit:  # grew since fstat, or a file whose size stat does not tell
+        raise ImportRefused(too_large)
     return data
+
+
+def read_json(path: Path, limit: int | None = None) -> dict[str, Any]:
+    """A JSON object file, read bounded (read_bounded); anything else is one line naming the file."""
+    data = read_bounded(path, limit)
+    try:
+        parsed = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ImportRefused(f"{path}: unreadable ({one_line(e)})") from None
+    if not isinstance(parsed, dict):
+        raise ImportRefused(f"{path}: expected a JSON object")
+    return parsed
 
 
 # -- where the directory's files may resolve --------------------------------------------------------
@@ -107,6 +163,41 @@ def allowed_roots(hf_dir: Path) -> list[str]:
 def inside(path: Path, roots: list[str]) -> bool:
     real = os.path.realpath(path)
     return any(os.path.commonpath([real, root]) == root for root in roots)
+
+
+class HFFiles:
+    """One import's reads of a directory: a file is checked to resolve inside it before it is opened
+    (a link out of it is refused, never followed), read bounded (read_bounded), and each JSON file
+    parsed once per import (`json` hands every caller the same object: they must not change it)."""
+
+    def __init__(self, hf_dir: Path):
+        self.dir = Path(hf_dir)
+        self.roots = allowed_roots(self.dir)
+        self._json: dict[str, dict[str, Any]] = {}
+
+    def path(self, name: str) -> Path:
+        """`name` in the directory, once it is known to resolve inside it (else one line naming it)."""
+        path = self.dir / name
+        if (path.exists() or path.is_symlink()) and not inside(path, self.roots):
+            raise ImportRefused(f"{path}: links to {os.path.realpath(path)}, outside {self.dir}; the import "
+                                "reads only files inside the directory it is given: copy the file in")
+        return path
+
+    def has(self, name: str) -> bool:
+        """Whether `name` is a file of the directory (one resolving outside it is refused, not skipped)."""
+        return self.path(name).is_file()
+
+    def read_bytes(self, name: str) -> bytes:
+        return read_bounded(self.path(name))
+
+    def json(self, name: str) -> dict[str, Any]:
+        if name not in self._json:
+            self._json[name] = read_json(self.path(name))
+        return self._json[name]
+
+    def optional_json(self, name: str) -> dict[str, Any]:
+        """The file's JSON object; {} when the directory has no such file."""
+        return self.json(name) if self.has(name) else {}
 
 
 # -- the weights: shapes from the header; a pickle refused unless it is tensors only -----------------
@@ -130,6 +221,10 @@ def load_pickle(path: Path) -> dict[str, torch.Tensor]:
         raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ImportRefused(f"{path}: not a state dict (a flat dict of tensor names to tensors)")
+    named = [k for k in state if not isinstance(k, str)]
+    if named:
+        raise ImportRefused(f"{path}: key {named[0]!r:.60} is not a tensor name (a string): not a state dict "
+                            "save_pretrained writes; re-save it with save_pretrained(safe_serialization=True)")
     return state
 
 
@@ -153,6 +248,30 @@ def weight_infos(path: Path) -> dict[str, TensorInfo]:
                     for k, s in slices.items()}
     except Exception as e:  # a torn or foreign file (safetensors checks the header against the size)
         raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
+
+
+# -- SentencePiece models: a model, and the one the vocabulary was made from ------------------------
+
+
+def check_sentencepiece(path: Path, data: bytes, vocab: dict[str, int], vocab_name: str) -> None:
+    """`data` (read from `path`) is a SentencePiece model with pieces, most of whose text pieces are entries of
+    `vocab` (the tokenizer looks them up there: a model of another vocabulary would make every piece UNK);
+    else one line naming the file. Empty bytes load no model in SentencePiece, without an error."""
+    import sentencepiece as spm
+
+    if not data:
+        raise ImportRefused(f"{path}: empty (0 bytes), not a SentencePiece model; replace it with the model's own")
+    try:
+        sp = spm.SentencePieceProcessor(model_proto=data)
+        size = sp.get_piece_size()
+    except (RuntimeError, TypeError, OSError) as e:  # its own parse error runs over many lines
+        raise ImportRefused(f"{path}: not a SentencePiece model ({one_line(e)})") from None
+    pieces = [str(sp.id_to_piece(i)) for i in range(size) if not (sp.is_control(i) or sp.is_unknown(i))]
+    missing = [p for p in pieces if p not in vocab]
+    if not pieces or 2 * len(missing) > len(pieces):
+        example = f" (such as {missing[0]!r:.40})" if missing else ""
+        raise ImportRefused(f"{path}: {len(missing)} of its {len(pieces)} pieces are not in {vocab_name}{example}: "
+                            f"not the SentencePiece model {vocab_name} was made from")
 
 
 def digest(path: Path) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ModelConfig
-from pipeline.importers.hf_files import ImportRefused, number, optional_integer, read_json, show
+from pipeline.importers.hf_files import HFFiles, ImportRefused, number, optional_integer, show
 from runtime.decoding import DecodingOptions
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,12 @@ def _suppressed(gen: dict[str, Any], where: Path, cfg: ModelConfig) -> tuple[int
     return tuple(sorted(set(suppress)))
 
 
-def generation(hf_dir: Path, config: dict[str, Any], cfg: ModelConfig) -> tuple[dict[str, Any], tuple[int, ...]]:
+def generation(files: HFFiles, config: dict[str, Any], cfg: ModelConfig) -> tuple[dict[str, Any], tuple[int, ...]]:
     """(our decoding defaults, ids never generated) from generation_config.json (else config.json),
     checked here, naming its fields, rather than blamed on a command-line option later."""
-    path = hf_dir / GENERATION
-    gen = read_json(path) if path.is_file() else config
-    where = path if path.is_file() else hf_dir / "config.json"
+    present = files.has(GENERATION)
+    gen = files.json(GENERATION) if present else config
+    where = files.path(GENERATION) if present else files.dir / "config.json"
     suppress = _suppressed(gen, where, cfg)
     forced = gen.get("forced_eos_token_id", cfg.eos_id)
     if isinstance(forced, list) and len(forced) == 1:

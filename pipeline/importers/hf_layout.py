@@ -5,28 +5,34 @@ SHA-256."""
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.importers.hf_files import ImportRefused, allowed_roots, digest, inside
+from pipeline.importers.hf_files import HFFiles, ImportRefused, allowed_roots, digest, inside
 
 log = logging.getLogger(__name__)
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 
 
-def checked_files(hf_dir: Path, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Path:
-    """The weights file, once every `required` file is there and every file the import may read lies inside
-    `hf_dir`; else one line naming the file. `what` names the kind of directory expected."""
+def directory(hf_dir: Path, what: str, names: tuple[str, ...]) -> HFFiles:
+    """The reads of `hf_dir`, once it is a directory and every file of `names` and the weights that it holds
+    resolves inside it (checked before any file is opened); else one line naming the file. `what` names the
+    kind of directory expected."""
     if not hf_dir.is_dir():
         raise ImportRefused(f"{hf_dir}: no such directory ({what})")
-    roots = allowed_roots(hf_dir)
+    files = HFFiles(hf_dir)
+    for name in (*names, *WEIGHTS):
+        files.path(name)
+    return files
+
+
+def checked_files(files: HFFiles, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Path:
+    """The weights file, once every `required` file is there and every file the import may read lies inside
+    the directory; else one line naming the file. `what` names the kind of directory expected."""
+    hf_dir = files.dir
     for name in (*required, *optional, *WEIGHTS):
-        path = hf_dir / name
-        if (path.exists() or path.is_symlink()) and not inside(path, roots):
-            raise ImportRefused(f"{path}: links to {os.path.realpath(path)}, outside {hf_dir}; the import "
-                                "reads only files inside the directory it is given: copy the file in")
+        files.path(name)
     for name in required:
         if not (hf_dir / name).is_file():
             raise ImportRefused(f"{hf_dir / name}: missing; {what} holds {', '.join(required)} and "

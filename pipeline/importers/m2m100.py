@@ -36,15 +36,16 @@ from model.checkpoint import save_checkpoint
 from model.config import ConfigError, ModelConfig
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
 from pipeline.importers.hf_files import (
+    HFFiles,
     ImportRefused,
+    check_sentencepiece,
     flag,
-    read_json,
     show,
     token_id,
     weight_infos,
 )
 from pipeline.importers.hf_generation import generation
-from pipeline.importers.hf_layout import checked_files, provenance
+from pipeline.importers.hf_layout import checked_files, directory, provenance
 from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.tokenizer import TokenizerError, VocabTokenizer
@@ -55,6 +56,8 @@ CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
 TOKENIZER_CONFIG, GENERATION, TOKENIZER_JSON = "tokenizer_config.json", "generation_config.json", "tokenizer.json"
 NLLB_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")  # eng_Latn: NLLB's language tokens are their codes
 MADEUP = "madeupword{:04d}"  # fairseq's names of the ids that only pad the embedding
+WHAT = "an M2M100ForConditionalGeneration.save_pretrained directory (M2M-100 or NLLB)"
+READS = (CONFIG, VOCAB, TOKENIZER_JSON, SPM, GENERATION, TOKENIZER_CONFIG)  # every file either family reads
 
 
 def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
@@ -91,19 +94,19 @@ def language_codes(tok_config: dict[str, Any], where: Path) -> list[str]:
     return list(FAIRSEQ_LANGUAGE_CODES[name])
 
 
-def is_nllb(hf_dir: Path) -> bool:
+def is_nllb(hf_dir: Path | HFFiles) -> bool:
     """Whether the directory holds NLLB's tokenizer (tokenizer.json, no vocab.json) rather than M2M-100's."""
-    path = hf_dir / TOKENIZER_CONFIG
-    tok_config = read_json(path) if path.is_file() else {}
+    files = hf_dir if isinstance(hf_dir, HFFiles) else HFFiles(hf_dir)
+    tok_config = files.optional_json(TOKENIZER_CONFIG)
     return tok_config.get("tokenizer_class") in ("NllbTokenizer", "NllbTokenizerFast") or (
-        not (hf_dir / VOCAB).is_file() and (hf_dir / TOKENIZER_JSON).is_file())
+        not files.has(VOCAB) and files.has(TOKENIZER_JSON))
 
 
-def nllb_vocabulary(hf_dir: Path) -> tuple[dict[str, int], list[tuple[str, int]]]:
+def nllb_vocabulary(files: HFFiles) -> tuple[dict[str, int], list[tuple[str, int]]]:
     """tokenizer.json's piece -> id (its model's vocabulary and its added tokens) and the language codes
     among the added tokens, by id."""
-    path = hf_dir / TOKENIZER_JSON
-    data = read_json(path)
+    path = files.path(TOKENIZER_JSON)
+    data = files.json(TOKENIZER_JSON)
     model = data.get("model")
     vocab = model.get("vocab") if isinstance(model, dict) else None
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
@@ -124,38 +127,39 @@ def nllb_vocabulary(hf_dir: Path) -> tuple[dict[str, int], list[tuple[str, int]]
     return full, languages
 
 
-def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tuple[str, int]]]:
+def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tuple[str, int]]]:
     """The SentencePiece model over vocab.json, its language tokens and madeup ids appended (as
     M2M100Tokenizer numbers them), or over NLLB's tokenizer.json, checked against the model's ids; and the
-    (code, token id) pairs."""
-    path = hf_dir / TOKENIZER_CONFIG
-    tok_config = read_json(path) if path.is_file() else {}
-    if is_nllb(hf_dir):
+    (code, token id) pairs. cfg.vocab_size must have been checked against the weights' header (check_weights):
+    the madeup ids fill the vocabulary up to it."""
+    hf_dir, path = files.dir, files.path(TOKENIZER_CONFIG)
+    tok_config = files.optional_json(TOKENIZER_CONFIG)
+    nllb = is_nllb(files)
+    if nllb:
         if tok_config.get("legacy_behaviour") is True:
             raise ImportRefused(f"{path}: legacy_behaviour is true (the language token after the source's </s>); "
                                 "only NllbTokenizer's default, the language token first, is imported")
-        full, languages = nllb_vocabulary(hf_dir)
+        full, languages = nllb_vocabulary(files)
         hidden = [code for code, _ in languages]
     else:
-        full, languages = _m2m100_vocabulary(hf_dir, tok_config, path)
+        full, languages = _m2m100_vocabulary(files, tok_config, path)
         hidden = [f"__{code}__" for code, _ in languages]
     ids = sorted(full.values())
     if ids != list(range(len(ids))):
         raise ImportRefused(f"{hf_dir}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats")
-    madeup = [MADEUP.format(k) for k in range(max(0, cfg.vocab_size - len(full)))]
-    for token in madeup:
-        full[token] = len(full)
-    if len(full) != cfg.vocab_size:
+    if len(full) > cfg.vocab_size:
         raise ImportRefused(f"{hf_dir}: the tokenizer has {len(full)} ids (with its language tokens), more than "
                             f"{CONFIG}'s vocab_size {cfg.vocab_size}")
+    spm_bytes = files.read_bytes(SPM)
+    check_sentencepiece(files.path(SPM), spm_bytes, full, TOKENIZER_JSON if nllb else VOCAB)
+    madeup = [MADEUP.format(k) for k in range(cfg.vocab_size - len(full))]
+    for token in madeup:
+        full[token] = len(full)
     hidden += [t for t in ("<s>", "<mask>") if t in full] + madeup
     try:
-        spm_bytes = (hf_dir / SPM).read_bytes()
         tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden)
     except TokenizerError as e:
         raise ImportRefused(f"{hf_dir}: {e}") from None
-    except RuntimeError as e:  # SentencePiece's own parse error
-        raise ImportRefused(f"{hf_dir / SPM}: not a SentencePiece model ({e})") from None
     for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
         if ours != theirs:
             raise ImportRefused(f"{hf_dir}: the tokenizer's {tok.specials[name]} is id {theirs} but {CONFIG} says "
@@ -163,11 +167,12 @@ def tokenizer(hf_dir: Path, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tupl
     return tok, languages
 
 
-def _m2m100_vocabulary(hf_dir: Path, tok_config: dict[str, Any], path: Path
+def _m2m100_vocabulary(files: HFFiles, tok_config: dict[str, Any], path: Path
                        ) -> tuple[dict[str, int], list[tuple[str, int]]]:
     """vocab.json with M2M100Tokenizer's language tokens numbered after it, and the (code, id) pairs."""
+    hf_dir = files.dir
     codes = language_codes(tok_config, path)
-    vocab = read_json(hf_dir / VOCAB)
+    vocab = files.json(VOCAB)
     if not all(isinstance(i, int) for i in vocab.values()):
         raise ImportRefused(f"{hf_dir / VOCAB}: every entry must map a piece to an integer id")
     base = len(vocab)
@@ -189,19 +194,20 @@ def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
     if out.exists() and not force:
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
-    hf_dir = Path(hf_dir)
-    nllb = hf_dir.is_dir() and is_nllb(hf_dir)
-    weights = checked_files(hf_dir, "an M2M100ForConditionalGeneration.save_pretrained directory (M2M-100 or NLLB)",
-                            (CONFIG, TOKENIZER_JSON if nllb else VOCAB, SPM), (GENERATION, TOKENIZER_CONFIG))
-    config = read_json(hf_dir / CONFIG)
+    files = directory(hf_dir, WHAT, READS)  # every file either family reads resolves inside, before any read
+    nllb = is_nllb(files)
+    weights = checked_files(files, WHAT, (CONFIG, TOKENIZER_JSON if nllb else VOCAB, SPM),
+                            (GENERATION, TOKENIZER_CONFIG))
+    config = files.json(CONFIG)
     cfg = model_config(config, hf_dir / CONFIG)
-    defaults, suppress = generation(hf_dir, config, cfg)
-    tok, languages = tokenizer(hf_dir, cfg)
+    # the sizes against the weights' header, before the tokenizer builds anything of vocab_size
+    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
+    defaults, suppress = generation(files, config, cfg)
+    tok, languages = tokenizer(files, cfg)
     try:
         cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress, languages=tuple(languages))
     except ConfigError as e:
         raise ImportRefused(f"{hf_dir / CONFIG}: {e}") from None
-    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
     mapped = map_weights(read_weights(weights), cfg, weights)
     if bool(mapped.pop("logits_bias").any()):
         raise ImportRefused(f"{weights}: final_logits_bias is not zero; M2M-100 has no logits bias")

@@ -31,15 +31,16 @@ from model.config import ConfigError, ModelConfig
 from model.transformer import Transformer
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
 from pipeline.importers.hf_files import (
+    HFFiles,
     ImportRefused,
+    check_sentencepiece,
     flag,
-    read_json,
     show,
     token_id,
     weight_infos,
 )
 from pipeline.importers.hf_generation import GENERATION_NAMES, generation  # noqa: F401 (GENERATION_NAMES: re-export)
-from pipeline.importers.hf_layout import checked_files, provenance
+from pipeline.importers.hf_layout import checked_files, directory, provenance
 from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
 from pipeline.textio import refuse_overwriting_inputs
 from runtime.tokenizer import TokenizerError, VocabTokenizer
@@ -52,10 +53,15 @@ SOURCE_SPM, TARGET_SPM, TOKENIZER_CONFIG = "source.spm", "target.spm", "tokenize
 MarianImportError = ImportRefused  # a directory that is not a Marian model this importer can map
 
 
-def _files(hf_dir: Path) -> Path:
-    """The weights file; every file the import needs is there, inside the directory (else an error naming it)."""
-    return checked_files(hf_dir, "a MarianMTModel.save_pretrained directory", (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB),
-                         (GENERATION, TOKENIZER_CONFIG))
+WHAT = "a MarianMTModel.save_pretrained directory"
+REQUIRED, OPTIONAL = (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB), (GENERATION, TOKENIZER_CONFIG)
+
+
+def _files(hf_dir: Path) -> tuple[HFFiles, Path]:
+    """The directory's reads and its weights file; every file the import needs is there, inside the directory
+    (else an error naming it), checked before any is read."""
+    files = directory(hf_dir, WHAT, REQUIRED + OPTIONAL)
+    return files, checked_files(files, WHAT, REQUIRED, OPTIONAL)
 
 
 # -- config.json, generation_config.json, the tokenizer ---------------------------------------------
@@ -90,22 +96,23 @@ def _token_text(tok_config: dict[str, Any], name: str, default: str, where: Path
     return value
 
 
-def tokenizer(hf_dir: Path, cfg: ModelConfig) -> VocabTokenizer:
+def tokenizer(files: HFFiles, cfg: ModelConfig) -> VocabTokenizer:
     """The source/target SentencePiece models over vocab.json, checked against the model's ids."""
-    path = hf_dir / TOKENIZER_CONFIG
-    tok_config = read_json(path) if path.is_file() else {}
+    hf_dir, path = files.dir, files.path(TOKENIZER_CONFIG)
+    tok_config = files.optional_json(TOKENIZER_CONFIG)
     if flag(tok_config, "separate_vocabs", path, False):
         raise MarianImportError(f"{path}: separate_vocabs is true; only a shared vocab.json can be imported")
     specials = {name: _token_text(tok_config, name, default, path)
                 for name, default in (("eos", "</s>"), ("unk", "<unk>"), ("pad", "<pad>"))}
-    vocab = read_json(hf_dir / VOCAB)
+    vocab = files.json(VOCAB)
+    models = {name: files.read_bytes(name) for name in (SOURCE_SPM, TARGET_SPM)}
+    for name, data in models.items():
+        check_sentencepiece(files.path(name), data, vocab, VOCAB)
     try:
-        tok = VocabTokenizer((hf_dir / SOURCE_SPM).read_bytes(), (hf_dir / TARGET_SPM).read_bytes(),
+        tok = VocabTokenizer(models[SOURCE_SPM], models[TARGET_SPM],
                              vocab, eos=specials["eos"], unk=specials["unk"], pad=specials["pad"])
     except TokenizerError as e:
         raise MarianImportError(f"{hf_dir / VOCAB}: {e}") from None
-    except RuntimeError as e:  # SentencePiece's own parse error
-        raise MarianImportError(f"{hf_dir}: {SOURCE_SPM} or {TARGET_SPM} is not a SentencePiece model ({e})") from None
     if tok.vocab_size != cfg.vocab_size:
         raise MarianImportError(f"{hf_dir / VOCAB}: {tok.vocab_size} entries but {CONFIG} says vocab_size "
                                 f"{cfg.vocab_size}")
@@ -126,11 +133,11 @@ def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
     if out.exists() and not force:
         raise MarianImportError(f"{out}: exists; pass --force to replace it")
-    weights = _files(hf_dir)
-    config = read_json(hf_dir / CONFIG)
+    files, weights = _files(hf_dir)
+    config = files.json(CONFIG)
     cfg = model_config(config, hf_dir / CONFIG)
-    defaults, suppress = generation(hf_dir, config, cfg)
-    tok = tokenizer(hf_dir, cfg)
+    defaults, suppress = generation(files, config, cfg)
+    tok = tokenizer(files, cfg)  # builds nothing of config.json's sizes: vocab.json's size is bounded
     cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress)
     check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
     mapped = map_weights(read_weights(weights), cfg, weights)
