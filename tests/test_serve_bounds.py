@@ -123,9 +123,9 @@ def test_a_keys_file_with_a_bom_or_without_end(tmp_path):
 def test_keys_where_libretranslate_clients_send_them(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text(f"{KEY}\nключ-для-тестов-1\n")
-    with client(state_of({"de-en": (("de",), ("en",))}, ApiKeys.read(str(path)))) as c:
+    with client(state_of({"de-en": (("de",), ("en",))}, ApiKeys.read(str(path), require=True))) as c:
         form = {"q": "hund", "source": "de", "target": "en"}
-        assert c.post("/translate", data=form).status_code == 403
+        assert c.post("/translate", data=form).status_code == 400  # required and missing, as LibreTranslate
         r = c.post(f"/translate?api_key={KEY}", data=form)  # a form POST with the key in the query string
         assert r.status_code == 200 and r.json()["translatedText"] == "HUND", r.text
         # deep-translator: every field in the query string, an empty body

@@ -52,13 +52,14 @@ def _detector(codes: tuple[str, ...]) -> Detector:
 
 
 @contextmanager
-def client(detector: bool = True, keys: Path | None = None, **limits: Any) -> Iterator[TestClient]:
+def client(detector: bool = True, keys: Path | None = None, require: bool = True, keyless: int | None = None,
+           **limits: Any) -> Iterator[TestClient]:
     metrics, request_limits = Metrics(), RequestLimits(**limits)
     decoding = PAPER.replace(batch_tokens=request_limits.max_batch_tokens)
     models = {name: ServedModel(name, NBestStandIn(), decoding, 4, name[:2], {}, metrics.model(name),
                                 sources=(name[:2],), targets=(name[3:],)) for name in ("de-en", "en-de")}
     state = ServerState(models, request_limits, {}, metrics, warmed_up=True,
-                        keys=ApiKeys.read(str(keys)) if keys else None)
+                        keys=ApiKeys.read(str(keys), keyless, require) if keys else None)
     if detector:
         state.detector = _detector(tuple(state.routes.codes))
     with TestClient(create_app(state)) as c:
@@ -210,12 +211,13 @@ def test_api_keys_on_both_apis_with_a_rate(tmp_path, caplog):
     keys.write_text(f"# key  requests per minute\n{KEY}\n\n{SLOW_KEY} 2\n")
     with caplog.at_level(logging.DEBUG), client(keys=keys) as c:
         body = {"q": "Ein Hund", "source": "de", "target": "en"}
-        assert lt(c, **body)[0] == 403
+        # --require-api-key: LibreTranslate's words and status for a missing key
+        assert lt(c, **body) == (400, {"error": "Please contact the server operator to get an API key"})
         status, got = lt(c, **body, api_key="wrong-key-123")
         assert status == 403 and got["error"] == "Invalid API key"
         assert lt(c, **body, api_key=KEY) == (200, {"translatedText": "EIN HUND", "score": -0.5})
         assert c.post("/translate", data={**body, "api_key": KEY}).status_code == 200
-        assert c.post("/detect", json={"q": "Ein Hund"}).status_code == 403
+        assert c.post("/detect", json={"q": "Ein Hund"}).status_code == 400
         assert c.post("/detect", json={"q": "Ein Hund", "api_key": KEY}).status_code == 200
         native = {"text": ["ein hund"], "model": "de-en"}
         r = c.post("/translate", json=native)
@@ -238,6 +240,24 @@ def test_api_keys_on_both_apis_with_a_rate(tmp_path, caplog):
         assert lt(c, **body, api_key=KEY)[0] == 200  # one key's rate is its own
     logged = "\n".join(r.getMessage() for r in caplog.records)
     assert KEY not in logged and SLOW_KEY not in logged and "wrong-key-123" not in logged
+
+
+def test_without_require_keyless_requests_are_served_at_the_keyless_rate(tmp_path):
+    """LibreTranslate serves keyless requests at its default rate when keys are on: Open WebUI's filter and
+    Weblate with an empty key keep working on a keyed server."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text(f"{KEY}\n")
+    with client(keys=keys, require=False, keyless=2) as c:
+        body = {"q": "Ein Hund", "source": "de", "target": "en"}
+        assert lt(c, **body) == (200, {"translatedText": "EIN HUND", "score": -0.5})
+        assert c.post("/translate", json={"text": ["ein hund"], "model": "de-en"}).status_code == 200
+        r = c.post("/translate", json=body)  # the third keyless request of this client in a minute
+        assert r.status_code == 429 and "without an API key may make 2 requests" in r.json()["error"]
+        assert 1 <= int(r.headers["retry-after"]) <= 60
+        assert lt(c, **body, api_key=KEY)[0] == 200  # a key is not held by the keyless rate
+        assert lt(c, **body, api_key="wrong-key-123") == (403, {"error": "Invalid API key"})
+        settings = c.get("/frontend/settings").json()
+        assert settings["apiKeys"] is True and settings["keyRequired"] is False
 
 
 @pytest.mark.parametrize("content, needle", [

@@ -20,11 +20,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.serve import libre
+from pipeline.serve import libre, spec
+from pipeline.serve.access import AccessLog, note
 from pipeline.serve.batcher import Batcher, Work
 from pipeline.serve.flow import count, off_loop, off_loop_reading, read_payload, submit, translated, wait
 from pipeline.serve.keys import KeyRefused, RateLimited, bearer
@@ -49,7 +52,7 @@ def _unauthorized(state: ServerState, request: Request) -> ApiError | None:
         return None
     given = bearer(request.headers.get("authorization", ""))
     try:
-        state.keys.check(given)
+        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
     except KeyRefused:
         challenge = 'Bearer realm="pipeline"' + (', error="invalid_token"' if given else "")
         return ApiError(401, "the API key in Authorization is not valid" if given else
@@ -83,6 +86,7 @@ async def _native(request: Request, data: Any, state: ServerState, started: floa
         if refused is not None:
             raise refused
         req = await off_loop_reading(state, parse_request, data, state)
+        note(request, model=req.model.name, texts=len(req.text))
         m = req.model.metrics
         m.in_flight.inc()
         try:
@@ -237,6 +241,12 @@ def create_app(state: ServerState) -> Starlette:
             prepare.shutdown(wait=False, cancel_futures=True)
             reading.shutdown(wait=False, cancel_futures=True)
 
+    middleware = []  # the first is outermost: the access log sees preflights and CORS refusals too
+    if state.access_log is not None:
+        middleware.append(Middleware(AccessLog, fmt=state.access_log))
+    if state.cors_origin is not None:  # browsers' pages and add-ons call the API from other origins
+        middleware.append(Middleware(CORSMiddleware, allow_origins=[state.cors_origin], allow_methods=["GET", "POST"],
+                                     allow_headers=["*"], max_age=600))
     app = Starlette(routes=[
         Route("/translate", translate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
@@ -244,6 +254,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/info", info, methods=["GET"]),
         Route("/languages", libre.languages, methods=["GET"]),
         Route("/detect", libre.detect, methods=["POST"]),
-    ], lifespan=lifespan, exception_handlers={Exception: _unavailable})
+        Route("/frontend/settings", libre.frontend_settings, methods=["GET"]),
+        Route("/spec", spec.spec, methods=["GET"]),
+        Route("/docs", spec.docs, methods=["GET"]),
+    ], lifespan=lifespan, exception_handlers={Exception: _unavailable}, middleware=middleware)
     app.state.server = state
     return app

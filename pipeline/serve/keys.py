@@ -26,6 +26,7 @@ from model.errors import UserError
 
 WINDOW_S = 60.0
 MAX_FILE_BYTES = 64 << 20  # about a million keys
+MAX_CLIENTS = 100_000  # keyless client addresses tracked before the quiet ones are forgotten
 MAX_KEY_CHARS = 512  # a longer key in the file is refused at start; a longer one given is not looked up
 
 
@@ -38,7 +39,7 @@ class _Key:
 
 
 class KeyRefused(Exception):
-    """No key, or one not in the file."""
+    """A key not in the file ("invalid"), or none where one is required ("missing")."""
 
 
 class RateLimited(Exception):
@@ -67,12 +68,18 @@ def _digest(key: str) -> bytes:
 
 
 class ApiKeys:
-    def __init__(self, keys: list[_Key]):
+    """The keys of --api-keys and the rule for requests without one: served at `keyless_per_minute` per client
+    address (None: no limit), as LibreTranslate serves them at its default rate, unless `require` is set."""
+
+    def __init__(self, keys: list[_Key], keyless_per_minute: int | None = None, require: bool = False):
         self._keys = {key.digest: key for key in keys}
         self._lock = threading.Lock()
+        self.keyless_per_minute = keyless_per_minute
+        self.require = require
+        self._keyless: dict[str, deque[float]] = {}  # client address -> its recent keyless requests
 
     @classmethod
-    def read(cls, path: str) -> ApiKeys:
+    def read(cls, path: str, keyless_per_minute: int | None = None, require: bool = False) -> ApiKeys:
         """The keys of FILE (UserErrors name the file and line; the key itself is never repeated)."""
         try:
             with open(path, "rb") as f:
@@ -101,26 +108,44 @@ class ApiKeys:
             keys.append(_Key(digest, int(fields[1]) if len(fields) == 2 else None, f"line {n}"))
         if not keys:
             raise UserError(f"--api-keys {path}: the file holds no key (one per line: KEY [REQUESTS_PER_MINUTE])")
-        return cls(keys)
+        return cls(keys, keyless_per_minute, require)
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def check(self, given: str | None) -> None:
-        """Accept one request with this key: KeyRefused when missing or unknown, RateLimited when over its rate."""
+    def check(self, given: str | None, client: str = "") -> str:
+        """Accept one request with this key (or none, from this client address); its label for the access log
+        ("line N", or "keyless"). KeyRefused when unknown, or missing where required; RateLimited over the
+        key's rate, or a keyless client's."""
         if not given:
-            raise KeyRefused("missing")
+            if self.require:
+                raise KeyRefused("missing")
+            if self.keyless_per_minute is not None:
+                with self._lock:
+                    if len(self._keyless) > MAX_CLIENTS:  # a flood of addresses: forget the quiet ones
+                        self._forget(time.monotonic())
+                    recent = self._keyless.setdefault(client, deque())
+                    _admit(recent, self.keyless_per_minute, "a client without an API key")
+            return "keyless"
         found = self._keys.get(_digest(given)) if len(given) <= MAX_KEY_CHARS else None
         if found is None:
             raise KeyRefused("invalid")
-        if found.per_minute is None:
-            return
-        now = time.monotonic()
-        with self._lock:
-            while found.recent and found.recent[0] <= now - WINDOW_S:
-                found.recent.popleft()
-            if len(found.recent) >= found.per_minute:
-                wait = max(1, math.ceil(found.recent[0] + WINDOW_S - now))
-                raise RateLimited(f"this API key may make {found.per_minute} requests per minute; retry in {wait} s",
-                                  wait)
-            found.recent.append(now)
+        if found.per_minute is not None:
+            with self._lock:
+                _admit(found.recent, found.per_minute, "this API key")
+        return found.label
+
+    def _forget(self, now: float) -> None:
+        for client in [c for c, recent in self._keyless.items() if not recent or recent[-1] <= now - WINDOW_S]:
+            del self._keyless[client]
+
+
+def _admit(recent: deque[float], per_minute: int, who: str) -> None:
+    """One more request in the window of `recent`, or RateLimited with the seconds until one is allowed."""
+    now = time.monotonic()
+    while recent and recent[0] <= now - WINDOW_S:
+        recent.popleft()
+    if len(recent) >= per_minute:
+        wait = max(1, math.ceil(recent[0] + WINDOW_S - now))
+        raise RateLimited(f"{who} may make {per_minute} requests per minute; retry in {wait} s", wait)
+    recent.append(now)

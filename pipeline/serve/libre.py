@@ -20,8 +20,10 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from pipeline.serve.access import note
 from pipeline.serve.flow import off_loop, off_loop_reading, read_payload, translated
 from pipeline.serve.keys import KeyRefused, RateLimited, bearer
+from pipeline.serve.languages import language_name
 from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
 from pipeline.serve.translator import Encoded
 from runtime.markup import Markup, parse_html
@@ -51,10 +53,10 @@ def check_key(state: ServerState, given: Any, request: Request) -> None:
     if given is not None and not isinstance(given, str):
         raise ApiError(400, '"api_key" must be a string')
     try:
-        state.keys.check(given)
-    except KeyRefused as e:
-        raise ApiError(403, "Invalid API key" if str(e) == "invalid" else
-                       'this server needs an API key: give "api_key"') from None
+        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
+    except KeyRefused as e:  # LibreTranslate's words and statuses: clients show them
+        raise ApiError(403, "Invalid API key") if str(e) == "invalid" else \
+            ApiError(400, "Please contact the server operator to get an API key") from None
     except RateLimited as e:
         raise ApiError(429, f"Slowdown: {e}", {"Retry-After": str(e.retry_after_s)}) from None
 
@@ -141,10 +143,18 @@ def _detect(state: ServerState, req: LibreRequest) -> list[dict[str, Any]]:
 
 
 def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]] | None) -> list[_Group]:
-    """The texts by model (with "auto" each text goes where its detected language does), as documents."""
+    """The texts by model (with "auto" each text goes where its detected language does), as documents. A text
+    already in the target language, or without letters (emoji, numbers), goes to no model: LibreTranslate
+    returns it unchanged, and a model would invent a translation."""
     groups: dict[tuple[str, str], _Group] = {}
     for i, text in enumerate(req.q):
         source = detected[i]["language"] if detected else req.source
+        if source == req.target or not any(c.isalpha() for c in text):
+            for code, key in ((source, "source"), (req.target, "target")):
+                if code not in state.routes.codes:
+                    raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
+                                        f"{state.routes.listed()}")
+            continue
         where = f"q[{i}]" if req.batch else "q"
         model = _route(state, source, req.target, f"{where} is detected as {source} "
                        f"(confidence {detected[i]['confidence']}): " if detected else "")
@@ -193,7 +203,7 @@ def _documents(model: ServedModel, encoded: Encoded, results: list[NBest], n: in
 
 def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[Encoded, list[NBest]]],
             detected: list[dict[str, Any]] | None) -> dict[str, Any]:
-    texts: list[str] = [""] * len(req.q)
+    texts = list(req.q)  # a text no model was given (same language, no letters) is answered as it came
     alternatives: list[list[str]] = [[] for _ in req.q]
     scores: list[float | None] = [None] * len(req.q)
     for group, (encoded, results) in zip(groups, done):
@@ -226,7 +236,8 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
         req = await off_loop_reading(state, parse_libre, data, form, state)  # in proportion to the body
         detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
         groups = await off_loop(state, _groups, state, req, detected)
-        m = groups[0].model.metrics
+        note(request, model=",".join(sorted({g.model.name for g in groups})) or None, texts=len(req.q))
+        m = groups[0].model.metrics if groups else m
         for g in groups:
             g.model.metrics.in_flight.inc()
         try:
@@ -254,6 +265,25 @@ async def languages(request: Request) -> Response:
     """GET /languages: [{"code", "name", "targets"}] of the served models; open, as LibreTranslate's."""
     state: ServerState = request.app.state.server
     return Response(state.routes.languages_json, media_type="application/json")
+
+
+async def frontend_settings(request: Request) -> Response:
+    """GET /frontend/settings: the fields LibreTranslate's front end and clients (libretranslate-aio, LiquidBounce)
+    read. charLimit is what always fits in --max-bytes, whatever the characters and their JSON escapes."""
+    state: ServerState = request.app.state.server
+    codes = state.routes.codes
+    target = "en" if "en" in codes else (codes[0] if codes else "")
+    return JSONResponse({
+        "charLimit": state.limits.max_bytes // 12,  # a character is at most 12 bytes as JSON (\\ud83d\\ude00)
+        "frontendTimeout": 500,
+        "apiKeys": state.keys is not None,
+        "keyRequired": bool(state.keys is not None and state.keys.require),
+        "suggestions": False,
+        "filesTranslation": False,
+        "supportedFilesFormat": [],
+        "language": {"source": {"code": "auto", "name": "Auto Detect"},
+                     "target": {"code": target, "name": language_name(target)}},
+    })
 
 
 async def detect(request: Request) -> Response:

@@ -31,10 +31,21 @@ class ServeHttpOptions:
     grace_s: int = opt(30, "On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this "
                        "many seconds (then cancel them), exit 0.", min=0)
     api_keys: Path | None = opt(None, "A file of API keys, one per line, each optionally followed by its requests "
-                                "per minute: every translation and detection request then needs one (native API: "
-                                "Authorization: Bearer KEY, else 401; LibreTranslate's: \"api_key\", else 403; over "
-                                "the rate: 429). /health, /metrics and /languages stay open.", exists=True,
-                                metavar="FILE")
+                                "per minute (over it: 429). A wrong key is refused (native API: 401; "
+                                "LibreTranslate's: 403); requests without a key are served at --keyless-rate, as "
+                                "LibreTranslate serves them, unless --require-api-key. /health, /metrics, "
+                                "/languages, /frontend/settings and /spec stay open.", exists=True, metavar="FILE")
+    keyless_rate: int = opt(60, "With --api-keys: requests per minute each client address may make without a key "
+                            "(0: no limit); over it: 429 with Retry-After.", min=0)
+    require_api_key: bool = opt(False, "With --api-keys: refuse requests without a key (LibreTranslate's API: 400 "
+                                "\"Please contact the server operator to get an API key\"; native API: 401).")
+    cors_origin: str = opt("*", "The Access-Control-Allow-Origin sent to browsers (pages and add-ons calling the "
+                           "API from another origin), preflight requests answered; * as LibreTranslate, an origin "
+                           "like https://example.org, or none to send no CORS headers.")
+    access_log: bool = opt(True, "One line per request on stderr: method, path, status, milliseconds, model, "
+                           "texts and the key's line in the keys file (never the key).")
+    log_format: str = opt("text", "The access log's form: text, or json (one JSON object per line).",
+                          choices=("text", "json"))
     # how every served model dir is loaded (its own command-line options: runtime/model_dir.py LoadOptions)
     load: LoadOptions = LoadOptions()
 

@@ -59,7 +59,9 @@ class ServerState:
     draining: bool = False
     prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
     reading: ThreadPoolExecutor | None = None  # threads reading bodies, apart from `prepare` (app.py's lifespan)
-    keys: ApiKeys | None = None  # --api-keys: every translation request needs one of them
+    keys: ApiKeys | None = None  # --api-keys: the keys, and the rule for requests without one
+    cors_origin: str | None = "*"  # --cors-origin: Access-Control-Allow-Origin; None sends no CORS headers
+    access_log: str | None = None  # --access-log: "text" or "json" lines; None writes none
     detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
     no_detector: str = "language detection is off"
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model

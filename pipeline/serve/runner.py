@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 
 from model.errors import UserError
+from pipeline.serve import access
 from pipeline.serve.app import create_app
 from pipeline.serve.detect import Detector, DetectorMissing
 from pipeline.serve.keys import ApiKeys
@@ -165,9 +166,16 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
     metrics = Metrics()
     sock = bind(opts.host, opts.port)
     try:
-        keys = ApiKeys.read(str(opts.api_keys)) if opts.api_keys is not None else None
+        if opts.api_keys is None and opts.require_api_key:
+            raise UserError("--require-api-key needs --api-keys FILE, the keys to require")
+        keys = ApiKeys.read(str(opts.api_keys), opts.keyless_rate or None, opts.require_api_key) \
+            if opts.api_keys is not None else None
         served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
-        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True, keys=keys)
+        cors = None if opts.cors_origin.strip().lower() == "none" else opts.cors_origin.strip()
+        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True, keys=keys,
+                            cors_origin=cors, access_log=opts.log_format if opts.access_log else None)
+        if opts.access_log:
+            access.configure(opts.log_format)
         attach_detector(state)
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)
@@ -176,8 +184,9 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
                      model.translator.backend.name, model.translator.backend.device,
                      ", vocabulary shortlist" if opts.load.shortlist else "")
-        log.info("LibreTranslate API: %s%s", state.routes.listed(),
-                 f"; {len(keys)} API key(s) required" if keys is not None else "")
+        log.info("LibreTranslate API: %s%s", state.routes.listed(), "" if keys is None else
+                 f"; {len(keys)} API key(s), " + ("required" if keys.require else
+                                                 f"keyless requests at {opts.keyless_rate or 'any'} per minute"))
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:

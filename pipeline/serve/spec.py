@@ -1,0 +1,114 @@
+"""GET /spec (the OpenAPI 3 document of both APIs, as LibreTranslate serves its own at /spec) and GET /docs (a
+page that reads /spec and lists every route with its fields; no script from elsewhere, so it works offline)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, Response
+
+ERROR = {"type": "object", "properties": {"error": {"type": "string"}}}
+
+
+def _field(kind: str, description: str, **more: Any) -> dict[str, Any]:
+    return {"type": kind, "description": description, **more}
+
+
+def _answers(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
+    errors = {str(c): {"description": {400: "fix the request (the field is named)", 403: "wrong API key",
+                                       413: "too large: split it", 429: "over a rate (Retry-After)",
+                                       401: "no or a wrong API key", 503: "busy: retry (Retry-After)"}[c],
+                       "content": {"application/json": {"schema": ERROR}}} for c in codes}
+    return {"200": {"description": "done", "content": {"application/json": {"schema": ok}}}, **errors}
+
+
+def _form(fields: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:
+    schema = {"type": "object", "properties": fields, "required": required}
+    return {"content": {kind: {"schema": schema} for kind in ("application/json", "application/x-www-form-urlencoded",
+                                                              "multipart/form-data")}}
+
+
+LIBRE_TRANSLATE = {
+    "q": _field("string", "the text, or a list of texts (JSON); each is translated as a document"),
+    "source": _field("string", 'a language code, or "auto" to detect each text\'s'),
+    "target": _field("string", "a language code"),
+    "format": _field("string", "text or html (markup kept byte for byte)", enum=["text", "html"]),
+    "alternatives": _field("integer", "how many other translations to give (the model's n-best)"),
+    "api_key": _field("string", "with --api-keys (also the query string, or Authorization: Bearer)"),
+}
+
+
+def document(title: str) -> dict[str, Any]:
+    """The OpenAPI document of both APIs."""
+    text_or_list = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": title, "version": "1",
+                 "description": "LibreTranslate's API (fields from JSON, form data or the query string) beside "
+                                "the native one (JSON with \"text\"); docs/serving.md has the details."},
+        "paths": {
+            "/translate": {"post": {
+                "summary": "Translate text (LibreTranslate's fields; the native API sends {\"text\": [...]})",
+                "requestBody": _form(LIBRE_TRANSLATE, ["q", "source", "target"]),
+                "responses": _answers({"type": "object", "properties": {
+                    "translatedText": text_or_list, "detectedLanguage": {"type": "object"},
+                    "alternatives": {"type": "array"}, "score": {"type": "number"}}}, 400, 403, 413, 429, 503)}},
+            "/detect": {"post": {
+                "summary": "Detect the language of a text among the served ones",
+                "requestBody": _form({"q": LIBRE_TRANSLATE["q"], "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
+                "responses": _answers({"type": "array", "items": {"type": "object", "properties": {
+                    "language": {"type": "string"}, "confidence": {"type": "number"}}}}, 400, 403, 429)}},
+            "/languages": {"get": {"summary": "The languages served, each with its targets",
+                                   "responses": _answers({"type": "array", "items": {"type": "object"}})}},
+            "/frontend/settings": {"get": {"summary": "The server's settings, as LibreTranslate's front end reads "
+                                                      "them", "responses": _answers({"type": "object"})}},
+            "/health": {"get": {"summary": "Ready to translate (503 while starting or draining)",
+                                "responses": _answers({"type": "object"})}},
+            "/metrics": {"get": {"summary": "Prometheus metrics, by model",
+                                 "responses": {"200": {"description": "text/plain; version=0.0.4"}}}},
+            "/info": {"get": {"summary": "Every model's facts and the server's limits (native API)",
+                              "responses": _answers({"type": "object"}, 401)}},
+        },
+    }
+
+
+async def spec(request: Request) -> Response:
+    return JSONResponse(document("pipeline serve"))
+
+
+DOCS_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>pipeline serve: API</title>
+<style>body{font:15px/1.5 system-ui,sans-serif;max-width:52rem;margin:2rem auto;padding:0 1rem}
+code{background:#f3f3f3;padding:0 .2em}h2{font-size:1.1rem;margin-top:1.6rem}li{margin:.2rem 0}</style></head>
+<body><h1>pipeline serve: API</h1><p>The OpenAPI document is at <a href="spec">/spec</a>; the translator page at
+<a href="./">/</a>.</p><div id="routes">Reading /spec ...</div>
+<script>
+fetch("spec").then(r => r.json()).then(spec => {
+  const out = document.getElementById("routes");
+  out.textContent = spec.info.description;
+  for (const [path, methods] of Object.entries(spec.paths)) {
+    for (const [method, op] of Object.entries(methods)) {
+      const h = document.createElement("h2");
+      h.textContent = method.toUpperCase() + " " + path + ": " + op.summary;
+      out.appendChild(h);
+      const schema = op.requestBody && op.requestBody.content["application/json"].schema;
+      if (!schema) continue;
+      const ul = document.createElement("ul");
+      for (const [name, f] of Object.entries(schema.properties)) {
+        const li = document.createElement("li");
+        li.innerHTML = "<code></code> ";
+        li.firstChild.textContent = name + (schema.required.includes(name) ? " (required)" : "");
+        li.appendChild(document.createTextNode(f.description || ""));
+        ul.appendChild(li);
+      }
+      out.appendChild(ul);
+    }
+  }
+});
+</script></body></html>
+"""
+
+
+async def docs(request: Request) -> Response:
+    return HTMLResponse(DOCS_PAGE)

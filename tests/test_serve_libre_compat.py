@@ -1,0 +1,124 @@
+"""What LibreTranslate's clients rely on beyond /translate itself (issue 60), in-process over stand-in models: CORS
+for browser pages and add-ons, /frontend/settings, /spec and /docs, texts returned unchanged when they are in
+the target language already or have no letters, and the access log an operator reads (never a key)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from starlette.testclient import TestClient  # noqa: E402
+from test_serve_bounds import state_of  # noqa: E402
+
+from pipeline.serve import access  # noqa: E402
+from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.keys import ApiKeys  # noqa: E402
+
+PAIRS = {"de-en": (("de",), ("en",)), "en-de": (("en",), ("de",))}
+
+
+def test_cors_for_pages_and_add_ons_on_other_origins():
+    with TestClient(create_app(state_of(PAIRS))) as c:
+        r = c.options("/translate", headers={"Origin": "https://example.org", "Access-Control-Request-Method": "POST",
+                                             "Access-Control-Request-Headers": "content-type"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"  # preflight answered
+        assert "POST" in r.headers["access-control-allow-methods"]
+        r = c.post("/translate", json={"q": "hund", "source": "de", "target": "en"},
+                   headers={"Origin": "https://example.org"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+        assert c.get("/languages", headers={"Origin": "moz-extension://x"}).headers[
+            "access-control-allow-origin"] == "*"
+    state = state_of(PAIRS)
+    state.cors_origin = None  # --cors-origin none
+    with TestClient(create_app(state)) as c:
+        r = c.post("/translate", json={"q": "hund", "source": "de", "target": "en"},
+                   headers={"Origin": "https://example.org"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    state = state_of(PAIRS)
+    state.cors_origin = "https://app.example"
+    with TestClient(create_app(state)) as c:
+        r = c.get("/languages", headers={"Origin": "https://app.example"})
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "access-control-allow-origin" not in c.get("/languages", headers={"Origin": "https://evil.example"}
+                                                          ).headers
+
+
+def test_same_language_and_letterless_texts_come_back_unchanged_per_text():
+    with TestClient(create_app(state_of(PAIRS))) as c:
+        r = c.post("/translate", json={"q": ["ein hund", "🐶 42", "", "3,14"], "source": "de", "target": "en"})
+        assert r.json()["translatedText"] == ["EIN HUND", "🐶 42", "", "3,14"], r.text
+        assert r.json()["score"][1:] == [None, None, None]
+        r = c.post("/translate", json={"q": "der Hund", "source": "de", "target": "de"})
+        assert r.status_code == 200 and r.json()["translatedText"] == "der Hund"  # was a 400 for the batch
+        r = c.post("/translate", json={"q": "xx", "source": "fr", "target": "fr"})
+        assert r.status_code == 400 and '"source" fr is not a language this server translates' in r.json()["error"]
+        r = c.post("/translate", json={"q": "<p>😀</p>", "source": "de", "target": "en", "format": "html"})
+        assert r.json()["translatedText"] == "<p>😀</p>"
+
+
+def test_frontend_settings_spec_and_docs(tmp_path: Path):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("a-key-for-tests\n")
+    state = state_of(PAIRS, ApiKeys.read(str(keys), require=True))
+    with TestClient(create_app(state)) as c:
+        settings = c.get("/frontend/settings").json()  # open, as in LibreTranslate
+        assert settings["keyRequired"] is True and settings["apiKeys"] is True
+        assert settings["language"] == {"source": {"code": "auto", "name": "Auto Detect"},
+                                        "target": {"code": "en", "name": "English"}}
+        assert settings["charLimit"] * 12 <= state.limits.max_bytes and settings["frontendTimeout"] > 0
+        assert {"suggestions", "filesTranslation", "supportedFilesFormat"} <= set(settings)
+        spec = c.get("/spec").json()
+        assert spec["openapi"].startswith("3.") and {"/translate", "/detect", "/languages",
+                                                     "/frontend/settings"} <= set(spec["paths"])
+        fields = spec["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert {"q", "source", "target", "format", "alternatives", "api_key"} == set(fields["properties"])
+        page = c.get("/docs")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert 'fetch("spec")' in page.text
+
+
+def test_one_access_log_line_per_request_never_the_key(tmp_path: Path, caplog):
+    keys = tmp_path / "keys.txt"
+    keys.write_text("# ops\nthe-secret-key-1 100\n")
+    for fmt in ("text", "json"):
+        state = state_of(PAIRS, ApiKeys.read(str(keys)))
+        state.access_log = fmt
+        with caplog.at_level(logging.INFO, logger="pipeline.access"), TestClient(create_app(state)) as c:
+            caplog.clear()
+            c.post("/translate", json={"q": ["hund", "katze"], "source": "de", "target": "en",
+                                       "api_key": "the-secret-key-1"})
+            c.post("/translate", json={"text": ["hund"], "model": "de-en"})
+            c.post("/translate", json={"q": "x", "source": "de", "target": "en", "api_key": "wrong-key-99"})
+            c.get("/health")
+        lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.access"]
+        assert len(lines) == 4, lines
+        assert not any("the-secret-key-1" in line or "wrong-key-99" in line for line in lines)
+        if fmt == "json":
+            first, native, wrong, health = map(json.loads, lines)
+            assert first["method"] == "POST" and first["path"] == "/translate" and first["status"] == 200
+            assert first["model"] == "de-en" and first["texts"] == 2 and first["key"] == "line 2"
+            assert native["key"] == "keyless" and native["model"] == "de-en" and native["texts"] == 1
+            assert wrong["status"] == 403 and "model" not in wrong and health["path"] == "/health"
+            assert all(isinstance(line["ms"], float) for line in (first, native, wrong, health))
+        else:
+            assert lines[0].startswith("POST /translate 200 ") and lines[0].endswith(' ms model=de-en texts=2 key="line 2"')
+            assert lines[2].startswith("POST /translate 403 ")
+
+
+def test_the_access_log_has_its_own_plain_handler():
+    access.configure("json")
+    try:
+        handler = access.log.handlers[0]
+        record = logging.LogRecord("pipeline.access", logging.INFO, "", 0, '{"a": 1}', None, None)
+        assert handler.format(record) == '{"a": 1}' and access.log.propagate is False  # nothing but JSON
+    finally:
+        access.log.handlers[:] = []
+        access.log.propagate = True
