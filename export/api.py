@@ -259,6 +259,7 @@ def _manifest(plan: ExportPlan, graphs: Graphs, verification: dict[str, Any], en
         pair_bounded_weights=plan.int8_flavour == quantize.ROWWISE, opset=plan.options.opset,
         topk=plan.options.topk, limits=plan.limits, versions=versions, tensorrt=engines, tensorrt_skipped=skipped,
         graphs=graphs, verification=verification, decoding=plan.decoding, shortlist=shortlist,
+        language_pair=plan.language_pair,
         source_checkpoint=SourceCheckpoint(path=str(plan.source.resolve()), sha256=sha256_file(plan.source),
                                            steps=plan.steps))
 

@@ -94,6 +94,11 @@ class ExportOptions:
                                     "in the same sentence pair.", min=0)
     shortlist_frequent: int = opt(DEFAULT_FREQUENT, "Most frequent target pieces, candidates in every batch (at "
                                   "least --topk).", min=1)
+    src_lang: str | None = opt(None, "The language code the model translates from (de, eng_Latn), recorded in the "
+                               "manifest: `pipeline serve` then serves the model under LibreTranslate's API "
+                               "whatever its name. Default: the checkpoint's (an imported Marian model's "
+                               "tokenizer_config.json), else the training run's corpus suffix (train.de).")
+    tgt_lang: str | None = opt(None, "The language code the model translates into; as --src-lang.")
     timing_cache: Path | None = opt(None, "TensorRT timing cache file, reused across builds "
                                     "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).", path="any")
     # What the files above hold, read by the caller (no command-line option of their own):

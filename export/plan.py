@@ -21,9 +21,10 @@ from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
 from model.checkpoint import load_model, resolve_checkpoint
 from model.config import ModelConfig
-from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Limits
+from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
 from runtime.decoding import PAPER
+from runtime.languages import LANG_CODE
 from runtime.shortlist import Shortlist
 from runtime.tokenizer import AnyTokenizer, TokenizerError, load_tokenizer
 
@@ -49,6 +50,7 @@ class ExportPlan:
     decoding: dict[str, Any]  # the checkpoint's own decoding defaults, checked
     steps: list[int]  # the training steps the weights come from
     counted: tuple[Shortlist, int] | None  # the shortlist's table and its sentence pairs
+    language_pair: Languages | None = None  # a model of one pair: its codes, when known
 
     @property
     def out(self) -> Path:
@@ -104,7 +106,8 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,
                       tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
                       tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
-                      decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted)
+                      decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted,
+                      language_pair=language_pair(options, payload, model.cfg))
 
 
 def _check_precision(options: ExportOptions) -> bool | None:
@@ -227,6 +230,29 @@ def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any], AnyTokenizer
         raise ExportError(f"{source}: the checkpoint's tokenizer cannot be loaded ({e}); re-import or re-train "
                           "it") from None
     return model.float().eval(), spm_bytes, payload, tokenizer
+
+
+def language_pair(options: ExportOptions, payload: dict[str, Any], cfg: ModelConfig) -> Languages | None:
+    """The model's (source, target) codes: --src-lang/--tgt-lang, else the checkpoint's `extra["languages"]`
+    (an import's); None when unknown or for a multilingual model, whose codes are its language tokens."""
+    given = (options.src_lang, options.tgt_lang)
+    if cfg.languages:
+        if any(given):
+            raise ExportError("--src-lang/--tgt-lang are for a model of one pair; this multilingual model serves "
+                              f"its {len(cfg.languages)} languages")
+        return None
+    if (given[0] is None) != (given[1] is None):
+        raise ExportError("give both --src-lang and --tgt-lang, or neither")
+    recorded = (payload.get("extra") or {}).get("languages") or {}
+    source, target = given if given[0] is not None else (recorded.get("source"), recorded.get("target"))
+    if source is None or target is None:
+        return None
+    for flag, code in (("--src-lang", source), ("--tgt-lang", target)):
+        if not isinstance(code, str) or not LANG_CODE.fullmatch(code):
+            raise ExportError(f"{flag} {str(code)[:20]!r}: give a language code like de, eng or eng_Latn")
+    if source == target:
+        raise ExportError(f"--src-lang and --tgt-lang are both {source}: a model translates between two languages")
+    return Languages((source,), (target,))
 
 
 def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:

@@ -155,6 +155,9 @@ class Manifest:
     decoding: dict[str, Any] = field(default_factory=dict)
     shortlist: ShortlistInfo | None = None  # a vocabulary shortlist was exported too (--shortlist)
     files: dict[str, str] = field(default_factory=dict)  # name -> SHA-256, filled by write_manifest
+    # a model of one pair: its source and target codes (an imported Marian model's tokenizer_config.json,
+    # a training run's corpus suffixes, or export --src-lang/--tgt-lang); None where they are not known
+    language_pair: Languages | None = None
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
@@ -168,10 +171,10 @@ class Manifest:
 
     @property
     def languages(self) -> Languages | None:
-        """The languages a multilingual model dir serves (model_config.languages, every pair among them);
-        None for a model of one language pair, whose languages are not recorded."""
+        """The languages a model dir serves: a multilingual model's (model_config.languages, every pair among
+        them), else its recorded pair; None where neither is known."""
         codes = tuple(code for code, _ in self.model_config.languages)
-        return Languages(codes, codes) if codes else None
+        return Languages(codes, codes) if codes else self.language_pair
 
     def lists(self, *names: str) -> bool:
         """Whether the manifest lists every one of these files."""

@@ -10,10 +10,13 @@ config, so every backend and every command handles them the same way.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from model.config import ModelConfig
 from runtime.errors import RuntimeUserError
+
+LANG_CODE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")  # a language code: de, eng, pt-BR, eng_Latn
 
 
 class LanguageError(RuntimeUserError):

@@ -4,6 +4,7 @@ lets a test mount one). Fixtures live in conftest.py; everything else any test s
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -435,3 +436,14 @@ if __name__ == "__main__":  # the helper process of Artifacts.start_helper
         if artifacts.orphaned():
             break
         artifacts.build_unclaimed(artifact)
+
+
+def with_language_pair(model_dir: Path, out: Path, source: str, target: str) -> Path:
+    """A copy of model_dir whose manifest records the pair (what export --src-lang/--tgt-lang writes)."""
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["language_pair"] = {"source": [source], "target": [target]}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out

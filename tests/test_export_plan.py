@@ -18,7 +18,7 @@ from export.options import DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, ExportOptio
 from export.plan import ExportPlan, resolve
 from export.shortlist import ShortlistCorpus
 from model import build_model, preset
-from model.checkpoint import save_checkpoint
+from model.checkpoint import load_model, save_checkpoint
 from model.manifest import MANIFEST, Limits
 
 HAVE_TRT = tensorrt_build.installed()
@@ -116,3 +116,41 @@ def test_the_cli_writes_what_export_model_writes(fp32_dir, random_checkpoint, tm
     for m in (ours, theirs):
         m["graphs"].pop("export_seconds")
     assert ours == theirs
+
+
+def test_the_language_pair_from_the_options_or_the_checkpoint(random_checkpoint, tmp_path):
+    """What `pipeline serve` routes LibreTranslate's requests by: --src-lang/--tgt-lang, else what the checkpoint
+    recorded (an import's), else nothing; each mistake one line."""
+    from model.manifest import Languages
+
+    assert plan(random_checkpoint, tmp_path, tensorrt=False).language_pair is None
+    p = plan(random_checkpoint, tmp_path, tensorrt=False, src_lang="de", tgt_lang="en")
+    assert p.language_pair == Languages(("de",), ("en",))
+    for options, needle in (({"src_lang": "de"}, "give both --src-lang and --tgt-lang"),
+                            ({"src_lang": "de", "tgt_lang": "de"}, "both de"),
+                            ({"src_lang": "de!", "tgt_lang": "en"}, "--src-lang 'de!': give a language code")):
+        with pytest.raises(ExportError, match=needle):
+            plan(random_checkpoint, tmp_path, tensorrt=False, **options)
+    model, spm, _ = load_model(random_checkpoint)
+    imported = tmp_path / "imported.pt"
+    save_checkpoint(imported, model, spm, extra={"languages": {"source": "nl", "target": "en"}})
+    assert plan(imported, tmp_path, tensorrt=False).language_pair == Languages(("nl",), ("en",))
+    assert plan(imported, tmp_path, tensorrt=False, src_lang="fy", tgt_lang="en").language_pair == \
+        Languages(("fy",), ("en",))  # the options say it last
+
+
+def test_a_training_runs_languages_come_from_its_corpus_file_names(tmp_path):
+    from pipeline.training.trainer import corpus_languages
+
+    def save_dir(src: str, tgt: str) -> Path:
+        d = tmp_path / f"{src}-{tgt}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"resolved_options": {"train_src": f"/data/{src}",
+                                                                        "train_tgt": f"/data/{tgt}"}}))
+        return d / "checkpoint_100.pt"
+
+    assert corpus_languages(save_dir("train.de.gz", "train.en.gz")) == ("de", "en")
+    assert corpus_languages(save_dir("corpus.pt-BR", "corpus.en")) == ("pt-BR", "en")
+    assert corpus_languages(save_dir("a.txt", "b.txt")) is None  # not two different languages
+    assert corpus_languages(save_dir("src", "tgt")) is None  # no suffix
+    assert corpus_languages(tmp_path / "nowhere" / "x.pt") is None

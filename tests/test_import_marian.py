@@ -85,6 +85,8 @@ def test_import_records_config_and_decoding_defaults(checkpoint, hf_dir):
     assert payload["extra"]["decoding"] == {"rules": "transformers", "beam_size": 4, "alpha": 1.0,
                                             "max_len_a": 0.0, "max_len_b": MAX_LENGTH - 2, "min_len": 0}
     assert payload["extra"]["imported"]["directory"] == str(hf_dir.resolve())
+    # tokenizer_config.json's source_lang / target_lang: served under LibreTranslate's API by them
+    assert payload["extra"]["languages"] == {"source": "src", "target": "tgt"}
 
 
 @pytest.mark.parametrize("beam", [1, 4])
@@ -254,6 +256,9 @@ def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
     backend, tokenizer, loaded = load_backend(out, backend="onnxruntime")
     assert tokenizer.vocab_size == loaded.model_config.vocab_size
     assert type(tokenizer_from_file(out / "spm.model")).__name__ == "VocabTokenizer"
+    # the pair the import recorded: `pipeline serve DIR` serves it under LibreTranslate's API, whatever its name
+    from pipeline.serve.languages import served_languages
+    assert served_languages("model", loaded) == (("src",), ("tgt",))
 
 
 @pytest.mark.slow

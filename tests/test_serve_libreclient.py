@@ -58,13 +58,17 @@ def test_the_libretranslate_client_translates_detects_and_lists_languages(url):
 
 
 @pytest.mark.slow
-def test_the_client_without_a_valid_key_is_refused(url):
-    for client in (libretranslatepy.LibreTranslateAPI(url), libretranslatepy.LibreTranslateAPI(url, "not-a-key")):
-        for call, args in ((client.translate, (TEXT, "de", "en")), (client.detect, (TEXT,))):
-            with pytest.raises(urllib.error.HTTPError) as e:
-                call(*args)
-            assert e.value.code == 403
-        assert client.languages()[0]["code"] == "de"  # open, as LibreTranslate's
+def test_the_client_with_a_wrong_key_is_refused_and_without_one_served_at_the_keyless_rate(url):
+    """As LibreTranslate: a wrong key is a 403; no key is served at the default (keyless) rate, so keyless
+    clients keep working on a keyed server."""
+    client = libretranslatepy.LibreTranslateAPI(url, "not-a-key")
+    for call, args in ((client.translate, (TEXT, "de", "en")), (client.detect, (TEXT,))):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            call(*args)
+        assert e.value.code == 403
+    assert client.languages()[0]["code"] == "de"  # open, as LibreTranslate's
+    keyless = libretranslatepy.LibreTranslateAPI(url)
+    assert keyless.translate(TEXT, "de", "en") == native(url, "de-en", [TEXT])[0]
 
 
 @pytest.mark.slow

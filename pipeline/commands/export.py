@@ -16,7 +16,7 @@ from model import io_names
 from model.manifest import Manifest
 from pipeline.cli_options import options_from, pick
 from pipeline.textio import read_lines, refuse_overwriting_inputs
-from pipeline.training.trainer import validation_files
+from pipeline.training.trainer import corpus_languages, validation_files
 from runtime import references
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,13 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
         calibration = [x for x in read_lines(o.int8_calibrate) if x.strip()][:CALIBRATION_LINES]
         if not calibration:
             raise click.UsageError(f"--int8-calibrate {o.int8_calibrate}: no non-blank line to calibrate on")
-    return dataclasses.replace(o, references=held_out, shortlist=shortlist, calibration=calibration)
+    languages = {}
+    if o.src_lang is None and o.tgt_lang is None:  # a training run's corpus suffixes (train.de, train.en)
+        codes = corpus_languages(checkpoint)
+        if codes is not None:
+            languages = {"src_lang": codes[0], "tgt_lang": codes[1]}
+            log.info("languages %s -> %s, from the training corpus' file names", *codes)
+    return dataclasses.replace(o, references=held_out, shortlist=shortlist, calibration=calibration, **languages)
 
 
 def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int) -> tuple[Path, Path] | None:

@@ -43,6 +43,7 @@ from pipeline.importers.hf_generation import GENERATION_NAMES, generation  # noq
 from pipeline.importers.hf_layout import checked_files, directory, provenance
 from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
 from pipeline.textio import refuse_overwriting_inputs
+from runtime.languages import LANG_CODE
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
 log = logging.getLogger(__name__)
@@ -123,6 +124,20 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> VocabTokenizer:
     return tok
 
 
+def language_pair(files: HFFiles) -> dict[str, str] | None:
+    """tokenizer_config.json's source_lang / target_lang (OPUS-MT writes them: "de", "en"), when both are
+    language codes; else None, and export --src-lang/--tgt-lang can say them."""
+    tok_config = files.optional_json(TOKENIZER_CONFIG)
+    pair = {side: tok_config.get(f"{side}_lang") for side in ("source", "target")}
+    if all(isinstance(code, str) and LANG_CODE.fullmatch(code) for code in pair.values()) and \
+            pair["source"] != pair["target"]:
+        return pair  # type: ignore[return-value]
+    if any(pair.values()):
+        log.warning("%s: source_lang %r / target_lang %r are not two language codes; give export --src-lang and "
+                    "--tgt-lang", files.path(TOKENIZER_CONFIG), pair["source"], pair["target"])
+    return None
+
+
 # -- the weights: checked on the file's header, read only once they fit config.json ----------------
 
 
@@ -145,6 +160,9 @@ def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any
     if not bool(mapped["logits_bias"].any()):  # all zeros: no bias to add at every step
         model = _without_logits_bias(model)
     extra = {"decoding": defaults, "imported": provenance(hf_dir, "marian")}
+    pair = language_pair(files)
+    if pair is not None:  # served under LibreTranslate's API by these codes, whatever the model dir's name
+        extra["languages"] = pair
     sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
     log.info("imported %s: %d parameters, vocabulary %d, decoding defaults %s -> %s", hf_dir,
              sum(p.numel() for p in model.parameters()), cfg.vocab_size, defaults, out)

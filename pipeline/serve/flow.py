@@ -23,7 +23,7 @@ from runtime.translate import NBest
 
 T = TypeVar("T")
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
-MAX_FORM_FIELDS = 64
+MAX_FORM_FIELDS = 2048  # above --max-lines' default: a repeated "q" is a list of texts
 
 
 async def off_loop(state: ServerState, fn: Callable[..., T], *args: Any) -> T:
@@ -138,14 +138,12 @@ async def read_payload(request: Request, state: ServerState) -> tuple[Any, bool]
     return await off_loop_reading(state, parse_json, body), False
 
 
-def query_fields(request: Request) -> dict[str, str]:
-    """The query string's fields (the first of a repeated one, at most MAX_FORM_FIELDS)."""
-    fields: dict[str, str] = {}
-    for key, value in request.query_params.multi_items():
-        if key not in fields and len(fields) >= MAX_FORM_FIELDS:
-            raise ApiError(400, f"the query string has more than {MAX_FORM_FIELDS} fields")
-        fields.setdefault(key, value)
-    return fields
+def query_fields(request: Request) -> dict[str, Any]:
+    """The query string's fields (as form fields are read), at most MAX_FORM_FIELDS."""
+    pairs = request.query_params.multi_items()
+    if len(pairs) > MAX_FORM_FIELDS:
+        raise ApiError(400, f"the query string has more than {MAX_FORM_FIELDS} fields")
+    return _first_of_each(pairs)
 
 
 def is_form(headers: Headers, body: bytes) -> bool:
@@ -155,7 +153,7 @@ def is_form(headers: Headers, body: bytes) -> bool:
     return kind in FORM_TYPES and body.lstrip()[:1] not in (b"{", b"[")
 
 
-def parse_urlencoded(body: bytes) -> dict[str, str]:
+def parse_urlencoded(body: bytes) -> dict[str, Any]:
     """An application/x-www-form-urlencoded body's fields (the first of a repeated one, as LibreTranslate
     reads them)."""
     try:
@@ -165,13 +163,22 @@ def parse_urlencoded(body: bytes) -> dict[str, str]:
         raise ApiError(400, f"request body is not UTF-8 form data ({e.reason} at byte {e.start})") from None
     except ValueError as e:
         raise ApiError(400, f"request body is not readable form data: {e}") from None
-    fields: dict[str, str] = {}
+    return _first_of_each(pairs)
+
+
+def _first_of_each(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Fields as LibreTranslate reads them (the first of a repeated one), except a repeated "q", which is a list
+    of texts (libretranslate-aio sends a list that way; LibreTranslate would take its first only)."""
+    fields: dict[str, Any] = {}
+    texts = [value for key, value in pairs if key == "q"]
     for key, value in pairs:
         fields.setdefault(key, value)
+    if len(texts) > 1:
+        fields["q"] = texts
     return fields
 
 
-async def read_multipart(headers: Headers, body: bytes) -> dict[str, str]:
+async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
     """A multipart/form-data body's text fields (python-multipart, through starlette's parser)."""
     from starlette.formparsers import MultiPartException, MultiPartParser
 
@@ -186,9 +193,9 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, str]:
                             "send JSON or application/x-www-form-urlencoded") from None
     except MultiPartException as e:
         raise ApiError(400, f"request body is not readable form data: {e.message}") from None
-    fields: dict[str, str] = {}
+    pairs: list[tuple[str, str]] = []
     for key, value in form.multi_items():
         if not isinstance(value, str):
             raise ApiError(400, f'form field "{key}" is a file; send text')
-        fields.setdefault(key, value)
-    return fields
+        pairs.append((key, value))
+    return _first_of_each(pairs)

@@ -85,7 +85,7 @@ class Translator:
     def direction(self, source: str | None, target: str | None) -> Direction:
         """The token ids that tell a multilingual model (its manifest lists languages) to translate source ->
         target; nothing for a model of one pair (ValueError naming "source" / "target" when it lacks one)."""
-        if getattr(self.manifest, "languages", None) is None:
+        if self.manifest is None or not self.manifest.model_config.languages:  # one pair: no language tokens
             return ONE_PAIR
         try:
             return direction(self.backend.cfg, source, target, source_name='"source"', target_name='"target"')

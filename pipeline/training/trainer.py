@@ -45,6 +45,7 @@ from pipeline.training.options import (
 )
 from pipeline.training.step import Stepper, resolve_precision
 from pipeline.training.tensorboard import TensorBoardLog
+from runtime.languages import LANG_CODE
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,23 @@ def validation_files(checkpoint: Path) -> tuple[Path, Path] | None:
     else:
         return None
     return pair if all(p.is_file() for p in pair) else None
+
+
+def corpus_languages(checkpoint: Path) -> tuple[str, str] | None:
+    """The language codes a checkpoint's save dir trained on, from its corpus files' suffixes (train.de and
+    train.en, .gz or not; --train-src/--train-tgt as config.json records them); None when they are not two
+    different language codes, or for the built-in made-up pair."""
+    checkpoint = Path(checkpoint)
+    save_dir = checkpoint if checkpoint.is_dir() else checkpoint.parent
+    try:
+        options = json.loads((save_dir / CONFIG_FILE).read_text())["resolved_options"]
+        files = [Path(options["train_src"]), Path(options["train_tgt"])]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    codes = [next((s[1:] for s in reversed(f.suffixes) if s != ".gz"), "") for f in files]
+    if all(LANG_CODE.fullmatch(c) for c in codes) and codes[0] != codes[1]:
+        return codes[0], codes[1]
+    return None
 
 
 def _prepare(opts: TrainOptions, ctx: DistContext, resume_spm: bytes | None) -> PreparedData:

@@ -1,0 +1,97 @@
+"""The Docker image's own command line (deploy/Dockerfile's ENTRYPOINT, run as the image runs it, with /model
+replaced by a model dir made here) against the exact requests Mastodon's LibreTranslate provider sends, each
+answer checked the way Mastodon parses it (app/lib/translation_service/libre_translate.rb): GET /languages into
+{code => targets without the code}, POST /translate with a JSON body {q: [texts], source (or "auto"), target,
+format: "html", api_key: null}, 403 read as "quota exceeded", anything but 2xx as a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import with_language_pair
+
+pytest.importorskip("starlette")
+pytest.importorskip("py3langid")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def entrypoint() -> tuple[list[str], dict[str, str]]:
+    """The image's ENTRYPOINT (exec form) and its ENV lines."""
+    text = (ROOT / "deploy" / "Dockerfile").read_text()
+    [line] = [ln for ln in text.splitlines() if ln.startswith("ENTRYPOINT ")]
+    env = dict(re.findall(r"^ENV (\w+)=(\S+)$", text, re.M))
+    return json.loads(line.removeprefix("ENTRYPOINT ")), env
+
+
+def mastodon_languages(url: str) -> dict:
+    r = httpx.get(f"{url}/languages", headers={"Content-Type": "application/json"}, timeout=30)
+    assert 200 <= r.status_code < 300, r.text
+    languages = {lang["code"]: [t for t in lang["targets"] if t != lang["code"]] for lang in r.json()}
+    languages[None] = sorted({t for targets in languages.values() for t in targets})
+    return languages
+
+
+def mastodon_translate(url: str, texts: list[str], source: str | None, target: str) -> list[tuple[str, str]]:
+    body = json.dumps({"q": texts, "source": source or "auto", "target": target, "format": "html", "api_key": None})
+    r = httpx.post(f"{url}/translate", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert r.status_code not in (403, 429), f"Mastodon shows this as quota exceeded / too many requests: {r.text}"
+    assert 200 <= r.status_code < 300, r.text
+    data = r.json()
+    assert isinstance(data, dict)
+    return [(text, ((data.get("detectedLanguage") or [None] * len(texts))[i] or {}).get("language") or source)
+            for i, text in enumerate(data["translatedText"])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["de-en", None])
+def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
+    """MODEL_NAME=de-en names the pair of a model dir that records none; without it, the image's default name
+    serves the native API, and a model dir that records its pair (export --src-lang/--tgt-lang) is served under
+    LibreTranslate's API whatever MODEL_NAME is."""
+    command, env = entrypoint()
+    assert command[:2] == ["/bin/sh", "-c"] and "/model" in command[2]
+    model = fp32_dir
+    if name is None:  # the image's default MODEL_NAME, with a model dir that records its languages
+        model = with_language_pair(fp32_dir, tmp_path / "model", "de", "en")
+    script = command[2].replace("/model", shlex.quote(str(model)))
+    environ = {**os.environ, **env, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+    if name is not None:
+        environ["MODEL_NAME"] = name
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*command[:2], script, *command[3:], "--host", "127.0.0.1", "--port", "0",
+                                 "--backend", "onnxruntime"], cwd=tmp_path, env=environ, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline and proc.poll() is None:
+            m = re.search(r"at (http://127\.0\.0\.1:\d+)", log.read_text())
+            url = m.group(1) if m else None
+            time.sleep(0.1)
+        assert url, log.read_text()
+        languages = mastodon_languages(url)
+        assert languages == {"de": ["en"], "en": [], None: ["en"]}  # Mastodon's permitted?: de -> en
+        [(text, detected)] = mastodon_translate(url, ["<p>der hund sieht die katze.</p>"], "de", "en")
+        assert text.startswith("<p>") and text.endswith("</p>") and detected == "de"
+        got = mastodon_translate(url, ["<p>Der Mann fährt mit dem Fahrrad durch die Stadt.</p>", "<p>🙂</p>"],
+                                 None, "en")
+        assert got[0][1] == "de" and got[1][0] == "<p>🙂</p>"
+        assert "access: POST /translate 200" in log.read_text()  # the access log an operator reads
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
