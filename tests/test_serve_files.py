@@ -1,0 +1,363 @@
+"""LibreTranslate's POST /translate_file and GET /download_file on `pipeline serve`, in process over stand-in
+models that upper-case their text: each format made with its own library, sent, fetched, and read back with
+that library (the text translated, the layout kept), and the refusals (unsupported format, a damaged file, a
+zip bomb, an XML entity bomb, a missing file, a wrong key, an unknown id, an upload over the limit)."""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("multipart")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from starlette.testclient import TestClient  # noqa: E402
+from test_serve_bounds import KEY, state_of  # noqa: E402
+
+from pipeline.serve import documents  # noqa: E402
+from pipeline.serve.app import create_app  # noqa: E402
+from pipeline.serve.keys import ApiKeys  # noqa: E402
+
+PAIRS = {"de-en": (("de",), ("en",)), "en-de": (("en",), ("de",))}
+
+
+@contextmanager
+def served(keys: ApiKeys | None = None) -> Iterator[TestClient]:
+    with TestClient(create_app(state_of(PAIRS, keys))) as c:
+        yield c
+
+
+def send(c: TestClient, name: str, data: bytes, **fields: str) -> Any:
+    return c.post("/translate_file", data={"source": "de", "target": "en", **fields},
+                  files={"file": (name, data, "application/octet-stream")})
+
+
+def roundtrip(name: str, data: bytes) -> tuple[bytes, Any]:
+    """The file translated de -> en and downloaded: its bytes and the download's response."""
+    with served() as c:
+        r = send(c, name, data)
+        assert r.status_code == 200, r.text
+        url = r.json()["translatedFileUrl"]
+        assert url.startswith("http://testserver/download_file/")
+        got = c.get(url)
+        assert got.status_code == 200, got.text
+        return got.content, got
+
+
+# -- each format -------------------------------------------------------------------------------------------
+
+
+def test_txt_lines_translated_and_line_ends_kept():
+    data = b"Der Hund.  Die Katze!\r\n\r\n  ja\n123\nEnde"
+    out, r = roundtrip("notes.txt", data)
+    assert out == b"DER HUND.  DIE KATZE!\r\n\r\n  JA\n123\nENDE"
+    assert r.headers["content-disposition"] == 'attachment; filename="notes_en.txt"'
+    assert r.headers["content-type"].startswith("text/plain")
+
+
+def test_txt_with_a_utf16_bom_comes_back_in_utf16():
+    out, _ = roundtrip("w.txt", "\ufeffgrüße\n".encode("utf-16-le"))
+    assert out == "\ufeffGRÜSSE\n".encode("utf-16-le")
+
+
+def test_html_markup_kept_text_translated():
+    page = '<!DOCTYPE html><html><head><title>Titel</title></head><body><p class="x">Ein <b>fetter</b> Hund' \
+           '</p><pre>code bleibt</pre><img alt="bild"></body></html>'
+    out, _ = roundtrip("page.html", page.encode())
+    assert out.decode() == page.replace("Titel", "TITEL").replace("Ein ", "EIN ").replace("fetter", "FETTER") \
+        .replace(" Hund", " HUND")
+
+
+def test_srt_timings_and_indices_copied_lines_kept():
+    srt = ("1\r\n00:00:01,000 --> 00:00:04,000\r\nDas ist die erste\r\nZeile hier.\r\n\r\n"
+           "2\r\n00:00:05,500 --> 00:00:07,250 X1:10\r\n<i>Kursiv</i> und normal\r\n\r\n"
+           "3\r\n00:00:08,000 --> 00:00:09,000\r\n♪\r\n")
+    out, r = roundtrip("film.srt", srt.encode())
+    text = out.decode()
+    assert re.findall(r".*-->.*", text) == re.findall(r".*-->.*", srt)
+    assert text == ("1\r\n00:00:01,000 --> 00:00:04,000\r\nDAS IST DIE ERSTE\r\nZEILE HIER.\r\n\r\n"
+                    "2\r\n00:00:05,500 --> 00:00:07,250 X1:10\r\n<i>KURSIV</i> UND NORMAL\r\n\r\n"
+                    "3\r\n00:00:08,000 --> 00:00:09,000\r\n♪\r\n")
+    assert r.headers["content-disposition"] == 'attachment; filename="film_en.srt"'
+
+
+def test_docx_runs_tables_headers_and_formatting_kept():
+    docx = pytest.importorskip("docx")
+    d = docx.Document()
+    d.add_paragraph("Erster Absatz.", style="Heading 1")
+    p = d.add_paragraph("Ein ")
+    bold = p.add_run("fetter")
+    bold.bold = True
+    italic = p.add_run(" und kursiver Satz.")
+    italic.italic = True
+    d.add_paragraph("Vor dem Tab\tnach dem Tab")
+    d.add_table(rows=1, cols=2).cell(0, 1).text = "Zelle"
+    d.sections[0].header.paragraphs[0].text = "Kopfzeile"
+    buffer = io.BytesIO()
+    d.save(buffer)
+    out, r = roundtrip("bericht.docx", buffer.getvalue())
+    assert r.headers["content-disposition"] == 'attachment; filename="bericht_en.docx"'
+    got = docx.Document(io.BytesIO(out))
+    assert [p.text for p in got.paragraphs] == ["ERSTER ABSATZ.", "EIN FETTER UND KURSIVER SATZ.",
+                                                "VOR DEM TAB\tNACH DEM TAB"]
+    assert [p.style.name for p in got.paragraphs] == ["Heading 1", "Normal", "Normal"]
+    runs = got.paragraphs[1].runs  # the translation in the first run, the others emptied, none removed
+    assert [(r.text, r.bold, r.italic) for r in runs] == [("EIN FETTER UND KURSIVER SATZ.", None, None),
+                                                          ("", True, None), ("", None, True)]
+    assert [c.text for c in got.tables[0].rows[0].cells] == ["", "ZELLE"]
+    assert got.sections[0].header.paragraphs[0].text == "KOPFZEILE"
+    with zipfile.ZipFile(io.BytesIO(out)) as a, zipfile.ZipFile(buffer) as b:
+        assert a.namelist() == b.namelist()  # every part kept, in order
+
+
+def test_pptx_slides_and_shapes_kept():
+    pptx = pytest.importorskip("pptx")
+    from pptx.util import Inches, Pt
+
+    prs = pptx.Presentation()
+    slide = prs.slides.add_slide(prs.slide_layouts[1])
+    slide.shapes.title.text = "Der Titel"
+    slide.placeholders[1].text_frame.text = "Erster Punkt"
+    slide.placeholders[1].text_frame.add_paragraph().text = "Zweiter Punkt"
+    box = slide.shapes.add_textbox(Inches(1), Inches(5), Inches(4), Inches(1))
+    box.text_frame.text = "Ein Textfeld"
+    box.text_frame.paragraphs[0].runs[0].font.size = Pt(31)
+    box.text_frame.paragraphs[0].runs[0].font.bold = True
+    prs.slides.add_slide(prs.slide_layouts[5]).shapes.title.text = "Zweite Folie"
+    buffer = io.BytesIO()
+    prs.save(buffer)
+    out, _ = roundtrip("folien.pptx", buffer.getvalue())
+    got = pptx.Presentation(io.BytesIO(out))
+    assert len(got.slides) == 2
+    shapes = list(got.slides[0].shapes)
+    assert [s.shape_type for s in shapes] == [s.shape_type for s in prs.slides[0].shapes]
+    assert [(s.left, s.top, s.width, s.height) for s in shapes] == \
+        [(s.left, s.top, s.width, s.height) for s in prs.slides[0].shapes]
+    assert [s.text_frame.text for s in shapes] == ["DER TITEL", "ERSTER PUNKT\nZWEITER PUNKT", "EIN TEXTFELD"]
+    run = shapes[2].text_frame.paragraphs[0].runs[0]
+    assert run.font.size == Pt(31) and run.font.bold is True
+    assert got.slides[1].shapes.title.text == "ZWEITE FOLIE"
+
+
+def test_odt_paragraphs_spans_and_styles_kept():
+    pytest.importorskip("odf")
+    from odf import teletype, text
+    from odf.opendocument import OpenDocumentText, load
+    from odf.style import Style, TextProperties
+
+    doc = OpenDocumentText()
+    bold = Style(name="Fett", family="text")
+    bold.addElement(TextProperties(fontweight="bold"))
+    doc.automaticstyles.addElement(bold)
+    doc.text.addElement(text.H(outlinelevel=1, text="Die Überschrift"))
+    p = text.P(text="Ein ")
+    p.addElement(text.Span(stylename=bold, text="fetter"))
+    p.addText(" Satz.")
+    doc.text.addElement(p)
+    doc.text.addElement(text.P(text="Zweiter Absatz."))
+    buffer = io.BytesIO()
+    doc.save(buffer)
+    out, _ = roundtrip("brief.odt", buffer.getvalue())
+    got = load(io.BytesIO(out))
+    paragraphs = got.getElementsByType(text.P)
+    assert [teletype.extractText(p) for p in got.getElementsByType(text.H)] == ["DIE ÜBERSCHRIFT"]
+    assert [teletype.extractText(p) for p in paragraphs] == ["EIN FETTER SATZ.", "ZWEITER ABSATZ."]
+    spans = got.getElementsByType(text.Span)
+    assert len(spans) == 1 and spans[0].getAttribute("stylename") == "Fett"  # the span kept, emptied
+    with zipfile.ZipFile(io.BytesIO(out)) as a:
+        first = a.infolist()[0]
+        assert first.filename == "mimetype" and first.compress_type == zipfile.ZIP_STORED
+
+
+def test_epub_pages_translated_other_members_copied():
+    buffer = io.BytesIO()
+    page = '<?xml version="1.0" encoding="utf-8"?>\n<html xmlns="http://www.w3.org/1999/xhtml"><body>' \
+           '<h1>Kapitel eins</h1><p>Es war <em>einmal</em>.</p></body></html>'
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr(zipfile.ZipInfo("mimetype"), "application/epub+zip")
+        z.writestr("META-INF/container.xml", "<container/>", zipfile.ZIP_DEFLATED)
+        z.writestr("OEBPS/content.opf", "<package><metadata>Titel</metadata></package>", zipfile.ZIP_DEFLATED)
+        z.writestr("OEBPS/ch1.xhtml", page, zipfile.ZIP_DEFLATED)
+    out, _ = roundtrip("buch.epub", buffer.getvalue())
+    with zipfile.ZipFile(io.BytesIO(out)) as z:
+        assert z.namelist() == ["mimetype", "META-INF/container.xml", "OEBPS/content.opf", "OEBPS/ch1.xhtml"]
+        assert z.read("OEBPS/content.opf") == b"<package><metadata>Titel</metadata></package>"
+        assert z.read("OEBPS/ch1.xhtml").decode() == page.replace("Kapitel eins", "KAPITEL EINS") \
+            .replace("Es war ", "ES WAR ").replace("einmal", "EINMAL")
+
+
+def test_a_file_already_in_the_target_language_comes_back_unchanged():
+    with served() as c:
+        r = send(c, "x.txt", b"schon Englisch\n", source="en", target="en")
+        assert r.status_code == 200, r.text
+        assert c.get(r.json()["translatedFileUrl"]).content == b"schon Englisch\n"
+
+
+def test_auto_detects_the_files_language_once():
+    class Detector:
+        seen: list[str] = []
+
+        def best(self, text: str) -> dict[str, Any]:
+            self.seen.append(text)
+            return {"language": "de", "confidence": 90.0}
+
+    state = state_of(PAIRS)
+    state.detector = Detector()  # type: ignore[assignment]
+    with TestClient(create_app(state)) as c:
+        r = send(c, "a.txt", b"Ja\nDer Hund bellt.\n", source="auto")
+        assert r.status_code == 200, r.text
+        assert r.json()["detectedLanguage"] == {"language": "de", "confidence": 90.0}
+        assert c.get(r.json()["translatedFileUrl"]).content == b"JA\nDER HUND BELLT.\n"
+    assert Detector.seen == ["Ja\nDer Hund bellt."]  # one look at the whole text, not one per line
+
+
+def test_frontend_settings_list_the_formats():
+    with served() as c:
+        settings = c.get("/frontend/settings").json()
+    assert settings["filesTranslation"] is True
+    assert settings["supportedFilesFormat"] == list(documents.SUPPORTED)
+
+
+# -- refusals ----------------------------------------------------------------------------------------------
+
+
+def test_unsupported_extension_lists_the_supported_ones():
+    with served() as c:
+        r = send(c, "program.exe", b"MZ\x90\x00")
+    assert r.status_code == 400
+    assert "the format .exe is not supported; supported: .txt, .html" in r.json()["error"]
+
+
+def test_a_damaged_docx_is_a_400_naming_the_file():
+    with served() as c:
+        r = send(c, "kaputt.docx", bytes(range(256)) * 40)
+    assert r.status_code == 400
+    assert "'kaputt.docx': the file is not a readable Word document (.docx) (not a zip archive" in r.json()["error"]
+
+
+def _zip_bomb() -> bytes:
+    """A .docx-shaped archive whose member unpacks to 200 MiB of zeros (about 200 KB packed)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("word/document.xml", "<w:document/>")
+        info = zipfile.ZipInfo("word/media/zeros.bin")
+        info.compress_type = zipfile.ZIP_DEFLATED
+        with z.open(info, "w", force_zip64=True) as member:
+            chunk = bytes(1 << 20)
+            for _ in range(200):
+                member.write(chunk)
+    return buffer.getvalue()
+
+
+def test_a_zip_bomb_is_refused_before_it_is_unpacked(monkeypatch):
+    bomb = _zip_bomb()
+    assert len(bomb) < 1 << 20
+    unpacked: list[str] = []
+    real_open = zipfile.ZipFile.open
+    monkeypatch.setattr(zipfile.ZipFile, "open", lambda self, name, *a, **k: unpacked.append(str(name)) or
+                        real_open(self, name, *a, **k))
+    with served() as c:
+        r = send(c, "bombe.docx", bomb)
+    assert r.status_code == 413
+    limit = f"unpacks to {(200 << 20) + 13} bytes, more than this server's limit of {100 << 20} (100 MiB)"
+    assert limit in r.json()["error"]
+    assert unpacked == []
+
+
+def test_a_member_holding_more_than_it_declares_is_damaged_not_unpacked():
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("word/document.xml", bytes(10 << 20))
+    data = bytearray(buffer.getvalue())
+    for signature, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):  # local header, central directory
+        start = data.index(signature)
+        data[start + at:start + at + 4] = (100).to_bytes(4, "little")  # "100 bytes unpacked"
+    with served() as c:
+        r = send(c, "luege.docx", bytes(data))
+    assert r.status_code == 400
+    assert "is damaged: its member 'word/document.xml' cannot be read (BadZipFile: Bad CRC-32" in r.json()["error"]
+
+
+def _docx_of(document_xml: str) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("word/document.xml", document_xml)
+    return buffer.getvalue()
+
+
+def test_an_xml_entity_bomb_or_any_dtd_is_refused():
+    body = '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body><w:p>' \
+           '<w:r><w:t>&{};</w:t></w:r></w:p></w:body></w:document>'
+    lol = '<?xml version="1.0"?><!DOCTYPE lolz [<!ENTITY lol "lol">' + "".join(
+        f'<!ENTITY lol{i} "{("&lol" + str(i - 1) + ";") * 10 if i else "&lol;" * 10}">' for i in range(10)) + \
+        "]>" + body.format("lol9")
+    small = '<?xml version="1.0"?><!DOCTYPE d [<!ENTITY e "Hallo">]>' + body.format("e")
+    with served() as c:
+        started = time.monotonic()
+        r = send(c, "lol.docx", _docx_of(lol))  # a billion "lol"s: libxml2 stops at its amplification limit
+        assert r.status_code == 400 and "not readable XML (Maximum entity amplification" in r.json()["error"]
+        assert time.monotonic() - started < 5
+        r = send(c, "dtd.docx", _docx_of(small))
+        assert r.status_code == 400
+        assert "part 'word/document.xml' declares a DTD, which this server does not read" in r.json()["error"]
+
+
+def test_an_upload_over_the_limit_is_a_413(monkeypatch):
+    monkeypatch.setattr(documents, "MAX_FILE_BYTES", 1000)
+    with served() as c:
+        r = send(c, "gross.txt", b"a" * 200_000)
+    assert r.status_code == 413
+    assert "over this server's limit of 1000 bytes for a file" in r.json()["error"]
+
+
+def test_missing_file_source_or_target_name_the_field():
+    with served() as c:
+        r = c.post("/translate_file", data={"source": "de", "target": "en"}, files={"other": ("a", b"", "text/plain")})
+        assert r.status_code == 400 and r.json()["error"] == 'form field "other" is a file; send the file in "file"'
+        r = c.post("/translate_file", files={"x": (None, "y")}, data={"source": "de", "target": "en"})
+        assert r.status_code == 400 and r.json()["error"] == "Invalid request: missing file parameter"
+        r = c.post("/translate_file", data={"target": "en"}, files={"file": ("a.txt", b"Hallo", "text/plain")})
+        assert r.status_code == 400 and r.json()["error"] == "Invalid request: missing source parameter"
+        r = send(c, "a.txt", b"Hallo", target="zz")
+        assert r.status_code == 400 and r.json()["error"].startswith('"target" zz is not a language this server')
+        r = c.post("/translate_file", json={"source": "de", "target": "en"})
+        assert r.status_code == 400 and "takes multipart/form-data" in r.json()["error"]
+
+
+def test_a_wrong_key_is_a_403_on_a_keyed_server(tmp_path):
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text(f"{KEY}\n")
+    with served(ApiKeys.read(str(keys_file), require=True)) as c:
+        r = send(c, "a.txt", b"Hallo", api_key="wrong-key")
+        assert r.status_code == 403 and r.json()["error"] == "Invalid API key"
+        r = send(c, "a.txt", b"Hallo", api_key=KEY)
+        assert r.status_code == 200, r.text
+
+
+def test_an_unknown_download_id_is_a_404():
+    with served() as c:
+        r = c.get("/download_file/not-an-id")
+    assert r.status_code == 404 and "no translated file has this id" in r.json()["error"]
+
+
+def test_the_store_is_bounded_and_expires(monkeypatch):
+    from pipeline.serve.file_routes import FileStore
+
+    store = FileStore(files=2, size=10, keep_s=60)
+    a, b = store.put("a", "t", b"12345"), store.put("b", "t", b"12345")
+    c = store.put("c", "t", b"1")  # over 10 bytes: the oldest goes
+    assert store.get(a) is None and store.get(b) and store.get(c)
+    clock = [1e9]
+    monkeypatch.setattr("pipeline.serve.file_routes.time.monotonic", lambda: clock[0])
+    d = store.put("d", "t", b"1")
+    clock[0] += 61
+    assert store.get(d) is None
