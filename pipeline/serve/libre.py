@@ -279,8 +279,8 @@ async def frontend_settings(request: Request) -> Response:
         "apiKeys": state.keys is not None,
         "keyRequired": bool(state.keys is not None and state.keys.require),
         "suggestions": False,
-        "filesTranslation": False,
-        "supportedFilesFormat": [],
+        "filesTranslation": True,
+        "supportedFilesFormat": [".txt", ".html", ".htm", ".srt", ".docx", ".pptx", ".odt", ".odp", ".epub"],
         "language": {"source": {"code": "auto", "name": "Auto Detect"},
                      "target": {"code": target, "name": language_name(target)}},
     })
