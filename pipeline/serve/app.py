@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pipeline.serve import libre, spec
+from pipeline.serve import file_routes, libre, page, spec, suggestions
 from pipeline.serve.access import AccessLog, note
 from pipeline.serve.batcher import Batcher, Work
 from pipeline.serve.flow import count, off_loop, off_loop_reading, read_payload, submit, translated, wait
@@ -248,6 +248,7 @@ def create_app(state: ServerState) -> Starlette:
         middleware.append(Middleware(CORSMiddleware, allow_origins=[state.cors_origin], allow_methods=["GET", "POST"],
                                      allow_headers=["*"], max_age=600))
     app = Starlette(routes=[
+        Route("/", page.page, methods=["GET"]),
         Route("/translate", translate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -255,6 +256,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/languages", libre.languages, methods=["GET"]),
         Route("/detect", libre.detect, methods=["POST"]),
         Route("/frontend/settings", libre.frontend_settings, methods=["GET"]),
+        Route("/translate_file", file_routes.translate_file, methods=["POST"]),
+        Route("/download_file/{id}", file_routes.download_file, methods=["GET"]),
+        Route("/suggest", suggestions.suggest, methods=["POST"]),
         Route("/spec", spec.spec, methods=["GET"]),
         Route("/docs", spec.docs, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={Exception: _unavailable}, middleware=middleware)

@@ -278,7 +278,7 @@ async def frontend_settings(request: Request) -> Response:
         "frontendTimeout": 500,
         "apiKeys": state.keys is not None,
         "keyRequired": bool(state.keys is not None and state.keys.require),
-        "suggestions": False,
+        "suggestions": state.suggestions is not None,
         "filesTranslation": True,
         "supportedFilesFormat": [".txt", ".html", ".htm", ".srt", ".docx", ".pptx", ".odt", ".odp", ".epub"],
         "language": {"source": {"code": "auto", "name": "Auto Detect"},

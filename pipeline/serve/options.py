@@ -42,6 +42,9 @@ class ServeHttpOptions:
     cors_origin: str = opt("*", "The Access-Control-Allow-Origin sent to browsers (pages and add-ons calling the "
                            "API from another origin), preflight requests answered; * as LibreTranslate, an origin "
                            "like https://example.org, or none to send no CORS headers.")
+    suggestions: Path | None = opt(None, "An SQLite database (created when missing) where POST /suggest keeps the "
+                                   "better translations users send; without it /suggest answers 403, as "
+                                   "LibreTranslate's does when suggestions are off.", metavar="DB")
     access_log: bool = opt(True, "One line per request on stderr: method, path, status, milliseconds, model, "
                            "texts and the key's line in the keys file (never the key).")
     log_format: str = opt("text", "The access log's form: text, or json (one JSON object per line).",

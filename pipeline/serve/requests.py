@@ -61,6 +61,7 @@ class ServerState:
     keys: ApiKeys | None = None  # --api-keys: the keys, and the rule for requests without one
     cors_origin: str | None = "*"  # --cors-origin: Access-Control-Allow-Origin; None sends no CORS headers
     access_log: str | None = None  # --access-log: "text" or "json" lines; None writes none
+    suggestions: Any = None  # --suggestions: suggestions.Suggestions, where POST /suggest stores; None: off
     detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
     no_detector: str = "language detection is off"
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model

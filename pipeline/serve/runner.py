@@ -30,6 +30,7 @@ from pipeline.serve.languages import served_languages
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.requests import ServedModel, ServerState
+from pipeline.serve.suggestions import Suggestions
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 from runtime.sentences import DEFAULT_LANG
@@ -176,6 +177,8 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
                             cors_origin=cors, access_log=opts.log_format if opts.access_log else None)
         if opts.access_log:
             access.configure(opts.log_format)
+        if opts.suggestions is not None:
+            state.suggestions = Suggestions(opts.suggestions)
         attach_detector(state)
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
                                 timeout_graceful_shutdown=opts.grace_s)

@@ -59,6 +59,27 @@ def document(title: str) -> dict[str, Any]:
                 "requestBody": _form({"q": LIBRE_TRANSLATE["q"], "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
                 "responses": _answers({"type": "array", "items": {"type": "object", "properties": {
                     "language": {"type": "string"}, "confidence": {"type": "number"}}}}, 400, 403, 429)}},
+            "/translate_file": {"post": {
+                "summary": "Translate a document (.txt, .html, .srt, .docx, .pptx, .odt, .odp, .epub), its layout kept",
+                "requestBody": {"content": {"multipart/form-data": {"schema": {
+                    "type": "object", "required": ["file", "source", "target"], "properties": {
+                        "file": {"type": "string", "format": "binary", "description": "the document"},
+                        "source": LIBRE_TRANSLATE["source"], "target": LIBRE_TRANSLATE["target"],
+                        "api_key": LIBRE_TRANSLATE["api_key"]}}}}},
+                "responses": _answers({"type": "object", "properties": {"translatedFileUrl": {"type": "string"}}},
+                                      400, 403, 413, 429, 503)}},
+            "/download_file/{id}": {"get": {
+                "summary": "The translated document (kept in memory for 10 minutes)",
+                "responses": {"200": {"description": "the document, as an attachment"},
+                              "404": {"description": "no such file, or expired"}}}},
+            "/suggest": {"post": {
+                "summary": "Suggest a better translation (stored with --suggestions DB; else 403)",
+                "requestBody": _form({"q": _field("string", "the source text"),
+                                      "s": _field("string", "the suggested translation"),
+                                      "source": LIBRE_TRANSLATE["source"], "target": LIBRE_TRANSLATE["target"],
+                                      "api_key": LIBRE_TRANSLATE["api_key"]}, ["q", "s", "source", "target"]),
+                "responses": _answers({"type": "object", "properties": {"success": {"type": "boolean"}}}, 400,
+                                      403)}},
             "/languages": {"get": {"summary": "The languages served, each with its targets",
                                    "responses": _answers({"type": "array", "items": {"type": "object"}})}},
             "/frontend/settings": {"get": {"summary": "The server's settings, as LibreTranslate's front end reads "
@@ -92,7 +113,7 @@ fetch("spec").then(r => r.json()).then(spec => {
       const h = document.createElement("h2");
       h.textContent = method.toUpperCase() + " " + path + ": " + op.summary;
       out.appendChild(h);
-      const schema = op.requestBody && op.requestBody.content["application/json"].schema;
+      const schema = op.requestBody && Object.values(op.requestBody.content)[0].schema;
       if (!schema) continue;
       const ul = document.createElement("ul");
       for (const [name, f] of Object.entries(schema.properties)) {

@@ -1,0 +1,91 @@
+"""POST /suggest (LibreTranslate's): a user's better translation of a text, kept in SQLite for whoever improves
+the model (`pipeline serve --suggestions DB`; without it the route answers 403 "Suggestions are disabled on
+this server.", LibreTranslate's words). The table is LibreTranslate's (q, s, source, target) with the time it
+came; each write is committed before the answer, off the event loop. Each text is bounded by the request body
+limit, and the table by MAX_ROWS (beyond it: 507, nothing is dropped)."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from model.errors import UserError
+from pipeline.serve.flow import off_loop_reading, read_payload
+from pipeline.serve.libre import check_key
+from pipeline.serve.requests import LANG, ApiError, ServerState
+
+MAX_ROWS = 1_000_000
+
+
+class Suggestions:
+    """The suggestions database (created when missing)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute('CREATE TABLE IF NOT EXISTS suggestions ("q" TEXT NOT NULL, "s" TEXT NOT NULL, '
+                             '"source" TEXT NOT NULL, "target" TEXT NOT NULL, "created" REAL)')
+            self._db.commit()
+            self._rows = self._db.execute("SELECT COUNT(*) FROM suggestions").fetchone()[0]
+        except sqlite3.Error as e:
+            raise UserError(f"--suggestions {path}: cannot use it as an SQLite database ({e})") from None
+
+    def add(self, q: str, s: str, source: str, target: str) -> None:
+        with self._lock:
+            if self._rows >= MAX_ROWS:
+                raise ApiError(507, f"the suggestions database holds {MAX_ROWS} suggestions, its limit; the operator "
+                                    "must move them elsewhere")
+            self._db.execute("INSERT INTO suggestions (q, s, source, target, created) VALUES (?, ?, ?, ?, ?)",
+                             (q, s, source, target, time.time()))
+            self._db.commit()
+            self._rows += 1
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _fields(data: Any) -> tuple[str, str, str, str]:
+    if not isinstance(data, dict):
+        raise ApiError(400, 'request body must be a JSON object like {"q": "...", "s": "...", "source": "de", '
+                            '"target": "en"}')
+    values = []
+    for key in ("q", "s", "source", "target"):
+        value = data.get(key)
+        if not value:
+            raise ApiError(400, f"Invalid request: missing {key} parameter")
+        if not isinstance(value, str):
+            raise ApiError(400, f'"{key}" must be a string')
+        if key in ("source", "target") and not LANG.fullmatch(value):
+            raise ApiError(400, f'"{key}" must be a language code like "de", not {value[:20]!r}')
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"{key} holds a lone surrogate (\\ud800-\\udfff), not text") from None
+        values.append(value)
+    q, s, source, target = values
+    return q, s, source, target
+
+
+async def suggest(request: Request) -> Response:
+    """POST /suggest {q, s, source, target, api_key?}: {"success": true} once stored."""
+    state: ServerState = request.app.state.server
+    try:
+        if state.suggestions is None:
+            raise ApiError(403, "Suggestions are disabled on this server.")
+        data, _ = await read_payload(request, state)
+        check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
+        fields = _fields(data)
+        await off_loop_reading(state, state.suggestions.add, *fields)
+        return JSONResponse({"success": True})
+    except ApiError as e:
+        return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
