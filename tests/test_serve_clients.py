@@ -4,7 +4,8 @@ are not required: each client keyless and with its key, each answer checked the 
 against the native API's translation of the same text.
 
 - deep-translator (the most used Python client): every field in the query string, an empty body.
-- libretranslate-aio: form data (a list of texts as a repeated q), detect, languages, frontend settings, health.
+- libretranslate-aio: form data (a list of texts as a repeated q), detect, languages, frontend settings, health,
+  a file translated and downloaded.
 - Replays: Weblate 4 (urlencoded form, an empty api_key), Weblate 5 (JSON), Discourse's translator plugin
   (urlencoded, format html), Open WebUI's filter (JSON, source auto).
 The real libretranslatepy client: test_serve_libreclient.py; Mastodon's requests: test_docker_entrypoint.py."""
@@ -58,7 +59,7 @@ def test_deep_translator(url):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("key", [None, KEY])
-def test_libretranslate_aio(url, key):
+def test_libretranslate_aio(url, key, tmp_path):
     from libretranslate_aio import ForbiddenError, LibreTranslate
 
     with LibreTranslate(url, api_key=key) as client:
@@ -72,6 +73,13 @@ def test_libretranslate_aio(url, key):
         settings = client.frontend_settings()
         assert settings.api_keys is True and settings.key_required is False and settings.char_limit > 0
         assert client.health() is True
+        assert settings.supported_files_format and ".docx" in settings.supported_files_format
+        path = tmp_path / "brief.txt"
+        path.write_text(f"{TEXT}\n\nder mann\n")
+        translated = client.translate_file(path, "de", "en")
+        got = httpx.get(translated.translated_file_url, timeout=30)
+        assert got.status_code == 200, got.text
+        assert got.text == f"{native(url, 'de-en', TEXT)}\n\n{native(url, 'de-en', 'der mann')}\n"
     with LibreTranslate(url, api_key="wrong-key-00") as client, pytest.raises(ForbiddenError):
         client.translate(TEXT, "de", "en")
 
