@@ -191,6 +191,24 @@ def test_plan_refuses_bad_input_in_one_line(tmp_path, capsys, fp32_dir, case, ne
     assert not (shards / "sub").exists()
 
 
+def test_plan_takes_dictionary_and_null_text_columns_and_refuses_others_before_any_work(tmp_path):
+    """pandas' `category` (a dictionary of strings) and a column of nulls only (Arrow type null) are text: a null
+    is a blank line. A column of numbers is refused by the plan, before a cluster is reached."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    frame = pd.DataFrame({"text": pd.Categorical(["ab", None, "ab", "cd"])})
+    pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), tmp_path / "cat.parquet")
+    pq.write_table(pa.table({"text": pa.nulls(3), "id": [1, 2, 3]}), tmp_path / "nulls.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "cat.parquet").field("text").type)
+    job = plan([str(tmp_path / "cat.parquet"), str(tmp_path / "nulls.parquet")], tmp_path / "out", "text", {})
+    assert [s.output.name for s in job.todo] == ["cat.txt", "nulls.txt"]
+    write_parquet(tmp_path / "ids.parquet", {"text": [1, 2]})
+    with pytest.raises(UserError, match=r"ids\.parquet: column 'text' holds int64, not text; name a string column"):
+        plan([str(tmp_path / "ids.parquet")], tmp_path / "out2", "text", {})
+
+
 def test_plan_resumes_the_same_job_and_refuses_another(tmp_path):
     for name in ("a.txt", "b.txt"):
         write_lines(tmp_path / name, ["x"])

@@ -113,11 +113,26 @@ def _check_parquet(path: str, column: str) -> None:
     import pyarrow.parquet as pq  # type: ignore[import-untyped]
 
     try:
-        names = pq.read_schema(path).names
+        schema = pq.read_schema(path)
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
         raise UserError(f"{path}: cannot read as Parquet ({e})") from None
-    if column not in names:
-        raise UserError(f"{path}: no column {column!r} (it has: {', '.join(names)}); pass --column NAME")
+    if column not in schema.names:
+        raise UserError(f"{path}: no column {column!r} (it has: {', '.join(schema.names)}); pass --column NAME")
+    problem = not_text(schema.field(column).type)
+    if problem:
+        raise UserError(f"{path}: column {column!r} {problem}; name a string column")
+
+
+def not_text(kind: Any) -> str | None:
+    """Why a Parquet column of this Arrow type is not source text (None: it is). Text is a string column, or
+    one dictionary-encoded (pandas' `category`), or a column of nulls only (every row a blank line)."""
+    import pyarrow as pa
+
+    value = kind.value_type if pa.types.is_dictionary(kind) else kind
+    if pa.types.is_null(value) or pa.types.is_string(value) or pa.types.is_large_string(value) or \
+            getattr(pa.types, "is_string_view", lambda _: False)(value):
+        return None
+    return f"holds {kind}, not text"
 
 
 def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any]:
