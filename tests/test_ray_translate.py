@@ -57,7 +57,7 @@ def test_the_jobs_actors_return_only_what_the_writer_takes(fp32_dir):
             "replaced": np.zeros(30, bool)}
     load_options = LoadOptions(backend="onnxruntime")
     back = _JobTranslator(fp32_dir, load_options=load_options, origin_columns=("path", "line"))(dict(rows))
-    assert list(back) == ["shard", "line", "translation", "last", "replaced", "empty", "truncated"]
+    assert list(back) == ["shard", "line", "translation", "last", "replaced", "empty", "truncated", "min_len_over"]
     assert list(back["translation"]) == Translator(fp32_dir, load_options=load_options).translate(lines).translation
     assert list(back["line"]) == list(range(1, 31)) and back["last"][-1]
 
@@ -115,6 +115,28 @@ def test_a_workers_refusal_is_one_line_and_leaves_no_output(cluster, fp32_dir, t
     assert_one_line_error(code, err, "b.txt:2: invalid UTF-8", "--invalid-utf8 replace")
     assert not (tmp_path / "out" / "b.txt").exists()
     assert [p for p in hidden(tmp_path / "out") if p != RECORD] == []
+
+
+def test_dictionary_and_null_parquet_columns_translate_line_aligned(cluster, fp32_dir, tmp_path, capsys):
+    """A pandas `category` column (Parquet dictionary of strings) is decoded; a column of nulls only (Arrow type
+    null) gives one blank line per row, as the docs say a null does."""
+    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = corpus_lines(40, seed=9)
+    cat = [None if k % 7 == 3 else lines[k % 12] for k in range(40)]  # repeated values: a real dictionary
+    expected = serve_batch_outputs(fp32_dir, {"cat.txt": [t or "" for t in cat]}, tmp_path / "served")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    pq.write_table(pa.Table.from_pandas(pd.DataFrame({"text": pd.Categorical(cat)}), preserve_index=False),
+                   corpus / "cat.parquet")
+    pq.write_table(pa.table({"text": pa.nulls(5), "id": list(range(5))}), corpus / "nulls.parquet")
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, corpus, "--output-dir", tmp_path / "out",
+                                    "--batch-size", "16", "--backend", "onnxruntime")
+    assert code == 0, err
+    assert (tmp_path / "out" / "cat.txt").read_text(encoding="utf-8") == expected["cat.txt"]
+    assert (tmp_path / "out" / "nulls.txt").read_text(encoding="utf-8") == "\n" * 5
 
 
 def actor_pids() -> list[int]:

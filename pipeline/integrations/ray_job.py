@@ -17,15 +17,18 @@ import contextlib
 import dataclasses
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from model.errors import UserError
 from pipeline.integrations.options import RayOptions
-from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter
+from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter, not_text
 from pipeline.integrations.translator import Translator
 from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.rows import decode_row
@@ -45,6 +48,7 @@ class JobStats:
     empty: int = 0
     truncated: int = 0
     replaced: int = 0
+    min_len_over: int = 0          # rows whose maximum output length is below --min-len
     startup_seconds: float = 0.0  # reaching or starting the cluster
     seconds: float = 0.0          # from then to the last output renamed into place
     actors: int = 0
@@ -57,25 +61,64 @@ class JobStats:
 
 
 def connect(address: str | None) -> bool:
-    """Reach the cluster (or start a local one); whether this call started the connection (and so ends it)."""
+    """Reach the cluster (or start a local one); whether this call started the connection (and so ends it).
+    Ray's own log lines (its start-up warnings, the workers' output) stay in its session logs unless -v."""
     import ray
 
     if ray.is_initialized():
         return False
     root = str(Path(__file__).resolve().parents[2])  # workers import this checkout, installed or not
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    verbose = log.isEnabledFor(logging.DEBUG)
+    quiet: dict[str, Any] = {"include_dashboard": False, "log_to_driver": verbose,
+                             "logging_level": logging.INFO if verbose else logging.ERROR}
+    if address is not None:
+        probe(address)
     try:
         if address is None:
             # a local cluster's processes inherit this environment: no runtime_env, which would leave the workers
             # Ray prestarts unusable for the job (they start without it) and start fresh ones, ~3 s of CPU each
             with _environ("PYTHONPATH", path):
-                ray.init(include_dashboard=False, logging_level=logging.WARNING)
+                ray.init(**quiet)
         else:
-            ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING,
-                     runtime_env={"env_vars": {"PYTHONPATH": path}})
+            ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}}, **quiet)
     except ConnectionError as e:
         raise UserError(f"--address {address}: no Ray cluster there ({e}); start one with `ray start --head`") from None
     return True
+
+
+PROBE_SECONDS = 5.0
+
+
+def probe(address: str) -> None:
+    """Refuse in seconds an --address where nothing listens: Ray itself retries such an address for minutes.
+    `auto` is probed at the address `ray start` recorded, when there is one (else ray.init says it finds none)."""
+    target = address.split("://", 1)[-1]
+    if target == "auto":
+        try:
+            from ray._private.services import canonicalize_bootstrap_address
+
+            target = canonicalize_bootstrap_address("auto") or ""
+        except Exception:  # noqa: BLE001 - no recorded cluster (or Ray's private API moved): ray.init says it
+            return
+    host, sep, port = target.rpartition(":")
+    host = host.strip("[]")  # an IPv6 [::1]:6379
+    if not (sep and host and port.isdigit()):
+        raise UserError(f"--address {address}: not `auto` or HOST:PORT (the head's GCS address, as `ray start "
+                        "--head` prints it)")
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_SECONDS).close()
+    except OSError as e:
+        if isinstance(e, ConnectionRefusedError):
+            why = "connection refused"
+        elif isinstance(e, TimeoutError):  # socket.timeout
+            why = f"no answer in {PROBE_SECONDS:g} s"
+        elif isinstance(e, socket.gaierror):
+            why = f"unknown host {host!r}"
+        else:
+            why = e.strerror or str(e)
+        raise UserError(f"--address {address}: no Ray cluster answers there ({why}); start one with `ray start "
+                        "--head` or leave --address out") from None
 
 
 @contextlib.contextmanager
@@ -130,21 +173,30 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
          opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool) -> None:
     import ray.data
 
-    if not log.isEnabledFor(logging.DEBUG):  # Ray Data's plan and timing lines, unless -v
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False  # ours counts lines across the cluster
-    # Ray Data joins what a task yields into blocks of up to this many bytes (128 MiB by default: a whole
-    # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
-    # every actor busy, the writer fed, and a retry small.
-    default_block_size = context.target_max_block_size
-    context.target_max_block_size = max(1 << 12, int(0.75 * ray_opts.batch_size * _row_bytes(plan.todo[0])))
+    # set before the dataset is made (it copies the context), and put back after: the caller's Ray Data jobs as
+    # they were
+    with contextlib.ExitStack() as settings:
+        settings.callback(setattr, context, "target_max_block_size", context.target_max_block_size)
+        settings.enter_context(_no_retries(context))
+        if not log.isEnabledFor(logging.DEBUG):  # Ray Data's plan, timing and error lines: in its ray-data.log
+            settings.enter_context(_console_quiet("ray.data"))
+        # Ray Data joins what a task yields into blocks of up to this many bytes (128 MiB by default: a whole
+        # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
+        # every actor busy, the writer fed, and a retry small.
+        context.target_max_block_size = max(1 << 12, int(0.75 * ray_opts.batch_size * _row_bytes(plan.todo[0])))
+        _translate(ray.data, model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress)
+
+
+def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
+               opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool) -> None:
     threads = load_options.threads or 1
-    ds = ray.data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8,
-                                                  ray_opts.batch_size), num_cpus=0)
+    ds = data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8, ray_opts.batch_size),
+                              num_cpus=0)
     ds = ds.map_batches(_JobTranslator, batch_size=ray_opts.batch_size,
-                        compute=ray.data.ActorPoolStrategy(size=stats.actors),
+                        compute=data.ActorPoolStrategy(size=stats.actors),
                         num_cpus=0 if ray_opts.gpus_per_actor else threads, num_gpus=ray_opts.gpus_per_actor or None,
                         fn_constructor_kwargs={"model_dir": str(Path(model_dir).resolve()), "column": "text",
                                                "load_options": dataclasses.replace(load_options, threads=threads),
@@ -159,14 +211,50 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
             stats.empty += int(batch["empty"].sum())
             stats.truncated += int(batch["truncated"].sum())
             stats.replaced += int(batch["replaced"].sum())
+            stats.min_len_over += int(batch["min_len_over"].sum())
             bar.update(len(batch["line"]))
         writer.finish()
+        if stats.min_len_over:
+            log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
+                        stats.min_len_over, decoding.min_len)
     except BaseException as e:
         writer.abort(e)
         raise _user_error(e) or e from None
     finally:
         bar.close()
-        context.target_max_block_size = default_block_size  # the caller's Ray Data jobs as they were
+
+
+# A shard's error (a bad file, a refused line) is the same on every try: Ray Data's defaults retry none of them
+# today, and these pin it (a retry would repeat the error, its traceback and its notice on the terminal)
+_NO_RETRIES = {"max_errored_blocks": 0, "max_map_retries": 0, "retried_map_errors": False,
+               "actor_task_retry_on_errors": False, "actor_init_retry_on_errors": False}
+
+
+@contextlib.contextmanager
+def _no_retries(context: Any) -> Iterator[None]:
+    before = {name: getattr(context, name) for name in _NO_RETRIES if hasattr(context, name)}
+    for name in before:
+        setattr(context, name, _NO_RETRIES[name])
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            setattr(context, name, value)
+
+
+@contextlib.contextmanager
+def _console_quiet(name: str) -> Iterator[None]:
+    """The logger's terminal handlers silenced (its file handlers, Ray's session logs, still get everything)."""
+    handlers = [h for h in logging.getLogger(name).handlers
+                if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler)]
+    levels = [h.level for h in handlers]
+    for h in handlers:
+        h.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        for h, level in zip(handlers, levels):
+            h.setLevel(level)
 
 
 class _JobTranslator(Translator):
@@ -174,9 +262,21 @@ class _JobTranslator(Translator):
     themselves, so no projection step (a Ray task per block, each a worker process to start on a small
     machine) follows them."""
 
+    min_len_over = 0  # the last batch's
+
     def __call__(self, batch: Any) -> Any:
         done = super().__call__(batch)
-        return {name: done[name] for name in _BACK}
+        back = {name: done[name] for name in _BACK}
+        # the batch's count of rows stopped below --min-len, on its first row: the actors' own warnings stay in
+        # Ray's logs (log_to_driver off), and the driver says it once for the job
+        back["min_len_over"] = np.zeros(len(back["line"]), np.int32)
+        back["min_len_over"][:1] = self.min_len_over
+        return back
+
+    def translate(self, sources: Any, origins: Any = None) -> Any:
+        done = super().translate(sources, origins)
+        self.min_len_over = done.min_len_over
+        return done
 
 
 _BACK = ("shard", "line", "translation", "last", "replaced", "empty", "truncated")
@@ -199,8 +299,8 @@ def _row_bytes(shard: Shard) -> int:
 
 
 def _user_error(e: BaseException) -> UserError | None:
-    """The user's mistake a worker raised (a refused line, invalid UTF-8, a bad model dir), without the layers
-    of Ray's wrapping: one line, as serve-batch says it."""
+    """The user's mistake a worker raised (a refused line, invalid UTF-8, a shard it cannot read, a bad model
+    dir), without the layers of Ray's wrapping: one line, as serve-batch says it."""
     from ray.exceptions import RayError
 
     seen: BaseException | None = e
@@ -208,7 +308,8 @@ def _user_error(e: BaseException) -> UserError | None:
         if seen is None:
             return None
         if isinstance(seen, UserError) and not isinstance(seen, RayError):
-            return seen
+            # Ray Data appends its retry notice to the message's own args: the first line is ours
+            return UserError(str(seen).split("\n", 1)[0])
         seen = getattr(seen, "cause", None) or seen.__cause__
     return None
 
@@ -278,13 +379,22 @@ def _text_rows(f: Any, path: str, invalid_utf8: str) -> Iterator[tuple[str, int]
 
 
 def _parquet_rows(f: Any, path: str, column: str) -> Iterator[tuple[str, int]]:
+    """The column's values (a dictionary-encoded column decoded, a null a blank row); a file that turns out
+    unreadable past its footer (a corrupt page) is a UserError naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.ParquetFile(pa.BufferReader(f.readall()))
-    field = table.schema_arrow.field(column)
-    if not (pa.types.is_string(field.type) or pa.types.is_large_string(field.type)):
-        raise UserError(f"{path}: column {column!r} holds {field.type}, not text; name a string column")
-    for batch in table.iter_batches(columns=[column]):
-        for value in batch.column(0).to_pylist():
-            yield (value or "", 0)
+    try:
+        table = pq.ParquetFile(pa.BufferReader(f.readall()))
+        problem = not_text(table.schema_arrow.field(column).type)
+        if problem:
+            raise UserError(f"{path}: column {column!r} {problem}; name a string column")
+        for batch in table.iter_batches(columns=[column]):
+            for value in batch.column(0).to_pylist():
+                yield (value or "", 0)
+    except (OSError, ValueError, EOFError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IOError an OSError
+        raise UserError(f"{path}: cannot read as Parquet ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

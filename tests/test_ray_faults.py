@@ -1,0 +1,87 @@
+"""`pipeline ray-translate` under faults, as a user sees them on the terminal (the CLI in a subprocess, its own
+local cluster): a shard only a worker finds bad (a corrupt .gz, invalid UTF-8, a corrupt Parquet page) is one
+`error:` line naming the file, exit 2, with Ray's tracebacks and retry notices left in Ray's logs; an --address
+where no cluster runs is refused in seconds rather than retried for minutes."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, run_pipeline, write_lines
+
+from model.errors import UserError
+from pipeline.integrations.ray_job import probe
+from pipeline.integrations.shards import output_name
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 where nothing listens (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def corrupt_parquet(path: Path) -> Path:
+    """A Parquet file whose footer (schema) reads but whose data page does not."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [f"ab cd {k}" for k in range(50)]}), path, use_dictionary=False)
+    data = bytearray(path.read_bytes())
+    data[30:200] = b"\xff" * 170  # the first page's header and values; the footer at the end is intact
+    path.write_bytes(bytes(data))
+    pq.read_schema(path)  # the plan's check passes: only a worker finds it bad
+    return path
+
+
+def test_probe_refuses_an_address_where_nothing_listens_in_seconds():
+    port = free_port()
+    started = time.monotonic()
+    with pytest.raises(UserError, match=rf"^--address 127\.0\.0\.1:{port}: no Ray cluster answers there "
+                                        r"\(connection refused\); start one with `ray start --head`"):
+        probe(f"127.0.0.1:{port}")
+    with pytest.raises(UserError, match=r"--address nowhere: not `auto` or HOST:PORT"):
+        probe("nowhere")
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bad", ["corrupt.txt.gz", "latin1.txt", "corrupt.parquet"])
+def test_a_bad_shard_a_worker_reads_is_one_error_line_naming_it(fp32_dir, tmp_path, bad):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_lines(corpus / "a.txt", ["ab cd"] * 3)
+    path = corpus / bad
+    if bad == "corrupt.txt.gz":
+        path.write_bytes(gzip.compress(b"ab cd\n" * 200)[:40] + b"\x00" * 64)  # a gzip header, then garbage
+        needles = [str(path), "cannot read"]
+    elif bad == "latin1.txt":
+        path.write_bytes("ab\nKöln ist groß\n".encode("latin-1"))
+        needles = [f"{path}:2: invalid UTF-8"]
+    else:
+        corrupt_parquet(path)
+        needles = [str(path), "cannot read as Parquet"]
+    code, err = run_pipeline("ray-translate", fp32_dir, corpus, "--output-dir", tmp_path / "out", "--backend",
+                             "onnxruntime", "--no-progress", timeout=300)
+    assert code == 2, err
+    line = assert_one_line_error(code, err, *needles)  # no traceback either
+    assert "\n" not in line and "attempts" not in line
+    for noise in ("RayTaskError", "To change retry attempts", "max_errored_blocks", "Full stack trace"):
+        assert noise not in err, err  # Ray's own lines stay in its session logs
+    assert not (tmp_path / "out" / output_name(str(path))).exists()
+
+
+@pytest.mark.slow
+def test_an_address_with_no_cluster_fails_in_seconds_naming_it(fp32_dir, tmp_path):
+    write_lines(tmp_path / "a.txt", ["ab cd"])
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    code, err = run_pipeline("ray-translate", fp32_dir, tmp_path / "a.txt", "--output-dir", tmp_path / "out",
+                             "--address", address, "--no-progress", timeout=60)  # it was still retrying at 420 s
+    assert time.monotonic() - started < 60
+    assert_one_line_error(code, err, f"--address {address}: no Ray cluster answers there (connection refused)",
+                          "ray start --head")
