@@ -19,7 +19,8 @@ def _import_arguments(command: Any) -> Any:
     command = click.option("--force", is_flag=True, help="Replace OUT if it exists.")(command)
     command = click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
                            help="Checkpoint file to write (atomically, with its SHA-256).")(command)
-    return click.argument("hf_dir", type=click.Path(file_okay=False, path_type=Path))(command)
+    return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=click.Path(file_okay=False, path_type=Path)
+                          )(command)
 
 
 def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str:
@@ -50,10 +51,11 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
     search rules become the model dir's decoding defaults; options given on the command line win.
     `pipeline parity models/de-en --reference transformers --src FILE` checks the translations
     token for token against transformers' own generate."""
+    from pipeline.importers.hub_cache import resolve_model_dir
     from pipeline.importers.marian import import_marian
 
     check_output_file(out, "--out")
-    summary = import_marian(hf_dir, out, force=force)
+    summary = import_marian(resolve_model_dir(hf_dir), out, force=force)
     click.echo(_summary(out, "Marian", summary, f"activation {summary['config']['activation']}"))
 
 
@@ -73,10 +75,11 @@ def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
     Every language the tokenizer lists is served: a source starts with its language's token, the
     target's is forced as the first generated one. generate's defaults (num_beams, max_length,
     early_stopping) become the model dir's decoding defaults; options given on the command line win."""
+    from pipeline.importers.hub_cache import resolve_model_dir
     from pipeline.importers.m2m100 import import_m2m100
 
     check_output_file(out, "--out")
-    summary = import_m2m100(hf_dir, out, force=force)
+    summary = import_m2m100(resolve_model_dir(hf_dir), out, force=force)
     langs = summary["languages"]
     shown = ", ".join(langs[:12]) + (", ..." if len(langs) > 12 else "")
     click.echo(_summary(out, summary["family"], summary, f"{len(langs)} languages ({shown})"))

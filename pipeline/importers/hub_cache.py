@@ -1,0 +1,65 @@
+"""A Hugging Face hub id (`Helsinki-NLP/opus-mt-de-en`) or a cache repository dir (`models--ORG--NAME`) as the
+local directory `import` reads: the snapshot that the cache's `refs/main` names, as transformers and CTranslate2's
+converter resolve ids offline. Nothing is ever downloaded; where it looked is said in one line either way.
+
+The cache is HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub (huggingface_hub's order)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+from pipeline.importers.hf_files import ImportRefused
+
+log = logging.getLogger(__name__)
+
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?")
+REVISION = re.compile(r"[0-9a-f]{40}")
+
+
+def hub_cache() -> Path:
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"])
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_dir(given: Path) -> Path:
+    """The directory to import: `given` itself when it is a model directory, a cache repository's snapshot when it
+    is `models--ORG--NAME` or a hub id found in the cache; else ImportRefused naming where it looked."""
+    if given.is_dir():
+        if given.name.startswith("models--") and (given / "snapshots").is_dir():
+            return _snapshot(given, str(given))
+        return given
+    text = str(given)
+    if given.exists() or not HUB_ID.fullmatch(text) or text.startswith("."):
+        return given  # not an id: the importer says what is wrong with the path
+    repo = hub_cache() / ("models--" + text.replace("/", "--"))
+    if not repo.is_dir():
+        raise ImportRefused(f"{text}: no such directory, nor a model in the Hugging Face cache (looked for {repo}); "
+                            f"download it once with `huggingface-cli download {text}` (or save_pretrained), or "
+                            "give its directory")
+    return _snapshot(repo, text)
+
+
+def _snapshot(repo: Path, name: str) -> Path:
+    """The snapshot refs/main names (else the only one there is)."""
+    ref = repo / "refs" / "main"
+    snapshots = repo / "snapshots"
+    if ref.is_file():
+        revision = ref.read_text(encoding="utf-8", errors="replace").strip()[:64]
+        if not REVISION.fullmatch(revision) or not (snapshots / revision).is_dir():
+            raise ImportRefused(f"{ref}: names revision {revision[:40]!r}, which is not a snapshot in {snapshots}; "
+                                f"download {name} again")
+        found = snapshots / revision
+    else:
+        every = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+        if len(every) != 1:
+            raise ImportRefused(f"{repo}: no refs/main and {len(every)} snapshots; give the snapshot directory "
+                                f"({snapshots}/REVISION)")
+        found = every[0]
+    log.info("%s: the Hugging Face cache's snapshot %s (%s)", name, found,
+             "refs/main" if ref.is_file() else "the only snapshot")
+    return found

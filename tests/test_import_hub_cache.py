@@ -1,0 +1,83 @@
+"""`pipeline import marian ORG/NAME`: a hub id (or a cache repository dir) resolved through a Hugging Face cache
+laid out as huggingface_hub lays it (models--ORG--NAME/refs/main, snapshots/REV/* linking to ../../blobs/SHA),
+offline, with one line naming where it looked."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from helpers import run_cli_captured  # noqa: E402
+
+from tests.marian_fixture import make_marian_dir  # noqa: E402
+
+REV = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """A hub cache holding Helsinki-NLP/opus-mt-src-tgt, as `huggingface-cli download` leaves it."""
+    saved = make_marian_dir(tmp_path_factory.mktemp("saved") / "opus-mt-src-tgt", vocab_pieces=60, calibrate=False)
+    root = tmp_path_factory.mktemp("hf") / "hub"
+    repo = root / "models--Helsinki-NLP--opus-mt-src-tgt"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / REV).mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REV)
+    for f in saved.iterdir():
+        if f.is_file():
+            data = f.read_bytes()
+            sha = hashlib.sha256(data).hexdigest()
+            (repo / "blobs" / sha).write_bytes(data)
+            os.symlink(f"../../blobs/{sha}", repo / "snapshots" / REV / f.name)
+    return root
+
+
+@pytest.mark.parametrize("env", ["HF_HUB_CACHE", "HF_HOME"])
+def test_a_hub_id_imports_from_the_cache(cache, tmp_path, monkeypatch, capsys, caplog, env):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv(env, str(cache if env == "HF_HUB_CACHE" else cache.parent))
+    monkeypatch.chdir(tmp_path)  # no directory of that name here
+    with caplog.at_level(logging.INFO):
+        code, out, err = run_cli_captured(capsys, "import", "marian", "Helsinki-NLP/opus-mt-src-tgt",
+                                          "--out", tmp_path / "m.pt")
+    assert code == 0, err
+    assert (tmp_path / "m.pt").is_file() and "Marian model" in out
+    said = [r.getMessage() for r in caplog.records if "Hugging Face cache" in r.getMessage()]
+    assert said == [f"Helsinki-NLP/opus-mt-src-tgt: the Hugging Face cache's snapshot "
+                    f"{cache / 'models--Helsinki-NLP--opus-mt-src-tgt' / 'snapshots' / REV} (refs/main)"]
+
+
+def test_a_cache_repository_dir_imports_its_main_snapshot(cache, tmp_path, capsys):
+    code, _, err = run_cli_captured(capsys, "import", "marian", cache / "models--Helsinki-NLP--opus-mt-src-tgt",
+                                    "--out", tmp_path / "m.pt")
+    assert code == 0, err
+
+
+def test_an_id_not_in_the_cache_is_one_line_naming_where_it_looked(cache, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli_captured(capsys, "import", "marian", "Helsinki-NLP/opus-mt-de-en", "--out", "m.pt")
+    assert code == 2 and "Traceback" not in err
+    assert err.strip().splitlines() == [
+        f"error: Helsinki-NLP/opus-mt-de-en: no such directory, nor a model in the Hugging Face cache (looked for "
+        f"{cache / 'models--Helsinki-NLP--opus-mt-de-en'}); download it once with `huggingface-cli download "
+        "Helsinki-NLP/opus-mt-de-en` (or save_pretrained), or give its directory"]
+
+
+def test_a_broken_ref_is_one_line(cache, tmp_path, monkeypatch, capsys):
+    broken = tmp_path / "hub"
+    repo = broken / "models--x--y"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots").mkdir()
+    (repo / "refs" / "main").write_text("f" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(broken))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli_captured(capsys, "import", "m2m100", "x/y", "--out", "m.pt")
+    assert code == 2 and "refs/main: names revision" in err and "download x/y again" in err
