@@ -58,13 +58,14 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
         calibration = [x for x in read_lines(o.int8_calibrate) if x.strip()][:CALIBRATION_LINES]
         if not calibration:
             raise click.UsageError(f"--int8-calibrate {o.int8_calibrate}: no non-blank line to calibrate on")
-    languages = {}
-    if o.src_lang is None and o.tgt_lang is None:  # a training run's corpus suffixes (train.de, train.en)
+    src_lang, tgt_lang = o.src_lang, o.tgt_lang
+    if src_lang is None and tgt_lang is None:  # a training run's corpus suffixes (train.de, train.en)
         codes = corpus_languages(checkpoint)
         if codes is not None:
-            languages = {"src_lang": codes[0], "tgt_lang": codes[1]}
+            src_lang, tgt_lang = codes
             log.info("languages %s -> %s, from the training corpus' file names", *codes)
-    return dataclasses.replace(o, references=held_out, shortlist=shortlist, calibration=calibration, **languages)
+    return dataclasses.replace(o, references=held_out, shortlist=shortlist, calibration=calibration,
+                               src_lang=src_lang, tgt_lang=tgt_lang)
 
 
 def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int) -> tuple[Path, Path] | None:

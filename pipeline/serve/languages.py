@@ -64,11 +64,11 @@ class Routes(Generic[M]):
     def __init__(self, models: list[tuple[str, M, frozenset[str], frozenset[str]]]):
         self._models = models
         targets: dict[str, set[str]] = {}
-        for _, _, sources, into in models:
+        for _, _, sources, reached in models:
             for src in sources:
-                targets.setdefault(src, set()).update(into)
-        for src, into in targets.items():
-            into.discard(src)
+                targets.setdefault(src, set()).update(reached)
+        for src, found in targets.items():
+            found.discard(src)
         self.codes = sorted({src for src, into in targets.items() if into}.union(*targets.values()))
         self.count = sum(len(t) for t in targets.values())
         self._languages = [{"code": code, "name": language_name(code), "targets": sorted(targets.get(code, ()))}
@@ -100,7 +100,7 @@ class Routes(Generic[M]):
 
     def pairs(self) -> list[tuple[str, str]]:
         """Every (source, target) served, sorted."""
-        return [(lang["code"], t) for lang in self._languages for t in lang["targets"]]
+        return [(str(lang["code"]), str(t)) for lang in self._languages for t in lang["targets"]]
 
     def listed(self) -> str:
         """The served pairs for a message: each one while they are few, else how many and where to look."""
