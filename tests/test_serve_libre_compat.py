@@ -109,7 +109,8 @@ def test_one_access_log_line_per_request_never_the_key(tmp_path: Path, caplog):
             assert wrong["status"] == 403 and "model" not in wrong and health["path"] == "/health"
             assert all(isinstance(line["ms"], float) for line in (first, native, wrong, health))
         else:
-            assert lines[0].startswith("POST /translate 200 ") and lines[0].endswith(' ms model=de-en texts=2 key="line 2"')
+            assert lines[0].startswith("POST /translate 200 ")
+            assert lines[0].endswith(' ms model=de-en texts=2 key="line 2"')
             assert lines[2].startswith("POST /translate 403 ")
 
 

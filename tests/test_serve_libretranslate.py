@@ -26,11 +26,11 @@ from test_serve_hostile import StandIn  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.detect import Detector  # noqa: E402
 from pipeline.serve.keys import ApiKeys  # noqa: E402
-from runtime.markup import parse_html  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
 from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
+from runtime.markup import parse_html  # noqa: E402
 
 KEY, SLOW_KEY = "k3y-for-tests-0001", "k3y-rate-limited-2"
 
