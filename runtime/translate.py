@@ -64,12 +64,14 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
 
 
 def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
-                  first_tokens: list[int] | None = None, **changes: Any) -> list[list[Hypothesis]]:
+                  first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
+                  **changes: Any) -> list[list[Hypothesis]]:
     """Hypotheses (options.nbest, best first) for each source, in input order.
     first_tokens: per source, the token forced first (a multilingual model's target language; sources of
     different targets may share a batch).
 
-    `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)).
+    `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)). `on_batch(n)` is told
+    each time n more sources are done (the empty ones at once, then each batch): a progress bar's steps.
     Each source is pieces + EOS, at most backend.max_src_len tokens (encode_sources). An
     empty source (a blank line) gets [] without touching the model. options.batch_tokens
     bounds n_sentences x longest source x beam per batch (see length_batches).
@@ -86,9 +88,13 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
 
     batches = ([todo[j] for j in batch] for batch in length_batches([len(sources[i]) for i in todo],
                                                                    options.batch_tokens, options.beam_size, max_batch))
+    if on_batch is not None and len(todo) < len(sources):
+        on_batch(len(sources) - len(todo))
     for idx, hyps in decode_batches(backend, batches, decode):
         for i, h in zip(idx, hyps):
             results[i] = h
+        if on_batch is not None:
+            on_batch(len(idx))
     return results
 
 

@@ -9,7 +9,7 @@ import click
 
 from model.config import PRESETS
 from pipeline.cli_options import decoding_options, options_from, parse_backends
-from pipeline.demo.run import DemoOptions, format_result, run_demo
+from pipeline.demo.run import DEMO_MAX_TIME, DemoOptions, format_result, run_demo
 from pipeline.training import TrainingInterrupted
 from runtime.decoding import DecodingOptions
 from runtime.loader import backend_names
@@ -24,6 +24,9 @@ from runtime.model_dir import LoadOptions
               help="Model size [default: the built-in default, demo].")
 @click.option("--max-steps", type=click.IntRange(1), default=None,
               help="Training updates [default: the built-in default, 1200].")
+@click.option("--max-time", default=DEMO_MAX_TIME, show_default=True,
+              help="Training's wall-clock budget (90s, 10m, 1h): it stops at this or --max-steps, whichever comes "
+                   "first, and the result says which.")
 @click.option("--builtin-pairs", type=click.IntRange(10), default=None,
               help="Training pairs of the built-in corpus [default: 30000].")
 @click.option("--average-last", type=click.IntRange(1), default=3, show_default=True,
@@ -34,7 +37,8 @@ from runtime.model_dir import LoadOptions
 @decoding_options("beam_size")
 @options_from(LoadOptions, only=("threads",))
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
-def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: int | None, average_last: int,
+def demo(out: Path, preset: str | None, max_steps: int | None, max_time: str, builtin_pairs: int | None,
+         average_last: int,
          backends: str | None, decoding: DecodingOptions, threads: int | None, progress: bool) -> None:
     """Train on the built-in made-up language pair, export fp32, fp16 and int8, translate the test
     file with serve-batch and print the parity table of each backend against PyTorch.
@@ -43,7 +47,8 @@ def demo(out: Path, preset: str | None, max_steps: int | None, builtin_pairs: in
     train` does; rerun the same command to resume."""
     wanted = tuple(parse_backends(backends)) if backends else None
     try:
-        result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, builtin_pairs=builtin_pairs,
+        result = run_demo(DemoOptions(out=out, preset=preset, max_steps=max_steps, max_time=max_time,
+                                      builtin_pairs=builtin_pairs,
                                       average_last=average_last, backends=wanted,
                                       decoding=decoding, threads=threads, progress=progress))
     except TrainingInterrupted as e:  # the stop train's command reports: one line, 128 + signum

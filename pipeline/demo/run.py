@@ -18,6 +18,7 @@ from typing import Any
 import sacrebleu
 
 from export.api import export_model
+from model.checkpoint import checkpoint_step, step_checkpoints
 from model.manifest import PRECISIONS
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
@@ -25,6 +26,7 @@ from pipeline.evaluation.parity import ParityReport, format_table, run_parity, w
 from pipeline.serve_batch.files import ServeBatchOptions, serve_files
 from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
+from pipeline.training.options import BUILTIN_DEFAULTS
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.model_dir import LoadOptions, load
 
@@ -32,11 +34,15 @@ log = logging.getLogger(__name__)
 
 
 
+DEMO_MAX_TIME = "10m"  # the README's "a few minutes": a busy machine stops training early rather than late
+
+
 @dataclass
 class DemoOptions:
     out: Path
     preset: str | None = None  # None: the built-in default (train's BUILTIN_DEFAULTS)
     max_steps: int | None = None
+    max_time: str | None = DEMO_MAX_TIME  # training stops at whichever comes first, this or max_steps
     builtin_pairs: int | None = None
     average_last: int = 3
     backends: tuple[str, ...] | None = None  # None: every backend this machine can run (demo/plan.py)
@@ -57,6 +63,7 @@ class DemoResult:
     parity: dict[str, ParityReport] = field(default_factory=dict)
     plan: DemoPlan | None = None
     gpu_peak_gib: float | None = None
+    training: str = ""  # how training ended: every step, or stopped by the time budget at step N
 
     @property
     def passed(self) -> bool:
@@ -83,7 +90,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     plan = opts.plan or plan_demo(gather_facts(), wanted=opts.backends)
     clock.stage("train", train, TrainOptions(
         save_dir=save_dir, preset=opts.preset, max_steps=opts.max_steps, builtin_pairs=opts.builtin_pairs,
-        threads=opts.threads, progress=opts.progress, device=plan.device, precision=plan.train_precision))
+        max_time=opts.max_time, threads=opts.threads, progress=opts.progress, device=plan.device,
+        precision=plan.train_precision))
+    training = _how_training_ended(save_dir, opts)
+    log.info("demo: %s", training)
     checkpoint = clock.stage("average", average_checkpoints, save_dir, last=opts.average_last)
 
     model_dirs = {p: out / f"model-{p}" for p in PRECISIONS}
@@ -101,7 +111,7 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     bleu = sacrebleu.corpus_bleu(read_lines(translation), [read_lines(test_ref)]).score
 
     result = DemoResult(save_dir, model_dirs, translation, round(bleu, 2),
-                        serve_summary=stats.summary(backend.name, str(backend.device)), plan=plan)
+                        serve_summary=stats.summary(backend.name, str(backend.device)), plan=plan, training=training)
     for precision, model_dir in model_dirs.items():
         report = clock.stage(f"parity {precision}", run_parity, model_dir, test_src, test_ref,
                              plan.backends(precision), opts=serving, threads=opts.threads,
@@ -116,8 +126,18 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     return result
 
 
+def _how_training_ended(save_dir: Path, opts: DemoOptions) -> str:
+    """Which limit stopped training: every one of --max-steps, or the time budget first."""
+    steps = opts.max_steps or BUILTIN_DEFAULTS["max_steps"]
+    last = step_checkpoints(save_dir)
+    reached = checkpoint_step(last[-1]) if last else 0
+    if reached is not None and reached >= steps:
+        return f"training ran all {steps} steps (--max-steps)"
+    return f"training stopped at step {reached} of {steps} by its time budget (--max-time {opts.max_time})"
+
+
 def format_result(result: DemoResult) -> str:
-    lines = []
+    lines = [result.training] if result.training else []
     for precision, report in result.parity.items():
         lines += [f"== parity, {precision} model ({result.model_dirs[precision]})", format_table(report), ""]
     lines.append(f"serve-batch: {result.serve_summary}")

@@ -23,7 +23,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -84,10 +84,11 @@ class ServeStats:
 
 
 def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions,
-                     direction: Direction = ONE_PAIR) -> list[NBest]:
+                     direction: Direction = ONE_PAIR, on_batch: Callable[[int], None] | None = None
+                     ) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
     share = ids[ctx.rank::ctx.world_size]
-    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)))
+    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)), on_batch)
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
@@ -120,14 +121,48 @@ class _NoBar:
         pass
 
 
-def progress_bar(desc: str, enabled: bool) -> Any:
-    """A tqdm bar of translated lines, only on a terminal: a log or a pipe gets no carriage-return
-    redraws, and tqdm (30 ms of start-up) is imported only when a bar is shown."""
+def progress_bar(desc: str, enabled: bool, total: int | None = None) -> Any:
+    """A tqdm bar of translated lines (with a total and an ETA when it is known), only on a terminal: a log
+    or a pipe gets no carriage-return redraws, and tqdm (30 ms of start-up) is imported only when a bar is
+    shown."""
     if not (enabled and sys.stderr.isatty()):
         return _NoBar()
     from tqdm import tqdm
 
-    return tqdm(desc=desc, unit=" lines", leave=False)
+    return tqdm(desc=desc, unit=" lines", leave=False, total=total)
+
+
+def count_lines(path: str) -> int | None:
+    """The lines of a plain file (a fast count of its line breaks, before the bar starts), for the bar's total
+    and ETA; None for stdin and .gz (counting would decompress it all) or a file that cannot be read."""
+    if path == "-" or path.endswith(".gz"):
+        return None
+    lines, last = 0, b"\n"
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                lines += chunk.count(b"\n")
+                last = chunk[-1:]
+    except OSError:
+        return None
+    return lines + (last != b"\n")
+
+
+class _Advance:
+    """The bar moved batch by batch through a window: this rank's batches stand for every rank's (about the
+    same share), and the window's end brings it to the window's lines whatever the batches said."""
+
+    def __init__(self, bar: Any, lines: int, world_size: int):
+        self.bar, self.lines, self.world_size, self.counted = bar, lines, world_size, 0
+
+    def __call__(self, n: int) -> None:
+        step = min(n * self.world_size, self.lines - self.counted)
+        self.counted += step
+        self.bar.update(step)
+
+    def finish(self) -> None:
+        self.bar.update(self.lines - self.counted)
+        self.counted = self.lines
 
 
 def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str, opts: ServeBatchOptions,
@@ -137,20 +172,23 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
     do their share and get nothing. serve-batch writes these; parity measures them."""
     direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
     windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix) if ctx.is_main else None
-    bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", progress and ctx.is_main)
+    shown = progress and ctx.is_main and sys.stderr.isatty()
+    bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", shown,
+                       count_lines(input_path) if shown else None)
     try:
         while True:
             window = on_main(ctx, lambda: next(windows, None))  # type: ignore[arg-type]
             if window is None:
                 return
-            share = _translate_share(backend, window.ids, ctx, opts.decoding, direction)
+            advance = _Advance(bar, len(window.ids), ctx.world_size)
+            share = _translate_share(backend, window.ids, ctx, opts.decoding, direction, advance if shown else None)
             merged = _gather(share, ctx, len(window.ids))
             if merged is None:
                 continue
             done = finish_window(tokenizer, window, merged, opts.decoding.nbest)
             done.min_len_over = min_len_over(window.ids, opts.decoding, backend.max_tgt_len)
             yield done
-            bar.update(len(window.ids))
+            advance.finish()
     finally:
         bar.close()
 

@@ -57,6 +57,35 @@ class _Throughput:
 
 
 @dataclass
+class _Heartbeat:
+    """One log line every `every_s` seconds (--log-seconds) where no bar is drawn: step, loss, tokens/s,
+    elapsed, and the time left to whichever comes first, --max-steps or --max-time."""
+
+    first_step: int
+    started: float
+    every_s: float
+    last: float = 0.0
+
+    def maybe_log(self, step: int, max_steps: int, loss: float, speed: _Throughput, budget: TimeBudget) -> None:
+        now = time.time()
+        if now - max(self.last, self.started) < self.every_s:
+            return
+        self.last = now
+        done, spent = step - self.first_step, now - self.started
+        per_step = spent / max(done, 1)
+        eta, by = (max_steps - step) * per_step, "--max-steps"
+        if budget.limit_s is not None and budget.limit_s - budget.elapsed() < eta:
+            eta, by = max(0.0, budget.limit_s - budget.elapsed()), "--max-time"
+        log.info("step %d/%d, loss %.3f, %.0f tokens/s, %s elapsed, about %s left (%s)", step, max_steps, loss,
+                 speed.run_tokens / max(spent, 1e-9), _clock(budget.elapsed()), _clock(eta), by)
+
+
+def _clock(seconds: float) -> str:
+    minutes, s = divmod(int(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m" if minutes >= 60 else f"{minutes}m{s:02d}s"
+
+
+@dataclass
 class TrainLoop:
     """The loop's parts; `run` is the loop, each scheduled task a small method."""
 
@@ -81,6 +110,9 @@ class TrainLoop:
         decay_s = parse_duration(decay_text) if decay_text else None
         bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                    disable=not (ctx.is_main and opts.progress and sys.stderr.isatty()))  # a log gets no redraws
+        # a log gets a line every --log-seconds instead, so a run logged to a file is not silent until validation
+        heartbeat = _Heartbeat(progress.step, time.time(), opts.log_seconds) \
+            if ctx.is_main and opts.log_seconds > 0 and bar.disable else None
         model.train()
         with StopFlag() as stop, bar:
             while progress.step < opts.max_steps:
@@ -109,6 +141,8 @@ class TrainLoop:
                 progress.tokens += n_tok
                 speed.add(n_tok)
                 bar.update(1)
+                if heartbeat is not None:
+                    heartbeat.maybe_log(progress.step, opts.max_steps, stats.loss, speed, self.budget)
                 self._on_schedule(progress, stats, lr, speed, bar)
         self._summary(progress, start_step, speed)
         return progress

@@ -79,6 +79,9 @@ class TrainOptions:
     builtin_pairs: int | None = opt(None, "Training pairs of the built-in synthetic corpus (default "
                                     f"{BUILTIN_DEFAULTS['builtin_pairs']}).")
     progress: bool = opt(True, "Show a progress bar on stderr (only on a terminal).")
+    log_seconds: float = opt(30.0, "Where stderr is not a terminal (a log file, a pipe): a progress line every N "
+                             "seconds (step, loss, tokens/s, elapsed, time left to --max-steps or --max-time), "
+                             "since no bar is drawn there; 0 for none.", min=0)
     allow_changed_data: bool = opt(False, "Resume even though a corpus file's contents changed since the save "
                                    "dir's checkpoints (refused without it): keep the run's tokenizer and data "
                                    "position, record the new files' fingerprints.")
