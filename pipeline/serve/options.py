@@ -75,5 +75,4 @@ class RequestLimits:
                          "Retry-After.", min=1)
     body_timeout_s: float = opt(30.0, "Seconds a client may take to send its request body; a slower one gets 408 "
                                 "and its connection closed.", min=0.001)
-    max_beam: int = DEFAULT_MAX_BEAM  # the model dir's own limit when it records one
     retry_after_s: int = 1
