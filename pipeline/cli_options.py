@@ -24,6 +24,8 @@ import click
 from runtime.decoding import OPTION_NAMES, PAPER, RULES, DecodingOptions
 from runtime.registry import backend_names
 
+# what a model dir's manifest may set (an import's generation config; a GPU's batch budget): DecodingOptions.for_model
+MODEL_DEFAULTS = frozenset({"beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "rules", "batch_tokens"})
 _FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions) if f.name in OPTION_NAMES}
 
 
@@ -117,14 +119,15 @@ def pick(cls: type, values: dict[str, Any]) -> Any:
     return cls(**{k: values.pop(k) for k in list(values) if k in names})
 
 
-def decoding_options(*names: str, notes: dict[str, str] | None = None
+def decoding_options(*names: str, notes: dict[str, str] | None = None, model_dir: bool = True
                      ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add --beam-size, --alpha, ... for the named DecodingOptions fields (all of them
     when none are named); the command receives `decoding: DecodingOptions`, already
     validated, so a bad value is a one-line error naming its option. It records which options
     the user set (`explicit`): the others give way to a model dir's own defaults
     (DecodingOptions.for_model). `notes` appends a command's own remark to an option's help
-    (what n-best looks like in its output)."""
+    (what n-best looks like in its output). `model_dir`: the command decodes a model dir, whose own defaults
+    (an imported model's num_beams, length penalty, ...) fill the options not given, and --help says so."""
     chosen = names or tuple(_FIELDS)
     unknown = [n for n in chosen if n not in _FIELDS]
     if unknown:
@@ -144,8 +147,9 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None
             default = getattr(PAPER, name)
             note = (notes or {}).get(name)
             kind = click.Choice(RULES) if name == "rules" else type(default)
+            shown: Any = f"the model dir's, else {default}" if model_dir and name in MODEL_DEFAULTS else True
             wrapper = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=default,
-                                   show_default=True,
+                                   show_default=shown,
                                    help=DecodingOptions.help(name) + (f" {note}" if note else ""))(wrapper)
         return wrapper
 

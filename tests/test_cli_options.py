@@ -297,3 +297,15 @@ def test_random_checkpoint_takes_a_students_decoder_depth(tmp_path):
     model, _, _ = load_model(out)
     assert model.cfg.n_dec_layers == 1 and model.cfg.n_enc_layers == preset("tiny", 64).n_enc_layers
     assert len(model.decoder) == 1
+
+
+def test_help_says_a_model_dirs_own_decoding_defaults_come_first(capsys):
+    """An imported model decodes with its own defaults (alpha 1.0, transformers' rules) where the user gives
+    none, so --help of a command that decodes a model dir says so; the demo decodes its own model."""
+    from helpers import run_cli
+
+    assert run_cli("serve-batch", "--help") == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the model dir's, else 0.6" in out and "the model dir's, else 4" in out
+    assert run_cli("demo", "--help") == 0
+    assert "the model dir's" not in capsys.readouterr().out

@@ -34,7 +34,7 @@ from runtime.model_dir import LoadOptions
 @click.option("--backends", default=None,
               help="Backends whose parity with PyTorch is checked (" + ",".join(backend_names()) + ") "
                    "[default: every one this machine can run; see `pipeline doctor`].")
-@decoding_options("beam_size")
+@decoding_options("beam_size", model_dir=False)
 @options_from(LoadOptions, only=("threads",))
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress bars.")
 def demo(out: Path, preset: str | None, max_steps: int | None, max_time: str, builtin_pairs: int | None,
