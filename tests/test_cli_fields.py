@@ -49,7 +49,7 @@ def test_serve_batch_has_no_option_outside_its_dataclasses():
     names = {f.name for cls in (LoadOptions, DecodingOptions, ServeBatchOptions) for f in dataclasses.fields(cls)
              if "help" in f.metadata}
     options = {p.name for p in COMMANDS["serve-batch"].params if isinstance(p, click.Option)}
-    assert options - {"help"} == names | {"output", "output_dir", "progress"}
+    assert options - {"help"} == names | {"output", "output_dir", "suffix", "progress"}
 
 
 

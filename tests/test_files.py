@@ -207,3 +207,36 @@ def test_latched_signals_survive_a_swallowed_keyboard_interrupt_and_reach_the_ol
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_output_dir_names_take_the_target_language():
+    """--output-dir wrote English into part-000.de; the language suffix is now the target's where it is
+    known (--suffix, --tgt-lang, the model dir's recorded pair)."""
+    from pipeline.serve_batch.files import output_name, output_paths
+
+    assert output_name("part-000.de.gz") == "part-000.de"  # nothing known: the input's name, as before
+    assert output_name("part-000.de.gz", ".en") == "part-000.en"
+    assert output_name("part-000", ".en") == "part-000.en" and output_name("notes.txt", ".en") == "notes.txt.en"
+    assert output_name("test.pt-BR", ".en") == "test.en"
+    assert output_paths(["a/x.de", "b/y.de"], None, "out", ".en") == ["out/x.en", "out/y.en"]
+
+
+def test_the_suffix_comes_from_the_option_the_target_or_the_model_dir(tmp_path, fp32_dir):
+    from helpers import run_cli, with_language_pair
+
+    from pipeline.serve_batch.files import target_suffix
+
+    empty = tmp_path / "m"
+    empty.mkdir()
+    assert target_suffix(None, str(empty), None) is None  # no manifest: loading says so later, in one line
+    assert target_suffix("en", str(empty), "fr") == ".en" and target_suffix(None, str(empty), "fr") == ".fr"
+    assert target_suffix("", str(empty), "fr") == ""  # --suffix '': keep the input's name
+    assert target_suffix(None, str(fp32_dir), None) is None  # a model dir that records no pair
+    model = with_language_pair(fp32_dir, tmp_path / "de-en", "de", "en")
+    assert target_suffix(None, str(model), None) == ".en"
+    src = tmp_path / "in" / "part-000.de"
+    src.parent.mkdir()
+    src.write_text("der hund\n")
+    assert run_cli("serve-batch", model, src, "--output-dir", tmp_path / "out", "--backend", "onnxruntime",
+                   "--no-progress") == 0
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["part-000.en"]

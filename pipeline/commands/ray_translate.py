@@ -11,6 +11,7 @@ import click
 from pipeline.cli_options import decoding_options, options_from, pick
 from pipeline.integrations.options import RayOptions
 from pipeline.integrations.shards import job_record, plan
+from pipeline.serve_batch.files import target_suffix
 from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions, ModelDir
@@ -26,8 +27,13 @@ _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", 
 @click.argument("model_dir", type=click.Path(file_okay=False))
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("--output-dir", metavar="DIR", required=True,
-              help="Write each input's translation to DIR/<input file name> (.gz dropped; a Parquet file's gets "
-                   ".txt). Rerunning the same command skips the inputs whose output is there.")
+              help="Write each input's translation to DIR/<input file name> (.gz dropped, the language suffix made "
+                   "--suffix's; a Parquet file's gets --suffix, else .txt). Rerunning the same command skips the "
+                   "inputs whose output is there.")
+@click.option("--suffix", metavar="SUFFIX", default=None,
+              help="The outputs' language suffix (.en: part-000.de -> part-000.en; added where the input has none) "
+                   "[default: the target language, --tgt-lang or the one the model dir records; else the input's "
+                   "name is kept].")
 @options_from(LoadOptions, notes={"threads": "Per actor [default here: 1]; actors x threads = the cores used.",
                                   "device": "Per actor."})
 @decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
@@ -36,8 +42,8 @@ _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", 
 @options_from(RayOptions)
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show translated lines and lines/s across the cluster on stderr (only on a terminal).")
-def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, decoding: DecodingOptions,
-                  progress: bool, **fields: Any) -> None:
+def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suffix: str | None,
+                  decoding: DecodingOptions, progress: bool, **fields: Any) -> None:
     """Translate INPUT files, globs or directories of shards (plain, .gz or Parquet) on a Ray cluster with the
     model in MODEL_DIR, one line-aligned output per input, exactly as serve-batch translates them.
 
@@ -55,7 +61,8 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, deco
     settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
                                      **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
                 "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
-    job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings))
+    job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
+               target_suffix(suffix, model_dir, opts.tgt_lang))
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return

@@ -10,7 +10,7 @@ import click
 
 from pipeline.cli_options import decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
-from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files
+from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions, load
 
@@ -27,10 +27,14 @@ log = logging.getLogger(__name__)
 @decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
                                     "joined by ' ||| ', best first (still one line per input line)."})
 @options_from(ServeBatchOptions)
+@click.option("--suffix", metavar="SUFFIX", default=None,
+              help="With --output-dir: the outputs' language suffix (.en: part-000.de -> part-000.en; added where "
+                   "the input has none) [default: the target language, --tgt-lang or the one the model dir "
+                   "records; else the input's name is kept].")
 @click.option("--progress/--no-progress", default=True, show_default=True,
               help="Show a progress bar on stderr (only on a terminal).")
 def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, output_dir: str | None,
-                decoding: DecodingOptions, progress: bool, **fields: Any) -> None:
+                suffix: str | None, decoding: DecodingOptions, progress: bool, **fields: Any) -> None:
     """Translate INPUT files ('-' = stdin) with the model in MODEL_DIR, line-aligned.
 
     Streams windows of lines, sorts them by length into dense batches, and writes each
@@ -40,7 +44,8 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     """
     options: LoadOptions = pick(LoadOptions, fields)
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
-    outputs = output_paths(list(inputs), output, output_dir)
+    outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
+                           if output_dir is not None else None)
     check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir")
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.

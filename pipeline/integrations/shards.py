@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from model.atomic import atomic_write_text, remove_stale_temps
 from model.errors import UserError
+from pipeline.serve_batch.files import output_name as translated_name
 from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
 
 log = logging.getLogger(__name__)
@@ -73,21 +74,23 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
     return files, dirs
 
 
-def output_name(path: str) -> str:
-    """DIR/<input name> as serve-batch names it (a .gz suffix dropped); a Parquet file's gets .txt."""
+def output_name(path: str, suffix: str | None = None) -> str:
+    """DIR/<input name> as serve-batch names it (.gz dropped, the language suffix made `suffix`); a Parquet
+    file's gets `suffix`, else .txt."""
     name = Path(path).name
     if name.endswith(PARQUET):
-        return name[: name.rindex(".")] + ".txt"
-    return name[:-3] if name.endswith(".gz") else name
+        return name[: name.rindex(".")] + (suffix or ".txt")
+    return translated_name(name, suffix)
 
 
-def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any]) -> Plan:
+def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any], suffix: str | None = None
+         ) -> Plan:
     """Every check before any work: inputs readable (a Parquet file holding `column`), outputs distinct and
     not inputs, the output dir writable and made with the same model and options if it has outputs already
     (`record`; a rerun of the same command resumes, another refuses). Leftover temps are removed."""
     files, dirs = expand(inputs)
     out_dir = Path(output_dir)
-    outputs = [out_dir / output_name(f) for f in files]
+    outputs = [out_dir / output_name(f, suffix) for f in files]
     seen: dict[Path, str] = {}
     for f, out in zip(files, outputs):
         if out in seen:

@@ -30,6 +30,7 @@ from typing import IO, Any
 
 from model.atomic import remove_stale_temps
 from model.errors import UserError
+from model.manifest import read_manifest
 from pipeline.distributed import DistContext, on_main
 from pipeline.serve_batch.translation import (
     ServeBatchOptions,
@@ -41,7 +42,7 @@ from pipeline.textio import atomic_output, check_output_file, open_binary, refus
 from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
-from runtime.languages import ONE_PAIR, Direction
+from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, translate_ids
 
@@ -209,9 +210,41 @@ def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str,
 # -- files ----------------------------------------------------------------------------------
 
 
-def output_paths(inputs: list[str], output: str | None, output_dir: str | None) -> list[str]:
+# file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language
+NOT_LANGUAGES = frozenset({"txt", "tsv", "csv", "xml", "htm", "srt", "md", "log", "out", "tok", "bpe", "raw", "src",
+                           "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst"})
+
+
+def output_name(name: str, suffix: str | None = None) -> str:
+    """An input's output name in --output-dir: a trailing .gz dropped (the output is plain text), and with
+    `suffix` (".en") the input's language suffix replaced by it (part-000.de -> part-000.en), or added where
+    it has none (part-000 -> part-000.en)."""
+    name = name[:-3] if name.endswith(".gz") else name
+    if not suffix:
+        return name
+    stem, dot, last = name.rpartition(".")
+    language = LANG_CODE.fullmatch(last) and last.lower() not in NOT_LANGUAGES
+    return stem + suffix if dot and stem and language else name + suffix
+
+
+def target_suffix(given: str | None, model_dir: str, tgt_lang: str | None) -> str | None:
+    """--suffix, else "." + the target language when it is known (--tgt-lang, or the pair the model dir's
+    manifest records), else None (outputs keep the input's name)."""
+    if given is not None:
+        return given if given.startswith(".") or not given else "." + given
+    if tgt_lang:
+        return "." + tgt_lang
+    try:
+        languages = read_manifest(Path(model_dir), verify=False).languages
+    except (UserError, OSError, ValueError):  # loading the model dir says what is wrong with it, in one line
+        return None
+    return "." + languages.target[0] if languages is not None and len(languages.target) == 1 else None
+
+
+def output_paths(inputs: list[str], output: str | None, output_dir: str | None, suffix: str | None = None
+                 ) -> list[str]:
     """Where each input's translation goes: --output FILE for one input, or
-    DIR/<input name> (a trailing .gz dropped: the output is plain text)."""
+    DIR/<input name> (output_name: .gz dropped, the language suffix made the target's)."""
     if (output is None) == (output_dir is None):
         raise UserError("give exactly one of --output FILE or --output-dir DIR")
     if output is not None:
@@ -223,8 +256,7 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None) 
     for inp in inputs:
         if inp == "-":
             raise UserError("input '-' (stdin) has no name for --output-dir; use --output FILE or '-'")
-        name = Path(inp).name
-        paths.append(str(Path(output_dir) / (name[:-3] if name.endswith(".gz") else name)))
+        paths.append(str(Path(output_dir) / output_name(Path(inp).name, suffix)))
     if len(set(paths)) != len(paths):
         raise UserError("two inputs have the same file name, so --output-dir would write one over "
                         "the other; translate them in separate runs")
