@@ -270,3 +270,19 @@ def test_writer_refuses_a_line_twice_or_missing_and_leaves_no_temp(tmp_path):
     writer = ShardWriter(job.todo)  # a shard with rows missing entirely is not an empty input
     with pytest.raises(RuntimeError, match="never came back"):
         writer.finish()
+
+
+def test_the_python_api_in_three_lines(fp32_dir):
+    """README's "Translate from Python": everything from `pipeline`, nothing from runtime or model."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    code = ("from pipeline import Translator, LoadOptions\n"
+            f"t = Translator({str(fp32_dir)!r}, load_options=LoadOptions(backend='onnxruntime'))\n"
+            "out = t.translate(['der hund sieht die katze.', ''])\n"
+            "assert out.translation[1] == '' and out.translation[0] and out.empty == [False, True], out\n"
+            "import sys; assert 'torch' not in sys.modules, 'torch was imported'\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -28,7 +28,7 @@ import numpy as np
 
 from model.errors import UserError
 from pipeline.integrations.options import RayOptions
-from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter, not_text
+from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter, expand, not_text
 from pipeline.integrations.translator import Translator
 from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.rows import decode_row
@@ -344,6 +344,22 @@ class LinesDatasource(_datasource_base()):  # type: ignore[misc]
                 block = block[-1:]
         if block:
             yield _block(shard, path, lineno - len(block) + 1, block, last=True)
+
+
+def read_shards(inputs: list[str], column: str = "text", invalid_utf8: str = "error", rows_per_block: int = 500
+                ) -> Any:
+    """A Ray Dataset of the rows of `inputs` (files, globs or directories of plain, .gz or Parquet shards, as
+    `ray-translate` takes them), read as it reads them: columns shard, line, text, path, last, replaced; a null
+    is a blank row, invalid UTF-8 refused (or replaced with invalid_utf8="replace"). Its read tasks reserve no
+    CPU, so an actor pool as large as the cluster cannot starve them (Ray's own readers wait for a core the
+    actors hold, for ever)."""
+    import ray
+
+    files, _ = expand(inputs)
+    if not files:
+        raise UserError(f"no input files in {', '.join(inputs)}")
+    shards = [Shard(i, os.path.abspath(f), Path()) for i, f in enumerate(files)]
+    return ray.data.read_datasource(LinesDatasource(shards, column, invalid_utf8, rows_per_block), num_cpus=0)
 
 
 def _block(shard: int, path: str, first: int, rows: list[tuple[str, int]], last: bool) -> Any:
