@@ -183,6 +183,8 @@ class Manifest:
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["model_config"] = self.model_config.to_dict()  # without the later fields a model does not use
+        if data["language_pair"] is None:  # unknown: written as before it existed
+            del data["language_pair"]
         return {"format": FORMAT, **data}
 
     @classmethod
