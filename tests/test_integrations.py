@@ -286,3 +286,23 @@ def test_the_python_api_in_three_lines(fp32_dir):
             "import sys; assert 'torch' not in sys.modules, 'torch was imported'\n")
     proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_ray_bar_knows_its_total_where_counting_is_cheap(tmp_path):
+    """ray-translate's bar had no total: plain shards' lines and Parquet shards' rows are counted first; a .gz
+    shard (counting would decompress it) leaves it without one."""
+    import gzip
+
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from pipeline.integrations.ray_job import shard_lines
+    from pipeline.integrations.shards import Shard
+
+    (tmp_path / "a.txt").write_text("x\ny\n\nz")  # a last line without its line break counts
+    pq.write_table(pa.table({"text": ["a", None, "b"]}), tmp_path / "b.parquet")
+    with gzip.open(tmp_path / "c.txt.gz", "wt") as f:
+        f.write("x\n")
+    shards = [Shard(i, str(tmp_path / n), tmp_path / "out") for i, n in enumerate(("a.txt", "b.parquet", "c.txt.gz"))]
+    assert shard_lines(shards[:2]) == 4 + 3
+    assert shard_lines(shards) is None

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from model.errors import UserError
 from pipeline.integrations.options import RayOptions
 from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter, expand, not_text
 from pipeline.integrations.translator import Translator
-from pipeline.serve_batch.files import progress_bar
+from pipeline.serve_batch.files import count_lines, progress_bar
 from pipeline.serve_batch.rows import decode_row
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import open_binary
@@ -203,7 +204,7 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
                                                "decoding": decoding, "options": opts,
                                                "origin_columns": ("path", "line")})
     writer = ShardWriter(plan.todo)
-    bar = progress_bar("translating", progress)
+    bar = progress_bar("translating", progress, shard_lines(plan.todo) if progress and sys.stderr.isatty() else None)
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
             writer.add_rows(batch["shard"], batch["line"] - 1, batch["translation"], batch["last"])
@@ -344,6 +345,26 @@ class LinesDatasource(_datasource_base()):  # type: ignore[misc]
                 block = block[-1:]
         if block:
             yield _block(shard, path, lineno - len(block) + 1, block, last=True)
+
+
+def shard_lines(shards: list[Shard]) -> int | None:
+    """Lines in all the shards, for the bar's total and ETA: plain files' line breaks counted, Parquet files' rows
+    from their footers; None when a shard is .gz (counting would decompress it all) or cannot be read."""
+    total = 0
+    for shard in shards:
+        if shard.parquet:
+            try:
+                import pyarrow.parquet as pq
+
+                total += pq.ParquetFile(shard.path).metadata.num_rows
+            except Exception:  # the job's reader names a bad file in one line; the bar just has no total
+                return None
+            continue
+        lines = count_lines(shard.path)
+        if lines is None:
+            return None
+        total += lines
+    return total
 
 
 def read_shards(inputs: list[str], column: str = "text", invalid_utf8: str = "error", rows_per_block: int = 500
