@@ -71,5 +71,5 @@ class AccessLog:
             else:
                 extra = " ".join(f"{k}={json.dumps(v) if ' ' in str(v) else v}" for k, v in sorted(
                     noted.items(), key=lambda kv: ORDER.index(kv[0]) if kv[0] in ORDER else len(ORDER)))
-                log.info("%s %s %d %.1f ms%s", line["method"], line["path"], line["status"], ms,
-                         f" {extra}" if extra else "")
+                path = line["path"] if line["path"].isprintable() else json.dumps(line["path"])  # one line each
+                log.info("%s %s %d %.1f ms%s", line["method"], path, line["status"], ms, f" {extra}" if extra else "")
