@@ -25,10 +25,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.serve import documents
-from pipeline.serve.access import note
 from pipeline.serve.documents import Document, DocumentError, extension
-from pipeline.serve.flow import MAX_FORM_FIELDS, off_loop, translated
-from pipeline.serve.libre import LibreRequest, _answer, _code, _detect, _groups, check_key, error
+from pipeline.serve.flow import MAX_FORM_FIELDS, off_loop
+from pipeline.serve.libre import CountedDisconnect, LibreRequest, _code, _detect, check_key, error, translate_texts
 from pipeline.serve.requests import ApiError, ServerState, read_body, too_many
 
 log = logging.getLogger(__name__)
@@ -180,17 +179,7 @@ async def translate_file(request: Request) -> Response:
                                     f"{state.routes.listed()}")
         req = LibreRequest(doc.texts, True, source, target, False, 0)
         detected = await _source_of(state, req) if source == "auto" else None
-        groups = await off_loop(state, _groups, state, req, None)
-        note(request, model=",".join(sorted({g.model.name for g in groups})) or None, texts=len(req.q))
-        m = groups[0].model.metrics if groups else m
-        for g in groups:
-            g.model.metrics.in_flight.inc()
-        try:
-            done = await translated(request, [g.request for g in groups if g.request], state)
-        finally:
-            for g in groups:
-                g.model.metrics.in_flight.dec()
-        body = await off_loop(state, _answer, req, groups, done, None)
+        body, m = await translate_texts(request, state, req, None)
         out = await off_loop(state, doc.rebuild, body["translatedText"])
         ext = extension(filename)
         key = _store(request).put(download_name(filename, target), documents.MEDIA_TYPES[ext], out)
@@ -201,8 +190,9 @@ async def translate_file(request: Request) -> Response:
         response: Response = JSONResponse(answer)
     except ApiError as e:
         response = error(e)
-    except ClientDisconnect:
-        m.disconnects.inc()
+    except ClientDisconnect as e:
+        if not isinstance(e, CountedDisconnect):
+            m.disconnects.inc()
         response = Response(status_code=499)
     except Exception as e:  # a backend fault: this request fails, the server goes on (as /translate's)
         log.exception("file translation failed")

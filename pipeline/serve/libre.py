@@ -24,6 +24,7 @@ from pipeline.serve.access import note
 from pipeline.serve.flow import off_loop, off_loop_reading, read_payload, translated
 from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.languages import language_name
+from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
 from pipeline.serve.translator import Encoded
 from runtime.markup import Markup, parse_html
@@ -227,6 +228,32 @@ def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[Encoded, l
     return body
 
 
+async def translate_texts(request: Request, state: ServerState, req: LibreRequest,
+                          detected: list[dict[str, Any]] | None) -> tuple[dict[str, Any], ModelMetrics]:
+    """The texts of `req` translated as LibreTranslate answers them (each routed to its model, queued, awaited,
+    dropped if the client leaves), with the metrics of the model that answered (the first, with several):
+    what /translate and /translate_file both do once their fields are read."""
+    groups = await off_loop(state, _groups, state, req, detected)
+    note(request, model=",".join(sorted({g.model.name for g in groups})) or None, texts=len(req.q))
+    metrics = groups[0].model.metrics if groups else state.unnamed
+    for g in groups:
+        g.model.metrics.in_flight.inc()
+    try:
+        done = await translated(request, [g.request for g in groups if g.request], state)
+    except ClientDisconnect:
+        metrics.disconnects.inc()
+        raise CountedDisconnect() from None
+    finally:
+        for g in groups:
+            g.model.metrics.in_flight.dec()
+    body = await off_loop(state, _answer, req, groups, done, detected)
+    return body, metrics
+
+
+class CountedDisconnect(ClientDisconnect):
+    """The client left while its texts were translated, counted on the model's metrics already."""
+
+
 async def translate(request: Request, data: Any, form: bool, state: ServerState) -> Response:
     """POST /translate in LibreTranslate's form (the body read and parsed already)."""
     started = time.perf_counter()
@@ -235,23 +262,14 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
         req = await off_loop_reading(state, parse_libre, data, form, state)  # in proportion to the body
         detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
-        groups = await off_loop(state, _groups, state, req, detected)
-        note(request, model=",".join(sorted({g.model.name for g in groups})) or None, texts=len(req.q))
-        m = groups[0].model.metrics if groups else m
-        for g in groups:
-            g.model.metrics.in_flight.inc()
-        try:
-            done = await translated(request, [g.request for g in groups if g.request], state)
-        finally:
-            for g in groups:
-                g.model.metrics.in_flight.dec()
-        body = await off_loop(state, _answer, req, groups, done, detected)
+        body, m = await translate_texts(request, state, req, detected)
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(body)
     except ApiError as e:
         response = error(e)
-    except ClientDisconnect:
-        m.disconnects.inc()
+    except ClientDisconnect as e:
+        if not isinstance(e, CountedDisconnect):
+            m.disconnects.inc()
         response = Response(status_code=499)
     except Exception as e:  # a backend fault: this request fails, the server goes on (as the native API's)
         log.exception("translation failed")
