@@ -294,6 +294,7 @@ def test_the_ray_bar_knows_its_total_where_counting_is_cheap(tmp_path):
     import gzip
 
     pq = pytest.importorskip("pyarrow.parquet")
+    pytest.importorskip("ray")
     import pyarrow as pa
 
     from pipeline.integrations.ray_job import shard_lines

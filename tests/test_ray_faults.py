@@ -11,11 +11,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_pipeline, write_lines
 
-from model.errors import UserError
-from pipeline.integrations.ray_job import probe
-from pipeline.integrations.shards import output_name
+pytest.importorskip("ray", reason="Ray is not installed (the ray extra)")
+from helpers import assert_one_line_error, run_pipeline, write_lines  # noqa: E402
+
+from model.errors import UserError  # noqa: E402
+from pipeline.integrations.ray_job import probe  # noqa: E402
+from pipeline.integrations.shards import output_name  # noqa: E402
 
 
 def free_port() -> int:

@@ -14,19 +14,21 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
-from helpers import assert_one_line_error, hidden, run_cli_captured, write_lines
-from test_integrations import corpus_lines, write_parquet
 
-from model.errors import UserError
-from pipeline.integrations.options import RayOptions
-from pipeline.integrations.ray_job import _JobTranslator, actors, translate_shards
-from pipeline.integrations.shards import RECORD, plan
-from pipeline.integrations.translator import Translator
-from pipeline.serve_batch.files import serve_files
-from pipeline.serve_batch.translation import ServeBatchOptions
-from runtime.decoding import PAPER
-from runtime.model_dir import LoadOptions, load
+pytest.importorskip("ray", reason="Ray is not installed (the ray extra)")
+import ray  # noqa: E402
+from helpers import assert_one_line_error, hidden, run_cli_captured, write_lines  # noqa: E402
+from test_integrations import corpus_lines, write_parquet  # noqa: E402
+
+from model.errors import UserError  # noqa: E402
+from pipeline.integrations.options import RayOptions  # noqa: E402
+from pipeline.integrations.ray_job import _JobTranslator, actors, translate_shards  # noqa: E402
+from pipeline.integrations.shards import RECORD, plan  # noqa: E402
+from pipeline.integrations.translator import Translator  # noqa: E402
+from pipeline.serve_batch.files import serve_files  # noqa: E402
+from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+from runtime.model_dir import LoadOptions, load  # noqa: E402
 
 
 @pytest.fixture(scope="module")
