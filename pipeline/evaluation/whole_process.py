@@ -11,11 +11,21 @@ each engine runs once untimed, and Python's bytecode is kept between runs (user_
 a user who has run the tool before, not of the very first run.
 With `fixed_length`, every sentence gets exactly that many target tokens in every engine, so
 all do the same work whatever the weights.
+
+Each row also says how long FILE's sources are (source pieces per line, by the model dir's tokenizer,
+as serve-batch encodes them) and where the wall time went: start and load (process start to the
+model loaded), encoder, decoder and the rest (reading, tokenizing, search, writing, exit). The timed
+processes learn where to record this from PIPELINE_TIMINGS (a JSON file path): ours runs serve-batch's
+own command line under TIMED_SERVE_BATCH, which times the backend's `encode` and `step` calls
+(time.perf_counter around each, about a microsecond a call); CTranslate2's script records when its
+translator was loaded (its encoder and decoder are one call, so its split is load and the rest).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import os
 import re
 import statistics
@@ -35,6 +45,7 @@ from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
 from runtime.model_dir import LoadOptions
 from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
+from runtime.translate import encode_sources
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +54,7 @@ log = logging.getLogger(__name__)
 # starts with the first, the second is the target prefix (forced first), left out of the output text; and the
 # batches translated at once (inter_threads, each on threads / inter_threads intra-op threads).
 CT2_SCRIPT = """
-import sys
+import os, sys, time
 import ctranslate2, sentencepiece
 (ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len, src_tok,
  tgt_tok, inter) = sys.argv[1:15]
@@ -51,6 +62,7 @@ sp = sentencepiece.SentencePieceProcessor(model_file=src_spm)
 sp_out = sentencepiece.SentencePieceProcessor(model_file=tgt_spm)
 translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
                                     intra_threads=int(threads) // int(inter), inter_threads=int(inter))
+loaded_at = time.monotonic()
 with open(src, encoding="utf-8") as f:
     lines = [line.rstrip("\\n") for line in f]
 live = [i for i, line in enumerate(lines) if line.strip()]
@@ -66,6 +78,50 @@ for i, r in zip(live, results):
     outputs[i] = sp_out.decode(r.hypotheses[0][1:] if tgt_tok else r.hypotheses[0])
 with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outputs))
+if os.environ.get("PIPELINE_TIMINGS"):
+    with open(os.environ["PIPELINE_TIMINGS"], "w") as f:
+        f.write('{"loaded_at": %r}' % loaded_at)
+"""
+
+# Ours, timed: `python -m pipeline ARGS` (pipeline/__main__.py) with, where PIPELINE_TIMINGS names a file,
+# runtime.model_dir.load wrapped so that the backend it returns has its encode and step calls timed
+# (perf_counter deltas summed), and the process's clock (CLOCK_MONOTONIC, the parent's too) read once
+# the model is loaded; all written to that file as JSON at exit, an error's exit included.
+TIMED_SERVE_BATCH = """
+import os, time
+path = os.environ.get("PIPELINE_TIMINGS")
+if path:
+    import runtime.model_dir
+    spent = {"encoder_s": 0.0, "decoder_s": 0.0, "encoder_calls": 0, "decoder_steps": 0}
+    clock, load = time.perf_counter, runtime.model_dir.load
+
+    def timed(method, seconds, calls):
+        def call(*args, **kwargs):
+            started = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[seconds] += clock() - started
+                spent[calls] += 1
+        return call
+
+    def timed_load(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        spent["loaded_at"] = time.monotonic()
+        backend = loaded.backend
+        backend.encode = timed(backend.encode, "encoder_s", "encoder_calls")
+        backend.step = timed(backend.step, "decoder_s", "decoder_steps")
+        return loaded
+
+    runtime.model_dir.load = timed_load
+from pipeline.cli import main
+try:
+    main()
+finally:
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(spent, f)
 """
 
 
@@ -73,8 +129,8 @@ def user_env(tmp: Path) -> dict[str, str]:
     """The environment of the timed processes: as a user's who has run the tool before, Python's
     compiled bytecode is kept between runs (an installed package has it from pip; this machine may set
     PYTHONDONTWRITEBYTECODE, which would make every run compile our modules again). It goes to a cache
-    under `tmp`, never into the source tree."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    under `tmp`, never into the source tree. PIPELINE_TIMINGS is set only for the timed runs."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "PIPELINE_TIMINGS")}
     env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
     return env
 
@@ -138,6 +194,62 @@ def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size:
     if fixed_length:
         cmd += ["--max-len-a", "0", "--max-len-b", str(fixed_length), "--min-len", str(fixed_length)]
     return cmd
+
+
+def source_pieces(model_dir: Path, path: Path, way: Direction = ONE_PAIR) -> list[int]:
+    """Source tokens of each non-blank line of `path` as serve-batch encodes them with `model_dir`'s
+    tokenizer: its SentencePiece pieces + EOS (after a multilingual model's source language token), a
+    line over the model's source limit cut to it. Blank lines are left out (never translated)."""
+    manifest = read_manifest(model_dir, verify=False)
+    tokenizer = tokenizer_from_file(model_dir / SPM_FILE)
+    sources = encode_sources(tokenizer, read_lines(path), manifest.limits.max_src_len, prefix=way.prefix)
+    return [len(ids) for ids in sources.ids if ids]
+
+
+def pieces_summary(counts: list[int]) -> dict[str, float | None]:
+    """Mean, median and 95th percentile (nearest rank) of source pieces per line; None for a file of
+    blank lines."""
+    if not counts:
+        return {"source_pieces_per_line": None, "source_pieces_p50": None, "source_pieces_p95": None}
+    ranked = sorted(counts)
+    return {"source_pieces_per_line": round(statistics.fmean(counts), 2),
+            "source_pieces_p50": float(statistics.median(counts)),
+            "source_pieces_p95": float(ranked[max(0, math.ceil(0.95 * len(ranked)) - 1)])}
+
+
+def run_split(started: float, wall: float, timings: dict[str, Any], concurrent: bool) -> dict[str, float]:
+    """One run's seconds by phase from what the process recorded (PIPELINE_TIMINGS) and the parent's
+    clock when it started the process: `load_s` from that start to the model loaded, and ours' summed
+    `encoder_s` and `decoder_s` (left out when batches ran concurrently: their sums overlap) with the
+    counts of calls. Empty when the process recorded nothing or its clock is not the parent's."""
+    if "loaded_at" not in timings or not 0 <= timings["loaded_at"] - started <= wall:
+        return {}
+    out = {"load_s": timings["loaded_at"] - started}
+    if "encoder_s" in timings and not concurrent:
+        out.update({k: float(timings[k]) for k in ("encoder_s", "decoder_s", "encoder_calls", "decoder_steps")})
+    return out
+
+
+def split(wall_s: float, runs: list[dict[str, float]]) -> dict[str, float | None] | None:
+    """Where the row's wall time went: each measured phase's median over the runs, and `rest_s` the wall time
+    left (reading, tokenizing, search outside the backend's calls, writing, the interpreter's exit; for
+    CTranslate2 and concurrent batches also the encoder and decoder), so the phases add up to `wall_s`;
+    each also as a percentage of it."""
+    measured = [run for run in runs if run]
+    if not measured:
+        return None
+    out: dict[str, float | None] = {}
+    for name in ("load_s", "encoder_s", "decoder_s", "encoder_calls", "decoder_steps"):
+        values = [run[name] for run in measured if name in run]
+        out[name] = statistics.median(values) if values else None
+    out["rest_s"] = wall_s - sum(out[k] or 0.0 for k in ("load_s", "encoder_s", "decoder_s"))
+    for name in ("load", "encoder", "decoder", "rest"):
+        seconds = out[f"{name}_s"]
+        out[f"{name}_pct"] = None if seconds is None or wall_s <= 0 else round(100 * seconds / wall_s, 1)
+        out[f"{name}_s"] = None if seconds is None else round(seconds, 3)
+    for name in ("encoder_calls", "decoder_steps"):
+        out[name] = None if out[name] is None else round(out[name])  # type: ignore[arg-type]
+    return out
 
 
 def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
@@ -210,20 +322,30 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                 return [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], *spms, str(f), str(out), str(threads),
                         str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len),
                         *tokens, str(parallel_batches)]
-            return ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way,
+            ours = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way,
                                 parallel_batches)
+            return [sys.executable, "-c", TIMED_SERVE_BATCH, *ours[3:]]  # `python -m pipeline ...`, timed
 
         env = user_env(Path(tmp))
+        timings = Path(tmp) / "timings.json"
+        pieces = {(d, str(f)): pieces_summary(source_pieces(Path(d), f, way))
+                  for d in {e["model_dir"] for e in engines} for f in files}
         shortest = min(files, key=lambda f: report["files"][str(f)])
         for e in engines:  # untimed: what a user who has run the tool before has (bytecode, page cache)
             run_timed(command(e, shortest), env=env)
         samples: dict[tuple[int, str], list[tuple[float, float | None]]] = {}
         logged: dict[tuple[int, str], list[dict[str, float]]] = {}
+        spans: dict[tuple[int, str], list[dict[str, float]]] = {}
         for r in range(rounds):
             order = engines[r % len(engines):] + engines[:r % len(engines)]  # a different engine first
             for f in files:
                 for e in order:
-                    wall, rss, err = run_timed(command(e, f), env=env)
+                    timings.unlink(missing_ok=True)
+                    started = time.monotonic()
+                    wall, rss, err = run_timed(command(e, f), env={**env, "PIPELINE_TIMINGS": str(timings)})
+                    recorded = json.loads(timings.read_text()) if timings.exists() else {}
+                    spans.setdefault((engines.index(e), str(f)), []).append(
+                        run_split(started, wall, recorded, concurrent=parallel_batches > 1))
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
                     logged.setdefault((engines.index(e), str(f)), []).append(phases(err))
                     log.info("round %d %s %s (%s) %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"],
@@ -235,8 +357,16 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
          "lines": report["files"][f], "wall_s": round(statistics.median(w for w, _ in runs), 3),
          "wall_s_all": [round(w, 3) for w, _ in runs],
          "peak_rss_mb": max((round(m, 1) for _, m in runs if m is not None), default=None),
-         **_median_phases(logged[i, f])}
+         **_median_phases(logged[i, f]),
+         **pieces[engines[i]["model_dir"], f],
+         "split": split(statistics.median(w for w, _ in runs), spans[i, f])}
         for (i, f), runs in samples.items()]
+    report["source_pieces"] = ("SentencePiece pieces + EOS per non-blank line of the file (after a multilingual "
+                               "model's source language token), by the model dir's tokenizer as serve-batch encodes "
+                               "them; CTranslate2's script encodes the same")
+    report["split_measures"] = ("load: process start to the model loaded; encoder, decoder: ours' backend encode and "
+                                "step calls summed (not with parallel batches); rest: the wall time left (reading, "
+                                "tokenizing, search, writing, exit); medians over rounds, adding up to wall_s")
     return report
 
 
@@ -248,6 +378,30 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
+
+
+def _phase(name: str, split: dict[str, Any], key: str) -> str:
+    return f"{name} {split[key + '_s']:.2f} s ({split[key + '_pct']:.0f}%)"
+
+
+def split_line(r: dict[str, Any], several_dirs: bool, several_files: bool) -> str:
+    """One row's source pieces per line and split of its wall time, in a line:
+    `ours fp32: 15.2 source pieces/line (p50 15, p95 27); load 0.41 s (8%), encoder 0.62 s (12%), decoder
+    3.50 s (69%), I/O and the rest 0.55 s (11%)`."""
+    name = ("ours" if r["engine"] == "onnxruntime" else r["engine"]) + " " + r["precision"]
+    name += f" {Path(r['model_dir']).name}" if several_dirs and r["engine"] == "onnxruntime" else ""
+    name += f" {Path(r['file']).name}" if several_files else ""
+    mean = r.get("source_pieces_per_line")
+    line = f"{name}: " + ("no source pieces (blank lines only)" if mean is None else
+                          f"{mean:.1f} source pieces/line (p50 {r['source_pieces_p50']:.0f}, "
+                          f"p95 {r['source_pieces_p95']:.0f})")
+    s = r.get("split")
+    if not s:
+        return line + "; split not recorded"
+    if s.get("encoder_s") is None:
+        return line + f"; {_phase('load', s, 'load')}, {_phase('translating, I/O and the rest', s, 'rest')}"
+    return line + (f"; {_phase('load', s, 'load')}, {_phase('encoder', s, 'encoder')}, "
+                   f"{_phase('decoder', s, 'decoder')}, {_phase('I/O and the rest', s, 'rest')}")
 
 
 def format_whole_process(report: dict[str, Any]) -> str:
@@ -265,6 +419,13 @@ def format_whole_process(report: dict[str, Any]) -> str:
                    if report.get("parallel_batches", 1) > 1 else "")
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
                 + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else ""))
+    if any("split" in r for r in report["results"]):
+        several_dirs, several_files = len(report["model_dirs"]) > 1, len({r["file"] for r in report["results"]}) > 1
+        rows += [split_line(r, several_dirs, several_files) for r in sorted(
+            report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["model_dir"], r["precision"]))]
+        rows.append("source pieces: SentencePiece pieces + EOS per non-blank line; load: process start to the model "
+                    "loaded; encoder, decoder: the backend's calls; the rest: reading, tokenizing, search, writing, "
+                    "exit")
     if any("load_s" in r for r in report["results"]):
         rows.append("load s, decode s: serve-batch's own log (the model dir opened and its sessions created; reading, "
                     "translating, writing); the rest of the wall time is the interpreter's start, imports and exit")

@@ -1,0 +1,106 @@
+"""`pipeline bench --whole-process`: source pieces per line and where each engine's wall time went."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+import pytest
+
+from pipeline.evaluation.whole_process import pieces_summary, run_split, split, split_line
+from tests.helpers import make_parallel, run_cli_captured
+
+OURS_LINE = re.compile(r"^ours fp32: \d+\.\d source pieces/line \(p50 \d+, p95 \d+\); load \d+\.\d\d s \(\d+%\), "
+                       r"encoder \d+\.\d\d s \(\d+%\), decoder \d+\.\d\d s \(\d+%\), "
+                       r"I/O and the rest -?\d+\.\d\d s \(-?\d+%\)$", re.M)
+CT2_LINE = re.compile(r"^ctranslate2 (fp32|int8): \d+\.\d source pieces/line \(p50 \d+, p95 \d+\); "
+                      r"load \d+\.\d\d s \(\d+%\), translating, I/O and the rest \d+\.\d\d s \(\d+%\)$", re.M)
+
+
+def test_split_adds_up_to_the_wall_time():
+    """Medians of each phase over the runs; the rest is what they leave of the row's wall time."""
+    runs = [{"load_s": 0.4, "encoder_s": 0.2, "decoder_s": 1.0, "encoder_calls": 2, "decoder_steps": 30},
+            {"load_s": 0.6, "encoder_s": 0.4, "decoder_s": 1.4, "encoder_calls": 2, "decoder_steps": 30}, {}]
+    s = split(2.5, runs)
+    assert s is not None
+    assert (s["load_s"], s["encoder_s"], s["decoder_s"], s["rest_s"]) == pytest.approx((0.5, 0.3, 1.2, 0.5))
+    assert (s["load_pct"], s["encoder_pct"], s["decoder_pct"], s["rest_pct"]) == (20.0, 12.0, 48.0, 20.0)
+    assert (s["encoder_calls"], s["decoder_steps"]) == (2, 30)
+    ct2 = split(2.0, [{"load_s": 0.5}])  # CTranslate2's script records only when it was loaded
+    assert ct2 is not None and ct2["encoder_s"] is None and ct2["rest_s"] == 1.5 and ct2["rest_pct"] == 75.0
+    assert split(2.0, [{}]) is None
+
+
+def test_a_run_split_needs_the_parents_clock():
+    recorded = {"loaded_at": 100.5, "encoder_s": 0.1, "decoder_s": 0.7, "encoder_calls": 1, "decoder_steps": 9}
+    assert run_split(100.0, 2.0, recorded, concurrent=False) == {
+        "load_s": 0.5, "encoder_s": 0.1, "decoder_s": 0.7, "encoder_calls": 1.0, "decoder_steps": 9.0}
+    assert run_split(100.0, 2.0, recorded, concurrent=True) == {"load_s": 0.5}  # overlapping sums: left out
+    assert run_split(200.0, 2.0, recorded, concurrent=False) == {}  # another clock
+    assert run_split(100.0, 2.0, {}, concurrent=False) == {}
+
+
+def test_pieces_summary_and_the_printed_line():
+    assert pieces_summary([3, 5, 4, 10]) == {"source_pieces_per_line": 5.5, "source_pieces_p50": 4.5,
+                                             "source_pieces_p95": 10.0}
+    assert pieces_summary([])["source_pieces_per_line"] is None
+    row = {"engine": "onnxruntime", "precision": "fp32", "model_dir": "runs/a", "file": "in.de",
+           **pieces_summary([15, 15, 16]), "split": split(5.08, [{"load_s": 0.41, "encoder_s": 0.62,
+                                                                   "decoder_s": 3.5}])}
+    assert split_line(row, False, False) == ("ours fp32: 15.3 source pieces/line (p50 15, p95 16); load 0.41 s (8%), "
+                                             "encoder 0.62 s (12%), decoder 3.50 s (69%), I/O and the rest 0.55 s "
+                                             "(11%)")
+    ct2 = {**row, "engine": "ctranslate2", "precision": "int8", "split": split(2.0, [{"load_s": 0.5}])}
+    assert split_line(ct2, True, True) == ("ctranslate2 int8 in.de: 15.3 source pieces/line (p50 15, p95 16); "
+                                           "load 0.50 s (25%), translating, I/O and the rest 1.50 s (75%)")
+    assert split_line({**row, "split": None}, True, False).startswith("ours fp32 a: 15.3 source pieces/line")
+
+
+@pytest.mark.slow
+def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path, capsys):
+    """One round over a 20-line file (a blank line among them): pieces per line as the model dir's tokenizer
+    counts them (pieces + EOS of the non-blank lines), for every engine; ours' wall time split into load,
+    encoder, decoder and the rest, adding up to it and consistent with serve-batch's own log; CTranslate2's
+    (where installed) into load and the rest; one line per engine saying so."""
+    from runtime.tokenizer import tokenizer_from_file
+
+    lines = make_parallel(19)[0]
+    lines.insert(7, "")
+    src = tmp_path / "in.txt"
+    src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    tokenizer = tokenizer_from_file(fp32_dir / "spm.model")
+    counts = [len(tokenizer.encode_source([line])[0]) for line in lines if line.strip()]
+    try:
+        import ctranslate2  # noqa: F401
+        compare = ["--compare", "ctranslate2", "--min-agreement", "0"]  # random weights: near-ties may differ
+    except ImportError:
+        compare = []
+    out = tmp_path / "whole.json"
+    code, stdout, err = run_cli_captured(capsys, "bench", fp32_dir, "--whole-process", src, "--rounds", "1",
+                                         "--threads", "1", "--beam-size", "2", *compare, "--json", out)
+    assert code == 0, stdout + err
+    report = json.loads(out.read_text())
+    rows = {r["engine"] + " " + r["precision"]: r for r in report["results"]}
+    assert set(rows) == {"onnxruntime fp32", *(["ctranslate2 fp32", "ctranslate2 int8"] if compare else [])}
+    assert "pieces + EOS" in report["source_pieces"] and "wall_s" in report["split_measures"]
+    for r in rows.values():
+        assert r["source_pieces_per_line"] == pytest.approx(statistics.fmean(counts), abs=0.005)
+        assert r["source_pieces_p50"] == statistics.median(counts)
+        assert r["source_pieces_p95"] in counts
+        s = r["split"]
+        assert s["load_s"] > 0 and s["rest_s"] >= 0
+        assert s["load_s"] + (s["encoder_s"] or 0) + (s["decoder_s"] or 0) + s["rest_s"] == pytest.approx(
+            r["wall_s"], abs=0.005)
+        assert s["load_pct"] + (s["encoder_pct"] or 0) + (s["decoder_pct"] or 0) + s["rest_pct"] == pytest.approx(
+            100, abs=0.3)
+    ours = rows["onnxruntime fp32"]["split"]
+    assert ours["encoder_s"] > 0 and ours["decoder_s"] > 0
+    assert 1 <= ours["encoder_calls"] <= ours["decoder_steps"]
+    # consistent with serve-batch's log: loading is within start-to-loaded, encoder and decoder within translating
+    assert ours["load_s"] >= rows["onnxruntime fp32"]["load_s"]
+    assert ours["encoder_s"] + ours["decoder_s"] <= rows["onnxruntime fp32"]["translate_s"] + 0.01
+    assert len(OURS_LINE.findall(stdout)) == 1, stdout
+    if compare:
+        assert all(rows[k]["split"]["encoder_s"] is None for k in ("ctranslate2 fp32", "ctranslate2 int8"))
+        assert len(CT2_LINE.findall(stdout)) == 2, stdout
