@@ -15,15 +15,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, assert_one_line_error, dead_pid, hidden, run_cli_captured, write_lines
 
-from model.errors import UserError
-from pipeline.integrations import Translator
-from pipeline.integrations.shards import RECORD, ShardWriter, job_record, plan
-from pipeline.serve_batch.files import ServeStats, serve_files
-from pipeline.serve_batch.translation import ServeBatchOptions
-from runtime.decoding import PAPER
-from runtime.model_dir import LoadOptions, load
+pytest.importorskip("pyarrow", reason="pyarrow is not installed (the ray extra)")
+from helpers import ROOT, assert_one_line_error, dead_pid, hidden, run_cli_captured, write_lines  # noqa: E402
+
+from model.errors import UserError  # noqa: E402
+from pipeline.integrations import Translator  # noqa: E402
+from pipeline.integrations.shards import RECORD, ShardWriter, job_record, plan  # noqa: E402
+from pipeline.serve_batch.files import ServeStats, serve_files  # noqa: E402
+from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
+from runtime.decoding import PAPER  # noqa: E402
+from runtime.model_dir import LoadOptions, load  # noqa: E402
 
 
 def corpus_lines(n: int, seed: int = 3) -> list[str]:
