@@ -1,7 +1,7 @@
 """`pipeline import FORMAT DIR --out CHECKPOINT`: a model trained elsewhere, as one of our checkpoints.
 
-One subcommand per format family (pipeline/importers): `marian` for OPUS-MT / MarianMTModel
-directories, `m2m100` for M2M-100. Another family is one more mapping module and subcommand."""
+One subcommand per format family (pipeline/importers/registry.py): `marian` for OPUS-MT / MarianMTModel
+directories, `m2m100` (and `nllb`) for M2M-100 and NLLB-200; each runs the one import_checkpoint."""
 
 from __future__ import annotations
 
@@ -30,6 +30,25 @@ def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str
             f"vocabulary {cfg['vocab_size']}, {extra}; decoding defaults {json.dumps(summary['decoding'])}")
 
 
+def _run(hf_dir: Path, out: Path, force: bool, command: str | None) -> None:
+    """Import HF_DIR (a hub id resolved through the Hugging Face cache) as the family `command` names (None: the
+    one config.json's model_type names), and say what was imported in one line."""
+    from pipeline.importers.convert import import_checkpoint
+    from pipeline.importers.hub_cache import resolve_model_dir
+    from pipeline.importers.registry import COMMANDS, family
+
+    check_output_file(out, "--out")
+    summary = import_checkpoint(resolve_model_dir(hf_dir), out, force=force,
+                                family=None if command is None else family(COMMANDS[command]))
+    langs = summary.get("languages")
+    if langs:
+        shown = ", ".join(langs[:12]) + (", ..." if len(langs) > 12 else "")
+        detail = f"{len(langs)} languages ({shown})"
+    else:
+        detail = f"activation {summary['config']['activation']}"
+    click.echo(_summary(out, summary["family"], summary, detail))
+
+
 @click.group("import")
 def import_group() -> None:
     """Import a model trained elsewhere as a checkpoint that export, serve-batch, serve, parity and
@@ -51,12 +70,7 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
     search rules become the model dir's decoding defaults; options given on the command line win.
     `pipeline parity models/de-en --reference transformers --src FILE` checks the translations
     token for token against transformers' own generate."""
-    from pipeline.importers.hub_cache import resolve_model_dir
-    from pipeline.importers.marian import import_marian
-
-    check_output_file(out, "--out")
-    summary = import_marian(resolve_model_dir(hf_dir), out, force=force)
-    click.echo(_summary(out, "Marian", summary, f"activation {summary['config']['activation']}"))
+    _run(hf_dir, out, force, "marian")
 
 
 @import_group.command("m2m100")
@@ -75,14 +89,7 @@ def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
     Every language the tokenizer lists is served: a source starts with its language's token, the
     target's is forced as the first generated one. generate's defaults (num_beams, max_length,
     early_stopping) become the model dir's decoding defaults; options given on the command line win."""
-    from pipeline.importers.hub_cache import resolve_model_dir
-    from pipeline.importers.m2m100 import import_m2m100
-
-    check_output_file(out, "--out")
-    summary = import_m2m100(resolve_model_dir(hf_dir), out, force=force)
-    langs = summary["languages"]
-    shown = ", ".join(langs[:12]) + (", ..." if len(langs) > 12 else "")
-    click.echo(_summary(out, summary["family"], summary, f"{len(langs)} languages ({shown})"))
+    _run(hf_dir, out, force, "m2m100")
 
 
 import_group.add_command(m2m100, name="nllb")  # NLLB-200: M2M-100's architecture with its own tokenizer

@@ -250,6 +250,18 @@ def weight_infos(path: Path) -> dict[str, TensorInfo]:
         raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
 
 
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The weights file's tensors (once its header, weight_infos, has been checked)."""
+    if path.suffix != ".safetensors":
+        return load_pickle(path)
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as e:  # changed since its header was read
+        raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
+
+
 # -- SentencePiece models: a model, and the one the vocabulary was made from ------------------------
 
 

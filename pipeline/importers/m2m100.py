@@ -1,6 +1,8 @@
-"""`pipeline import m2m100 HF_DIR --out CHECKPOINT`: an M2M-100 model (facebook/m2m100_*), as transformers'
-`M2M100ForConditionalGeneration.save_pretrained` and `M2M100Tokenizer.save_pretrained` write it, into one of
-our checkpoints: one model for many language pairs. Reads local files only.
+"""The M2M-100 family and its NLLB variant (`model_type: m2m_100`; `pipeline import [m2m100|nllb] HF_DIR --out
+CHECKPOINT`): an M2M-100 model (facebook/m2m100_*), as transformers' `M2M100ForConditionalGeneration.save_pretrained`
+and `M2M100Tokenizer.save_pretrained` write it, into one of our checkpoints: one model for many language pairs.
+Reads local files only; the steps are every family's (pipeline/importers/convert.py), this module says what
+M2M-100's and NLLB's are.
 
 M2M-100 (transformers/models/m2m_100/modeling_m2m_100.py) is the paper's Transformer with one shared
 embedding, like ours; what it differs in is data of the checkpoint (model.config.ModelConfig), never a
@@ -26,38 +28,22 @@ tokens), and its pieces are cut by the sentencepiece.bpe.model the hub's directo
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 import re
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import save_checkpoint
 from model.config import ConfigError, ModelConfig
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
-from pipeline.importers.hf_files import (
-    HFFiles,
-    ImportRefused,
-    check_sentencepiece,
-    flag,
-    show,
-    token_id,
-    weight_infos,
-)
-from pipeline.importers.hf_generation import generation
-from pipeline.importers.hf_layout import checked_files, directory, provenance
-from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
-from pipeline.textio import refuse_overwriting_inputs
+from pipeline.importers.convert import import_checkpoint
+from pipeline.importers.family import Family, Tokenized
+from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
 from runtime.tokenizer import TokenizerError, VocabTokenizer
-
-log = logging.getLogger(__name__)
 
 CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
 TOKENIZER_CONFIG, GENERATION, TOKENIZER_JSON = "tokenizer_config.json", "generation_config.json", "tokenizer.json"
 NLLB_CODE = re.compile(r"[a-z]{3}_[A-Z][a-z]{3}")  # eng_Latn: NLLB's language tokens are their codes
 MADEUP = "madeupword{:04d}"  # fairseq's names of the ids that only pad the embedding
 WHAT = "an M2M100ForConditionalGeneration.save_pretrained directory (M2M-100 or NLLB)"
-READS = (CONFIG, VOCAB, TOKENIZER_JSON, SPM, GENERATION, TOKENIZER_CONFIG)  # every file either family reads
 
 
 def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
@@ -187,34 +173,23 @@ def _m2m100_vocabulary(files: HFFiles, tok_config: dict[str, Any], path: Path
     return full, languages
 
 
-def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
-    """Write `out`, one of our checkpoints, from a local M2M-100 directory; returns a summary. Every check
-    that can fail runs before the model is built: a hostile config.json allocates nothing."""
-    hf_dir, out = Path(hf_dir), Path(out)
-    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
-    if out.exists() and not force:
-        raise ImportRefused(f"{out}: exists; pass --force to replace it")
-    files = directory(hf_dir, WHAT, READS)  # every file either family reads resolves inside, before any read
-    nllb = is_nllb(files)
-    weights = checked_files(files, WHAT, (CONFIG, TOKENIZER_JSON if nllb else VOCAB, SPM),
-                            (GENERATION, TOKENIZER_CONFIG))
-    config = files.json(CONFIG)
-    cfg = model_config(config, hf_dir / CONFIG)
-    # the sizes against the weights' header, before the tokenizer builds anything of vocab_size
-    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
-    defaults, suppress = generation(files, config, cfg)
+def _tokenized(files: HFFiles, cfg: ModelConfig) -> Tokenized:
+    """The tokenizer, and its languages as the model's (ModelConfig.languages)."""
     tok, languages = tokenizer(files, cfg)
-    try:
-        cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress, languages=tuple(languages))
-    except ConfigError as e:
-        raise ImportRefused(f"{hf_dir / CONFIG}: {e}") from None
-    mapped = map_weights(read_weights(weights), cfg, weights)
-    if bool(mapped.pop("logits_bias").any()):
-        raise ImportRefused(f"{weights}: final_logits_bias is not zero; M2M-100 has no logits bias")
-    model = build(cfg, mapped, "M2M-100")
-    extra = {"decoding": defaults, "imported": provenance(hf_dir, "nllb" if nllb else "m2m100")}
-    sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
-    log.info("imported %s: %d parameters, vocabulary %d, %d languages, decoding defaults %s -> %s", hf_dir,
-             sum(p.numel() for p in model.parameters()), cfg.vocab_size, len(languages), defaults, out)
-    return {"checkpoint": str(out), "sha256": sha, "config": cfg.to_dict(), "decoding": defaults,
-            "languages": [code for code, _ in languages], "family": "NLLB" if nllb else "M2M-100"}
+    return Tokenized(tok, config={"languages": tuple(languages)})
+
+
+NLLB = Family(
+    model_type="m2m_100", name="NLLB", format="nllb", what=WHAT, required=(CONFIG, TOKENIZER_JSON, SPM),
+    optional=(GENERATION, TOKENIZER_CONFIG), model_config=model_config, tokenizer=_tokenized, logits_bias=False,
+    detect=is_nllb)
+M2M100 = Family(
+    model_type="m2m_100", name="M2M-100", format="m2m100", what=WHAT, required=(CONFIG, VOCAB, SPM),
+    optional=(GENERATION, TOKENIZER_CONFIG), model_config=model_config, tokenizer=_tokenized, logits_bias=False,
+    variants=(NLLB,))
+
+
+def import_m2m100(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
+    """`pipeline import m2m100` (and `nllb`): import_checkpoint with the M2M-100 family, NLLB's tokenizer when the
+    directory holds it."""
+    return import_checkpoint(hf_dir, out, force, family=M2M100)

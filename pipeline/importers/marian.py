@@ -1,6 +1,7 @@
-"""`pipeline import marian HF_DIR --out CHECKPOINT`: an OPUS-MT / Marian model, as transformers'
-`MarianMTModel.save_pretrained` and `MarianTokenizer.save_pretrained` write it, into one of our
-checkpoints, which every other command then takes as it is. Reads local files only.
+"""The Marian family (`model_type: marian`; `pipeline import [marian] HF_DIR --out CHECKPOINT`): an OPUS-MT /
+Marian model, as transformers' `MarianMTModel.save_pretrained` and `MarianTokenizer.save_pretrained` write it,
+into one of our checkpoints, which every other command then takes as it is. Reads local files only; the
+steps are every family's (pipeline/importers/convert.py), this module says what Marian's are.
 
 Marian (transformers/models/marian/modeling_marian.py) is the paper's post-LN Transformer with one
 embedding shared by encoder, decoder and output projection, as ours is. What it differs in becomes
@@ -21,28 +22,16 @@ special case in the serving code:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
-from model.checkpoint import save_checkpoint
 from model.config import ConfigError, ModelConfig
-from model.transformer import Transformer
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
-from pipeline.importers.hf_files import (
-    HFFiles,
-    ImportRefused,
-    check_sentencepiece,
-    flag,
-    show,
-    token_id,
-    weight_infos,
-)
-from pipeline.importers.hf_generation import GENERATION_NAMES, generation  # noqa: F401 (GENERATION_NAMES: re-export)
-from pipeline.importers.hf_layout import checked_files, directory, provenance
-from pipeline.importers.marian_weights import build, check_weights, map_weights, read_weights
-from pipeline.textio import refuse_overwriting_inputs
+from pipeline.importers.convert import import_checkpoint
+from pipeline.importers.family import Family, Tokenized
+from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
+from pipeline.importers.hf_generation import GENERATION_NAMES  # noqa: F401 (re-export)
 from runtime.languages import LANG_CODE
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
@@ -52,20 +41,6 @@ CONFIG, GENERATION, VOCAB = "config.json", "generation_config.json", "vocab.json
 SOURCE_SPM, TARGET_SPM, TOKENIZER_CONFIG = "source.spm", "target.spm", "tokenizer_config.json"
 
 MarianImportError = ImportRefused  # a directory that is not a Marian model this importer can map
-
-
-WHAT = "a MarianMTModel.save_pretrained directory"
-REQUIRED, OPTIONAL = (CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB), (GENERATION, TOKENIZER_CONFIG)
-
-
-def _files(hf_dir: Path) -> tuple[HFFiles, Path]:
-    """The directory's reads and its weights file; every file the import needs is there, inside the directory
-    (else an error naming it), checked before any is read."""
-    files = directory(hf_dir, WHAT, REQUIRED + OPTIONAL)
-    return files, checked_files(files, WHAT, REQUIRED, OPTIONAL)
-
-
-# -- config.json, generation_config.json, the tokenizer ---------------------------------------------
 
 
 def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
@@ -138,39 +113,21 @@ def language_pair(files: HFFiles) -> dict[str, str] | None:
     return None
 
 
-# -- the weights: checked on the file's header, read only once they fit config.json ----------------
+def _tokenized(files: HFFiles, cfg: ModelConfig) -> Tokenized:
+    """The tokenizer, and the language pair (served under LibreTranslate's API by these codes, whatever the
+    model dir's name) as the checkpoint's extra.languages."""
+    tok = tokenizer(files, cfg)
+    pair = language_pair(files)
+    return Tokenized(tok, extra={} if pair is None else {"languages": pair})
+
+
+MARIAN = Family(
+    model_type="marian", name="Marian", format="marian", what="a MarianMTModel.save_pretrained directory",
+    required=(CONFIG, SOURCE_SPM, TARGET_SPM, VOCAB), optional=(GENERATION, TOKENIZER_CONFIG),
+    model_config=model_config, tokenizer=_tokenized, logits_bias=True)
+
 
 
 def import_marian(hf_dir: Path, out: Path, force: bool = False) -> dict[str, Any]:
-    """Write `out`, one of our checkpoints, from a local Marian directory; returns a summary. Every
-    check that can fail runs before the model is built: a hostile config.json allocates nothing."""
-    hf_dir, out = Path(hf_dir), Path(out)
-    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
-    if out.exists() and not force:
-        raise MarianImportError(f"{out}: exists; pass --force to replace it")
-    files, weights = _files(hf_dir)
-    config = files.json(CONFIG)
-    cfg = model_config(config, hf_dir / CONFIG)
-    defaults, suppress = generation(files, config, cfg)
-    tok = tokenizer(files, cfg)  # builds nothing of config.json's sizes: vocab.json's size is bounded
-    cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress)
-    check_weights(weight_infos(weights), cfg, weights, hf_dir / CONFIG)
-    mapped = map_weights(read_weights(weights), cfg, weights)
-    model = build(cfg, mapped, "Marian")
-    if not bool(mapped["logits_bias"].any()):  # all zeros: no bias to add at every step
-        model = _without_logits_bias(model)
-    extra = {"decoding": defaults, "imported": provenance(hf_dir, "marian")}
-    pair = language_pair(files)
-    if pair is not None:  # served under LibreTranslate's API by these codes, whatever the model dir's name
-        extra["languages"] = pair
-    sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
-    log.info("imported %s: %d parameters, vocabulary %d, decoding defaults %s -> %s", hf_dir,
-             sum(p.numel() for p in model.parameters()), cfg.vocab_size, defaults, out)
-    return {"checkpoint": str(out), "sha256": sha, "config": cfg.to_dict(), "decoding": defaults}
-
-
-def _without_logits_bias(model: Transformer) -> Transformer:
-    slim = Transformer(dataclasses.replace(model.cfg, logits_bias=False))
-    state = {k: v for k, v in model.state_dict().items() if k != "logits_bias"}
-    slim.load_state_dict(state)
-    return slim
+    """`pipeline import marian`: import_checkpoint with the Marian family."""
+    return import_checkpoint(hf_dir, out, force, family=MARIAN)

@@ -1,6 +1,6 @@
 """BART-family tensors (Marian, M2M-100, NLLB) in our model: their names mapped to ours, checked against
 config.json on the weights file's header before anything is read, then read and placed
-(pipeline/importers/marian.py and m2m100.py run them). The families share their per-layer names; a
+(every family's default: pipeline/importers/family.py). The families share their per-layer names; a
 pre-LN model (ModelConfig.pre_norm) adds one final LayerNorm per stack, and its LayerNorms sit before the
 sublayers, where our Residual blocks apply them too."""
 
@@ -14,7 +14,7 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer, sinusoidal_positions
 from pipeline.importers.hf_files import ImportRefused as MarianImportError
-from pipeline.importers.hf_files import TensorInfo, load_pickle, one_line
+from pipeline.importers.hf_files import TensorInfo
 
 # Marian's per-layer module names -> ours (post-LN residual blocks hold our LayerNorms).
 ENCODER_LAYER = {
@@ -55,20 +55,6 @@ def layer_name(marian_name: str) -> str | None:
     side, index, module, leaf = parts
     table = ENCODER_LAYER if side == "encoder" else DECODER_LAYER
     return f"{side}.{index}.{table[module]}.{leaf}" if module in table else None
-
-
-# -- the directory: what the import reads must lie inside it ----------------------------------------
-
-
-def read_weights(path: Path) -> dict[str, torch.Tensor]:
-    if path.suffix != ".safetensors":
-        return load_pickle(path)
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as e:  # changed since its header was read
-        raise MarianImportError(f"{path}: unreadable weights ({one_line(e)})") from None
 
 
 def marian_shape(name: str, cfg: ModelConfig) -> tuple[tuple[int, ...], str] | None:

@@ -1,0 +1,105 @@
+"""The input side of every import: a transformers `save_pretrained` directory, opened once (`HfDir.open`).
+
+What it gives the import (pipeline/importers/convert.py) is read once and typed: each JSON file parsed once
+(HFFiles), the weights' header (every tensor's shape and dtype, before anything of the model's size is
+allocated), the weights themselves, and the record of what was imported (every file's SHA-256). Every file
+it reads must resolve inside the directory, checked for all of a family's files before any of them is
+opened; a link out of it is refused, never followed."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.importers.hf_files import (
+    HFFiles,
+    ImportRefused,
+    TensorInfo,
+    allowed_roots,
+    digest,
+    inside,
+    read_weights,
+    weight_infos,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+
+
+class HfDir(HFFiles):
+    """One import's view of a save_pretrained directory (see the module's docstring)."""
+
+    def __init__(self, hf_dir: Path):
+        super().__init__(hf_dir)
+        self._weights: Path | None = None
+        self._header: dict[str, TensorInfo] | None = None
+
+    @classmethod
+    def open(cls, hf_dir: Path, what: str) -> HfDir:
+        """The reads of `hf_dir`, once it is a directory whose config.json and weights resolve inside it (checked
+        before any file is opened); else one line naming the file. `what` names the kind of directory expected."""
+        hf_dir = Path(hf_dir)
+        if not hf_dir.is_dir():
+            raise ImportRefused(f"{hf_dir}: no such directory ({what})")
+        opened = cls(hf_dir)
+        opened.inside((CONFIG,))
+        return opened
+
+    def inside(self, names: tuple[str, ...]) -> None:
+        """Every file of `names` and the weights that the directory holds resolve inside it (nothing is opened)."""
+        for name in (*names, *WEIGHTS):
+            self.path(name)
+
+    def require(self, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Path:
+        """The weights file, once every `required` file is there and every file the import may read lies inside
+        the directory; else one line naming the file. `what` names the kind of directory expected."""
+        self.inside((*required, *optional))
+        for name in required:
+            if not (self.dir / name).is_file():
+                raise ImportRefused(f"{self.dir / name}: missing; {what} holds {', '.join(required)} and "
+                                    f"{' or '.join(WEIGHTS)}")
+        for name in WEIGHTS:
+            if (self.dir / name).is_file():
+                self._weights = self.dir / name
+                return self._weights
+        raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]})")
+
+    def config(self) -> dict[str, Any]:
+        """config.json (read once, like every JSON file); one line when it is missing."""
+        if not self.has(CONFIG):
+            raise ImportRefused(f"{self.dir / CONFIG}: missing; a save_pretrained directory holds it (its "
+                                "model_type names the model's family)")
+        return self.json(CONFIG)
+
+    @property
+    def weights(self) -> Path:
+        if self._weights is None:
+            raise RuntimeError("HfDir.require names the weights file first")
+        return self._weights
+
+    def header(self) -> dict[str, TensorInfo]:
+        """Each tensor's shape and dtype, from the weights file's header, without reading any weight."""
+        if self._header is None:
+            self._header = weight_infos(self.weights)
+        return self._header
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The weights (once the header has been checked against config.json)."""
+        return read_weights(self.weights)
+
+    def provenance(self, family: str) -> dict[str, Any]:
+        """Every file of the directory with its SHA-256; a file linking outside it is neither read nor hashed,
+        but named (a counted warning, and `skipped` in the record)."""
+        roots = allowed_roots(self.dir)
+        files = sorted(p for p in self.dir.iterdir() if p.is_file())
+        skipped = [p.name for p in files if not inside(p, roots)]
+        if skipped:
+            log.warning("%s: skipped %d file%s linking outside the directory (not read, not hashed): %s", self.dir,
+                        len(skipped), "" if len(skipped) == 1 else "s", ", ".join(skipped))
+        return {"format": family, "directory": str(self.dir.resolve()),
+                "files": {p.name: digest(p) for p in files if p.name not in skipped}, "skipped": skipped}
