@@ -81,3 +81,14 @@ def test_a_broken_ref_is_one_line(cache, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli_captured(capsys, "import", "m2m100", "x/y", "--out", "m.pt")
     assert code == 2 and "refs/main: names revision" in err and "download x/y again" in err
+
+
+@pytest.mark.parametrize("given", ["Helsinki-NLP/opus-mt-src-tgt", "models--Helsinki-NLP--opus-mt-src-tgt"])
+def test_a_hub_id_imports_without_the_family_named(cache, tmp_path, monkeypatch, capsys, given):
+    """`pipeline import ORG/NAME` (no family): the cached snapshot's config.json names it."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    path = given if "/" in given else cache / given
+    code, out, err = run_cli_captured(capsys, "import", path, "--out", tmp_path / "m.pt")
+    assert code == 0, err
+    assert (tmp_path / "m.pt").is_file() and "Marian model" in out

@@ -1,7 +1,8 @@
-"""`pipeline import FORMAT DIR --out CHECKPOINT`: a model trained elsewhere, as one of our checkpoints.
+"""`pipeline import DIR --out CHECKPOINT`: a model trained elsewhere, as one of our checkpoints.
 
-One subcommand per format family (pipeline/importers/registry.py): `marian` for OPUS-MT / MarianMTModel
-directories, `m2m100` (and `nllb`) for M2M-100 and NLLB-200; each runs the one import_checkpoint."""
+The family is the one config.json's model_type names (pipeline/importers/registry.py); `pipeline import
+marian|m2m100|nllb DIR` name it instead, as before the registry. Another family is one module and one registry
+entry (docs/import.md), and needs nothing here."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str
             f"vocabulary {cfg['vocab_size']}, {extra}; decoding defaults {json.dumps(summary['decoding'])}")
 
 
+class _ImportGroup(click.Group):
+    """`pipeline import DIR` runs `auto`: a first argument that is not a command's name is the directory."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            args = ["auto", *args]
+        return super().parse_args(ctx, args)
+
+
 def _run(hf_dir: Path, out: Path, force: bool, command: str | None) -> None:
     """Import HF_DIR (a hub id resolved through the Hugging Face cache) as the family `command` names (None: the
     one config.json's model_type names), and say what was imported in one line."""
@@ -49,10 +59,28 @@ def _run(hf_dir: Path, out: Path, force: bool, command: str | None) -> None:
     click.echo(_summary(out, summary["family"], summary, detail))
 
 
-@click.group("import")
+@click.group("import", cls=_ImportGroup, subcommand_metavar="[COMMAND] HF_DIR|HUB_ID --out CHECKPOINT [--force]")
 def import_group() -> None:
     """Import a model trained elsewhere as a checkpoint that export, serve-batch, serve, parity and
-    bench take as they take ours."""
+    bench take as they take ours.
+
+        pipeline import HF_DIR|HUB_ID --out CHECKPOINT
+
+    imports the family that config.json's model_type names (marian: OPUS-MT; m2m_100: M2M-100, or NLLB
+    by its tokenizer); `pipeline import marian|m2m100|nllb HF_DIR ...` names it instead. A hub id is read
+    from the Hugging Face cache; nothing is downloaded."""
+
+
+@import_group.command("auto")
+@_import_arguments
+def auto(hf_dir: Path, out: Path, force: bool) -> None:
+    """Import HF_DIR as the family its config.json's model_type names (`pipeline import HF_DIR` runs this):
+    marian (OPUS-MT), m2m_100 (M2M-100, or NLLB-200 by its tokenizer). An unknown model_type is one line
+    naming it and the families known. Never touches the network.
+
+        pipeline import opus-mt-de-en --out de-en.pt
+        pipeline import facebook/nllb-200-distilled-600M --out nllb.pt   (a hub id: the cached snapshot)"""
+    _run(hf_dir, out, force, None)
 
 
 @import_group.command("marian")
