@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ def export_model(checkpoint: Path | str, out: Path | str, **options: Any) -> Man
     model within int8_atol (default: verify.INT8_ATOL for qdq, INT8_ACTIVATIONS_ATOL for the
     flavours with int8 activations); the manifest's precision is "int8" and its "quantization" the
     flavour: "qdq" (TensorRT-parseable), "rowwise" or "ort-dynamic" (ONNX Runtime on CPU
-    only: no engines); "auto" is qdq when TensorRT engines are built, rowwise otherwise.
+    only: no engines); "auto" is qdq when TensorRT engines are built, rowwise otherwise. Rowwise measures static
+    activation scales on `calibration` (export.options.Calibration, or a list of lines), else on the sources
+    of `references`; per-row dynamic scales without either, or with no_int8_calibrate=True.
 
     references: (sources, human references) of a held-out set; the fp32 PyTorch model's
     translations of them are recorded in the model dir (runtime/references.py), so `pipeline
@@ -86,10 +89,13 @@ def export_model(checkpoint: Path | str, out: Path | str, **options: Any) -> Man
     return export(checkpoint, ExportOptions(out=Path(out), **options))
 
 
-def export(checkpoint: Path | str, options: ExportOptions) -> Manifest:
-    """The plan of this export, carried out; returns the manifest written."""
+def export(checkpoint: Path | str, options: ExportOptions, say: Callable[[str], object] = log.info) -> Manifest:
+    """The plan of this export, carried out; returns the manifest written. `say` gets the lines a user reads
+    before the work starts (rowwise int8: which activation scales, and why)."""
     started = time.perf_counter()
     plan = resolve(Path(checkpoint), options)
+    if plan.activation_scales is not None:
+        say(plan.activation_scales)
     manifest = carry_out(plan)
     log.info("export finished in %.1f s: %s", time.perf_counter() - started, plan.out)
     return manifest
@@ -125,6 +131,8 @@ def write_model_dir(plan: ExportPlan, tmp: Path) -> Manifest:
     ranges = _calibrate(plan)
     graphs, static_scales = _write_graphs(plan, graph_model, tmp, ranges)
     verification = _verify(plan, graph_model, tmp)
+    if plan.activation_scales is not None:  # rowwise: static or per row, and why
+        verification["int8_activation_scales"] = _scales_record(plan)
     if static_scales is not None:  # which layers run with calibrated constant scales
         verification["int8_static_scales"] = static_scales
     engines, skipped = _engines(plan, tmp)
@@ -150,14 +158,25 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
+def _scales_record(plan: ExportPlan) -> dict[str, Any]:
+    """The manifest's record of rowwise int8's activation scales: static (calibrated on what, chosen how) or per
+    row, with the line the export printed."""
+    c = plan.calibration
+    if c is None:
+        return {"kind": "per-row", "note": plan.activation_scales}
+    return {"kind": "static", "calibrated_on": c.origin, "lines": len(c.lines),
+            "chosen": "default" if c.default else "given", "note": plan.activation_scales}
+
+
 def _calibrate(plan: ExportPlan) -> RangeTable | None:
-    """--int8-calibrate: each linear layer's input range over the fp32 model's decoding of the lines."""
-    if plan.options.calibration is None:
+    """Each linear layer's input range over the fp32 model's decoding of the calibration lines (--int8-calibrate's,
+    else the held-out set's), when the plan has any."""
+    if plan.calibration is None:
         return None
     assert plan.tokenizer is not None  # resolve builds it for the calibration lines
     started = time.perf_counter()
-    lines = plan.options.calibration
-    sources = encode_sources(plan.tokenizer, lines, plan.limits.max_src_len, origin="--int8-calibrate").ids
+    lines = plan.calibration.lines
+    sources = encode_sources(plan.tokenizer, lines, plan.limits.max_src_len, origin=plan.calibration.origin).ids
     ranges = calibrate.activation_ranges(plan.model, sources, plan.limits.max_tgt_len, plan.options.topk)
     log.info("calibrated %d activation ranges on %d lines in %.1f s", len(ranges), len(lines),
              time.perf_counter() - started)
@@ -178,7 +197,7 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
         for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
             counts = rowwise.quantize_flavour(int8, tmp / name, ranges)
             if ranges is not None and counts is not None:
-                static = static or {"calibration_lines": len(plan.options.calibration or [])}
+                static = static or {"calibration_lines": len(plan.calibration.lines if plan.calibration else [])}
                 static[name] = {"static": counts[0], "per_row": counts[1]}
                 log.info("%s: %d linear layers with static activation scales, %d per row", name, *counts)
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):

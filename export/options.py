@@ -26,6 +26,17 @@ READ_BY_THE_CALLER = ("reference_src", "reference_tgt", "reference_lines", "shor
                       "shortlist_per_source", "shortlist_frequent")
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """Source sentences that rowwise int8 measures its static activation scales on (export/calibrate.py)."""
+
+    lines: list[str]  # at most CALIBRATION_LINES, none blank
+    origin: str  # where they come from (a file name), for the export's one line and the manifest
+    # taken by default (the held-out set's sources) rather than asked for with --int8-calibrate: another int8
+    # flavour then skips them without an error, and the one line says how to choose others or opt out
+    default: bool = False
+
+
 def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
     """A field that is also a command-line option: the metadata pipeline.cli_options.opt writes (export
     cannot import pipeline, tests/test_layout.py)."""
@@ -56,7 +67,11 @@ class ExportOptions:
                                       f"{CALIBRATION_LINES} read) that the fp32 model decodes to measure each "
                                       "linear layer's input range, stored as constant activation scales: one "
                                       "QuantizeLinear per layer instead of a per-row quantization (docs/int8.md). "
-                                      "Gate the result with `pipeline parity`.", exists=True)
+                                      "Default: the held-out set's sources (--reference-src, else the checkpoint's "
+                                      "save dir validation set); per-row scales when there is none. Gate the "
+                                      "result with `pipeline parity`.", exists=True)
+    no_int8_calibrate: bool = opt(False, "With rowwise int8: per-row dynamic activation scales, calibrated on "
+                                  "nothing (the form before static scales were the default).")
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
     topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
     max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).")
@@ -104,5 +119,5 @@ class ExportOptions:
     # What the files above hold, read by the caller (no command-line option of their own):
     # (sources, human references) of a held-out set, and the corpus to count a shortlist from.
     references: tuple[list[str], list[str]] | None = None
-    calibration: list[str] | None = None  # --int8-calibrate's lines
+    calibration: Calibration | list[str] | None = None  # --int8-calibrate's lines, else the held-out set's
     shortlist: ShortlistCorpus | None = None

@@ -16,7 +16,7 @@ from typing import Any
 
 from export import onnx_export, quantize, tensorrt_build, verify
 from export.errors import ExportError, TensorRTUnavailable
-from export.options import DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, ExportOptions
+from export.options import CALIBRATION_LINES, DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, Calibration, ExportOptions
 from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
 from model.checkpoint import load_model, resolve_checkpoint
@@ -51,6 +51,8 @@ class ExportPlan:
     steps: list[int]  # the training steps the weights come from
     counted: tuple[Shortlist, int] | None  # the shortlist's table and its sentence pairs
     language_pair: Languages | None = None  # a model of one pair: its codes, when known
+    calibration: Calibration | None = None  # rowwise int8's static activation scales are measured on these
+    activation_scales: str | None = None  # rowwise int8: the one line saying which scales, and why
 
     @property
     def out(self) -> Path:
@@ -98,16 +100,15 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
         counted = count_table(options.shortlist, tokenizer, model.cfg, options.topk)
     unavailable = _tensorrt_unavailable(tensorrt)
     flavour = _int8_flavour(options, tensorrt, unavailable)
-    if options.int8_calibrate is not None and flavour != quantize.ROWWISE:
-        raise ExportError(f"--int8-calibrate measures static activation scales for --int8 --int8-flavour rowwise; "
-                          f"this export's int8 flavour is {flavour or 'none (no --int8)'}")
+    calibration, scales = activation_scales(options, flavour)
     if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs
         tensorrt = False
     return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,
                       tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
                       tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
                       decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted,
-                      language_pair=language_pair(options, payload, model.cfg))
+                      language_pair=language_pair(options, payload, model.cfg), calibration=calibration,
+                      activation_scales=scales)
 
 
 def _check_precision(options: ExportOptions) -> bool | None:
@@ -157,6 +158,38 @@ def _int8_flavour(options: ExportOptions, tensorrt: bool | None, unavailable: st
     log.info("--int8-flavour auto: %s (%s)", flavour,
              "TensorRT engines will be built" if flavour == quantize.QDQ else "no TensorRT engines")
     return flavour
+
+
+NO_SENTENCES = "no held-out sentences to calibrate on: give --int8-calibrate FILE or --reference-src/--reference-tgt"
+
+
+def activation_scales(options: ExportOptions, flavour: str | None) -> tuple[Calibration | None, str | None]:
+    """Rowwise int8's activation scales: the sentences to calibrate static ones on (None: per row at run time)
+    and the one line that says which, and why (None for the other flavours). Static by default: on
+    --int8-calibrate's lines, else the held-out set's (`options.calibration` marked default, or the sources of
+    `options.references`); per row with --no-int8-calibrate or without any sentences."""
+    given = options.calibration
+    if isinstance(given, list):  # export_model(calibration=[...]): lines asked for, like --int8-calibrate's
+        given = Calibration(given, "the calibration lines")
+    asked = options.int8_calibrate is not None or (given is not None and not given.default)
+    if asked and options.no_int8_calibrate:
+        raise ExportError("--int8-calibrate FILE and --no-int8-calibrate contradict each other: give one")
+    if asked and flavour != quantize.ROWWISE:
+        raise ExportError(f"--int8-calibrate measures static activation scales for --int8 --int8-flavour rowwise; "
+                          f"this export's int8 flavour is {flavour or 'none (no --int8)'}")
+    if flavour != quantize.ROWWISE:
+        return None, None  # qdq: fp32 activations; ort-dynamic: ONNX Runtime's own scales
+    if options.no_int8_calibrate:
+        return None, "int8: per-row dynamic activation scales (--no-int8-calibrate)"
+    if given is None and options.references is not None:
+        given = Calibration([x for x in options.references[0] if x.strip()][:CALIBRATION_LINES],
+                            "the held-out set's sources", default=True)
+    if given is None or not given.lines:
+        return None, f"int8: per-row dynamic activation scales ({NO_SENTENCES})"
+    said = f"int8: static activation scales calibrated on {len(given.lines)} lines of {given.origin}"
+    if not given.default:
+        return given, f"{said} (--int8-calibrate)"
+    return given, f"{said} (--int8-calibrate FILE to choose others; --no-int8-calibrate for per-row dynamic scales)"
 
 
 def _int8_atol(options: ExportOptions, flavour: str | None) -> float:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from export import api, tensorrt_build
-from export.options import CALIBRATION_LINES, ExportOptions
+from export.options import CALIBRATION_LINES, Calibration, ExportOptions
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import Manifest
@@ -30,7 +30,7 @@ def export(checkpoint: Path, **values: Any) -> None:
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
     model.pt, spm.model and manifest.json."""
     options = read_inputs(checkpoint, pick(ExportOptions, values))
-    manifest = api.export(checkpoint, options)
+    manifest = api.export(checkpoint, options, say=lambda line: click.echo(line, err=True))
     if manifest.tensorrt_skipped:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(options.out, manifest))
@@ -40,24 +40,23 @@ def export(checkpoint: Path, **values: Any) -> None:
 
 def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
     """`options` with what its files hold: the held-out set (the save dir's validation set unless
-    --reference-src/--reference-tgt) and the shortlist corpus; none of them may lie in --out, which
-    --force replaces whole."""
+    --reference-src/--reference-tgt), the int8 calibration lines (--int8-calibrate's, else the held-out
+    set's sources) and the shortlist corpus; none of them may lie in --out, which --force replaces whole."""
     o = options
     pair = held_out_pair(checkpoint, o.reference_src, o.reference_tgt, o.reference_lines)
     if (o.shortlist_src is None) != (o.shortlist_tgt is None):
         raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
+    calibrate_on = o.int8_calibrate
+    if calibrate_on is None and o.int8 and not o.no_int8_calibrate:  # by default: the held-out set's sources
+        calibrate_on = (held_out_files(checkpoint, o.reference_src, o.reference_tgt) or (None,))[0]
     inputs = [checkpoint, *(pair or ()),
-              *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache, o.int8_calibrate) if p)]
+              *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache, calibrate_on) if p)]
     refuse_overwriting_inputs(inputs, [], "--out dir", output_dirs=[o.out])
     held_out = None if pair is None else references.held_out_lines(*pair, limit=o.reference_lines)
     shortlist = None if o.shortlist_src is None or o.shortlist_tgt is None else ShortlistCorpus(
         read_lines(o.shortlist_src), read_lines(o.shortlist_tgt), (str(o.shortlist_src), str(o.shortlist_tgt)),
         per_source=o.shortlist_per_source, frequent=o.shortlist_frequent)
-    calibration = None
-    if o.int8_calibrate is not None:
-        calibration = [x for x in read_lines(o.int8_calibrate) if x.strip()][:CALIBRATION_LINES]
-        if not calibration:
-            raise click.UsageError(f"--int8-calibrate {o.int8_calibrate}: no non-blank line to calibrate on")
+    calibration = None if calibrate_on is None else calibration_lines(calibrate_on, default=o.int8_calibrate is None)
     src_lang, tgt_lang = o.src_lang, o.tgt_lang
     if src_lang is None and tgt_lang is None:  # a training run's corpus suffixes (train.de, train.en)
         codes = corpus_languages(checkpoint)
@@ -74,11 +73,33 @@ def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: i
         raise click.UsageError("give both --reference-src and --reference-tgt, or neither")
     if limit == 0:
         return None
-    pair = (src, tgt) if src is not None and tgt is not None else validation_files(checkpoint)
+    pair = held_out_files(checkpoint, src, tgt)
     if pair is None:
         log.info("no held-out set known for %s: no reference translations recorded (parity without PyTorch "
                  "needs --reference-src/--reference-tgt)", checkpoint)
     return pair
+
+
+def calibration_lines(path: Path, default: bool) -> Calibration:
+    """The first CALIBRATION_LINES non-blank lines of `path` to calibrate rowwise int8's activation scales on:
+    --int8-calibrate's (none is an error) or, `default`, the held-out set's sources (another int8 flavour skips
+    them, and none leaves per-row scales)."""
+    lines = [x for x in read_lines(path) if x.strip()][:CALIBRATION_LINES]
+    if not lines and not default:
+        raise click.UsageError(f"--int8-calibrate {path}: no non-blank line to calibrate on")
+    return Calibration(lines, str(path), default=default)
+
+
+def held_out_calibration(checkpoint: Path) -> Calibration | None:
+    """What `pipeline export --int8` calibrates on without --int8-calibrate or --reference-src: the checkpoint's
+    save dir validation set's sources (None without one). `pipeline demo` exports int8 with them too."""
+    pair = validation_files(checkpoint)
+    return None if pair is None else calibration_lines(pair[0], default=True)
+
+
+def held_out_files(checkpoint: Path, src: Path | None, tgt: Path | None) -> tuple[Path, Path] | None:
+    """The given held-out pair, else the checkpoint's save dir validation set (None: neither)."""
+    return (src, tgt) if src is not None and tgt is not None else validation_files(checkpoint)
 
 
 def reference_set(checkpoint: Path, src: Path | None, tgt: Path | None, limit: int

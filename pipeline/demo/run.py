@@ -20,6 +20,7 @@ import sacrebleu
 from export.api import export_model
 from model.checkpoint import checkpoint_step, step_checkpoints
 from model.manifest import PRECISIONS
+from pipeline.commands.export import held_out_calibration
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
 from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
@@ -97,9 +98,10 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     checkpoint = clock.stage("average", average_checkpoints, save_dir, last=opts.average_last)
 
     model_dirs = {p: out / f"model-{p}" for p in PRECISIONS}
+    calibration = held_out_calibration(checkpoint)  # rowwise int8's static scales, as `pipeline export --int8`
     for precision, model_dir in model_dirs.items():
         clock.stage(f"export {precision}", export_model, checkpoint, model_dir, fp16=precision == "fp16",
-                    int8=precision == "int8", tensorrt=plan.export_tensorrt, force=True)
+                    int8=precision == "int8", tensorrt=plan.export_tensorrt, force=True, calibration=calibration)
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
