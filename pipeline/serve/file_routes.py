@@ -21,13 +21,13 @@ import urllib.parse
 from collections import OrderedDict
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.flow import MAX_FORM_FIELDS, off_loop
-from pipeline.serve.libre import CountedDisconnect, LibreRequest, _code, _detect, check_key, error, translate_texts
+from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, error, failed, translate_texts
 from pipeline.serve.requests import ApiError, ServerState, read_body, too_many
 
 log = logging.getLogger(__name__)
@@ -188,16 +188,8 @@ async def translate_file(request: Request) -> Response:
             answer["detectedLanguage"] = detected
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(answer)
-    except ApiError as e:
-        response = error(e)
-    except ClientDisconnect as e:
-        if not isinstance(e, CountedDisconnect):
-            m.disconnects.inc()
-        response = Response(status_code=499)
-    except Exception as e:  # a backend fault: this request fails, the server goes on (as /translate's)
-        log.exception("file translation failed")
-        response = error(ApiError(503, f"translation failed ({type(e).__name__}: {e}); retry later",
-                                  {"Retry-After": str(state.limits.retry_after_s)}))
+    except Exception as e:
+        response = failed(e, m, state, "file translation")
     m.request(response.status_code)
     return response
 

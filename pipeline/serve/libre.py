@@ -250,6 +250,20 @@ async def translate_texts(request: Request, state: ServerState, req: LibreReques
     return body, metrics
 
 
+def failed(e: Exception, m: ModelMetrics, state: ServerState, what: str) -> Response:
+    """The answer to a request that failed (called in its except block): its ApiError; 499 for a client that
+    left (counted once); 503 for a backend fault, logged, while the server goes on (as the native API's)."""
+    if isinstance(e, ApiError):
+        return error(e)
+    if isinstance(e, ClientDisconnect):
+        if not isinstance(e, CountedDisconnect):
+            m.disconnects.inc()
+        return Response(status_code=499)
+    log.exception("%s failed", what)
+    return error(ApiError(503, f"{what} failed ({type(e).__name__}: {e}); retry later",
+                          {"Retry-After": str(state.limits.retry_after_s)}))
+
+
 class CountedDisconnect(ClientDisconnect):
     """The client left while its texts were translated, counted on the model's metrics already."""
 
@@ -265,16 +279,8 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
         body, m = await translate_texts(request, state, req, detected)
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(body)
-    except ApiError as e:
-        response = error(e)
-    except ClientDisconnect as e:
-        if not isinstance(e, CountedDisconnect):
-            m.disconnects.inc()
-        response = Response(status_code=499)
-    except Exception as e:  # a backend fault: this request fails, the server goes on (as the native API's)
-        log.exception("translation failed")
-        response = error(ApiError(503, f"translation failed ({type(e).__name__}: {e}); retry later",
-                                  {"Retry-After": str(state.limits.retry_after_s)}))
+    except Exception as e:
+        response = failed(e, m, state, "translation")
     m.request(response.status_code)
     return response
 
