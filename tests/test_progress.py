@@ -87,20 +87,28 @@ def test_the_heartbeat_says_step_loss_speed_and_time_left(caplog, monkeypatch):
     assert caplog.records[0].getMessage().endswith("about 0m02s left (--max-steps)")  # 10 steps at 0.29 s
 
 
-@pytest.mark.slow
-def test_training_logged_to_a_pipe_says_where_it_is(tmp_path):
+HEARTBEAT = r"step (\d+)/60, loss [\d.]+, \d+ tokens/s, \d+m\d\ds elapsed, about \d+m\d\ds left \(--max-steps\)"
+
+
+def train_args(tmp_path, name: str) -> list[object]:
     corpus = tmp_path / "c"
-    corpus.mkdir()
+    corpus.mkdir(exist_ok=True)
     for side, words in (("src", "der hund die katze ein haus"), ("tgt", "the dog the cat a house")):
         (corpus / f"train.{side}").write_text("".join(f"{words} {i}\n" for i in range(300)))
-    proc = subprocess.run(pipeline_cmd("train", "--save-dir", tmp_path / "run", "--train-src", corpus / "train.src",
-                                       "--train-tgt", corpus / "train.tgt", *TINY, "--max-steps", "60",
-                                       "--log-seconds", "0.2", "--save-every", "1000"),
-                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    return ["train", "--save-dir", tmp_path / name, "--train-src", corpus / "train.src", "--train-tgt",
+            corpus / "train.tgt", *[a for a in TINY if a != "--no-progress"], "--max-steps", "60",
+            "--log-seconds", "0.2", "--save-every", "1000"]
+
+
+@pytest.mark.slow
+def test_training_logged_to_a_pipe_says_where_it_is_and_on_a_terminal_draws_its_bar(tmp_path):
+    proc = subprocess.run(pipeline_cmd(*train_args(tmp_path, "pipe")), env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr
-    beats = re.findall(r"step (\d+)/60, loss [\d.]+, \d+ tokens/s, \d+m\d\ds elapsed, about \d+m\d\ds left "
-                       r"\(--max-steps\)", proc.stderr)
-    assert beats and "\r" not in proc.stderr, proc.stderr
+    assert re.findall(HEARTBEAT, proc.stderr) and "\r" not in proc.stderr, proc.stderr
+    code, drawn = run_in_pty(train_args(tmp_path, "pty"))
+    assert code == 0, drawn
+    assert re.search(r"\d+/60 \[", drawn) and not re.findall(HEARTBEAT, drawn), drawn  # the bar, not log lines
 
 
 def test_the_demo_says_which_limit_ended_training(tmp_path):
