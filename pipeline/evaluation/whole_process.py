@@ -87,6 +87,13 @@ if os.environ.get("PIPELINE_TIMINGS"):
 # runtime.model_dir.load wrapped so that the backend it returns has its encode and step calls timed
 # (perf_counter deltas summed), and the process's clock (CLOCK_MONOTONIC, the parent's too) read once
 # the model is loaded; all written to that file as JSON at exit, an error's exit included.
+def _shown(command: list[str]) -> str:
+    """A timed command as a user would write it (a `python -c` script by what it runs, not its source)."""
+    if command[1:2] == ["-c"]:
+        return f"pipeline {command[3]}" if command[2] == TIMED_SERVE_BATCH else "the CTranslate2 script"
+    return " ".join(command[:4])
+
+
 TIMED_SERVE_BATCH = """
 import os, time
 path = os.environ.get("PIPELINE_TIMINGS")
@@ -176,7 +183,7 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
     err = proc.stderr.read()
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-1:]
-        raise UserError(f"{' '.join(command[:4])} ... failed with status {proc.returncode}: {tail}")
+        raise UserError(f"{_shown(command)} ... failed with status {proc.returncode}: {tail}")
     return wall, peak, err.decode(errors="replace")
 
 
