@@ -53,6 +53,28 @@ def mastodon_translate(url: str, texts: list[str], source: str | None, target: s
             for i, text in enumerate(data["translatedText"])]
 
 
+def every_client_translates(url: str) -> None:
+    """The other clients of issue 60 against the image's command line: libretranslatepy, deep-translator,
+    libretranslate-aio unmodified, and Weblate's and Open WebUI's requests."""
+    text = "der hund sieht die katze."
+    r = httpx.post(f"{url}/translate", json={"text": [text], "split": "sentences", "source": "de", "target": "en"},
+                   timeout=60)
+    expected = r.json()["translations"][0]
+    libretranslatepy = pytest.importorskip("libretranslatepy")
+    assert libretranslatepy.LibreTranslateAPI(url).translate(text, "de", "en") == expected
+    from deep_translator import LibreTranslator
+    assert LibreTranslator(source="de", target="en", custom_url=f"{url}/", api_key="any").translate(text) == expected
+    from libretranslate_aio import LibreTranslate
+    with LibreTranslate(url) as client:
+        assert client.translate(text, "de", "en").translated_text == expected
+    weblate = httpx.post(f"{url}/translate", data={"api_key": "", "q": text, "source": "de", "target": "en"},
+                         timeout=60)
+    assert weblate.json()["translatedText"] == expected
+    webui = httpx.post(f"{url}/translate", json={"q": text, "source": "auto", "target": "en", "format": "text"},
+                       timeout=60)
+    webui.raise_for_status()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["de-en", None])
 def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
@@ -89,6 +111,7 @@ def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
                                  None, "en")
         assert got[0][1] == "de" and got[1][0] == "<p>🙂</p>"
         assert "access: POST /translate 200" in log.read_text()  # the access log an operator reads
+        every_client_translates(url)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
