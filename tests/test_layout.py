@@ -89,3 +89,15 @@ def test_no_import_cycle():
         if module not in state:
             visit(module)
     assert not cycles, "\n".join(cycles)
+
+
+def test_layout_doc_names_every_module():
+    """docs/layout.md names every module of ours (a command module is named by its command), so a new one
+    comes with the line that says what it is for."""
+    import re
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    unnamed = [str(p.relative_to(ROOT)) for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+               if p.stem not in ("__init__", "__main__") and p.parent.name != "commands"
+               and not re.search(rf"\b{re.escape(p.stem)}\b", text)]
+    assert not unnamed, f"docs/layout.md does not name: {', '.join(unnamed)}"
