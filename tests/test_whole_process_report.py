@@ -63,7 +63,9 @@ def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path,
     counts them (pieces + EOS of the non-blank lines), for every engine; ours' wall time split into load,
     encoder, decoder and the rest, adding up to it and consistent with serve-batch's own log; CTranslate2's
     (where installed) into load and the rest; one line per engine saying so."""
+    from runtime.decoding import PAPER
     from runtime.tokenizer import tokenizer_from_file
+    from runtime.translate import length_batches
 
     lines = make_parallel(19)[0]
     lines.insert(7, "")
@@ -96,7 +98,12 @@ def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path,
             100, abs=0.3)
     ours = rows["onnxruntime fp32"]["split"]
     assert ours["encoder_s"] > 0 and ours["decoder_s"] > 0
-    assert 1 <= ours["encoder_calls"] <= ours["decoder_steps"]
+    # one encoder call per search batch, as serve-batch cuts them; each batch at least one decoder step and at most
+    # its longest allowed output (max_len_a x longest source + max_len_b, the paper's limits)
+    batches = list(length_batches(counts, PAPER.batch_tokens, 2))
+    assert ours["encoder_calls"] == len(batches)
+    longest = [max(counts[i] for i in b) for b in batches]
+    assert len(batches) <= ours["decoder_steps"] <= sum(int(PAPER.max_len_a * n + PAPER.max_len_b) for n in longest)
     # consistent with serve-batch's log: loading is within start-to-loaded, encoder and decoder within translating
     assert ours["load_s"] >= rows["onnxruntime fp32"]["load_s"]
     assert ours["encoder_s"] + ours["decoder_s"] <= rows["onnxruntime fp32"]["translate_s"] + 0.01

@@ -77,6 +77,7 @@ class ApiKeys:
         self.keyless_per_minute = keyless_per_minute
         self.require = require
         self._keyless: dict[str, deque[float]] = {}  # client address -> its recent keyless requests
+        self.clock = time.monotonic  # what the rates count time by
 
     @classmethod
     def read(cls, path: str, keyless_per_minute: int | None = None, require: bool = False) -> ApiKeys:
@@ -123,16 +124,16 @@ class ApiKeys:
             if self.keyless_per_minute is not None:
                 with self._lock:
                     if len(self._keyless) > MAX_CLIENTS:  # a flood of addresses: forget the quiet ones
-                        self._forget(time.monotonic())
+                        self._forget(self.clock())
                     recent = self._keyless.setdefault(client, deque())
-                    _admit(recent, self.keyless_per_minute, "a client without an API key")
+                    _admit(recent, self.keyless_per_minute, "a client without an API key", self.clock())
             return "keyless"
         found = self._keys.get(_digest(given)) if len(given) <= MAX_KEY_CHARS else None
         if found is None:
             raise KeyRefused("invalid")
         if found.per_minute is not None:
             with self._lock:
-                _admit(found.recent, found.per_minute, "this API key")
+                _admit(found.recent, found.per_minute, "this API key", self.clock())
         return found.label
 
     def _forget(self, now: float) -> None:
@@ -140,9 +141,8 @@ class ApiKeys:
             del self._keyless[client]
 
 
-def _admit(recent: deque[float], per_minute: int, who: str) -> None:
+def _admit(recent: deque[float], per_minute: int, who: str, now: float) -> None:
     """One more request in the window of `recent`, or RateLimited with the seconds until one is allowed."""
-    now = time.monotonic()
     while recent and recent[0] <= now - WINDOW_S:
         recent.popleft()
     if len(recent) >= per_minute:
