@@ -1,0 +1,243 @@
+"""The archive document formats of POST /translate_file (.docx, .pptx, .odt, .odp, .epub): every archive bounded
+before it is decompressed (members, each member's declared size, their total), XML parsed without a DTD,
+entities or the network. The rules are documents.py's."""
+
+from __future__ import annotations
+
+import io
+import re
+import zipfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
+
+from pipeline.serve.text_formats import Document, DocumentError, extension, has_letters
+from runtime.markup import parse_html
+
+MAX_UNZIPPED_BYTES = 100 << 20  # what an archive (.docx, .pptx, .odt, .odp, .epub) may unpack to, all members
+MAX_MEMBERS = 10_000  # members of an archive
+MAX_XML_BYTES = 32 << 20  # the XML parts parsed from one archive, together
+
+W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
+A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
+TEXT = "{urn:oasis:names:tc:opendocument:xmlns:text:1.0}"
+XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+
+
+# -- archives: .docx, .pptx, .odt, .odp, .epub --------------------------------------------------------------
+
+
+def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    """Every member of the archive, decompressed after the bounds are checked on the sizes it declares
+    (zipfile stops at the declared size and checks the CRC: a member holding more is an error, not a bomb)."""
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        infos = archive.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as e:
+        raise DocumentError(f"the file is not a readable {what} (not a zip archive: {e})") from None
+    if len(infos) > MAX_MEMBERS:
+        raise DocumentError(f"the {what} has {len(infos)} members, more than this server's limit of {MAX_MEMBERS}",
+                            too_large=True)
+    total = sum(info.file_size for info in infos)
+    if total > MAX_UNZIPPED_BYTES:
+        raise DocumentError(f"the {what} unpacks to {total} bytes, more than this server's limit of "
+                            f"{MAX_UNZIPPED_BYTES} ({MAX_UNZIPPED_BYTES >> 20} MiB)", too_large=True)
+    members = []
+    for info in infos:
+        try:
+            with archive.open(info) as member:
+                content = member.read()
+        except Exception as e:  # bad CRC, unknown compression, encrypted, truncated: the file's fault
+            raise DocumentError(f"the {what} is damaged: its member {info.filename[:100]!r} cannot be read "
+                                f"({type(e).__name__}: {e})") from None
+        members.append((info, content))
+    return members
+
+
+def _zip(members: list[tuple[zipfile.ZipInfo, bytes]]) -> bytes:
+    """The archive again, its members in their order, each compressed as it was (an OpenDocument's or EPUB's
+    first member, mimetype, stays first and stored)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for info, content in members:
+            date = info.date_time if info.date_time[0] >= 1980 else (1980, 1, 1, 0, 0, 0)
+            try:
+                copy = zipfile.ZipInfo(info.filename, date)
+            except ValueError:
+                copy = zipfile.ZipInfo(info.filename)
+            copy.compress_type = zipfile.ZIP_STORED if info.compress_type == zipfile.ZIP_STORED \
+                else zipfile.ZIP_DEFLATED
+            copy.external_attr = info.external_attr
+            archive.writestr(copy, content)
+    return out.getvalue()
+
+
+def _parse_xml(content: bytes, name: str, what: str) -> Any:
+    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, huge_tree=False)
+    try:
+        tree = etree.parse(io.BytesIO(content), parser)
+    except etree.XMLSyntaxError as e:
+        raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({e})") from None
+    if tree.docinfo.internalDTD is not None or tree.docinfo.doctype:
+        raise DocumentError(f"the {what}'s part {name!r} declares a DTD, which this server does not read")
+    return tree
+
+
+def _serialize(tree: Any) -> bytes:
+    info = tree.docinfo
+    return etree.tostring(tree, xml_declaration=True, encoding=info.encoding or "UTF-8",
+                          standalone=info.standalone)
+
+
+Slot = tuple[Any, str]  # an element and "text" or "tail": where a piece of a paragraph's text is
+
+
+def _ooxml_segments(root: Any, paragraph: str, run_text: Callable[[Any], bool], breaks: frozenset[str]
+                    ) -> Iterator[list[Slot]]:
+    """Each paragraph's runs of text between its breaks (tabs, line breaks), in document order; a paragraph
+    inside another (a text box in a run) is its own."""
+    def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
+        for child in element:
+            tag = child.tag
+            if tag == paragraph:
+                mine: list[list[Slot]] = [[]]
+                yield from walk(child, mine)
+                yield from mine
+            elif segments is not None and tag in breaks:
+                segments.append([])
+            elif segments is not None and run_text(child):
+                segments[-1].append((child, "text"))
+            else:
+                yield from walk(child, segments)
+
+    yield from walk(root, None)
+
+
+def _odf_segments(root: Any) -> Iterator[list[Slot]]:
+    """As _ooxml_segments for OpenDocument, whose paragraphs hold their text as element text and tails."""
+    paragraphs = {TEXT + "p", TEXT + "h"}
+    breaks = {TEXT + "tab", TEXT + "line-break", TEXT + "s"}
+
+    def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
+        if element.tag in paragraphs:
+            segments = [[]]
+        if segments is not None and element.text:
+            segments[-1].append((element, "text"))
+        for child in element:
+            if not isinstance(child.tag, str):  # comments, processing instructions: their tails still count
+                pass
+            elif segments is not None and child.tag in breaks:
+                segments.append([])
+            else:
+                yield from walk(child, segments if child.tag not in paragraphs else None)
+            if segments is not None and child.tail:
+                segments[-1].append((child, "tail"))
+        if element.tag in paragraphs:
+            yield from segments  # type: ignore[misc]
+
+    yield from walk(root, None)
+
+
+def _segment_text(slots: list[Slot]) -> str:
+    return "".join(getattr(element, where) or "" for element, where in slots)
+
+
+def _put(slots: list[Slot], translation: str, preserve: bool) -> None:
+    """The translation in the first slot (its run's formatting), the others emptied."""
+    for k, (element, where) in enumerate(slots):
+        setattr(element, where, translation if k == 0 else "")
+        if preserve and where == "text":
+            element.set(XML_SPACE, "preserve")
+
+
+def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
+                      segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool) -> Document:
+    members = _members(data, what)
+    names = [info.filename for info, _ in members]
+    if required not in names:
+        raise DocumentError(f"the file is not a {what}: it has no {required}")
+    slots: list[list[Slot]] = []
+    trees: dict[int, Any] = {}
+    parsed = 0
+    for index, (info, content) in enumerate(members):
+        if not parts.fullmatch(info.filename):
+            continue
+        parsed += len(content)
+        if parsed > MAX_XML_BYTES:
+            raise DocumentError(f"the {what}'s text parts hold more than this server's limit of {MAX_XML_BYTES} "
+                                f"bytes of XML ({MAX_XML_BYTES >> 20} MiB)", too_large=True)
+        tree = trees[index] = _parse_xml(content, info.filename, what)
+        slots.extend(s for s in segments(tree.getroot()) if s and has_letters(_segment_text(s)))
+
+    def rebuild(translations: list[str]) -> bytes:
+        for segment, translation in zip(slots, translations):
+            _put(segment, translation, preserve)
+        return _zip([(info, _serialize(trees[k]) if k in trees else content)
+                     for k, (info, content) in enumerate(members)])
+
+    return Document([_segment_text(s) for s in slots], rebuild)
+
+
+DOCX_PARTS = re.compile(r"word/(document|header\d*|footer\d*|footnotes|endnotes|comments)\.xml")
+PPTX_PARTS = re.compile(r"ppt/(slides/slide|notesSlides/notesSlide)\d+\.xml")
+
+
+DOCX_BREAKS = frozenset({W + "tab", W + "br", W + "cr", W + "ptab"})
+
+
+def read_docx(data: bytes) -> Document:
+    return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
+                             lambda root: _ooxml_segments(root, W + "p", lambda e: e.tag == W + "t", DOCX_BREAKS),
+                             True)
+
+
+def read_pptx(data: bytes) -> Document:
+    return _read_xml_archive(data, "PowerPoint presentation (.pptx)", PPTX_PARTS, "ppt/presentation.xml",
+                             lambda root: _ooxml_segments(root, A + "p", _pptx_run_text, frozenset({A + "br"})),
+                             False)
+
+
+def _pptx_run_text(element: Any) -> bool:
+    """A run's a:t (a field's, as a slide number or date, is the application's to fill)."""
+    return bool(element.tag == A + "t" and element.getparent().tag == A + "r")
+
+
+def read_odt(data: bytes) -> Document:
+    return _read_xml_archive(data, "OpenDocument text (.odt)", re.compile(r"content\.xml|styles\.xml"),
+                             "content.xml", _odf_segments, False)
+
+
+def read_odp(data: bytes) -> Document:
+    return _read_xml_archive(data, "OpenDocument presentation (.odp)", re.compile(r"content\.xml"),
+                             "content.xml", _odf_segments, False)
+
+
+def read_epub(data: bytes) -> Document:
+    what = "EPUB book (.epub)"
+    members = _members(data, what)
+    if not any(info.filename == "META-INF/container.xml" for info, _ in members):
+        raise DocumentError(f"the file is not an {what}: it has no META-INF/container.xml")
+    texts: list[str] = []
+    pages: dict[int, tuple[Any, int]] = {}  # member -> its markup and how many texts it has
+    for index, (info, content) in enumerate(members):
+        if extension(info.filename) not in (".xhtml", ".html", ".htm"):
+            continue
+        try:
+            markup = parse_html(content.decode("utf-8-sig"))
+        except UnicodeDecodeError as e:
+            raise DocumentError(f"the {what}'s page {info.filename[:100]!r} is not UTF-8 (byte {e.start})") from None
+        pages[index] = (markup, len(markup.sources))
+        texts.extend(markup.sources)
+
+    def rebuild(translations: list[str]) -> bytes:
+        given = iter(translations)
+        out = []
+        for k, (info, content) in enumerate(members):
+            if k in pages:
+                markup, n = pages[k]
+                content = markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
+            out.append((info, content))
+        return _zip(out)
+
+    return Document(texts, rebuild)
