@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from pipeline.evaluation.whole_process import pieces_summary, run_split, split, split_line
+from pipeline.evaluation.process_split import pieces_summary, run_split, split, split_line
 from tests.helpers import make_parallel, run_cli_captured
 
 OURS_LINE = re.compile(r"^ours fp32: \d+\.\d source pieces/line \(p50 \d+, p95 \d+\); load \d+\.\d\d s \(\d+%\), "
