@@ -299,7 +299,7 @@ def test_the_ray_bar_knows_its_total_where_counting_is_cheap(tmp_path):
     pytest.importorskip("ray")
     import pyarrow as pa
 
-    from pipeline.integrations.ray_job import shard_lines
+    from pipeline.integrations.ray_read import shard_lines
     from pipeline.integrations.shards import Shard
 
     (tmp_path / "a.txt").write_text("x\ny\n\nz")  # a last line without its line break counts

@@ -4,8 +4,8 @@
                    map_batches); no torch, no Ray needed to import it
     spark.py       make_predict_fn: the same class under pyspark.ml.functions.predict_batch_udf
     shards.py      a corpus as shards: inputs, outputs, resume, the writer that restores line order
-    ray_job.py     `pipeline ray-translate`: Ray Data reads the shards, Translator actors translate them;
-                   read_shards, its reader as a Ray Dataset for jobs of your own
+    ray_job.py     `pipeline ray-translate`: Ray Data reads the shards, Translator actors translate them
+    ray_read.py    the shards as Ray Data rows (read tasks that reserve no CPU); read_shards, for jobs of your own
 
 docs/scale-out.md says how to run them on many machines."""
 
@@ -23,7 +23,7 @@ __all__ = ["OUTPUT_COLUMNS", "DecodingOptions", "LoadOptions", "ServeBatchOption
 
 def __getattr__(name: str) -> Any:
     if name == "read_shards":  # imports Ray: only when asked for
-        from pipeline.integrations.ray_job import read_shards
+        from pipeline.integrations.ray_read import read_shards
 
         return read_shards
     raise AttributeError(f"module 'pipeline.integrations' has no attribute {name!r}")

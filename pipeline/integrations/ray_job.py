@@ -1,7 +1,7 @@
 """`pipeline ray-translate`: shards read by Ray Data, translated by a pool of `Translator` actors, written
 back per shard in line order.
 
-    read (LinesDatasource: each row's shard, line number, text)  ->  map_batches(Translator, concurrency=actors)
+    read (ray_read: each row's shard, line number, text)  ->  map_batches(Translator, concurrency=actors)
         ->  the driver: ShardWriter (line order restored, each output renamed into place when complete)
 
 Order: Ray Data is asked to keep block order (cheap, and it bounds what the writer holds back), but the
@@ -29,19 +29,16 @@ import numpy as np
 
 from model.errors import UserError
 from pipeline.integrations.options import RayOptions
-from pipeline.integrations.shards import PARQUET, Plan, Shard, ShardWriter, expand, not_text
+from pipeline.integrations.ray_read import LinesDatasource, shard_lines
+from pipeline.integrations.shards import Plan, Shard, ShardWriter
 from pipeline.integrations.translator import Translator
-from pipeline.serve_batch.files import count_lines, progress_bar
-from pipeline.serve_batch.rows import decode_row
+from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import open_binary
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
 
 log = logging.getLogger(__name__)
-
-READ_CHUNK = 1 << 20
-
 
 @dataclass
 class JobStats:
@@ -313,125 +310,3 @@ def _user_error(e: BaseException) -> UserError | None:
             return UserError(str(seen).split("\n", 1)[0])
         seen = getattr(seen, "cause", None) or seen.__cause__
     return None
-
-
-def _datasource_base() -> type:
-    from ray.data.datasource import FileBasedDatasource
-
-    return FileBasedDatasource
-
-
-class LinesDatasource(_datasource_base()):  # type: ignore[misc]
-    """Each shard's rows as blocks of (shard, line, text, path, last, replaced): text files split on b'\\n' only
-    and decoded with serve-batch's --invalid-utf8 policy; Parquet files' `column`, a null as a blank row."""
-
-    def __init__(self, shards: list[Shard], column: str, invalid_utf8: str, rows_per_block: int):
-        super().__init__([s.path for s in shards])
-        self.index = {s.path: s.index for s in shards} | {os.path.realpath(s.path): s.index for s in shards}
-        self.column, self.invalid_utf8, self.rows_per_block = column, invalid_utf8, rows_per_block
-
-    def _read_stream(self, f: Any, path: str) -> Iterator[Any]:
-        shard = self.index.get(path, self.index.get(os.path.realpath(path)))
-        if shard is None:
-            raise RuntimeError(f"{path}: Ray read a file that is not one of the shards")
-        rows = _parquet_rows(f, path, self.column) if path.endswith(PARQUET) else \
-            _text_rows(f, path, self.invalid_utf8)
-        block: list[tuple[str, int]] = []
-        lineno = 0
-        for lineno, row in enumerate(rows, start=1):
-            block.append(row)
-            if len(block) > self.rows_per_block:  # one row held back, to mark the shard's last
-                yield _block(shard, path, lineno - len(block) + 1, block[:-1], last=False)
-                block = block[-1:]
-        if block:
-            yield _block(shard, path, lineno - len(block) + 1, block, last=True)
-
-
-def shard_lines(shards: list[Shard]) -> int | None:
-    """Lines in all the shards, for the bar's total and ETA: plain files' line breaks counted, Parquet files' rows
-    from their footers; None when a shard is .gz (counting would decompress it all) or cannot be read."""
-    total = 0
-    for shard in shards:
-        if shard.parquet:
-            try:
-                import pyarrow.parquet as pq
-
-                total += pq.ParquetFile(shard.path).metadata.num_rows
-            except Exception:  # the job's reader names a bad file in one line; the bar just has no total
-                return None
-            continue
-        lines = count_lines(shard.path)
-        if lines is None:
-            return None
-        total += lines
-    return total
-
-
-def read_shards(inputs: list[str], column: str = "text", invalid_utf8: str = "error", rows_per_block: int = 500
-                ) -> Any:
-    """A Ray Dataset of the rows of `inputs` (files, globs or directories of plain, .gz or Parquet shards, as
-    `ray-translate` takes them), read as it reads them: columns shard, line, text, path, last, replaced; a null
-    is a blank row, invalid UTF-8 refused (or replaced with invalid_utf8="replace"). Its read tasks reserve no
-    CPU, so an actor pool as large as the cluster cannot starve them (Ray's own readers wait for a core the
-    actors hold, for ever)."""
-    import ray
-
-    files, _ = expand(inputs)
-    if not files:
-        raise UserError(f"no input files in {', '.join(inputs)}")
-    shards = [Shard(i, os.path.abspath(f), Path()) for i, f in enumerate(files)]
-    return ray.data.read_datasource(LinesDatasource(shards, column, invalid_utf8, rows_per_block), num_cpus=0)
-
-
-def _block(shard: int, path: str, first: int, rows: list[tuple[str, int]], last: bool) -> Any:
-    import pyarrow as pa
-
-    n = len(rows)
-    return pa.table({"shard": pa.array([shard] * n, pa.int32()),
-                     "line": pa.array(range(first, first + n), pa.int64()),
-                     "text": pa.array([r[0] for r in rows], pa.string()),
-                     "path": pa.array([path] * n, pa.string()),
-                     "last": pa.array([False] * (n - 1) + [last], pa.bool_()),
-                     "replaced": pa.array([bool(r[1]) for r in rows], pa.bool_())})
-
-
-def _text_rows(f: Any, path: str, invalid_utf8: str) -> Iterator[tuple[str, int]]:
-    """Lines as serve-batch reads them: split on b'\\n' only, a last line without one kept."""
-    rest = b""
-    lineno = 0
-    while True:
-        try:
-            chunk = f.read(READ_CHUNK)
-        except (OSError, EOFError) as e:
-            raise UserError(f"{path}: cannot read ({e})") from None
-        if not chunk:
-            break
-        lines = (rest + chunk).split(b"\n")
-        rest = lines.pop()
-        for raw in lines:
-            lineno += 1
-            yield decode_row(raw, path, lineno, invalid_utf8)
-    if rest:
-        yield decode_row(rest, path, lineno + 1, invalid_utf8)
-
-
-def _parquet_rows(f: Any, path: str, column: str) -> Iterator[tuple[str, int]]:
-    """The column's values (a dictionary-encoded column decoded, a null a blank row); a file that turns out
-    unreadable past its footer (a corrupt page) is a UserError naming it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.ParquetFile(pa.BufferReader(f.readall()))
-        problem = not_text(table.schema_arrow.field(column).type)
-        if problem:
-            raise UserError(f"{path}: column {column!r} {problem}; name a string column")
-        for batch in table.iter_batches(columns=[column]):
-            for value in batch.column(0).to_pylist():
-                yield (value or "", 0)
-    except (OSError, ValueError, EOFError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IOError an OSError
-        raise UserError(f"{path}: cannot read as Parquet ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
