@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -179,6 +180,23 @@ def test_torch_backend_asked_for_without_torch(model_dir, served_file):
 MAX_BYTES = 100_000
 
 
+def served_url(proc: subprocess.Popen, log_path: Path, timeout: float = 120) -> str:
+    """The URL a starting `pipeline serve` logs ("serving ... at http://127.0.0.1:PORT"), once it accepts
+    connections (the line comes when the port is bound, a moment before it listens); the log in the failure
+    when it exits or takes longer."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        m = re.search(r"at (http://127\.0\.0\.1:(\d+))", log_path.read_text())
+        if m:
+            try:
+                socket.create_connection(("127.0.0.1", int(m.group(2))), timeout=1).close()
+                return m.group(1)
+            except OSError:
+                pass
+        time.sleep(0.1)
+    raise AssertionError(f"the server did not start:\n{log_path.read_text()}")
+
+
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """`pipeline serve` without torch on a free loopback port (--max-bytes MAX_BYTES); on teardown,
@@ -192,14 +210,7 @@ def server(model_dir, tmp_path_factory):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline and proc.poll() is None:
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)", log_path.read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.2)
-        assert url, log_path.read_text()
-        yield url
+        yield served_url(proc, log_path)
     finally:
         proc.send_signal(signal.SIGTERM)
         status = proc.wait(60)

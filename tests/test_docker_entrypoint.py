@@ -13,11 +13,11 @@ import shlex
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from helpers import with_language_pair
+from test_deploy import served_url
 
 pytest.importorskip("starlette")
 pytest.importorskip("py3langid")
@@ -96,13 +96,7 @@ def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
                                  "--backend", "onnxruntime"], cwd=tmp_path, env=environ, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        while url is None and time.monotonic() < deadline and proc.poll() is None:
-            m = re.search(r"at (http://127\.0\.0\.1:\d+)", log.read_text())
-            url = m.group(1) if m else None
-            time.sleep(0.1)
-        assert url, log.read_text()
+        url = served_url(proc, log)
         languages = mastodon_languages(url)
         assert languages == {"de": ["en"], "en": [], None: ["en"]}  # Mastodon's permitted?: de -> en
         [(text, detected)] = mastodon_translate(url, ["<p>der hund sieht die katze.</p>"], "de", "en")
