@@ -8,6 +8,10 @@ DECODER_FILE = "decoder.onnx"
 # The decoder step over a vocabulary shortlist (export --shortlist-src/--shortlist-tgt): the same
 # weights as decoder.onnx (read from decoder.data), projecting onto `candidates` only.
 DECODER_SHORTLIST_FILE = "decoder_shortlist.onnx"
+# The decoder step that also returns the log-probs of ids the caller asks for (constrained search:
+# glossaries): decoder.onnx with one more input (want_ids) and output (want_log_probs), its weights
+# read from decoder.data.
+DECODER_CONSTRAINED_FILE = "decoder_constrained.onnx"
 SHORTLIST_FILE = "shortlist.npz"  # the lexical table the candidates come from (runtime/shortlist.py)
 ENCODER_ENGINE = "encoder.plan"
 DECODER_ENGINE = "decoder.plan"
@@ -25,6 +29,7 @@ SRC_LEN = "src_len"      # source tokens
 HYPS = "hyps"            # hypotheses fed to the step: live sentences (batch) x rows each
 PAST = "past"            # earlier steps each hypothesis attends to (1 at step 0: masked)
 CACHE_ROWS = "cache_rows"  # self-attention keys held per sentence: capacity (steps) x rows
+N_WANT = "n_want"        # ids per hypothesis whose log-probs a constrained step returns
 N_CANDIDATES = "n_candidates"  # target ids a shortlisted step scores (the batch's candidate union)
 
 # Encoder graph.
@@ -48,6 +53,10 @@ SELF_BIAS = "self_bias"  # (hyps, past) float32: 0, or MASK_VALUE at step 0's pl
 # decoder_shortlist.onnx only, its last input: (n_candidates,) int64 target ids, EOS first, then
 # ascending; the step's log-softmax runs over them, and topk_ids are ids of the full vocabulary.
 CANDIDATES = "candidates"
+# decoder_constrained.onnx only: its last input, (hyps, n_want) int64 ids (-1: none), and its last output,
+# (hyps, n_want) float32 their log-probs from the step's log-softmax (-inf for -1).
+WANT_IDS = "want_ids"
+WANT_LOG_PROBS = "want_log_probs"
 
 
 def self_k(layer: int) -> str:

@@ -48,6 +48,10 @@ class StepOutput:
     topk_log_probs: np.ndarray  # (N, K) float32, sorted descending
     topk_ids: np.ndarray        # (N, K) int64
     eos_log_probs: np.ndarray   # (N,) float32
+    # with `want` given to step: (N, W) float32, each row's log-probs of the ids it asked for (any id of the
+    # vocabulary, inside its top-K or not; -inf where it asked for -1). Constrained search (glossaries) needs
+    # the log-probs of a term's next token even where the model would not choose it.
+    want_log_probs: np.ndarray | None = None
 
 
 class Backend(Protocol):
@@ -58,6 +62,7 @@ class Backend(Protocol):
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
     max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
     shortlist: Any        # runtime.shortlist.Shortlist the steps score over, or None (the whole vocabulary)
+    gathers: bool         # whether step takes `want` (the ids whose log-probs constrained search needs)
 
     def encode(self, src_ids: np.ndarray) -> EncoderState:
         """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
@@ -70,11 +75,13 @@ class Backend(Protocol):
         the real backends; opaque to search)."""
 
     def step(self, state: EncoderState, tokens: np.ndarray, step: int, cache: Any,
-             reorder: np.ndarray) -> tuple[StepOutput, Any]:
+             reorder: np.ndarray, want: np.ndarray | None = None) -> tuple[StepOutput, Any]:
         """One decoder step. tokens (N,) int64 with N a multiple of state.n_rows (rows of
         a sentence are consecutive); reorder (N,) int64 rows of `cache` each hypothesis
         continues (within its own sentence); returns the candidates and the cache with
-        this step added (the real backends extend it in place)."""
+        this step added (the real backends extend it in place). want (N, W) int64, only to a
+        backend that `gathers`: per row, ids (-1: none) whose log-probs StepOutput.want_log_probs
+        returns, from the same log-softmax as the top-K."""
 
 
 def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
