@@ -1,0 +1,277 @@
+"""Glossaries (runtime/glossary.py): files and inline mappings checked once, terms found in source text
+(whole words, Unicode case-folded, longest first, offsets in the original text), their targets as a real
+SentencePiece model's tokens, and the report of which the output holds."""
+
+from __future__ import annotations
+
+import random
+import re
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from runtime.errors import RuntimeUserError
+from runtime.glossary import (
+    MAX_GLOSSARY_TERMS,
+    MAX_REQUEST_TERMS,
+    MAX_SENTENCE_TERMS,
+    MAX_TERM_CHARS,
+    Entry,
+    Glossary,
+    applied_terms,
+    check_targets,
+    constraints_for,
+    find_terms,
+    glossary_from_mapping,
+    load_glossary,
+    terms_for,
+)
+from runtime.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(spm_bytes: bytes) -> Tokenizer:
+    """The tiny joint SentencePiece model of helpers.make_parallel (lowercase German and English words)."""
+    return Tokenizer(spm_bytes)
+
+
+def write(tmp_path: Path, text: str | bytes, name: str = "terms.tsv") -> Path:
+    path = tmp_path / name
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
+    return path
+
+
+def refused(*needles: str) -> Any:
+    """pytest.raises for a RuntimeUserError whose message holds every needle, in any order."""
+    return pytest.raises(RuntimeUserError, match="(?s)" + "".join(f"(?=.*{re.escape(n)})" for n in needles))
+
+
+def one_line(info: pytest.ExceptionInfo[RuntimeUserError]) -> str:
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def spans(glossary: Glossary, text: str, **options: bool) -> list[tuple[str, str]]:
+    """(found, target) of each match, checking that the offsets address the original text."""
+    matches = find_terms(glossary, text, **options)
+    for m in matches:
+        assert text[m.start:m.end] == m.found
+    assert [m.start for m in matches] == sorted(m.start for m in matches)
+    return [(m.found, m.target) for m in matches]
+
+
+# -- matching -------------------------------------------------------------------------------------
+
+def test_whole_words_only():
+    g = glossary_from_mapping({"Hund": "dog"})
+    assert spans(g, "Der Hund schläft in der Hundehütte, der Schäferhund nicht.") == [("Hund", "dog")]
+    assert spans(g, "Hund_1 Hund2 2Hund") == []
+    assert spans(g, "(Hund), «Hund»") == [("Hund", "dog"), ("Hund", "dog")]
+
+
+def test_case_insensitive_unicode_by_default():
+    g = glossary_from_mapping({"Äpfel": "apples"})
+    assert spans(g, "ÄPFEL und äpfel") == [("ÄPFEL", "apples"), ("äpfel", "apples")]
+    assert spans(g, "ÄPFEL und Äpfel", case_sensitive=True) == [("Äpfel", "apples")]
+
+
+def test_longest_first_and_whitespace_runs():
+    g = glossary_from_mapping({"York": "York", "New York": "New York", "New York City": "NYC"})
+    assert spans(g, "New York, new  york city and York") == [
+        ("New York", "New York"), ("new  york city", "NYC"), ("York", "York")]
+    assert spans(g, "New\nYork") == [("New\nYork", "New York")]
+    assert spans(g, "New Yorker") == []  # "New York" does not end a word there, and "York" is inside it
+
+
+def test_several_terms_in_text_order():
+    g = glossary_from_mapping({"Katze": "cat", "Hund": "dog", "Mann": "man"})
+    matches = find_terms(g, "Der Mann sieht den Hund und die Katze und den Hund.")
+    assert [(m.start, m.end, m.entry.target) for m in matches] == [
+        (4, 8, "man"), (19, 23, "dog"), (32, 37, "cat"), (46, 50, "dog")]
+
+
+def test_do_not_translate_keeps_the_casing_found():
+    g = glossary_from_mapping({"Acme": "", "Hund": "dog"})
+    matches = find_terms(g, "ACME and acme and Acme")
+    assert [m.target for m in matches] == ["ACME", "acme", "Acme"]
+    assert all(m.entry == Entry("Acme", "Acme", dnt=True) for m in matches)
+
+
+def test_offsets_refer_to_the_original_text_when_folding_changes_lengths():
+    g = glossary_from_mapping({"Straße": "street", "Hund": "dog", "fish": "Fisch"})
+    text = "Die STRASSE, die Straße; der Hund. ﬁsh größe"  # ß -> ss and ﬁ -> fi lengthen the folded text
+    assert spans(g, text) == [("STRASSE", "street"), ("Straße", "street"), ("Hund", "dog"), ("ﬁsh", "Fisch")]
+    g2 = glossary_from_mapping({"STRASSE": "street", "größe": "size"})
+    assert spans(g2, "Eine Straße, Hund, GRÖSSE!") == [("Straße", "street"), ("GRÖSSE", "size")]
+
+
+def test_decomposed_text_and_combining_marks():
+    g = glossary_from_mapping({"Café": "coffee", "cafe": "caff"})
+    nfd = unicodedata.normalize("NFD", "Ein Café, ein cafe")
+    assert spans(g, nfd) == [(nfd[4:9], "coffee"), ("cafe", "caff")]
+    assert spans(g, "q\u0307cafe cafe\u0323") == []  # a combining mark is part of the word
+
+
+def test_an_empty_glossary_matches_nothing():
+    assert find_terms(Glossary(()), "anything") == []
+    assert find_terms(glossary_from_mapping({"x": "y"}), "") == []
+
+
+def test_ten_thousand_terms(tmp_path: Path):
+    """A full-size glossary compiles and matches (a trie regex: cost per term length, not per term)."""
+    rng = random.Random(0)
+    letters = "abcdefghijklmnopqrstuvwxyzäöüß"
+    words = list(dict.fromkeys("".join(rng.choice(letters) for _ in range(rng.randint(3, 10)))
+                               for _ in range(3 * MAX_GLOSSARY_TERMS)))
+    terms = list(dict.fromkeys(" ".join(rng.sample(words, rng.randint(1, 3))) for _ in range(2 * MAX_GLOSSARY_TERMS)))
+    terms = list({unicodedata.normalize("NFC", t.casefold()): t for t in terms}.values())[:MAX_GLOSSARY_TERMS]
+    g = load_glossary(write(tmp_path, "".join(f"{t}\tt{i}\n" for i, t in enumerate(terms))))
+    assert len(g) == MAX_GLOSSARY_TERMS
+    text = " ".join(rng.choice(terms[:50] + words[:500]) for _ in range(200))[:1000]
+    for _ in range(20):
+        found = spans(g, text)
+    assert found and [t for _, t in spans(g, text.upper())] == [t for _, t in found]
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+def test_file_format(tmp_path: Path):
+    path = write(tmp_path, "\ufeff# a comment\n\n  Hund \t  dog  \r\nNew   York\tNew  York\nAcme\nZeta\t  \n"
+                           "Hund\tdog\n   \n#Katze\tcat\n")
+    g = load_glossary(path)
+    assert g.entries == (Entry("Hund", "dog", False), Entry("New York", "New York", False),
+                         Entry("Acme", "Acme", True), Entry("Zeta", "Zeta", True))
+
+
+def test_identical_and_overlapping_terms_are_not_conflicts(tmp_path: Path):
+    g = load_glossary(write(tmp_path, "Hund\tdog\nHund\t dog\nhund\tdog\nNew York\tNY\nYork\tYork\nAcme\nACME\n"))
+    assert len(g) == 6  # exact duplicates once; the same term in another case kept for case-sensitive matching
+    assert spans(g, "hund", case_sensitive=True) == [("hund", "dog")]
+
+
+@pytest.mark.parametrize("content, needles", [
+    ("Hund\tdog\n# x\nHUND\thound\n", ["terms.tsv:3:", "'HUND' -> 'hound'", "terms.tsv:1:", "'Hund' -> 'dog'"]),
+    ("Acme\nacme\tAcme Inc.\n", ["terms.tsv:2:", "'acme' -> 'Acme Inc.'", "terms.tsv:1:", "'Acme' (do not translate)"]),
+    ("Straße\tstreet\nSTRASSE\troad\n", ["terms.tsv:2:", "'STRASSE'", "terms.tsv:1:", "'Straße'"]),
+])
+def test_conflicts_name_both_entries(tmp_path: Path, content: str, needles: list[str]):
+    with refused(*needles, "conflicts") as info:
+        load_glossary(write(tmp_path, content))
+    one_line(info)
+
+
+@pytest.mark.parametrize("content, needles", [
+    (b"Hund\tdog\nK\xe4tze\tcat\n", ["terms.tsv:2:", "not UTF-8", "0xe4", "column 2"]),
+    ("Hund\tdog\tnoun\n", ["terms.tsv:1:", "3 tab-separated fields", "at most 2"]),
+    ("Hund\tdog\n  \tcat\n", ["terms.tsv:2:", "source term is empty"]),
+    (f"{'x' * (MAX_TERM_CHARS + 1)}\ty\n", ["terms.tsv:1:", "MAX_TERM_CHARS", str(MAX_TERM_CHARS)]),
+    (f"x\t{'y ' * MAX_TERM_CHARS}\n", ["terms.tsv:1:", "target term", "MAX_TERM_CHARS"]),
+    ("".join(f"w{i}\tt\n" for i in range(MAX_GLOSSARY_TERMS + 1)),
+     [f"terms.tsv:{MAX_GLOSSARY_TERMS + 1}:", "MAX_GLOSSARY_TERMS", f"{MAX_GLOSSARY_TERMS}"]),
+])
+def test_bad_files_are_refused_naming_file_and_line(tmp_path: Path, content: str | bytes, needles: list[str]):
+    with refused(*needles) as info:
+        load_glossary(write(tmp_path, content))
+    one_line(info)
+
+
+def test_a_missing_file_is_one_line(tmp_path: Path):
+    with refused("absent.tsv", "cannot read the glossary") as info:
+        load_glossary(tmp_path / "absent.tsv")
+    one_line(info)
+
+
+def test_inline_glossaries():
+    g = glossary_from_mapping({" Hund ": "dog", "Acme": "", "New  York": "New York"})
+    assert g.entries == (Entry("Hund", "dog", False), Entry("Acme", "Acme", True), Entry("New York", "New York", False))
+    for mapping, needles in [
+        ({"Hund": 3}, ["glossary['Hund']", "must be a string", "int"]),
+        ({"Hund": None}, ["glossary['Hund']", '"" = do not translate']),
+        ({"": "x"}, ["glossary['']", "source term is empty"]),
+        ({"Hund": "dog", "HUND": "hound"}, ["glossary['HUND']", "glossary['Hund']", "conflicts"]),
+        ({"k" * (MAX_TERM_CHARS + 1): "x"}, ["MAX_TERM_CHARS"]),
+        ({f"w{i}": "t" for i in range(MAX_REQUEST_TERMS + 1)}, ["MAX_REQUEST_TERMS", str(MAX_REQUEST_TERMS)]),
+        (["Hund", "dog"], ["glossary:", "expected an object", "list"]),
+    ]:
+        with refused(*needles) as info:
+            glossary_from_mapping(mapping)
+        one_line(info)
+    with refused("terms:", "MAX_REQUEST_TERMS (2)"):
+        glossary_from_mapping({"a": "b", "c": "d", "e": "f"}, "terms", limit=2)
+
+
+# -- constraints ----------------------------------------------------------------------------------
+
+def test_targets_encode_as_they_appear_mid_sentence_and_at_its_start(tokenizer: Tokenizer):
+    """The pieces of a target encoded alone are the pieces it has inside a sentence after a space, and at
+    its start (SentencePiece's dummy prefix): what constrained search must produce."""
+    for term in ["dog", "dog sees", "red car"]:
+        alone = tokenizer.encode([term])[0]
+        assert tokenizer.piece(alone[0]).startswith("\u2581")
+        for sentence in [f"the {term} has a cat", f"{term} has a cat", f"a cat has the {term}"]:
+            ids = tokenizer.encode([sentence])[0]
+            assert any(ids[i:i + len(alone)] == alone for i in range(len(ids))), (term, sentence)
+
+
+def test_constraints_one_per_distinct_target(tokenizer: Tokenizer):
+    g = glossary_from_mapping({"Hund": "dog", "Köter": "dog", "Katze": "cat", "rot": ""})
+    matches = find_terms(g, "der Hund, der Köter, die Katze, der Hund und rot")
+    assert constraints_for(matches, tokenizer.encode) == tokenizer.encode(["dog", "cat", "rot"])
+    terms = terms_for(g, "der Hund, der Köter, die Katze, der Hund und rot", tokenizer.encode)
+    assert terms.targets == ("dog", "cat", "rot") and terms.dropped == 0
+    assert terms.constraints == tokenizer.encode(["dog", "cat", "rot"])
+    assert terms_for(g, "nichts davon", tokenizer.encode).constraints == []
+
+
+@pytest.mark.parametrize("mapping, text, needles", [
+    ({"Hund": "qux"}, "der Hund", ["'Hund' -> 'qux'", "cannot spell 'qx'", "unknown token"]),
+    ({"Hund": "Dog"}, "der Hund", ["'Hund' -> 'Dog'", "cannot spell 'D'"]),
+    ({"Acme": ""}, "der Acme", ["'Acme' -> 'Acme'", "cannot spell 'A'"]),  # the tiny vocabulary is lowercase
+    ({"Hund": "\u200b"}, "der Hund", ["'Hund'", "encodes the target as no tokens"]),
+    ({"Hund": "a " * 40}, "der Hund", ["'Hund'", "40 tokens", "MAX_TERM_TOKENS (32)"]),
+])
+def test_targets_the_vocabulary_cannot_spell_are_refused(tokenizer: Tokenizer, mapping: dict[str, str], text: str,
+                                                         needles: list[str]):
+    g = glossary_from_mapping(mapping)
+    with refused(*needles) as info:
+        terms_for(g, text, tokenizer.encode)
+    one_line(info)
+    if "" not in mapping.values():  # do-not-translate targets are the text found: checked per sentence
+        with refused(*needles):
+            check_targets(g, tokenizer.encode)
+
+
+def test_check_targets_passes_a_spellable_glossary(tokenizer: Tokenizer):
+    check_targets(glossary_from_mapping({"Hund": "dog", "Acme": "", "rotes Auto": "red car"}), tokenizer.encode)
+
+
+def test_more_terms_than_a_sentence_takes(tokenizer: Tokenizer):
+    words = ["the", "a", "cat", "dog", "man", "woman", "child", "sees", "has", "red", "blue", "big", "small",
+             "house", "tree", "car", "der", "die"]
+    g = glossary_from_mapping({f"w{i}": word for i, word in enumerate(words)})
+    text = " ".join(f"w{i}" for i in range(len(words)))
+    terms = terms_for(g, text, tokenizer.encode)
+    assert terms.targets == tuple(words[:MAX_SENTENCE_TERMS]) and terms.dropped == len(words) - MAX_SENTENCE_TERMS
+    assert len(terms.constraints) == MAX_SENTENCE_TERMS and len(terms.matches) == len(words)
+    report = applied_terms(terms, "the der")
+    assert [r["constrained"] for r in report] == [True] * MAX_SENTENCE_TERMS + [False] * 2
+    assert report[-2] == {"source": "w16", "target": "der", "applied": True, "constrained": False}
+    with refused(f"{len(words)} distinct glossary targets", f"MAX_SENTENCE_TERMS ({MAX_SENTENCE_TERMS})") as info:
+        constraints_for(terms.matches, tokenizer.encode)
+    one_line(info)
+
+
+def test_applied_terms(tokenizer: Tokenizer):
+    g = glossary_from_mapping({"Hund": "dog", "Katze": "cat", "Acme": "", "Haus": "house"})
+    terms = terms_for(g, "acme: der Hund und die Katze und der Hund", tokenizer.encode)
+    assert applied_terms(terms, "acme: the dog and the cow") == [
+        {"source": "Acme", "target": "acme", "applied": True, "constrained": True},
+        {"source": "Hund", "target": "dog", "applied": True, "constrained": True},
+        {"source": "Katze", "target": "cat", "applied": False, "constrained": True},
+    ]
+    assert applied_terms(terms, "ACME: the hotdog")[0]["applied"] is False  # exact: the casing found
+    assert applied_terms(terms, "ACME the hotdog")[1]["applied"] is True  # a substring, as WMT 2021 counts
+    assert applied_terms(terms_for(g, "nichts", tokenizer.encode), "nothing") == []
