@@ -1,0 +1,89 @@
+"""One text service (runtime/texts.py) under every surface was to change nothing a user gets: serve-batch, the
+native HTTP API, LibreTranslate's and the Ray / Spark Translator answer byte for byte what they answered at
+BEFORE (the last commit before the service), on plain lines with blanks and a long one, n-best, documents, HTML
+and a multilingual model, refusals of long lines included. tests/text_surfaces.py asks every surface, once with
+BEFORE's tree (git archive, the repository untouched) and once with this checkout.
+
+Skipped where the checkout has no history to take BEFORE from (a shallow clone)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from helpers import ROOT
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("starlette")
+pytest.importorskip("sentencex")
+pytest.importorskip("pyarrow", reason="pyarrow is not installed (the ray extra)")
+
+BEFORE = "2f719b7"
+SURFACES = Path(__file__).with_name("text_surfaces.py")
+
+
+@pytest.fixture(scope="module")
+def before(tmp_path_factory) -> Path:
+    """The tree of BEFORE, unpacked (the repository itself is not touched)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"{BEFORE} is not in this checkout's history (shallow clone?)")
+    tree = tmp_path_factory.mktemp("before")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(tree, filter="data")
+    return tree
+
+
+@pytest.fixture(scope="module")
+def m2m_dir(tmp_path_factory) -> Path:
+    """A tiny multilingual model dir (M2M-100, imported and exported), as test_serve_multilingual's."""
+    pytest.importorskip("transformers")
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+    from pipeline.importers.m2m100 import import_m2m100
+    from tests.m2m100_fixture import make_m2m100_dir
+
+    tmp = tmp_path_factory.mktemp("m2m-texts")
+    hf = make_m2m100_dir(tmp / "m2m100-tiny", max_length=48, encoder_layers=2, decoder_layers=1, encoder_ffn=96,
+                         decoder_ffn=64, encoder_heads=4, decoder_heads=2)
+    import_m2m100(hf, tmp / "m2m.pt")
+    result = CliRunner().invoke(cli, ["export", str(tmp / "m2m.pt"), "--out", str(tmp / "fp32"), "--no-tensorrt"])
+    assert result.exit_code == 0, result.output
+    return tmp / "fp32"
+
+
+def surfaces(code: Path, out: Path, *model_dirs: Path) -> dict:
+    """Every surface's answers with the code at `code` (its modules first on the path)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(code), PIPELINE_HASH_CACHE="off")
+    args = [model_dirs[0], out, *model_dirs[1:]]
+    done = subprocess.run([sys.executable, str(SURFACES), *map(str, args)], cwd=code, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(out.read_text(encoding="utf-8"))
+
+
+def test_every_surface_answers_what_it_answered_before(before, trained_model_dir, m2m_dir, tmp_path):
+    old = surfaces(before, tmp_path / "old.json", trained_model_dir, m2m_dir)
+    new = surfaces(ROOT, tmp_path / "new.json", trained_model_dir, m2m_dir)
+    assert set(new) == set(old) == {"one_pair", "multilingual"}
+    for model in old:
+        for surface in old[model]:
+            for case in old[model][surface]:
+                assert new[model][surface][case] == old[model][surface][case], (model, surface, case)
+    # the cases do what they are for: translations that differ, long lines cut or refused, a 413
+    pair = new["one_pair"]
+    assert len(set(pair["serve_batch"]["plain"]["lines"])) > 4
+    assert pair["serve_batch"]["plain"]["stats"]["truncated"] == 1
+    assert " ||| " in pair["serve_batch"]["nbest"]["lines"][0]
+    for case in ("plain_error", "sentences_error", "html_error"):
+        assert "more than the model's limit" in pair["serve_batch"][case]["message"]
+        assert "more than the model's limit" in pair["rows"][case]["message"]
+    assert pair["rows"]["html_error_origins"]["message"].startswith("shard.txt:12 text node sentence:1: ")
+    assert {pair["http_error"][case]["status"] for case in ("plain", "sentences", "libre", "libre_html")} == {413}
