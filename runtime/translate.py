@@ -6,6 +6,7 @@ budget keeps each batch's work roughly constant whatever the sentence lengths.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -65,32 +66,57 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
 
 def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
                   first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
-                  **changes: Any) -> list[list[Hypothesis]]:
+                  constraints: list[list[list[int]]] | None = None, **changes: Any) -> list[list[Hypothesis]]:
     """Hypotheses (options.nbest, best first) for each source, in input order.
     first_tokens: per source, the token forced first (a multilingual model's target language; sources of
-    different targets may share a batch).
+    different targets may share a batch). constraints: per source, the target token phrases its output must
+    hold (a glossary's terms: runtime/glossary.py), [] for none.
 
     `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)). `on_batch(n)` is told
     each time n more sources are done (the empty ones at once, then each batch): a progress bar's steps.
     Each source is pieces + EOS, at most backend.max_src_len tokens (encode_sources). An
     empty source (a blank line) gets [] without touching the model. options.batch_tokens
     bounds n_sentences x longest source x beam per batch (see length_batches).
+
+    Sources with constraints are batched apart, decoded by constrained beam search (runtime/constrained.py)
+    with its wider beam; the others are batched among themselves and decoded as without constraints.
     """
     options = options.replace(**changes) if changes else options
     options.validate()
     results: list[list[Hypothesis]] = [[] for _ in sources]
     todo = [i for i, s in enumerate(sources) if s]
+    if constraints is not None and len(constraints) != len(sources):
+        raise RuntimeUserError(f"constraints are given for {len(constraints)} sources, not {len(sources)}")
+    forced = [i for i in todo if constraints and constraints[i]]
+    plain = [i for i in todo if not (constraints and constraints[i])] if forced else todo
     max_batch = getattr(backend, "max_batch", None)
 
-    def decode(idx: list[int]) -> list[list[Hypothesis]]:
+    def decode(batch: tuple[bool, list[int]]) -> list[list[Hypothesis]]:
+        constrained, idx = batch
         first = None if first_tokens is None else [first_tokens[i] for i in idx]
-        return search(backend, pad_batch([sources[i] for i in idx], backend.cfg.pad_id), options, first)
+        src = pad_batch([sources[i] for i in idx], backend.cfg.pad_id)
+        if not constrained:
+            return search(backend, src, options, first)
+        from runtime.constrained import constrained_beam_search
 
-    batches = ([todo[j] for j in batch] for batch in length_batches([len(sources[i]) for i in todo],
-                                                                   options.batch_tokens, options.beam_size, max_batch))
+        assert constraints is not None
+        return constrained_beam_search(backend, src, [constraints[i] for i in idx], **wide.search_kwargs(),
+                                       first_tokens=first)
+
+    wide = options
+    if forced:
+        from runtime.constrained import constrained_beam
+
+        wide = options.replace(beam_size=constrained_beam(options.beam_size, backend.topk))
+
+    def batches_of(group: list[int], opts: DecodingOptions, constrained: bool) -> Iterator[tuple[bool, list[int]]]:
+        for batch in length_batches([len(sources[i]) for i in group], opts.batch_tokens, opts.beam_size, max_batch):
+            yield constrained, [group[j] for j in batch]
+
+    batches = itertools.chain(batches_of(plain, options, False), batches_of(forced, wide, True))
     if on_batch is not None and len(todo) < len(sources):
         on_batch(len(sources) - len(todo))
-    for idx, hyps in decode_batches(backend, batches, decode):
+    for (_, idx), hyps in decode_batches(backend, batches, decode):
         for i, h in zip(idx, hyps):
             results[i] = h
         if on_batch is not None:

@@ -1,0 +1,131 @@
+"""Constrained beam search (runtime/constrained.py) on the real torch backend: every phrase appears in every
+hypothesis, the scores are the model's own log-probs, sentences without phrases decode exactly as beam search
+decodes them, and the constraint state follows phrases that are started, broken off and restarted."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from model.checkpoint import load_model
+from model.config import BOS_ID, EOS_ID
+from runtime.constrained import _advance, constrained_beam, constrained_beam_search
+from runtime.errors import RuntimeUserError
+from runtime.search import beam_search
+from runtime.torch_backend import TorchBackend
+from runtime.translate import pad_batch, translate_ids
+
+LIMITS = dict(max_len_a=0.0, max_len_b=14)
+
+
+@pytest.fixture(scope="module")
+def model(trained_checkpoint):
+    return load_model(trained_checkpoint)[0]
+
+
+@pytest.fixture(scope="module")
+def backend(model):
+    return TorchBackend(model)
+
+
+def _sources(n: int, vocab: int, seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, vocab) for _ in range(rng.randint(2, 8))] + [EOS_ID] for _ in range(n)]
+
+
+def _phrases(n: int, vocab: int, seed: int = 5) -> list[list[list[int]]]:
+    """Per sentence 0-3 phrases of 1-3 tokens the model would rarely choose by itself."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(4, vocab) for _ in range(rng.randint(1, 3))] for _ in range(rng.randint(0, 3))]
+            for _ in range(n)]
+
+
+def _contains(tokens: list[int], phrase: list[int]) -> bool:
+    return any(tokens[i:i + len(phrase)] == phrase for i in range(len(tokens) - len(phrase) + 1))
+
+
+def _teacher_forced(model, src_row: list[int], tokens: list[int]) -> list[float]:
+    with torch.no_grad():
+        lp = model(torch.tensor([src_row]), torch.tensor([[BOS_ID] + tokens])).log_softmax(-1)[0]
+    return [lp[i, t].item() for i, t in enumerate(tokens + [EOS_ID])]
+
+
+def test_every_hypothesis_holds_every_phrase_with_the_models_own_log_probs(backend, model):
+    sources = _sources(12, model.cfg.vocab_size)
+    phrases = _phrases(12, model.cfg.vocab_size)
+    assert sum(map(bool, phrases)) >= 6
+    results = constrained_beam_search(backend, pad_batch(sources), phrases, beam_size=6, nbest=3, **LIMITS)
+    for src, wanted, hyps in zip(sources, phrases, results):
+        assert len(hyps) == 3
+        for hyp in hyps:
+            for phrase in wanted:
+                assert _contains(hyp.tokens, phrase), (hyp.tokens, phrase)
+            assert hyp.step_log_probs == pytest.approx(_teacher_forced(model, src, hyp.tokens), abs=1e-4)
+            assert hyp.log_prob == pytest.approx(sum(hyp.step_log_probs), abs=1e-4)
+
+
+def test_sentences_without_phrases_decode_exactly_as_beam_search(backend, model):
+    """In a batch beside sentences with phrases: the same tokens, scores and log-probs, to the bit."""
+    sources = _sources(8, model.cfg.vocab_size, seed=9)
+    phrases = [[] if i % 2 else [[7, 8]] for i in range(8)]
+    src = pad_batch(sources)
+    plain = beam_search(backend, src, beam_size=4, nbest=4, **LIMITS)
+    mixed = constrained_beam_search(backend, src, phrases, beam_size=4, nbest=4, **LIMITS)
+    for i in range(1, 8, 2):
+        assert [(h.tokens, h.score, h.log_prob) for h in mixed[i]] == [(h.tokens, h.score, h.log_prob)
+                                                                       for h in plain[i]]
+    assert any(mixed[i][0].tokens != plain[i][0].tokens for i in range(0, 8, 2))
+
+
+def test_translate_ids_leaves_lines_without_terms_as_they_were(backend, model):
+    sources = _sources(10, model.cfg.vocab_size, seed=11) + [[]]
+    phrases = [[[9, 10, 11]] if i in (2, 5) else [] for i in range(len(sources))]
+    before = translate_ids(backend, sources, beam_size=4, **LIMITS)
+    after = translate_ids(backend, sources, beam_size=4, constraints=phrases, **LIMITS)
+    for i, (b, a) in enumerate(zip(before, after)):
+        if phrases[i]:
+            assert _contains(a[0].tokens, [9, 10, 11])
+        else:
+            assert [(h.tokens, h.score) for h in a] == [(h.tokens, h.score) for h in b]
+    assert after[-1] == []
+
+
+def test_a_phrase_that_does_not_fit_the_length_limit_ends_at_the_limit(backend, model):
+    """EOS is forbidden until every phrase is met, up to the length limit, where it is forced."""
+    phrase = list(range(20, 26))
+    [hyps] = constrained_beam_search(backend, pad_batch([[5, 6, EOS_ID]]), [[phrase]], beam_size=4,
+                                     max_len_a=0.0, max_len_b=4)
+    assert hyps and all(len(h.tokens) == 4 for h in hyps)
+
+
+def test_beam_grows_for_constrained_batches_within_the_backends_top_k():
+    assert constrained_beam(4, 16) == 8
+    assert constrained_beam(1, 16) == 4
+    assert constrained_beam(8, 16) == 8
+    assert constrained_beam(2, 4) == 2
+
+
+def test_a_backend_that_cannot_gather_is_refused_in_one_line(model):
+    backend = TorchBackend(model)
+    backend.gathers = False
+    with pytest.raises(RuntimeUserError, match="cannot apply glossaries"):
+        constrained_beam_search(backend, pad_batch([[5, EOS_ID]]), [[[7]]], beam_size=2, **LIMITS)
+
+
+def test_the_constraint_state_follows_progress_breaks_and_restarts():
+    # one sentence, phrases [7, 8, 9] and [4]; hypotheses: fresh, in [7, 8, 9] after 7, in it after 7 8
+    ids = np.array([[[7, 8, 9], [4, -1, -1]]])
+    lengths = np.array([[3, 1]])
+    met = np.zeros((1, 3, 2), dtype=bool)
+    prog_c = np.array([[-1, 0, 0]])
+    prog_j = np.array([[0, 1, 2]])
+    row = np.array([[0, 0, 1, 1, 2, 2, 2]])
+    tok = np.array([[7, 4, 8, 5, 9, 7, 4]])
+    new_met, new_c, new_j = _advance(ids, lengths, met, prog_c, prog_j, row, tok)
+    assert new_c.tolist() == [[0, -1, 0, -1, -1, 0, -1]]  # started; one-token phrase; advanced; broken; done
+    assert new_j.tolist() == [[1, 0, 2, 0, 0, 1, 0]]      # 7 after "7 8" restarts the phrase
+    assert new_met[0, :, 0].tolist() == [False, False, False, False, True, False, False]
+    assert new_met[0, :, 1].tolist() == [False, True, False, False, False, False, True]
