@@ -5,6 +5,7 @@
     loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=2), decoding_given)
     loaded.backend.encode(...)                          # a typed runtime.backend.Backend
     loaded.decoding                                     # the model's defaults under what the user gave
+    loaded.translate(ids)                               # the search, with that decoding
 
 `load` is the one place where a model dir's decoding defaults (DecodingOptions.for_model) and the
 device's batch budget (for_device) are applied, and where the backend registry (runtime/registry.py)
@@ -30,6 +31,7 @@ from runtime.decoding import PAPER, DecodingOptions, flag
 from runtime.errors import RuntimeUserError
 from runtime.registry import BACKENDS, check_device, choose_backend, entry, import_torch
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
+from runtime.translate import NBest, translate_ids
 
 if TYPE_CHECKING:
     from runtime.references import References
@@ -164,6 +166,16 @@ class Loaded:
     @property
     def manifest(self) -> Manifest:
         return self.model_dir.manifest
+
+    def translate(self, ids: list[list[int]], decoding: DecodingOptions | None = None,
+                  first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None
+                  ) -> list[NBest]:
+        """The search: each source's hypotheses as (tokens, score), best first, in input order ([] for an empty
+        source), with `decoding` or else this model's; first_tokens and on_batch as runtime.translate's
+        translate_ids, which batches by length and runs the search."""
+        hyps = translate_ids(self.backend, ids, self.decoding if decoding is None else decoding, first_tokens,
+                             on_batch)
+        return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
 def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,

@@ -12,7 +12,7 @@ from typing import Any
 from model.errors import UserError
 from pipeline.integrations.shards import PARQUET, Shard, expand, not_text
 from pipeline.serve_batch.files import count_lines
-from pipeline.serve_batch.rows import decode_row
+from pipeline.serve_batch.translation import decode_row
 
 READ_CHUNK = 1 << 20
 

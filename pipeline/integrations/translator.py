@@ -7,8 +7,8 @@
 Each call takes a column of source strings and adds `translation` (serve-batch's output line, n-best
 included), `score` (the best hypothesis' score), `empty` (a blank row: no translation) and `truncated`
 (sentences cut at the model's source limit) to the batch. The translations are serve-batch's, byte for byte:
-the rows go through its own encoding, search and formatting (pipeline/serve_batch/rows.py). Nothing here
-imports torch or Ray: the deploy install plus Ray Data (or Spark) runs it."""
+the rows go through the same text service (runtime/texts.py: encode_texts, the search, finish_texts) under
+serve-batch's options. Nothing here imports torch or Ray: the deploy install plus Ray Data (or Spark) runs it."""
 
 from __future__ import annotations
 
@@ -23,10 +23,13 @@ from typing import Any
 import numpy as np
 
 from model.errors import UserError
-from pipeline.serve_batch.rows import direction_of, encode_rows, translate_rows
-from pipeline.serve_batch.translation import ServeBatchOptions, TranslatedWindow, Window
+from pipeline.serve_batch.files import min_len_over
+from pipeline.serve_batch.translation import ServeBatchOptions
+from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
+from runtime.errors import RuntimeUserError
 from runtime.model_dir import LoadOptions, ModelDir, load
+from runtime.texts import Lines, Located, Origin, encode_texts, finish_texts
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,9 @@ class Translator:
         self.origin_columns = origin_columns
         self.loaded = load(ModelDir.open(model_dir), load_options, decoding)
         self.options = dataclasses.replace(options or ServeBatchOptions(), decoding=self.loaded.decoding).validate()
-        self.direction = direction_of(self.loaded.backend, self.options)  # a multilingual model's pair
+        # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others
+        self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang)
+        self.policy = self.options.policy(self.direction.prefix)
 
     def __call__(self, batch: Any) -> Any:
         """The batch (a dict of numpy arrays, Ray Data's default, or a pandas DataFrame) with the output
@@ -88,39 +93,25 @@ class Translator:
         return batch
 
     def translate(self, sources: Sequence[Any], origins: list[list[Any]] | None = None) -> Translated:
-        """Row-aligned results for source strings (None: a blank row)."""
+        """Row-aligned results for source strings (None: a blank row); a refused row is named by `origins`
+        (each row's file and line) or by its place in the batch (row:N)."""
         texts = [_text(s) for s in sources]
-        loaded = self.loaded
-        window = self._encode(texts, origins)
-        done = translate_rows(loaded.backend, loaded.tokenizer, window, self.options, self.direction)
-        if done.min_len_over:
-            log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
-                        done.min_len_over, self.options.decoding.min_len)
-        return Translated(done.lines, _scores(done, window), _empty(texts, window),
-                          self._truncated(texts, window), done.min_len_over)
-
-    def _encode(self, texts: list[str], origins: list[list[Any]] | None) -> Window:
-        tokenizer, limit = self.loaded.tokenizer, self.loaded.backend.max_src_len
+        loaded, decoding = self.loaded, self.options.decoding
+        origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
         try:
-            return encode_rows(texts, tokenizer, limit, self.options, self.direction, "row")
-        except UserError:
-            # a refused row (--long-lines error): find it again, one row at a time, to name its file and line
-            for k, text in enumerate(texts):
-                origin, line = (str(origins[0][k]), int(origins[1][k])) if origins else ("row", k + 1)
-                encode_rows([text], tokenizer, limit, self.options, self.direction, origin, line)
-            raise
-
-    def _truncated(self, texts: list[str], window: Window) -> list[int]:
-        """Per row, its sources the line policy cut: only a source exactly at the limit can have been cut, and
-        encoding that one again says whether it was."""
-        limit, prefix = self.loaded.backend.max_src_len, len(self.direction.prefix)
-        owners = _owners(texts, window)
-        units = _units(texts, window)
-        out = [0] * len(texts)
-        for j, ids in enumerate(window.ids):
-            if len(ids) == limit and prefix + len(self.loaded.tokenizer.encode_source([units[j]])[0]) > limit:
-                out[owners[j]] += 1
-        return out
+            encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin)
+        except RuntimeUserError as e:  # a refused row (--long-lines error): one line naming it
+            raise UserError(str(e)) from None
+        nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)))
+        results = finish_texts(loaded.tokenizer, encoded, nbest, decoding.nbest)
+        over = min_len_over(encoded.ids, decoding, loaded.backend.max_tgt_len)
+        if over:
+            log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
+                        over, decoding.min_len)
+        # a document's sentences each have a score; a row gives one only for a plain text
+        scores = [math.nan if self.policy.documents or r.score is None else r.score for r in results]
+        return Translated([r.text for r in results], scores, [r.empty for r in results],
+                          [r.truncated for r in results], over)
 
 
 def _text(value: Any) -> str:
@@ -131,41 +122,3 @@ def _text(value: Any) -> str:
     if isinstance(value, float) and math.isnan(value):  # pandas' null
         return ""
     return str(value)
-
-
-def _units(texts: list[str], window: Window) -> list[str]:
-    """The texts that were encoded, one per source of the window: the rows, or their sentences."""
-    if window.splits is None:
-        return texts
-    return [sentence for split in window.splits for sentence in split.sentences]
-
-
-def _split_rows(window: Window) -> list[int]:
-    """For each split of the window (a row's, or under --format html a text node's), its row."""
-    assert window.splits is not None
-    if window.markups is None:
-        return list(range(len(window.splits)))
-    return [row for row, markup in enumerate(window.markups) for _ in markup.sources]
-
-
-def _owners(texts: list[str], window: Window) -> list[int]:
-    """For each source of the window, the row it belongs to."""
-    if window.splits is None:
-        return list(range(len(texts)))
-    rows = _split_rows(window)
-    return [rows[k] for k, split in enumerate(window.splits) for _ in split.sentences]
-
-
-def _empty(texts: list[str], window: Window) -> list[bool]:
-    """The rows with nothing to translate, as serve-batch counts them."""
-    if window.markups is not None:
-        return [not markup.sources for markup in window.markups]
-    if window.splits is not None:
-        return [not split.sentences for split in window.splits]
-    return [not ids for ids in window.ids]
-
-
-def _scores(done: TranslatedWindow, window: Window) -> list[float]:
-    if window.splits is not None:  # a document's sentences each have a score; serve gives none for documents
-        return [math.nan] * len(done.lines)
-    return [nbest[0][1] if nbest else math.nan for nbest in done.nbest]

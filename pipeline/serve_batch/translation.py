@@ -2,12 +2,11 @@
 measure exactly what is served).
 
 Reading: a window of lines at a time, split on b'\\n' only, strict UTF-8 (refused with
-file:line) or replaced (counted). The line policy and encoding: runtime.translate's
-encode_sources (blank lines -> no tokens -> "", long lines truncated or refused). The
-output format: format_line. With `split` "sentences" each line is a document: its sentences are what
-is encoded and translated, and the line is rebuilt around their translations (sentences.py).
-pipeline/serve_batch/files.py runs the windows through the backend
-(split over torchrun ranks) and yields a `TranslatedWindow` per window.
+file:line) or replaced (counted). Everything between reading and writing is the text service's
+(runtime/texts.py): encode_texts applies the line policy (blank lines -> no tokens -> "", long lines
+truncated or refused as file:line, --split sentences, --format html) and finish_texts gives each line's
+output (n-best, documents and HTML rebuilt). pipeline/serve_batch/files.py runs the windows through the
+backend (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 """
 
 from __future__ import annotations
@@ -22,20 +21,12 @@ from pipeline.cli_options import opt
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.markup import Markup, parse_html
-from runtime.sentences import (
-    DEFAULT_LANG,
-    SPLIT_MODES,
-    Split,
-    encode_split,
-    rebuild_all,
-    split_sentences,
-)
+from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
+from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts
 from runtime.tokenizer import AnyTokenizer
-from runtime.translate import LONG_LINE_POLICIES, NBest, encode_sources, format_line
+from runtime.translate import LONG_LINE_POLICIES, NBest
 
 INVALID_UTF8_POLICIES = ("error", "replace")
-FORMATS = ("text", "html")
 
 
 @dataclass(frozen=True)
@@ -81,18 +72,30 @@ class ServeBatchOptions:
         self.decoding.validate()
         return self
 
+    def policy(self, prefix: tuple[int, ...] = ()) -> TextPolicy:
+        """The text service's policy for these options, each source after `prefix` (runtime/languages.py)."""
+        return TextPolicy(self.long_lines, self.split, self.format, self.lang, prefix)
+
 
 @dataclass
 class Window:
-    """One window of an input: source ids per line ([] for blank lines), or per sentence with the
-    lines' splits, and counts."""
+    """One window of an input: its lines as the text service encoded them, and how many had bytes replaced."""
 
-    ids: list[list[int]]
-    empty: int = 0
-    truncated: int = 0
+    encoded: EncodedTexts
     replaced: int = 0
-    splits: list[Split] | None = None
-    markups: list[Markup] | None = None  # --format html: each line's markup; `splits` are its text nodes'
+
+    @property
+    def ids(self) -> list[list[int]]:
+        """Source ids per line ([] for blank lines), or per sentence (--split sentences, --format html)."""
+        return self.encoded.ids
+
+    @property
+    def empty(self) -> int:
+        return sum(self.encoded.empty)
+
+    @property
+    def truncated(self) -> int:
+        return sum(self.encoded.truncated)
 
 
 @dataclass
@@ -131,14 +134,14 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
         replaced = 0
         first_line = 1
         for lineno, raw in enumerate(_raw_lines(f, path), start=1):
-            text, bad = _decode(raw, path, lineno, opts.invalid_utf8)
+            text, bad = decode_row(raw, path, lineno, opts.invalid_utf8)
             replaced += bad
             texts.append(text)
             if len(texts) == opts.window:
-                yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
+                yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
                 texts, replaced, first_line = [], 0, lineno + 1
         if texts:
-            yield _encode(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
+            yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
     finally:
         if f is not sys.stdin.buffer:
             f.close()
@@ -151,7 +154,9 @@ def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
         raise UserError(f"{path}: cannot read ({e})") from None
 
 
-def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
+def decode_row(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
+    """One line's bytes as text under --invalid-utf8 `policy`, and 1 if bytes were replaced (serve-batch's
+    windows, ray-translate's rows)."""
     try:
         return decode_line(raw, path, lineno), 0
     except UserError as e:
@@ -160,37 +165,18 @@ def _decode(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, int]:
         return decode_line(raw, path, lineno, errors="replace"), 1
 
 
-def _encode(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
-            opts: ServeBatchOptions, replaced: int, prefix: tuple[int, ...] = ()) -> Window:
+def encode_window(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
+                  opts: ServeBatchOptions, replaced: int = 0, prefix: tuple[int, ...] = ()) -> Window:
+    """The lines encoded by the text service under the options' policy, refusals named `path:line`."""
     try:
-        if opts.format == "html":  # each text node a document, as pipeline serve's "format": "html"
-            markups = [parse_html(text) for text in texts]
-            splits = [split_sentences(node, opts.lang) for m in markups for node in m.sources]
-            line_of = [first_line + i for i, m in enumerate(markups) for _ in m.sources]
-            ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
-                                          lambda k: f"{path}:{line_of[k]} text node", prefix)
-            return Window(ids, empty=sum(not m.sources for m in markups), truncated=truncated, replaced=replaced,
-                          splits=splits, markups=markups)
-        if opts.split == "sentences":
-            splits = [split_sentences(text, opts.lang) for text in texts]
-            ids, truncated = encode_split(tokenizer, splits, max_src_len, opts.long_lines,
-                                          lambda k: f"{path}:{first_line + k}", prefix)
-            return Window(ids, empty=sum(not s.sentences for s in splits), truncated=truncated, replaced=replaced,
-                          splits=splits)
-        sources = encode_sources(tokenizer, texts, max_src_len, long_lines=opts.long_lines, origin=path,
-                                 first_line=first_line, prefix=prefix)
+        encoded = encode_texts(tokenizer, texts, max_src_len, opts.policy(prefix), Lines(path, first_line))
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
         raise UserError(str(e)) from None
-    return Window(sources.ids, empty=sources.empty, truncated=sources.truncated, replaced=replaced)
+    return Window(encoded, replaced)
 
 
 def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
-    """The window's output lines from its hypotheses (in input order)."""
-    lines = [format_line(tokenizer, hyps, n) for hyps in nbest]
-    if window.splits is not None:
-        lines = rebuild_all(window.splits, lines)
-    if window.markups is not None:
-        nodes = iter(lines)
-        lines = [m.rebuild([next(nodes) for _ in m.sources]) for m in window.markups]
+    """The window's output lines from its hypotheses (in input order), as the text service writes them."""
+    lines = [result.text for result in finish_texts(tokenizer, window.encoded, nbest, n)]
     return TranslatedWindow(lines, window.ids, nbest, empty=window.empty, truncated=window.truncated,
                             replaced=window.replaced)

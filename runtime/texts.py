@@ -1,0 +1,276 @@
+"""The one text service: texts in, results out, around the search. serve-batch, the native HTTP API,
+LibreTranslate's API and the Ray / Spark Translator each hand it their texts and get back, per text, what
+they write or answer; none of them rebuilds those facts on its own.
+
+    encoded = encode_texts(tokenizer, texts, max_src_len, TextPolicy(split="sentences"), origin="in.txt")
+    nbest = loaded.translate(encoded.ids)                    # per unit, runtime/model_dir.py
+    results = finish_texts(tokenizer, encoded, nbest, n=1)   # per text: .text, .score, .truncated, ...
+
+A unit is what the model translates: a text (format "text", split "none"), one of its sentences (split
+"sentences": the text is a document, rebuilt around its sentences' translations with the whitespace it had,
+runtime/sentences.py), or one sentence of an HTML text node (format "html": each text node a document, the
+markup copied byte for byte, runtime/markup.py). encode_texts keeps per unit what the model saw and the exact
+string that became it (`units`: glossaries match on these), and per text its units, whether it was empty, how
+many of its units were cut to the model's source limit, its sentences and its markup; finish_texts turns the
+units' hypotheses back into one TextResult per text."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from runtime.markup import Markup, parse_html
+from runtime.sentences import DEFAULT_LANG, Split, split_sentences
+from runtime.tokenizer import AnyTokenizer
+from runtime.translate import NBest, encode_sources, format_line
+
+FORMATS = ("text", "html")
+
+
+@dataclass(frozen=True)
+class TextPolicy:
+    """How texts become units: `long_lines` "truncate" / "error" (runtime.translate.encode_sources), `split`
+    "none" / "sentences", `format` "text" / "html" (each text node split into sentences, whatever `split`
+    says), `lang` the sentence rules' language, `prefix` the tokens that start every source (a multilingual
+    model's source language: runtime/languages.py Direction.prefix)."""
+
+    long_lines: str = "truncate"
+    split: str = "none"
+    format: str = "text"
+    lang: str = DEFAULT_LANG
+    prefix: tuple[int, ...] = ()
+
+    @property
+    def documents(self) -> bool:
+        """Whether a text is a document of units (sentences, text nodes) rather than one unit."""
+        return self.split == "sentences" or self.format == "html"
+
+
+class Origin(Protocol):
+    """How the refusal of a long unit (long_lines "error") names it: a plain text k as `origin:line` (the
+    pair encode_sources names a line by), a sentence j of text k's document as `document(k) sentence:j+1`,
+    of its HTML text node (the m-th of all the texts' nodes) as `node(k, m) sentence:j+1`."""
+
+    def line(self, k: int) -> tuple[str, int]: ...
+
+    def document(self, k: int) -> str: ...
+
+    def node(self, k: int, m: int) -> str: ...
+
+
+@dataclass(frozen=True)
+class Lines:
+    """Texts as numbered lines (serve-batch's file:line, Ray's row:N): text k is `name:first_line + k`, its HTML
+    text nodes `name:line text node`."""
+
+    name: str = "input"
+    first_line: int = 1
+
+    def line(self, k: int) -> tuple[str, int]:
+        return self.name, self.first_line + k
+
+    def document(self, k: int) -> str:
+        return f"{self.name}:{self.first_line + k}"
+
+    def node(self, k: int, m: int) -> str:
+        return f"{self.document(k)} text node"
+
+
+@dataclass(frozen=True)
+class Located:
+    """Texts from files named per text (Ray's origin columns): text k is `paths[k]:lines[k]`."""
+
+    paths: Sequence[object]
+    lines: Sequence[object]
+
+    def line(self, k: int) -> tuple[str, int]:
+        return str(self.paths[k]), int(self.lines[k])  # type: ignore[call-overload]
+
+    def document(self, k: int) -> str:
+        path, line = self.line(k)
+        return f"{path}:{line}"
+
+    def node(self, k: int, m: int) -> str:
+        return f"{self.document(k)} text node"
+
+
+@dataclass(frozen=True)
+class Listed:
+    """Texts of an HTTP request: a line is `request line:N` (from 1), a document `text[k]` (from 0), an HTML
+    text node `text[m]` (counting every text's nodes: what the model was given)."""
+
+    def line(self, k: int) -> tuple[str, int]:
+        return "request line", k + 1
+
+    def document(self, k: int) -> str:
+        return f"text[{k}]"
+
+    def node(self, k: int, m: int) -> str:
+        return f"text[{m}]"
+
+
+@dataclass
+class EncodedTexts:
+    """What encoding learned. Per unit (in text order): `ids` the source the model sees ([] for a blank text),
+    `units` the exact string that was encoded, `owners` its text. Per text: `spans` its units, `empty` nothing
+    to translate (blank, no sentence, no text node with letters), `truncated` its units cut to the source
+    limit, `documents` its sentences (one Split with split "sentences", one per text node with html, none for
+    a plain text), `markups` its markup (html)."""
+
+    policy: TextPolicy
+    ids: list[list[int]] = field(default_factory=list)
+    units: list[str] = field(default_factory=list)
+    owners: list[int] = field(default_factory=list)
+    spans: list[range] = field(default_factory=list)
+    empty: list[bool] = field(default_factory=list)
+    truncated: list[int] = field(default_factory=list)
+    documents: list[list[Split]] = field(default_factory=list)
+    markups: list[Markup | None] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        """Source tokens of every unit (EOS and prefix included)."""
+        return sum(len(s) for s in self.ids)
+
+    def split(self, k: int) -> Split | None:
+        """Text k's sentences with split "sentences" (format text); None otherwise."""
+        docs = self.documents[k]
+        return docs[0] if docs and self.markups[k] is None else None
+
+
+def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, policy: TextPolicy,
+                 origin: str | Origin = "input", check_units: Callable[[int], None] | None = None) -> EncodedTexts:
+    """The texts as units of source ids under `policy`, with what each text is made of. A unit over
+    max_src_len tokens is cut (counted on its text) or refused as `origin` names it (a SourceTooLong, a
+    RuntimeUserError; a str origin names a file's lines). `check_units(n)` is told how many units there are
+    before any is tokenized (the HTTP API's limit on sentences)."""
+    named = Lines(origin) if isinstance(origin, str) else origin
+    out = EncodedTexts(policy)
+    where: list[tuple[str, int]] = []  # per unit of a document: how a refusal names it
+    nodes = 0
+    for k, text in enumerate(texts):
+        start = len(out.units)
+        markup = parse_html(text) if policy.format == "html" else None
+        if markup is not None:
+            docs = [split_sentences(node, policy.lang) for node in markup.sources]
+            names = [named.node(k, m) for m in range(nodes, nodes + len(docs))]
+            nodes += len(docs)
+            empty = not docs
+        elif policy.split == "sentences":
+            docs, names = [split_sentences(text, policy.lang)], [named.document(k)]
+            empty = not docs[0].sentences
+        else:
+            docs, names = [], []
+            out.units.append(text)
+            empty = not text.strip()
+        for doc, name in zip(docs, names):
+            out.units += doc.sentences
+            where += [(f"{name} sentence", j + 1) for j in range(len(doc.sentences))]
+        out.owners += [k] * (len(out.units) - start)
+        out.spans.append(range(start, len(out.units)))
+        out.empty.append(empty)
+        out.documents.append(docs)
+        out.markups.append(markup)
+    if check_units is not None:
+        check_units(len(out.units))
+    # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
+    # itself: each text learns how many of its units were cut, and a refusal reads as it always has
+    out.ids = encode_sources(tokenizer, out.units, sys.maxsize, long_lines=policy.long_lines,
+                             prefix=policy.prefix).ids
+    out.truncated = [0] * len(texts)
+    for u, seq in enumerate(out.ids):
+        if len(seq) > max_src_len:
+            name, line = where[u] if policy.documents else named.line(out.owners[u])
+            fitted = encode_sources(tokenizer, [out.units[u]], max_src_len, long_lines=policy.long_lines,
+                                    origin=name, first_line=line, prefix=policy.prefix)
+            out.ids[u] = fitted.ids[0]
+            out.truncated[out.owners[u]] += fitted.truncated
+    return out
+
+
+Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
+
+
+def hypotheses(tokenizer: AnyTokenizer, nbest: NBest) -> Hypotheses:
+    """Each hypothesis' text (as format_line writes a 1-best line) and score, best first; [] for a blank unit."""
+    if not nbest:
+        return []
+    return list(zip(tokenizer.decode([tokens for tokens, _ in nbest]), (score for _, score in nbest)))
+
+
+@dataclass
+class TextResult:
+    """One text's translation. `text`: the line serve-batch writes (n-best `text ||| score` joined by ' ||| '
+    when n > 1 for a plain text; a document rebuilt around its sentences' best translations; HTML around its
+    text nodes'). `alternatives`: the other translations, each k-th hypothesis (a document's rebuilt from its
+    sentences' k-th), one equal to the text or an earlier one dropped; none for HTML. `hypotheses`: a plain
+    text's (text, score), best first. `score`: a plain text's best score; a document's sentences' best scores
+    averaged by their length in tokens, an HTML text's nodes' averaged by their length in characters; None
+    when nothing was translated. `units`: each unit's best translation (encoded.spans gives their units)."""
+
+    text: str
+    alternatives: list[str]
+    hypotheses: Hypotheses
+    score: float | None
+    truncated: int
+    empty: bool
+    units: list[str]
+
+
+def _average(weighted: list[tuple[int, float]]) -> float | None:
+    total = sum(w for w, _ in weighted)
+    return sum(w * s for w, s in weighted) / total if total else None
+
+
+def _document_score(nbests: list[NBest]) -> float | None:
+    return _average([(len(nb[0][0]) + 1, nb[0][1]) for nb in nbests if nb])
+
+
+def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit: list[NBest], n: int
+                 ) -> list[TextResult]:
+    """One TextResult per text, in order, from each unit's hypotheses (n: the n-best asked for)."""
+    if len(nbest_per_unit) != len(encoded.ids):
+        raise ValueError(f"{len(nbest_per_unit)} hypotheses lists for {len(encoded.ids)} units")
+    outs = [hypotheses(tokenizer, nb) for nb in nbest_per_unit]
+    best = [h[0][0] if h else "" for h in outs]
+    results = []
+    others: list[str]
+    for k, span in enumerate(encoded.spans):
+        docs, markup = encoded.documents[k], encoded.markups[k]
+        truncated, empty = encoded.truncated[k], encoded.empty[k]
+        if not encoded.policy.documents:
+            u = span.start
+            hyps = nbest_per_unit[u]
+            text = format_line(tokenizer, hyps, n) if n > 1 else best[u]
+            others = _distinct(best[u], [h for h, _ in outs[u][1:n]])
+            results.append(TextResult(text, others, outs[u], hyps[0][1] if hyps else None, truncated, empty,
+                                      [best[u]]))
+            continue
+        pieces, scores, u = [], [], span.start
+        for doc in docs:
+            stop = u + len(doc.sentences)
+            pieces.append(doc.rebuild(best[u:stop]))
+            scores.append(_document_score(nbest_per_unit[u:stop]))
+            u = stop
+        if markup is not None:
+            text = markup.rebuild(pieces)
+            score = _average([(len(src), s) for src, s in zip(markup.sources, scores) if s is not None])
+            others = []
+        else:
+            text, score = pieces[0], scores[0]
+            others = _distinct(text, [docs[0].rebuild([(h[j] if j < len(h) else h[0])[0] if h else ""
+                                                       for h in outs[span.start:span.stop]])
+                                      for j in range(1, n)])
+        results.append(TextResult(text, others, [], score, truncated, empty, best[span.start:span.stop]))
+    return results
+
+
+def _distinct(text: str, candidates: list[str]) -> list[str]:
+    """The candidates unlike `text` and every earlier one (as LibreTranslate lists alternatives)."""
+    out: list[str] = []
+    for candidate in candidates:
+        if candidate != text and candidate not in out:
+            out.append(candidate)
+    return out
