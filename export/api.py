@@ -9,6 +9,7 @@ a killed process has none, and backends refuse it.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.metadata
 import logging
@@ -24,6 +25,7 @@ import torch
 
 from export import calibrate, onnx_export, quantize, rowwise, tensorrt_build, trt_compat, verify
 from export.calibrate import RangeTable
+from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable
 from export.options import READ_BY_THE_CALLER, ExportOptions
 from export.plan import ExportPlan, checkpoint_steps, decoding_defaults, resolve
@@ -130,7 +132,9 @@ def write_model_dir(plan: ExportPlan, tmp: Path) -> Manifest:
     graph_model = onnx_export.inference_copy(plan.model, plan.fp16)
     ranges = _calibrate(plan)
     graphs, static_scales = _write_graphs(plan, graph_model, tmp, ranges)
+    graphs, constrained = _write_constrained(plan, tmp, graphs)
     verification = _verify(plan, graph_model, tmp)
+    verification["constrained_step"] = constrained
     if plan.activation_scales is not None:  # rowwise: static or per row, and why
         verification["int8_activation_scales"] = _scales_record(plan)
     if static_scales is not None:  # which layers run with calibrated constant scales
@@ -216,13 +220,26 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
     return Graphs(export_seconds=round(seconds, 2), bytes=sizes), static
 
 
+def _write_constrained(plan: ExportPlan, tmp: Path, graphs: Graphs) -> tuple[Graphs, dict[str, Any]]:
+    """decoder_constrained.onnx (export/constrained.py) from the finished decoder.onnx, every flavour's:
+    its size among the graphs', checked against the TensorRT parser's rules like decoder.onnx."""
+    record = write_constrained(tmp)
+    path = tmp / io_names.DECODER_CONSTRAINED_FILE
+    if plan.int8_flavour not in ONNXRUNTIME_ONLY:
+        problems = trt_compat.check_model(onnx.load(str(path), load_external_data=False))
+        if problems:
+            raise ExportError(f"{path.name} would not parse in TensorRT: " + "; ".join(problems))
+    return dataclasses.replace(graphs, bytes={**graphs.bytes, path.name: path.stat().st_size}), record
+
+
 def _verify(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> dict[str, Any]:
-    """The graphs in ONNX Runtime against PyTorch, within the plan's bound for its precision."""
+    """The graphs in ONNX Runtime against PyTorch, within the plan's bound for its precision (decoder_constrained.onnx
+    beside decoder.onnx)."""
     o = plan.options
     return verify.verify_export(plan.model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
                                 fp16=o.fp16, topk=o.topk, atol=o.atol, fp16_atol=o.fp16_atol,
                                 model16=graph_model if o.fp16 else None, int8=plan.int8_flavour is not None,
-                                int8_atol=plan.int8_atol)
+                                int8_atol=plan.int8_atol, constrained=tmp / io_names.DECODER_CONSTRAINED_FILE)
 
 
 def _engines(plan: ExportPlan, tmp: Path) -> tuple[Engines | None, str | None]:

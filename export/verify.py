@@ -28,6 +28,7 @@ import numpy as np
 import onnx
 import torch
 
+from export import constrained as constrained_step
 from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
@@ -106,7 +107,7 @@ def torch_encoder(model: Transformer) -> StepFn:
 
 def torch_decoder(model: Transformer, topk: int) -> StepFn:
     """The PyTorch decoder step with the decoder graph's names (and the shortlisted step's, when
-    the feeds hold candidates)."""
+    the feeds hold candidates; the constrained step's, when they hold want ids)."""
     n = model.cfg.n_dec_layers
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -120,6 +121,8 @@ def torch_decoder(model: Transformer, topk: int) -> StepFn:
                 t[io_names.SRC_BIAS], candidates)
             lp, ids, eos = select_candidates(log_probs, topk, model.cfg.eos_id, candidates)
         out = {io_names.TOPK_LOG_PROBS: lp, io_names.TOPK_IDS: ids, io_names.EOS_LOG_PROBS: eos}
+        if io_names.WANT_IDS in t:
+            out[io_names.WANT_LOG_PROBS] = constrained_step.gathered(log_probs, t[io_names.WANT_IDS])
         for i in range(n):
             out[io_names.step_k(i)], out[io_names.step_v(i)] = step_k[i], step_v[i]
         return {name: v.numpy() for name, v in out.items()}
@@ -166,7 +169,14 @@ class Report:
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float:
     if a.shape != b.shape:
         raise ExportError(f"shape mismatch {a.shape} vs {b.shape}")
-    return float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))) if a.size else 0.0
+    return float(np.max(_abs_diff(a, b))) if a.size else 0.0
+
+
+def _abs_diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """|a - b|, 0 where both are the same infinity (a suppressed id, or a want id of -1)."""
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # inf - inf
+        return np.where(a64 == b64, 0.0, np.abs(a64 - b64))
 
 
 def _check(report: Report, key: str, where: str, a: np.ndarray, b: np.ndarray, atol: float | None,
@@ -179,9 +189,10 @@ def _check(report: Report, key: str, where: str, a: np.ndarray, b: np.ndarray, a
     report.add(key, diff)
     if atol is None or not a.size:
         return
-    err = np.abs(a.astype(np.float64) - b.astype(np.float64))
-    bound = atol + rtol * np.abs(b.astype(np.float64))
-    excess = err - bound
+    err = _abs_diff(a, b)
+    with np.errstate(invalid="ignore"):  # 0 * inf: NaN, the same infinity on both sides excepted
+        bound = atol + rtol * np.abs(b.astype(np.float64))
+        excess = np.where(err == 0, 0.0, err - bound)
     if not np.all(excess <= 0):  # also catches NaN
         worst = np.unravel_index(int(np.nanargmax(np.where(np.isnan(excess), np.inf, excess))), err.shape)
         raise VerificationError(key, where, float(err[worst]), float(bound[worst]), atol, rtol)
@@ -245,8 +256,9 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
                         for c in caches)
         out = decoder({**feeds, **own, **cross})
         ref = ref_decoder({**feeds, **ref_own, **ref_cross})
-        for name in (io_names.TOPK_LOG_PROBS, io_names.EOS_LOG_PROBS):
-            _check(report, name, where, out[name], ref[name], atol, rtol)
+        for name in (io_names.TOPK_LOG_PROBS, io_names.EOS_LOG_PROBS, io_names.WANT_LOG_PROBS):
+            if name in ref:  # want_log_probs: where both steps are fed want ids
+                _check(report, name, where, out[name], ref[name], atol, rtol)
         _check_ids(report, where, ref[io_names.TOPK_LOG_PROBS], ref[io_names.TOPK_IDS],
                    out[io_names.TOPK_IDS], atol, rtol)
         for i in range(n):
@@ -292,7 +304,8 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                   topk: int, atol: float = FP32_ATOL, fp16_atol: float = FP16_ATOL,
                   rtol: float = FP32_RTOL, fp16_rtol: float = FP16_RTOL,
                   model16: Transformer | None = None, int8: bool = False,
-                  int8_atol: float = INT8_ATOL, int8_rtol: float = INT8_RTOL, shortlist: Any = None) -> dict[str, Any]:
+                  int8_atol: float = INT8_ATOL, int8_rtol: float = INT8_RTOL, shortlist: Any = None,
+                  constrained: Path | None = None) -> dict[str, Any]:
     """Check both graphs and compare them with PyTorch; returns the manifest's figures.
 
     fp32: ORT vs the fp32 model. fp16: ORT vs the half model in PyTorch (same graph
@@ -301,22 +314,26 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
     `model16`: the half copy the graphs were exported from, when the caller has one.
     `shortlist` (runtime.shortlist.Shortlist): decoder_path is the shortlisted step, checked on the
     sample batch's candidates against the PyTorch step over the same candidates.
+    `constrained` (decoder_constrained.onnx): run beside decoder_path on the same feeds plus want ids, its
+    shared outputs bitwise equal and its want_log_probs within the same bound (_decoders).
     """
     for path in (encoder_path, decoder_path):
         check_graph(path)
     if int8:
         return verify_int8(model32, encoder_path, decoder_path, topk=topk, atol=int8_atol, rtol=int8_rtol,
-                           shortlist=shortlist)
-    enc, dec = ort_runner(encoder_path), ort_runner(decoder_path)
+                           shortlist=shortlist, constrained=constrained)
+    enc = ort_runner(encoder_path)
     if not fp16:
-        rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
+        dec, ref = _decoders(model32, decoder_path, constrained, torch_decoder(model32, topk))
+        rep = compare_engines(model32, enc, dec, torch_encoder(model32), ref,
                               atol, rtol, "onnxruntime vs torch fp32", shortlist=shortlist)
         return _summary("fp32", atol, rtol, {"onnxruntime_vs_torch_fp32": rep},
                         "onnx.checker; ONNX Runtime CPU vs PyTorch fp32 on a padded batch, "
-                        f"{rep.steps} decoder steps with beam reorder and a finished sentence")
+                        f"{rep.steps} decoder steps with beam reorder and a finished sentence", constrained)
     if model16 is None:
         model16 = inference_copy(model32, fp16=True)
-    rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), torch_decoder(model16, topk),
+    dec, ref = _decoders(model16, decoder_path, constrained, torch_decoder(model16, topk))
+    rep_ort = compare_engines(model16, enc, dec, torch_encoder(model16), ref,
                               fp16_atol, fp16_rtol, "onnxruntime fp16 vs torch fp16", shortlist=shortlist)
     rep_half = compare_engines(model32, torch_encoder(model16), torch_decoder(model16, topk),
                                torch_encoder(model32), torch_decoder(model32, topk), fp16_atol, fp16_rtol,
@@ -325,11 +342,24 @@ def verify_export(model32: Transformer, encoder_path: Path, decoder_path: Path, 
                                         "torch_fp16_vs_torch_fp32": rep_half},
                     "onnx.checker; ONNX Runtime CPU (which may run some fp16 nodes in fp32) vs "
                     "PyTorch half precision; PyTorch half precision (real fp16 matmuls) vs PyTorch "
-                    f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder")
+                    f"fp32; each on a padded batch, {rep_ort.steps} decoder steps with beam reorder", constrained)
+
+
+def _decoders(model: Transformer, decoder_path: Path, constrained: Path | None, ref: StepFn,
+              config: dict[str, str] | None = None) -> tuple[StepFn, StepFn]:
+    """The ONNX Runtime decoder step and `ref` for compare_engines; with `constrained`, that graph beside the
+    decoder on the same feeds (shared outputs bitwise equal), both sides fed want ids (export/constrained.py)."""
+    dec = ort_runner(decoder_path, config)
+    if constrained is None:
+        return dec, ref
+    both = constrained_step.both_graphs(dec, ort_runner(constrained, config))
+    vocab = model.cfg.vocab_size
+    return constrained_step.with_want(both, vocab), constrained_step.with_want(ref, vocab)
 
 
 def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *, topk: int,
-                atol: float = INT8_ATOL, rtol: float = INT8_RTOL, shortlist: Any = None) -> dict[str, Any]:
+                atol: float = INT8_ATOL, rtol: float = INT8_RTOL, shortlist: Any = None,
+                constrained: Path | None = None) -> dict[str, Any]:
     """int8 graphs in ONNX Runtime (int8 GEMMs, as served) vs the fp32 PyTorch model.
 
     Candidate log-probs within atol + rtol * |log-prob|; candidate ids (top-1 included)
@@ -337,8 +367,9 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
     """
     config = int8_session_config()  # what the onnxruntime backend does on this machine; the rowwise
     # weights are pair-bounded int8, which every CPU loads as stored (runtime/cpu_int8.py)
-    enc, dec = ort_runner(encoder_path, config), ort_runner(decoder_path, config)
-    rep = compare_engines(model32, enc, dec, torch_encoder(model32), torch_decoder(model32, topk),
+    enc = ort_runner(encoder_path, config)
+    dec, ref = _decoders(model32, decoder_path, constrained, torch_decoder(model32, topk), config)
+    rep = compare_engines(model32, enc, dec, torch_encoder(model32), ref,
                           atol, rtol, "onnxruntime int8 vs torch fp32", shortlist=shortlist)
     kernel = ("u8 x s8 with int8 dot products" if has_int8_dot_product() else
               "u8 x s8 on int16 pairs of products, no int8 dot products; pair-bounded weights keep them exact")
@@ -349,10 +380,13 @@ def verify_int8(model32: Transformer, encoder_path: Path, decoder_path: Path, *,
                     f"GEMMs ({kernel} on this CPU); "
                     "ort-dynamic: MatMulInteger) vs PyTorch fp32 on a padded batch, "
                     f"{rep.steps} decoder steps with beam reorder and a dropped hypothesis; candidate "
-                    "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance")
+                    "ids (top-1 included) checked wherever fp32 separates them by more than the tolerance",
+                    constrained)
 
 
-def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report], how: str) -> dict[str, Any]:
+def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report], how: str,
+             constrained: Path | None = None) -> dict[str, Any]:
+    how += constrained_step.HOW if constrained is not None else ""
     out: dict[str, Any] = {"precision": precision, "atol": atol, "rtol": rtol, "how": how}
     for name, rep in reports.items():
         out[name] = {"max_abs_diff": {k: float(f"{v:.4g}") for k, v in sorted(rep.max_abs.items())},
