@@ -81,6 +81,9 @@ class TorchBackend:
         if step_mode != "eager" and shortlist is not None:
             raise ValueError("a vocabulary shortlist needs the eager step (its candidates change with the batch)")
         self.step_mode = step_mode
+        # the eager step computes every id's log-prob, so it hands out any of them (constrained search); the
+        # fixed-shape step returns its top-K only, and a shortlisted one scores its candidates only
+        self.gathers = step_mode == "eager" and shortlist is None
         capture = step_mode == "graph" or (step_mode == "compiled" and self.device.type == "cuda")
         self.static = None if step_mode == "eager" else StaticStepRunner(
             self.model, topk, dtype, self.device, capture=capture, compiled=step_mode == "compiled")
@@ -111,7 +114,9 @@ class TorchBackend:
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
-             reorder: Any) -> tuple[StepOutput, BeamCache]:
+             reorder: Any, want: Any = None) -> tuple[StepOutput, BeamCache]:
+        if want is not None:
+            want = self._want(want, len(tokens))
         if isinstance(cache, StaticCache) and self.static is not None:
             out, cache = self.static.step(state, tokens, step, cache, reorder)
             state.bound = cache.batch
@@ -126,7 +131,23 @@ class TorchBackend:
             t[io_names.SRC_BIAS], state.candidates)
         cache.append(step_k, step_v)
         top_lp, top_ids, eos_lp = select_candidates(log_probs, self.topk, self.cfg.eos_id, state.candidates)
-        return StepOutput(host(top_lp), host(top_ids), host(eos_lp)), cache
+        want_lp = None
+        if want is not None:  # any id's log-prob, -inf for -1 (what decoder_constrained.onnx computes)
+            want_lp = host(torch.where(want < 0, float("-inf"), log_probs.float().gather(1, want.clamp(min=0))))
+        return StepOutput(host(top_lp), host(top_ids), host(eos_lp), want_lp), cache
+
+    def _want(self, want: Any, n: int) -> torch.Tensor:
+        """`want` as an (n, W) int64 tensor on the device; RuntimeUserError where this backend does not gather."""
+        if not self.gathers:
+            raise RuntimeUserError(
+                "glossaries need the log-probs of a term's tokens over the whole vocabulary: the torch backend "
+                + ("computes them with --shortlist only over its candidates: serve without --shortlist"
+                   if self.shortlist is not None else
+                   f"returns them only from its eager step, not --step {self.step_mode}: use --step eager"))
+        t = torch.as_tensor(want, dtype=torch.int64, device=self.device)
+        if t.dim() != 2 or t.shape[0] != n:
+            raise ValueError(f"want must be (hypotheses, ids) = ({n}, W), got shape {tuple(t.shape)}")
+        return t
 
 
 def torch_dtype(precision: str | None, device: torch.device) -> torch.dtype:

@@ -124,6 +124,9 @@ class TrtBackend(ExportedGraphBackend):
     """TensorRT engines with torch CUDA tensors as device buffers."""
 
     name = "tensorrt"
+    # no decoder_constrained.plan yet: its engine would be built like decoder.plan from decoder_constrained.onnx,
+    # with a profile for want_ids' (hyps, n_want)
+    gathers = False
 
     def __init__(self, model_dir: Path, manifest: Manifest, device: str | torch.device | None = None):
         import_tensorrt()
@@ -162,7 +165,11 @@ class TrtBackend(ExportedGraphBackend):
 
     @torch.inference_mode()
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
-             reorder: Any) -> tuple[StepOutput, BeamCache]:
+             reorder: Any, want: Any = None) -> tuple[StepOutput, BeamCache]:
+        if want is not None:
+            raise RuntimeUserError("glossaries need the log-probs of a term's tokens at every step, which the "
+                                   "tensorrt backend's engines do not return yet: use --backend onnxruntime or "
+                                   "--backend torch for a glossary")
         n_layers = self.cfg.n_dec_layers
         if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
             raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "

@@ -34,6 +34,7 @@ class ScriptedBackend:
     probabilities and fails the expected scores."""
 
     name = "scripted"
+    gathers = True  # it has every id's log-prob: it hands out any (constrained search)
     cfg = ModelConfig(vocab_size=VOCAB, d_model=8, n_heads=1, d_ff=8, n_enc_layers=1, n_dec_layers=1)
 
     def __init__(self, tables: dict[int, Table], topk: int = VOCAB, max_tgt_len: int = 100):
@@ -57,7 +58,7 @@ class ScriptedBackend:
     def initial_cache(self, n_rows: int) -> np.ndarray:
         return np.zeros((n_rows, 0), dtype=np.int64)
 
-    def step(self, state, tokens, step, cache, reorder):
+    def step(self, state, tokens, step, cache, reorder, want=None):
         assert cache.shape[1] == step, "step index must equal the tokens fed so far"
         # One state row per sentence, shared by its consecutive hypothesis rows.
         assert tokens.shape[0] == reorder.shape[0] and tokens.shape[0] % state.n_rows == 0
@@ -73,7 +74,10 @@ class ScriptedBackend:
         self.rows_seen.append(tokens.shape[0])
         self.state_rows_seen.append(state.n_rows)
         top_ids = np.argsort(-lp, axis=1, kind="stable")[:, :self.topk]
-        return StepOutput(np.take_along_axis(lp, top_ids, axis=1), top_ids, lp[:, EOS_ID].copy()), cache
+        want_lp = None
+        if want is not None:
+            want_lp = np.where(want < 0, -np.inf, np.take_along_axis(lp, np.maximum(want, 0), axis=1)).astype(np.float32)
+        return StepOutput(np.take_along_axis(lp, top_ids, axis=1), top_ids, lp[:, EOS_ID].copy(), want_lp), cache
 
 
 def table(entries: dict[tuple[int, ...], dict[int, float]],
