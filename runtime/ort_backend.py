@@ -36,6 +36,7 @@ from runtime.errors import RuntimeUserError
 from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
 from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, usable_cores
+from runtime.ort_constrained import ConstrainedDecoder, want_array, why_not
 from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
 from runtime.shortlist import Shortlist
 
@@ -146,6 +147,11 @@ class OrtBackend(ExportedGraphBackend):
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types: dict[str, np.dtype[Any]] = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}
+        self.out_types[io_names.WANT_LOG_PROBS] = np.dtype(np.float32)
+        # decoder_constrained.onnx (runtime/ort_constrained.py): opened on the first step given `want`
+        self.constrained = ConstrainedDecoder(functools.partial(session, model_dir / io_names.DECODER_CONSTRAINED_FILE),
+                                              why_not(model_dir, manifest, shortlisted=shortlist is not None))
+        self.gathers = self.constrained.gathers
         self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
         if shortlist is not None:
@@ -248,25 +254,44 @@ class OrtBackend(ExportedGraphBackend):
         return EncoderState(tensors, b, candidates=candidates)
 
     def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
-             reorder: Any) -> tuple[StepOutput, BeamCache]:
+             reorder: Any, want: Any = None) -> tuple[StepOutput, BeamCache]:
         n = len(tokens)
+        session, want_ids = self.decoder, None
+        if want is not None:  # decoder_constrained.onnx (opened now if this is the first such step)
+            session, want_ids = self.constrained.session(), want_array(host(want), n, self.cfg.vocab_size)
+            if not want_ids.shape[1]:  # no ids asked for: the plain step
+                session = self.decoder
         feeds = cache.advance(reorder, state.n_rows)
         bound = state.bound
-        if not isinstance(bound, _StepBinding) or bound.n != n:
-            bound = state.bound = self._step_binding(state, n)
+        if not isinstance(bound, _StepBinding) or bound.n != n or bound.session is not session:
+            bound = state.bound = self._step_binding(state, n, session)
         self._fill(bound.tokens, host(tokens, np.int64))
         self._fill(bound.step, np.array([step], dtype=np.int64))
+        if want_ids is not None and session is not self.decoder:
+            self._fill_want(bound, want_ids)
         feeds = {name: self._bind_changed(bound, name, value) for name, value in feeds.items()}
-        self._run(self.decoder, bound.binding)
+        self._run(session, bound.binding)
         cache.append(bound.step_k, bound.step_v)
+        want_lp = None if want_ids is None else (
+            np.array(host(bound.want_lp)) if want_ids.shape[1] else np.empty((n, 0), np.float32))
         # copies: the bound outputs are overwritten by the next step
         return StepOutput(np.array(host(bound.top_lp)), np.array(host(bound.top_ids)),
-                          np.array(host(bound.eos_lp))), cache
+                          np.array(host(bound.eos_lp)), want_lp), cache
 
-    def _step_binding(self, state: EncoderState, n: int) -> _StepBinding:
-        """The decoder's binding for `n` hypotheses of `state`: its tensors (cross K/V, src_bias)
-        and every output bound once; tokens and step in buffers bound once and filled per step."""
-        binding = self.decoder.io_binding()
+    def _fill_want(self, bound: _StepBinding, want: np.ndarray) -> None:
+        """The constrained step's want_ids filled, its want_ids buffer and want_log_probs output bound again
+        where the ids per hypothesis changed."""
+        if bound.want is None or tuple(bound.want.shape) != want.shape:
+            bound.want = self._bind_in(bound.binding, io_names.WANT_IDS, self._device_array(np.zeros_like(want)))
+            bound.want_lp = self._bind_out(bound.binding, io_names.WANT_LOG_PROBS, want.shape)
+        self._fill(bound.want, want)
+
+    def _step_binding(self, state: EncoderState, n: int, session: ort.InferenceSession | None = None) -> _StepBinding:
+        """The binding of `session` (the decoder's by default, or the constrained one) for `n` hypotheses of
+        `state`: its tensors (cross K/V, src_bias) and every output bound once; tokens and step in buffers bound
+        once and filled per step."""
+        session = self.decoder if session is None else session
+        binding = session.io_binding()
         alive = {name: self._bind_in(binding, name, t) for name, t in state.tensors.items()}
         tokens, step = self._device_array(np.zeros(n, np.int64)), self._device_array(np.zeros(1, np.int64))
         alive[io_names.TOKENS] = self._bind_in(binding, io_names.TOKENS, tokens)
@@ -275,7 +300,7 @@ class OrtBackend(ExportedGraphBackend):
             alive[io_names.CANDIDATES] = self._bind_in(binding, io_names.CANDIDATES, state.candidates)
         d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
         return _StepBinding(
-            binding, n, tokens, step, alive,
+            binding, session, n, tokens, step, alive,
             top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk)),
             top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk)),
             eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
@@ -305,6 +330,7 @@ class _StepBinding:
     """The decoder's IO binding kept across the steps of one encoder state."""
 
     binding: ort.IOBinding
+    session: ort.InferenceSession  # the decoder's, or decoder_constrained.onnx's (runtime/ort_constrained.py)
     n: int                      # hypotheses
     tokens: Any                 # (n,) int64, bound; filled each step
     step: Any                   # (1,) int64, bound; filled each step
@@ -315,6 +341,8 @@ class _StepBinding:
     step_k: list[Any]
     step_v: list[Any]
     feeds: dict[str, weakref.ref[Any] | None] = field(default_factory=dict)  # cache feeds bound now
+    want: Any = None            # the constrained step's (n, W) want_ids, bound; filled each step
+    want_lp: Any = None         # and its (n, W) want_log_probs output
 
 
 def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> OrtBackend:
