@@ -76,7 +76,8 @@ class ScriptedBackend:
         top_ids = np.argsort(-lp, axis=1, kind="stable")[:, :self.topk]
         want_lp = None
         if want is not None:
-            want_lp = np.where(want < 0, -np.inf, np.take_along_axis(lp, np.maximum(want, 0), axis=1)).astype(np.float32)
+            gathered = np.take_along_axis(lp, np.maximum(want, 0), axis=1)
+            want_lp = np.where(want < 0, -np.inf, gathered).astype(np.float32)
         return StepOutput(np.take_along_axis(lp, top_ids, axis=1), top_ids, lp[:, EOS_ID].copy(), want_lp), cache
 
 
