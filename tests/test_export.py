@@ -376,9 +376,8 @@ def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint
 
 def test_manifest_is_json_with_files_hashed(fp32_dir):
     data = json.loads((fp32_dir / MANIFEST).read_text())
-    graphs = (io_names.ENCODER_FILE, io_names.DECODER_FILE)
-    assert set(data["files"]) == {*graphs, *map(io_names.weights_file, graphs), CHECKPOINT_FILE, SPM_FILE,
-                                  io_names.DECODER_CONSTRAINED_FILE}  # decoder.onnx's weights (test_constrained_step)
+    graphs, constrained = (io_names.ENCODER_FILE, io_names.DECODER_FILE), io_names.DECODER_CONSTRAINED_FILE
+    assert set(data["files"]) == {*graphs, *map(io_names.weights_file, graphs), CHECKPOINT_FILE, SPM_FILE, constrained}
 
 
 @pytest.mark.parametrize("graph", [io_names.ENCODER_FILE, io_names.DECODER_FILE])
