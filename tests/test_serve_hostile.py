@@ -49,12 +49,13 @@ class CharTokenizer:
 
 
 class StandIn(Translator):
-    """serve's Translator (its encoding, splitting and formatting) over CharTokenizer and a search that
-    copies the source; each batch is recorded, and takes `delay` seconds."""
+    """serve's Translator (the text service's encoding, splitting and formatting) over CharTokenizer and a
+    search that copies the source; each batch is recorded, and takes `delay` seconds."""
 
     def __init__(self, delay: float = 0.0, max_src_len: int = 1000):
-        super().__init__(SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu"), CharTokenizer(),
-                         None)  # type: ignore[arg-type]
+        backend = SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu")
+        super().__init__(SimpleNamespace(backend=backend, tokenizer=CharTokenizer(), manifest=None,  # type: ignore[arg-type]
+                                         decoding=PAPER))
         self.delay = delay
         self.batches: list[list[list[int]]] = []
 
@@ -104,14 +105,16 @@ def test_health_answers_while_a_large_request_is_prepared(stage, monkeypatch):
             hold()
         return loads(text, **kw)
 
-    class SlowSplit(StandIn):
-        def split(self, texts: list[str], lang: str = "en") -> Any:
-            if stage == "split":
-                hold()
-            return super().split(texts, lang)
+    encode_texts = serve_requests.encode_texts
+
+    def slow_encode(*args: Any, **kw: Any) -> Any:  # the text service splits, then tokenizes
+        if stage == "split":
+            hold()
+        return encode_texts(*args, **kw)
 
     monkeypatch.setattr(serve_requests, "json", SimpleNamespace(loads=slow_loads, JSONDecodeError=json.JSONDecodeError))
-    with client(SlowSplit()) as c:
+    monkeypatch.setattr(serve_requests, "encode_texts", slow_encode)
+    with client() as c:
         answer: list[Any] = []
         big = threading.Thread(target=lambda: answer.append(
             c.post("/translate", json={"text": ["HOLD. Der Hund."], "split": "sentences"})))

@@ -34,8 +34,7 @@ from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.libre import speaks_libre
 from pipeline.serve.metrics import CONTENT_TYPE
 from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request
-from pipeline.serve.translator import Encoded
-from runtime.sentences import rebuild_all
+from runtime.texts import EncodedTexts, finish_texts, hypotheses
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
@@ -113,41 +112,43 @@ async def _native(request: Request, data: Any, state: ServerState, started: floa
     return response
 
 
-def _translations(req: TranslateRequest, encoded: Encoded, results: list[NBest]) -> Response:
-    """The whole answer: each line's translation (with split, each text rebuilt) or hypotheses."""
-    translator = req.model.translator
+def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NBest]) -> Response:
+    """The whole answer, from the text service: each line's translation (with split, each text rebuilt) or
+    hypotheses."""
+    done = finish_texts(req.model.translator.tokenizer, encoded, results, req.decoding.nbest)
     items: list[Any]
     if req.structured:
-        items = [{"hypotheses": translator.hypotheses(nbest)} for nbest in results]
+        items = [{"hypotheses": _hypotheses(r.hypotheses)} for r in done]
     else:
-        items = [translator.format(nbest, 1) for nbest in results]
-        if encoded.splits is not None:
-            items = rebuild_all(encoded.splits, items)
+        items = [r.text for r in done]
     return JSONResponse({"translations": items})
 
 
-async def _stream(req: TranslateRequest, work: Work, encoded: Encoded, state: ServerState, started: float
+def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    return [{"text": text, "score": score} for text, score in hyps]
+
+
+async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float
                   ) -> AsyncIterator[bytes]:
     """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
     everything before it is translated."""
-    model, m = req.model, req.model.metrics
+    tokenizer, m = req.model.translator.tokenizer, req.model.metrics
     try:
-        line = 0
-        for index, split in enumerate(encoded.splits or [None] * len(encoded.ids)):
+        for index, span in enumerate(encoded.spans):
+            split = encoded.split(index)
             if split is None:
-                await wait(work, line + 1, state)
-                nbest = work.results[line]
-                line += 1
-                yield _ndjson({"index": index, **({"hypotheses": model.translator.hypotheses(nbest)} if req.structured
-                                                  else {"translation": model.translator.format(nbest, 1)})})
+                await wait(work, span.stop, state)
+                hyps = hypotheses(tokenizer, work.results[span.start])
+                yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
+                                                  else {"translation": hyps[0][0] if hyps else ""})})
                 continue
             if not split.sentences:  # an empty or whitespace-only text: one object with its whitespace
                 yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0]})
-            for j in range(len(split.sentences)):
-                await wait(work, line + 1, state)
-                text = model.translator.format(work.results[line], 1)
-                line += 1
-                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, text)})
+            for j, unit in enumerate(span):
+                await wait(work, unit + 1, state)
+                hyps = hypotheses(tokenizer, work.results[unit])
+                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, hyps[0][0] if hyps
+                                                                                           else "")})
         count(m, encoded, work.results)
         m.request_seconds.observe(time.perf_counter() - started)
     except ApiError as e:  # the status went out already: the error is the last object

@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect, Request
 from pipeline.serve.batcher import BatcherStopped, QueueFull, Work
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.requests import ApiError, ServerState, TranslateRequest, encode_request, parse_json, read_body
-from pipeline.serve.translator import Encoded
+from runtime.texts import EncodedTexts
 from runtime.translate import NBest
 
 T = TypeVar("T")
@@ -52,8 +52,9 @@ async def client_gone(request: Request) -> None:
             return
 
 
-async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encoded]:
-    """The request encoded (its sentences, with split) within the limits and queued on its model's batcher."""
+async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, EncodedTexts]:
+    """The request encoded by the text service (its sentences, with split) within the limits and queued on its
+    model's batcher."""
     model = req.model
     encoded = await off_loop(state, encode_request, req, state.limits)
     if encoded.tokens == 0:  # blank lines only: nothing for the model
@@ -77,10 +78,10 @@ async def wait(work: Work, n: int, state: ServerState) -> None:
 
 
 async def translated(request: Request, reqs: list[TranslateRequest], state: ServerState
-                     ) -> list[tuple[Encoded, list[NBest]]]:
+                     ) -> list[tuple[EncodedTexts, list[NBest]]]:
     """Every request translated, each on its own model's queue at once (one client's texts may go to
     several models); all the work is dropped if the client leaves first (ClientDisconnect)."""
-    submitted: list[tuple[TranslateRequest, Work, Encoded]] = []
+    submitted: list[tuple[TranslateRequest, Work, EncodedTexts]] = []
     try:
         for req in reqs:
             work, encoded = await submit(req, state)
@@ -114,10 +115,10 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-def count(m: ModelMetrics, encoded: Encoded, results: list[NBest]) -> None:
+def count(m: ModelMetrics, encoded: EncodedTexts, results: list[NBest]) -> None:
     m.sentences.inc(len(encoded.ids))
     m.src_tokens.inc(encoded.tokens)
-    m.truncated.inc(encoded.truncated)
+    m.truncated.inc(sum(encoded.truncated))
     m.tgt_tokens.inc(sum(len(nbest[0][0]) + 1 for nbest in results if nbest))
 
 

@@ -26,8 +26,8 @@ from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.languages import language_name
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
-from pipeline.serve.translator import Encoded
-from runtime.markup import Markup, parse_html
+from runtime.markup import parse_html
+from runtime.texts import EncodedTexts, finish_texts
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
@@ -117,12 +117,11 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
 
 @dataclass
 class _Group:
-    """The texts (their places in q) one model translates, and the documents they are to it."""
+    """The texts (their places in q) one model translates from one language, and its request of them."""
 
     model: ServedModel
     source: str
     places: list[int]
-    markups: list[Markup | None]  # per text: its markup with html, None as text
     request: TranslateRequest | None = None
 
 
@@ -159,11 +158,9 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         where = f"q[{i}]" if req.batch else "q"
         model = _route(state, source, req.target, f"{where} is detected as {source} "
                        f"(confidence {detected[i]['confidence']}): " if detected else "")
-        group = groups.setdefault((model.name, source), _Group(model, source, [], []))
+        group = groups.setdefault((model.name, source), _Group(model, source, []))
         group.places.append(i)
-        group.markups.append(parse_html(text) if req.html else None)
     for group in groups.values():
-        docs = [d for i, m in zip(group.places, group.markups) for d in (m.sources if m else [req.q[i]])]
         decoding = group.model.decoding
         if req.alternatives:
             n = req.alternatives + 1
@@ -175,49 +172,24 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
             way = group.model.translator.direction(group.source, req.target)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
-        group.request = TranslateRequest(docs, group.model, decoding, False, "sentences", group.source, False, way)
+        texts = [req.q[i] for i in group.places]  # each a document (with html, each of its text nodes)
+        group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
+                                         "html" if req.html else "text")
     return list(groups.values())
 
 
-def _documents(model: ServedModel, encoded: Encoded, results: list[NBest], n: int
-               ) -> list[tuple[str, list[str], float | None]]:
-    """Each document's translation, up to n alternatives (each sentence's k-th hypothesis, rebuilt; those
-    equal to an earlier one dropped, as LibreTranslate does) and score (the beam scores of its sentences'
-    best hypotheses, averaged by their length)."""
-    assert encoded.splits is not None
-    out = []
-    line = 0
-    for split in encoded.splits:
-        nbests = results[line:line + len(split.sentences)]
-        line += len(split.sentences)
-        best = split.rebuild([model.translator.format(nb[:1], 1) for nb in nbests])
-        alternatives: list[str] = []
-        for k in range(1, n + 1):
-            text = split.rebuild([model.translator.format(nb[k:k + 1] or nb[:1], 1) for nb in nbests])
-            if text != best and text not in alternatives:
-                alternatives.append(text)
-        weights = [(len(nb[0][0]) + 1, nb[0][1]) for nb in nbests if nb]
-        total = sum(w for w, _ in weights)
-        out.append((best, alternatives, sum(w * s for w, s in weights) / total if total else None))
-    return out
-
-
-def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[Encoded, list[NBest]]],
+def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[EncodedTexts, list[NBest]]],
             detected: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """The answer from the text service's results: each text's translation, up to "alternatives" others (each
+    sentence's k-th hypothesis, rebuilt; those equal to an earlier one dropped, as LibreTranslate does; none for
+    html, as there) and score (its sentences' best beam scores averaged by their length)."""
     texts = list(req.q)  # a text no model was given (same language, no letters) is answered as it came
     alternatives: list[list[str]] = [[] for _ in req.q]
     scores: list[float | None] = [None] * len(req.q)
     for group, (encoded, results) in zip(groups, done):
-        docs = iter(_documents(group.model, encoded, results, req.alternatives))
-        for place, markup in zip(group.places, group.markups):
-            if markup is None:
-                texts[place], alternatives[place], scores[place] = next(docs)
-                continue
-            parts = [next(docs) for _ in markup.sources]
-            texts[place] = markup.rebuild([t for t, _, _ in parts])  # no alternatives for html, as LibreTranslate
-            weighted = [(len(src), s) for src, (_, _, s) in zip(markup.sources, parts) if s is not None]
-            total = sum(w for w, _ in weighted)
-            scores[place] = sum(w * s for w, s in weighted) / total if total else None
+        finished = finish_texts(group.model.translator.tokenizer, encoded, results, req.alternatives + 1)
+        for place, result in zip(group.places, finished):
+            texts[place], alternatives[place], scores[place] = result.text, result.alternatives, result.score
     one = (lambda xs: xs) if req.batch else (lambda xs: xs[0])
     body: dict[str, Any] = {"translatedText": one(texts)}
     if detected is not None:

@@ -20,10 +20,12 @@ from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import Routes
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
-from pipeline.serve.translator import Encoded, LineTooLong, Translator
+from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
+from runtime.texts import EncodedTexts, Listed, TextPolicy, encode_texts
+from runtime.translate import SourceTooLong
 
 REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target"}
 LANG = LANG_CODE
@@ -89,6 +91,7 @@ class TranslateRequest:
     lang: str
     stream: bool
     way: Direction = ONE_PAIR  # a multilingual model's source -> target (LibreTranslate's API); none for one pair
+    format: str = "text"  # "html": each text an HTML document (LibreTranslate's API)
 
 
 def _field(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
@@ -196,19 +199,22 @@ def too_many(count: int, what: str, limit: int, option: str) -> str:
     return f"{count} {what}, more than this server's limit of {limit} per request ({option}); split the request"
 
 
-def encode_request(req: TranslateRequest, limits: RequestLimits) -> Encoded:
-    """The request's lines (with split, its sentences) as source ids, within the limits on sentences and
-    source tokens (413 naming the limit, counted before the tokenizer's work where it can be). CPU work
-    in proportion to the body: the routes run it off the event loop."""
+def encode_request(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
+    """The request's texts through the text service (runtime/texts.py): its lines, or with split its
+    documents' sentences (with html its text nodes'), as source ids within the limits on sentences and source
+    tokens (413 naming the limit; sentences are counted before the tokenizer's work). CPU work in proportion
+    to the body: the routes run it off the event loop."""
     translator = req.model.translator
-    splits = translator.split(req.text, req.lang) if req.split == "sentences" else None
-    sentences = sum(len(s.sentences) for s in splits) if splits is not None else len(req.text)
-    if sentences > limits.max_sentences:
-        raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
+    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix)
+
+    def check(sentences: int) -> None:
+        if sentences > limits.max_sentences:
+            raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
+
     try:
-        encoded = translator.encode(req.text, splits, req.way)
-    except LineTooLong as e:
-        raise ApiError(413, f"{e}; split the line") from None
+        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(), check)
+    except SourceTooLong as e:  # the long line named as the request has it, without the CLI's fix
+        raise ApiError(413, f"{e.what}; split the line") from None
     if encoded.tokens > limits.max_source_tokens:
         raise ApiError(413, too_many(encoded.tokens, "source tokens", limits.max_source_tokens,
                                      "--max-source-tokens"))
