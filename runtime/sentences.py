@@ -14,10 +14,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from runtime.errors import RuntimeUserError
-from runtime.translate import encode_sources
 
 SPLIT_MODES = ("none", "sentences")
 DEFAULT_LANG = "en"
@@ -112,27 +110,3 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
             gap = [piece[lead + len(body):]]
     gaps.append("".join(gap))
     return Split(sentences, gaps)
-
-
-def encode_split(tokenizer: Any, splits: list[Split], max_src_len: int, long_lines: str,
-                 where: Callable[[int], str], prefix: tuple[int, ...] = ()) -> tuple[list[list[int]], int]:
-    """Source ids of every sentence of every text, in order, and how many were truncated; with
-    long_lines "error" a sentence over the limit is refused as `where(k) sentence:N` (text k).
-    `prefix` as encode_sources'."""
-    ids: list[list[int]] = []
-    truncated = 0
-    for k, split in enumerate(splits):
-        sources = encode_sources(tokenizer, split.sentences, max_src_len, long_lines=long_lines,
-                                 origin=f"{where(k)} sentence", prefix=prefix)
-        ids += sources.ids
-        truncated += sources.truncated
-    return ids, truncated
-
-
-def rebuild_all(splits: list[Split], translations: list[str]) -> list[str]:
-    """Each text rebuilt from its sentences' translations (all texts' sentences, in order)."""
-    texts, start = [], 0
-    for split in splits:
-        texts.append(split.rebuild(translations[start:start + len(split.sentences)]))
-        start += len(split.sentences)
-    return texts
