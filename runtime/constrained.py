@@ -84,7 +84,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
     """beam_search (runtime/search.py) with constraints[s], the phrases sentence s must contain. Returns, per
     sentence, `nbest` hypotheses best first; a hypothesis holds every phrase unless its sentence reached its
     length limit first (callers check which terms made it into the text)."""
-    if not getattr(backend, "gathers", False):
+    if not backend.gathers:
         raise RuntimeUserError(f"the {backend.name} backend cannot apply glossaries here (its decoder step cannot "
                                "return the log-probs of given ids): use the onnxruntime backend on a model dir "
                                "exported by this version, or the torch backend with --step eager, without "
