@@ -10,6 +10,7 @@ It uses only the entry points both trees have."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -54,11 +55,11 @@ def _attempt(fn: Any) -> Any:
 
 
 def serve_batch(model_dir: str, cases: dict[str, tuple[list[str], dict[str, Any]]]) -> dict[str, Any]:
-    from pipeline.serve_batch.files import serve_files
     from pipeline.serve_batch.translation import ServeBatchOptions
 
     out: dict[str, Any] = {}
     loaded = {}
+    here = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         os.chdir(tmp)  # refusals name the file as given: the same relative name in every run
         for name, (lines, options) in cases.items():
@@ -69,16 +70,18 @@ def serve_batch(model_dir: str, cases: dict[str, tuple[list[str], dict[str, Any]
             src, dst = Path(f"{name}.src"), Path(f"{name}.out")
             src.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
             opts = ServeBatchOptions(decoding=loaded[key].decoding, **options)
-
-            def run() -> Any:
-                stats = serve_files(loaded[key].backend, loaded[key].tokenizer, [str(src)], [str(dst)], opts,
-                                    progress=False)
-                counts = {k: getattr(stats, k) for k in ("sentences", "empty", "truncated", "src_tokens",
-                                                         "tgt_tokens", "min_len_over")}
-                return {"lines": dst.read_text(encoding="utf-8").split("\n"), "stats": counts}
-
-            out[name] = _attempt(run)
+            out[name] = _attempt(functools.partial(_files, loaded[key], src, dst, opts))
+        os.chdir(here)
     return out
+
+
+def _files(loaded: Any, src: Path, dst: Path, opts: Any) -> Any:
+    from pipeline.serve_batch.files import serve_files
+
+    stats = serve_files(loaded.backend, loaded.tokenizer, [str(src)], [str(dst)], opts, progress=False)
+    counts = {k: getattr(stats, k) for k in ("sentences", "empty", "truncated", "src_tokens", "tgt_tokens",
+                                             "min_len_over")}
+    return {"lines": dst.read_text(encoding="utf-8").split("\n"), "stats": counts}
 
 
 def http(model_dir: str, name: str, requests: dict[str, dict[str, Any]], long_lines: str = "truncate"
@@ -117,21 +120,22 @@ def rows(model_dir: str, cases: dict[str, tuple[list[str], dict[str, Any], list[
         translator = Translator(model_dir, column="src", load_options=LOAD, decoding=decoding,
                                 options=ServeBatchOptions(**options),
                                 origin_columns=("path", "line") if origins else None)
-
-        def run() -> Any:
-            got: dict[str, list[Any]] = {}
-            start = 0
-            for size in sizes:
-                batch = {"src": lines[start:start + size], "path": ["shard.txt"] * size,
-                         "line": list(range(start + 11, start + 11 + size))}
-                for column, values in translator(batch).items():
-                    if column not in ("src", "path", "line"):
-                        got.setdefault(column, []).extend(_clean(values))
-                start += size
-            return got
-
-        out[name] = _attempt(run)
+        out[name] = _attempt(functools.partial(_batches, translator, lines, sizes))
     return out
+
+
+def _batches(translator: Any, lines: list[str], sizes: list[int]) -> Any:
+    """The rows in batches of `sizes`, each row named shard.txt:11, :12, ... (the origin columns)."""
+    got: dict[str, list[Any]] = {}
+    start = 0
+    for size in sizes:
+        batch = {"src": lines[start:start + size], "path": ["shard.txt"] * size,
+                 "line": list(range(start + 11, start + 11 + size))}
+        for column, values in translator(batch).items():
+            if column not in ("src", "path", "line"):
+                got.setdefault(column, []).extend(_clean(values))
+        start += size
+    return got
 
 
 def one_pair(model_dir: str) -> dict[str, Any]:

@@ -1,0 +1,114 @@
+"""The text service (runtime/texts.py) on its own, over a character tokenizer and a made-up search: what
+encode_texts keeps per unit and per text, how refusals name a unit, and what finish_texts makes of the units'
+hypotheses. test_text_service.py pins what every surface answers through it against the tree before it."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.texts import Lines, Listed, Located, TextPolicy, encode_texts, finish_texts, hypotheses
+from runtime.translate import SourceTooLong, format_line
+
+pytest.importorskip("sentencex")
+
+EOS = 2
+
+
+class CharTokenizer:
+    """Each character one piece (its code point + 3), then EOS; decoding upper-cases."""
+
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        return [[ord(c) + 3 for c in text] + [EOS] for text in texts]
+
+    def decode(self, ids: list[list[int]]) -> list[str]:
+        return ["".join(chr(i - 3) for i in seq if i > EOS).upper() for seq in ids]
+
+
+TOK = CharTokenizer()
+
+
+def search(ids: list[list[int]], n: int = 1) -> list[list[tuple[list[int], float]]]:
+    """The source copied as the best hypothesis, then its reversals and a fixed one, each scored lower."""
+    out = []
+    for src in ids:
+        body = [i for i in src if i > EOS]
+        hyps = [(body, -1.0), (body[::-1], -2.0), ([ord("x") + 3], -3.0)][:n] if src else []
+        out.append(hyps)
+    return out
+
+
+def test_plain_texts_are_one_unit_each_blank_ones_too():
+    encoded = encode_texts(TOK, ["ab", "", "  ", "abcdefgh"], 6, TextPolicy(prefix=(99,)))
+    assert encoded.units == ["ab", "", "  ", "abcdefgh"]
+    assert encoded.owners == [0, 1, 2, 3] and encoded.spans == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert encoded.ids[:3] == [[99, 100, 101, EOS], [], []]
+    assert encoded.ids[3] == [99, 100, 101, 102, 103, EOS]  # cut to 6 tokens, EOS kept
+    assert encoded.empty == [False, True, True, False] and encoded.truncated == [0, 0, 0, 1]
+    assert encoded.tokens == 10 and encoded.split(0) is None
+
+
+def test_documents_are_their_sentences_and_each_text_knows_its_cuts():
+    texts = ["Ab cd. Ef gh!  Ij", "   ", "Klmnopqrstuv wx. Yz"]
+    encoded = encode_texts(TOK, texts, 8, TextPolicy(split="sentences"))
+    assert encoded.units == ["Ab cd.", "Ef gh!", "Ij", "Klmnopqrstuv wx.", "Yz"]
+    assert encoded.owners == [0, 0, 0, 2, 2] and encoded.spans == [range(0, 3), range(3, 3), range(3, 5)]
+    assert encoded.empty == [False, True, False] and encoded.truncated == [0, 0, 1]
+    assert encoded.split(1) is not None and encoded.split(1).gaps == ["   "]
+    results = finish_texts(TOK, encoded, search(encoded.ids), 1)
+    assert [r.text for r in results] == ["AB CD. EF GH!  IJ", "   ", "KLMNOPQ YZ"]
+    assert results[2].units == ["KLMNOPQ", "YZ"] and results[2].truncated == 1
+    # a document's score: its sentences' best scores averaged by their length in tokens
+    assert results[0].score == pytest.approx(-1.0) and results[1].score is None and results[1].empty
+
+
+def test_html_units_are_its_text_nodes_sentences_and_the_markup_is_kept():
+    texts = ["<p>Ab. Cd <b>ef</b> &amp; gh</p>", "<br>", "plain"]
+    encoded = encode_texts(TOK, texts, 100, TextPolicy(format="html"))
+    assert encoded.units == ["Ab.", "Cd", "ef", "& gh", "plain"]
+    assert encoded.owners == [0, 0, 0, 0, 2] and encoded.empty == [False, True, False]
+    results = finish_texts(TOK, encoded, search(encoded.ids), 1)
+    assert [r.text for r in results] == ["<p>AB. CD <b>EF</b> &amp; GH</p>", "<br>", "PLAIN"]
+    assert results[0].alternatives == [] and results[1].score is None
+
+
+@pytest.mark.parametrize("policy, origin, message", [
+    (TextPolicy(long_lines="error"), Lines("in.txt", 10), "in.txt:11: 6 tokens"),
+    (TextPolicy(long_lines="error"), Listed(), "request line:2: 6 tokens"),
+    (TextPolicy(long_lines="error"), Located(["a.txt", "b.txt"], [7, 3]), "b.txt:3: 6 tokens"),
+    (TextPolicy(long_lines="error", split="sentences"), Lines("in.txt", 10), "in.txt:11 sentence:2: 6 tokens"),
+    (TextPolicy(long_lines="error", split="sentences"), Listed(), "text[1] sentence:2: 6 tokens"),
+    (TextPolicy(long_lines="error", format="html"), Lines("row"), "row:2 text node sentence:2: 6 tokens"),
+    (TextPolicy(long_lines="error", format="html"), Listed(), "text[2] sentence:2: 6 tokens"),
+])
+def test_a_refused_unit_is_named_as_its_surface_names_it(policy, origin, message):
+    texts = ["<i>ab</i>", "<b>x</b>Ab. Abcde"] if policy.format == "html" else ["ab", "Ab. Abcde"]
+    if not policy.documents:
+        texts = ["ab", "abcde"]
+    with pytest.raises(SourceTooLong) as refused:
+        encode_texts(TOK, texts, 5, policy, origin)
+    assert str(refused.value).startswith(message + ", more than the model's limit of 5; pass --long-lines")
+
+
+def test_units_are_counted_before_any_is_tokenized():
+    class Refusing(CharTokenizer):
+        def encode_source(self, texts: list[str]) -> list[list[int]]:
+            raise AssertionError("tokenized before the count")
+
+    def check(n: int) -> None:
+        raise ValueError(f"{n} units")
+
+    with pytest.raises(ValueError, match="^4 units$"):
+        encode_texts(Refusing(), ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), check_units=check)
+
+
+def test_nbest_lines_hypotheses_and_alternatives():
+    encoded = encode_texts(TOK, ["ab", "", "aa"], 100, TextPolicy())
+    nbest = search(encoded.ids, 3)
+    results = finish_texts(TOK, encoded, nbest, 3)
+    assert [r.text for r in results] == [format_line(TOK, nb, 3) for nb in nbest]
+    assert results[0].hypotheses == [("AB", -1.0), ("BA", -2.0), ("X", -3.0)] == hypotheses(TOK, nbest[0])
+    assert results[0].alternatives == ["BA", "X"] and results[2].alternatives == ["X"]  # "AA" reversed is "AA"
+    assert results[0].score == -1.0 and results[1].score is None and results[1].text == ""
+    documents = encode_texts(TOK, ["Ab. Cd."], 100, TextPolicy(split="sentences"))
+    [doc] = finish_texts(TOK, documents, search(documents.ids, 2), 2)
+    assert doc.text == "AB. CD." and doc.alternatives == [".BA .DC"] and doc.hypotheses == []
