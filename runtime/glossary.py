@@ -355,14 +355,26 @@ def check_targets(glossary: Glossary, encode_target: EncodeTarget, unk_id: int =
 def terms_for(glossary: Glossary, text: str, encode_target: EncodeTarget, unk_id: int = UNK_ID,
               case_sensitive: bool = False) -> Terms:
     """One sentence's Terms: its matches, and the first MAX_SENTENCE_TERMS distinct targets (text order)
-    with their tokens; the number beyond is `dropped`."""
+    with their tokens; the number beyond is `dropped`. A do-not-translate term as the sentence spells it
+    that the vocabulary cannot spell (a capital its SentencePiece never saw) is left to the model, not
+    forced: applied_terms reports it unconstrained. A fixed target is checked at load (check_targets)."""
     matches = find_terms(glossary, text, case_sensitive)
     if not matches:
         return NO_TERMS
     targets = list(_distinct_targets(matches).items())
-    kept = [match for _, match in targets[:MAX_SENTENCE_TERMS]]
-    return Terms(tuple(matches), tuple(target for target, _ in targets[:MAX_SENTENCE_TERMS]),
-                 constraints_for(kept, encode_target, unk_id), max(0, len(targets) - MAX_SENTENCE_TERMS))
+    kept = targets[:MAX_SENTENCE_TERMS]
+    constrained: list[str] = []
+    constraints: list[list[int]] = []
+    for (target, match), tokens in zip(kept, encode_target([t for t, _ in kept]), strict=True):
+        try:
+            _check_tokens(match.entry, target, tokens, encode_target, unk_id)
+        except RuntimeUserError:
+            if not match.entry.dnt:
+                raise
+            continue
+        constrained.append(target)
+        constraints.append(list(tokens))
+    return Terms(tuple(matches), tuple(constrained), constraints, max(0, len(targets) - MAX_SENTENCE_TERMS))
 
 
 def applied_terms(terms: Terms, output_text: str) -> list[dict[str, Any]]:

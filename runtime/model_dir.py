@@ -168,13 +168,14 @@ class Loaded:
         return self.model_dir.manifest
 
     def translate(self, ids: list[list[int]], decoding: DecodingOptions | None = None,
-                  first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None
-                  ) -> list[NBest]:
+                  first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
+                  constraints: list[list[list[int]]] | None = None) -> list[NBest]:
         """The search: each source's hypotheses as (tokens, score), best first, in input order ([] for an empty
-        source), with `decoding` or else this model's; first_tokens and on_batch as runtime.translate's
-        translate_ids, which batches by length and runs the search."""
+        source), with `decoding` or else this model's; first_tokens, on_batch and constraints (a glossary's
+        terms per source: EncodedTexts.constraints) as runtime.translate's translate_ids, which batches by
+        length and runs the search."""
         hyps = translate_ids(self.backend, ids, self.decoding if decoding is None else decoding, first_tokens,
-                             on_batch)
+                             on_batch, constraints)
         return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 

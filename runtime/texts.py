@@ -21,6 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runtime.backend import Backend
+from runtime.errors import RuntimeUserError
+from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, load_glossary, terms_for
 from runtime.markup import Markup, parse_html
 from runtime.sentences import DEFAULT_LANG, Split, split_sentences
 from runtime.tokenizer import AnyTokenizer
@@ -128,6 +131,15 @@ class EncodedTexts:
     truncated: list[int] = field(default_factory=list)
     documents: list[list[Split]] = field(default_factory=list)
     markups: list[Markup | None] = field(default_factory=list)
+    terms: list[Terms] | None = None  # with a glossary: per unit, its terms found and their target tokens
+
+    @property
+    def constraints(self) -> list[list[list[int]]] | None:
+        """Per unit, the target token phrases its translation must hold (the search's `constraints`); None
+        without a glossary or when no unit holds a term, so the search runs exactly as without one."""
+        if self.terms is None or not any(t.constraints for t in self.terms):
+            return None
+        return [t.constraints for t in self.terms]
 
     @property
     def tokens(self) -> int:
@@ -141,11 +153,13 @@ class EncodedTexts:
 
 
 def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, policy: TextPolicy,
-                 origin: str | Origin = "input", check_units: Callable[[int], None] | None = None) -> EncodedTexts:
+                 origin: str | Origin = "input", check_units: Callable[[int], None] | None = None,
+                 glossary: Glossary | None = None) -> EncodedTexts:
     """The texts as units of source ids under `policy`, with what each text is made of. A unit over
     max_src_len tokens is cut (counted on its text) or refused as `origin` names it (a SourceTooLong, a
     RuntimeUserError; a str origin names a file's lines). `check_units(n)` is told how many units there are
-    before any is tokenized (the HTTP API's limit on sentences)."""
+    before any is tokenized (the HTTP API's limit on sentences). With a `glossary`, each unit's terms are
+    found in its text and their targets tokenized (`terms`, `constraints`; runtime/glossary.py)."""
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
     where: list[tuple[str, int]] = []  # per unit of a document: how a refusal names it
@@ -187,7 +201,29 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
                                     origin=name, first_line=line, prefix=policy.prefix)
             out.ids[u] = fitted.ids[0]
             out.truncated[out.owners[u]] += fitted.truncated
+    if glossary is not None and len(glossary):
+        out.terms = [terms_for(glossary, unit, tokenizer.encode, tokenizer.unk_id) if ids else NO_TERMS
+                     for unit, ids in zip(out.units, out.ids)]
     return out
+
+
+def open_glossary(path: str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
+    """The glossary file read and checked once (every fixed target spelled by the model's vocabulary), for a
+    backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
+    if path is None:
+        return None
+    refuse_without_gather(backend)
+    glossary = load_glossary(path)
+    check_targets(glossary, tokenizer.encode, tokenizer.unk_id)
+    return glossary
+
+
+def refuse_without_gather(backend: Backend) -> None:
+    """A glossary needs a backend whose decoder step returns any id's log-prob (Backend.gathers)."""
+    if not backend.gathers:
+        raise RuntimeUserError(f"the {backend.name} backend cannot apply a glossary here: use the onnxruntime "
+                               "backend on a model dir exported by this version (it holds decoder_constrained.onnx), "
+                               "or the torch backend with its eager step, without --shortlist")
 
 
 Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
@@ -217,6 +253,7 @@ class TextResult:
     truncated: int
     empty: bool
     units: list[str]
+    terms: list[dict[str, object]] | None = None  # with a glossary: its terms and whether each was applied
 
 
 def _average(weighted: list[tuple[int, float]]) -> float | None:
@@ -264,6 +301,9 @@ def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit:
                                                        for h in outs[span.start:span.stop]])
                                       for j in range(1, n)])
         results.append(TextResult(text, others, [], score, truncated, empty, best[span.start:span.stop]))
+    if encoded.terms is not None:
+        for k, span in enumerate(encoded.spans):
+            results[k].terms = [row for u in span for row in applied_terms(encoded.terms[u], best[u])]
     return results
 
 

@@ -49,6 +49,7 @@ class Tokenizer:
         return cls(Path(path).read_bytes())
 
     eos_id = EOS_ID
+    unk_id = UNK_ID  # what a piece the vocabulary cannot spell becomes (glossaries refuse such terms)
 
     @property
     def vocab_size(self) -> int:

@@ -43,6 +43,7 @@ from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
+from runtime.texts import open_glossary
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, translate_ids
 
@@ -57,13 +58,15 @@ class ServeStats:
     truncated: int = 0
     replaced: int = 0
     min_len_over: int = 0
+    terms: int = 0  # --glossary: terms found in the input, and those the translations hold
+    terms_applied: int = 0
     src_tokens: int = 0
     tgt_tokens: int = 0
     seconds: float = 0.0
 
     def add(self, other: ServeStats) -> None:
-        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "src_tokens", "tgt_tokens",
-                     "seconds"):
+        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "terms", "terms_applied",
+                     "src_tokens", "tgt_tokens", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
@@ -71,6 +74,8 @@ class ServeStats:
         self.empty += window.empty
         self.truncated += window.truncated
         self.replaced += window.replaced
+        self.terms += window.terms
+        self.terms_applied += window.terms_applied
         self.src_tokens += window.src_tokens
         self.tgt_tokens += window.tgt_tokens
 
@@ -85,11 +90,13 @@ class ServeStats:
 
 
 def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions,
-                     direction: Direction = ONE_PAIR, on_batch: Callable[[int], None] | None = None
-                     ) -> list[NBest]:
-    """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis."""
+                     direction: Direction = ONE_PAIR, on_batch: Callable[[int], None] | None = None,
+                     constraints: list[list[list[int]]] | None = None) -> list[NBest]:
+    """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis; constraints (a
+    glossary's terms) per line of the window."""
     share = ids[ctx.rank::ctx.world_size]
-    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)), on_batch)
+    mine = None if constraints is None else constraints[ctx.rank::ctx.world_size]
+    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)), on_batch, mine)
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
@@ -172,7 +179,9 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
     the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
     do their share and get nothing. serve-batch writes these; parity measures them."""
     direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
-    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix) if ctx.is_main else None
+    glossary = open_glossary(opts.glossary, tokenizer, backend) if ctx.is_main else None
+    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix,
+                           glossary) if ctx.is_main else None
     shown = progress and ctx.is_main and sys.stderr.isatty()
     bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", shown,
                        count_lines(input_path) if shown else None)
@@ -182,7 +191,8 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
             if window is None:
                 return
             advance = _Advance(bar, len(window.ids), ctx.world_size)
-            share = _translate_share(backend, window.ids, ctx, opts.decoding, direction, advance if shown else None)
+            share = _translate_share(backend, window.ids, ctx, opts.decoding, direction, advance if shown else None,
+                                     window.encoded.constraints)
             merged = _gather(share, ctx, len(window.ids))
             if merged is None:
                 continue
@@ -298,6 +308,10 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions) -> None:
                     "(--long-lines error refuses them)", path, stats.truncated)
     if stats.replaced:
         log.warning("%s: %d line(s) had invalid UTF-8, replaced by U+FFFD", path, stats.replaced)
+    if stats.terms:
+        (log.info if stats.terms_applied == stats.terms else log.warning)(
+            "%s: the glossary's terms: %d found in the input, %d of them in the translations", path, stats.terms,
+            stats.terms_applied)
     if stats.min_len_over:
         log.warning("%s: %d line(s) have a maximum output length (%g x source tokens + %d) below --min-len %d; "
                     "they stop at that maximum", path, stats.min_len_over, decoding.max_len_a,

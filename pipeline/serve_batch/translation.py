@@ -21,6 +21,7 @@ from pipeline.cli_options import opt
 from pipeline.textio import decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
+from runtime.glossary import Glossary
 from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts
 from runtime.tokenizer import AnyTokenizer
@@ -52,6 +53,9 @@ class ServeBatchOptions:
     format: str = opt("text", "html: each line is an HTML document whose text is translated (each text node as "
                               "with --split sentences) and whose markup is kept byte for byte, as `pipeline serve` "
                               "does for \"format\": \"html\" (docs/serving.md).", choices=FORMATS)
+    glossary: str | None = opt(None, "A glossary (TSV: source term, target term; an empty target: do not "
+                                     "translate): its terms found in a line are kept in its translation "
+                                     "(docs/glossary.md).", metavar="FILE")
 
     def validate(self) -> ServeBatchOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]
@@ -109,6 +113,8 @@ class TranslatedWindow:
     truncated: int = 0
     replaced: int = 0
     min_len_over: int = 0  # lines whose maximum output length is below --min-len
+    terms: int = 0  # with --glossary: the terms found in the window's lines, and those their translations hold
+    terms_applied: int = 0
     best: list[list[int]] = field(init=False)  # best hypothesis' tokens per line ([] for blank)
 
     def __post_init__(self) -> None:
@@ -125,9 +131,9 @@ class TranslatedWindow:
 
 
 def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeBatchOptions,
-                 prefix: tuple[int, ...] = ()) -> Iterator[Window]:
+                 prefix: tuple[int, ...] = (), glossary: Glossary | None = None) -> Iterator[Window]:
     """Windows of `opts.window` lines, tokenized (each source after `prefix`: runtime/languages.py), with the
-    bad-input policy applied."""
+    bad-input policy applied and the glossary's terms found (runtime/glossary.py)."""
     f = open_binary(path)
     try:
         texts: list[str] = []
@@ -138,10 +144,10 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
             replaced += bad
             texts.append(text)
             if len(texts) == opts.window:
-                yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
+                yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
                 texts, replaced, first_line = [], 0, lineno + 1
         if texts:
-            yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix)
+            yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
     finally:
         if f is not sys.stdin.buffer:
             f.close()
@@ -166,10 +172,12 @@ def decode_row(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, in
 
 
 def encode_window(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
-                  opts: ServeBatchOptions, replaced: int = 0, prefix: tuple[int, ...] = ()) -> Window:
+                  opts: ServeBatchOptions, replaced: int = 0, prefix: tuple[int, ...] = (),
+                  glossary: Glossary | None = None) -> Window:
     """The lines encoded by the text service under the options' policy, refusals named `path:line`."""
     try:
-        encoded = encode_texts(tokenizer, texts, max_src_len, opts.policy(prefix), Lines(path, first_line))
+        encoded = encode_texts(tokenizer, texts, max_src_len, opts.policy(prefix), Lines(path, first_line),
+                               glossary=glossary)
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
         raise UserError(str(e)) from None
     return Window(encoded, replaced)
@@ -177,6 +185,8 @@ def encode_window(texts: list[str], first_line: int, path: str, tokenizer: AnyTo
 
 def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n: int) -> TranslatedWindow:
     """The window's output lines from its hypotheses (in input order), as the text service writes them."""
-    lines = [result.text for result in finish_texts(tokenizer, window.encoded, nbest, n)]
-    return TranslatedWindow(lines, window.ids, nbest, empty=window.empty, truncated=window.truncated,
-                            replaced=window.replaced)
+    results = finish_texts(tokenizer, window.encoded, nbest, n)
+    terms = [row for result in results for row in result.terms or ()]
+    return TranslatedWindow([result.text for result in results], window.ids, nbest, empty=window.empty,
+                            truncated=window.truncated, replaced=window.replaced, terms=len(terms),
+                            terms_applied=sum(bool(row["applied"]) for row in terms))

@@ -1,0 +1,109 @@
+"""`pipeline serve-batch --glossary FILE` as a user runs it, on the trained tiny model: every term found in a
+line is in its translation (a target the model would not choose, and a do-not-translate term), lines without
+terms are translated exactly as without the glossary, torch and ONNX Runtime write the same lines, and bad
+glossaries and backends that cannot apply one are refused in one line."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+from helpers import assert_one_line_error, make_parallel, run_cli, run_cli_captured, write_lines
+
+from runtime.glossary import find_terms, load_glossary
+
+GLOSSARY = "hund\ttree\nkatze\t\n"  # "hund" as "tree" (never its translation), "katze" kept as it is
+
+
+@pytest.fixture(scope="module")
+def lines() -> list[str]:
+    src, _ = make_parallel(40, seed=21)
+    return src + ["", "Der Hund sieht die Katze", "hundekatze klein"]  # capitalised; not whole words
+
+
+def _translate(capsys, model_dir, tmp_path, lines, *extra) -> tuple[list[str], str]:
+    src = write_lines(tmp_path / "in.txt", lines)
+    out = tmp_path / f"out{len(list(tmp_path.iterdir()))}.txt"
+    code, _, err = run_cli_captured(capsys, "serve-batch", model_dir, src, "--output", out, "--no-progress",
+                                    "--threads", "1", *extra)
+    assert code == 0, err
+    return out.read_text(encoding="utf-8").split("\n")[:-1], err
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_every_term_found_is_in_its_lines_translation(capsys, caplog, trained_model_dir, tmp_path, lines, backend):
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    plain, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--backend", backend)
+    forced, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--backend", backend,
+                             "--glossary", glossary)
+    assert len(forced) == len(lines)
+    terms = load_glossary(glossary)
+    with_terms = 0
+    for src, before, after in zip(lines, plain, forced):
+        found = find_terms(terms, src)
+        if not found:
+            assert after == before, src  # untouched, to the byte
+            continue
+        with_terms += 1
+        for match in found:
+            if match.found == "Katze":  # do not translate "Katze": a capital the tiny vocabulary cannot spell
+                continue
+            want = "tree" if match.entry.source == "hund" else match.found
+            assert re.search(rf"\b{want}\b", after), (src, after)
+    assert with_terms >= 8
+    assert "tree" not in " ".join(b for s, b in zip(lines, plain) if "hund" in s.lower().split())
+    found, applied = map(int, re.search(r"glossary's terms: (\d+) found in the input, (\d+) of them", caplog.text).groups())
+    assert applied == found - 1  # all but the unspellable "Katze", counted
+
+
+def test_torch_and_onnxruntime_write_the_same_lines_with_a_glossary(capsys, trained_model_dir, tmp_path, lines):
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    ort, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--backend", "onnxruntime", "--glossary",
+                        glossary)
+    torch, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--backend", "torch", "--glossary", glossary)
+    assert ort == torch
+
+
+def test_sentence_split_documents_keep_their_terms(capsys, trained_model_dir, tmp_path):
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    docs = ["der hund sieht. die frau hat ein kind.", "eine katze. ein mann!"]
+    out, _ = _translate(capsys, trained_model_dir, tmp_path, docs, "--split", "sentences", "--glossary", glossary)
+    assert "tree" in out[0] and "katze" in out[1]
+
+
+def test_bad_glossaries_are_refused_in_one_line_naming_the_line(capsys, trained_model_dir, tmp_path):
+    src = write_lines(tmp_path / "in.txt", ["der hund"])
+    bad = tmp_path / "bad.tsv"
+    bad.write_text("hund\ttree\nHund\tcar\n", encoding="utf-8")
+    code, _, err = run_cli_captured(capsys, "serve-batch", trained_model_dir, src, "--output", tmp_path / "o.txt",
+                                    "--glossary", bad)
+    assert_one_line_error(code, err, "bad.tsv:2", "bad.tsv:1")
+    assert not (tmp_path / "o.txt").exists()
+    unspellable = tmp_path / "unspellable.tsv"
+    unspellable.write_text("hund\t\u0416\u0417\n", encoding="utf-8")
+    code, _, err = run_cli_captured(capsys, "serve-batch", trained_model_dir, src, "--output", tmp_path / "o.txt",
+                                    "--glossary", unspellable)
+    assert_one_line_error(code, err, "\u0416")
+
+
+def test_a_model_dir_without_the_constrained_step_refuses_a_glossary(capsys, trained_model_dir, tmp_path):
+    old = tmp_path / "old"
+    shutil.copytree(trained_model_dir, old)
+    (old / "decoder_constrained.onnx").unlink()
+    manifest = (old / "manifest.json").read_text(encoding="utf-8")
+    import json
+
+    data = json.loads(manifest)
+    data["files"] = {k: v for k, v in data["files"].items() if k != "decoder_constrained.onnx"}
+    (old / "manifest.json").write_text(json.dumps(data), encoding="utf-8")
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    src = write_lines(tmp_path / "in.txt", ["der hund"])
+    code, _, err = run_cli_captured(capsys, "serve-batch", old, src, "--output", tmp_path / "o.txt", "--backend",
+                                    "onnxruntime", "--glossary", glossary)
+    assert_one_line_error(code, err, "cannot apply a glossary")
+    assert run_cli("serve-batch", old, src, "--output", tmp_path / "o.txt", "--backend", "onnxruntime") == 0
