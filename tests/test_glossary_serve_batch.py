@@ -107,3 +107,27 @@ def test_a_model_dir_without_the_constrained_step_refuses_a_glossary(capsys, tra
                                     "onnxruntime", "--glossary", glossary)
     assert_one_line_error(code, err, "cannot apply a glossary")
     assert run_cli("serve-batch", old, src, "--output", tmp_path / "o.txt", "--backend", "onnxruntime") == 0
+
+
+def test_the_ray_and_spark_translator_applies_a_glossary_as_serve_batch_does(capsys, trained_model_dir, tmp_path,
+                                                                              lines):
+    """Translator(glossary=...) (pipeline/integrations): the same lines serve-batch --glossary writes, and a
+    `terms` column saying per row which terms were applied."""
+    import json
+
+    from pipeline.integrations.translator import Translator
+
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    expected, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--glossary", glossary)
+    translator = Translator(trained_model_dir, glossary=glossary)
+    done = translator.translate(lines)
+    assert done.translation == expected
+    assert done.terms is not None
+    rows = [json.loads(t) for t in done.terms]
+    hund = [r for src, r in zip(lines, rows) if "hund" in src.split()]
+    assert hund and all({"source": "hund", "target": "tree", "applied": True, "constrained": True} in r for r in hund)
+    assert all(r == [] for src, r in zip(lines, rows) if not find_terms(load_glossary(glossary), src))
+    columns = translator({"text": __import__("numpy").array(lines[:3], dtype=object)})
+    assert "terms" in columns and len(columns["terms"]) == 3
+    assert "terms" not in Translator(trained_model_dir).translate(lines[:2]).columns()

@@ -6,13 +6,16 @@
 
 Each call takes a column of source strings and adds `translation` (serve-batch's output line, n-best
 included), `score` (the best hypothesis' score), `empty` (a blank row: no translation) and `truncated`
-(sentences cut at the model's source limit) to the batch. The translations are serve-batch's, byte for byte:
+(sentences cut at the model's source limit) to the batch; with a glossary (`glossary="terms.tsv"`, or
+serve-batch's --glossary in `options`), also `terms`: per row, JSON of the terms found and whether each was
+applied (docs/glossary.md). The translations are serve-batch's, byte for byte:
 the rows go through the same text service (runtime/texts.py: encode_texts, the search, finish_texts) under
 serve-batch's options. Nothing here imports torch or Ray: the deploy install plus Ray Data (or Spark) runs it."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import math
 from collections.abc import Sequence
@@ -29,7 +32,7 @@ from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.model_dir import LoadOptions, ModelDir, load
-from runtime.texts import Lines, Located, Origin, encode_texts, finish_texts
+from runtime.texts import Lines, Located, Origin, encode_texts, finish_texts, open_glossary
 
 log = logging.getLogger(__name__)
 
@@ -45,12 +48,16 @@ class Translated:
     empty: list[bool]      # blank (or null) rows: the translation is ""
     truncated: list[int]   # lines (or sentences) cut to the model's source limit
     min_len_over: int = 0  # rows whose maximum output length is below --min-len
+    terms: list[str] | None = None  # with a glossary: per row, JSON of its terms ({"source", "target", "applied"...})
 
     def columns(self) -> dict[str, np.ndarray]:
-        return {"translation": np.array(self.translation, dtype=object),
-                "score": np.array(self.score, dtype=np.float64),
-                "empty": np.array(self.empty, dtype=bool),
-                "truncated": np.array(self.truncated, dtype=np.int32)}
+        columns = {"translation": np.array(self.translation, dtype=object),
+                   "score": np.array(self.score, dtype=np.float64),
+                   "empty": np.array(self.empty, dtype=bool),
+                   "truncated": np.array(self.truncated, dtype=np.int32)}
+        if self.terms is not None:
+            columns["terms"] = np.array(self.terms, dtype=object)
+        return columns
 
 
 class Translator:
@@ -60,11 +67,12 @@ class Translator:
     `decoding` are the options the user gave (the model's own defaults fill the others, as in serve-batch);
     `options` serve-batch's line policy (`--long-lines`, `--split`, ...; `decoding` replaces its own).
     `origin_columns` (path, line): columns naming each row's file and line number, for the one-line error of
-    a refused row; without them a row is named by its place in the batch."""
+    a refused row; without them a row is named by its place in the batch. `glossary`: a glossary file (it
+    replaces options.glossary), read and checked once per worker."""
 
     def __init__(self, model_dir: str | Path, *, column: str = "text", load_options: LoadOptions | None = None,
                  decoding: DecodingOptions = PAPER, options: ServeBatchOptions | None = None,
-                 origin_columns: tuple[str, str] | None = None):
+                 origin_columns: tuple[str, str] | None = None, glossary: str | Path | None = None):
         load_options = load_options or LoadOptions()
         if load_options.threads is None:
             load_options = dataclasses.replace(load_options, threads=1)
@@ -72,6 +80,12 @@ class Translator:
         self.origin_columns = origin_columns
         self.loaded = load(ModelDir.open(model_dir), load_options, decoding)
         self.options = dataclasses.replace(options or ServeBatchOptions(), decoding=self.loaded.decoding).validate()
+        if glossary is not None:
+            self.options = dataclasses.replace(self.options, glossary=str(glossary))
+        try:
+            self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
+        except RuntimeUserError as e:
+            raise UserError(str(e)) from None
         # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others
         self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang)
         self.policy = self.options.policy(self.direction.prefix)
@@ -99,10 +113,12 @@ class Translator:
         loaded, decoding = self.loaded, self.options.decoding
         origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
         try:
-            encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin)
+            encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin,
+                                   glossary=self.glossary)
         except RuntimeUserError as e:  # a refused row (--long-lines error): one line naming it
             raise UserError(str(e)) from None
-        nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)))
+        nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),
+                                 constraints=encoded.constraints)
         results = finish_texts(loaded.tokenizer, encoded, nbest, decoding.nbest)
         over = min_len_over(encoded.ids, decoding, loaded.backend.max_tgt_len)
         if over:
@@ -110,8 +126,11 @@ class Translator:
                         over, decoding.min_len)
         # a document's sentences each have a score; a row gives one only for a plain text
         scores = [math.nan if self.policy.documents or r.score is None else r.score for r in results]
+        terms = None
+        if self.glossary is not None:
+            terms = [json.dumps(r.terms or [], ensure_ascii=False) for r in results]
         return Translated([r.text for r in results], scores, [r.empty for r in results],
-                          [r.truncated for r in results], over)
+                          [r.truncated for r in results], over, terms)
 
 
 def _text(value: Any) -> str:
