@@ -16,11 +16,13 @@ waits for its first n lines, `future` for all of them."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.translator import Translator
@@ -46,6 +48,7 @@ class Work:
     decoding: DecodingOptions
     future: asyncio.Future[list[NBest]]
     first: int | None = None  # a multilingual model's target language token, forced first in every line
+    constraints: list[list[list[int]]] | None = None  # per line, a glossary's target token phrases; None: no term
     enqueued: float = field(default_factory=time.monotonic)
     taken: int = 0  # lines handed to a batch so far
     turn: int = 0  # the cost of the lines taken since its turn began (Batcher._take_turns)
@@ -128,12 +131,13 @@ class Batcher:
         self._pending.clear()
         self._executor.shutdown(wait=True)
 
-    def submit(self, ids: list[list[int]], decoding: DecodingOptions, first: int | None = None) -> Work:
-        """Queue one request's source ids (with a multilingual model's target token); await `work.future` for
-        its hypotheses."""
+    def submit(self, ids: list[list[int]], decoding: DecodingOptions, first: int | None = None,
+               constraints: list[list[list[int]]] | None = None) -> Work:
+        """Queue one request's source ids (with a multilingual model's target token, and per line a glossary's
+        constraints); await `work.future` for its hypotheses."""
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests are queued already (--max-queue {self.max_queue})")
-        work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first)
+        work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first, constraints)
         self._pending.append(work)
         self.metrics.queue_depth.set(len(self._pending))
         assert self._wakeup is not None, "Batcher.start() was not awaited"
@@ -224,7 +228,10 @@ class Batcher:
             args: tuple = (ids, batch[0][0].decoding)
             if batch[0][0].first is not None:  # the key keeps works with and without one apart
                 args += ([work.first for work, start, stop in batch for _ in range(start, stop)],)
-            results = await loop.run_in_executor(self._executor, self.translator.translate, *args)
+            constraints = _constraints(batch)
+            more: dict[str, Any] = {} if constraints is None else {"constraints": constraints}
+            call = functools.partial(self.translator.translate, *args, **more)
+            results = await loop.run_in_executor(self._executor, call)
         except Exception as e:  # a backend fault fails this batch's requests, not the server
             log.exception("batch of %d request(s) failed", len(batch))
             for work, _, _ in batch:
@@ -242,3 +249,13 @@ class Batcher:
             done += stop - start
             if not work.future.done():
                 work._add(share)
+
+
+def _constraints(batch: list[Slice]) -> list[list[list[int]]] | None:
+    """The batch's lines' glossary constraints, aligned with its ids ([] for a line without a term), or None
+    when no line has one: the search then runs exactly as for a request without a glossary (the search
+    decodes lines with constraints apart from the others, so works with and without them share a batch)."""
+    if all(work.constraints is None for work, _, _ in batch):
+        return None
+    return [work.constraints[line] if work.constraints is not None else []
+            for work, start, stop in batch for line in range(start, stop)]

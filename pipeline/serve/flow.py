@@ -53,15 +53,15 @@ async def client_gone(request: Request) -> None:
 
 
 async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, EncodedTexts]:
-    """The request encoded by the text service (its sentences, with split) within the limits and queued on its
-    model's batcher."""
+    """The request encoded by the text service (its sentences, with split; with a glossary, each one's terms)
+    within the limits and queued on its model's batcher."""
     model = req.model
     encoded = await off_loop(state, encode_request, req, state.limits)
     if encoded.tokens == 0:  # blank lines only: nothing for the model
         return Work.finished([[] for _ in encoded.ids], req.decoding), encoded
     assert model.batcher is not None
     try:
-        return model.batcher.submit(encoded.ids, req.decoding, req.way.first), encoded
+        return model.batcher.submit(encoded.ids, req.decoding, req.way.first, encoded.constraints), encoded
     except QueueFull as e:
         raise busy(f"server busy: {e}; retry later", state) from None
 

@@ -81,11 +81,12 @@ class Translator:
         except LanguageError as e:
             raise ValueError(str(e)) from None
 
-    def translate(self, ids: list[list[int]], decoding: DecodingOptions, first_tokens: list[int] | None = None
-                  ) -> list[NBest]:
+    def translate(self, ids: list[list[int]], decoding: DecodingOptions, first_tokens: list[int] | None = None,
+                  constraints: list[list[list[int]]] | None = None) -> list[NBest]:
         """Hypotheses per source, in order; batching by length inside (one thread only). first_tokens: per
-        source, a multilingual model's target language token, forced first."""
-        return self.loaded.translate(ids, decoding, first_tokens)
+        source, a multilingual model's target language token, forced first; constraints: per source, a
+        glossary's target token phrases ([] for none), decoded apart by constrained search."""
+        return self.loaded.translate(ids, decoding, first_tokens, constraints=constraints)
 
     def warm_up(self, decoding: DecodingOptions) -> str:
         """One real translation, so the first request pays no lazy initialisation."""
