@@ -30,6 +30,7 @@ from pipeline.serve import file_routes, libre, page, spec, suggestions
 from pipeline.serve.access import AccessLog, note
 from pipeline.serve.batcher import Batcher, Work
 from pipeline.serve.flow import count, off_loop, off_loop_reading, read_payload, submit, translated, wait
+from pipeline.serve.glossaries import text_terms, unit_terms
 from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.libre import speaks_libre
 from pipeline.serve.metrics import CONTENT_TYPE
@@ -114,14 +115,17 @@ async def _native(request: Request, data: Any, state: ServerState, started: floa
 
 def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NBest]) -> Response:
     """The whole answer, from the text service: each line's translation (with split, each text rebuilt) or
-    hypotheses."""
+    hypotheses; with a glossary, each text's terms."""
     done = finish_texts(req.model.translator.tokenizer, encoded, results, req.decoding.nbest)
     items: list[Any]
     if req.structured:
         items = [{"hypotheses": _hypotheses(r.hypotheses)} for r in done]
     else:
         items = [r.text for r in done]
-    return JSONResponse({"translations": items})
+    body: dict[str, Any] = {"translations": items}
+    if req.glossary is not None:
+        body["terms"] = text_terms(done)
+    return JSONResponse(body)
 
 
 def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
@@ -131,24 +135,31 @@ def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
 async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float
                   ) -> AsyncIterator[bytes]:
     """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
-    everything before it is translated."""
+    everything before it is translated; with a glossary, each with its terms."""
     tokenizer, m = req.model.translator.tokenizer, req.model.metrics
+
+    def terms(unit: int, best: str) -> dict[str, Any]:
+        return {} if req.glossary is None else {"terms": unit_terms(encoded, unit, best)}
+
     try:
         for index, span in enumerate(encoded.spans):
             split = encoded.split(index)
             if split is None:
                 await wait(work, span.stop, state)
                 hyps = hypotheses(tokenizer, work.results[span.start])
+                best = hyps[0][0] if hyps else ""
                 yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
-                                                  else {"translation": hyps[0][0] if hyps else ""})})
+                                                  else {"translation": best}), **terms(span.start, best)})
                 continue
             if not split.sentences:  # an empty or whitespace-only text: one object with its whitespace
-                yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0]})
+                yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0],
+                               **({} if req.glossary is None else {"terms": []})})
             for j, unit in enumerate(span):
                 await wait(work, unit + 1, state)
                 hyps = hypotheses(tokenizer, work.results[unit])
-                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, hyps[0][0] if hyps
-                                                                                           else "")})
+                best = hyps[0][0] if hyps else ""
+                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, best),
+                               **terms(unit, best)})
         count(m, encoded, work.results)
         m.request_seconds.observe(time.perf_counter() - started)
     except ApiError as e:  # the status went out already: the error is the last object

@@ -28,7 +28,7 @@ from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.flow import MAX_FORM_FIELDS, off_loop
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, error, failed, translate_texts
-from pipeline.serve.requests import ApiError, ServerState, read_body, too_many
+from pipeline.serve.requests import ApiError, ServerState, read_body, request_glossary, too_many
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ async def translate_file(request: Request) -> Response:
             if code != "auto" and code not in state.routes.codes:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                     f"{state.routes.listed()}")
-        req = LibreRequest(doc.texts, True, source, target, False, 0)
+        req = LibreRequest(doc.texts, True, source, target, False, 0, request_glossary(fields, state))
         detected = await _source_of(state, req) if source == "auto" else None
         body, m = await translate_texts(request, state, req, None)
         out = await off_loop(state, doc.rebuild, body["translatedText"])

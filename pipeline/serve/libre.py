@@ -22,10 +22,21 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.serve.access import note
 from pipeline.serve.flow import off_loop, off_loop_reading, read_payload, translated
+from pipeline.serve.glossaries import text_terms
 from pipeline.serve.keys import KeyRefused, RateLimited, bearer
 from pipeline.serve.languages import language_name
 from pipeline.serve.metrics import ModelMetrics
-from pipeline.serve.requests import LANG, ApiError, ServedModel, ServerState, TranslateRequest, too_many
+from pipeline.serve.requests import (
+    LANG,
+    ApiError,
+    ServedModel,
+    ServerState,
+    TranslateRequest,
+    check_glossary,
+    request_glossary,
+    too_many,
+)
+from runtime.glossary import Glossary
 from runtime.markup import parse_html
 from runtime.texts import EncodedTexts, finish_texts
 from runtime.translate import NBest
@@ -70,6 +81,7 @@ class LibreRequest:
     target: str
     html: bool
     alternatives: int
+    glossary: Glossary | None = None  # an extension: "glossary" as the native API's; the answer gains "terms"
 
 
 def _code(data: dict[str, Any], key: str) -> str:
@@ -112,7 +124,7 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool):
         raise ApiError(400, f'"alternatives" must be a whole number, not {str(n)[:20]!r}')
-    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n))
+    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n), request_glossary(data, state))
 
 
 @dataclass
@@ -173,8 +185,9 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         texts = [req.q[i] for i in group.places]  # each a document (with html, each of its text nodes)
+        check_glossary(req.glossary, group.model, state)  # the server's own were checked at start
         group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
-                                         "html" if req.html else "text")
+                                         "html" if req.html else "text", req.glossary)
     return list(groups.values())
 
 
@@ -186,10 +199,12 @@ def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[EncodedTex
     texts = list(req.q)  # a text no model was given (same language, no letters) is answered as it came
     alternatives: list[list[str]] = [[] for _ in req.q]
     scores: list[float | None] = [None] * len(req.q)
+    terms: list[Any] = [[] for _ in req.q]  # with a glossary; none for a text answered as it came
     for group, (encoded, results) in zip(groups, done):
         finished = finish_texts(group.model.translator.tokenizer, encoded, results, req.alternatives + 1)
-        for place, result in zip(group.places, finished):
+        for place, result, found in zip(group.places, finished, text_terms(finished)):
             texts[place], alternatives[place], scores[place] = result.text, result.alternatives, result.score
+            terms[place] = found
     one = (lambda xs: xs) if req.batch else (lambda xs: xs[0])
     body: dict[str, Any] = {"translatedText": one(texts)}
     if detected is not None:
@@ -197,6 +212,8 @@ def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[EncodedTex
     if req.alternatives:
         body["alternatives"] = one(alternatives)
     body["score"] = one(scores)
+    if req.glossary is not None:
+        body["terms"] = one(terms)
     return body
 
 

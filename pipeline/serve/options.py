@@ -49,6 +49,10 @@ class ServeHttpOptions:
                            "texts and the key's line in the keys file (never the key).")
     log_format: str = opt("text", "The access log's form: text, or json (one JSON object per line).",
                           choices=("text", "json"))
+    glossary: tuple[str, ...] = opt((), "A glossary file (TSV: source term, target term; an empty target: do not "
+                                    "translate) that requests choose by NAME with \"glossary\": \"NAME\"; repeat it "
+                                    "for several. Loaded once and checked against every served model at start "
+                                    "(docs/glossary.md).", multiple=True, metavar="NAME=FILE")
     # how every served model dir is loaded (its own command-line options: runtime/model_dir.py LoadOptions)
     load: LoadOptions = LoadOptions()
 

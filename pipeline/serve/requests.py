@@ -16,18 +16,22 @@ from starlette.requests import Request
 
 from pipeline.serve.batcher import Batcher
 from pipeline.serve.detect import Detector
+from pipeline.serve.glossaries import GlossaryError, for_model, requested
 from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import Routes
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
+from runtime.errors import RuntimeUserError
+from runtime.glossary import Glossary
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
 from runtime.texts import EncodedTexts, Listed, TextPolicy, encode_texts
 from runtime.translate import SourceTooLong
 
-REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target"}
+REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target",
+                "glossary"}
 LANG = LANG_CODE
 
 
@@ -66,6 +70,7 @@ class ServerState:
     suggestions: Any = None  # --suggestions: suggestions.Suggestions, where POST /suggest stores; None: off
     detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
     no_detector: str = "language detection is off"
+    glossaries: dict[str, Glossary] = field(default_factory=dict)  # --glossary NAME=FILE, checked at start
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
     routes: Routes[ServedModel] = field(init=False)  # (source, target) -> model, for LibreTranslate's API
 
@@ -92,6 +97,7 @@ class TranslateRequest:
     stream: bool
     way: Direction = ONE_PAIR  # a multilingual model's source -> target (LibreTranslate's API); none for one pair
     format: str = "text"  # "html": each text an HTML document (LibreTranslate's API)
+    glossary: Glossary | None = None  # "glossary": its terms forced into the translations, listed in the answer
 
 
 def _field(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
@@ -174,7 +180,29 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     if structured and split != "none":
         raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
                             '"split": "none"')
-    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way)
+    glossary = request_glossary(data, state, model)
+    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, glossary=glossary)
+
+
+def request_glossary(data: dict[str, Any], state: ServerState, model: ServedModel | None = None
+                     ) -> Glossary | None:
+    """The request's "glossary" (glossaries.py: a name of the server's, or inline terms), checked against
+    `model` when given (400 naming the field and the entry)."""
+    try:
+        glossary = requested(data.get("glossary"), state.glossaries)
+    except GlossaryError as e:
+        raise ApiError(400, str(e)) from None
+    if model is not None:
+        check_glossary(glossary, model, state)
+    return glossary
+
+
+def check_glossary(glossary: Glossary | None, model: ServedModel, state: ServerState) -> None:
+    """400 unless `model` can apply the request's glossary (its backend, its target vocabulary)."""
+    try:
+        for_model(glossary, model.translator, state.glossaries)
+    except GlossaryError as e:
+        raise ApiError(400, str(e)) from None
 
 
 def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
@@ -212,9 +240,12 @@ def encode_request(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts
             raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
 
     try:
-        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(), check)
+        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(), check,
+                               req.glossary)
     except SourceTooLong as e:  # the long line named as the request has it, without the CLI's fix
         raise ApiError(413, f"{e.what}; split the line") from None
+    except RuntimeUserError as e:  # a glossary's term this model cannot take, found in a text
+        raise ApiError(400, str(e)) from None
     if encoded.tokens > limits.max_source_tokens:
         raise ApiError(413, too_many(encoded.tokens, "source tokens", limits.max_source_tokens,
                                      "--max-source-tokens"))

@@ -25,6 +25,8 @@ from model.errors import UserError
 from pipeline.serve import access
 from pipeline.serve.app import create_app
 from pipeline.serve.detect import Detector, DetectorMissing
+from pipeline.serve.glossaries import check_named, read_named
+from pipeline.serve.glossaries import info as glossaries_info
 from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import served_languages
 from pipeline.serve.metrics import Metrics
@@ -171,10 +173,13 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
             raise UserError("--require-api-key needs --api-keys FILE, the keys to require")
         keys = ApiKeys.read(str(opts.api_keys), opts.keyless_rate or None, opts.require_api_key) \
             if opts.api_keys is not None else None
+        named = read_named(opts.glossary)  # the files first: a bad one is refused before any model loads
         served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
+        glossaries = check_named(named, {name: model.translator for name, model in served.items()})
         cors = None if opts.cors_origin.strip().lower() == "none" else opts.cors_origin.strip()
-        state = ServerState(served, limits, server_info(limits, opts), metrics, warmed_up=True, keys=keys,
-                            cors_origin=cors, access_log=opts.log_format if opts.access_log else None)
+        state = ServerState(served, limits, {**server_info(limits, opts), "glossaries": glossaries_info(glossaries)},
+                            metrics, warmed_up=True, keys=keys, cors_origin=cors,
+                            access_log=opts.log_format if opts.access_log else None, glossaries=glossaries)
         if opts.access_log:
             access.configure(opts.log_format)
         if opts.suggestions is not None:
@@ -190,6 +195,8 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         log.info("LibreTranslate API: %s%s", state.routes.listed(), "" if keys is None else
                  f"; {len(keys)} API key(s), " + ("required" if keys.require else
                                                  f"keyless requests at {opts.keyless_rate or 'any'} per minute"))
+        if glossaries:
+            log.info("glossaries: %s", ", ".join(f"{name} ({len(g)} entries)" for name, g in glossaries.items()))
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
         asyncio.run(_Server(config, state).serve(sockets=[sock]))
     finally:
