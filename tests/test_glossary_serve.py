@@ -236,3 +236,17 @@ def test_bad_glossary_options_are_one_start_up_line(capsys, trained_model_dir, t
         code, _, err = run_cli_captured(capsys, "serve", trained_model_dir, "--backend", "onnxruntime",
                                         "--port", "0", *args)
         assert_one_line_error(code, err, *needles)
+
+
+def test_the_cli_serves_its_glossaries(trained_model_dir, glossary_file, tmp_path):
+    """`pipeline serve --glossary terms=FILE` as a user runs it: /info lists it, a request names it."""
+    from test_server import server
+
+    httpx = pytest.importorskip("httpx")
+    with server(trained_model_dir, tmp_path / "log.txt", "--model", "de-en=" + str(trained_model_dir),
+                "--glossary", f"terms={glossary_file}") as (_, url):
+        assert httpx.get(f"{url}/info", timeout=10).json()["glossaries"] == {"terms": {"entries": 2}}
+        got = httpx.post(f"{url}/translate", json={"text": ["ein hund"], "model": "de-en", "glossary": "terms"},
+                         timeout=60).json()
+        assert re.search(r"\btree\b", got["translations"][0]) and got["terms"] == [[HUND]], got
+    assert "glossaries: terms (2 entries)" in (tmp_path / "log.txt").read_text()
