@@ -64,6 +64,22 @@ class Backend(Protocol):
     shortlist: Any        # runtime.shortlist.Shortlist the steps score over, or None (the whole vocabulary)
     gathers: bool         # whether step takes `want` (the ids whose log-probs constrained search needs)
 
+    @property
+    def max_batch(self) -> int | None:
+        """Most sentences a batch may hold (a TensorRT engine's profile); None: any."""
+
+    @property
+    def parallel_batches(self) -> int:
+        """Batches decoded at once (the onnxruntime backend on the CPU: --parallel-batches); 1 elsewhere."""
+
+    @property
+    def step_mode(self) -> str | None:
+        """The torch backend's decoder step (eager, graph, compiled: --step); None for an engine's own."""
+
+    @property
+    def compile_seconds(self) -> float:
+        """Seconds spent compiling decoder steps so far (--step compiled); 0 elsewhere."""
+
     def encode(self, src_ids: np.ndarray) -> EncoderState:
         """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
 
@@ -118,6 +134,10 @@ class ExportedGraphBackend:
     cache_dtype: Any
     max_tgt_len: int
     shortlist: Any = None
+    max_batch: int | None = None
+    parallel_batches = 1
+    step_mode: str | None = None
+    compile_seconds = 0.0
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)

@@ -19,7 +19,7 @@ import importlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +29,7 @@ from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError,
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions, flag
 from runtime.errors import RuntimeUserError
-from runtime.registry import BACKENDS, check_device, choose_backend, entry, import_torch
+from runtime.registry import BACKENDS, ONLY_SOME, check_device, choose_backend, entry, import_torch, not_taken
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 from runtime.translate import NBest, translate_ids
 
@@ -49,12 +49,14 @@ class ModelDir:
     tokenizer: AnyTokenizer = field(repr=False)
 
     @classmethod
-    def open(cls, path: str | Path) -> ModelDir:
+    def open(cls, path: str | Path, verify: bool = True) -> ModelDir:
         """Put back a dir an interrupted `export --force` left swapped, read the manifest, verify every
-        file it lists (a one-line ModelDirError naming the file otherwise) and build the tokenizer."""
+        file it lists (a one-line ModelDirError naming the file otherwise) and build the tokenizer.
+        `verify=False` leaves the files' digests unchecked: for a caller that reads what the dir records (its
+        shape, languages, tokenizer) and loads nothing from it, or hands it to a process that loads it."""
         path = Path(path)
         restore_replaced_dir(path)
-        manifest = read_manifest(path, verify=True, need=(SPM_FILE,))
+        manifest = read_manifest(path, verify=verify, need=(SPM_FILE,))
         return cls(path, manifest, tokenizer_from_file(path / SPM_FILE))
 
     @property
@@ -150,14 +152,28 @@ class LoadOptions:
             raise RuntimeUserError("; ".join(problems))
         return self
 
+    def only_some(self) -> dict[str, Any]:
+        """The options set here that only some backends take (runtime/registry.py ONLY_SOME), with their values."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name in ONLY_SOME and getattr(self, f.name) != f.default}
+
+    def for_backend(self, name: str) -> LoadOptions:
+        """These options for backend `name`, without those of ONLY_SOME it does not take (bench and parity give
+        --step to torch and --parallel-batches to onnxruntime only)."""
+        taken = entry(name).options
+        unset: dict[str, Any] = {f.name: f.default for f in fields(self) if f.name in ONLY_SOME and f.name not in taken}
+        return replace(self, backend=name, **unset)
+
 
 @dataclass
 class Loaded:
-    """A model dir with a backend running it and the decoding it will be run with."""
+    """A model dir with a backend running it, the options it was loaded with (`auto` and the torch backend's
+    default step resolved: what runs) and the decoding it will be run with."""
 
     model_dir: ModelDir
     backend: Backend
     decoding: DecodingOptions
+    options: LoadOptions = field(default_factory=LoadOptions)
 
     @property
     def tokenizer(self) -> AnyTokenizer:
@@ -189,19 +205,15 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
     manifest = opened.manifest
     chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)
-    if options.step is not None and chosen.name != "torch":
-        raise RuntimeUserError(f"--step {options.step} chooses the torch backend's decoder step, but the backend is "
-                               f"{chosen.name}; add --backend torch")
-    if options.parallel_batches > 1 and chosen.name != "onnxruntime":
-        raise RuntimeUserError(f"--parallel-batches {options.parallel_batches}: only the onnxruntime backend (on the "
-                               f"CPU) decodes batches side by side, and the backend here is {chosen.name}; add "
-                               "--backend onnxruntime or leave --parallel-batches out")
+    refused = not_taken(chosen, options.only_some(), LoadOptions.flag)
+    if refused:
+        raise RuntimeUserError(refused)
     need = chosen.needs(manifest, options.shortlist, opened.path)
     table = opened.shortlist if options.shortlist else None  # a dir exported without one says how to get one
     missing = [name for name in need if name not in manifest.files]
     if missing:
         raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
-    if chosen.name == "onnxruntime" and manifest.quantization == ORT_DYNAMIC:
+    if not chosen.checkpoint_weights and manifest.quantization == ORT_DYNAMIC:  # the graphs' int8, not model.pt
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "
                     "where outputs must not depend on batching", opened.path)
@@ -216,4 +228,4 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
                                f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
     log.info("backend %s on %s, loaded in %.2f s", backend.name, backend.device, time.perf_counter() - started)
     decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults).validate()
-    return Loaded(opened, backend, decoding)
+    return Loaded(opened, backend, decoding, replace(options, backend=chosen.name, step=backend.step_mode))

@@ -132,14 +132,24 @@ def _exported_precision(manifest: Manifest, devices: tuple[str, ...]) -> list[tu
     return [(manifest.precision, device) for device in devices]
 
 
+# The LoadOptions fields only some backends take (BackendEntry.options), and what those backends do with one:
+# runtime/model_dir.py's load refuses one set for another backend, in these words, and LoadOptions.for_backend
+# leaves it out for a backend that does not take it (bench and parity, looping over backends).
+ONLY_SOME = {"step": "chooses its decoder step", "parallel_batches": "(on the CPU) decodes batches side by side"}
+
+
 @dataclass(frozen=True)
 class BackendEntry:
-    """One backend: the files it runs, the package `auto` needs before picking it, and its opener."""
+    """One backend: the files it runs, the package `auto` needs before picking it, the load options it
+    takes, and its opener."""
 
     name: str
     files: tuple[str, ...]        # what the model dir must list
     package: str                  # importable, for `auto` to pick this backend
     opener: str                   # "module:function" taking (ModelDir, LoadOptions, Shortlist | None)
+    options: tuple[str, ...] = ("device",)  # the LoadOptions fields it takes (the others are ignored or refused)
+    checkpoint_weights: bool = False  # runs the dir's fp32 model.pt, whatever precision the graphs were exported in
+    torch_memory: bool = False    # its device memory is PyTorch's allocator's (bench reads the GPU peak there)
     shortlist_files: tuple[str, ...] | None = None  # more files a shortlisted decode runs; None: cannot
     no_shortlist: str = ""        # why it cannot decode over a shortlist
     runs_integer_matmuls: bool = True  # int8 flavours with integer matmuls (ONNXRUNTIME_ONLY)
@@ -179,10 +189,11 @@ class BackendEntry:
 
 ENTRIES = (
     BackendEntry("torch", (CHECKPOINT_FILE, SPM_FILE), "torch", "runtime.torch_backend:open_model_dir",
-                 shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True,
+                 options=("device", "threads", "precision", "shortlist", "step"), checkpoint_weights=True,
+                 torch_memory=True, shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True,
                  runs=lambda manifest: [("fp32", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")]),  # model.pt is fp32
     BackendEntry("onnxruntime", (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE), "onnxruntime",
-                 "runtime.ort_backend:open_model_dir",
+                 "runtime.ort_backend:open_model_dir", options=("device", "threads", "shortlist", "parallel_batches"),
                  shortlist_files=(io_names.SHORTLIST_FILE, io_names.DECODER_SHORTLIST_FILE), here=_ort_here,
                  missing=_missing_files(" (re-run `pipeline export`)"),
                  runs=lambda manifest: _exported_precision(manifest, ("cpu", "cuda"))),
@@ -199,6 +210,22 @@ BACKENDS = ("auto", *(e.name for e in ENTRIES))
 
 def entry(name: str) -> BackendEntry:
     return next(e for e in ENTRIES if e.name == name)
+
+
+def takers(option: str) -> tuple[str, ...]:
+    """The backends that take a load option (ONLY_SOME's: step -> torch)."""
+    return tuple(e.name for e in ENTRIES if option in e.options)
+
+
+def not_taken(chosen: BackendEntry, given: dict[str, Any], flag: Callable[[str], str]) -> str:
+    """Why `chosen` cannot load with the ONLY_SOME options `given` (name -> value, the defaults left out), each
+    named as `flag` phrases it; "" when it takes them all."""
+    for name, value in given.items():
+        if name in ONLY_SOME and name not in chosen.options:
+            who = takers(name)
+            return (f"{flag(name)} {value}: only the {' and '.join(who)} backend {ONLY_SOME[name]}, and the backend "
+                    f"here is {chosen.name}; add {flag('backend')} {who[0]} or leave {flag(name)} out")
+    return ""
 
 
 def backend_names() -> tuple[str, ...]:

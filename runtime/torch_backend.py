@@ -57,6 +57,8 @@ def prepare_for_inference(model: Transformer) -> None:
 
 class TorchBackend:
     name = "torch"
+    max_batch: int | None = None  # any batch: no engine profile
+    parallel_batches = 1
 
     def __init__(self, model: Transformer, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
@@ -87,6 +89,11 @@ class TorchBackend:
         capture = step_mode == "graph" or (step_mode == "compiled" and self.device.type == "cuda")
         self.static = None if step_mode == "eager" else StaticStepRunner(
             self.model, topk, dtype, self.device, capture=capture, compiled=step_mode == "compiled")
+
+    @property
+    def compile_seconds(self) -> float:
+        """torch.compile's time so far, over every batch shape (--step compiled; 0 for the other steps)."""
+        return sum(self.static.compile_seconds.values()) if self.static is not None else 0.0
 
     @torch.inference_mode()
     def encode(self, src_ids: Any) -> EncoderState:

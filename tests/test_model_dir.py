@@ -79,7 +79,7 @@ def test_the_models_own_decoding_defaults_apply_under_what_the_user_gave(fp32_di
 
 
 def test_the_registry_is_the_one_list_of_backends():
-    from runtime.loader import BACKENDS, backend_names
+    from runtime.registry import BACKENDS, backend_names
 
     assert backend_names() == tuple(e.name for e in registry.ENTRIES)
     assert BACKENDS == ("auto", *backend_names())
@@ -117,3 +117,33 @@ def test_load_options_problems_name_each_field_as_the_front_end_calls_it(tmp_pat
     with pytest.raises(Exception) as e:
         load(tmp_path / "missing", bad)
     assert str(e.value).startswith("--backend 'nope'") and "--dtype" in str(e.value)
+
+
+def test_the_registry_says_which_load_options_each_backend_takes(fp32_dir):
+    """--step is the torch backend's, --parallel-batches onnxruntime's: load refuses either for another backend
+    in the registry's words, and for_backend leaves out what a backend does not take (bench, parity)."""
+    assert registry.takers("step") == ("torch",) and registry.takers("parallel_batches") == ("onnxruntime",)
+    given = LoadOptions(threads=2, step="eager", parallel_batches=2)
+    assert given.only_some() == {"step": "eager", "parallel_batches": 2}
+    assert given.for_backend("torch") == LoadOptions(backend="torch", threads=2, step="eager")
+    assert given.for_backend("onnxruntime") == LoadOptions(backend="onnxruntime", threads=2, parallel_batches=2)
+    with pytest.raises(registry.RuntimeUserError) as e:
+        load(fp32_dir, LoadOptions(backend="torch", threads=2, parallel_batches=2))
+    assert str(e.value) == ("--parallel-batches 2: only the onnxruntime backend (on the CPU) decodes batches side by "
+                            "side, and the backend here is torch; add --backend onnxruntime or leave "
+                            "--parallel-batches out")
+    with pytest.raises(registry.RuntimeUserError, match="only the torch backend chooses its decoder step"):
+        load(fp32_dir, LoadOptions(backend="onnxruntime", step="eager"))
+
+
+def test_loaded_carries_the_options_it_runs_with(fp32_dir):
+    """`auto` and the torch backend's default step resolved; every backend answers the protocol's questions
+    (batch limit, parallel batches, step, compile time) without a getattr."""
+    auto = load(fp32_dir, LoadOptions(threads=1))
+    assert auto.options.backend == auto.backend.name == registry.choose_backend(auto.manifest)
+    torch_loaded = load(fp32_dir, LoadOptions(backend="torch", threads=1, device="cpu"))
+    assert torch_loaded.options == LoadOptions(backend="torch", device="cpu", threads=1, step="eager")
+    for loaded in (auto, torch_loaded):
+        b = loaded.backend
+        assert (b.max_batch, b.parallel_batches, b.compile_seconds) == (None, 1, 0.0)
+        assert b.step_mode == loaded.options.step

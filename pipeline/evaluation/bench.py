@@ -29,6 +29,7 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.languages import direction
 from runtime.model_dir import LoadOptions, load
+from runtime.registry import backend_names, entry
 from runtime.search import Hypothesis, search
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import decode_batches, encode_sources, pad_batch
@@ -70,8 +71,9 @@ def torch_cuda(backend: Backend) -> Any:
     """torch, where `backend` is the torch backend on a CUDA device (its allocator sees all the memory it
     uses); else None. Never imports torch."""
     torch = sys.modules.get("torch")
-    on_cuda = getattr(getattr(backend, "device", None), "type", None) == "cuda"
-    return torch if torch is not None and on_cuda and getattr(backend, "name", "") == "torch" else None
+    on_cuda = str(backend.device).startswith("cuda")
+    ours = backend.name in backend_names() and entry(backend.name).torch_memory
+    return torch if torch is not None and on_cuda and ours else None
 
 
 def reset_peak_rss() -> None:
@@ -149,8 +151,7 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
         latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
         latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
-        shortlist=getattr(backend, "shortlist", None) is not None, step=getattr(backend, "step_mode", None),
-        parallel_batches=getattr(backend, "parallel_batches", 1),
+        shortlist=backend.shortlist is not None, step=backend.step_mode, parallel_batches=backend.parallel_batches,
     )
 
 
@@ -168,23 +169,21 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     for name in backends:
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
-        loaded = load(model_dir, LoadOptions(backend=name, device=device, threads=threads, shortlist=shortlist,
-                                             step=step if name == "torch" else None,
-                                             parallel_batches=parallel_batches if name == "onnxruntime" else 1),
-                      decoding)
+        options = LoadOptions(device=device, threads=threads, shortlist=shortlist, step=step,
+                              parallel_batches=parallel_batches).for_backend(name)  # --step: torch's only, ...
+        loaded = load(model_dir, options, decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
         way = direction(manifest.model_config, src_lang, tgt_lang)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
-            precision = "fp32" if name == "torch" else manifest.precision
+            precision = "fp32" if entry(name).checkpoint_weights else manifest.precision
             cuda = torch_cuda(backend)
             if cuda is not None:
                 cuda.cuda.reset_peak_memory_stats(backend.device)
-            runner = getattr(backend, "static", None) if getattr(backend, "step_mode", None) == "compiled" else None
-            compiled = sum(runner.compile_seconds.values()) if runner is not None else 0.0
+            compiled = backend.compile_seconds
             r = bench_backend(backend, sources, bs, decoding, fixed_length, precision, way.first)
-            if runner is not None:
-                r.compile_seconds = round(sum(runner.compile_seconds.values()) - compiled, 2)
+            if loaded.options.step == "compiled":
+                r.compile_seconds = round(backend.compile_seconds - compiled, 2)
             r.peak_rss_mb = peak_rss_mb()
             if cuda is not None:
                 r.peak_gpu_mb = round(cuda.cuda.max_memory_allocated(backend.device) / 2 ** 20, 1)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
-from model.manifest import SPM_FILE, read_manifest
 from pipeline.evaluation import cpu_peak, ctranslate2_compare
 from pipeline.evaluation.bench import (
     bench_backend,
@@ -42,7 +41,8 @@ from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
 from runtime.machine import usable_cores
 from runtime.model_dir import LoadOptions, ModelDir, load
-from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
+from runtime.registry import entry
+from runtime.tokenizer import AnyTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,6 @@ LATENCY_SENTENCES = 16  # batch 1, beam 4: ms per sentence
 
 def _measure(job: dict[str, Any]) -> dict[str, Any]:
     """One measurement in this (fresh) process; returns a results row."""
-    if job["threads"] and job["engine"] == "torch":
-        import torch
-
-        torch.set_num_threads(job["threads"])
     sources = job["sources"]
     if job["engine"] == "ctranslate2":
         translator = ctranslate2_compare.open_translator(Path(job["ct2_dir"]), job["threads"] or 0,
@@ -69,10 +65,9 @@ def _measure(job: dict[str, Any]) -> dict[str, Any]:
         device = "cpu"
     else:
         given = PAPER.replace(beam_size=job["beam_size"], explicit=frozenset({"beam_size"}))
-        parallel = job["parallel_batches"] if job["engine"] == "onnxruntime" else 1
-        loaded = load(job["model_dir"], LoadOptions(backend=job["engine"], device=job["device"], threads=job["threads"],
-                                                    shortlist=job["shortlist"], parallel_batches=parallel),
-                      given)  # the model's defaults under it
+        options = LoadOptions(device=job["device"], threads=job["threads"], shortlist=job["shortlist"],
+                              parallel_batches=job["parallel_batches"]).for_backend(job["engine"])
+        loaded = load(job["model_dir"], options, given)  # the model's defaults under it
         backend = loaded.backend
         r = bench_backend(backend, sources, job["batch_size"], loaded.decoding, job["fixed_length"], job["precision"],
                           job["first"])
@@ -91,14 +86,14 @@ def _jobs(model_dirs: list[Path], engines: list[str], compare: list[str], ct2_di
     jobs: list[dict[str, Any]] = []
     vocabularies = (False, True) if shortlist else (False,)
     for model_dir in model_dirs:
-        manifest = read_manifest(model_dir, verify=False)
+        manifest = ModelDir.open(model_dir, verify=False).manifest
         for engine in engines:
-            if engine == "torch" and any(j["engine"] == "torch" for j in jobs):
-                continue  # torch runs model.pt (fp32) whatever the dir: once is enough
-            ours = engine != "torch"
+            fp32 = entry(engine).checkpoint_weights  # torch runs model.pt (fp32) whatever the dir
+            if fp32 and any(j["engine"] == engine for j in jobs):
+                continue  # once is enough
             jobs += [{**common, "engine": engine, "model_dir": str(model_dir),
-                      "precision": manifest.precision if ours else "fp32",
-                      "quantization": manifest.quantization if ours else None, "shortlist": listed}
+                      "precision": "fp32" if fp32 else manifest.precision,
+                      "quantization": None if fp32 else manifest.quantization, "shortlist": listed}
                      for listed in vocabularies]
     if "ctranslate2" in compare:
         for precision in ctranslate2_compare.COMPUTE_TYPES:
@@ -142,8 +137,8 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     model_dirs = [Path(d) for d in model_dirs]
     if parallel_batches > 1 and threads is None:  # both engines split the same cores (CTranslate2's 0 is its own)
         threads = usable_cores()
-    manifest = read_manifest(model_dirs[0], verify=False)
-    tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
+    first = ModelDir.open(model_dirs[0], verify=False)  # each measurement's process loads (and verifies) it
+    manifest, tokenizer = first.manifest, first.tokenizer
     cfg = manifest.model_config
     way = direction(cfg, src_lang, tgt_lang)
     sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions, prefix=way.prefix)

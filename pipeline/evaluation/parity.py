@@ -35,8 +35,8 @@ from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
 from runtime.backend import Backend
-from runtime.loader import installed
 from runtime.model_dir import LoadOptions, ModelDir, load
+from runtime.registry import entry, installed
 from runtime.tokenizer import AnyTokenizer
 
 if TYPE_CHECKING:
@@ -293,7 +293,8 @@ def _translate(name: str, opened: ModelDir, src: Path, opts: ServeBatchOptions, 
     loaded = load(opened, LoadOptions(backend=name, device=device, threads=threads,
                                       precision="fp32" if name == REFERENCE else None, shortlist=shortlist))
     backend, manifest = loaded.backend, loaded.manifest
-    precision = ("fp32" if name == REFERENCE else manifest.precision) + (SHORTLISTED if shortlist else "")
+    fp32 = name == REFERENCE or entry(name).checkpoint_weights  # the reference, or model.pt whatever the dir
+    precision = ("fp32" if fp32 else manifest.precision) + (SHORTLISTED if shortlist else "")
     return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
 
 
@@ -314,7 +315,7 @@ def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates
                                ref_run.tokens, run.tokens, different, eos)
         gaps = [abs(d.log_prob_gap) for d in divs if d.log_prob_gap is not None]
         result = BackendResult(
-            backend=name, precision=precision, device=str(getattr(backend, "device", "cpu")),
+            backend=name, precision=precision, device=str(backend.device),
             seconds=round(run.seconds, 3), bleu=round(bleu, 2),
             chrf=round(chrf_metric.corpus_score(run.lines, [ref_lines]).score, 2),
             bleu_vs_torch=round(bleu_metric.corpus_score(run.lines, [ref_run.lines]).score, 2),
@@ -323,7 +324,7 @@ def _compare(runs: Any, ref_run: Served, ref_lines: list[str], model: Any, gates
             max_log_prob_gap=max(gaps, default=None),
             median_divergence_step=statistics.median(d.step for d in divs) if divs else None,
             divergences=divs[:20],
-            shortlist_coverage=_coverage(getattr(backend, "shortlist", None), run.sources, ref_run.tokens),
+            shortlist_coverage=_coverage(backend.shortlist, run.sources, ref_run.tokens),
         )
         check_gate(result, gate_for(precision, gates))
         results.append(result)
