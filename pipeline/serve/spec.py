@@ -36,6 +36,8 @@ LIBRE_TRANSLATE = {
     "format": _field("string", "text or html (markup kept byte for byte)", enum=["text", "html"]),
     "alternatives": _field("integer", "how many other translations to give (the model's n-best)"),
     "api_key": _field("string", "with --api-keys (also the query string, or Authorization: Bearer)"),
+    "glossary": _field("string", "an extension: a glossary the server was started with (--glossary NAME=FILE), or "
+                                 'one inline as JSON ({"Hund": "dog", "Acme": ""}); the answer then has "terms"'),
 }
 
 
@@ -53,7 +55,8 @@ def document(title: str) -> dict[str, Any]:
                 "requestBody": _form(LIBRE_TRANSLATE, ["q", "source", "target"]),
                 "responses": _answers({"type": "object", "properties": {
                     "translatedText": text_or_list, "detectedLanguage": {"type": "object"},
-                    "alternatives": {"type": "array"}, "score": {"type": "number"}}}, 400, 403, 413, 429, 503)}},
+                    "alternatives": {"type": "array"}, "score": {"type": "number"}, "terms": {"type": "array"}}},
+                    400, 403, 413, 429, 503)}},
             "/detect": {"post": {
                 "summary": "Detect the language of a text among the served ones",
                 "requestBody": _form({"q": LIBRE_TRANSLATE["q"], "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
