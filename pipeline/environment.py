@@ -16,9 +16,10 @@ from pathlib import Path
 
 from export.errors import TensorRTUnavailable
 from export.tensorrt_build import load_tensorrt
-from model.manifest import SPM_FILE, Manifest, read_manifest
+from model.manifest import Manifest
 from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
 from runtime.machine import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, Verdict, usable_cores
+from runtime.model_dir import ModelDir
 from runtime.registry import verdicts
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def model_dir_verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:
 
 def check_model_dir(model_dir: Path, facts: Facts) -> list[Verdict]:
     """Verdicts for a model dir on disk (its manifest verified: a tampered dir is a user error)."""
-    return model_dir_verdicts(read_manifest(Path(model_dir), verify=True, need=(SPM_FILE,)), facts)
+    return model_dir_verdicts(ModelDir.open(model_dir).manifest, facts)
 
 
 # -- report ------------------------------------------------------------------------------------

@@ -101,3 +101,32 @@ def test_layout_doc_names_every_module():
                if p.stem not in ("__init__", "__main__") and p.parent.name != "commands"
                and not re.search(rf"\b{re.escape(p.stem)}\b", text)]
     assert not unnamed, f"docs/layout.md does not name: {', '.join(unnamed)}"
+
+
+# The calls that read a model dir's manifest, tokenizer, shortlist table or references from disk.
+DIR_READS = {"read_manifest", "tokenizer_from_file", "Tokenizer.from_file", "VocabTokenizer.from_file",
+             "Shortlist.load", "references.read"}
+# The files that may make them: ModelDir (runtime/model_dir.py), the one way into a model dir, and the readers'
+# own modules; pipeline/serve_batch/files.py reads a dir's languages before loading (its target suffix), to move
+# onto ModelDir with that module's next change.
+DIR_READERS = {"runtime/model_dir.py", "runtime/tokenizer.py", "runtime/shortlist.py", "runtime/references.py",
+               "pipeline/serve_batch/files.py"}
+
+
+def _dir_reads(path: Path) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in DIR_READS:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {name}(")
+    return found
+
+
+def test_product_code_reads_a_model_dir_through_model_dir_only():
+    """Outside model/ and export/ (which write model dirs), a manifest, tokenizer, shortlist or references file
+    is read through runtime/model_dir.py's ModelDir (verified once, one error per fault), nowhere else."""
+    reads = [r for pkg in ("runtime", "pipeline") for p in sorted((ROOT / pkg).rglob("*.py"))
+             if str(p.relative_to(ROOT)) not in DIR_READERS for r in _dir_reads(p)]
+    assert not reads, "read a model dir through runtime.model_dir.ModelDir instead:\n" + "\n".join(reads)
+    assert _dir_reads(ROOT / "runtime" / "model_dir.py"), "the test no longer sees ModelDir's own reads"

@@ -15,7 +15,7 @@ from helpers import assert_one_line_error, run_cli_captured, write_lines
 from model import io_names
 from model.manifest import MANIFEST, ModelDirError, read_manifest
 from runtime.errors import RuntimeUserError
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.shortlist import Shortlist, ShortlistError, build
 from runtime.translate import translate_lines
 
@@ -128,7 +128,8 @@ def test_backends_with_the_shortlist_translate_the_memorised_corpus(fixture, mem
     runs = {}
     for name in ("torch", "onnxruntime"):
         for shortlist in (False, True):
-            backend, tokenizer, _ = load_backend(d, name, threads=1, shortlist=shortlist)
+            loaded = load(d, LoadOptions(backend=name, threads=1, shortlist=shortlist))
+            backend, tokenizer = loaded.backend, loaded.tokenizer
             assert (backend.shortlist is not None) == shortlist
             runs[name, shortlist] = translate_lines(backend, tokenizer, src, beam_size=2)
     for name in ("torch", "onnxruntime"):
@@ -150,7 +151,8 @@ def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(fixture,
     the shortlist's projection is the full one's integer GEMM on the gathered int8 rows, so each candidate's
     logit is the full projection's, bit for bit (a float projection on dequantized rows was not)."""
     d = request.getfixturevalue(fixture)
-    full, tok, manifest = load_backend(d, "onnxruntime", threads=1)
+    loaded = load(d, LoadOptions(backend="onnxruntime", threads=1))
+    full, tok, manifest = loaded.backend, loaded.tokenizer, loaded.manifest
     vocab = manifest.model_config.vocab_size
     everything = Shortlist(offsets=np.zeros(vocab + 1, np.int64), targets=np.zeros(0, np.int32),
                            frequent=np.arange(vocab, dtype=np.int32), eos_id=manifest.model_config.eos_id,
@@ -165,7 +167,7 @@ def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(fixture,
         integer_gemms = [sum(n.op_type == "MatMulIntegerToFloat" for n in g.node) for g in graphs]
         assert integer_gemms[0] == integer_gemms[1] > 0, integer_gemms  # the projection's included
     else:  # torch runs the dir's fp32 weights
-        torch_full, _, _ = load_backend(d, "torch", threads=1)
+        torch_full = load(d, LoadOptions(backend="torch", threads=1)).backend
         shortlisted.append(TorchBackend(torch_full.model, topk=manifest.topk, max_src_len=manifest.limits.max_src_len,
                                         max_tgt_len=manifest.limits.max_tgt_len, shortlist=everything))
     lines = ["der hund sieht", "eine katze hat ein kind", "rot blau gross klein der die das"]
@@ -179,9 +181,9 @@ def test_a_shortlist_of_every_id_decodes_exactly_as_the_full_vocabulary(fixture,
 def test_model_dir_without_shortlist_or_tampered_table_is_refused(memorised_fp32_dir, memorised_shortlist_fp32_dir,
                                                                    tmp_path):
     with pytest.raises(RuntimeUserError, match="--shortlist-src"):
-        load_backend(memorised_fp32_dir, "onnxruntime", shortlist=True)
+        load(memorised_fp32_dir, LoadOptions(backend="onnxruntime", shortlist=True))
     with pytest.raises(RuntimeUserError, match="TensorRT"):
-        load_backend(memorised_shortlist_fp32_dir, "tensorrt", shortlist=True)
+        load(memorised_shortlist_fp32_dir, LoadOptions(backend="tensorrt", shortlist=True))
     copy = tmp_path / "m"
     copy.mkdir()
     for f in memorised_shortlist_fp32_dir.iterdir():
@@ -192,7 +194,7 @@ def test_model_dir_without_shortlist_or_tampered_table_is_refused(memorised_fp32
     assert json.loads((copy / MANIFEST).read_text())["shortlist"]["pairs"] > 0
     for shortlist in (True, False):  # the manifest covers the table like every other file
         with pytest.raises(ModelDirError, match=f"{io_names.SHORTLIST_FILE}: SHA-256 does not match"):
-            load_backend(copy, "onnxruntime", shortlist=shortlist)
+            load(copy, LoadOptions(backend="onnxruntime", shortlist=shortlist))
 
 
 def test_export_shortlist_options_are_checked(trained_checkpoint, tmp_path, capsys):
@@ -220,7 +222,7 @@ def test_ctranslate2_vmap_holds_the_same_lists(memorised_shortlist_fp32_dir, tmp
 
     tokenizer = tokenizer_from_file(memorised_shortlist_fp32_dir / "spm.model")
     table = Shortlist.load(memorised_shortlist_fp32_dir / io_names.SHORTLIST_FILE)
-    lines = write_vmap(memorised_shortlist_fp32_dir, tmp_path, tokenizer).read_text(encoding="utf-8").splitlines()
+    lines = write_vmap(table, tmp_path, tokenizer).read_text(encoding="utf-8").splitlines()
     assert lines[0] == "\t" + " ".join(tokenizer.piece(int(i)) for i in table.frequent)
     by_source = {line.split("\t")[0]: line.split("\t")[1].split(" ") for line in lines[1:]}
     sources = [s for s in range(table.vocab_size) if table.offsets[s + 1] > table.offsets[s]]

@@ -161,7 +161,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                                                                       way, names, min_agreement)
             del model
             if shortlist:  # CTranslate2 + vmap: the same lists, as its vocabulary map
-                ctranslate2_compare.write_vmap(model_dirs[0], ct2_dir, tokenizer)
+                ctranslate2_compare.write_vmap(first.shortlist, ct2_dir, tokenizer)
         pieces = [[names[i] for i in s] for s in sources]
         prefix = ctranslate2_compare.target_prefix(names, way.first, len(sources))
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
@@ -188,7 +188,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
     if device in (None, "cpu"):  # against the machine: MACs per target token over its int8 / fp32 peak
         peak = cpu_peak.measure(threads).to_dict()
         report["cpu_peak"] = peak
-        table = ModelDir.open(model_dirs[0]).shortlist if shortlist else None
+        table = first.shortlist if shortlist else None
         for job, row in zip(jobs, report["results"]):
             cpu_peak.annotate(row, cfg, job["sources"], peak, table)
     report["host"] = {"cpu_count": os.cpu_count(), "torch": package_version("torch")}

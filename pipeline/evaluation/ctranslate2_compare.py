@@ -12,7 +12,7 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from model.errors import UserError
 from runtime.search import greedy_search
 from runtime.tokenizer import AnyTokenizer, Tokenizer
 from runtime.translate import pad_batch
+
+if TYPE_CHECKING:
+    from runtime.shortlist import Shortlist
 
 log = logging.getLogger(__name__)
 
@@ -240,14 +243,10 @@ def target_prefix(pieces: list[str], first: int | None, n: int) -> list[list[str
     return None if first is None else [[pieces[first]] for _ in range(n)]
 
 
-def write_vmap(model_dir: Path, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
+def write_vmap(table: Shortlist, ct2_dir: Path, tokenizer: AnyTokenizer) -> Path:
     """CTranslate2's vocabulary map (vmap.txt: `source piece<TAB>target pieces`, the line with an empty
-    source holding the pieces that are always candidates) from the model dir's shortlist table, so that
-    CTranslate2 + vmap decodes over the same candidates as our --shortlist."""
-    from model import io_names
-    from runtime.shortlist import Shortlist
-
-    table = Shortlist.load(model_dir / io_names.SHORTLIST_FILE)
+    source holding the pieces that are always candidates) from a model dir's shortlist table (ModelDir.shortlist),
+    so that CTranslate2 + vmap decodes over the same candidates as our --shortlist."""
     lines = ["\t" + " ".join(tokenizer.piece(int(i)) for i in table.frequent)]
     for source in np.flatnonzero(np.diff(table.offsets)):
         targets = table.targets[table.offsets[source]:table.offsets[source + 1]]

@@ -10,10 +10,9 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from model.manifest import SPM_FILE, read_manifest
 from pipeline.textio import read_lines
 from runtime.languages import ONE_PAIR, Direction
-from runtime.tokenizer import tokenizer_from_file
+from runtime.model_dir import ModelDir
 from runtime.translate import encode_sources
 
 TIMED_SERVE_BATCH = """
@@ -58,9 +57,9 @@ def source_pieces(model_dir: Path, path: Path, way: Direction = ONE_PAIR) -> lis
     """Source tokens of each non-blank line of `path` as serve-batch encodes them with `model_dir`'s
     tokenizer: its SentencePiece pieces + EOS (after a multilingual model's source language token), a
     line over the model's source limit cut to it. Blank lines are left out (never translated)."""
-    manifest = read_manifest(model_dir, verify=False)
-    tokenizer = tokenizer_from_file(model_dir / SPM_FILE)
-    sources = encode_sources(tokenizer, read_lines(path), manifest.limits.max_src_len, prefix=way.prefix)
+    opened = ModelDir.open(model_dir, verify=False)  # what the dir records; serve-batch verifies what it loads
+    sources = encode_sources(opened.tokenizer, read_lines(path), opened.manifest.limits.max_src_len,
+                             prefix=way.prefix)
     return [len(ids) for ids in sources.ids if ids]
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
-from model.manifest import SPM_FILE, read_manifest
+from model.manifest import SPM_FILE
 from pipeline.evaluation import ctranslate2_compare
 from pipeline.evaluation.bench import model_column, vocabulary
 from pipeline.evaluation.process_split import (
@@ -50,8 +50,8 @@ from pipeline.evaluation.process_split import (
 from pipeline.textio import read_lines
 from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
-from runtime.model_dir import LoadOptions
-from runtime.tokenizer import VocabTokenizer, tokenizer_from_file
+from runtime.model_dir import LoadOptions, ModelDir
+from runtime.tokenizer import VocabTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -171,12 +171,12 @@ def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size:
     return cmd
 
 
-def sentencepiece_files(model_dir: Path, tmp: Path) -> tuple[str, str]:
+def sentencepiece_files(model_dir: ModelDir, tmp: Path) -> tuple[str, str]:
     """(source, target) SentencePiece model files of a model dir, for the CTranslate2 script: the joint
     model twice, or an imported model's two models written out of its tokenizer bundle."""
-    tokenizer = tokenizer_from_file(model_dir / SPM_FILE)
+    tokenizer = model_dir.tokenizer
     if not isinstance(tokenizer, VocabTokenizer):
-        return str(model_dir / SPM_FILE), str(model_dir / SPM_FILE)
+        return str(model_dir.file(SPM_FILE)), str(model_dir.file(SPM_FILE))
     (tmp / "source.spm").write_bytes(tokenizer.source_spm)
     (tmp / "target.spm").write_bytes(tokenizer.target_spm)
     return str(tmp / "source.spm"), str(tmp / "target.spm")
@@ -193,10 +193,11 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     script puts the source language token first and gives the target's as target_prefix)."""
     if not files:
         raise UserError("--whole-process needs at least one FILE")
-    way = direction(read_manifest(model_dirs[0], verify=False).model_config, src_lang, tgt_lang)
+    # what each dir records (the timed processes load and verify them)
+    opened = [ModelDir.open(d, verify=False) for d in model_dirs]
+    way = direction(opened[0].manifest.model_config, src_lang, tgt_lang)
     engines: list[dict[str, Any]] = []
-    for d in model_dirs:
-        manifest = read_manifest(d, verify=False)
+    for d, manifest in zip(model_dirs, (o.manifest for o in opened)):
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
                         "quantization": manifest.quantization, "model_dir": str(d), "shortlist": shortlist})
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()
@@ -226,13 +227,13 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                 engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
                                 "model_dir": str(model_dirs[0]), "ct2_dir": str(ct2_dir),
                                 "compute_type": compute_type, "shortlist": False})
-        spms = sentencepiece_files(model_dirs[0], Path(tmp))
+        spms = sentencepiece_files(opened[0], Path(tmp))
         # CTranslate2 decodes with the model's length penalty, within our length limit and positions
-        manifest = read_manifest(model_dirs[0], verify=False)
+        manifest = opened[0].manifest
         decoding = PAPER.for_model(manifest.decoding)
         max_len = min(decoding.max_len_b if decoding.max_len_a == 0 else 256, manifest.limits.max_tgt_len - 1)
         out = Path(tmp) / "out.txt"
-        tokenizer = tokenizer_from_file(model_dirs[0] / SPM_FILE)
+        tokenizer = opened[0].tokenizer
         tokens = [tokenizer.piece(way.prefix[0]) if way.prefix else "",
                   tokenizer.piece(way.first) if way.first is not None else ""]
 
