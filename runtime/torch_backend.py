@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from runtime.errors import RuntimeUserError
 from runtime.registry import resolve_device
 from runtime.shortlist import Shortlist
 from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
+from runtime.tokenizer import AnyTokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from runtime.model_dir import LoadOptions, ModelDir
@@ -187,3 +189,14 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
     return TorchBackend(model, dev, torch_dtype(options.precision or manifest.precision, dev), topk=manifest.topk,
                         max_src_len=manifest.limits.max_src_len, max_tgt_len=manifest.limits.max_tgt_len,
                         shortlist=shortlist, step_mode=options.step)
+
+
+def open_checkpoint(path: str | Path, device: str | None = None, topk: int = DEFAULT_TOPK
+                    ) -> tuple[TorchBackend, AnyTokenizer]:
+    """The PyTorch model straight from a checkpoint file or a training save dir (its averaged or latest
+    checkpoint), with the tokenizer the checkpoint carries: what tune-decoding and the tests decode with where
+    there is no model dir. A model dir goes through runtime/model_dir.py's load."""
+    from model.checkpoint import load_model, resolve_checkpoint
+
+    model, spm_bytes, _ = load_model(resolve_checkpoint(Path(path)), device="cpu")
+    return TorchBackend(model, resolve_device(device), topk=topk), load_tokenizer(spm_bytes)

@@ -175,11 +175,12 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     from model.cache import BeamCache
     from pipeline.evaluation.bench import make_sources
     from runtime.decoding import PAPER
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
     from runtime.search import search
     from runtime.translate import pad_batch
 
-    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", device="cpu", threads=threads))
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     spent: dict[str, float] = {}
     calls: dict[str, int] = {}
 
@@ -248,13 +249,13 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
     from pipeline.evaluation.bench import make_sources
     from runtime.cpu_int8 import graph_as_is, session_graph, wants_unsigned_weights
     from runtime.decoding import PAPER
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
     from runtime.ort_backend import session_config
     from runtime.search import search
     from runtime.translate import pad_batch
 
-    backend, tokenizer, _ = load_backend(model_dir, backend="onnxruntime", device="cpu", threads=threads,
-                                         shortlist=shortlist)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", device="cpu", threads=threads, shortlist=shortlist))
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     manifest = read_manifest(model_dir, verify=False)
     opts = ort.SessionOptions()  # as OrtBackend's, with the profiler on
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL

@@ -15,16 +15,19 @@ from model import io_names
 from model.manifest import ModelDirError, read_manifest
 from runtime.backend import ExportedGraphBackend
 from runtime.errors import RuntimeUserError
-from runtime.loader import choose_backend, load_backend, load_torch_backend_from_checkpoint
+from runtime.model_dir import LoadOptions, load
 from runtime.ort_backend import OrtBackend
+from runtime.registry import choose_backend
 from runtime.tokenizer import Tokenizer
+from runtime.torch_backend import open_checkpoint
 from runtime.translate import pad_batch, translate_ids, translate_lines
 
 onnxruntime = pytest.importorskip("onnxruntime")
 
 
 def test_trained_model_learnt_something(trained_model_dir, tiny_corpus):
-    backend, tok, _ = load_backend(trained_model_dir, "torch")
+    loaded = load(trained_model_dir, LoadOptions(backend="torch"))
+    backend, tok = loaded.backend, loaded.tokenizer
     src, tgt = tiny_corpus
     out = translate_lines(backend, tok, src[:20], beam_size=4)
     assert sum(o == t for o, t in zip(out, tgt[:20])) >= 5, out
@@ -33,8 +36,9 @@ def test_trained_model_learnt_something(trained_model_dir, tiny_corpus):
 def test_torch_and_onnxruntime_translate_identically(trained_model_dir, tiny_corpus):
     src, _ = make_parallel(40, seed=7)  # unseen sentences of the same language
     src[3] = ""
-    torch_backend, tok, _ = load_backend(trained_model_dir, "torch")
-    ort_backend, _, _ = load_backend(trained_model_dir, "onnxruntime", threads=1)
+    loaded = load(trained_model_dir, LoadOptions(backend="torch"))
+    torch_backend, tok = loaded.backend, loaded.tokenizer
+    ort_backend = load(trained_model_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
     assert ort_backend.name == "onnxruntime" and ort_backend.providers[0] == "CPUExecutionProvider"
     ids = [tok.encode_source([s])[0] if s else [] for s in src]
     ref = translate_ids(torch_backend, ids, beam_size=4, nbest=2, batch_tokens=400)
@@ -53,7 +57,8 @@ def test_onnxruntime_greedy_and_spinning_option(trained_model_dir):
 
     manifest = read_manifest(trained_model_dir)
     spinning = OrtBackend(trained_model_dir, manifest, device="cpu", threads=1, spinning=True)
-    quiet, tok, _ = load_backend(trained_model_dir, "onnxruntime", threads=1)
+    loaded = load(trained_model_dir, LoadOptions(backend="onnxruntime", threads=1))
+    quiet, tok = loaded.backend, loaded.tokenizer
     src = pad_batch(tok.encode_source(["der hund sieht eine katze", "ein kind"]))
     from runtime.search import greedy_search
     a = greedy_search(spinning, src)
@@ -74,13 +79,15 @@ def test_onnxruntime_greedy_and_spinning_option(trained_model_dir):
 
 def test_limits_come_from_the_manifest(trained_model_dir):
     for name in ("torch", "onnxruntime"):
-        backend, _, manifest = load_backend(trained_model_dir, name)
+        loaded = load(trained_model_dir, LoadOptions(backend=name))
+        backend, manifest = loaded.backend, loaded.manifest
         assert backend.max_src_len == 48 and backend.max_tgt_len == 64
         assert backend.topk == manifest.topk == 16
 
 
 def test_auto_prefers_onnxruntime_here(trained_model_dir):
-    backend, _, manifest = load_backend(trained_model_dir, "auto")
+    loaded = load(trained_model_dir, LoadOptions(backend="auto"))
+    backend, manifest = loaded.backend, loaded.manifest
     assert choose_backend(manifest) == "onnxruntime" == backend.name
 
 
@@ -90,14 +97,14 @@ def test_tampered_and_missing_model_dirs_are_refused(trained_model_dir, tmp_path
     with open(bad / "decoder.onnx", "ab") as f:
         f.write(b"\0")
     with pytest.raises(ModelDirError, match=r"decoder\.onnx.*SHA-256.*pipeline export"):
-        load_backend(bad, "onnxruntime")
+        load(bad, LoadOptions(backend="onnxruntime"))
     with pytest.raises(ModelDirError, match="no such model directory"):
-        load_backend(tmp_path / "nope", "torch")
+        load(tmp_path / "nope", LoadOptions(backend="torch"))
     missing = tmp_path / "missing"
     shutil.copytree(trained_model_dir, missing)
     (missing / "model.pt").unlink()
     with pytest.raises(ModelDirError, match=r"model\.pt.*missing"):
-        load_backend(missing, "torch")
+        load(missing, LoadOptions(backend="torch"))
 
 
 def test_older_decoder_interface_is_a_clear_error(trained_model_dir, tmp_path):
@@ -115,14 +122,14 @@ def test_older_decoder_interface_is_a_clear_error(trained_model_dir, tmp_path):
 
 def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
     pytest.importorskip("torch")
-    from runtime.loader import installed
+    from runtime.registry import installed
 
     if installed("tensorrt"):  # an `import tensorrt` would also succeed with only tensorrt-stubs
         pytest.skip("tensorrt is installed here")
     # The export skipped engines (no TensorRT): the manifest lists none, and the
     # backend itself refuses to start without the library.
     with pytest.raises(ModelDirError, match=r"encoder\.plan"):
-        load_backend(trained_model_dir, "tensorrt")
+        load(trained_model_dir, LoadOptions(backend="tensorrt"))
     from runtime.trt_backend import import_tensorrt
     with pytest.raises(RuntimeUserError, match="tensorrt is not installed.*--backend onnxruntime"):
         import_tensorrt()
@@ -167,10 +174,10 @@ def test_torch_backend_from_save_dir(trained_checkpoint, tmp_path):
     save_dir = tmp_path / "run"
     save_dir.mkdir()
     shutil.copy(trained_checkpoint, save_dir / "checkpoint_00000300.pt")
-    backend, tok = load_torch_backend_from_checkpoint(save_dir, "cpu")
+    backend, tok = open_checkpoint(save_dir, "cpu")
     assert backend.name == "torch" and tok.vocab_size == backend.cfg.vocab_size
     with pytest.raises(RuntimeUserError, match="--backend"):
-        load_backend(save_dir, "onnx")
+        load(save_dir, LoadOptions(backend="onnx"))
 
 
 def test_tokenizer_with_other_special_ids_is_a_user_error(tiny_corpus):

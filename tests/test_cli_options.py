@@ -243,7 +243,7 @@ def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     validation set, as the torch backend serves them; --reference-lines 0 records none."""
     from model.checkpoint import load_model
     from pipeline.evaluation.random_model import make_random_checkpoint
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
     from runtime.translate import translate_lines
 
     save = tmp_path / "run"
@@ -259,7 +259,8 @@ def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     assert done.returncode == 0, done.stderr
     record = json.loads((tmp_path / "m" / "references.json").read_text())
     assert record["sources"] == ["ab cd", "ef gh ij"] and record["references"] == ["AB", "EF"]
-    backend, tokenizer, _ = load_backend(tmp_path / "m", "torch")
+    loaded = load(tmp_path / "m", LoadOptions(backend="torch"))
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     assert record["lines"] == translate_lines(backend, tokenizer, record["sources"], beam_size=4)
     assert load_model(save / "checkpoint_3.pt")[0].cfg.vocab_size <= 120
 

@@ -18,7 +18,7 @@ from export.errors import ExportError
 from model import io_names
 from model.manifest import read_manifest, write_manifest
 from runtime.errors import RuntimeUserError
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.ort_constrained import why_not
 from runtime.translate import pad_batch
 
@@ -116,7 +116,7 @@ def test_fp16_and_every_int8_flavour_get_the_constrained_step(name, request):
     assert list(proto.graph.node)[:len(decoder.graph.node)] == list(decoder.graph.node)  # int8 nodes included
     reports = [v for v in manifest.verification.values() if isinstance(v, dict) and "max_abs_diff" in v]
     assert any(io_names.WANT_LOG_PROBS in r["max_abs_diff"] for r in reports)
-    backend, _, _ = load_backend(model_dir, "onnxruntime", threads=1)
+    backend = load(model_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
     assert backend.gathers
     n = len(SOURCES) * BEAM
     plain, asked = (backend.encode(pad_batch(SOURCES)) for _ in range(2))  # two states, two bindings
@@ -137,8 +137,8 @@ def test_fp16_and_every_int8_flavour_get_the_constrained_step(name, request):
 # -- ONNX Runtime ------------------------------------------------------------------------------------
 
 def test_onnxruntime_gathers_any_id_as_the_torch_step_computes_it(fp32_dir):
-    ort, _, _ = load_backend(fp32_dir, "onnxruntime", threads=1)
-    torch_backend, _, _ = load_backend(fp32_dir, "torch")
+    ort = load(fp32_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
+    torch_backend = load(fp32_dir, LoadOptions(backend="torch")).backend
     assert ort.gathers and torch_backend.gathers
     assert ort.constrained._session is None  # opened on the first step given `want`, not before
     ref = _decode(_AllIds(torch_backend), 6)
@@ -175,8 +175,8 @@ class _AllIds:
 
 
 def test_a_step_without_want_is_the_plain_decoders_step_bit_for_bit(fp32_dir):
-    plain, _, _ = load_backend(fp32_dir, "onnxruntime", threads=1)
-    mixed, _, _ = load_backend(fp32_dir, "onnxruntime", threads=1)
+    plain = load(fp32_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
+    mixed = load(fp32_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
     ref = _decode(plain, 7, lambda step: False)
     # want at some steps only: bindings switch graphs and the ids per hypothesis change
     got = _decode(mixed, 7, lambda step: step in (1, 2, 4, 5), driver=ref)
@@ -203,7 +203,8 @@ def test_an_old_model_dir_without_the_constrained_step_still_serves(fp32_dir, tm
     del data["graphs"]["bytes"][io_names.DECODER_CONSTRAINED_FILE], data["verification"]["constrained_step"]
     (old / "manifest.json").write_text(json.dumps(data))
     write_manifest(old, read_manifest(old, verify=False))  # its files as an export before glossaries listed them
-    backend, _, manifest = load_backend(old, "onnxruntime", threads=1)
+    loaded = load(old, LoadOptions(backend="onnxruntime", threads=1))
+    backend, manifest = loaded.backend, loaded.manifest
     assert not manifest.lists(io_names.DECODER_CONSTRAINED_FILE) and not backend.gathers
     outs = _decode(backend, 3, lambda step: False)
     assert all(out.want_log_probs is None for out, _ in outs)
@@ -224,7 +225,7 @@ def test_a_shortlisted_step_does_not_gather_and_says_why(fp32_dir):
 def test_the_torch_backend_gathers_from_its_eager_step_only(fp32_dir):
     from runtime.torch_backend import TorchBackend
 
-    eager, _, _ = load_backend(fp32_dir, "torch")
+    eager = load(fp32_dir, LoadOptions(backend="torch")).backend
     assert eager.step_mode == "eager" and eager.gathers
     full = _decode(_AllIds(eager), 3)
     for out, _ in full:

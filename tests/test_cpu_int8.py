@@ -17,7 +17,7 @@ from export import quantize
 from model import io_names
 from model.manifest import read_manifest
 from runtime import cpu_int8 as cpu
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 
 GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
 
@@ -247,7 +247,7 @@ def test_rowwise_dirs_load_in_the_form_the_cpu_multiplies_fastest(dirs, tmp_path
     for model_dir in (dirs["rowwise"], full_range, unsigned):
         with caplog.at_level(logging.INFO, logger="runtime.ort_backend"):
             caplog.clear()
-            backend, _, _ = load_backend(model_dir, backend="onnxruntime", threads=1)
+            backend = load(model_dir, LoadOptions(backend="onnxruntime", threads=1)).backend
         assert ("export the model again" in caplog.text) == (model_dir == full_range and not dot_product)
         got[model_dir] = [[(h.tokens, round(h.score, 4)) for h in hyps] for hyps in search(backend, sources, options)]
     assert [p.parent for p in flipped] == [unsigned if dot_product else full_range] * 2

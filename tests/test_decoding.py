@@ -12,7 +12,7 @@ from model.config import EOS_ID
 from pipeline.cli_options import parse_backends
 from runtime.decoding import PAPER, DecodingError, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.loader import backend_names
+from runtime.registry import backend_names
 from runtime.tokenizer import Tokenizer
 from runtime.translate import encode_sources
 

@@ -92,7 +92,7 @@ def test_deploy_modules_import_without_torch():
                "pipeline.commands.bench", "pipeline.commands.doctor", "pipeline.serve.options",
                "pipeline.serve_batch.files", "runtime.sentences", "pipeline.evaluation.parity",
                "pipeline.evaluation.bench",
-               "pipeline.evaluation.bench_compare", "pipeline.environment", "runtime.loader", "runtime.ort_backend",
+               "pipeline.evaluation.bench_compare", "pipeline.environment", "runtime.ort_backend",
                "runtime.search", "runtime.translate", "runtime.references", "model", "model.cache", "model.manifest"]
     code = BLOCK_TORCH + "import importlib\n" + "".join(f"importlib.import_module({m!r})\n" for m in modules)
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -101,13 +101,14 @@ def test_deploy_modules_import_without_torch():
 
 def test_serve_batch_without_torch(model_dir, served_file):
     """Line-aligned output, each line what the runtime's own translate_lines gives for it."""
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
     from runtime.translate import translate_lines
 
     _, lines = served_file
     assert len(lines) == len(LINES)
     assert lines[1] == ""  # a blank line stays blank, in its place
-    backend, tokenizer, _ = load_backend(model_dir, "onnxruntime", threads=1)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1))
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     assert lines == translate_lines(backend, tokenizer, LINES)
 
 
@@ -130,7 +131,7 @@ def test_parity_against_recorded_references_without_torch(model_dir, tmp_path):
 def test_shortlist_without_torch(model_dir, tmp_path):
     """serve-batch --shortlist writes what the runtime's shortlisted backend gives; parity --shortlist gates it
     against the recorded full-vocabulary translations and reports their coverage."""
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
     from runtime.translate import translate_lines
 
     src, out = tmp_path / "in.txt", tmp_path / "out.txt"
@@ -139,7 +140,8 @@ def test_shortlist_without_torch(model_dir, tmp_path):
                        "--threads", "1", "--shortlist")
     assert done.returncode == 0, done.stderr
     assert "with shortlist" in done.stderr
-    backend, tokenizer, _ = load_backend(model_dir, "onnxruntime", threads=1, shortlist=True)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1, shortlist=True))
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     assert out.read_text(encoding="utf-8").splitlines() == translate_lines(backend, tokenizer, LINES)
     report = tmp_path / "parity.json"
     done = run_blocked("parity", model_dir, "--json", report, "--threads", "1", "--shortlist")

@@ -56,7 +56,7 @@ def test_crash_between_the_two_renames_is_undone_by_the_next_run(exported, rando
     right then leaves no target. The next export or load puts the old one back."""
     import shutil
 
-    from runtime.loader import load_backend
+    from runtime.model_dir import LoadOptions, load
 
     out = tmp_path / "m"
     shutil.copytree(exported, out)
@@ -65,7 +65,7 @@ def test_crash_between_the_two_renames_is_undone_by_the_next_run(exported, rando
     os.replace(out, parked / "m")
     assert not out.exists()
     if where == "load":
-        _, _, manifest = load_backend(out, backend="torch", device="cpu")
+        manifest = load(out, LoadOptions(backend="torch", device="cpu")).manifest
         assert manifest.precision == "fp32"
     else:
         export(random_checkpoint, out, "--force")

@@ -13,14 +13,15 @@ from helpers import make_parallel, to_old_decoder_interface
 
 from runtime import graph_cache
 from runtime.graph_cache import CACHE_ENV, GRAPH, META, WEIGHTS, entry_key
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.translate import translate_ids
 
 pytest.importorskip("onnxruntime")
 
 
 def _decode(model_dir, n=12):
-    backend, tok, _ = load_backend(model_dir, "onnxruntime", threads=1)
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1))
+    backend, tok = loaded.backend, loaded.tokenizer
     src, _ = make_parallel(n, seed=11)
     ids = [tok.encode_source([s])[0] for s in src]
     return [[(h.tokens, h.score, h.log_prob) for h in hyps] for hyps in translate_ids(backend, ids, beam_size=4,

@@ -25,7 +25,7 @@ from pipeline.importers.m2m100 import import_m2m100  # noqa: E402
 from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.languages import LanguageError, direction  # noqa: E402
-from runtime.loader import load_torch_backend_from_checkpoint  # noqa: E402
+from runtime.torch_backend import open_checkpoint  # noqa: E402
 from runtime.translate import encode_sources, translate_ids  # noqa: E402
 from tests.m2m100_fixture import m2m100_generate, make_m2m100_dir  # noqa: E402
 
@@ -79,7 +79,7 @@ def test_import_records_the_models_shape_languages_and_defaults(checkpoint):
 
 
 def test_tokenizer_matches_m2m100_tokenizer(hf_dir, checkpoint, pairs):
-    backend, ours_tok = load_torch_backend_from_checkpoint(checkpoint)
+    backend, ours_tok = open_checkpoint(checkpoint)
     theirs = transformers.M2M100Tokenizer.from_pretrained(str(hf_dir))
     texts = pairs[0][:8] + ["zzqx unknown ÆØÅ pieces"]
     for lang in ("en", "de"):
@@ -94,7 +94,7 @@ def test_tokenizer_matches_m2m100_tokenizer(hf_dir, checkpoint, pairs):
 def test_torch_backend_translates_as_generate_in_both_directions(checkpoint, hf_dir, pairs, beam):
     """Token for token (the forced language token included), en->de and de->en, at beam 1 and the model's 4
     (generate's early_stopping=True)."""
-    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    backend, tokenizer = open_checkpoint(checkpoint)
     for (src, tgt), texts in ((("en", "de"), pairs[0]), (("de", "en"), pairs[1])):
         theirs, _ = m2m100_generate(hf_dir, texts, src, tgt, num_beams=beam, max_length=MAX_LENGTH)
         mine = ours(backend, tokenizer, texts, src, tgt, beam)
@@ -107,7 +107,7 @@ def test_torch_backend_translates_as_generate_in_both_directions(checkpoint, hf_
 def test_targets_of_one_batch_may_differ(checkpoint, pairs):
     """Sentences for different target languages share a batch: each gets its own forced first token, and its
     translation is the one it gets alone."""
-    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    backend, tokenizer = open_checkpoint(checkpoint)
     texts = pairs[0][:6]
     ids = encode_sources(tokenizer, texts, 512, prefix=direction(backend.cfg, "en", "de").prefix).ids
     targets = ["de", "cs", "de", "ru", "de", "cs"]
@@ -120,7 +120,7 @@ def test_targets_of_one_batch_may_differ(checkpoint, pairs):
 
 
 def test_languages_are_checked_with_one_line(checkpoint):
-    backend, _ = load_torch_backend_from_checkpoint(checkpoint)
+    backend, _ = open_checkpoint(checkpoint)
     with pytest.raises(LanguageError, match=r"^--src-lang is required: this model translates between 8 languages"):
         direction(backend.cfg, None, "de")
     with pytest.raises(LanguageError, match=r"--tgt-lang 'xx' is not a language of this model; it has en, ha"):
@@ -251,7 +251,7 @@ def test_nllb_imports_and_translates_as_generate(nllb_dir, pairs, tmp_path):
     result = CliRunner().invoke(cli, ["import", "nllb", str(nllb_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "NLLB model" in result.output and "202 languages" in result.output
-    backend, tokenizer = load_torch_backend_from_checkpoint(out)
+    backend, tokenizer = open_checkpoint(out)
     assert backend.cfg.language_ids["eng_Latn"] > backend.cfg.language_ids["ace_Arab"]
     theirs_tok = transformers.NllbTokenizer.from_pretrained(str(nllb_dir))
     theirs_tok.src_lang = "eng_Latn"

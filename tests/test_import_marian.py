@@ -22,7 +22,7 @@ from pipeline.evaluation.parity import DEFAULT_GATES, Gate, run_parity  # noqa: 
 from pipeline.importers.marian import MarianImportError, import_marian  # noqa: E402
 from pipeline.serve_batch.translation import ServeBatchOptions  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
-from runtime.loader import load_backend  # noqa: E402
+from runtime.model_dir import LoadOptions, load  # noqa: E402
 from runtime.tokenizer import load_tokenizer, tokenizer_from_file  # noqa: E402
 from runtime.translate import translate_ids  # noqa: E402
 from tests.marian_fixture import make_marian_dir, marian_generate  # noqa: E402
@@ -92,9 +92,9 @@ def test_import_records_config_and_decoding_defaults(checkpoint, hf_dir):
 @pytest.mark.parametrize("beam", [1, 4])
 def test_torch_backend_translates_as_generate(checkpoint, hf_dir, texts, beam):
     """The imported checkpoint on our torch backend, with the model's own decoding defaults."""
-    from runtime.loader import load_torch_backend_from_checkpoint
+    from runtime.torch_backend import open_checkpoint
 
-    backend, tokenizer = load_torch_backend_from_checkpoint(checkpoint)
+    backend, tokenizer = open_checkpoint(checkpoint)
     _, _, payload = load_model(checkpoint)
     decoding = PAPER.replace(beam_size=beam, explicit=frozenset({"beam_size"})).for_model(
         payload["extra"]["decoding"])
@@ -256,12 +256,13 @@ def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
     manifest = export_model(checkpoint, out, tensorrt=False)
     assert manifest.limits.max_src_len <= manifest.model_config.max_positions
     assert manifest.limits.max_tgt_len < manifest.model_config.max_positions
-    backend, tokenizer, loaded = load_backend(out, backend="onnxruntime")
-    assert tokenizer.vocab_size == loaded.model_config.vocab_size
+    loaded = load(out, LoadOptions(backend="onnxruntime"))
+    tokenizer, manifest = loaded.tokenizer, loaded.manifest
+    assert tokenizer.vocab_size == manifest.model_config.vocab_size
     assert type(tokenizer_from_file(out / "spm.model")).__name__ == "VocabTokenizer"
     # the pair the import recorded: `pipeline serve DIR` serves it under LibreTranslate's API, whatever its name
     from pipeline.serve.languages import served_languages
-    assert served_languages("model", loaded) == (("src",), ("tgt",))
+    assert served_languages("model", manifest) == (("src",), ("tgt",))
 
 
 @pytest.mark.slow
@@ -283,7 +284,6 @@ def test_asymmetric_shapes_import_export_and_serve_as_generate(tmp_path, texts, 
     from export.api import export_model
 
     export_model(checkpoint, tmp_path / "model", tensorrt=False)
-    from runtime.model_dir import LoadOptions, load
 
     src = tmp_path / "src.txt"
     src.write_text("".join(t + "\n" for t in texts[:12]))

@@ -19,7 +19,7 @@ from model import io_names
 from model.checkpoint import load_model, resolve_checkpoint
 from model.manifest import CHECKPOINT_FILE, read_manifest
 from runtime import cpu_int8 as cpu
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 
 GRAPHS = [io_names.ENCODER_FILE, io_names.DECODER_FILE]
 
@@ -102,18 +102,19 @@ def test_onnxruntime_fuses_every_dequantize_into_matmulnbits(dirs, graph, tmp_pa
 
 
 def test_session_options_follow_the_manifest(dirs, caplog):
-    backend, tokenizer, manifest = load_backend(dirs["int8"], backend="onnxruntime", threads=1)
+    loaded = load(dirs["int8"], LoadOptions(backend="onnxruntime", threads=1))
+    backend, manifest = loaded.backend, loaded.manifest
     assert manifest.precision == "int8" and manifest.quantization == quantize.QDQ
     assert manifest.verification["precision"] == "int8"
     key = "session.qdq_matmulnbits_accuracy_level"
     level = backend.decoder.get_session_options().get_session_config_entry(key)
     assert level == ("4" if cpu.has_int8_dot_product() else "1")
     assert f"accuracy level {level}" in manifest.verification["how"]  # verified as served here
-    fp32, _, _ = load_backend(dirs["fp32"], backend="onnxruntime", threads=1)
+    fp32 = load(dirs["fp32"], LoadOptions(backend="onnxruntime", threads=1)).backend
     with pytest.raises(RuntimeError, match="does not have configuration"):  # fp32: left at ORT's default
         fp32.decoder.get_session_options().get_session_config_entry(key)
     with caplog.at_level(logging.WARNING):
-        torch_backend, _, _ = load_backend(dirs["int8"], backend="torch", threads=1)
+        torch_backend = load(dirs["int8"], LoadOptions(backend="torch", threads=1)).backend
     assert "fp32 weights" in caplog.text and torch_backend.name == "torch"
 
 
@@ -222,11 +223,11 @@ def test_integer_flavours_are_onnxruntime_only(random_checkpoint, flavour_dirs, 
         assert quantize.QMAX <= max(int(quantize.pair_sums(w).max()) for w in weights) <= quantize.PAIR_MAX
     else:
         assert max(int(np.abs(w.astype(np.int32)).max()) for w in weights) == 64
-    backend, tokenizer, _ = load_backend(out, backend="onnxruntime", threads=1)
+    backend = load(out, LoadOptions(backend="onnxruntime", threads=1)).backend
     assert backend.name == "onnxruntime"
     from runtime.errors import RuntimeUserError
     with pytest.raises(RuntimeUserError, match=f"{flavour} .* ONNX Runtime only"):
-        load_backend(out, backend="tensorrt")
+        load(out, LoadOptions(backend="tensorrt"))
     with pytest.raises(ExportError, match="TensorRT rejects"):
         api.export_model(random_checkpoint, tmp_path / "x", int8=True, int8_flavour=flavour, tensorrt=True)
 
@@ -276,7 +277,8 @@ def test_rowwise_translations_do_not_depend_on_the_batch(dirs):
     from runtime.decoding import PAPER
     from runtime.search import search
 
-    backend, _, manifest = load_backend(dirs["rowwise"], backend="onnxruntime", threads=1)
+    loaded = load(dirs["rowwise"], LoadOptions(backend="onnxruntime", threads=1))
+    backend, manifest = loaded.backend, loaded.manifest
     pad = manifest.model_config.pad_id
     rng = np.random.default_rng(3)
     cfg = manifest.model_config

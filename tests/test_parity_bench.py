@@ -17,7 +17,7 @@ from pipeline.evaluation.bench import run_bench
 from pipeline.evaluation.divergence import first_divergence
 from pipeline.evaluation.parity import DEFAULT_GATES, BackendResult, Gate, check_gate, run_parity
 from runtime.decoding import PAPER
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 
 
 @pytest.fixture()
@@ -136,7 +136,7 @@ def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files,
     src_lines = test_files[0].read_text(encoding="utf-8").splitlines()[:6]
     ref_lines = test_files[1].read_text(encoding="utf-8").splitlines()[:6]
     long_line = " ".join(["der hund sieht die katze"] * 20)
-    _, tok, _ = load_backend(model_dir, "torch")
+    tok = load(model_dir, LoadOptions(backend="torch")).tokenizer
     assert len(tok.encode_source([long_line])[0]) > MEMORISED_LIMITS["max_src_len"]
     src_lines[1:1] = ["", "  \t ", long_line]
     ref_lines[1:1] = ["", "", "the dog sees the cat"]

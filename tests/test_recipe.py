@@ -20,7 +20,7 @@ from pipeline.corpus.sampling import SubwordSampler
 from pipeline.training import TrainOptions, learning_rate, resolve_options, train
 from pipeline.training.checkpointing import prune
 from pipeline.training.options import parse_duration
-from runtime.loader import load_torch_backend_from_checkpoint
+from runtime.torch_backend import open_checkpoint
 from runtime.translate import translate_lines
 
 
@@ -344,7 +344,7 @@ def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, 
     assert sorted((int(r[0]), float(r[1])) for r in rows) == [(1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0)]
     import sacrebleu
 
-    backend, tokenizer = load_torch_backend_from_checkpoint(trained_save_dir)
+    backend, tokenizer = open_checkpoint(trained_save_dir)
     lines, refs = src.read_text().splitlines(), tgt.read_text().splitlines()
     greedy = sacrebleu.corpus_bleu(translate_lines(backend, tokenizer, lines, beam_size=1), [refs]).score
     assert any(int(r[0]) == 1 and float(r[2]) == round(greedy, 2) for r in rows)

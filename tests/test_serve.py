@@ -16,7 +16,7 @@ import pytest
 from helpers import cli_env, documents, make_parallel, pipeline_cmd, run_cli
 from helpers import write_lines as write
 
-from runtime.loader import load_backend
+from runtime.model_dir import LoadOptions, load
 from runtime.translate import translate_lines
 
 pytest.importorskip("onnxruntime")
@@ -33,7 +33,8 @@ def model_dir(trained_model_dir) -> Path:
 
 def reference(model_dir: Path, lines: list[str], backend: str = "onnxruntime", **opts) -> list[str]:
     """Each line translated alone through the library (no windows, no sorting)."""
-    impl, tok, _ = load_backend(model_dir, backend)
+    loaded = load(model_dir, LoadOptions(backend=backend))
+    impl, tok = loaded.backend, loaded.tokenizer
     opts = {"beam_size": 4, "max_len_a": 0.0, "max_len_b": 6, **opts}
     return [translate_lines(impl, tok, [line], **opts)[0] for line in lines]
 
@@ -122,7 +123,8 @@ def test_stdin_to_stdout_and_nbest(model_dir, tmp_path, monkeypatch, capsys):
     assert run_cli("serve-batch", model_dir, "-", "-o", "-", "--beam-size", 3, "--nbest", 2, *FAST) == 0
     lines = capsys.readouterr().out.split("\n")[:-1]
     assert len(lines) == 5 and lines[4] == ""
-    impl, tok, _ = load_backend(model_dir, "onnxruntime")
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime"))
+    impl, tok = loaded.backend, loaded.tokenizer
     from runtime.translate import translate_ids
     ids = tok.encode_source(src)
     hyps = translate_ids(impl, ids, beam_size=3, nbest=2, max_len_a=0.0, max_len_b=6)

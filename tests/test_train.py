@@ -27,7 +27,7 @@ from model.checkpoint import read_checkpoint, step_checkpoints
 from pipeline.corpus import synthetic
 from pipeline.corpus.data import make_batches
 from pipeline.training import learning_rate
-from runtime.loader import load_torch_backend_from_checkpoint
+from runtime.torch_backend import open_checkpoint
 from runtime.translate import translate_lines
 
 
@@ -53,7 +53,7 @@ def test_tiny_model_memorises_tiny_corpus(trained_save_dir, memorise_corpus):
     src_path, tgt_path = memorise_corpus
     src, tgt = src_path.read_text().splitlines(), tgt_path.read_text().splitlines()
     assert len(src) == MEMORISE_PAIRS
-    backend, tok = load_torch_backend_from_checkpoint(trained_save_dir, "cpu")
+    backend, tok = open_checkpoint(trained_save_dir, "cpu")
     assert translate_lines(backend, tok, src, beam_size=1) == tgt
     events = [json.loads(line) for line in (trained_save_dir / "metrics.jsonl").read_text().splitlines()]
     valid = [e for e in events if e["event"] == "valid"]

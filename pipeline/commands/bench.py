@@ -16,8 +16,8 @@ from pipeline.evaluation.whole_process import format_whole_process, run_whole_pr
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
-from runtime.loader import backend_names
 from runtime.model_dir import LoadOptions
+from runtime.registry import backend_names
 
 
 @click.command("bench")

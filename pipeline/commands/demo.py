@@ -12,8 +12,8 @@ from pipeline.cli_options import decoding_options, options_from, parse_backends
 from pipeline.demo.run import DEMO_MAX_TIME, DemoOptions, format_result, run_demo
 from pipeline.training import TrainingInterrupted
 from runtime.decoding import DecodingOptions
-from runtime.loader import backend_names
 from runtime.model_dir import LoadOptions
+from runtime.registry import backend_names
 
 
 @click.command("demo")

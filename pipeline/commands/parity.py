@@ -22,8 +22,8 @@ from pipeline.evaluation.parity import (
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
-from runtime.loader import backend_names, installed
 from runtime.model_dir import LoadOptions
+from runtime.registry import backend_names, installed
 
 
 @click.command("parity")

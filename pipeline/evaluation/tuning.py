@@ -14,8 +14,8 @@ from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
-from runtime.loader import load_torch_backend_from_checkpoint
 from runtime.model_dir import LoadOptions, load
+from runtime.registry import import_torch
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
 
@@ -47,9 +47,11 @@ def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokeni
     if (Path(model) / MANIFEST).is_file():
         loaded = load(model, LoadOptions(device=device))
         return loaded.backend, loaded.tokenizer, loaded.model_dir.decoding_defaults
+    import_torch("a checkpoint")  # one line where PyTorch is not installed
     from model.checkpoint import read_checkpoint, resolve_checkpoint
+    from runtime.torch_backend import open_checkpoint
 
-    backend, tokenizer = load_torch_backend_from_checkpoint(model, device=device)
+    backend, tokenizer = open_checkpoint(model, device=device)
     extra = read_checkpoint(resolve_checkpoint(Path(model))).get("extra") or {}
     return backend, tokenizer, extra.get("decoding") or {}
 
