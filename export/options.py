@@ -4,14 +4,13 @@ are its fields, so the two cannot drift apart."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from export import quantize, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus
 from model.manifest import QUANTIZATIONS
+from runtime.fields import opt
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
 
@@ -35,15 +34,6 @@ class Calibration:
     # taken by default (the held-out set's sources) rather than asked for with --int8-calibrate: another int8
     # flavour then skips them without an error, and the one line says how to choose others or opt out
     default: bool = False
-
-
-def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
-    """A field that is also a command-line option: the metadata pipeline.cli_options.opt writes (export
-    cannot import pipeline, tests/test_layout.py)."""
-    metadata = {"help": help, "cli": cli}
-    if default is dataclasses.MISSING:
-        return dataclasses.field(metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)

@@ -21,23 +21,16 @@ from typing import Any
 
 import click
 
-from runtime.decoding import OPTION_NAMES, PAPER, RULES, DecodingOptions
+from runtime.decoding import OPTION_NAMES, PAPER, DecodingOptions
+from runtime.fields import opt
 from runtime.registry import backend_names
+
+__all__ = ["decoding_options", "field_option", "opt", "options_from", "parse_backends", "pick"]
 
 # what a model dir's manifest may set (an import's generation config; a GPU's batch budget): DecodingOptions.for_model
 MODEL_DEFAULTS = frozenset({"beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "rules", "batch_tokens"})
 _FIELDS = {f.name: f for f in dataclasses.fields(DecodingOptions) if f.name in OPTION_NAMES}
-
-
-def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
-    """A dataclass field that is also a command-line option: its default, its help, and click-only
-    settings in `cli` (choices=..., min=..., max=..., metavar=..., multiple=True, path="dir" for a
-    directory or path="any" for either, exists=True for a path that must exist, show_default=False).
-    A `bool | None` field defaulting to None is a --flag/--no-flag option that leaves None unless given."""
-    metadata = {"help": help, "cli": cli}
-    if default is dataclasses.MISSING:
-        return dataclasses.field(metadata=metadata)
-    return dataclasses.field(default=default, metadata=metadata)
+_HINTS = typing.get_type_hints(DecodingOptions)
 
 
 def _base_type(annotation: Any) -> Any:
@@ -64,10 +57,11 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
     return str
 
 
-def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: str | None = None
-                 ) -> Callable[[Any], Any]:
+def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: str | None = None,
+                 show_default: Any = None) -> Callable[[Any], Any]:
     """The click option of one dataclass field (`--field-name`, or the `flag` its cli settings name; passed to
-    the command as `field_name`); `note`: the command's own remark, appended to the field's help."""
+    the command as `field_name`); `note`: the command's own remark, appended to the field's help;
+    `show_default`: what --help shows as its default, instead of the field's (decoding_options)."""
     cli = dict(f.metadata.get("cli", {}))
     flag = cli.get("flag") or "--" + f.name.replace("_", "-")
     base = _base_type(hints[f.name])
@@ -83,14 +77,19 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: s
         if not f.default:
             kwargs["is_flag"] = True
         return click.option(*decls, f.name, **kwargs)
-    if cli.get("multiple"):
-        return click.option(flag, f.name, multiple=True, type=str, default=f.default, **kwargs)
+    if cli.get("multiple"):  # a tuple[X, ...] field: the option repeated, each value an X
+        if "show_default" in cli:
+            kwargs["show_default"] = cli["show_default"]
+        element = _base_type((typing.get_args(base) or (str,))[0])
+        return click.option(flag, f.name, multiple=True, type=_click_type(element, cli), default=f.default,
+                            **kwargs)
     kwargs["type"] = _click_type(base, cli)
     if required:
         kwargs["required"] = True
     else:
         kwargs["default"] = f.default
-        kwargs["show_default"] = cli.get("show_default", f.default is not None)
+        kwargs["show_default"] = cli.get("show_default", f.default is not None) if show_default is None \
+            else show_default
     return click.option(flag, f.name, **kwargs)
 
 
@@ -114,9 +113,11 @@ def options_from(cls: type, *, skip: tuple[str, ...] = (), only: tuple[str, ...]
 
 
 def pick(cls: type, values: dict[str, Any]) -> Any:
-    """`cls(...)` from the command's keyword arguments that are its fields (removed from `values`)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: values.pop(k) for k in list(values) if k in names})
+    """`cls(...)` from the command's keyword arguments that are its fields (removed from `values`); a field's
+    cli `convert` turns the value given (not None) into the field's (--backends a,b -> ("a", "b"))."""
+    converts = {f.name: f.metadata.get("cli", {}).get("convert") for f in dataclasses.fields(cls)}
+    picked = {k: values.pop(k) for k in list(values) if k in converts}
+    return cls(**{k: v if v is None or converts[k] is None else converts[k](v) for k, v in picked.items()})
 
 
 def decoding_options(*names: str, notes: dict[str, str] | None = None, model_dir: bool = True
@@ -144,13 +145,8 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None, model_dir
 
         # click lists options in reverse order of decoration: add the last one first.
         for name in reversed(chosen):
-            default = getattr(PAPER, name)
-            note = (notes or {}).get(name)
-            kind = click.Choice(RULES) if name == "rules" else type(default)
-            shown: Any = f"the model dir's, else {default}" if model_dir and name in MODEL_DEFAULTS else True
-            wrapper = click.option(f"--{name.replace('_', '-')}", name, type=kind, default=default,
-                                   show_default=shown,
-                                   help=DecodingOptions.help(name) + (f" {note}" if note else ""))(wrapper)
+            shown = f"the model dir's, else {_FIELDS[name].default}" if model_dir and name in MODEL_DEFAULTS else True
+            wrapper = field_option(DecodingOptions, _FIELDS[name], _HINTS, (notes or {}).get(name), shown)(wrapper)
         return wrapper
 
     return decorate

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import RuntimeUserError
+from runtime.fields import Checked, flag, opt
 
 
 class DecodingError(RuntimeUserError):
@@ -30,36 +31,29 @@ RULES = ("fairseq", "transformers", "transformers-early")
 GPU_BATCH_TOKENS = 8192
 
 
-def flag(field_name: str) -> str:
-    """The command-line option of a DecodingOptions field: beam_size -> --beam-size."""
-    return "--" + field_name.replace("_", "-")
-
-
-def _opt(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
-class DecodingOptions:
+class DecodingOptions(Checked):
     """Beam search settings; the defaults are the paper's (section 6.1)."""
 
-    beam_size: int = _opt(4, "Beam width; 1 runs greedy search.")
-    alpha: float = _opt(0.6, "GNMT length penalty alpha: score = log_prob / ((5 + len) / 6) ** alpha; "
+    error = DecodingError
+
+    beam_size: int = opt(4, "Beam width; 1 runs greedy search.")
+    alpha: float = opt(0.6, "GNMT length penalty alpha: score = log_prob / ((5 + len) / 6) ** alpha; "
                              "0 turns length normalisation off.")
-    max_len_a: float = _opt(1.0, "Output length limit a in a * source_len + b (tokens, EOS excluded).")
-    max_len_b: int = _opt(50, "Output length limit b in a * source_len + b.")
-    min_len: int = _opt(0, "Least tokens to generate before EOS is allowed.")
-    nbest: int = _opt(1, "Hypotheses to return per sentence (at most the beam width).")
+    max_len_a: float = opt(1.0, "Output length limit a in a * source_len + b (tokens, EOS excluded).")
+    max_len_b: int = opt(50, "Output length limit b in a * source_len + b.")
+    min_len: int = opt(0, "Least tokens to generate before EOS is allowed.")
+    nbest: int = opt(1, "Hypotheses to return per sentence (at most the beam width).")
     # 2048: as fast as 4096 on `small` and faster on `base`, in a third less peak memory on a CPU
     # (benchmarks/README.md, "whole-process-batch-tokens")
-    batch_tokens: int = _opt(2048, "Batch budget: sentences x longest source x beam, per batch "
+    batch_tokens: int = opt(2048, "Batch budget: sentences x longest source x beam, per batch "
                                    f"({GPU_BATCH_TOKENS} on a GPU unless given).")
-    rules: str = _opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
+    rules: str = opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
                                  "length ** alpha, the best beam ended hypotheses kept until none live can beat "
                                  "them; transformers-early: ends once beam hypotheses have ended, as "
                                  "early_stopping=True). Imported models default to their generate settings "
-                                 "(their model dir says so).")
+                                 "(their model dir says so).", choices=RULES)
     # The options the user set (the CLI fills it); None: those that differ from the paper's defaults.
     # Only the others take a model dir's own defaults (for_model): an imported model's num_beams, ...
     explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
@@ -128,13 +122,6 @@ class DecodingOptions:
         if self.rules not in RULES:
             out.append(f"{n('rules')} must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out
-
-    def validate(self, name: Callable[[str], str] | None = None) -> DecodingOptions:
-        """self, or a DecodingError listing every problem (fields named as in problems())."""
-        problems = self.problems(name)
-        if problems:
-            raise DecodingError("; ".join(problems))
-        return self
 
     @classmethod
     def help(cls, name: str) -> str:

@@ -27,8 +27,9 @@ from model import io_names
 from model.atomic import restore_replaced_dir
 from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
 from runtime.backend import Backend
-from runtime.decoding import PAPER, DecodingOptions, flag
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
+from runtime.fields import Checked, opt
 from runtime.registry import BACKENDS, ONLY_SOME, check_device, choose_backend, entry, import_torch, not_taken
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
 from runtime.translate import NBest, translate_ids
@@ -87,44 +88,32 @@ class ModelDir:
 STEPS = ("eager", "graph", "compiled")  # the torch backend's decoder steps a user picks (runtime/torch_backend.py)
 
 
-def _opt(default: Any, help: str, **cli: Any) -> Any:
-    """A field with its command-line help and click settings (pipeline/cli_options.py generates the option;
-    runtime/ cannot import it, so the metadata is written here in its form)."""
-    return field(default=default, metadata={"help": help, "cli": cli})
-
-
 SHORTLIST_HELP = ("Decode over the model dir's vocabulary shortlist (export --shortlist-src/--shortlist-tgt): faster "
                   "on large vocabularies, but a sentence's output may depend on the sentences batched with it. On "
                   "torch and onnxruntime only; see docs/shortlist.md.")
 
 
 @dataclass(frozen=True)
-class LoadOptions:
+class LoadOptions(Checked):
     """How to load a model dir: which engine, where, with how many threads, in which precision. Every
     command that loads one takes its options from these fields (a command adds a note of its own)."""
 
-    backend: str = _opt("auto", "auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
+    backend: str = opt("auto", "auto: tensorrt if the engines, TensorRT and a GPU are present, else onnxruntime "
                                 "if installed, else torch.", choices=BACKENDS)
-    device: str | None = _opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu].", metavar="DEV")
-    threads: int | None = _opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
-    precision: str | None = _opt(None, "Torch backend precision [default: the model dir's; fp16 only on GPU].",
+    device: str | None = opt(None, "cpu, cuda or cuda:N [default: cuda when available, else cpu].", metavar="DEV")
+    threads: int | None = opt(None, "Intra-op threads of torch / onnxruntime [default: all cores].", min=1)
+    precision: str | None = opt(None, "Torch backend precision [default: the model dir's; fp16 only on GPU].",
                                  flag="--dtype", choices=("fp32", "fp16"))
-    shortlist: bool = _opt(False, SHORTLIST_HELP)
-    parallel_batches: int = _opt(1, "Batches decoded at once, each on --threads / N intra-op threads (onnxruntime "
+    shortlist: bool = opt(False, SHORTLIST_HELP)
+    parallel_batches: int = opt(1, "Batches decoded at once, each on --threads / N intra-op threads (onnxruntime "
                                     "on the CPU only): every operator of two batches runs side by side instead of "
                                     "one batch's split over the cores. Same output; faster where a file makes many "
                                     "batches on few cores, at the memory of N batches (docs/performance.md).",
                                  min=1, metavar="N")
-    step: str | None = _opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
+    step: str | None = opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
                                   "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
                                   "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
                             choices=STEPS)
-
-    @classmethod
-    def flag(cls, name: str) -> str:
-        """The command-line option of a field (precision -> --dtype), as the CLI generates it."""
-        cli = next(f for f in fields(cls) if f.name == name).metadata.get("cli", {})
-        return cli.get("flag") or flag(name)
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default."""
@@ -144,13 +133,6 @@ class LoadOptions:
             out.append(f"{n('parallel_batches')} {self.parallel_batches} needs at least as many {n('threads')} (got "
                        f"{self.threads}): each batch runs on {n('threads')} / {n('parallel_batches')} of them")
         return out
-
-    def validate(self) -> LoadOptions:
-        """self, or a RuntimeUserError listing every problem (as DecodingOptions.validate does)."""
-        problems = self.problems()
-        if problems:
-            raise RuntimeUserError("; ".join(problems))
-        return self
 
     def only_some(self) -> dict[str, Any]:
         """The options set here that only some backends take (runtime/registry.py ONLY_SOME), with their values."""

@@ -1,0 +1,73 @@
+"""Options declared once, as dataclass fields: the one helper every options dataclass uses.
+
+    beam_size: int = opt(4, "Beam width; 1 runs greedy search.")
+    out: Path = opt(help="Model directory to create.", path="any")        # required
+
+`opt(default, help, **cli)` is a dataclass field that is also a command-line option: its default, its help
+text and click-only settings (choices=..., min=..., max=..., metavar=..., multiple=True, path="dir" or "any",
+exists=True, show_default=False, flag="--dtype", convert=f). pipeline/cli_options.py generates the click option
+of every field that has a help text; runtime/, export/ and pipeline/ declare their fields with this one
+function (runtime/ and export/ cannot import pipeline, tests/test_layout.py).
+
+`Checked` gives a dataclass `flag(name)` (the field's command-line option) and `validate()` over its own
+`problems(name)`, which names each field as `name` phrases it: the CLI's flags by default, the HTTP API's JSON
+fields, or generation_config.json's names at import."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
+
+from runtime.errors import RuntimeUserError
+
+C = TypeVar("C", bound="Checked")
+
+
+def opt(default: Any = dataclasses.MISSING, help: str = "", **cli: Any) -> Any:
+    """A dataclass field that is also a command-line option (see the module's docstring for `cli`). A `bool | None`
+    field defaulting to None is a --flag/--no-flag option that leaves None unless given."""
+    metadata = {"help": help, "cli": cli}
+    if default is dataclasses.MISSING:
+        return dataclasses.field(metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+def flag(field_name: str) -> str:
+    """The command-line option of a field without a flag of its own: beam_size -> --beam-size."""
+    return "--" + field_name.replace("_", "-")
+
+
+def flag_of(cls: type, name: str) -> str:
+    """The command-line option of one field of `cls`: its cli `flag` (precision -> --dtype), else --field-name."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return str(f.metadata.get("cli", {}).get("flag") or flag(name))
+    raise KeyError(f"{cls.__name__} has no field {name!r}")
+
+
+class Checked:
+    """A mixin for an options dataclass: `problems(name)` lists every impossible setting at once, each naming its
+    field as `name` phrases it (the CLI's flag by default); `validate()` is self, or one `error` listing them."""
+
+    error: ClassVar[type[Exception]] = RuntimeUserError
+
+    @classmethod
+    def flag(cls, name: str) -> str:
+        return flag_of(cls, name)
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        return []
+
+    def validate(self: C, name: Callable[[str], str] | None = None) -> C:
+        problems = self.problems(name)
+        if problems:
+            raise self.error("; ".join(problems))
+        return self
+
+
+def at_least(value: float | None, least: float, field_name: str, n: Callable[[str], str]) -> list[str]:
+    """[the problem] when `value` (None: not given) is below `least`, else []: the problem most options have."""
+    if value is None or value >= least:
+        return []
+    return [f"{n(field_name)} must be at least {least} (got {value})"]
