@@ -12,12 +12,14 @@ import importlib
 import logging
 import platform
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from export.errors import TensorRTUnavailable
 from export.tensorrt_build import load_tensorrt
 from model.manifest import Manifest
 from runtime.cpu_int8 import DOT_PRODUCT_FLAGS, cpu_flags
+from runtime.fields import Checked, opt
 from runtime.machine import CpuFacts, Facts, Gpu, OrtFacts, TorchFacts, TrtFacts, Verdict, usable_cores
 from runtime.model_dir import ModelDir
 from runtime.registry import verdicts
@@ -32,6 +34,13 @@ CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNN
 
 
 # -- probes ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DoctorOptions(Checked):
+    """`pipeline doctor`'s options (its command line is generated from these fields)."""
+
+    as_json: bool = opt(False, "Print the facts (and verdicts) as one JSON object.", flag="--json")
+
 
 def torch_facts() -> TorchFacts:
     try:

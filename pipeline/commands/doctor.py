@@ -7,18 +7,20 @@ from pathlib import Path
 
 import click
 
-from pipeline.environment import check_model_dir, format_facts, format_verdicts, gather_facts
+from pipeline.cli_options import options_from, pick
+from pipeline.environment import DoctorOptions, check_model_dir, format_facts, format_verdicts, gather_facts
 
 
 @click.command("doctor")
 @click.argument("model_dir", required=False, type=click.Path(path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the facts (and verdicts) as one JSON object.")
-def doctor(model_dir: Path | None, as_json: bool) -> None:
+@options_from(DoctorOptions)
+def doctor(model_dir: Path | None, **values: bool) -> None:
     """Say what this machine can run: Python, PyTorch (CUDA, cuDNN, GPUs, bf16, NCCL),
     onnxruntime and its execution providers, TensorRT (or exactly why not), tokenizer /
     scoring / CTranslate2 versions and the CPU's instruction sets. With MODEL_DIR (what
     `pipeline export` wrote), also which backend, precision and device can serve it here,
     and why not for the others. Send this output with any bug report."""
+    as_json = pick(DoctorOptions, values).validate().as_json
     facts = gather_facts()
     verdicts = check_model_dir(model_dir, facts) if model_dir is not None else None
     if as_json:

@@ -3,27 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from model.config import PRESETS
-from pipeline.evaluation.random_model import make_random_checkpoint
+from pipeline.cli_options import options_from, pick
+from pipeline.evaluation.random_model import RandomCheckpointOptions, make_random_checkpoint
 from pipeline.textio import check_output_file
 
 
 @click.command("random-checkpoint")
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--preset", type=click.Choice(list(PRESETS)), default="base", show_default=True,
-              help="Model shape (model/config.py's preset table).")
-@click.option("--vocab-size", type=click.IntRange(min=16), default=32000, show_default=True,
-              help="Vocabulary of the SentencePiece model trained on made-up text (a soft limit).")
-@click.option("--seed", type=int, default=0, show_default=True,
-              help="Seed of the made-up text and of the weights (the same seed and shape give the same weights).")
-@click.option("--decoder-layers", type=click.IntRange(min=1), default=None,
-              help="Decoder layers instead of the preset's (e.g. a 1-layer student's shape).")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-def random_checkpoint(out: Path, preset: str, vocab_size: int, seed: int, force: bool,
-                      decoder_layers: int | None = None) -> None:
+@options_from(RandomCheckpointOptions)
+def random_checkpoint(out: Path, **values: Any) -> None:
     """Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to
     measure a shape's speed and memory without training it:
 
@@ -31,9 +23,10 @@ def random_checkpoint(out: Path, preset: str, vocab_size: int, seed: int, force:
         pipeline export base.pt --out models/base-fp32 --no-tensorrt
         pipeline bench models/base-fp32 --backends onnxruntime --compare ctranslate2
     """
-    if out.exists() and not force:
+    opts: RandomCheckpointOptions = pick(RandomCheckpointOptions, values).validate()
+    if out.exists() and not opts.force:
         raise click.UsageError(f"{out} exists; pass --force to replace it")
     check_output_file(out, "OUT")
-    vocab = make_random_checkpoint(out, preset, vocab_size, seed, decoder_layers)
-    shape = f", {decoder_layers} decoder layer(s)" if decoder_layers else ""
-    click.echo(f"{out}: random {preset} model{shape}, vocab {vocab}")
+    vocab = make_random_checkpoint(out, opts.preset, opts.vocab_size, opts.seed, opts.decoder_layers)
+    shape = f", {opts.decoder_layers} decoder layer(s)" if opts.decoder_layers else ""
+    click.echo(f"{out}: random {opts.preset} model{shape}, vocab {vocab}")

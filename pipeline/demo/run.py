@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ import sacrebleu
 
 from export.api import export_model
 from model.checkpoint import checkpoint_step, step_checkpoints
+from model.config import PRESETS
+from model.errors import UserError
 from model.manifest import PRECISIONS
+from pipeline.cli_options import parse_backends
 from pipeline.commands.export import held_out_calibration
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
@@ -29,7 +33,9 @@ from pipeline.textio import read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from pipeline.training.options import BUILTIN_DEFAULTS
 from runtime.decoding import PAPER, DecodingOptions
+from runtime.fields import Checked, at_least, opt
 from runtime.model_dir import LoadOptions, load
+from runtime.registry import backend_names
 
 log = logging.getLogger(__name__)
 
@@ -38,19 +44,44 @@ log = logging.getLogger(__name__)
 DEMO_MAX_TIME = "10m"  # the README's "a few minutes": a busy machine stops training early rather than late
 
 
+def _backend_list(value: str) -> tuple[str, ...]:
+    return tuple(parse_backends(value))
+
+
 @dataclass
-class DemoOptions:
-    out: Path
-    preset: str | None = None  # None: the built-in default (train's BUILTIN_DEFAULTS)
-    max_steps: int | None = None
-    max_time: str | None = DEMO_MAX_TIME  # training stops at whichever comes first, this or max_steps
-    builtin_pairs: int | None = None
-    average_last: int = 3
-    backends: tuple[str, ...] | None = None  # None: every backend this machine can run (demo/plan.py)
+class DemoOptions(Checked):
+    """What the demo runs with; the fields with a help text are `pipeline demo`'s options (generated from them;
+    the beam and the threads are DecodingOptions' and LoadOptions')."""
+
+    error = UserError
+
+    out: Path = opt(Path("runs/demo"), "Working directory: train/ (save dir), model-fp32/, model-fp16/, model-int8/, "
+                                       "test.hyp, parity-*.json.", path="dir")
+    # None: the built-in default (train's BUILTIN_DEFAULTS)
+    preset: str | None = opt(None, "Model size [default: the built-in default, demo].", choices=tuple(PRESETS))
+    max_steps: int | None = opt(None, "Training updates [default: the built-in default, 1200].", min=1)
+    max_time: str | None = opt(DEMO_MAX_TIME, "Training's wall-clock budget (90s, 10m, 1h): it stops at this or "
+                                              "--max-steps, whichever comes first, and the result says which.")
+    builtin_pairs: int | None = opt(None, "Training pairs of the built-in corpus [default: 30000].", min=10)
+    average_last: int = opt(3, "Average this many last checkpoints before export.", min=1)
+    # None: every backend this machine can run (demo/plan.py); the command line gives them comma-separated
+    backends: tuple[str, ...] | None = opt(None, "Backends whose parity with PyTorch is checked ("
+                                                 + ",".join(backend_names()) + ") [default: every one this machine "
+                                                 "can run; see `pipeline doctor`].", convert=_backend_list)
     decoding: DecodingOptions = PAPER
     threads: int | None = None
-    progress: bool = True
+    progress: bool = opt(True, "Show progress bars.")
     plan: DemoPlan | None = None  # None: planned from this machine's facts (pipeline doctor)
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        n = name or self.flag
+        out = [] if self.preset in (None, *PRESETS) else [f"{n('preset')} {self.preset!r}: choose one of "
+                                                          f"{', '.join(PRESETS)}"]
+        unknown = [b for b in self.backends or () if b not in backend_names()]
+        if unknown:
+            out.append(f"{n('backends')}: unknown backend(s) {unknown}; choose from {', '.join(backend_names())}")
+        return (out + at_least(self.max_steps, 1, "max_steps", n) + at_least(self.builtin_pairs, 10, "builtin_pairs", n)
+                + at_least(self.average_last, 1, "average_last", n))
 
 
 @dataclass

@@ -6,14 +6,41 @@ from __future__ import annotations
 
 import random
 import string
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from model import build_model, preset
 from model.checkpoint import save_checkpoint
+from model.config import PRESETS
+from model.errors import UserError
 from pipeline.corpus.spm import train_sentencepiece
+from runtime.fields import Checked, at_least, opt
 from runtime.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class RandomCheckpointOptions(Checked):
+    """`pipeline random-checkpoint`'s options (its command line is generated from these fields): the shape, the
+    vocabulary and the seed of the random model, and whether to replace OUT."""
+
+    error = UserError
+
+    preset: str = opt("base", "Model shape (model/config.py's preset table).", choices=tuple(PRESETS))
+    vocab_size: int = opt(32000, "Vocabulary of the SentencePiece model trained on made-up text (a soft limit).",
+                          min=16)
+    seed: int = opt(0, "Seed of the made-up text and of the weights (the same seed and shape give the same weights).")
+    decoder_layers: int | None = opt(None, "Decoder layers instead of the preset's (e.g. a 1-layer student's shape).",
+                                     min=1)
+    force: bool = opt(False, "Replace OUT if it exists.")
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        n = name or self.flag
+        out = [] if self.preset in PRESETS else [f"{n('preset')} {self.preset!r}: choose one of {', '.join(PRESETS)}"]
+        return out + at_least(self.vocab_size, 16, "vocab_size", n) + at_least(self.decoder_layers, 1, "decoder_layers",
+                                                                                n)
 
 
 def made_up_text(vocab_size: int, seed: int = 0) -> list[str]:

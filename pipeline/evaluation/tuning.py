@@ -5,6 +5,7 @@ a DecodingOptions) and score each with sacreBLEU."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,8 +15,8 @@ from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
+from runtime.fields import Checked, opt
 from runtime.model_dir import LoadOptions, load
-from runtime.registry import import_torch
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
 
@@ -41,14 +42,43 @@ def parse_list(text: str, kind: type, option: str) -> list[Any]:
     return values
 
 
+@dataclass(frozen=True)
+class TuneOptions(Checked):
+    """`pipeline tune-decoding`'s own options (its command line is generated from these fields; the decoding
+    limits and the device are DecodingOptions' and LoadOptions')."""
+
+    error = UserError
+
+    src: Path = opt(help="Validation sources (never a test set).", path="any")
+    ref: Path = opt(help="Validation references, line-aligned with --src.", path="any")
+    beams: str = opt("1,4,6", "Beam widths to try, comma-separated.")
+    alphas: str = opt("0.6,1.0", "Length penalties to try, comma-separated.")
+    json_out: Path | None = opt(None, "Also write every trial as JSON to this file.", flag="--json", path="any")
+
+    def beam_sizes(self) -> list[int]:
+        return parse_list(self.beams, int, self.flag("beams"))
+
+    def alpha_values(self) -> list[float]:
+        return parse_list(self.alphas, float, self.flag("alphas"))
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        n = name or self.flag
+        out = []
+        for field_name, kind in (("beams", int), ("alphas", float)):
+            try:
+                parse_list(getattr(self, field_name), kind, n(field_name))
+            except UserError as e:
+                out.append(str(e))
+        return out
+
+
 def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokenizer, dict[str, Any]]:
     """(backend, tokenizer, the model's own decoding defaults) of an exported model dir (its default
     backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint)."""
     if (Path(model) / MANIFEST).is_file():
         loaded = load(model, LoadOptions(device=device))
         return loaded.backend, loaded.tokenizer, loaded.model_dir.decoding_defaults
-    import_torch("a checkpoint")  # one line where PyTorch is not installed
-    from model.checkpoint import read_checkpoint, resolve_checkpoint
+    from model.checkpoint import read_checkpoint, resolve_checkpoint  # without PyTorch: the CLI's one line
     from runtime.torch_backend import open_checkpoint
 
     backend, tokenizer = open_checkpoint(model, device=device)
