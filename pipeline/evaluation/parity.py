@@ -31,6 +31,7 @@ import sacrebleu
 from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE
 from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
+from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, REFERENCES, SHORTLISTED, Gate, gate_for
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, open_binary, read_lines
@@ -43,44 +44,6 @@ if TYPE_CHECKING:
     from runtime.torch_backend import TorchBackend
 
 log = logging.getLogger(__name__)
-
-REFERENCE = "torch"
-REFERENCES = ("torch", "transformers")  # what the backends are compared with (--reference)
-
-
-@dataclass(frozen=True)
-class Gate:
-    """Pass criteria for one precision. None disables a criterion."""
-
-    min_identical: float | None
-    max_bleu_delta: float | None
-
-
-DEFAULT_GATES = {
-    "fp32": Gate(min_identical=0.99, max_bleu_delta=0.1),
-    "fp16": Gate(min_identical=None, max_bleu_delta=0.5),
-    # int8 weights change some beams by design; published int8 cost is well under 1 BLEU.
-    "int8": Gate(min_identical=None, max_bleu_delta=0.5),
-    # fp32 over a vocabulary shortlist: a token outside a batch's candidates cannot be produced, so some
-    # sentences change by design; fp16/int8 over one take the larger of this delta and their own (gate_for).
-    "shortlist": Gate(min_identical=None, max_bleu_delta=0.3),
-}
-SHORTLISTED = "+shortlist"  # appended to the precision of a backend decoding over the shortlist
-
-
-def gate_for(precision: str, gates: dict[str, Gate]) -> Gate:
-    """The gate of a precision label: "fp16", or "fp16+shortlist" (the shortlist gate, with the larger
-    BLEU delta of the two; None, not gated, is the larger)."""
-    base = precision.removesuffix(SHORTLISTED)
-    gate = gates.get(base, DEFAULT_GATES["fp32"])
-    if base == precision:
-        return gate
-    shortlist = gates.get("shortlist", DEFAULT_GATES["shortlist"])
-    if base == "fp32":
-        return shortlist
-    deltas = (shortlist.max_bleu_delta, gate.max_bleu_delta)
-    return Gate(shortlist.min_identical, None if None in deltas else max(d for d in deltas if d is not None))
-
 
 @dataclass
 class BackendResult:
