@@ -80,10 +80,12 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
                             beam_size: int = PAPER.beam_size, alpha: float = PAPER.alpha,
                             max_len_a: float = PAPER.max_len_a, max_len_b: int = PAPER.max_len_b,
                             min_len: int = PAPER.min_len, nbest: int = PAPER.nbest, rules: str = PAPER.rules,
-                            first_tokens: Any = None) -> list[list[Hypothesis]]:
+                            first_tokens: Any = None, joins: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """beam_search (runtime/search.py) with constraints[s], the phrases sentence s must contain. Returns, per
-    sentence, `nbest` hypotheses best first; a hypothesis holds every phrase unless its sentence reached its
-    length limit first (callers check which terms made it into the text)."""
+    sentence, `nbest` hypotheses best first, those that hold every phrase before those that do not (ended at
+    the length limit first; callers check which terms made it into the text). joins (vocab,) bool: the pieces
+    that glue onto the word before them (runtime/glossary.py word_continuations); none may follow a completed
+    phrase, so a term ends its word ("hound", never "hounds" or "houndn")."""
     if not backend.gathers:
         raise RuntimeUserError(f"the {backend.name} backend cannot apply glossaries here (its decoder step cannot "
                                "return the log-probs of given ids): use the onnxruntime backend on a model dir "
@@ -121,6 +123,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
     met = np.broadcast_to((phrases.lengths == 0)[:, None, :], (n_sent, beam, n_c)).copy()
     prog_c = np.full((n_sent, beam), -1, dtype=np.int64)
     prog_j = np.zeros((n_sent, beam), dtype=np.int64)
+    ended = np.zeros((n_sent, beam), dtype=bool)  # the hypothesis' last token completed a phrase
     sent_ids = np.arange(n_sent, dtype=np.int64)
     live_max = max_len
     t = 0
@@ -143,11 +146,14 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         want_lp = np.where(shut, np.float32(NEG_INF), want_lp)
         pool_ids = np.concatenate([ids, flat_want], axis=1)  # (N, P): the row's candidates, then its phrase tokens
         pool_lp = np.concatenate([lp, want_lp], axis=1)
+        if joins is not None and ended.any():  # a term is a whole word: nothing glued onto its end
+            glued = ended.reshape(-1, 1) & joins[np.clip(pool_ids, 0, joins.size - 1)]
+            pool_lp = np.where(glued, np.float32(NEG_INF), pool_lp)
         p = pool_ids.shape[1]
         cum = (scores.reshape(-1, 1) + pool_lp).reshape(b, beam * p)
         cand_tok = pool_ids.reshape(b, beam * p)
         cand_row = np.repeat(np.arange(beam), p)[None, :]  # (1, beam*P): the row within its sentence
-        new_met, new_c, new_j = _advance(ids_s, len_s, met, prog_c, prog_j, cand_row, cand_tok)
+        new_met, new_c, new_j, new_end = _advance(ids_s, len_s, met, prog_c, prog_j, cand_row, cand_tok)
         bank = (len_s[:, None, :] * new_met).sum(axis=2) + np.where(new_c >= 0, new_j, 0)  # (b, beam*P)
         is_eos = cand_tok == eos
         at_limit = (live_max <= t)[:, None]
@@ -178,6 +184,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         met = np.take_along_axis(new_met, chosen[:, :, None], axis=1)
         prog_c = np.take_along_axis(new_c, chosen, axis=1)
         prog_j = np.take_along_axis(new_j, chosen, axis=1)
+        ended = np.take_along_axis(new_end, chosen, axis=1)
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
@@ -192,7 +199,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
             live = np.flatnonzero(~done)
             sent_ids, live_max = sent_ids[live], live_max[live]
             scores, history, history_lp = scores[live], history[live], history_lp[live]
-            met, prog_c, prog_j = met[live], prog_c[live], prog_j[live]
+            met, prog_c, prog_j, ended = met[live], prog_c[live], prog_j[live], ended[live]
             next_tok, src_rows = next_tok[live], src_rows[live]
             if live.size == 0:
                 break
@@ -200,7 +207,14 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         tokens = next_tok.reshape(-1)
         reorder = src_rows.reshape(-1)
         t += 1
-    return finished.ranked(nbest)
+    return [sorted(hyps, key=lambda h: (not _holds(h.tokens, wanted), -h.score))[:nbest]
+            for hyps, wanted in zip(finished.hyps, constraints)]
+
+
+def _holds(tokens: list[int], phrases: Phrases) -> bool:
+    """Whether every phrase is in `tokens` (a hypothesis ended at its length limit may lack one: it ranks
+    after every hypothesis that holds them all, whatever its score)."""
+    return all(any(tokens[i:i + len(p)] == p for i in range(len(tokens) - len(p) + 1)) for p in phrases)
 
 
 def _wanted(ids: np.ndarray, met: np.ndarray, prog_c: np.ndarray, prog_j: np.ndarray) -> np.ndarray:
@@ -222,9 +236,9 @@ def _seen(want: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def _advance(ids: np.ndarray, lengths: np.ndarray, met: np.ndarray, prog_c: np.ndarray, prog_j: np.ndarray,
-             row: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             row: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The constraint state after each candidate (row of its sentence, token): (b, M, C) met, (b, M) phrase in
-    progress and its tokens. The next token of the phrase in progress advances it (completing it at its
+    progress and its tokens, (b, M) whether the token completed a phrase. The next token of the phrase in progress advances it (completing it at its
     length); any other token ends it, and may start (or, for a one-token phrase, complete) the first phrase
     not met that it begins."""
     b, m = tok.shape
@@ -244,7 +258,7 @@ def _advance(ids: np.ndarray, lengths: np.ndarray, met: np.ndarray, prog_c: np.n
     new_j = np.where(advance, np.where(adv_j >= adv_len, 0, adv_j), np.where(start_any & (start_len > 1), 1, 0))
     completed = np.where(advance & (adv_j >= adv_len), cur_c, np.where(start_any & (start_len == 1), start_c, -1))
     new_met = cur_met | (np.arange(ids.shape[1])[None, None, :] == completed[:, :, None])
-    return new_met, new_c, new_j
+    return new_met, new_c, new_j, completed >= 0
 
 
 def _allocate(top_bank: np.ndarray, eligible: np.ndarray, totals: np.ndarray, beam: int) -> np.ndarray:

@@ -31,7 +31,7 @@ from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.fields import Checked, opt
 from runtime.registry import BACKENDS, ONLY_SOME, check_device, choose_backend, entry, import_torch, not_taken
-from runtime.tokenizer import AnyTokenizer, tokenizer_from_file
+from runtime.tokenizer import AnyTokenizer, tokenizer_from_file, word_continuations
 from runtime.translate import NBest, translate_ids
 
 if TYPE_CHECKING:
@@ -172,8 +172,9 @@ class Loaded:
         source), with `decoding` or else this model's; first_tokens, on_batch and constraints (a glossary's
         terms per source: EncodedTexts.constraints) as runtime.translate's translate_ids, which batches by
         length and runs the search."""
+        joins = word_continuations(self.tokenizer) if constraints is not None else None
         hyps = translate_ids(self.backend, ids, self.decoding if decoding is None else decoding, first_tokens,
-                             on_batch, constraints)
+                             on_batch, constraints, joins)
         return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 

@@ -186,6 +186,21 @@ class VocabTokenizer:
 AnyTokenizer = Tokenizer | VocabTokenizer
 
 
+def word_continuations(tokenizer: AnyTokenizer) -> Any:
+    """(vocab,) bool numpy array: the pieces that glue onto the word before them (no leading "▁", a letter or
+    digit first), computed once per tokenizer. Constrained search lets none follow a glossary term, so the
+    term ends its word."""
+    cached = getattr(tokenizer, "_continuations", None)
+    if cached is None:
+        import numpy as np
+
+        pieces = (tokenizer.piece(i) for i in range(tokenizer.vocab_size))
+        cached = np.fromiter((bool(p) and not p.startswith("\u2581") and p[0].isalnum() for p in pieces), dtype=bool,
+                             count=tokenizer.vocab_size)
+        tokenizer._continuations = cached  # type: ignore[union-attr]
+    return cached
+
+
 def load_tokenizer(data: bytes) -> AnyTokenizer:
     """The tokenizer a checkpoint or model dir holds: a SentencePiece model, or a vocabulary bundle."""
     if data.startswith(BUNDLE_MAGIC):

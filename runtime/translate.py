@@ -66,11 +66,13 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
 
 def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
                   first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
-                  constraints: list[list[list[int]]] | None = None, **changes: Any) -> list[list[Hypothesis]]:
+                  constraints: list[list[list[int]]] | None = None, joins: np.ndarray | None = None,
+                  **changes: Any) -> list[list[Hypothesis]]:
     """Hypotheses (options.nbest, best first) for each source, in input order.
     first_tokens: per source, the token forced first (a multilingual model's target language; sources of
     different targets may share a batch). constraints: per source, the target token phrases its output must
-    hold (a glossary's terms: runtime/glossary.py), [] for none.
+    hold (a glossary's terms: runtime/glossary.py), [] for none; joins: the target pieces that may not follow
+    a completed phrase (runtime/glossary.py word_continuations).
 
     `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)). `on_batch(n)` is told
     each time n more sources are done (the empty ones at once, then each batch): a progress bar's steps.
@@ -101,7 +103,7 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
 
         assert constraints is not None
         return constrained_beam_search(backend, src, [constraints[i] for i in idx], **wide.search_kwargs(),
-                                       first_tokens=first)
+                                       first_tokens=first, joins=joins)
 
     wide = options
     if forced:

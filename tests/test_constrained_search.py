@@ -124,8 +124,33 @@ def test_the_constraint_state_follows_progress_breaks_and_restarts():
     prog_j = np.array([[0, 1, 2]])
     row = np.array([[0, 0, 1, 1, 2, 2, 2]])
     tok = np.array([[7, 4, 8, 5, 9, 7, 4]])
-    new_met, new_c, new_j = _advance(ids, lengths, met, prog_c, prog_j, row, tok)
+    new_met, new_c, new_j, ended = _advance(ids, lengths, met, prog_c, prog_j, row, tok)
+    assert ended.tolist() == [[False, True, False, False, True, False, True]]
     assert new_c.tolist() == [[0, -1, 0, -1, -1, 0, -1]]  # started; one-token phrase; advanced; broken; done
     assert new_j.tolist() == [[1, 0, 2, 0, 0, 1, 0]]      # 7 after "7 8" restarts the phrase
     assert new_met[0, :, 0].tolist() == [False, False, False, False, True, False, False]
     assert new_met[0, :, 1].tolist() == [False, True, False, False, False, False, True]
+
+
+def test_a_completed_phrase_ends_its_word():
+    """With the tokenizer's continuation pieces (runtime/tokenizer.py word_continuations), nothing glues onto a
+    term's end: on a scripted model that follows the term 6 with the continuation piece 7 ("hound" + "s"), the
+    forced 6 is followed by a word start or EOS instead, and without the mask it would not be."""
+    from test_search import A, VOCAB, ScriptedBackend, src
+
+    after_term = {7: 0.9, EOS_ID: 0.05, A: 0.05}
+    elsewhere = {A: 0.5, 6: 0.02, 7: 0.08, EOS_ID: 0.4}
+
+    def lookup(prefix: tuple[int, ...]) -> dict[int, float]:
+        return after_term if prefix and prefix[-1] == 6 else elsewhere
+
+    joins = np.zeros(VOCAB, dtype=bool)
+    joins[7] = True
+    options = dict(beam_size=4, nbest=4, max_len_a=0.0, max_len_b=6)
+    glued = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], **options)[0]
+    assert _contains(glued[0].tokens, [6, 7])  # what the model wants: "hounds"
+    whole = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], joins=joins, **options)[0]
+    holding = [hyp for hyp in whole if 6 in hyp.tokens]  # the others ended at the limit: ranked after them
+    assert holding and whole[:len(holding)] == holding
+    for hyp in holding:
+        assert not _contains(hyp.tokens, [6, 7]), hyp.tokens

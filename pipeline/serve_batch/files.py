@@ -44,7 +44,7 @@ from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.texts import open_glossary
-from runtime.tokenizer import AnyTokenizer
+from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
 
 log = logging.getLogger(__name__)
@@ -91,12 +91,12 @@ class ServeStats:
 
 def _translate_share(backend: Backend, ids: list[list[int]], ctx: DistContext, decoding: DecodingOptions,
                      direction: Direction = ONE_PAIR, on_batch: Callable[[int], None] | None = None,
-                     constraints: list[list[list[int]]] | None = None) -> list[NBest]:
+                     constraints: list[list[list[int]]] | None = None, joins: Any = None) -> list[NBest]:
     """This rank's lines of the window (i % size == rank), as (tokens, score) per hypothesis; constraints (a
-    glossary's terms) per line of the window."""
+    glossary's terms) per line of the window, joins as runtime.translate's translate_ids."""
     share = ids[ctx.rank::ctx.world_size]
     mine = None if constraints is None else constraints[ctx.rank::ctx.world_size]
-    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)), on_batch, mine)
+    hyps = translate_ids(backend, share, decoding, direction.first_tokens(len(share)), on_batch, mine, joins)
     return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
@@ -192,7 +192,8 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
                 return
             advance = _Advance(bar, len(window.ids), ctx.world_size)
             share = _translate_share(backend, window.ids, ctx, opts.decoding, direction, advance if shown else None,
-                                     window.encoded.constraints)
+                                     window.encoded.constraints,
+                                     None if window.encoded.constraints is None else word_continuations(tokenizer))
             merged = _gather(share, ctx, len(window.ids))
             if merged is None:
                 continue
