@@ -95,17 +95,9 @@ class ParityOptions(Checked):
                 "shortlist": DEFAULT_GATES["shortlist"]}
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
-        """A share outside 0..1 or a negative BLEU delta: a gate nothing can pass."""
+        """A reference engine parity does not know. The gates take any number: one that nothing can pass
+        (--int8-max-bleu-delta -1) fails every backend, which is how a gate is shown to reach its precision."""
         n = name or self.flag
-        out = []
         if self.reference_engine not in REFERENCES:
-            out.append(f"{n('reference_engine')} {self.reference_engine!r}: choose one of {', '.join(REFERENCES)}")
-        for share in ("min_identical", "fp16_min_identical", "int8_min_identical"):
-            value = getattr(self, share)
-            if value is not None and not 0 <= value <= 1:
-                out.append(f"{n(share)} is a share of sentences, between 0 and 1 (got {value})")
-        for delta in ("max_bleu_delta", "fp16_max_bleu_delta", "int8_max_bleu_delta"):
-            value = getattr(self, delta)
-            if value is not None and value < 0:
-                out.append(f"{n(delta)} bounds |BLEU difference|: it must be >= 0 (got {value})")
-        return out
+            return [f"{n('reference_engine')} {self.reference_engine!r}: choose one of {', '.join(REFERENCES)}"]
+        return []
