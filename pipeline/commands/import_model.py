@@ -12,14 +12,14 @@ from typing import Any
 
 import click
 
+from pipeline.cli_options import options_from
+from pipeline.importers.options import ImportOptions
 from pipeline.textio import check_output_file
 
 
 def _import_arguments(command: Any) -> Any:
     """HF_DIR, --out and --force: what every importer takes."""
-    command = click.option("--force", is_flag=True, help="Replace OUT if it exists.")(command)
-    command = click.option("--out", "out", required=True, type=click.Path(dir_okay=False, path_type=Path),
-                           help="Checkpoint file to write (atomically, with its SHA-256).")(command)
+    command = options_from(ImportOptions)(command)
     return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=click.Path(file_okay=False, path_type=Path)
                           )(command)
 

@@ -7,11 +7,9 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_options import options_from
-from pipeline.training import TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
+from pipeline.cli_options import options_from, pick
+from pipeline.training import AverageOptions, TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
-
-_FILE = click.Path(dir_okay=False, path_type=Path)
 
 
 @click.command(epilog="Per-preset defaults for unset options: " + describe_defaults())
@@ -35,12 +33,9 @@ def train(**kwargs: object) -> None:
 
 @click.command()
 @click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--last", type=int, default=5, show_default=True,
-              help="Average the last K step checkpoints (the paper: 5 for base, 20 for big).")
-@click.option("--best", type=int, help="Average instead the K step checkpoints ending at the best validation "
-              "BLEU (checkpoint_best.pt's step); K up to the run's --keep-last survive pruning.")
-@click.option("--out", type=_FILE, help="Output checkpoint (default SAVE_DIR/averaged.pt).")
-def average(save_dir: Path, last: int, best: int | None, out: Path | None) -> None:
+@options_from(AverageOptions)
+def average(save_dir: Path, **values: object) -> None:
     """Average the weights of the last K checkpoints of a save dir (section 6.1)."""
-    path = average_checkpoints(save_dir, last=last, out=out, best=best)
+    opts: AverageOptions = pick(AverageOptions, values).validate()
+    path = average_checkpoints(save_dir, last=opts.last, out=opts.out, best=opts.best)
     click.echo(f"wrote {path}")

@@ -27,6 +27,7 @@ from pipeline.evaluation.cpu_peak import peak_line, percent
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
+from runtime.fields import Checked, at_least, opt
 from runtime.languages import direction
 from runtime.model_dir import LoadOptions, load
 from runtime.registry import backend_names, entry
@@ -35,6 +36,58 @@ from runtime.tokenizer import AnyTokenizer
 from runtime.translate import decode_batches, encode_sources, pad_batch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchOptions(Checked):
+    """What `pipeline bench` measures and how, besides loading and decoding (LoadOptions, DecodingOptions), the
+    languages (ServeBatchOptions) and --serve's load (ServeBenchOptions); its command line is generated from
+    these fields."""
+
+    error = UserError
+
+    backends: str = opt("torch,onnxruntime", "Comma-separated backends to measure (" + ",".join(backend_names())
+                        + ").")
+    batch_sizes: tuple[int, ...] = opt((32,), "Sentences per batch; repeat the option to measure several.",
+                                       flag="--batch-size", multiple=True, min=1, show_default=True)
+    fixed_length: int | None = opt(None, "Force exactly N output tokens per sentence, for fair comparisons across "
+                                         "models.", min=1)
+    src: Path | None = opt(None, "Source sentences to translate (cycled); default: random pieces of --src-len tokens.",
+                           path="any")
+    sentences: int = opt(256, "Sentences per measurement.", min=1)
+    src_len: int = opt(20, "Length of generated source sentences (tokens, EOS included) when --src is not given.",
+                       min=2)
+    compare: tuple[str, ...] = opt((), "Also map the first MODEL_DIR's weights into this engine (after checking its "
+                                       "greedy output is token-identical to ours) and time it in float32 and int8, "
+                                       "with ratio columns. Needs the bench extra: pip install -e .[bench].",
+                                   multiple=True, choices=("ctranslate2",))
+    min_agreement: float = opt(1.0, "With --compare ctranslate2: least share of check sentences whose greedy output "
+                                    "must be token-identical in both engines before anything is timed (the share is "
+                                    "reported either way). Lower it only for random weights, whose near-ties the two "
+                                    "engines' arithmetic may break apart.", min=0.0, max=1.0)
+    rounds: int = opt(3, "With several MODEL_DIRs or --compare: alternating rounds, each measurement in a fresh "
+                         "subprocess (honest peak RSS per engine); rows report medians.", min=1)
+    serve_input: Path | None = opt(None, "Instead: load `pipeline serve` (started on a free 127.0.0.1 port with the "
+                                         "first MODEL_DIR and backend) with INPUT's lines from --concurrency clients, "
+                                         "and compare sentences/s and p50/p99 latency with serve-batch on the same "
+                                         "lines. Bounded in requests and seconds.",
+                                   flag="--serve", metavar="INPUT", exists=True)
+    whole_process: tuple[Path, ...] = opt((), "Instead: time what a user waits for, translating FILE (repeatable) "
+                                              "start to exit in a fresh process per run: `pipeline serve-batch "
+                                              "--backend onnxruntime` for each MODEL_DIR and, with --compare "
+                                              "ctranslate2, a CTranslate2 script on the same weights; wall time and "
+                                              "peak RSS, --rounds alternating rounds, --threads threads (default 2).",
+                                          multiple=True, metavar="FILE", exists=True)
+    json_out: Path | None = opt(None, "Write results as JSON.", flag="--json", path="any")
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        n = name or self.flag
+        out = [f"{n('batch_sizes')} must be at least 1 (got {b})" for b in self.batch_sizes if b < 1]
+        out += at_least(self.fixed_length, 1, "fixed_length", n) + at_least(self.sentences, 1, "sentences", n)
+        out += at_least(self.src_len, 2, "src_len", n) + at_least(self.rounds, 1, "rounds", n)
+        if not 0 <= self.min_agreement <= 1:
+            out.append(f"{n('min_agreement')} is a share of sentences, between 0 and 1 (got {self.min_agreement})")
+        return out
 
 
 @dataclass

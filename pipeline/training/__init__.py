@@ -1,6 +1,7 @@
 """Training of "Attention Is All You Need" as components (torchtitan style):
 
-    options.py        TrainOptions, defaults from the preset table, checks, the resume config
+    options.py        TrainOptions, defaults from the preset table, checks, the resume config;
+                      AverageOptions (`pipeline average`)
     step.py           one optimizer update: schedule, label-smoothed loss, precision, clipping
     loop.py           the loop: update, then log / validate / save on their schedules
     validation.py     validation loss and BLEU
@@ -17,11 +18,11 @@ The process group, device and "rank 0 first" helpers are in pipeline/distributed
 
 from pipeline.training.checkpointing import average_checkpoints
 from pipeline.training.metrics import TrainingInterrupted
-from pipeline.training.options import RESUME_KEYS, TrainOptions, describe_defaults, resolve_options
+from pipeline.training.options import RESUME_KEYS, AverageOptions, TrainOptions, describe_defaults, resolve_options
 from pipeline.training.step import learning_rate, token_losses
 from pipeline.training.trainer import CONFIG_FILE, DATA_DIR, train
 
 __all__ = [
-    "CONFIG_FILE", "DATA_DIR", "RESUME_KEYS", "TrainOptions", "TrainingInterrupted", "average_checkpoints",
-    "describe_defaults", "learning_rate", "resolve_options", "token_losses", "train",
+    "CONFIG_FILE", "DATA_DIR", "RESUME_KEYS", "AverageOptions", "TrainOptions", "TrainingInterrupted",
+    "average_checkpoints", "describe_defaults", "learning_rate", "resolve_options", "token_losses", "train",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from model.errors import UserError
 from pipeline.cli_options import opt
 from pipeline.training.step import SCHEDULES
 from runtime.decoding import PAPER
+from runtime.fields import Checked, at_least
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high
 # validation BLEU in a few CPU minutes.
@@ -111,6 +113,23 @@ RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size",
 # on, so that save dirs made before they existed still resume.
 SAMPLING_KEYS = ("spm_alpha", "spm_nbest")
 SCHEDULE_KEYS = ("lr_schedule",)
+
+
+@dataclass(frozen=True)
+class AverageOptions(Checked):
+    """`pipeline average`'s options (its command line is generated from these fields): which step checkpoints of a
+    save dir to average (checkpointing.average_checkpoints), and where to write the average."""
+
+    error = UserError
+
+    last: int = opt(5, "Average the last K step checkpoints (the paper: 5 for base, 20 for big).")
+    best: int | None = opt(None, "Average instead the K step checkpoints ending at the best validation BLEU "
+                                 "(checkpoint_best.pt's step); K up to the run's --keep-last survive pruning.")
+    out: Path | None = opt(None, "Output checkpoint (default SAVE_DIR/averaged.pt).")
+
+    def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
+        n = name or self.flag
+        return at_least(self.best, 1, "best", n) if self.best is not None else at_least(self.last, 1, "last", n)
 
 
 def resolve_options(opts: TrainOptions) -> TrainOptions:
