@@ -38,8 +38,8 @@ from runtime.search import (
     _first_tokens,
     _source,
     _step_candidates,
+    _stopped,
     hf_rules,
-    length_penalty,
     max_output_lengths,
 )
 
@@ -188,13 +188,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        done = live_max <= t
-        if rules == "transformers":
-            best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
-            worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
-            done = done | ((counts >= beam) & (best_live <= worst))
-        else:
-            done = done | (counts >= beam)
+        done = (live_max <= t) | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules)
         if done.any():
             live = np.flatnonzero(~done)
             sent_ids, live_max = sent_ids[live], live_max[live]
@@ -238,9 +232,9 @@ def _seen(want: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def _advance(ids: np.ndarray, lengths: np.ndarray, met: np.ndarray, prog_c: np.ndarray, prog_j: np.ndarray,
              row: np.ndarray, tok: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The constraint state after each candidate (row of its sentence, token): (b, M, C) met, (b, M) phrase in
-    progress and its tokens, (b, M) whether the token completed a phrase. The next token of the phrase in progress advances it (completing it at its
-    length); any other token ends it, and may start (or, for a one-token phrase, complete) the first phrase
-    not met that it begins."""
+    progress and its tokens, (b, M) whether the token completed a phrase. The next token of the phrase in
+    progress advances it (completing it at its length); any other token ends it, and may start (or, for a
+    one-token phrase, complete) the first phrase not met that it begins."""
     b, m = tok.shape
     sent = np.arange(b)[:, None]
     cur_met = met[sent, row]  # (b, M, C)

@@ -246,12 +246,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam  # (b, beam)
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        if rules == "transformers":  # ends once the best live hypothesis, at its length now, cannot beat the worst kept
-            best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
-            worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
-            done = done | ((counts >= beam) & (best_live <= worst))
-        else:
-            done = done | (counts >= beam)
+        done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules)
 
         if done.any():
             live = np.flatnonzero(~done)
@@ -265,6 +260,18 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         reorder = src_rows.reshape(-1)
         t += 1
     return finished.ranked(nbest)
+
+
+def _stopped(finished: _Finished, sent_ids: np.ndarray, counts: np.ndarray, scores: np.ndarray, beam: int, t: int,
+             alpha: float, rules: str) -> np.ndarray:
+    """(b,) the live sentences the stopping rule ends after step t: `beam` finalised hypotheses (fairseq,
+    transformers-early), or under transformers' rules those and a best live hypothesis (`scores`, at its
+    length now) that cannot beat the worst kept."""
+    if rules == "transformers":
+        best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
+        worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
+        return (counts >= beam) & (best_live <= worst)
+    return counts >= beam
 
 
 def _first_tokens(first_tokens: Any, n_sent: int) -> np.ndarray | None:
