@@ -136,7 +136,7 @@ def test_a_completed_phrase_ends_its_word():
     """With the tokenizer's continuation pieces (runtime/tokenizer.py word_continuations), nothing glues onto a
     term's end: on a scripted model that follows the term 6 with the continuation piece 7 ("hound" + "s"), the
     forced 6 is followed by a word start or EOS instead, and without the mask it would not be."""
-    from test_search import A, VOCAB, ScriptedBackend, src
+    from test_search import VOCAB, A, ScriptedBackend, src
 
     after_term = {7: 0.9, EOS_ID: 0.05, A: 0.05}
     elsewhere = {A: 0.5, 6: 0.02, 7: 0.08, EOS_ID: 0.4}
