@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from runtime.errors import RuntimeUserError
-from runtime.fields import Checked, flag, opt
+from runtime.fields import flag, opt
 
 
 class DecodingError(RuntimeUserError):
@@ -32,10 +32,9 @@ GPU_BATCH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
-class DecodingOptions(Checked):
-    """Beam search settings; the defaults are the paper's (section 6.1)."""
-
-    error = DecodingError
+class DecodingOptions:
+    """Beam search settings; the defaults are the paper's (section 6.1). Validated once per batch, so its
+    validate() is its own (here, on the decoding path) rather than runtime/fields.py's Checked."""
 
     beam_size: int = opt(4, "Beam width; 1 runs greedy search.")
     alpha: float = opt(0.6, "GNMT length penalty alpha: score = log_prob / ((5 + len) / 6) ** alpha; "
@@ -122,6 +121,13 @@ class DecodingOptions(Checked):
         if self.rules not in RULES:
             out.append(f"{n('rules')} must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out
+
+    def validate(self, name: Callable[[str], str] | None = None) -> DecodingOptions:
+        """self, or a DecodingError listing every problem (fields named as in problems())."""
+        problems = self.problems(name)
+        if problems:
+            raise DecodingError("; ".join(problems))
+        return self
 
     @classmethod
     def help(cls, name: str) -> str:
