@@ -2,11 +2,15 @@
 has one home.
 
 `options_from(Cls)` turns every field of an options dataclass that carries a help text
-(`opt(default, help)`) into a click option with that default, help and a type derived from the
-annotation; the command receives the fields by name. `decoding_options` does the same for
-runtime.decoding.DecodingOptions and hands the command one validated `decoding` object.
-Used by `train` (TrainOptions), `serve` (RequestLimits, ServeHttpOptions), `bench --serve`
-(ServeBenchOptions), `export` (export/options.py's ExportOptions) and every command that decodes.
+(`opt(default, help)`, runtime/fields.py's one helper, re-exported here) into a click option with that
+default, help and a type derived from the annotation (`field_option`); the command receives the fields by
+name and `pick(Cls, values)` builds the dataclass from them. `decoding_options` does the same for
+runtime.decoding.DecodingOptions through field_option and hands the command one validated `decoding` object.
+Used by every command: `train` (TrainOptions), `average` (AverageOptions), `export` (ExportOptions), `serve`
+(RequestLimits, ServeHttpOptions), `bench` (BenchOptions, ServeBenchOptions), `parity` (ParityOptions),
+`demo` (DemoOptions), `tune-decoding` (TuneOptions), `random-checkpoint`, `doctor`, `import`, and every
+command that loads or decodes a model dir (LoadOptions, DecodingOptions). tests/test_cli_fields.py allows at
+most ten options written by hand.
 """
 
 from __future__ import annotations
