@@ -91,7 +91,7 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
         raise RuntimeUserError(f"constraints are given for {len(constraints)} sources, not {len(sources)}")
     forced = [i for i in todo if constraints and constraints[i]]
     plain = [i for i in todo if not (constraints and constraints[i])] if forced else todo
-    max_batch = getattr(backend, "max_batch", None)
+    max_batch = backend.max_batch
 
     def decode(batch: tuple[bool, list[int]]) -> list[list[Hypothesis]]:
         constrained, idx = batch
@@ -139,7 +139,7 @@ def decode_batches(backend: Backend, batches: Iterable[B], decode: Callable[[B],
     most that many batches are decoded at once and as many more wait their turn, so memory holds
     `parallel_batches` batches' caches. An error in one batch, or Ctrl-C, cancels the batches not yet
     started and is raised once the running ones have ended."""
-    workers = int(getattr(backend, "parallel_batches", 1) or 1)
+    workers = int(backend.parallel_batches or 1)
     if workers <= 1:
         for batch in batches:
             yield batch, decode(batch)

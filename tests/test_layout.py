@@ -107,10 +107,8 @@ def test_layout_doc_names_every_module():
 DIR_READS = {"read_manifest", "tokenizer_from_file", "Tokenizer.from_file", "VocabTokenizer.from_file",
              "Shortlist.load", "references.read"}
 # The files that may make them: ModelDir (runtime/model_dir.py), the one way into a model dir, and the readers'
-# own modules; pipeline/serve_batch/files.py reads a dir's languages before loading (its target suffix), to move
-# onto ModelDir with that module's next change.
-DIR_READERS = {"runtime/model_dir.py", "runtime/tokenizer.py", "runtime/shortlist.py", "runtime/references.py",
-               "pipeline/serve_batch/files.py"}
+# own modules.
+DIR_READERS = {"runtime/model_dir.py", "runtime/tokenizer.py", "runtime/shortlist.py", "runtime/references.py"}
 
 
 def _dir_reads(path: Path) -> list[str]:

@@ -62,7 +62,7 @@ class Translator:
         """The manifest's facts a client may see (no file paths)."""
         return {"backend": self.backend.name, "device": str(self.backend.device),
                 "precision": self.manifest.precision,
-                "shortlist": getattr(self.backend, "shortlist", None) is not None,  # serve --shortlist
+                "shortlist": self.backend.shortlist is not None,  # serve --shortlist
                 "model_config": self.manifest.model_config.to_dict(),
                 "model_limits": dataclasses.asdict(self.manifest.limits),
                 "exported_with": self.manifest.versions}

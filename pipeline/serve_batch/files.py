@@ -30,7 +30,6 @@ from typing import IO, Any
 
 from model.atomic import remove_stale_temps
 from model.errors import UserError
-from model.manifest import read_manifest
 from pipeline.distributed import DistContext, on_main
 from pipeline.serve_batch.translation import (
     ServeBatchOptions,
@@ -43,6 +42,7 @@ from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
+from runtime.model_dir import ModelDir
 from runtime.texts import open_glossary
 from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
@@ -246,7 +246,7 @@ def target_suffix(given: str | None, model_dir: str, tgt_lang: str | None) -> st
     if tgt_lang:
         return "." + tgt_lang
     try:
-        languages = read_manifest(Path(model_dir), verify=False).languages
+        languages = ModelDir.open(model_dir, verify=False).manifest.languages
     except (UserError, OSError, ValueError):  # loading the model dir says what is wrong with it, in one line
         return None
     return "." + languages.target[0] if languages is not None and len(languages.target) == 1 else None
