@@ -19,7 +19,6 @@ from pipeline.importers.hf_files import (
     ImportRefused,
     TensorInfo,
     allowed_roots,
-    digest,
     inside,
     read_weights,
     weight_infos,
@@ -93,8 +92,9 @@ class HfDir(HFFiles):
         return read_weights(self.weights)
 
     def provenance(self, family: str) -> dict[str, Any]:
-        """Every file of the directory with its SHA-256; a file linking outside it is neither read nor hashed,
-        but named (a counted warning, and `skipped` in the record)."""
+        """Every file of the directory with its SHA-256 (of the bytes read, for a file the import read whole:
+        HFFiles.digest_of); a file linking outside it is neither read nor hashed, but named (a counted warning,
+        and `skipped` in the record)."""
         roots = allowed_roots(self.dir)
         files = sorted(p for p in self.dir.iterdir() if p.is_file())
         skipped = [p.name for p in files if not inside(p, roots)]
@@ -102,4 +102,4 @@ class HfDir(HFFiles):
             log.warning("%s: skipped %d file%s linking outside the directory (not read, not hashed): %s", self.dir,
                         len(skipped), "" if len(skipped) == 1 else "s", ", ".join(skipped))
         return {"format": family, "directory": str(self.dir.resolve()),
-                "files": {p.name: digest(p) for p in files if p.name not in skipped}, "skipped": skipped}
+                "files": {p.name: self.digest_of(p) for p in files if p.name not in skipped}, "skipped": skipped}

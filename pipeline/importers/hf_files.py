@@ -136,7 +136,11 @@ def read_bounded(path: Path, limit: int | None = None) -> bytes:
 
 def read_json(path: Path, limit: int | None = None) -> dict[str, Any]:
     """A JSON object file, read bounded (read_bounded); anything else is one line naming the file."""
-    data = read_bounded(path, limit)
+    return parse_json(path, read_bounded(path, limit))
+
+
+def parse_json(path: Path, data: bytes) -> dict[str, Any]:
+    """`data` (read from `path`) as a JSON object; anything else is one line naming the file."""
     try:
         parsed = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as e:
@@ -168,12 +172,15 @@ def inside(path: Path, roots: list[str]) -> bool:
 class HFFiles:
     """One import's reads of a directory: a file is checked to resolve inside it before it is opened
     (a link out of it is refused, never followed), read bounded (read_bounded), and each JSON file
-    parsed once per import (`json` hands every caller the same object: they must not change it)."""
+    parsed once per import (`json` hands every caller the same object: they must not change it).
+    A file read whole is opened once: its SHA-256 (`digest_of`, for the provenance record) is that of the
+    bytes read, hashed from memory."""
 
     def __init__(self, hf_dir: Path):
         self.dir = Path(hf_dir)
         self.roots = allowed_roots(self.dir)
         self._json: dict[str, dict[str, Any]] = {}
+        self._digests: dict[Path, str] = {}
 
     def path(self, name: str) -> Path:
         """`name` in the directory, once it is known to resolve inside it (else one line naming it)."""
@@ -188,12 +195,22 @@ class HFFiles:
         return self.path(name).is_file()
 
     def read_bytes(self, name: str) -> bytes:
-        return read_bounded(self.path(name))
+        """The file's bytes, read bounded (read_bounded); their SHA-256 is kept for `digest_of`."""
+        path = self.path(name)
+        data = read_bounded(path)
+        self._digests[path] = hashlib.sha256(data).hexdigest()
+        return data
 
     def json(self, name: str) -> dict[str, Any]:
         if name not in self._json:
-            self._json[name] = read_json(self.path(name))
+            self._json[name] = parse_json(self.dir / name, self.read_bytes(name))
         return self._json[name]
+
+    def digest_of(self, path: Path) -> str:
+        """The SHA-256 of a file of the directory: of the bytes this import read, for a file read whole (the
+        whole file: read_bounded refuses one larger than it reads), else hashed from the file (digest)."""
+        known = self._digests.get(path)
+        return known if known is not None else digest(path)
 
     def optional_json(self, name: str) -> dict[str, Any]:
         """The file's JSON object; {} when the directory has no such file."""
