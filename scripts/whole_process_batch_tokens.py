@@ -9,6 +9,8 @@ so each row also has the encoder's and the decoder's seconds and the number of d
     python scripts/whole_process_batch_tokens.py MODEL_DIR FILE --batch-tokens 2048,4096,8192 \
         --ct2 int8 --rounds 3 --json out.json
 
+A value BUDGET:N also caps a batch at N sentences (the loaded backend's max_batch set to N, which
+length_batches honours), as CTranslate2's script batches 32 sentences whatever their length: `8192:32`.
 Every sentence gets exactly --fixed-length target tokens in every engine. Compare ratios within one
 run only (docs/performance.md).
 """
@@ -24,6 +26,16 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# Runs before process_split.TIMED_SERVE_BATCH, which then wraps this load: the backend's max_batch set to a cap.
+CAPPED = """
+import runtime.model_dir as _model_dir
+_load = _model_dir.load
+def _capped(*args, **kwargs):
+    loaded = _load(*args, **kwargs)
+    loaded.backend.max_batch = {cap}
+    return loaded
+_model_dir.load = _capped
+"""
 sys.path.insert(0, str(ROOT))
 
 
@@ -36,7 +48,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model_dir", type=Path)
     p.add_argument("file", type=Path)
-    p.add_argument("--batch-tokens", default="2048", help="comma-separated serve-batch --batch-tokens values")
+    p.add_argument("--batch-tokens", default="2048",
+                   help="comma-separated serve-batch --batch-tokens values; BUDGET:N caps batches at N sentences too")
     p.add_argument("--ct2", default="int8", help="comma-separated CTranslate2 precisions (fp32, int8; '' for none)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -48,9 +61,12 @@ def main() -> None:
         tmp = Path(tmp_name)
         out = tmp / "out.txt"
         engines: dict[str, list[str]] = {}
-        for bt in (int(x) for x in a.batch_tokens.split(",")):
+        for value in a.batch_tokens.split(","):
+            bt, _, cap = value.partition(":")
             ours = ours_command(a.model_dir, a.file, out, a.threads, a.beam_size, a.fixed_length)
-            engines[f"ours bt={bt}"] = [sys.executable, "-c", TIMED_SERVE_BATCH, *ours[3:], "--batch-tokens", str(bt)]
+            code = (CAPPED.format(cap=int(cap)) if cap else "") + TIMED_SERVE_BATCH
+            name = f"ours bt={int(bt)}" + (f" max {int(cap)}" if cap else "")
+            engines[name] = [sys.executable, "-c", code, *ours[3:], "--batch-tokens", str(int(bt))]
         precisions = [x for x in a.ct2.split(",") if x]
         if precisions:
             ct2_dir, *_ = ctranslate2_compare.for_model_dir(a.model_dir, tmp / "ct2")
