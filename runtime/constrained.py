@@ -37,6 +37,7 @@ from runtime.search import (
     _Finished,
     _first_tokens,
     _source,
+    _start,
     _step_candidates,
     _stopped,
     hf_rules,
@@ -110,15 +111,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
     eos = backend.cfg.eos_id
     max_len = max_output_lengths(src_ids, backend, max_len_a, max_len_b)
 
-    state = backend.encode(src_ids)
-    n_rows = n_sent * beam
-    cache = backend.initial_cache(n_rows)
-    tokens = np.full(n_rows, backend.cfg.bos_id, dtype=np.int64)
-    reorder = np.arange(n_rows, dtype=np.int64)
-    scores = np.full((n_sent, beam), NEG_INF, dtype=np.float32)
-    scores[:, 0] = 0.0
-    history = np.empty((n_sent, beam, 0), dtype=np.int64)
-    history_lp = np.empty((n_sent, beam, 0), dtype=np.float32)
+    state, cache, tokens, reorder, scores, history, history_lp = _start(backend, src_ids, beam)
     # per hypothesis: the phrases met (absent ones count as met), the phrase in progress (-1: none), its tokens
     met = np.broadcast_to((phrases.lengths == 0)[:, None, :], (n_sent, beam, n_c)).copy()
     prog_c = np.full((n_sent, beam), -1, dtype=np.int64)

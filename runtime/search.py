@@ -198,16 +198,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
     beam = beam_size
     max_len = max_output_lengths(src_ids, backend, max_len_a, max_len_b)  # (B,)
 
-    state = backend.encode(src_ids)  # one row per sentence, shared by its `beam` rows
-    n_rows = n_sent * beam
-    cache = backend.initial_cache(n_rows)
-    tokens = np.full(n_rows, backend.cfg.bos_id, dtype=np.int64)
-    reorder = np.arange(n_rows, dtype=np.int64)
-    # Step 0: only beam 0 of each sentence is live, so the first candidates are distinct.
-    scores = np.full((n_sent, beam), NEG_INF, dtype=np.float32)
-    scores[:, 0] = 0.0
-    history = np.empty((n_sent, beam, 0), dtype=np.int64)
-    history_lp = np.empty((n_sent, beam, 0), dtype=np.float32)
+    state, cache, tokens, reorder, scores, history, history_lp = _start(backend, src_ids, beam)
     sent_ids = np.arange(n_sent, dtype=np.int64)  # original index of each live sentence
     cand_pos = np.arange(2 * beam, dtype=np.int64)
 
@@ -272,6 +263,19 @@ def _stopped(finished: _Finished, sent_ids: np.ndarray, counts: np.ndarray, scor
         worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])
         return (counts >= beam) & (best_live <= worst)
     return counts >= beam
+
+
+def _start(backend: Backend, src_ids: np.ndarray, beam: int) -> tuple[Any, ...]:
+    """A beam search's first state: the encoder state (one row per sentence, shared by its `beam` rows), an
+    empty cache, BOS tokens, the identity reorder, scores with only beam 0 live (so step 0's candidates are
+    distinct), and empty histories of tokens and their log-probs."""
+    n_sent = src_ids.shape[0]
+    n_rows = n_sent * beam
+    scores = np.full((n_sent, beam), NEG_INF, dtype=np.float32)
+    scores[:, 0] = 0.0
+    return (backend.encode(src_ids), backend.initial_cache(n_rows),
+            np.full(n_rows, backend.cfg.bos_id, dtype=np.int64), np.arange(n_rows, dtype=np.int64), scores,
+            np.empty((n_sent, beam, 0), dtype=np.int64), np.empty((n_sent, beam, 0), dtype=np.float32))
 
 
 def _first_tokens(first_tokens: Any, n_sent: int) -> np.ndarray | None:
