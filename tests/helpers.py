@@ -119,6 +119,20 @@ def to_old_decoder_interface(model_dir: Path) -> None:
     onnx.save(proto, str(path))
 
 
+def git_tree(commit: str, into: Path) -> Path:
+    """The tree of `commit` unpacked into `into` (the repository itself is not touched); the test is skipped
+    where the checkout has no such commit (a shallow clone)."""
+    import io
+    import tarfile
+
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"{commit} is not in this checkout's history (shallow clone?)")
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
 def write_lines(path: Path, lines: list[str]) -> Path:
     """`lines` as a UTF-8 text file, one per line."""
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

@@ -9,16 +9,14 @@ Skipped where the checkout has no history to take d3a47ad from (a shallow clone)
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, write_lines
+from helpers import ROOT, git_tree, write_lines
 
 from export.constrained import HOW
 from model import io_names
@@ -33,14 +31,8 @@ VOLATILE = {"seconds", "export_seconds", "target_tokens_per_s", "created", "elap
 
 @pytest.fixture(scope="module")
 def before(tmp_path_factory) -> Path:
-    """The tree of d3a47ad, unpacked (the repository itself is not touched)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"{BEFORE} is not in this checkout's history (shallow clone?)")
-    tree = tmp_path_factory.mktemp("before")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tree, filter="data")
-    return tree
+    """The tree of BEFORE, unpacked (the repository itself is not touched)."""
+    return git_tree(BEFORE, tmp_path_factory.mktemp("before"))
 
 
 def pipeline(code: Path, *args: object) -> None:

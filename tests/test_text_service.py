@@ -8,16 +8,14 @@ Skipped where the checkout has no history to take BEFORE from (a shallow clone).
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, git_tree
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("starlette")
@@ -31,13 +29,7 @@ SURFACES = Path(__file__).with_name("text_surfaces.py")
 @pytest.fixture(scope="module")
 def before(tmp_path_factory) -> Path:
     """The tree of BEFORE, unpacked (the repository itself is not touched)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", BEFORE], capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"{BEFORE} is not in this checkout's history (shallow clone?)")
-    tree = tmp_path_factory.mktemp("before")
-    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
-        tar.extractall(tree, filter="data")
-    return tree
+    return git_tree(BEFORE, tmp_path_factory.mktemp("before"))
 
 
 @pytest.fixture(scope="module")
