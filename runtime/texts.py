@@ -212,10 +212,17 @@ def open_glossary(path: str | None, tokenizer: AnyTokenizer, backend: Backend) -
     backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
     if path is None:
         return None
-    refuse_without_gather(backend)
+    refuse_without_gather(backend)  # before reading the file: the fix is the backend, whatever the file holds
     glossary = load_glossary(path)
-    check_targets(glossary, tokenizer.encode, tokenizer.unk_id)
+    check_glossary(glossary, tokenizer, backend)
     return glossary
+
+
+def check_glossary(glossary: Glossary, tokenizer: AnyTokenizer, backend: Backend) -> None:
+    """RuntimeUserError unless this model can apply `glossary`: its backend gathers, and its vocabulary spells
+    every fixed target (runtime/glossary.py check_targets)."""
+    refuse_without_gather(backend)
+    check_targets(glossary, tokenizer.encode, tokenizer.unk_id)
 
 
 def refuse_without_gather(backend: Backend) -> None:

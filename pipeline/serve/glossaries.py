@@ -17,8 +17,8 @@ from typing import Any
 from model.errors import UserError
 from pipeline.serve.translator import Translator
 from runtime.errors import RuntimeUserError
-from runtime.glossary import Glossary, applied_terms, check_targets, glossary_from_mapping, load_glossary
-from runtime.texts import EncodedTexts, TextResult, refuse_without_gather
+from runtime.glossary import Glossary, applied_terms, glossary_from_mapping, load_glossary
+from runtime.texts import EncodedTexts, TextResult, check_glossary
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a simple identifier: never mistaken for an inline glossary
 FIELD = "glossary"
@@ -63,12 +63,9 @@ def check_named(named: Mapping[str, tuple[str, Glossary]], translators: Mapping[
 
 
 def usable(glossary: Glossary, translator: Translator) -> None:
-    """RuntimeUserError unless the model can apply `glossary` (runtime/texts.py refuse_without_gather, and
-    runtime/glossary.py check_targets with its target tokenizer)."""
-    if not len(glossary):
-        return
-    refuse_without_gather(translator.backend)
-    check_targets(glossary, translator.tokenizer.encode, translator.tokenizer.unk_id)
+    """RuntimeUserError unless the model can apply `glossary` (runtime/texts.py check_glossary)."""
+    if len(glossary):
+        check_glossary(glossary, translator.tokenizer, translator.backend)
 
 
 def requested(value: Any, known: Mapping[str, Glossary]) -> Glossary | None:
