@@ -25,10 +25,6 @@ class DecodingError(RuntimeUserError):
 RULES = ("fairseq", "transformers", "transformers-early")
 
 
-# serve-batch on a GPU, unless --batch-tokens is given: 128 sentences of 16 tokens at beam 4. On an H100
-# the CUDA-graph step of `base` gave 2.2x the tokens/s at 128 x 4 rows as at 32 x 4 (benchmarks/README.md,
-# the GPU table: fewer-kernels).
-GPU_BATCH_TOKENS = 8192
 
 
 @dataclass(frozen=True)
@@ -43,10 +39,14 @@ class DecodingOptions:
     max_len_b: int = opt(50, "Output length limit b in a * source_len + b.")
     min_len: int = opt(0, "Least tokens to generate before EOS is allowed.")
     nbest: int = opt(1, "Hypotheses to return per sentence (at most the beam width).")
-    # 2048: as fast as 4096 on `small` and faster on `base`, in a third less peak memory on a CPU
-    # (benchmarks/README.md, "whole-process-batch-tokens")
-    batch_tokens: int = opt(2048, "Batch budget: sentences x longest source x beam, per batch "
-                                   f"({GPU_BATCH_TOKENS} on a GPU unless given).")
+    # 8192 tokens and at most 32 sentences on a CPU (CTranslate2's way): long sources then batch as many
+    # sentences as short ones, so the ratio to CTranslate2 does not move with line length (2048 alone fit 9
+    # sentences of 56 pieces: 3.45x the decoder steps), and short lines keep 32 a batch in 25% less peak memory
+    # (benchmarks/2026-11-28_intel-xeon-avx512-vnni_long-sources.md). On a GPU no sentence cap: 128 sentences
+    # of 16 tokens at beam 4 gave the CUDA-graph step of `base` 2.2x the tokens/s of 32 on an H100
+    # (benchmarks/README.md, the GPU table: fewer-kernels).
+    batch_tokens: int = opt(8192, "Batch budget: sentences x longest source x beam, per batch.")
+    batch_sentences: int = opt(32, "Most sentences in one batch; 0: no limit (none on a GPU unless given).")
     rules: str = opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
                                  "length ** alpha, the best beam ended hypotheses kept until none live can beat "
@@ -88,12 +88,13 @@ class DecodingOptions:
         return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
 
     def for_device(self, device: Any) -> DecodingOptions:
-        """These options for a backend on `device`: on a GPU the batch budget is GPU_BATCH_TOKENS
-        unless the user set --batch-tokens (a GPU's step costs about the same for 32 sentences as for
-        128, so larger batches are faster there; on a CPU they only cost memory)."""
-        if not str(device).startswith("cuda") or "batch_tokens" in self.given():
+        """These options for a backend on `device`: on a GPU batches hold as many sentences as the token
+        budget allows unless the user set --batch-sentences (a GPU's step costs about the same for 32
+        sentences as for 128, so larger batches are faster there; on a CPU they only cost memory and
+        cache traffic)."""
+        if not str(device).startswith("cuda") or "batch_sentences" in self.given() or not self.batch_sentences:
             return self
-        return dataclasses.replace(self, batch_tokens=GPU_BATCH_TOKENS)
+        return dataclasses.replace(self, batch_sentences=0)
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default
@@ -118,6 +119,8 @@ class DecodingOptions:
             out.append(f"{n('min_len')} {self.min_len} is above the maximum output length {self.max_len_b}")
         if self.batch_tokens < 1:
             out.append(f"{n('batch_tokens')} must be at least 1 (got {self.batch_tokens})")
+        if self.batch_sentences < 0:
+            out.append(f"{n('batch_sentences')} must be >= 0, 0 for no limit (got {self.batch_sentences})")
         if self.rules not in RULES:
             out.append(f"{n('rules')} must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out

@@ -78,7 +78,8 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     each time n more sources are done (the empty ones at once, then each batch): a progress bar's steps.
     Each source is pieces + EOS, at most backend.max_src_len tokens (encode_sources). An
     empty source (a blank line) gets [] without touching the model. options.batch_tokens
-    bounds n_sentences x longest source x beam per batch (see length_batches).
+    bounds n_sentences x longest source x beam per batch (see length_batches), options.batch_sentences
+    (when not 0) the sentences a batch holds, as does the backend's max_batch.
 
     Sources with constraints are batched apart, decoded by constrained beam search (runtime/constrained.py)
     with its wider beam; the others are batched among themselves and decoded as without constraints.
@@ -91,7 +92,8 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
         raise RuntimeUserError(f"constraints are given for {len(constraints)} sources, not {len(sources)}")
     forced = [i for i in todo if constraints and constraints[i]]
     plain = [i for i in todo if not (constraints and constraints[i])] if forced else todo
-    max_batch = backend.max_batch
+    caps = [n for n in (backend.max_batch, options.batch_sentences) if n]
+    max_batch = min(caps) if caps else None
 
     def decode(batch: tuple[bool, list[int]]) -> list[list[Hypothesis]]:
         constrained, idx = batch

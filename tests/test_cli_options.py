@@ -99,7 +99,9 @@ def test_serve_decoding_flags_are_the_shared_ones():
     for name in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest"):
         assert options[name].default == getattr(PAPER, name)
         assert options[name].help.startswith(DecodingOptions.help(name))
-    assert options["max_batch_tokens"].default == PAPER.batch_tokens
+    from pipeline.serve.options import SERVE_BATCH_TOKENS  # the server's own: its batches wait on requests
+
+    assert options["max_batch_tokens"].default == SERVE_BATCH_TOKENS <= PAPER.batch_tokens
 
 
 @pytest.mark.parametrize("cls", [ConfigError, CheckpointError, CheckpointWriteError, ModelDirError, ExportError,

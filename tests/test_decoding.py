@@ -104,20 +104,46 @@ def test_encode_sources_is_the_one_line_policy(spm_bytes):
 
 
 def test_a_gpu_batches_more_unless_told():
-    """serve-batch's batch budget on a GPU (DecodingOptions.for_device): GPU_BATCH_TOKENS unless
-    --batch-tokens was given; a CPU keeps the default."""
-    from runtime.decoding import GPU_BATCH_TOKENS
-
-    assert GPU_BATCH_TOKENS > PAPER.batch_tokens
+    """serve-batch's batches on a GPU (DecodingOptions.for_device): no sentence cap unless --batch-sentences
+    was given; a CPU keeps the default cap."""
+    assert PAPER.batch_sentences == 32 and PAPER.batch_tokens == 8192
     assert PAPER.for_device("cpu") == PAPER
     for device in ("cuda", "cuda:1"):
-        assert PAPER.for_device(device).batch_tokens == GPU_BATCH_TOKENS
-    given = PAPER.replace(explicit=frozenset({"batch_tokens"}))  # --batch-tokens 2048 typed out
-    assert given.for_device("cuda").batch_tokens == PAPER.batch_tokens
+        assert PAPER.for_device(device).batch_sentences == 0
+        assert PAPER.for_device(device).batch_tokens == PAPER.batch_tokens
+    given = PAPER.replace(explicit=frozenset({"batch_sentences"}))  # --batch-sentences 32 typed out
+    assert given.for_device("cuda").batch_sentences == 32
     other = PAPER.replace(explicit=frozenset({"beam_size"}), beam_size=5)
-    assert other.for_device("cuda").replace(explicit=None) == PAPER.replace(beam_size=5,
-                                                                            batch_tokens=GPU_BATCH_TOKENS)
-    assert PAPER.replace(batch_tokens=1000).for_device("cuda").batch_tokens == 1000  # from Python, not default
+    assert other.for_device("cuda").replace(explicit=None) == PAPER.replace(beam_size=5, batch_sentences=0)
+    assert PAPER.replace(batch_sentences=8).for_device("cuda").batch_sentences == 8  # from Python, not default
+    assert PAPER.replace(batch_sentences=-1).problems() == ["--batch-sentences must be >= 0, 0 for no limit (got -1)"]
+
+
+def test_batches_hold_at_most_batch_sentences(fp32_dir):
+    """translate_ids cuts batches at options.batch_sentences (or the backend's max_batch, whichever is
+    smaller) whatever the token budget allows; 0 lifts the cap; the translations are the same."""
+    from runtime.model_dir import LoadOptions, load
+    from runtime.translate import length_batches, translate_ids
+
+    assert [len(b) for b in length_batches([5] * 70, 8192, 4, 32)] == [32, 32, 6]
+    assert [len(b) for b in length_batches([56] * 40, 2048, 4, 32)] == [9, 9, 9, 9, 4]  # the budget binds first
+    loaded = load(fp32_dir, LoadOptions(backend="torch"))
+    backend, sizes = loaded.backend, []
+    encode = backend.encode
+
+    def counted(src, *args, **kwargs):
+        sizes.append(len(src))
+        return encode(src, *args, **kwargs)
+
+    backend.encode = counted  # type: ignore[method-assign]
+    ids = loaded.tokenizer.encode([f"ein hund {'und ' * (i % 4)}eine katze" for i in range(11)])
+    sources = [s[: backend.max_src_len - 1] + [EOS_ID] for s in ids]
+    capped = translate_ids(backend, sources, PAPER.replace(batch_sentences=3), max_len_b=4, max_len_a=0)
+    assert sizes == [3, 3, 3, 2]
+    sizes.clear()
+    free = translate_ids(backend, sources, PAPER.replace(batch_sentences=0), max_len_b=4, max_len_a=0)
+    assert sizes == [min(11, backend.max_batch or 11)]
+    assert [[h.tokens for h in hyps] for hyps in capped] == [[h.tokens for h in hyps] for hyps in free]
 
 
 def test_problems_name_fields_as_the_caller_phrases_them():

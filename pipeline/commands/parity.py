@@ -22,7 +22,7 @@ from runtime.registry import installed
 @click.command("parity")
 @click.argument("model_dir", type=click.Path(path_type=Path))
 @options_from(ParityOptions, only=("src", "ref", "backends"))
-@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens", "rules")
+@decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens", "batch_sentences", "rules")
 @options_from(ParityOptions, only=("reference_engine", "hf_dir"))
 @options_from(LoadOptions, skip=("backend", "precision", "step", "parallel_batches"), notes={"shortlist": (
     "Here: every listed backend, torch included, decodes so against the full-vocabulary reference; labelled e.g. "

@@ -51,12 +51,13 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:
         # the decoding: an imported model's own defaults (num_beams, max_length, ...) for the options not
-        # given, and on a GPU a larger batch budget unless given (runtime/model_dir.py load)
+        # given, and on a GPU no cap on a batch's sentences unless given (runtime/model_dir.py load)
         loaded = load(model_dir, dataclasses.replace(options, device=rank_device(ctx, options.device)), decoding)
         impl, tokenizer = loaded.backend, loaded.tokenizer
         opts = dataclasses.replace(opts, decoding=loaded.decoding).validate()
-        if opts.decoding.batch_tokens != decoding.batch_tokens:
-            log.info("batch budget %d on %s (--batch-tokens sets another)", opts.decoding.batch_tokens, impl.device)
+        if opts.decoding.batch_sentences != decoding.batch_sentences:
+            log.info("batches of up to %d tokens, no sentence cap on %s (--batch-sentences sets one)",
+                     opts.decoding.batch_tokens, impl.device)
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"

@@ -18,7 +18,7 @@ from runtime.model_dir import LoadOptions
 @click.command("tune-decoding")
 @click.argument("model", type=click.Path(path_type=Path))
 @options_from(TuneOptions, only=("src", "ref", "beams", "alphas"))
-@decoding_options("max_len_a", "max_len_b", "batch_tokens")
+@decoding_options("max_len_a", "max_len_b", "batch_tokens", "batch_sentences")
 @options_from(LoadOptions, only=("device",))
 @options_from(TuneOptions, only=("json_out",))
 def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None, **values: Any) -> None:

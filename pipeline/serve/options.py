@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.cli_options import opt
-from runtime.decoding import PAPER
 from runtime.model_dir import LoadOptions
 from runtime.translate import LONG_LINE_POLICIES
+
+SERVE_BATCH_TOKENS = 2048
 
 DEFAULT_MAX_BEAM = 16  # the largest beam a request may ask for when the model dir sets none
 
@@ -70,7 +71,9 @@ class RequestLimits:
     max_source_tokens: int = opt(100_000, "Most source tokens per request, all its sentences together (413 "
                                  "beyond): what one request may ask of its model.", min=1)
     max_bytes: int = opt(1 << 20, "Largest request body in bytes (413 beyond).", min=1)
-    max_batch_tokens: int = opt(PAPER.batch_tokens, "Dynamic batch budget: source tokens x beam of the requests "
+    # 2048: the server gathers requests for max_wait_ms to fill a batch; a smaller budget than serve-batch's
+    # 8192 keeps the first request of a busy batch from waiting on three more batches' worth of others
+    max_batch_tokens: int = opt(SERVE_BATCH_TOKENS, "Dynamic batch budget: source tokens x beam of the requests "
                                 "batched together (and sentences x longest source x beam per search batch, as "
                                 "serve-batch's --batch-tokens).", min=1)
     max_wait_ms: float = opt(5.0, "How long the oldest queued request may wait for others to share its batch.",

@@ -63,27 +63,27 @@ class ServeStages:
                 raise Fail(f"{n_out} output lines for {n_in} input lines")
             err = Path(st.commands[-1]["stderr"]).read_text(errors="replace").strip().splitlines()
             st.data["summary"] = err[-1] if err else ""
-            # the batch budget: the GPU's own default (DecodingOptions.for_device), logged when it applies
-            budget = next((m for m in map(re.compile(r"batch budget (\d+) on (\S+)").search, err) if m), None)
-            st.data["batch_tokens"] = int(budget.group(1)) if budget else None
+            # the batches: the GPU's own default, no sentence cap (DecodingOptions.for_device), logged when it applies
+            budget = next((m for m in map(re.compile(r"no sentence cap on (\S+)").search, err) if m), None)
+            st.data["uncapped"] = budget is not None
             if (budget is not None) != (self.mode.device == "cuda"):
-                raise Fail(f"serve-batch on {self.mode.device} logged the batch budget "
-                           f"{budget.group(0) if budget else '(none)'}: the GPU default applies on CUDA only")
+                raise Fail(f"serve-batch on {self.mode.device} logged "
+                           f"{budget.group(0) if budget else 'no batch change'}: the GPU default applies on CUDA only")
             note = " (the CPU runs torch in fp32: fp16 only on a GPU)" if precision == "fp16" and \
                 self.mode.device == "cpu" else ""
-            if budget is not None:  # the same file at the CPU's budget: what the GPU's default buys
+            if budget is not None:  # the same file with the CPU's sentence cap: what the GPU's default buys
                 from runtime.decoding import PAPER  # this checkout is on PYTHONPATH (gpu_check.sh)
 
-                cpu_budget = str(PAPER.batch_tokens)
-                again = self.work / f"serve-{precision}-budget{cpu_budget}.txt"
+                cpu_cap = str(PAPER.batch_sentences)
+                again = self.work / f"serve-{precision}-cap{cpu_cap}.txt"
                 self.cmd(st, self.pipeline("serve-batch", model_dir, src, "-o", again, "--backend", "torch",
                                            "--device", self.mode.device, "--dtype", precision, "--no-progress",
-                                           "--batch-tokens", cpu_budget, *self.mode.decode), deadline)
+                                           "--batch-sentences", cpu_cap, *self.mode.decode), deadline)
                 err2 = Path(st.commands[-1]["stderr"]).read_text(errors="replace").strip().splitlines()
                 rates = [re.search(r"([\d.]+) target tokens/s", x[-1] if x else "") for x in (err, err2)]
                 same = sum(a == b for a, b in zip(out.read_bytes().splitlines(), again.read_bytes().splitlines()))
-                st.data.update({"cpu_budget_summary": err2[-1] if err2 else "", "cpu_budget_same_lines": same})
-                note += (f"; at --batch-tokens {cpu_budget}: " + (f"{rates[1].group(1)} tok/s" if rates[1] else "?")
+                st.data.update({"cpu_cap_summary": err2[-1] if err2 else "", "cpu_cap_same_lines": same})
+                note += (f"; at --batch-sentences {cpu_cap}: " + (f"{rates[1].group(1)} tok/s" if rates[1] else "?")
                          + f", {same}/{n_out} lines the same")
             return f"{n_out} lines; {st.data['summary']}{note}" + (f"; {budget.group(0)}" if budget else "")
         return stage
