@@ -17,7 +17,7 @@ units' hypotheses back into one TextResult per text."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -152,13 +152,22 @@ class EncodedTexts:
         return docs[0] if docs and self.markups[k] is None else None
 
 
+class TooManyUnits(RuntimeUserError):
+    """More units than encode_texts' `max_units`, counted before any is tokenized: `count` and `limit`, for
+    the caller to phrase (the HTTP APIs' 413 naming --max-sentences)."""
+
+    def __init__(self, count: int, limit: int):
+        super().__init__(f"{count} units, more than the limit of {limit}")
+        self.count, self.limit = count, limit
+
+
 def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, policy: TextPolicy,
-                 origin: str | Origin = "input", check_units: Callable[[int], None] | None = None,
+                 origin: str | Origin = "input", max_units: int | None = None,
                  glossary: Glossary | None = None) -> EncodedTexts:
     """The texts as units of source ids under `policy`, with what each text is made of. A unit over
     max_src_len tokens is cut (counted on its text) or refused as `origin` names it (a SourceTooLong, a
-    RuntimeUserError; a str origin names a file's lines). `check_units(n)` is told how many units there are
-    before any is tokenized (the HTTP API's limit on sentences). With a `glossary`, each unit's terms are
+    RuntimeUserError; a str origin names a file's lines). More than `max_units` units (the HTTP APIs' limit
+    on sentences) is a TooManyUnits, before any is tokenized. With a `glossary`, each unit's terms are
     found in its text and their targets tokenized (`terms`, `constraints`; runtime/glossary.py)."""
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
@@ -187,8 +196,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         out.empty.append(empty)
         out.documents.append(docs)
         out.markups.append(markup)
-    if check_units is not None:
-        check_units(len(out.units))
+    if max_units is not None and len(out.units) > max_units:
+        raise TooManyUnits(len(out.units), max_units)
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
     out.ids = encode_sources(tokenizer, out.units, sys.maxsize, long_lines=policy.long_lines,

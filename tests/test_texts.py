@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.texts import Lines, Listed, Located, TextPolicy, encode_texts, finish_texts, hypotheses
+from runtime.texts import Lines, Listed, Located, TextPolicy, TooManyUnits, encode_texts, finish_texts, hypotheses
 from runtime.translate import SourceTooLong, format_line
 
 pytest.importorskip("sentencex")
@@ -94,11 +94,10 @@ def test_units_are_counted_before_any_is_tokenized():
         def encode_source(self, texts: list[str]) -> list[list[int]]:
             raise AssertionError("tokenized before the count")
 
-    def check(n: int) -> None:
-        raise ValueError(f"{n} units")
-
-    with pytest.raises(ValueError, match="^4 units$"):
-        encode_texts(Refusing(), ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), check_units=check)
+    with pytest.raises(TooManyUnits) as refused:
+        encode_texts(Refusing(), ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), max_units=3)
+    assert (refused.value.count, refused.value.limit) == (4, 3)
+    assert len(encode_texts(TOK, ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), max_units=4).ids) == 4
 
 
 def test_nbest_lines_hypotheses_and_alternatives():

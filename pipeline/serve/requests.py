@@ -27,7 +27,7 @@ from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
-from runtime.texts import EncodedTexts, Listed, TextPolicy, encode_texts
+from runtime.texts import EncodedTexts, Listed, TextPolicy, TooManyUnits, encode_texts
 from runtime.translate import SourceTooLong
 
 REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target",
@@ -234,14 +234,11 @@ def encode_request(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts
     to the body: the routes run it off the event loop."""
     translator = req.model.translator
     policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix)
-
-    def check(sentences: int) -> None:
-        if sentences > limits.max_sentences:
-            raise ApiError(413, too_many(sentences, "sentences", limits.max_sentences, "--max-sentences"))
-
     try:
-        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(), check,
-                               req.glossary)
+        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(),
+                               limits.max_sentences, req.glossary)
+    except TooManyUnits as e:
+        raise ApiError(413, too_many(e.count, "sentences", limits.max_sentences, "--max-sentences")) from None
     except SourceTooLong as e:  # the long line named as the request has it, without the CLI's fix
         raise ApiError(413, f"{e.what}; split the line") from None
     except RuntimeUserError as e:  # a glossary's term this model cannot take, found in a text
