@@ -25,11 +25,17 @@ WARMUP_LINE = "warm up"
 
 class Translator:
     """A loaded model dir (its backend, tokenizer, manifest and decoding: the model's own defaults under what
-    the server was given) and the server's --long-lines policy."""
+    the server was given) and the server's --long-lines policy, each an attribute set once from `loaded` (the
+    routes read them on every request)."""
 
     def __init__(self, loaded: Loaded, long_lines: str = "truncate"):
         self.loaded = loaded
         self.long_lines = long_lines
+        self.backend: Backend = loaded.backend
+        self.tokenizer: AnyTokenizer = loaded.tokenizer
+        self.manifest: Manifest = loaded.manifest
+        self.decoding: DecodingOptions = loaded.decoding
+        self.max_src_len = int(loaded.backend.max_src_len)
 
     @classmethod
     def load(cls, model_dir: str, options: LoadOptions, long_lines: str,
@@ -37,22 +43,6 @@ class Translator:
         """The model dir verified against its manifest and loaded (UserErrors when unusable), as every
         command loads one (runtime/model_dir.py)."""
         return cls(load(model_dir, options, decoding_given), long_lines)
-
-    @property
-    def backend(self) -> Backend:
-        return self.loaded.backend
-
-    @property
-    def tokenizer(self) -> AnyTokenizer:
-        return self.loaded.tokenizer
-
-    @property
-    def manifest(self) -> Manifest:
-        return self.loaded.manifest
-
-    @property
-    def decoding(self) -> DecodingOptions:
-        return self.loaded.decoding
 
     def model_limit(self, key: str) -> int | None:
         """max_src_len / max_tgt_len / max_batch / max_beam as the export recorded it."""
@@ -66,10 +56,6 @@ class Translator:
                 "model_config": self.manifest.model_config.to_dict(),
                 "model_limits": dataclasses.asdict(self.manifest.limits),
                 "exported_with": self.manifest.versions}
-
-    @property
-    def max_src_len(self) -> int:
-        return int(self.backend.max_src_len)
 
     def direction(self, source: str | None, target: str | None) -> Direction:
         """The token ids that tell a multilingual model (its manifest lists languages) to translate source ->
