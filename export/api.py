@@ -23,7 +23,7 @@ from typing import Any
 import onnx
 import torch
 
-from export import calibrate, onnx_export, quantize, rowwise, tensorrt_build, trt_compat, verify
+from export import calibrate, onnx_export, quantize, rowwise, tensorrt_build, topk_split, trt_compat, verify
 from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable
@@ -204,6 +204,8 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
                 static = static or {"calibration_lines": len(plan.calibration.lines if plan.calibration else [])}
                 static[name] = {"static": counts[0], "per_row": counts[1]}
                 log.info("%s: %d linear layers with static activation scales, %d per row", name, *counts)
+        if int8 in ONNXRUNTIME_ONLY:  # a graph TensorRT never parses: the two-stage top-K (export/topk_split.py)
+            _split_topk(tmp / io_names.DECODER_FILE, graph_model.cfg.vocab_size, topk)
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0
@@ -218,6 +220,13 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
     log.info("exported ONNX graphs in %.1f s (%s)", seconds,
              ", ".join(f"{k} {v / 1e6:.2f} MB" for k, v in sizes.items()))
     return Graphs(export_seconds=round(seconds, 2), bytes=sizes), static
+
+
+def _split_topk(path: Path, vocab_size: int, topk: int) -> None:
+    proto = onnx.load(str(path))
+    if topk_split.split_topk(proto, vocab_size, topk):
+        onnx.save(proto, str(path))
+        log.info("%s: top-%d in two stages over blocks of %d ids", path.name, topk, topk_split.BLOCK)
 
 
 def _write_constrained(plan: ExportPlan, tmp: Path, graphs: Graphs) -> tuple[Graphs, dict[str, Any]]:

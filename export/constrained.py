@@ -8,9 +8,9 @@ surgery rather than a second torch export:
     want_ids (hyps, n_want) int64 -> Max(want_ids, 0) -> GatherElements(log_probs, ., axis=1)
                                   -> Where(want_ids < 0, -inf, .) -> want_log_probs (hyps, n_want) float32
 
-where log_probs is the TopK node's input: the step's log-softmax after the suppress-add, the very values
-the top-K is taken from. Every other node, input and output is decoder.onnx's, so its outputs are bitwise
-decoder.onnx's (verification checks it: export/verify.py). Its initializers keep pointing at
+where log_probs is the step's log-softmax after the suppress-add, the very values the top-K is taken from
+(found as the tensor the EOS column is gathered from). Every other node, input and output is decoder.onnx's,
+so its outputs are bitwise decoder.onnx's (verification checks it: export/verify.py). Its initializers keep pointing at
 decoder.data at the same offsets: the file is the graph's structure only, no copy of the weights. The
 added ops (Max, Less, GatherElements, Where) are in TensorRT's parser's list (export/trt_compat.py).
 The shortlisted step (decoder_shortlist.onnx) gets none: glossaries with --shortlist are refused.
@@ -42,14 +42,15 @@ StepFn = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
 
 def _log_probs(graph: onnx.GraphProto) -> str:
-    """The name of the TopK node's input whose values output io_names.TOPK_LOG_PROBS (through Identity
-    nodes, if any): the step's (hyps, vocab) log-probs."""
+    """The step's (hyps, vocab) log-probs: the input of the Gather whose column is io_names.EOS_LOG_PROBS
+    (through Identity and Cast nodes, if any), the very tensor the top-K is taken from (whole, or in two
+    stages: export/topk_split.py)."""
     producers = {out: node for node in graph.node for out in node.output}
-    name = io_names.TOPK_LOG_PROBS
-    while (node := producers.get(name)) is not None and node.op_type == "Identity":
+    name = io_names.EOS_LOG_PROBS
+    while (node := producers.get(name)) is not None and node.op_type in ("Identity", "Cast"):
         name = node.input[0]
-    if node is None or node.op_type != "TopK" or node.output[0] != name:
-        raise ExportError(f"{io_names.DECODER_FILE}: {io_names.TOPK_LOG_PROBS} is not a TopK node's values "
+    if node is None or node.op_type != "Gather" or node.output[0] != name:
+        raise ExportError(f"{io_names.DECODER_FILE}: {io_names.EOS_LOG_PROBS} is not a column of the log-probs "
                           f"(found {node.op_type if node else 'a graph input'}); cannot add {io_names.WANT_LOG_PROBS}")
     return node.input[0]
 

@@ -92,15 +92,16 @@ def test_every_export_writes_the_constrained_step_sharing_the_decoders_weights(f
     assert manifest.verification["constrained_step"]["file"] == path.name
 
 
-def test_the_surgery_refuses_a_graph_without_the_top_k_it_gathers_beside(fp32_dir):
+def test_the_surgery_refuses_a_graph_without_the_log_probs_it_gathers_from(fp32_dir):
     proto = onnx.load(str(fp32_dir / io_names.DECODER_CONSTRAINED_FILE), load_external_data=False)
     with pytest.raises(ExportError, match="already"):
         add_want(proto)
     proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE), load_external_data=False)
     for node in proto.graph.node:
-        if node.op_type == "TopK":
-            node.op_type = "Identity"
-    with pytest.raises(ExportError, match="not a TopK"):
+        if io_names.EOS_LOG_PROBS in node.output:
+            node.op_type = "Identity"  # the EOS column no longer gathered from the log-probs
+            del node.attribute[:]
+    with pytest.raises(ExportError, match="not a column of the log-probs"):
         add_want(proto)
 
 
