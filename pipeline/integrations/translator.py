@@ -124,13 +124,16 @@ class Translator:
         if over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         over, decoding.min_len)
-        # a document's sentences each have a score; a row gives one only for a plain text
-        scores = [math.nan if self.policy.documents or r.score is None else r.score for r in results]
-        terms = None
-        if self.glossary is not None:
-            terms = [json.dumps(r.terms or [], ensure_ascii=False) for r in results]
-        return Translated([r.text for r in results], scores, [r.empty for r in results],
-                          [r.truncated for r in results], over, terms)
+        out = Translated([], [], [], [], over, None if self.glossary is None else [])
+        for r in results:  # the columns in one pass
+            out.translation.append(r.text)
+            # a document's sentences each have a score; a row gives one only for a plain text
+            out.score.append(math.nan if self.policy.documents or r.score is None else r.score)
+            out.empty.append(r.empty)
+            out.truncated.append(r.truncated)
+            if out.terms is not None:
+                out.terms.append(json.dumps(r.terms or [], ensure_ascii=False))
+        return out
 
 
 def _text(value: Any) -> str:
