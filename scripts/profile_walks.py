@@ -181,8 +181,8 @@ def libre_walk(model_dir: Path) -> dict[str, Any]:
     from pipeline.serve.app import create_app
     from pipeline.serve.metrics import Metrics
     from pipeline.serve.options import RequestLimits, ServeHttpOptions
-    from pipeline.serve.requests import ServerState
     from pipeline.serve.runner import load_model
+    from pipeline.serve.state import ServerState
     from runtime.decoding import PAPER
     from runtime.model_dir import LoadOptions
 

@@ -29,8 +29,8 @@ from pipeline.serve.batcher import _constraints  # noqa: E402
 from pipeline.serve.glossaries import check_named, info, read_named  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits, ServeHttpOptions  # noqa: E402
-from pipeline.serve.requests import ServerState  # noqa: E402
 from pipeline.serve.runner import load_model  # noqa: E402
+from pipeline.serve.state import ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.glossary import MAX_REQUEST_TERMS  # noqa: E402
 from runtime.model_dir import LoadOptions  # noqa: E402

@@ -166,8 +166,8 @@ def test_http_service_with_parallel_batches_answers_what_serve_batch_writes(memo
     from pipeline.serve.app import create_app
     from pipeline.serve.metrics import Metrics
     from pipeline.serve.options import RequestLimits, ServeHttpOptions
-    from pipeline.serve.requests import ServerState
     from pipeline.serve.runner import load_model
+    from pipeline.serve.state import ServerState
 
     lines = _lines(memorise_corpus)
     src = tmp_path / "in.txt"

@@ -37,8 +37,8 @@ from pipeline.serve.keys import ApiKeys, KeyRefused  # noqa: E402
 from pipeline.serve.languages import Routes, served_languages  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
-from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
 from pipeline.serve.runner import bind  # noqa: E402
+from pipeline.serve.state import ServedModel, ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 
 KEY = "k3y-for-tests-0001"

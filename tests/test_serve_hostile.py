@@ -25,12 +25,12 @@ pytest.importorskip("sentencex")
 
 from starlette.testclient import TestClient  # noqa: E402
 
-from pipeline.serve import requests as serve_requests  # noqa: E402
+from pipeline.serve import http, service  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.batcher import Batcher  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
-from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
+from pipeline.serve.state import ServedModel, ServerState  # noqa: E402
 from pipeline.serve.translator import Translator  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 
@@ -105,15 +105,15 @@ def test_health_answers_while_a_large_request_is_prepared(stage, monkeypatch):
             hold()
         return loads(text, **kw)
 
-    encode_texts = serve_requests.encode_texts
+    encode_texts = service.encode_texts
 
     def slow_encode(*args: Any, **kw: Any) -> Any:  # the text service splits, then tokenizes
         if stage == "split":
             hold()
         return encode_texts(*args, **kw)
 
-    monkeypatch.setattr(serve_requests, "json", SimpleNamespace(loads=slow_loads, JSONDecodeError=json.JSONDecodeError))
-    monkeypatch.setattr(serve_requests, "encode_texts", slow_encode)
+    monkeypatch.setattr(http, "json", SimpleNamespace(loads=slow_loads, JSONDecodeError=json.JSONDecodeError))
+    monkeypatch.setattr(service, "encode_texts", slow_encode)
     with client() as c:
         answer: list[Any] = []
         big = threading.Thread(target=lambda: answer.append(

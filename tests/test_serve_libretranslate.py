@@ -28,7 +28,7 @@ from pipeline.serve.detect import Detector  # noqa: E402
 from pipeline.serve.keys import ApiKeys  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
-from pipeline.serve.requests import ServedModel, ServerState  # noqa: E402
+from pipeline.serve.state import ServedModel, ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.markup import parse_html  # noqa: E402
 

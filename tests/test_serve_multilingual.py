@@ -23,8 +23,8 @@ from pipeline.importers.m2m100 import import_m2m100  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits, ServeHttpOptions  # noqa: E402
-from pipeline.serve.requests import ServerState  # noqa: E402
 from pipeline.serve.runner import load_model  # noqa: E402
+from pipeline.serve.state import ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
 from runtime.model_dir import LoadOptions  # noqa: E402
 from tests.m2m100_fixture import make_m2m100_dir  # noqa: E402

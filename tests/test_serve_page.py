@@ -31,7 +31,7 @@ from test_serve_hostile import StandIn  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.keys import ApiKeys  # noqa: E402
 from pipeline.serve.page import STATIC  # noqa: E402
-from pipeline.serve.requests import ServerState  # noqa: E402
+from pipeline.serve.state import ServerState  # noqa: E402
 
 PAIRS = {"de-en": (("de",), ("en",)), "en-de": (("en",), ("de",))}
 KEY = "page-test-key-0123"

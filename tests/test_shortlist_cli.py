@@ -71,8 +71,8 @@ def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_sh
     from pipeline.serve.app import create_app
     from pipeline.serve.metrics import Metrics
     from pipeline.serve.options import RequestLimits, ServeHttpOptions
-    from pipeline.serve.requests import ServerState
     from pipeline.serve.runner import load_model, server_info
+    from pipeline.serve.state import ServerState
     from runtime.decoding import PAPER
     from runtime.model_dir import LoadOptions
 

@@ -91,8 +91,12 @@ def http(model_dir: str, name: str, requests: dict[str, dict[str, Any]], long_li
     from pipeline.serve.app import create_app
     from pipeline.serve.metrics import Metrics
     from pipeline.serve.options import RequestLimits, ServeHttpOptions
-    from pipeline.serve.requests import ServerState
     from pipeline.serve.runner import load_model
+
+    try:
+        from pipeline.serve.state import ServerState
+    except ImportError:  # the tree before serve/ was laid out per API (issue 59)
+        from pipeline.serve.requests import ServerState  # type: ignore[no-redef]
 
     metrics, limits = Metrics(), RequestLimits()
     opts = ServeHttpOptions(load=LOAD, long_lines=long_lines)

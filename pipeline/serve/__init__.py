@@ -1,7 +1,17 @@
-"""`pipeline serve`: an HTTP translation service over any backend, with dynamic batching.
+"""`pipeline serve`: an HTTP translation service over any backend, with dynamic batching, laid out per API over
+the text service (runtime/texts.py), as vLLM lays out its entrypoints:
 
-Texts go in and answers come out through the text service serve-batch writes with (runtime/texts.py:
-requests.encode_request encodes, app.py and libre.py finish); translator.py holds a loaded model dir and its
-one call into the search; batcher.py queues requests and runs one backend thread; app.py holds the routes;
-runner.py loads, warms up, binds and drains. The web stack (starlette, uvicorn,
-prometheus-client) is the optional `serve` extra, imported only by this package."""
+    app.py        the app assembled: routes, middleware, lifespan, /health, /metrics, /info
+    native.py     the native API: {"text": [...]} parsed, answered (whole or streamed)
+    libre.py      LibreTranslate's API: /translate, /languages, /detect, /frontend/settings
+                  (file_routes.py: its /translate_file and /download_file; suggestions.py: /suggest)
+    service.py    the service calls both APIs make: encode within the limits, queue, await, drop, count
+    state.py      the served models and the server's shared state, the model a request names
+    http.py       HTTP mechanics: bodies within bounds, forms, the bearer key, client disconnects, off-loop
+                  work, the one error path
+    translator.py a loaded model dir and its one call into the search; batcher.py queues requests and runs one
+                  backend thread; runner.py loads, warms up, binds and drains
+
+Texts go in through runtime/texts.py encode_texts (service.encode) and come out through its finish_texts (each
+API's answer), the functions serve-batch writes with. The web stack (starlette, uvicorn, prometheus-client) is
+the optional `serve` extra, imported only by this package."""

@@ -1,9 +1,12 @@
-"""The HTTP routes: POST /translate, GET /health, GET /metrics, GET /info; LibreTranslate's POST /translate
-(a body with "q"), GET /languages and POST /detect are in libre.py.
+"""The app of `pipeline serve`, assembled: its routes (POST /translate hands a body to the API it is written
+for: native.py's {"text": [...]} or libre.py's {"q": ...}, JSON or form data; LibreTranslate's other routes,
+the file routes, /suggest, /spec, /docs and the page), GET /health, GET /metrics, GET /info, the middleware
+(access log, CORS), the lifespan (each model's batcher, the threads that read and prepare requests) and the
+last resort for whatever escapes a route.
 
 No route reads or writes a file; every request is bounded (bytes, seconds to send them,
 lines, sentences, source tokens, tokens per line, queue places) and every refusal is a JSON
-{"error": ...} with the status that tells a client what to do: 400 fix the request (naming the
+{"error": ...} (http.error) with the status that tells a client what to do: 400 fix the request (naming the
 field), 404 name a served model, 408 send faster, 413 split it, 503 retry later (with
 Retry-After). 503 is the only 5xx: a backend fault is retried like an overload. A request's CPU
 work (its JSON, sentences, tokens and answer) runs off the event loop, so no request holds the
@@ -11,55 +14,30 @@ others or /health while it is prepared."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from pipeline.serve import file_routes, libre, page, spec, suggestions
-from pipeline.serve.access import AccessLog, note
-from pipeline.serve.batcher import Batcher, Work
-from pipeline.serve.flow import count, off_loop, off_loop_reading, read_payload, submit, translated, wait
-from pipeline.serve.glossaries import text_terms, unit_terms
-from pipeline.serve.keys import KeyRefused, RateLimited, bearer
-from pipeline.serve.libre import speaks_libre
+from pipeline.serve import file_routes, libre, native, page, spec, suggestions
+from pipeline.serve.access import AccessLog
+from pipeline.serve.batcher import Batcher
+from pipeline.serve.http import CLIENT_CLOSED, ApiError, error, read_payload
 from pipeline.serve.metrics import CONTENT_TYPE
-from pipeline.serve.requests import ApiError, ServedModel, ServerState, TranslateRequest, parse_request
-from runtime.texts import EncodedTexts, finish_texts, hypotheses
-from runtime.translate import NBest
+from pipeline.serve.state import ServerState
 
 log = logging.getLogger(__name__)
 
-CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
-PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (flow.off_loop), for every model
-READING_THREADS = 2  # read bodies' JSON and forms (flow.off_loop_reading), never held by documents
-
-
-def _unauthorized(state: ServerState, request: Request) -> ApiError | None:
-    """With --api-keys, the native API's refusal of a request without a valid Authorization: Bearer key:
-    401 with WWW-Authenticate, or 429 over the key's rate."""
-    if state.keys is None:
-        return None
-    given = bearer(request.headers.get("authorization", ""))
-    try:
-        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
-    except KeyRefused:
-        challenge = 'Bearer realm="pipeline"' + (', error="invalid_token"' if given else "")
-        return ApiError(401, "the API key in Authorization is not valid" if given else
-                        "this server needs an API key: send Authorization: Bearer KEY", {"WWW-Authenticate": challenge})
-    except RateLimited as e:
-        return ApiError(429, str(e), {"Retry-After": str(e.retry_after_s)})
-    return None
+PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (ServerState.prepare), for every model
+READING_THREADS = 2  # read bodies' JSON and forms (ServerState.reading), never held by documents
 
 
 async def translate(request: Request) -> Response:
@@ -67,130 +45,16 @@ async def translate(request: Request) -> Response:
     state: ServerState = request.app.state.server
     started = time.perf_counter()
     try:
-        data, form = await read_payload(request, state)
+        data, form = await read_payload(request, state.limits, state.reading)
     except ApiError as e:
-        response: Response = JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+        response = error(e)
         state.unnamed.request(response.status_code)
         return response
     except ClientDisconnect:
         return Response(status_code=CLIENT_CLOSED)
-    if form or speaks_libre(data):
+    if form or libre.speaks_libre(data):
         return await libre.translate(request, data, form, state)
-    return await _native(request, data, state, started)
-
-
-async def _native(request: Request, data: Any, state: ServerState, started: float) -> Response:
-    m = state.unnamed
-    try:
-        refused = _unauthorized(state, request)
-        if refused is not None:
-            raise refused
-        req = await off_loop_reading(state, parse_request, data, state)
-        note(request, model=req.model.name, texts=len(req.text))
-        m = req.model.metrics
-        m.in_flight.inc()
-        try:
-            if req.stream:
-                work, encoded = await submit(req, state)
-                m.in_flight.inc()  # held by the stream until it ends
-                response: Response = _Stream(_stream(req, work, encoded, state, started), req.model, work)
-            else:
-                [(encoded, results)] = await translated(request, [req], state)
-                response = await off_loop(state, _translations, req, encoded, results)
-                m.request_seconds.observe(time.perf_counter() - started)
-        finally:
-            m.in_flight.dec()
-    except ApiError as e:
-        response = JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
-    except ClientDisconnect:
-        m.disconnects.inc()
-        response = Response(status_code=CLIENT_CLOSED)
-    except Exception as e:  # a backend fault: this request fails, the server goes on
-        log.exception("translation failed")
-        response = JSONResponse({"error": f"translation failed ({type(e).__name__}: {e}); retry later"},
-                                status_code=503, headers={"Retry-After": str(state.limits.retry_after_s)})
-    m.request(response.status_code)
-    return response
-
-
-def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NBest]) -> Response:
-    """The whole answer, from the text service: each line's translation (with split, each text rebuilt) or
-    hypotheses; with a glossary, each text's terms."""
-    done = finish_texts(req.model.translator.tokenizer, encoded, results, req.decoding.nbest)
-    items: list[Any]
-    if req.structured:
-        items = [{"hypotheses": _hypotheses(r.hypotheses)} for r in done]
-    else:
-        items = [r.text for r in done]
-    body: dict[str, Any] = {"translations": items}
-    if req.glossary is not None:
-        body["terms"] = text_terms(done)
-    return JSONResponse(body)
-
-
-def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
-    return [{"text": text, "score": score} for text, score in hyps]
-
-
-async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float
-                  ) -> AsyncIterator[bytes]:
-    """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
-    everything before it is translated; with a glossary, each with its terms."""
-    tokenizer, m = req.model.translator.tokenizer, req.model.metrics
-
-    def terms(unit: int, best: str) -> dict[str, Any]:
-        return {} if req.glossary is None else {"terms": unit_terms(encoded, unit, best)}
-
-    try:
-        for index, span in enumerate(encoded.spans):
-            split = encoded.split(index)
-            if split is None:
-                await wait(work, span.stop, state)
-                hyps = hypotheses(tokenizer, work.results[span.start])
-                best = hyps[0][0] if hyps else ""
-                yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
-                                                  else {"translation": best}), **terms(span.start, best)})
-                continue
-            if not split.sentences:  # an empty or whitespace-only text: one object with its whitespace
-                yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0],
-                               **({} if req.glossary is None else {"terms": []})})
-            for j, unit in enumerate(span):
-                await wait(work, unit + 1, state)
-                hyps = hypotheses(tokenizer, work.results[unit])
-                best = hyps[0][0] if hyps else ""
-                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, best),
-                               **terms(unit, best)})
-        count(m, encoded, work.results)
-        m.request_seconds.observe(time.perf_counter() - started)
-    except ApiError as e:  # the status went out already: the error is the last object
-        yield _ndjson({"error": str(e)})
-    except Exception as e:
-        log.exception("translation failed")
-        yield _ndjson({"error": f"translation failed ({type(e).__name__}: {e}); retry later"})
-
-
-class _Stream(StreamingResponse):
-    """A streamed answer that, however it ends (even before its first object), frees what its request
-    holds: a client that left has its remaining work dropped from the queue."""
-
-    def __init__(self, content: AsyncIterator[bytes], model: ServedModel, work: Work):
-        super().__init__(content, media_type="application/x-ndjson")
-        self.model, self.work = model, work
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        except ClientDisconnect:
-            pass
-        finally:
-            if not self.work.future.done():
-                self.model.metrics.disconnects.inc()
-                self.model.batcher.drop(self.work)  # type: ignore[union-attr]
-            self.model.metrics.in_flight.dec()
-
-
-def _ndjson(item: dict[str, Any]) -> bytes:
-    return json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n"
+    return await native.translate(request, data, state, started)
 
 
 async def health(request: Request) -> Response:
@@ -212,15 +76,14 @@ async def metrics(request: Request) -> Response:
 async def info(request: Request) -> Response:
     """Every model's facts and the server's settings; ?model=NAME: that model's facts alone."""
     state: ServerState = request.app.state.server
-    refused = _unauthorized(state, request)
+    refused = native.unauthorized(state, request)
     if refused is not None:
-        return JSONResponse({"error": str(refused)}, status_code=refused.status, headers=refused.headers)
+        return error(refused)
     name = request.query_params.get("model")
     if name is None:
         return JSONResponse({"models": {n: m.info for n, m in state.models.items()}, **state.info})
     if name not in state.models:
-        return JSONResponse({"error": f'unknown "model" {name!r}: this server has {", ".join(state.models)}'},
-                            status_code=404)
+        return error(ApiError(404, f'unknown "model" {name!r}: this server has {", ".join(state.models)}'))
     return JSONResponse({"model": name, **state.models[name].info, **state.info})
 
 
@@ -228,8 +91,8 @@ async def _unavailable(request: Request, exc: Exception) -> Response:
     """Whatever escapes a route: 503, never 500."""
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
     state: ServerState = request.app.state.server
-    return JSONResponse({"error": f"{type(exc).__name__}: {exc}; retry later"}, status_code=503,
-                        headers={"Retry-After": str(state.limits.retry_after_s)})
+    return error(ApiError(503, f"{type(exc).__name__}: {exc}; retry later",
+                          {"Retry-After": str(state.limits.retry_after_s)}))
 
 
 def create_app(state: ServerState) -> Starlette:

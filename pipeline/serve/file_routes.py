@@ -26,9 +26,10 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
-from pipeline.serve.flow import MAX_FORM_FIELDS, off_loop
-from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, error, failed, translate_texts
-from pipeline.serve.requests import ApiError, ServerState, read_body, request_glossary, too_many
+from pipeline.serve.glossaries import requested
+from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body, too_many
+from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
+from pipeline.serve.state import ServerState
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +168,7 @@ async def translate_file(request: Request) -> Response:
             raise ApiError(400, f'"file" {filename[-60:]!r}: the format {extension(filename) or "(no extension)"} '
                                 f"is not supported; supported: {', '.join(documents.SUPPORTED)}")
         try:
-            doc: Document = await off_loop(state, documents.read_document, filename, data)
+            doc: Document = await off_loop(state.prepare, documents.read_document, filename, data)
         except DocumentError as e:
             raise ApiError(413 if e.too_large else 400, f'"file" {filename[-60:]!r}: {e}') from None
         texts = sum(1 for t in doc.texts if any(c.isalpha() for c in t))
@@ -177,10 +178,11 @@ async def translate_file(request: Request) -> Response:
             if code != "auto" and code not in state.routes.codes:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                     f"{state.routes.listed()}")
-        req = LibreRequest(doc.texts, True, source, target, False, 0, request_glossary(fields, state))
+        glossary = requested(fields.get("glossary"), state.glossaries)
+        req = LibreRequest(doc.texts, True, source, target, False, 0, glossary)
         detected = await _source_of(state, req) if source == "auto" else None
         body, m = await translate_texts(request, state, req, None)
-        out = await off_loop(state, doc.rebuild, body["translatedText"])
+        out = await off_loop(state.prepare, doc.rebuild, body["translatedText"])
         ext = extension(filename)
         key = _store(request).put(download_name(filename, target), documents.MEDIA_TYPES[ext], out)
         answer: dict[str, Any] = {"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{key}"}
@@ -189,7 +191,7 @@ async def translate_file(request: Request) -> Response:
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(answer)
     except Exception as e:
-        response = failed(e, m, state, "file translation")
+        response = failed(e, m, state.limits.retry_after_s, "file translation")
     m.request(response.status_code)
     return response
 
@@ -207,8 +209,8 @@ async def _source_of(state: ServerState, req: LibreRequest) -> dict[str, Any] | 
     if not sample:
         req.source = req.target  # nothing to translate: the file comes back as it was
         return None
-    [detected] = await off_loop(state, _detect, state, LibreRequest(["\n".join(sample)], False, "auto", req.target,
-                                                                    False, 0))
+    [detected] = await off_loop(state.prepare, _detect, state,
+                                LibreRequest(["\n".join(sample)], False, "auto", req.target, False, 0))
     req.source = detected["language"]
     if req.source != req.target and state.routes.model(req.source, req.target) is None:
         raise ApiError(400, f'"file" is detected as {req.source} (confidence {detected["confidence"]}): '

@@ -1,7 +1,8 @@
 """Glossaries over HTTP (docs/glossary.md): the server's named glossaries (`--glossary NAME=FILE`), each read
 once at start and checked against every served model (one start-up error naming NAME and the file); a
 request's "glossary" field, a name or an inline object of terms, resolved and checked against the model it
-goes to (GlossaryError: the route's 400, naming the field and the entry); and each answer's "terms".
+goes to (GlossaryError: an ApiError, the route's 400 naming the field and the entry); and each answer's
+"terms".
 
 A glossary only adds: the text service finds the terms of each unit and the batcher hands their target
 tokens to the constrained search (runtime/texts.py, runtime/translate.py); a request without one is encoded,
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from model.errors import UserError
+from pipeline.serve.http import ApiError
 from pipeline.serve.translator import Translator
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary, applied_terms, glossary_from_mapping, load_glossary
@@ -26,9 +28,12 @@ FIELD = "glossary"
 Terms = list[dict[str, Any]]  # per term found: {"source", "target", "applied", "constrained"}
 
 
-class GlossaryError(ValueError):
+class GlossaryError(ApiError):
     """A request's "glossary" that cannot be used: an unknown name, a malformed or oversized inline glossary,
     a target the model cannot spell, a backend that cannot apply one (a 400 with this message)."""
+
+    def __init__(self, message: str):
+        super().__init__(400, message)
 
 
 def read_named(specs: tuple[str, ...]) -> dict[str, tuple[str, Glossary]]:

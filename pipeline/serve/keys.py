@@ -50,19 +50,6 @@ class RateLimited(Exception):
         self.retry_after_s = retry_after_s
 
 
-def bearer(authorization: str) -> str | None:
-    """The key of an `Authorization: Bearer KEY` header, or None. HTTP hands header bytes over as Latin-1;
-    a client sends a non-ASCII key as UTF-8, so it is read as UTF-8 again (the key as the file holds it)."""
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    token = token.strip()
-    try:
-        return token.encode("latin-1").decode("utf-8")
-    except (UnicodeEncodeError, UnicodeDecodeError):
-        return token
-
-
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 

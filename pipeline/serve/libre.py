@@ -5,13 +5,12 @@ Weblate, libretranslatepy, ...) work unchanged.
 A request is JSON or form data (urlencoded or multipart); errors are {"error": "..."} naming the field: 400
 fix the request, 403 an API key is missing or wrong, 413 too large, 429 over the key's rate (Retry-After),
 503 retry later. Every text is translated as a document (split into sentences, its whitespace kept) through
-the same path as the native API's (flow.py); "format": "html" keeps the markup (markup.py). Each
+the same service as the native API's (service.py); "format": "html" keeps the markup (markup.py). Each
 translation carries "score" (clients ignore it): its hypotheses' beam score, a length-normalised
 log-probability, not a quality guarantee."""
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from dataclasses import dataclass
@@ -21,27 +20,19 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.serve.access import note
-from pipeline.serve.flow import off_loop, off_loop_reading, read_payload, translated
-from pipeline.serve.glossaries import text_terms
-from pipeline.serve.keys import KeyRefused, RateLimited, bearer
+from pipeline.serve.glossaries import for_model, requested, text_terms
+from pipeline.serve.http import ApiError, CountedDisconnect, bearer, error, failed, off_loop, read_payload, too_many
+from pipeline.serve.keys import KeyRefused, RateLimited
 from pipeline.serve.languages import language_name
 from pipeline.serve.metrics import ModelMetrics
-from pipeline.serve.requests import (
-    LANG,
-    ApiError,
-    ServedModel,
-    ServerState,
-    TranslateRequest,
-    check_glossary,
-    request_glossary,
-    too_many,
-)
+from pipeline.serve.service import TranslateRequest, translated
+from pipeline.serve.state import ServedModel, ServerState
 from runtime.glossary import Glossary
+from runtime.languages import LANG_CODE
 from runtime.markup import parse_html
 from runtime.texts import EncodedTexts, finish_texts
 from runtime.translate import NBest
 
-log = logging.getLogger(__name__)
 KEYS = {"q", "source", "target", "format", "alternatives", "api_key"}
 WHOLE = re.compile(r"-?[0-9]{1,9}")
 
@@ -49,10 +40,6 @@ WHOLE = re.compile(r"-?[0-9]{1,9}")
 def speaks_libre(data: Any) -> bool:
     """A JSON body for LibreTranslate's /translate: it has "q", or LibreTranslate's fields and no "text"."""
     return isinstance(data, dict) and ("q" in data or ("text" not in data and bool(KEYS & set(data))))
-
-
-def error(e: ApiError) -> Response:
-    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
 
 
 def check_key(state: ServerState, given: Any, request: Request) -> None:
@@ -88,7 +75,7 @@ def _code(data: dict[str, Any], key: str) -> str:
     value = data.get(key)
     if value is None or value == "":
         raise ApiError(400, f"Invalid request: missing {key} parameter")
-    if not isinstance(value, str) or not (value == "auto" and key == "source" or LANG.fullmatch(value)):
+    if not isinstance(value, str) or not (value == "auto" and key == "source" or LANG_CODE.fullmatch(value)):
         raise ApiError(400, f'"{key}" must be a language code like "de"' + (' or "auto"' if key == "source" else "")
                        + f", not {str(value)[:20]!r}")
     return value  # as the model lists it (NLLB: eng_Latn)
@@ -124,7 +111,8 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool):
         raise ApiError(400, f'"alternatives" must be a whole number, not {str(n)[:20]!r}')
-    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n), request_glossary(data, state))
+    glossary = requested(data.get("glossary"), state.glossaries)
+    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n), glossary)
 
 
 @dataclass
@@ -135,14 +123,6 @@ class _Group:
     source: str
     places: list[int]
     request: TranslateRequest | None = None
-
-
-def _route(state: ServerState, source: str, target: str, detected: str = "") -> ServedModel:
-    model = state.routes.model(source, target)
-    if model is None:
-        raise ApiError(400, f'{detected}"source" {source} to "target" {target} is not a language pair this server '
-                            f"translates; it translates {state.routes.listed()}")
-    return model
 
 
 def _detect(state: ServerState, req: LibreRequest) -> list[dict[str, Any]]:
@@ -167,9 +147,12 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
                     raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                         f"{state.routes.listed()}")
             continue
-        where = f"q[{i}]" if req.batch else "q"
-        model = _route(state, source, req.target, f"{where} is detected as {source} "
-                       f"(confidence {detected[i]['confidence']}): " if detected else "")
+        model = state.routes.model(source, req.target)
+        if model is None:
+            where = f"q[{i}]" if req.batch else "q"
+            found = f"{where} is detected as {source} (confidence {detected[i]['confidence']}): " if detected else ""
+            raise ApiError(400, f'{found}"source" {source} to "target" {req.target} is not a language pair this '
+                                f"server translates; it translates {state.routes.listed()}")
         group = groups.setdefault((model.name, source), _Group(model, source, []))
         group.places.append(i)
     for group in groups.values():
@@ -185,7 +168,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         texts = [req.q[i] for i in group.places]  # each a document (with html, each of its text nodes)
-        check_glossary(req.glossary, group.model, state)  # the server's own were checked at start
+        for_model(req.glossary, group.model.translator, state.glossaries)  # the server's own were checked at start
         group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
                                          "html" if req.html else "text", req.glossary)
     return list(groups.values())
@@ -222,7 +205,7 @@ async def translate_texts(request: Request, state: ServerState, req: LibreReques
     """The texts of `req` translated as LibreTranslate answers them (each routed to its model, queued, awaited,
     dropped if the client leaves), with the metrics of the model that answered (the first, with several):
     what /translate and /translate_file both do once their fields are read."""
-    groups = await off_loop(state, _groups, state, req, detected)
+    groups = await off_loop(state.prepare, _groups, state, req, detected)
     note(request, model=",".join(sorted({g.model.name for g in groups})) or None, texts=len(req.q))
     metrics = groups[0].model.metrics if groups else state.unnamed
     for g in groups:
@@ -235,26 +218,8 @@ async def translate_texts(request: Request, state: ServerState, req: LibreReques
     finally:
         for g in groups:
             g.model.metrics.in_flight.dec()
-    body = await off_loop(state, _answer, req, groups, done, detected)
+    body = await off_loop(state.prepare, _answer, req, groups, done, detected)
     return body, metrics
-
-
-def failed(e: Exception, m: ModelMetrics, state: ServerState, what: str) -> Response:
-    """The answer to a request that failed (called in its except block): its ApiError; 499 for a client that
-    left (counted once); 503 for a backend fault, logged, while the server goes on (as the native API's)."""
-    if isinstance(e, ApiError):
-        return error(e)
-    if isinstance(e, ClientDisconnect):
-        if not isinstance(e, CountedDisconnect):
-            m.disconnects.inc()
-        return Response(status_code=499)
-    log.exception("%s failed", what)
-    return error(ApiError(503, f"{what} failed ({type(e).__name__}: {e}); retry later",
-                          {"Retry-After": str(state.limits.retry_after_s)}))
-
-
-class CountedDisconnect(ClientDisconnect):
-    """The client left while its texts were translated, counted on the model's metrics already."""
 
 
 async def translate(request: Request, data: Any, form: bool, state: ServerState) -> Response:
@@ -263,13 +228,13 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     m = state.unnamed
     try:
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
-        req = await off_loop_reading(state, parse_libre, data, form, state)  # in proportion to the body
-        detected = await off_loop(state, _detect, state, req) if req.source == "auto" else None
+        req = await off_loop(state.reading, parse_libre, data, form, state)  # in proportion to the body
+        detected = await off_loop(state.prepare, _detect, state, req) if req.source == "auto" else None
         body, m = await translate_texts(request, state, req, detected)
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(body)
     except Exception as e:
-        response = failed(e, m, state, "translation")
+        response = failed(e, m, state.limits.retry_after_s, "translation")
     m.request(response.status_code)
     return response
 
@@ -303,7 +268,7 @@ async def detect(request: Request) -> Response:
     """POST /detect {"q"}: [{"language", "confidence"}], most likely first, confidence in percent."""
     state: ServerState = request.app.state.server
     try:
-        data, _ = await read_payload(request, state)
+        data, _ = await read_payload(request, state.limits, state.reading)
         if not isinstance(data, dict):
             raise ApiError(400, 'request body must be a JSON object like {"q": "text"}')
         check_key(state, data.get("api_key"), request)
@@ -316,6 +281,6 @@ async def detect(request: Request) -> Response:
             raise ApiError(400, '"q" must be a string')
         if state.detector is None:
             raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
-        return JSONResponse(await off_loop(state, state.detector.rank, q))
+        return JSONResponse(await off_loop(state.prepare, state.detector.rank, q))
     except ApiError as e:
         return error(e)

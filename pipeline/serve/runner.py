@@ -31,7 +31,7 @@ from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import served_languages
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
-from pipeline.serve.requests import ServedModel, ServerState
+from pipeline.serve.state import ServedModel, ServerState
 from pipeline.serve.suggestions import Suggestions
 from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions

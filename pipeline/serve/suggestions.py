@@ -16,9 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from model.errors import UserError
-from pipeline.serve.flow import off_loop_reading, read_payload
+from pipeline.serve.http import ApiError, error, off_loop, read_payload
 from pipeline.serve.libre import check_key
-from pipeline.serve.requests import LANG, ApiError, ServerState
+from pipeline.serve.state import ServerState
+from runtime.languages import LANG_CODE
 
 MAX_ROWS = 1_000_000
 
@@ -65,7 +66,7 @@ def _fields(data: Any) -> tuple[str, str, str, str]:
             raise ApiError(400, f"Invalid request: missing {key} parameter")
         if not isinstance(value, str):
             raise ApiError(400, f'"{key}" must be a string')
-        if key in ("source", "target") and not LANG.fullmatch(value):
+        if key in ("source", "target") and not LANG_CODE.fullmatch(value):
             raise ApiError(400, f'"{key}" must be a language code like "de", not {value[:20]!r}')
         try:
             value.encode("utf-8")
@@ -82,10 +83,10 @@ async def suggest(request: Request) -> Response:
     try:
         if state.suggestions is None:
             raise ApiError(403, "Suggestions are disabled on this server.")
-        data, _ = await read_payload(request, state)
+        data, _ = await read_payload(request, state.limits, state.reading)
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
         fields = _fields(data)
-        await off_loop_reading(state, state.suggestions.add, *fields)
+        await off_loop(state.reading, state.suggestions.add, *fields)
         return JSONResponse({"success": True})
     except ApiError as e:
-        return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+        return error(e)

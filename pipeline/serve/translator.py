@@ -1,7 +1,7 @@
 """A served model dir: what the server knows of it and the one call it makes into the search.
 
 Texts become units and units become answers in the text service (runtime/texts.py: encode_texts in
-requests.encode_request, finish_texts in the answers of app.py and libre.py), the very functions serve-batch
+service.encode, finish_texts in the answers of native.py and libre.py), the very functions serve-batch
 writes its lines with, so the service answers exactly what `pipeline serve-batch` writes for the same texts
 and there is no second decoding path. The search is the loaded model's (runtime/model_dir.py Loaded.translate),
 called by the batcher's one thread."""

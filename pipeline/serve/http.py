@@ -1,0 +1,249 @@
+"""HTTP mechanics shared by both APIs (native.py, libre.py) and their neighbours: a request body read within its
+bounds (413 after a bounded drain, 408 for a stalled client) as JSON or as fields (urlencoded, multipart, the
+query string), the bearer key of an Authorization header, a client that closes its connection, CPU work kept
+off the event loop, and the one error path: an ApiError becomes {"error": message} with its status and headers
+(`error`), a failed request's exception its answer (`failed`). Each API phrases its own messages; none of this
+knows a model, a queue or a translation."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import urllib.parse
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+from starlette.datastructures import Headers
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from pipeline.serve.metrics import ModelMetrics
+from pipeline.serve.options import RequestLimits
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+MAX_FORM_FIELDS = 2048  # above --max-lines' default: a repeated "q" is a list of texts
+# An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
+# is still sending when the server answers and closes gets "connection reset" instead of the answer
+# (plain urllib / requests clients do). Past either bound the 413 goes out with Connection: close.
+DRAIN_BYTES = 64 << 20
+DRAIN_SECONDS = 30.0
+
+
+class ApiError(Exception):
+    """A refusal: its status, its message (the API's own words) and headers (Retry-After, WWW-Authenticate)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.headers = headers or {}
+
+
+class CountedDisconnect(ClientDisconnect):
+    """The client left while its texts were translated, counted on the model's metrics already."""
+
+
+def error(e: ApiError) -> Response:
+    """The answer to a refusal, for every route: {"error": message}, its status and headers."""
+    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+
+
+def failed(e: Exception, m: ModelMetrics, retry_after_s: int, what: str) -> Response:
+    """The answer to a request that failed (called in its except block): its ApiError; 499 for a client that
+    left (counted once); 503 for a backend fault, logged, while the server goes on."""
+    if isinstance(e, ApiError):
+        return error(e)
+    if isinstance(e, ClientDisconnect):
+        if not isinstance(e, CountedDisconnect):
+            m.disconnects.inc()
+        return Response(status_code=CLIENT_CLOSED)
+    log.exception("%s failed", what)
+    return error(ApiError(503, f"{what} failed ({type(e).__name__}: {e}); retry later",
+                          {"Retry-After": str(retry_after_s)}))
+
+
+def too_many(count: int, what: str, limit: int, option: str) -> str:
+    """The 413 message: what is over which limit, and the server option that sets it."""
+    return f"{count} {what}, more than this server's limit of {limit} per request ({option}); split the request"
+
+
+async def off_loop(pool: Executor | None, fn: Callable[..., T], *args: Any) -> T:
+    """fn(*args) on `pool`: the server's threads that read bodies (JSON, form data: apart from those preparing
+    documents, so that the next request's body is still read) or that prepare requests and answers (parsing
+    HTML, splitting and tokenizing a document, formatting its translations take CPU time in proportion to it,
+    which on the event loop would hold every other request and /health). Not the backend's thread."""
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+
+def bearer(authorization: str) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header, or None. HTTP hands header bytes over as Latin-1;
+    a client sends a non-ASCII key as UTF-8, so it is read as UTF-8 again (the key as the file holds it)."""
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    token = token.strip()
+    try:
+        return token.encode("latin-1").decode("utf-8")
+    except (UnicodeEncodeError, UnicodeDecodeError):
+        return token
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The body, within body_timeout_s (408 and the connection closed beyond: a stalled client holds
+    nothing); over max_bytes (declared or streamed) a 413, sent once the rest of the body has been
+    drained within DRAIN_BYTES / DRAIN_SECONDS so that the client receives it."""
+    try:
+        return await asyncio.wait_for(_read_body(request, limits.max_bytes), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                       {"Connection": "close"}) from None
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    declared = request.headers.get("content-length")
+    over = declared is not None and declared.isdigit() and int(declared) > max_bytes
+    stream = request.stream()
+    chunks: list[bytes] = []
+    size = 0
+    if not over:
+        async for chunk in stream:
+            size += len(chunk)
+            if size > max_bytes:
+                over = True
+                break
+            chunks.append(chunk)
+        else:
+            return b"".join(chunks)
+    drained = await _drain(stream, size)
+    what = f"request body of {declared} bytes" if declared and declared.isdigit() else "request body"
+    raise ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes (--max-bytes); split the request",
+                   headers=None if drained else {"Connection": "close"})
+
+
+async def _drain(stream: AsyncIterator[bytes], seen: int) -> bool:
+    """Read and discard the rest of a body; False when it is longer than DRAIN_BYTES or slower than
+    DRAIN_SECONDS (the connection is then closed after the answer)."""
+    async def consume() -> bool:
+        total = seen
+        async for chunk in stream:
+            total += len(chunk)
+            if total > DRAIN_BYTES:
+                return False
+        return True
+
+    try:
+        return await asyncio.wait_for(consume(), DRAIN_SECONDS)
+    except asyncio.TimeoutError:
+        return False
+
+
+async def read_payload(request: Request, limits: RequestLimits, pool: Executor | None) -> tuple[Any, bool]:
+    """The body within its limits, as JSON or as fields, and whether it was fields (400 naming what is
+    unreadable), parsed on `pool`. Fields are read as LibreTranslate reads `request.values`: the query string's,
+    then the form's (urlencoded or multipart); a request with an empty body and a query string (deep-translator
+    sends every field there) is its query string's fields."""
+    body = await read_body(request, limits)
+    if is_form(request.headers, body):
+        if request.headers.get("content-type", "").lower().startswith("multipart/"):
+            fields = await read_multipart(request.headers, body)
+        else:
+            fields = await off_loop(pool, parse_urlencoded, body)
+        return {**fields, **query_fields(request)}, True
+    if not body.strip() and request.url.query:
+        return query_fields(request), True
+    return await off_loop(pool, parse_json, body), False
+
+
+def parse_json(body: bytes) -> Any:
+    """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer)."""
+    try:
+        decoded = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})"
+                       ) from None
+    try:
+        data = json.loads(decoded)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"request body is not JSON: {e}") from None
+    except RecursionError:  # the client's mistake, not a fault to retry
+        raise ApiError(400, "request body is JSON nested too deeply to read") from None
+    except ValueError as e:  # an integer past Python's int-string conversion limit
+        raise ApiError(400, f"request body is JSON this server cannot read: {str(e).split(';')[0]}") from None
+    return data
+
+
+def query_fields(request: Request) -> dict[str, Any]:
+    """The query string's fields (as form fields are read), at most MAX_FORM_FIELDS."""
+    pairs = request.query_params.multi_items()
+    if len(pairs) > MAX_FORM_FIELDS:
+        raise ApiError(400, f"the query string has more than {MAX_FORM_FIELDS} fields")
+    return _first_of_each(pairs)
+
+
+def is_form(headers: Headers, body: bytes) -> bool:
+    """Form data, not JSON: a form content type and a body that is not a JSON object or list (curl -d sends
+    JSON with the form content type)."""
+    kind = headers.get("content-type", "").split(";")[0].strip().lower()
+    return kind in FORM_TYPES and body.lstrip()[:1] not in (b"{", b"[")
+
+
+def parse_urlencoded(body: bytes) -> dict[str, Any]:
+    """An application/x-www-form-urlencoded body's fields (the first of a repeated one, as LibreTranslate
+    reads them)."""
+    try:
+        pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict",
+                                       max_num_fields=MAX_FORM_FIELDS)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"request body is not UTF-8 form data ({e.reason} at byte {e.start})") from None
+    except ValueError as e:
+        raise ApiError(400, f"request body is not readable form data: {e}") from None
+    return _first_of_each(pairs)
+
+
+def _first_of_each(pairs: list[tuple[str, str]]) -> dict[str, Any]:
+    """Fields as LibreTranslate reads them (the first of a repeated one), except a repeated "q", which is a list
+    of texts (libretranslate-aio sends a list that way; LibreTranslate would take its first only)."""
+    fields: dict[str, Any] = {}
+    texts = [value for key, value in pairs if key == "q"]
+    for key, value in pairs:
+        fields.setdefault(key, value)
+    if len(texts) > 1:
+        fields["q"] = texts
+    return fields
+
+
+async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
+    """A multipart/form-data body's text fields (python-multipart, through starlette's parser)."""
+    from starlette.formparsers import MultiPartException, MultiPartParser
+
+    async def stream() -> Any:
+        yield body
+        yield b""
+
+    try:
+        form = await MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
+    except AssertionError:  # starlette's "python-multipart must be installed"
+        raise ApiError(415, 'multipart form data needs python-multipart on this server (pip install -e ".[serve]"); '
+                            "send JSON or application/x-www-form-urlencoded") from None
+    except MultiPartException as e:
+        raise ApiError(400, f"request body is not readable form data: {e.message}") from None
+    pairs: list[tuple[str, str]] = []
+    for key, value in form.multi_items():
+        if not isinstance(value, str):
+            raise ApiError(400, f'form field "{key}" is a file; send text')
+        pairs.append((key, value))
+    return _first_of_each(pairs)

@@ -1,0 +1,230 @@
+"""The native API: POST /translate with {"text": [...]} (one line, or with "split", one document each), its
+fields checked one by one (400 naming the field, 404 naming the served models, 413 naming the limit), its key
+with --api-keys (Authorization: Bearer; 401 with WWW-Authenticate, 429 over the key's rate), and its answers:
+{"translations": [...]} (hypotheses with scores for "nbest" / "scores"; "terms" with a glossary), or with
+"stream" NDJSON, one object per text (per sentence with split) as soon as it and those before it are done.
+The texts go through the service (service.py) and come back through runtime/texts.py finish_texts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pipeline.serve.access import note
+from pipeline.serve.batcher import Work
+from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
+from pipeline.serve.http import ApiError, bearer, failed, off_loop, too_many
+from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
+from pipeline.serve.state import ServedModel, ServerState, pick_model
+from runtime.languages import LANG_CODE, ONE_PAIR, Direction
+from runtime.sentences import SPLIT_MODES
+from runtime.texts import EncodedTexts, finish_texts, hypotheses
+from runtime.translate import NBest
+
+log = logging.getLogger(__name__)
+
+REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target",
+                "glossary"}
+
+
+def unauthorized(state: ServerState, request: Request) -> ApiError | None:
+    """With --api-keys, the native API's refusal of a request without a valid Authorization: Bearer key:
+    401 with WWW-Authenticate, or 429 over the key's rate."""
+    if state.keys is None:
+        return None
+    given = bearer(request.headers.get("authorization", ""))
+    try:
+        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
+    except KeyRefused:
+        challenge = 'Bearer realm="pipeline"' + (', error="invalid_token"' if given else "")
+        return ApiError(401, "the API key in Authorization is not valid" if given else
+                        "this server needs an API key: send Authorization: Bearer KEY", {"WWW-Authenticate": challenge})
+    except RateLimited as e:
+        return ApiError(429, str(e), {"Retry-After": str(e.retry_after_s)})
+    return None
+
+
+def _field(data: dict[str, Any], key: str, kind: type, default: Any, what: str) -> Any:
+    value = data.get(key, default)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ApiError(400, f'"{key}" must be {what}')
+    return value
+
+
+def parse_request(data: Any, state: ServerState) -> TranslateRequest:
+    """The JSON body checked for types, keys and limits (400 / 404 / 413 naming the problem)."""
+    if not isinstance(data, dict):
+        raise ApiError(400, 'request body must be a JSON object like {"text": ["a line", ...]}')
+    unknown = sorted(set(data) - REQUEST_KEYS)
+    if unknown:
+        raise ApiError(400, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}")
+    model = pick_model(data, state)
+    text = data.get("text")
+    if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
+        raise ApiError(400, '"text" must be a list of strings, one line (or with split, one document) each')
+    if len(text) > state.limits.max_lines:
+        raise ApiError(413, too_many(len(text), "lines", state.limits.max_lines, "--max-lines"))
+    split = data.get("split", "none")
+    if split not in SPLIT_MODES:
+        raise ApiError(400, f'"split" must be one of {", ".join(map(json.dumps, SPLIT_MODES))}')
+    way = _direction(data, model)
+    lang = _field(data, "lang", str, way.source or model.lang, 'a language code like "de"')
+    if not LANG_CODE.fullmatch(lang):
+        raise ApiError(400, f'"lang" must be a language code like "de", not {lang[:20]!r}')
+    stream = _field(data, "stream", bool, False, "true or false")
+    for i, line in enumerate(text):
+        if "\n" in line and split == "none":
+            raise ApiError(400, f'text[{i}] holds a newline; send one line per list item, or "split": "sentences"')
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, f"text[{i}] holds a lone surrogate (\\ud800-\\udfff), not text") from None
+    changes = {key: _field(data, key, int, None, "an integer") for key in ("beam_size", "nbest") if key in data}
+    if "beam_size" in changes and "nbest" not in changes:
+        changes["nbest"] = min(model.decoding.nbest, changes["beam_size"])
+    decoding = model.decoding.replace(**changes)
+    problems = decoding.problems(name=str)  # the request's own field names
+    if decoding.beam_size > model.max_beam:
+        problems.append(f"beam_size {decoding.beam_size} is above this model's limit of {model.max_beam}")
+    if problems:
+        raise ApiError(400, "; ".join(problems))
+    scores = _field(data, "scores", bool, False, "true or false")
+    structured = scores or decoding.nbest > 1
+    if structured and split != "none":
+        raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
+                            '"split": "none"')
+    glossary = requested(data.get("glossary"), state.glossaries)
+    for_model(glossary, model.translator, state.glossaries)
+    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, glossary=glossary)
+
+
+def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
+    """The request's "source" -> "target" for the model: a multilingual model needs both (its language tokens);
+    a model of one pair takes them only when they are its own (400 naming the field otherwise)."""
+    given = {key: _field(data, key, str, None, 'a language code like "de"') for key in ("source", "target")
+             if key in data}
+    try:
+        way = model.translator.direction(given.get("source"), given.get("target"))
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    if way is ONE_PAIR:
+        for key, known in (("source", model.sources), ("target", model.targets)):
+            if key in given and known and given[key] not in known:
+                raise ApiError(400, f'"{key}" {given[key][:20]!r} is not a language of model {model.name} '
+                                    f'({", ".join(known)})')
+    return way
+
+
+async def translate(request: Request, data: Any, state: ServerState, started: float) -> Response:
+    """POST /translate in the native form (the body read and parsed already)."""
+    m = state.unnamed
+    try:
+        refused = unauthorized(state, request)
+        if refused is not None:
+            raise refused
+        req = await off_loop(state.reading, parse_request, data, state)
+        note(request, model=req.model.name, texts=len(req.text))
+        m = req.model.metrics
+        m.in_flight.inc()
+        try:
+            if req.stream:
+                work, encoded = await submit(req, state)
+                m.in_flight.inc()  # held by the stream until it ends
+                response: Response = _Stream(_stream(req, work, encoded, state, started), req.model, work)
+            else:
+                [(encoded, results)] = await translated(request, [req], state)
+                response = await off_loop(state.prepare, _translations, req, encoded, results)
+                m.request_seconds.observe(time.perf_counter() - started)
+        finally:
+            m.in_flight.dec()
+    except Exception as e:  # a backend fault: this request fails (503), the server goes on
+        response = failed(e, m, state.limits.retry_after_s, "translation")
+    m.request(response.status_code)
+    return response
+
+
+def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NBest]) -> Response:
+    """The whole answer, from the text service: each line's translation (with split, each text rebuilt) or
+    hypotheses; with a glossary, each text's terms."""
+    done = finish_texts(req.model.translator.tokenizer, encoded, results, req.decoding.nbest)
+    items: list[Any]
+    if req.structured:
+        items = [{"hypotheses": _hypotheses(r.hypotheses)} for r in done]
+    else:
+        items = [r.text for r in done]
+    body: dict[str, Any] = {"translations": items}
+    if req.glossary is not None:
+        body["terms"] = text_terms(done)
+    return JSONResponse(body)
+
+
+def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
+    return [{"text": text, "score": score} for text, score in hyps]
+
+
+async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float
+                  ) -> AsyncIterator[bytes]:
+    """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
+    everything before it is translated; with a glossary, each with its terms."""
+    tokenizer, m = req.model.translator.tokenizer, req.model.metrics
+
+    def terms(unit: int, best: str) -> dict[str, Any]:
+        return {} if req.glossary is None else {"terms": unit_terms(encoded, unit, best)}
+
+    try:
+        for index, span in enumerate(encoded.spans):
+            split = encoded.split(index)
+            if split is None:
+                await wait(work, span.stop, state)
+                hyps = hypotheses(tokenizer, work.results[span.start])
+                best = hyps[0][0] if hyps else ""
+                yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
+                                                  else {"translation": best}), **terms(span.start, best)})
+                continue
+            if not split.sentences:  # an empty or whitespace-only text: one object with its whitespace
+                yield _ndjson({"index": index, "sentence": 0, "translation": split.gaps[0],
+                               **({} if req.glossary is None else {"terms": []})})
+            for j, unit in enumerate(span):
+                await wait(work, unit + 1, state)
+                hyps = hypotheses(tokenizer, work.results[unit])
+                best = hyps[0][0] if hyps else ""
+                yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, best),
+                               **terms(unit, best)})
+        count(m, encoded, work.results)
+        m.request_seconds.observe(time.perf_counter() - started)
+    except ApiError as e:  # the status went out already: the error is the last object
+        yield _ndjson({"error": str(e)})
+    except Exception as e:
+        log.exception("translation failed")
+        yield _ndjson({"error": f"translation failed ({type(e).__name__}: {e}); retry later"})
+
+
+class _Stream(StreamingResponse):
+    """A streamed answer that, however it ends (even before its first object), frees what its request
+    holds: a client that left has its remaining work dropped from the queue."""
+
+    def __init__(self, content: AsyncIterator[bytes], model: ServedModel, work: Work):
+        super().__init__(content, media_type="application/x-ndjson")
+        self.model, self.work = model, work
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except ClientDisconnect:
+            pass
+        finally:
+            if not self.work.future.done():
+                self.model.metrics.disconnects.inc()
+                self.model.batcher.drop(self.work)  # type: ignore[union-attr]
+            self.model.metrics.in_flight.dec()
+
+
+def _ndjson(item: dict[str, Any]) -> bytes:
+    return json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n"

@@ -1,0 +1,79 @@
+"""What the routes of `pipeline serve` share: each served model (its translator, defaults, metrics and queue),
+the server's state (limits, threads, keys, detector, glossaries, the LibreTranslate routes) and the model a
+request names (400 / 404 naming the served models). Runner.py builds it; app.py hands it to every route."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.serve.batcher import Batcher
+from pipeline.serve.detect import Detector
+from pipeline.serve.http import ApiError
+from pipeline.serve.keys import ApiKeys
+from pipeline.serve.languages import Routes
+from pipeline.serve.metrics import Metrics, ModelMetrics
+from pipeline.serve.options import RequestLimits
+from pipeline.serve.translator import Translator
+from runtime.decoding import DecodingOptions
+from runtime.glossary import Glossary
+
+
+@dataclass
+class ServedModel:
+    """One model dir as the routes see it: its translator, defaults, metrics and queue."""
+
+    name: str
+    translator: Translator
+    decoding: DecodingOptions
+    max_beam: int
+    lang: str  # sentence rules when a request names none
+    info: dict[str, Any]
+    metrics: ModelMetrics
+    batcher: Batcher | None = None
+    # the languages it translates from and into (languages.served_languages): LibreTranslate's routes
+    sources: tuple[str, ...] = ()
+    targets: tuple[str, ...] = ()
+
+
+@dataclass
+class ServerState:
+    """What the routes share; `draining` turns /health to 503 once shutdown has begun."""
+
+    models: dict[str, ServedModel]
+    limits: RequestLimits
+    info: dict[str, Any]
+    metrics: Metrics
+    warmed_up: bool = False
+    draining: bool = False
+    prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
+    reading: ThreadPoolExecutor | None = None  # threads reading bodies, apart from `prepare` (app.py's lifespan)
+    keys: ApiKeys | None = None  # --api-keys: the keys, and the rule for requests without one
+    cors_origin: str | None = "*"  # --cors-origin: Access-Control-Allow-Origin; None sends no CORS headers
+    access_log: str | None = None  # --access-log: "text" or "json" lines; None writes none
+    suggestions: Any = None  # --suggestions: suggestions.Suggestions, where POST /suggest stores; None: off
+    detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
+    no_detector: str = "language detection is off"
+    glossaries: dict[str, Glossary] = field(default_factory=dict)  # --glossary NAME=FILE, checked at start
+    unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
+    routes: Routes[ServedModel] = field(init=False)  # (source, target) -> model, for LibreTranslate's API
+
+    def __post_init__(self) -> None:
+        self.unnamed = self.metrics.model("")
+        self.routes = Routes.of((m.name, m, m.sources, m.targets) for m in self.models.values())
+
+
+def pick_model(data: dict[str, Any], state: ServerState) -> ServedModel:
+    """The model the request names; the only one when it names none (400 / 404 otherwise)."""
+    known = ", ".join(state.models)
+    if "model" not in data:
+        if len(state.models) == 1:
+            return next(iter(state.models.values()))
+        raise ApiError(400, f'"model" is required: this server has {known}')
+    name = data["model"]
+    if not isinstance(name, str):
+        raise ApiError(400, '"model" must be a model name')
+    if name not in state.models:
+        raise ApiError(404, f'unknown "model" {name!r}: this server has {known}')
+    return state.models[name]
