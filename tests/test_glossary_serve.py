@@ -210,6 +210,29 @@ def test_requests_with_and_without_a_glossary_share_a_batch(state, client, plain
         assert sum(1 for c in constraints if not c) == len(TEXTS) + 2
 
 
+def test_a_line_with_terms_costs_the_constrained_searchs_wider_beam(state):
+    """The dynamic batch budget counts what translate_ids will search: a line with a glossary's terms at the
+    constrained beam (twice the asked-for one here), a line without at the asked-for beam."""
+    import asyncio
+
+    from pipeline.serve.batcher import Batcher
+
+    translator = state.models["de-en"].translator
+
+    async def costs() -> list[int]:
+        batcher = Batcher(translator, Metrics().model("de-en"), 1 << 20, 60.0, 8)  # waits: nothing runs
+        await batcher.start()
+        try:
+            work = batcher.submit([[5, 6, 2], [7, 2]], PAPER.replace(beam_size=2), constraints=[[[9]], []])
+            batcher.drop(work)
+            return [work.cost(0), work.cost(1)]
+        finally:
+            await batcher.stop()
+
+    assert translator.backend.topk >= 8  # room for the doubled beam: 2 x 4 candidates a row
+    assert asyncio.run(costs()) == [3 * 4, 2 * 2]
+
+
 def test_the_batchs_constraints_are_aligned_with_its_lines():
     class W:
         def __init__(self, constraints: Any) -> None:

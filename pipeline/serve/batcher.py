@@ -26,6 +26,7 @@ from typing import Any
 
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.translator import Translator
+from runtime.constrained import constrained_beam
 from runtime.decoding import DecodingOptions
 from runtime.translate import NBest
 
@@ -49,6 +50,7 @@ class Work:
     future: asyncio.Future[list[NBest]]
     first: int | None = None  # a multilingual model's target language token, forced first in every line
     constraints: list[list[list[int]]] | None = None  # per line, a glossary's target token phrases; None: no term
+    wide_beam: int = 0  # the beam a line with phrases is searched with (runtime/constrained.py constrained_beam)
     enqueued: float = field(default_factory=time.monotonic)
     taken: int = 0  # lines handed to a batch so far
     turn: int = 0  # the cost of the lines taken since its turn began (Batcher._take_turns)
@@ -87,7 +89,10 @@ class Work:
         return (self.decoding.beam_size, self.decoding.nbest, self.first is None)
 
     def cost(self, line: int) -> int:
-        return len(self.ids[line]) * self.decoding.beam_size
+        """Source tokens x the beam the line is searched with: a line with a glossary's terms counts the
+        constrained search's wider beam, as translate_ids batches it."""
+        forced = self.constraints is not None and bool(self.constraints[line])
+        return len(self.ids[line]) * (self.wide_beam if forced else self.decoding.beam_size)
 
 
 Slice = tuple[Work, int, int]  # lines start:stop of a Work
@@ -137,7 +142,8 @@ class Batcher:
         constraints); await `work.future` for its hypotheses."""
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests are queued already (--max-queue {self.max_queue})")
-        work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first, constraints)
+        wide = constrained_beam(decoding.beam_size, self.translator.backend.topk) if constraints else 0
+        work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first, constraints, wide)
         self._pending.append(work)
         self.metrics.queue_depth.set(len(self._pending))
         assert self._wakeup is not None, "Batcher.start() was not awaited"
