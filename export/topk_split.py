@@ -1,16 +1,16 @@
 """The decoder step's top-K over the whole vocabulary, in two stages, for the ONNX Runtime-only int8 graphs.
 
-ONNX Runtime's CPU TopK costs about 16 ns an element: over 8,000 ids for 128 beam rows it took 2.2 ms of a
-13 ms step at one thread, more than the output projection (benchmarks/2026-11-28_intel-xeon-avx512-vnni_
-batch-sentences.md). The K best of a row lie in the K blocks of BLOCK ids whose maxima are the K largest (any
-other block's maximum is at most the K-th of those, so each of its ids has K ids at least as large), so
+ONNX Runtime's CPU TopK over the whole vocabulary was a sixth of a 128-row decoder step
+(benchmarks/README.md, "batch-sentences"). The K best of a row lie in the K blocks
+of BLOCK ids whose maxima are the K largest (any other block's maximum is at most the K-th of those, so each
+of its ids has K ids at least as large), so
 
     TopK(log_probs, K)  ->  Pad to a multiple of BLOCK with -inf -> Reshape (hyps, blocks, BLOCK)
                             -> ReduceMax over BLOCK -> TopK(K) of the blocks -> their BLOCK ids each
                             -> GatherElements of those K x BLOCK log-probs -> TopK(K) of them -> the ids back
 
 gives the same values in the same order and the same ids (ties between equal log-probs aside) from one
-pass of ReduceMax over the vocabulary and two small TopKs: 2.16 ms against 3.29 ms in that measurement. Only
+pass of ReduceMax over the vocabulary and two small TopKs, a third less time for that tail. Only
 the graphs TensorRT never parses get it (rowwise and ort-dynamic int8, the CPU's default): their
 other ops are the same, their verification against PyTorch the same.
 """

@@ -39,12 +39,9 @@ class DecodingOptions:
     max_len_b: int = opt(50, "Output length limit b in a * source_len + b.")
     min_len: int = opt(0, "Least tokens to generate before EOS is allowed.")
     nbest: int = opt(1, "Hypotheses to return per sentence (at most the beam width).")
-    # 8192 tokens and at most 32 sentences on a CPU (CTranslate2's way): long sources then batch as many
-    # sentences as short ones, so the ratio to CTranslate2 does not move with line length (2048 alone fit 9
-    # sentences of 56 pieces: 3.45x the decoder steps), and short lines keep 32 a batch in 25% less peak memory
-    # (benchmarks/2026-11-28_intel-xeon-avx512-vnni_long-sources.md). On a GPU no sentence cap: 128 sentences
-    # of 16 tokens at beam 4 gave the CUDA-graph step of `base` 2.2x the tokens/s of 32 on an H100
-    # (benchmarks/README.md, the GPU table: fewer-kernels).
+    # At most 32 sentences a batch on a CPU, as CTranslate2 batches, so long sources fill batches as short ones
+    # do (benchmarks/README.md, "long-sources"); no cap on a GPU, where larger batches
+    # are faster (benchmarks/README.md, the GPU table: fewer-kernels).
     batch_tokens: int = opt(8192, "Batch budget: sentences x longest source x beam, per batch.")
     batch_sentences: int = opt(32, "Most sentences in one batch; 0: no limit (none on a GPU unless given).")
     rules: str = opt("fairseq", "Beam search rules: fairseq (GNMT length penalty; a sentence ends when beam "
