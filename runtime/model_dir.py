@@ -8,7 +8,7 @@
     loaded.translate(ids)                               # the search, with that decoding
 
 `load` is the one place where a model dir's decoding defaults (DecodingOptions.for_model) and the
-device's batch budget (for_device) are applied, and where the backend registry (runtime/registry.py)
+device's batch sentence cap (for_device) are applied, and where the backend registry (runtime/registry.py)
 is asked which backend serves the dir. Nothing here imports torch: the deploy install opens and loads
 ONNX model dirs with it."""
 
