@@ -23,7 +23,7 @@ from typing import Any
 import onnx
 import torch
 
-from export import calibrate, onnx_export, quantize, rowwise, tensorrt_build, topk_split, trt_compat, verify
+from export import calibrate, onnx_export, quantize, rowwise, sample, tensorrt_build, topk_split, trt_compat, verify
 from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable
@@ -50,7 +50,6 @@ from model.transformer import Transformer
 from runtime import graph_files, references
 from runtime.decoding import PAPER
 from runtime.torch_backend import TorchBackend
-from runtime.translate import encode_sources
 
 __all__ = ["ExportOptions", "ExportPlan", "checkpoint_steps", "decoding_defaults", "export", "export_model",
            "resolve"]
@@ -93,24 +92,25 @@ def export_model(checkpoint: Path | str, out: Path | str, **options: Any) -> Man
 
 def export(checkpoint: Path | str, options: ExportOptions, say: Callable[[str], object] = log.info) -> Manifest:
     """The plan of this export, carried out; returns the manifest written. `say` gets the lines a user reads
-    before the work starts (rowwise int8: which activation scales, and why)."""
+    before the work starts (rowwise int8: which activation scales, and why) and, when scales calibrated on the
+    built-in sample miss their gate, that they stay per row."""
     started = time.perf_counter()
     plan = resolve(Path(checkpoint), options)
     if plan.activation_scales is not None:
         say(plan.activation_scales)
-    manifest = carry_out(plan)
+    manifest = carry_out(plan, say)
     log.info("export finished in %.1f s: %s", time.perf_counter() - started, plan.out)
     return manifest
 
 
-def carry_out(plan: ExportPlan) -> Manifest:
+def carry_out(plan: ExportPlan, say: Callable[[str], object] = log.warning) -> Manifest:
     """The model dir, built in a temp dir beside --out and swapped in only when complete; a Ctrl-C
     or SIGTERM (even one a library swallowed) leaves nothing."""
     out = plan.out
     with signals_latched() as latch:
         tmp = make_temp_dir(out.parent, out.name, "partial")
         try:
-            manifest = write_model_dir(plan, tmp)
+            manifest = write_model_dir(plan, tmp, say)
             latch.raise_if_received(f"export to {out}")  # a Ctrl-C some library swallowed
             replace_dir(tmp, out)
         except BaseException as e:
@@ -122,8 +122,9 @@ def carry_out(plan: ExportPlan) -> Manifest:
     return manifest
 
 
-def write_model_dir(plan: ExportPlan, tmp: Path) -> Manifest:
-    """Every file of the model dir into `tmp`, in the order that fails cheapest first, the manifest last."""
+def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = log.warning) -> Manifest:
+    """Every file of the model dir into `tmp`, in the order that fails cheapest first, the manifest last; `say`
+    gets the line telling that the built-in sample's scales missed their gate."""
     usual_permissions(tmp)
     save_checkpoint(tmp / CHECKPOINT_FILE, plan.model, plan.spm_bytes, extra=plan.payload.get("extra") or {})
     (tmp / SPM_FILE).write_bytes(plan.spm_bytes)
@@ -132,11 +133,19 @@ def write_model_dir(plan: ExportPlan, tmp: Path) -> Manifest:
     graph_model = onnx_export.inference_copy(plan.model, plan.fp16)
     ranges = _calibrate(plan)
     graphs, static_scales = _write_graphs(plan, graph_model, tmp, ranges)
+    gate = _sample_gate(plan, tmp, graphs) if ranges is not None else None
+    if gate is not None and not gate["passed"]:  # the built-in sample's scales missed the int8 gate: per row
+        origin = plan.calibration.origin if plan.calibration else ""
+        say(f"int8: the static activation scales calibrated on {origin} missed the int8 parity gate on it (BLEU "
+            f"{gate['bleu_int8']:.2f} against fp32's {gate['bleu_fp32']:.2f}, at most {gate['max_bleu_delta']} "
+            "apart): the graphs keep per-row dynamic scales")
+        ranges = None
+        graphs, static_scales = _write_graphs(plan, graph_model, tmp, None)
     graphs, constrained = _write_constrained(plan, tmp, graphs)
     verification = _verify(plan, graph_model, tmp)
     verification["constrained_step"] = constrained
     if plan.activation_scales is not None:  # rowwise: static or per row, and why
-        verification["int8_activation_scales"] = _scales_record(plan)
+        verification["int8_activation_scales"] = _scales_record(plan, gate)
     if static_scales is not None:  # which layers run with calibrated constant scales
         verification["int8_static_scales"] = static_scales
     engines, skipped = _engines(plan, tmp)
@@ -162,14 +171,41 @@ def _versions() -> dict[str, str | None]:
             "onnxruntime": onnxruntime.__version__, "tensorrt": None}
 
 
-def _scales_record(plan: ExportPlan) -> dict[str, Any]:
+def _scales_record(plan: ExportPlan, gate: dict[str, Any] | None = None) -> dict[str, Any]:
     """The manifest's record of rowwise int8's activation scales: static (calibrated on what, chosen how) or per
-    row, with the line the export printed."""
+    row, with the line the export printed, and the built-in sample's gate (a missed one leaves them per row)."""
     c = plan.calibration
-    if c is None:
-        return {"kind": "per-row", "note": plan.activation_scales}
+    gated = {} if gate is None else {"sample_gate": gate}
+    if c is None or (gate is not None and not gate["passed"]):
+        return {"kind": "per-row", "note": plan.activation_scales, **gated}
     return {"kind": "static", "calibrated_on": c.origin, "lines": len(c.lines),
-            "chosen": "default" if c.default else "given", "note": plan.activation_scales}
+            "chosen": "default" if c.default else "given", "note": plan.activation_scales, **gated}
+
+
+def _sample_gate(plan: ExportPlan, tmp: Path, graphs: Graphs) -> dict[str, Any] | None:
+    """Parity's int8 gate on the built-in sample (export/sample.py) for scales calibrated on it: the graphs just
+    written, in ONNX Runtime, against the fp32 PyTorch model, with the model's own decoding. None for other
+    calibration lines, which are the user's."""
+    if plan.calibration is None or not plan.calibration.sample:
+        return None
+    assert plan.tokenizer is not None  # resolve builds it for the calibration lines
+    from runtime.ort_backend import OrtBackend
+
+    started = time.perf_counter()
+    limits, topk = plan.limits, plan.options.topk
+    decoding = PAPER.for_model(plan.decoding)
+    decoding = decoding.replace(beam_size=max(1, min(decoding.beam_size, limits.max_beam, topk // 2)))
+    # fuse=False: the model stays as calibration and verification read it
+    reference = TorchBackend(plan.model, "cpu", topk=topk, max_src_len=limits.max_src_len,
+                             max_tgt_len=limits.max_tgt_len, step_mode="eager", fuse=False)
+    draft = _manifest(plan, graphs, {}, None, plan.tensorrt_skip_note(), None)  # what OrtBackend reads
+    int8 = OrtBackend(tmp, draft, device="cpu")
+    result = sample.gate(reference, int8, plan.tokenizer, plan.calibration.sample, decoding,
+                         references.INT8_MAX_BLEU_DELTA)
+    log.info("int8 gate on the built-in sample: BLEU %.2f (fp32 %.2f) on %d lines, %s, in %.1f s",
+             result["bleu_int8"], result["bleu_fp32"], result["lines"],
+             "passed" if result["passed"] else "missed", time.perf_counter() - started)
+    return result
 
 
 def _calibrate(plan: ExportPlan) -> RangeTable | None:
@@ -180,8 +216,9 @@ def _calibrate(plan: ExportPlan) -> RangeTable | None:
     assert plan.tokenizer is not None  # resolve builds it for the calibration lines
     started = time.perf_counter()
     lines = plan.calibration.lines
-    sources = encode_sources(plan.tokenizer, lines, plan.limits.max_src_len, origin=plan.calibration.origin).ids
-    ranges = calibrate.activation_ranges(plan.model, sources, plan.limits.max_tgt_len, plan.options.topk)
+    sources, first = sample.encoded(plan.tokenizer, plan.model.cfg, plan.calibration, plan.limits.max_src_len)
+    ranges = calibrate.activation_ranges(plan.model, sources, plan.limits.max_tgt_len, plan.options.topk,
+                                         first_tokens=first)
     log.info("calibrated %d activation ranges on %d lines in %.1f s", len(ranges), len(lines),
              time.perf_counter() - started)
     return calibrate.RangeTable(plan.model, ranges)

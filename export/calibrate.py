@@ -32,9 +32,10 @@ CALIBRATION_BATCH = 16
 
 
 def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len: int, topk: int,
-                      beam_size: int = 4) -> dict[str, float]:
+                      beam_size: int = 4, first_tokens: list[int] | None = None) -> dict[str, float]:
     """{module name (or LOGITS): the largest |input| it saw} over a beam search of `sources` (token ids), each
-    output at most source length + 50 tokens (the paper's limit, serving's default) and max_tgt_len."""
+    output at most source length + 50 tokens (the paper's limit, serving's default) and max_tgt_len;
+    first_tokens: per source, its forced first token (a multilingual model's target language)."""
     from runtime.decoding import PAPER
     from runtime.search import beam_search
     from runtime.torch_backend import TorchBackend
@@ -61,8 +62,9 @@ def activation_ranges(model: Transformer, sources: list[list[int]], max_tgt_len:
             for i in range(0, len(sources), CALIBRATION_BATCH):
                 batch = sources[i:i + CALIBRATION_BATCH]
                 longest = min(max_tgt_len - 1, max(map(len, batch)) + PAPER.max_len_b)
+                first = None if first_tokens is None else first_tokens[i:i + CALIBRATION_BATCH]
                 beam_search(backend, pad_batch(batch, model.cfg.pad_id), beam_size=min(beam_size, topk // 2),
-                            max_len_a=0.0, max_len_b=longest)
+                            max_len_a=0.0, max_len_b=longest, first_tokens=first)
     finally:
         for h in handles:
             h.remove()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from export import quantize, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus
@@ -13,6 +14,9 @@ from model.manifest import QUANTIZATIONS
 from runtime.fields import opt
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
+
+if TYPE_CHECKING:
+    from export.sample import SampleDirection
 
 CALIBRATION_LINES = 200  # --int8-calibrate reads at most this many lines
 
@@ -34,6 +38,8 @@ class Calibration:
     # taken by default (the held-out set's sources) rather than asked for with --int8-calibrate: another int8
     # flavour then skips them without an error, and the one line says how to choose others or opt out
     default: bool = False
+    # the built-in sample's directions (export/sample.py), whose references gate the scales it gives
+    sample: tuple[SampleDirection, ...] = ()
 
 
 @dataclass(frozen=True)

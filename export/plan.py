@@ -17,6 +17,7 @@ from typing import Any
 from export import onnx_export, quantize, tensorrt_build, verify
 from export.errors import ExportError, TensorRTUnavailable
 from export.options import CALIBRATION_LINES, DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, Calibration, ExportOptions
+from export.sample import sample_calibration
 from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
 from model.checkpoint import load_model, resolve_checkpoint
@@ -92,22 +93,23 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     model, spm_bytes, payload, loaded = load(source)
     limits = _limits(options, model.cfg.max_positions)
     check_options(model.cfg, opset=options.opset, topk=options.topk, limits=limits)
-    needed = options.references is not None or options.shortlist is not None or options.calibration is not None
-    tokenizer = loaded if needed else None
+    pair = language_pair(options, payload, model.cfg)
     # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
     counted = None
-    if options.shortlist is not None and tokenizer is not None:
-        counted = count_table(options.shortlist, tokenizer, model.cfg, options.topk)
+    if options.shortlist is not None:
+        counted = count_table(options.shortlist, loaded, model.cfg, options.topk)
     unavailable = _tensorrt_unavailable(tensorrt)
     flavour = _int8_flavour(options, tensorrt, unavailable)
-    calibration, scales = activation_scales(options, flavour)
+    calibration, scales = activation_scales(options, flavour, model.cfg, pair)
+    needed = options.references is not None or options.shortlist is not None or calibration is not None
+    tokenizer = loaded if needed else None
     if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs
         tensorrt = False
     return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,
                       tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
                       tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
                       decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted,
-                      language_pair=language_pair(options, payload, model.cfg), calibration=calibration,
+                      language_pair=pair, calibration=calibration,
                       activation_scales=scales)
 
 
@@ -163,11 +165,13 @@ def _int8_flavour(options: ExportOptions, tensorrt: bool | None, unavailable: st
 NO_SENTENCES = "no held-out sentences to calibrate on: give --int8-calibrate FILE or --reference-src/--reference-tgt"
 
 
-def activation_scales(options: ExportOptions, flavour: str | None) -> tuple[Calibration | None, str | None]:
+def activation_scales(options: ExportOptions, flavour: str | None, cfg: ModelConfig | None = None,
+                      pair: Languages | None = None) -> tuple[Calibration | None, str | None]:
     """Rowwise int8's activation scales: the sentences to calibrate static ones on (None: per row at run time)
     and the one line that says which, and why (None for the other flavours). Static by default: on
     --int8-calibrate's lines, else the held-out set's (`options.calibration` marked default, or the sources of
-    `options.references`); per row with --no-int8-calibrate or without any sentences."""
+    `options.references`), else the built-in sample in the model's languages (`cfg`, `pair`; export/sample.py),
+    kept only if they pass the int8 gate on it; per row with --no-int8-calibrate or without any sentences."""
     given = options.calibration
     if isinstance(given, list):  # export_model(calibration=[...]): lines asked for, like --int8-calibrate's
         given = Calibration(given, "the calibration lines")
@@ -184,9 +188,15 @@ def activation_scales(options: ExportOptions, flavour: str | None) -> tuple[Cali
     if given is None and options.references is not None:
         given = Calibration([x for x in options.references[0] if x.strip()][:CALIBRATION_LINES],
                             "the held-out set's sources", default=True)
+    gated = ""
+    if (given is None or not given.lines) and cfg is not None:
+        given, why = sample_calibration(cfg, pair)
+        if given is None:
+            return None, f"int8: per-row dynamic activation scales ({NO_SENTENCES}; {why})"
+        gated = ", kept if they pass the int8 parity gate on it"
     if given is None or not given.lines:
         return None, f"int8: per-row dynamic activation scales ({NO_SENTENCES})"
-    said = f"int8: static activation scales calibrated on {len(given.lines)} lines of {given.origin}"
+    said = f"int8: static activation scales calibrated on {len(given.lines)} lines of {given.origin}{gated}"
     if not given.default:
         return given, f"{said} (--int8-calibrate)"
     return given, f"{said} (--int8-calibrate FILE to choose others; --no-int8-calibrate for per-row dynamic scales)"

@@ -23,6 +23,9 @@ from runtime.translate import encode_sources, format_line, translate_ids
 
 FORMAT = "pipeline-references-v1"
 DEFAULT_LINES = 100  # enough sentences for a token-agreement gate, seconds to translate at export
+# `pipeline parity`'s int8 gate: the largest |BLEU(int8) - BLEU(fp32)| (pipeline/evaluation/parity_options.py),
+# which the export also applies to static scales calibrated on its built-in sample (export/sample.py)
+INT8_MAX_BLEU_DELTA = 0.5
 
 
 @dataclass(frozen=True)

@@ -76,12 +76,15 @@ def test_default_calibrates_on_the_save_dirs_validation_set(save_dir, tmp_path, 
 
 
 def test_without_held_out_sentences_the_scales_stay_per_row(random_checkpoint, tmp_path, capsys):
-    """A bare .pt (no save dir: an imported model without --reference-src) has nothing to calibrate on."""
+    """A bare .pt (no save dir) whose languages are unknown has nothing to calibrate on, the built-in sample
+    included (tests/test_int8_sample.py)."""
     out = tmp_path / "m"
     err = _export(capsys, random_checkpoint, out)
-    line = f"int8: per-row dynamic activation scales ({NO_SENTENCES})"
+    line = f"int8: per-row dynamic activation scales ({NO_SENTENCES}; this model's languages are unknown (export " \
+           "--src-lang/--tgt-lang name them))"
     assert line == ("int8: per-row dynamic activation scales (no held-out sentences to calibrate on: give "
-                    "--int8-calibrate FILE or --reference-src/--reference-tgt)")
+                    "--int8-calibrate FILE or --reference-src/--reference-tgt; this model's languages are unknown "
+                    "(export --src-lang/--tgt-lang name them))")
     assert _scales_lines(err) == [line]
     ver = _verification(out)
     assert ver["int8_activation_scales"] == {"kind": "per-row", "note": line} and "int8_static_scales" not in ver

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from model.errors import UserError
 from runtime.fields import Checked, opt
+from runtime.references import INT8_MAX_BLEU_DELTA
 from runtime.registry import backend_names
 
 REFERENCE = "torch"
@@ -28,7 +29,7 @@ DEFAULT_GATES = {
     "fp32": Gate(min_identical=0.99, max_bleu_delta=0.1),
     "fp16": Gate(min_identical=None, max_bleu_delta=0.5),
     # int8 weights change some beams by design; published int8 cost is well under 1 BLEU.
-    "int8": Gate(min_identical=None, max_bleu_delta=0.5),
+    "int8": Gate(min_identical=None, max_bleu_delta=INT8_MAX_BLEU_DELTA),
     # fp32 over a vocabulary shortlist: a token outside a batch's candidates cannot be produced, so some
     # sentences change by design; fp16/int8 over one take the larger of this delta and their own (gate_for).
     "shortlist": Gate(min_identical=None, max_bleu_delta=0.3),
