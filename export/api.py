@@ -325,7 +325,7 @@ def _record_references(plan: ExportPlan, model_dir: Path) -> None:
                            max_tgt_len=limits.max_tgt_len)
     decoding = PAPER.for_model(plan.decoding)
     decoding = decoding.replace(beam_size=max(1, min(decoding.beam_size, limits.max_beam, topk // 2)))
-    recorded = references.record(backend, plan.tokenizer, *plan.references, decoding)
+    recorded = references.record(backend, plan.tokenizer, *plan.references, decoding, plan.held_out_direction)
     references.write(model_dir, recorded)
     log.info("recorded the fp32 model's translations of %d held-out lines for parity in %.1f s",
              len(recorded.sources), time.perf_counter() - started)

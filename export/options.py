@@ -40,6 +40,7 @@ class Calibration:
     default: bool = False
     # the built-in sample's directions (export/sample.py), whose references gate the scales it gives
     sample: tuple[SampleDirection, ...] = ()
+    codes: tuple[str, str] | None = None  # a multilingual model's (source, target) codes of these lines
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,11 @@ class ExportOptions:
     src_lang: str | None = opt(None, "The language code the model translates from (de, eng_Latn), recorded in the "
                                "manifest: `pipeline serve` then serves the model under LibreTranslate's API "
                                "whatever its name. Default: the checkpoint's (an imported Marian model's "
-                               "tokenizer_config.json), else the training run's corpus suffix (train.de).")
-    tgt_lang: str | None = opt(None, "The language code the model translates into; as --src-lang.")
+                               "tokenizer_config.json), else the training run's corpus suffix (train.de). For a "
+                               "multilingual model (M2M-100, NLLB): the language of --reference-src and "
+                               "--int8-calibrate's lines, which it then needs.")
+    tgt_lang: str | None = opt(None, "The language code the model translates into; as --src-lang (a multilingual "
+                               "model: the language of --reference-tgt, the one its held-out lines are decoded into).")
     timing_cache: Path | None = opt(None, "TensorRT timing cache file, reused across builds "
                                     "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).", path="any")
     # What the files above hold, read by the caller (no command-line option of their own):

@@ -8,6 +8,7 @@ before minutes of work (export/api.py runs the plan's steps).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from model.config import ModelConfig
 from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
 from runtime.decoding import PAPER
-from runtime.languages import LANG_CODE
+from runtime.languages import LANG_CODE, LanguageError, direction
 from runtime.shortlist import Shortlist
 from runtime.tokenizer import AnyTokenizer, TokenizerError, load_tokenizer
 
@@ -52,6 +53,7 @@ class ExportPlan:
     steps: list[int]  # the training steps the weights come from
     counted: tuple[Shortlist, int] | None  # the shortlist's table and its sentence pairs
     language_pair: Languages | None = None  # a model of one pair: its codes, when known
+    held_out_direction: tuple[str, str] | None = None  # a multilingual model: its held-out lines' codes
     calibration: Calibration | None = None  # rowwise int8's static activation scales are measured on these
     activation_scales: str | None = None  # rowwise int8: the one line saying which scales, and why
 
@@ -100,7 +102,10 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
         counted = count_table(options.shortlist, loaded, model.cfg, options.topk)
     unavailable = _tensorrt_unavailable(tensorrt)
     flavour = _int8_flavour(options, tensorrt, unavailable)
+    held_out = held_out_direction(options, model.cfg)
     calibration, scales = activation_scales(options, flavour, model.cfg, pair)
+    if calibration is not None and held_out is not None and not calibration.sample:  # the user's lines: their way
+        calibration = dataclasses.replace(calibration, codes=held_out)
     needed = options.references is not None or options.shortlist is not None or calibration is not None
     tokenizer = loaded if needed else None
     if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs
@@ -109,7 +114,7 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
                       tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
                       tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
                       decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted,
-                      language_pair=pair, calibration=calibration,
+                      language_pair=pair, held_out_direction=held_out, calibration=calibration,
                       activation_scales=scales)
 
 
@@ -280,10 +285,7 @@ def language_pair(options: ExportOptions, payload: dict[str, Any], cfg: ModelCon
     (an import's); None when unknown or for a multilingual model, whose codes are its language tokens."""
     given = (options.src_lang, options.tgt_lang)
     if cfg.languages:
-        if any(given):
-            raise ExportError("--src-lang/--tgt-lang are for a model of one pair; this multilingual model serves "
-                              f"its {len(cfg.languages)} languages")
-        return None
+        return None  # --src-lang/--tgt-lang name its held-out lines' direction (held_out_direction)
     if (given[0] is None) != (given[1] is None):
         raise ExportError("give both --src-lang and --tgt-lang, or neither")
     recorded = (payload.get("extra") or {}).get("languages") or {}
@@ -296,6 +298,28 @@ def language_pair(options: ExportOptions, payload: dict[str, Any], cfg: ModelCon
     if source == target:
         raise ExportError(f"--src-lang and --tgt-lang are both {source}: a model translates between two languages")
     return Languages((source,), (target,))
+
+
+def held_out_direction(options: ExportOptions, cfg: ModelConfig) -> tuple[str, str] | None:
+    """A multilingual model's (source, target) codes of the held-out and calibration lines (--reference-src,
+    --int8-calibrate): --src-lang/--tgt-lang, which they need, as the model has them. None for a model of one
+    pair, or for one with no such lines (the built-in sample knows its own languages)."""
+    if not cfg.languages:
+        return None
+    given = (options.src_lang, options.tgt_lang)
+    lines = options.references is not None or options.calibration is not None
+    if not lines:
+        if any(given):
+            raise ExportError("--src-lang/--tgt-lang name the languages of a multilingual model's held-out lines "
+                              "(--reference-src, --int8-calibrate); there are none: leave them out, this model "
+                              f"serves its {len(cfg.languages)} languages")
+        return None
+    try:
+        way = direction(cfg, *given)
+    except LanguageError as e:
+        raise ExportError(f"{e} (the languages of --reference-src / --int8-calibrate's lines)") from None
+    assert way.source is not None and way.target is not None
+    return way.source, way.target
 
 
 def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:

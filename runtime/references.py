@@ -18,6 +18,7 @@ from model.manifest import REFERENCES_FILE
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
+from runtime.languages import direction
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, format_line, translate_ids
 
@@ -37,23 +38,30 @@ class References:
     decoding: DecodingOptions
     hypotheses: list[list[int]]  # the fp32 PyTorch model's best hypothesis per line
     lines: list[str]  # those hypotheses as serve-batch writes them
+    # a multilingual model's direction of these lines (its language codes); None for a model of one pair
+    source_lang: str | None = None
+    target_lang: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        languages = {} if self.source_lang is None else {"source_lang": self.source_lang,
+                                                          "target_lang": self.target_lang}
         return {"format": FORMAT, "decoding": self.decoding.to_dict(), "sources": self.sources,
-                "references": self.references, "hypotheses": self.hypotheses, "lines": self.lines}
+                "references": self.references, "hypotheses": self.hypotheses, "lines": self.lines, **languages}
 
 
 def record(backend: Backend, tokenizer: AnyTokenizer, sources: list[str], references: list[str],
-           decoding: DecodingOptions = PAPER) -> References:
-    """The reference backend's (the fp32 PyTorch model's) translations of `sources`."""
+           decoding: DecodingOptions = PAPER, languages: tuple[str, str] | None = None) -> References:
+    """The reference backend's (the fp32 PyTorch model's) translations of `sources`; `languages`: a multilingual
+    model's (source, target) codes of them, told in its language tokens as serve-batch tells them."""
     if len(sources) != len(references):
         raise RuntimeUserError(f"{len(sources)} reference sources but {len(references)} references: "
                                "they must be line-aligned")
-    encoded = encode_sources(tokenizer, sources, backend.max_src_len)
-    nbest = translate_ids(backend, encoded.ids, decoding)
+    way = direction(backend.cfg, *(languages or (None, None)))
+    encoded = encode_sources(tokenizer, sources, backend.max_src_len, prefix=way.prefix)
+    nbest = translate_ids(backend, encoded.ids, decoding, first_tokens=way.first_tokens(len(sources)))
     best = [hyps[0].tokens if hyps else [] for hyps in nbest]
     lines = [format_line(tokenizer, [(h.tokens, h.score) for h in hyps], 1) for hyps in nbest]
-    return References(sources, references, decoding, best, lines)
+    return References(sources, references, decoding, best, lines, way.source, way.target)
 
 
 def write(model_dir: Path, refs: References) -> None:
@@ -73,7 +81,8 @@ def read(model_dir: Path) -> References:
             raise ValueError(f"format {data.get('format')!r}, expected {FORMAT}")
         refs = References([str(s) for s in data["sources"]], [str(r) for r in data["references"]],
                           DecodingOptions(**data["decoding"]).validate(),
-                          [[int(t) for t in h] for h in data["hypotheses"]], [str(x) for x in data["lines"]])
+                          [[int(t) for t in h] for h in data["hypotheses"]], [str(x) for x in data["lines"]],
+                          *(None if data.get(k) is None else str(data[k]) for k in ("source_lang", "target_lang")))
     except (ValueError, KeyError, TypeError) as e:
         raise RuntimeUserError(f"{path}: unreadable reference record ({e}); export the model again") from None
     if not (len(refs.sources) == len(refs.references) == len(refs.hypotheses) == len(refs.lines)):

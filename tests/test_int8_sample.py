@@ -14,7 +14,6 @@ from m2m100_fixture import make_m2m100_dir
 from marian_fixture import make_marian_dir
 
 from export import sample
-from export.options import CALIBRATION_LINES
 from export.plan import load
 from model.config import ModelConfig
 from model.manifest import Languages
@@ -57,20 +56,20 @@ def test_a_one_pair_model_calibrates_on_its_source_language():
 
 def test_a_multilingual_model_calibrates_into_english_and_out_of_it():
     """Every sample language the model has into English, English into German; each direction its own rows, the
-    references the same rows' translations; CALIBRATION_LINES in all."""
+    references the same rows' translations; MULTILINGUAL_LINES in all."""
     table = sample.read_sample()
     cfg = _cfg((("cs", 60), ("de", 61), ("en", 62), ("ja", 63), ("ru", 64)))
     ways, said = sample.sample_for(cfg, None)
     assert [w.codes for w in ways] == [("cs", "en"), ("de", "en"), ("ru", "en"), ("en", "de")]
     assert said == "the built-in sample (3 languages -> en, en -> de)"
-    assert sum(len(w.lines) for w in ways) == CALIBRATION_LINES
+    assert sum(len(w.lines) for w in ways) == sample.MULTILINGUAL_LINES
     seen = []
     for way in ways:
         src, tgt = (sample.sample_language(c) for c in way.codes)
         rows = [table[src].index(line) for line in way.lines]
         assert [table[tgt][r] for r in rows] == way.references
         seen += rows
-    assert len(set(seen)) == len(seen) or len(seen) > 100  # distinct rows until the 100 run out
+    assert len(set(seen)) == len(seen)  # each direction its own rows
     nllb = _cfg((("deu_Latn", 60), ("eng_Latn", 61)))
     assert [w.codes for w in sample.sample_for(nllb, None)[0]] == [("deu_Latn", "eng_Latn"), ("eng_Latn", "deu_Latn")]
     ways, said = sample.sample_for(_cfg((("de", 60), ("ja", 61))), None)
@@ -147,13 +146,19 @@ def test_scales_that_miss_the_gate_leave_per_row_graphs(marian_checkpoint, tmp_p
     assert outputs[0] == outputs[1]
 
 
-def test_a_multilingual_import_calibrates_with_its_language_tokens(tmp_path, capsys):
-    """An imported M2M-100 (en, de, cs, ru among its languages) calibrates on the sample into English and out of
-    it, each source with its language token and each output forced to its target's."""
-    hf = make_m2m100_dir(tmp_path / "m2m100-tiny", train_steps=0, vocab_pieces=80)
-    checkpoint = tmp_path / "imported.pt"
-    code, _, err = run_cli_captured(capsys, "import", hf, "--out", checkpoint)
-    assert code == 0, err
+@pytest.fixture(scope="module")
+def m2m_checkpoint(tmp_path_factory) -> Path:
+    """An imported M2M-100 (random weights) with en, de, cs and ru among its languages."""
+    root = tmp_path_factory.mktemp("m2m")
+    hf = make_m2m100_dir(root / "m2m100-tiny", train_steps=0, vocab_pieces=80)
+    assert run_cli("import", hf, "--out", root / "imported.pt") == 0
+    return root / "imported.pt"
+
+
+def test_a_multilingual_import_calibrates_with_its_language_tokens(m2m_checkpoint, tmp_path, capsys):
+    """An imported M2M-100 calibrates on the sample into English and out of it, each source with its language
+    token and each output forced to its target's."""
+    checkpoint = m2m_checkpoint
     model, _, _, tokenizer = load(checkpoint)
     calibration, _ = sample.sample_calibration(model.cfg, None)
     assert calibration is not None
@@ -164,6 +169,40 @@ def test_a_multilingual_import_calibrates_with_its_language_tokens(tmp_path, cap
     assert (ids[-1][0], first[-1]) == (tokens["en"], tokens["de"])
     err, ver = _export(capsys, checkpoint, tmp_path / "int8")
     scales = ver["int8_activation_scales"]
-    assert scales["calibrated_on"].startswith("the built-in sample (") and scales["lines"] == CALIBRATION_LINES
-    assert scales["sample_gate"]["lines"] == CALIBRATION_LINES
+    assert scales["calibrated_on"].startswith("the built-in sample (") and scales["lines"] == sample.MULTILINGUAL_LINES
+    assert scales["sample_gate"]["lines"] == sample.MULTILINGUAL_LINES
     assert scales["kind"] == ("static" if scales["sample_gate"]["passed"] else "per-row")
+
+
+def test_a_multilingual_models_own_lines_are_decoded_in_the_languages_given(m2m_checkpoint, tmp_path, capsys):
+    """--reference-src/--int8-calibrate lines of a multilingual model need --src-lang/--tgt-lang: calibration and
+    the recorded references decode them with those language tokens, and `pipeline parity MODEL_DIR` (the recorded
+    references, no --src) translates them in the same direction."""
+    table = sample.read_sample()
+    src, ref = tmp_path / "held.de", tmp_path / "held.en"
+    src.write_text("\n".join(table["de"][:8]) + "\n")
+    ref.write_text("\n".join(table["en"][:8]) + "\n")
+    files = ["--reference-src", src, "--reference-tgt", ref]
+    code, _, err = run_cli_captured(capsys, "export", m2m_checkpoint, "--out", tmp_path / "x", "--int8",
+                                    "--no-tensorrt", *files)
+    assert code != 0 and "--src-lang is required" in err and "--reference-src" in err
+    code, _, err = run_cli_captured(capsys, "export", m2m_checkpoint, "--out", tmp_path / "x", "--int8",
+                                    "--no-tensorrt", *files, "--src-lang", "de", "--tgt-lang", "xx")
+    assert code != 0 and "--tgt-lang 'xx' is not a language of this model" in err
+    code, _, err = run_cli_captured(capsys, "export", m2m_checkpoint, "--out", tmp_path / "x", "--int8",
+                                    "--no-tensorrt", "--src-lang", "de", "--tgt-lang", "en")
+    assert code != 0 and "there are none" in err and not (tmp_path / "x").exists()
+
+    out = tmp_path / "m"
+    code, _, err = run_cli_captured(capsys, "export", m2m_checkpoint, "--out", out, "--int8", "--no-tensorrt",
+                                    *files, "--src-lang", "de", "--tgt-lang", "en")
+    assert code == 0, err
+    scales = json.loads((out / "manifest.json").read_text())["verification"]["int8_activation_scales"]
+    assert scales["kind"] == "static" and scales["lines"] == 8 and "sample_gate" not in scales
+    recorded = json.loads((out / "references.json").read_text())
+    tokens = load(m2m_checkpoint)[0].cfg.language_ids
+    assert (recorded["source_lang"], recorded["target_lang"]) == ("de", "en")
+    assert all(h[0] == tokens["en"] for h in recorded["hypotheses"] if h)  # each forced into English
+    code, said, err = run_cli_captured(capsys, "parity", out, "--backends", "torch,onnxruntime")
+    assert code == 0, err
+    assert "parity: passed" in said

@@ -229,7 +229,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
     manifest = opened.manifest
     refs = opened.references()
-    opts = ServeBatchOptions(decoding=refs.decoding).validate()
+    opts = ServeBatchOptions(decoding=refs.decoding, src_lang=refs.source_lang, tgt_lang=refs.target_lang).validate()
     tokenizer = opened.tokenizer
     ref_run = Served(refs.lines, [], refs.hypotheses, 0.0, 0)
     model = ModelOnDemand(Path(model_dir) / CHECKPOINT_FILE
