@@ -6,6 +6,7 @@ the sample lacks, the graphs keep per-row scales, and the export and the manifes
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,8 @@ def test_the_sample_is_a_line_aligned_table_of_ten_languages():
         assert all(line and line == line.strip() and "\t" not in line for line in lines), code
     assert len(set(table["en"])) == 100
     assert sum(len(x.split()) for x in table["en"]) / 100 >= 8  # sentences, not words
+    pyproject = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert re.search(r'\nexport = \[[^]]*"\*\.tsv"', pyproject), "pyproject's package-data misses the sample"
 
 
 def test_a_models_codes_name_the_samples_languages():
