@@ -6,17 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from export import quantize, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus
+from model.config import ModelConfig
 from model.manifest import QUANTIZATIONS
 from runtime.fields import opt
+from runtime.languages import Direction, direction
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
-
-if TYPE_CHECKING:
-    from export.sample import SampleDirection
 
 CALIBRATION_LINES = 200  # --int8-calibrate reads at most this many lines
 
@@ -27,6 +25,21 @@ DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
 # text strictly); export itself takes what they hold: ExportOptions.references and .shortlist.
 READ_BY_THE_CALLER = ("reference_src", "reference_tgt", "reference_lines", "shortlist_src", "shortlist_tgt",
                       "shortlist_per_source", "shortlist_frequent")
+
+
+@dataclass(frozen=True)
+class SampleDirection:
+    """Calibration lines in one direction (the built-in sample's, export/sample.py, or the user's): `codes` the
+    model's own (source, target) codes for a multilingual model (its language tokens), None for a model of one
+    pair; `references` their translations (the sample's, which gate the scales; none for the user's)."""
+
+    codes: tuple[str, str] | None
+    lines: list[str]
+    references: list[str]
+
+    def direction(self, cfg: ModelConfig) -> Direction:
+        source, target = self.codes or (None, None)
+        return direction(cfg, source, target)
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,13 @@ manifest records beside it, says more.
 from __future__ import annotations
 
 import importlib.resources
-from dataclasses import dataclass
 from typing import Any
 
-from export.options import Calibration
+from export.options import Calibration, SampleDirection
 from model.config import ModelConfig
 from model.manifest import Languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
-from runtime.languages import Direction, direction
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, format_line, translate_ids
 
@@ -40,20 +38,6 @@ SECOND = "de"
 # ISO 639-2/3 codes of the sample's languages (NLLB's eng_Latn, a model dir named deu): their ISO 639-1 code
 LONG_CODES = {"eng": "en", "deu": "de", "ger": "de", "fra": "fr", "fre": "fr", "spa": "es", "ita": "it",
               "por": "pt", "nld": "nl", "dut": "nl", "pol": "pl", "ces": "cs", "cze": "cs", "rus": "ru"}
-
-
-@dataclass(frozen=True)
-class SampleDirection:
-    """Sample lines in one direction: `codes` the model's own (source, target) codes for a multilingual model (its
-    language tokens), None for a model of one pair; `references` their translations."""
-
-    codes: tuple[str, str] | None
-    lines: list[str]
-    references: list[str]
-
-    def direction(self, cfg: ModelConfig) -> Direction:
-        source, target = self.codes or (None, None)
-        return direction(cfg, source, target)
 
 
 def read_sample() -> dict[str, list[str]]:
