@@ -48,7 +48,7 @@ from model.manifest import (
 from model.signals import signals_latched
 from model.transformer import Transformer
 from runtime import graph_files, references
-from runtime.decoding import PAPER
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.torch_backend import TorchBackend
 
 __all__ = ["ExportOptions", "ExportPlan", "checkpoint_steps", "decoding_defaults", "export", "export_model",
@@ -193,14 +193,12 @@ def _sample_gate(plan: ExportPlan, tmp: Path, graphs: Graphs) -> dict[str, Any] 
 
     started = time.perf_counter()
     limits, topk = plan.limits, plan.options.topk
-    decoding = PAPER.for_model(plan.decoding)
-    decoding = decoding.replace(beam_size=max(1, min(decoding.beam_size, limits.max_beam, topk // 2)))
     # fuse=False: the model stays as calibration and verification read it
     reference = TorchBackend(plan.model, "cpu", topk=topk, max_src_len=limits.max_src_len,
                              max_tgt_len=limits.max_tgt_len, step_mode="eager", fuse=False)
     draft = _manifest(plan, graphs, {}, None, plan.tensorrt_skip_note(), None)  # what OrtBackend reads
     int8 = OrtBackend(tmp, draft, device="cpu")
-    result = sample.gate(reference, int8, plan.tokenizer, plan.calibration.sample, decoding,
+    result = sample.gate(reference, int8, plan.tokenizer, plan.calibration.sample, _served_decoding(plan),
                          references.INT8_MAX_BLEU_DELTA)
     log.info("int8 gate on the built-in sample: BLEU %.2f (fp32 %.2f) on %d lines, %s, in %.1f s",
              result["bleu_int8"], result["bleu_fp32"], result["lines"],
@@ -314,6 +312,12 @@ def _write_shortlist(plan: ExportPlan, graph_model: Transformer, tmp: Path,
                            fp16_atol=o.fp16_atol, int8_atol=plan.int8_atol, held_out=plan.references, ranges=ranges)
 
 
+def _served_decoding(plan: ExportPlan) -> DecodingOptions:
+    """The model's decoding (the paper's unless it brings its own), its beam within the export's limits and top-k."""
+    decoding = PAPER.for_model(plan.decoding)
+    return decoding.replace(beam_size=max(1, min(decoding.beam_size, plan.limits.max_beam, plan.options.topk // 2)))
+
+
 def _record_references(plan: ExportPlan, model_dir: Path) -> None:
     """references.json: the fp32 model's translations of the held-out lines, as the torch backend
     serves this model dir (its limits and top-k), with the model's decoding (the paper's unless it
@@ -323,9 +327,8 @@ def _record_references(plan: ExportPlan, model_dir: Path) -> None:
     limits, topk = plan.limits, plan.options.topk
     backend = TorchBackend(plan.model, "cpu", topk=topk, max_src_len=limits.max_src_len,
                            max_tgt_len=limits.max_tgt_len)
-    decoding = PAPER.for_model(plan.decoding)
-    decoding = decoding.replace(beam_size=max(1, min(decoding.beam_size, limits.max_beam, topk // 2)))
-    recorded = references.record(backend, plan.tokenizer, *plan.references, decoding, plan.held_out_direction)
+    recorded = references.record(backend, plan.tokenizer, *plan.references, _served_decoding(plan),
+                                 plan.held_out_direction)
     references.write(model_dir, recorded)
     log.info("recorded the fp32 model's translations of %d held-out lines for parity in %.1f s",
              len(recorded.sources), time.perf_counter() - started)
