@@ -18,8 +18,9 @@ per-sentence cross K/V (cross_k.i axis 0 named "batch") or per-hypothesis copies
         --steps 30 --threads 2 --rounds 10
 
 `overhead` splits beam search through the onnxruntime backend into its parts per decoder step
-(the engine's run, binding, the beam cache, search's bookkeeping), for one or more checkouts of
-the code, each round a fresh process per checkout and model dir, alternating:
+(the engine's run, binding, the beam cache, search's bookkeeping; then our code alone, the same search
+with every engine run a no-op and no timers), for one or more checkouts of the code, each round a fresh
+process per checkout and model dir, alternating:
 
     git worktree add /tmp/base HEAD~1
     python scripts/bench_decoder_step.py overhead models/small-fp32 --code /tmp/base --code . \
@@ -194,6 +195,7 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
                 calls[key] = calls.get(key, 0) + 1
         return timed_call
 
+    untimed = (backend.step, backend.encode, BeamCache.advance, BeamCache.append)
     backend.decoder.run_with_iobinding = timed("run", backend.decoder.run_with_iobinding)
     backend.step = timed("step", backend.step)
     backend.encode = timed("encode", backend.encode)
@@ -213,8 +215,16 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     parts = {"run": spent["run"], "bind": spent["step"] - spent["run"] - cache, "cache": cache,
              "search": total - spent["step"] - spent["encode"]}
     steps = calls["step"]
+    # The same searches with no timers and every engine run a no-op (the same steps: the length is forced): what
+    # our own code costs per step, without the timers' share that the parts above carry.
+    backend.step, backend.encode, BeamCache.advance, BeamCache.append = untimed  # type: ignore[method-assign]
+    backend.decoder.run_with_iobinding = backend.encoder.run_with_iobinding = lambda *args, **kwargs: None
+    start = time.perf_counter()
+    for src in batches:
+        search(backend, src, decoding)
+    ours = time.perf_counter() - start
     return {"ms_per_sentence": total * 1000 / sentences, "steps_per_batch": steps / len(batches),
-            **{k: v * 1e6 / steps for k, v in parts.items()}}
+            **{k: v * 1e6 / steps for k, v in parts.items()}, "ours_untimed": ours * 1e6 / steps}
 
 
 def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) -> None:
@@ -227,11 +237,13 @@ def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) 
                                  check=True, capture_output=True, text=True).stdout
             got[(code, d)].append(json.loads(out.splitlines()[-1]))
     print(f"{'model dir':<24} {'code':<16} {'ms/sent':>8} " + " ".join(f"{p + ' us':>10}" for p in PARTS)
-          + f" {'not run us':>10}  (per step, medians of {rounds})")
+          + f" {'not run us':>10} {'untimed us':>10}  (per step, medians of {rounds}; untimed: our code alone, "
+          "every run a no-op, no timers)")
     for (code, d), results in got.items():
         med = {key: statistics.median(r[key] for r in results) for key in results[0]}
         print(f"{d.name:<24} {str(code)[-16:]:<16} {med['ms_per_sentence']:>8.2f} "
-              + " ".join(f"{med[p]:>10.0f}" for p in PARTS) + f" {sum(med[p] for p in PARTS[1:]):>10.0f}")
+              + " ".join(f"{med[p]:>10.0f}" for p in PARTS) + f" {sum(med[p] for p in PARTS[1:]):>10.0f}"
+              + f" {med.get('ours_untimed', float('nan')):>10.0f}")
     print(json.dumps({f"{d.name} {code}": results for (code, d), results in got.items()}))
 
 
