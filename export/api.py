@@ -138,7 +138,8 @@ def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = 
         origin = plan.calibration.origin if plan.calibration else ""
         say(f"int8: the static activation scales calibrated on {origin} missed the int8 parity gate on it (BLEU "
             f"{gate['bleu_int8']:.2f} against fp32's {gate['bleu_fp32']:.2f}, at most {gate['max_bleu_delta']} "
-            "apart): the graphs keep per-row dynamic scales")
+            "apart): the graphs keep per-row dynamic scales; calibrate on text of your own with --reference-src/"
+            "--reference-tgt or --int8-calibrate FILE")
         ranges = None
         graphs, static_scales = _write_graphs(plan, graph_model, tmp, None)
     graphs, constrained = _write_constrained(plan, tmp, graphs)
