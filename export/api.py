@@ -187,7 +187,7 @@ def _sample_gate(plan: ExportPlan, tmp: Path, graphs: Graphs) -> dict[str, Any] 
     """Parity's int8 gate on the built-in sample (export/sample.py) for scales calibrated on it: the graphs just
     written, in ONNX Runtime, against the fp32 PyTorch model, with the model's own decoding. None for other
     calibration lines, which are the user's."""
-    if plan.calibration is None or not plan.calibration.sample:
+    if plan.calibration is None or not plan.calibration.gated:
         return None
     assert plan.tokenizer is not None  # resolve builds it for the calibration lines
     from runtime.ort_backend import OrtBackend
@@ -199,7 +199,7 @@ def _sample_gate(plan: ExportPlan, tmp: Path, graphs: Graphs) -> dict[str, Any] 
                              max_tgt_len=limits.max_tgt_len, step_mode="eager", fuse=False)
     draft = _manifest(plan, graphs, {}, None, plan.tensorrt_skip_note(), None)  # what OrtBackend reads
     int8 = OrtBackend(tmp, draft, device="cpu")
-    result = sample.gate(reference, int8, plan.tokenizer, plan.calibration.sample, _served_decoding(plan),
+    result = sample.gate(reference, int8, plan.tokenizer, plan.calibration.directions, _served_decoding(plan),
                          references.INT8_MAX_BLEU_DELTA)
     log.info("int8 gate on the built-in sample: BLEU %.2f (fp32 %.2f) on %d lines, %s, in %.1f s",
              result["bleu_int8"], result["bleu_fp32"], result["lines"],

@@ -51,9 +51,14 @@ class Calibration:
     # taken by default (the held-out set's sources) rather than asked for with --int8-calibrate: another int8
     # flavour then skips them without an error, and the one line says how to choose others or opt out
     default: bool = False
-    # the built-in sample's directions (export/sample.py), whose references gate the scales it gives
-    sample: tuple[SampleDirection, ...] = ()
-    codes: tuple[str, str] | None = None  # a multilingual model's (source, target) codes of these lines
+    # the lines by direction (a multilingual model's language tokens; none given: `lines`, one pair); the built-in
+    # sample's carry references, which gate the scales it gives (export/sample.py)
+    directions: tuple[SampleDirection, ...] = ()
+
+    @property
+    def gated(self) -> bool:
+        """Whether these are the built-in sample's lines, kept only if the int8 gate passes on their references."""
+        return bool(self.directions) and all(d.references for d in self.directions)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,14 @@ from typing import Any
 
 from export import onnx_export, quantize, tensorrt_build, verify
 from export.errors import ExportError, TensorRTUnavailable
-from export.options import CALIBRATION_LINES, DEFAULT_MAX_SRC_LEN, DEFAULT_MAX_TGT_LEN, Calibration, ExportOptions
+from export.options import (
+    CALIBRATION_LINES,
+    DEFAULT_MAX_SRC_LEN,
+    DEFAULT_MAX_TGT_LEN,
+    Calibration,
+    ExportOptions,
+    SampleDirection,
+)
 from export.sample import sample_calibration
 from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
@@ -104,8 +111,8 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     flavour = _int8_flavour(options, tensorrt, unavailable)
     held_out = held_out_direction(options, model.cfg)
     calibration, scales = activation_scales(options, flavour, model.cfg, pair)
-    if calibration is not None and held_out is not None and not calibration.sample:  # the user's lines: their way
-        calibration = dataclasses.replace(calibration, codes=held_out)
+    if calibration is not None and held_out is not None and not calibration.directions:  # the user's lines
+        calibration = dataclasses.replace(calibration, directions=(SampleDirection(held_out, calibration.lines, []),))
     needed = options.references is not None or options.shortlist is not None or calibration is not None
     tokenizer = loaded if needed else None
     if flavour in ONNXRUNTIME_ONLY:  # no engines from their integer-matmul graphs

@@ -89,7 +89,7 @@ def sample_calibration(cfg: ModelConfig, pair: Languages | None) -> tuple[Calibr
     directions, said = sample_for(cfg, pair)
     if not directions:
         return None, said
-    return Calibration([x for d in directions for x in d.lines], said, default=True, sample=directions), said
+    return Calibration([x for d in directions for x in d.lines], said, default=True, directions=directions), said
 
 
 def encoded(tokenizer: AnyTokenizer, cfg: ModelConfig, calibration: Calibration, max_src_len: int,
@@ -98,7 +98,7 @@ def encoded(tokenizer: AnyTokenizer, cfg: ModelConfig, calibration: Calibration,
     sample's in their directions, the user's in theirs (a multilingual model's --src-lang/--tgt-lang)."""
     ids: list[list[int]] = []
     first: list[int] = []
-    for d in calibration.sample or (SampleDirection(calibration.codes, calibration.lines, []),):
+    for d in calibration.directions or (SampleDirection(None, calibration.lines, []),):
         way = d.direction(cfg)
         ids += encode_sources(tokenizer, d.lines, max_src_len, origin=calibration.origin, prefix=way.prefix).ids
         first += way.first_tokens(len(d.lines)) or []

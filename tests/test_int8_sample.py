@@ -169,8 +169,8 @@ def test_a_multilingual_import_calibrates_with_its_language_tokens(m2m_checkpoin
     assert calibration is not None
     ids, first = sample.encoded(tokenizer, model.cfg, calibration, 256)
     tokens = model.cfg.language_ids
-    assert [d.codes for d in calibration.sample][-1] == ("en", "de") and first is not None
-    assert (ids[0][0], first[0]) == (tokens[calibration.sample[0].codes[0]], tokens["en"])
+    assert [d.codes for d in calibration.directions][-1] == ("en", "de") and first is not None
+    assert (ids[0][0], first[0]) == (tokens[calibration.directions[0].codes[0]], tokens["en"])
     assert (ids[-1][0], first[-1]) == (tokens["en"], tokens["de"])
     err, ver = _export(capsys, checkpoint, tmp_path / "int8")
     scales = ver["int8_activation_scales"]
