@@ -20,6 +20,15 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+DEFAULT_PARALLEL_BATCHES = 2  # a file's batches side by side on a CPU (benchmarks/README.md, "parallel-default")
+
+
+def default_parallel_batches(threads: int | None) -> int:
+    """Batches at once for files of many batches on a CPU when --parallel-batches is not given: two where there
+    are two threads for them (--threads, else every usable core), else one."""
+    return DEFAULT_PARALLEL_BATCHES if (threads or usable_cores()) >= DEFAULT_PARALLEL_BATCHES else 1
+
+
 @dataclass(frozen=True)
 class Gpu:
     index: int

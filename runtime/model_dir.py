@@ -105,11 +105,16 @@ class LoadOptions(Checked):
     precision: str | None = opt(None, "Torch backend precision [default: the model dir's; fp16 only on GPU].",
                                  flag="--dtype", choices=("fp32", "fp16"))
     shortlist: bool = opt(False, SHORTLIST_HELP)
-    parallel_batches: int = opt(1, "Batches decoded at once, each on --threads / N intra-op threads (onnxruntime "
-                                    "on the CPU only): every operator of two batches runs side by side instead of "
-                                    "one batch's split over the cores. Same output; faster where a file makes many "
-                                    "batches on few cores, at the memory of N batches (docs/performance.md).",
-                                 min=1, metavar="N")
+    parallel_batches: int | None = opt(None, "Batches decoded at once, each on --threads / N intra-op threads "
+                                             "(onnxruntime on the CPU only): every operator of two batches runs side "
+                                             "by side instead of one batch's split over the cores. Same output; faster "
+                                             "where a file makes many batches, at the memory of N batches "
+                                             "(docs/performance.md) [default: 2 where serve-batch runs onnxruntime on "
+                                             "a CPU with 2 or more threads, else 1].", min=1, metavar="N")
+    # what the loading is for, set by the command (no option): files of many batches (serve-batch), which the
+    # onnxruntime backend on a CPU then decodes runtime/machine.py's default_parallel_batches at a time unless
+    # --parallel-batches says; the HTTP server runs one batch per turn of its queue, on every thread
+    many_batches: bool = False
     step: str | None = opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
                                   "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
                                   "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
@@ -127,7 +132,9 @@ class LoadOptions(Checked):
             out.append(f"{n('precision')} {self.precision!r}: choose fp32 or fp16")
         if self.step not in (None, *STEPS):
             out.append(f"{n('step')} {self.step!r}: choose one of {', '.join(STEPS)}")
-        if self.parallel_batches < 1:
+        if self.parallel_batches is None:
+            pass
+        elif self.parallel_batches < 1:
             out.append(f"{n('parallel_batches')} must be at least 1 (got {self.parallel_batches})")
         elif self.threads is not None and self.threads < self.parallel_batches:
             out.append(f"{n('parallel_batches')} {self.parallel_batches} needs at least as many {n('threads')} (got "

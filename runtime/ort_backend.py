@@ -35,7 +35,7 @@ from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wa
 from runtime.errors import RuntimeUserError
 from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
-from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, usable_cores
+from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, default_parallel_batches, usable_cores
 from runtime.ort_constrained import ConstrainedDecoder, want_array, why_not
 from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
 from runtime.shortlist import Shortlist
@@ -71,8 +71,7 @@ class OrtBackend(ExportedGraphBackend):
 
         self.cfg = manifest.model_config
         available: list[str] = ort.get_available_providers()
-        if device is None:
-            device = "cuda" if CUDA_EP in available and _cuda_visible() else "cpu"
+        device = default_device(device)
         self.on_cuda = str(device).startswith("cuda")
         if parallel_batches > 1 and self.on_cuda:
             raise RuntimeUserError(f"--parallel-batches {parallel_batches} is for the CPU: on {device} the "
@@ -348,12 +347,29 @@ class _StepBinding:
 def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> OrtBackend:
     """The registry's opener (runtime/registry.py): the dir's graphs in ONNX Runtime sessions; with
     parallel batches, each batch's runs get an equal share of the threads (of every usable core when
-    --threads is not given)."""
+    --threads is not given). Without --parallel-batches, files of many batches (options.many_batches) on a CPU
+    decode two at a time where there are two threads for them."""
     threads, batches = options.threads, options.parallel_batches
+    if batches is None:
+        on_cpu = default_device(options.device) == "cpu"
+        batches = default_parallel_batches(threads) if options.many_batches and on_cpu else 1
     if batches > 1:
         threads = max(1, (threads or usable_cores()) // batches)
+        log.info("%d batches at once, each on %d thread(s)%s", batches, threads,
+                 "" if options.parallel_batches else " (--parallel-batches 1: one at a time on every thread)")
     return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=threads,
                       shortlist=shortlist, parallel_batches=batches)
+
+
+def default_device(device: Any) -> Any:
+    """`device`, or where the onnxruntime backend runs when none is given: cuda with onnxruntime-gpu and a GPU
+    that torch sees, else cpu."""
+    if device is not None:
+        return device
+    import_onnxruntime()
+    import onnxruntime as ort
+
+    return "cuda" if CUDA_EP in ort.get_available_providers() and _cuda_visible() else "cpu"
 
 
 def _cuda_visible() -> bool:

@@ -108,6 +108,41 @@ def test_serve_batch_parallel_batches_writes_the_same_file(memorised_fp32_dir, m
     assert len(outs[0].splitlines()) == len(_lines(memorise_corpus))
 
 
+def test_serve_batch_decodes_two_batches_at_once_by_default_on_two_threads(memorised_fp32_dir, memorise_corpus,
+                                                                          tmp_path, capsys):
+    """serve-batch's default on a CPU of 2 threads: two batches side by side, each on one thread, the same file as
+    one at a time; on one thread, one at a time (the summary line says which)."""
+    src = tmp_path / "in.txt"
+    src.write_text("\n".join(_lines(memorise_corpus)) + "\n", encoding="utf-8")
+    runs = {}
+    for name, args in {"default": ["--threads", 2], "one": ["--threads", 2, "--parallel-batches", 1],
+                       "one thread": ["--threads", 1]}.items():
+        out = tmp_path / f"{name}.txt"
+        code, _, err = run_cli_captured(capsys, "serve-batch", memorised_fp32_dir, src, "-o", out, "--backend",
+                                        "onnxruntime", "--batch-tokens", 60, "--no-progress", *args)
+        assert code == 0, err
+        runs[name] = (out.read_text(encoding="utf-8"), err.strip().splitlines()[-1])
+    assert runs["default"][1].endswith(", 2 batches at once")
+    assert "at once" not in runs["one"][1] and "at once" not in runs["one thread"][1]
+    assert runs["default"][0] == runs["one"][0] == runs["one thread"][0]
+
+
+def test_only_files_of_many_batches_default_to_two_at_once(memorised_fp32_dir):
+    """The HTTP server, Ray and every other loader keep one batch at a time on every thread unless told
+    (LoadOptions.many_batches is serve-batch's); the torch backend takes the default without complaint."""
+    from runtime.machine import default_parallel_batches
+
+    assert default_parallel_batches(1) == 1 and default_parallel_batches(2) == 2 and default_parallel_batches(16) == 2
+    ort = LoadOptions(backend="onnxruntime", threads=2)
+    assert load(memorised_fp32_dir, ort).backend.parallel_batches == 1
+    files = load(memorised_fp32_dir, LoadOptions(backend="onnxruntime", threads=2, many_batches=True))
+    assert files.backend.parallel_batches == 2
+    assert files.backend.decoder.get_session_options().intra_op_num_threads == 1
+    assert load(memorised_fp32_dir, LoadOptions(backend="onnxruntime", threads=1,
+                                                many_batches=True)).backend.parallel_batches == 1
+    assert load(memorised_fp32_dir, LoadOptions(backend="torch", many_batches=True)).backend.parallel_batches == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--backend", "torch", "--parallel-batches", "2"], "only the onnxruntime backend"),
     (["--backend", "onnxruntime", "--threads", "1", "--parallel-batches", "2"],

@@ -16,6 +16,7 @@ from pipeline.evaluation.whole_process import format_whole_process, run_whole_pr
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
+from runtime.machine import default_parallel_batches
 from runtime.model_dir import LoadOptions
 
 
@@ -26,7 +27,8 @@ from runtime.model_dir import LoadOptions
 @options_from(BenchOptions, only=("fixed_length", "src", "sentences", "src_len"))
 @options_from(LoadOptions, skip=("backend", "precision"), notes={"shortlist": (
     "Here: every engine of ours, in every mode but --serve (CTranslate2 is unchanged); its rows record "
-    "\"shortlist\": true and show vocab 'shortlist'.")})
+    "\"shortlist\": true and show vocab 'shortlist'."), "parallel_batches": (
+    "Here: 1 unless given, but with --whole-process serve-batch's default; CTranslate2 runs as many inter_threads.")})
 @options_from(BenchOptions, only=("compare", "min_agreement"))
 @options_from(ServeBatchOptions, only=("src_lang", "tgt_lang"))
 @options_from(BenchOptions, only=("rounds", "serve_input"))
@@ -35,7 +37,7 @@ from runtime.model_dir import LoadOptions
 @click.pass_context
 def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOptions, device: str | None,
           threads: int | None, shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-          step: str | None = None, parallel_batches: int = 1, **values: Any) -> None:
+          step: str | None = None, parallel_batches: int | None = None, **values: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -51,11 +53,12 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")
-    if o.whole_process:
+    if o.whole_process:  # what serve-batch does by default, unless told
+        batches = parallel_batches or default_parallel_batches(threads or 2)
         report = run_whole_process(list(model_dirs), list(o.whole_process), compare=list(o.compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                    rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                   min_agreement=o.min_agreement, parallel_batches=parallel_batches)
+                                   min_agreement=o.min_agreement, parallel_batches=batches)
         click.echo(format_whole_process(report))
     elif o.serve_input is not None:
         serve_bench = pick(ServeBenchOptions, values)
@@ -67,7 +70,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         if src_lang or tgt_lang:
             raise UserError("--serve does not take --src-lang/--tgt-lang yet; bench a multilingual model in-process "
                             "(leave out --serve) or with --whole-process")
-        if shortlist or parallel_batches > 1:
+        if shortlist or (parallel_batches or 1) > 1:
             raise UserError("--serve does not measure --shortlist or --parallel-batches yet; bench them in-process "
                             "(leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, decoding.beam_size,
@@ -77,14 +80,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         report = run_bench(model_dirs[0], parse_backends(o.backends), list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
-                           tgt_lang=tgt_lang, step=step, parallel_batches=parallel_batches)
+                           tgt_lang=tgt_lang, step=step, parallel_batches=parallel_batches or 1)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),
                                 compare=list(o.compare), beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                 src=o.src, sentences=o.sentences, src_len=o.src_len, device=device, threads=threads,
                                 rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                min_agreement=o.min_agreement, parallel_batches=parallel_batches)
+                                min_agreement=o.min_agreement, parallel_batches=parallel_batches or 1)
         click.echo(format_comparison(report))
     if o.json_out:
         write_json(report, o.json_out)

@@ -52,7 +52,9 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     with dist_context(None, backend="gloo") as ctx:
         # the decoding: an imported model's own defaults (num_beams, max_length, ...) for the options not
         # given, and on a GPU no cap on a batch's sentences unless given (runtime/model_dir.py load)
-        loaded = load(model_dir, dataclasses.replace(options, device=rank_device(ctx, options.device)), decoding)
+        # and files of many batches: two side by side on a CPU of 2 or more threads (--parallel-batches)
+        loaded = load(model_dir, dataclasses.replace(options, device=rank_device(ctx, options.device),
+                                                     many_batches=True), decoding)
         impl, tokenizer = loaded.backend, loaded.tokenizer
         opts = dataclasses.replace(opts, decoding=loaded.decoding).validate()
         if opts.decoding.batch_sentences != decoding.batch_sentences:
@@ -61,5 +63,6 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"
+        where += f", {impl.parallel_batches} batches at once" if impl.parallel_batches > 1 else ""
         shortlisted = " with shortlist" if getattr(impl, "shortlist", None) is not None else ""
         click.echo(stats.summary(impl.name + shortlisted, where), err=True)

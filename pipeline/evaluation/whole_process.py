@@ -160,8 +160,7 @@ def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size:
                  parallel_batches: int = 1) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(src), "-o", str(out),
            "--backend", "onnxruntime", "--threads", str(threads), "--beam-size", str(beam_size), "--no-progress"]
-    if parallel_batches > 1:
-        cmd += ["--parallel-batches", str(parallel_batches)]
+    cmd += ["--parallel-batches", str(parallel_batches)]  # always: serve-batch's own default may differ
     if shortlist:
         cmd.append("--shortlist")
     if way.source:
