@@ -3,9 +3,12 @@ outside ONNX Runtime (benchmarks/README.md, "parallel-default").
 
     python benchmarks/node_cost_probe.py nodes            # chains of 1 and 200 Add / Reshape nodes on (4, 256)
     python benchmarks/node_cost_probe.py b1 MODEL_DIR N    # N Multi30k test lines, one at a time, beam 4
+    python benchmarks/node_cost_probe.py trim MODEL_DIR N  # the same, heap trimmed before every batch or when worth it
 
 `nodes`: one intra-op thread, graph optimisations off (so the chain stays), 2,000 runs each after 200 of warm-up.
-`b1`: the onnxruntime backend on 1 thread; the time inside its session runs against the rest of each run."""
+`b1`: the onnxruntime backend on 1 thread; the time inside its session runs against the rest of each run.
+`trim`: ms a sentence over 10 alternating rounds, runtime/heap.py's release_free_memory as it is (when the heaps
+hold TRIM_LEAST free) against trimming before every batch."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import gzip
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -49,12 +53,12 @@ def nodes() -> None:
             print(f"{op:8s} x{n:<4d} {(time.perf_counter() - start) / 2000 * 1e6:8.1f} us a run")
 
 
-def b1(model_dir: str, n: int) -> None:
+def _one_at_a_time(model_dir: str, n: int) -> tuple[Any, list[Any]]:
+    """The onnxruntime backend of MODEL_DIR on 1 thread, and the first n test lines as batches of one."""
     import sentencepiece as spm
 
     from runtime.model_dir import ModelDir
     from runtime.ort_backend import OrtBackend
-    from runtime.search import beam_search
     from runtime.translate import pad_batch
 
     opened = ModelDir.open(model_dir)
@@ -62,7 +66,13 @@ def b1(model_dir: str, n: int) -> None:
     sp = spm.SentencePieceProcessor(model_file=str(opened.path / "spm.model"))
     with gzip.open(TEST, "rt", encoding="utf-8") as f:
         lines = [line.strip() for line in f][:n]
-    batches = [pad_batch([sp.encode(line) + [backend.cfg.eos_id]], backend.cfg.pad_id) for line in lines]
+    return backend, [pad_batch([sp.encode(line) + [backend.cfg.eos_id]], backend.cfg.pad_id) for line in lines]
+
+
+def b1(model_dir: str, n: int) -> None:
+    from runtime.search import beam_search
+
+    backend, batches = _one_at_a_time(model_dir, n)
     inside = {"s": 0.0, "runs": 0}
     run = backend._run
 
@@ -86,10 +96,33 @@ def b1(model_dir: str, n: int) -> None:
               f"inside each, {(total - inside['s']) / runs * 1e6:.0f} us outside")
 
 
+def trim(model_dir: str, n: int) -> None:
+    import runtime.ort_backend as ort_backend
+    from runtime import heap
+    from runtime.search import beam_search
+
+    backend, batches = _one_at_a_time(model_dir, n)
+    modes = {"every batch": lambda: heap.release_free_memory(least=0), "when worth it": heap.release_free_memory}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for batch in batches[:20]:
+        beam_search(backend, batch, beam_size=4)
+    for _ in range(10):
+        for mode, release in modes.items():
+            ort_backend.release_free_memory = release  # type: ignore[assignment]
+            start = time.perf_counter()
+            for batch in batches:
+                beam_search(backend, batch, beam_size=4)
+            times[mode].append((time.perf_counter() - start) / n * 1e3)
+    for mode, ms in times.items():
+        print(f"{mode:14s} ms a sentence: {' '.join(f'{t:.2f}' for t in ms)}  median {np.median(ms):.2f}")
+    faster = sum(a < b for a, b in zip(times["when worth it"], times["every batch"]))
+    print(f"when worth it faster in {faster} of 10 rounds")
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["nodes"]:
         nodes()
-    elif sys.argv[1:2] == ["b1"] and len(sys.argv) == 4:
-        b1(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1:2] in (["b1"], ["trim"]) and len(sys.argv) == 4:
+        (b1 if sys.argv[1] == "b1" else trim)(sys.argv[2], int(sys.argv[3]))
     else:
         sys.exit(__doc__)
