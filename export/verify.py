@@ -29,6 +29,7 @@ import onnx
 import torch
 
 from export import constrained as constrained_step
+from export import topk_split
 from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
@@ -255,7 +256,7 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
         own, ref_own = ({k: v.numpy() for k, v in c.advance(torch.from_numpy(reorder), n_sent).items()}
                         for c in caches)
         out = decoder({**feeds, **own, **cross})
-        ref = ref_decoder({**feeds, **ref_own, **ref_cross})
+        ref = topk_split.as_wide(ref_decoder({**feeds, **ref_own, **ref_cross}), out, len(tokens) // n_sent, where)
         for name in (io_names.TOPK_LOG_PROBS, io_names.EOS_LOG_PROBS, io_names.WANT_LOG_PROBS):
             if name in ref:  # want_log_probs: where both steps are fed want ids
                 _check(report, name, where, out[name], ref[name], atol, rtol)

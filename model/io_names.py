@@ -17,6 +17,12 @@ ENCODER_ENGINE = "encoder.plan"
 DECODER_ENGINE = "decoder.plan"
 
 
+# A decoder graph's metadata key (ONNX metadata_props): "1" where its top-K takes min(topk, 2 x beam) candidates a
+# row, the beam read off its inputs' shapes, instead of topk (export/topk_split.py; the onnxruntime backend binds
+# outputs that wide)
+TOPK_FOLLOWS_BEAM = "pipeline.topk_follows_beam"
+
+
 def weights_file(graph_file: str) -> str:
     """The file beside an exported graph that holds its weights (ONNX external data):
     encoder.onnx -> encoder.data."""

@@ -153,6 +153,7 @@ class OrtBackend(ExportedGraphBackend):
         self.gathers = self.constrained.gathers
         self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
+        self._follows_beam: dict[ort.InferenceSession, bool] = {}  # per decoder session (_candidates)
         if shortlist is not None:
             shortlist.check(self.cfg.vocab_size, self.cfg.eos_id, self.topk, model_dir / io_names.SHORTLIST_FILE)
         self.max_src_len = manifest.limits.max_src_len
@@ -166,8 +167,7 @@ class OrtBackend(ExportedGraphBackend):
         self._encoder_run_options = ort.RunOptions()
         if not self.on_cuda:
             self._encoder_run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
-            # its default, said: ONNX Runtime's Python run asks for this entry and, absent, raises and catches a
-            # C++ exception inside, about 70 us a batch
+            # its default, said: absent, ONNX Runtime's Python run raises and catches a C++ exception (~40 us)
             self._encoder_run_options.add_run_config_entry("gpu_graph_id", "0")
         self._device_type = "cuda" if self.on_cuda else "cpu"
         self._device_id = (self.device.index or 0) if self.on_cuda else 0
@@ -301,13 +301,21 @@ class OrtBackend(ExportedGraphBackend):
         if state.candidates is not None:
             alive[io_names.CANDIDATES] = self._bind_in(binding, io_names.CANDIDATES, state.candidates)
         d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
+        k = self._candidates(session, n, state.n_rows)
         return _StepBinding(
             binding, session, n, tokens, step, alive,
-            top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, self.topk)),
-            top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, self.topk)),
+            top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, k)),
+            top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, k)),
             eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
             step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)],
             step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)])
+
+    def _candidates(self, session: ort.InferenceSession, n: int, sentences: int) -> int:
+        """Candidates a row from `session`: min(topk, 2 x beam) where its K follows the beam (export/topk_split)."""
+        if session not in self._follows_beam:
+            meta = session.get_modelmeta().custom_metadata_map
+            self._follows_beam[session] = meta.get(io_names.TOPK_FOLLOWS_BEAM) == "1"
+        return min(self.topk, 2 * (n // sentences)) if self._follows_beam[session] else self.topk
 
     def _bind_changed(self, bound: _StepBinding, name: str, a: Any) -> Any:
         """Bind a cache feed unless this very array is bound already (the buffers change only
@@ -365,8 +373,7 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
 
 
 def default_device(device: Any) -> Any:
-    """`device`, or where the onnxruntime backend runs when none is given: cuda with onnxruntime-gpu and a GPU
-    that torch sees, else cpu."""
+    """`device`, or where the backend runs when none is given: cuda with onnxruntime-gpu and a GPU, else cpu."""
     if device is not None:
         return device
     import_onnxruntime()

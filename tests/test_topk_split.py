@@ -61,6 +61,27 @@ def test_the_split_gives_the_whole_vocabularys_top_k(vocab, k, opset):
     assert set(got[1][1][:3]) == {5, 700 % vocab, vocab - 1}
 
 
+@pytest.mark.parametrize("hyps,sentences,width", [(6, 2, 6), (2, 2, 2), (20, 2, 16), (8, 1, 16)])
+def test_in_a_decoder_step_k_follows_the_beam(hyps, sentences, width):
+    """With the step's tokens and src_bias among its inputs, the split graph returns min(topk, 2 x hyps /
+    sentences) candidates a row, the first of the whole vocabulary's top-K, and says so in its metadata."""
+    vocab, k = 1000, 16
+    whole, split = _step_tail(vocab, k, 18), _step_tail(vocab, k, 18)
+    for proto in (whole, split):
+        proto.graph.input.extend([helper.make_tensor_value_info(io_names.TOKENS, TensorProto.INT64, ["hyps"]),
+                                  helper.make_tensor_value_info(io_names.SRC_BIAS, TensorProto.FLOAT, ["b", "s"])])
+    assert topk_split.split_topk(split, vocab, k)
+    assert {m.key: m.value for m in split.metadata_props} == {io_names.TOPK_FOLLOWS_BEAM: "1"}
+    logits = (np.random.default_rng(2).standard_normal((hyps, vocab)) * 4).astype(np.float32)
+    feeds = {"logits": logits, io_names.TOKENS: np.zeros(hyps, np.int64),
+             io_names.SRC_BIAS: np.zeros((sentences, 3), np.float32)}
+    want, got = _run(whole, feeds), _run(split, feeds)
+    assert got[0].shape == got[1].shape == (hyps, width)
+    np.testing.assert_array_equal(got[0], want[0][:, :width])
+    np.testing.assert_array_equal(got[1], want[1][:, :width])
+    np.testing.assert_array_equal(got[2], want[2])
+
+
 def test_a_vocabulary_of_fewer_than_k_blocks_is_left_whole():
     proto = _step_tail(200, 16, 18)
     before = proto.SerializeToString()
@@ -98,10 +119,23 @@ def test_a_rowwise_export_translates_exactly_as_without_the_split(tmp_path, monk
     counts = [topk_split.topk_nodes(onnx.load(str(d / io_names.DECODER_FILE), load_external_data=False))
               for d in (split, whole)]
     assert counts == [2, 1]
-    results = []
+    metadata = [{m.key: m.value for m in onnx.load(str(d / io_names.DECODER_FILE), load_external_data=False)
+                 .metadata_props} for d in (split, whole)]
+    assert metadata[0].get(io_names.TOPK_FOLLOWS_BEAM) == "1" and io_names.TOPK_FOLLOWS_BEAM not in metadata[1]
+    results, widths = [], []
     for model_dir in (split, whole):
         loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1))
+        step, seen = loaded.backend.step, set()
+
+        def spy(*args, step=step, seen=seen, **kwargs):  # the candidates each step returns a row
+            out = step(*args, **kwargs)
+            seen.add(out[0].topk_ids.shape[1])
+            return out
+
+        loaded.backend.step = spy
         ids = [s[-20:] for s in loaded.tokenizer.encode_source([f"a {i} " + "b " * (i % 7) for i in range(12)])]
-        hyps = translate_ids(loaded.backend, ids, beam_size=4, nbest=2)
-        results.append([[(h.tokens, h.score) for h in row] for row in hyps])
+        runs = [translate_ids(loaded.backend, ids, beam_size=beam, nbest=min(2, beam)) for beam in (4, 2, 1)]
+        results.append([[[(h.tokens, h.score) for h in row] for row in hyps] for hyps in runs])
+        widths.append(seen)
     assert results[0] == results[1]
+    assert widths == [{8, 4, 2}, {16}]  # 2 x the beam where K follows it (greedy reads 2), --topk otherwise
