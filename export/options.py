@@ -88,7 +88,8 @@ class ExportOptions:
     no_int8_calibrate: bool = opt(False, "With rowwise int8: per-row dynamic activation scales, calibrated on "
                                   "nothing (the form before static scales were the default).")
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
-    topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam).")
+    topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam; the CPU "
+                        "int8 graphs return min(this, 2 x beam): docs/int8.md).")
     max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).")
     max_src_len: int | None = opt(None, f"Longest source in tokens, EOS included [default: {DEFAULT_MAX_SRC_LEN}, "
                                   "at most the model's max_positions].")
