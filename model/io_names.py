@@ -18,7 +18,7 @@ DECODER_ENGINE = "decoder.plan"
 
 
 # A decoder graph's metadata key (ONNX metadata_props): "1" where its top-K takes min(topk, 2 x beam) candidates a
-# row, the beam read off its inputs' shapes, instead of topk (export/topk_split.py; the onnxruntime backend binds
+# row, the beam read off its inputs' shapes, instead of topk (export/topk_split.py; the ONNX Runtime backend binds
 # outputs that wide)
 TOPK_FOLLOWS_BEAM = "pipeline.topk_follows_beam"
 

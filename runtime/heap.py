@@ -4,8 +4,8 @@ Each batch's cache buffers, step arrays and the engine's temporaries are freed w
 glibc keeps most freed memory resident in its heaps, so a long run's resident size ratchets up batch
 after batch; trimming before each batch hands it back (docs/performance.md). Only where the heaps
 hold enough free memory to matter: a batch of 32 leaves 40-60 MB of `small`, a batch of one sentence
-1-2 MB, and trimming that costs more than it returns (about 2% of a sentence's time at batch 1 on the
-CPU, benchmarks/README.md, "parallel-default"). A no-op where the C library is not glibc.
+1-2 MB, and trimming that costs more than it returns (4-7% of a sentence's time at batch 1:
+docs/performance.md). A no-op where the C library is not glibc.
 """
 
 from __future__ import annotations

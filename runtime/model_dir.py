@@ -132,12 +132,11 @@ class LoadOptions(Checked):
             out.append(f"{n('precision')} {self.precision!r}: choose fp32 or fp16")
         if self.step not in (None, *STEPS):
             out.append(f"{n('step')} {self.step!r}: choose one of {', '.join(STEPS)}")
-        if self.parallel_batches is None:
-            pass
-        elif self.parallel_batches < 1:
-            out.append(f"{n('parallel_batches')} must be at least 1 (got {self.parallel_batches})")
-        elif self.threads is not None and self.threads < self.parallel_batches:
-            out.append(f"{n('parallel_batches')} {self.parallel_batches} needs at least as many {n('threads')} (got "
+        batches = self.parallel_batches  # None: the command's default (many_batches)
+        if batches is not None and batches < 1:
+            out.append(f"{n('parallel_batches')} must be at least 1 (got {batches})")
+        elif batches is not None and self.threads is not None and self.threads < batches:
+            out.append(f"{n('parallel_batches')} {batches} needs at least as many {n('threads')} (got "
                        f"{self.threads}): each batch runs on {n('threads')} / {n('parallel_batches')} of them")
         return out
 
