@@ -34,11 +34,14 @@ def test_split_adds_up_to_the_wall_time():
 
 def test_a_run_split_needs_the_parents_clock():
     recorded = {"loaded_at": 100.5, "encoder_s": 0.1, "decoder_s": 0.7, "encoder_calls": 1, "decoder_steps": 9}
-    assert run_split(100.0, 2.0, recorded, concurrent=False) == {
+    assert run_split(100.0, 2.0, recorded) == {
         "load_s": 0.5, "encoder_s": 0.1, "decoder_s": 0.7, "encoder_calls": 1.0, "decoder_steps": 9.0}
-    assert run_split(100.0, 2.0, recorded, concurrent=True) == {"load_s": 0.5}  # overlapping sums: left out
-    assert run_split(200.0, 2.0, recorded, concurrent=False) == {}  # another clock
-    assert run_split(100.0, 2.0, {}, concurrent=False) == {}
+    # two batches at once: the sums over both batch threads, halved (a batch thread's mean), and said so
+    assert run_split(100.0, 2.0, recorded, batches=2) == pytest.approx({
+        "load_s": 0.5, "encoder_s": 0.05, "decoder_s": 0.35, "encoder_calls": 1.0, "decoder_steps": 9.0,
+        "batches_at_once": 2.0})
+    assert run_split(200.0, 2.0, recorded) == {}  # another clock
+    assert run_split(100.0, 2.0, {}) == {}
 
 
 def test_pieces_summary_and_the_printed_line():
@@ -55,6 +58,10 @@ def test_pieces_summary_and_the_printed_line():
     assert split_line(ct2, True, True) == ("ctranslate2 int8 in.de: 15.3 source pieces/line (p50 15, p95 16); "
                                            "load 0.50 s (25%), translating, I/O and the rest 1.50 s (75%)")
     assert split_line({**row, "split": None}, True, False).startswith("ours fp32 a: 15.3 source pieces/line")
+    two = {**row, "split": split(5.08, [{"load_s": 0.41, "encoder_s": 0.31, "decoder_s": 1.75, "batches_at_once": 2}])}
+    assert two["split"]["batches_at_once"] == 2
+    assert split_line(two, False, False).endswith("I/O and the rest 2.61 s (51%) (encoder, decoder: a batch thread's "
+                                                  "mean, 2 batches at once)")
 
 
 @pytest.mark.slow

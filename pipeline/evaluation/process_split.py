@@ -74,23 +74,27 @@ def pieces_summary(counts: list[int]) -> dict[str, float | None]:
             "source_pieces_p95": float(ranked[max(0, math.ceil(0.95 * len(ranked)) - 1)])}
 
 
-def run_split(started: float, wall: float, timings: dict[str, Any], concurrent: bool) -> dict[str, float]:
+def run_split(started: float, wall: float, timings: dict[str, Any], batches: int = 1) -> dict[str, float]:
     """One run's seconds by phase from what the process recorded (PIPELINE_TIMINGS) and the parent's
     clock when it started the process: `load_s` from that start to the model loaded, and ours' summed
-    `encoder_s` and `decoder_s` (left out when batches ran concurrently: their sums overlap) with the
-    counts of calls. Empty when the process recorded nothing or its clock is not the parent's."""
+    `encoder_s` and `decoder_s` with the counts of calls. With `batches` decoded at once (serve-batch's CPU
+    default), the sums are over that many batch threads: each is divided by it, a batch thread's mean
+    (`batches_at_once` says so). Empty when the process recorded nothing or its clock is not the parent's."""
     if "loaded_at" not in timings or not 0 <= timings["loaded_at"] - started <= wall:
         return {}
     out = {"load_s": timings["loaded_at"] - started}
-    if "encoder_s" in timings and not concurrent:
-        out.update({k: float(timings[k]) for k in ("encoder_s", "decoder_s", "encoder_calls", "decoder_steps")})
+    if "encoder_s" in timings:
+        out.update({k: float(timings[k]) / batches for k in ("encoder_s", "decoder_s")})
+        out.update({k: float(timings[k]) for k in ("encoder_calls", "decoder_steps")})
+        if batches > 1:
+            out["batches_at_once"] = float(batches)
     return out
 
 
 def split(wall_s: float, runs: list[dict[str, float]]) -> dict[str, float | None] | None:
     """Where the row's wall time went: each measured phase's median over the runs, and `rest_s` the wall time
     left (reading, tokenizing, search outside the backend's calls, writing, the interpreter's exit; for
-    CTranslate2 and concurrent batches also the encoder and decoder), so the phases add up to `wall_s`;
+    CTranslate2 also the encoder and decoder), so the phases add up to `wall_s`;
     each also as a percentage of it."""
     measured = [run for run in runs if run]
     if not measured:
@@ -99,6 +103,7 @@ def split(wall_s: float, runs: list[dict[str, float]]) -> dict[str, float | None
     for name in ("load_s", "encoder_s", "decoder_s", "encoder_calls", "decoder_steps"):
         values = [run[name] for run in measured if name in run]
         out[name] = statistics.median(values) if values else None
+    at_once = max(int(run.get("batches_at_once", 1)) for run in measured)
     out["rest_s"] = wall_s - sum(out[k] or 0.0 for k in ("load_s", "encoder_s", "decoder_s"))
     for name in ("load", "encoder", "decoder", "rest"):
         seconds = out[f"{name}_s"]
@@ -106,6 +111,8 @@ def split(wall_s: float, runs: list[dict[str, float]]) -> dict[str, float | None
         out[f"{name}_s"] = None if seconds is None else round(seconds, 3)
     for name in ("encoder_calls", "decoder_steps"):
         out[name] = None if out[name] is None else round(out[name])  # type: ignore[arg-type]
+    if at_once > 1:
+        out["batches_at_once"] = at_once
     return out
 
 
@@ -129,5 +136,7 @@ def split_line(r: dict[str, Any], several_dirs: bool, several_files: bool) -> st
         return line + "; split not recorded"
     if s.get("encoder_s") is None:
         return line + f"; {_phase('load', s, 'load')}, {_phase('translating, I/O and the rest', s, 'rest')}"
+    at_once = s.get("batches_at_once", 1)
     return line + (f"; {_phase('load', s, 'load')}, {_phase('encoder', s, 'encoder')}, "
-                   f"{_phase('decoder', s, 'decoder')}, {_phase('I/O and the rest', s, 'rest')}")
+                   f"{_phase('decoder', s, 'decoder')}, {_phase('I/O and the rest', s, 'rest')}"
+                   + (f" (encoder, decoder: a batch thread's mean, {at_once} batches at once)" if at_once > 1 else ""))

@@ -264,7 +264,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                     wall, rss, err = run_timed(command(e, f), env={**env, "PIPELINE_TIMINGS": str(timings)})
                     recorded = json.loads(timings.read_text()) if timings.exists() else {}
                     spans.setdefault((engines.index(e), str(f)), []).append(
-                        run_split(started, wall, recorded, concurrent=parallel_batches > 1))
+                        run_split(started, wall, recorded, batches=parallel_batches))
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
                     logged.setdefault((engines.index(e), str(f)), []).append(phases(err))
                     log.info("round %d %s %s (%s) %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"],
