@@ -16,12 +16,13 @@ event loop and its worker threads included):
             counting besides how many times each JSON file of DIR is opened (builtins.open, io.open, os.open),
             and by whom (our code or a library's).
 
-Columns: our functions and files that ran, their calls (a generator's every resumption counts), the functions
-and files of them under pipeline/ (the surface's own layer, above the runtime), and climbs: calls into
-pipeline/serve/ whose nearest calling frame of ours is in runtime/ (the runtime calling back up into the HTTP
-layer). Then each walk's files with their function counts and each climb; --json writes every function too.
-Needs the serve extra (libre), numpy (ray) and the import extra (m2m100: transformers); a walk whose packages
-are missing is reported as skipped."""
+Columns: our functions and files that ran; of those functions, the named ones (defs and methods; left out:
+comprehensions, which Python 3.12 inlines into their function, generator expressions and lambdas); their calls
+(a generator's every resumption counts); the functions and files of them under pipeline/ (the surface's own
+layer, above the runtime); and climbs: calls into pipeline/serve/ whose nearest calling frame of ours is in
+runtime/ (the runtime calling back up into the HTTP layer). Then each walk's files with their function counts
+and each climb; --json writes every function too. Needs the serve extra (libre), numpy (ray) and the import
+extra (m2m100: transformers); a walk whose packages are missing is reported as skipped."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OURS = tuple(str(ROOT / d) + os.sep for d in ("model", "runtime", "export", "pipeline"))
 WALKS = ("libre", "ray", "m2m100")
+UNNAMED = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>", "<lambda>")  # unnamed code objects
 TEXT = "Das ist ein kleiner Satz. Noch einer, etwas länger als der erste."
 
 
@@ -92,7 +94,9 @@ class Walk:
     def summary(self) -> dict[str, Any]:
         files = Counter(path for path, _, _ in self.calls)
         surface = [path for path, _, _ in self.calls if path.startswith("pipeline/")]
-        return {"functions": len(self.calls), "files": len(files), "calls": sum(self.calls.values()),
+        named = [name for _, _, name in self.calls if not name.endswith(UNNAMED)]
+        return {"functions": len(self.calls), "named": len(named), "files": len(files),
+                "calls": sum(self.calls.values()),
                 "pipeline_functions": len(surface), "pipeline_files": len(set(surface)),
                 "climbs": sum(self.climbs.values()), "climb_edges": dict(self.climbs),
                 "by_file": dict(sorted(files.items())),
@@ -232,7 +236,7 @@ def m2m100_walk(work: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    head = f"{'walk':<8} {'functions':>9} {'files':>6} {'calls':>7} {'pipeline/':>10} {'climbs':>7}"
+    head = f"{'walk':<8} {'functions':>9} {'named':>6} {'files':>6} {'calls':>7} {'pipeline/':>10} {'climbs':>7}"
     rows = [head + "  JSON files opened (by which function of ours)"]
     for name, r in results.items():
         if "skipped" in r:
@@ -240,7 +244,8 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             continue
         opens = ", ".join(f"{k} x{n}" for k, n in r.get("json_opens", {}).items()) or "-"
         surface = f"{r['pipeline_functions']} in {r['pipeline_files']}"
-        rows.append(f"{name:<8} {r['functions']:>9} {r['files']:>6} {r['calls']:>7} {surface:>10} {r['climbs']:>7}"
+        rows.append(f"{name:<8} {r['functions']:>9} {r['named']:>6} {r['files']:>6} {r['calls']:>7} {surface:>10} "
+                    f"{r['climbs']:>7}"
                     f"  {opens}")
     for name, r in results.items():
         if "by_file" in r:
