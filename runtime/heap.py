@@ -37,7 +37,6 @@ def _load() -> None:
         _trim = libc.malloc_trim
         _trim.argtypes, _trim.restype = [ctypes.c_size_t], ctypes.c_int
     except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim this way
-        _trim = False
         return
     try:
         _free_bytes = libc.mallinfo2

@@ -53,8 +53,9 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")
-    if o.whole_process:  # what serve-batch does by default, unless told
-        batches = parallel_batches or default_parallel_batches(threads or 2)
+    # one batch at a time in-process unless told; with --whole-process, what serve-batch does by default
+    batches = parallel_batches or (default_parallel_batches(threads or 2) if o.whole_process else 1)
+    if o.whole_process:
         report = run_whole_process(list(model_dirs), list(o.whole_process), compare=list(o.compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                    rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
@@ -70,7 +71,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         if src_lang or tgt_lang:
             raise UserError("--serve does not take --src-lang/--tgt-lang yet; bench a multilingual model in-process "
                             "(leave out --serve) or with --whole-process")
-        if shortlist or (parallel_batches or 1) > 1:
+        if shortlist or batches > 1:
             raise UserError("--serve does not measure --shortlist or --parallel-batches yet; bench them in-process "
                             "(leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, decoding.beam_size,
@@ -80,14 +81,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         report = run_bench(model_dirs[0], parse_backends(o.backends), list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
-                           tgt_lang=tgt_lang, step=step, parallel_batches=parallel_batches or 1)
+                           tgt_lang=tgt_lang, step=step, parallel_batches=batches)
         click.echo(format_table(report))
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),
                                 compare=list(o.compare), beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                 src=o.src, sentences=o.sentences, src_len=o.src_len, device=device, threads=threads,
                                 rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                min_agreement=o.min_agreement, parallel_batches=parallel_batches or 1)
+                                min_agreement=o.min_agreement, parallel_batches=batches)
         click.echo(format_comparison(report))
     if o.json_out:
         write_json(report, o.json_out)
