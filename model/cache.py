@@ -56,6 +56,25 @@ def host_ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
+def keep_rows_in_place(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
+    """Each array's rows (axis 0) `kept`, strictly ascending, moved to its front in place by one memmove per run
+    of consecutive rows: views of the first len(kept) rows. An array that is not C-contiguous is copied instead
+    (np.take). The arrays' other rows are overwritten: the caller gives them up."""
+    n = int(kept.shape[0])
+    starts = np.flatnonzero(np.diff(kept, prepend=-2) != 1)  # runs of consecutive rows: one memmove each
+    runs = [(int(j), int(kept[j]), int(e - j)) for j, e in zip(starts, [*starts[1:], n]) if kept[j] != j]
+    out = []
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            out.append(np.take(a, kept, axis=0))
+            continue
+        row, at = a.strides[0], a.ctypes.data
+        for dst, src, length in runs:  # dst <= src, in order: memmove is safe
+            ctypes.memmove(at + dst * row, at + src * row, length * row)
+        out.append(a[:n])
+    return out
+
+
 class NumpyBuffers:
     """Cache buffers as numpy arrays in host memory."""
 
@@ -66,25 +85,24 @@ class NumpyBuffers:
     def zeros(self, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, self.dtype)
 
+    def zeros_many(self, count: int, shape: tuple[int, ...]) -> list[np.ndarray]:
+        """`count` zeroed buffers of `shape` as views of one block. Above 4 MB numpy asks the kernel for huge
+        pages, so a batch's cache faults in a few 2 MB pages instead of thousands of 4 kB ones: after the heap
+        trim between batches (runtime/heap.py), that was most of the cost of starting one (docs/performance.md)."""
+        block = np.zeros((count, *shape), self.dtype)
+        return [block[i] for i in range(count)]
+
     def keep_rows(self, bufs: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
         """Each buffer's rows `kept` (ascending) moved to its front, in place: views of the first len(kept)
         rows. No new buffer, so no fresh pages to fault in, and old and new never coexist (peak memory)."""
-        n = int(kept.shape[0])
-        starts = np.flatnonzero(np.diff(kept, prepend=-2) != 1)  # runs of consecutive rows: one memmove each
-        runs = [(int(j), int(kept[j]), int(e - j)) for j, e in zip(starts, [*starts[1:], n]) if kept[j] != j]
-        kept_bufs = []
-        for buf in bufs:
-            if not buf.flags.c_contiguous:
-                kept_bufs.append(np.take(buf, kept, axis=0))
-                continue
-            row, at = buf.strides[0], buf.ctypes.data
-            for dst, src, length in runs:  # dst <= src, in order: memmove is safe
-                ctypes.memmove(at + dst * row, at + src * row, length * row)
-            kept_bufs.append(buf[:n])
-        return kept_bufs
+        return keep_rows_in_place(bufs, kept)
 
-    def copy_prefix(self, new: np.ndarray, old: np.ndarray, used: int) -> None:
-        new[:, :, :used] = old
+    def grown(self, bufs: list[np.ndarray], shape: tuple[int, ...], used: int) -> list[np.ndarray]:
+        """The buffers in a new block of `shape` each, their first `used` rows of axis 2 copied."""
+        block = self.zeros_many(len(bufs), shape)
+        for new, old in zip(block, bufs):
+            new[:, :, :used] = old
+        return block
 
     def write(self, at_t: np.ndarray, src: Any) -> None:
         np.copyto(at_t, src)
@@ -112,13 +130,22 @@ class TorchBuffers:
     def zeros(self, shape: tuple[int, ...]) -> Any:
         return self.torch.zeros(shape, dtype=self.dtype, device=self.device)
 
+    def zeros_many(self, count: int, shape: tuple[int, ...]) -> list[Any]:
+        return [self.zeros(shape) for _ in range(count)]
+
     def keep_rows(self, bufs: list[Any], kept: np.ndarray) -> list[Any]:
         """Each buffer's rows `kept`, in new tensors (CUDA-graph steps bind their own static buffers)."""
         index = self.torch.from_numpy(kept).to(self.device)
         return [buf.index_select(0, index) for buf in bufs]
 
-    def copy_prefix(self, new: Any, old: Any, used: int) -> None:
-        new[:, :, :used].copy_(old)
+    def grown(self, bufs: list[Any], shape: tuple[int, ...], used: int) -> list[Any]:
+        """The list's buffers grown to `shape` in place, one at a time: each old one goes before the next grows
+        (device memory), where the list held the only reference."""
+        for i, old in enumerate(bufs):
+            new = self.zeros(shape)
+            new[:, :, :used].copy_(old)
+            bufs[i] = new
+        return bufs
 
     def step_rows(self, new: Any, b: int, rows: int, h: int, dh: int) -> Any:
         if isinstance(new, np.ndarray):
@@ -190,9 +217,9 @@ class BeamCache:
         else:
             if rows != self.rows:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
-            parent_sentence = reorder // rows
-            kept = parent_sentence.reshape(n_sentences, rows)[:, 0]
-            if not (np.array_equal(parent_sentence, np.repeat(kept, rows)) and bool((kept[1:] > kept[:-1]).all())
+            parents = (reorder // rows).reshape(n_sentences, rows)  # each hypothesis' parent's sentence
+            kept = parents[:, 0]
+            if not (bool((parents == kept[:, None]).all()) and bool((kept[1:] > kept[:-1]).all())
                     and kept[-1] < self.n_sentences):
                 raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's "
                                  "rows consecutive, sentences in their order (finished ones left out)")
@@ -248,8 +275,8 @@ class BeamCache:
     def _allocate(self, n_sentences: int, capacity: int) -> None:
         shape = self._shape(n_sentences, capacity)
         n = self.cfg.n_dec_layers
-        self.k = [self.buffers.zeros(shape) for _ in range(n)]
-        self.v = [self.buffers.zeros(shape) for _ in range(n)]
+        block = self.buffers.zeros_many(2 * n, shape)
+        self.k, self.v = block[:n], block[n:]
         self.capacity = capacity
         self.n_sentences = n_sentences
 
@@ -262,11 +289,10 @@ class BeamCache:
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` steps; what is written keeps its place (time-major rows)."""
         used = self.capacity * self.rows
-        for bufs in (self.k, self.v):
-            for i, old in enumerate(bufs):
-                new = self.buffers.zeros(self._shape(self.n_sentences, capacity))
-                self.buffers.copy_prefix(new, old, used)
-                bufs[i] = new  # one layer at a time: the old buffer goes before the next grows
+        n = self.cfg.n_dec_layers
+        bufs, self.k, self.v = self.k + self.v, [], []  # referenced once: the torch buffers go one by one
+        bufs = self.buffers.grown(bufs, self._shape(self.n_sentences, capacity), used)
+        self.k, self.v = bufs[:n], bufs[n:]
         self.capacity = capacity
 
 

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from model import io_names
-from model.cache import BeamCache
+from model.cache import BeamCache, keep_rows_in_place
 from runtime.errors import RuntimeUserError
 
 DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
@@ -84,7 +84,7 @@ class Backend(Protocol):
         """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
-        """A state whose row i is `state`'s row rows[i] (drops finished sentences)."""
+        """A state whose row i is `state`'s row rows[i] (drops finished sentences); `state` is given up."""
 
     def initial_cache(self, n_rows: int) -> Any:
         """An empty self-attention cache for n_rows hypotheses (model.cache.BeamCache for
@@ -102,13 +102,16 @@ class Backend(Protocol):
 
 def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
     """`Backend.select` for numpy or torch state tensors: row i of the result is row rows[i]
-    of every tensor."""
+    of every tensor. `state` is given up: its numpy tensors' rows are moved in place when `rows` ascend (search
+    drops finished sentences in order), which spares a batch's every drop a copy of its cross K/V."""
     rows = np.asarray(rows, dtype=np.int64)
     selected: dict[str, Any] = {}
     index: Any = None
+    ascending = bool((rows[1:] > rows[:-1]).all()) and (rows.size == 0 or rows[0] >= 0)
     for name, v in state.tensors.items():
-        if isinstance(v, np.ndarray):
-            selected[name] = np.take(v, rows, axis=0)
+        if isinstance(v, np.ndarray):  # finished sentences leave: the live ones move up in place, as in the cache
+            in_place = ascending and (rows.size == 0 or rows[-1] < v.shape[0])
+            selected[name] = keep_rows_in_place([v], rows)[0] if in_place else np.take(v, rows, axis=0)
         else:  # a torch tensor (torch and TensorRT backends, ONNX Runtime on CUDA)
             if index is None:
                 import torch

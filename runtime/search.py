@@ -143,8 +143,8 @@ def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int
     """The rows' first n_cand candidates with min/max length applied: EOS masked before
     min_len, and only EOS at a row's length limit (its true log-prob; 0 under transformers' rules).
     At step 0, `forced` (one id per row) replaces every candidate: that id, log-prob 0."""
-    lp = host(out_lp)[:, :n_cand].astype(np.float32)
-    ids = host(out_ids)[:, :n_cand].astype(np.int64)
+    lp = host(out_lp)[:, :n_cand].astype(np.float32, copy=False)  # the step's own arrays: nothing else writes
+    ids = host(out_ids)[:, :n_cand].astype(np.int64, copy=False)
     if t == 0 and forced is not None:
         lp = np.full_like(lp, NEG_INF)
         lp[:, 0] = 0.0
@@ -203,13 +203,14 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
     cand_pos = np.arange(2 * beam, dtype=np.int64)
 
     live_max = max_len  # (b,) of the live sentences
+    row_max = np.repeat(live_max, beam)  # (b x beam,) the same per hypothesis
+    first_rows = None if first is None else np.repeat(first, beam)
     t = 0
     while sent_ids.size > 0:
         b = sent_ids.size
         out, cache = backend.step(state, tokens, t, cache, reorder)
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, np.repeat(live_max, beam), eos, rules,
-                                   None if first is None else np.repeat(first, beam))
+                                   min_len, row_max, eos, rules, first_rows)
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
         # Flat indices (row offset added) take in one call what take_along_axis takes in several.
@@ -247,6 +248,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
             if live.size == 0:
                 break
             state = backend.select(state, live)
+            row_max = np.repeat(live_max, beam)
         tokens = next_tok.reshape(-1)
         reorder = src_rows.reshape(-1)
         t += 1

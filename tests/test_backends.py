@@ -195,3 +195,27 @@ def test_tokenizer_with_other_special_ids_is_a_user_error(tiny_corpus):
     with pytest.raises(TokenizerError, match=r"special ids \(-1, 0, 1, 2\)") as e:
         Tokenizer(model.getvalue())
     assert isinstance(e.value, UserError)
+
+
+@pytest.mark.parametrize("rows", [[0, 2, 3], [1], [], [3, 1], [0, 0, 2], [1, 4]],
+                         ids=["ascending", "one", "none", "descending", "repeated", "past-the-end"])
+def test_select_rows_moves_live_sentences_up_or_copies(rows):
+    """Finished sentences leave the encoder state: ascending rows move up in place (no copy of the cross K/V),
+    any other order is copied, and a row past the end is refused, never read out of bounds."""
+    from runtime.backend import EncoderState, select_rows
+
+    k = np.arange(4 * 2 * 3 * 5, dtype=np.float32).reshape(4, 2, 3, 5)
+    bias = np.arange(4 * 3, dtype=np.float32).reshape(4, 3)
+    before = {"k": k.copy(), "bias": bias.copy()}
+    state = EncoderState({"k": k, "bias": bias}, 4)
+    chosen = np.array(rows, dtype=np.int64)
+    if rows and max(rows) >= 4:
+        with pytest.raises(IndexError):
+            select_rows(state, chosen)
+        return
+    out = select_rows(state, chosen)
+    assert out.n_rows == len(rows)
+    for name, tensor in out.tensors.items():
+        np.testing.assert_array_equal(tensor, before[name][chosen])
+        in_place = all(a < b for a, b in zip(rows, rows[1:]))
+        assert np.shares_memory(tensor, state.tensors[name]) == (in_place and bool(rows))
