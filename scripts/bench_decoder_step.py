@@ -170,9 +170,10 @@ PARTS = ("run", "bind", "cache", "search")
 
 
 def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences: int, threads: int,
-                  src_len: int) -> dict[str, float]:
-    """Beam search of `sentences` random sources, `length` tokens each, in batches of `batch`:
-    ms per sentence, and per decoder step the microseconds of each part (encoding excluded)."""
+                  src_len: int, src: Path | None = None) -> dict[str, float]:
+    """Beam search of `sentences` sources (random ones, or `src`'s lines sorted by length as serve-batch batches
+    them), `length` tokens each (0: as long as the model makes them), in batches of `batch`: ms per sentence,
+    and per decoder step the microseconds of each part (encoding excluded)."""
     from model.cache import BeamCache
     from pipeline.evaluation.bench import make_sources
     from runtime.decoding import PAPER
@@ -201,8 +202,11 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     backend.encode = timed("encode", backend.encode)
     BeamCache.advance = timed("advance", BeamCache.advance)  # type: ignore[method-assign]
     BeamCache.append = timed("append", BeamCache.append)  # type: ignore[method-assign]
-    decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)
-    sources = make_sources(tokenizer, None, sentences, src_len, backend.max_src_len)
+    decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length) if length else \
+        PAPER.replace(beam_size=beam)
+    sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
+    if src is not None:
+        sources.sort(key=len)
     batches = [pad_batch(sources[i:i + batch], backend.cfg.pad_id) for i in range(0, sentences, batch)]
     search(backend, batches[0], decoding)  # warm-up
     spent.clear()
@@ -215,6 +219,10 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     parts = {"run": spent["run"], "bind": spent["step"] - spent["run"] - cache, "cache": cache,
              "search": total - spent["step"] - spent["encode"]}
     steps = calls["step"]
+    result = {"ms_per_sentence": total * 1000 / sentences, "steps_per_batch": steps / len(batches),
+              **{k: v * 1e6 / steps for k, v in parts.items()}}
+    if not length:  # natural lengths: no-op runs would not end where real ones do
+        return result
     # The same searches with no timers and every engine run a no-op (the same steps: the length is forced): what
     # our own code costs per step, without the timers' share that the parts above carry.
     backend.step, backend.encode, BeamCache.advance, BeamCache.append = untimed  # type: ignore[method-assign]
@@ -223,8 +231,7 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     for src in batches:
         search(backend, src, decoding)
     ours = time.perf_counter() - start
-    return {"ms_per_sentence": total * 1000 / sentences, "steps_per_batch": steps / len(batches),
-            **{k: v * 1e6 / steps for k, v in parts.items()}, "ours_untimed": ours * 1e6 / steps}
+    return {**result, "ours_untimed": ours * 1e6 / steps}
 
 
 def overhead(dirs: list[Path], codes: list[Path], rounds: int, args: list[str]) -> None:
@@ -335,15 +342,16 @@ def main() -> None:
         o.add_argument("--code", type=Path, action="append", help="a checkout whose code runs (repeat to A/B)")
         o.add_argument("--batch", type=int, default=1)
         o.add_argument("--beam", type=int, default=4)
-        o.add_argument("--length", type=int, default=30, help="tokens per hypothesis (EOS forced there)")
+        o.add_argument("--length", type=int, default=30,
+                       help="tokens per hypothesis (EOS forced there); overhead: 0 for the model's own lengths")
         o.add_argument("--sentences", type=int, default=32)
         o.add_argument("--threads", type=int, default=2)
         o.add_argument("--src-len", type=int, default=20)
+        o.add_argument("--src", type=Path, help="source sentences (default: random ones of --src-len)")
         if name == "overhead":
             o.add_argument("--rounds", type=int, default=5)
         if name == "profile":
             o.add_argument("--shortlist", action="store_true", help="the step over the vocabulary shortlist")
-            o.add_argument("--src", type=Path, help="source sentences (default: random ones of --src-len)")
             o.add_argument("--nodes", type=int, default=0, help="also list the N costliest nodes by name")
     a = p.parse_args()
     if a.cmd == "profile":
@@ -351,10 +359,12 @@ def main() -> None:
             ort_profile(d, a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len, a.shortlist, a.src, a.nodes)
     elif a.cmd == "overhead-once":
         sys.path.insert(0, str(a.code[0].resolve()))
-        print(json.dumps(overhead_once(a.dirs[0], a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len)))
+        print(json.dumps(overhead_once(a.dirs[0], a.batch, a.beam, a.length, a.sentences, a.threads, a.src_len,
+                                       a.src)))
     elif a.cmd == "overhead":
         passed = [f"--{k.replace('_', '-')}={getattr(a, k)}" for k in
                   ("batch", "beam", "length", "sentences", "threads", "src_len")]
+        passed += [f"--src={a.src.resolve()}"] if a.src else []
         overhead(a.dirs, a.code or [ROOT], a.rounds, passed)
     elif a.cmd == "export":
         export(a.preset, a.vocab, a.out, a.topk, a.seed)
