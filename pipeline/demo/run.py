@@ -137,7 +137,8 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
     serving = ServeBatchOptions(decoding=opts.decoding)
-    loaded = load(model_dirs["fp32"], LoadOptions(threads=opts.threads), opts.decoding)
+    # as `pipeline serve-batch` loads: a file of many batches (two side by side on a CPU of 2 or more threads)
+    loaded = load(model_dirs["fp32"], LoadOptions(threads=opts.threads, many_batches=True), opts.decoding)
     backend, tokenizer = loaded.backend, loaded.tokenizer
     stats = clock.stage("serve-batch", serve_files, backend, tokenizer, [str(test_src)], [str(translation)],
                         serving, progress=opts.progress)
