@@ -76,6 +76,9 @@ def make(src: Path, dst: Path, cross: bool = False) -> None:
             n.input[:] = [f"dm/out{i}" if x == attention else x for x in n.input]
         if cross:
             nodes += _cross_attention(g, produced, i, h)
+    for n in g.node:  # older exports read the sentences off self_k / self_v (their axis 0): now cross_k.0's
+        if n.op_type == "Shape" and n.input[0].startswith("self_"):
+            n.input[0] = "cross_k.0"
     cache = ["hyps", h, "capacity", dh]
     outputs = [o for o in g.output if not o.name.startswith(("step_k.", "step_v."))]
     outputs += [helper.make_tensor_value_info(f"present_{kv}.{i}", TensorProto.FLOAT, cache)
@@ -218,7 +221,7 @@ def _indirect_backend(model_dir: Path, probe_dir: Path) -> Any:
             bound = state.bound
             if bound is None or bound["n"] != n:
                 binding = self.decoder.io_binding()
-                k = min(self.topk, 2 * (n // state.n_rows))
+                k = self._candidates(self.decoder, n, state.n_rows)
                 bound = state.bound = {
                     "n": n, "binding": binding, "generation": -1,
                     "alive": {name: self._bind_in(binding, name, t) for name, t in state.tensors.items()},
@@ -255,21 +258,18 @@ def _indirect_backend(model_dir: Path, probe_dir: Path) -> Any:
 
 
 def once(kind: str, model_dir: Path, probe_dir: Path, src: Path, batch: int, n: int, out: Path) -> None:
-    import sentencepiece as spm
-
     from runtime.model_dir import ModelDir
     from runtime.ort_backend import OrtBackend
     from runtime.search import beam_search
     from runtime.translate import pad_batch
 
+    opened = ModelDir.open(model_dir)
     if kind == "indirect":
         backend = _indirect_backend(model_dir, probe_dir)
     else:
-        opened = ModelDir.open(model_dir)
         backend = OrtBackend(opened.path, opened.manifest, threads=1)
-    sp = spm.SentencePieceProcessor(model_file=str(model_dir / "spm.model"))
     lines = [line.strip() for line in src.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
-    ids = sorted((sp.encode(line) + [backend.cfg.eos_id] for line in lines), key=len)
+    ids = sorted(opened.tokenizer.encode_source(lines), key=len)  # the model dir's own tokenizer (Marian's too)
     batches = [pad_batch(ids[i:i + batch], backend.cfg.pad_id) for i in range(0, len(ids), batch)]
     for x in batches[:max(1, len(batches) // 4)]:  # warm-up
         beam_search(backend, x, beam_size=4)
