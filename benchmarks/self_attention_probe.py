@@ -204,11 +204,10 @@ class IndirectCache:
         return self.ancestry.reshape(n_sentences, rows, self.capacity)
 
 
-def _indirect_backend(model_dir: Path, probe_dir: Path) -> Any:
+def _indirect_backend(opened: Any, probe_dir: Path) -> Any:
     import onnxruntime as ort
 
     from runtime.backend import StepOutput, host
-    from runtime.model_dir import ModelDir
     from runtime.ort_backend import OrtBackend, session_config
 
     class IndirectBackend(OrtBackend):
@@ -246,7 +245,6 @@ def _indirect_backend(model_dir: Path, probe_dir: Path) -> Any:
             cache.steps += 1
             return StepOutput(bound["top_lp"].copy(), bound["top_ids"].copy(), bound["eos_lp"].copy()), cache
 
-    opened = ModelDir.open(model_dir)
     backend = IndirectBackend(opened.path, opened.manifest, threads=1)
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = 1, 1
@@ -265,7 +263,7 @@ def once(kind: str, model_dir: Path, probe_dir: Path, src: Path, batch: int, n: 
 
     opened = ModelDir.open(model_dir)
     if kind == "indirect":
-        backend = _indirect_backend(model_dir, probe_dir)
+        backend = _indirect_backend(opened, probe_dir)
     else:
         backend = OrtBackend(opened.path, opened.manifest, threads=1)
     lines = [line.strip() for line in src.read_text(encoding="utf-8").splitlines() if line.strip()][:n]
