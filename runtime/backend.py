@@ -80,6 +80,11 @@ class Backend(Protocol):
     def compile_seconds(self) -> float:
         """Seconds spent compiling decoder steps so far (--step compiled); 0 elsewhere."""
 
+    def search_on_device(self, src_ids: np.ndarray, options: Any, first_tokens: Any = None) -> Any:
+        """The whole beam search of a batch run on the device (the torch backend's --steps-per-replay:
+        runtime/device_search.py), as search.py's list of hypotheses per sentence; None where this backend
+        does not (then search runs here, step by step)."""
+
     def encode(self, src_ids: np.ndarray) -> EncoderState:
         """src_ids (B, S) int64 padded with cfg.pad_id -> state with B rows."""
 
@@ -144,6 +149,9 @@ class ExportedGraphBackend:
 
     def select(self, state: EncoderState, rows: np.ndarray) -> EncoderState:
         return select_rows(state, rows)
+
+    def search_on_device(self, src_ids: np.ndarray, options: Any, first_tokens: Any = None) -> None:
+        return None  # the engines run one step per call; search drives them
 
     @staticmethod
     def check_decoder_inputs(inputs: Iterable[str], where: object) -> None:

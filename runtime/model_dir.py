@@ -119,6 +119,10 @@ class LoadOptions(Checked):
                                   "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
                                   "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
                             choices=STEPS)
+    steps_per_replay: int | None = opt(None, "Torch backend: beam search steps run on the device per CUDA graph "
+                                             "replay (--step graph or compiled; docs/gpu.md): the same translations, "
+                                             "fewer trips to the host [default: 4 where the step is a CUDA graph, "
+                                             "else 1].", min=1, metavar="K")
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default."""
@@ -132,6 +136,11 @@ class LoadOptions(Checked):
             out.append(f"{n('precision')} {self.precision!r}: choose fp32 or fp16")
         if self.step not in (None, *STEPS):
             out.append(f"{n('step')} {self.step!r}: choose one of {', '.join(STEPS)}")
+        if self.steps_per_replay is not None and self.steps_per_replay < 1:
+            out.append(f"{n('steps_per_replay')} must be at least 1 (got {self.steps_per_replay})")
+        elif self.steps_per_replay is not None and self.steps_per_replay > 1 and self.step == "eager":
+            out.append(f"{n('steps_per_replay')} {self.steps_per_replay} needs a fixed-shape step: "
+                       f"{n('step')} graph or compiled, not eager")
         batches = self.parallel_batches  # None: the command's default (many_batches)
         if batches is not None and batches < 1:
             out.append(f"{n('parallel_batches')} must be at least 1 (got {batches})")

@@ -135,7 +135,8 @@ def _exported_precision(manifest: Manifest, devices: tuple[str, ...]) -> list[tu
 # The LoadOptions fields only some backends take (BackendEntry.options), and what those backends do with one:
 # runtime/model_dir.py's load refuses one set for another backend, in these words, and LoadOptions.for_backend
 # leaves it out for a backend that does not take it (bench and parity, looping over backends).
-ONLY_SOME = {"step": "chooses its decoder step", "parallel_batches": "(on the CPU) decodes batches side by side"}
+ONLY_SOME = {"step": "chooses its decoder step", "steps_per_replay": "runs beam search on the device",
+             "parallel_batches": "(on the CPU) decodes batches side by side"}
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ class BackendEntry:
 
 ENTRIES = (
     BackendEntry("torch", (CHECKPOINT_FILE, SPM_FILE), "torch", "runtime.torch_backend:open_model_dir",
-                 options=("device", "threads", "precision", "shortlist", "step"), checkpoint_weights=True,
+                 options=("device", "threads", "precision", "shortlist", "step", "steps_per_replay"),
+                 checkpoint_weights=True,
                  torch_memory=True, shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True,
                  runs=lambda manifest: [("fp32", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")]),  # model.pt is fp32
     BackendEntry("onnxruntime", (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE), "onnxruntime",

@@ -179,13 +179,17 @@ def compile_body(options: dict[str, Any] | None = None) -> Any:
     """_step_body through torch.compile: fixed shapes but for the cache's capacity (one compilation per
     bucket; a runner keeps at most MAX_BATCHES of them), the whole body one graph or an error.
     `options`: inductor settings for this compilation (torch.compile's options)."""
+    raise_recompile_limits()
+    return torch.compile(_step_body, dynamic=False, fullgraph=True, options=options)
+
+
+def raise_recompile_limits() -> None:
+    """Every (sentences, beam, source, capacity) bucket is a recompilation, not a fallback to eager."""
     import torch._dynamo.config as dynamo_config
 
-    # every (sentences, beam, source, capacity) bucket is a recompilation, not a fallback to eager
     for name in ("recompile_limit", "cache_size_limit"):
         if hasattr(dynamo_config, name):
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), 256))
-    return torch.compile(_step_body, dynamic=False, fullgraph=True, options=options)
 
 
 def mark_compiled(model: Transformer, sdpa: bool = True) -> None:
@@ -230,12 +234,13 @@ class StaticStepRunner:
         src_len = int(state.tensors[io_names.SRC_BIAS].shape[1])
         key = (size_bucket(state.n_rows), cache.rows, source_bucket(src_len))
         with self.lock:
-            batch = self._take(key)
-        weakref.finalize(cache, StaticStepRunner._release, batch)
+            batch = self.take(key)
+        weakref.finalize(cache, StaticStepRunner.release, batch)
         batch.load(state)
         return batch
 
-    def _take(self, key: tuple[int, int, int]) -> StaticBatch:
+    def take(self, key: tuple[int, int, int]) -> StaticBatch:
+        """Storage for a batch of shape `key` (sentences, rows, source), busy until release(); call under `lock`."""
         batch = self.batches.get(key)
         if batch is None or batch.busy:  # a busy one serves another search (threads) at this moment
             batch = StaticBatch(self.cfg, key[0], key[1], key[2], self.dtype, self.device)
@@ -252,7 +257,7 @@ class StaticStepRunner:
         return batch
 
     @staticmethod
-    def _release(batch: StaticBatch) -> None:
+    def release(batch: StaticBatch) -> None:
         batch.busy = False
 
     # -- one step -------------------------------------------------------------------------

@@ -22,8 +22,11 @@ from model.cache import BeamCache
 from model.manifest import CHECKPOINT_FILE
 from model.transformer import Transformer, select_candidates
 from runtime.backend import DEFAULT_TOPK, EncoderState, StepOutput, host, select_rows
+from runtime.decoding import DecodingOptions
+from runtime.device_search import DeviceSearch
 from runtime.errors import RuntimeUserError
 from runtime.registry import resolve_device
+from runtime.search import Hypothesis
 from runtime.shortlist import Shortlist
 from runtime.static_step import StaticBatch, StaticCache, StaticStepRunner
 from runtime.tokenizer import AnyTokenizer, load_tokenizer
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 # captured as a CUDA graph on CUDA (runtime/static_step.py)
 STEP_MODES = ("eager", "static", "graph", "compiled")
 CUDA_GRAPHS_ENV = "PIPELINE_CUDA_GRAPHS"
+DEFAULT_STEPS_PER_REPLAY = 4  # beam search steps per CUDA graph replay where the step is captured
 
 
 def default_step_mode(device: torch.device, shortlist: Any, environ: Mapping[str, str] = os.environ) -> str:
@@ -65,7 +69,7 @@ class TorchBackend:
     def __init__(self, model: Transformer, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, topk: int = DEFAULT_TOPK,
                  max_src_len: int | None = None, max_tgt_len: int | None = None, shortlist: Shortlist | None = None,
-                 step_mode: str | None = None, fuse: bool = True):
+                 step_mode: str | None = None, fuse: bool = True, steps_per_replay: int | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
         self.model = model.to(self.device, dtype=dtype).eval()
@@ -91,11 +95,29 @@ class TorchBackend:
         capture = step_mode == "graph" or (step_mode == "compiled" and self.device.type == "cuda")
         self.static = None if step_mode == "eager" else StaticStepRunner(
             self.model, topk, dtype, self.device, capture=capture, compiled=step_mode == "compiled")
+        if steps_per_replay is None:  # measured on an H200 (docs/gpu.md): 1.04-1.3x the one-step graph
+            steps_per_replay = DEFAULT_STEPS_PER_REPLAY if capture else 1
+        if steps_per_replay < 1:
+            raise ValueError(f"steps per replay must be at least 1, got {steps_per_replay}")
+        if steps_per_replay > 1 and self.static is None:
+            raise ValueError("several steps per replay need a fixed-shape step (--step graph or compiled), not eager")
+        self.steps_per_replay = steps_per_replay
+        # beam search on the device, steps_per_replay steps per replay (runtime/device_search.py)
+        self.device_search = None if steps_per_replay == 1 or self.static is None else DeviceSearch(
+            self.static, steps_per_replay, compiled=step_mode == "compiled")
 
     @property
     def compile_seconds(self) -> float:
         """torch.compile's time so far, over every batch shape (--step compiled; 0 for the other steps)."""
-        return sum(self.static.compile_seconds.values()) if self.static is not None else 0.0
+        spent = sum(self.static.compile_seconds.values()) if self.static is not None else 0.0
+        return spent + (self.device_search.compile_seconds if self.device_search is not None else 0.0)
+
+    def search_on_device(self, src_ids: np.ndarray, options: DecodingOptions,
+                         first_tokens: Any = None) -> list[list[Hypothesis]] | None:
+        if self.device_search is None or not DeviceSearch.supports(options, first_tokens):
+            return None
+        with torch.inference_mode():
+            return self.device_search.search(self, src_ids, options)
 
     @torch.inference_mode()
     def encode(self, src_ids: Any) -> EncoderState:
@@ -176,6 +198,12 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
     from model.checkpoint import load_model
 
     dev = resolve_device(options.device)
+    step = options.step
+    if options.steps_per_replay is not None and options.steps_per_replay > 1 and step is None:
+        if dev.type != "cuda":
+            raise RuntimeUserError(f"--steps-per-replay {options.steps_per_replay} runs beam search in a CUDA graph: "
+                                   f"on {dev} it needs --step compiled (slower than the default step there)")
+        step = "graph"
     if options.threads:
         torch.set_num_threads(options.threads)
     manifest = model_dir.manifest
@@ -183,12 +211,12 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
     if options.step == "graph" and dev.type != "cuda":
         raise RuntimeUserError(f"--step graph replays CUDA graphs: it needs a CUDA device, not {dev}; use --step "
                                "compiled or eager on the CPU")
-    if options.step not in (None, "eager") and shortlist is not None:
-        raise RuntimeUserError(f"--step {options.step} runs fixed shapes; --shortlist changes them with every batch: "
+    if step not in (None, "eager") and shortlist is not None:
+        raise RuntimeUserError(f"--step {step} runs fixed shapes; --shortlist changes them with every batch: "
                                "use one or the other")
     return TorchBackend(model, dev, torch_dtype(options.precision or manifest.precision, dev), topk=manifest.topk,
                         max_src_len=manifest.limits.max_src_len, max_tgt_len=manifest.limits.max_tgt_len,
-                        shortlist=shortlist, step_mode=options.step)
+                        shortlist=shortlist, step_mode=step, steps_per_replay=options.steps_per_replay)
 
 
 def open_checkpoint(path: str | Path, device: str | None = None, topk: int = DEFAULT_TOPK

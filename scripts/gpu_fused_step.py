@@ -41,7 +41,6 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
-from gpucheck.workers_bench import timed_steps  # noqa: E402
 
 from model.config import EOS_ID, preset  # noqa: E402
 from model.transformer import build_model  # noqa: E402
@@ -58,9 +57,11 @@ VARIANT_OPTIONS = {"combo": {"combo_kernels": True}, "autotune": {"max_autotune_
 
 
 def make_backend(model: Any, device: torch.device, dtype: torch.dtype, variant: str) -> TorchBackend:
-    """A step mode, or compiled-<flavour> (the docstring's list)."""
-    mode, _, flavour = variant.partition("-")
-    backend = TorchBackend(model, device, dtype, step_mode=mode)
+    """A step mode, or compiled-<flavour> (the docstring's list); a last part kN: N steps per replay."""
+    parts = variant.split("-")
+    steps = int(parts.pop()[1:]) if len(parts) > 1 and parts[-1][:1] == "k" and parts[-1][1:].isdigit() else 1
+    mode, flavour = parts[0], "-".join(parts[1:])
+    backend = TorchBackend(model, device, dtype, step_mode=mode, steps_per_replay=steps)
     if flavour == "plain":
         mark_compiled(backend.model, sdpa=False)
     elif flavour:
@@ -71,12 +72,16 @@ def make_backend(model: Any, device: torch.device, dtype: torch.dtype, variant: 
 
 
 def graph_kernels(backend: TorchBackend) -> dict[str, Any] | None:
-    """The node kinds of the largest-capacity graph the backend captured (one replay = one step)."""
+    """The node kinds of the largest-capacity graph the backend captured, per step (a replay runs
+    steps_per_replay steps)."""
     runner = backend.static
     if runner is None or not runner.capture:
         return None
-    graphs = [(cap, s.graph) for b in runner.batches.values() for cap, s in b.capacities.items()
-              if s.graph is not None]
+    if backend.device_search is not None:
+        graphs = [(s.capacity, s.graph) for s in backend.device_search.stores.values() if s.graph is not None]
+    else:
+        graphs = [(cap, s.graph) for b in runner.batches.values() for cap, s in b.capacities.items()
+                  if s.graph is not None]
     if not graphs:
         return None
     try:
@@ -88,7 +93,9 @@ def graph_kernels(backend: TorchBackend) -> dict[str, Any] | None:
         err, nodes, count = rt.cudaGraphGetNodes(handle, count)
         kinds = collections.Counter(rt.cudaGraphNodeGetType(n)[1].name.replace("cudaGraphNodeType", "")
                                     for n in nodes)
-        return {"nodes": int(count), "kinds": dict(kinds), "kernels": kinds.get("Kernel", 0)}
+        k = backend.steps_per_replay
+        return {"nodes": int(count), "kinds": dict(kinds), "kernels": round(kinds.get("Kernel", 0) / k, 1),
+                "steps_per_replay": k}
     except Exception as e:  # noqa: BLE001 - counting must not fail the measurement
         return {"error": f"{type(e).__name__}: {e}"[:300]}
 
@@ -99,7 +106,7 @@ def profiled_kernels(backend: TorchBackend, sources: list[list[int]], decoding: 
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            _, steps, _ = timed_steps(backend, sources, decoding)
+            _, _, steps, _ = timed_search(backend, sources, decoding)
         events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
         top = sorted(events, key=lambda e: e.device_time_total, reverse=True)[:10]
         return {"per_step": round(sum(e.count for e in events) / steps, 1), "steps": steps,
@@ -107,6 +114,43 @@ def profiled_kernels(backend: TorchBackend, sources: list[list[int]], decoding: 
                         for e in top]}
     except Exception as e:  # noqa: BLE001
         return {"error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def timed_search(backend: TorchBackend, sources: list[list[int]], decoding: Any
+                 ) -> tuple[float, float, int, float | None]:
+    """One batch searched as serving does: (seconds of the whole search, what the user waits for; seconds
+    inside backend.step calls, 0 where the search runs on the device; replays or step calls; the device's
+    seconds in graph replays, from CUDA events, or None)."""
+    real_step, spent = backend.step, [0.0, 0]
+    timers: Any = backend.device_search or backend.static
+    graphs = backend.static is not None and backend.static.capture
+    if graphs:
+        timers.gpu_times = []
+
+    def timed(*args: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        out = real_step(*args, **kw)
+        spent[0] += time.perf_counter() - t0
+        spent[1] += 1
+        return out
+
+    backend.step = timed  # type: ignore[method-assign]
+    replays = backend.device_search.replays if backend.device_search is not None else 0
+    sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    try:
+        search(backend, pad_batch(sources), decoding)
+        sync()
+    finally:
+        del backend.step  # the class's method again
+    wall = time.perf_counter() - t0
+    calls = spent[1] or (backend.device_search.replays - replays if backend.device_search is not None else 0)
+    gpu = None
+    if graphs:
+        gpu = sum(timers.gpu_times) if len(timers.gpu_times) == calls else None  # None: one was captured
+        timers.gpu_times = None
+    return wall, spent[0], int(calls), gpu
 
 
 def machine(device: torch.device, dtypes: list[str]) -> dict[str, Any]:
@@ -176,7 +220,7 @@ class Run:
             first, first_s, compile_s = {}, {}, {}
             for v in list(variants):  # the first search also captures and compiles
                 runner = backends[v].static
-                before = sum(runner.compile_seconds.values()) if runner else 0.0
+                before = backends[v].compile_seconds
                 t0 = time.perf_counter()
                 try:
                     first[v] = [h[0].tokens for h in search(backends[v], pad_batch(src), self.decoding)]
@@ -185,20 +229,23 @@ class Run:
                     variants.remove(v)
                     continue
                 first_s[v] = time.perf_counter() - t0
-                compile_s[v] = round(sum(runner.compile_seconds.values()) - before, 2) if runner else None
+                compile_s[v] = round(backends[v].compile_seconds - before, 2) if runner else None
             if any(compile_s.values()):
                 self.out["compile"].append({"preset": name, "dtype": dtype, "batch": bs, "seconds": compile_s,
                                             "first_search_seconds": {v: round(t, 2) for v, t in first_s.items()}})
-            best: dict[str, tuple[float, int, float | None]] = {}
+            best: dict[str, tuple[float, float, int, float | None]] = {}
             for r in range(a.rounds):
                 for v in (variants if r % 2 == 0 else variants[::-1]):
-                    t = timed_steps(backends[v], src, self.decoding)
+                    t = timed_search(backends[v], src, self.decoding)
                     best[v] = min(best.get(v, t), t, key=lambda x: x[0])
+            steps = a.tokens + 1  # the decoder steps each translation needs (the forced EOS included)
             for v in variants:
-                seconds, steps, gpu = best[v]
+                seconds, in_steps, replays, gpu = best[v]
                 row: dict[str, Any] = {
                     "preset": name, "dtype": dtype, "batch": bs, "beam": 4, "variant": v, "steps": steps,
+                    "steps_per_replay": backends[v].steps_per_replay, "replays": replays,
                     "step_ms": round(1000 * seconds / steps, 4),
+                    "step_call_ms": round(1000 * in_steps / steps, 4) if in_steps else None,
                     "gpu_ms": round(1000 * gpu / steps, 4) if gpu is not None else None,
                     "target_tok_per_s": round(bs * a.tokens / seconds, 1),
                     "identical_to_first": sum(x == y for x, y in zip(first[v], first[variants[0]])),
@@ -243,14 +290,15 @@ class Run:
 
 def table(out: dict[str, Any]) -> str:
     marian = {(m["preset"], m["dtype"], m["batch_size"]): m["target_tokens_per_s"] for m in out["marian"]}
-    lines = ["| shape | dtype | batch x beam | step | host ms/step | GPU ms/step | kernels/step | tok/s | "
-             "roofline % (GPU) | roofline % (host) | same tokens | compile s | generate tok/s |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| shape | dtype | batch x beam | step | host ms/step | step call ms | GPU ms/step | kernels/step | "
+             "tok/s | roofline % (GPU) | roofline % (host) | same tokens | compile s | generate tok/s |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in out["rows"]:
         graph, prof = r.get("graph") or {}, r.get("profiled") or {}
         kernels = graph.get("kernels") or prof.get("per_step")
         lines.append(f"| {r['preset']} | {r['dtype']} | {r['batch']} x 4 | {r['variant']} | {r['step_ms']} | "
-                     f"{r['gpu_ms']} | {kernels} | {r['target_tok_per_s']} | {r.get('roofline_pct_gpu')} | "
+                     f"{r.get('step_call_ms')} | {r['gpu_ms']} | {kernels} | {r['target_tok_per_s']} | "
+                     f"{r.get('roofline_pct_gpu')} | "
                      f"{r.get('roofline_pct_host')} | {r['identical_to_first']}/{r['sentences']} | "
                      f"{r['compile_seconds']} | {marian.get((r['preset'], r['dtype'], r['batch']))} |")
     for s in out["skipped"]:

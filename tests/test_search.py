@@ -58,6 +58,9 @@ class ScriptedBackend:
     def initial_cache(self, n_rows: int) -> np.ndarray:
         return np.zeros((n_rows, 0), dtype=np.int64)
 
+    def search_on_device(self, src_ids, options, first_tokens=None):
+        return None  # search drives the table step by step
+
     def step(self, state, tokens, step, cache, reorder, want=None):
         assert cache.shape[1] == step, "step index must equal the tokens fed so far"
         # One state row per sentence, shared by its consecutive hypothesis rows.

@@ -57,7 +57,7 @@ MODES = {
         serve_threads=(), decode=(), test_lines=200,
         bench_presets=("base", "big"), bench_vocab=32000, bench_batches=(1, 32, 128),
         bench_sentences={1: 8, 32: 128, 128: 256}, bench_dtypes=("fp32", "fp16"), roofline_batches=(32, 128),
-        step_modes=("eager", "graph"),
+        step_modes=("eager", "graph", "graph-k4"),
         cli_batches=(1, 32), copy_bytes=1 << 30, matmul_n=8192, matmul_dtypes=("fp32", "fp16", "bf16"),
         threads=None, budget_s=460.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 120, "train": 180, "resume": 300,
@@ -72,7 +72,7 @@ MODES = {
         decode=("--max-len-a", "0", "--max-len-b", "12"),  # the untrained tiny model never ends by itself
         test_lines=50,
         bench_presets=("tiny", "demo"), bench_vocab=256, bench_batches=(1, 4), bench_sentences={1: 4, 4: 8},
-        bench_dtypes=("fp32",), roofline_batches=(4,), step_modes=("eager", "static"),
+        bench_dtypes=("fp32",), roofline_batches=(4,), step_modes=("eager", "static", "static-k4"),
         cli_batches=(1, 4), copy_bytes=64 << 20, matmul_n=512,
         matmul_dtypes=("fp32",), threads=2, budget_s=600.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 90, "train": 120, "resume": 240,

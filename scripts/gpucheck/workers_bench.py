@@ -41,7 +41,8 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
         n = max(p["sentences"][str(b)] for b in p["batches"])
         sources = make_sources(tokenizer, None, n, 20, model.cfg.max_positions)
         for dtype, mode in ((d, m) for d in p["dtypes"] for m in p["step_modes"]):
-            backend = TorchBackend(model, device, dtypes[dtype], step_mode=mode)
+            step_mode, _, k = mode.partition("-k")  # graph-k4: 4 beam search steps per replay, on the device
+            backend = TorchBackend(model, device, dtypes[dtype], step_mode=step_mode, steps_per_replay=int(k or 1))
             weights_mib = torch.cuda.memory_allocated(device) / 2 ** 20 if cuda else None
             for bs in p["batches"]:
                 first = [h[0].tokens for h in search(backend, pad_batch(sources[:bs]), decoding)]
@@ -63,7 +64,7 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
                 print(f"bench {preset} {dtype} {mode} batch {bs}: {r.target_tokens_per_s:.0f} tok/s, "
                       f"{r.latency_ms_per_sentence:.2f} ms/sentence, peak GPU {row['peak_gpu_mib']} MiB",
                       file=sys.stderr, flush=True)
-            for bs in p["roofline_batches"]:
+            for bs in p["roofline_batches"] if backend.device_search is None else ():  # timed per step call
                 best, steps, gpu = min(timed_steps(backend, sources[:bs], decoding) for _ in range(2))
                 timings.append({"preset": preset, "dtype": dtype, "step_mode": mode, "batch_size": bs,
                                 "beam": p["beam"], "src_len": 20, "steps": steps, "step_seconds": best,
