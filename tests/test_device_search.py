@@ -142,3 +142,20 @@ def test_on_cuda_the_replayed_search_is_the_one_step_graphs_in_fp32(model, mode,
         for a, b in zip(ref, got):
             assert np.allclose([h.score for h in a], [h.score for h in b], atol=1e-4), name
     assert backend.device_search.replays > 0 and backend.static.captures > 0 and backend.static.capture
+
+
+@pytest.mark.slow
+def test_serve_batch_with_steps_per_replay_writes_the_same_file(memorised_fp32_dir, memorise_corpus, tmp_path):
+    """As a user runs it: `serve-batch --backend torch --step compiled --steps-per-replay 4` (the CPU's way to
+    run it) writes the file the default torch step writes; without --step compiled it is refused in one line."""
+    from helpers import run_cli
+
+    src = tmp_path / "in.txt"
+    src.write_text("".join(memorise_corpus[0].read_text().splitlines(keepends=True)[:12]))
+    plain, device = tmp_path / "plain.txt", tmp_path / "device.txt"
+    assert run_cli("serve-batch", memorised_fp32_dir, src, "-o", plain, "--backend", "torch") == 0
+    assert run_cli("serve-batch", memorised_fp32_dir, src, "-o", device, "--backend", "torch", "--step", "compiled",
+                   "--steps-per-replay", "4") == 0
+    assert device.read_bytes() == plain.read_bytes() and plain.read_text().count("\n") == 12
+    assert run_cli("serve-batch", memorised_fp32_dir, src, "-o", tmp_path / "x.txt", "--backend", "torch",
+                   "--steps-per-replay", "4") != 0
