@@ -73,6 +73,19 @@ def test_a_batch_ends_at_the_first_replay_after_its_last_sentence(model):
     assert capacity_for(4) == 16 and capacity_for(17) == 32 and capacity_for(33) == 64
 
 
+def test_finished_sentences_leave_for_a_smaller_bucket_between_replays(model):
+    """40 sentences finishing at many steps: the batch moves down the buckets (48 -> ... -> 1) with the live
+    sentences' cache, cross K/V and state; every sentence's hypotheses stay search's, bit for bit."""
+    src, options = sources(40, seed=5), PAPER.replace(beam_size=4, nbest=2)
+    backend = TorchBackend(model, step_mode="static", steps_per_replay=4)
+    got = search(backend, src, options)
+    assert backend.device_search.shrinks >= 2
+    assert_same(search(TorchBackend(model, step_mode="static"), src, options), got, exact=True)
+    assert len(backend.static.batches) <= 4  # the runner keeps its last shapes only (MAX_BATCHES)
+    assert not any(b.busy for b in backend.static.batches.values())  # every bucket taken was given back
+    assert TorchBackend(model, step_mode="compiled", steps_per_replay=4).device_search.shrink is False
+
+
 def test_storage_is_reused_and_batches_of_other_shapes_agree(model):
     backend = TorchBackend(model, step_mode="static", steps_per_replay=4)
     plain = TorchBackend(model, step_mode="static")
