@@ -85,7 +85,7 @@ from gpucheck.util import (  # noqa: E402
     tail,
 )
 from gpucheck.workers_bench import device_ops_per_step, timed_steps, worker_bench  # noqa: E402
-from gpucheck.workers_marian import worker_marian  # noqa: E402
+from gpucheck.workers_marian import worker_generate_file, worker_marian  # noqa: E402
 from gpucheck.workers_roofline import worker_roofline  # noqa: E402
 from gpucheck.workers_train import nccl_version, worker_compare_checkpoints, worker_compare_outputs, worker_ddp  # noqa: E402
 
@@ -95,13 +95,14 @@ __all__ = [
     "atomic_write", "device_ops_per_step", "failure_line", "fmt", "git_commit", "importable",
     "install_carried_wheels", "keep_artifacts", "last_logged_step", "main", "metrics_summary", "nccl_version",
     "read_json", "render_markdown", "run_worker", "stage_details", "tail", "timed_steps", "worker_bench",
-    "worker_compare_checkpoints", "worker_compare_outputs", "worker_ddp", "worker_marian", "worker_roofline",
+    "worker_compare_checkpoints", "worker_compare_outputs", "worker_ddp", "worker_generate_file", "worker_marian",
+    "worker_roofline",
 ]
 
 
 WORKERS = {"ddp": worker_ddp, "compare-checkpoints": worker_compare_checkpoints,
            "compare-outputs": worker_compare_outputs, "bench": worker_bench, "marian": worker_marian,
-           "roofline": worker_roofline}
+           "roofline": worker_roofline, "generate-file": worker_generate_file}
 
 
 def run_worker(argv: list[str]) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 
 from gpucheck.modes import STAGES, Mode, Stage
 from gpucheck.report import render_markdown
+from gpucheck.stages_file import FileStages
 from gpucheck.stages_measure import MeasureStages
 from gpucheck.stages_serve import ServeStages
 from gpucheck.stages_train import TrainStages
@@ -41,7 +42,7 @@ from gpucheck.util import (
 )
 
 
-class Check(TrainStages, ServeStages, MeasureStages):
+class Check(TrainStages, ServeStages, MeasureStages, FileStages):
     def __init__(self, out: Path, mode: Mode, budget_s: float | None, work: Path):
         self.out = out
         self.mode = mode
@@ -204,6 +205,7 @@ class Check(TrainStages, ServeStages, MeasureStages):
         for thread in (resume, randoms, dist):
             thread.join()
         self.run("bench", self.bench)
+        self.run("file", self.file)
         self.run("marian", self.marian)
         self.run("roofline", self.roofline)
         self.run("onnxruntime-cuda", self.onnxruntime_cuda)

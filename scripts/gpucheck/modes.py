@@ -30,6 +30,10 @@ class Mode:
     bench_sentences: dict[int, int]
     bench_dtypes: tuple[str, ...]
     roofline_batches: tuple[int, ...]
+    file_lines: int                # the file stage: serve-batch over this many lines of the training corpus
+    file_cpu_lines: int            # ... onnxruntime on the host's CPU over its first lines
+    file_generate_lines: int       # ... and generate() over its first lines, at each of file_generate_batches
+    file_generate_batches: tuple[int, ...]
     step_modes: tuple[str, ...]  # the torch backend's decoder step (runtime/static_step.py), the first the reference
     cli_batches: tuple[int, ...]
     copy_bytes: int
@@ -57,14 +61,15 @@ MODES = {
         serve_threads=(), decode=(), test_lines=200,
         bench_presets=("base", "big"), bench_vocab=32000, bench_batches=(1, 32, 128),
         bench_sentences={1: 8, 32: 128, 128: 256}, bench_dtypes=("fp32", "fp16"), roofline_batches=(32, 128),
+        file_lines=20000, file_cpu_lines=2000, file_generate_lines=4000, file_generate_batches=(64, 256),
         step_modes=("eager", "graph", "graph-k4"),
         cli_batches=(1, 32), copy_bytes=1 << 30, matmul_n=8192, matmul_dtypes=("fp32", "fp16", "bf16"),
-        threads=None, budget_s=460.0,
+        threads=None, budget_s=540.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 120, "train": 180, "resume": 300,
                   "export-fp32": 200, "export-fp16": 200, "serve-fp32": 90, "serve-fp16": 90,
                   "parity-torch-recorded": 120, "parity-onnxruntime-fp32": 150, "parity-onnxruntime-fp16": 150,
-                  "parity-serve": 60, "random-checkpoints": 200, "bench-cli": 90, "bench": 200, "marian": 200,
-                  "roofline": 90, "onnxruntime-cuda": 240},
+                  "parity-serve": 60, "random-checkpoints": 200, "bench-cli": 90, "bench": 200, "file": 150,
+                  "marian": 200, "roofline": 90, "onnxruntime-cuda": 240},
     ),
     "cpu": Mode(
         name="cpu", device="cpu", precision="fp32", train=CPU_TRAIN, max_steps=60, signal_at=25,
@@ -72,14 +77,16 @@ MODES = {
         decode=("--max-len-a", "0", "--max-len-b", "12"),  # the untrained tiny model never ends by itself
         test_lines=50,
         bench_presets=("tiny", "demo"), bench_vocab=256, bench_batches=(1, 4), bench_sentences={1: 4, 4: 8},
-        bench_dtypes=("fp32",), roofline_batches=(4,), step_modes=("eager", "static", "static-k4"),
+        bench_dtypes=("fp32",), roofline_batches=(4,),
+        file_lines=200, file_cpu_lines=50, file_generate_lines=50, file_generate_batches=(16,),
+        step_modes=("eager", "static", "static-k4"),
         cli_batches=(1, 4), copy_bytes=64 << 20, matmul_n=512,
         matmul_dtypes=("fp32",), threads=2, budget_s=600.0,
         timeouts={"doctor": 60, "nvidia-smi": 30, "distributed": 90, "train": 120, "resume": 240,
                   "export-fp32": 180, "export-fp16": 180, "serve-fp32": 90, "serve-fp16": 90,
                   "parity-torch-recorded": 90, "parity-onnxruntime-fp32": 120, "parity-onnxruntime-fp16": 120,
-                  "parity-serve": 60, "random-checkpoints": 120, "bench-cli": 90, "bench": 120, "marian": 120,
-                  "roofline": 60, "onnxruntime-cuda": 60},
+                  "parity-serve": 60, "random-checkpoints": 120, "bench-cli": 90, "bench": 120, "file": 150,
+                  "marian": 120, "roofline": 60, "onnxruntime-cuda": 60},
     ),
 }
 
@@ -100,6 +107,8 @@ STAGES = [
     ("random-checkpoints", "pipeline random-checkpoint (bench shapes)"),
     ("bench-cli", "pipeline bench --backends torch on the trained model dir"),
     ("bench", "torch backend on the device: bench shapes, batch sizes, peak memory"),
+    ("file", "a file on the device: serve-batch's whole process (default, one step per replay), generate() at its "
+             "best batch, onnxruntime on the CPU"),
     ("marian", "transformers MarianMTModel on the same weights: greedy agreement, generate() timing"),
     ("roofline", "bytes and FLOPs per decoder step vs measured copy bandwidth and matmul rate"),
     ("onnxruntime-cuda", "onnxruntime's CUDA provider (onnxruntime-gpu carried in parts): parity and bench"),

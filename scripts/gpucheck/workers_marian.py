@@ -73,3 +73,47 @@ def worker_marian(p: dict[str, Any]) -> dict[str, Any]:
             torch.cuda.empty_cache()
     out["rows"] = rows
     return out
+
+
+def worker_generate_file(p: dict[str, Any]) -> dict[str, Any]:
+    """MarianMTModel.generate on the trained model's weights over a file's first lines, sorted by length as
+    serve-batch batches them, at each batch size: beam 4, at most a * source + b new tokens per batch (our
+    decoding's limits over its longest source), length penalty our alpha. The best batch's row is `best`."""
+    import time
+
+    import torch
+
+    from model.checkpoint import load_model, resolve_checkpoint
+    from pipeline.evaluation import marian_peer
+    from pipeline.textio import read_lines
+    from runtime.decoding import PAPER
+    from runtime.tokenizer import Tokenizer
+    from runtime.translate import encode_sources
+
+    _threads(p)
+    device = torch.device(p["device"])
+    model, spm_bytes, _ = load_model(resolve_checkpoint(Path(p["trained"])), device="cpu")
+    lines = [x for x in read_lines(Path(p["src"])) if x.strip()][: p["lines"]]
+    ids = sorted(encode_sources(Tokenizer(spm_bytes), lines, model.cfg.max_positions, origin=p["src"]).ids, key=len)
+    decode = p.get("decode") or {}  # serve-batch's limits where the check gives any (the untrained CPU model)
+    a, b = float(decode.get("--max-len-a", PAPER.max_len_a)), int(decode.get("--max-len-b", PAPER.max_len_b))
+    peer = marian_peer.to_marian(model).to(device, torch.float16 if p["dtype"] == "fp16" else torch.float32)
+    rows = []
+    for bs in p["batches"]:
+        tokens, t0 = 0, time.perf_counter()
+        for i in range(0, len(ids), bs):
+            batch = ids[i: i + bs]
+            new = max(1, int(a * max(map(len, batch)) + b))
+            gen = marian_peer.generation_config(p["beam"], new, 0, PAPER.alpha)
+            with torch.inference_mode():
+                out = peer.generate(**marian_peer.inputs(batch, device), generation_config=gen)
+            tokens += sum(len(marian_peer.strip(row)) for row in out.tolist())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        rows.append({"batch_size": bs, "sentences": len(ids), "target_tokens": tokens, "seconds": round(seconds, 2),
+                     "sentences_per_s": round(len(ids) / seconds, 1),
+                     "target_tokens_per_s": round(tokens / seconds, 1)})
+        print(f"generate batch {bs}: {rows[-1]['sentences_per_s']} lines/s", file=sys.stderr, flush=True)
+    return {"rows": rows, "best": max(rows, key=lambda r: r["target_tokens_per_s"]), "device": str(device),
+            "dtype": p["dtype"], "how": "MarianMTModel.generate, the first batch included (no warm-up)"}
