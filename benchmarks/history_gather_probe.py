@@ -27,7 +27,7 @@ from onnx import TensorProto, helper
 
 from model import io_names
 from pipeline.evaluation.bench import make_sources
-from runtime import ort_backend
+from runtime import ort_backend, ort_binding
 from runtime.decoding import PAPER
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.search import search
@@ -73,7 +73,7 @@ def numpy_step(self: Any, state: Any, tokens: Any, step: int, cache: Any, reorde
     n, d_head = len(tokens), self.cfg.d_head
     feeds = cache.advance(reorder, state.n_rows)
     bound = state.bound
-    if not isinstance(bound, ort_backend._StepBinding) or bound.n != n:
+    if not isinstance(bound, ort_binding.StepBinding) or bound.n != n:
         bound = state.bound = self._step_binding(state, n)
         bound.hist = {}
     self._fill(bound.tokens, np.asarray(tokens, np.int64))

@@ -23,7 +23,18 @@ from typing import Any
 import onnx
 import torch
 
-from export import calibrate, onnx_export, quantize, rowwise, sample, tensorrt_build, topk_split, trt_compat, verify
+from export import (
+    calibrate,
+    onnx_export,
+    quantize,
+    rowwise,
+    sample,
+    self_attention,
+    tensorrt_build,
+    topk_split,
+    trt_compat,
+    verify,
+)
 from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable
@@ -145,6 +156,7 @@ def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = 
     graphs, constrained = _write_constrained(plan, tmp, graphs)
     verification = _verify(plan, graph_model, tmp)
     verification["constrained_step"] = constrained
+    verification["self_attention"] = self_attention.describe(tmp / io_names.DECODER_FILE)
     if plan.activation_scales is not None:  # rowwise: static or per row, and why
         verification["int8_activation_scales"] = _scales_record(plan, gate)
     if static_scales is not None:  # which layers run with calibrated constant scales
@@ -240,8 +252,9 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
                 static = static or {"calibration_lines": len(plan.calibration.lines if plan.calibration else [])}
                 static[name] = {"static": counts[0], "per_row": counts[1]}
                 log.info("%s: %d linear layers with static activation scales, %d per row", name, *counts)
-        if int8 in ONNXRUNTIME_ONLY:  # a graph TensorRT never parses: the two-stage top-K (export/topk_split.py)
+        if int8 in ONNXRUNTIME_ONLY:  # a graph TensorRT never parses: the two-stage top-K (export/topk_split.py),
             _split_topk(tmp / io_names.DECODER_FILE, graph_model.cfg.vocab_size, topk)
+            self_attention.rewrite_file(tmp / io_names.DECODER_FILE, graph_model.cfg)  # one kernel a layer
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0

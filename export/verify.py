@@ -4,11 +4,10 @@ Both sides run the same functions (model.encode/cross_kv/decode_step + select_ca
 on a real padded batch, then 10+ beam-like decoding steps: every step follows a `reorder`
 with repeated rows (model/cache.py's ancestry index), the cache buffers grow past their
 capacity twice, one step drops a finished sentence's hypotheses, its cache rows and its
-cross K/V row, and each engine's own step K/V are written into its own cache, so errors
-accumulate as in serving.
-Candidate log-probs are compared by max abs difference against a tolerance; candidate
-ids only where the gap to the neighbouring candidates exceeds that tolerance (a tie
-within the tolerance may legitimately order either way).
+cross K/V row, and each engine's own step K/V are written into its own cache (a decoder with a cache per
+hypothesis keeps its own, export/self_attention.py), so errors accumulate as in serving. Candidate log-probs
+are compared by max abs difference against a tolerance; candidate ids only where the gap to the neighbouring
+candidates exceeds that tolerance (a tie within the tolerance may legitimately order either way).
 
 fp16: ONNX Runtime on CPU lacks fp16 kernels for several ops and silently computes them
 in fp32 (it inserts Casts), so ORT-vs-PyTorch alone would not test the fp16 arithmetic.
@@ -29,7 +28,7 @@ import onnx
 import torch
 
 from export import constrained as constrained_step
-from export import topk_split
+from export import self_attention, topk_split
 from export.errors import ExportError, VerificationError
 from export.onnx_export import inference_copy
 from model import io_names
@@ -85,10 +84,12 @@ def ort_runner(graph: Path | str | bytes, config: dict[str, str] | None = None) 
         opts.add_session_config_entry(key, value)
     session = ort.InferenceSession(graph if isinstance(graph, bytes) else str(graph), opts,
                                    providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
+    names, inputs = [o.name for o in session.get_outputs()], {i.name for i in session.get_inputs()}
+    if io_names.CACHE_INDIRECTION in inputs:  # a cache per hypothesis, written in place (export/self_attention.py)
+        return self_attention.indirect_runner(session)
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return dict(zip(names, session.run(names, feeds)))
+        return dict(zip(names, session.run(names, {k: v for k, v in feeds.items() if k in inputs})))
 
     return run
 
@@ -251,7 +252,8 @@ def compare_engines(model: Transformer, encoder: StepFn, decoder: StepFn, ref_en
     reorder = np.arange(len(rows), dtype=np.int64)
     for step in range(n_steps):
         where = f"{label} decoder step {step}"
-        feeds = {io_names.TOKENS: tokens, io_names.STEP: np.array([step], dtype=np.int64)}
+        feeds = {io_names.TOKENS: tokens, io_names.STEP: np.array([step], dtype=np.int64),
+                 self_attention.REORDER: reorder}
         n_sent = len(np.unique(sent))
         own, ref_own = ({k: v.numpy() for k, v in c.advance(torch.from_numpy(reorder), n_sent).items()}
                         for c in caches)

@@ -21,6 +21,11 @@ DECODER_ENGINE = "decoder.plan"
 # row, the beam read off its inputs' shapes, instead of topk (export/topk_split.py; the ONNX Runtime backend binds
 # outputs that wide)
 TOPK_FOLLOWS_BEAM = "pipeline.topk_follows_beam"
+# "decoder-masked" where each layer's self-attention is one com.microsoft.DecoderMaskedMultiHeadAttention over a
+# cache per hypothesis (export/self_attention.py, runtime/indirect_cache.py): the inputs CACHE_INDIRECTION and
+# self_k/self_v (hyps, n_heads, capacity, d_head), the outputs present_k/present_v (the same buffers), no step_k/v
+SELF_ATTENTION = "pipeline.self_attention"
+DECODER_MASKED = "decoder-masked"
 
 
 def weights_file(graph_file: str) -> str:
@@ -63,6 +68,17 @@ CANDIDATES = "candidates"
 # (hyps, n_want) float32 their log-probs from the step's log-softmax (-inf for -1).
 WANT_IDS = "want_ids"
 WANT_LOG_PROBS = "want_log_probs"
+# decoders with DecoderMaskedMultiHeadAttention (SELF_ATTENTION): (sentences, beam, capacity) int32, the beam row
+# of its sentence that wrote each earlier position of a hypothesis' history (runtime/indirect_cache.py)
+CACHE_INDIRECTION = "cache_indirection"
+
+
+def present_k(layer: int) -> str:
+    return f"present_k.{layer}"  # such a decoder's self_k.i with this step written, bound to the same memory
+
+
+def present_v(layer: int) -> str:
+    return f"present_v.{layer}"
 
 
 def self_k(layer: int) -> str:

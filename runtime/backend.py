@@ -158,7 +158,7 @@ class ExportedGraphBackend:
         """Refuse, with the way out, a decoder built before the beam cache (model/cache.py):
         its inputs have a `reorder` instead of the ancestry index, so binding would fail at the
         first step with an engine's message instead."""
-        if io_names.SELF_INDEX not in set(inputs):
+        if not {io_names.SELF_INDEX, io_names.CACHE_INDIRECTION} & set(inputs):
             raise RuntimeUserError(f"{where} has an older decoder interface (no `{io_names.SELF_INDEX}` input: "
                                    "exported before the beam cache); export the model again with `pipeline export`")
 

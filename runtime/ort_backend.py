@@ -21,21 +21,21 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from model import io_names
-from model.cache import BeamCache
 from model.manifest import ROWWISE, Manifest, file_digest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError
 from runtime.graph_cache import cached_session, entry_key
 from runtime.heap import release_free_memory
+from runtime.indirect_cache import IndirectCache
 from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, default_parallel_batches, usable_cores
+from runtime.ort_binding import StepBinding
 from runtime.ort_constrained import ConstrainedDecoder, want_array, why_not
 from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
 from runtime.shortlist import Shortlist
@@ -151,7 +151,11 @@ class OrtBackend(ExportedGraphBackend):
         self.constrained = ConstrainedDecoder(functools.partial(session, model_dir / io_names.DECODER_CONSTRAINED_FILE),
                                               why_not(model_dir, manifest, shortlisted=shortlist is not None))
         self.gathers = self.constrained.gathers
-        self.cache_dtype: Any = self._array_dtype(self.out_types[io_names.step_k(0)])
+        # a decoder with DecoderMaskedMultiHeadAttention keeps a cache per hypothesis (export/self_attention.py)
+        self.indirect = io_names.CACHE_INDIRECTION in {i.name for i in self.decoder.get_inputs()}
+        if self.indirect and self.on_cuda:
+            raise RuntimeUserError(f"{model_dir}'s int8 decoder runs on the CPU only: use --device cpu")
+        self.cache_dtype: Any = np.float32 if self.indirect else self._array_dtype(self.out_types[io_names.step_k(0)])
         self.topk = manifest.topk
         self._follows_beam: dict[ort.InferenceSession, bool] = {}  # per decoder session (_candidates)
         if shortlist is not None:
@@ -255,32 +259,43 @@ class OrtBackend(ExportedGraphBackend):
             candidates = self._device_array(self.shortlist.candidates(host(src_ids)))
         return EncoderState(tensors, b, candidates=candidates)
 
-    def step(self, state: EncoderState, tokens: Any, step: int, cache: BeamCache,
-             reorder: Any, want: Any = None) -> tuple[StepOutput, BeamCache]:
+    def initial_cache(self, n_rows: int) -> Any:
+        if self.indirect:
+            return IndirectCache(self.cfg, n_rows, max_steps=self.max_tgt_len)
+        return super().initial_cache(n_rows)
+
+    def step(self, state: EncoderState, tokens: Any, step: int, cache: Any,
+             reorder: Any, want: Any = None) -> tuple[StepOutput, Any]:
         n = len(tokens)
         session, want_ids = self.decoder, None
         if want is not None:  # decoder_constrained.onnx (opened now if this is the first such step)
             session, want_ids = self.constrained.session(), want_array(host(want), n, self.cfg.vocab_size)
             if not want_ids.shape[1]:  # no ids asked for: the plain step
                 session = self.decoder
-        feeds = cache.advance(reorder, state.n_rows)
+        feeds = cache.advance(reorder, state.n_rows)  # IndirectCache: cache_indirection, bound below
         bound = state.bound
-        if not isinstance(bound, _StepBinding) or bound.n != n or bound.session is not session:
+        if not isinstance(bound, StepBinding) or bound.n != n or bound.session is not session:
             bound = state.bound = self._step_binding(state, n, session)
         self._fill(bound.tokens, host(tokens, np.int64))
         self._fill(bound.step, np.array([step], dtype=np.int64))
         if want_ids is not None and session is not self.decoder:
             self._fill_want(bound, want_ids)
-        feeds = {name: self._bind_changed(bound, name, value) for name, value in feeds.items()}
+        if self.indirect:
+            feeds = cache.bind(bound.binding)  # referenced until the run
+        else:
+            feeds = {name: self._bind_changed(bound, name, value) for name, value in feeds.items()}
         self._run(session, bound.binding)
-        cache.append(bound.step_k, bound.step_v)
+        if self.indirect:
+            cache.wrote()
+        else:
+            cache.append(bound.step_k, bound.step_v)
         want_lp = None if want_ids is None else (
             np.array(host(bound.want_lp)) if want_ids.shape[1] else np.empty((n, 0), np.float32))
         # copies: the bound outputs are overwritten by the next step
         return StepOutput(np.array(host(bound.top_lp)), np.array(host(bound.top_ids)),
                           np.array(host(bound.eos_lp)), want_lp), cache
 
-    def _fill_want(self, bound: _StepBinding, want: np.ndarray) -> None:
+    def _fill_want(self, bound: StepBinding, want: np.ndarray) -> None:
         """The constrained step's want_ids filled, its want_ids buffer and want_log_probs output bound again
         where the ids per hypothesis changed."""
         if bound.want is None or tuple(bound.want.shape) != want.shape:
@@ -288,7 +303,7 @@ class OrtBackend(ExportedGraphBackend):
             bound.want_lp = self._bind_out(bound.binding, io_names.WANT_LOG_PROBS, want.shape)
         self._fill(bound.want, want)
 
-    def _step_binding(self, state: EncoderState, n: int, session: ort.InferenceSession | None = None) -> _StepBinding:
+    def _step_binding(self, state: EncoderState, n: int, session: ort.InferenceSession | None = None) -> StepBinding:
         """The binding of `session` (the decoder's by default, or the constrained one) for `n` hypotheses of
         `state`: its tensors (cross K/V, src_bias) and every output bound once; tokens and step in buffers bound
         once and filled per step."""
@@ -302,13 +317,13 @@ class OrtBackend(ExportedGraphBackend):
             alive[io_names.CANDIDATES] = self._bind_in(binding, io_names.CANDIDATES, state.candidates)
         d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
         k = self._candidates(session, n, state.n_rows)
-        return _StepBinding(
+        return StepBinding(
             binding, session, n, tokens, step, alive,
             top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, k)),
             top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, k)),
             eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
-            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)],
-            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)])
+            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers * (not self.indirect))],
+            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers * (not self.indirect))])
 
     def _candidates(self, session: ort.InferenceSession, n: int, sentences: int) -> int:
         """Candidates a row from `session`: min(topk, 2 x beam) where its K follows the beam (export/topk_split)."""
@@ -317,7 +332,7 @@ class OrtBackend(ExportedGraphBackend):
             self._follows_beam[session] = meta.get(io_names.TOPK_FOLLOWS_BEAM) == "1"
         return min(self.topk, 2 * (n // sentences)) if self._follows_beam[session] else self.topk
 
-    def _bind_changed(self, bound: _StepBinding, name: str, a: Any) -> Any:
+    def _bind_changed(self, bound: StepBinding, name: str, a: Any) -> Any:
         """Bind a cache feed unless this very array is bound already (the buffers change only
         when the cache grows or drops sentences); returns what must stay referenced until the run."""
         ref = bound.feeds.get(name)
@@ -333,26 +348,6 @@ class OrtBackend(ExportedGraphBackend):
             buffer.copy_(self._device_array(a))
         else:
             np.copyto(buffer, a)
-
-
-@dataclass
-class _StepBinding:
-    """The decoder's IO binding kept across the steps of one encoder state."""
-
-    binding: ort.IOBinding
-    session: ort.InferenceSession  # the decoder's, or decoder_constrained.onnx's (runtime/ort_constrained.py)
-    n: int                      # hypotheses
-    tokens: Any                 # (n,) int64, bound; filled each step
-    step: Any                   # (1,) int64, bound; filled each step
-    alive: dict[str, Any]       # what the binding points into, referenced as long as it
-    top_lp: Any                 # outputs, bound once
-    top_ids: Any
-    eos_lp: Any
-    step_k: list[Any]
-    step_v: list[Any]
-    feeds: dict[str, weakref.ref[Any] | None] = field(default_factory=dict)  # cache feeds bound now
-    want: Any = None            # the constrained step's (n, W) want_ids, bound; filled each step
-    want_lp: Any = None         # and its (n, W) want_log_probs output
 
 
 def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortlist | None) -> OrtBackend:

@@ -7,7 +7,7 @@ opened on the first step given `want`, with the decoder's session options and pr
 without glossaries pays nothing for it (no load, no memory). A model dir exported before it, or one served
 with a shortlist (the shortlisted step scores its candidates only), does not gather: asking says why.
 
-The step's IO binding is the decoder's kind (ort_backend._StepBinding) made on this session, plus a
+The step's IO binding is the decoder's kind (ort_binding.StepBinding) made on this session, plus a
 want_ids buffer filled every step and a want_log_probs output, both bound again only when the number of
 ids per hypothesis changes.
 """
