@@ -156,7 +156,8 @@ def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = 
     graphs, constrained = _write_constrained(plan, tmp, graphs)
     verification = _verify(plan, graph_model, tmp)
     verification["constrained_step"] = constrained
-    verification["self_attention"] = self_attention.describe(tmp / io_names.DECODER_FILE)
+    if plan.int8_flavour in ONNXRUNTIME_ONLY:  # the flavours whose self-attention export rewrites
+        verification["self_attention"] = self_attention.describe(tmp / io_names.DECODER_FILE)
     if plan.activation_scales is not None:  # rowwise: static or per row, and why
         verification["int8_activation_scales"] = _scales_record(plan, gate)
     if static_scales is not None:  # which layers run with calibrated constant scales
