@@ -1,6 +1,8 @@
 """What ONNX Runtime's DecoderMaskedMultiHeadAttention (a com.microsoft contrib op with a CPU kernel) would give
 the CPU int8 decoder step in place of its self-attention subgraph (benchmarks/README.md, "self-attention-dmmha").
-A probe, not the product: the model dir it writes is for this script only.
+A probe, not the product: the model dir it writes is for this script only. The product has built it since
+(export/self_attention.py, runtime/indirect_cache.py, whose cache and graph sort this probe now uses); the probe
+still rewrites older model dirs for an A/B against their gathered decoder.
 
     python benchmarks/self_attention_probe.py make MODEL_DIR OUT_DIR
     python benchmarks/self_attention_probe.py ab MODEL_DIR OUT_DIR --src test2016.de --batch 32 --sentences 512 \\
@@ -91,6 +93,8 @@ def make(src: Path, dst: Path, cross: bool = False) -> None:
     del g.output[:], g.input[:]
     g.output.extend(outputs)
     g.input.extend(inputs)
+    from export.self_attention import _prune_and_sort
+
     _prune_and_sort(g, list(g.node) + nodes)
     onnx.save(proto, dst / "decoder.onnx")
     print(f"{dst}/decoder.onnx: {len(g.node)} nodes, self-attention in {n_layers} DecoderMaskedMultiHeadAttention")
@@ -128,82 +132,6 @@ def _cross_attention(g: Any, produced: dict[str, Any], i: int, h: int) -> list[A
     return nodes
 
 
-def _prune_and_sort(g: Any, nodes: list[Any]) -> None:
-    """Keep the nodes the outputs need, in an order where each follows its inputs; drop unused initializers."""
-    producer = {o: n for n in nodes for o in n.output}
-    wanted, kept = [o.name for o in g.output], {}
-    while wanted:  # the producers of what the outputs need, transitively
-        node = producer.get(wanted.pop())
-        if node is not None and id(node) not in kept:
-            kept[id(node)] = node
-            wanted.extend(x for x in node.input if x)
-    ready = {x.name for x in g.input} | {x.name for x in g.initializer} | {""}
-    ordered, pending = [], [n for n in nodes if id(n) in kept]
-    while pending:
-        later = []
-        for n in pending:
-            if all(x in ready for x in n.input):
-                ordered.append(n)
-                ready.update(n.output)
-            else:
-                later.append(n)
-        if len(later) == len(pending):
-            raise SystemExit(f"cannot order the graph: {[n.name for n in later[:3]]}")
-        pending = later
-    used = {x for n in ordered for x in n.input}
-    initializers = [x for x in g.initializer if x.name in used]
-    del g.node[:], g.initializer[:], g.value_info[:]
-    g.node.extend(ordered)
-    g.initializer.extend(initializers)
-
-
-class IndirectCache:
-    """The cache of the rewritten graph: per layer K and V (hyps, heads, capacity, d_head) as views of one block,
-    and each hypothesis' ancestry (hyps, capacity) int32, fed as cache_indirection (sentences, beam, capacity)."""
-
-    def __init__(self, cfg: Any, capacity: int = 16, max_steps: int = 1024):
-        self.cfg, self.capacity, self.max_steps = cfg, capacity, max_steps
-        self.steps = self.rows = self.n_sentences = 0
-        self.kv: list[np.ndarray] = []
-        self.ancestry = np.zeros((0, capacity), np.int32)
-        self.generation = 0  # changes when the buffers do (bound again)
-
-    def _block(self, n: int, capacity: int) -> list[np.ndarray]:
-        layers = self.cfg.n_dec_layers
-        block = np.zeros((2 * layers, n, self.cfg.n_heads, capacity, self.cfg.d_head), np.float32)
-        return [block[i] for i in range(2 * layers)]
-
-    def advance(self, reorder: np.ndarray, n_sentences: int) -> np.ndarray:
-        from model.cache import keep_rows_in_place
-
-        reorder = np.asarray(reorder, np.int64)
-        n = int(reorder.shape[0])
-        rows = n // n_sentences
-        if self.steps == 0:
-            self.rows, self.n_sentences = rows, n_sentences
-            self.kv, self.ancestry = self._block(n, self.capacity), np.zeros((n, self.capacity), np.int32)
-            self.generation += 1
-        else:
-            ancestry = self.ancestry[reorder]  # the parent's history, then the parent's own row at the last step
-            ancestry[:, self.steps - 1] = reorder % rows
-            if n_sentences != self.n_sentences:  # finished sentences' rows leave, the others move up
-                kept = (reorder // rows).reshape(n_sentences, rows)[:, 0]
-                self.kv = keep_rows_in_place(self.kv, (kept[:, None] * rows + np.arange(rows)).reshape(-1))
-                self.n_sentences = n_sentences
-                self.generation += 1
-            self.ancestry = ancestry
-        if self.steps >= self.capacity:
-            capacity = min(2 * self.capacity, self.max_steps)
-            grown = self._block(n, capacity)
-            for new, old in zip(grown, self.kv):
-                new[:, :, :self.capacity] = old
-            ancestry = np.zeros((n, capacity), np.int32)
-            ancestry[:, :self.capacity] = self.ancestry
-            self.kv, self.ancestry, self.capacity = grown, ancestry, capacity
-            self.generation += 1
-        return self.ancestry.reshape(n_sentences, rows, self.capacity)
-
-
 def _indirect_backend(opened: Any, probe_dir: Path) -> Any:
     import onnxruntime as ort
 
@@ -212,7 +140,9 @@ def _indirect_backend(opened: Any, probe_dir: Path) -> Any:
 
     class IndirectBackend(OrtBackend):
         def initial_cache(self, n_rows: int) -> Any:
-            return IndirectCache(self.cfg, max_steps=self.max_tgt_len)
+            from runtime.indirect_cache import IndirectCache  # the product's cache since it was built
+
+            return IndirectCache(self.cfg, n_rows, max_steps=self.max_tgt_len)
 
         def step(self, state: Any, tokens: Any, step: int, cache: Any, reorder: Any, want: Any = None) -> Any:
             n = len(tokens)

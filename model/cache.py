@@ -56,6 +56,15 @@ def host_ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
+def split_reorder(reorder: Any, n_sentences: int) -> tuple[np.ndarray, int, int]:
+    """(reorder as int64 on the host, hypotheses, hypotheses per sentence); CacheError where they do not split."""
+    reorder = host_ints(reorder)
+    n = int(reorder.shape[0])
+    if n_sentences < 1 or n % n_sentences:
+        raise CacheError(f"{n} hypotheses do not split into {n_sentences} sentences")
+    return reorder, n, n // n_sentences
+
+
 def keep_rows_in_place(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
     """Each array's rows (axis 0) `kept`, strictly ascending, moved to its front in place by one memmove per run
     of consecutive rows: views of the first len(kept) rows. An array that is not C-contiguous is copied instead
@@ -205,11 +214,7 @@ class BeamCache:
     def advance(self, reorder: Any, n_sentences: int) -> dict[str, Any]:
         """Follow `reorder` ((hyps,) rows of the previous step each hypothesis continues;
         step 0: any), and return the step's cache feeds."""
-        reorder = host_ints(reorder)
-        n = int(reorder.shape[0])
-        if n_sentences < 1 or n % n_sentences:
-            raise CacheError(f"{n} hypotheses do not split into {n_sentences} sentences")
-        rows = n // n_sentences
+        reorder, n, rows = split_reorder(reorder, n_sentences)
         if self.steps == 0:
             self.rows = rows
             self._allocate(n_sentences, self.initial_capacity)

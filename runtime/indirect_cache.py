@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from model import io_names
-from model.cache import INITIAL_CAPACITY, CacheError, host_ints, keep_rows_in_place
+from model.cache import INITIAL_CAPACITY, CacheError, keep_rows_in_place, split_reorder
 from model.config import ModelConfig
 
 
@@ -48,11 +48,7 @@ class IndirectCache:
 
     def advance(self, reorder: Any, n_sentences: int) -> np.ndarray:
         """Follow `reorder` (the previous step's row each hypothesis continues); returns cache_indirection."""
-        reorder = host_ints(reorder)
-        n = int(reorder.shape[0])
-        if n_sentences < 1 or n % n_sentences:
-            raise CacheError(f"{n} hypotheses do not split into {n_sentences} sentences")
-        rows = n // n_sentences
+        reorder, n, rows = split_reorder(reorder, n_sentences)
         if self.steps == 0:
             self.rows, self.n_sentences = rows, n_sentences
             self.kv = self._block(n, self.capacity)

@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import torch  # noqa: E402
+from gpucheck.workers_bench import step_calls_timed  # noqa: E402
 
 from model.config import EOS_ID, preset  # noqa: E402
 from model.transformer import build_model  # noqa: E402
@@ -121,29 +122,17 @@ def timed_search(backend: TorchBackend, sources: list[list[int]], decoding: Any
     """One batch searched as serving does: (seconds of the whole search, what the user waits for; seconds
     inside backend.step calls, 0 where the search runs on the device; replays or step calls; the device's
     seconds in graph replays, from CUDA events, or None)."""
-    real_step, spent = backend.step, [0.0, 0]
     timers: Any = backend.device_search or backend.static
     graphs = backend.static is not None and backend.static.capture
     if graphs:
         timers.gpu_times = []
-
-    def timed(*args: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
-        out = real_step(*args, **kw)
-        spent[0] += time.perf_counter() - t0
-        spent[1] += 1
-        return out
-
-    backend.step = timed  # type: ignore[method-assign]
     replays = backend.device_search.replays if backend.device_search is not None else 0
     sync = torch.cuda.synchronize if backend.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
-    try:
+    with step_calls_timed(backend) as spent:
         search(backend, pad_batch(sources), decoding)
         sync()
-    finally:
-        del backend.step  # the class's method again
     wall = time.perf_counter() - t0
     calls = spent[1] or (backend.device_search.replays - replays if backend.device_search is not None else 0)
     gpu = None

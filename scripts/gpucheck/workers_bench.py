@@ -4,8 +4,10 @@ uses them too)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -80,18 +82,10 @@ def worker_bench(p: dict[str, Any]) -> dict[str, Any]:
             "how": "pipeline.evaluation.bench.bench_backend on runtime.torch_backend.TorchBackend(checkpoint model)"}
 
 
-def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[float, int, float | None]:
-    """Decode one batch with search as serving does, timing each backend.step call (the torch backend
-    returns host arrays, so the device is synchronised): (seconds in steps, steps, and for CUDA graphs
-    the seconds the device spent in the graphs, from CUDA events around each replay)."""
-    from runtime.search import search
-    from runtime.translate import pad_batch
-
+@contextlib.contextmanager
+def step_calls_timed(backend: Any) -> Iterator[list[float]]:
+    """Inside: each backend.step call timed, [seconds, calls] yielded and summed as they come."""
     real_step, spent = backend.step, [0.0, 0]
-    runner = getattr(backend, "static", None)
-    graphs = runner is not None and runner.capture
-    if graphs:
-        runner.gpu_times = []
 
     def timed(*args: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -102,9 +96,24 @@ def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[
 
     backend.step = timed
     try:
-        search(backend, pad_batch(sources), decoding)
+        yield spent
     finally:
         del backend.step  # the class's method again
+
+
+def timed_steps(backend: Any, sources: list[list[int]], decoding: Any) -> tuple[float, int, float | None]:
+    """Decode one batch with search as serving does, timing each backend.step call (the torch backend
+    returns host arrays, so the device is synchronised): (seconds in steps, steps, and for CUDA graphs
+    the seconds the device spent in the graphs, from CUDA events around each replay)."""
+    from runtime.search import search
+    from runtime.translate import pad_batch
+
+    runner = getattr(backend, "static", None)
+    graphs = runner is not None and runner.capture
+    if graphs:
+        runner.gpu_times = []
+    with step_calls_timed(backend) as spent:
+        search(backend, pad_batch(sources), decoding)
     gpu = None
     if graphs:
         gpu = sum(runner.gpu_times) if len(runner.gpu_times) == spent[1] else None  # None: a step was captured
