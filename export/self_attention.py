@@ -2,8 +2,8 @@
 
 In the exported decoder each layer's self-attention is about fifteen nodes: the gathers of every earlier key and
 value by the ancestry index (model/cache.py), two one-row matmuls per head, the Softmax, the Slices and Concat
-of the step's own key. On a CPU those are tiny GEMMs and copies, about 14% of an int8 step
-(benchmarks/2026-11-28_intel-xeon-avx512-vnni_cpu-overheads.md). ONNX Runtime's contrib op
+of the step's own key. On a CPU those are tiny GEMMs and copies, about 14% of an int8 step (the cpu-overheads
+profile in benchmarks/README.md). ONNX Runtime's contrib op
 com.microsoft.DecoderMaskedMultiHeadAttention does it in one kernel per layer, beam reordering included: it
 reads each hypothesis' history through `cache_indirection` and, with past_present_share_buffer, writes the
 step's key and value into a cache row per hypothesis in place (runtime/indirect_cache.py).
