@@ -32,6 +32,7 @@ searches run step by step (`supports`).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any
@@ -56,6 +57,12 @@ from runtime.static_step import (
 log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
+
+
+@functools.lru_cache(maxsize=8)
+def _penalties(n: int, alpha: float, rules: str) -> np.ndarray:
+    """search.py's length penalty for lengths 1..n as it divides by it (fp32), indexed by step; read only."""
+    return np.array([np.float32(length_penalty(float(x), alpha, rules)) for x in range(1, n + 1)], np.float32)
 
 
 def capacity_for(steps: int) -> int:
@@ -216,9 +223,7 @@ class DeviceSearch:
         sentence_max[:n] = max_len
         done = np.ones(s, dtype=bool)
         done[:n] = False
-        lengths = np.arange(1, store.st["penalty"].shape[0] + 1, dtype=np.float64)
-        penalty = np.array([np.float32(length_penalty(float(x), options.alpha, options.rules)) for x in lengths],
-                           dtype=np.float32)
+        penalty = _penalties(store.st["penalty"].shape[0], options.alpha, options.rules)
         cap = store.capacity
         return {"t": np.zeros(1, np.int64), "tokens": np.full(s * beam, cfg.bos_id, np.int64), "scores": scores,
                 "count": np.zeros(s, np.int64), "done": done, "max_len": sentence_max,
