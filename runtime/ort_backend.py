@@ -315,15 +315,16 @@ class OrtBackend(ExportedGraphBackend):
         alive[io_names.STEP] = self._bind_in(binding, io_names.STEP, step)
         if state.candidates is not None:
             alive[io_names.CANDIDATES] = self._bind_in(binding, io_names.CANDIDATES, state.candidates)
-        d, n_layers = self.cfg.d_model, self.cfg.n_dec_layers
+        d = self.cfg.d_model
+        n_layers = 0 if self.indirect else self.cfg.n_dec_layers  # a cache per hypothesis: the graph writes it
         k = self._candidates(session, n, state.n_rows)
         return StepBinding(
             binding, session, n, tokens, step, alive,
             top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, k)),
             top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, k)),
             eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
-            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers * (not self.indirect))],
-            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers * (not self.indirect))])
+            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)],
+            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)])
 
     def _candidates(self, session: ort.InferenceSession, n: int, sentences: int) -> int:
         """Candidates a row from `session`: min(topk, 2 x beam) where its K follows the beam (export/topk_split)."""

@@ -376,7 +376,8 @@ def search(backend: Backend, src_ids: Any, options: DecodingOptions = PAPER,
     """One padded batch decoded as `options` says: greedy search for beam 1 (same results,
     less work), beam search otherwise. options.batch_tokens is the caller's business;
     first_tokens: each sentence's forced first token (a multilingual model's target language)."""
-    on_device = backend.search_on_device(_source(backend, src_ids), options, first_tokens)
+    src_ids = _source(backend, src_ids)  # checked once: what follows takes it as it is
+    on_device = backend.search_on_device(src_ids, options, first_tokens)
     if on_device is not None:
         return on_device  # the same hypotheses, several steps per device round trip (runtime/device_search.py)
     if options.beam_size == 1:
