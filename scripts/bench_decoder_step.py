@@ -177,6 +177,7 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     from model.cache import BeamCache
     from pipeline.evaluation.bench import make_sources
     from runtime.decoding import PAPER
+    from runtime.indirect_cache import IndirectCache
     from runtime.model_dir import LoadOptions, load
     from runtime.search import search
     from runtime.translate import pad_batch
@@ -196,12 +197,16 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
                 calls[key] = calls.get(key, 0) + 1
         return timed_call
 
-    untimed = (backend.step, backend.encode, BeamCache.advance, BeamCache.append)
+    untimed = (backend.step, backend.encode, BeamCache.advance, BeamCache.append, IndirectCache.advance,
+               IndirectCache.wrote)
     backend.decoder.run_with_iobinding = timed("run", backend.decoder.run_with_iobinding)
     backend.step = timed("step", backend.step)
     backend.encode = timed("encode", backend.encode)
     BeamCache.advance = timed("advance", BeamCache.advance)  # type: ignore[method-assign]
     BeamCache.append = timed("append", BeamCache.append)  # type: ignore[method-assign]
+    # a decoder with DecoderMaskedMultiHeadAttention keeps a cache per hypothesis (runtime/indirect_cache.py)
+    IndirectCache.advance = timed("advance", IndirectCache.advance)  # type: ignore[method-assign]
+    IndirectCache.wrote = timed("append", IndirectCache.wrote)  # type: ignore[method-assign]
     decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length) if length else \
         PAPER.replace(beam_size=beam)
     sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
@@ -215,7 +220,7 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
     for src in batches:
         search(backend, src, decoding)
     total = time.perf_counter() - start
-    cache = spent["advance"] + spent["append"]
+    cache = spent.get("advance", 0.0) + spent.get("append", 0.0)
     parts = {"run": spent["run"], "bind": spent["step"] - spent["run"] - cache, "cache": cache,
              "search": total - spent["step"] - spent["encode"]}
     steps = calls["step"]
@@ -225,7 +230,8 @@ def overhead_once(model_dir: Path, batch: int, beam: int, length: int, sentences
         return result
     # The same searches with no timers and every engine run a no-op (the same steps: the length is forced): what
     # our own code costs per step, without the timers' share that the parts above carry.
-    backend.step, backend.encode, BeamCache.advance, BeamCache.append = untimed  # type: ignore[method-assign]
+    (backend.step, backend.encode, BeamCache.advance, BeamCache.append, IndirectCache.advance,
+     IndirectCache.wrote) = untimed  # type: ignore[method-assign]
     backend.decoder.run_with_iobinding = backend.encoder.run_with_iobinding = lambda *args, **kwargs: None
     start = time.perf_counter()
     for src in batches:
