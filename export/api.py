@@ -25,6 +25,7 @@ import torch
 
 from export import (
     calibrate,
+    cross_attention,
     onnx_export,
     quantize,
     rowwise,
@@ -158,6 +159,7 @@ def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = 
     verification["constrained_step"] = constrained
     if plan.int8_flavour in ONNXRUNTIME_ONLY:  # the flavours whose self-attention export rewrites
         verification["self_attention"] = self_attention.describe(tmp / io_names.DECODER_FILE)
+        verification["cross_attention"] = cross_attention.describe(tmp / io_names.DECODER_FILE)
     if plan.activation_scales is not None:  # rowwise: static or per row, and why
         verification["int8_activation_scales"] = _scales_record(plan, gate)
     if static_scales is not None:  # which layers run with calibrated constant scales
@@ -256,6 +258,7 @@ def _write_graphs(plan: ExportPlan, graph_model: Transformer, tmp: Path,
         if int8 in ONNXRUNTIME_ONLY:  # a graph TensorRT never parses: the two-stage top-K (export/topk_split.py),
             _split_topk(tmp / io_names.DECODER_FILE, graph_model.cfg.vocab_size, topk)
             self_attention.rewrite_file(tmp / io_names.DECODER_FILE, graph_model.cfg)  # one kernel a layer
+            cross_attention.rewrite_file(tmp / io_names.DECODER_FILE, graph_model.cfg)  # and one more
     for name in (io_names.ENCODER_FILE, io_names.DECODER_FILE):
         graph_files.externalize(tmp / name)  # what ships, verified and built from below
     seconds = time.perf_counter() - t0

@@ -71,7 +71,7 @@ def rewrite(proto: onnx.ModelProto, cfg: ModelConfig) -> bool:
         n.input[:] = [renamed.get(x, x) for x in n.input]
         if n.op_type == "Shape" and n.input[0].startswith("self_"):  # the sentences, off axis 0
             n.input[0] = io_names.cross_k(0)
-    cache = ["hyps", h, "capacity", dh]
+    cache: list[str | int | None] = ["hyps", h, "capacity", dh]
     outputs = [o for o in g.output if not o.name.startswith(("step_k.", "step_v."))]
     outputs += [helper.make_tensor_value_info(name(i), TensorProto.FLOAT, cache)
                 for name in (io_names.present_k, io_names.present_v) for i in range(layers)]
@@ -83,7 +83,7 @@ def rewrite(proto: onnx.ModelProto, cfg: ModelConfig) -> bool:
     del g.output[:], g.input[:]
     g.output.extend(outputs)
     g.input.extend(inputs)
-    _prune_and_sort(g, list(g.node) + nodes)
+    prune_and_sort(g, list(g.node) + nodes)
     props = {m.key: m.value for m in proto.metadata_props}
     helper.set_model_props(proto, {**props, io_names.SELF_ATTENTION: io_names.DECODER_MASKED})
     if not any(o.domain == "com.microsoft" for o in proto.opset_import):
@@ -119,7 +119,7 @@ def _attention_output(g: Any, i: int) -> str:
     return x
 
 
-def _prune_and_sort(g: Any, nodes: list[Any]) -> None:
+def prune_and_sort(g: Any, nodes: list[Any]) -> None:
     """Keep the nodes the outputs need, each after its inputs; drop initializers nothing reads any more."""
     producer = {o: n for n in nodes for o in n.output}
     wanted, kept = [o.name for o in g.output], {}

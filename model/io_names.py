@@ -26,6 +26,10 @@ TOPK_FOLLOWS_BEAM = "pipeline.topk_follows_beam"
 # self_k/self_v (hyps, n_heads, capacity, d_head), the outputs present_k/present_v (the same buffers), no step_k/v
 SELF_ATTENTION = "pipeline.self_attention"
 DECODER_MASKED = "decoder-masked"
+# "multi-head" where each layer's cross-attention is one com.microsoft.MultiHeadAttention (export/cross_attention.py);
+# the interface is unchanged
+CROSS_ATTENTION = "pipeline.cross_attention"
+MULTI_HEAD = "multi-head"
 
 
 def weights_file(graph_file: str) -> str:

@@ -1,5 +1,6 @@
 """The ONNX Runtime int8 decoder's self-attention as one DecoderMaskedMultiHeadAttention per layer
-(export/self_attention.py), its cache per hypothesis (runtime/indirect_cache.py), and what it serves."""
+(export/self_attention.py), its cache per hypothesis (runtime/indirect_cache.py), its cross-attention as one
+MultiHeadAttention per layer (export/cross_attention.py), and what they serve."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import onnx
 import pytest
 from helpers import INT8_LOOSE_ATOL, MEMORISED_LIMITS, run_cli
 
-from export import self_attention, verify
+from export import cross_attention, self_attention, verify
 from export.api import export_model
 from export.errors import ExportError
 from model import io_names
@@ -20,10 +21,11 @@ from runtime.indirect_cache import IndirectCache
 from runtime.model_dir import LoadOptions, load
 
 DMMHA = "DecoderMaskedMultiHeadAttention"
+MHA = "MultiHeadAttention"
 
 
-def kernels(path) -> int:
-    return sum(n.op_type == DMMHA for n in onnx.load(str(path), load_external_data=False).graph.node)
+def kernels(path, op: str = DMMHA) -> int:
+    return sum(n.op_type == op for n in onnx.load(str(path), load_external_data=False).graph.node)
 
 
 def test_the_onnxruntime_int8_decoders_have_one_attention_kernel_a_layer(memorised_int8_dir,
@@ -32,29 +34,31 @@ def test_the_onnxruntime_int8_decoders_have_one_attention_kernel_a_layer(memoris
         manifest = read_manifest(model_dir)
         layers = manifest.model_config.n_dec_layers
         assert manifest.verification["self_attention"]["kind"] == io_names.DECODER_MASKED
+        assert manifest.verification["cross_attention"]["kind"] == io_names.MULTI_HEAD
         for name in (io_names.DECODER_FILE, io_names.DECODER_CONSTRAINED_FILE):
             graph = onnx.load(str(model_dir / name), load_external_data=False).graph
-            assert kernels(model_dir / name) == layers
+            assert kernels(model_dir / name) == layers and kernels(model_dir / name, MHA) == layers
             inputs = {x.name for x in graph.input}
             assert io_names.CACHE_INDIRECTION in inputs and io_names.SELF_INDEX not in inputs
             assert {o.name for o in graph.output} >= {io_names.present_k(i) for i in range(layers)}
             assert not any(o.name.startswith("step_k.") for o in graph.output)
         assert load(model_dir, LoadOptions(backend="onnxruntime", threads=1)).backend.indirect
     # graphs TensorRT builds from, and fp32 / fp16, keep the gathered cache (model/cache.py)
-    assert "self_attention" not in read_manifest(fp32_dir).verification
-    assert kernels(fp32_dir / io_names.DECODER_FILE) == 0
+    assert not {"self_attention", "cross_attention"} & set(read_manifest(fp32_dir).verification)
+    assert kernels(fp32_dir / io_names.DECODER_FILE) == kernels(fp32_dir / io_names.DECODER_FILE, MHA) == 0
     assert not load(fp32_dir, LoadOptions(backend="onnxruntime", threads=1)).backend.indirect
 
 
 def test_it_translates_as_the_gathered_decoder(memorised_int8_dir, trained_save_dir, memorise_corpus, tmp_path,
                                                monkeypatch):
-    """The same checkpoint exported without the rewrite: serve-batch writes the same file, with a glossary too
+    """The same checkpoint exported without either rewrite: serve-batch writes the same file, with a glossary too
     (decoder_constrained.onnx made from the rewritten decoder)."""
     monkeypatch.setattr(self_attention, "rewrite_file", lambda path, cfg: False)
+    monkeypatch.setattr(cross_attention, "rewrite_file", lambda path, cfg: False)
     gathered = tmp_path / "gathered"
     export_model(trained_save_dir, gathered, int8=True, int8_atol=INT8_LOOSE_ATOL, tensorrt=False,
                  **MEMORISED_LIMITS)
-    assert kernels(gathered / io_names.DECODER_FILE) == 0
+    assert kernels(gathered / io_names.DECODER_FILE) == kernels(gathered / io_names.DECODER_FILE, MHA) == 0
     src = tmp_path / "in.txt"
     lines = memorise_corpus[0].read_text(encoding="utf-8").splitlines()[:40]
     src.write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -113,3 +117,39 @@ def test_the_cache_follows_the_beam_and_refuses_what_search_never_does():
         cache.advance(np.array([0, 1, 3]), 1)
     with pytest.raises(CacheError, match="hypotheses per sentence"):
         cache.advance(np.arange(4), 1)
+
+
+def test_the_cross_attention_kernel_is_the_exported_arithmetic(fp32_dir, random_checkpoint, tmp_path, caplog):
+    """Rewritten, the fp32 decoder still verifies against PyTorch at fp32's bound (the kernel computes what the
+    ten nodes did); with the kernel's scale doubled it fails verification; a decoder whose pattern differs is left
+    as it was, with a warning."""
+    model = load_model(resolve_checkpoint(random_checkpoint))[0].float().eval()
+    manifest = read_manifest(fp32_dir)
+    cfg, topk = manifest.model_config, manifest.topk
+    proto = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
+    assert cross_attention.rewrite(proto, cfg) and not cross_attention.rewrite(proto, cfg)
+    assert sum(n.op_type == MHA for n in proto.graph.node) == cfg.n_dec_layers
+    rewritten = tmp_path / "decoder.onnx"
+    onnx.save(proto, str(rewritten))
+    assert cross_attention.describe(rewritten)["kind"] == io_names.MULTI_HEAD
+    report = verify.verify_export(model, fp32_dir / io_names.ENCODER_FILE, rewritten, fp16=False, topk=topk)
+    assert report["precision"] == "fp32"
+    for node in proto.graph.node:
+        if node.op_type == MHA:
+            next(a for a in node.attribute if a.name == "scale").f *= 2
+    onnx.save(proto, str(rewritten))
+    with pytest.raises(ExportError, match="verification failed"):
+        verify.verify_export(model, fp32_dir / io_names.ENCODER_FILE, rewritten, fp16=False, topk=topk)
+    # another scale than 1 / sqrt(d_head) on the scores: not the pattern this kernel replaces
+    other = onnx.load(str(fp32_dir / io_names.DECODER_FILE))
+    mul = next(n for n in other.graph.node if n.op_type == "Mul" and any(
+        r.op_type == "MatMul" and n.output[0] == r.input[0] for r in other.graph.node))
+    scale = next(x for x in other.graph.initializer if x.name in mul.input)
+    scale.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(scale) * 2, scale.name))
+    with pytest.raises(ValueError, match="not 1 / sqrt"):
+        cross_attention.rewrite(other, cfg)
+    odd = tmp_path / "odd.onnx"
+    onnx.save(other, str(odd))
+    before = odd.read_bytes()
+    assert not cross_attention.rewrite_file(odd, cfg)
+    assert odd.read_bytes() == before and "keeps its exported cross-attention" in caplog.text
