@@ -25,7 +25,8 @@ position (past = 1, bias MASK_VALUE): the graph needs no control flow.
 
 `BeamCache` keeps the buffers and the ancestry and turns search's `reorder` (the previous
 step's row each hypothesis continues, within its own sentence) into the next index. When
-sentences finish, their buffer rows are dropped (the survivors moved up in place, on such steps).
+sentences finish, their buffer rows are dropped: the rows past the survivors' count fill the holes in place
+(`tail_filled`, search's order), so a finish moves as many rows as finished, not every row after it.
 The ancestry and the index are small integer arrays, kept in numpy on the host; the buffers
 are numpy arrays (the ONNX Runtime CPU backend, which must not need torch) or torch tensors
 on any device (the PyTorch and TensorRT backends), chosen by the `dtype` given.
@@ -56,6 +57,17 @@ def host_ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
+def check_sentences(parents: np.ndarray, kept: np.ndarray, n_sentences: int) -> None:
+    """CacheError unless every hypothesis continues a row of its own sentence: `parents` (sentences, rows) the
+    earlier sentence of each hypothesis' parent, the same along a row; `kept` (its first column) distinct earlier
+    sentences of the `n_sentences` there were (finished ones left out, the rest in any order)."""
+    ascending = kept.size < 2 or bool((kept[1:] > kept[:-1]).all())  # distinct; search's order until a drop
+    if not (bool((parents == kept[:, None]).all()) and 0 <= int(kept.min()) and int(kept.max()) < n_sentences
+            and (ascending or np.unique(kept).size == kept.size)):
+        raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's rows consecutive, "
+                         "each earlier sentence continued by at most one (finished ones left out)")
+
+
 def split_reorder(reorder: Any, n_sentences: int) -> tuple[np.ndarray, int, int]:
     """(reorder as int64 on the host, hypotheses, hypotheses per sentence); CacheError where they do not split."""
     reorder = host_ints(reorder)
@@ -65,9 +77,34 @@ def split_reorder(reorder: Any, n_sentences: int) -> tuple[np.ndarray, int, int]
     return reorder, n, n // n_sentences
 
 
+def tail_filled(alive: np.ndarray) -> np.ndarray:
+    """The rows to keep (`alive`, a bool per row) in the order that moves the fewest: of the first n (n the alive
+    count), the alive ones stay where they are, and each hole among them takes one of the alive rows past n, in
+    their order. So dropping a finished sentence moves at most as many rows as finished, not every row after it.
+    search.py keeps its sentences in this order; nothing of a translation depends on it."""
+    kept = np.flatnonzero(alive)
+    order = np.arange(kept.size, dtype=np.int64)
+    order[np.flatnonzero(~alive[:kept.size])] = kept[kept >= kept.size]
+    return order
+
+
+def moves_in_place(kept: np.ndarray, rows: int) -> bool:
+    """Whether keep_rows_in_place can take `kept` (distinct rows of `rows`, each at or after its new place): each
+    move then reads a row that no earlier move wrote. Ascending rows (the old order) and tail_filled's qualify."""
+    n = int(kept.shape[0])
+    if n == 0:
+        return True
+    if not (bool((kept >= np.arange(n)).all()) and int(kept.max()) < rows):
+        return False
+    seen = np.zeros(rows, dtype=bool)
+    seen[kept] = True
+    return int(np.count_nonzero(seen)) == n
+
+
 def keep_rows_in_place(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
-    """Each array's rows (axis 0) `kept`, strictly ascending, moved to its front in place by one memmove per run
-    of consecutive rows: views of the first len(kept) rows. An array that is not C-contiguous is copied instead
+    """Each array's rows (axis 0) `kept` moved to its front, row i of the result the array's row kept[i], in place
+    by one memmove per run of consecutive rows: views of the first len(kept) rows. `kept` must pass moves_in_place,
+    which the callers ask once for all their arrays. An array that is not C-contiguous is copied instead
     (np.take). The arrays' other rows are overwritten: the caller gives them up."""
     n = int(kept.shape[0])
     starts = np.flatnonzero(np.diff(kept, prepend=-2) != 1)  # runs of consecutive rows: one memmove each
@@ -78,7 +115,7 @@ def keep_rows_in_place(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.nd
             out.append(np.take(a, kept, axis=0))
             continue
         row, at = a.strides[0], a.ctypes.data
-        for dst, src, length in runs:  # dst <= src, in order: memmove is safe
+        for dst, src, length in runs:  # src >= dst, and no earlier move wrote src: memmove is safe
             ctypes.memmove(at + dst * row, at + src * row, length * row)
         out.append(a[:n])
     return out
@@ -102,8 +139,11 @@ class NumpyBuffers:
         return [block[i] for i in range(count)]
 
     def keep_rows(self, bufs: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
-        """Each buffer's rows `kept` (ascending) moved to its front, in place: views of the first len(kept)
-        rows. No new buffer, so no fresh pages to fault in, and old and new never coexist (peak memory)."""
+        """Each buffer's rows `kept` moved to its front, in place where they can be (moves_in_place: ascending,
+        or tail_filled's order): views of the first len(kept) rows. No new buffer, so no fresh pages to fault in,
+        and old and new never coexist (peak memory). Another order is copied (np.take)."""
+        if bufs and not moves_in_place(kept, int(bufs[0].shape[0])):
+            return [np.take(b, kept, axis=0) for b in bufs]
         return keep_rows_in_place(bufs, kept)
 
     def grown(self, bufs: list[np.ndarray], shape: tuple[int, ...], used: int) -> list[np.ndarray]:
@@ -224,17 +264,14 @@ class BeamCache:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
             parents = (reorder // rows).reshape(n_sentences, rows)  # each hypothesis' parent's sentence
             kept = parents[:, 0]
-            if not (bool((parents == kept[:, None]).all()) and bool((kept[1:] > kept[:-1]).all())
-                    and kept[-1] < self.n_sentences):
-                raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's "
-                                 "rows consecutive, sentences in their order (finished ones left out)")
+            check_sentences(parents, kept, self.n_sentences)
             t = self.slots.shape[1]  # each hypothesis' ancestry: its parent's, then the slot its parent wrote
             slots = np.empty((n, t + 1), dtype=np.int64)
             slots[:, :t] = self.slots[reorder]
             slots[:, t] = reorder % rows
             self.slots = slots
-            if n_sentences != self.n_sentences:  # finished sentences leave (search keeps the order)
-                self._drop(kept)
+            if n_sentences != self.n_sentences or bool((kept != np.arange(n_sentences)).any()):
+                self._drop(kept)  # finished sentences leave; the live ones move as search ordered them
         if self.steps >= self.capacity:
             if self.steps >= self.max_steps:
                 raise CacheError(f"step {self.steps} is past the {self.max_steps} decoder positions")
@@ -286,7 +323,7 @@ class BeamCache:
         self.n_sentences = n_sentences
 
     def _drop(self, kept: np.ndarray) -> None:
-        """Keep the sentences `kept` (their earlier indices, ascending) and drop the others' rows."""
+        """Keep the sentences `kept` (their earlier indices, in their new order) and drop the others' rows."""
         self.k = self.buffers.keep_rows(self.k, kept)
         self.v = self.buffers.keep_rows(self.v, kept)
         self.n_sentences = int(kept.shape[0])

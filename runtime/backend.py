@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from model import io_names
-from model.cache import BeamCache, keep_rows_in_place
+from model.cache import BeamCache, keep_rows_in_place, moves_in_place
 from runtime.errors import RuntimeUserError
 
 DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
@@ -107,22 +107,29 @@ class Backend(Protocol):
 
 def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
     """`Backend.select` for numpy or torch state tensors: row i of the result is row rows[i]
-    of every tensor. `state` is given up: its numpy tensors' rows are moved in place when `rows` ascend (search
-    drops finished sentences in order), which spares a batch's every drop a copy of its cross K/V."""
+    of every tensor. `state` is given up: its numpy tensors' rows are moved in place where they can be
+    (model.cache.moves_in_place: search's tail_filled order), which spares a batch's every drop a copy of its
+    cross K/V and moves only as many rows as finished."""
     rows = np.asarray(rows, dtype=np.int64)
-    selected: dict[str, Any] = {}
+    moved: dict[str, Any] = {}
+    arrays = {name: v for name, v in state.tensors.items() if isinstance(v, np.ndarray)}
+    if arrays:  # finished sentences leave: the live ones move in place, as in the cache, all in one pass
+        n = {v.shape[0] for v in arrays.values()}
+        if len(n) == 1 and (rows.size == 0 or (int(rows.min()) >= 0 and moves_in_place(rows, n.pop()))):
+            moved.update(zip(arrays, keep_rows_in_place(list(arrays.values()), rows)))
+        else:
+            moved.update({name: np.take(v, rows, axis=0) for name, v in arrays.items()})
     index: Any = None
-    ascending = bool((rows[1:] > rows[:-1]).all()) and (rows.size == 0 or rows[0] >= 0)
+    selected: dict[str, Any] = {}
     for name, v in state.tensors.items():
-        if isinstance(v, np.ndarray):  # finished sentences leave: the live ones move up in place, as in the cache
-            in_place = ascending and (rows.size == 0 or rows[-1] < v.shape[0])
-            selected[name] = keep_rows_in_place([v], rows)[0] if in_place else np.take(v, rows, axis=0)
-        else:  # a torch tensor (torch and TensorRT backends, ONNX Runtime on CUDA)
-            if index is None:
-                import torch
+        if name in moved:
+            selected[name] = moved[name]
+            continue
+        if index is None:  # a torch tensor (torch and TensorRT backends, ONNX Runtime on CUDA)
+            import torch
 
-                index = torch.from_numpy(rows).to(v.device)
-            selected[name] = v.index_select(0, index)
+            index = torch.from_numpy(rows).to(v.device)
+        selected[name] = v.index_select(0, index)
     return EncoderState(selected, int(rows.shape[0]), candidates=state.candidates)
 
 

@@ -11,8 +11,8 @@ shape (hyps, heads, capacity, d_head), all views of one block, which the decoder
 beam row of its sentence wrote it: BeamCache's `slots` (the ancestry), in the kernel's type.
 
 Use: `cache.advance(reorder, n_sentences)` before step t, `cache.bind(binding)` on the decoder's IO binding,
-run, `cache.wrote()`. Finished sentences leave as in BeamCache (their rows dropped, the others moved up in
-place); the buffers are bound again only when they change (`generation`).
+run, `cache.wrote()`. Finished sentences leave as in BeamCache (their rows dropped, the holes filled in place by
+the last rows: model/cache.py's tail_filled); the buffers are bound again only when they change (`generation`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from model import io_names
-from model.cache import INITIAL_CAPACITY, CacheError, keep_rows_in_place, split_reorder
+from model.cache import (
+    INITIAL_CAPACITY,
+    CacheError,
+    check_sentences,
+    keep_rows_in_place,
+    moves_in_place,
+    split_reorder,
+)
 from model.config import ModelConfig
 
 
@@ -59,14 +66,14 @@ class IndirectCache:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
             parents = (reorder // rows).reshape(n_sentences, rows)
             kept = parents[:, 0]
-            if not (bool((parents == kept[:, None]).all()) and bool((kept[1:] > kept[:-1]).all())
-                    and kept[-1] < self.n_sentences):
-                raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's "
-                                 "rows consecutive, sentences in their order (finished ones left out)")
+            check_sentences(parents, kept, self.n_sentences)
             ancestry = self.ancestry[reorder]  # the parent's history, then the parent's own row at the last step
             ancestry[:, self.steps - 1] = reorder % rows
-            if n_sentences != self.n_sentences:  # finished sentences' rows leave, the others move up in place
-                self.kv = keep_rows_in_place(self.kv, (kept[:, None] * rows + np.arange(rows)).reshape(-1))
+            if n_sentences != self.n_sentences or bool((kept != np.arange(n_sentences)).any()):
+                # finished sentences' rows leave; the others move where search put them, in place when they can
+                hyps = (kept[:, None] * rows + np.arange(rows)).reshape(-1)
+                self.kv = (keep_rows_in_place(self.kv, hyps) if moves_in_place(hyps, len(self.kv[0]))
+                           else [np.take(a, hyps, axis=0) for a in self.kv])
                 self.n_sentences = n_sentences
                 self.generation += 1
             self.ancestry = ancestry

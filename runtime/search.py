@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from model.cache import tail_filled
 from runtime.backend import Backend, host
 from runtime.decoding import PAPER, RULES, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -241,7 +242,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules)
 
         if done.any():
-            live = np.flatnonzero(~done)
+            live = tail_filled(~done)  # holes filled from the end: the caches move the fewest rows
             sent_ids, live_max = sent_ids[live], live_max[live]
             scores, history, history_lp = scores[live], history[live], history_lp[live]
             next_tok, src_rows = next_tok[live], src_rows[live]

@@ -147,7 +147,9 @@ def test_beam_cache_refuses_what_it_cannot_follow(model):
     cache.advance(torch.arange(4), 2)
     cache.append(*([torch.zeros(4, model.cfg.d_model)] * model.cfg.n_dec_layers,) * 2)
     with pytest.raises(CacheError, match="its own sentence"):
-        cache.advance(torch.tensor([2, 2, 0, 1]), 2)  # sentence 0 continuing sentence 1's rows
+        cache.advance(torch.tensor([0, 2, 2, 3]), 2)  # sentence 0's second row continuing sentence 1's
+    with pytest.raises(CacheError, match="its own sentence"):
+        cache.advance(torch.tensor([0, 1, 0, 1]), 2)  # both sentences continuing sentence 0
     with pytest.raises(CacheError, match="split into"):
         cache.advance(torch.arange(3), 2)
     cache.advance(torch.tensor([1, 1, 2, 3]), 2)
