@@ -57,15 +57,18 @@ def host_ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
-def check_sentences(parents: np.ndarray, kept: np.ndarray, n_sentences: int) -> None:
+def check_sentences(parents: np.ndarray, kept: np.ndarray, n_sentences: int) -> bool:
     """CacheError unless every hypothesis continues a row of its own sentence: `parents` (sentences, rows) the
     earlier sentence of each hypothesis' parent, the same along a row; `kept` (its first column) distinct earlier
-    sentences of the `n_sentences` there were (finished ones left out, the rest in any order)."""
-    ascending = kept.size < 2 or bool((kept[1:] > kept[:-1]).all())  # distinct; search's order until a drop
-    if not (bool((parents == kept[:, None]).all()) and 0 <= int(kept.min()) and int(kept.max()) < n_sentences
+    sentences of the `n_sentences` there were (finished ones left out, the rest in any order). Returns whether
+    every sentence stays where it was (nothing to move: search's every step but those where sentences finish)."""
+    ascending = kept.size < 2 or bool((kept[1:] > kept[:-1]).all())  # then distinct, and the ends are the bounds
+    low, high = (int(kept[0]), int(kept[-1])) if ascending else (int(kept.min()), int(kept.max()))
+    if not (bool((parents == kept[:, None]).all()) and 0 <= low and high < n_sentences
             and (ascending or np.unique(kept).size == kept.size)):
         raise CacheError("each hypothesis must continue a row of its own sentence: a sentence's rows consecutive, "
                          "each earlier sentence continued by at most one (finished ones left out)")
+    return ascending and kept.size == n_sentences
 
 
 def split_reorder(reorder: Any, n_sentences: int) -> tuple[np.ndarray, int, int]:
@@ -264,13 +267,13 @@ class BeamCache:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
             parents = (reorder // rows).reshape(n_sentences, rows)  # each hypothesis' parent's sentence
             kept = parents[:, 0]
-            check_sentences(parents, kept, self.n_sentences)
+            stay = check_sentences(parents, kept, self.n_sentences)
             t = self.slots.shape[1]  # each hypothesis' ancestry: its parent's, then the slot its parent wrote
             slots = np.empty((n, t + 1), dtype=np.int64)
             slots[:, :t] = self.slots[reorder]
             slots[:, t] = reorder % rows
             self.slots = slots
-            if n_sentences != self.n_sentences or bool((kept != np.arange(n_sentences)).any()):
+            if not stay:
                 self._drop(kept)  # finished sentences leave; the live ones move as search ordered them
         if self.steps >= self.capacity:
             if self.steps >= self.max_steps:

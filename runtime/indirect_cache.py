@@ -66,10 +66,10 @@ class IndirectCache:
                 raise CacheError(f"{rows} hypotheses per sentence, but the cache holds {self.rows}")
             parents = (reorder // rows).reshape(n_sentences, rows)
             kept = parents[:, 0]
-            check_sentences(parents, kept, self.n_sentences)
+            stay = check_sentences(parents, kept, self.n_sentences)
             ancestry = self.ancestry[reorder]  # the parent's history, then the parent's own row at the last step
             ancestry[:, self.steps - 1] = reorder % rows
-            if n_sentences != self.n_sentences or bool((kept != np.arange(n_sentences)).any()):
+            if not stay:
                 # finished sentences' rows leave; the others move where search put them, in place when they can
                 hyps = (kept[:, None] * rows + np.arange(rows)).reshape(-1)
                 self.kv = (keep_rows_in_place(self.kv, hyps) if moves_in_place(hyps, len(self.kv[0]))
