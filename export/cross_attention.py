@@ -16,7 +16,6 @@ The graph's metadata says so (io_names.CROSS_ATTENTION).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,9 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from export.self_attention import prune_and_sort
+from export.self_attention import describe_graph, prune_and_sort, rewrite_graph_file
 from model import io_names
 from model.config import ModelConfig
-
-log = logging.getLogger(__name__)
 
 PREFIX = "mha/"
 HEADS = (0, 2, 1, 3)  # (sentences, beam, heads, d_head) <-> (sentences, heads, beam, d_head)
@@ -131,22 +128,10 @@ def _layer(i: int, produced: dict[str, Any], readers: dict[str, list[Any]], cons
 def rewrite_file(path: Path, cfg: ModelConfig) -> bool:
     """The decoder graph at `path` (weights inline, before they are externalised) rewritten in place. A decoder
     whose pattern is not found keeps its exported cross-attention, with a warning."""
-    proto = onnx.load(str(path))
-    try:
-        if not rewrite(proto, cfg):
-            return False
-    except ValueError as e:
-        log.warning("int8: the decoder keeps its exported cross-attention: %s", e)
-        return False
-    onnx.save(proto, str(path))
-    log.info("%s: cross-attention as MultiHeadAttention in %d layers", path.name, cfg.n_dec_layers)
-    return True
+    return rewrite_graph_file(path, cfg, rewrite, "cross-attention as MultiHeadAttention", "exported cross-attention")
 
 
 def describe(path: Path) -> dict[str, str]:
     """The manifest's record of a decoder's cross-attention: one kernel per layer, or the exported nodes."""
-    props = {m.key: m.value for m in onnx.load(str(path), load_external_data=False).metadata_props}
-    if props.get(io_names.CROSS_ATTENTION) == io_names.MULTI_HEAD:
-        return {"kind": io_names.MULTI_HEAD, "op": "com.microsoft.MultiHeadAttention"}
-    return {"kind": "exported", "op": "MatMul + Softmax + MatMul over cross_k/cross_v"}
-
+    return describe_graph(path, io_names.CROSS_ATTENTION, io_names.MULTI_HEAD, "com.microsoft.MultiHeadAttention",
+                          {"kind": "exported", "op": "MatMul + Softmax + MatMul over cross_k/cross_v"})

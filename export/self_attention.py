@@ -151,23 +151,37 @@ def prune_and_sort(g: Any, nodes: list[Any]) -> None:
 def rewrite_file(path: Path, cfg: ModelConfig) -> bool:
     """The decoder graph at `path` (weights inline, before they are externalised) rewritten in place. A decoder
     whose pattern is not found keeps its gathered cache, with a warning."""
+    return rewrite_graph_file(path, cfg, rewrite, "self-attention as DecoderMaskedMultiHeadAttention",
+                              "gathered self-attention cache")
+
+
+def rewrite_graph_file(path: Path, cfg: ModelConfig, rewrite: Callable[[onnx.ModelProto, ModelConfig], bool],
+                       done: str, kept: str) -> bool:
+    """The graph at `path` rewritten in place by `rewrite` (False: rewritten already; ValueError: its pattern is
+    not there, and the graph keeps `kept`, with a warning); `done` says what it became, in the log."""
     proto = onnx.load(str(path))
     try:
-        rewrite(proto, cfg)
+        if not rewrite(proto, cfg):
+            return False
     except ValueError as e:
-        log.warning("int8: the decoder keeps its gathered self-attention cache: %s", e)
+        log.warning("int8: the decoder keeps its %s: %s", kept, e)
         return False
     onnx.save(proto, str(path))
-    log.info("%s: self-attention as DecoderMaskedMultiHeadAttention in %d layers", path.name, cfg.n_dec_layers)
+    log.info("%s: %s in %d layers", path.name, done, cfg.n_dec_layers)
     return True
 
 
 def describe(path: Path) -> dict[str, str]:
     """The manifest's record of a decoder's self-attention: one kernel per layer, or the gathered cache."""
+    return describe_graph(path, io_names.SELF_ATTENTION, io_names.DECODER_MASKED,
+                          "com.microsoft.DecoderMaskedMultiHeadAttention",
+                          {"kind": "gathered", "op": "Gather + MatMul + Softmax (model/cache.py's index)"})
+
+
+def describe_graph(path: Path, key: str, kind: str, op: str, otherwise: dict[str, str]) -> dict[str, str]:
+    """{"kind", "op"} where the graph's metadata `key` says `kind` (a rewrite ran), else `otherwise`."""
     props = {m.key: m.value for m in onnx.load(str(path), load_external_data=False).metadata_props}
-    if props.get(io_names.SELF_ATTENTION) == io_names.DECODER_MASKED:
-        return {"kind": io_names.DECODER_MASKED, "op": "com.microsoft.DecoderMaskedMultiHeadAttention"}
-    return {"kind": "gathered", "op": "Gather + MatMul + Softmax (model/cache.py's index)"}
+    return {"kind": kind, "op": op} if props.get(key) == kind else otherwise
 
 
 def indirect_runner(session: Any) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
