@@ -124,6 +124,14 @@ def keep_rows_in_place(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.nd
     return out
 
 
+def keep_rows(arrays: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
+    """Each array's rows `kept`: moved in place where they can be (moves_in_place, asked once for all of them, which
+    share their row count), else copied (np.take)."""
+    if arrays and not moves_in_place(kept, int(arrays[0].shape[0])):
+        return [np.take(a, kept, axis=0) for a in arrays]
+    return keep_rows_in_place(arrays, kept)
+
+
 class NumpyBuffers:
     """Cache buffers as numpy arrays in host memory."""
 
@@ -145,9 +153,7 @@ class NumpyBuffers:
         """Each buffer's rows `kept` moved to its front, in place where they can be (moves_in_place: ascending,
         or tail_filled's order): views of the first len(kept) rows. No new buffer, so no fresh pages to fault in,
         and old and new never coexist (peak memory). Another order is copied (np.take)."""
-        if bufs and not moves_in_place(kept, int(bufs[0].shape[0])):
-            return [np.take(b, kept, axis=0) for b in bufs]
-        return keep_rows_in_place(bufs, kept)
+        return keep_rows(bufs, kept)
 
     def grown(self, bufs: list[np.ndarray], shape: tuple[int, ...], used: int) -> list[np.ndarray]:
         """The buffers in a new block of `shape` each, their first `used` rows of axis 2 copied."""

@@ -15,7 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from model import io_names
-from model.cache import BeamCache, keep_rows_in_place, moves_in_place
+from model.cache import BeamCache, keep_rows
 from runtime.errors import RuntimeUserError
 
 DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
@@ -114,9 +114,8 @@ def select_rows(state: EncoderState, rows: np.ndarray) -> EncoderState:
     moved: dict[str, Any] = {}
     arrays = {name: v for name, v in state.tensors.items() if isinstance(v, np.ndarray)}
     if arrays:  # finished sentences leave: the live ones move in place, as in the cache, all in one pass
-        n = {v.shape[0] for v in arrays.values()}
-        if len(n) == 1 and (rows.size == 0 or (int(rows.min()) >= 0 and moves_in_place(rows, n.pop()))):
-            moved.update(zip(arrays, keep_rows_in_place(list(arrays.values()), rows)))
+        if len({v.shape[0] for v in arrays.values()}) == 1:
+            moved.update(zip(arrays, keep_rows(list(arrays.values()), rows)))
         else:
             moved.update({name: np.take(v, rows, axis=0) for name, v in arrays.items()})
     index: Any = None

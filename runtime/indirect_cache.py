@@ -26,8 +26,7 @@ from model.cache import (
     INITIAL_CAPACITY,
     CacheError,
     check_sentences,
-    keep_rows_in_place,
-    moves_in_place,
+    keep_rows,
     split_reorder,
 )
 from model.config import ModelConfig
@@ -72,8 +71,7 @@ class IndirectCache:
             if not stay:
                 # finished sentences' rows leave; the others move where search put them, in place when they can
                 hyps = (kept[:, None] * rows + np.arange(rows)).reshape(-1)
-                self.kv = (keep_rows_in_place(self.kv, hyps) if moves_in_place(hyps, len(self.kv[0]))
-                           else [np.take(a, hyps, axis=0) for a in self.kv])
+                self.kv = keep_rows(self.kv, hyps)
                 self.n_sentences = n_sentences
                 self.generation += 1
             self.ancestry = ancestry
