@@ -166,6 +166,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
             _finalise(finished, final, sent_ids, first_order // p, np.take_along_axis(top_scores, first_pos, axis=1),
                       np.take_along_axis(pool_lp.reshape(b, beam * p), first_order, axis=1),
                       history, history_lp, t, alpha, rules)
+            finished.top_ended[sent_ids[final[:, 0]]] = True
         counts = finished.counts[sent_ids]
 
         keep = _allocate(top_bank, finite & ~top_eos, total_s, beam)
@@ -181,7 +182,7 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        done = (live_max <= t) | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules)
+        done = (live_max <= t) | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules, nbest)
         if done.any():
             live = np.flatnonzero(~done)
             sent_ids, live_max = sent_ids[live], live_max[live]

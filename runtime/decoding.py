@@ -21,8 +21,9 @@ class DecodingError(RuntimeUserError):
     """Decoding options that make no sense (names every bad option at once)."""
 
 
-# beam search rules (runtime/search.py); "transformers-early": generate's early_stopping=True
-RULES = ("fairseq", "transformers", "transformers-early")
+# beam search rules (runtime/search.py); "transformers-early": generate's early_stopping=True; "top-beam":
+# fairseq's scores, ending a sentence once its best candidate ends (OpenNMT-py's and CTranslate2's early exit)
+RULES = ("fairseq", "transformers", "transformers-early", "top-beam")
 
 
 
@@ -48,8 +49,9 @@ class DecodingOptions:
                                  "hypotheses have ended) or transformers (Hugging Face generate: log_prob / "
                                  "length ** alpha, the best beam ended hypotheses kept until none live can beat "
                                  "them; transformers-early: ends once beam hypotheses have ended, as "
-                                 "early_stopping=True). Imported models default to their generate settings "
-                                 "(their model dir says so).", choices=RULES)
+                                 "early_stopping=True) or top-beam (fairseq's scores; a sentence ends once its "
+                                 "best candidate ends, as OpenNMT and CTranslate2: fewer steps). Imported models "
+                                 "default to their generate settings (their model dir says so).", choices=RULES)
     # The options the user set (the CLI fills it); None: those that differ from the paper's defaults.
     # Only the others take a model dir's own defaults (for_model): an imported model's num_beams, ...
     explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)

@@ -33,6 +33,12 @@ scores 0, as transformers' ForcedEOSTokenLogitsProcessor sets it. `rules="transf
 generate's early_stopping=True: a sentence ends as soon as it holds `beam` finalised hypotheses. The
 special ids (start, EOS, padding) are the model's own (backend.cfg).
 
+`rules="top-beam"` keeps fairseq's scores and ends a sentence earlier: once a step's best candidate (by
+cumulative log-prob) is an EOS and it holds `nbest` finalised hypotheses, as OpenNMT-py's and CTranslate2's
+beam search do (CTranslate2's `allow_early_exit`, its only rule from Python). It runs fewer steps than
+fairseq's rule, which waits for `beam` ended hypotheses; a longer hypothesis that the length penalty would
+have ranked first can be missed.
+
 A multilingual model (M2M-100, NLLB) is told the target language by its first generated token:
 `first_tokens` gives one per sentence, forced at step 0 with log-prob 0 (transformers'
 ForcedBOSTokenLogitsProcessor); it is part of the hypothesis' tokens and length, as in generate.
@@ -116,10 +122,12 @@ class _Finished:
     keep_best: bool = False
     hyps: list[list[Hypothesis]] = field(default_factory=list)
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # per sentence, how many held
+    top_ended: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per sentence: a step's best was EOS
 
     def __post_init__(self) -> None:
         self.hyps = [[] for _ in range(self.n_sentences)]
         self.counts = np.zeros(self.n_sentences, np.int64)
+        self.top_ended = np.zeros(self.n_sentences, bool)
 
     def add(self, sentence: int, hyp: Hypothesis) -> None:
         held = self.hyps[sentence]
@@ -226,6 +234,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         if final.any():
             _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
                       t, alpha, rules)
+            finished.top_ended[sent_ids[final[:, 0]]] = True
         counts = finished.counts[sent_ids]
 
         # Continue with the best `beam` non-EOS candidates (EOS pushed behind all others).
@@ -239,7 +248,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam  # (b, beam)
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules)
+        done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules, nbest)
 
         if done.any():
             live = tail_filled(~done)  # holes filled from the end: the caches move the fewest rows
@@ -257,10 +266,13 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
 
 
 def _stopped(finished: _Finished, sent_ids: np.ndarray, counts: np.ndarray, scores: np.ndarray, beam: int, t: int,
-             alpha: float, rules: str) -> np.ndarray:
+             alpha: float, rules: str, nbest: int) -> np.ndarray:
     """(b,) the live sentences the stopping rule ends after step t: `beam` finalised hypotheses (fairseq,
     transformers-early), or under transformers' rules those and a best live hypothesis (`scores`, at its
-    length now) that cannot beat the worst kept."""
+    length now) that cannot beat the worst kept, or under top-beam a step's best candidate ended and `nbest`
+    finalised."""
+    if rules == "top-beam":
+        return finished.top_ended[sent_ids] & (counts >= nbest)
     if rules == "transformers":
         best_live = scores.max(axis=1) / np.float32(length_penalty(float(t + 1), alpha, rules))
         worst = np.array([finished.worst(s) if c else NEG_INF for s, c in zip(sent_ids.tolist(), counts)])

@@ -67,13 +67,14 @@ def test_every_hypothesis_holds_every_phrase_with_the_models_own_log_probs(backe
             assert hyp.log_prob == pytest.approx(sum(hyp.step_log_probs), abs=1e-4)
 
 
-def test_sentences_without_phrases_decode_exactly_as_beam_search(backend, model):
+@pytest.mark.parametrize("rules,nbest", [("fairseq", 4), ("top-beam", 1), ("top-beam", 2)])
+def test_sentences_without_phrases_decode_exactly_as_beam_search(backend, model, rules, nbest):
     """In a batch beside sentences with phrases: the same tokens, scores and log-probs, to the bit."""
     sources = _sources(8, model.cfg.vocab_size, seed=9)
     phrases = [[] if i % 2 else [[7, 8]] for i in range(8)]
     src = pad_batch(sources)
-    plain = beam_search(backend, src, beam_size=4, nbest=4, **LIMITS)
-    mixed = constrained_beam_search(backend, src, phrases, beam_size=4, nbest=4, **LIMITS)
+    plain = beam_search(backend, src, beam_size=4, nbest=nbest, rules=rules, **LIMITS)
+    mixed = constrained_beam_search(backend, src, phrases, beam_size=4, nbest=nbest, rules=rules, **LIMITS)
     for i in range(1, 8, 2):
         assert [(h.tokens, h.score, h.log_prob) for h in mixed[i]] == [(h.tokens, h.score, h.log_prob)
                                                                        for h in plain[i]]

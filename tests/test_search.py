@@ -15,6 +15,7 @@ import torch
 from model.checkpoint import load_model
 from model.config import BOS_ID, EOS_ID, ModelConfig
 from runtime.backend import EncoderState, StepOutput
+from runtime.constrained import constrained_beam_search
 from runtime.search import SearchError, beam_search, greedy_search
 from runtime.torch_backend import TorchBackend
 from runtime.translate import length_batches, pad_batch, translate_ids
@@ -347,3 +348,52 @@ def test_transformers_rules_score_a_forced_eos_zero():
     assert hyp.tokens == [A, A]
     assert hyp.log_prob == pytest.approx(math.log(.6 * .7), rel=1e-6)  # the forced EOS adds 0
     assert hyp.score == pytest.approx(math.log(.6 * .7) / 3, rel=1e-6)
+
+
+# Top-beam against fairseq's rule (alpha 1):
+#   step 1: A-EOS .42 is the best candidate (finalised); B-B .38 and A-A .18 go on
+#   step 2: B-B-EOS .3762 and A-A-EOS .108 finalised: fairseq's rule has its beam (3 >= 2) and ranks B-B first
+#           (log .3762 / (8/6) = -0.734 against log .42 / (7/6) = -0.744); top-beam stopped a step before.
+TOP_BEAM = {
+    (): {A: .6, B: .4},
+    (A,): {EOS_ID: .7, A: .3},
+    (B,): {B: .95, EOS_ID: .05},
+    (A, A): {EOS_ID: .6, A: .4},
+}
+
+
+@pytest.mark.parametrize("search", ["beam", "constrained"])
+def test_top_beam_ends_a_sentence_once_its_best_candidate_ends(search):
+    """Beam search, and constrained beam search on a sentence without phrases, under both rules."""
+    def run(rules: str) -> tuple[list, int]:
+        backend = ScriptedBackend({0: table({**TOP_BEAM, (B, B): {EOS_ID: .99, B: .01}})})
+        kw = dict(beam_size=2, alpha=1.0, nbest=1, rules=rules)
+        [hyps] = (beam_search(backend, src(0), **kw) if search == "beam"
+                  else constrained_beam_search(backend, src(0), [[]], **kw))
+        return hyps, backend.steps_run
+
+    fairseq, fairseq_steps = run("fairseq")
+    assert fairseq[0].tokens == [B, B] and fairseq_steps == 3
+    top, top_steps = run("top-beam")
+    assert top[0].tokens == [A] and top_steps == 2
+    assert top[0].score == pytest.approx(math.log(.42) / (7 / 6), rel=1e-6)
+
+
+def test_top_beam_remembers_the_best_ended_until_nbest_have_ended():
+    """nbest 2: the best ended at step 1 with one hypothesis; at step 2 the best (B-B-B) goes on, but B-B-EOS makes
+    two, so the sentence ends there. B-B-B's continuation is not scripted: a rule that forgot step 1's best would
+    ask for it and fail."""
+    backend = ScriptedBackend({0: table({**TOP_BEAM, (B, B): {B: .6, EOS_ID: .4}})})
+    [hyps] = beam_search(backend, src(0), beam_size=2, alpha=1.0, nbest=2, rules="top-beam")
+    assert [h.tokens for h in hyps] == [[A], [B, B]] and backend.steps_run == 3
+
+
+def test_top_beam_and_fairseq_agree_sentence_by_sentence_in_a_batch():
+    """A batch under top-beam gives each sentence what it gets alone; sentences leave as their best ends."""
+    tables = {k: _random_table(k) for k in range(4)}
+    batch = beam_search(ScriptedBackend(tables), src(0, 1, 2, 3), beam_size=3, nbest=1, rules="top-beam",
+                        max_len_a=0.0, max_len_b=6)
+    for k in range(4):
+        [alone] = beam_search(ScriptedBackend(tables), src(k), beam_size=3, nbest=1, rules="top-beam",
+                              max_len_a=0.0, max_len_b=6)
+        assert [(h.tokens, h.score) for h in batch[k]] == [(h.tokens, h.score) for h in alone]

@@ -87,9 +87,13 @@ def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path,
         compare = []
     out = tmp_path / "whole.json"
     code, stdout, err = run_cli_captured(capsys, "bench", fp32_dir, "--whole-process", src, "--rounds", "1",
-                                         "--threads", "1", "--beam-size", "2", *compare, "--json", out)
+                                         "--threads", "1", "--beam-size", "2", "--rules", "top-beam", *compare,
+                                         "--json", out)
     assert code == 0, stdout + err
     report = json.loads(out.read_text())
+    assert report["rules"] == "top-beam"
+    if compare:
+        assert "search rules: ours top-beam, CTranslate2 top-beam" in stdout, stdout
     rows = {r["engine"] + " " + r["precision"]: r for r in report["results"]}
     assert set(rows) == {"onnxruntime fp32", *(["ctranslate2 fp32", "ctranslate2 int8"] if compare else [])}
     assert "pieces + EOS" in report["source_pieces"] and "wall_s" in report["split_measures"]
@@ -118,3 +122,29 @@ def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path,
     if compare:
         assert all(rows[k]["split"]["encoder_s"] is None for k in ("ctranslate2 fp32", "ctranslate2 int8"))
         assert len(CT2_LINE.findall(stdout)) == 2, stdout
+
+
+def test_ours_runs_serve_batch_with_the_rules_given_and_bench_refuses_them_where_unmeasured(tmp_path, capsys):
+    """--rules reaches ours' serve-batch command (and only when given: else the model dir's own rule); the
+    comparison and --serve modes, which would not honour it, refuse it before measuring anything."""
+    from pipeline.evaluation.whole_process import ours_command
+
+    (tmp_path / "in.txt").write_text("Hallo\n", encoding="utf-8")
+    given = ours_command(tmp_path / "m", tmp_path / "in.txt", tmp_path / "out.txt", 1, 4, None, rules="top-beam")
+    assert given[given.index("--rules") + 1] == "top-beam"
+    assert "--rules" not in ours_command(tmp_path / "m", tmp_path / "in.txt", tmp_path / "out.txt", 1, 4, None)
+    for mode in (["--compare", "ctranslate2"], ["--serve", tmp_path / "in.txt"]):
+        code, stdout, err = run_cli_captured(capsys, "bench", tmp_path / "m", *mode, "--rules", "top-beam")
+        assert code != 0 and "--rules is measured in-process" in stdout + err, stdout + err
+
+
+def test_the_report_names_both_engines_search_rules():
+    from pipeline.evaluation.whole_process import format_whole_process
+
+    report = {"model_dirs": ["m"], "results": [], "rounds": 1, "threads": 1, "beam_size": 4, "fixed_length": None,
+              "ctranslate2_converter": "x", "ctranslate2_greedy_agreement": "8/8"}
+    assert ("search rules: ours fairseq, CTranslate2 top-beam (its early exit, the only rule its Python API runs); "
+            "--rules top-beam compares like for like") in format_whole_process({**report, "rules": "fairseq"})
+    assert format_whole_process({**report, "rules": "top-beam"}).endswith("CTranslate2 top-beam (its early exit, "
+                                                                          "the only rule its Python API runs)")
+    assert "search rules" not in format_whole_process({**report, "fixed_length": 30})

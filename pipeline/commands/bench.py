@@ -23,7 +23,8 @@ from runtime.model_dir import LoadOptions
 @click.command("bench")
 @click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
 @options_from(BenchOptions, only=("backends", "batch_sizes"))
-@decoding_options("beam_size")
+@decoding_options("beam_size", "rules", notes={"rules": (
+    "Here: ours in-process and with --whole-process (CTranslate2 has one rule: top-beam, its early exit).")})
 @options_from(BenchOptions, only=("fixed_length", "src", "sentences", "src_len"))
 @options_from(LoadOptions, skip=("backend", "precision"), notes={"shortlist": (
     "Here: every engine of ours, in every mode but --serve (CTranslate2 is unchanged); its rows record "
@@ -53,13 +54,17 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")
+    rules = decoding.rules if "rules" in decoding.given() else None
+    if rules and not o.whole_process and (o.serve_input is not None or len(model_dirs) > 1 or o.compare):
+        raise UserError("--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave it out of "
+                        "--serve and --compare runs")
     # one batch at a time in-process unless told; with --whole-process, what serve-batch does by default
     batches = parallel_batches or (default_parallel_batches(threads or 2) if o.whole_process else 1)
     if o.whole_process:
         report = run_whole_process(list(model_dirs), list(o.whole_process), compare=list(o.compare),
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                    rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                   min_agreement=o.min_agreement, parallel_batches=batches)
+                                   min_agreement=o.min_agreement, parallel_batches=batches, rules=rules)
         click.echo(format_whole_process(report))
     elif o.serve_input is not None:
         serve_bench = pick(ServeBenchOptions, values)

@@ -157,10 +157,12 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
 
 def ours_command(model_dir: Path, src: Path, out: Path, threads: int, beam_size: int,
                  fixed_length: int | None, shortlist: bool = False, way: Direction = ONE_PAIR,
-                 parallel_batches: int = 1) -> list[str]:
+                 parallel_batches: int = 1, rules: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "pipeline", "serve-batch", str(model_dir), str(src), "-o", str(out),
            "--backend", "onnxruntime", "--threads", str(threads), "--beam-size", str(beam_size), "--no-progress"]
     cmd += ["--parallel-batches", str(parallel_batches)]  # always: serve-batch's own default may differ
+    if rules:
+        cmd += ["--rules", rules]
     if shortlist:
         cmd.append("--shortlist")
     if way.source:
@@ -184,7 +186,8 @@ def sentencepiece_files(model_dir: ModelDir, tmp: Path) -> tuple[str, str]:
 def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: list[str], threads: int,
                       beam_size: int, fixed_length: int | None, rounds: int,
                       shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-                      min_agreement: float = 1.0, parallel_batches: int = 1) -> dict[str, Any]:
+                      min_agreement: float = 1.0, parallel_batches: int = 1,
+                      rules: str | None = None) -> dict[str, Any]:
     """One row per (engine, precision, file): median wall seconds and peak RSS over rounds. `shortlist`:
     ours runs serve-batch --shortlist (CTranslate2 is unchanged). `parallel_batches`: ours runs serve-batch
     --parallel-batches, CTranslate2 as many inter_threads, each engine's batches on threads / that many.
@@ -203,6 +206,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     report: dict[str, Any] = {"model_dirs": [str(d) for d in model_dirs], "threads": threads,
                               "parallel_batches": parallel_batches,
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
+                              "rules": rules or PAPER.for_model(opened[0].manifest.decoding).rules,
                               "shortlist": shortlist, "src_lang": src_lang, "tgt_lang": tgt_lang,
                               "files": {str(f): len(read_lines(f)) for f in files},
                               "measures": "wall: process start to exit (median), after one untimed run of each "
@@ -242,7 +246,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                         str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len),
                         *tokens, str(parallel_batches)]
             ours = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way,
-                                parallel_batches)
+                                parallel_batches, rules)
             return [sys.executable, "-c", TIMED_SERVE_BATCH, *ours[3:]]  # `python -m pipeline ...`, timed
 
         env = user_env(Path(tmp))
@@ -327,4 +331,8 @@ def format_whole_process(report: dict[str, Any]) -> str:
     if "ctranslate2_converter" in report:
         rows.append(f"CTranslate2 converted by {report['ctranslate2_converter']}; greedy output token-identical to "
                     f"PyTorch on {report['ctranslate2_greedy_agreement']} sentences")
+        if not report["fixed_length"]:
+            rules = report.get("rules", "fairseq")
+            rows.append(f"search rules: ours {rules}, CTranslate2 top-beam (its early exit, the only rule its Python "
+                        "API runs)" + ("" if rules == "top-beam" else "; --rules top-beam compares like for like"))
     return "\n".join(rows)
