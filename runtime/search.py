@@ -33,11 +33,9 @@ scores 0, as transformers' ForcedEOSTokenLogitsProcessor sets it. `rules="transf
 generate's early_stopping=True: a sentence ends as soon as it holds `beam` finalised hypotheses. The
 special ids (start, EOS, padding) are the model's own (backend.cfg).
 
-`rules="top-beam"` keeps fairseq's scores and ends a sentence earlier: once a step's best candidate (by
-cumulative log-prob) is an EOS and it holds `nbest` finalised hypotheses, as OpenNMT-py's and CTranslate2's
-beam search do (CTranslate2's `allow_early_exit`, its only rule from Python). It runs fewer steps than
-fairseq's rule, which waits for `beam` ended hypotheses; a longer hypothesis that the length penalty would
-have ranked first can be missed.
+`rules="top-beam"` keeps fairseq's scores but ends a sentence once a step's best candidate (by cumulative log-prob)
+is an EOS and it holds `nbest` finalised hypotheses, as OpenNMT-py and CTranslate2 (`allow_early_exit`) do: fewer
+steps, but a longer hypothesis that the length penalty would have ranked first can be missed.
 
 A multilingual model (M2M-100, NLLB) is told the target language by its first generated token:
 `first_tokens` gives one per sentence, forced at step 0 with log-prob 0 (transformers'
@@ -209,7 +207,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
 
     state, cache, tokens, reorder, scores, history, history_lp = _start(backend, src_ids, beam)
     sent_ids = np.arange(n_sent, dtype=np.int64)  # original index of each live sentence
-    cand_pos = np.arange(2 * beam, dtype=np.int64)
+    rows_for = 0  # the batch size the row offsets below are for
 
     live_max = max_len  # (b,) of the live sentences
     row_max = np.repeat(live_max, beam)  # (b x beam,) the same per hypothesis
@@ -222,14 +220,17 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
                                    min_len, row_max, eos, rules, first_rows)
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
+        if b != rows_for:  # each sentence's flat row offsets in the candidates, their best and the hypotheses
+            rows_for, sentence = b, np.arange(b, dtype=np.int64)[:, None]
+            cand_rows, top_rows, sent_rows = sentence * (beam * n_cand), sentence * (2 * beam), sentence * beam
         # Flat indices (row offset added) take in one call what take_along_axis takes in several.
-        flat = top_idx + (np.arange(b) * (beam * n_cand))[:, None]
+        flat = top_idx + cand_rows
         top_scores, top_tok, top_lp = cum.take(flat), ids.take(flat), lp.take(flat)
         top_beam = top_idx // n_cand
         eos_cand = top_tok == eos
 
-        # Finalise EOS among the first `beam` candidates (the only Python loop, over them).
-        final = eos_cand & np.isfinite(top_scores) & (cand_pos < beam)
+        # Finalise EOS among the first `beam` candidates (the only Python loop, over them); > -inf: finite
+        final = eos_cand[:, :beam] & (top_scores[:, :beam] > NEG_INF)
         done = live_max <= t  # at the length limit: finished whatever it holds
         if final.any():
             _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
@@ -237,15 +238,14 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
             finished.top_ended[sent_ids[final[:, 0]]] = True
         counts = finished.counts[sent_ids]
 
-        # Continue with the best `beam` non-EOS candidates (EOS pushed behind all others).
-        rank = eos_cand * (2 * beam) + cand_pos
-        keep = np.argsort(rank, axis=1, kind="stable")[:, :beam]
+        # Continue with the best `beam` non-EOS candidates (a stable sort puts EOS behind all others).
+        keep = np.argsort(eos_cand, axis=1, kind="stable")[:, :beam]
         keep.sort(axis=1)
-        keep += (np.arange(b) * (2 * beam))[:, None]  # (b, beam), flat
+        keep += top_rows  # (b, beam), flat
         scores, next_beam, next_tok, next_lp = top_scores.take(keep), top_beam.take(keep), top_tok.take(keep), \
             top_lp.take(keep)
         # Cache rows (in this step's layout) that each continuing hypothesis extends.
-        src_rows = np.arange(0, b * beam, beam)[:, None] + next_beam  # (b, beam)
+        src_rows = sent_rows + next_beam  # (b, beam)
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
         done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules, nbest)
