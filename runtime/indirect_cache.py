@@ -68,13 +68,15 @@ class IndirectCache:
             stay = check_sentences(parents, kept, self.n_sentences)
             ancestry = self.ancestry[reorder]  # the parent's history, then the parent's own row at the last step
             ancestry[:, self.steps - 1] = reorder % rows
-            if not stay:
+            if stay:
+                np.copyto(self.ancestry, ancestry)  # the buffer the binding holds: not bound again
+            else:
                 # finished sentences' rows leave; the others move where search put them, in place when they can
                 hyps = (kept[:, None] * rows + np.arange(rows)).reshape(-1)
                 self.kv = keep_rows(self.kv, hyps)
                 self.n_sentences = n_sentences
+                self.ancestry = ancestry
                 self.generation += 1
-            self.ancestry = ancestry
         if self.steps >= self.capacity:
             if self.steps >= self.max_steps:
                 raise CacheError(f"step {self.steps} is past the {self.max_steps} decoder positions")
@@ -92,19 +94,19 @@ class IndirectCache:
         self.generation += 1
 
     def bind(self, binding: Any) -> np.ndarray:
-        """Bind this step's cache_indirection and, where they changed, the buffers as the decoder's past
-        (self_k.i / self_v.i) and present (present_k.i / present_v.i, the same memory) on an onnxruntime
-        IOBinding; returns what must stay referenced until the run."""
+        """Bind, where they changed, the buffers as the decoder's past (self_k.i / self_v.i) and present
+        (present_k.i / present_v.i, the same memory) and cache_indirection on an onnxruntime IOBinding (advance
+        writes each step's ancestry into the bound buffer); returns what must stay referenced until the run."""
         layers = self.cfg.n_dec_layers
+        ancestry = self.ancestry.reshape(self.n_sentences, self.rows, self.capacity)  # a view: the same memory
         if self._bound is None or self._bound[0] is not binding or self._bound[1] != self.generation:
             for j, kv in enumerate("kv"):
                 for i in range(layers):
                     a = self.kv[j * layers + i]
                     binding.bind_cpu_input(f"self_{kv}.{i}", a)
                     binding.bind_output(f"present_{kv}.{i}", "cpu", 0, np.float32, list(a.shape), a.ctypes.data)
+            binding.bind_cpu_input(io_names.CACHE_INDIRECTION, ancestry)
             self._bound = (binding, self.generation)
-        ancestry = self.ancestry.reshape(self.n_sentences, self.rows, self.capacity)
-        binding.bind_cpu_input(io_names.CACHE_INDIRECTION, ancestry)
         return ancestry
 
     def wrote(self) -> None:

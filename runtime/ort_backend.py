@@ -277,7 +277,10 @@ class OrtBackend(ExportedGraphBackend):
         if not isinstance(bound, StepBinding) or bound.n != n or bound.session is not session:
             bound = state.bound = self._step_binding(state, n, session)
         self._fill(bound.tokens, host(tokens, np.int64))
-        self._fill(bound.step, np.array([step], dtype=np.int64))
+        if self.on_cuda:
+            self._fill(bound.step, np.array([step], dtype=np.int64))
+        else:
+            bound.step[0] = step
         if want_ids is not None and session is not self.decoder:
             self._fill_want(bound, want_ids)
         if self.indirect:
