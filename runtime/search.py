@@ -160,7 +160,7 @@ def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int
     if t < min_len:
         lp = np.where(ids == eos, np.float32(NEG_INF), lp)
     at_limit = max_len_rows <= t  # (N,)
-    if at_limit.any():
+    if np.count_nonzero(at_limit):  # (count_nonzero: a C call; .any() goes through Python)
         forced_lp = np.full_like(lp, NEG_INF)
         forced_lp[:, 0] = 0.0 if hf_rules(rules) else host(eos_lp).astype(np.float32)
         lp = np.where(at_limit[:, None], forced_lp, lp)
@@ -170,7 +170,7 @@ def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int
 
 def _best(values: np.ndarray, k: int) -> np.ndarray:
     """Per row, the indices of the k largest values, largest first (ties: the lower index first)."""
-    return np.argsort(-values, axis=1, kind="stable")[:, :k]
+    return (-values).argsort(axis=1, kind="stable")[:, :k]
 
 
 def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_size,
@@ -232,14 +232,14 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         # Finalise EOS among the first `beam` candidates (the only Python loop, over them); > -inf: finite
         final = eos_cand[:, :beam] & (top_scores[:, :beam] > NEG_INF)
         done = live_max <= t  # at the length limit: finished whatever it holds
-        if final.any():
+        if np.count_nonzero(final):
             _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
                       t, alpha, rules)
             finished.top_ended[sent_ids[final[:, 0]]] = True
         counts = finished.counts[sent_ids]
 
         # Continue with the best `beam` non-EOS candidates (a stable sort puts EOS behind all others).
-        keep = np.argsort(eos_cand, axis=1, kind="stable")[:, :beam]
+        keep = eos_cand.argsort(axis=1, kind="stable")[:, :beam]
         keep.sort(axis=1)
         keep += top_rows  # (b, beam), flat
         scores, next_beam, next_tok, next_lp = top_scores.take(keep), top_beam.take(keep), top_tok.take(keep), \
@@ -250,7 +250,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         history_lp = _extend(history_lp, src_rows, next_lp)
         done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules, nbest)
 
-        if done.any():
+        if np.count_nonzero(done):
             live = tail_filled(~done)  # holes filled from the end: the caches move the fewest rows
             sent_ids, live_max = sent_ids[live], live_max[live]
             scores, history, history_lp = scores[live], history[live], history_lp[live]
