@@ -66,9 +66,11 @@ class Tokenizer:
     def piece_id(self, piece: str) -> int:
         return int(self.sp.piece_to_id(piece))
 
+    # One SentencePiece call per text: its list form costs 0.05-0.15 ms a call (a thread pool) however short the
+    # list, and surfaces encode and decode a text or a request at a time.
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Piece ids without BOS/EOS."""
-        return self.sp.encode(texts, out_type=int)
+        return [self.sp.encode(text, out_type=int) for text in texts]
 
     def encode_source(self, texts: list[str]) -> list[list[int]]:
         """Piece ids + EOS, whole (runtime.translate.encode_sources applies the line policy)."""
@@ -77,7 +79,7 @@ class Tokenizer:
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text from piece ids; special ids (pad/bos/eos) are dropped."""
         special = {PAD_ID, BOS_ID, EOS_ID}
-        return self.sp.decode([[i for i in seq if i not in special] for seq in ids])
+        return [self.sp.decode([i for i in seq if i not in special]) for seq in ids]
 
 
 class VocabTokenizer:
