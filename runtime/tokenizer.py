@@ -70,6 +70,8 @@ class Tokenizer:
     # list, and surfaces encode and decode a text or a request at a time.
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Piece ids without BOS/EOS."""
+        if isinstance(texts, str):  # iterated, it would encode each character as a text
+            raise TypeError("Tokenizer.encode takes a list of texts, not one string")
         return [self.sp.encode(text, out_type=int) for text in texts]
 
     def encode_source(self, texts: list[str]) -> list[list[int]]:

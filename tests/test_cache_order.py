@@ -90,7 +90,7 @@ def test_translations_do_not_depend_on_the_order(fixture, memorise_corpus, monke
     tail_filled's: the same hypotheses and scores, on the cache per hypothesis (int8) and the beam cache (fp32)."""
     loaded = load(request.getfixturevalue(fixture), LoadOptions(backend="onnxruntime", threads=1))
     lines = memorise_corpus[0].read_text(encoding="utf-8").splitlines()[:24]
-    ids = [loaded.tokenizer.encode(line) for line in lines]
+    ids = loaded.tokenizer.encode(lines)
     lengths = {len(x) for x in ids}
     assert len(lengths) > 3  # sentences of several lengths end at several steps
     filled = loaded.translate(ids)

@@ -285,3 +285,15 @@ def test_applied_terms(tokenizer: Tokenizer):
     assert applied_terms(terms, "ACME: the hotdog")[0]["applied"] is False  # exact: the casing found
     assert applied_terms(terms, "ACME the hotdog")[1]["applied"] is True  # a substring, as WMT 2021 counts
     assert applied_terms(terms_for(g, "nichts", tokenizer.encode), "nothing") == []
+
+
+def test_the_tokenizer_one_text_at_a_time_as_sentencepiece_batches_them(tokenizer: Tokenizer):
+    """Tokenizer.encode/decode call SentencePiece once per text (its list form costs a thread pool a call): the same
+    ids and texts as SentencePiece's own batch calls, empty texts and sequences included; one string instead of a
+    list is refused (iterated, each character would be encoded as a text)."""
+    texts = ["ein hund und eine katze", "", "der hund", "katze katze hund"]
+    ids = tokenizer.encode(texts)
+    assert ids == tokenizer.sp.encode(texts, out_type=int) and ids[1] == []
+    assert tokenizer.decode([[2, *ids[0], 3], [], ids[2]]) == tokenizer.sp.decode([ids[0], [], ids[2]])
+    with pytest.raises(TypeError, match="list of texts"):
+        tokenizer.encode("ein hund")
