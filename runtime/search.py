@@ -1,9 +1,8 @@
 """Beam search and greedy search, written once over the Backend protocol.
 
-The search is fairseq's, vectorised over batch x beam: every step asks the backend for
-its rows' top-K candidates, adds them to the hypotheses' cumulative log-probs (fp32),
-takes each sentence's best 2 * beam, finalises the EOS candidates among the first
-`beam` of them with the GNMT length penalty (Wu et al., 2016)
+The search is fairseq's, vectorised over batch x beam: every step asks the backend for its rows' top-K
+candidates, adds them to the hypotheses' cumulative log-probs (fp32), takes each sentence's best 2 * beam,
+finalises the EOS candidates among the first `beam` of them with the GNMT length penalty (Wu et al., 2016)
 
     score = log_prob / ((5 + length) / 6) ** alpha      (length counts the EOS)
 
@@ -14,11 +13,10 @@ encoder state, a shorter `reorder` on the cache), so steps shrink as sentences e
 Every live sentence keeps exactly `beam` rows (at step 0 too, where only beam 0 scores),
 because the encoder state has one row per sentence, shared by its beam's rows.
 
-Search never touches cache tensors: it hands the backend, for each hypothesis of the
-next step, the row of the previous cache it continues (`reorder`). The only Python
-loop per step runs over the hypotheses finalised in that step. Search works on numpy
-arrays (the step's candidates are a few numbers per hypothesis), so it runs the same
-whatever the backend and never needs torch.
+Search never touches cache tensors: it hands the backend, for each hypothesis of the next step, the row of
+the previous cache it continues (`reorder`). The only Python loop per step runs over the hypotheses finalised
+in that step. Search works on numpy arrays (the step's candidates are a few numbers per hypothesis), so it
+runs the same whatever the backend and never needs torch.
 
 Models imported from Hugging Face were tuned with transformers' `generate`, whose beam search
 differs in three rules; `rules="transformers"` (DecodingOptions.rules) follows them, so that an
@@ -44,7 +42,6 @@ ForcedBOSTokenLogitsProcessor); it is part of the hypothesis' tokens and length,
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,8 +51,6 @@ from model.cache import tail_filled
 from runtime.backend import Backend, host
 from runtime.decoding import PAPER, RULES, DecodingOptions
 from runtime.errors import RuntimeUserError
-
-log = logging.getLogger(__name__)
 
 NEG_INF = float("-inf")
 
@@ -146,10 +141,11 @@ class _Finished:
 
 def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int, min_len: int,
                      max_len_rows: np.ndarray, eos: int, rules: str,
-                     forced: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     forced: np.ndarray | None = None, limits: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """The rows' first n_cand candidates with min/max length applied: EOS masked before
     min_len, and only EOS at a row's length limit (its true log-prob; 0 under transformers' rules).
-    At step 0, `forced` (one id per row) replaces every candidate: that id, log-prob 0."""
+    At step 0, `forced` (one id per row) replaces every candidate: that id, log-prob 0. `limits` False: the
+    caller knows that no row is at its limit yet."""
     lp = host(out_lp)[:, :n_cand].astype(np.float32, copy=False)  # the step's own arrays: nothing else writes
     ids = host(out_ids)[:, :n_cand].astype(np.int64, copy=False)
     if t == 0 and forced is not None:
@@ -159,8 +155,8 @@ def _step_candidates(out_lp: Any, out_ids: Any, eos_lp: Any, n_cand: int, t: int
         return lp, ids
     if t < min_len:
         lp = np.where(ids == eos, np.float32(NEG_INF), lp)
-    at_limit = max_len_rows <= t  # (N,)
-    if np.count_nonzero(at_limit):  # (count_nonzero: a C call; .any() goes through Python)
+    at_limit = max_len_rows <= t if limits else None  # (N,)
+    if at_limit is not None and np.count_nonzero(at_limit):  # (count_nonzero: a C call; .any() goes via Python)
         forced_lp = np.full_like(lp, NEG_INF)
         forced_lp[:, 0] = 0.0 if hf_rules(rules) else host(eos_lp).astype(np.float32)
         lp = np.where(at_limit[:, None], forced_lp, lp)
@@ -210,14 +206,14 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
     rows_for = 0  # the batch size the row offsets below are for
 
     live_max = max_len  # (b,) of the live sentences
-    row_max = np.repeat(live_max, beam)  # (b x beam,) the same per hypothesis
+    row_max, soonest = np.repeat(live_max, beam), int(live_max.min())  # per hypothesis; the first step at a limit
     first_rows = None if first is None else np.repeat(first, beam)
     t = 0
     while sent_ids.size > 0:
         b = sent_ids.size
         out, cache = backend.step(state, tokens, t, cache, reorder)
         lp, ids = _step_candidates(out.topk_log_probs, out.topk_ids, out.eos_log_probs, n_cand, t,
-                                   min_len, row_max, eos, rules, first_rows)
+                                   min_len, row_max, eos, rules, first_rows, limits=t >= soonest)
         cum = (scores.reshape(-1, 1) + lp).reshape(b, beam * n_cand)  # fp32
         top_idx = _best(cum, 2 * beam)  # (b, 2beam), best first
         if b != rows_for:  # each sentence's flat row offsets in the candidates, their best and the hypotheses
@@ -228,29 +224,33 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
         top_scores, top_tok, top_lp = cum.take(flat), ids.take(flat), lp.take(flat)
         top_beam = top_idx // n_cand
         eos_cand = top_tok == eos
-
-        # Finalise EOS among the first `beam` candidates (the only Python loop, over them); > -inf: finite
-        final = eos_cand[:, :beam] & (top_scores[:, :beam] > NEG_INF)
-        done = live_max <= t  # at the length limit: finished whatever it holds
-        if np.count_nonzero(final):
-            _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
-                      t, alpha, rules)
-            finished.top_ended[sent_ids[final[:, 0]]] = True
-        counts = finished.counts[sent_ids]
-
-        # Continue with the best `beam` non-EOS candidates (a stable sort puts EOS behind all others).
-        keep = eos_cand.argsort(axis=1, kind="stable")[:, :beam]
-        keep.sort(axis=1)
-        keep += top_rows  # (b, beam), flat
-        scores, next_beam, next_tok, next_lp = top_scores.take(keep), top_beam.take(keep), top_tok.take(keep), \
-            top_lp.take(keep)
+        if not (transformers or np.count_nonzero(eos_cand)):  # the usual step: no EOS among any sentence's best
+            # 2 x beam (a sentence at its length limit has only EOS), so nothing is finalised, no sentence ends
+            # and the first `beam` go on: what the full path below finds, without its work
+            scores, next_beam, next_tok, next_lp = top_scores[:, :beam], top_beam[:, :beam], top_tok[:, :beam], \
+                top_lp[:, :beam]
+            done = None
+        else:
+            # Finalise EOS among the first `beam` candidates (the only Python loop, over them); > -inf: finite
+            final = eos_cand[:, :beam] & (top_scores[:, :beam] > NEG_INF)
+            done = live_max <= t  # at the length limit: finished whatever it holds
+            if np.count_nonzero(final):
+                _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
+                          t, alpha, rules)
+                finished.top_ended[sent_ids[final[:, 0]]] = True
+            # Continue with the best `beam` non-EOS candidates (a stable sort puts EOS behind all others).
+            keep = eos_cand.argsort(axis=1, kind="stable")[:, :beam]
+            keep.sort(axis=1)
+            keep += top_rows  # (b, beam), flat
+            scores, next_beam, next_tok, next_lp = top_scores.take(keep), top_beam.take(keep), top_tok.take(keep), \
+                top_lp.take(keep)
+            done |= _stopped(finished, sent_ids, finished.counts[sent_ids], scores, beam, t, alpha, rules, nbest)
         # Cache rows (in this step's layout) that each continuing hypothesis extends.
         src_rows = sent_rows + next_beam  # (b, beam)
         history = _extend(history, src_rows, next_tok)
         history_lp = _extend(history_lp, src_rows, next_lp)
-        done = done | _stopped(finished, sent_ids, counts, scores, beam, t, alpha, rules, nbest)
 
-        if np.count_nonzero(done):
+        if done is not None and np.count_nonzero(done):
             live = tail_filled(~done)  # holes filled from the end: the caches move the fewest rows
             sent_ids, live_max = sent_ids[live], live_max[live]
             scores, history, history_lp = scores[live], history[live], history_lp[live]
@@ -258,7 +258,7 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
             if live.size == 0:
                 break
             state = backend.select(state, live)
-            row_max = np.repeat(live_max, beam)
+            row_max, soonest = np.repeat(live_max, beam), int(live_max.min())
         tokens = next_tok.reshape(-1)
         reorder = src_rows.reshape(-1)
         t += 1
