@@ -119,6 +119,39 @@ def test_the_cache_follows_the_beam_and_refuses_what_search_never_does():
         cache.advance(np.arange(4), 1)
 
 
+def test_cache_indirection_is_bound_once_and_written_in_place_until_the_buffers_change():
+    """The decoder reads cache_indirection from the buffer bound when the buffers last changed; each step's
+    ancestry is written into it, and a change of the buffers (sentences leave, the cache grows, another binding)
+    binds again."""
+    class Binding:
+        def __init__(self):
+            self.inputs: dict[str, np.ndarray] = {}
+
+        def bind_cpu_input(self, name, array):
+            self.inputs[name] = array
+
+        def bind_output(self, *args):
+            pass
+
+    cfg = preset("tiny", 32)
+    cache, binding = IndirectCache(cfg, 6, max_steps=20, initial_capacity=4), Binding()
+    cache.advance(np.arange(6), 2)
+    first = cache.bind(binding)
+    assert binding.inputs[io_names.CACHE_INDIRECTION] is first
+    cache.wrote()
+    binding.inputs.clear()
+    ancestry = cache.advance(np.array([0, 0, 2, 4, 3, 3]), 2)  # nothing leaves: the bound buffer, rewritten
+    assert cache.bind(binding) is not None and io_names.CACHE_INDIRECTION not in binding.inputs
+    assert np.shares_memory(first, cache.ancestry) and first.tolist() == ancestry.tolist()
+    assert first[0, :, 0].tolist() == [0, 0, 2] and first[1, :, 0].tolist() == [1, 0, 0]
+    cache.wrote()
+    cache.advance(np.array([3, 5, 5]), 1)  # sentence 0 finished: new buffers, bound again
+    assert cache.bind(binding) is binding.inputs[io_names.CACHE_INDIRECTION]
+    assert binding.inputs[io_names.CACHE_INDIRECTION].shape == (1, 3, 4)
+    other = Binding()
+    assert cache.bind(other) is other.inputs[io_names.CACHE_INDIRECTION]
+
+
 def test_the_cross_attention_kernel_is_the_exported_arithmetic(fp32_dir, random_checkpoint, tmp_path, caplog):
     """Rewritten, the fp32 decoder still verifies against PyTorch at fp32's bound (the kernel computes what the
     ten nodes did); with the kernel's scale doubled it fails verification; a decoder whose pattern differs is left
