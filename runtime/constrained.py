@@ -166,7 +166,6 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
             _finalise(finished, final, sent_ids, first_order // p, np.take_along_axis(top_scores, first_pos, axis=1),
                       np.take_along_axis(pool_lp.reshape(b, beam * p), first_order, axis=1),
                       history, history_lp, t, alpha, rules)
-            finished.top_ended[sent_ids[final[:, 0]]] = True
         counts = finished.counts[sent_ids]
 
         keep = _allocate(top_bank, finite & ~top_eos, total_s, beam)

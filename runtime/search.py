@@ -237,7 +237,6 @@ def beam_search(backend: Backend, src_ids: Any, *, beam_size: int = PAPER.beam_s
             if np.count_nonzero(final):
                 _finalise(finished, final, sent_ids, top_beam, top_scores, top_lp, history, history_lp,
                           t, alpha, rules)
-                finished.top_ended[sent_ids[final[:, 0]]] = True
             # Continue with the best `beam` non-EOS candidates (a stable sort puts EOS behind all others).
             keep = eos_cand.argsort(axis=1, kind="stable")[:, :beam]
             keep.sort(axis=1)
@@ -316,7 +315,8 @@ def _extend(history: np.ndarray, src_rows: np.ndarray, new: np.ndarray) -> np.nd
 def _finalise(finished: _Finished, final: np.ndarray, sent_ids: np.ndarray, top_beam: np.ndarray,
               top_scores: np.ndarray, top_lp: np.ndarray, history: np.ndarray, history_lp: np.ndarray,
               t: int, alpha: float, rules: str) -> None:
-    """Record the EOS candidates marked in `final` (b, 2beam) as finished hypotheses."""
+    """Record the EOS candidates marked in `final` (b, beam; column 0 the step's best) as finished hypotheses."""
+    finished.top_ended[sent_ids[final[:, 0]]] = True  # top-beam's rule: the step's best candidate ended
     length = t + 1  # generated tokens, EOS included
     norm = (top_scores / np.float32(length_penalty(float(length), alpha, rules))).astype(np.float32)
     for i, j in zip(*np.nonzero(final)):  # row-major: within a sentence, best candidate first
