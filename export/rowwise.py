@@ -168,14 +168,60 @@ def fold_biases(model: onnx.ModelProto) -> int:
     return len(dropped)
 
 
+RELU_ZERO_POINT = "rowq_zero_point_0"  # uint8 0: the zero point of a Relu's folded quantization
+U8_LEVELS = 255  # uint8 0..255: a Relu's output, never negative, quantized over all of them
+
+
+def fold_relus(model: onnx.ModelProto) -> int:
+    """Each Relu read only by a statically scaled QuantizeLinear (zero point 128) folded into it, in place; returns
+    how many. The Relu's input is quantized instead, with zero point 0 and the calibrated range over all 255 levels
+    (amax / 255, not amax / 127): uint8 saturation maps every negative value to 0, which is the Relu, and its
+    outputs get twice the resolution. The integer GEMMs reading it take the new scale and zero point. One pass
+    over the FFN's hidden activations fewer per layer (benchmarks/README.md, "relu-folded")."""
+    graph = model.graph
+    inits = {i.name: i for i in graph.initializer}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    dropped: set[int] = set()
+    for relu in graph.node:
+        quant = readers.get(relu.output[0], [None])[0] if relu.op_type == "Relu" else None
+        if (quant is None or len(readers[relu.output[0]]) != 1 or relu.output[0] in outputs
+                or quant.op_type != "QuantizeLinear" or len(quant.input) != 3 or quant.input[1] not in inits
+                or quant.input[2] != "rowq_zero_point"):
+            continue
+        gemms = readers.get(quant.output[0], [])
+        if not gemms or quant.output[0] in outputs or not all(
+                g.op_type == "MatMulIntegerToFloat" and g.input[0] == quant.output[0] and g.input[2] == quant.input[1]
+                and g.input[4] == "rowq_zero_point" for g in gemms):
+            continue
+        scale = numpy_helper.to_array(inits[quant.input[1]])
+        folded = f"{quant.input[1]}_relu"
+        graph.initializer.append(numpy_helper.from_array((scale * QMAX / U8_LEVELS).astype(np.float32), folded))
+        if RELU_ZERO_POINT not in inits:
+            inits[RELU_ZERO_POINT] = numpy_helper.from_array(np.array(0, np.uint8), RELU_ZERO_POINT)
+            graph.initializer.append(inits[RELU_ZERO_POINT])
+        quant.input[:] = [relu.input[0], folded, RELU_ZERO_POINT]
+        for g in gemms:
+            g.input[2], g.input[4] = folded, RELU_ZERO_POINT
+        dropped.add(id(relu))
+    kept = [n for n in graph.node if id(n) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(dropped)
+
+
 def quantize_file_rowwise(path: str, ranges: RangeTable | None = None) -> tuple[int, int]:
     """The rowwise flavour (ONNX Runtime on CPU only: com.microsoft.MatMulIntegerToFloat), in place; with
-    `ranges`, static activation scales where a layer was calibrated (their biases folded into the GEMMs).
-    Returns (static, per-row) GEMMs."""
+    `ranges`, static activation scales where a layer was calibrated (their biases folded into the GEMMs, each
+    FFN's Relu into its quantization). Returns (static, per-row) GEMMs."""
     model = onnx.load(path)
     rewriter = RowwiseRewriter(model, ranges)
     rewriter.rewrite()
     fold_biases(model)
+    fold_relus(model)
     model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     onnx.save(model, path)
     return rewriter.static_gemms, rewriter.dynamic_gemms

@@ -43,6 +43,7 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
         assert counts == (per_row[1], 0) and counts[0] > 0  # every GEMM static, none per row
         ops = _ops(static)
         assert ops["ReduceMax"] == ops["Abs"] == 0 and ops["MatMulIntegerToFloat"] == counts[0]
+        assert ops["Relu"] == 0 and _ops(plain)["Relu"] > 0  # each FFN's Relu folded into its quantization
         assert len(onnx.load(str(static), load_external_data=False).graph.node) < \
             len(onnx.load(str(plain), load_external_data=False).graph.node)
 
@@ -61,7 +62,7 @@ def test_every_linear_layer_is_found_by_its_weights(random_checkpoint, tmp_path)
     onnx_export.export_decoder(graph_model, path, 18, 8)
     static_gemms, per_row_gemms = rowwise.quantize_file_rowwise(str(path), calibrate.RangeTable(model, partial))
     assert per_row_gemms == 1 and static_gemms == counts[0] - 1
-    assert _ops(path)["ReduceMax"] == 1
+    assert _ops(path)["ReduceMax"] == 1 and _ops(path)["Relu"] == 1  # the per-row layer's Relu stays
 
 
 def test_first_layers_keep_per_row_scales(random_checkpoint, tmp_path):
@@ -152,3 +153,63 @@ def test_misuses_are_refused(random_checkpoint, memorise_corpus, tmp_path, capsy
         code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", tmp_path / "out", *args)
         assert code != 0 and message in err, (args, err)
         assert not (tmp_path / "out").exists()
+
+
+def _relu_gemm(readers: int = 1) -> onnx.ModelProto:
+    """x -> Relu -> QuantizeLinear (a static scale, zero point 128) -> MatMulIntegerToFloat, as the rowwise
+    rewriter leaves an FFN's second layer; with readers=2 the Relu's output is also a graph output of its own."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.array(0.05, np.float32), "s"),
+             numpy_helper.from_array(np.array(128, np.uint8), "rowq_zero_point"),
+             numpy_helper.from_array(rng.integers(-60, 61, (8, 5)).astype(np.int8), "w"),
+             numpy_helper.from_array(rng.uniform(0.01, 0.02, 5).astype(np.float32), "ws")]
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("QuantizeLinear", ["r", "s", "rowq_zero_point"], ["q"]),
+             helper.make_node("MatMulIntegerToFloat", ["q", "w", "s", "ws", "rowq_zero_point"], ["y"],
+                              domain="com.microsoft")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if readers == 2:
+        nodes.append(helper.make_node("Identity", ["r"], ["r_out"]))
+        outputs.append(helper.make_tensor_value_info("r_out", TensorProto.FLOAT, None))
+    graph = helper.make_graph(nodes, "relu_gemm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+                              outputs, inits)
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    return helper.make_model(graph, opset_imports=opsets)
+
+
+def test_a_relu_folds_into_its_quantization():
+    """fold_relus: the Relu's input quantized with zero point 0 over all 255 levels (scale amax / 255, the
+    calibrated amax = 127 x the old scale), which is the Relu (negatives saturate to 0) at twice the resolution.
+    The folded graph computes that exactly (checked against numpy's arithmetic, round half to even), and its
+    error against the float product is at most half the unfolded one's bound."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    x = np.random.default_rng(1).normal(0.0, 2.5, (3, 8)).astype(np.float32)  # values past amax = 6.35 saturate
+    weights = {i.name: numpy_helper.to_array(i) for i in _relu_gemm().graph.initializer}
+    w, ws = weights["w"].astype(np.float32), weights["ws"]
+
+    def run(m: onnx.ModelProto) -> np.ndarray:
+        return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    plain, folded = _relu_gemm(), _relu_gemm()
+    assert rowwise.fold_relus(folded) == 1
+    assert "Relu" not in _ops_of(folded) and _ops_of(folded)["QuantizeLinear"] == 1
+    scale = np.float32(0.05 * 127 / 255)
+    q = np.clip(np.rint(x / scale), 0, 255)  # numpy rounds half to even, as QuantizeLinear does
+    np.testing.assert_allclose(run(folded), (q @ w) * scale * ws, rtol=1e-5, atol=1e-6)
+    exact = np.minimum(np.maximum(x, 0), 0.05 * 127) @ w * ws
+    bound = np.abs(w).sum(axis=0) * ws  # per column: a quantization error of one step in every input
+    assert np.all(np.abs(run(plain) - exact) <= 0.5 * 0.05 * bound + 1e-5)
+    assert np.all(np.abs(run(folded) - exact) <= 0.5 * float(scale) * bound + 1e-5)
+
+
+def test_a_relu_read_elsewhere_is_not_folded():
+    """A Relu whose output something else also reads keeps its node (the fold would hand that reader the
+    Relu's input)."""
+    m = _relu_gemm(readers=2)
+    assert rowwise.fold_relus(m) == 0 and _ops_of(m)["Relu"] == 1
