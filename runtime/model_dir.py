@@ -108,12 +108,14 @@ class LoadOptions(Checked):
     parallel_batches: int | None = opt(None, "Batches decoded at once, each on --threads / N intra-op threads "
                                              "(onnxruntime on the CPU only): every operator of two batches runs side "
                                              "by side instead of one batch's split over the cores. Same output; faster "
-                                             "where a file makes many batches, at the memory of N batches "
-                                             "(docs/performance.md) [default: 2 where serve-batch runs onnxruntime on "
-                                             "a CPU with 2 or more threads, else 1].", min=1, metavar="N")
-    # what the loading is for, set by the command (no option): files of many batches (serve-batch), which the
-    # onnxruntime backend on a CPU then decodes runtime/machine.py's default_parallel_batches at a time unless
-    # --parallel-batches says; the HTTP server runs one batch per turn of its queue, on every thread
+                                             "where a file makes many batches or a server has several requests at "
+                                             "once, and for a lone sentence, at the memory of N batches "
+                                             "(docs/performance.md) [default: 2 where serve-batch or serve runs "
+                                             "onnxruntime on a CPU with 2 or more threads, else 1].", min=1,
+                            metavar="N")
+    # what the loading is for, set by the command (no option): many batches (serve-batch's files, the HTTP server's
+    # queue), which the onnxruntime backend on a CPU then decodes runtime/machine.py's default_parallel_batches at
+    # a time unless --parallel-batches says
     many_batches: bool = False
     step: str | None = opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
                                   "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
@@ -182,14 +184,14 @@ class Loaded:
 
     def translate(self, ids: list[list[int]], decoding: DecodingOptions | None = None,
                   first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
-                  constraints: list[list[list[int]]] | None = None) -> list[NBest]:
+                  constraints: list[list[list[int]]] | None = None, workers: int | None = None) -> list[NBest]:
         """The search: each source's hypotheses as (tokens, score), best first, in input order ([] for an empty
-        source), with `decoding` or else this model's; first_tokens, on_batch and constraints (a glossary's
-        terms per source: EncodedTexts.constraints) as runtime.translate's translate_ids, which batches by
-        length and runs the search."""
+        source), with `decoding` or else this model's; first_tokens, on_batch, constraints (a glossary's
+        terms per source: EncodedTexts.constraints) and workers as runtime.translate's translate_ids, which
+        batches by length and runs the search."""
         joins = word_continuations(self.tokenizer) if constraints is not None else None
         hyps = translate_ids(self.backend, ids, self.decoding if decoding is None else decoding, first_tokens,
-                             on_batch, constraints, joins)
+                             on_batch, constraints, joins, workers)
         return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 

@@ -67,7 +67,7 @@ def length_batches(lengths: list[int], batch_tokens: int, beam_size: int,
 def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingOptions = PAPER,
                   first_tokens: list[int] | None = None, on_batch: Callable[[int], None] | None = None,
                   constraints: list[list[list[int]]] | None = None, joins: np.ndarray | None = None,
-                  **changes: Any) -> list[list[Hypothesis]]:
+                  workers: int | None = None, **changes: Any) -> list[list[Hypothesis]]:
     """Hypotheses (options.nbest, best first) for each source, in input order.
     first_tokens: per source, the token forced first (a multilingual model's target language; sources of
     different targets may share a batch). constraints: per source, the target token phrases its output must
@@ -83,6 +83,8 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
 
     Sources with constraints are batched apart, decoded by constrained beam search (runtime/constrained.py)
     with its wider beam; the others are batched among themselves and decoded as without constraints.
+    `workers`: batches decoded at once (decode_batches), the backend's parallel_batches unless given (1 where the
+    caller runs several of these calls at once itself, as the HTTP server's batcher does).
     """
     options = options.replace(**changes) if changes else options
     options.validate()
@@ -120,7 +122,7 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     batches = itertools.chain(batches_of(plain, options, False), batches_of(forced, wide, True))
     if on_batch is not None and len(todo) < len(sources):
         on_batch(len(sources) - len(todo))
-    for (_, idx), hyps in decode_batches(backend, batches, decode):
+    for (_, idx), hyps in decode_batches(backend, batches, decode, workers):
         for i, h in zip(idx, hyps):
             results[i] = h
         if on_batch is not None:
@@ -132,7 +134,8 @@ B = TypeVar("B")
 R = TypeVar("R")
 
 
-def decode_batches(backend: Backend, batches: Iterable[B], decode: Callable[[B], R]) -> Iterator[tuple[B, R]]:
+def decode_batches(backend: Backend, batches: Iterable[B], decode: Callable[[B], R],
+                   workers: int | None = None) -> Iterator[tuple[B, R]]:
     """(batch, decode(batch)) for each batch, in the batches' order.
 
     A backend that can decode several batches at once (`parallel_batches`, the onnxruntime backend on
@@ -140,8 +143,8 @@ def decode_batches(backend: Backend, batches: Iterable[B], decode: Callable[[B],
     the operators of two batches run side by side instead of each operator split over the cores. At
     most that many batches are decoded at once and as many more wait their turn, so memory holds
     `parallel_batches` batches' caches. An error in one batch, or Ctrl-C, cancels the batches not yet
-    started and is raised once the running ones have ended."""
-    workers = int(backend.parallel_batches or 1)
+    started and is raised once the running ones have ended. `workers` given: that many at once instead."""
+    workers = int(workers or backend.parallel_batches or 1)
     if workers <= 1:
         for batch in batches:
             yield batch, decode(batch)

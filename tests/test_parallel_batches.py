@@ -128,8 +128,8 @@ def test_serve_batch_decodes_two_batches_at_once_by_default_on_two_threads(memor
 
 
 def test_only_files_of_many_batches_default_to_two_at_once(memorised_fp32_dir):
-    """The HTTP server, Ray and every other loader keep one batch at a time on every thread unless told
-    (LoadOptions.many_batches is serve-batch's); the torch backend takes the default without complaint."""
+    """Ray and every other loader keep one batch at a time on every thread unless told (LoadOptions.many_batches
+    is serve-batch's and the HTTP server's); the torch backend takes the default without complaint."""
     from runtime.machine import default_parallel_batches
 
     assert default_parallel_batches(1) == 1 and default_parallel_batches(2) == 2 and default_parallel_batches(16) == 2
@@ -219,3 +219,21 @@ def test_http_service_with_parallel_batches_answers_what_serve_batch_writes(memo
         r = client.post("/translate", json={"text": lines})
         assert r.status_code == 200, r.text
         assert r.json()["translations"] == out.read_text(encoding="utf-8").split("\n")[:-1]
+
+
+@pytest.mark.parametrize("threads, at_once", [(2, 2), (1, 1)])
+def test_the_http_server_decodes_two_batches_at_once_on_two_threads(memorised_fp32_dir, monkeypatch, threads,
+                                                                     at_once):
+    """`pipeline serve` loads its model dirs for a queue of many batches: on two threads, onnxruntime decodes
+    two at once, each on one (its batcher then runs two: tests/test_serve_hostile.py); on one thread, one."""
+    pytest.importorskip("starlette")
+    from pipeline.serve import runner
+    from pipeline.serve.translator import Translator
+
+    served: list[Translator] = []
+    monkeypatch.setattr(runner, "serve_http", lambda models, opts, *a: served.extend(
+        Translator.load(str(path), opts.load, opts.long_lines) for _, path in models))
+    assert run_cli("serve", memorised_fp32_dir, "--backend", "onnxruntime", "--threads", threads) == 0
+    (translator,) = served
+    assert translator.parallel_batches == at_once and translator.summary()["batches_at_once"] == at_once
+    assert translator.backend.decoder.get_session_options().intra_op_num_threads == threads // at_once

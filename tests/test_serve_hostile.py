@@ -50,10 +50,12 @@ class CharTokenizer:
 
 class StandIn(Translator):
     """serve's Translator (the text service's encoding, splitting and formatting) over CharTokenizer and a
-    search that copies the source; each batch is recorded, and takes `delay` seconds."""
+    search that copies the source; each batch is recorded, and takes `delay` seconds; `parallel_batches` as a
+    backend's (how many batches the batcher runs at once)."""
 
-    def __init__(self, delay: float = 0.0, max_src_len: int = 1000):
-        backend = SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu")
+    def __init__(self, delay: float = 0.0, max_src_len: int = 1000, parallel_batches: int = 1):
+        backend = SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu",
+                                  parallel_batches=parallel_batches)
         super().__init__(SimpleNamespace(backend=backend, tokenizer=CharTokenizer(), manifest=None,  # type: ignore[arg-type]
                                          decoding=PAPER))
         self.delay = delay
@@ -200,6 +202,53 @@ def test_requests_cut_by_the_budget_keep_their_place():
     assert [[line[0] - 10 for line in batch] for batch in translator.batches] == [[0, 0, 0, 1], [1, 1, 2, 2],
                                                                                    [2, 3, 3, 3]]
     assert results == [[[([10 + r], -1.0)]] * 3 for r in range(4)]
+
+
+class SideBySide(StandIn):
+    """A stand-in backend that decodes two batches at once, as onnxruntime on a CPU does: the batches in flight
+    counted, and the first batch taking longer than the others, so that later ones end before it."""
+
+    def __init__(self) -> None:
+        super().__init__(parallel_batches=2)
+        self.lock = threading.Lock()
+        self.in_flight = self.most_in_flight = 0
+        self.ended: list[list[list[int]]] = []
+
+    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+        with self.lock:
+            self.batches.append(ids)
+            first = len(self.batches) == 1
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        time.sleep(0.5 if first else 0.01)
+        with self.lock:
+            self.in_flight -= 1
+            self.ended.append(ids)
+        return [[(src[:-1], -1.0)] if src else [] for src in ids]
+
+
+def test_two_batches_at_once_and_each_request_gets_its_lines_in_order():
+    """A backend that decodes two batches at once (parallel_batches 2) gets two at once from the batcher, never
+    more: while a request's first batch runs on, its later ones end on the other thread, yet none of its lines is
+    handed out before the earlier ones (ready(n) waits for the first n), and a request that arrives meanwhile is
+    answered before the slow batch ends. Then every line, in order."""
+    big_lines = [[10 + i, EOS] for i in range(8)]  # 2 lines of cost 2 per batch of budget 4: 4 batches
+
+    async def scenario(batcher: Batcher, decoding: Any) -> tuple[list[Any], list[Any], bool, list[Any]]:
+        big = batcher.submit(big_lines, decoding)
+        while not translator.ended:  # a later batch has ended; the first, slow one runs on
+            await asyncio.sleep(0.001)
+        held_back = list(big.results)
+        small = await batcher.submit([[7, EOS]], decoding).future
+        slow_running = translator.batches[0] not in translator.ended
+        return held_back, small, slow_running, await big.future
+
+    translator = SideBySide()
+    held_back, small, slow_running, results = run_batcher(translator, 4, scenario)
+    assert translator.most_in_flight == 2
+    assert held_back == [] and translator.ended[-1] == translator.batches[0]
+    assert small == [[([7], -1.0)]] and slow_running
+    assert results == [[(line[:-1], -1.0)] for line in big_lines]
 
 
 def test_a_streamed_big_request_and_a_small_one_each_get_their_answer():

@@ -201,6 +201,7 @@ def test_info_and_health(url):
     assert list(info["models"]) == ["model"] and info["limits"]["max_lines"] == 50
     model = httpx.get(f"{url}/info", params={"model": "model"}, timeout=10).json()
     assert model["backend"] == "torch" and model["precision"] == "fp32" and model["lang"] == "en"
+    assert model["batches_at_once"] == 1  # the torch backend: one batch at a time
     assert model["model_limits"]["max_src_len"] == SRC_LIMIT and model["limits"]["max_lines"] == 50
     assert httpx.get(f"{url}/health", timeout=10).json()["ready"] is True
     r = httpx.get(f"{url}/info", params={"model": "nope"}, timeout=10)

@@ -50,7 +50,7 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     _require_web_stack()
     from pipeline.serve.runner import model_specs, serve_http
 
-    load = pick(LoadOptions, options)
+    load = dataclasses.replace(pick(LoadOptions, options), many_batches=True)  # a queue: batches side by side
     opts, limits = dataclasses.replace(pick(ServeHttpOptions, options), load=load), pick(RequestLimits, options)
     models = model_specs(model_dir, opts.model)
     serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)

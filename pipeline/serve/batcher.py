@@ -1,4 +1,4 @@
-"""Dynamic batching: requests queue on the event loop, one backend thread translates.
+"""Dynamic batching: requests queue on the event loop, backend threads translate.
 
 The collector coroutine takes the first request of the queue, adds the following ones
 that share its decoding options while their source tokens x beam fit `max_batch_tokens`,
@@ -8,10 +8,14 @@ streaming client receives its first lines while the rest are translated. Request
 turns: one that has had a budget's worth of lines since its turn began goes to the back
 of the queue before the next batch is collected, so a request that arrives behind a big
 one waits about one batch of it (one per big request ahead of it), not all of them.
-The batch runs on a dedicated single thread, so the event loop keeps accepting,
-answering /health and reading bodies while the backend works; requests that arrive
-meanwhile form the next batch. Results go back to each request's Work: `ready(n)`
-waits for its first n lines, `future` for all of them."""
+The batch runs on a backend thread, so the event loop keeps accepting, answering /health
+and reading bodies while the backend works; requests that arrive meanwhile form the next
+batch. A backend that decodes several batches at once (`parallel_batches`: the onnxruntime
+backend on a CPU of 2 or more threads, each batch on its share of them) gets that many
+threads, and the next batch is collected and started while the others run: a lone request
+runs on one thread, faster than on two at batch 1, and several requests run side by side
+(docs/performance.md). Results go back to each request's Work in line order, whichever of
+its batches ends first: `ready(n)` waits for its first n lines, `future` for all of them."""
 
 from __future__ import annotations
 
@@ -55,13 +59,14 @@ class Work:
     taken: int = 0  # lines handed to a batch so far
     turn: int = 0  # the cost of the lines taken since its turn began (Batcher._take_turns)
     results: list[NBest] = field(default_factory=list)  # of the first len(results) lines
+    ahead: dict[int, list[NBest]] = field(default_factory=dict)  # later lines' results, by first line, until theirs
     progress: asyncio.Event = field(default_factory=asyncio.Event)
 
     @classmethod
     def finished(cls, results: list[NBest], decoding: DecodingOptions) -> Work:
         """A Work with nothing to translate (blank lines only)."""
         work = cls([[] for _ in results], decoding, asyncio.get_running_loop().create_future())
-        work._add(results)
+        work._add(0, results)
         return work
 
     async def ready(self, n: int) -> None:
@@ -72,8 +77,11 @@ class Work:
             self.progress.clear()
             await self.progress.wait()
 
-    def _add(self, share: list[NBest]) -> None:
-        self.results += share
+    def _add(self, start: int, share: list[NBest]) -> None:
+        """The results of lines start:start + len(share); kept aside until every earlier line has its own."""
+        self.ahead[start] = share
+        while len(self.results) in self.ahead:
+            self.results += self.ahead.pop(len(self.results))
         if len(self.results) == len(self.ids):
             self.future.set_result(self.results)
         self.progress.set()
@@ -109,8 +117,11 @@ class Batcher:
         self._pending: deque[Work] = deque()
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
-        # One thread: backends are not re-entrant, and one batch at a time is the point.
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="backend")
+        # As many threads as the backend decodes batches at once (1 but for onnxruntime on a CPU: the others are
+        # not re-entrant); the batches running on them:
+        self.workers = max(1, translator.parallel_batches)
+        self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="backend")
+        self._running: set[asyncio.Task[None]] = set()
 
     @property
     def running(self) -> bool:
@@ -125,12 +136,13 @@ class Batcher:
         self._task = asyncio.create_task(self._run(), name="batcher")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        for task in [self._task, *self._running]:
+            if task is not None:
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
         for work in self._pending:
             work._fail(BatcherStopped("the server is shutting down"))
         self._pending.clear()
@@ -168,9 +180,14 @@ class Batcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            if len(self._running) >= self.workers:  # every thread busy: the next batch is collected when one ends
+                await asyncio.wait(self._running, return_when=asyncio.FIRST_COMPLETED)
+                continue
             batch = await self._collect()
             if batch:
-                await self._execute(batch)
+                task = asyncio.create_task(self._execute(batch), name="batch")
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
 
     def _select(self) -> tuple[list[Slice], bool]:
         """Lines of the first request and of the next ones of the same kind that fit the budget (in
@@ -254,7 +271,7 @@ class Batcher:
             share = results[done:done + stop - start]
             done += stop - start
             if not work.future.done():
-                work._add(share)
+                work._add(start, share)
 
 
 def _constraints(batch: list[Slice]) -> list[list[list[int]]] | None:

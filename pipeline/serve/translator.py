@@ -4,7 +4,8 @@ Texts become units and units become answers in the text service (runtime/texts.p
 service.encode, finish_texts in the answers of native.py and libre.py), the very functions serve-batch
 writes its lines with, so the service answers exactly what `pipeline serve-batch` writes for the same texts
 and there is no second decoding path. The search is the loaded model's (runtime/model_dir.py Loaded.translate),
-called by the batcher's one thread."""
+called by the batcher's threads: as many batches at once as the backend decodes (`parallel_batches`), each call
+decoding its own batches one at a time."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ class Translator:
         self.manifest: Manifest = loaded.manifest
         self.decoding: DecodingOptions = loaded.decoding
         self.max_src_len = int(loaded.backend.max_src_len)
+        self.parallel_batches = int(loaded.backend.parallel_batches)  # the batcher's calls at once
 
     @classmethod
     def load(cls, model_dir: str, options: LoadOptions, long_lines: str,
@@ -53,6 +55,7 @@ class Translator:
         return {"backend": self.backend.name, "device": str(self.backend.device),
                 "precision": self.manifest.precision,
                 "shortlist": self.backend.shortlist is not None,  # serve --shortlist
+                "batches_at_once": self.parallel_batches,  # --parallel-batches (the batcher's threads)
                 "model_config": self.manifest.model_config.to_dict(),
                 "model_limits": dataclasses.asdict(self.manifest.limits),
                 "exported_with": self.manifest.versions}
@@ -69,10 +72,11 @@ class Translator:
 
     def translate(self, ids: list[list[int]], decoding: DecodingOptions, first_tokens: list[int] | None = None,
                   constraints: list[list[list[int]]] | None = None) -> list[NBest]:
-        """Hypotheses per source, in order; batching by length inside (one thread only). first_tokens: per
+        """Hypotheses per source, in order; batching by length inside, one batch at a time (the batcher makes up
+        to `parallel_batches` of these calls at once, each on its share of the threads). first_tokens: per
         source, a multilingual model's target language token, forced first; constraints: per source, a
         glossary's target token phrases ([] for none), decoded apart by constrained search."""
-        return self.loaded.translate(ids, decoding, first_tokens, constraints=constraints)
+        return self.loaded.translate(ids, decoding, first_tokens, constraints=constraints, workers=1)
 
     def warm_up(self, decoding: DecodingOptions) -> str:
         """One real translation, so the first request pays no lazy initialisation."""
