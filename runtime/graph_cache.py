@@ -9,7 +9,8 @@ optimisation off, which ONNX Runtime documents as its "offline" mode. Its caveat
 at the highest level may hold operators specific to the hardware and build, is why an entry is keyed by
 everything the result depends on: the SHA-256 of the graph and of the model dir's weight files (of the
 files as they are, not as a manifest says), the onnxruntime version, the execution providers, the
-session config entries, and this CPU's instruction-set flags. Nothing is shared between machines.
+session config entries (with the graph optimizers left out), and this CPU's instruction-set flags.
+Nothing is shared between machines.
 
 Entries are directories under $PIPELINE_ORT_CACHE, else $XDG_CACHE_HOME/pipeline/ort-graphs
 (~/.cache/...); `PIPELINE_ORT_CACHE=off` turns the cache off. An entry is built in a temporary directory

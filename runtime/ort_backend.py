@@ -37,7 +37,15 @@ from runtime.indirect_cache import IndirectCache
 from runtime.machine import CPU_EP, CUDA_EP, TRT_EP, default_parallel_batches, usable_cores
 from runtime.ort_binding import StepBinding
 from runtime.ort_constrained import ConstrainedDecoder, want_array, why_not
-from runtime.ort_setup import choose_providers, import_onnxruntime, loading_graph, tensorrt_loadable
+from runtime.ort_setup import (
+    choose_providers,
+    default_device,
+    disabled_optimizers,
+    import_onnxruntime,
+    import_torch_for_cuda,
+    loading_graph,
+    tensorrt_loadable,
+)
 from runtime.shortlist import Shortlist
 
 if TYPE_CHECKING:  # annotations only; imported at run time by import_onnxruntime()
@@ -78,7 +86,7 @@ class OrtBackend(ExportedGraphBackend):
                                    "onnxruntime backend runs one batch at a time (make batches larger instead: "
                                    "--batch-tokens)")
         if self.on_cuda:  # device buffers are torch CUDA tensors (onnxruntime-gpu + PyTorch)
-            torch = _import_torch_for_cuda()
+            torch = import_torch_for_cuda()
             self.device: Any = torch.device(device)
             if self.device.index is None:
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -123,8 +131,11 @@ class OrtBackend(ExportedGraphBackend):
         # with a shortlist, the decoder step over candidates (decoder_shortlist.onnx, the same weights)
         self.shortlist = shortlist
         decoder_file = io_names.DECODER_SHORTLIST_FILE if shortlist is not None else io_names.DECODER_FILE
+        disabled = disabled_optimizers(self.providers)
+
         def create(model: str, opts: ort.SessionOptions) -> ort.InferenceSession:
-            return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args)
+            return ort.InferenceSession(model, opts, providers=self.providers, provider_options=provider_args,
+                                        disabled_optimizers=disabled)
 
         @functools.cache
         def weights() -> dict[str, str]:
@@ -137,7 +148,8 @@ class OrtBackend(ExportedGraphBackend):
                 if flip or self.providers != [CPU_EP]:  # optimised graphs are remembered for the CPU only
                     with graph(path) as model:
                         return create(model, options())
-                key = entry_key(file_digest(path), weights(), ort.__version__, self.providers, config)
+                key = entry_key(file_digest(path), weights(), ort.__version__, self.providers,
+                                {**config, "disabled_optimizers": ",".join(disabled)})
                 return cached_session(path, key, create, options, ort)
 
         self.encoder = session(model_dir / io_names.ENCODER_FILE)
@@ -370,30 +382,3 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
     return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=threads,
                       shortlist=shortlist, parallel_batches=batches)
 
-
-def default_device(device: Any) -> Any:
-    """`device`, or where the backend runs when none is given: cuda with onnxruntime-gpu and a GPU, else cpu."""
-    if device is not None:
-        return device
-    import_onnxruntime()
-    import onnxruntime as ort
-
-    return "cuda" if CUDA_EP in ort.get_available_providers() and _cuda_visible() else "cpu"
-
-
-def _cuda_visible() -> bool:
-    """Whether a CUDA GPU can be used: onnxruntime-gpu's CUDA buffers are torch tensors here."""
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
-
-
-def _import_torch_for_cuda() -> Any:
-    try:
-        import torch
-    except ImportError:
-        raise RuntimeUserError("the onnxruntime backend on cuda keeps its device buffers in PyTorch tensors: "
-                               "install torch, or use --device cpu") from None
-    return torch

@@ -1,5 +1,6 @@
 """What an ONNX Runtime session needs before the backend runs it: the package itself, the execution
-providers this build and machine can use, and one clear line for a graph file that cannot be loaded."""
+providers this build and machine can use (and the device when none is named), the graph fusions left out on
+the CPU, and one clear line for a graph file that cannot be loaded."""
 
 from __future__ import annotations
 
@@ -20,6 +21,18 @@ def import_onnxruntime() -> ModuleType:
         raise RuntimeUserError("onnxruntime is not installed: `pip install onnxruntime` (CPU) or "
                                "`pip install onnxruntime-gpu` (CUDA), or use --backend torch") from None
     return onnxruntime
+
+
+# ONNX Runtime's graph fusions left out on the CPU, by their names: SkipLayerNormFusion rewrites one residual Add +
+# LayerNormalization of the int8 decoder into a SkipLayerNormalization whose kernel took 172 us a step at batch 32
+# against about 31 for the two nodes (the step 0.97x without it at batch 32, 0.98x at batch 1;
+# benchmarks/README.md, "skip-layer-norm-unfused").
+CPU_DISABLED_OPTIMIZERS = ("SkipLayerNormFusion",)
+
+
+def disabled_optimizers(providers: list[str]) -> list[str]:
+    """The graph optimizers a session on `providers` runs without (InferenceSession's disabled_optimizers)."""
+    return list(CPU_DISABLED_OPTIMIZERS) if providers == [CPU_EP] else []
 
 
 def tensorrt_loadable() -> bool:
@@ -81,3 +94,31 @@ def choose_providers(device: Any, available: list[str], use_tensorrt: bool = Tru
             "install onnxruntime-gpu (and uninstall onnxruntime) or use --device cpu")
     providers = [TRT_EP] if use_tensorrt and TRT_EP in available else []
     return providers + [CUDA_EP, CPU_EP]
+
+
+def default_device(device: Any) -> Any:
+    """`device`, or where the backend runs when none is given: cuda with onnxruntime-gpu and a GPU, else cpu."""
+    if device is not None:
+        return device
+    import_onnxruntime()
+    import onnxruntime as ort
+
+    return "cuda" if CUDA_EP in ort.get_available_providers() and _cuda_visible() else "cpu"
+
+
+def _cuda_visible() -> bool:
+    """Whether a CUDA GPU can be used: onnxruntime-gpu's CUDA buffers are torch tensors here."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def import_torch_for_cuda() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise RuntimeUserError("the onnxruntime backend on cuda keeps its device buffers in PyTorch tensors: "
+                               "install torch, or use --device cpu") from None
+    return torch

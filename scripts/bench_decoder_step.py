@@ -276,6 +276,7 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
     from runtime.decoding import PAPER
     from runtime.model_dir import LoadOptions, load
     from runtime.ort_backend import session_config
+    from runtime.ort_setup import disabled_optimizers
     from runtime.search import search
     from runtime.translate import pad_batch
 
@@ -294,7 +295,8 @@ def ort_profile(model_dir: Path, batch: int, beam: int, length: int, sentences: 
             and manifest.unsigned_weights != wants_unsigned_weights(pair_bounded=manifest.pair_bounded_weights))
     decoder_file = "decoder_shortlist.onnx" if shortlist else "decoder.onnx"
     with (session_graph if flip else graph_as_is)(model_dir / decoder_file) as graph:
-        backend.decoder = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+        backend.decoder = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"],
+                                               disabled_optimizers=disabled_optimizers(["CPUExecutionProvider"]))
     decoding = PAPER.replace(beam_size=beam, max_len_a=0.0, max_len_b=length, min_len=length)
     sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len)
     for i in range(0, sentences, batch):

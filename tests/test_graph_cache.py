@@ -140,3 +140,27 @@ def test_cache_off_or_unwritable_changes_nothing(trained_model_dir, tmp_path, mo
     monkeypatch.setenv(CACHE_ENV, str(blocked / "cache"))  # cannot be created: a file is in the way
     assert _decode(trained_model_dir) == want
     assert blocked.read_text() == ""
+
+
+def test_the_cpu_sessions_run_without_skip_layer_norm_fusion(rowwise_dir, tmp_path, monkeypatch):
+    """ONNX Runtime fuses a residual Add + LayerNormalization of the int8 decoder into SkipLayerNormalization,
+    whose CPU kernel was slower than the two nodes (runtime/ort_setup.py CPU_DISABLED_OPTIMIZERS): the sessions
+    the backend creates leave it out, as the optimised graph it saves shows, where a session with every
+    optimizer has it."""
+    import onnx
+    import onnxruntime as ort
+
+    from runtime.ort_setup import CPU_DISABLED_OPTIMIZERS
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.optimized_model_filepath = str(tmp_path / "all.onnx")
+    ort.InferenceSession(str(rowwise_dir / "decoder.onnx"), opts, providers=["CPUExecutionProvider"])
+    ops = lambda path: {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}  # noqa: E731
+    assert "SkipLayerNormalization" in ops(tmp_path / "all.onnx")  # what the fusion makes of this graph
+
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    load(rowwise_dir, LoadOptions(backend="onnxruntime", threads=1))
+    saved = [entry / GRAPH for entry in _entries(tmp_path / "cache")]
+    assert len(saved) == 2 and not any("SkipLayerNormalization" in ops(g) for g in saved)
+    assert "SkipLayerNormFusion" in CPU_DISABLED_OPTIMIZERS
