@@ -133,6 +133,24 @@ class RowwiseRewriter(Rewriter):
         ] + self._integer_gemm(node, kc, scales, None if self.ranges is None else self.ranges.output_projection())
 
 
+def _graph_index(graph: onnx.GraphProto) -> tuple[dict[str, onnx.TensorProto], dict[str, list[onnx.NodeProto]],
+                                                 set[str]]:
+    """The graph's initializers by name, each tensor's reading nodes, and its output names."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    return {i.name: i for i in graph.initializer}, readers, {o.name for o in graph.output}
+
+
+def _drop(graph: onnx.GraphProto, dropped: set[int]) -> int:
+    """The nodes whose ids are in `dropped` removed, in place; how many."""
+    kept = [n for n in graph.node if id(n) not in dropped]
+    del graph.node[:]
+    graph.node.extend(kept)
+    return len(dropped)
+
+
 def fold_biases(model: onnx.ModelProto) -> int:
     """Each bias Add after a statically scaled integer GEMM (MatMulIntegerToFloat with a constant input
     scale and no Mul after it) moved into the GEMM's own bias input, in place; returns how many. ONNX Runtime
@@ -140,12 +158,7 @@ def fold_biases(model: onnx.ModelProto) -> int:
     layer (benchmarks/README.md, "small-step-profile").
     Per-row GEMMs keep their Add: the row scales are applied after the GEMM, and the bias must not be scaled."""
     graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    inits, readers, outputs = _graph_index(graph)
     dropped: set[int] = set()
     for node in graph.node:
         if (node.op_type != "MatMulIntegerToFloat" or len(node.input) != 5 or node.input[2] not in inits
@@ -162,10 +175,7 @@ def fold_biases(model: onnx.ModelProto) -> int:
         node.input.extend(["", bias])  # no weight zero point (symmetric int8), then the bias
         node.output[0] = add.output[0]
         dropped.add(id(add))
-    kept = [n for n in graph.node if id(n) not in dropped]
-    del graph.node[:]
-    graph.node.extend(kept)
-    return len(dropped)
+    return _drop(graph, dropped)
 
 
 RELU_ZERO_POINT = "rowq_zero_point_0"  # uint8 0: the zero point of a Relu's folded quantization
@@ -179,12 +189,7 @@ def fold_relus(model: onnx.ModelProto) -> int:
     outputs get twice the resolution. The integer GEMMs reading it take the new scale and zero point. One pass
     over the FFN's hidden activations fewer per layer (benchmarks/README.md, "relu-folded")."""
     graph = model.graph
-    inits = {i.name: i for i in graph.initializer}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
+    inits, readers, outputs = _graph_index(graph)
     dropped: set[int] = set()
     for relu in graph.node:
         quant = readers.get(relu.output[0], [None])[0] if relu.op_type == "Relu" else None
@@ -207,10 +212,7 @@ def fold_relus(model: onnx.ModelProto) -> int:
         for g in gemms:
             g.input[2], g.input[4] = folded, RELU_ZERO_POINT
         dropped.add(id(relu))
-    kept = [n for n in graph.node if id(n) not in dropped]
-    del graph.node[:]
-    graph.node.extend(kept)
-    return len(dropped)
+    return _drop(graph, dropped)
 
 
 def quantize_file_rowwise(path: str, ranges: RangeTable | None = None) -> tuple[int, int]:
