@@ -58,7 +58,8 @@ class ServeHttpOptions:
     load: LoadOptions = LoadOptions()
 
 # what `pipeline serve` adds to the LoadOptions options' help
-LOAD_NOTES = {"device": "One process per GPU.", "shortlist": "Every served model dir must have one; /info reports it."}
+LOAD_NOTES = {"device": "One process per GPU.", "shortlist": "Every served model dir must have one; /info reports it.",
+              "parallel_batches": "Here: the queue's batches, started while others run; /info reports it."}
 
 
 @dataclass(frozen=True)
