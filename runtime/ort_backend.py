@@ -381,4 +381,3 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
                  "" if options.parallel_batches else " (--parallel-batches 1: one at a time on every thread)")
     return OrtBackend(model_dir.path, model_dir.manifest, device=options.device, threads=threads,
                       shortlist=shortlist, parallel_batches=batches)
-
