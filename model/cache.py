@@ -157,6 +157,19 @@ class NumpyBuffers:
         block = np.zeros((count, *shape), self.dtype)
         return [block[i] for i in range(count)]
 
+    @staticmethod
+    def stacked(bufs: list[np.ndarray]) -> np.ndarray | None:
+        """The buffers as one array (len(bufs), *shape) where they are the first rows of consecutive buffers of one
+        block (zeros_many's, rows kept in place), so one copy writes a step into all of them; else None."""
+        base = bufs[0].base if bufs else None
+        if base is None or base.ndim != bufs[0].ndim + 1 or base.shape[0] != len(bufs) or \
+                not base.flags.c_contiguous:
+            return None
+        block = base[:, :bufs[0].shape[0]]
+        same = all(b.base is base and b.shape == block.shape[1:] and b.ctypes.data == block[i].ctypes.data
+                   for i, b in enumerate(bufs))
+        return block if same else None
+
     def keep_rows(self, bufs: list[np.ndarray], kept: np.ndarray) -> list[np.ndarray]:
         """Each buffer's rows `kept` moved to its front, in place where they can be (moves_in_place: ascending,
         or tail_filled's order): views of the first len(kept) rows. No new buffer, so no fresh pages to fault in,
@@ -265,6 +278,10 @@ class BeamCache:
         # index()'s first row of each (hypothesis, head) in the flattened buffers, for (hyps, rows, capacity)
         self._head_start = np.zeros((0, 0, 1), dtype=np.int64)
         self._head_start_for = (0, 0, 0)
+        self._names = [io_names.self_k(i) for i in range(cfg.n_dec_layers)] + \
+            [io_names.self_v(i) for i in range(cfg.n_dec_layers)]  # the graph's inputs for k + v
+        self._heads, self._d_head = cfg.n_heads, cfg.d_head
+        self._kv: Any = None  # numpy buffers: k + v as one array (2 x layers, ...) while they are one block's
 
     # -- before a step ------------------------------------------------------------------
 
@@ -295,8 +312,9 @@ class BeamCache:
             self._grow(min(2 * self.capacity, self.max_steps))
         self.n_hyps = n
         index, bias = self.index()
-        return {io_names.SELF_INDEX: self.buffers.feed(index), io_names.SELF_BIAS: self.buffers.feed(bias),
-                **cache_inputs(self.k, self.v)}
+        feeds = dict(zip(self._names, self.k + self.v))
+        feeds[io_names.SELF_INDEX], feeds[io_names.SELF_BIAS] = self.buffers.feed(index), self.buffers.feed(bias)
+        return feeds
 
     def index(self) -> tuple[np.ndarray, np.ndarray]:
         """(self_index (hyps, n_heads, past) int64, self_bias (hyps, past) float32) for the next step."""
@@ -318,12 +336,17 @@ class BeamCache:
 
     # -- after a step -------------------------------------------------------------------
 
-    def append(self, step_k: list[Any], step_v: list[Any]) -> None:
-        """Write the step's keys and values (per layer (hyps, d_model)) at time `steps`."""
-        b, h, dh, rows = self.n_sentences, self.cfg.n_heads, self.cfg.d_head, self.rows
+    def append(self, step_k: list[Any], step_v: list[Any], stacked: np.ndarray | None = None) -> None:
+        """Write the step's keys and values (per layer (hyps, d_model)) at time `steps`. `stacked`: a numpy array
+        (2 x layers, hyps, d_model) whose rows are step_k + step_v, written by one copy where the buffers are one
+        block's (the ONNX Runtime CPU backend binds the step's outputs so)."""
+        b, h, dh, rows = self.n_sentences, self._heads, self._d_head, self.rows
         at = slice(self.steps * rows, (self.steps + 1) * rows)  # step t's rows in time-major order
-        for buf, new in zip(self.k + self.v, list(step_k) + list(step_v)):
-            self.buffers.write(buf[:, :, at], self.buffers.step_rows(new, b, rows, h, dh))
+        if stacked is not None and self._kv is not None:
+            np.copyto(self._kv[:, :, :, at], stacked.reshape(-1, b, rows, h, dh).transpose(0, 1, 3, 2, 4))
+        else:
+            for buf, new in zip(self.k + self.v, list(step_k) + list(step_v)):
+                self.buffers.write(buf[:, :, at], self.buffers.step_rows(new, b, rows, h, dh))
         self.steps += 1
 
     # -- storage ------------------------------------------------------------------------
@@ -338,12 +361,14 @@ class BeamCache:
         self.k, self.v = block[:n], block[n:]
         self.capacity = capacity
         self.n_sentences = n_sentences
+        self._stack()
 
     def _drop(self, kept: np.ndarray) -> None:
         """Keep the sentences `kept` (their earlier indices, in their new order) and drop the others' rows."""
         self.k = self.buffers.keep_rows(self.k, kept)
         self.v = self.buffers.keep_rows(self.v, kept)
         self.n_sentences = int(kept.shape[0])
+        self._stack()
 
     def _grow(self, capacity: int) -> None:
         """Room for `capacity` steps; what is written keeps its place (time-major rows)."""
@@ -353,13 +378,10 @@ class BeamCache:
         bufs = self.buffers.grown(bufs, self._shape(self.n_sentences, capacity), used)
         self.k, self.v = bufs[:n], bufs[n:]
         self.capacity = capacity
+        self._stack()
 
-
-def cache_inputs(self_k: list[Any], self_v: list[Any]) -> dict[str, Any]:
-    """Per-layer buffers as the decoder graph's named inputs."""
-    feeds = {io_names.self_k(i): k for i, k in enumerate(self_k)}
-    feeds.update({io_names.self_v(i): v for i, v in enumerate(self_v)})
-    return feeds
+    def _stack(self) -> None:
+        self._kv = self.buffers.stacked(self.k + self.v) if isinstance(self.buffers, NumpyBuffers) else None
 
 
 def step_outputs(outputs: Mapping[str, Any], n_layers: int) -> tuple[list[Any], list[Any]]:

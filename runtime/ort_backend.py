@@ -223,10 +223,12 @@ class OrtBackend(ExportedGraphBackend):
                            list(a.shape), a.data_ptr())
         return a
 
-    def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...]) -> Any:
+    def _bind_out(self, binding: ort.IOBinding, name: str, shape: tuple[int, ...], into: Any = None) -> Any:
+        """Output `name` bound to a new array of `shape` (a CUDA tensor on the GPU), or on the CPU to `into`, a
+        contiguous numpy array of that shape and the output's dtype."""
         dtype = self.out_types[name]
         if not self.on_cuda:
-            a = np.empty(shape, dtype=dtype)
+            a = np.empty(shape, dtype=dtype) if into is None else into
             binding.bind_output(name, "cpu", 0, dtype.type, list(shape), a.ctypes.data)
             return a
         import torch
@@ -303,7 +305,7 @@ class OrtBackend(ExportedGraphBackend):
         if self.indirect:
             cache.wrote()
         else:
-            cache.append(bound.step_k, bound.step_v)
+            cache.append(bound.step_k, bound.step_v, bound.step_kv)
         want_lp = None if want_ids is None else (
             np.array(host(bound.want_lp)) if want_ids.shape[1] else np.empty((n, 0), np.float32))
         # copies: the bound outputs are overwritten by the next step
@@ -333,13 +335,15 @@ class OrtBackend(ExportedGraphBackend):
         d = self.cfg.d_model
         n_layers = 0 if self.indirect else self.cfg.n_dec_layers  # a cache per hypothesis: the graph writes it
         k = self._candidates(session, n, state.n_rows)
+        names = [io_names.step_k(i) for i in range(n_layers)] + [io_names.step_v(i) for i in range(n_layers)]
+        kv = None if self.on_cuda or not names else np.empty((len(names), n, d), self.out_types[names[0]])
+        outs = [self._bind_out(binding, name, (n, d), None if kv is None else kv[i]) for i, name in enumerate(names)]
         return StepBinding(
             binding, session, n, tokens, step, alive,
             top_lp=self._bind_out(binding, io_names.TOPK_LOG_PROBS, (n, k)),
             top_ids=self._bind_out(binding, io_names.TOPK_IDS, (n, k)),
             eos_lp=self._bind_out(binding, io_names.EOS_LOG_PROBS, (n,)),
-            step_k=[self._bind_out(binding, io_names.step_k(i), (n, d)) for i in range(n_layers)],
-            step_v=[self._bind_out(binding, io_names.step_v(i), (n, d)) for i in range(n_layers)])
+            step_k=outs[:n_layers], step_v=outs[n_layers:], step_kv=kv)
 
     def _candidates(self, session: ort.InferenceSession, n: int, sentences: int) -> int:
         """Candidates a row from `session`: min(topk, 2 x beam) where its K follows the beam (export/topk_split)."""

@@ -96,3 +96,28 @@ def test_translations_do_not_depend_on_the_order(fixture, memorise_corpus, monke
     filled = loaded.translate(ids)
     monkeypatch.setattr(search, "tail_filled", lambda alive: np.flatnonzero(alive))
     assert loaded.translate(ids) == filled
+
+
+def test_one_copy_writes_a_step_as_the_per_layer_writes_do():
+    """The ONNX Runtime CPU backend hands BeamCache.append the step's K/V stacked in one array; while the buffers are
+    one block's (allocated, grown, rows dropped in place) one copy writes them all, after a drop that copies (a
+    swap) the per-layer writes do. Either way the buffers hold what the per-layer writes give."""
+    cfg = preset("tiny", vocab_size=32)
+    rows, n_layers, d = 2, cfg.n_dec_layers, cfg.d_model
+    rng = np.random.default_rng(3)
+    one, each = (BeamCache(cfg, 3 * rows, max_steps=40, initial_capacity=2) for _ in range(2))
+    sentences, stacked_steps = 3, 0
+    for t in range(7):
+        # step 3: sentence 1 finishes (tail-filled order, in place); step 5: the two left swap places (copied)
+        kept = {3: np.array([0, 2]), 5: np.array([1, 0])}.get(t, np.arange(sentences))
+        reorder = (kept[:, None] * rows + rng.integers(0, rows, (kept.size, rows))).reshape(-1) if t else \
+            np.arange(sentences * rows)
+        sentences = kept.size if t else sentences
+        for cache in (one, each):
+            cache.advance(reorder, sentences)
+        kv = rng.standard_normal((2 * n_layers, sentences * rows, d)).astype(np.float32)
+        stacked_steps += one._kv is not None
+        one.append(list(kv[:n_layers]), list(kv[n_layers:]), kv)
+        each.append(list(kv[:n_layers]), list(kv[n_layers:]))
+        assert all(np.array_equal(a, b) for a, b in zip(one.k + one.v, each.k + each.v))
+    assert one.capacity == 8 and stacked_steps == 5  # grown at steps 2 and 4; the swap leaves separate buffers
