@@ -280,6 +280,77 @@ def test_a_streamed_big_request_and_a_small_one_each_get_their_answer():
     assert "".join(o["translation"] for o in objects) == big_text.upper()
 
 
+def waiting_batcher(translator: StandIn, scenario: Any, in_flight: list[int]) -> Any:
+    """run_batcher's, but waiting up to 60 s for company, and told the server's requests in flight (in_flight[0])."""
+    async def main() -> Any:
+        batcher = Batcher(translator, Metrics().model("m"), 1000, max_wait_s=60.0, max_queue=16,
+                          in_flight=lambda: in_flight[0])
+        await batcher.start()
+        try:
+            return await asyncio.wait_for(scenario(batcher, PAPER.replace(beam_size=1, nbest=1)), 20)
+        finally:
+            await batcher.stop()
+
+    return asyncio.run(main())
+
+
+def test_a_lone_request_starts_at_once_and_company_on_its_way_is_waited_for():
+    """The batcher waits for company only while another request is on its way (in flight, not yet queued): a
+    lone request starts at once whatever --max-wait-ms; of two in flight, the first waits for the second and
+    both go in one batch; when the second leaves the server instead (nudge), the first starts then."""
+    async def lone(batcher: Batcher, decoding: Any) -> Any:
+        return await batcher.submit([[7, EOS]], decoding).future
+
+    translator = StandIn()
+    assert waiting_batcher(translator, lone, [1]) == [[([7], -1.0)]]  # not 60 s later (wait_for's 20 s)
+
+    in_flight = [2]
+
+    async def pair(batcher: Batcher, decoding: Any) -> Any:
+        first = batcher.submit([[7, EOS]], decoding)
+        await asyncio.sleep(0.2)
+        started_alone = bool(translator.batches)
+        second = batcher.submit([[8, EOS]], decoding)
+        return started_alone, await first.future, await second.future
+
+    translator = StandIn()
+    assert waiting_batcher(translator, pair, in_flight) == (False, [[([7], -1.0)]], [[([8], -1.0)]])
+    assert translator.batches == [[[7, EOS], [8, EOS]]]
+
+    async def left(batcher: Batcher, decoding: Any) -> Any:
+        first = batcher.submit([[7, EOS]], decoding)
+        await asyncio.sleep(0.2)
+        waited = not translator.batches
+        in_flight[0] = 1  # the other request was refused before it was queued
+        batcher.nudge()
+        return waited, await first.future
+
+    translator = StandIn()
+    assert waiting_batcher(translator, left, in_flight) == (True, [[([7], -1.0)]])
+
+
+def test_the_app_counts_its_requests_in_flight():
+    """Through the app, with --max-wait-ms of ten minutes: a lone client's requests are answered at once (the
+    route counts itself in flight, the batcher sees it queued), counted while translated (a stream until its last
+    line is sent, though its route has returned), and the count is back to 0 after each."""
+    class Counting(StandIn):
+        def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+            seen.append(state.in_flight)
+            return super().translate(ids, decoding)
+
+    seen: list[int] = []
+    with client(Counting(), max_wait_ms=600_000) as c:
+        state = c.app.state.server  # type: ignore[attr-defined]
+        answers: list[Any] = []
+        asker = threading.Thread(target=lambda: answers.extend(
+            c.post("/translate", json={"text": [text], "stream": text == "doch"}).text for text in ("ja", "doch")))
+        asker.start()
+        asker.join(30)
+        assert [json.loads(a) for a in answers] == [{"translations": ["JA"]}, {"index": 0, "translation": "DOCH"}]
+        assert state.in_flight == 0
+    assert seen == [1, 1]  # each request counted while it was translated, a streamed one until its stream ends
+
+
 # -- 3. JSON the parser cannot read is the client's mistake -----------------------------------------
 
 

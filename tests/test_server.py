@@ -384,8 +384,22 @@ def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expecte
 
 
 @pytest.mark.slow
+def held(url: str, payload: object) -> tuple[socket.socket, bytes]:
+    """A POST /translate whose body is sent but for its last byte: the request is in flight (its route reads the
+    body), so the batcher waits --max-wait-ms for it before starting the others. Returns the socket and that byte."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(payload).encode()
+    conn = socket.create_connection((host, int(port)), timeout=60)
+    conn.sendall(b"POST /translate HTTP/1.1\r\nHost: " + host.encode() + b"\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body[:-1])
+    return conn, body[-1:]
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, lines, expected):
+    """Ten requests wait for company (--max-wait-ms, held by an eleventh still sending its body) when SIGTERM
+    comes: every one is answered, the eleventh too once its body is complete, and the server exits 0."""
     with server(model_dir, tmp_path / "serve.log", "--max-wait-ms", 1500) as (proc, u):
+        holder, last = held(u, {"text": lines[:2]})
         with ThreadPoolExecutor(10) as pool:
             futures = [pool.submit(post, u, {"text": lines[i:i + 3]}) for i in range(8)]
             streams = [pool.submit(stream, u, {"text": lines[i:i + 3]}) for i in range(2)]
@@ -400,6 +414,11 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, line
                 assert r.json()["translations"] == [expected[line] for line in lines[i:i + 3]]
             for i, f in enumerate(streams):
                 assert [o["translation"] for o in f.result()] == [expected[line] for line in lines[i:i + 3]]
+        holder.sendall(last)
+        answer = b"".join(iter(lambda: holder.recv(65536), b""))
+        holder.close()
+        assert answer.startswith(b"HTTP/1.1 200") and json.loads(answer.split(b"\r\n\r\n", 1)[1]) == {
+            "translations": [expected[line] for line in lines[:2]]}
         assert proc.wait(60) == 0
         with pytest.raises(httpx.TransportError):
             httpx.get(f"{u}/health", timeout=5)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
@@ -25,7 +25,8 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route, request_response
+from starlette.types import Receive, Scope, Send
 
 from pipeline.serve import file_routes, libre, native, page, spec, suggestions
 from pipeline.serve.access import AccessLog
@@ -38,6 +39,26 @@ log = logging.getLogger(__name__)
 
 PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (ServerState.prepare), for every model
 READING_THREADS = 2  # read bodies' JSON and forms (ServerState.reading), never held by documents
+
+
+class Counted:
+    """A translating route as an ASGI app, its requests counted in ServerState.in_flight from the route's start
+    until the answer is sent (a stream's last line included): a batcher starts at once when every one of them is
+    queued (batcher.py), and each that ends nudges the batchers to check again."""
+
+    def __init__(self, route: Callable[[Request], Awaitable[Response]]):
+        self.app = request_response(route)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        state: ServerState = scope["app"].state.server
+        state.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            state.in_flight -= 1
+            for model in state.models.values():
+                if model.batcher is not None:
+                    model.batcher.nudge()
 
 
 async def translate(request: Request) -> Response:
@@ -105,7 +126,7 @@ def create_app(state: ServerState) -> Starlette:
         state.reading = reading = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="reading")
         for model in state.models.values():
             model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
-                                    limits.max_wait_ms / 1000.0, limits.max_queue)
+                                    limits.max_wait_ms / 1000.0, limits.max_queue, lambda: state.in_flight)
             await model.batcher.start()
         try:
             yield
@@ -124,14 +145,14 @@ def create_app(state: ServerState) -> Starlette:
                                      allow_headers=["*"], max_age=600))
     app = Starlette(routes=[
         Route("/", page.page, methods=["GET"]),
-        Route("/translate", translate, methods=["POST"]),
+        Route("/translate", Counted(translate), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/info", info, methods=["GET"]),
         Route("/languages", libre.languages, methods=["GET"]),
         Route("/detect", libre.detect, methods=["POST"]),
         Route("/frontend/settings", libre.frontend_settings, methods=["GET"]),
-        Route("/translate_file", file_routes.translate_file, methods=["POST"]),
+        Route("/translate_file", Counted(file_routes.translate_file), methods=["POST"]),
         Route("/download_file/{id}", file_routes.download_file, methods=["GET"]),
         Route("/suggest", suggestions.suggest, methods=["POST"]),
         Route("/spec", spec.spec, methods=["GET"]),

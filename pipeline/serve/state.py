@@ -56,6 +56,7 @@ class ServerState:
     detector: Detector | None = None  # "source": "auto" and /detect; None: `no_detector` says why
     no_detector: str = "language detection is off"
     glossaries: dict[str, Glossary] = field(default_factory=dict)  # --glossary NAME=FILE, checked at start
+    in_flight: int = 0  # translating requests being handled (app.py counted), of every model
     unnamed: ModelMetrics = field(init=False)  # requests refused before they named a model
     routes: Routes[ServedModel] = field(init=False)  # (source, target) -> model, for LibreTranslate's API
 
