@@ -5,6 +5,7 @@ departed clients' work, never stalled by slow clients, and draining on SIGTERM."
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import signal
@@ -199,6 +200,8 @@ def test_oversized_requests_are_413(url):
 def test_info_and_health(url):
     info = httpx.get(f"{url}/info", timeout=10).json()
     assert list(info["models"]) == ["model"] and info["limits"]["max_lines"] == 50
+    # uvicorn's own loop setup: uvloop where the serve extra installed it (its event loop under the app)
+    assert info["event_loop"] == ("uvloop" if importlib.util.find_spec("uvloop") else "asyncio")
     model = httpx.get(f"{url}/info", params={"model": "model"}, timeout=10).json()
     assert model["backend"] == "torch" and model["precision"] == "fp32" and model["lang"] == "en"
     assert model["batches_at_once"] == 1  # the torch backend: one batch at a time

@@ -14,6 +14,7 @@ others or /health while it is prepared."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -122,6 +123,7 @@ def create_app(state: ServerState) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         limits = state.limits
+        state.info["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop, or asyncio
         state.prepare = prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         state.reading = reading = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="reading")
         for model in state.models.values():

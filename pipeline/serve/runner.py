@@ -7,7 +7,6 @@ Startup failures (bad model dir, port in use) are UserErrors: one line, exit 2."
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -92,7 +91,7 @@ def model_specs(model_dir: str | None, specs: tuple[str, ...]) -> list[tuple[str
 def server_info(limits: RequestLimits, opts: ServeHttpOptions) -> dict[str, Any]:
     """What /info tells of the server as a whole: versions and settings."""
     versions = {p: _version(p) for p in ("pipeline", "torch", "onnxruntime", "sentencepiece", "starlette",
-                                         "uvicorn", "sentencex", "py3langid")}
+                                         "uvicorn", "uvloop", "httptools", "sentencex", "py3langid")}
     return {"versions": versions, "limits": {**asdict(limits), "long_lines": opts.long_lines},
             "grace_s": opts.grace_s}
 
@@ -198,7 +197,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         if glossaries:
             log.info("glossaries: %s", ", ".join(f"{name} ({len(g)} entries)" for name, g in glossaries.items()))
         log.info("serving %s at http://%s:%d", ", ".join(served), host if ":" not in host else f"[{host}]", port)
-        asyncio.run(_Server(config, state).serve(sockets=[sock]))
+        _Server(config, state).run(sockets=[sock])  # uvicorn's loop: uvloop where installed (the serve extra)
     finally:
         sock.close()
     log.info("stopped")
