@@ -25,7 +25,7 @@ class StepBinding:
     eos_lp: Any
     step_k: list[Any]
     step_v: list[Any]
-    step_kv: Any = None         # on the CPU: (2 x layers, n, d_model), whose rows step_k + step_v are
+    step_kv: Any = None         # on the CPU, (2 x layers, n, d_model): step_k + step_v are views of its rows
     feeds: dict[str, weakref.ref[Any] | None] = field(default_factory=dict)  # cache feeds bound now
     want: Any = None            # the constrained step's (n, W) want_ids, bound; filled each step
     want_lp: Any = None         # and its (n, W) want_log_probs output

@@ -78,7 +78,8 @@ class RequestLimits:
                                 "batched together (and sentences x longest source x beam per search batch, as "
                                 "serve-batch's --batch-tokens).", min=1)
     max_wait_ms: float = opt(5.0, "How long the oldest queued request may wait for others to share its batch; "
-                             "a request that finds the model idle and no other request arriving starts at once.",
+                             "a request that finds no other in the server (none being read, prepared or translated) "
+                             "starts at once.",
                              min=0)
     max_queue: int = opt(256, "Requests that may wait for a batch, per model; beyond it requests get 503 with "
                          "Retry-After.", min=1)
