@@ -35,7 +35,7 @@ def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict
     except UnicodeDecodeError as e:
         raise UserError(
             f"{path}:{lineno}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
-            "fix the file or pass the option that replaces invalid bytes") from None
+            "fix the file") from None
     return text.rstrip("\r\n")
 
 

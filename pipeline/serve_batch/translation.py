@@ -167,7 +167,7 @@ def decode_row(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, in
         return decode_line(raw, path, lineno), 0
     except UserError as e:
         if policy != "replace":
-            raise UserError(f"{e} (or pass --invalid-utf8 replace)") from None
+            raise UserError(f"{e}, or pass --invalid-utf8 replace") from None
         return decode_line(raw, path, lineno, errors="replace"), 1
 
 
