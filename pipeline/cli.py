@@ -178,7 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         previous = None
     try:
         cli.main(args=argv, prog_name="pipeline", standalone_mode=False)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except (click.exceptions.Abort, KeyboardInterrupt) as e:
+        if isinstance(e.__cause__, EOFError):  # click turns an escaped EOFError into Abort: a bug, not a Ctrl-C
+            raise e.__cause__ from None
         click.echo("interrupted (Ctrl-C)", err=True)
         sys.exit(130)
     except Terminated:

@@ -28,6 +28,16 @@ def open_binary(path: str | Path) -> IO[bytes]:
     return open(path, "rb")
 
 
+def read_head(path: str | Path, size: int) -> bytes:
+    """The first `size` bytes of a text file (plain or .gz, decompressed); a file that cannot be read (a corrupt
+    or truncated .gz among them) is a UserError naming it."""
+    try:
+        with open_binary(path) as f:
+            return f.read(size)
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError; a truncated stream raises EOFError
+        raise UserError(f"{path}: cannot read ({e})") from None
+
+
 def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict") -> str:
     """One line of bytes to str without its newline; invalid UTF-8 names file and line."""
     try:

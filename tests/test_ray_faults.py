@@ -52,7 +52,7 @@ def test_probe_refuses_an_address_where_nothing_listens_in_seconds():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bad", ["corrupt.txt.gz", "latin1.txt", "corrupt.parquet"])
+@pytest.mark.parametrize("bad", ["corrupt.txt.gz", "latin1.txt", "corrupt.parquet", "0-not-gzip.gz", "0-cut-short.gz"])
 def test_a_bad_shard_a_worker_reads_is_one_error_line_naming_it(fp32_dir, tmp_path, bad):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -61,6 +61,9 @@ def test_a_bad_shard_a_worker_reads_is_one_error_line_naming_it(fp32_dir, tmp_pa
     if bad == "corrupt.txt.gz":
         path.write_bytes(gzip.compress(b"ab cd\n" * 200)[:40] + b"\x00" * 64)  # a gzip header, then garbage
         needles = [str(path), "cannot read"]
+    elif bad.startswith("0-"):  # the first shard: the driver reads its head to size the blocks, before any worker
+        path.write_bytes(b"plain text\n" if bad == "0-not-gzip.gz" else gzip.compress(b"ab cd\n" * 200)[:20])
+        needles = [str(path), "cannot read"]  # was "Not a gzipped file" without the file, or "Ctrl-C" and 130
     elif bad == "latin1.txt":
         path.write_bytes("ab\nKöln ist groß\n".encode("latin-1"))
         needles = [f"{path}:2: invalid UTF-8"]

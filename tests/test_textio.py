@@ -57,3 +57,34 @@ def test_refuse_overwriting_inputs_understands_directories(tmp_path):
         with pytest.raises(UserError, match="overlaps the input directory"):
             refuse_overwriting_inputs([], [], input_dirs=[tmp_path / "hf" / "sub"], output_dirs=[tmp_path / out_dir])
     refuse_overwriting_inputs([tmp_path / "hf" / "vocab.json"], [], output_dirs=[tmp_path / "hf" / "sub"])
+
+
+def test_read_head_names_a_file_that_is_no_gzip_or_is_cut_short(tmp_path):
+    import gzip
+
+    from pipeline.textio import read_head
+
+    good = tmp_path / "good.txt.gz"
+    good.write_bytes(gzip.compress(b"ab cd\nef\n"))
+    assert read_head(good, 4) == b"ab c"
+    not_gzip, cut = tmp_path / "not.gz", tmp_path / "cut.gz"
+    not_gzip.write_bytes(b"plain text\n")
+    cut.write_bytes(gzip.compress(b"ab cd\n" * 100)[:20])
+    with pytest.raises(UserError, match=rf"^{not_gzip}: cannot read \(Not a gzipped file"):
+        read_head(not_gzip, 1)
+    with pytest.raises(UserError, match=rf"^{cut}: cannot read \(Compressed file ended"):
+        read_head(cut, 1 << 16)
+
+
+def test_an_escaped_eof_error_is_a_bug_with_its_traceback_not_a_ctrl_c(monkeypatch, capsys):
+    """click turns an EOFError that escapes a command into Abort, which main reported as Ctrl-C (exit 130)."""
+    import pipeline.commands.doctor as doctor
+    from pipeline.cli import main
+
+    def cut_short(*args, **kwargs):
+        raise EOFError("Compressed file ended before the end-of-stream marker was reached")
+
+    monkeypatch.setattr(doctor, "gather_facts", cut_short)
+    with pytest.raises(EOFError, match="Compressed file ended"):
+        main(["doctor"])
+    assert "interrupted" not in capsys.readouterr().err

@@ -34,7 +34,7 @@ from pipeline.integrations.shards import Plan, Shard, ShardWriter
 from pipeline.integrations.translator import Translator
 from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.translation import ServeBatchOptions
-from pipeline.textio import open_binary
+from pipeline.textio import read_head
 from runtime.decoding import DecodingOptions
 from runtime.glossary import load_glossary
 from runtime.model_dir import LoadOptions
@@ -294,8 +294,7 @@ def _row_bytes(shard: Shard) -> int:
         text = meta.serialized_size if meta.num_rows == 0 else sum(
             meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) // meta.num_rows
     else:
-        with open_binary(shard.path) as f:
-            head = f.read(1 << 16)
+        head = read_head(shard.path, 1 << 16)
         text = len(head) // max(1, head.count(b"\n"))
     return text + len(shard.path) + 4 * 4 + 8 + 4 + 2  # text, path and their offsets, line, shard, flags
 

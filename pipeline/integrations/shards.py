@@ -20,7 +20,7 @@ from typing import IO, Any
 from model.atomic import atomic_write_text, remove_stale_temps
 from model.errors import UserError
 from pipeline.serve_batch.files import output_name as translated_name
-from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
+from pipeline.textio import atomic_output, check_output_file, open_binary, read_head, refuse_overwriting_inputs
 
 log = logging.getLogger(__name__)
 
@@ -170,8 +170,7 @@ def _empty_input(shard: Shard) -> bool:
         import pyarrow.parquet as pq
 
         return bool(pq.read_metadata(shard.path).num_rows == 0)
-    with open_binary(shard.path) as f:
-        return f.read(1) == b""
+    return read_head(shard.path, 1) == b""
 
 
 class ShardWriter:
