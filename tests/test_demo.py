@@ -41,6 +41,10 @@ def test_demo_runs_every_stage(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert "tensorrt" in dict(skipped)
     assert re.search(r"serve-batch: translated \d+ sentences .* target tokens/s; backend onnxruntime", stdout)
+    # each model dir holds its held-out translations, as `pipeline export` records them: parity gates it alone
+    for precision in ("fp32", "int8"):
+        assert json.loads((out / f"model-{precision}" / "references.json").read_text())["sources"]
+        assert run_cli("parity", out / f"model-{precision}", "--threads", "1") == 0, precision
     # Rerunning resumes training (already finished) and replaces the exports.
     assert run_cli("demo", "--out", out, "--preset", "tiny", "--builtin-pairs", "600", "--max-steps", "40",
                    "--no-progress", "--threads", "1") == 0

@@ -24,7 +24,7 @@ from model.config import PRESETS
 from model.errors import UserError
 from model.manifest import PRECISIONS
 from pipeline.cli_options import parse_backends
-from pipeline.commands.export import held_out_calibration
+from pipeline.commands.export import held_out_calibration, reference_set
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
 from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
@@ -35,6 +35,7 @@ from pipeline.training.options import BUILTIN_DEFAULTS
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.fields import Checked, at_least, opt
 from runtime.model_dir import LoadOptions, load
+from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.registry import backend_names
 
 log = logging.getLogger(__name__)
@@ -129,10 +130,14 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     checkpoint = clock.stage("average", average_checkpoints, save_dir, last=opts.average_last)
 
     model_dirs = {p: out / f"model-{p}" for p in PRECISIONS}
-    calibration = held_out_calibration(checkpoint)  # rowwise int8's static scales, as `pipeline export --int8`
+    # as `pipeline export` does: rowwise int8's static scales and the recorded held-out translations (so that
+    # `pipeline parity MODEL_DIR` gates each dir alone), both from the save dir's validation set
+    calibration = held_out_calibration(checkpoint)
+    held_out = reference_set(checkpoint, None, None, DEFAULT_REFERENCE_LINES)
     for precision, model_dir in model_dirs.items():
         clock.stage(f"export {precision}", export_model, checkpoint, model_dir, fp16=precision == "fp16",
-                    int8=precision == "int8", tensorrt=plan.export_tensorrt, force=True, calibration=calibration)
+                    int8=precision == "int8", tensorrt=plan.export_tensorrt, force=True, calibration=calibration,
+                    references=held_out)
 
     test_src, test_ref = (save_dir / DATA_DIR / "test.src"), (save_dir / DATA_DIR / "test.tgt")
     translation = out / "test.hyp"
