@@ -75,9 +75,11 @@ class Match:
 
 @dataclass(frozen=True)
 class Glossary:
-    """Checked entries (no conflicts, no duplicates). The matchers are compiled on first use and kept."""
+    """Checked entries (no conflicts, no duplicates), each with where it was first given (`places`: FILE:LINE or
+    glossary['KEY'], for messages). The matchers are compiled on first use and kept."""
 
     entries: tuple[Entry, ...]
+    places: tuple[str, ...] = field(default=(), compare=False)
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -149,7 +151,7 @@ def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
     """The glossary of (entry, where) pairs: identical duplicates dropped; the same source term (folded) with
     two targets refused in one line naming both."""
     seen: dict[str, tuple[Entry, str]] = {}
-    kept: dict[tuple[str, str, bool], None] = {}
+    kept: dict[tuple[str, str, bool], str] = {}  # entry -> where it was first given
     for entry, where in entries:
         key = _fold(entry.source, case_sensitive=False)
         meaning = (entry.dnt, "" if entry.dnt else unicodedata.normalize("NFC", entry.target))
@@ -158,8 +160,8 @@ def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
         if meaning != first_meaning:
             raise RuntimeUserError(f"{where}: {_describe(entry)} conflicts with {first[1]}: {_describe(first[0])} "
                                    f"(the same source term, compared case-insensitively, with two targets)")
-        kept.setdefault((entry.source, entry.target, entry.dnt), None)
-    return Glossary(tuple(Entry(*k) for k in kept))
+        kept.setdefault((entry.source, entry.target, entry.dnt), where)
+    return Glossary(tuple(Entry(*k) for k in kept), tuple(kept.values()))
 
 
 def load_glossary(path: str | Path) -> Glossary:
@@ -328,8 +330,8 @@ def constraints_for(matches: Sequence[Match], encode_target: EncodeTarget, unk_i
 
 
 def _check_tokens(entry: Entry, target: str, tokens: Sequence[int], encode_target: EncodeTarget,
-                  unk_id: int) -> None:
-    term = f"glossary term {entry.source!r} -> {target!r}"
+                  unk_id: int, where: str = "") -> None:
+    term = f"{where}: {entry.source!r} -> {target!r}" if where else f"glossary term {entry.source!r} -> {target!r}"
     if not tokens:
         raise RuntimeUserError(f"{term}: the model's tokenizer encodes the target as no tokens")
     if unk_id in tokens:
@@ -345,11 +347,12 @@ def _check_tokens(entry: Entry, target: str, tokens: Sequence[int], encode_targe
 
 def check_targets(glossary: Glossary, encode_target: EncodeTarget, unk_id: int = UNK_ID) -> None:
     """Refuse, once when a glossary is loaded for a model, a fixed target that model cannot spell (as
-    constraints_for would for each sentence). Do-not-translate targets depend on the sentence: checked
-    there."""
-    fixed = [entry for entry in glossary.entries if not entry.dnt]
-    for entry, tokens in zip(fixed, encode_target([e.target for e in fixed]), strict=True):
-        _check_tokens(entry, entry.target, tokens, encode_target, unk_id)
+    constraints_for would for each sentence), naming where the entry was given. Do-not-translate targets depend
+    on the sentence: checked there."""
+    places = glossary.places or ("",) * len(glossary.entries)
+    fixed = [(entry, where) for entry, where in zip(glossary.entries, places, strict=True) if not entry.dnt]
+    for (entry, where), tokens in zip(fixed, encode_target([e.target for e, _ in fixed]), strict=True):
+        _check_tokens(entry, entry.target, tokens, encode_target, unk_id, where)
 
 
 def terms_for(glossary: Glossary, text: str, encode_target: EncodeTarget, unk_id: int = UNK_ID,

@@ -250,7 +250,7 @@ def test_targets_the_vocabulary_cannot_spell_are_refused(tokenizer: Tokenizer, m
         terms_for(g, text, tokenizer.encode)
     one_line(info)
     if "" not in mapping.values():  # do-not-translate targets are the text found: checked per sentence
-        with refused(*needles):
+        with refused(*needles, f"glossary[{next(iter(mapping))!r}]: "):  # at load: where the entry was given
             check_targets(g, tokenizer.encode)
 
 

@@ -85,10 +85,15 @@ def test_bad_glossaries_are_refused_in_one_line_naming_the_line(capsys, trained_
     assert_one_line_error(code, err, "bad.tsv:2", "bad.tsv:1")
     assert not (tmp_path / "o.txt").exists()
     unspellable = tmp_path / "unspellable.tsv"
-    unspellable.write_text("hund\t\u0416\u0417\n", encoding="utf-8")
+    unspellable.write_text("# terms\nhund\ttree\n\nkatze\t\u0416\u0417\n", encoding="utf-8")
     code, _, err = run_cli_captured(capsys, "serve-batch", trained_model_dir, src, "--output", tmp_path / "o.txt",
                                     "--glossary", unspellable)
-    assert_one_line_error(code, err, "\u0416")
+    assert_one_line_error(code, err, f"{unspellable}:4: 'katze' -> '\u0416\u0417'", "cannot spell")
+    too_long = tmp_path / "long.tsv"
+    too_long.write_text("hund\t" + "a " * 40 + "\n", encoding="utf-8")
+    code, _, err = run_cli_captured(capsys, "serve-batch", trained_model_dir, src, "--output", tmp_path / "o.txt",
+                                    "--glossary", too_long)
+    assert_one_line_error(code, err, f"{too_long}:1: 'hund'", "MAX_TERM_TOKENS (32)")
 
 
 def test_a_model_dir_without_the_constrained_step_refuses_a_glossary(capsys, trained_model_dir, tmp_path):

@@ -107,8 +107,9 @@ def for_model(glossary: Glossary | None, translator: Translator, known: Mapping[
         return
     try:
         usable(glossary, translator)
-    except RuntimeUserError as e:
-        raise GlossaryError(f'"{FIELD}": {e}') from None
+    except RuntimeUserError as e:  # an entry's problem names it (glossary['Hund']: ...), the backend's the field
+        message = str(e)
+        raise GlossaryError(message if message.startswith(f"{FIELD}[") else f'"{FIELD}": {message}') from None
 
 
 def text_terms(results: list[TextResult]) -> list[Terms]:
