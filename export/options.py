@@ -83,8 +83,9 @@ class ExportOptions:
                                       "linear layer's input range, stored as constant activation scales: one "
                                       "QuantizeLinear per layer instead of a per-row quantization (docs/int8.md). "
                                       "Default: the held-out set's sources (--reference-src, else the checkpoint's "
-                                      "save dir validation set); per-row scales when there is none. Gate the "
-                                      "result with `pipeline parity`.", exists=True)
+                                      "save dir validation set), else the built-in sample in the model's languages "
+                                      "when they are known (kept only if int8 parity passes on it); per-row scales "
+                                      "when there is none. Gate the result with `pipeline parity`.", exists=True)
     no_int8_calibrate: bool = opt(False, "With rowwise int8: per-row dynamic activation scales, calibrated on "
                                   "nothing (the form before static scales were the default).")
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")

@@ -131,6 +131,11 @@ def _check_precision(options: ExportOptions) -> bool | None:
         raise ExportError("--int8 and --fp16 cannot be combined: int8 weights run with fp32 activations")
     if options.int8_flavour not in (quantize.AUTO, *QUANTIZATIONS):
         raise ExportError(f"--int8-flavour {options.int8_flavour!r}: choose one of auto, {', '.join(QUANTIZATIONS)}")
+    int8_only = [flag for flag, given in (("--int8-flavour", options.int8_flavour != quantize.AUTO),
+                                          ("--no-int8-calibrate", options.no_int8_calibrate),
+                                          ("--int8-atol", options.int8_atol is not None)) if given]
+    if int8_only and not options.int8:  # else an fp32 export would pass for the int8 one asked for
+        raise ExportError(f"{' and '.join(int8_only)} shape an int8 export: add --int8, or leave them out")
     if options.int8 and options.int8_flavour in ONNXRUNTIME_ONLY:
         if options.tensorrt:
             raise ExportError(f"--int8-flavour {options.int8_flavour} runs on ONNX Runtime only (TensorRT rejects "

@@ -74,7 +74,9 @@ def test_int8_flavour_and_tolerance_are_decided_per_machine(random_checkpoint, t
 def test_contradictions_are_refused_before_the_checkpoint_is_read(random_checkpoint, tmp_path):
     for options, says in [(dict(int8=True, fp16=True), "cannot be combined"),
                           (dict(int8=True, int8_flavour="rowwise", tensorrt=True), "ONNX Runtime only"),
-                          (dict(int8_flavour="fp4"), "choose one of auto")]:
+                          (dict(int8_flavour="fp4"), "choose one of auto"),
+                          (dict(int8_flavour="rowwise"), "--int8-flavour shape an int8 export: add --int8"),
+                          (dict(no_int8_calibrate=True, int8_atol=0.1), "--no-int8-calibrate and --int8-atol")]:
         with pytest.raises(ExportError, match=says):
             plan(random_checkpoint, tmp_path, **options)
     assert hidden(tmp_path) == [] and not (tmp_path / "m").exists()

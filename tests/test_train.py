@@ -185,6 +185,15 @@ def test_averaged_checkpoint_records_its_steps(corpus, tmp_path):
     assert read_checkpoint(run / "averaged.pt")["extra"]["steps"] == [2, 4, 5]
 
 
+def test_average_refuses_last_and_best_together(tmp_path, capsys):
+    """--last and --best choose the checkpoints two ways; given both, the average used --best alone."""
+    run = tmp_path / "run"
+    run.mkdir()
+    assert run_cli("average", run, "--last", "2", "--best", "2", "--out", tmp_path / "avg.pt") == 2
+    assert "--last and --best choose the checkpoints two ways: give one" in capsys.readouterr().err
+    assert not (tmp_path / "avg.pt").exists()
+
+
 # -- the built-in default --------------------------------------------------------------------
 
 def test_builtin_corpus_needs_reordering_and_agreement():

@@ -115,6 +115,9 @@ SAMPLING_KEYS = ("spm_alpha", "spm_nbest")
 SCHEDULE_KEYS = ("lr_schedule",)
 
 
+DEFAULT_AVERAGE_LAST = 5  # the paper's count for base
+
+
 @dataclass(frozen=True)
 class AverageOptions(Checked):
     """`pipeline average`'s options (its command line is generated from these fields): which step checkpoints of a
@@ -122,14 +125,22 @@ class AverageOptions(Checked):
 
     error = UserError
 
-    last: int = opt(5, "Average the last K step checkpoints (the paper: 5 for base, 20 for big).")
+    last: int | None = opt(None, f"Average the last K step checkpoints (the paper: 5 for base, 20 for big) "
+                                 f"[default: {DEFAULT_AVERAGE_LAST}, unless --best].")
     best: int | None = opt(None, "Average instead the K step checkpoints ending at the best validation BLEU "
                                  "(checkpoint_best.pt's step); K up to the run's --keep-last survive pruning.")
     out: Path | None = opt(None, "Output checkpoint (default SAVE_DIR/averaged.pt).")
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag
-        return at_least(self.best, 1, "best", n) if self.best is not None else at_least(self.last, 1, "last", n)
+        if self.best is not None and self.last is not None:
+            return [f"{n('last')} and {n('best')} choose the checkpoints two ways: give one"]
+        return at_least(self.best, 1, "best", n) if self.best is not None else at_least(self.count, 1, "last", n)
+
+    @property
+    def count(self) -> int:
+        """How many checkpoints --last averages (its default when neither --last nor --best is given)."""
+        return DEFAULT_AVERAGE_LAST if self.last is None else self.last
 
 
 def resolve_options(opts: TrainOptions) -> TrainOptions:
