@@ -33,6 +33,17 @@ def test_every_preset_has_a_shape_and_training_defaults(name, tmp_path):
     assert f"{name}: batch_tokens {row.batch_tokens}, warmup {row.warmup}" in describe_defaults()
 
 
+def test_help_says_what_the_builtin_corpus_uses_over_any_preset(tmp_path):
+    """Without --train-src the built-in corpus' defaults replace the preset's; --help says which."""
+    from pipeline.training.options import BUILTIN_DEFAULTS
+
+    opts = resolve_options(TrainOptions(save_dir=tmp_path, preset="tiny"))
+    assert (opts.batch_tokens, opts.vocab_size) == (BUILTIN_DEFAULTS["batch_tokens"], BUILTIN_DEFAULTS["vocab_size"])
+    assert (f"Without --train-src/--train-tgt (the built-in corpus), whatever the preset (default demo): "
+            f"batch_tokens {opts.batch_tokens}, warmup {opts.warmup}, max_steps {opts.max_steps}, "
+            f"vocab_size {opts.vocab_size}") in describe_defaults()
+
+
 def test_shallow_decoder_preset_and_option():
     """small-fast is small with 1 decoder layer; --decoder-layers overrides the decoder alone, --layers both
     unless --decoder-layers is given too."""

@@ -259,7 +259,9 @@ def describe_defaults() -> str:
     """The per-preset defaults, for --help and the README."""
     rows = [f"{name}: " + ", ".join(f"{k} {v}" for k, v in p.training_defaults().items())
             for name, p in PRESETS.items()]
-    return "; ".join(rows)
+    builtin = ", ".join(f"{k} {v}" for k, v in BUILTIN_DEFAULTS.items() if k != "preset")
+    return "; ".join(rows) + (f". Without --train-src/--train-tgt (the built-in corpus), whatever the preset "
+                              f"(default {BUILTIN_DEFAULTS['preset']}): {builtin}")
 
 
 _DURATION = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
