@@ -20,6 +20,21 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def thread_problem(threads: int | None, flag: str) -> str | None:
+    """Why `threads` cannot be used here (None: it can): fewer than 1, or more than 4 per usable core (at least 64
+    in all), where threads only add switching and each engine's pool would start thousands of them."""
+    if threads is None:
+        return None
+    if threads < 1:
+        return f"{flag} must be at least 1 (got {threads})"
+    cores = usable_cores()
+    limit = max(64, 4 * cores)
+    if threads > limit:
+        return (f"{flag} {threads} is more than this machine takes ({limit}: 4 per usable core of its {cores}, or "
+                f"64); more threads than cores only add switching: leave it out to use every core")
+    return None
+
+
 DEFAULT_PARALLEL_BATCHES = 2  # a file's batches side by side on a CPU (benchmarks/README.md, "parallel-default")
 
 

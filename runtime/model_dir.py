@@ -30,6 +30,7 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.fields import Checked, opt
+from runtime.machine import thread_problem
 from runtime.registry import BACKENDS, ONLY_SOME, check_device, choose_backend, entry, import_torch, not_taken
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file, word_continuations
 from runtime.translate import NBest, translate_ids
@@ -132,8 +133,9 @@ class LoadOptions(Checked):
         out = []
         if self.backend not in BACKENDS:
             out.append(f"{n('backend')} {self.backend!r}: choose one of {', '.join(BACKENDS)}")
-        if self.threads is not None and self.threads < 1:
-            out.append(f"{n('threads')} must be at least 1 (got {self.threads})")
+        threads = thread_problem(self.threads, n("threads"))
+        if threads:
+            out.append(threads)
         if self.precision not in (None, "fp32", "fp16", "int8"):
             out.append(f"{n('precision')} {self.precision!r}: choose fp32 or fp16")
         if self.step not in (None, *STEPS):

@@ -114,6 +114,14 @@ def test_load_options_problems_name_each_field_as_the_front_end_calls_it(tmp_pat
     assert LoadOptions(threads=0, parallel_batches=0).problems() == [
         "--threads must be at least 1 (got 0)", "--parallel-batches must be at least 1 (got 0)"]
     assert LoadOptions(threads=4, parallel_batches=2).problems() == []
+    # more than 4 threads per usable core (at least 64 allowed): 100,000 started ~32k threads, the PIDs ran out
+    from runtime.machine import usable_cores
+
+    most = max(64, 4 * usable_cores())
+    assert LoadOptions(threads=most).problems() == []
+    assert LoadOptions(threads=most + 1).problems() == [
+        f"--threads {most + 1} is more than this machine takes ({most}: 4 per usable core of its {usable_cores()}, "
+        "or 64); more threads than cores only add switching: leave it out to use every core"]
     with pytest.raises(Exception) as e:
         load(tmp_path / "missing", bad)
     assert str(e.value).startswith("--backend 'nope'") and "--dtype" in str(e.value)

@@ -189,3 +189,11 @@ def test_token_losses_equal_cross_entropy_in_value_and_gradient(smoothing):
     torch.testing.assert_close(nll, ref_nll.detach())
     torch.testing.assert_close(grad, logits.grad)
     assert not nll.requires_grad
+
+
+def test_train_refuses_more_threads_than_the_machine_takes(tmp_path, capsys):
+    from helpers import run_cli
+
+    assert run_cli("train", "--save-dir", tmp_path / "run", "--threads", 10**6) == 2
+    assert "--threads 1000000 is more than this machine takes" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

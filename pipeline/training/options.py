@@ -16,6 +16,7 @@ from pipeline.cli_options import opt
 from pipeline.training.step import SCHEDULES
 from runtime.decoding import PAPER
 from runtime.fields import Checked, at_least
+from runtime.machine import thread_problem
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high
 # validation BLEU in a few CPU minutes.
@@ -209,8 +210,9 @@ def check_numbers(o: TrainOptions) -> None:
         problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
     if o.spm_nbest == 0 or o.spm_nbest < -1:
         problems.append(f"--spm-nbest must be -1 (all segmentations) or at least 1 (got {o.spm_nbest})")
-    if o.threads is not None and o.threads < 1:
-        problems.append(f"--threads must be at least 1 (got {o.threads})")
+    threads = thread_problem(o.threads, "--threads")
+    if threads:
+        problems.append(threads)
     if problems:
         raise UserError("; ".join(problems))
 
