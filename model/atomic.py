@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -104,6 +105,16 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
     return removed
 
 
+def is_special_file(path: str | Path) -> bool:
+    """Whether `path` (its symlinks followed) is a device, FIFO or socket: /dev/null, /dev/stdout, a named pipe.
+    Such an output is written through, not replaced by a renamed temp file."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> Iterator[IO[Any]]:
     """Yield a file to write; on success it replaces `path` (fsync'd, usual permissions).
@@ -114,10 +125,14 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
     if "w" not in mode:
         raise ValueError(f"atomic_write needs a write mode, got {mode!r}")
     path = Path(path)
+    kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
+    if is_special_file(path):  # /dev/null, a FIFO, a terminal: written through (a rename would replace the device)
+        with open(path, mode, **kwargs) as f:
+            yield f
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=suffix, dir=path.parent)
     try:
-        kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
         with open(fd, mode, **kwargs) as f:
             yield f
             f.flush()

@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
-from model.atomic import atomic_write, check_can_create_in
+from model.atomic import atomic_write, check_can_create_in, is_special_file
 from model.errors import UserError
 
 
@@ -126,7 +126,7 @@ def _within(path: str | Path, directory: str | Path) -> bool:
 def check_output_file(path: str | Path, option: str) -> None:
     """Fail fast, before a model is loaded: an output that is a directory, or whose
     directory cannot be written, is one line now rather than a traceback at the end."""
-    if str(path) == "-":
+    if str(path) == "-" or is_special_file(path):  # stdout; /dev/null or a FIFO, written through
         return
     if Path(path).is_dir():
         raise UserError(f"{path}: is a directory; {option} needs a file path")

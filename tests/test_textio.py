@@ -88,3 +88,30 @@ def test_an_escaped_eof_error_is_a_bug_with_its_traceback_not_a_ctrl_c(monkeypat
     with pytest.raises(EOFError, match="Compressed file ended"):
         main(["doctor"])
     assert "interrupted" not in capsys.readouterr().err
+
+
+def test_a_device_or_fifo_output_is_written_through_not_replaced(tmp_path):
+    """`-o /dev/null` (here a link to it, so that a regression replaces the link, not the device) and a named
+    pipe receive the output; the atomic temp-and-rename replaced them with a regular file."""
+    import threading
+
+    from model.atomic import atomic_write
+    from pipeline.textio import atomic_output, check_output_file
+
+    null = tmp_path / "null"
+    null.symlink_to("/dev/null")
+    check_output_file(null, "--output")
+    with atomic_output(null) as f:
+        f.write("discarded\n")
+    assert os.readlink(null) == "/dev/null" and stat.S_ISCHR(os.stat(null).st_mode)
+    assert not [p for p in tmp_path.iterdir() if p.name != "null"]  # no temp file left either
+
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    with atomic_write(fifo, "w") as f:
+        f.write("through the pipe\n")
+    reader.join(10)
+    assert received == [b"through the pipe\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
