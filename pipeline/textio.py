@@ -103,21 +103,21 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
             raise UserError(f"{out}: this {what} is the input {same}; writing it would destroy the input, "
                             "choose another path")
         for directory in input_dirs:
-            if _within(out, directory):
+            if within(out, directory):
                 raise UserError(f"{out}: this {what} lies inside the input directory {directory}; writing there "
                                 "could replace its files, choose a path outside it")
     for out in output_dirs:
         for directory in input_dirs:
-            if _within(out, directory) or _within(directory, out):
+            if within(out, directory) or within(directory, out):
                 raise UserError(f"{out}: this {what} overlaps the input directory {directory}; replacing it "
                                 "would destroy the input, choose another path")
         for inp in inputs:
-            if str(inp) != "-" and _within(inp, out):
+            if str(inp) != "-" and within(inp, out):
                 raise UserError(f"{out}: this {what} holds the input {inp}; replacing it would destroy the input, "
                                 "choose another path")
 
 
-def _within(path: str | Path, directory: str | Path) -> bool:
+def within(path: str | Path, directory: str | Path) -> bool:
     """Whether `path` is `directory` or lies inside it, as written (symlinks kept) or resolved."""
     return any(os.path.commonpath([spell(path), spell(directory)]) == spell(directory)
                for spell in (os.path.abspath, os.path.realpath))

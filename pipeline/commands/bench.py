@@ -48,7 +48,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     o: BenchOptions = pick(BenchOptions, values).validate()
     if o.json_out:
         refuse_overwriting_inputs([p for p in (o.src, o.serve_input, *o.whole_process) if p], [o.json_out],
-                                  "--json file")
+                                  "--json file", input_dirs=list(model_dirs))
         check_output_file(o.json_out, "--json")
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):

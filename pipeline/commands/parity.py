@@ -55,9 +55,10 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
     labels = [p + (SHORTLISTED if shortlist else "") for p in PRECISIONS]
     hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in labels] if save_hyps else []
     inputs = [p for p in (src, ref) if p is not None]
-    refuse_overwriting_inputs(inputs, hyp_files, "--save-hyps file")
+    model_files = [model_dir, *([opts.hf_dir] if opts.hf_dir else [])]  # read whole: nothing may be written there
+    refuse_overwriting_inputs(inputs, hyp_files, "--save-hyps file", input_dirs=model_files)
     if json_out:
-        refuse_overwriting_inputs(inputs, [json_out], "--json file")
+        refuse_overwriting_inputs(inputs, [json_out], "--json file", input_dirs=model_files)
         check_output_file(json_out, "--json")
     report = run_parity(model_dir, src, ref, names, opts=ServeBatchOptions(decoding=decoding, src_lang=src_lang,
                                                                               tgt_lang=tgt_lang),

@@ -46,7 +46,7 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
                            if output_dir is not None else None)
-    check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir")
+    check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir", model_dir)
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:

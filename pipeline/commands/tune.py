@@ -9,8 +9,12 @@ from typing import Any
 
 import click
 
+from model.atomic import atomic_write_text
+from model.errors import UserError
+from model.manifest import MANIFEST
 from pipeline.cli_options import decoding_options, options_from, pick
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
+from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
 
@@ -25,6 +29,8 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     """Pick --beam-size and --alpha for serve-batch on a validation set: MODEL is an exported
     model dir, a checkpoint, or a training save dir (its averaged or latest checkpoint)."""
     opts: TuneOptions = pick(TuneOptions, values).validate()
+    if opts.json_out:
+        check_json_out(opts.json_out, [opts.src, opts.ref], model)
     trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device)
     click.echo("beam  alpha   BLEU   chrF")
     for t in trials:
@@ -32,4 +38,16 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     best = trials[0]
     click.echo(f"best on {opts.src.name}: --beam-size {best.beam_size} --alpha {best.alpha:g} (BLEU {best.bleu:.2f})")
     if opts.json_out:
-        opts.json_out.write_text(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
+        atomic_write_text(opts.json_out, json.dumps([asdict(t) for t in trials], indent=2) + "\n")
+
+
+def check_json_out(json_out: Path, inputs: list[Path], model: Path) -> None:
+    """Before any decoding: --json may not be --src, --ref or the checkpoint, nor a file a model dir or save dir
+    already holds (a new file there is fine), and must be writable."""
+    model_dir = model.is_dir() and (model / MANIFEST).is_file()
+    refuse_overwriting_inputs([*inputs, *([] if model.is_dir() else [model])], [json_out], "--json file",
+                              input_dirs=[model] if model_dir else [])
+    if model.is_dir() and json_out.is_file() and within(json_out, model):
+        raise UserError(f"{json_out}: this --json file is one {model} already holds; writing it would replace it, "
+                        "choose a new file name")
+    check_output_file(json_out, "--json")

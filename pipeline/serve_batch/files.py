@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -242,6 +243,9 @@ def target_suffix(given: str | None, model_dir: str, tgt_lang: str | None) -> st
     """--suffix, else "." + the target language when it is known (--tgt-lang, or the pair the model dir's
     manifest records), else None (outputs keep the input's name)."""
     if given is not None:
+        if "/" in given or os.sep in given or ".." in given.strip("."):
+            raise UserError(f"--suffix {given!r}: a file name ending like .en, without a path (it would write "
+                            "outside --output-dir)")
         return given if given.startswith(".") or not given else "." + given
     if tgt_lang:
         return "." + tgt_lang
@@ -274,11 +278,12 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None, 
     return paths
 
 
-def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output") -> None:
-    """Everything that would make writing the outputs fail or destroy data, checked
-    before the model is loaded or a line is read; then the temps a killed run left
-    beside the outputs are removed."""
-    refuse_overwriting_inputs(list(inputs), list(outputs))
+def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output", model_dir: str | None = None
+                  ) -> None:
+    """Everything that would make writing the outputs fail or destroy data (an input, a file of the model dir),
+    checked before the model is loaded or a line is read; then the temps a killed run left beside the outputs
+    are removed."""
+    refuse_overwriting_inputs(list(inputs), list(outputs), input_dirs=[model_dir] if model_dir else [])
     for out in outputs:
         check_output_file(out, option)
     for out in outputs:

@@ -36,6 +36,7 @@ from model.errors import UserError
 from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
+from pipeline.textio import check_output_file, within
 from pipeline.training.options import TrainOptions, config_differences
 
 log = logging.getLogger(__name__)
@@ -261,6 +262,10 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
     out = Path(out) if out is not None else save_dir / AVERAGED
+    if out.is_file() and within(out, save_dir) and out.name != AVERAGED:  # a checkpoint, config.json, the corpus
+        raise UserError(f"{out}: --out would replace a file of the run in {save_dir}; choose a new file name (the "
+                        f"default is {save_dir / AVERAGED})")
+    check_output_file(out, "--out")
     remove_stale_temps(save_dir)
     remove_stale_temps(out.parent)
     paths = step_checkpoints(save_dir)[-last:]

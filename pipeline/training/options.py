@@ -4,6 +4,7 @@ the checks of impossible numbers, and the part of them that makes a save dir one
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Any
 
 from model.config import PRESETS, ModelConfig, preset
 from model.errors import UserError
+from model.manifest import MANIFEST
 from pipeline.cli_options import opt
 from pipeline.training.step import SCHEDULES
 from runtime.decoding import PAPER
@@ -186,8 +188,13 @@ def check_numbers(o: TrainOptions) -> None:
         value = getattr(o, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
-    if o.lr_scale <= 0:
+    if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
+    if not 0 <= o.seed < 2 ** 32:  # numpy's and the data order's range
+        problems.append(f"--seed must be in 0..{2 ** 32 - 1} (got {o.seed})")
+    if (Path(o.save_dir) / MANIFEST).is_file():
+        problems.append(f"--save-dir {o.save_dir} is an exported model dir (it holds {MANIFEST}); training there "
+                        "would replace its files: choose another directory")
     if not 0 <= o.label_smoothing < 1:
         problems.append(f"--label-smoothing must be in [0, 1) (got {o.label_smoothing})")
     if o.clip_norm < 0:

@@ -1,0 +1,66 @@
+"""No output option destroys what a command reads: an input file, a file of the model dir it serves, a
+checkpoint or corpus of the run it averages, or anything outside --output-dir; a model dir is no training
+save dir. Each refusal is one line before any work, and the thing it protects is left as it was."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import assert_one_line_error, run_cli_captured, write_lines
+
+from model.manifest import MANIFEST
+
+
+def _refused(capsys: pytest.CaptureFixture[str], *args: object, says: str) -> None:
+    code, _, err = run_cli_captured(capsys, *args)
+    assert_one_line_error(code, err, says)
+
+
+def test_outputs_inside_the_model_dir_are_refused(capsys, fp32_dir, tmp_path):
+    """The shared fixture's model dir is checked unchanged (names and digests) at the end of the session."""
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef"])
+    ref = write_lines(tmp_path / "ref.txt", ["x", "y"])
+    inside = "lies inside the input directory"
+    _refused(capsys, "serve-batch", fp32_dir, src, "-o", fp32_dir / "spm.model", says=inside)
+    _refused(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--json", fp32_dir / MANIFEST, says=inside)
+    _refused(capsys, "bench", fp32_dir, "--sentences", 2, "--rounds", 1, "--json", fp32_dir / MANIFEST, says=inside)
+    _refused(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--json", fp32_dir / "t.json",
+             says=inside)
+
+
+def test_tune_decoding_json_is_not_an_input(capsys, fp32_dir, tmp_path):
+    src = write_lines(tmp_path / "in.txt", ["ab cd"])
+    ref = write_lines(tmp_path / "ref.txt", ["x"])
+    for target in (src, ref):
+        _refused(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--json", target,
+                 says="this --json file is the input")
+    assert src.read_text() == "ab cd\n" and ref.read_text() == "x\n"
+
+
+def test_suffix_cannot_leave_the_output_dir(capsys, fp32_dir, tmp_path):
+    src = write_lines(tmp_path / "in.txt", ["ab cd"])
+    _refused(capsys, "serve-batch", fp32_dir, src, "--output-dir", tmp_path / "out" / "sub", "--suffix",
+             "/../../escaped", says="--suffix '/../../escaped': a file name ending like .en, without a path")
+    assert not list(tmp_path.rglob("*escaped*")) and not (tmp_path / "out").exists()
+
+
+def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    files = {name: f"{name}\n" for name in ("checkpoint_00000004.pt", "checkpoint_best.pt", "config.json",
+                                             "data/train.src")}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    for name in files:
+        _refused(capsys, "average", run, "--last", 2, "--out", run / name, says="--out would replace a file of the run")
+    assert {name: (run / name).read_text() for name in files} == files
+
+
+def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_dir, tmp_path):
+    _refused(capsys, "train", "--save-dir", fp32_dir, "--max-steps", 1, says="is an exported model dir")
+    for option, value, says in (("--seed", -1, "--seed must be in 0..4294967295"),
+                                ("--seed", 10 ** 21, "--seed must be in 0..4294967295"),
+                                ("--lr-scale", "nan", "--lr-scale must be positive (got nan)")):
+        _refused(capsys, "train", "--save-dir", tmp_path / "run", option, value, says=says)
+    assert not Path(tmp_path / "run").exists()
