@@ -24,6 +24,9 @@ class DecodingError(RuntimeUserError):
 # beam search rules (runtime/search.py); "transformers-early": generate's early_stopping=True; "top-beam":
 # fairseq's scores, ending a sentence once its best candidate ends (OpenNMT-py's and CTranslate2's early exit)
 RULES = ("fairseq", "transformers", "transformers-early", "top-beam")
+# The largest length penalty: (5 + 1024) / 6 or a length of 1024 to a power past about 100 overflows a float
+# (usual values: 0.6 to 2).
+MAX_ALPHA = 20.0
 
 
 
@@ -104,8 +107,8 @@ class DecodingOptions:
             out.append(f"{n('beam_size')} must be at least 1 (got {self.beam_size})")
         if not 1 <= self.nbest <= max(self.beam_size, 1):
             out.append(f"{n('nbest')} must be between 1 and {n('beam_size')} {self.beam_size} (got {self.nbest})")
-        if not math.isfinite(self.alpha) or self.alpha < 0:
-            out.append(f"{n('alpha')} must be a finite number >= 0 (got {self.alpha})")
+        if not (math.isfinite(self.alpha) and 0 <= self.alpha <= MAX_ALPHA):  # past it the penalty overflows
+            out.append(f"{n('alpha')} must be a number from 0 to {MAX_ALPHA:g} (got {self.alpha})")
         if not math.isfinite(self.max_len_a) or self.max_len_a < 0:
             out.append(f"{n('max_len_a')} must be a finite number >= 0 (got {self.max_len_a})")
         if self.max_len_b < 0:

@@ -87,17 +87,33 @@ def read(model_dir: Path) -> References:
         raise RuntimeUserError(f"{path}: unreadable reference record ({e}); export the model again") from None
     if not (len(refs.sources) == len(refs.references) == len(refs.hypotheses) == len(refs.lines)):
         raise RuntimeUserError(f"{path}: its lists are not line-aligned; export the model again")
+    if not refs.sources:
+        raise RuntimeUserError(f"{path}: no sentences recorded; pass --src and --ref, or export again with a "
+                               "held-out set that has lines")
     return refs
 
 
 def held_out_lines(src: Path, tgt: Path, limit: int = DEFAULT_LINES) -> tuple[list[str], list[str]]:
-    """The first `limit` non-blank line pairs of a parallel held-out set (plain or .gz)."""
+    """The first `limit` non-blank line pairs of a parallel held-out set (plain or .gz), split on b"\\n" as
+    serve-batch splits them; a file that cannot be read or holds invalid UTF-8 is one error naming it (and the
+    line)."""
     import gzip
 
     def lines(path: Path) -> list[str]:
         opener: Any = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-            return [line.rstrip("\n") for line in f]
+        try:
+            with opener(path, "rb") as f:
+                data = f.read()
+        except (OSError, EOFError) as e:  # missing, unreadable, a .gz that is not one or is cut short
+            raise RuntimeUserError(f"{path}: cannot read ({e})") from None
+        out = []
+        for number, raw in enumerate(data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"), 1):
+            try:
+                out.append(raw.decode("utf-8").rstrip("\r"))
+            except UnicodeDecodeError as e:
+                raise RuntimeUserError(f"{path}:{number}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+                                       "; fix the file") from None
+        return out if data else []
 
     a, b = lines(Path(src)), lines(Path(tgt))
     if len(a) != len(b):

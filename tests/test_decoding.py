@@ -28,6 +28,7 @@ def test_paper_defaults():
     (dict(nbest=5), "--nbest"),
     (dict(alpha=math.nan), "--alpha"),
     (dict(alpha=-1.0), "--alpha"),
+    (dict(alpha=1e308), "--alpha must be a number from 0 to 20"),  # overflowed in the length penalty
     (dict(max_len_a=-1.0), "--max-len-a"),
     (dict(max_len_b=-3), "--max-len-b"),
     (dict(max_len_a=0.0, max_len_b=0), "--max-len-a 0 with --max-len-b 0"),

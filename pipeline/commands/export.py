@@ -53,6 +53,13 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
               *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache, calibrate_on) if p)]
     refuse_overwriting_inputs(inputs, [], "--out dir", output_dirs=[o.out])
     held_out = None if pair is None else references.held_out_lines(*pair, limit=o.reference_lines)
+    if held_out is not None and not held_out[0]:  # nothing to record, and nothing for parity to gate on
+        if o.reference_src is not None:
+            raise click.UsageError(f"--reference-src {o.reference_src}: no line pair with text on both sides to "
+                                   "record")
+        log.info("the validation set of %s has no line pair with text: no reference translations recorded",
+                 checkpoint)
+        held_out = None
     shortlist = None if o.shortlist_src is None or o.shortlist_tgt is None else ShortlistCorpus(
         read_lines(o.shortlist_src), read_lines(o.shortlist_tgt), (str(o.shortlist_src), str(o.shortlist_tgt)),
         per_source=o.shortlist_per_source, frequent=o.shortlist_frequent)

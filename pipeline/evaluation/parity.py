@@ -122,6 +122,8 @@ def count_lines(path: Path) -> int:
     f = open_binary(path)
     try:
         return sum(1 for _ in f)
+    except (OSError, EOFError) as e:  # a .gz that is not one, or is cut short
+        raise UserError(f"{path}: cannot read ({e})") from None
     finally:
         f.close()
 

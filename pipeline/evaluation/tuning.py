@@ -97,6 +97,8 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     sources, refs = read_lines(src), read_lines(ref)
     if len(sources) != len(refs):
         raise UserError(f"{src} has {len(sources)} lines but {ref} has {len(refs)}; they must be line-aligned")
+    if not any(line.strip() for line in refs):
+        raise UserError(f"{ref}: no reference line to score against (the file is empty or blank)")
     backend, tokenizer, defaults = load_for_tuning(model, device)
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     trials = []
