@@ -101,15 +101,16 @@ class ExportOptions:
                                 "them. Default: build them when possible, else say why they were skipped.")
     force: bool = opt(False, "Replace an existing model directory (only once the new one is complete).")
     atol: float = opt(verify.FP32_ATOL, "fp32 verification bound on log-prob abs differences (ONNX Runtime vs "
-                      "PyTorch).")
+                      "PyTorch).", min=0)
     fp16_atol: float = opt(verify.FP16_ATOL, "fp16 verification bound (ONNX Runtime vs PyTorch half, PyTorch half "
                            f"vs fp32), plus {verify.FP16_RTOL:g} x |log-prob| (unlikely candidates carry larger "
-                           "fp16 errors).")
+                           "fp16 errors).", min=0)
     int8_atol: float | None = opt(None, "int8 verification bound on log-prob abs differences (ONNX Runtime int8 "
                                   f"vs PyTorch fp32), plus {verify.INT8_RTOL:g} x |log-prob|. Default: "
                                   f"{verify.INT8_ATOL:g} for qdq, {verify.INT8_ACTIVATIONS_ATOL:g} for rowwise and "
-                                  "ort-dynamic (8-bit activations too).")
-    workspace_gib: float = opt(tensorrt_build.DEFAULT_WORKSPACE_GIB, "TensorRT builder workspace limit in GiB.")
+                                  "ort-dynamic (8-bit activations too).", min=0)
+    workspace_gib: float = opt(tensorrt_build.DEFAULT_WORKSPACE_GIB, "TensorRT builder workspace limit in GiB.",
+                               min=0)
     reference_src: Path | None = opt(None, "Held-out source lines whose fp32 PyTorch translations are recorded in "
                                      "the model dir (references.json), so `pipeline parity MODEL_DIR` can gate a "
                                      "backend without PyTorch. Default: the checkpoint's save dir validation set, "

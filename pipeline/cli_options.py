@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -57,8 +58,32 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
     if base is int:
         return click.IntRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else int
     if base is float:
-        return click.FloatRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else float
+        return FiniteFloatRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else FINITE
     return str
+
+
+class FiniteFloat(click.ParamType):
+    """A float that is a number: nan and inf are refused where they are typed (a NaN gate passed everything, a
+    NaN timeout failed every request later)."""
+
+    name = "float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return float(number)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan (every comparison with it is false, so it passed the range)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = FINITE.convert(value, param, ctx)
+        return super().convert(number, param, ctx)
+
+
+FINITE = FiniteFloat()
 
 
 def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: str | None = None,

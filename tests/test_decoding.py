@@ -76,9 +76,17 @@ def test_serve_and_parity_share_the_search_options(capsys):
         help_text = " ".join(capsys.readouterr().out.split())
         for name in ("alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens"):
             assert f"--{name.replace('_', '-')}" in help_text and DecodingOptions.help(name) in help_text
-    assert run_cli("serve-batch", *COMMANDS["serve-batch"], "--nbest", 5, "--alpha", "nan") == 2
+    assert run_cli("serve-batch", *COMMANDS["serve-batch"], "--nbest", 5, "--alpha", 30) == 2
     err = capsys.readouterr().err
     assert "--nbest must be between 1 and --beam-size 4" in err and "--alpha must be" in err
+    for command, option in (("serve-batch", "--alpha"), ("parity", "--min-identical"), ("parity", "--max-bleu-delta")):
+        for value in ("nan", "inf", "-inf"):  # every float option, as it is typed (a NaN gate passed everything)
+            assert run_cli(command, *COMMANDS[command], option, value) == 2
+            assert f"Invalid value for '{option}': '{value}' is not a finite number" in capsys.readouterr().err
+    assert run_cli("serve", "no-model-dir", "--body-timeout-s", "nan") == 2  # it answered every request 503
+    assert "'nan' is not a finite number" in capsys.readouterr().err
+    assert run_cli("export", "no.pt", "--out", "no-dir", "--atol", "nan") == 2  # after the whole export, before
+    assert "'nan' is not a finite number" in capsys.readouterr().err
 
 
 def test_parse_backends_uses_the_loader_registry():
