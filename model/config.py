@@ -25,6 +25,12 @@ ACTIVATIONS = ("relu", "swish", "gelu")  # swish = SiLU, x * sigmoid(x); gelu: t
 POSITION_LAYOUTS = ("interleaved", "halves", "fairseq")
 
 
+# Above any model this project serves (M2M-100's largest is 12B): a size typed with too many digits, refused
+# before torch tries to allocate it.
+MAX_PARAMETERS = 50_000_000_000
+MAX_VOCAB = 1 << 20  # SentencePiece vocabularies to train (NLLB's is 256k): past it, sizes typed by mistake
+
+
 class ConfigError(UserError, ValueError):
     """A configuration that cannot describe a Transformer."""
 
@@ -118,8 +124,20 @@ class ModelConfig:
                 or self.position_offset < 0:
             problems.append(f"position_offset must be an integer of 0 or more, got {self.position_offset!r}")
         problems += self._language_problems()
+        if not problems and self.approx_parameters() > MAX_PARAMETERS:  # before anything is allocated
+            sizes = ", ".join(f"{k} {getattr(self, k)}" for k in ("vocab_size", "d_model", "d_ff", "n_enc_layers",
+                                                                   "n_dec_layers"))
+            problems.append(f"about {self.approx_parameters():.3g} parameters ({sizes}), more than MAX_PARAMETERS "
+                            f"({MAX_PARAMETERS:.0e}, {4 * MAX_PARAMETERS / 1e9:.0f} GB in fp32); check the sizes")
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def approx_parameters(self) -> int:
+        """The weights' count, to refuse absurd sizes before allocating: the tied embedding, each encoder layer's
+        attention (4 d^2) and feed-forward (2 d d_ff), each decoder layer's two attentions and feed-forward."""
+        d = self.d_model
+        return (self.vocab_size * d + self.n_enc_layers * (4 * d * d + 2 * d * self.encoder_d_ff)
+                + self.n_dec_layers * (8 * d * d + 2 * d * self.d_ff))
 
     def _language_problems(self) -> list[str]:
         if not isinstance(self.languages, tuple) or not all(

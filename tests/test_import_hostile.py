@@ -142,7 +142,7 @@ def test_export_force_never_replaces_a_dir_holding_an_input(imported, tmp_path, 
 
 @pytest.mark.parametrize("field, needle", [("d_model", "d_model"),
                                            ("max_position_embeddings", "max_position_embeddings"),
-                                           ("encoder_layers", "encoder_layers")])
+                                           ("encoder_layers", "n_enc_layers 1000000000")])  # the size cap
 def test_absurd_sizes_are_refused_before_allocating(hf_dir, tmp_path, field, needle):
     """Under a 3 GiB address-space cap, in a few seconds: the model is never built for a config.json whose
     sizes the weights do not have."""

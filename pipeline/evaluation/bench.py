@@ -166,6 +166,9 @@ def make_sources(tokenizer: AnyTokenizer, src: Path | None, n: int, src_len: int
                             "or leave out --src for random ones")
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
         return encode_sources(tokenizer, lines, max_len, origin=str(src), prefix=prefix).ids
+    if src_len > max_len:  # before n x src_len random pieces are drawn (10^12 ran for ever)
+        raise UserError(f"--src-len {src_len} is longer than the model's source limit of {max_len} tokens; give at "
+                        f"most {max_len}")
     rng = random.Random(seed)
     pieces = tokenizer.piece_ids
     return [[*prefix, *(rng.choice(pieces) for _ in range(max(0, src_len - 1 - len(prefix)))), tokenizer.eos_id]

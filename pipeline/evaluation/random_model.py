@@ -14,7 +14,7 @@ import torch
 
 from model import build_model, preset
 from model.checkpoint import save_checkpoint
-from model.config import PRESETS
+from model.config import MAX_VOCAB, PRESETS
 from model.errors import UserError
 from pipeline.corpus.spm import train_sentencepiece
 from runtime.fields import Checked, at_least, opt
@@ -30,8 +30,9 @@ class RandomCheckpointOptions(Checked):
 
     preset: str = opt("base", "Model shape (model/config.py's preset table).", choices=tuple(PRESETS))
     vocab_size: int = opt(32000, "Vocabulary of the SentencePiece model trained on made-up text (a soft limit).",
-                          min=16)
-    seed: int = opt(0, "Seed of the made-up text and of the weights (the same seed and shape give the same weights).")
+                          min=16, max=MAX_VOCAB)
+    seed: int = opt(0, "Seed of the made-up text and of the weights (the same seed and shape give the same weights).",
+                    min=0, max=2 ** 32 - 1)
     decoder_layers: int | None = opt(None, "Decoder layers instead of the preset's (e.g. a 1-layer student's shape).",
                                      min=1)
     force: bool = opt(False, "Replace OUT if it exists.")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.config import PRESETS, ModelConfig, preset
+from model.config import MAX_VOCAB, PRESETS, ModelConfig, preset
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import opt
@@ -190,6 +190,8 @@ def check_numbers(o: TrainOptions) -> None:
             problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
     if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
+    if o.vocab_size is not None and o.vocab_size > MAX_VOCAB:
+        problems.append(f"--vocab-size must be at most {MAX_VOCAB} (got {o.vocab_size})")
     if not 0 <= o.seed < 2 ** 32:  # numpy's and the data order's range
         problems.append(f"--seed must be in 0..{2 ** 32 - 1} (got {o.seed})")
     if (Path(o.save_dir) / MANIFEST).is_file():
