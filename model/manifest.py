@@ -67,6 +67,12 @@ class Limits:
     max_tgt_len: int
     max_beam: int
 
+    def __post_init__(self) -> None:
+        bad = [f"{name} must be at least 1, got {getattr(self, name)!r}" for name in ("max_batch", "max_src_len",
+               "max_tgt_len", "max_beam") if isinstance(getattr(self, name), int) and getattr(self, name) < 1]
+        if bad:
+            raise ConfigError("; ".join(bad))
+
     @property
     def max_hyps(self) -> int:
         return self.max_batch * self.max_beam

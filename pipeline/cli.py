@@ -131,8 +131,8 @@ _FIXES = {
     errno.ENOSPC: "no space left on device; free space and rerun",
     errno.EDQUOT: "disk quota exceeded; free space and rerun",
     errno.EROFS: "read-only file system; choose a writable location",
-    errno.EACCES: "permission denied; choose a location you can write, or fix its permissions",
-    errno.EPERM: "operation not permitted; choose a location you can write, or fix its permissions",
+    errno.EACCES: "permission denied; fix its permissions, or choose another path",  # read or write alike
+    errno.EPERM: "operation not permitted; fix its permissions, or choose another path",
     errno.EISDIR: "is a directory; give a file path",
     errno.ENOTDIR: "a parent of this path is not a directory",
     errno.ENOENT: "no such file or directory",

@@ -90,6 +90,8 @@ def _drop(path: str):
     (_set("opset", None), "opset", "must be an integer"),
     (_drop("limits.max_beam"), "limits.max_beam", "is missing"),
     (_set("limits", [4, 32, 40, 2]), "limits", "must be an object"),
+    (_set("limits.max_src_len", -1), "limits", "max_src_len must be at least 1, got -1"),  # blamed the source
+    (_set("limits.max_beam", 0), "limits", "max_beam must be at least 1, got 0"),
     (_set("source_checkpoint.steps", 20), "source_checkpoint.steps", "must be a list"),
     (_set("source_checkpoint.steps", [20, "30"]), "source_checkpoint.steps[1]", "must be an integer"),
     (_drop("source_checkpoint"), "source_checkpoint", "is missing"),

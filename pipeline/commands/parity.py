@@ -57,6 +57,8 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
     inputs = [p for p in (src, ref) if p is not None]
     model_files = [model_dir, *([opts.hf_dir] if opts.hf_dir else [])]  # read whole: nothing may be written there
     refuse_overwriting_inputs(inputs, hyp_files, "--save-hyps file", input_dirs=model_files)
+    for hyp_file in hyp_files[:1]:  # one dir for all: checked before minutes of translating, not after
+        check_output_file(hyp_file, "--save-hyps")
     if json_out:
         refuse_overwriting_inputs(inputs, [json_out], "--json file", input_dirs=model_files)
         check_output_file(json_out, "--json")
