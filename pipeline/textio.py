@@ -20,7 +20,8 @@ def open_binary(path: str | Path) -> IO[bytes]:
         return sys.stdin.buffer
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{path}: no such file")
+        link = " (a symbolic link that leads nowhere, or back to itself)" if path.is_symlink() else ""
+        raise UserError(f"{path}: no such file{link}")
     if path.is_dir():
         raise UserError(f"{path}: is a directory, expected a text file")
     if path.suffix == ".gz":

@@ -197,3 +197,22 @@ def test_train_refuses_more_threads_than_the_machine_takes(tmp_path, capsys):
     assert run_cli("train", "--save-dir", tmp_path / "run", "--threads", 10**6) == 2
     assert "--threads 1000000 is more than this machine takes" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_corpus_sentencepiece_cannot_use_and_a_looping_link_are_one_line(tmp_path, capsys):
+    """SentencePiece leaves lines over 4192 bytes out of training: a corpus of only such lines was its INTERNAL
+    error; a --train-src that is a symlink loop was a RuntimeError from Path.resolve."""
+    from helpers import run_cli
+
+    from model.errors import UserError
+    from pipeline.corpus.spm import SPM_MAX_LINE_BYTES, train_sentencepiece
+
+    with pytest.raises(UserError, match=f"no non-empty line of at most {SPM_MAX_LINE_BYTES} bytes"):
+        train_sentencepiece(["x" * (SPM_MAX_LINE_BYTES + 1)] * 3, vocab_size=16)
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "t.txt").write_text("x y\n")
+    assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", tmp_path / "a", "--train-tgt",
+                   tmp_path / "t.txt", "--preset", "tiny", "--max-steps", 1) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'a'}: no such file" in err and "Traceback" not in err, err

@@ -12,6 +12,8 @@ import sentencepiece as spm
 from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from model.errors import UserError
 
+SPM_MAX_LINE_BYTES = 4192  # SentencePiece's max_sentence_length: it leaves longer lines out of training
+
 log = logging.getLogger(__name__)
 
 
@@ -32,9 +34,10 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
                 line = line.strip()
                 if line:
                     f.write(line + "\n")
-                    n += 1
+                    n += 1 if len(line.encode("utf-8")) <= SPM_MAX_LINE_BYTES else 0
         if n == 0:
-            raise UserError("cannot train SentencePiece: the training text has no non-empty lines")
+            raise UserError("cannot train SentencePiece: the training text has no non-empty line of at most "
+                            f"{SPM_MAX_LINE_BYTES} bytes (SentencePiece skips longer ones)")
         prefix = Path(tmp) / "spm"
         spm.SentencePieceTrainer.train(
             input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -243,7 +244,7 @@ def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
         training.update({k: getattr(opts, k) for k in SCHEDULE_KEYS})
     for k in ("train_src", "train_tgt", "valid_src", "valid_tgt"):
         if training[k] is not None:
-            training[k] = str(Path(training[k]).resolve())
+            training[k] = os.path.realpath(training[k])  # Path.resolve raises on a symlink loop; reading names it
     if opts.builtin_pairs is not None:  # the built-in corpus lives inside the save dir
         training.update(train_src="builtin", train_tgt="builtin", valid_src="builtin", valid_tgt="builtin")
     model = {k: v for k, v in cfg.to_dict().items() if k != "vocab_size"}
