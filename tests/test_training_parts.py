@@ -216,3 +216,6 @@ def test_a_corpus_sentencepiece_cannot_use_and_a_looping_link_are_one_line(tmp_p
                    tmp_path / "t.txt", "--preset", "tiny", "--max-steps", 1) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'a'}: no such file" in err and "Traceback" not in err, err
+    assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", "/dev/null", "--train-tgt",
+                   tmp_path / "t.txt", "--preset", "tiny", "--max-steps", 1) == 2  # it said "is a directory"
+    assert "/dev/null: is not a regular file (a device or pipe)" in capsys.readouterr().err

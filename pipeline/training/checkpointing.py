@@ -103,8 +103,9 @@ def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
         if path is None:
             continue
         if not Path(path).is_file():
-            raise UserError(f"{path}: no such file" if not Path(path).exists() else
-                            f"{path}: is a directory, expected a text file")
+            what = ("no such file" if not Path(path).exists() else "is a directory" if Path(path).is_dir()
+                    else "is not a regular file (a device or pipe)")
+            raise UserError(f"{path}: {what}; training reads its corpus more than once: give a text file")
         found[name] = file_fingerprint([Path(path)])[0]
     return found
 
