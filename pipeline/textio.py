@@ -129,6 +129,8 @@ def check_output_file(path: str | Path, option: str) -> None:
     directory cannot be written, is one line now rather than a traceback at the end."""
     if str(path) == "-" or is_special_file(path):  # stdout; /dev/null or a FIFO, written through
         return
+    if str(path) in ("", "."):  # click makes '' (an unset shell variable, say) the current directory
+        raise UserError(f"{option} is empty; give a file path")
     if Path(path).is_dir():
         raise UserError(f"{path}: is a directory; {option} needs a file path")
     try:

@@ -61,6 +61,13 @@ def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_d
     _refused(capsys, "train", "--save-dir", fp32_dir, "--max-steps", 1, says="is an exported model dir")
     for option, value, says in (("--seed", -1, "--seed must be in 0..4294967295"),
                                 ("--seed", 10 ** 21, "--seed must be in 0..4294967295"),
-                                ("--lr-scale", "nan", "--lr-scale must be positive (got nan)")):
+                                ("--lr-scale", 0, "--lr-scale must be positive (got 0.0)")):
         _refused(capsys, "train", "--save-dir", tmp_path / "run", option, value, says=says)
     assert not Path(tmp_path / "run").exists()
+
+
+def test_an_empty_output_path_is_refused(capsys, fp32_dir, tmp_path):
+    """'' (an unset shell variable) became the current directory: "error: : is a directory"."""
+    src = write_lines(tmp_path / "in.txt", ["ab cd"])
+    _refused(capsys, "serve-batch", fp32_dir, src, "-o", "", says="--output is empty; give a file path")
+    _refused(capsys, "parity", fp32_dir, "--src", src, "--ref", src, "--json", "", says="--json is empty")
