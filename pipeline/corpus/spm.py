@@ -28,14 +28,15 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
         raise UserError(f"--vocab-size {vocab_size} is too small (at least 8)")
     with tempfile.TemporaryDirectory(prefix="spm-") as tmp:
         text = Path(tmp) / "text.txt"
-        n = 0
+        n, usable = 0, False  # usable: a line SentencePiece trains on (once one is found, no more encoding)
         with open(text, "w", encoding="utf-8") as f:
             for line in lines:
                 line = line.strip()
                 if line:
                     f.write(line + "\n")
-                    n += 1 if len(line.encode("utf-8")) <= SPM_MAX_LINE_BYTES else 0
-        if n == 0:
+                    n += 1
+                    usable = usable or len(line.encode("utf-8")) <= SPM_MAX_LINE_BYTES
+        if not usable:
             raise UserError("cannot train SentencePiece: the training text has no non-empty line of at most "
                             f"{SPM_MAX_LINE_BYTES} bytes (SentencePiece skips longer ones)")
         prefix = Path(tmp) / "spm"
