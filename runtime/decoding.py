@@ -77,17 +77,26 @@ class DecodingOptions:
             return self.explicit
         return frozenset(name for name in OPTION_NAMES if getattr(self, name) != getattr(PAPER, name))
 
-    def for_model(self, defaults: dict[str, Any] | None) -> DecodingOptions:
+    def for_model(self, defaults: dict[str, Any] | None,
+                  where: str = "the model dir's manifest.json") -> DecodingOptions:
         """These options with a model dir's decoding defaults (manifest.decoding) in place of every
-        option the user did not set; validated."""
+        option the user did not set; validated. A bad default is named as `where`'s `decoding.FIELD`."""
         if not defaults:
             return self
         unknown = sorted(set(defaults) - set(OPTION_NAMES))
         if unknown:
-            raise DecodingError(f"the model's decoding defaults name unknown options: {', '.join(unknown)}")
+            raise DecodingError(f"{where}: decoding names unknown options: {', '.join(unknown)}")
         fixed = self.given()
         changes = {k: v for k, v in defaults.items() if k not in fixed}
-        return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate() if changes else self
+        if not changes:
+            return self
+        mistyped = [f"{where}: decoding.{k} is {v!r}, not {_KINDS[k][1]}" for k, v in changes.items()
+                    if isinstance(v, bool) or not isinstance(v, _KINDS[k][0])]
+        if mistyped:
+            raise DecodingError("; ".join(mistyped))
+        # a bad value the model dir gave is the model dir's, not an option the user never typed
+        return dataclasses.replace(self, **changes, explicit=frozenset(OPTION_NAMES)).validate(
+            lambda k: f"{where}: decoding.{k}" if k in changes else flag(k))
 
     def for_device(self, device: Any) -> DecodingOptions:
         """These options for a backend on `device`: on a GPU batches hold as many sentences as the token
@@ -106,7 +115,8 @@ class DecodingOptions:
         if self.beam_size < 1:
             out.append(f"{n('beam_size')} must be at least 1 (got {self.beam_size})")
         if not 1 <= self.nbest <= max(self.beam_size, 1):
-            out.append(f"{n('nbest')} must be between 1 and {n('beam_size')} {self.beam_size} (got {self.nbest})")
+            out.append(f"{n('nbest')} must be between 1 and the beam width, {n('beam_size')} = {self.beam_size} "
+                       f"(got {self.nbest})")
         if not (math.isfinite(self.alpha) and 0 <= self.alpha <= MAX_ALPHA):  # past it the penalty overflows
             out.append(f"{n('alpha')} must be a number from 0 to {MAX_ALPHA:g} (got {self.alpha})")
         if not math.isfinite(self.max_len_a) or self.max_len_a < 0:
@@ -141,4 +151,9 @@ class DecodingOptions:
 
 
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata)  # in order
+# the JSON types a model dir's own decoding defaults (manifest.json's "decoding") may take, per field
+_KINDS: dict[str, tuple[tuple[type, ...], str]] = {
+    f.name: (((int, float), "a number") if f.type == "float" else ((int,), "an integer") if f.type == "int"
+             else ((str,), "a string"))
+    for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata}
 PAPER = DecodingOptions()

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from model import io_names
 from model.atomic import restore_replaced_dir
-from model.manifest import ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
+from model.manifest import MANIFEST, ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -229,5 +229,6 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
         raise RuntimeUserError(f"{opened.path / SPM_FILE}: {opened.tokenizer.vocab_size} pieces but the model has "
                                f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
     log.info("backend %s on %s, loaded in %.2f s", backend.name, backend.device, time.perf_counter() - started)
-    decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults).validate()
+    decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults,
+                                                                   str(opened.path / MANIFEST))
     return Loaded(opened, backend, decoding, replace(options, backend=chosen.name, step=backend.step_mode))

@@ -78,7 +78,7 @@ def test_serve_and_parity_share_the_search_options(capsys):
             assert f"--{name.replace('_', '-')}" in help_text and DecodingOptions.help(name) in help_text
     assert run_cli("serve-batch", *COMMANDS["serve-batch"], "--nbest", 5, "--alpha", 30) == 2
     err = capsys.readouterr().err
-    assert "--nbest must be between 1 and --beam-size 4" in err and "--alpha must be" in err
+    assert "--nbest must be between 1 and the beam width, --beam-size = 4" in err and "--alpha must be" in err
     for command, option in (("serve-batch", "--alpha"), ("parity", "--min-identical"), ("parity", "--max-bleu-delta")):
         for value in ("nan", "inf", "-inf"):  # every float option, as it is typed (a NaN gate passed everything)
             assert run_cli(command, *COMMANDS[command], option, value) == 2
@@ -159,4 +159,42 @@ def test_problems_name_fields_as_the_caller_phrases_them():
     bad = PAPER.replace(beam_size=0, nbest=2)
     assert bad.problems()[0] == "--beam-size must be at least 1 (got 0)"
     assert bad.problems(name=str) == ["beam_size must be at least 1 (got 0)",
-                                      "nbest must be between 1 and beam_size 0 (got 2)"]
+                                      "nbest must be between 1 and the beam width, beam_size = 0 (got 2)"]
+
+
+@pytest.mark.parametrize("defaults, says", [
+    ({"beam_size": 0}, "M: decoding.beam_size must be at least 1 (got 0)"),  # was blamed on --beam-size
+    ({"beam_size": "4"}, "M: decoding.beam_size is '4', not an integer"),  # was a TypeError
+    ({"alpha": True}, "M: decoding.alpha is True, not a number"),
+    ({"rules": 3}, "M: decoding.rules is 3, not a string"),
+    ({"beams": 4}, "M: decoding names unknown options: beams"),
+])
+def test_a_model_dirs_bad_decoding_defaults_are_named_as_its_own(defaults, says):
+    with pytest.raises(DecodingError) as e:
+        PAPER.for_model(defaults, "M")
+    assert str(e.value) == says and "--" not in str(e.value)
+
+
+def test_an_option_the_user_gave_is_named_as_such_beside_a_model_default():
+    given = PAPER.replace(nbest=3, explicit=frozenset({"nbest"}))
+    says = r"^--nbest must be between 1 and the beam width, M: decoding.beam_size = 2 "
+    with pytest.raises(DecodingError, match=says):
+        given.for_model({"beam_size": 2}, "M")
+    assert given.for_model({"nbest": 0}, "M").nbest == 3  # the user's option wins; the default it replaces is unused
+    with pytest.raises(DecodingError, match=r"^--beam-size must be at least 1 \(got 0\)$"):
+        PAPER.replace(beam_size=0, explicit=frozenset({"beam_size"})).for_model({"alpha": 1}, "M")
+
+
+def test_a_model_dir_with_a_bad_decoding_default_is_one_line_naming_its_manifest(fp32_dir, tmp_path, capsys):
+    import json
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(fp32_dir, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["decoding"] = {"beam_size": "4"}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    (tmp_path / "in.txt").write_text("hello\n")
+    assert run_cli("serve-batch", model, tmp_path / "in.txt", "-o", tmp_path / "out.txt") == 2
+    err = capsys.readouterr().err
+    assert f"error: {model / 'manifest.json'}: decoding.beam_size is '4', not an integer" in err
+    assert "Traceback" not in err and not (tmp_path / "out.txt").exists()
