@@ -165,6 +165,20 @@ def test_the_bounded_read_never_waits_on_a_fifo_nor_reads_a_device(tmp_path):
     assert read_bounded(grows, 2048) == b"x" * 2048
 
 
+@pytest.mark.parametrize("name, make", [
+    ("config.json", os.mkfifo),  # said "missing"
+    ("model.safetensors", os.mkdir),  # said "missing (nor is there a pytorch_model.bin)"
+    ("vocab.json", os.mkfifo),
+])
+def test_a_needed_file_that_is_a_pipe_or_directory_is_named_as_such(m2m_dir, tmp_path, capsys, name, make):
+    hf = copy_of(m2m_dir, tmp_path)
+    (hf / name).unlink()
+    make(hf / name)
+    code, err = import_cli(capsys, "m2m100", hf, tmp_path / "o.pt")
+    one_error_line(code, err, str(hf / name), "not a regular file")
+    assert "missing" not in err and not (tmp_path / "o.pt").exists()
+
+
 # -- 3. each file read once per import -------------------------------------------------------------------
 
 

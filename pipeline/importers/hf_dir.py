@@ -59,11 +59,11 @@ class HfDir(HFFiles):
         the directory; else one line naming the file. `what` names the kind of directory expected."""
         self.inside((*required, *optional))
         for name in required:
-            if not (self.dir / name).is_file():
+            if not self.has(name):
                 raise ImportRefused(f"{self.dir / name}: missing; {what} holds {', '.join(required)} and "
                                     f"{' or '.join(WEIGHTS)}")
         for name in WEIGHTS:
-            if (self.dir / name).is_file():
+            if self.has(name):
                 self._weights = self.dir / name
                 return self._weights
         raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]})")

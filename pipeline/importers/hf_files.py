@@ -191,8 +191,13 @@ class HFFiles:
         return path
 
     def has(self, name: str) -> bool:
-        """Whether `name` is a file of the directory (one resolving outside it is refused, not skipped)."""
-        return self.path(name).is_file()
+        """Whether `name` is a file of the directory (one resolving outside it is refused, not skipped, and so is
+        one that is there but not a regular file: a directory, pipe or device is not taken for "missing")."""
+        path = self.path(name)
+        if path.exists() and not path.is_file():
+            raise ImportRefused(f"{path}: not a regular file (a directory, pipe or device); the import reads it "
+                                "as a file of the model")
+        return path.is_file()
 
     def read_bytes(self, name: str) -> bytes:
         """The file's bytes, read bounded (read_bounded); their SHA-256 is kept for `digest_of`."""
