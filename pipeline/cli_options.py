@@ -51,15 +51,25 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
         return click.Choice(list(cli["choices"]))
     if base is Path:
         if cli.get("path") == "any":
-            return click.Path(path_type=Path, exists=cli.get("exists", False))
+            return GivenPath(path_type=Path, exists=cli.get("exists", False))
         directory = cli.get("path") == "dir"
-        return click.Path(path_type=Path, file_okay=not directory, dir_okay=directory,
+        return GivenPath(path_type=Path, file_okay=not directory, dir_okay=directory,
                           exists=cli.get("exists", False))
     if base is int:
         return click.IntRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else int
     if base is float:
         return FiniteFloatRange(min=cli.get("min"), max=cli.get("max")) if "min" in cli or "max" in cli else FINITE
     return str
+
+
+class GivenPath(click.Path):
+    """click.Path that refuses an empty path ('' from an unset shell variable), which click would take for the
+    current directory: `train --save-dir "$RUN"` trained into it, `import x --out ''` wrote there."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value:
+            self.fail("is an empty path (is a shell variable unset?)", param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class FiniteFloat(click.ParamType):

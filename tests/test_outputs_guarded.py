@@ -70,4 +70,19 @@ def test_an_empty_output_path_is_refused(capsys, fp32_dir, tmp_path):
     """'' (an unset shell variable) became the current directory: "error: : is a directory"."""
     src = write_lines(tmp_path / "in.txt", ["ab cd"])
     _refused(capsys, "serve-batch", fp32_dir, src, "-o", "", says="--output is empty; give a file path")
-    _refused(capsys, "parity", fp32_dir, "--src", src, "--ref", src, "--json", "", says="--json is empty")
+
+
+@pytest.mark.parametrize("args", [
+    ("train", "--save-dir", "", "--max-steps", "1"),  # trained into the current directory
+    ("random-checkpoint", ""),
+    ("import", "m2m100", "", "--out", "x.pt"),
+    ("average", ""),
+    ("serve-batch", "", "in.txt", "-o", "out.txt"),
+    ("parity", "m", "--src", "in.txt", "--ref", "in.txt", "--json", ""),
+])
+def test_an_empty_path_is_never_the_current_directory(capsys, tmp_path, monkeypatch, args):
+    """click turns '' (an unset shell variable) into '.'; GivenPath refuses it where it is typed."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli_captured(capsys, *args)
+    assert code == 2 and "is an empty path (is a shell variable unset?)" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import decoding_options, options_from, parse_backends, pick
+from pipeline.cli_options import GivenPath, decoding_options, options_from, parse_backends, pick
 from pipeline.evaluation.bench import BenchOptions, format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
@@ -21,7 +21,7 @@ from runtime.model_dir import LoadOptions
 
 
 @click.command("bench")
-@click.argument("model_dirs", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.argument("model_dirs", nargs=-1, required=True, type=GivenPath(path_type=Path))
 @options_from(BenchOptions, only=("backends", "batch_sizes"))
 @decoding_options("beam_size", "rules", notes={"rules": (
     "Here: ours in-process and with --whole-process (CTranslate2 has one rule: top-beam, its early exit).")})

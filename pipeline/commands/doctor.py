@@ -7,12 +7,12 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_options import options_from, pick
+from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.environment import DoctorOptions, check_model_dir, format_facts, format_verdicts, gather_facts
 
 
 @click.command("doctor")
-@click.argument("model_dir", required=False, type=click.Path(path_type=Path))
+@click.argument("model_dir", required=False, type=GivenPath(path_type=Path))
 @options_from(DoctorOptions)
 def doctor(model_dir: Path | None, **values: bool) -> None:
     """Say what this machine can run: Python, PyTorch (CUDA, cuDNN, GPUs, bf16, NCCL),

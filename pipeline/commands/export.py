@@ -14,7 +14,7 @@ from export.options import CALIBRATION_LINES, Calibration, ExportOptions
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import Manifest
-from pipeline.cli_options import options_from, pick
+from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.textio import read_lines, refuse_overwriting_inputs
 from pipeline.training.trainer import corpus_languages, validation_files
 from runtime import references
@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 @click.command("export")
-@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.argument("checkpoint", type=GivenPath(path_type=Path))
 @options_from(ExportOptions)
 def export(checkpoint: Path, **values: Any) -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from pipeline.cli_options import options_from
+from pipeline.cli_options import GivenPath, options_from
 from pipeline.importers.options import ImportOptions
 from pipeline.textio import check_output_file
 
@@ -20,7 +20,7 @@ from pipeline.textio import check_output_file
 def _import_arguments(command: Any) -> Any:
     """HF_DIR, --out and --force: what every importer takes."""
     command = options_from(ImportOptions)(command)
-    return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=click.Path(file_okay=False, path_type=Path)
+    return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=GivenPath(file_okay=False, path_type=Path)
                           )(command)
 
 

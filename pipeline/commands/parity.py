@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from model.manifest import PRECISIONS
-from pipeline.cli_options import decoding_options, options_from, parse_backends, pick
+from pipeline.cli_options import GivenPath, decoding_options, options_from, parse_backends, pick
 from pipeline.evaluation.parity import format_table, run_parity, write_json
 from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, SHORTLISTED, ParityOptions
 from pipeline.serve_batch.translation import ServeBatchOptions
@@ -20,7 +20,7 @@ from runtime.registry import installed
 
 
 @click.command("parity")
-@click.argument("model_dir", type=click.Path(path_type=Path))
+@click.argument("model_dir", type=GivenPath(path_type=Path))
 @options_from(ParityOptions, only=("src", "ref", "backends"))
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens", "batch_sentences", "rules")
 @options_from(ParityOptions, only=("reference_engine", "hf_dir"))

@@ -7,13 +7,13 @@ from typing import Any
 
 import click
 
-from pipeline.cli_options import options_from, pick
+from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.evaluation.random_model import RandomCheckpointOptions, make_random_checkpoint
 from pipeline.textio import check_output_file
 
 
 @click.command("random-checkpoint")
-@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("out", type=GivenPath(dir_okay=False, path_type=Path))
 @options_from(RandomCheckpointOptions)
 def random_checkpoint(out: Path, **values: Any) -> None:
     """Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to

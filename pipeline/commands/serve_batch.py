@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from pipeline.cli_options import decoding_options, options_from, pick
+from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
 from runtime.decoding import DecodingOptions
@@ -17,7 +17,7 @@ from runtime.model_dir import LoadOptions, load
 log = logging.getLogger(__name__)
 
 @click.command("serve-batch")
-@click.argument("model_dir", type=click.Path(file_okay=False))
+@click.argument("model_dir", type=GivenPath(file_okay=False))
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
 @click.option("-o", "--output", metavar="FILE",
               help="Write the translation of the single INPUT here ('-' = stdout).")

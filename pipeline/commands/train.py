@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.cli_options import options_from, pick
+from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.training import AverageOptions, TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
 
@@ -32,7 +32,7 @@ def train(**kwargs: object) -> None:
 
 
 @click.command()
-@click.argument("save_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.argument("save_dir", type=GivenPath(file_okay=False, path_type=Path))
 @options_from(AverageOptions)
 def average(save_dir: Path, **values: object) -> None:
     """Average the weights of the last K checkpoints of a save dir (section 6.1)."""

@@ -12,7 +12,7 @@ import click
 from model.atomic import atomic_write_text
 from model.errors import UserError
 from model.manifest import MANIFEST
-from pipeline.cli_options import decoding_options, options_from, pick
+from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
 from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
@@ -20,7 +20,7 @@ from runtime.model_dir import LoadOptions
 
 
 @click.command("tune-decoding")
-@click.argument("model", type=click.Path(path_type=Path))
+@click.argument("model", type=GivenPath(path_type=Path))
 @options_from(TuneOptions, only=("src", "ref", "beams", "alphas"))
 @decoding_options("max_len_a", "max_len_b", "batch_tokens", "batch_sentences")
 @options_from(LoadOptions, only=("device",))
