@@ -119,24 +119,49 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
         i = stop
 
 
-def parse_html(document: str) -> Markup:
-    """The document's pieces: markup copied, text nodes (adjacent text runs together) to translate."""
-    merged: list[list[int | bool]] = []  # start, stop, translatable
-    for start, stop, translatable in _runs(document):
-        if merged and merged[-1][2] == translatable and merged[-1][1] == start:
-            merged[-1][1] = stop
-        else:
-            merged.append([start, stop, translatable])
-    markup = Markup([document[int(a):int(b)] for a, b, _ in merged])
-    for index, (_, _, translatable) in enumerate(merged):
-        raw = markup.pieces[index]
-        if not translatable:
-            continue
+class TooManyTexts(ValueError):
+    """The document holds more than the `max_texts` its caller allows (found while parsing, before the rest)."""
+
+    def __init__(self, limit: int):
+        super().__init__(f"more than {limit} texts")
+        self.limit = limit
+
+
+def parse_html(document: str, max_texts: int | None = None) -> Markup:
+    """The document's pieces: markup copied, and each text node with letters (adjacent text runs together) to
+    translate; a text node without letters is copied as markup is, so the pieces grow with the texts, not
+    with the tags. Past `max_texts` texts, TooManyTexts at once."""
+    markup = Markup([])
+    copied = 0  # document[copied:] is not in markup.pieces yet
+    span: list[int] = []  # the text node being read: [start, stop]
+
+    def close_text() -> None:
+        nonlocal copied
+        raw = document[span[0]:span[1]]
         text = html.unescape(raw)
-        if any(c.isalpha() for c in text):
-            markup.texts.append(index)
-            markup.sources.append(text)
-            markup.entities.append(_spelled(raw))
+        if not any(c.isalpha() for c in text):
+            return
+        if max_texts is not None and len(markup.texts) >= max_texts:
+            raise TooManyTexts(max_texts)
+        if span[0] > copied:
+            markup.pieces.append(document[copied:span[0]])
+        markup.texts.append(len(markup.pieces))
+        markup.pieces.append(raw)
+        markup.sources.append(text)
+        markup.entities.append(_spelled(raw))
+        copied = span[1]
+
+    for start, stop, translatable in _runs(document):
+        if translatable and span and span[1] == start:
+            span[1] = stop
+            continue
+        if span:
+            close_text()
+        span = [start, stop] if translatable else []
+    if span:
+        close_text()
+    if copied < len(document):
+        markup.pieces.append(document[copied:])
     return markup
 
 

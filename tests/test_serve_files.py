@@ -361,3 +361,89 @@ def test_the_store_is_bounded_and_expires(monkeypatch):
     d = store.put("d", "t", b"1")
     clock[0] += 61
     assert store.get(d) is None
+
+
+# -- hostile sizes: memory in proportion to the texts, the limit met while reading, files apart from requests --
+
+
+def _peak(fn: Any, *args: Any) -> tuple[Any, int]:
+    """fn(*args) (or the exception it raised) and the peak bytes Python allocated meanwhile."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        got: Any = fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed back to the test
+        got = e
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return got, peak
+
+
+@pytest.mark.parametrize("name, data", [
+    ("digits.txt", b"12\n" * 700_000),  # lines without letters: copied, never listed (1.3 GB at 20 MiB before)
+    ("tags.html", b"<b>1</b>" * 250_000),  # tags and letterless text nodes: one piece, not 500,000
+    ("music.srt", b"1\n00:00:01,000 --> 00:00:02,000\n\xe2\x99\xaa\n\n" * 50_000),
+], ids=["txt", "html", "srt"])
+def test_a_file_without_texts_costs_its_size_not_a_list_per_line(name, data):
+    doc, peak = _peak(documents.read_document, name, data, 10)
+    assert doc.texts == [] and doc.rebuild([]) == data
+    assert peak < 4 * len(data), (peak, len(data))
+
+
+@pytest.mark.parametrize("name, data", [
+    ("many.txt", b"ab\n" * 700_000),
+    ("many.html", b"<p>ab</p>" * 250_000),
+    ("many.srt", b"1\n00:00:01,000 --> 00:00:02,000\nab\n\n" * 50_000),
+], ids=["txt", "html", "srt"])
+def test_a_file_past_max_sentences_is_refused_while_it_is_read(name, data):
+    refused, peak = _peak(documents.read_document, name, data, 10)
+    assert isinstance(refused, documents.DocumentError) and refused.too_large
+    assert str(refused) == "the file has more than 10 texts, this server's limit per request (--max-sentences); " \
+                           "split the file"
+    assert peak < 4 * len(data), (peak, len(data))
+
+
+def test_txt_and_srt_rebuild_every_byte_around_their_texts():
+    txt = "eins\r\n\r\n12\rzwei\n\n  drei  \n\u2028".encode()
+    doc = documents.read_document("a.txt", txt)
+    assert doc.texts == ["eins", "zwei", "  drei  "]
+    assert doc.rebuild(["A", "B", "C"]) == "A\r\n\r\n12\rB\n\nC\n\u2028".encode()
+    srt = ("1\r\n00:00:01,000 --> 00:00:02,000\r\nguten Tag,\r\n<i>mein</i> Freund\r\n\r\n"
+           "2\n00:00:03,000 --> 00:00:04,000\n\u266a  \u266a\n\n"  # no letters: copied as it is, spaces and all
+           "3\n00:00:05,000 --> 00:00:06,000\nzwei\nZeilen\n").encode()
+    doc = documents.read_document("a.srt", srt)
+    assert doc.texts == ["guten Tag, ", "mein", " Freund", "zwei Zeilen"]  # the text between tags too
+    assert doc.rebuild(["GOOD DAY, ", "MY", " FRIEND", "ONE"]).decode() == (
+        "1\r\n00:00:01,000 --> 00:00:02,000\r\nGOOD DAY,\r\n<i>MY</i> FRIEND\r\n\r\n"
+        "2\n00:00:03,000 --> 00:00:04,000\n\u266a  \u266a\n\n"
+        "3\n00:00:05,000 --> 00:00:06,000\nONE\n")  # fewer words than lines: the last line goes
+
+
+def test_files_being_read_never_hold_the_threads_that_prepare_requests(monkeypatch):
+    """Uploads are read on their own thread: four large ones took the four preparing threads, and a one-word
+    /translate waited 31 s behind them."""
+    import threading
+
+    entered, released, timed_out = threading.Semaphore(0), threading.Event(), []
+    real = documents.read_document
+
+    def slow(*args: Any) -> Any:
+        entered.release()
+        if not released.wait(30):
+            timed_out.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(documents, "read_document", slow)
+    with served() as c:
+        uploads = [threading.Thread(target=send, args=(c, f"f{k}.txt", b"Hallo\n")) for k in range(5)]
+        for t in uploads:
+            t.start()
+        assert entered.acquire(timeout=30)
+        r = c.post("/translate", json={"q": "Hallo Welt", "source": "de", "target": "en"})
+        answered_first = not timed_out
+        released.set()
+        for t in uploads:
+            t.join()
+    assert r.status_code == 200 and r.json()["translatedText"] == "HALLO WELT"
+    assert answered_first

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (ServerState.prepare), for every model
 READING_THREADS = 2  # read bodies' JSON and forms (ServerState.reading), never held by documents
+DOCUMENT_THREADS = 1  # read and rebuild uploaded files (ServerState.documents): files queue, requests do not
 
 
 class Counted:
@@ -126,6 +127,7 @@ def create_app(state: ServerState) -> Starlette:
         state.info["event_loop"] = type(asyncio.get_running_loop()).__module__.split(".")[0]  # uvloop, or asyncio
         state.prepare = prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         state.reading = reading = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="reading")
+        state.documents = documents = ThreadPoolExecutor(DOCUMENT_THREADS, thread_name_prefix="documents")
         for model in state.models.values():
             model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
                                     limits.max_wait_ms / 1000.0, limits.max_queue, lambda: state.in_flight)
@@ -138,6 +140,7 @@ def create_app(state: ServerState) -> Starlette:
                 await model.batcher.stop()  # type: ignore[union-attr]
             prepare.shutdown(wait=False, cancel_futures=True)
             reading.shutdown(wait=False, cancel_futures=True)
+            documents.shutdown(wait=False, cancel_futures=True)
 
     middleware = []  # the first is outermost: the access log sees preflights and CORS refusals too
     if state.access_log is not None:

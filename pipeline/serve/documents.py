@@ -26,7 +26,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeline.serve.archive_formats import read_docx, read_epub, read_odp, read_odt, read_pptx
-from pipeline.serve.text_formats import Document, DocumentError, extension, read_html, read_srt, read_txt
+from pipeline.serve.text_formats import (
+    Document,
+    DocumentError,
+    extension,
+    has_letters,
+    read_html,
+    read_srt,
+    read_txt,
+)
 
 __all__ = ["MAX_FILE_BYTES", "MEDIA_TYPES", "SUPPORTED", "Document", "DocumentError", "extension", "read_document"]
 
@@ -44,9 +52,10 @@ MEDIA_TYPES = {
 }
 
 
-def read_document(filename: str, data: bytes) -> Document:
-    """The file's texts and how to rebuild it (DocumentError naming what is wrong). CPU work in proportion to
-    the file: the route runs it off the event loop."""
+def read_document(filename: str, data: bytes, max_texts: int | None = None) -> Document:
+    """The file's texts and how to rebuild it (DocumentError naming what is wrong; too_large past MAX_FILE_BYTES
+    or `max_texts` texts, the plain formats refused as soon as they pass it, before the rest is parsed). CPU
+    work in proportion to the file: the route runs it off the event loop."""
     ext = extension(filename)
     if ext not in READERS:
         raise DocumentError(f"the format {ext or '(no extension)'} is not supported; supported: "
@@ -54,10 +63,16 @@ def read_document(filename: str, data: bytes) -> Document:
     if len(data) > MAX_FILE_BYTES:
         raise DocumentError(f"the file has {len(data)} bytes, more than this server's limit of {MAX_FILE_BYTES} "
                             f"({MAX_FILE_BYTES >> 20} MiB)", too_large=True)
-    return READERS[ext](data)
+    doc = PLAIN[ext](data, max_texts) if ext in PLAIN else ARCHIVES[ext](data)
+    texts = sum(1 for t in doc.texts if has_letters(t))
+    if max_texts is not None and texts > max_texts:  # an archive's, bounded by its unpacked size
+        raise DocumentError(f"the file has {texts} texts, more than this server's limit of {max_texts} per request "
+                            "(--max-sentences); split the file", too_large=True)
+    return doc
 
 
-READERS: dict[str, Callable[[bytes], Document]] = {
-    ".txt": read_txt, ".html": read_html, ".htm": read_html, ".srt": read_srt, ".docx": read_docx,
-    ".pptx": read_pptx, ".odt": read_odt, ".odp": read_odp, ".epub": read_epub,
-}
+PLAIN: dict[str, Callable[[bytes, int | None], Document]] = {
+    ".txt": read_txt, ".html": read_html, ".htm": read_html, ".srt": read_srt}
+ARCHIVES: dict[str, Callable[[bytes], Document]] = {
+    ".docx": read_docx, ".pptx": read_pptx, ".odt": read_odt, ".odp": read_odp, ".epub": read_epub}
+READERS = {**PLAIN, **ARCHIVES}

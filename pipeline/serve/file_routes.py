@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.glossaries import requested
-from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body, too_many
+from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.state import ServerState
 
@@ -168,12 +168,11 @@ async def translate_file(request: Request) -> Response:
             raise ApiError(400, f'"file" {filename[-60:]!r}: the format {extension(filename) or "(no extension)"} '
                                 f"is not supported; supported: {', '.join(documents.SUPPORTED)}")
         try:
-            doc: Document = await off_loop(state.prepare, documents.read_document, filename, data)
+            # each text is a sentence at least: one over --max-sentences is refused before any translation
+            doc: Document = await off_loop(state.documents, documents.read_document, filename, data,
+                                           state.limits.max_sentences)
         except DocumentError as e:
             raise ApiError(413 if e.too_large else 400, f'"file" {filename[-60:]!r}: {e}') from None
-        texts = sum(1 for t in doc.texts if any(c.isalpha() for c in t))
-        if texts > state.limits.max_sentences:  # each text is a sentence at least: refused before any work
-            raise ApiError(413, too_many(texts, "texts in the file", state.limits.max_sentences, "--max-sentences"))
         for code, key in ((source, "source"), (target, "target")):
             if code != "auto" and code not in state.routes.codes:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
@@ -182,7 +181,7 @@ async def translate_file(request: Request) -> Response:
         req = LibreRequest(doc.texts, True, source, target, False, 0, glossary)
         detected = await _source_of(state, req) if source == "auto" else None
         body, m = await translate_texts(request, state, req, None)
-        out = await off_loop(state.prepare, doc.rebuild, body["translatedText"])
+        out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
         ext = extension(filename)
         key = _store(request).put(download_name(filename, target), documents.MEDIA_TYPES[ext], out)
         answer: dict[str, Any] = {"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{key}"}

@@ -49,6 +49,9 @@ class ServerState:
     draining: bool = False
     prepare: ThreadPoolExecutor | None = None  # threads preparing requests and answers (app.py's lifespan)
     reading: ThreadPoolExecutor | None = None  # threads reading bodies, apart from `prepare` (app.py's lifespan)
+    # the thread reading and rebuilding uploaded files (/translate_file), apart from `prepare`: files wait for
+    # each other, never the requests the other threads prepare (app.py's lifespan)
+    documents: ThreadPoolExecutor | None = None
     keys: ApiKeys | None = None  # --api-keys: the keys, and the rule for requests without one
     cors_origin: str | None = "*"  # --cors-origin: Access-Control-Allow-Origin; None sends no CORS headers
     access_log: str | None = None  # --access-log: "text" or "json" lines; None writes none

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from runtime.markup import parse_html
+from runtime.markup import TooManyTexts, parse_html
 
 
 class DocumentError(ValueError):
@@ -64,31 +64,54 @@ def _decode(data: bytes, what: str) -> tuple[str, Callable[[str], bytes]]:
 LINE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|$)")
 
 
-def _lines(text: str) -> Iterator[tuple[str, str]]:
-    """(line, its end) for each line; the last one's end is ""."""
+def _lines(text: str) -> Iterator[re.Match[str]]:
+    """Each line as a match: group 1 the line, group 2 its end (the last line's is "")."""
     for m in LINE.finditer(text):
         if m.start() == len(text) and m.start() > 0:
             return
-        yield m.group(1), m.group(2)
+        yield m
 
 
-def read_txt(data: bytes) -> Document:
+def _too_many(max_texts: int) -> DocumentError:
+    return DocumentError(f"the file has more than {max_texts} texts, this server's limit per request "
+                         "(--max-sentences); split the file", too_large=True)
+
+
+def _counted(texts: list[str], max_texts: int | None) -> None:
+    """Refuse at once a file with more than `max_texts` texts (before the rest of it is read)."""
+    if max_texts is not None and len(texts) > max_texts:
+        raise _too_many(max_texts)
+
+
+def _spliced(text: str, spans: list[tuple[int, int]], parts: Iterator[str]) -> str:
+    """`text` with text[a:b] replaced by the next of `parts`, for each (a, b) of `spans` (in order)."""
+    out, copied = [], 0
+    for (a, b), part in zip(spans, parts):
+        out += [text[copied:a], part]
+        copied = b
+    return "".join(out) + text[copied:]
+
+
+def read_txt(data: bytes, max_texts: int | None = None) -> Document:
+    """Each line with letters a text; the rest of the file (line ends, lines without letters) copied. Only the
+    texts are kept apart, so a file of a million lines without letters costs no more than its string."""
     text, encode = _decode(data, ".txt file")
-    lines = list(_lines(text))
-    places = [i for i, (line, _) in enumerate(lines) if has_letters(line)]
-
-    def rebuild(translations: list[str]) -> bytes:
-        out = [line for line, _ in lines]
-        for i, t in zip(places, translations):
-            out[i] = t
-        return encode("".join(line + end for line, (_, end) in zip(out, lines)))
-
-    return Document([lines[i][0] for i in places], rebuild)
+    spans: list[tuple[int, int]] = []
+    texts: list[str] = []
+    for m in _lines(text):
+        if has_letters(m.group(1)):
+            spans.append(m.span(1))
+            texts.append(m.group(1))
+            _counted(texts, max_texts)
+    return Document(texts, lambda translations: encode(_spliced(text, spans, iter(translations))))
 
 
-def read_html(data: bytes) -> Document:
+def read_html(data: bytes, max_texts: int | None = None) -> Document:
     text, encode = _decode(data, "HTML file")
-    markup = parse_html(text)
+    try:
+        markup = parse_html(text, max_texts)
+    except TooManyTexts as e:
+        raise _too_many(e.limit) from None
     return Document(list(markup.sources), lambda translations: encode(markup.rebuild(translations)))
 
 
@@ -96,38 +119,48 @@ TIMING = re.compile(r"\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}\s*-->\s*\d+:\d{1,2}:\d{1
 TAG = re.compile(r"(<[^<>]*>|\{\\[^{}]*\})")  # <i>, </font>, {\an8}: copied, never translated
 
 
-def read_srt(data: bytes) -> Document:
+@dataclass
+class _Cue:
+    """A cue's text lines: where they start, each line's end (its line break), where the last one's end stops;
+    and the joined text cut at tags."""
+
+    start: int
+    ends: list[str]
+    stop: int
+    cut: list[str]
+
+
+def read_srt(data: bytes, max_texts: int | None = None) -> Document:
+    """Each cue's text (see documents.py); only cues with letters are kept apart, the rest is copied."""
     text, encode = _decode(data, ".srt file")
-    lines = list(_lines(text))
-    cues: list[tuple[int, int]] = []  # [first, last) text lines of each cue
-    i = 0
-    while i < len(lines):
-        if TIMING.fullmatch(lines[i][0]):
-            j = i + 1
-            while j < len(lines) and lines[j][0].strip():
-                j += 1
-            if j > i + 1:
-                cues.append((i + 1, j))
-            i = j
-        else:
-            i += 1
+    cues: list[_Cue] = []
     texts: list[str] = []
-    pieces: list[list[str]] = []  # per cue: its joined text cut at tags
-    for first, last in cues:
-        cut = TAG.split(" ".join(line.strip() for line, _ in lines[first:last]))
-        pieces.append(cut)
-        texts.extend(p for k, p in enumerate(cut) if k % 2 == 0 and has_letters(p))
+    lines = _lines(text)
+    m = next(lines, None)
+    while m is not None:
+        if not TIMING.fullmatch(m.group(1)):
+            m = next(lines, None)
+            continue
+        block: list[re.Match[str]] = []
+        m = next(lines, None)
+        while m is not None and m.group(1).strip():
+            block.append(m)
+            m = next(lines, None)
+        cut = TAG.split(" ".join(line.group(1).strip() for line in block))
+        said = [p for k, p in enumerate(cut) if k % 2 == 0 and has_letters(p)]
+        if said:
+            cues.append(_Cue(block[0].start(), [line.group(2) for line in block], block[-1].end(), cut))
+            texts.extend(said)
+            _counted(texts, max_texts)
+
+    def cue_text(cue: _Cue, given: Iterator[str]) -> str:
+        joined = "".join(next(given) if k % 2 == 0 and has_letters(p) else p for k, p in enumerate(cue.cut))
+        # fewer words than lines: the last lines go, each line kept with its own line end
+        return "".join(line + end for line, end in zip(_wrap(joined, len(cue.ends)), cue.ends))
 
     def rebuild(translations: list[str]) -> bytes:
-        out: list[str | None] = [line for line, _ in lines]
         given = iter(translations)
-        for (first, last), cut in zip(cues, pieces):
-            cue = "".join(next(given) if k % 2 == 0 and has_letters(p) else p for k, p in enumerate(cut))
-            wrapped = _wrap(cue, last - first)
-            for k in range(first, last):
-                out[k] = wrapped[k - first] if k - first < len(wrapped) else None  # fewer words than lines
-        kept = [(line, end) for line, (_, end) in zip(out, lines) if line is not None]
-        return encode("".join(line + end for line, end in kept))
+        return encode(_spliced(text, [(c.start, c.stop) for c in cues], (cue_text(c, given) for c in cues)))
 
     return Document(texts, rebuild)
 
