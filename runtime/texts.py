@@ -114,6 +114,9 @@ class Listed:
         return f"text[{m}]"
 
 
+Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
+
+
 @dataclass
 class EncodedTexts:
     """What encoding learned. Per unit (in text order): `ids` the source the model sees ([] for a blank text),
@@ -132,6 +135,8 @@ class EncodedTexts:
     documents: list[list[Split]] = field(default_factory=list)
     markups: list[Markup | None] = field(default_factory=list)
     terms: list[Terms] | None = None  # with a glossary: per unit, its terms found and their target tokens
+    # per unit: a document's sentence without letters (numbers, dates, emoji), copied, not translated (ids [])
+    copied: list[bool] = field(default_factory=list)
 
     @property
     def constraints(self) -> list[list[list[int]]] | None:
@@ -145,6 +150,11 @@ class EncodedTexts:
     def tokens(self) -> int:
         """Source tokens of every unit (EOS and prefix included)."""
         return sum(len(s) for s in self.ids)
+
+    def best(self, u: int, hyps: Hypotheses) -> str:
+        """Unit u's translation from its hypotheses (best first): the unit itself when it is copied, "" for a
+        blank one."""
+        return hyps[0][0] if hyps else self.units[u] if self.copied[u] else ""
 
     def split(self, k: int) -> Split | None:
         """Text k's sentences with split "sentences" (format text); None otherwise."""
@@ -200,8 +210,10 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         raise TooManyUnits(len(out.units), max_units)
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
-    out.ids = encode_sources(tokenizer, out.units, sys.maxsize, long_lines=policy.long_lines,
-                             prefix=policy.prefix).ids
+    # a sentence without letters is copied as it is: a model invents words for "123" or a date
+    out.copied = [policy.documents and not any(c.isalpha() for c in unit) for unit in out.units]
+    out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
+                             sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
     out.truncated = [0] * len(texts)
     for u, seq in enumerate(out.ids):
         if len(seq) > max_src_len:
@@ -240,9 +252,6 @@ def refuse_without_gather(backend: Backend) -> None:
         raise RuntimeUserError(f"the {backend.name} backend cannot apply a glossary here: use the onnxruntime "
                                "backend on a model dir exported by this version (it holds decoder_constrained.onnx), "
                                "or the torch backend with its eager step, without --shortlist")
-
-
-Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
 
 
 def hypotheses(tokenizer: AnyTokenizer, nbest: NBest) -> Hypotheses:
@@ -287,7 +296,7 @@ def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit:
     if len(nbest_per_unit) != len(encoded.ids):
         raise ValueError(f"{len(nbest_per_unit)} hypotheses lists for {len(encoded.ids)} units")
     outs = [hypotheses(tokenizer, nb) for nb in nbest_per_unit]
-    best = [h[0][0] if h else "" for h in outs]
+    best = [encoded.best(u, h) for u, h in enumerate(outs)]
     results = []
     others: list[str]
     for k, span in enumerate(encoded.spans):
@@ -313,8 +322,8 @@ def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit:
             others = []
         else:
             text, score = pieces[0], scores[0]
-            others = _distinct(text, [docs[0].rebuild([(h[j] if j < len(h) else h[0])[0] if h else ""
-                                                       for h in outs[span.start:span.stop]])
+            others = _distinct(text, [docs[0].rebuild([(h[j] if j < len(h) else h[0])[0] if h else best[u]
+                                                       for u, h in zip(span, outs[span.start:span.stop])])
                                       for j in range(1, n)])
         results.append(TextResult(text, others, [], score, truncated, empty, best[span.start:span.stop]))
     if encoded.terms is not None:

@@ -111,3 +111,19 @@ def test_nbest_lines_hypotheses_and_alternatives():
     documents = encode_texts(TOK, ["Ab. Cd."], 100, TextPolicy(split="sentences"))
     [doc] = finish_texts(TOK, documents, search(documents.ids, 2), 2)
     assert doc.text == "AB. CD." and doc.alternatives == [".BA .DC"] and doc.hypotheses == []
+
+
+def test_a_sentence_without_letters_is_copied_not_translated():
+    """A document's "123", date or emoji line went to the model, which invented words for it (serving.md:
+    text without letters is returned unchanged); a plain text is still one unit, whatever it holds."""
+    texts = ["Ab cd.\n123\n2024-01-01 \U0001F600", "<p>Ab.\n42</p>", "99"]
+    encoded = encode_texts(TOK, texts[:1], 64, TextPolicy(split="sentences"))
+    assert encoded.units == ["Ab cd.", "123", "2024-01-01 \U0001F600"] and encoded.copied == [False, True, True]
+    assert encoded.ids[1:] == [[], []] and encoded.tokens == 7  # the model sees only "Ab cd."
+    [result] = finish_texts(TOK, encoded, search(encoded.ids, 2), 2)
+    assert result.text == "AB CD.\n123\n2024-01-01 \U0001F600" and result.units[1:] == ["123", "2024-01-01 \U0001F600"]
+    assert result.alternatives == [".DC BA\n123\n2024-01-01 \U0001F600"]  # copied in every alternative too
+    html = encode_texts(TOK, texts[1:2], 64, TextPolicy(format="html"))
+    assert finish_texts(TOK, html, search(html.ids), 1)[0].text == "<p>AB.\n42</p>"
+    plain = encode_texts(TOK, texts[2:], 64, TextPolicy())
+    assert plain.copied == [False] and finish_texts(TOK, plain, search(plain.ids), 1)[0].text == "99"

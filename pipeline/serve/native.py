@@ -184,7 +184,7 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
             if split is None:
                 await wait(work, span.stop, state)
                 hyps = hypotheses(tokenizer, work.results[span.start])
-                best = hyps[0][0] if hyps else ""
+                best = encoded.best(span.start, hyps)
                 yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
                                                   else {"translation": best}), **terms(span.start, best)})
                 continue
@@ -193,8 +193,7 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
                                **({} if req.glossary is None else {"terms": []})})
             for j, unit in enumerate(span):
                 await wait(work, unit + 1, state)
-                hyps = hypotheses(tokenizer, work.results[unit])
-                best = hyps[0][0] if hyps else ""
+                best = encoded.best(unit, hypotheses(tokenizer, work.results[unit]))
                 yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, best),
                                **terms(unit, best)})
         count(m, encoded, work.results)
