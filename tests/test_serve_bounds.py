@@ -216,3 +216,133 @@ def test_query_string_fields_are_bounded():
         assert r.json()["translatedText"] == ["EIN HUND", "EINE KATZE"], r.text
         r = c.post("/translate", params={"q": ["a", "b"], "source": "de", "target": "en"})
         assert r.json()["translatedText"] == ["A", "B"], r.text
+
+
+def _read_body_of(declared: int | None, chunks: list[bytes], limits: RequestLimits,
+                  ends: bool = False) -> tuple[object, int, float]:
+    """http.read_body on a request declaring `declared` bytes whose client sends `chunks` and then stalls (or
+    ends its body there): what it returned or raised, how many times it asked for more, and the seconds taken."""
+    from starlette.requests import Request
+
+    from pipeline.serve.http import ApiError, read_body
+
+    asked = 0
+
+    async def receive() -> dict[str, object]:
+        nonlocal asked
+        asked += 1
+        if asked <= len(chunks):
+            return {"type": "http.request", "body": chunks[asked - 1], "more_body": not ends or asked < len(chunks)}
+        await asyncio.sleep(3600)  # a client that stalls
+        raise AssertionError("unreachable")
+
+    headers = [] if declared is None else [(b"content-length", str(declared).encode())]
+    request = Request({"type": "http", "method": "POST", "path": "/translate", "headers": headers}, receive)
+    started = time.monotonic()
+    try:
+        got: object = asyncio.run(read_body(request, limits))
+    except ApiError as e:
+        got = e
+    return got, asked, time.monotonic() - started
+
+
+def test_a_body_over_max_bytes_is_a_413_never_a_408():
+    """A declared size past --max-bytes waited out the 30 s body timeout and got 408 (the drain ran inside it)."""
+    limits = RequestLimits(max_bytes=2000, body_timeout_s=0.5)
+    huge, asked, _ = _read_body_of(10 ** 12, [], limits)  # past any drain: refused unread, the connection closed
+    assert huge.status == 413 and huge.headers == {"Connection": "close"} and asked == 0
+    assert str(huge) == "request body of 1000000000000 bytes is over this server's limit of 2000 bytes " \
+                        "(--max-bytes); split the request"
+    lying, _, seconds = _read_body_of(5000, [b"{}"], limits)  # declared over, and then never sent
+    assert lying.status == 413 and lying.headers == {"Connection": "close"} and seconds < 30
+    sent, _, _ = _read_body_of(3000, [b"x" * 1000] * 3, limits, ends=True)  # drained: the client reads its 413
+    assert sent.status == 413 and sent.headers == {}
+    streamed, _, _ = _read_body_of(None, [b"x" * 1500] * 2, limits)  # no length: over once read past the limit
+    assert streamed.status == 413 and "request body is over" in str(streamed)
+    stalled, _, _ = _read_body_of(100, [b"{"], limits)  # within the limit but slow: 408
+    assert stalled.status == 408 and stalled.headers == {"Connection": "close"}
+    whole, _, _ = _read_body_of(4, [b'{"a"'], RequestLimits(max_bytes=2000), ends=True)
+    assert whole == b'{"a"'
+
+
+@pytest.mark.parametrize("path", ["/detect", "/suggest", "/translate", "/translate_file"])
+def test_a_client_leaving_mid_body_leaves_nothing_in_the_log(path, caplog, tmp_path):
+    """/detect and /suggest let ClientDisconnect escape: an ERROR line and uvicorn's traceback per client."""
+    from pipeline.serve.suggestions import Suggestions
+
+    state = state_of({"de-en": (("de",), ("en",))})
+    state.suggestions = Suggestions(tmp_path / "s.db")
+    app = create_app(state)
+    sent: list[dict[str, object]] = []
+    messages = iter([{"type": "http.request", "body": b'{"q": "ab', "more_body": True}, {"type": "http.disconnect"}])
+
+    async def receive() -> dict[str, object]:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    kind = b"multipart/form-data; boundary=x" if path == "/translate_file" else b"application/json"
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"content-length", b"1000"),
+             (b"content-type", kind)], "query_string": b"", "server": ("x", 80), "scheme": "http", "app": app}
+    caplog.set_level(logging.INFO)
+    asyncio.run(app(scope, receive, send))
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] in ([], [499])
+
+
+def test_unknown_routes_wrong_methods_and_refused_preflights_answer_json():
+    """Starlette's defaults answered these in plain text ("Not Found"), against every other refusal's JSON."""
+    with client(state_of({"de-en": (("de",), ("en",))})) as c:
+        r = c.get("/nope")
+        assert r.status_code == 404 and r.json() == {"error": "no route GET /nope; GET /spec describes this "
+                                                              "server's API"}
+        r = c.get("/translate")
+        assert r.status_code == 405 and r.json() == {"error": "/translate takes POST, not GET"}
+        assert r.headers["allow"] == "POST"
+        r = c.delete("/languages")
+        assert r.status_code == 405 and r.json()["error"].startswith("/languages takes GET")
+        r = c.options("/translate", headers={"Origin": "http://page", "Access-Control-Request-Method": "DELETE"})
+        assert r.status_code == 400 and r.json() == {"error": "CORS preflight refused: Disallowed CORS method"}
+        assert r.headers["access-control-allow-origin"] == "*"
+        r = c.options("/translate", headers={"Origin": "http://page", "Access-Control-Request-Method": "POST"})
+        assert r.status_code == 200
+
+
+def test_libretranslate_copies_a_sentence_without_letters():
+    state = state_of({"de-en": (("de",), ("en",))})
+    with client(state) as c:
+        r = c.post("/translate", json={"q": ["Der Hund.\n123", "\U0001F600"], "source": "de", "target": "en"})
+        assert r.json()["translatedText"] == ["DER HUND.\n123", "\U0001F600"]
+    sent = [ids for batch in state.models["de-en"].translator.batches for ids in batch if ids]
+    assert len(sent) == 1 and len(sent[0]) == len("Der Hund.") + 1
+
+
+def test_libretranslate_fields_of_a_wrong_type_are_400s_not_defaults(tmp_path):
+    """`format` [] / 0 / false was served as text, `api_key` 0 / false / [] as no key (a keyed server served
+    them keyless), `alternatives` 10^9 passed when no text reached a model, invalid UTF-8 in the query string
+    became U+FFFD, a lone surrogate reached /detect, a file in /translate's form named no field."""
+    (tmp_path / "keys").write_text(KEY + "\n")
+    keys = ApiKeys.read(str(tmp_path / "keys"), require=True)
+    q = {"q": "Hallo", "source": "de", "target": "en", "api_key": KEY}
+    with client(state_of({"de-en": (("de",), ("en",))}, keys)) as c:
+        for kind in ([], 0, False):
+            r = c.post("/translate", json={**q, "format": kind})
+            assert r.status_code == 400 and r.json()["error"].startswith('"format" must be "text" or "html"')
+        for kind in (None, ""):
+            assert c.post("/translate", json={**q, "format": kind}).json()["translatedText"] == "HALLO"
+        for key in (0, False, []):
+            r = c.post("/translate", json={**q, "api_key": key})
+            assert r.status_code == 400 and r.json()["error"] == '"api_key" must be a string'
+        r = c.post("/translate", json={**q, "target": "de", "alternatives": 10 ** 9})
+        assert r.status_code == 400 and r.json()["error"] == "\"alternatives\" 1000000000 is above this server's " \
+                                                             "limit of 3"
+        assert c.post("/translate", json={**q, "alternatives": -1}).json()["translatedText"] == "HALLO"  # as there
+        r = c.post(f"/translate?q=%ff&source=de&target=en&api_key={KEY}")
+        assert r.status_code == 400 and r.json()["error"].startswith("the query string is not UTF-8 form data")
+        r = c.post("/detect", content=json.dumps({"q": "\udc00abc", "api_key": KEY}),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]
+        r = c.post("/translate", data={"source": "de", "target": "en", "api_key": KEY},
+                   files={"q": ("q.txt", b"Hallo", "text/plain")})
+        assert r.status_code == 400 and r.json()["error"].startswith("the form data holds a file")

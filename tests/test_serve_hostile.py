@@ -369,3 +369,17 @@ def test_unreadable_json_is_400_in_one_line_without_a_traceback(body, says, capl
     assert says in error and "\n" not in error and "set_int_max_str_digits" not in error
     assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.WARNING]
 
+
+
+def test_a_sentence_without_letters_reaches_no_model_on_any_api():
+    """ "kipi tava\\n123" came back with words invented for "123" (the native API split into sentences, its
+    stream, and LibreTranslate's /translate: test_serve_bounds.py); such a sentence is copied, never sent."""
+    stand_in = StandIn()
+    with client(stand_in) as c:
+        doc = "Der Hund.\n123\n2024-01-01"
+        r = c.post("/translate", json={"text": [doc], "split": "sentences"})
+        assert r.json() == {"translations": ["DER HUND.\n123\n2024-01-01"]}
+        lines = c.post("/translate", json={"text": [doc], "split": "sentences", "stream": True}).text.splitlines()
+        assert [json.loads(line)["translation"] for line in lines] == ["DER HUND.\n", "123\n", "2024-01-01"]
+    sent = [ids for batch in stand_in.batches for ids in batch if ids]
+    assert len(sent) == 2 and all(len(ids) == len("Der Hund.") + 1 for ids in sent)  # EOS

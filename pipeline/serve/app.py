@@ -22,6 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -110,6 +112,36 @@ async def info(request: Request) -> Response:
     return JSONResponse({"model": name, **state.models[name].info, **state.info})
 
 
+async def _gone(request: Request, exc: Exception) -> Response:
+    """A client that left before its answer (any route): nothing to send, nothing to log."""
+    return Response(status_code=CLIENT_CLOSED)
+
+
+async def _no_route(request: Request, exc: Exception) -> Response:
+    """Starlette's 404 and 405, as every refusal is answered: {"error": ...} naming the route."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 405:
+        allowed = ", ".join(sorted(m for m in (exc.headers or {}).get("Allow", "").split(", ") if m))
+        message = f"{request.url.path} takes {allowed or 'other methods'}, not {request.method}"
+    elif exc.status_code == 404:
+        message = f"no route {request.method} {request.url.path}; GET /spec describes this server's API"
+    else:
+        message = str(exc.detail)
+    return error(ApiError(exc.status_code, message, dict(exc.headers or {})))
+
+
+class JsonCors(CORSMiddleware):
+    """CORSMiddleware whose refused preflight is answered as every refusal is: {"error": ...}, not plain text."""
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code < 400:
+            return response
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return error(ApiError(response.status_code, f"CORS preflight refused: {bytes(response.body).decode()}",
+                              headers))
+
+
 async def _unavailable(request: Request, exc: Exception) -> Response:
     """Whatever escapes a route: 503, never 500."""
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
@@ -146,7 +178,7 @@ def create_app(state: ServerState) -> Starlette:
     if state.access_log is not None:
         middleware.append(Middleware(AccessLog, fmt=state.access_log))
     if state.cors_origin is not None:  # browsers' pages and add-ons call the API from other origins
-        middleware.append(Middleware(CORSMiddleware, allow_origins=[state.cors_origin], allow_methods=["GET", "POST"],
+        middleware.append(Middleware(JsonCors, allow_origins=[state.cors_origin], allow_methods=["GET", "POST"],
                                      allow_headers=["*"], max_age=600))
     app = Starlette(routes=[
         Route("/", page.page, methods=["GET"]),
@@ -162,6 +194,7 @@ def create_app(state: ServerState) -> Starlette:
         Route("/suggest", suggestions.suggest, methods=["POST"]),
         Route("/spec", spec.spec, methods=["GET"]),
         Route("/docs", spec.docs, methods=["GET"]),
-    ], lifespan=lifespan, exception_handlers={Exception: _unavailable}, middleware=middleware)
+    ], lifespan=lifespan, exception_handlers={Exception: _unavailable, ClientDisconnect: _gone,
+                                                    HTTPException: _no_route}, middleware=middleware)
     app.state.server = state
     return app

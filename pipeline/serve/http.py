@@ -104,39 +104,49 @@ async def client_gone(request: Request) -> None:
 
 async def read_body(request: Request, limits: RequestLimits) -> bytes:
     """The body, within body_timeout_s (408 and the connection closed beyond: a stalled client holds
-    nothing); over max_bytes (declared or streamed) a 413, sent once the rest of the body has been
-    drained within DRAIN_BYTES / DRAIN_SECONDS so that the client receives it."""
-    try:
-        return await asyncio.wait_for(_read_body(request, limits.max_bytes), limits.body_timeout_s)
-    except asyncio.TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
-                       {"Connection": "close"}) from None
-
-
-async def _read_body(request: Request, max_bytes: int) -> bytes:
+    nothing). Over max_bytes, declared or streamed, a 413: at once with the connection closed for a body
+    declared past DRAIN_BYTES, else once the rest of the body has been drained (within DRAIN_BYTES and the
+    shorter of DRAIN_SECONDS and body_timeout_s; closed past them) so that a client still sending receives it."""
     declared = request.headers.get("content-length")
-    over = declared is not None and declared.isdigit() and int(declared) > max_bytes
+    size = int(declared) if declared is not None and declared.isdigit() else None
     stream = request.stream()
+    if size is not None and size > max(limits.max_bytes, DRAIN_BYTES):
+        raise _too_large(size, limits.max_bytes, drained=False)
+    if size is None or size <= limits.max_bytes:
+        try:
+            body = await asyncio.wait_for(_read_within(stream, limits.max_bytes), limits.body_timeout_s)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {limits.body_timeout_s:g} s",
+                           {"Connection": "close"}) from None
+        if isinstance(body, bytes):
+            return body
+        seen = body
+    else:
+        seen = 0
+    raise _too_large(size, limits.max_bytes, await _drain(stream, seen, min(DRAIN_SECONDS, limits.body_timeout_s)))
+
+
+async def _read_within(stream: AsyncIterator[bytes], max_bytes: int) -> bytes | int:
+    """The body, or how many bytes were read when it passed max_bytes."""
     chunks: list[bytes] = []
     size = 0
-    if not over:
-        async for chunk in stream:
-            size += len(chunk)
-            if size > max_bytes:
-                over = True
-                break
-            chunks.append(chunk)
-        else:
-            return b"".join(chunks)
-    drained = await _drain(stream, size)
-    what = f"request body of {declared} bytes" if declared and declared.isdigit() else "request body"
-    raise ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes (--max-bytes); split the request",
-                   headers=None if drained else {"Connection": "close"})
+    async for chunk in stream:
+        size += len(chunk)
+        if size > max_bytes:
+            return size
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
-async def _drain(stream: AsyncIterator[bytes], seen: int) -> bool:
+def _too_large(declared: int | None, max_bytes: int, drained: bool) -> ApiError:
+    what = "request body" if declared is None else f"request body of {declared} bytes"
+    return ApiError(413, f"{what} is over this server's limit of {max_bytes} bytes (--max-bytes); split the request",
+                    headers=None if drained else {"Connection": "close"})
+
+
+async def _drain(stream: AsyncIterator[bytes], seen: int, seconds: float) -> bool:
     """Read and discard the rest of a body; False when it is longer than DRAIN_BYTES or slower than
-    DRAIN_SECONDS (the connection is then closed after the answer)."""
+    `seconds` (the connection is then closed after the answer)."""
     async def consume() -> bool:
         total = seen
         async for chunk in stream:
@@ -146,7 +156,7 @@ async def _drain(stream: AsyncIterator[bytes], seen: int) -> bool:
         return True
 
     try:
-        return await asyncio.wait_for(consume(), DRAIN_SECONDS)
+        return await asyncio.wait_for(consume(), seconds)
     except asyncio.TimeoutError:
         return False
 
@@ -187,11 +197,8 @@ def parse_json(body: bytes) -> Any:
 
 
 def query_fields(request: Request) -> dict[str, Any]:
-    """The query string's fields (as form fields are read), at most MAX_FORM_FIELDS."""
-    pairs = request.query_params.multi_items()
-    if len(pairs) > MAX_FORM_FIELDS:
-        raise ApiError(400, f"the query string has more than {MAX_FORM_FIELDS} fields")
-    return _first_of_each(pairs)
+    """The query string's fields (as form fields are read: strict UTF-8, at most MAX_FORM_FIELDS)."""
+    return _urlencoded(request.scope.get("query_string", b""), "the query string")
 
 
 def is_form(headers: Headers, body: bytes) -> bool:
@@ -204,13 +211,19 @@ def is_form(headers: Headers, body: bytes) -> bool:
 def parse_urlencoded(body: bytes) -> dict[str, Any]:
     """An application/x-www-form-urlencoded body's fields (the first of a repeated one, as LibreTranslate
     reads them)."""
+    return _urlencoded(body, "request body")
+
+
+def _urlencoded(data: bytes, what: str) -> dict[str, Any]:
+    """URL-encoded fields, strictly UTF-8 (raw or percent-encoded: a client's mistake is a 400, never text
+    with replacement characters), at most MAX_FORM_FIELDS."""
     try:
-        pairs = urllib.parse.parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict",
+        pairs = urllib.parse.parse_qsl(data.decode("utf-8"), keep_blank_values=True, errors="strict",
                                        max_num_fields=MAX_FORM_FIELDS)
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"request body is not UTF-8 form data ({e.reason} at byte {e.start})") from None
-    except ValueError as e:
-        raise ApiError(400, f"request body is not readable form data: {e}") from None
+        raise ApiError(400, f"{what} is not UTF-8 form data ({e.reason} at byte {e.start})") from None
+    except ValueError:  # parse_qsl's only other refusal: "Max number of fields exceeded"
+        raise ApiError(400, f"{what} has more than {MAX_FORM_FIELDS} fields") from None
     return _first_of_each(pairs)
 
 
@@ -240,10 +253,11 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
         raise ApiError(415, 'multipart form data needs python-multipart on this server (pip install -e ".[serve]"); '
                             "send JSON or application/x-www-form-urlencoded") from None
     except MultiPartException as e:
+        if "files" in e.message:  # max_files=0: any part with a filename
+            raise ApiError(400, "the form data holds a file; this route takes text fields (a document goes to "
+                                "POST /translate_file)") from None
         raise ApiError(400, f"request body is not readable form data: {e.message}") from None
     pairs: list[tuple[str, str]] = []
     for key, value in form.multi_items():
-        if not isinstance(value, str):
-            raise ApiError(400, f'form field "{key}" is a file; send text')
-        pairs.append((key, value))
+        pairs.append((key, str(value)))
     return _first_of_each(pairs)

@@ -21,7 +21,17 @@ from starlette.responses import JSONResponse, Response
 
 from pipeline.serve.access import note
 from pipeline.serve.glossaries import for_model, requested, text_terms
-from pipeline.serve.http import ApiError, CountedDisconnect, bearer, error, failed, off_loop, read_payload, too_many
+from pipeline.serve.http import (
+    ApiError,
+    CountedDisconnect,
+    bearer,
+    error,
+    failed,
+    off_loop,
+    query_fields,
+    read_payload,
+    too_many,
+)
 from pipeline.serve.keys import KeyRefused, RateLimited
 from pipeline.serve.languages import language_name
 from pipeline.serve.metrics import ModelMetrics
@@ -47,8 +57,8 @@ def check_key(state: ServerState, given: Any, request: Request) -> None:
     LibreTranslate reads it; or Authorization: Bearer), 429 over its rate."""
     if state.keys is None:
         return
-    if not given:
-        given = request.query_params.get("api_key") or bearer(request.headers.get("authorization", ""))
+    if given is None or given == "":  # 0, false or [] are a wrong type, never "no key"
+        given = query_fields(request).get("api_key") or bearer(request.headers.get("authorization", ""))
     if given is not None and not isinstance(given, str):
         raise ApiError(400, '"api_key" must be a string')
     try:
@@ -103,7 +113,8 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
     if form:  # as LibreTranslate: line ends of form data are \n
         texts = ["\n".join(t.splitlines()) for t in texts]
     source, target = _code(data, "source"), _code(data, "target")
-    kind = data.get("format") or "text"
+    kind = data.get("format")
+    kind = "text" if kind is None or kind == "" else kind
     if kind not in ("text", "html"):
         raise ApiError(400, f'"format" must be "text" or "html", not {str(kind)[:20]!r}')
     n = data.get("alternatives", 0)
@@ -111,8 +122,12 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool):
         raise ApiError(400, f'"alternatives" must be a whole number, not {str(n)[:20]!r}')
+    n = max(0, n)  # as LibreTranslate: a negative count asks for none
+    most = max(model.max_beam for model in state.models.values()) - 1
+    if n > most:  # checked whatever the texts are (those returned unchanged too), not only once one reaches a model
+        raise ApiError(400, f'"alternatives" {n} is above this server\'s limit of {most}')
     glossary = requested(data.get("glossary"), state.glossaries)
-    return LibreRequest(texts, batch, source, target, kind == "html", max(0, n), glossary)
+    return LibreRequest(texts, batch, source, target, kind == "html", n, glossary)
 
 
 @dataclass
@@ -279,6 +294,10 @@ async def detect(request: Request) -> Response:
             q = "\n".join(q)
         if not isinstance(q, str):
             raise ApiError(400, '"q" must be a string')
+        try:
+            q.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ApiError(400, "q holds a lone surrogate (\\ud800-\\udfff), not text") from None
         if state.detector is None:
             raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
         return JSONResponse(await off_loop(state.prepare, state.detector.rank, q))
