@@ -1,10 +1,10 @@
 """Glossaries: "always translate X as Y" and "never translate this name", as constraints for search.
 
-A glossary is loaded and checked once (`load_glossary` for a TSV file, `glossary_from_mapping` for an
-inline one sent with an HTTP request); for each source sentence `terms_for` finds its terms and turns
-their targets into the model's target tokens, which constrained search (runtime/constrained.py) forces
-into the output; `applied_terms` then says which targets the output holds. docs/glossary.md is the
-user's guide.
+A glossary is loaded and checked once (runtime/glossary_file.py: `load_glossary` for a TSV file,
+`glossary_from_mapping` for an inline one sent with an HTTP request); for each source sentence
+`terms_for` finds its terms and turns their targets into the model's target tokens, which constrained
+search (runtime/constrained.py) forces into the output; `applied_terms` then says which targets the output
+holds. docs/glossary.md is the user's guide.
 
 Decisions, each so that one glossary means one thing:
 - Matching is whole words (no letter, digit or underscore, nor a combining mark, on either side), on
@@ -26,25 +26,23 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 from typing import Any
 
 from model.config import UNK_ID
 from runtime.errors import RuntimeUserError
 
 MAX_TERM_CHARS = 100  # characters of a source or target term, after whitespace is collapsed
-MAX_GLOSSARY_TERMS = 10_000  # entries of one glossary file
-MAX_REQUEST_TERMS = 256  # entries of a glossary sent inline with a request
 MAX_SENTENCE_TERMS = 16  # distinct targets forced into one sentence's translation
 MAX_TERM_TOKENS = 32  # target tokens of one term
 
 EncodeTarget = Callable[[list[str]], list[list[int]]]
+DecodeTarget = Callable[[list[list[int]]], list[str]]
 
 _SPACE = re.compile(r"\s+")
-_BOM = "\ufeff"
+_WORD = re.compile(r"\w")
 
 
 @dataclass(frozen=True)
@@ -109,6 +107,9 @@ class Terms:
     targets: tuple[str, ...] = ()
     constraints: list[list[int]] = field(default_factory=list)
     dropped: int = 0
+    # each forced target as the model writes it (its tokens decoded: the tokenizer's normalisation drops or
+    # rewrites some characters, a joiner for one); empty without a decoder
+    spelled: tuple[str, ...] = ()
 
 
 NO_TERMS = Terms()
@@ -121,99 +122,6 @@ def _fold(text: str, case_sensitive: bool) -> str:
     text = unicodedata.normalize("NFC", text)
     return text if case_sensitive else unicodedata.normalize("NFC", text.casefold())
 
-
-def _field(text: str) -> str:
-    return _SPACE.sub(" ", text.strip())
-
-
-def _entry(source: str, target: str, where: str) -> Entry:
-    """An entry from its two fields, or a RuntimeUserError starting with `where`."""
-    source, target = _field(source), _field(target)
-    if not source:
-        raise RuntimeUserError(f"{where}: the source term is empty (a line is `source<TAB>target`)")
-    for name, term in (("source", source), ("target", target)):
-        if len(term) > MAX_TERM_CHARS:
-            raise RuntimeUserError(f"{where}: the {name} term {_short(term)} is {len(term)} characters, more than "
-                                   f"MAX_TERM_CHARS ({MAX_TERM_CHARS})")
-    return Entry(source, target or source, dnt=not target)
-
-
-def _short(term: str, limit: int = 30) -> str:
-    """A term in a message: quoted, cut at `limit` characters."""
-    return repr(term) if len(term) <= limit else repr(term[:limit]) + "..."
-
-
-def _describe(entry: Entry) -> str:
-    return f"{entry.source!r} (do not translate)" if entry.dnt else f"{entry.source!r} -> {entry.target!r}"
-
-
-def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
-    """The glossary of (entry, where) pairs: identical duplicates dropped; the same source term (folded) with
-    two targets refused in one line naming both."""
-    seen: dict[str, tuple[Entry, str]] = {}
-    kept: dict[tuple[str, str, bool], str] = {}  # entry -> where it was first given
-    for entry, where in entries:
-        key = _fold(entry.source, case_sensitive=False)
-        meaning = (entry.dnt, "" if entry.dnt else unicodedata.normalize("NFC", entry.target))
-        first = seen.setdefault(key, (entry, where))
-        first_meaning = (first[0].dnt, "" if first[0].dnt else unicodedata.normalize("NFC", first[0].target))
-        if meaning != first_meaning:
-            raise RuntimeUserError(f"{where}: {_describe(entry)} conflicts with {first[1]}: {_describe(first[0])} "
-                                   f"(the same source term, compared case-insensitively, with two targets)")
-        kept.setdefault((entry.source, entry.target, entry.dnt), where)
-    return Glossary(tuple(Entry(*k) for k in kept), tuple(kept.values()))
-
-
-def load_glossary(path: str | Path) -> Glossary:
-    """A glossary file: UTF-8 TSV, `source<TAB>target` a line, an empty or absent target meaning do not
-    translate; blank lines and lines starting with `#` skipped, a BOM dropped. Every problem is one
-    RuntimeUserError naming FILE:LINE."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as e:
-        raise RuntimeUserError(f"{path}: cannot read the glossary ({e.strerror or e})") from None
-    if data.startswith(_BOM.encode()):
-        data = data[len(_BOM.encode()):]
-    entries: list[tuple[Entry, str]] = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        where = f"{path}:{number}"
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise RuntimeUserError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                                   f"save the glossary as UTF-8") from None
-        if not line.strip() or line.startswith("#"):
-            continue
-        fields = line.split("\t")
-        if len(fields) > 2:
-            raise RuntimeUserError(f"{where}: {len(fields)} tab-separated fields, at most 2 (source term, "
-                                   f"target term)")
-        if len(entries) == MAX_GLOSSARY_TERMS:
-            raise RuntimeUserError(f"{where}: more than MAX_GLOSSARY_TERMS ({MAX_GLOSSARY_TERMS}) entries in "
-                                   f"one glossary; keep the terms that matter or split it by domain")
-        entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
-    return _checked(entries)
-
-
-def glossary_from_mapping(mapping: Any, where: str = "glossary", limit: int = MAX_REQUEST_TERMS) -> Glossary:
-    """An inline glossary (`{"Hund": "dog", "Acme": ""}`, "" meaning do not translate), checked as a file
-    is; errors name `where` (the request's field) and the entry."""
-    if not isinstance(mapping, Mapping):
-        raise RuntimeUserError(f"{where}: expected an object of source term -> target term, not "
-                               f"{type(mapping).__name__}")
-    if len(mapping) > limit:
-        raise RuntimeUserError(f"{where}: {len(mapping)} entries, more than MAX_REQUEST_TERMS ({limit}) in one "
-                               f"request; load a larger glossary on the server")
-    entries: list[tuple[Entry, str]] = []
-    for source, target in mapping.items():
-        place = f"{where}[{_short(source) if isinstance(source, str) else repr(source)}]"
-        if not isinstance(source, str):
-            raise RuntimeUserError(f"{place}: the source term must be a string, not {type(source).__name__}")
-        if not isinstance(target, str):
-            raise RuntimeUserError(f'{place}: the target term must be a string ("" = do not translate), not '
-                                   f"{type(target).__name__}")
-        entries.append((_entry(source, target, place), place))
-    return _checked(entries)
 
 # -- matching -------------------------------------------------------------------------------------
 
@@ -249,7 +157,11 @@ class _Matcher:
             for char in term:
                 node = node.setdefault(char, {})
             node[""] = {}
-        self.pattern = re.compile(r"(?<!\w)" + _trie_pattern(root) + r"(?!\w)") if root else None
+        try:
+            self.pattern = re.compile(r"(?<!\w)" + _trie_pattern(root) + r"(?!\w)") if root else None
+        except RecursionError:  # terms that each extend another, hundreds deep (case folding lengthens some)
+            raise RuntimeUserError("the glossary's terms nest too deeply to be matched: hundreds of them each "
+                                   "begin with another; leave out the intermediate ones") from None
 
     def fold(self, text: str) -> tuple[str, list[int] | None]:
         """The folded text and, where folding changed lengths, the original offset of each folded character
@@ -282,10 +194,14 @@ class _Matcher:
         pos = 0
         while (m := self.pattern.search(folded, pos)) is not None:
             s, e = m.span()
-            bounded = (s == 0 or not _mark(folded[s - 1])) and (e == len(folded) or not _mark(folded[e]))
-            if origin is not None:  # a match must start and end where an original character does
-                bounded = bounded and (s == 0 or origin[s - 1] != origin[s]) and origin[e - 1] != origin[e]
-            if not bounded:
+            bounded = self._bounded(folded, origin, s, e)
+            while not bounded:  # the longest term here ends inside a word: a shorter one may not
+                m = self._shorter(folded, s, e)
+                if m is None:
+                    break
+                e = m.end()
+                bounded = self._bounded(folded, origin, s, e)
+            if m is None or not bounded:
                 pos = s + 1
                 continue
             start, end = (s, e) if origin is None else (origin[s], origin[e])
@@ -293,6 +209,28 @@ class _Matcher:
             matches.append(Match(start, end, entry, text[start:end]))
             pos = e
         return matches
+
+
+    @staticmethod
+    def _bounded(folded: str, origin: list[int] | None, s: int, e: int) -> bool:
+        """folded[s:e] is whole: no combining mark beside it, and (where folding changed lengths) it starts and
+        ends where an original character does."""
+        bounded = (s == 0 or not _mark(folded[s - 1])) and (e == len(folded) or not _mark(folded[e]))
+        if origin is not None:
+            bounded = bounded and (s == 0 or origin[s - 1] != origin[s]) and origin[e - 1] != origin[e]
+        return bounded
+
+    def _shorter(self, folded: str, s: int, e: int) -> re.Match[str] | None:
+        """The longest term starting at s and ending before e, followed by no word character."""
+        assert self.pattern is not None
+        while e > s + 1:
+            m = self.pattern.match(folded, s, e - 1)  # the end of the slice passes the pattern's (?!\w) ...
+            if m is None:
+                return None
+            e = m.end()
+            if e == len(folded) or not _WORD.match(folded, e):  # ... so the real next character is checked here
+                return m
+        return None
 
 
 def find_terms(glossary: Glossary, text: str, case_sensitive: bool = False) -> list[Match]:
@@ -356,7 +294,7 @@ def check_targets(glossary: Glossary, encode_target: EncodeTarget, unk_id: int =
 
 
 def terms_for(glossary: Glossary, text: str, encode_target: EncodeTarget, unk_id: int = UNK_ID,
-              case_sensitive: bool = False) -> Terms:
+              case_sensitive: bool = False, decode_target: DecodeTarget | None = None) -> Terms:
     """One sentence's Terms: its matches, and the first MAX_SENTENCE_TERMS distinct targets (text order)
     with their tokens; the number beyond is `dropped`. A do-not-translate term as the sentence spells it
     that the vocabulary cannot spell (a capital its SentencePiece never saw) is left to the model, not
@@ -377,20 +315,24 @@ def terms_for(glossary: Glossary, text: str, encode_target: EncodeTarget, unk_id
             continue
         constrained.append(target)
         constraints.append(list(tokens))
-    return Terms(tuple(matches), tuple(constrained), constraints, max(0, len(targets) - MAX_SENTENCE_TERMS))
+    spelled = tuple(decode_target(constraints)) if decode_target is not None and constraints else ()
+    return Terms(tuple(matches), tuple(constrained), constraints, max(0, len(targets) - MAX_SENTENCE_TERMS), spelled)
 
 
 def applied_terms(terms: Terms, output_text: str) -> list[dict[str, Any]]:
     """Which of the sentence's terms its translation holds, once per (source term, target) in text order:
     `{"source", "target", "applied", "constrained"}`. Applied is an exact substring match (as the WMT 2021
     terminology task's exact-match accuracy counts), after NFKC on both sides (the model's SentencePiece
-    normalises its output so); constrained is false for a target beyond MAX_SENTENCE_TERMS."""
+    normalises its output so) or of the target as the model spells it (Terms.spelled); constrained is false for
+    a target beyond MAX_SENTENCE_TERMS."""
     output = unicodedata.normalize("NFKC", output_text)
-    constrained = set(terms.targets)
+    spelled = dict(zip(terms.targets, terms.spelled))
     report: dict[tuple[str, str], dict[str, Any]] = {}
     for match in terms.matches:
         target = unicodedata.normalize("NFC", match.target)
+        forms = (target, spelled[target]) if target in spelled else (target,)
         report.setdefault((match.entry.source, target), {
             "source": match.entry.source, "target": target,
-            "applied": unicodedata.normalize("NFKC", target) in output, "constrained": target in constrained})
+            "applied": any(unicodedata.normalize("NFKC", form) in output for form in forms),
+            "constrained": target in terms.targets})
     return list(report.values())

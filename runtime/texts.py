@@ -23,7 +23,8 @@ from typing import Protocol
 
 from runtime.backend import Backend
 from runtime.errors import RuntimeUserError
-from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, load_glossary, terms_for
+from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, terms_for
+from runtime.glossary_file import load_glossaries
 from runtime.markup import Markup, parse_html
 from runtime.sentences import DEFAULT_LANG, Split, split_sentences
 from runtime.tokenizer import AnyTokenizer
@@ -215,26 +216,49 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
                              sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
     out.truncated = [0] * len(texts)
+    seen = list(out.units)  # per unit, the text the model sees: a cut unit's glossary terms are found in it alone
     for u, seq in enumerate(out.ids):
         if len(seq) > max_src_len:
+            if glossary is not None and len(glossary):
+                seen[u] = _kept_text(tokenizer, out.units[u], max_src_len - len(policy.prefix))
             name, line = where[u] if policy.documents else named.line(out.owners[u])
             fitted = encode_sources(tokenizer, [out.units[u]], max_src_len, long_lines=policy.long_lines,
                                     origin=name, first_line=line, prefix=policy.prefix)
             out.ids[u] = fitted.ids[0]
             out.truncated[out.owners[u]] += fitted.truncated
     if glossary is not None and len(glossary):
-        out.terms = [terms_for(glossary, unit, tokenizer.encode, tokenizer.unk_id) if ids else NO_TERMS
-                     for unit, ids in zip(out.units, out.ids)]
+        out.terms = [terms_for(glossary, unit, tokenizer.encode, tokenizer.unk_id, decode_target=tokenizer.decode)
+                     if ids else NO_TERMS
+                     for unit, ids in zip(seen, out.ids)]
     return out
 
 
-def open_glossary(path: str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
-    """The glossary file read and checked once (every fixed target spelled by the model's vocabulary), for a
-    backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
-    if path is None:
+def _kept_text(tokenizer: AnyTokenizer, text: str, limit: int) -> str:
+    """The longest start of `text` whose source pieces and EOS fit in `limit` tokens (what truncation keeps), less
+    the word it cuts."""
+    low, high = 0, len(text)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(tokenizer.encode_source([text[:mid]])[0]) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    while 0 < low < len(text) and _in_word(text[low - 1]) and _in_word(text[low]):  # a word cut is not a term
+        low -= 1
+    return text[:low]
+
+
+def _in_word(char: str) -> bool:
+    return char.isalnum() or char == "_"
+
+
+def open_glossary(paths: Sequence[str] | str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
+    """The glossary files read as one and checked once (every fixed target spelled by the model's vocabulary), for
+    a backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
+    if not paths:
         return None
     refuse_without_gather(backend)  # before reading the file: the fix is the backend, whatever the file holds
-    glossary = load_glossary(path)
+    glossary = load_glossaries([paths] if isinstance(paths, str) else paths)
     check_glossary(glossary, tokenizer, backend)
     return glossary
 

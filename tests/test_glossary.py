@@ -14,8 +14,6 @@ import pytest
 
 from runtime.errors import RuntimeUserError
 from runtime.glossary import (
-    MAX_GLOSSARY_TERMS,
-    MAX_REQUEST_TERMS,
     MAX_SENTENCE_TERMS,
     MAX_TERM_CHARS,
     Entry,
@@ -24,10 +22,9 @@ from runtime.glossary import (
     check_targets,
     constraints_for,
     find_terms,
-    glossary_from_mapping,
-    load_glossary,
     terms_for,
 )
+from runtime.glossary_file import MAX_GLOSSARY_TERMS, MAX_REQUEST_TERMS, glossary_from_mapping, load_glossary
 from runtime.tokenizer import Tokenizer
 
 
@@ -240,7 +237,7 @@ def test_a_do_not_translate_term_the_vocabulary_cannot_spell_is_left_to_the_mode
 @pytest.mark.parametrize("mapping, text, needles", [
     ({"Hund": "qux"}, "der Hund", ["'Hund' -> 'qux'", "cannot spell 'qx'", "unknown token"]),
     ({"Hund": "Dog"}, "der Hund", ["'Hund' -> 'Dog'", "cannot spell 'D'"]),
-    ({"Hund": "\u200b"}, "der Hund", ["'Hund'", "encodes the target as no tokens"]),
+    ({"Hund": "\u200c"}, "der Hund", ["'Hund'", "encodes the target as no tokens"]),  # a joiner alone
     ({"Hund": "a " * 40}, "der Hund", ["'Hund'", "40 tokens", "MAX_TERM_TOKENS (32)"]),
 ])
 def test_targets_the_vocabulary_cannot_spell_are_refused(tokenizer: Tokenizer, mapping: dict[str, str], text: str,
@@ -297,3 +294,91 @@ def test_the_tokenizer_one_text_at_a_time_as_sentencepiece_batches_them(tokenize
     assert tokenizer.decode([[2, *ids[0], 3], [], ids[2]]) == tokenizer.sp.decode([ids[0], [], ids[2]])
     with pytest.raises(TypeError, match="list of texts"):
         tokenizer.encode("ein hund")
+
+
+# -- what a careless file or request holds (each refused where it is loaded, or matched as meant) -------
+
+
+@pytest.mark.parametrize("content, needles", [
+    ("kinisa\tlamu\u200bguret\n", ["terms.tsv:1:", "target term", "U+200B (ZERO WIDTH SPACE)"]),  # applied: false
+    ("da\tguret\n\ufeffkinisa\tlamu\n", ["terms.tsv:2:", "U+FEFF"]),  # a second file's BOM, mid-file: never found
+    ("Hund\t\u2581dog\n", ["terms.tsv:1:", "U+2581"]),  # SentencePiece's own word-start mark
+    ("H\x00u\x00n\x00d\x00\tdog\n", ["terms.tsv:1:", "U+0000", "is the file UTF-16? save it as UTF-8"]),
+    ("Hund,dog\nKatze,cat\n", ["terms.tsv:", "none a tab", "not CSV"]),  # loaded as two do-not-translate terms
+])
+def test_what_no_term_holds_is_refused_naming_the_line(tmp_path: Path, content: str, needles: list[str]):
+    with refused(*needles) as info:
+        load_glossary(write(tmp_path, content))
+    one_line(info)
+
+
+def test_joiners_indented_comments_and_commas_in_a_tab_file_are_kept(tmp_path: Path):
+    g = load_glossary(write(tmp_path, "  # a comment, indented\nmi\u200cravam\tI go\nAcme, Inc.\nHund\tdog\n"))
+    assert g.entries == (Entry("mi\u200cravam", "I go", False), Entry("Acme, Inc.", "Acme, Inc.", True),
+                         Entry("Hund", "dog", False))
+
+
+def test_an_inline_term_with_a_lone_surrogate_or_given_twice_is_refused():
+    """A surrogate target was a 503 "retry later" (the tokenizer's RuntimeError); a repeated key kept its last."""
+    from pipeline.serve.http import parse_json
+
+    with refused("glossary['kinisa']", "U+D800", "surrogate"):
+        glossary_from_mapping({"kinisa": "la\ud800"})
+    with refused("glossary['kinisa']", "given twice"):
+        glossary_from_mapping(parse_json(b'{"kinisa": "lamu", "kinisa": "guret"}'))
+    assert glossary_from_mapping(parse_json(b'{"kinisa": "lamu", "vobi": "guret"}')).entries[1].target == "guret"
+
+
+def test_terms_nested_too_deeply_for_a_regex_are_refused_where_loaded(tmp_path: Path):
+    """Each term the one before it and more, 300 folded characters deep (a ligature folds to three): the trie's
+    regex hit Python's recursion limit on the first sentence (a traceback; every request a 503 in serve)."""
+    terms = {("\ufb03" * (k // 3) + "ffi"[:k % 3]) + end for k in range(1, 301) for end in ("", "b")}
+    path = write(tmp_path, "".join(f"{t}\tlamu\n" for t in sorted(terms) if t and len(t) <= MAX_TERM_CHARS))
+    with refused("nest too deeply") as info:
+        load_glossary(path)
+    one_line(info)
+
+
+def test_a_shorter_term_is_found_where_the_longer_one_ends_inside_a_word():
+    """At one place the longest term was tried alone: when a combining mark followed it, the shorter term there
+    was never tried (Hindi: भारत in भारत सरकारी)."""
+    g = glossary_from_mapping({"kinisa": "lamu", "kinisa vobi": "guret"})
+    assert spans(g, "da kinisa vobi\u0331 u") == [("kinisa", "lamu")]
+    assert spans(g, "da kinisa vobi u") == [("kinisa vobi", "guret")]
+    hindi = glossary_from_mapping({"भारत": "India", "भारत सरकार": "Government of India"})
+    assert spans(hindi, "भारत सरकारी योजना") == [("भारत", "India")]
+    assert spans(hindi, "भारत सरकार की योजना") == [("भारत सरकार", "Government of India")]
+
+
+def test_a_glossary_is_read_bounded_and_several_files_are_one(tmp_path: Path):
+    with refused("/dev/zero", "over 16 MiB") as info:
+        load_glossary("/dev/zero")  # was read whole: a MemoryError traceback
+    one_line(info)
+    with refused("the glossary path is empty"):
+        load_glossary("")
+    from runtime.glossary_file import load_glossaries
+
+    a, b = write(tmp_path, "Hund\tdog\nAcme\n", "a.tsv"), write(tmp_path, "Katze\tcat\nHUND\tdog\n", "b.tsv")
+    assert [e.source for e in load_glossaries([a, b]).entries] == ["Hund", "Acme", "Katze", "HUND"]
+    with refused("c.tsv:1:", "a.tsv:1:", "conflicts"):
+        load_glossaries([a, write(tmp_path, "hund\thound\n", "c.tsv")])
+
+
+def test_applied_compares_the_target_as_the_model_spells_it(tokenizer: Tokenizer):
+    """A joiner the tokenizer rewrites (this SentencePiece model: as a space): the forced tokens came out, but the
+    report said applied: false."""
+    g = glossary_from_mapping({"Hund": "do\u200cg"})
+    terms = terms_for(g, "der Hund", tokenizer.encode, decode_target=tokenizer.decode)
+    assert terms.constraints == tokenizer.encode(["do g"]) and terms.spelled == ("do g",)
+    assert applied_terms(terms, "the do g")[0]["applied"] is True
+    assert applied_terms(terms_for(g, "der Hund", tokenizer.encode), "the do g")[0]["applied"] is False
+
+
+def test_a_term_cut_off_a_long_line_is_not_forced(tokenizer: Tokenizer):
+    from runtime.texts import TextPolicy, encode_texts
+
+    g = glossary_from_mapping({"hund": "dog"})
+    line = "der " * 40 + "hund"
+    encoded = encode_texts(tokenizer, [line, "der hund " + "der " * 40], 12, TextPolicy(), glossary=g)
+    assert encoded.truncated == [1, 1]
+    assert encoded.terms[0].matches == () and encoded.constraints == [[], tokenizer.encode(["dog"])]

@@ -32,7 +32,7 @@ from pipeline.serve.options import RequestLimits, ServeHttpOptions  # noqa: E402
 from pipeline.serve.runner import load_model  # noqa: E402
 from pipeline.serve.state import ServerState  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
-from runtime.glossary import MAX_REQUEST_TERMS  # noqa: E402
+from runtime.glossary_file import MAX_REQUEST_TERMS  # noqa: E402
 from runtime.model_dir import LoadOptions  # noqa: E402
 
 GLOSSARY = "hund\ttree\nkatze\t\n"  # "hund" as "tree" (never its translation), "katze" kept as it is
@@ -273,3 +273,22 @@ def test_the_cli_serves_its_glossaries(trained_model_dir, glossary_file, tmp_pat
                          timeout=60).json()
         assert re.search(r"\btree\b", got["translations"][0]) and got["terms"] == [[HUND]], got
     assert "glossaries: terms (2 entries)" in (tmp_path / "log.txt").read_text()
+
+
+@pytest.mark.parametrize("raw, needles", [
+    ('{"hund": "tr\\ud800"}', ["glossary['hund']", "U+D800"]),  # was a 503 "retry later" and a traceback
+    ('{"hund": "tree", "hund": "car"}', ["glossary['hund']", "given twice"]),  # the last one won, in silence
+    ('"{\\"hund\\": \\"tree\\", \\"hund\\": \\"car\\"}"', ["glossary['hund']", "given twice"]),  # a JSON string
+])
+def test_an_inline_glossary_that_would_lose_or_break_a_term_is_a_400(client, raw, needles):
+    for head in ('"text": ["der hund"]', '"q": "der hund", "source": "de", "target": "en"'):
+        body = "{" + head + ', "glossary": ' + raw + "}"
+        r = client.post("/translate", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and all(n in r.json()["error"] for n in needles), r.text
+
+
+def test_libretranslate_checks_a_glossary_when_no_text_reaches_a_model(client):
+    """Numbers alone are returned unchanged; the glossary the model cannot spell was answered 200 then."""
+    r = client.post("/translate", json={"q": ["123"], "source": "de", "target": "en",
+                                        "glossary": {"hund": "\u0416\u0417"}})
+    assert r.status_code == 400 and "cannot spell" in r.json()["error"]

@@ -11,7 +11,8 @@ import shutil
 import pytest
 from helpers import assert_one_line_error, make_parallel, run_cli, run_cli_captured, write_lines
 
-from runtime.glossary import find_terms, load_glossary
+from runtime.glossary import find_terms
+from runtime.glossary_file import load_glossary
 
 GLOSSARY = "hund\ttree\nkatze\t\n"  # "hund" as "tree" (never its translation), "katze" kept as it is
 
@@ -137,3 +138,41 @@ def test_the_ray_and_spark_translator_applies_a_glossary_as_serve_batch_does(cap
     columns = translator({"text": __import__("numpy").array(lines[:3], dtype=object)})
     assert "terms" in columns and len(columns["terms"]) == 3
     assert "terms" not in Translator(trained_model_dir).translate(lines[:2]).columns()
+
+
+def test_the_glossary_is_read_once_for_every_input_and_may_be_given_twice(capsys, trained_model_dir, tmp_path):
+    """A pipe (`--glossary <(...)`) served only the first input: the file was read again per input, and the
+    second read found the pipe empty. A second --glossary replaced the first in silence; now they are one."""
+    import os
+    import threading
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    inputs = [write_lines(a / "x.de", ["der hund sieht"]), write_lines(b / "y.de", ["der hund sieht"])]
+    fifo = tmp_path / "terms.fifo"
+    os.mkfifo(fifo)
+
+    def writer() -> None:
+        with open(fifo, "w", encoding="utf-8") as f:
+            f.write("hund\ttree\n")
+        for _ in range(120):  # a second reader finds nothing more (as the shell's pipe gives nothing more)
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:  # no reader waiting
+                threading.Event().wait(0.5)
+                continue
+            os.close(fd)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    code, _, err = run_cli_captured(capsys, "serve-batch", trained_model_dir, *inputs, "--output-dir", tmp_path / "o",
+                                    "--glossary", fifo, "--no-progress", "--threads", "1")
+    assert code == 0, err
+    assert ["tree" in (tmp_path / "o" / name).read_text() for name in ("x.de", "y.de")] == [True, True]
+    more = tmp_path / "more.tsv"
+    more.write_text("sieht\tcar\n", encoding="utf-8")
+    first = tmp_path / "first.tsv"
+    first.write_text("hund\ttree\n", encoding="utf-8")
+    out, _ = _translate(capsys, trained_model_dir, tmp_path, ["der hund sieht"], "--glossary", first,
+                        "--glossary", more)
+    assert "tree" in out[0] and "car" in out[0]

@@ -36,7 +36,7 @@ from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import read_head
 from runtime.decoding import DecodingOptions
-from runtime.glossary import load_glossary
+from runtime.glossary_file import load_glossaries
 from runtime.model_dir import LoadOptions
 
 log = logging.getLogger(__name__)
@@ -138,9 +138,9 @@ def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOption
     """Translate every shard of plan.todo on the cluster (reached or started here) into its output."""
     import ray
 
-    if opts.glossary is not None:  # a bad file is a one-line error here, not a failure in every actor
-        load_glossary(opts.glossary)
-        opts = dataclasses.replace(opts, glossary=str(Path(opts.glossary).resolve()))  # the actors' cwd may differ
+    if opts.glossary:  # a bad file is a one-line error here, not a failure in every actor
+        load_glossaries(opts.glossary)
+        opts = dataclasses.replace(opts, glossary=tuple(str(Path(g).resolve()) for g in opts.glossary))  # their cwd
     stats = JobStats()
     started = time.perf_counter()
     ours = connect(ray_opts.address)

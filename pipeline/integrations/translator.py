@@ -67,12 +67,13 @@ class Translator:
     `decoding` are the options the user gave (the model's own defaults fill the others, as in serve-batch);
     `options` serve-batch's line policy (`--long-lines`, `--split`, ...; `decoding` replaces its own).
     `origin_columns` (path, line): columns naming each row's file and line number, for the one-line error of
-    a refused row; without them a row is named by its place in the batch. `glossary`: a glossary file (it
-    replaces options.glossary), read and checked once per worker."""
+    a refused row; without them a row is named by its place in the batch. `glossary`: a glossary file or several
+    (used as one; it replaces options.glossary), read and checked once per worker."""
 
     def __init__(self, model_dir: str | Path, *, column: str = "text", load_options: LoadOptions | None = None,
                  decoding: DecodingOptions = PAPER, options: ServeBatchOptions | None = None,
-                 origin_columns: tuple[str, str] | None = None, glossary: str | Path | None = None):
+                 origin_columns: tuple[str, str] | None = None,
+                 glossary: str | Path | Sequence[str | Path] | None = None):
         load_options = load_options or LoadOptions()
         if load_options.threads is None:
             load_options = dataclasses.replace(load_options, threads=1)
@@ -81,7 +82,8 @@ class Translator:
         self.loaded = load(ModelDir.open(model_dir), load_options, decoding)
         self.options = dataclasses.replace(options or ServeBatchOptions(), decoding=self.loaded.decoding).validate()
         if glossary is not None:
-            self.options = dataclasses.replace(self.options, glossary=str(glossary))
+            given = [glossary] if isinstance(glossary, (str, Path)) else glossary
+            self.options = dataclasses.replace(self.options, glossary=tuple(str(g) for g in given))
         try:
             self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
         except RuntimeUserError as e:

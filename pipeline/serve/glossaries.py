@@ -16,10 +16,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from model.errors import UserError
-from pipeline.serve.http import ApiError
+from pipeline.serve.http import ApiError, json_object
 from pipeline.serve.translator import Translator
 from runtime.errors import RuntimeUserError
-from runtime.glossary import Glossary, applied_terms, glossary_from_mapping, load_glossary
+from runtime.glossary import Glossary, applied_terms
+from runtime.glossary_file import glossary_from_mapping, load_glossary
 from runtime.texts import EncodedTexts, TextResult, check_glossary
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a simple identifier: never mistaken for an inline glossary
@@ -81,7 +82,7 @@ def requested(value: Any, known: Mapping[str, Glossary]) -> Glossary | None:
         return None
     if isinstance(value, str) and value.lstrip().startswith("{"):
         try:
-            value = json.loads(value)
+            value = json.loads(value, object_pairs_hook=json_object)
         except (ValueError, RecursionError) as e:
             raise GlossaryError(f'"{FIELD}" starts with {{ but is not a JSON object of terms: '
                                 f"{str(e).split(';')[0][:200]}") from None

@@ -178,6 +178,26 @@ async def read_payload(request: Request, limits: RequestLimits, pool: Executor |
     return await off_loop(pool, parse_json, body), False
 
 
+class JsonObject(dict):
+    """A JSON object that gave keys more than once: `repeated_keys` names them (the last value is kept, as json
+    keeps it). What reads the object decides whether that loses anything (an inline glossary's term does)."""
+
+    repeated_keys: tuple[str, ...] = ()
+
+
+def json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object_pairs_hook: a dict, or a JsonObject naming its repeated keys."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):
+        return obj
+    counts: dict[str, int] = {}
+    for key, _ in pairs:
+        counts[key] = counts.get(key, 0) + 1
+    out = JsonObject(obj)
+    out.repeated_keys = tuple(key for key, n in counts.items() if n > 1)
+    return out
+
+
 def parse_json(body: bytes) -> Any:
     """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer)."""
     try:
@@ -186,7 +206,7 @@ def parse_json(body: bytes) -> Any:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})"
                        ) from None
     try:
-        data = json.loads(decoded)
+        data = json.loads(decoded, object_pairs_hook=json_object)
     except json.JSONDecodeError as e:
         raise ApiError(400, f"request body is not JSON: {e}") from None
     except RecursionError:  # the client's mistake, not a fault to retry

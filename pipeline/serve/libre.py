@@ -170,6 +170,11 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
                                 f"server translates; it translates {state.routes.listed()}")
         group = groups.setdefault((model.name, source), _Group(model, source, []))
         group.places.append(i)
+    if not groups and req.glossary is not None and req.source not in ("auto", req.target):
+        # no text needs a model (numbers alone): the glossary is checked as if one had, against the pair's
+        routed = state.routes.model(req.source, req.target)
+        if routed is not None:
+            for_model(req.glossary, routed.translator, state.glossaries)
     for group in groups.values():
         decoding = group.model.decoding
         if req.alternatives:

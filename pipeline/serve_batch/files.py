@@ -42,6 +42,7 @@ from pipeline.textio import atomic_output, check_output_file, open_binary, refus
 from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
+from runtime.glossary import Glossary
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.model_dir import ModelDir
 from runtime.texts import open_glossary
@@ -175,12 +176,13 @@ class _Advance:
 
 
 def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str, opts: ServeBatchOptions,
-                      ctx: DistContext = ONE_PROCESS, progress: bool = False) -> Iterator[TranslatedWindow]:
-    """The serving path: each window of `input_path` read, encoded, translated (split over
-    the ranks) and formatted, in input order. Rank 0 gets every window; other ranks only
-    do their share and get nothing. serve-batch writes these; parity measures them."""
+                      ctx: DistContext = ONE_PROCESS, progress: bool = False, glossary: Glossary | None = None
+                      ) -> Iterator[TranslatedWindow]:
+    """The serving path: each window of `input_path` read, encoded (with `glossary`: opts.glossary opened once
+    per run, on rank 0, by open_glossary), translated (split over the ranks) and formatted, in input order.
+    Rank 0 gets every window; other ranks only do their share and get nothing. serve-batch writes these;
+    parity measures them."""
     direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
-    glossary = open_glossary(opts.glossary, tokenizer, backend) if ctx.is_main else None
     windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix,
                            glossary) if ctx.is_main else None
     shown = progress and ctx.is_main and sys.stderr.isatty()
@@ -207,11 +209,12 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
 
 
 def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str, out: IO[str] | None,
-                     opts: ServeBatchOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
+                     opts: ServeBatchOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True,
+                     glossary: Glossary | None = None) -> ServeStats:
     """Translate one input into `out` (rank 0; None on other ranks), window by window."""
     stats = ServeStats()
     started = time.perf_counter()
-    for window in translate_windows(backend, tokenizer, input_path, opts, ctx, progress):
+    for window in translate_windows(backend, tokenizer, input_path, opts, ctx, progress, glossary):
         out.write("".join(line + "\n" for line in window.lines))  # type: ignore[union-attr]
         stats.count(window)
         stats.min_len_over += window.min_len_over
@@ -293,14 +296,16 @@ def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output
 
 def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], outputs: list[str],
                 opts: ServeBatchOptions, ctx: DistContext = ONE_PROCESS, progress: bool = True) -> ServeStats:
-    """Translate every input to its output; each output appears complete or not at all."""
+    """Translate every input to its output; each output appears complete or not at all. The glossary is read
+    once, before any input (a pipe given as --glossary serves every input)."""
     total = ServeStats()
+    glossary = open_glossary(opts.glossary, tokenizer, backend) if ctx.is_main else None
     for inp, outp in zip(inputs, outputs):
         if inp != "-":
             open_binary(inp).close()  # a missing input fails on every rank, before any output
         if ctx.is_main:
             with atomic_output(outp, "w") as out:
-                stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress)
+                stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress, glossary)
         else:
             stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
         total.add(stats)

@@ -53,9 +53,10 @@ class ServeBatchOptions:
     format: str = opt("text", "html: each line is an HTML document whose text is translated (each text node as "
                               "with --split sentences) and whose markup is kept byte for byte, as `pipeline serve` "
                               "does for \"format\": \"html\" (docs/serving.md).", choices=FORMATS)
-    glossary: str | None = opt(None, "A glossary (TSV: source term, target term; an empty target: do not "
-                                     "translate): its terms found in a line are kept in its translation "
-                                     "(docs/glossary.md).", metavar="FILE")
+    glossary: tuple[str, ...] = opt((), "A glossary (TSV: source term, target term; an empty target: do not "
+                                         "translate): its terms found in a line are kept in its translation "
+                                         "(docs/glossary.md). Repeatable: the files are used as one, a term two "
+                                         "of them translate differently refused.", multiple=True, metavar="FILE")
 
     def validate(self) -> ServeBatchOptions:
         problems = [] if self.window >= 1 else [f"--window must be at least 1 (got {self.window})"]

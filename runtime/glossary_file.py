@@ -1,0 +1,173 @@
+"""Glossaries in: a TSV file (`load_glossary`) or an inline mapping sent with an HTTP request
+(`glossary_from_mapping`), each entry checked and the whole checked once, into a runtime/glossary.py `Glossary`
+whose matcher is compiled before it is used, so that a glossary that cannot be matched is refused where it is
+loaded (a server's start, a request's 400), never when a sentence meets it. docs/glossary.md says what a file
+may hold; every refusal is one RuntimeUserError naming FILE:LINE or glossary['KEY'].
+
+What a careless file holds is refused rather than loaded as terms that can never match or be reported:
+characters no one types in a term (control and format characters, a byte-order mark mid-file, a zero-width
+space, SentencePiece's meta symbol; joiners, which some scripts spell with, are kept), a file that is CSV, a
+JSON object that repeats a key. The file is read bounded (MAX_GLOSSARY_BYTES), so /dev/zero is refused, not
+read for ever."""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from runtime.errors import RuntimeUserError
+from runtime.glossary import _SPACE, MAX_TERM_CHARS, Entry, Glossary, _fold
+
+MAX_GLOSSARY_TERMS = 10_000  # entries (lines that are not blank or comments) of one glossary file
+MAX_REQUEST_TERMS = 256  # entries of a glossary sent inline with a request
+MAX_GLOSSARY_BYTES = 16 << 20  # far above MAX_GLOSSARY_TERMS entries of two MAX_TERM_CHARS terms
+_BOM = "\ufeff"
+_JOINERS = frozenset("\u200c\u200d")  # zero-width non-joiner and joiner: part of Persian, Indic and emoji spelling
+_PIECE_MARK = "\u2581"  # SentencePiece's word-start symbol: a target holding it is spelled as something else
+
+
+def _field(text: str) -> str:
+    return _SPACE.sub(" ", text.strip())
+
+
+def _unseen(term: str) -> str | None:
+    """The first character of `term` that no one means to type in a term: a control, format (but a joiner) or
+    surrogate character, or SentencePiece's meta symbol; None when there is none."""
+    for char in term:
+        kind = unicodedata.category(char)
+        if kind in ("Cc", "Cs") or kind == "Cf" and char not in _JOINERS or char == _PIECE_MARK:
+            return char
+    return None
+
+
+def _entry(source: str, target: str, where: str) -> Entry:
+    """An entry from its two fields, or a RuntimeUserError starting with `where`."""
+    source, target = _field(source), _field(target)
+    if not source:
+        raise RuntimeUserError(f"{where}: the source term is empty (a line is `source<TAB>target`)")
+    for name, term in (("source", source), ("target", target)):
+        if len(term) > MAX_TERM_CHARS:
+            raise RuntimeUserError(f"{where}: the {name} term {_short(term)} is {len(term)} characters, more than "
+                                   f"MAX_TERM_CHARS ({MAX_TERM_CHARS})")
+        char = _unseen(term)
+        if char is not None:
+            what = unicodedata.name(char, "a surrogate" if unicodedata.category(char) == "Cs" else "a control")
+            hint = "; is the file UTF-16? save it as UTF-8" if char == "\0" else ""
+            raise RuntimeUserError(f"{where}: the {name} term {_short(term)} holds U+{ord(char):04X} ({what}), a "
+                                   f"character that is not part of a term: remove it{hint}")
+    return Entry(source, target or source, dnt=not target)
+
+
+def _short(term: str, limit: int = 30) -> str:
+    """A term in a message: quoted, cut at `limit` characters."""
+    return repr(term) if len(term) <= limit else repr(term[:limit]) + "..."
+
+
+def _describe(entry: Entry) -> str:
+    return f"{entry.source!r} (do not translate)" if entry.dnt else f"{entry.source!r} -> {entry.target!r}"
+
+
+def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
+    """The glossary of (entry, where) pairs: identical duplicates dropped; the same source term (folded) with
+    two targets refused in one line naming both; its matcher compiled (a RuntimeUserError if it cannot be)."""
+    seen: dict[str, tuple[Entry, str]] = {}
+    kept: dict[tuple[str, str, bool], str] = {}  # entry -> where it was first given
+    for entry, where in entries:
+        key = _fold(entry.source, case_sensitive=False)
+        meaning = (entry.dnt, "" if entry.dnt else unicodedata.normalize("NFC", entry.target))
+        first = seen.setdefault(key, (entry, where))
+        first_meaning = (first[0].dnt, "" if first[0].dnt else unicodedata.normalize("NFC", first[0].target))
+        if meaning != first_meaning:
+            raise RuntimeUserError(f"{where}: {_describe(entry)} conflicts with {first[1]}: {_describe(first[0])} "
+                                   f"(the same source term, compared case-insensitively, with two targets)")
+        kept.setdefault((entry.source, entry.target, entry.dnt), where)
+    glossary = Glossary(tuple(Entry(*k) for k in kept), tuple(kept.values()))
+    glossary.matcher()
+    return glossary
+
+
+def _read(path: str | Path) -> bytes:
+    """The file's bytes, at most MAX_GLOSSARY_BYTES (a pipe is read once, as any file)."""
+    if str(path) == "":
+        raise RuntimeUserError("the glossary path is empty (is a shell variable unset?)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_GLOSSARY_BYTES + 1)
+    except OSError as e:
+        raise RuntimeUserError(f"{path}: cannot read the glossary ({e.strerror or e})") from None
+    if len(data) > MAX_GLOSSARY_BYTES:
+        raise RuntimeUserError(f"{path}: the glossary is over {MAX_GLOSSARY_BYTES >> 20} MiB, more than "
+                               f"MAX_GLOSSARY_TERMS ({MAX_GLOSSARY_TERMS}) entries could fill")
+    return data
+
+
+def load_glossary(path: str | Path) -> Glossary:
+    """A glossary file: UTF-8 TSV, `source<TAB>target` a line, an empty or absent target meaning do not
+    translate; blank lines and lines whose first character that is not a space is `#` skipped, a BOM at
+    its start dropped. Every problem is one RuntimeUserError naming FILE:LINE."""
+    return _checked(_file_entries(path))
+
+
+def load_glossaries(paths: Sequence[str | Path]) -> Glossary:
+    """Several glossary files as one (each read as load_glossary reads it): a term two of them give two targets
+    is a conflict naming both FILE:LINEs, a term they give alike is kept once."""
+    return _checked([entry for path in paths for entry in _file_entries(path)])
+
+
+def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
+    data = _read(path)
+    if data.startswith(_BOM.encode()):
+        data = data[len(_BOM.encode()):]
+    entries: list[tuple[Entry, str]] = []
+    tabs = commas = 0
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise RuntimeUserError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                                   f"save the glossary as UTF-8") from None
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        fields = line.split("\t")
+        if len(fields) > 2:
+            raise RuntimeUserError(f"{where}: {len(fields)} tab-separated fields, at most 2 (source term, "
+                                   f"target term)")
+        if len(entries) == MAX_GLOSSARY_TERMS:
+            raise RuntimeUserError(f"{where}: more than MAX_GLOSSARY_TERMS ({MAX_GLOSSARY_TERMS}) entries in "
+                                   f"one glossary; keep the terms that matter or split it by domain")
+        tabs += len(fields) == 2
+        commas += "," in line
+        entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
+    if entries and not tabs and commas == len(entries):
+        raise RuntimeUserError(f"{path}: every line holds a comma and none a tab: a glossary is tab-separated "
+                               "(source<TAB>target), not CSV; a line without a tab is a term not to translate")
+    return entries
+
+
+def glossary_from_mapping(mapping: Any, where: str = "glossary", limit: int = MAX_REQUEST_TERMS) -> Glossary:
+    """An inline glossary (`{"Hund": "dog", "Acme": ""}`, "" meaning do not translate), checked as a file
+    is; errors name `where` (the request's field) and the entry. A mapping whose `repeated_keys` lists keys
+    its JSON gave twice (pipeline/serve/http.py reads objects so) is refused: one of the two would be lost."""
+    if not isinstance(mapping, Mapping):
+        raise RuntimeUserError(f"{where}: expected an object of source term -> target term, not "
+                               f"{type(mapping).__name__}")
+    repeated = getattr(mapping, "repeated_keys", ())
+    if repeated:
+        raise RuntimeUserError(f"{where}[{_short(str(repeated[0]))}]: the key is given twice in the object; "
+                               "give each source term once")
+    if len(mapping) > limit:
+        raise RuntimeUserError(f"{where}: {len(mapping)} entries, more than MAX_REQUEST_TERMS ({limit}) in one "
+                               f"request; load a larger glossary on the server")
+    entries: list[tuple[Entry, str]] = []
+    for source, target in mapping.items():
+        place = f"{where}[{_short(source) if isinstance(source, str) else repr(source)}]"
+        if not isinstance(source, str):
+            raise RuntimeUserError(f"{place}: the source term must be a string, not {type(source).__name__}")
+        if not isinstance(target, str):
+            raise RuntimeUserError(f'{place}: the target term must be a string ("" = do not translate), not '
+                                   f"{type(target).__name__}")
+        entries.append((_entry(source, target, place), place))
+    return _checked(entries)
