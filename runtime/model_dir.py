@@ -31,7 +31,16 @@ from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.fields import Checked, opt
 from runtime.machine import thread_problem
-from runtime.registry import BACKENDS, ONLY_SOME, check_device, choose_backend, entry, import_torch, not_taken
+from runtime.registry import (
+    BACKENDS,
+    ONLY_SOME,
+    BackendEntry,
+    check_device,
+    choose_backend,
+    entry,
+    import_torch,
+    not_taken,
+)
 from runtime.tokenizer import AnyTokenizer, tokenizer_from_file, word_continuations
 from runtime.translate import NBest, translate_ids
 
@@ -197,24 +206,32 @@ class Loaded:
         return [[(h.tokens, h.score) for h in nbest] for nbest in hyps]
 
 
+def check_load(opened: ModelDir, options: LoadOptions) -> BackendEntry:
+    """The registry entry `load` would open `opened` with under `options`, once the device exists, the backend
+    takes these options and the model dir holds what it needs; else one RuntimeUserError or ModelDirError. It
+    loads nothing (a driver checks what its workers will load: ray-translate)."""
+    check_device(options.device)
+    chosen = entry(choose_backend(opened.manifest) if options.backend == "auto" else options.backend)
+    refused = not_taken(chosen, options.only_some(), LoadOptions.flag)
+    if refused:
+        raise RuntimeUserError(refused)
+    missing = [name for name in chosen.needs(opened.manifest, options.shortlist, opened.path)
+               if name not in opened.manifest.files]
+    if missing:
+        raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
+    return chosen
+
+
 def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
          decoding_given: DecodingOptions = PAPER) -> Loaded:
     """The model dir (opened unless given open) on the backend `options` name or the registry picks,
     with `decoding_given` under the model's own defaults and the device's batch budget."""
     started = time.perf_counter()
     options = (options or LoadOptions()).validate()
-    check_device(options.device)
     opened = model_dir if isinstance(model_dir, ModelDir) else ModelDir.open(model_dir)
     manifest = opened.manifest
-    chosen = entry(choose_backend(manifest) if options.backend == "auto" else options.backend)
-    refused = not_taken(chosen, options.only_some(), LoadOptions.flag)
-    if refused:
-        raise RuntimeUserError(refused)
-    need = chosen.needs(manifest, options.shortlist, opened.path)
+    chosen = check_load(opened, options)
     table = opened.shortlist if options.shortlist else None  # a dir exported without one says how to get one
-    missing = [name for name in need if name not in manifest.files]
-    if missing:
-        raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
     if not chosen.checkpoint_weights and manifest.quantization == ORT_DYNAMIC:  # the graphs' int8, not model.pt
         log.warning("%s: int8 flavour ort-dynamic quantizes activations per batch, so a sentence's translation "
                     "can depend on the sentences batched with it (docs/int8.md); use the rowwise or qdq flavour "

@@ -48,6 +48,8 @@ def test_actors_fill_the_cluster_and_gpus_are_checked():
     assert actors(RayOptions(gpus_per_actor=1), LoadOptions(), {"CPU": 16.0, "GPU": 4.0}) == 4
     with pytest.raises(UserError, match=r"--gpus-per-actor 1: the cluster has 0 GPU\(s\)"):
         actors(RayOptions(gpus_per_actor=1), LoadOptions(), cpus)
+    with pytest.raises(UserError, match=r"--threads 32: each actor reserves that many CPUs and the cluster has 16;"):
+        actors(RayOptions(), LoadOptions(threads=32), cpus)  # no actor could be placed: it waited for ever
 
 
 def test_the_jobs_actors_return_only_what_the_writer_takes(fp32_dir):
@@ -190,3 +192,30 @@ def test_a_killed_actor_is_retried_and_the_outputs_are_whole(cluster, fp32_dir, 
     got = {name: (tmp_path / "out" / name).read_text(encoding="utf-8") for name in shards}
     assert got == expected
     assert done["stats"].lines == 1200  # type: ignore[attr-defined]
+
+
+def test_an_actors_refusal_of_a_line_is_one_line(cluster, fp32_dir, tmp_path, capsys):
+    """A refusal raised in an actor's batch reached the driver as Ray's UserCodeException: a traceback, exit 1."""
+    src = write_lines(tmp_path / "long.txt", ["ab " * 400, "cd"])
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, src, "--output-dir", tmp_path / "out",
+                                    "--long-lines", "error")
+    assert_one_line_error(code, err, "long.txt:1:", "--long-lines truncate")
+    assert not (tmp_path / "out" / "long.txt").exists()
+
+
+def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path, capsys):
+    """Each was Ray's traceback from every actor, a hang, or outputs written into the model dir."""
+    (tmp_path / "in").mkdir()
+    src = write_lines(tmp_path / "in" / "a.txt", ["ab cd"])
+    fifo = tmp_path / "in" / "b.txt"
+    os.mkfifo(fifo)
+    out = ["--output-dir", tmp_path / "out"]
+    for args, says in [
+        ((src, *out, "--src-lang", "de", "--tgt-lang", "en"), "this model translates one language pair"),
+        ((src, *out, "--device", "cuda:7"), "cuda"),
+        ((tmp_path / "in", *out), f"{fifo}: not a regular file"),  # a reader would wait for ever
+        ((src, "--output-dir", fp32_dir / "translated"), "inside"),  # the model dir it serves
+    ]:
+        code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, *args)
+        assert_one_line_error(code, err, says)
+    assert not (tmp_path / "out").exists() and not (fp32_dir / "translated").exists()

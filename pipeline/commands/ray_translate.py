@@ -13,8 +13,9 @@ from pipeline.integrations.options import RayOptions
 from pipeline.integrations.shards import job_record, plan
 from pipeline.serve_batch.files import target_suffix
 from pipeline.serve_batch.translation import ServeBatchOptions
+from runtime import languages
 from runtime.decoding import DecodingOptions
-from runtime.model_dir import LoadOptions, ModelDir
+from runtime.model_dir import LoadOptions, ModelDir, check_load
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +58,16 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     load_options: LoadOptions = pick(LoadOptions, fields)
     ray_opts: RayOptions = pick(RayOptions, fields)
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
-    ModelDir.open(model_dir)  # a bad model dir is one line here, before a cluster is reached
+    # a bad model dir, device, backend or language pair is one line here, before a cluster is reached (an actor's
+    # would be Ray's error, on every actor)
+    opened = ModelDir.open(model_dir)
+    check_load(opened, load_options.validate())
+    languages.direction(opened.manifest.model_config, opts.src_lang, opts.tgt_lang)
     settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
                                      **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
                 "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
-               target_suffix(suffix, model_dir, opts.tgt_lang))
+               target_suffix(suffix, model_dir, opts.tgt_lang), model_dir)
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -167,7 +168,11 @@ def actors(ray_opts: RayOptions, load_options: LoadOptions, resources: dict[str,
                             "leave it at 0 for CPU actors")
         fit = int(gpus // ray_opts.gpus_per_actor)
     else:
-        fit = max(1, int(resources.get("CPU", 1.0) // threads))
+        cpus = resources.get("CPU", 0.0)
+        if threads > cpus:  # no actor could be placed: the job would wait for ever, saying nothing
+            raise UserError(f"--threads {threads}: each actor reserves that many CPUs and the cluster has {cpus:g}; "
+                            f"give at most {int(cpus)}")
+        fit = max(1, int(cpus // threads))
     return ray_opts.actors or fit
 
 
@@ -266,8 +271,13 @@ class _JobTranslator(Translator):
 
     min_len_over = 0  # the last batch's
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        with _marked():
+            super().__init__(*args, **kwargs)
+
     def __call__(self, batch: Any) -> Any:
-        done = super().__call__(batch)
+        with _marked():
+            done = super().__call__(batch)
         back = {name: done[name] for name in _BACK}
         # the batch's count of rows stopped below --min-len, on its first row: the actors' own warnings stay in
         # Ray's logs (log_to_driver off), and the driver says it once for the job
@@ -299,17 +309,34 @@ def _row_bytes(shard: Shard) -> int:
     return text + len(shard.path) + 4 * 4 + 8 + 4 + 2  # text, path and their offsets, line, shard, flags
 
 
+# An actor's UserError crosses to the driver as the text of Ray's error (Ray Data wraps it in a UserCodeException
+# whose cause does not survive the trip; an actor that fails to start is an ActorDiedError): marked so, its line
+# is found in that text
+_MARK = "pipeline-user-error: "
+
+
+@contextlib.contextmanager
+def _marked() -> Iterator[None]:
+    """An actor's UserError re-raised with its message marked for the driver (_user_error)."""
+    try:
+        yield
+    except UserError as e:
+        raise UserError(_MARK + str(e).split("\n", 1)[0]) from None
+
+
 def _user_error(e: BaseException) -> UserError | None:
-    """The user's mistake a worker raised (a refused line, invalid UTF-8, a shard it cannot read, a bad model
-    dir), without the layers of Ray's wrapping: one line, as serve-batch says it."""
+    """The user's mistake a worker or the driver raised (a refused line, invalid UTF-8, a shard it cannot read, a
+    bad model dir, a language the model lacks), without the layers of Ray's wrapping: one line, as serve-batch
+    says it."""
     from ray.exceptions import RayError
 
     seen: BaseException | None = e
     for _ in range(20):
         if seen is None:
-            return None
+            break
         if isinstance(seen, UserError) and not isinstance(seen, RayError):
             # Ray Data appends its retry notice to the message's own args: the first line is ours
-            return UserError(str(seen).split("\n", 1)[0])
+            return UserError(str(seen).split("\n", 1)[0].removeprefix(_MARK))
         seen = getattr(seen, "cause", None) or seen.__cause__
-    return None
+    found = re.search(re.escape(_MARK) + r"([^\n]*)", str(e))
+    return UserError(found.group(1)) if found else None

@@ -83,11 +83,12 @@ def output_name(path: str, suffix: str | None = None) -> str:
     return translated_name(name, suffix)
 
 
-def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any], suffix: str | None = None
-         ) -> Plan:
-    """Every check before any work: inputs readable (a Parquet file holding `column`), outputs distinct and
-    not inputs, the output dir writable and made with the same model and options if it has outputs already
-    (`record`; a rerun of the same command resumes, another refuses). Leftover temps are removed."""
+def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any], suffix: str | None = None,
+         model_dir: str | Path | None = None) -> Plan:
+    """Every check before any work: inputs readable regular files (a Parquet file holding `column`; a pipe or a
+    device would hang a reader or never end), outputs distinct and neither inputs nor inside `model_dir`, the
+    output dir writable and made with the same model and options if it has outputs already (`record`; a rerun
+    of the same command resumes, another refuses). Leftover temps are removed."""
     files, dirs = expand(inputs)
     out_dir = Path(output_dir)
     outputs = [out_dir / output_name(f, suffix) for f in files]
@@ -96,8 +97,11 @@ def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[st
         if out in seen:
             raise UserError(f"{f} and {seen[out]} would both be written to {out}; translate them in separate runs")
         seen[out] = f
-    refuse_overwriting_inputs(files, outputs, input_dirs=dirs, output_dirs=[out_dir])
+    refuse_overwriting_inputs(files, outputs, input_dirs=dirs + ([str(model_dir)] if model_dir else []),
+                              output_dirs=[out_dir])
     for f in files:
+        if os.path.exists(f) and not os.path.isfile(f) and not os.path.isdir(f):
+            raise UserError(f"{f}: not a regular file (a pipe, device or socket); a cluster reads files")
         if f.endswith(PARQUET):
             _check_parquet(f, column)
         else:
