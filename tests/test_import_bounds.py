@@ -324,3 +324,19 @@ def test_tokenizer_config_linked_outside_is_refused_before_it_is_read(request, t
     line = one_error_line(code, err, str(hf / "tokenizer_config.json"), "outside", "copy the file in")
     assert "unreadable" not in line and "legacy_behaviour" not in line
     assert not any(p.startswith(str(outside.resolve())) for p in opened), opened
+
+
+@pytest.mark.parametrize("change", ["one more", "one less"])
+def test_an_m2m100_vocab_json_off_by_one_is_refused(m2m_dir, tmp_path, capsys, change):
+    """Every language token is numbered after vocab.json's ids: one id more moved `en` onto `ha`'s embedding row,
+    and the import said nothing."""
+    hf = copy_of(m2m_dir, tmp_path)
+    vocab = json.loads((hf / "vocab.json").read_text())
+    if change == "one more":
+        vocab["zzz"] = len(vocab)
+    else:
+        vocab.pop(max(vocab, key=vocab.__getitem__))
+    (hf / "vocab.json").write_text(json.dumps(vocab))
+    code, err = import_cli(capsys, "m2m100", hf, tmp_path / "o.pt")
+    one_error_line(code, err, str(hf / "vocab.json"), "madeup ids", "not config.json's vocab_size")
+    assert not (tmp_path / "o.pt").exists()

@@ -265,6 +265,12 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
         (hf / "model.safetensors").read_bytes()[:1000]), ("model.safetensors",)),
     "lying-header": (lambda hf: (hf / "model.safetensors").write_bytes(_header_only(10 ** 9)),
                      ("model.safetensors",)),
+    # a model transformers would load differently, or damaged weights (both were imported: exit 0)
+    "untied-head": (edit_json("config.json", tie_word_embeddings=False), ("config.json", "tie_word_embeddings")),
+    "nan-weight": (rewrite_weights(lambda s: s["model.encoder.layers.0.fc1.weight"].__setitem__((0, 0), float("nan"))),
+                   ("model.safetensors", "model.encoder.layers.0.fc1.weight", "1 NaN or infinite")),
+    "inf-weight": (rewrite_weights(lambda s: s["final_logits_bias"].fill_(float("inf"))),
+                   ("model.safetensors", "final_logits_bias", "NaN or infinite")),
 }
 
 

@@ -92,3 +92,27 @@ def test_a_hub_id_imports_without_the_family_named(cache, tmp_path, monkeypatch,
     code, out, err = run_cli_captured(capsys, "import", path, "--out", tmp_path / "m.pt")
     assert code == 0, err
     assert (tmp_path / "m.pt").is_file() and "Marian model" in out
+
+
+def test_a_huge_ref_is_refused_unread(tmp_path, monkeypatch, capsys):
+    """refs/main of 3 GB (sparse) was read whole: 12 s and 6.5 GB before its one line."""
+    repo = tmp_path / "hub" / "models--x--y"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "snapshots").mkdir()
+    with open(repo / "refs" / "main", "wb") as f:
+        f.truncate(3 << 30)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli_captured(capsys, "import", "m2m100", "x/y", "--out", "m.pt")
+    assert code == 2 and "refs/main: larger than" in err and "Traceback" not in err, err
+
+
+def test_a_cache_blob_is_never_the_output(cache, tmp_path, monkeypatch, capsys):
+    """--out naming a blob of the snapshot being imported, with --force, replaced the cache's vocabulary."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    blob = next((cache / "models--Helsinki-NLP--opus-mt-src-tgt" / "blobs").iterdir())
+    before = blob.read_bytes()
+    code, _, err = run_cli_captured(capsys, "import", "marian", "Helsinki-NLP/opus-mt-src-tgt", "--out", blob,
+                                    "--force")
+    assert code == 2 and "lies inside the input directory" in err, err
+    assert blob.read_bytes() == before

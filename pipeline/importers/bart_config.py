@@ -60,3 +60,11 @@ def activation_and_dropout(config: dict[str, Any], path: Path, default_activatio
     if not 0.0 <= dropout < 1.0:
         raise ImportRefused(f"{path}: dropout {dropout} must be in [0, 1)")
     return dict(activation=act, dropout=dropout)
+
+
+def check_tied(config: dict[str, Any], path: Path) -> None:
+    """Refuse an untied output projection: our model ties it to the embedding (transformers would build a
+    separate head, so the import would be another model)."""
+    if config.get("tie_word_embeddings", True) is not True:
+        raise ImportRefused(f"{path}: tie_word_embeddings is {show(config['tie_word_embeddings'])}; our model ties "
+                            "its output projection to the embedding")

@@ -21,7 +21,7 @@ from model.config import ConfigError, ModelConfig
 from pipeline.importers import registry
 from pipeline.importers.family import Family
 from pipeline.importers.hf_dir import CONFIG, HfDir
-from pipeline.importers.hf_files import ImportRefused
+from pipeline.importers.hf_files import ImportRefused, allowed_roots
 from pipeline.importers.hf_generation import generation
 from pipeline.importers.marian_weights import build
 from pipeline.textio import refuse_overwriting_inputs
@@ -34,7 +34,8 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     config.json's model_type names); returns a summary (the checkpoint, its SHA-256, the config, the decoding
     defaults, the family's name and, for a multilingual model, its languages)."""
     hf_dir, out = Path(hf_dir), Path(out)
-    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir])
+    # the directory and, for a hub cache snapshot, the blobs its files link to: --force replaces neither
+    refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir, *allowed_roots(hf_dir)])
     if out.exists() and not force:
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
     hf = HfDir.open(hf_dir, family.what if family is not None else registry.WHAT)

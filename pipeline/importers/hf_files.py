@@ -263,6 +263,10 @@ def weight_infos(path: Path) -> dict[str, TensorInfo]:
                 for k, v in load_pickle(path).items()}
     from safetensors import safe_open
 
+    try:  # safetensors reports a file it may not open as missing: the real reason first
+        os.close(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)))
+    except OSError as e:
+        raise ImportRefused(f"{path}: unreadable weights ({e.strerror or e})") from None
     try:
         with safe_open(str(path), framework="pt") as f:
             slices = {k: f.get_slice(k) for k in f.keys()}

@@ -11,7 +11,7 @@ import os
 import re
 from pathlib import Path
 
-from pipeline.importers.hf_files import ImportRefused
+from pipeline.importers.hf_files import ImportRefused, read_bounded
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _snapshot(repo: Path, name: str) -> Path:
     ref = repo / "refs" / "main"
     snapshots = repo / "snapshots"
     if ref.is_file():
-        revision = ref.read_text(encoding="utf-8", errors="replace").strip()[:64]
+        revision = read_bounded(ref, 4096).decode("utf-8", errors="replace").strip()[:64]  # a 3 GB ref: refused
         if not REVISION.fullmatch(revision) or not (snapshots / revision).is_dir():
             raise ImportRefused(f"{ref}: names revision {revision[:40]!r}, which is not a snapshot in {snapshots}; "
                                 f"download {name} again")

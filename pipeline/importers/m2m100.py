@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError, ModelConfig
-from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
+from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, check_tied, shape
 from pipeline.importers.convert import import_checkpoint
 from pipeline.importers.family import Family, Tokenized
 from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
@@ -57,9 +57,7 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     start = eos if config.get("decoder_start_token_id") is None else token_id(
         config, "decoder_start_token_id", path, vocab)
     common = activation_and_dropout(config, path, "relu")
-    if config.get("tie_word_embeddings", True) is not True:
-        raise ImportRefused(f"{path}: tie_word_embeddings is {show(config['tie_word_embeddings'])}; our model ties "
-                            "its output projection to the embedding")
+    check_tied(config, path)
     try:
         return ModelConfig(**sizes, **common, pad_id=pad, bos_id=start, eos_id=eos,
                            positions="fairseq", position_offset=pad + 1, pre_norm=True,
@@ -136,6 +134,12 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
     if len(full) > cfg.vocab_size:
         raise ImportRefused(f"{hf_dir}: the tokenizer has {len(full)} ids (with its language tokens), more than "
                             f"{CONFIG}'s vocab_size {cfg.vocab_size}")
+    madeup_words = tok_config.get("num_madeup_words", 8)
+    if not nllb and isinstance(madeup_words, int) and len(full) + madeup_words != cfg.vocab_size:
+        # the language tokens are numbered after vocab.json's ids: one id more or less there moves every one
+        raise ImportRefused(f"{files.path(VOCAB)}: {len(full) - len(languages)} ids and {len(languages)} language "
+                            f"tokens, with M2M100Tokenizer's {madeup_words} madeup ids {len(full) + madeup_words}, "
+                            f"not {CONFIG}'s vocab_size {cfg.vocab_size}: the files are of different models")
     spm_bytes = files.read_bytes(SPM)
     check_sentencepiece(files.path(SPM), spm_bytes, full, TOKENIZER_JSON if nllb else VOCAB)
     madeup = [MADEUP.format(k) for k in range(cfg.vocab_size - len(full))]

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from model.config import ConfigError, ModelConfig
-from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, shape
+from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, check_tied, shape
 from pipeline.importers.convert import import_checkpoint
 from pipeline.importers.family import Family, Tokenized
 from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
@@ -53,6 +53,7 @@ def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     start = pad if config.get("decoder_start_token_id") is None else token_id(
         config, "decoder_start_token_id", path, vocab)
     common = activation_and_dropout(config, path, None)
+    check_tied(config, path)
     try:
         return ModelConfig(
             **sizes, **common, pad_id=pad, bos_id=start,

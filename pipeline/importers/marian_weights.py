@@ -138,6 +138,10 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) ->
     """Our state dict from Marian's (checked by check_weights): the tied embedding, the logits bias,
     the per-layer tensors; the sinusoid tables must be Marian's."""
     state = {k: v.float() for k, v in state.items()}
+    for key, tensor in state.items():  # a damaged file: export would only fail its verification, naming neither
+        bad = int((~torch.isfinite(tensor)).sum())
+        if bad:
+            raise MarianImportError(f"{path}: {key} holds {bad} NaN or infinite value(s); the weights are damaged")
     present = [k for k in EMBEDDINGS if k in state]
     emb = state[present[0]]
     for k in present[1:]:
