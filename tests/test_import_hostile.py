@@ -5,6 +5,7 @@ input (import or export); nothing outside the named directory is read."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import struct
 import subprocess
@@ -267,6 +268,8 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
                      ("model.safetensors",)),
     # a model transformers would load differently, or damaged weights (both were imported: exit 0)
     "untied-head": (edit_json("config.json", tie_word_embeddings=False), ("config.json", "tie_word_embeddings")),
+    "few-positions": (edit_json("config.json", max_position_embeddings=8),  # export failed with a traceback
+                      ("config.json", "max_position_embeddings 8 is below 32")),
     "nan-weight": (rewrite_weights(lambda s: s["model.encoder.layers.0.fc1.weight"].__setitem__((0, 0), float("nan"))),
                    ("model.safetensors", "model.encoder.layers.0.fc1.weight", "1 NaN or infinite")),
     "inf-weight": (rewrite_weights(lambda s: s["final_logits_bias"].fill_(float("inf"))),
@@ -356,3 +359,16 @@ def test_symlinked_directory_itself_imports(hf_dir, tmp_path, capsys):
     (tmp_path / "link").symlink_to(hf_dir)
     code, err = import_cli(capsys, tmp_path / "link", tmp_path / "out.pt")
     assert code == 0, err
+
+
+def test_generate_settings_the_import_cannot_keep_are_named(hf_dir, tmp_path, capsys, caplog):
+    """Each changes what transformers' generate writes; they were dropped without a word (only three were named)."""
+    hf = copy_of(hf_dir, tmp_path, edit_json("generation_config.json", suppress_tokens=[5], max_new_tokens=5,
+                                             forced_bos_token_id=5, no_repeat_ngram_size=3, pad_token_id=7))
+    with caplog.at_level(logging.WARNING):
+        code, err = import_cli(capsys, hf, tmp_path / "out.pt")
+    assert code == 0, err
+    [said] = [r.getMessage() for r in caplog.records if "not imported" in r.getMessage()]
+    for setting in ("no_repeat_ngram_size=3", "suppress_tokens=[5]", "max_new_tokens=5", "forced_bos_token_id=5",
+                    "pad_token_id=7"):
+        assert setting in said, said

@@ -13,6 +13,7 @@ from model.config import ACTIVATIONS
 from pipeline.importers.hf_files import ImportRefused, integer, number, show
 
 ACTIVATION_NAMES = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
+MIN_POSITIONS = 32  # Marian and M2M-100 ship 512 or more
 MAX_POSITIONS = 16384  # Marian and M2M-100 ship 512 or 1024; the sinusoid table is built whole at load
 REQUIRED = ("vocab_size", "d_model", "encoder_attention_heads", "encoder_ffn_dim", "encoder_layers", "decoder_layers",
             "max_position_embeddings")
@@ -36,6 +37,9 @@ def shape(config: dict[str, Any], path: Path, max_positions: int) -> dict[str, A
     if sizes["max_position_embeddings"] > max_positions:
         raise ImportRefused(f"{path}: max_position_embeddings {sizes['max_position_embeddings']} is above "
                             f"{max_positions}; fix the value")
+    if sizes["max_position_embeddings"] < MIN_POSITIONS:  # export's verification alone decodes 12 steps of 9 tokens
+        raise ImportRefused(f"{path}: max_position_embeddings {sizes['max_position_embeddings']} is below "
+                            f"{MIN_POSITIONS}: too few positions for a sentence; fix the value")
     d_model = sizes["d_model"]
     enc_heads = sizes["encoder_attention_heads"]
     dec_heads = sizes.get("decoder_attention_heads", enc_heads)

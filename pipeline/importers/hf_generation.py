@@ -53,7 +53,13 @@ def generation(files: HFFiles, config: dict[str, Any], cfg: ModelConfig) -> tupl
         raise ImportRefused(f"{where}: early_stopping {show(early)}: only true and false (transformers' "
                             "default) are implemented (runtime/search.py)")
     ignored = {k: gen[k] for k, default in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
-                                             ("do_sample", False)) if gen.get(k) not in (None, default)}
+                                             ("do_sample", False), ("suppress_tokens", []),
+                                             ("begin_suppress_tokens", []), ("max_new_tokens", None),
+                                             ("forced_bos_token_id", None)) if gen.get(k) not in (None, default)}
+    if present:  # generate takes these from generation_config.json; the import took config.json's
+        ignored.update({k: gen[k] for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id")
+                        if gen.get(k) is not None and config.get(k) is not None
+                        and gen[k] not in (config[k], [config[k]])})
     if ignored:
         log.warning("%s: %s not imported: the model dir decodes without them", where,
                     ", ".join(f"{k}={v!r}" for k, v in ignored.items()))
