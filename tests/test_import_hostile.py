@@ -372,3 +372,25 @@ def test_generate_settings_the_import_cannot_keep_are_named(hf_dir, tmp_path, ca
     for setting in ("no_repeat_ngram_size=3", "suppress_tokens=[5]", "max_new_tokens=5", "forced_bos_token_id=5",
                     "pad_token_id=7"):
         assert setting in said, said
+
+
+def test_a_file_the_import_does_not_need_and_cannot_open_is_skipped_and_counted(hf_dir, tmp_path, capsys, caplog,
+                                                                               monkeypatch):
+    """An unreadable README.md failed the whole import at its very end ("permission denied"). Root reads any
+    file, so the refusal is the operating system's answer, given here as it gives it (EACCES)."""
+    from pipeline.importers import hf_files
+
+    hf = copy_of(hf_dir, tmp_path)
+    (hf / "README.md").write_text("model card")
+    real = hf_files.digest
+
+    def refused(path: Path) -> str:
+        if path.name == "README.md":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path)
+
+    monkeypatch.setattr(hf_files, "digest", refused)
+    with caplog.at_level(logging.WARNING):
+        code, err = import_cli(capsys, hf, tmp_path / "out.pt")
+    assert code == 0, err
+    assert "cannot open (not hashed): README.md" in caplog.text

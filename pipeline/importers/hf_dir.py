@@ -93,13 +93,26 @@ class HfDir(HFFiles):
 
     def provenance(self, family: str) -> dict[str, Any]:
         """Every file of the directory with its SHA-256 (of the bytes read, for a file the import read whole:
-        HFFiles.digest_of); a file linking outside it is neither read nor hashed, but named (a counted warning,
-        and `skipped` in the record)."""
+        HFFiles.digest_of); a file linking outside it is neither read nor hashed, nor is one the import does not
+        need and cannot read (a README it may not open fails nothing), but each is named (a counted warning, and
+        `skipped` in the record)."""
         roots = allowed_roots(self.dir)
         files = sorted(p for p in self.dir.iterdir() if p.is_file())
-        skipped = [p.name for p in files if not inside(p, roots)]
-        if skipped:
+        outside = [p.name for p in files if not inside(p, roots)]
+        if outside:
             log.warning("%s: skipped %d file%s linking outside the directory (not read, not hashed): %s", self.dir,
-                        len(skipped), "" if len(skipped) == 1 else "s", ", ".join(skipped))
-        return {"format": family, "directory": str(self.dir.resolve()),
-                "files": {p.name: self.digest_of(p) for p in files if p.name not in skipped}, "skipped": skipped}
+                        len(outside), "" if len(outside) == 1 else "s", ", ".join(outside))
+        digests: dict[str, str] = {}
+        unreadable: list[str] = []
+        for p in files:
+            if p.name in outside:
+                continue
+            try:
+                digests[p.name] = self.digest_of(p)
+            except (ImportRefused, OSError):  # the files the import needs were read already: not one of them
+                unreadable.append(p.name)
+        if unreadable:
+            log.warning("%s: skipped %d file%s the import does not read and cannot open (not hashed): %s", self.dir,
+                        len(unreadable), "" if len(unreadable) == 1 else "s", ", ".join(unreadable))
+        return {"format": family, "directory": str(self.dir.resolve()), "files": digests,
+                "skipped": sorted(outside + unreadable)}
