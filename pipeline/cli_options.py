@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
 from collections.abc import Callable
@@ -69,6 +70,8 @@ class GivenPath(click.Path):
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value:
             self.fail("is an empty path (is a shell variable unset?)", param, ctx)
+        if isinstance(value, str) and not self.dir_okay and value.endswith(("/", os.sep)):  # Path() drops the /
+            self.fail(f"{value!r} ends with / (a directory); give a file path", param, ctx)
         return super().convert(value, param, ctx)
 
 

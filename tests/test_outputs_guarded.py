@@ -86,3 +86,12 @@ def test_an_empty_path_is_never_the_current_directory(capsys, tmp_path, monkeypa
     code, _, err = run_cli_captured(capsys, *args)
     assert code == 2 and "is an empty path (is a shell variable unset?)" in err and "Traceback" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_option_ending_with_a_slash_is_refused(capsys, tmp_path, monkeypatch):
+    """`--out runs/new/` wrote a checkpoint file named `new` (Path drops the slash before our code sees it)."""
+    monkeypatch.chdir(tmp_path)
+    for args in (("random-checkpoint", "new/"), ("import", "m2m100", "hf", "--out", "new/")):
+        code, _, err = run_cli_captured(capsys, *args)
+        assert code == 2 and "'new/' ends with / (a directory); give a file path" in err, err
+    assert list(tmp_path.iterdir()) == []
