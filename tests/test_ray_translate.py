@@ -219,3 +219,14 @@ def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path
         code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, *args)
         assert_one_line_error(code, err, says)
     assert not (tmp_path / "out").exists() and not (fp32_dir / "translated").exists()
+
+
+def test_an_unreadable_job_record_is_named_as_such(tmp_path):
+    """A damaged record was reported as "made with another model or options (all differ)"."""
+    src = write_lines(tmp_path / "a.txt", ["ab"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.txt").write_text("done\n")
+    (out / RECORD).write_text("{torn")
+    with pytest.raises(UserError, match=r"the record of the job that wrote .* is unreadable"):
+        plan([str(src)], out, "text", {"model": "m"})

@@ -155,8 +155,9 @@ def _check_record(out_dir: Path, record: dict[str, Any], has_outputs: bool) -> N
     if path.exists() and has_outputs:
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            before = None
+        except (OSError, ValueError) as e:
+            raise UserError(f"{path}: the record of the job that wrote {out_dir} is unreadable ({e}); it cannot "
+                            "tell whether the outputs there match this command: choose another --output-dir") from None
         if before != record:
             changed = sorted(k for k in set(before or {}) | set(record)
                              if (before or {}).get(k) != record.get(k)) if isinstance(before, dict) else ["all"]
