@@ -217,6 +217,8 @@ def check_load(opened: ModelDir, options: LoadOptions) -> BackendEntry:
         raise RuntimeUserError(refused)
     missing = [name for name in chosen.needs(opened.manifest, options.shortlist, opened.path)
                if name not in opened.manifest.files]
+    if options.shortlist:
+        opened.shortlist  # noqa: B018 - a dir exported without one says how to get one (read once, kept)
     if missing:
         raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
     return chosen
