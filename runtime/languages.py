@@ -17,6 +17,14 @@ from model.config import ModelConfig
 from runtime.errors import RuntimeUserError
 
 LANG_CODE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")  # a language code: de, eng, pt-BR, eng_Latn
+# file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language
+NOT_LANGUAGES = frozenset({"txt", "tsv", "csv", "xml", "htm", "srt", "md", "log", "out", "tok", "bpe", "raw", "src",
+                           "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst"})
+
+
+def language_suffix(suffix: str) -> bool:
+    """Whether a file name's last extension (without its dot: `de` of train.de) names a language."""
+    return bool(LANG_CODE.fullmatch(suffix)) and suffix.lower() not in NOT_LANGUAGES
 
 
 class LanguageError(RuntimeUserError):

@@ -155,4 +155,6 @@ def test_a_training_runs_languages_come_from_its_corpus_file_names(tmp_path):
     assert corpus_languages(save_dir("corpus.pt-BR", "corpus.en")) == ("pt-BR", "en")
     assert corpus_languages(save_dir("a.txt", "b.txt")) is None  # not two different languages
     assert corpus_languages(save_dir("src", "tgt")) is None  # no suffix
+    assert corpus_languages(save_dir("train.src", "train.tgt")) is None  # what a file holds: served as src-tgt
+    assert corpus_languages(save_dir("train.tok.de", "train.raw")) is None
     assert corpus_languages(tmp_path / "nowhere" / "x.pt") is None

@@ -43,7 +43,7 @@ from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
-from runtime.languages import LANG_CODE, ONE_PAIR, Direction
+from runtime.languages import ONE_PAIR, Direction, language_suffix
 from runtime.model_dir import ModelDir
 from runtime.texts import open_glossary
 from runtime.tokenizer import AnyTokenizer, word_continuations
@@ -225,10 +225,6 @@ def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str,
 # -- files ----------------------------------------------------------------------------------
 
 
-# file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language
-NOT_LANGUAGES = frozenset({"txt", "tsv", "csv", "xml", "htm", "srt", "md", "log", "out", "tok", "bpe", "raw", "src",
-                           "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst"})
-
 
 def output_name(name: str, suffix: str | None = None) -> str:
     """An input's output name in --output-dir: a trailing .gz dropped (the output is plain text), and with
@@ -238,7 +234,7 @@ def output_name(name: str, suffix: str | None = None) -> str:
     if not suffix:
         return name
     stem, dot, last = name.rpartition(".")
-    language = LANG_CODE.fullmatch(last) and last.lower() not in NOT_LANGUAGES
+    language = language_suffix(last)
     return stem + suffix if dot and stem and language else name + suffix
 
 

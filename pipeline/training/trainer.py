@@ -45,7 +45,7 @@ from pipeline.training.options import (
 )
 from pipeline.training.step import Stepper, resolve_precision
 from pipeline.training.tensorboard import TensorBoardLog
-from runtime.languages import LANG_CODE
+from runtime.languages import language_suffix
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ def corpus_languages(checkpoint: Path) -> tuple[str, str] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     codes = [next((s[1:] for s in reversed(f.suffixes) if s != ".gz"), "") for f in files]
-    if all(LANG_CODE.fullmatch(c) for c in codes) and codes[0] != codes[1]:
+    if all(language_suffix(c) for c in codes) and codes[0] != codes[1]:  # train.src / train.tgt name none
         return codes[0], codes[1]
     return None
 
