@@ -18,15 +18,22 @@ def open_binary(path: str | Path) -> IO[bytes]:
     """Open a corpus file for reading bytes; '-' is stdin; '.gz' is decompressed."""
     if str(path) == "-":
         return sys.stdin.buffer
+    path = check_input(path)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rb")
+    return open(path, "rb")
+
+
+def check_input(path: str | Path) -> Path:
+    """The path of an input file that is there and not a directory (UserError naming it otherwise), checked
+    without opening it (a named pipe is opened once, by its reader)."""
     path = Path(path)
     if not path.exists():
         link = " (a symbolic link that leads nowhere, or back to itself)" if path.is_symlink() else ""
         raise UserError(f"{path}: no such file{link}")
     if path.is_dir():
         raise UserError(f"{path}: is a directory, expected a text file")
-    if path.suffix == ".gz":
-        return gzip.open(path, "rb")
-    return open(path, "rb")
+    return path
 
 
 def read_head(path: str | Path, size: int) -> bytes:

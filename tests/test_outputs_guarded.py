@@ -95,3 +95,10 @@ def test_a_file_option_ending_with_a_slash_is_refused(capsys, tmp_path, monkeypa
         code, _, err = run_cli_captured(capsys, *args)
         assert code == 2 and "'new/' ends with / (a directory); give a file path" in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_input_is_named_before_the_model_is_loaded(capsys, caplog, fp32_dir, tmp_path):
+    caplog.set_level("INFO")
+    _refused(capsys, "serve-batch", fp32_dir, tmp_path / "nosuch.txt", "-o", tmp_path / "out.txt",
+             says="nosuch.txt: no such file")
+    assert not [r for r in caplog.records if "loaded in" in r.getMessage()]  # the backend was never loaded

@@ -11,6 +11,7 @@ import click
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
+from pipeline.textio import check_input
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions, load
 
@@ -46,6 +47,9 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
                            if output_dir is not None else None)
+    for inp in inputs:  # a missing input is one line before the model is loaded, not after
+        if inp != "-":
+            check_input(inp)
     check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir", model_dir)
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
