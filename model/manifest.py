@@ -368,6 +368,9 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
         raise ModelDirError(f"{model_dir}: no such model directory (create one with `pipeline export`)")
     path = model_dir / MANIFEST
     if not path.is_file():
+        if any(model_dir.glob("checkpoint_*.pt")) or (model_dir / "averaged.pt").is_file():  # a training run
+            raise ModelDirError(f"{model_dir}: a training save dir, not a model directory; export it first: "
+                                f"`pipeline export {model_dir} --out MODEL_DIR`, then give MODEL_DIR")
         raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({REDO})")
     try:
         data = json.loads(path.read_text())

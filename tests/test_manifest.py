@@ -160,3 +160,13 @@ def test_export_of_an_averaged_checkpoint_records_its_steps(random_checkpoint, t
                                 max_tgt_len=20, max_beam=2, topk=4)
     assert manifest.source_checkpoint.steps == [20, 30] == read_manifest(out).source_checkpoint.steps
     assert manifest.source_checkpoint.path == str((save_dir / "averaged.pt").resolve())
+
+
+def test_a_training_save_dir_given_as_a_model_dir_is_told_to_export(tmp_path):
+    """It said "no manifest.json ... re-run `pipeline export ... --force`", though nothing had been exported."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoint_00000100.pt").write_bytes(b"x")
+    with pytest.raises(ModelDirError, match=r"a training save dir, not a model directory; export it first: "
+                                            r"`pipeline export .*run --out MODEL_DIR`"):
+        read_manifest(run)
