@@ -275,9 +275,11 @@ def _check_tokens(entry: Entry, target: str, tokens: Sequence[int], encode_targe
     if unk_id in tokens:
         chars = list(dict.fromkeys(c for c in target if not c.isspace()))
         unknown = [c for c, ids in zip(chars, encode_target(chars), strict=True) if unk_id in ids]
-        which = "".join(unknown) or "a part of it"
-        raise RuntimeUserError(f"{term}: the model's vocabulary cannot spell {which!r} (its tokenizer maps it to "
-                               f"the unknown token); change the term or leave it out")
+        which = (f"the character{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}" if unknown
+                 else "a part of it")
+        raise RuntimeUserError(f"{term}: the model's vocabulary cannot spell {which} (its tokenizer maps "
+                               f"{'them' if len(unknown) > 1 else 'it'} to the unknown token); change the term or "
+                               "leave it out")
     if len(tokens) > MAX_TERM_TOKENS:
         raise RuntimeUserError(f"{term}: the target is {len(tokens)} tokens, more than MAX_TERM_TOKENS "
                                f"({MAX_TERM_TOKENS})")

@@ -235,8 +235,8 @@ def test_a_do_not_translate_term_the_vocabulary_cannot_spell_is_left_to_the_mode
 
 
 @pytest.mark.parametrize("mapping, text, needles", [
-    ({"Hund": "qux"}, "der Hund", ["'Hund' -> 'qux'", "cannot spell 'qx'", "unknown token"]),
-    ({"Hund": "Dog"}, "der Hund", ["'Hund' -> 'Dog'", "cannot spell 'D'"]),
+    ({"Hund": "qux"}, "der Hund", ["'Hund' -> 'qux'", "cannot spell the characters 'q', 'x'", "unknown token"]),
+    ({"Hund": "Dog"}, "der Hund", ["'Hund' -> 'Dog'", "cannot spell the character 'D'"]),
     ({"Hund": "\u200c"}, "der Hund", ["'Hund'", "encodes the target as no tokens"]),  # a joiner alone
     ({"Hund": "a " * 40}, "der Hund", ["'Hund'", "40 tokens", "MAX_TERM_TOKENS (32)"]),
 ])
