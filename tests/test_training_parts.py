@@ -219,3 +219,18 @@ def test_a_corpus_sentencepiece_cannot_use_and_a_looping_link_are_one_line(tmp_p
     assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", "/dev/null", "--train-tgt",
                    tmp_path / "t.txt", "--preset", "tiny", "--max-steps", 1) == 2  # it said "is a directory"
     assert "/dev/null: is not a regular file (a device or pipe)" in capsys.readouterr().err
+
+
+def test_the_sentencepiece_log_says_the_pieces_it_made(caplog):
+    """It said "vocab 600" for a model of 468 pieces (the vocabulary is a soft limit on a small corpus)."""
+    import logging
+
+    from pipeline.corpus.spm import train_sentencepiece
+
+    with caplog.at_level(logging.INFO):
+        data = train_sentencepiece(["der hund sieht die katze", "ein mann geht"] * 20, vocab_size=100)
+    import sentencepiece as spm
+
+    pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
+    assert pieces < 100
+    assert f"on 40 lines: {pieces} pieces, fewer than --vocab-size 100" in caplog.text

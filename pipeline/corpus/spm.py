@@ -49,5 +49,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
             minloglevel=2, num_threads=2,
         )
         data = (prefix.with_suffix(".model")).read_bytes()
-    log.info("trained SentencePiece (%s, vocab %d) on %d lines", model_type, vocab_size, n)
+    pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
+    fewer = f", fewer than --vocab-size {vocab_size}: the corpus has too little text for more" \
+        if pieces < vocab_size else ""
+    log.info("trained SentencePiece (%s) on %d lines: %d pieces%s", model_type, n, pieces, fewer)
     return data
