@@ -105,13 +105,17 @@ def _trt_here(facts: Facts, device: str) -> str:
     return "" if facts.tensorrt.usable else str(facts.tensorrt.reason)
 
 
-REBUILD_ENGINES = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on the serving machine"
+def rebuild_engines(manifest: Manifest) -> str:
+    """The export that builds this model dir's engines again, at its precision (an int8 dir's TensorRT flavour
+    is qdq: without the flags it would come back fp32)."""
+    flags = {"fp16": " --fp16", "int8": " --int8 --int8-flavour qdq"}.get(manifest.precision, "")
+    return f"re-run `pipeline export CHECKPOINT --out DIR --tensorrt{flags} --force` on the serving machine"
 
 
 def _no_engines(manifest: Manifest, missing: list[str]) -> str:
     skipped = manifest.tensorrt_skipped
     why = f"export skipped them: {skipped}" if skipped else "export did not build them"
-    return f"the model dir has no TensorRT engines ({why}); {REBUILD_ENGINES}"
+    return f"the model dir has no TensorRT engines ({why}); {rebuild_engines(manifest)}"
 
 
 def _engines_match(manifest: Manifest, facts: Facts) -> str:
@@ -119,9 +123,9 @@ def _engines_match(manifest: Manifest, facts: Facts) -> str:
     built = manifest.tensorrt
     if built is None or built.version != facts.tensorrt.version:
         was = built.version if built else "an unknown version"
-        return f"engines built with TensorRT {was}, this is {facts.tensorrt.version}; {REBUILD_ENGINES}"
+        return f"engines built with TensorRT {was}, this is {facts.tensorrt.version}; {rebuild_engines(manifest)}"
     gpu = facts.torch.gpus[0].name
-    return f"engines built for {built.gpu}, this GPU is {gpu}; {REBUILD_ENGINES}" if built.gpu != gpu else ""
+    return f"engines built for {built.gpu}, this GPU is {gpu}; {rebuild_engines(manifest)}" if built.gpu != gpu else ""
 
 
 def _missing_files(redo: str = "") -> Callable[[Manifest, list[str]], str]:

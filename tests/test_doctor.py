@@ -125,3 +125,11 @@ def test_cpu_features_from_cpuinfo(tmp_path):
     assert cpu_facts(info).int8_dot_product is True and cpu_facts(info).model == "Test CPU 9001"
     elsewhere = cpu_facts(tmp_path / "missing")
     assert set(elsewhere.features.values()) == {None}
+
+
+def test_the_engines_fix_for_an_int8_dir_exports_int8_for_tensorrt(rowwise_dir, capsys):
+    """It said `--tensorrt --force`, which exports fp32: an int8 dir's engines need --int8 --int8-flavour qdq."""
+    assert run_cli("doctor", rowwise_dir, "--json") == 0
+    report = json.loads(capsys.readouterr().out)["model_dir"]
+    [trt] = [v for v in report["backends"] if v["backend"] == "tensorrt"]
+    assert "--tensorrt --int8 --int8-flavour qdq --force" in trt["reason"]
