@@ -97,6 +97,10 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     ConfigError for anything that would fail later, in the order a user fixes them: the paths, the
     options that contradict each other, the checkpoint, the shapes, the shortlist corpus, TensorRT."""
     source = resolve_checkpoint(Path(checkpoint))
+    if source != Path(checkpoint):  # a save dir: which of its checkpoints (the manifest records it too)
+        what = "the average `pipeline average` wrote" if source.name == "averaged.pt" else \
+            "the latest step checkpoint; `pipeline average` makes averaged.pt"
+        log.info("%s: exporting %s (%s)", checkpoint, source.name, what)
     prepare_out(options.out, options.force, source)
     tensorrt = _check_precision(options)
     model, spm_bytes, payload, loaded = load(source)

@@ -158,3 +158,19 @@ def test_a_training_runs_languages_come_from_its_corpus_file_names(tmp_path):
     assert corpus_languages(save_dir("train.src", "train.tgt")) is None  # what a file holds: served as src-tgt
     assert corpus_languages(save_dir("train.tok.de", "train.raw")) is None
     assert corpus_languages(tmp_path / "nowhere" / "x.pt") is None
+
+
+def test_exporting_a_save_dir_says_which_checkpoint(trained_checkpoint, tmp_path, caplog):
+    """Only manifest.json said whether averaged.pt or the latest checkpoint_*.pt was exported."""
+    import logging
+    import shutil
+
+    from export.plan import ExportError, ExportOptions, resolve
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(trained_checkpoint, run / "checkpoint_00000100.pt")
+    (tmp_path / "taken").write_text("x")  # refused right after the choice: nothing of the model is read
+    with caplog.at_level(logging.INFO), pytest.raises(ExportError, match="exists and is not a directory"):
+        resolve(run, ExportOptions(out=tmp_path / "taken"))
+    assert f"{run}: exporting checkpoint_00000100.pt (the latest step checkpoint;" in caplog.text
