@@ -105,7 +105,8 @@ class Routes(Generic[M]):
     def listed(self) -> str:
         """The served pairs for a message: each one while they are few, else how many and where to look."""
         if self.count == 0:
-            return "none (name models SRC-TGT, like de-en)"
+            return ("none: no model records its language pair; serve it as `--model de-en=MODEL_DIR` (its source and "
+                    "target codes), or export it with --src-lang and --tgt-lang")
         if self.count > LISTED:
             return f"{self.count} pairs of {len(self.codes)} languages (GET /languages lists them)"
         return ", ".join(f"{s}-{t}" for s, t in self.pairs())
