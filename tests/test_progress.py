@@ -119,7 +119,10 @@ def test_the_demo_says_which_limit_ended_training(tmp_path):
     assert _how_training_ended(save, opts) == \
         "training stopped at step 400 of 1200 by its time budget (--max-time 10m)"
     (save / "checkpoint_1200.pt").write_bytes(b"")
-    assert _how_training_ended(save, opts) == "training ran all 1200 steps (--max-steps)"
+    assert _how_training_ended(save, opts, before=400) == "training ran all 1200 steps (--max-steps)"
+    # a rerun on the same --out: it said "ran all 1200 steps" though it trained none
+    assert _how_training_ended(save, opts, before=1200) == \
+        f"training: {save} was at step 1200 already, nothing to train (--max-steps 1200)"
 
 
 def test_demo_help_names_its_time_budget(capsys):

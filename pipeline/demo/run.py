@@ -121,11 +121,12 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     save_dir = out / "train"
     clock = _Clock()
     plan = opts.plan or plan_demo(gather_facts(), wanted=opts.backends)
+    before = _reached(save_dir)  # a rerun on the same --out resumes, or finds nothing left to train
     clock.stage("train", train, TrainOptions(
         save_dir=save_dir, preset=opts.preset, max_steps=opts.max_steps, builtin_pairs=opts.builtin_pairs,
         max_time=opts.max_time, threads=opts.threads, progress=opts.progress, device=plan.device,
         precision=plan.train_precision))
-    training = _how_training_ended(save_dir, opts)
+    training = _how_training_ended(save_dir, opts, before)
     log.info("demo: %s", training)
     checkpoint = clock.stage("average", average_checkpoints, save_dir, last=opts.average_last)
 
@@ -165,12 +166,20 @@ def run_demo(opts: DemoOptions) -> DemoResult:
     return result
 
 
-def _how_training_ended(save_dir: Path, opts: DemoOptions) -> str:
-    """Which limit stopped training: every one of --max-steps, or the time budget first."""
+def _reached(save_dir: Path) -> int:
+    """The step of the save dir's latest checkpoint (0 without one)."""
+    last = step_checkpoints(save_dir) if save_dir.is_dir() else []
+    return (checkpoint_step(last[-1]) or 0) if last else 0
+
+
+def _how_training_ended(save_dir: Path, opts: DemoOptions, before: int = 0) -> str:
+    """Which limit stopped training: every one of --max-steps, or the time budget first; or that an earlier run
+    in the same --out had trained them all already."""
     steps = opts.max_steps or BUILTIN_DEFAULTS["max_steps"]
-    last = step_checkpoints(save_dir)
-    reached = checkpoint_step(last[-1]) if last else 0
-    if reached is not None and reached >= steps:
+    reached = _reached(save_dir)
+    if before >= steps:
+        return f"training: {save_dir} was at step {before} already, nothing to train (--max-steps {steps})"
+    if reached >= steps:
         return f"training ran all {steps} steps (--max-steps)"
     return f"training stopped at step {reached} of {steps} by its time budget (--max-time {opts.max_time})"
 
