@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import struct
 import subprocess
@@ -394,3 +395,12 @@ def test_a_file_the_import_does_not_need_and_cannot_open_is_skipped_and_counted(
         code, err = import_cli(capsys, hf, tmp_path / "out.pt")
     assert code == 0, err
     assert "cannot open (not hashed): README.md" in caplog.text
+
+
+def test_a_device_as_out_is_written_through(hf_dir, capsys):
+    """`--out /dev/null` (a dry run) said "exists; pass --force"; devices are written through, never replaced."""
+    import stat
+
+    code, err = import_cli(capsys, hf_dir, Path("/dev/null"))
+    assert code == 0, err
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from model.atomic import is_special_file
 from model.checkpoint import save_checkpoint
 from model.config import ConfigError, ModelConfig
 from pipeline.importers import registry
@@ -36,7 +37,7 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     hf_dir, out = Path(hf_dir), Path(out)
     # the directory and, for a hub cache snapshot, the blobs its files link to: --force replaces neither
     refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir, *allowed_roots(hf_dir)])
-    if out.exists() and not force:
+    if out.exists() and not force and not is_special_file(out):  # /dev/null or a pipe is written through
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
     hf = HfDir.open(hf_dir, family.what if family is not None else registry.WHAT)
     family = (family or registry.family_of(hf)).variant(hf)
