@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 @click.command("serve-batch")
 @click.argument("model_dir", type=GivenPath(file_okay=False))
-@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True)
+@click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=GivenPath())
 @click.option("-o", "--output", metavar="FILE",
               help="Write the translation of the single INPUT here ('-' = stdout).")
 @click.option("--output-dir", metavar="DIR",
