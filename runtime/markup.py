@@ -28,6 +28,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from runtime.sentences import has_letters
+
 SKIP = frozenset({"code", "pre", "script", "style"})
 VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
                   "track", "wbr"})
@@ -139,7 +141,7 @@ def parse_html(document: str, max_texts: int | None = None) -> Markup:
         nonlocal copied
         raw = document[span[0]:span[1]]
         text = html.unescape(raw)
-        if not any(c.isalpha() for c in text):
+        if not has_letters(text):
             return
         if max_texts is not None and len(markup.texts) >= max_texts:
             raise TooManyTexts(max_texts)

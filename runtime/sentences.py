@@ -45,6 +45,12 @@ class Split:
         return "".join(self.piece(j, t) for j, t in enumerate(translations)) if translations else self.gaps[0]
 
 
+def has_letters(text: str) -> bool:
+    """Whether `text` holds a letter: text without one (numbers, dates, emoji, punctuation) is copied, never
+    translated, on every surface (a model invents words for it)."""
+    return any(c.isalpha() for c in text)
+
+
 def _segmenter() -> Callable[[str, str], list[str]]:
     try:
         from sentencex import segment

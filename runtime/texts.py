@@ -26,7 +26,7 @@ from runtime.errors import RuntimeUserError
 from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, terms_for
 from runtime.glossary_file import load_glossaries
 from runtime.markup import Markup, parse_html
-from runtime.sentences import DEFAULT_LANG, Split, split_sentences
+from runtime.sentences import DEFAULT_LANG, Split, has_letters, split_sentences
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, encode_sources, format_line
 
@@ -212,7 +212,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
     # a sentence without letters is copied as it is: a model invents words for "123" or a date
-    out.copied = [policy.documents and not any(c.isalpha() for c in unit) for unit in out.units]
+    out.copied = [policy.documents and not has_letters(unit) for unit in out.units]
     out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
                              sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
     out.truncated = [0] * len(texts)

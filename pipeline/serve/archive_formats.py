@@ -12,8 +12,9 @@ from typing import Any
 
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
-from pipeline.serve.text_formats import Document, DocumentError, extension, has_letters
+from pipeline.serve.text_formats import Document, DocumentError, extension
 from runtime.markup import parse_html
+from runtime.sentences import has_letters
 
 MAX_UNZIPPED_BYTES = 100 << 20  # what an archive (.docx, .pptx, .odt, .odp, .epub) may unpack to, all members
 MAX_MEMBERS = 10_000  # members of an archive

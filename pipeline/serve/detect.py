@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.sentences import has_letters
+
 INSTALL = 'pip install -e ".[serve]"'
 TOP = 3  # candidates POST /detect answers, as LibreTranslate
 
@@ -38,7 +40,7 @@ class Detector:
     def rank(self, text: str, top: int = TOP) -> list[dict[str, Any]]:
         """[{"language", "confidence"}], most likely first; confidence in percent (LibreTranslate's scale),
         0 for a text without letters (nothing to tell languages apart by)."""
-        if not any(c.isalpha() for c in text):
+        if not has_letters(text):
             return [{"language": self.codes[0], "confidence": 0.0}]
         ranked = self._identifier.rank(text)
         return [{"language": str(code), "confidence": round(100.0 * float(p), 1)} for code, p in ranked[:top]]

@@ -26,15 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeline.serve.archive_formats import read_docx, read_epub, read_odp, read_odt, read_pptx
-from pipeline.serve.text_formats import (
-    Document,
-    DocumentError,
-    extension,
-    has_letters,
-    read_html,
-    read_srt,
-    read_txt,
-)
+from pipeline.serve.text_formats import Document, DocumentError, extension, read_html, read_srt, read_txt
 
 __all__ = ["MAX_FILE_BYTES", "MEDIA_TYPES", "SUPPORTED", "Document", "DocumentError", "extension", "read_document"]
 
@@ -63,11 +55,12 @@ def read_document(filename: str, data: bytes, max_texts: int | None = None) -> D
     if len(data) > MAX_FILE_BYTES:
         raise DocumentError(f"the file has {len(data)} bytes, more than this server's limit of {MAX_FILE_BYTES} "
                             f"({MAX_FILE_BYTES >> 20} MiB)", too_large=True)
-    doc = PLAIN[ext](data, max_texts) if ext in PLAIN else ARCHIVES[ext](data)
-    texts = sum(1 for t in doc.texts if has_letters(t))
-    if max_texts is not None and texts > max_texts:  # an archive's, bounded by its unpacked size
-        raise DocumentError(f"the file has {texts} texts, more than this server's limit of {max_texts} per request "
-                            "(--max-sentences); split the file", too_large=True)
+    if ext in PLAIN:
+        return PLAIN[ext](data, max_texts)
+    doc = ARCHIVES[ext](data)  # its texts (each with letters) counted once read: bounded by its unpacked size
+    if max_texts is not None and len(doc.texts) > max_texts:
+        raise DocumentError(f"the file has {len(doc.texts)} texts, more than this server's limit of {max_texts} per "
+                            "request (--max-sentences); split the file", too_large=True)
     return doc
 
 

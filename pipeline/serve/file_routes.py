@@ -30,6 +30,7 @@ from pipeline.serve.glossaries import requested
 from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.state import ServerState
+from runtime.sentences import has_letters
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,7 @@ async def _source_of(state: ServerState, req: LibreRequest) -> dict[str, Any] | 
     for text in req.q:
         if size >= DETECT_CHARS:
             break
-        if any(c.isalpha() for c in text):
+        if has_letters(text):
             sample.append(text[:DETECT_CHARS - size])
             size += len(sample[-1])
     if not sample:

@@ -40,6 +40,7 @@ from pipeline.serve.state import ServedModel, ServerState
 from runtime.glossary import Glossary
 from runtime.languages import LANG_CODE
 from runtime.markup import parse_html
+from runtime.sentences import has_letters
 from runtime.texts import EncodedTexts, finish_texts
 from runtime.translate import NBest
 
@@ -156,7 +157,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
     groups: dict[tuple[str, str], _Group] = {}
     for i, text in enumerate(req.q):
         source = detected[i]["language"] if detected else req.source
-        if source == req.target or not any(c.isalpha() for c in text):
+        if source == req.target or not has_letters(text):
             for code, key in ((source, "source"), (req.target, "target")):
                 if code not in state.routes.codes:
                     raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '

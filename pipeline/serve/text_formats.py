@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from runtime.markup import TooManyTexts, parse_html
+from runtime.sentences import has_letters
 
 
 class DocumentError(ValueError):
@@ -38,10 +39,6 @@ def extension(filename: str) -> str:
     name = re.split(r"[/\\]", filename)[-1]
     dot = name.rfind(".")
     return name[dot:].lower() if dot > 0 else ""
-
-
-def has_letters(text: str) -> bool:
-    return any(c.isalpha() for c in text)
 
 
 # -- text formats: .txt, .html, .srt ------------------------------------------------------------------------
