@@ -75,8 +75,6 @@ async def translate(request: Request) -> Response:
         response = error(e)
         state.unnamed.request(response.status_code)
         return response
-    except ClientDisconnect:
-        return Response(status_code=CLIENT_CLOSED)
     if form or libre.speaks_libre(data):
         return await libre.translate(request, data, form, state)
     return await native.translate(request, data, state, started)
