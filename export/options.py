@@ -4,8 +4,9 @@ are its fields, so the two cannot drift apart."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from export import quantize, tensorrt_build, verify
 from export.shortlist import ShortlistCorpus
@@ -142,3 +143,6 @@ class ExportOptions:
     references: tuple[list[str], list[str]] | None = None
     calibration: Calibration | list[str] | None = None  # --int8-calibrate's lines, else the held-out set's
     shortlist: ShortlistCorpus | None = None
+    # Decoding defaults to record in the manifest over the checkpoint's own (export's --beam-size, --alpha, ...:
+    # tune-decoding's choice), as runtime.decoding.DecodingOptions fields; serving uses them unless told otherwise
+    decoding: dict[str, Any] = field(default_factory=dict)

@@ -124,7 +124,8 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     return ExportPlan(options=options, source=source, model=model, spm_bytes=spm_bytes, payload=payload,
                       tokenizer=tokenizer, limits=limits, int8_flavour=flavour, tensorrt=tensorrt,
                       tensorrt_unavailable=unavailable, int8_atol=_int8_atol(options, flavour),
-                      decoding=decoding_defaults(payload), steps=checkpoint_steps(payload), counted=counted,
+                      decoding=decoding_defaults(payload, options.decoding, limits),
+                      steps=checkpoint_steps(payload), counted=counted,
                       language_pair=pair, held_out_direction=held_out, calibration=calibration,
                       activation_scales=scales)
 
@@ -338,11 +339,22 @@ def held_out_direction(options: ExportOptions, cfg: ModelConfig) -> tuple[str, s
     return way.source, way.target
 
 
-def decoding_defaults(payload: dict[str, Any]) -> dict[str, Any]:
-    """The checkpoint's own decoding defaults (an imported model's generation config), checked."""
+def decoding_defaults(payload: dict[str, Any], given: dict[str, Any] | None = None,
+                      limits: Limits | None = None) -> dict[str, Any]:
+    """The model dir's decoding defaults: the checkpoint's own (an imported model's generation config) under
+    those `given` to export (--beam-size, --alpha, ...), checked; a given beam must fit the model dir (at most
+    --max-beam, whose 2 x beam candidates check_options fits in --topk)."""
     defaults = dict((payload.get("extra") or {}).get("decoding") or {})
-    PAPER.for_model(defaults)  # unknown or impossible values: one line now
-    return defaults
+    PAPER.for_model(defaults, "the checkpoint")  # unknown or impossible values: one line now
+    if not given:
+        return defaults
+    beam = given.get("beam_size")
+    if beam is not None and limits is not None and beam > limits.max_beam:
+        raise ExportError(f"--beam-size {beam} is above --max-beam {limits.max_beam}, the largest beam the model "
+                          "dir serves: raise --max-beam or choose a smaller beam")
+    merged = {**defaults, **given}
+    PAPER.for_model(merged, "the options given over the checkpoint's own")  # min-len past the checkpoint's max
+    return merged
 
 
 def checkpoint_steps(payload: dict[str, Any]) -> list[int]:

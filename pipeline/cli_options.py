@@ -162,15 +162,16 @@ def pick(cls: type, values: dict[str, Any]) -> Any:
     return cls(**{k: v if v is None or converts[k] is None else converts[k](v) for k, v in picked.items()})
 
 
-def decoding_options(*names: str, notes: dict[str, str] | None = None, model_dir: bool = True
+def decoding_options(*names: str, notes: dict[str, str] | None = None, defaults_from: str | None = "the model dir's"
                      ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Add --beam-size, --alpha, ... for the named DecodingOptions fields (all of them
     when none are named); the command receives `decoding: DecodingOptions`, already
     validated, so a bad value is a one-line error naming its option. It records which options
     the user set (`explicit`): the others give way to a model dir's own defaults
     (DecodingOptions.for_model). `notes` appends a command's own remark to an option's help
-    (what n-best looks like in its output). `model_dir`: the command decodes a model dir, whose own defaults
-    (an imported model's num_beams, length penalty, ...) fill the options not given, and --help says so."""
+    (what n-best looks like in its output). `defaults_from`: whose own defaults fill the options not given (a
+    model dir's: an imported model's num_beams, length penalty, ...; export: the checkpoint's), as --help says;
+    None: the paper's."""
     chosen = names or tuple(_FIELDS)
     unknown = [n for n in chosen if n not in _FIELDS]
     if unknown:
@@ -187,7 +188,8 @@ def decoding_options(*names: str, notes: dict[str, str] | None = None, model_dir
 
         # click lists options in reverse order of decoration: add the last one first.
         for name in reversed(chosen):
-            shown = f"the model dir's, else {_FIELDS[name].default}" if model_dir and name in MODEL_DEFAULTS else True
+            shown = f"{defaults_from}, else {_FIELDS[name].default}" if defaults_from and name in MODEL_DEFAULTS \
+                else True
             wrapper = field_option(DecodingOptions, _FIELDS[name], _HINTS, (notes or {}).get(name), shown)(wrapper)
         return wrapper
 

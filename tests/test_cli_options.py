@@ -66,11 +66,15 @@ def test_train_has_no_option_outside_its_dataclass():
 
 
 def test_export_has_no_option_outside_its_dataclass():
-    """Every `pipeline export` flag is an ExportOptions field (export_model's keywords), none written by hand;
-    the fields without a help text are what the command reads from its files."""
+    """Every `pipeline export` flag is an ExportOptions field (export_model's keywords) or one of DecodingOptions'
+    search settings (recorded as ExportOptions.decoding), none written by hand; the other fields without a help
+    text are what the command reads from its files."""
+    from pipeline.commands.export import SEARCH
+
     options = {f.name for f in dataclasses.fields(ExportOptions) if "help" in f.metadata}
-    assert set(params("export")) - {"help", "checkpoint"} == options
-    assert {f.name for f in dataclasses.fields(ExportOptions)} - options == {"references", "shortlist", "calibration"}
+    assert set(params("export")) - {"help", "checkpoint"} == options | set(SEARCH)
+    assert {f.name for f in dataclasses.fields(ExportOptions)} - options == {"references", "shortlist", "calibration",
+                                                                             "decoding"}
 
 
 def test_export_flags_keep_their_click_types():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import SMALL_LIMITS, hidden, run_cli_captured
+from helpers import SMALL_LIMITS, hidden, run_cli, run_cli_captured
 
 from export import quantize, tensorrt_build, verify
 from export.api import export_model
@@ -118,6 +118,59 @@ def test_the_cli_writes_what_export_model_writes(fp32_dir, random_checkpoint, tm
     for m in (ours, theirs):
         m["graphs"].pop("export_seconds")
     assert ours == theirs
+
+
+def test_decoding_options_given_to_export_go_over_the_checkpoints_own(spm_bytes, tmp_path):
+    """tune-decoding's choice, given to export, becomes the model dir's default over what the checkpoint brings
+    (an import's generate config); a beam the model dir cannot serve, or a mix that allows no output, is refused
+    before any work."""
+    from runtime.tokenizer import Tokenizer
+
+    ckpt = tmp_path / "own.pt"
+    save_checkpoint(ckpt, build_model(preset("tiny", vocab_size=Tokenizer(spm_bytes).vocab_size)), spm_bytes,
+                    extra={"decoding": {"beam_size": 3, "alpha": 1.0, "max_len_a": 0.0, "max_len_b": 20}})
+    p = plan(ckpt, tmp_path, tensorrt=False, decoding={"beam_size": 2, "min_len": 5})
+    assert p.decoding == {"beam_size": 2, "alpha": 1.0, "max_len_a": 0.0, "max_len_b": 20, "min_len": 5}
+    assert plan(ckpt, tmp_path, tensorrt=False).decoding == {"beam_size": 3, "alpha": 1.0, "max_len_a": 0.0,
+                                                             "max_len_b": 20}
+    with pytest.raises(ExportError, match="--beam-size 5 is above --max-beam 4"):
+        plan(ckpt, tmp_path, tensorrt=False, max_beam=4, decoding={"beam_size": 5})
+    with pytest.raises(Exception, match="min_len 30 is above the maximum output length 20"):
+        plan(ckpt, tmp_path, tensorrt=False, decoding={"min_len": 30})
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_export_records_the_decoding_it_was_given_and_serving_uses_it(fp32_dir, random_checkpoint, tmp_path,
+                                                                    capsys):
+    """`pipeline export --beam-size 2 --alpha 1.0`: the manifest records them, serve-batch decodes with them (as
+    the same model dir exported without them does when told), and an option given to serve-batch still wins."""
+    from runtime.model_dir import LoadOptions, load
+
+    out = tmp_path / "m"
+    flags = [x for k, v in SMALL_LIMITS.items() for x in (f"--{k.replace('_', '-')}", v)]
+    code, stdout, stderr = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--no-tensorrt",
+                                            *flags, "--beam-size", 2, "--alpha", 1.0)
+    assert code == 0, stderr
+    assert f"{out} decodes with --alpha 1, --beam-size 2 unless told otherwise" in stdout
+    assert json.loads((out / MANIFEST).read_text())["decoding"] == {"alpha": 1.0, "beam_size": 2}
+    loaded = load(out, LoadOptions(backend="onnxruntime"))
+    assert (loaded.decoding.beam_size, loaded.decoding.alpha, loaded.decoding.max_len_b) == (2, 1.0, 50)
+    src = tmp_path / "in.txt"
+    src.write_text("▁a b c\nhello there\n\nx y z w\n")
+
+    def serve_batch(model_dir: Path, name: str, *options: object) -> str:
+        code, _, stderr = run_cli_captured(capsys, "serve-batch", model_dir, src, "--output", tmp_path / name,
+                                           "--backend", "onnxruntime", "--nbest", 2, *options)
+        assert code == 0, stderr
+        return (tmp_path / name).read_text()
+
+    assert serve_batch(out, "ours") == serve_batch(fp32_dir, "told", "--beam-size", 2, "--alpha", 1.0)
+    assert serve_batch(out, "wide", "--beam-size", 4) == serve_batch(fp32_dir, "paper4", "--alpha", 1.0)
+    assert serve_batch(out, "ours") != serve_batch(fp32_dir, "paper")  # the scores differ with alpha
+    assert run_cli("export", random_checkpoint, "--out", tmp_path / "x", "--no-tensorrt", *flags,
+                   "--beam-size", 5) == 2
+    assert "--beam-size 5 is above --max-beam 4" in capsys.readouterr().err
 
 
 def test_the_language_pair_from_the_options_or_the_checkpoint(random_checkpoint, tmp_path):

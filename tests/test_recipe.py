@@ -350,6 +350,8 @@ def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, 
     assert any(int(r[0]) == 1 and float(r[2]) == round(greedy, 2) for r in rows)
     best = max(float(r[2]) for r in rows)
     assert f"(BLEU {best:.2f})" in out.splitlines()[5]
+    chosen = out.splitlines()[5].split(": ", 1)[1].split(" (BLEU")[0]  # --beam-size B --alpha A
+    assert out.splitlines()[6].endswith(f"pipeline export {trained_save_dir} --out NEW_DIR {chosen}")
     assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "x") == 2
 
 

@@ -17,7 +17,7 @@ from runtime.model_dir import LoadOptions
 
 @click.command("demo")
 @options_from(DemoOptions, skip=("progress",))
-@decoding_options("beam_size", model_dir=False)
+@decoding_options("beam_size", defaults_from=None)
 @options_from(LoadOptions, only=("threads",))
 @options_from(DemoOptions, only=("progress",))
 def demo(decoding: DecodingOptions, threads: int | None, **values: Any) -> None:

@@ -14,26 +14,38 @@ from export.options import CALIBRATION_LINES, Calibration, ExportOptions
 from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import Manifest
-from pipeline.cli_options import GivenPath, options_from, pick
+from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.textio import read_lines, refuse_overwriting_inputs
 from pipeline.training.trainer import corpus_languages, validation_files
 from runtime import references
+from runtime.decoding import DecodingOptions
 
 log = logging.getLogger(__name__)
+
+# the search options a model dir records as its defaults (manifest.decoding)
+SEARCH = ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "rules")
 
 
 @click.command("export")
 @click.argument("checkpoint", type=GivenPath(path_type=Path))
 @options_from(ExportOptions)
-def export(checkpoint: Path, **values: Any) -> None:
+@decoding_options(*SEARCH, defaults_from="the checkpoint's",
+                  notes={name: "Recorded as the model dir's default." for name in SEARCH})
+def export(checkpoint: Path, decoding: DecodingOptions, **values: Any) -> None:
     """Export CHECKPOINT (a save dir: its latest or averaged checkpoint; or one .pt file) to a
     verified model directory: encoder.onnx, decoder.onnx, TensorRT engines when possible,
-    model.pt, spm.model and manifest.json."""
-    options = read_inputs(checkpoint, pick(ExportOptions, values))
+    model.pt, spm.model and manifest.json. Decoding options given (tune-decoding's choice) become the
+    model dir's defaults, which serve-batch, serve, parity and ray-translate use unless told otherwise."""
+    given = {name: getattr(decoding, name) for name in sorted(decoding.given())}
+    options = read_inputs(checkpoint, dataclasses.replace(pick(ExportOptions, values), decoding=given))
     manifest = api.export(checkpoint, options, say=lambda line: click.echo(line, err=True))
     if manifest.tensorrt_skipped:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(options.out, manifest))
+    if given:
+        settings = ", ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
+                             for flag, value in ((f"--{k.replace('_', '-')}", v) for k, v in given.items()))
+        click.echo(f"{options.out} decodes with {settings} unless told otherwise (manifest.json decoding)")
     if manifest.shortlist is not None:
         click.echo(describe(manifest.shortlist))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,11 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     for t in trials:
         click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}")
     best = trials[0]
-    click.echo(f"best on {opts.src.name}: --beam-size {best.beam_size} --alpha {best.alpha:g} (BLEU {best.bleu:.2f})")
+    flags = f"--beam-size {best.beam_size} --alpha {best.alpha:g}"
+    click.echo(f"best on {opts.src.name}: {flags} (BLEU {best.bleu:.2f})")
+    checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
+    click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "
+               f"pipeline export {checkpoint} --out NEW_DIR {flags}")
     if opts.json_out:
         atomic_write_text(opts.json_out, json.dumps([asdict(t) for t in trials], indent=2) + "\n")
 
