@@ -319,25 +319,30 @@ def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit:
     """One TextResult per text, in order, from each unit's hypotheses (n: the n-best asked for)."""
     if len(nbest_per_unit) != len(encoded.ids):
         raise ValueError(f"{len(nbest_per_unit)} hypotheses lists for {len(encoded.ids)} units")
-    outs = [hypotheses(tokenizer, nb) for nb in nbest_per_unit]
-    best = [encoded.best(u, h) for u, h in enumerate(outs)]
-    results = []
+    return [finish_text(tokenizer, encoded, k, nbest_per_unit, n) for k in range(len(encoded.spans))]
+
+
+def finish_text(tokenizer: AnyTokenizer, encoded: EncodedTexts, k: int, nbest_per_unit: list[NBest], n: int
+                ) -> TextResult:
+    """Text k's TextResult from its units' hypotheses (`nbest_per_unit` holds at least those of its span: a
+    stream finishes each text once its units are translated)."""
+    span = encoded.spans[k]
+    outs = {u: hypotheses(tokenizer, nbest_per_unit[u]) for u in span}
+    best = {u: encoded.best(u, h) for u, h in outs.items()}
+    docs, markup = encoded.documents[k], encoded.markups[k]
+    truncated, empty = encoded.truncated[k], encoded.empty[k]
     others: list[str]
-    for k, span in enumerate(encoded.spans):
-        docs, markup = encoded.documents[k], encoded.markups[k]
-        truncated, empty = encoded.truncated[k], encoded.empty[k]
-        if not encoded.policy.documents:
-            u = span.start
-            hyps = nbest_per_unit[u]
-            text = format_line(tokenizer, hyps, n) if n > 1 else best[u]
-            others = _distinct(best[u], [h for h, _ in outs[u][1:n]])
-            results.append(TextResult(text, others, outs[u], hyps[0][1] if hyps else None, truncated, empty,
-                                      [best[u]]))
-            continue
+    if not encoded.policy.documents:
+        u = span.start
+        hyps = nbest_per_unit[u]
+        text = format_line(tokenizer, hyps, n) if n > 1 else best[u]
+        others = _distinct(best[u], [h for h, _ in outs[u][1:n]])
+        result = TextResult(text, others, outs[u], hyps[0][1] if hyps else None, truncated, empty, [best[u]])
+    else:
         pieces, scores, u = [], [], span.start
         for doc in docs:
             stop = u + len(doc.sentences)
-            pieces.append(doc.rebuild(best[u:stop]))
+            pieces.append(doc.rebuild([best[v] for v in range(u, stop)]))
             scores.append(_document_score(nbest_per_unit[u:stop]))
             u = stop
         if markup is not None:
@@ -346,14 +351,13 @@ def finish_texts(tokenizer: AnyTokenizer, encoded: EncodedTexts, nbest_per_unit:
             others = []
         else:
             text, score = pieces[0], scores[0]
-            others = _distinct(text, [docs[0].rebuild([(h[j] if j < len(h) else h[0])[0] if h else best[u]
-                                                       for u, h in zip(span, outs[span.start:span.stop])])
+            others = _distinct(text, [docs[0].rebuild([(outs[v][j] if j < len(outs[v]) else outs[v][0])[0]
+                                                       if outs[v] else best[v] for v in span])
                                       for j in range(1, n)])
-        results.append(TextResult(text, others, [], score, truncated, empty, best[span.start:span.stop]))
+        result = TextResult(text, others, [], score, truncated, empty, [best[u] for u in span])
     if encoded.terms is not None:
-        for k, span in enumerate(encoded.spans):
-            results[k].terms = [row for u in span for row in applied_terms(encoded.terms[u], best[u])]
-    return results
+        result.terms = [row for u in span for row in applied_terms(encoded.terms[u], best[u])]
+    return result
 
 
 def _distinct(text: str, candidates: list[str]) -> list[str]:

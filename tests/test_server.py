@@ -427,6 +427,32 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, line
             httpx.get(f"{u}/health", timeout=5)
 
 
+def test_requests_still_waiting_when_the_grace_runs_out_get_503_not_500(model_dir, tmp_path, lines):
+    """--grace-s 1 while two requests wait for company (held by a third still sending its body): once it runs out,
+    the plain one is a JSON 503 with Retry-After and the stream ends in an {"error"} object, as the docs promise
+    for a server stopping first (uvicorn cancelled their tasks: a plain-text 500 and tracebacks); exit 0."""
+    log_path = tmp_path / "serve.log"
+    with server(model_dir, log_path, "--max-wait-ms", 60000, "--grace-s", 1) as (proc, u):
+        holder, _ = held(u, {"text": lines[:2]})
+        with ThreadPoolExecutor(2) as pool:
+            plain = pool.submit(post, u, {"text": lines[:3]})
+            streamed = pool.submit(stream, u, {"text": lines[3:6]})
+            deadline = time.monotonic() + 30
+            while metric(u, "pipeline_in_flight_requests") < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            r = plain.result()
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            assert "--grace-s 1 ran out before this request was translated" in r.json()["error"]
+            objects = streamed.result()
+            assert objects[-1].keys() == {"error"} and "--grace-s 1 ran out" in objects[-1]["error"]
+        holder.close()  # a client that never finished its body: it leaves, as such a client would be cut off
+        assert proc.wait(60) == 0
+    text = log_path.read_text()
+    assert "Traceback" not in text and "never retrieved" not in text, text
+    assert "--grace-s 1 ran out: 2 request(s) answered 503" in text
+
+
 def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):
     assert run_cli("serve", tmp_path / "missing") == 2
     assert capsys.readouterr().err.startswith("error: ")

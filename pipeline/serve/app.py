@@ -110,6 +110,11 @@ async def info(request: Request) -> Response:
     return JSONResponse({"model": name, **state.models[name].info, **state.info})
 
 
+async def no_icon(request: Request) -> Response:
+    """GET /favicon.ico, which every browser asks for: no icon (204), rather than a 404 in the page's console."""
+    return Response(status_code=204)
+
+
 async def _gone(request: Request, exc: Exception) -> Response:
     """A client that left before its answer (any route): nothing to send, nothing to log."""
     return Response(status_code=CLIENT_CLOSED)
@@ -180,6 +185,7 @@ def create_app(state: ServerState) -> Starlette:
                                      allow_headers=["*"], max_age=600))
     app = Starlette(routes=[
         Route("/", page.page, methods=["GET"]),
+        Route("/favicon.ico", no_icon, methods=["GET"]),
         Route("/translate", Counted(translate), methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),

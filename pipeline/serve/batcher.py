@@ -127,6 +127,8 @@ class Batcher:
         self.workers = max(1, translator.parallel_batches)
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="backend")
         self._running: set[asyncio.Task[None]] = set()
+        self._open: set[Work] = set()  # submitted and not yet answered (queued, or with lines in a running batch)
+        self._closed: str | None = None  # why new work is refused (abandon)
 
     @property
     def running(self) -> bool:
@@ -157,15 +159,31 @@ class Batcher:
                constraints: list[list[list[int]]] | None = None) -> Work:
         """Queue one request's source ids (with a multilingual model's target token, and per line a glossary's
         constraints); await `work.future` for its hypotheses."""
+        if self._closed is not None:
+            raise BatcherStopped(self._closed)
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests are queued already (--max-queue {self.max_queue})")
         wide = constrained_beam(decoding.beam_size, self.translator.backend.topk) if constraints else 0
         work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first, constraints, wide)
         self._pending.append(work)
+        self._open.add(work)
+        work.future.add_done_callback(lambda _: self._open.discard(work))
         self.metrics.queue_depth.set(len(self._pending))
         assert self._wakeup is not None, "Batcher.start() was not awaited"
         self._wakeup.set()
         return work
+
+    def abandon(self, reason: str) -> int:
+        """Fail every request not yet answered, and refuse new ones, with BatcherStopped(reason) (503 with
+        Retry-After: the server stops before they are translated); a batch running finishes unread. Returns how
+        many were failed."""
+        self._closed = reason
+        failed = list(self._open)
+        for work in failed:
+            work._fail(BatcherStopped(reason))
+        self._pending.clear()
+        self.metrics.queue_depth.set(0)
+        return len(failed)
 
     def nudge(self) -> None:
         """A request left the server (app.py counted): a batch waiting for company may now be alone."""

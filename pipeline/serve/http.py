@@ -50,8 +50,10 @@ class CountedDisconnect(ClientDisconnect):
 
 
 def error(e: ApiError) -> Response:
-    """The answer to a refusal, for every route: {"error": message}, its status and headers."""
-    return JSONResponse({"error": str(e)}, status_code=e.status, headers=e.headers)
+    """The answer to a refusal, for every route: {"error": message}, its status and headers (a lone surrogate a
+    message quotes from the request is escaped: UTF-8 cannot hold it)."""
+    message = str(e).encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse({"error": message}, status_code=e.status, headers=e.headers)
 
 
 def failed(e: Exception, m: ModelMetrics, retry_after_s: int, what: str) -> Response:
@@ -199,9 +201,10 @@ def json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_json(body: bytes) -> Any:
-    """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer)."""
+    """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer). A leading byte order
+    mark is skipped, as RFC 8259 allows and LibreTranslate's Flask does."""
     try:
-        decoded = body.decode("utf-8")
+        decoded = body.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})"
                        ) from None

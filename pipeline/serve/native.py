@@ -21,17 +21,18 @@ from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
 from pipeline.serve.http import ApiError, bearer, failed, off_loop, too_many
 from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
-from runtime.texts import EncodedTexts, finish_texts, hypotheses
+from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts, hypotheses
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
 
 REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target",
-                "glossary"}
+                "glossary", "format"}
 
 
 def unauthorized(state: ServerState, request: Request) -> ApiError | None:
@@ -64,7 +65,13 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
         raise ApiError(400, 'request body must be a JSON object like {"text": ["a line", ...]}')
     unknown = sorted(set(data) - REQUEST_KEYS)
     if unknown:
-        raise ApiError(400, f"unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(REQUEST_KEYS))}")
+        raise ApiError(400, f"unknown field(s) {', '.join(shown(k) for k in unknown[:5])}"
+                            f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}; known: "
+                            f"{', '.join(sorted(REQUEST_KEYS))}")
+    repeated = getattr(data, "repeated_keys", ())
+    if repeated:  # json keeps the last value: the others would be lost without a word
+        raise ApiError(400, f"field(s) {', '.join(shown(k) for k in repeated[:5])} given more than once; send each "
+                            "once")
     model = pick_model(data, state)
     text = data.get("text")
     if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
@@ -79,8 +86,11 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     if not LANG_CODE.fullmatch(lang):
         raise ApiError(400, f'"lang" must be a language code like "de", not {lang[:20]!r}')
     stream = _field(data, "stream", bool, False, "true or false")
+    kind = data.get("format", "text")
+    if kind not in FORMATS:
+        raise ApiError(400, f'"format" must be one of {", ".join(map(json.dumps, FORMATS))}, not {shown(kind)}')
     for i, line in enumerate(text):
-        if "\n" in line and split == "none":
+        if "\n" in line and split == "none" and kind == "text":
             raise ApiError(400, f'text[{i}] holds a newline; send one line per list item, or "split": "sentences"')
         try:
             line.encode("utf-8")
@@ -97,12 +107,29 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
         raise ApiError(400, "; ".join(problems))
     scores = _field(data, "scores", bool, False, "true or false")
     structured = scores or decoding.nbest > 1
-    if structured and split != "none":
-        raise ApiError(400, '"split": "sentences" gives one translation per text: "nbest" and "scores" need '
-                            '"split": "none"')
+    if structured and (split != "none" or kind == "html"):
+        what = '"format": "html"' if kind == "html" else '"split": "sentences"'
+        raise ApiError(400, f'{what} gives one translation per text: "nbest" and "scores" need "split": "none" '
+                            'and "format": "text"')
     glossary = requested(data.get("glossary"), state.glossaries)
     for_model(glossary, model.translator, state.glossaries)
-    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, glossary=glossary)
+    return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, kind, glossary)
+
+
+def shown(value: Any) -> str:
+    """A value the client sent, as a refusal quotes it: its repr, cut to 20 characters (a lone surrogate is
+    escaped, a long key is not echoed whole)."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return repr(text[:20]) + ("..." if len(text) > 20 else "")
+
+
+def request_metrics(data: Any, state: ServerState) -> ModelMetrics:
+    """The metrics a request is counted in, refused or not: the model it names (the server's only one when it
+    names none), else the unnamed series."""
+    name = data.get("model") if isinstance(data, dict) else None
+    if name is None and len(state.models) == 1:
+        return next(iter(state.models.values())).metrics
+    return state.models[name].metrics if isinstance(name, str) and name in state.models else state.unnamed
 
 
 def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
@@ -117,14 +144,16 @@ def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
     if way is ONE_PAIR:
         for key, known in (("source", model.sources), ("target", model.targets)):
             if key in given and known and given[key] not in known:
-                raise ApiError(400, f'"{key}" {given[key][:20]!r} is not a language of model {model.name} '
+                raise ApiError(400, f'"{key}" {shown(given[key])} is not a language of model {model.name} '
                                     f'({", ".join(known)})')
+            if key in given and not LANG_CODE.fullmatch(given[key]):  # a model whose pair is not recorded
+                raise ApiError(400, f'"{key}" must be a language code like "de", not {shown(given[key])}')
     return way
 
 
 async def translate(request: Request, data: Any, state: ServerState, started: float) -> Response:
     """POST /translate in the native form (the body read and parsed already)."""
-    m = state.unnamed
+    m = request_metrics(data, state)
     try:
         refused = unauthorized(state, request)
         if refused is not None:
@@ -181,6 +210,12 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
     try:
         for index, span in enumerate(encoded.spans):
             split = encoded.split(index)
+            if encoded.markups[index] is not None:  # an HTML text: rebuilt once its nodes' sentences are done
+                await wait(work, span.stop, state)
+                done = finish_text(tokenizer, encoded, index, work.results, req.decoding.nbest)
+                yield _ndjson({"index": index, "translation": done.text,
+                               **({} if req.glossary is None else {"terms": done.terms or []})})
+                continue
             if split is None:
                 await wait(work, span.stop, state)
                 hyps = hypotheses(tokenizer, work.results[span.start])
@@ -225,5 +260,10 @@ class _Stream(StreamingResponse):
             self.model.metrics.in_flight.dec()
 
 
+# line breaks other than \n, which JSON may hold raw: escaped, so a client splitting the stream at any line break
+# (Python's str.splitlines, a JavaScript reader) still reads one object per line
+_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def _ndjson(item: dict[str, Any]) -> bytes:
-    return json.dumps(item, ensure_ascii=False).encode("utf-8") + b"\n"
+    return json.dumps(item, ensure_ascii=False).translate(_BREAKS).encode("utf-8") + b"\n"

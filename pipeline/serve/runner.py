@@ -2,11 +2,13 @@
 warm each up with one real translation, serve until SIGTERM / Ctrl-C, then drain.
 
 On a stop signal uvicorn stops accepting, lets in-flight requests finish for up to
-`grace_s` seconds, then the lifespan stops the batcher; the process then exits 0.
+`grace_s` seconds; those still waiting then are answered 503 with Retry-After (a stream: its last object an
+error), the lifespan stops the batcher, and the process exits 0.
 Startup failures (bad model dir, port in use) are UserErrors: one line, exit 2."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.metadata
 import logging
@@ -136,6 +138,9 @@ def attach_detector(state: ServerState) -> None:
         log.warning("language detection does not know %s; name them as source", ", ".join(state.detector.unknown))
 
 
+ANSWER_S = 5  # after --grace-s: the seconds the 503s of requests still waiting have to go out
+
+
 class _Server(uvicorn.Server):
     """uvicorn re-raises a stop signal after its graceful shutdown, which would end
     the process by that signal; a drained server should exit 0 instead."""
@@ -150,6 +155,22 @@ class _Server(uvicorn.Server):
                      self.config.timeout_graceful_shutdown or 0)
         self.state.draining = True
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's graceful shutdown, but when `grace_s` runs out the requests still waiting are answered 503
+        with Retry-After (ANSWER_S more for those answers to go out) instead of having their tasks cancelled
+        (a plain-text 500 and a traceback)."""
+        grace = self.config.timeout_graceful_shutdown
+        if grace is not None:
+            self.config.timeout_graceful_shutdown = grace + ANSWER_S
+            asyncio.get_running_loop().call_later(grace, self._out_of_time, grace)
+        await super().shutdown(sockets)
+
+    def _out_of_time(self, grace: int) -> None:
+        reason = f"the server is stopping and its --grace-s {grace} ran out before this request was translated"
+        failed = sum(model.batcher.abandon(reason) for model in self.state.models.values() if model.batcher)
+        if failed:
+            log.warning("--grace-s %d ran out: %d request(s) answered 503 (retry elsewhere)", grace, failed)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

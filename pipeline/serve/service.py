@@ -80,6 +80,8 @@ async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encod
         return model.batcher.submit(encoded.ids, req.decoding, req.way.first, encoded.constraints), encoded
     except QueueFull as e:
         raise busy(f"server busy: {e}; retry later", state) from None
+    except BatcherStopped as e:
+        raise busy(f"{e}; retry later", state) from None
 
 
 async def wait(work: Work, n: int, state: ServerState) -> None:
@@ -98,25 +100,26 @@ async def translated(request: Request, reqs: list[TranslateRequest], state: Serv
     """Every request translated, each on its own model's queue at once (one client's texts may go to
     several models); all the work is dropped if the client leaves first (ClientDisconnect)."""
     submitted: list[tuple[TranslateRequest, Work, EncodedTexts]] = []
+    waiter: asyncio.Future[Any] | None = None
     try:
         for req in reqs:
             work, encoded = await submit(req, state)
             submitted.append((req, work, encoded))
-        waiter: asyncio.Future[Any] = asyncio.ensure_future(
+        waiter = asyncio.ensure_future(
             asyncio.gather(*(wait(work, len(encoded.ids), state) for _, work, encoded in submitted)))
-        watcher = asyncio.ensure_future(client_gone(request))
+        watcher: asyncio.Future[Any] = asyncio.ensure_future(client_gone(request))
         try:
             await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-        if not waiter.done():
-            waiter.cancel()
-            # a cancelled gather holds its CancelledError as an exception: retrieved here, or asyncio logs
-            # "_GatheringFuture exception was never retrieved" with a traceback for every client that left
-            waiter.add_done_callback(_retrieve)
+        if not waiter.done():  # cancelled below: a cancelled gather holds its CancelledError as an exception,
+            # retrieved there, or asyncio logs "_GatheringFuture exception was never retrieved" with a traceback
             raise ClientDisconnect()
         waiter.result()  # its ApiError, if any
-    except BaseException:
+    except BaseException:  # a client that left, a refusal, or this task cancelled
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+            waiter.add_done_callback(_retrieve)
         for req, work, _ in submitted:
             if not work.future.done():
                 req.model.batcher.drop(work)  # type: ignore[union-attr]
@@ -134,5 +137,5 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 def count(m: ModelMetrics, encoded: EncodedTexts, results: list[NBest]) -> None:
     m.sentences.inc(len(encoded.ids))
     m.src_tokens.inc(encoded.tokens)
-    m.truncated.inc(sum(encoded.truncated))
+    m.truncated.inc(sum(1 for cut in encoded.truncated if cut))  # texts with a sentence cut
     m.tgt_tokens.inc(sum(len(nbest[0][0]) + 1 for nbest in results if nbest))

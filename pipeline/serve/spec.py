@@ -18,7 +18,8 @@ def _field(kind: str, description: str, **more: Any) -> dict[str, Any]:
 def _answers(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
     errors = {str(c): {"description": {400: "fix the request (the field is named)", 403: "wrong API key",
                                        413: "too large: split it", 429: "over a rate (Retry-After)",
-                                       401: "no or a wrong API key", 503: "busy: retry (Retry-After)"}[c],
+                                       401: "no or a wrong API key", 503: "busy: retry (Retry-After)",
+                                       404: "no such model (the native API)"}[c],
                        "content": {"application/json": {"schema": ERROR}}} for c in codes}
     return {"200": {"description": "done", "content": {"application/json": {"schema": ok}}}, **errors}
 
@@ -41,6 +42,30 @@ LIBRE_TRANSLATE = {
 }
 
 
+NATIVE = {
+    "text": _field("array", "the texts: one line each, or with split or html one document each",
+                   items={"type": "string"}),
+    "model": _field("string", "the model's name (GET /info lists them); required when the server has several"),
+    "source": _field("string", "the source language: required by a multilingual model; a model of one pair takes "
+                               "only its own"),
+    "target": _field("string", "the target language, as source"),
+    "split": _field("string", "sentences: each text a document, split into sentences and rebuilt with its "
+                              "whitespace", enum=["none", "sentences"]),
+    "lang": _field("string", "the language whose sentence rules split uses (default: the source's)"),
+    "format": _field("string", "text, or html: each text an HTML document, its text translated and its markup kept",
+                     enum=["text", "html"]),
+    "beam_size": _field("integer", "the beam for this request (at most the model's max_beam)"),
+    "nbest": _field("integer", "hypotheses per text, with scores (at most the beam)"),
+    "scores": _field("boolean", "each text's best hypothesis with its score"),
+    "stream": _field("boolean", "NDJSON, one object per text (per sentence with split) as each is done"),
+    "glossary": LIBRE_TRANSLATE["glossary"],
+}
+
+
+def _schema(title: str, fields: dict[str, dict[str, Any]], required: list[str]) -> dict[str, Any]:
+    return {"title": title, "type": "object", "properties": fields, "required": required}
+
+
 def document(title: str) -> dict[str, Any]:
     """The OpenAPI document of both APIs."""
     text_or_list = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -51,12 +76,22 @@ def document(title: str) -> dict[str, Any]:
                                 "the native one (JSON with \"text\"); docs/serving.md has the details."},
         "paths": {
             "/translate": {"post": {
-                "summary": "Translate text (LibreTranslate's fields; the native API sends {\"text\": [...]})",
-                "requestBody": _form(LIBRE_TRANSLATE, ["q", "source", "target"]),
-                "responses": _answers({"type": "object", "properties": {
-                    "translatedText": text_or_list, "detectedLanguage": {"type": "object"},
-                    "alternatives": {"type": "array"}, "score": {"type": "number"}, "terms": {"type": "array"}}},
-                    400, 403, 413, 429, 503)}},
+                "summary": "Translate text: LibreTranslate's API (\"q\") or the native one (JSON with \"text\")",
+                "requestBody": {"content": {
+                    "application/json": {"schema": {"oneOf": [
+                        _schema("LibreTranslate's API", LIBRE_TRANSLATE, ["q", "source", "target"]),
+                        _schema("the native API", NATIVE, ["text"])]}},
+                    **{kind: {"schema": _schema("LibreTranslate's API", LIBRE_TRANSLATE, ["q", "source", "target"])}
+                       for kind in ("application/x-www-form-urlencoded", "multipart/form-data")}}},
+                "responses": _answers({"oneOf": [
+                    {"title": "LibreTranslate's API", "type": "object", "properties": {
+                        "translatedText": text_or_list, "detectedLanguage": {"type": "object"},
+                        "alternatives": {"type": "array"}, "score": {"type": "number"}, "terms": {"type": "array"}}},
+                    {"title": "the native API", "type": "object", "properties": {
+                        "translations": {"type": "array", "description": "per text its translation (with nbest or "
+                                                                         "scores: its hypotheses with scores)"},
+                        "terms": {"type": "array", "description": "with a glossary: per text, its terms"}}}]},
+                    400, 401, 403, 404, 413, 429, 503)}},
             "/detect": {"post": {
                 "summary": "Detect the language of a text among the served ones",
                 "requestBody": _form({"q": LIBRE_TRANSLATE["q"], "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
@@ -116,17 +151,24 @@ fetch("spec").then(r => r.json()).then(spec => {
       const h = document.createElement("h2");
       h.textContent = method.toUpperCase() + " " + path + ": " + op.summary;
       out.appendChild(h);
-      const schema = op.requestBody && Object.values(op.requestBody.content)[0].schema;
-      if (!schema) continue;
-      const ul = document.createElement("ul");
-      for (const [name, f] of Object.entries(schema.properties)) {
-        const li = document.createElement("li");
-        li.innerHTML = "<code></code> ";
-        li.firstChild.textContent = name + (schema.required.includes(name) ? " (required)" : "");
-        li.appendChild(document.createTextNode(f.description || ""));
-        ul.appendChild(li);
+      const body = op.requestBody && Object.values(op.requestBody.content)[0].schema;
+      if (!body) continue;
+      for (const schema of body.oneOf || [body]) {
+        if (schema.title) {
+          const p = document.createElement("p");
+          p.textContent = schema.title + ":";
+          out.appendChild(p);
+        }
+        const ul = document.createElement("ul");
+        for (const [name, f] of Object.entries(schema.properties)) {
+          const li = document.createElement("li");
+          li.innerHTML = "<code></code> ";
+          li.firstChild.textContent = name + (schema.required.includes(name) ? " (required)" : "");
+          li.appendChild(document.createTextNode(f.description || ""));
+          ul.appendChild(li);
+        }
+        out.appendChild(ul);
       }
-      out.appendChild(ul);
     }
   }
 });

@@ -79,5 +79,5 @@ def pick_model(data: dict[str, Any], state: ServerState) -> ServedModel:
     if not isinstance(name, str):
         raise ApiError(400, '"model" must be a model name')
     if name not in state.models:
-        raise ApiError(404, f'unknown "model" {name!r}: this server has {known}')
+        raise ApiError(404, f'unknown "model" {name[:40]!r}{"..." if len(name) > 40 else ""}: this server has {known}')
     return state.models[name]

@@ -1,0 +1,106 @@
+"""The native API's fields as a client can get them wrong or mean them: a key it cannot encode, a field given
+twice, line breaks of every kind in a document, HTML, languages on a model whose pair is unknown, which model a
+refusal is counted under, a body with a byte order mark, and /spec describing the API. Over test_serve_hostile's
+stand-in model (the real app, its text service and batcher; the search copies and upper-cases)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from test_serve_hostile import client  # noqa: E402
+
+
+def test_a_key_the_answer_cannot_hold_is_a_400_quoted_short():
+    """An unknown key holding a lone surrogate was a 503 "retry later" with a traceback (the refusal quoted it
+    and could not be encoded); a long one came back whole."""
+    with client() as c:
+        r = c.post("/translate", content=b'{"text": ["kipi"], "\\ud800": 1}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "unknown field(s) '\\ud800'" in r.json()["error"]
+        r = c.post("/translate", json={"text": ["kipi"], "k" * 100_000: 1})
+        assert r.status_code == 400 and len(r.text) < 400 and "'kkkkkkkkkkkkkkkkkkkk'..." in r.json()["error"]
+        r = c.post("/translate", json={"text": ["kipi"], "model": "x" * 100_000})
+        assert r.status_code == 404 and len(r.text) < 300
+
+
+def test_a_field_given_twice_is_refused_not_the_last_taken():
+    with client() as c:
+        r = c.post("/translate", content=b'{"text": ["a"], "text": ["der hund"]}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"] == "field(s) 'text' given more than once; send each once"
+        r = c.post("/translate", content=b'{"text": ["a"], "beam_size": 2, "beam_size": 3}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "'beam_size' given more than once" in r.json()["error"]
+
+
+@pytest.mark.parametrize("sep", ["\r", "\r\n", "\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1e"])
+def test_every_line_break_separates_sentences(sep):
+    """A document with a lone CR (classic Mac), U+2028 (JavaScript, Word) or NEL between its lines was one sentence:
+    the model merged the two lines. Each kind of line break now separates, and is kept."""
+    text = f"der hund{sep}die katze"
+    with client() as c:
+        objects = [json.loads(line) for line in c.post("/translate", json={
+            "text": [text], "split": "sentences", "stream": True}).text.splitlines() if line.startswith("{")]
+        assert [o["sentence"] for o in objects] == [0, 1]
+        assert "".join(o["translation"] for o in objects) == f"DER HUND{sep}DIE KATZE"
+        r = c.post("/translate", json={"text": [text], "split": "sentences"})
+        assert r.json() == {"translations": [f"DER HUND{sep}DIE KATZE"]}
+
+
+def test_html_over_the_native_api_as_over_libretranslates():
+    """"format": "html" (serve-batch --format html's twin): the markup kept, each text node translated, streamed
+    or not; a model without a recorded pair could not translate HTML over HTTP at all (only "q" took it)."""
+    docs = ["<p>der <b>hund</b> &amp; die katze</p>", "<ul><li>ja</li>\n<li>nein</li></ul>", "", "<br>"]
+    want = ["<p>DER <b>HUND</b> &amp; DIE KATZE</p>", "<ul><li>JA</li>\n<li>NEIN</li></ul>", "", "<br>"]
+    with client() as c:
+        assert c.post("/translate", json={"text": docs, "format": "html"}).json() == {"translations": want}
+        lines = c.post("/translate", json={"text": docs, "format": "html", "stream": True}).text.splitlines()
+        assert [json.loads(line) for line in lines] == [{"index": i, "translation": t} for i, t in enumerate(want)]
+        r = c.post("/translate", json={"text": docs, "format": "html", "nbest": 1, "scores": True})
+        assert r.status_code == 400 and r.json()["error"].startswith('"format": "html" gives one translation per text')
+        r = c.post("/translate", json={"text": docs, "format": "xml"})
+        assert r.status_code == 400 and r.json()["error"] == '"format" must be one of "text", "html", not \'xml\''
+
+
+def test_languages_on_a_model_whose_pair_is_unknown_must_look_like_codes():
+    with client() as c:
+        assert c.post("/translate", json={"text": ["ja"], "source": "xx", "target": "yy"}).status_code == 200
+        r = c.post("/translate", content=b'{"text": ["ja"], "source": "\\ud800"}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"] == "\"source\" must be a language code like \"de\", not '\\ud800'"
+
+
+def test_a_refused_request_is_counted_under_its_model():
+    """A 400 of the server's only model (or the one named) was counted under model="", so per-model dashboards
+    missed it."""
+    with client() as c:
+        assert c.post("/translate", json={"text": ["ja"], "beam_size": 99}).status_code == 400
+        assert c.post("/translate", json={"text": ["ja"], "model": "m", "nbest": 0}).status_code == 400
+        metrics = c.get("/metrics").text
+        assert 'pipeline_requests_total{code="400",model="m"} 2.0' in metrics
+        assert 'code="400",model=""' not in metrics
+
+
+def test_a_body_with_a_byte_order_mark_is_read():
+    with client() as c:
+        r = c.post("/translate", content=b'\xef\xbb\xbf{"text": ["ja"]}', headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.json() == {"translations": ["JA"]}
+
+
+def test_the_spec_describes_both_apis_and_the_docs_page_lists_both():
+    with client() as c:
+        body = c.get("/spec").json()["paths"]["/translate"]["post"]["requestBody"]["content"]
+        libre, native = body["application/json"]["schema"]["oneOf"]
+        assert {"q", "source", "target", "format", "alternatives", "api_key", "glossary"} == set(libre["properties"])
+        assert {"text", "model", "source", "target", "split", "lang", "format", "beam_size", "nbest", "scores",
+                "stream", "glossary"} == set(native["properties"]) and native["required"] == ["text"]
+        assert body["application/x-www-form-urlencoded"]["schema"]["properties"] == libre["properties"]
+        assert "body.oneOf || [body]" in c.get("/docs").text
+        assert c.get("/favicon.ico").status_code == 204  # every browser asks: no 404 in the page's console
