@@ -40,8 +40,10 @@ ENTITY = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
 # a match that fails at the end of the document backtracks in linear time.
 TAG = re.compile(r"""</?([A-Za-z][^\t\n\f\r />]*)(?![^\t\n\f\r />])"""
                  r"""((?:[^>"'=]+(?![^>"'=])|=[\t\n\f\r ]*(?:"[^"]*"|'[^']*')|=(?![\t\n\f\r ]*["'])|["'])*)>""")
-TRANSLATE_NO = re.compile(r"""(?:^|[\t\n\f\r /])translate[\t\n\f\r ]*=[\t\n\f\r ]*(?:"([^"]*)"|'([^']*)'|"""
-                          r"""([^\t\n\f\r >]*))""", re.IGNORECASE)
+# One attribute of a tag's attribute text: its name, then its value (quoted, unquoted, or none). Read one after
+# the other from the start, so a quoted value (title='x translate="no"') is a value, never taken for attributes.
+ATTRIBUTE = re.compile(r"""([^\t\n\f\r />][^\t\n\f\r />=]*)(?:[\t\n\f\r ]*=[\t\n\f\r ]*(?:"([^"]*)"|'([^']*)'|"""
+                       r"""([^\t\n\f\r >]*)))?""")
 
 
 @dataclass
@@ -73,6 +75,7 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
     declarations, raw-text content, and an unterminated construct with the rest of the document)."""
     skip: list[str] = []  # the element that opened a copied region, once per nesting level
     n, i = len(document), 0
+    closes = {close: _Ahead(document, close) for close in ("-->", "--!>")}
     while i < n:
         lt = document.find("<", i)
         if lt < 0:
@@ -96,8 +99,7 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
                 continue
             if tag.group(0).endswith("/>") or name in VOID:
                 continue
-            no = TRANSLATE_NO.search(tag.group(2))
-            opens = name in SKIP or bool(no) and "".join(g or "" for g in no.groups()).strip().lower() == "no"
+            opens = name in SKIP or _translate(tag.group(2)) == "no"
             if skip and name == skip[0] or not skip and opens:
                 skip.append(name)
             if name in RAW_TEXT:  # its content is copied up to its end tag, which the loop reads next
@@ -107,9 +109,10 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
                     yield i, stop, False
                 i = stop
             continue
-        if document.startswith("<!--", lt):
-            end = document.find("-->", lt + 4)
-            stop = n if end < 0 else end + 3
+        if document.startswith("<!--", lt):  # it ends at "-->" or "--!>", or at once as "<!-->" or "<!--->"
+            short = 5 if document.startswith(">", lt + 4) else 6 if document.startswith("->", lt + 4) else 0
+            ends = [] if short else [e + len(c) for c, e in ((c, closes[c].find(lt + 4)) for c in closes) if e >= 0]
+            stop = lt + short if short else min(ends, default=n)
         elif nxt in ("!", "?", "/"):  # a declaration, processing instruction, or "</" + not a letter
             end = document.find(">", lt + 2)
             stop = n if end < 0 else end + 1
@@ -119,6 +122,28 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
             continue
         yield lt, stop, False
         i = stop
+
+
+def _translate(attributes: str) -> str:
+    """The value of a tag's first translate attribute (the standard keeps the first of a repeated one), lower-cased
+    and stripped; "" without one."""
+    for m in ATTRIBUTE.finditer(attributes):
+        if m.group(1).lower() == "translate":
+            return "".join(v or "" for v in m.groups()[1:]).strip().lower()
+    return ""
+
+
+class _Ahead:
+    """document.find(pattern, start) for starts that only grow: the last answer is kept while it lies ahead (or
+    none was found), so each pattern scans the document once however many comments look for it."""
+
+    def __init__(self, document: str, pattern: str):
+        self.document, self.pattern, self.found, self.searched = document, pattern, -1, False
+
+    def find(self, start: int) -> int:
+        if not self.searched or 0 <= self.found < start:
+            self.found, self.searched = self.document.find(self.pattern, start), True
+        return self.found
 
 
 class TooManyTexts(ValueError):

@@ -1,7 +1,8 @@
 """Documents as sentences: a text split into sentences and rebuilt around their translations with every
 character of whitespace it had between them (`--split sentences`, `"split": "sentences"`).
 
-Line breaks always separate; within a line sentencex finds the boundaries (the most accurate of three
+Line breaks always separate (every one str.splitlines knows: \n, \r\n, a lone \r, U+2028, U+2029, NEL, vertical
+tab, form feed, \x1c-\x1e); within a line sentencex finds the boundaries (the most accurate of three
 segmenters on en / de / fr, and fast: docs/serving.md links the comparison). A sentence never holds a line
 break and never starts or ends with whitespace; a text with no boundary is one sentence (cut at whitespace
 past WINDOW characters); an empty or whitespace-only text has none and is rebuilt as it was.
@@ -12,6 +13,7 @@ WINDOW characters at a time, and whitespace is measured with str.strip, not a ba
 from __future__ import annotations
 
 import itertools
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,6 +26,8 @@ DEFAULT_LANG = "en"
 # event loop too. A window bounds each call (about 1 ms at worst) and a long sentence (_windowed).
 WINDOW = 1000
 CONTEXT = 200  # the text around a boundary that decides it
+# a line break (the ones str.splitlines splits at; \r\n is one), kept as the whitespace between sentences
+LINE_BREAK = re.compile("(\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029])")
 
 
 @dataclass(frozen=True)
@@ -101,9 +105,11 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
     sentences: list[str] = []
     gaps: list[str] = []
     gap: list[str] = []  # the whitespace since the last sentence, in parts (joined once: linear)
-    for i, line in enumerate(text.split("\n")):
+    parts = LINE_BREAK.split(text)  # lines, each followed by its break
+    for i in range(0, len(parts), 2):
+        line = parts[i]
         if i:
-            gap.append("\n")
+            gap.append(parts[i - 1])
         for piece in segment(line) if line.strip() else [line]:
             body = piece.strip()
             if not body:

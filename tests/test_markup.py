@@ -37,6 +37,16 @@ def test_tags_comments_and_skipped_elements_are_markup():
     ("<style>a{}", []),  # raw text without an end tag: the rest
     ('<div TRANSLATE = no>nein <div>auch</div> nein</div>ja', ["ja"]),  # translate="no", nested
     ("<p>Hund</p  >Katze", ["Hund", "Katze"]),
+    # comments end where the standard ends them: "<!-->" and "<!--->" at once, "--!>" as "-->" (the text after
+    # them was copied untranslated as part of the comment)
+    ("<!-->Hund<!-- x -->Katze", ["Hund", "Katze"]),
+    ("<!--->Hund<!-- x -->Katze", ["Hund", "Katze"]),
+    ("<!--a--!>Hund<!-- y -->Katze", ["Hund", "Katze"]),
+    ("<!-- a --!> b -->Hund", [" b -->Hund"]),
+    # translate="no" counts as an attribute only, never inside another's value (the text was copied)
+    ("<div title='x translate=\"no\"'>Hund</div>", ["Hund"]),
+    ('<div title="a translate=no ">Hund</div>', ["Hund"]),
+    ("<p translate=yes translate=no>Hund</p>", ["Hund"]),  # the first of a repeated attribute counts
 ])
 def test_unusual_markup(doc, translated):
     markup = parse_html(doc)
@@ -56,6 +66,8 @@ HOSTILE = {
     "a long name": lambda n: "<a" + "b" * 5000 * n,
     "text and stray <": lambda n: "x <p>y</p> < " * 400 * n,
     "declarations": lambda n: "<!x" * 1700 * n,
+    "comments closed by --!>": lambda n: "<!--a--!>x" * 700 * n,  # each looked for "-->" to the end
+    "comments closed by -->": lambda n: "<!-- a -->x" * 700 * n,  # ... and for "--!>"
 }
 
 
