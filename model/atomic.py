@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import os
 import re
@@ -48,14 +49,28 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-# Every temp file or dir we create is named .<target>.~pipeline-<pid>-<random><suffix>, so a
-# later run can tell our leftovers from the user's files and from a live writer's.
-_TEMP = re.compile(r"^\.(?P<target>.+)\.~pipeline-(?P<pid>\d+)-(?P<kind>[^/]*)$")
+# Every temp file or dir we create is named .<target>.~pipeline-<pid>.<where>-<random><suffix>, so a
+# later run can tell our leftovers from the user's files and from a live writer's. <where> names the host and
+# PID namespace (a container) of the writer: another's process ids cannot be checked from here, so its temps are
+# never judged stale (a run in another container writing to a shared volume lost its temp to ours). Temps named
+# without it (older runs) are judged as this namespace's.
+_TEMP = re.compile(r"^\.(?P<target>.+)\.~pipeline-(?P<pid>\d+)(?:\.(?P<where>[0-9a-f]{8}))?-(?P<kind>[^/]*)$")
+
+
+def _where() -> str:
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return hashlib.sha256(f"{os.uname().nodename}:{namespace}".encode()).hexdigest()[:8]
+
+
+HERE = _where()
 
 
 def temp_prefix(name: str) -> str:
     """The mkstemp/mkdtemp prefix for a temp file or dir that will become `name`."""
-    return f".{name}.~pipeline-{os.getpid()}-"
+    return f".{name}.~pipeline-{os.getpid()}.{HERE}-"
 
 
 def make_temp_dir(parent: str | Path, name: str, kind: str) -> Path:
@@ -75,19 +90,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _dead(m: re.Match[str]) -> bool:
+    """Whether the process that named a temp is known to be gone: one of this host and PID namespace that no
+    longer runs (another's cannot be checked from here)."""
+    return m["where"] in (None, HERE) and not _alive(int(m["pid"]))
+
+
 def remove_stale_temps(directory: str | Path) -> list[Path]:
     """Delete the temp files and dirs that dead processes of ours left in `directory`
     (kill -9, power cut): full-size checkpoint or translation temps would otherwise pile
-    up forever. Temps of live processes and every other file are left alone. Returns
-    what was removed; a missing directory has nothing to clean."""
+    up forever. Temps of live processes, of other hosts or containers (logged) and every other file are left
+    alone. Returns what was removed; a missing directory has nothing to clean."""
     removed: list[Path] = []
     try:
         entries = list(Path(directory).iterdir())
     except (FileNotFoundError, NotADirectoryError):
         return removed
+    foreign = 0
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m is None or _alive(int(m["pid"])):
+        if m is None or not _dead(m):
+            foreign += m is not None and m["where"] not in (None, HERE)
             continue
         if m["kind"].startswith("old-") and restore_replaced_dir(entry.parent / m["target"]):
             continue  # it held the only copy of its target: put back, not deleted
@@ -102,6 +125,9 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
         removed.append(entry)
     if removed:
         log.info("removed %d stale temp file(s)/dir(s) left by an interrupted run in %s", len(removed), directory)
+    if foreign:
+        log.info("kept %d temp file(s)/dir(s) in %s of runs on another host or container (whether they still run "
+                 "cannot be checked from here); delete them once none writes there", foreign, directory)
     return removed
 
 
@@ -264,7 +290,7 @@ def restore_replaced_dir(target: str | Path) -> bool:
     for entry in sorted(target.parent.glob(f".{glob_escape(target.name)}.~pipeline-*-old-*")):
         m = _TEMP.match(entry.name)
         parked = entry / target.name
-        if m is None or _alive(int(m["pid"])) or not parked.exists():
+        if m is None or not _dead(m) or not parked.exists():
             continue
         os.replace(parked, target)
         fsync_dir(target.parent)

@@ -145,6 +145,32 @@ def test_stale_temps_of_dead_processes_are_removed(tmp_path):
     assert remove_stale_temps(tmp_path / "missing") == []
 
 
+def test_temps_of_another_host_or_container_are_never_taken_for_stale(tmp_path, caplog):
+    """A run in another PID namespace (a container writing to a shared volume) has process ids this one cannot
+    check: its live temp was deleted as a dead run's, and that run failed at its end. Temps name their host and
+    namespace; another's are kept and counted, this one's dead ones still go."""
+    import logging
+    import subprocess
+    import sys
+
+    from model.atomic import HERE, remove_stale_temps, restore_replaced_dir
+
+    dead_pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                                  text=True, check=True).stdout)
+    other = "0123abcd" if HERE != "0123abcd" else "89abcdef"
+    theirs = tmp_path / f".big.en.~pipeline-{dead_pid}.{other}-abc.part"
+    theirs.write_text("another container's run, still writing")
+    parked = tmp_path / f".m.~pipeline-{dead_pid}.{other}-old-xyz"
+    (parked / "m").mkdir(parents=True)
+    ours = tmp_path / f".small.en.~pipeline-{dead_pid}.{HERE}-abc.part"
+    ours.write_text("this namespace's dead run")
+    with caplog.at_level(logging.INFO, logger="model.atomic"):
+        assert remove_stale_temps(tmp_path) == [ours]
+    assert theirs.read_text() == "another container's run, still writing" and (parked / "m").is_dir()
+    assert "kept 2 temp file(s)/dir(s)" in caplog.text and "another host or container" in caplog.text
+    assert not restore_replaced_dir(tmp_path / "m") and not (tmp_path / "m").exists()
+
+
 def test_signals_wait_for_a_deferred_write_then_arrive_in_order():
     """A second Ctrl-C inside a checkpoint write must neither tear it nor be lost."""
     import signal
