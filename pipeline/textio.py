@@ -46,15 +46,25 @@ def read_head(path: str | Path, size: int) -> bytes:
         raise UserError(f"{path}: cannot read ({e})") from None
 
 
+class NotUtf8(UserError):
+    """A file in another encoding (UTF-16), which no --invalid-utf8 repair would make text of."""
+
+
 def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict") -> str:
-    """One line of bytes to str without its newline; invalid UTF-8 names file and line."""
+    """One line of bytes to str without its line end (\n or \r\n; a \r before it is the text's); invalid UTF-8
+    names file and line; a first line in UTF-16 (its byte order mark, or NUL bytes between the characters) is a
+    NotUtf8 naming the file."""
+    if lineno == 1 and (raw.startswith((b"\xff\xfe", b"\xfe\xff")) or raw and raw.count(b"\x00") * 4 >= len(raw)):
+        why = "its byte order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "NUL bytes between its characters"
+        raise NotUtf8(f"{path}: is UTF-16 ({why}), not UTF-8: convert it first (iconv -f UTF-16 -t UTF-8)")
     try:
         text = raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
         raise UserError(
             f"{path}:{lineno}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
             "fix the file") from None
-    return text.rstrip("\r\n")
+    text = text[:-1] if text.endswith("\n") else text
+    return text[:-1] if text.endswith("\r") else text
 
 
 def iter_lines(path: str | Path, errors: str = "strict") -> Iterator[str]:

@@ -74,7 +74,7 @@ def test_bad_input_stays_line_aligned(model_dir, tmp_path, caplog, capsys):
     assert "1 line(s) longer than the model's source limit were truncated" in text
     assert "1 line(s) had invalid UTF-8" in text
     summary = capsys.readouterr().err
-    assert "translated 8 sentences" in summary and "target tokens/s" in summary
+    assert "translated 6 sentences" in summary and "target tokens/s" in summary  # the two blank lines are not
     assert "backend onnxruntime, device cpu" in summary
 
 
@@ -162,7 +162,7 @@ def test_torchrun_two_ranks_equal_one_process(model_dir, tmp_path):
     proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert two.read_text() == one.read_text()
-    assert "translated 31 sentences" in proc.stderr and "2 ranks" in proc.stderr
+    assert "translated 30 sentences" in proc.stderr and "2 ranks" in proc.stderr  # line 8 is blank
 
 
 @pytest.mark.slow
@@ -224,3 +224,70 @@ def test_progress_bar_only_on_a_terminal(model_dir, tmp_path, capsys, monkeypatc
     bar = files.progress_bar("in.txt", True)
     bar.close()
     assert type(bar).__name__ == "tqdm" and type(files.progress_bar("in.txt", False)).__name__ == "_NoBar"
+
+
+def test_a_pipe_input_on_a_terminal_is_read_once_by_the_translation(model_dir, tmp_path, capsys, monkeypatch):
+    """With stderr on a terminal, the progress bar counted a named pipe's (or <(...)'s) lines by reading it to
+    the end first: the translation then found nothing (exit 0, an empty output) or waited for ever."""
+    import os
+    import threading
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    lines = [f"der hund {i}" for i in range(40)]
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("".join(line + "\n" for line in lines)))
+    writer.start()
+    monkeypatch.setattr(sys, "stderr", Terminal())
+    codes: list[int] = []
+    run = threading.Thread(target=lambda: codes.append(run_cli(
+        "serve-batch", model_dir, fifo, "-o", tmp_path / "out.txt", *[a for a in FAST if a != "--no-progress"])))
+    run.start()
+    run.join(120)
+    if run.is_alive():  # waiting for a writer that has gone: give it an end of file
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        run.join(60)
+    writer.join(10)
+    assert codes == [0]
+    assert (tmp_path / "out.txt").read_text().count("\n") == len(lines)
+
+
+def test_output_names_and_encodings_a_user_can_get_wrong(model_dir, tmp_path, capsys):
+    """--output-dir '' (an unset variable) wrote into the current directory; an input named .gz became a file
+    named like the output dir; UTF-16 was translated as garbage (with --invalid-utf8 replace "1 line had invalid
+    UTF-8"); a \\r that is the text's, before a line's \\r\\n, was dropped."""
+    (tmp_path / "in").mkdir()
+    plain = write(tmp_path / "in" / "a.de", ["der hund"])
+    assert run_cli("serve-batch", model_dir, plain, "--output-dir", "", *FAST) == 2
+    assert "'--output-dir': is an empty path" in capsys.readouterr().err
+    gz_named = tmp_path / "in" / ".gz"
+    gz_named.write_text("der hund\n")
+    assert run_cli("serve-batch", model_dir, gz_named, "--output-dir", tmp_path / "out", "--suffix", "en", *FAST) == 0
+    assert (tmp_path / "out").is_dir() and [p.name for p in (tmp_path / "out").iterdir()] == [".gz.en"]
+    for name, data, why in [("bom.de", "der hund\n".encode("utf-16"), "its byte order mark"),
+                            ("le.de", "der hund\nein kind\n".encode("utf-16-le"), "NUL bytes between its characters")]:
+        (tmp_path / name).write_bytes(data)
+        assert run_cli("serve-batch", model_dir, tmp_path / name, "-o", tmp_path / "x.en", "--invalid-utf8",
+                       "replace", *FAST) == 2
+        assert f"{tmp_path / name}: is UTF-16 ({why}), not UTF-8" in capsys.readouterr().err
+        assert not (tmp_path / "x.en").exists()
+    cr = tmp_path / "cr.de"
+    cr.write_bytes(b"der hund\r\r\nein kind\r\n")
+    assert run_cli("serve-batch", model_dir, cr, "-o", tmp_path / "cr.en", "--split", "sentences", *FAST) == 0
+    got = (tmp_path / "cr.en").read_bytes().split(b"\n")
+    assert len(got) == 3 and got[0].endswith(b"\r") and not got[1].endswith(b"\r")
+
+
+def test_warnings_and_the_summary_count_lines_not_sentences(model_dir, tmp_path, caplog, capsys):
+    """With --split sentences a line of three long sentences was "3 line(s) ... truncated", blank lines were
+    counted as translated sentences, and a line's sentences each counted against --min-len."""
+    long = " ".join(["der hund sieht die katze"] * 12)
+    inp = write(tmp_path / "in.txt", [f"{long}. {long}. {long}.", "", "der hund. die katze. ein kind.", "12. 34."])
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.txt", "--split", "sentences",
+                   "--min-len", 8, "--max-len-a", 0.3, "--max-len-b", 5, "--no-progress", "--threads", 1) == 0
+    assert "1 line(s) longer than the model's source limit were truncated" in caplog.text
+    assert "1 line(s) have a maximum output length" in caplog.text  # the short sentences' line
+    assert "translated 6 sentences" in capsys.readouterr().err  # 3 + 3; the blank line and "12." "34." are not

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=GivenPath())
 @click.option("-o", "--output", metavar="FILE",
               help="Write the translation of the single INPUT here ('-' = stdout).")
-@click.option("--output-dir", metavar="DIR",
+@click.option("--output-dir", metavar="DIR", type=GivenPath(file_okay=False),
               help="Write each INPUT's translation to DIR/<input file name> (a .gz suffix is dropped).")
 @options_from(LoadOptions, notes={"device": "Under torchrun each rank takes cuda:LOCAL_RANK."})
 @decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "

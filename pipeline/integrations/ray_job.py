@@ -216,7 +216,7 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
             writer.add_rows(batch["shard"], batch["line"] - 1, batch["translation"], batch["last"])
             stats.lines += len(batch["line"])
             stats.empty += int(batch["empty"].sum())
-            stats.truncated += int(batch["truncated"].sum())
+            stats.truncated += int((batch["truncated"] > 0).sum())  # lines (a row counts its sentences cut)
             stats.replaced += int(batch["replaced"].sum())
             stats.min_len_over += int(batch["min_len_over"].sum())
             bar.update(len(batch["line"]))

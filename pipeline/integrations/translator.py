@@ -122,7 +122,7 @@ class Translator:
         nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),
                                  constraints=encoded.constraints)
         results = finish_texts(loaded.tokenizer, encoded, nbest, decoding.nbest)
-        over = min_len_over(encoded.ids, decoding, loaded.backend.max_tgt_len)
+        over = min_len_over(encoded, decoding, loaded.backend.max_tgt_len)
         if over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         over, decoding.min_len)

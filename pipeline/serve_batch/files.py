@@ -38,14 +38,14 @@ from pipeline.serve_batch.translation import (
     finish_window,
     read_windows,
 )
-from pipeline.textio import atomic_output, check_output_file, open_binary, refuse_overwriting_inputs
+from pipeline.textio import atomic_output, check_input, check_output_file, open_binary, refuse_overwriting_inputs
 from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
 from runtime.languages import ONE_PAIR, Direction, language_suffix
 from runtime.model_dir import ModelDir
-from runtime.texts import open_glossary
+from runtime.texts import EncodedTexts, open_glossary
 from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
 
@@ -72,7 +72,7 @@ class ServeStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
-        self.sentences += len(window.sources)  # lines, or with --split sentences their sentences
+        self.sentences += sum(1 for s in window.sources if s)  # sent to the model: not blank lines or copied ones
         self.empty += window.empty
         self.truncated += window.truncated
         self.replaced += window.replaced
@@ -113,14 +113,14 @@ def _gather(share: list[Any], ctx: DistContext, n_lines: int) -> list[Any] | Non
     return merged
 
 
-def min_len_over(ids: list[list[int]], decoding: DecodingOptions, max_tgt_len: int) -> int:
-    """Lines whose maximum output length (a * source tokens + b, as runtime.search caps it)
-    is below --min-len: the search stops them at the maximum, so --min-len cannot hold."""
+def min_len_over(encoded: EncodedTexts, decoding: DecodingOptions, max_tgt_len: int) -> int:
+    """Lines (texts) with a sentence whose maximum output length (a * source tokens + b, as runtime.search caps
+    it) is below --min-len: the search stops it at the maximum, so --min-len cannot hold."""
     if decoding.min_len == 0:
         return 0
     cap = max_tgt_len - 1
-    return sum(1 for line in ids if line
-               and min(math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), cap) < decoding.min_len)
+    return len({encoded.owners[u] for u, line in enumerate(encoded.ids) if line and min(
+        math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), cap) < decoding.min_len})
 
 
 class _NoBar:
@@ -144,8 +144,9 @@ def progress_bar(desc: str, enabled: bool, total: int | None = None) -> Any:
 
 def count_lines(path: str) -> int | None:
     """The lines of a plain file (a fast count of its line breaks, before the bar starts), for the bar's total
-    and ETA; None for stdin and .gz (counting would decompress it all) or a file that cannot be read."""
-    if path == "-" or path.endswith(".gz"):
+    and ETA; None for stdin and .gz (counting would decompress it all), a file that cannot be read, and anything
+    but a regular file (a pipe, <(...), /dev/stdin: counting would read away what is to be translated)."""
+    if path == "-" or path.endswith(".gz") or not os.path.isfile(path):
         return None
     lines, last = 0, b"\n"
     try:
@@ -201,7 +202,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
             if merged is None:
                 continue
             done = finish_window(tokenizer, window, merged, opts.decoding.nbest)
-            done.min_len_over = min_len_over(window.ids, opts.decoding, backend.max_tgt_len)
+            done.min_len_over = min_len_over(window.encoded, opts.decoding, backend.max_tgt_len)
             yield done
             advance.finish()
     finally:
@@ -230,7 +231,7 @@ def output_name(name: str, suffix: str | None = None) -> str:
     """An input's output name in --output-dir: a trailing .gz dropped (the output is plain text), and with
     `suffix` (".en") the input's language suffix replaced by it (part-000.de -> part-000.en), or added where
     it has none (part-000 -> part-000.en)."""
-    name = name[:-3] if name.endswith(".gz") else name
+    name = name[:-3] if name.endswith(".gz") and name != ".gz" else name  # a file named .gz keeps its name
     if not suffix:
         return name
     stem, dot, last = name.rpartition(".")
@@ -297,8 +298,10 @@ def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], ou
     total = ServeStats()
     glossary = open_glossary(opts.glossary, tokenizer, backend) if ctx.is_main else None
     for inp, outp in zip(inputs, outputs):
-        if inp != "-":
-            open_binary(inp).close()  # a missing input fails on every rank, before any output
+        if inp != "-" and os.path.isfile(inp):  # a pipe is opened once, by its reader (its writer could fail)
+            open_binary(inp).close()  # a missing or unreadable input fails on every rank, before any output
+        elif inp != "-":
+            check_input(inp)
         if ctx.is_main:
             with atomic_output(outp, "w") as out:
                 stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress, glossary)

@@ -18,7 +18,7 @@ from typing import IO
 
 from model.errors import UserError
 from pipeline.cli_options import opt
-from pipeline.textio import decode_line, open_binary
+from pipeline.textio import NotUtf8, decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
@@ -100,7 +100,8 @@ class Window:
 
     @property
     def truncated(self) -> int:
-        return sum(self.encoded.truncated)
+        """Lines with text cut to the source limit (a line of several sentences counts once)."""
+        return sum(1 for cut in self.encoded.truncated if cut)
 
 
 @dataclass
@@ -166,6 +167,8 @@ def decode_row(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, in
     windows, ray-translate's rows)."""
     try:
         return decode_line(raw, path, lineno), 0
+    except NotUtf8:
+        raise
     except UserError as e:
         if policy != "replace":
             raise UserError(f"{e}, or pass --invalid-utf8 replace") from None
