@@ -222,6 +222,17 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transfor
 STEP_PREFIX, STEP_SUFFIX = "checkpoint_", ".pt"
 
 
+def _recorded_step(averaged: Path) -> int | None:
+    """The run's newest step checkpoint when this average was made (extra[AVERAGED_AT]), read without loading its
+    weights (the chosen checkpoint is verified when it is loaded); None when it records none or cannot be read."""
+    try:
+        payload = torch.load(averaged, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # noqa: BLE001 - unreadable here: judged by its time; loading it names the problem
+        return None
+    step = (payload.get("extra") or {}).get(AVERAGED_AT) if isinstance(payload, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def step_checkpoint_path(save_dir: Path, step: int) -> Path:
     """save_dir/checkpoint_<step:08d>.pt (zero-padded so names sort like steps)."""
     return Path(save_dir) / f"{STEP_PREFIX}{step:08d}{STEP_SUFFIX}"
@@ -248,11 +259,14 @@ def step_checkpoints(save_dir: Path) -> list[Path]:
 
 AVERAGED = "averaged.pt"
 BEST = "checkpoint_best.pt"  # the best validation BLEU so far; not a step checkpoint, never pruned
+AVERAGED_AT = "averaged_at_step"  # an average's extra: the newest step checkpoint of its run when it was made
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint file, or from a save dir: `averaged.pt` when it is at least as new as
-    the latest step checkpoint, else the latest step checkpoint."""
+    """A checkpoint file, or from a save dir: `averaged.pt` unless a newer step checkpoint was written after it
+    was made (it records the newest there was, AVERAGED_AT: a copy that touched the files' times changes
+    nothing; --best averages end before it), else the latest step checkpoint. An averaged.pt that records none
+    is judged by its time, as older ones were."""
     path = Path(path)
     if path.is_file():
         return path
@@ -260,7 +274,13 @@ def resolve_checkpoint(path: Path) -> Path:
         raise CheckpointError(f"{path}: no such checkpoint file or save directory")
     steps = step_checkpoints(path)
     averaged = path / AVERAGED
-    if averaged.is_file() and (not steps or averaged.stat().st_mtime >= steps[-1].stat().st_mtime):
+    if averaged.is_file() and steps:
+        newest = _recorded_step(averaged)
+        if newest is not None and newest >= (checkpoint_step(steps[-1]) or 0):
+            return averaged
+        if newest is None and averaged.stat().st_mtime >= steps[-1].stat().st_mtime:
+            return averaged
+    elif averaged.is_file():
         return averaged
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint_<step>.pt or {AVERAGED} in this directory; "

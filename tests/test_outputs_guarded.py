@@ -4,6 +4,7 @@ save dir. Each refusal is one line before any work, and the thing it protects is
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,19 @@ def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):
     for name in files:
         _refused(capsys, "average", run, "--last", 2, "--out", run / name, says="--out would replace a file of the run")
     assert {name: (run / name).read_text() for name in files} == files
+
+
+def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys, tmp_path):
+    """`average RUN --out train.de` replaced the training corpus (outside the save dir) with a checkpoint."""
+    corpus = {name: write_lines(tmp_path / name, ["ab cd"]) for name in ("train.de", "train.en", "val.de", "val.en")}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"resolved_options": {
+        "train_src": str(corpus["train.de"]), "train_tgt": str(corpus["train.en"]),
+        "valid_src": str(corpus["val.de"]), "valid_tgt": str(corpus["val.en"])}}))
+    for path in corpus.values():
+        _refused(capsys, "average", run, "--out", path, says="--out")
+        assert path.read_text() == "ab cd\n"
 
 
 def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_dir, tmp_path):

@@ -140,12 +140,18 @@ def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path)
     assert "rerun the same command to resume" in stderr
     stopped_at = last_step(run)
     assert stopped_at >= 3
+    assert json.loads((run / "interrupted.json").read_text()) == {"steps": [stopped_at]}  # a resume point
     target = str(stopped_at + 4)
     assert run_cli("train", "--save-dir", run, *common, "--max-steps", target) == 0
     straight = tmp_path / "straight"
     assert run_cli("train", "--save-dir", straight, *common, "--max-steps", target) == 0
     a, b = weights(straight), weights(run)
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the signal's checkpoint was a resume point: superseded by the run's last, it went, so the run holds what an
+    # uninterrupted one holds (--keep-last and `average --last` counted it, and its step depended on the signal)
+    assert [p.name for p in step_checkpoints(run)] == [p.name for p in step_checkpoints(straight)] == [
+        f"checkpoint_{int(target):08d}.pt"]
+    assert not (run / "interrupted.json").exists()
 
 
 # -- averaging -------------------------------------------------------------------------------
@@ -183,6 +189,51 @@ def test_averaged_checkpoint_records_its_steps(corpus, tmp_path):
     assert extra["averaged"] == ["checkpoint_00000004.pt", "checkpoint_00000005.pt"] and extra["step"] == 5
     assert run_cli("average", run, "--last", "9") == 0
     assert read_checkpoint(run / "averaged.pt")["extra"]["steps"] == [2, 4, 5]
+
+
+def _run_of(random_checkpoint: Path, run: Path, steps: dict[str, int]) -> list[str]:
+    """A save dir of checkpoints whose parameters are all their step (names -> steps); the parameter names."""
+    from model.checkpoint import load_model, save_checkpoint
+
+    model, spm, _ = load_model(random_checkpoint)
+    run.mkdir()
+    for name, step in steps.items():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        save_checkpoint(run / name, model, spm, extra={"step": step})
+    return [name for name, _ in model.named_parameters()]
+
+
+def test_average_best_ends_at_the_best_weights_validated_between_saves(random_checkpoint, tmp_path):
+    """--valid-every 3 with --save-every 4: the best (step 6) is in checkpoint_best.pt only. `--best 2` averaged
+    checkpoint 4 alone (with a warning of too few checkpoints); the window now ends at the best weights."""
+    from model.checkpoint import BEST
+
+    run = tmp_path / "run"
+    names = _run_of(random_checkpoint, run, {"checkpoint_00000004.pt": 4, "checkpoint_00000008.pt": 8, BEST: 6})
+    assert run_cli("average", run, "--best", 2, "--out", tmp_path / "avg.pt") == 0
+    avg = read_checkpoint(tmp_path / "avg.pt")
+    assert avg["extra"]["steps"] == [4, 6]
+    assert all(torch.allclose(avg["model"][n], torch.full_like(avg["model"][n], 5.0)) for n in names)
+
+
+def test_a_save_dir_resolves_to_its_average_whatever_the_files_times(random_checkpoint, tmp_path):
+    """export and tune-decoding of a save dir took the latest step checkpoint over averaged.pt when a copy
+    (cp -r, rsync without -t) left the step checkpoint newer; now only a newer step does."""
+    import os
+
+    from model.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "run"
+    _run_of(random_checkpoint, run, {"checkpoint_00000004.pt": 4, "checkpoint_00000008.pt": 8})
+    assert run_cli("average", run, "--last", 2) == 0
+    os.utime(run / "checkpoint_00000008.pt", (2e9, 2e9))  # newer than averaged.pt, as a copy can leave it
+    assert resolve_checkpoint(run) == run / "averaged.pt"
+    _run_of(random_checkpoint, tmp_path / "more", {"checkpoint_00000012.pt": 12})
+    (tmp_path / "more" / "checkpoint_00000012.pt").rename(run / "checkpoint_00000012.pt")  # training went on
+    os.utime(run / "averaged.pt", (3e9, 3e9))
+    assert resolve_checkpoint(run) == run / "checkpoint_00000012.pt"
 
 
 def test_average_refuses_last_and_best_together(tmp_path, capsys):

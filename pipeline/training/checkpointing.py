@@ -10,6 +10,7 @@ corpus files' fingerprints (size + SHA-256: resuming on changed data is refused)
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import dataclass
@@ -20,9 +21,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model.atomic import remove_stale_temps
+from model.atomic import atomic_write_text, remove_stale_temps
 from model.checkpoint import (
     AVERAGED,
+    AVERAGED_AT,
     BEST,
     CheckpointWriteError,
     checkpoint_step,
@@ -36,7 +38,7 @@ from model.errors import UserError
 from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
-from pipeline.textio import check_output_file, within
+from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
 from pipeline.training.options import TrainOptions, config_differences
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,16 @@ def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | Non
 
 
 CORPUS_OPTIONS = ("train_src", "train_tgt", "valid_src", "valid_tgt")
+CONFIG_FILE = "config.json"  # a save dir's options and corpus fingerprints (pipeline/training/trainer.py writes it)
+
+
+def run_corpus(save_dir: Path) -> list[Path]:
+    """The corpus files a save dir's run trains on, as its config.json records them ([] when unknown)."""
+    try:
+        options = json.loads((Path(save_dir) / CONFIG_FILE).read_text())["resolved_options"]
+        return [Path(options[name]) for name in CORPUS_OPTIONS if isinstance(options.get(name), str)]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
@@ -168,11 +180,15 @@ class Checkpointer:
     keep_last: int
     data_files: dict[str, Any] | None = None  # data_fingerprint, checked on resume
 
-    def save(self, progress: Progress, last_valid: dict[str, Any]) -> Path | None:
+    def save(self, progress: Progress, last_valid: dict[str, Any], interrupted: bool = False) -> Path | None:
         """Every rank calls this (RNG states are gathered); rank 0 writes, then prunes. A
-        failed write (full disk...) stops every rank with one line; earlier checkpoints stay."""
+        failed write (full disk...) stops every rank with one line; earlier checkpoints stay. `interrupted`: a
+        checkpoint written at a stop signal, off the --save-every schedule: a resume point only, recorded as such
+        and removed once a later checkpoint supersedes it, so the run ends with the checkpoints of an
+        uninterrupted one (what --keep-last keeps and `average --last` averages do not depend on Ctrl-C)."""
         rng = gather_rng(self.ctx)
         path = step_checkpoint_path(self.save_dir, progress.step)
+        scheduled = path.is_file() and progress.step not in interrupted_steps(self.save_dir)
         state = {"step": progress.step, "optimizer": self.optimizer.state_dict(),
                  "scaler": self.scaler.state_dict() if self.scaler else None,
                  "data": self.batches.state_dict(), "rng": rng, "world_size": self.ctx.world_size,
@@ -189,6 +205,10 @@ class Checkpointer:
                 latest = step_checkpoints(self.save_dir)
                 resume = f"from {latest[-1].name}" if latest else "from the start"
                 raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
+            if interrupted and not scheduled:  # a scheduled save of this very step stays one
+                mark_interrupted(self.save_dir, progress.step)
+            elif not interrupted:
+                supersede_interrupted(self.save_dir, progress.step)
             prune(self.save_dir, self.keep_last, progress.best_step)
 
         on_main(self.ctx, write, share=False)
@@ -229,10 +249,54 @@ class Checkpointer:
                         state.get("elapsed_s", 0.0), state.get("decay_steps"), state.get("decay_time_s"))
 
 
+INTERRUPTED = "interrupted.json"  # the steps whose checkpoints were written at a stop signal (resume points)
+
+
+def interrupted_steps(save_dir: Path) -> set[int]:
+    """The steps of a save dir's checkpoints written at a stop signal, off the schedule (none recorded: none)."""
+    try:
+        steps = json.loads((Path(save_dir) / INTERRUPTED).read_text())["steps"]
+        return {s for s in steps if isinstance(s, int)}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _record_interrupted(save_dir: Path, steps: set[int]) -> None:
+    path = Path(save_dir) / INTERRUPTED
+    if steps:
+        atomic_write_text(path, json.dumps({"steps": sorted(steps)}) + "\n")
+    else:
+        path.unlink(missing_ok=True)
+
+
+def mark_interrupted(save_dir: Path, step: int) -> None:
+    _record_interrupted(save_dir, interrupted_steps(save_dir) | {step})
+
+
+def supersede_interrupted(save_dir: Path, step: int) -> None:
+    """A scheduled checkpoint of `step` is written: the stop-signal checkpoints before it are resume points no
+    more, and go."""
+    marked = interrupted_steps(save_dir)
+    done = {s for s in marked if s <= step}
+    for s in done:
+        if s != step:
+            step_checkpoint_path(save_dir, s).unlink(missing_ok=True)
+    if done:
+        _record_interrupted(save_dir, marked - done)
+
+
+def scheduled_checkpoints(save_dir: Path) -> list[Path]:
+    """The step checkpoints of the --save-every schedule (and a run's last), ascending: not those written at a
+    stop signal."""
+    marked = interrupted_steps(save_dir)
+    return [p for p in step_checkpoints(save_dir) if checkpoint_step(p) not in marked]
+
+
 def prune(save_dir: Path, keep_last: int, best_step: int | None = None) -> None:
-    """Delete all but the newest `keep_last` step checkpoints and the `keep_last` ending at the
-    best validation step (the window `pipeline average --best K` averages, for K <= keep_last)."""
-    paths = step_checkpoints(save_dir)
+    """Delete all but the newest `keep_last` scheduled step checkpoints and the `keep_last` ending at the
+    best validation step (the window `pipeline average --best K` averages, for K <= keep_last); a stop
+    signal's checkpoint stays until a later one supersedes it."""
+    paths = scheduled_checkpoints(save_dir)
     keep = set(paths[-keep_last:]) | set(best_window(paths, best_step, keep_last))
     for old in paths:
         if old not in keep:
@@ -266,18 +330,23 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if out.is_file() and within(out, save_dir) and out.name != AVERAGED:  # a checkpoint, config.json, the corpus
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}; choose a new file name (the "
                         f"default is {save_dir / AVERAGED})")
+    refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
     check_output_file(out, "--out")
     remove_stale_temps(save_dir)
     remove_stale_temps(out.parent)
-    paths = step_checkpoints(save_dir)[-last:]
+    paths = scheduled_checkpoints(save_dir)[-last:]  # a stop signal's checkpoint is a resume point, not one of them
+    best_step = None
     if best is not None:
         if not (save_dir / BEST).is_file():
             raise UserError(f"{save_dir / BEST}: not found; --best needs a run with validation "
                             "(--valid-src/--valid-tgt)")
         best_step = read_checkpoint(save_dir / BEST)["extra"].get("step")
-        paths, last = best_window(step_checkpoints(save_dir), best_step, best), best
-        if not paths:
-            raise UserError(f"{save_dir}: no step checkpoint at or before the best step {best_step}")
+        paths, last = best_window(scheduled_checkpoints(save_dir), best_step, best), best
+        if best_step is not None and not any(checkpoint_step(p) == best_step for p in paths):
+            # validated between two saves (--valid-every apart from --save-every): the best weights are only in
+            # checkpoint_best.pt, which ends the window, after the step checkpoints before it
+            before = [p for p in scheduled_checkpoints(save_dir) if (checkpoint_step(p) or 0) < best_step]
+            paths = [*(before[-(best - 1):] if best > 1 else []), save_dir / BEST]
     if not paths:
         raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
                         "--save-dir?")
@@ -298,9 +367,13 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     state = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v
              for k, v in total.items()}
     model.load_state_dict(state)
-    steps = [s for s in map(checkpoint_step, paths) if s is not None]  # ascending, as paths
+    steps = [s for s in (checkpoint_step(p) if p.name != BEST else best_step for p in paths)
+             if s is not None]  # ascending, as paths
     save_checkpoint(out, model, first["spm_model"],
                     extra={"averaged": [p.name for p in paths], "steps": steps,
-                           "step": last_payload["extra"].get("step")})
+                           "step": last_payload["extra"].get("step"),
+                           # the run's newest step checkpoint then: a save dir resolves to this average until a
+                           # newer one is written (model.checkpoint.resolve_checkpoint), whatever the files' times
+                           AVERAGED_AT: checkpoint_step(step_checkpoints(save_dir)[-1])})
     log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
     return out

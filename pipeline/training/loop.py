@@ -125,7 +125,7 @@ class TrainLoop:
                 if stats.stop or stats.out_of_time:
                     self.batches.load_state_dict(position)  # this group was not trained on
                 if stats.stop:
-                    path = self._save(progress)
+                    path = self._save(progress, interrupted=True)
                     signum = stop.signum if stop.signum is not None else signal.SIGTERM
                     raise TrainingInterrupted(signum, progress.step, path)
                 if stats.out_of_time:
@@ -174,9 +174,9 @@ class TrainLoop:
                      "learning rate falls to zero there", per_step, budget_s, progress.decay_steps)
         return progress.decay_steps
 
-    def _save(self, progress: Progress) -> Any:
+    def _save(self, progress: Progress, interrupted: bool = False) -> Any:
         progress.elapsed_s = self.budget.elapsed()
-        return self.checkpointer.save(progress, self.last_valid)
+        return self.checkpointer.save(progress, self.last_valid, interrupted)
 
     def _out_of_time(self, progress: Progress, start_step: int, bar: tqdm) -> None:
         """--max-time is spent (but for the time the last validation took): validate the last

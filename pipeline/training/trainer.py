@@ -32,7 +32,14 @@ from pipeline.distributed import DistContext, init_distributed, rank0_first, shu
 from pipeline.textio import atomic_output
 from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget, process_start_time
-from pipeline.training.checkpointing import Checkpointer, Progress, check_data, check_resume, data_fingerprint
+from pipeline.training.checkpointing import (
+    CONFIG_FILE,
+    Checkpointer,
+    Progress,
+    check_data,
+    check_resume,
+    data_fingerprint,
+)
 from pipeline.training.loop import TrainLoop
 from pipeline.training.metrics import METRICS_FILE, MetricsLog, TrainingInterrupted
 from pipeline.training.options import (
@@ -49,7 +56,6 @@ from runtime.languages import language_suffix
 
 log = logging.getLogger(__name__)
 
-CONFIG_FILE = "config.json"
 DATA_DIR = "data"  # the built-in corpus' text files, inside the save dir
 
 
