@@ -92,12 +92,12 @@ class ExportOptions:
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
     topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam; the CPU "
                         "int8 graphs return min(this, 2 x beam): docs/int8.md).")
-    max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).")
+    max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).", min=1)
     max_src_len: int | None = opt(None, f"Longest source in tokens, EOS included [default: {DEFAULT_MAX_SRC_LEN}, "
-                                  "at most the model's max_positions].")
+                                  "at most the model's max_positions].", min=1)
     max_tgt_len: int | None = opt(None, "Longest output in tokens (decoder cache holds max-tgt-len + 1 slots) "
-                                  f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions].")
-    max_beam: int = opt(8, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).")
+                                  f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions].", min=1)
+    max_beam: int = opt(8, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).", min=1)
     tensorrt: bool | None = opt(None, "Build TensorRT engines (error if TensorRT or a GPU is missing) or skip "
                                 "them. Default: build them when possible, else say why they were skipped.")
     force: bool = opt(False, "Replace an existing model directory (only once the new one is complete).")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -61,6 +62,9 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
         check_output_file(hyp_file, "--save-hyps")
     if json_out:
         refuse_overwriting_inputs(inputs, [json_out], "--json file", input_dirs=model_files)
+        if os.path.realpath(json_out) in {os.path.realpath(h) for h in hyp_files}:  # one would replace the other
+            raise click.UsageError(f"--json {json_out} is a file --save-hyps writes (BACKEND.PRECISION.txt); give "
+                                   "the report another name")
         check_output_file(json_out, "--json")
     report = run_parity(model_dir, src, ref, names, opts=ServeBatchOptions(decoding=decoding, src_lang=src_lang,
                                                                               tgt_lang=tgt_lang),

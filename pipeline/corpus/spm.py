@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
@@ -40,14 +41,22 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
             raise UserError("cannot train SentencePiece: the training text has no non-empty line of at most "
                             f"{SPM_MAX_LINE_BYTES} bytes (SentencePiece skips longer ones)")
         prefix = Path(tmp) / "spm"
-        spm.SentencePieceTrainer.train(
-            input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,
-            model_type=model_type, character_coverage=character_coverage,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            hard_vocab_limit=False, input_sentence_size=max_sentences,
-            shuffle_input_sentence=True, seed_sentencepiece_size=seed_sentencepiece_size,
-            minloglevel=2, num_threads=2,
-        )
+        try:
+            spm.SentencePieceTrainer.train(
+                input=str(text), model_prefix=str(prefix), vocab_size=vocab_size,
+                model_type=model_type, character_coverage=character_coverage,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                hard_vocab_limit=False, input_sentence_size=max_sentences,
+                shuffle_input_sentence=True, seed_sentencepiece_size=seed_sentencepiece_size,
+                minloglevel=2, num_threads=2,
+            )
+        except RuntimeError as e:  # every character is a piece: a corpus of more characters needs more pieces
+            needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
+            if needed is None:
+                raise
+            raise UserError(f"--vocab-size {vocab_size} is smaller than the {int(needed.group(1)) - 4} characters of "
+                            f"the corpus (each is a piece, with 4 special ones): give --vocab-size "
+                            f"{needed.group(1)} or more (a CJK corpus: several thousand)") from None
         data = (prefix.with_suffix(".model")).read_bytes()
     pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
     fewer = f", fewer than --vocab-size {vocab_size}: the corpus has too little text for more" \

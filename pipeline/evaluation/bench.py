@@ -175,10 +175,18 @@ def make_sources(tokenizer: AnyTokenizer, src: Path | None, n: int, src_len: int
             for _ in range(n)]
 
 
+def check_fixed_length(fixed_length: int | None, max_tgt_len: int) -> None:
+    """--fixed-length within the model's output limit (the search stops there: the report would claim more)."""
+    if fixed_length is not None and fixed_length > max_tgt_len - 1:
+        raise UserError(f"--fixed-length {fixed_length} is longer than the model dir's output limit of "
+                        f"{max_tgt_len - 1} tokens (export's --max-tgt-len); give at most {max_tgt_len - 1}")
+
+
 def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, decoding: DecodingOptions,
                   fixed_length: int | None, precision: str = "fp32", first: int | None = None) -> BenchResult:
     """`first`: the token forced first in every translation (a multilingual model's target language)."""
     if fixed_length is not None:
+        check_fixed_length(fixed_length, backend.max_tgt_len)
         decoding = decoding.replace(max_len_a=0.0, max_len_b=fixed_length, min_len=fixed_length)
     decoding.validate()
 

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UserError
+from model.manifest import SPM_FILE
 from pipeline.evaluation import cpu_peak, ctranslate2_compare
 from pipeline.evaluation.bench import (
     bench_backend,
+    check_fixed_length,
     make_sources,
     model_column,
     package_version,
@@ -139,7 +141,12 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         threads = usable_cores()
     first = ModelDir.open(model_dirs[0], verify=False)  # each measurement's process loads (and verifies) it
     manifest, tokenizer = first.manifest, first.tokenizer
+    for other in model_dirs[1:]:  # the sources are the first's ids: another tokenizer would read them as noise
+        if ModelDir.open(other, verify=False).manifest.files.get(SPM_FILE) != manifest.files.get(SPM_FILE):
+            raise UserError(f"{other}: its {SPM_FILE} differs from {model_dirs[0]}'s; bench compares model dirs of "
+                            "one tokenizer (precisions of one model, or a student and its teacher): bench it apart")
     cfg = manifest.model_config
+    check_fixed_length(fixed_length, manifest.limits.max_tgt_len)  # before any measurement's process starts
     way = direction(cfg, src_lang, tgt_lang)
     sources = make_sources(tokenizer, src, sentences, src_len, cfg.max_positions, prefix=way.prefix)
     # an imported model decodes with its own defaults (rules, alpha); CTranslate2 gets the same alpha

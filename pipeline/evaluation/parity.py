@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -34,7 +35,7 @@ from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence
 from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, REFERENCES, SHORTLISTED, Gate, gate_for
 from pipeline.serve_batch.files import translate_windows
 from pipeline.serve_batch.translation import ServeBatchOptions
-from pipeline.textio import atomic_output, open_binary, read_lines
+from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.registry import entry, installed
@@ -118,14 +119,15 @@ def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, op
 
 
 def count_lines(path: Path) -> int:
-    """Lines as serve-batch splits them (on b'\\n'), without decoding."""
-    f = open_binary(path)
-    try:
-        return sum(1 for _ in f)
-    except (OSError, EOFError) as e:  # a .gz that is not one, or is cut short
-        raise UserError(f"{path}: cannot read ({e})") from None
-    finally:
-        f.close()
+    """Lines as serve-batch splits them (on b'\\n'), checked to be UTF-8 with text on one of them: parity reads
+    SRC once per backend, so it must be a file (stdin or a pipe would be empty the second time)."""
+    if str(path) == "-" or not os.path.isfile(path):
+        raise UserError(f"{path}: parity translates --src once per backend and reads it again each time: give a "
+                        "file, not stdin or a pipe")
+    lines = read_lines(path)  # invalid UTF-8 named by file and line
+    if not any(line.strip() for line in lines):
+        raise UserError(f"{path}: no line with text to translate; parity would pass having compared nothing")
+    return len(lines)
 
 
 def save_hypotheses(served: Served, directory: Path, backend: str, precision: str) -> Path:
@@ -172,8 +174,6 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     if n_src != len(ref_lines):
         raise UserError(f"{src} has {n_src} lines but {ref} has {len(ref_lines)}; "
                         "source and reference must be line-aligned")
-    if not n_src:
-        raise UserError(f"{src} is empty")
     if not installed("torch"):
         raise UserError("parity against the PyTorch model run live needs PyTorch (pip install -e \".[train]\"); "
                         "leave out --src/--ref to gate against the references recorded in the model dir")

@@ -58,7 +58,8 @@ class ParityOptions(Checked):
 
     error = UserError
 
-    src: Path | None = opt(None, "Source sentences, one per line; the PyTorch model translates them live. Without "
+    src: Path | None = opt(None, "Source sentences, one per line (a file: each backend reads it again, so not stdin "
+                                 "or a pipe); the PyTorch model translates them live. Without "
                                  "--src and --ref: the held-out lines recorded in MODEL_DIR at export, with their "
                                  "decoding options (needs no PyTorch).", path="any")
     ref: Path | None = opt(None, "Reference translations of --src, line-aligned.", path="any")

@@ -20,6 +20,9 @@ from pipeline.corpus.spm import train_sentencepiece
 from runtime.fields import Checked, at_least, opt
 from runtime.tokenizer import Tokenizer
 
+# the made-up text's 26 letters and the word boundary are each a piece, with the 4 special ones
+MIN_VOCAB = 31
+
 
 @dataclass(frozen=True)
 class RandomCheckpointOptions(Checked):
@@ -30,7 +33,7 @@ class RandomCheckpointOptions(Checked):
 
     preset: str = opt("base", "Model shape (model/config.py's preset table).", choices=tuple(PRESETS))
     vocab_size: int = opt(32000, "Vocabulary of the SentencePiece model trained on made-up text (a soft limit).",
-                          min=16, max=MAX_VOCAB)
+                          min=MIN_VOCAB, max=MAX_VOCAB)
     seed: int = opt(0, "Seed of the made-up text and of the weights (the same seed and shape give the same weights).",
                     min=0, max=2 ** 32 - 1)
     decoder_layers: int | None = opt(None, "Decoder layers instead of the preset's (e.g. a 1-layer student's shape).",
@@ -40,8 +43,8 @@ class RandomCheckpointOptions(Checked):
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag
         out = [] if self.preset in PRESETS else [f"{n('preset')} {self.preset!r}: choose one of {', '.join(PRESETS)}"]
-        return out + at_least(self.vocab_size, 16, "vocab_size", n) + at_least(self.decoder_layers, 1, "decoder_layers",
-                                                                                n)
+        return out + at_least(self.vocab_size, MIN_VOCAB, "vocab_size", n) + at_least(self.decoder_layers, 1,
+                                                                                       "decoder_layers", n)
 
 
 def made_up_text(vocab_size: int, seed: int = 0) -> list[str]:

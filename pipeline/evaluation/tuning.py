@@ -15,7 +15,7 @@ from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
-from runtime.fields import Checked, opt
+from runtime.fields import Checked, flag, opt
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
@@ -101,13 +101,19 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
         raise UserError(f"{ref}: no reference line to score against (the file is empty or blank)")
     backend, tokenizer, defaults = load_for_tuning(model, device)
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
+    grid = [base.replace(beam_size=beam, alpha=alpha) for beam in beams for alpha in alphas]
+    # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed
+    typed = {"beam_size": "--beams", "alpha": "--alphas"}
+    problems = sorted({p for options in grid for p in options.problems(lambda k: typed.get(k, flag(k)))})
+    problems += [f"--beams {beam}: this model's backend takes beams up to {backend.topk // 2} (2 x beam candidates "
+                 f"a step, --topk {backend.topk} at export)" for beam in sorted(set(beams)) if 2 * beam > backend.topk]
+    if problems:
+        raise UserError("; ".join(problems))
     trials = []
-    for beam in beams:
-        for alpha in alphas:
-            options = base.replace(beam_size=beam, alpha=alpha).validate()
-            hyps = translate_lines(backend, tokenizer, sources, options)
-            trial = Trial(beam, alpha, round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
-                          round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
-            log.info("beam %d alpha %.2f: BLEU %.2f chrF %.2f", beam, alpha, trial.bleu, trial.chrf)
-            trials.append(trial)
+    for options in grid:
+        hyps = translate_lines(backend, tokenizer, sources, options)
+        trial = Trial(options.beam_size, options.alpha, round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
+                      round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
+        log.info("beam %d alpha %.2f: BLEU %.2f chrF %.2f", trial.beam_size, trial.alpha, trial.bleu, trial.chrf)
+        trials.append(trial)
     return sorted(trials, key=lambda t: (-t.bleu, t.beam_size, t.alpha))

@@ -1,0 +1,93 @@
+"""What parity, tune-decoding, bench, random-checkpoint and train's tokenizer refuse before the work, each in one
+line: inputs that cannot be read twice, a source with nothing to compare, outputs that would replace each other,
+a grid with a trial that cannot run, a fixed length past the model's limit, model dirs of two tokenizers, a
+vocabulary smaller than the corpus' characters. Each once passed in silence, ran for minutes first, or ended in a
+traceback."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from helpers import assert_one_line_error, run_cli_captured, write_lines
+
+from model.errors import UserError
+
+
+@pytest.fixture()
+def pair(tmp_path):
+    return write_lines(tmp_path / "s.txt", ["ab cd", "ef gh"]), write_lines(tmp_path / "r.txt", ["x y", "z"])
+
+
+def test_parity_reads_its_source_once_per_backend_so_it_must_be_a_file(capsys, fp32_dir, tmp_path, pair,
+                                                                        monkeypatch):
+    """stdin was a ValueError traceback, <(...) an IndexError in sacrebleu, a named pipe a hang."""
+    src, ref = pair
+    fifo = tmp_path / "src.fifo"
+    os.mkfifo(fifo)
+    for given in ("-", fifo):
+        code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", given, "--ref", ref)
+        assert_one_line_error(code, err, "parity translates --src once per backend and reads it again each time")
+
+
+def test_parity_of_a_source_without_text_fails_instead_of_passing(capsys, fp32_dir, tmp_path):
+    """Five blank lines: "parity: passed", BLEU 0.00, identical 100%: a gate that compared nothing."""
+    blank = write_lines(tmp_path / "blank.txt", ["", " ", "", "", ""])
+    code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", blank, "--ref", blank)
+    assert_one_line_error(code, err, "no line with text to translate; parity would pass having compared nothing")
+
+
+def test_parity_json_may_not_be_a_file_save_hyps_writes(capsys, fp32_dir, tmp_path, pair):
+    src, ref = pair
+    hyps = tmp_path / "hyps"
+    code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--backends",
+                                    "onnxruntime", "--save-hyps", hyps, "--json", hyps / "onnxruntime.fp32.txt")
+    assert code == 2 and "is a file --save-hyps writes" in err
+    assert not hyps.exists()
+
+
+def test_tune_decoding_checks_every_trial_before_the_first_runs(capsys, caplog, fp32_dir, pair):
+    """A bad beam or alpha late in the grid was found after the trials before it had run, and they were lost."""
+    src, ref = pair
+    for grid, says in ((("--beams", "1,9"), "--beams 9: this model's backend takes beams up to 8"),
+                       (("--beams", "1", "--alphas", "0.6,nan"), "--alphas must be a number from 0 to 20")):
+        with caplog.at_level(logging.INFO, logger="pipeline.evaluation.tuning"):
+            caplog.clear()
+            code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, *grid)
+        assert_one_line_error(code, err, says)
+        assert "BLEU" not in caplog.text  # no trial ran
+
+
+def test_bench_refuses_a_fixed_length_past_the_model_dirs_limit(capsys, fp32_dir):
+    """--fixed-length 100000 was capped at the model's limit while the JSON recorded 100000."""
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime", "--sentences", 2,
+                                    "--batch-size", 2, "--fixed-length", 100000)
+    assert_one_line_error(code, err, "--fixed-length 100000 is longer than the model dir's output limit of 39")
+
+
+@pytest.mark.slow
+def test_bench_refuses_model_dirs_of_two_tokenizers(capsys, fp32_dir, tmp_path):
+    """The second model dir was timed on the first's token ids: a Gather traceback, or numbers of noise."""
+    from export.api import export_model
+    from pipeline.evaluation.random_model import make_random_checkpoint
+
+    make_random_checkpoint(tmp_path / "other.pt", "tiny", 200, seed=5)
+    export_model(tmp_path / "other.pt", tmp_path / "other", tensorrt=False, max_batch=2, max_src_len=16,
+                 max_tgt_len=20, max_beam=2)
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, tmp_path / "other", "--backends", "onnxruntime",
+                                    "--sentences", 2, "--batch-size", 2, "--rounds", 1)
+    assert_one_line_error(code, err, "its spm.model differs from")
+
+
+def test_a_vocabulary_smaller_than_the_corpus_characters_is_one_line(capsys, tmp_path):
+    """A CJK corpus at tiny's vocabulary was SentencePiece's RuntimeError traceback; random-checkpoint's
+    --vocab-size 16 was within its range and failed the same way."""
+    from pipeline.corpus.spm import train_sentencepiece
+
+    with pytest.raises(UserError, match=r"--vocab-size 100 is smaller than the 301 characters of the corpus .* "
+                                        r"give --vocab-size 305 or more"):
+        train_sentencepiece([" ".join(chr(0x4E00 + i) * 2 for i in range(300))] * 3, 100)
+    code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / "r.pt", "--preset", "tiny",
+                                    "--vocab-size", 16)
+    assert code == 2 and "16 is not in the range 31<=x" in err and not (tmp_path / "r.pt").exists()
