@@ -1,7 +1,10 @@
 """Prometheus metrics of one server, in a registry of its own (no process-global state). Every series
-carries a `model` label: the model the request named ("" for a request refused before naming one)."""
+carries a `model` label: the model the request named ("" for a request refused before naming one: those series
+are listed once one is counted)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -46,8 +49,8 @@ class Metrics:
                                          "Latency of successful /translate requests, body read to answer "
                                          "(streams: to the last object).", m, buckets=LATENCY_BUCKETS, registry=r)
 
-    def model(self, name: str) -> ModelMetrics:
-        return ModelMetrics(self, name)
+    def model(self, name: str, listed: bool = True) -> ModelMetrics:
+        return ModelMetrics(self, name, listed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -69,11 +72,20 @@ class ModelMetrics:
     queue_seconds: Histogram
     request_seconds: Histogram
 
-    def __init__(self, metrics: Metrics, name: str):
-        self.name = name
+    def __init__(self, metrics: Metrics, name: str, listed: bool = True):
+        self.name, self._metrics = name, metrics
         self._requests = metrics.requests
-        for attr in PER_MODEL:
+        for attr in PER_MODEL if listed else ():  # a served model's series are listed (at 0) from the start
             setattr(self, attr, getattr(metrics, attr).labels(model=name))
+
+    def __getattr__(self, attr: str) -> Any:
+        """A series not listed from the start (the requests no model was named for): made when first counted, so
+        /metrics holds no model="" series that never moved."""
+        if attr not in PER_MODEL:
+            raise AttributeError(attr)
+        series = getattr(self._metrics, attr).labels(model=self.name)
+        setattr(self, attr, series)
+        return series
 
     def request(self, code: int) -> None:
         self._requests.labels(model=self.name, code=str(code)).inc()

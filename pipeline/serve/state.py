@@ -64,7 +64,7 @@ class ServerState:
     routes: Routes[ServedModel] = field(init=False)  # (source, target) -> model, for LibreTranslate's API
 
     def __post_init__(self) -> None:
-        self.unnamed = self.metrics.model("")
+        self.unnamed = self.metrics.model("", listed=False)
         self.routes = Routes.of((m.name, m, m.sources, m.targets) for m in self.models.values())
 
 
