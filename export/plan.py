@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,6 +265,9 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
     """Refuse outputs we must not replace, before any work is done. What a killed export
     left beside --out goes first (a model dir it was replacing is put back)."""
     remove_stale_temps(out.parent)
+    if out.is_symlink():  # replacing it would put a directory in the link's place, the linked dir untouched
+        raise ExportError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the directory it leads to, or "
+                          "another --out")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: exists and is not a directory; choose another --out")
     if out.is_dir():

@@ -95,6 +95,16 @@ def test_references_and_shortlist_share_one_tokenizer(random_checkpoint, tmp_pat
         plan(random_checkpoint, tmp_path, tensorrt=False, shortlist=corpus)
 
 
+def test_an_out_that_is_a_symbolic_link_is_refused(random_checkpoint, tmp_path):
+    """--force --out LINK replaced the link with a new dir (the linked model dir untouched) and left a hidden
+    link behind."""
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ExportError, match="is a symbolic link"):
+        resolve(random_checkpoint, ExportOptions(out=tmp_path / "link", force=True, tensorrt=False))
+    assert (tmp_path / "link").is_symlink()
+
+
 def test_export_model_takes_what_files_hold_not_the_files(random_checkpoint, tmp_path):
     with pytest.raises(TypeError, match="reads no files"):
         export_model(random_checkpoint, tmp_path / "m", reference_src=tmp_path / "x")
