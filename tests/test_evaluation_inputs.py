@@ -91,3 +91,13 @@ def test_a_vocabulary_smaller_than_the_corpus_characters_is_one_line(capsys, tmp
     code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / "r.pt", "--preset", "tiny",
                                     "--vocab-size", 16)
     assert code == 2 and "16 is not in the range 31<=x" in err and not (tmp_path / "r.pt").exists()
+
+
+def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
+    """--batch-size 8 over 2 sentences ran batches of 2 and recorded 8."""
+    import json
+
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime", "--sentences", 2,
+                                    "--batch-size", 8, "--json", tmp_path / "b.json")
+    assert code == 0, err
+    assert [r["batch_size"] for r in json.loads((tmp_path / "b.json").read_text())["results"]] == [2]

@@ -209,7 +209,7 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
     ms = sorted(x * 1000 for x in latencies)
     return BenchResult(
         backend=backend.name, engine=backend.name, precision=precision, device=str(backend.device),
-        batch_size=batch_size, beam_size=decoding.beam_size,
+        batch_size=min(batch_size, len(sources)), beam_size=decoding.beam_size,  # the batches it ran
         sentences=len(sources), target_tokens=tokens, seconds=round(seconds, 3),
         target_tokens_per_s=round(tokens / seconds, 1), sentences_per_s=round(len(sources) / seconds, 2),
         latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
