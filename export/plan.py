@@ -358,6 +358,11 @@ def decoding_defaults(payload: dict[str, Any], given: dict[str, Any] | None = No
                           "dir serves: raise --max-beam or choose a smaller beam")
     merged = {**defaults, **given}
     PAPER.for_model(merged, "the options given over the checkpoint's own")  # min-len past the checkpoint's max
+    min_len = given.get("min_len")
+    if min_len is not None and limits is not None and min_len > limits.max_tgt_len - 1:
+        raise ExportError(f"--min-len {min_len} is above the longest output the model dir allows, "
+                          f"{limits.max_tgt_len - 1} tokens (--max-tgt-len {limits.max_tgt_len}): no translation "
+                          "could meet it")
     return merged
 
 

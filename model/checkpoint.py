@@ -222,15 +222,30 @@ def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[Transfor
 STEP_PREFIX, STEP_SUFFIX = "checkpoint_", ".pt"
 
 
-def _recorded_step(averaged: Path) -> int | None:
-    """The run's newest step checkpoint when this average was made (extra[AVERAGED_AT]), read without loading its
-    weights (the chosen checkpoint is verified when it is loaded); None when it records none or cannot be read."""
+def average_mark(newest: Path) -> dict[str, Any]:
+    """What an average records of its run's newest step checkpoint (AVERAGED_AT): its step, and the SHA-256 its
+    file carries at its end (read, not computed)."""
+    try:
+        with open(newest, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - _TRAILER_LEN))
+            trailer = f.read(_TRAILER_LEN)
+    except OSError:
+        trailer = b""
+    digest = trailer[len(_TAG):].decode("ascii", "replace") if trailer.startswith(_TAG) else None
+    return {"step": checkpoint_step(newest), "sha256": digest}
+
+
+def _averaged_at(averaged: Path) -> dict[str, Any] | None:
+    """The mark of the run's newest step checkpoint when this average was made (extra[AVERAGED_AT]), read without
+    loading its weights (the chosen checkpoint is verified when it is loaded); None when it records none or
+    cannot be read so."""
     try:
         payload = torch.load(averaged, map_location="cpu", weights_only=False, mmap=True)
     except Exception:  # noqa: BLE001 - unreadable here: judged by its time; loading it names the problem
         return None
-    step = (payload.get("extra") or {}).get(AVERAGED_AT) if isinstance(payload, dict) else None
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
+    made = (payload.get("extra") or {}).get(AVERAGED_AT) if isinstance(payload, dict) else None
+    return made if isinstance(made, dict) else None
 
 
 def step_checkpoint_path(save_dir: Path, step: int) -> Path:
@@ -259,14 +274,15 @@ def step_checkpoints(save_dir: Path) -> list[Path]:
 
 AVERAGED = "averaged.pt"
 BEST = "checkpoint_best.pt"  # the best validation BLEU so far; not a step checkpoint, never pruned
-AVERAGED_AT = "averaged_at_step"  # an average's extra: the newest step checkpoint of its run when it was made
+# an average's extra: the newest step checkpoint of its run when it was made, {"step", "sha256"} (average_mark)
+AVERAGED_AT = "averaged_at"
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint file, or from a save dir: `averaged.pt` unless a newer step checkpoint was written after it
-    was made (it records the newest there was, AVERAGED_AT: a copy that touched the files' times changes
-    nothing; --best averages end before it), else the latest step checkpoint. An averaged.pt that records none
-    is judged by its time, as older ones were."""
+    """A checkpoint file, or from a save dir: `averaged.pt` while the run's newest step checkpoint is the one
+    there was when it was made (it records its step and SHA-256, AVERAGED_AT: a copy that touched the files'
+    times changes nothing, and a step retrained after a rollback is another file), else the latest step
+    checkpoint. An averaged.pt that records none is judged by its time, as older ones were."""
     path = Path(path)
     if path.is_file():
         return path
@@ -275,10 +291,10 @@ def resolve_checkpoint(path: Path) -> Path:
     steps = step_checkpoints(path)
     averaged = path / AVERAGED
     if averaged.is_file() and steps:
-        newest = _recorded_step(averaged)
-        if newest is not None and newest >= (checkpoint_step(steps[-1]) or 0):
+        made = _averaged_at(averaged)
+        if made is not None and made == average_mark(steps[-1]):
             return averaged
-        if newest is None and averaged.stat().st_mtime >= steps[-1].stat().st_mtime:
+        if made is None and averaged.stat().st_mtime >= steps[-1].stat().st_mtime:
             return averaged
     elif averaged.is_file():
         return averaged

@@ -101,3 +101,13 @@ def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
                                     "--batch-size", 8, "--json", tmp_path / "b.json")
     assert code == 0, err
     assert [r["batch_size"] for r in json.loads((tmp_path / "b.json").read_text())["results"]] == [2]
+
+
+def test_tune_decodings_export_line_carries_every_search_setting_it_ran_with():
+    """A model dir exported with --rules transformers --max-len-b 5 was tuned under them, but the export line printed
+    only beam and alpha: a model dir made from it decoded otherwise than tuned."""
+    from pipeline.evaluation.tuning import Trial
+
+    assert Trial(4, 0.6, 30.0, 50.0).export_flags() == "--beam-size 4 --alpha 0.6"
+    assert Trial(2, 1.0, 30.0, 50.0, max_len_a=0.0, max_len_b=5, rules="transformers").export_flags() == (
+        "--beam-size 2 --alpha 1 --max-len-a 0 --max-len-b 5 --rules transformers")

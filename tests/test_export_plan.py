@@ -147,6 +147,8 @@ def test_decoding_options_given_to_export_go_over_the_checkpoints_own(spm_bytes,
         plan(ckpt, tmp_path, tensorrt=False, max_beam=4, decoding={"beam_size": 5})
     with pytest.raises(Exception, match="min_len 30 is above the maximum output length 20"):
         plan(ckpt, tmp_path, tensorrt=False, decoding={"min_len": 30})
+    with pytest.raises(ExportError, match="--min-len 400 is above the longest output the model dir allows, 305"):
+        plan(ckpt, tmp_path, tensorrt=False, decoding={"min_len": 400, "max_len_a": 1.0})
     assert not (tmp_path / "m").exists()
 
 

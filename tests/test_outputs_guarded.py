@@ -58,16 +58,20 @@ def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):
     assert {name: (run / name).read_text() for name in files} == files
 
 
-def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys, tmp_path):
+def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys, tmp_path, monkeypatch):
     """`average RUN --out train.de` replaced the training corpus (outside the save dir) with a checkpoint."""
     corpus = {name: write_lines(tmp_path / name, ["ab cd"]) for name in ("train.de", "train.en", "val.de", "val.en")}
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.json").write_text(json.dumps({"resolved_options": {
-        "train_src": str(corpus["train.de"]), "train_tgt": str(corpus["train.en"]),
-        "valid_src": str(corpus["val.de"]), "valid_tgt": str(corpus["val.en"])}}))
+    # as training records them: the options as typed (relative to where it ran), the fingerprints absolute
+    (run / "config.json").write_text(json.dumps({
+        "resolved_options": {"train_src": "train.de", "train_tgt": "train.en", "valid_src": "val.de",
+                             "valid_tgt": "val.en"},
+        "data_files": {name: {"path": str(path.resolve()), "size": 6, "sha256": "0" * 64}
+                       for name, path in zip(("train_src", "train_tgt", "valid_src", "valid_tgt"), corpus.values())}}))
+    monkeypatch.chdir(run)  # elsewhere than where training ran
     for path in corpus.values():
-        _refused(capsys, "average", run, "--out", path, says="--out")
+        _refused(capsys, "average", ".", "--out", path, says="--out")
         assert path.read_text() == "ab cd\n"
 
 

@@ -18,6 +18,7 @@ from helpers import (
     last_step,
     make_parallel,
     run_cli,
+    run_cli_captured,
     train_until_sigterm,
     weights,
     write_parallel,
@@ -154,6 +155,30 @@ def test_sigterm_writes_a_checkpoint_and_rerun_resumes_exactly(corpus, tmp_path)
     assert not (run / "interrupted.json").exists()
 
 
+@pytest.mark.slow
+def test_stop_signal_checkpoints_never_pile_up_and_a_finished_run_keeps_its_last(corpus, tmp_path, capsys):
+    """Two SIGTERMs before the first scheduled save left both resume points (uncounted by --keep-last); a rerun
+    to the stopped step left its weights marked a resume point, so `average --last` skipped the run's last."""
+    from model.checkpoint import checkpoint_step
+
+    src, tgt = corpus
+    common = ["--train-src", src, "--train-tgt", tgt, *TINY, "--save-every", "100000", "--log-every", "1"]
+    run = tmp_path / "run"
+    train_until_sigterm(run, [*common, "--max-steps", "100000"], tmp_path)
+    first = last_step(run)
+    seen = len((run / "metrics.jsonl").read_text().splitlines())
+    train_until_sigterm(run, [*common, "--max-steps", "100000"], tmp_path, lines=seen + 3)
+    second = last_step(run)
+    assert second > first
+    assert [checkpoint_step(p) for p in step_checkpoints(run)] == [second]  # the first resume point went
+    assert json.loads((run / "interrupted.json").read_text()) == {"steps": [second]}
+    code, _, err = run_cli_captured(capsys, "average", run)
+    assert code == 2 and "its only checkpoints were written at a stop signal" in err
+    assert run_cli("train", "--save-dir", run, *common, "--max-steps", second) == 0  # nothing left to train
+    assert not (run / "interrupted.json").exists()  # the run's last checkpoint now
+    assert run_cli("average", run, "--last", 2) == 0
+
+
 # -- averaging -------------------------------------------------------------------------------
 
 @pytest.mark.slow
@@ -220,7 +245,8 @@ def test_average_best_ends_at_the_best_weights_validated_between_saves(random_ch
 
 def test_a_save_dir_resolves_to_its_average_whatever_the_files_times(random_checkpoint, tmp_path):
     """export and tune-decoding of a save dir took the latest step checkpoint over averaged.pt when a copy
-    (cp -r, rsync without -t) left the step checkpoint newer; now only a newer step does."""
+    (cp -r, rsync without -t) left the step checkpoint newer; now only another newest step checkpoint does (a
+    later step, or the same step written again after a rollback)."""
     import os
 
     from model.checkpoint import resolve_checkpoint
@@ -230,9 +256,13 @@ def test_a_save_dir_resolves_to_its_average_whatever_the_files_times(random_chec
     assert run_cli("average", run, "--last", 2) == 0
     os.utime(run / "checkpoint_00000008.pt", (2e9, 2e9))  # newer than averaged.pt, as a copy can leave it
     assert resolve_checkpoint(run) == run / "averaged.pt"
+    # a rollback: step 8 deleted and trained again (on other data): another file, though the same step
+    _run_of(random_checkpoint, tmp_path / "again", {"checkpoint_00000008.pt": 9})
+    (tmp_path / "again" / "checkpoint_00000008.pt").replace(run / "checkpoint_00000008.pt")
+    os.utime(run / "averaged.pt", (3e9, 3e9))
+    assert resolve_checkpoint(run) == run / "checkpoint_00000008.pt"
     _run_of(random_checkpoint, tmp_path / "more", {"checkpoint_00000012.pt": 12})
     (tmp_path / "more" / "checkpoint_00000012.pt").rename(run / "checkpoint_00000012.pt")  # training went on
-    os.utime(run / "averaged.pt", (3e9, 3e9))
     assert resolve_checkpoint(run) == run / "checkpoint_00000012.pt"
 
 

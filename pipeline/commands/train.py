@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from pipeline.cli_options import GivenPath, options_from, pick
+from pipeline.distributed import env_ranks
 from pipeline.training import AverageOptions, TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
 
@@ -23,12 +24,15 @@ def train(**kwargs: object) -> None:
     Validation keeps the best-BLEU weights as SAVE_DIR/checkpoint_best.pt.
     """
     opts = TrainOptions(**kwargs)  # type: ignore[arg-type]
+    main = env_ranks()[0] == 0  # under torchrun the first process speaks for all (the others saved nothing)
     try:
         save_dir = run_training(opts)
     except TrainingInterrupted as e:
-        click.echo(str(e), err=True)
+        if main:
+            click.echo(str(e), err=True)
         sys.exit(128 + e.signum)
-    click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {save_dir}`")
+    if main:
+        click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {save_dir}`")
 
 
 @click.command()

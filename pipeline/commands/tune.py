@@ -37,7 +37,7 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     for t in trials:
         click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}")
     best = trials[0]
-    flags = f"--beam-size {best.beam_size} --alpha {best.alpha:g}"
+    flags = best.export_flags()  # with the other search settings it ran under, unlike the paper's
     click.echo(f"best on {opts.src.name}: {flags} (BLEU {best.bleu:.2f})")
     checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "

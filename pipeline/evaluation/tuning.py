@@ -14,7 +14,7 @@ from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.backend import Backend
-from runtime.decoding import DecodingOptions
+from runtime.decoding import PAPER, DecodingOptions
 from runtime.fields import Checked, flag, opt
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer
@@ -29,6 +29,21 @@ class Trial:
     alpha: float
     bleu: float
     chrf: float
+    # the other search settings the trial ran with (the model's own defaults under the options given), which an
+    # export must record too for the model dir to decode as tuned
+    max_len_a: float = PAPER.max_len_a
+    max_len_b: int = PAPER.max_len_b
+    min_len: int = PAPER.min_len
+    rules: str = PAPER.rules
+
+    def export_flags(self) -> str:
+        """The export options that make this trial a model dir's decoding: beam and alpha, and every other
+        search setting unlike the paper's."""
+        flags = [f"--beam-size {self.beam_size}", f"--alpha {self.alpha:g}"]
+        others = {k: getattr(self, k) for k in ("max_len_a", "max_len_b", "min_len", "rules")}
+        flags += [f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
+                  for k, v in others.items() if v != getattr(PAPER, k)]
+        return " ".join(flags)
 
 
 def parse_list(text: str, kind: type, option: str) -> list[Any]:
@@ -105,15 +120,17 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed
     typed = {"beam_size": "--beams", "alpha": "--alphas"}
     problems = sorted({p for options in grid for p in options.problems(lambda k: typed.get(k, flag(k)))})
-    problems += [f"--beams {beam}: this model's backend takes beams up to {backend.topk // 2} (2 x beam candidates "
-                 f"a step, --topk {backend.topk} at export)" for beam in sorted(set(beams)) if 2 * beam > backend.topk]
+    problems += [f"--beams {beam}: this model's backend takes beams up to {backend.topk // 2} (it gives "
+                 f"{backend.topk} candidates a step; beam search takes 2 x beam)" for beam in sorted(set(beams))
+                 if 2 * beam > backend.topk]
     if problems:
         raise UserError("; ".join(problems))
     trials = []
     for options in grid:
         hyps = translate_lines(backend, tokenizer, sources, options)
         trial = Trial(options.beam_size, options.alpha, round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
-                      round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2))
+                      round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2), options.max_len_a, options.max_len_b,
+                      options.min_len, options.rules)
         log.info("beam %d alpha %.2f: BLEU %.2f chrF %.2f", trial.beam_size, trial.alpha, trial.bleu, trial.chrf)
         trials.append(trial)
     return sorted(trials, key=lambda t: (-t.bleu, t.beam_size, t.alpha))

@@ -27,6 +27,7 @@ from model.checkpoint import (
     AVERAGED_AT,
     BEST,
     CheckpointWriteError,
+    average_mark,
     checkpoint_step,
     read_checkpoint,
     save_checkpoint,
@@ -96,11 +97,12 @@ CONFIG_FILE = "config.json"  # a save dir's options and corpus fingerprints (pip
 
 
 def run_corpus(save_dir: Path) -> list[Path]:
-    """The corpus files a save dir's run trains on, as its config.json records them ([] when unknown)."""
+    """The corpus files a save dir's run trains on, as its config.json records them: their absolute paths (the
+    fingerprints'; the options hold them as typed, maybe relative to where training ran); [] when unknown."""
     try:
-        options = json.loads((Path(save_dir) / CONFIG_FILE).read_text())["resolved_options"]
-        return [Path(options[name]) for name in CORPUS_OPTIONS if isinstance(options.get(name), str)]
-    except (OSError, ValueError, KeyError, TypeError):
+        files = json.loads((Path(save_dir) / CONFIG_FILE).read_text()).get("data_files") or {}
+        return [Path(entry["path"]) for entry in files.values() if isinstance(entry, dict) and "path" in entry]
+    except (OSError, ValueError, AttributeError, TypeError):
         return []
 
 
@@ -205,10 +207,9 @@ class Checkpointer:
                 latest = step_checkpoints(self.save_dir)
                 resume = f"from {latest[-1].name}" if latest else "from the start"
                 raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
+            supersede_interrupted(self.save_dir, progress.step)  # the stop-signal checkpoints before it go
             if interrupted and not scheduled:  # a scheduled save of this very step stays one
                 mark_interrupted(self.save_dir, progress.step)
-            elif not interrupted:
-                supersede_interrupted(self.save_dir, progress.step)
             prune(self.save_dir, self.keep_last, progress.best_step)
 
         on_main(self.ctx, write, share=False)
@@ -216,6 +217,12 @@ class Checkpointer:
             return None
         log.debug("wrote %s", path)
         return path
+
+    def finish(self, progress: Progress) -> None:
+        """The run ended (--max-steps or --max-time, not a signal): its last checkpoint is the run's, even when a
+        stop signal wrote it and the rerun found nothing left to train."""
+        if self.ctx.is_main:
+            supersede_interrupted(self.save_dir, progress.step)
 
     def save_best(self, progress: Progress, valid: dict[str, Any]) -> Path:
         """checkpoint_best.pt: the weights of the best validation BLEU so far, with its step and
@@ -274,8 +281,9 @@ def mark_interrupted(save_dir: Path, step: int) -> None:
 
 
 def supersede_interrupted(save_dir: Path, step: int) -> None:
-    """A scheduled checkpoint of `step` is written: the stop-signal checkpoints before it are resume points no
-    more, and go."""
+    """A checkpoint of `step` is written (or the run ended there): the stop-signal checkpoints before it are
+    resume points no more, and go; one of `step` itself is no longer marked (the caller marks it again when a
+    stop signal wrote it)."""
     marked = interrupted_steps(save_dir)
     done = {s for s in marked if s <= step}
     for s in done:
@@ -347,6 +355,10 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
             # checkpoint_best.pt, which ends the window, after the step checkpoints before it
             before = [p for p in scheduled_checkpoints(save_dir) if (checkpoint_step(p) or 0) < best_step]
             paths = [*(before[-(best - 1):] if best > 1 else []), save_dir / BEST]
+    if not paths and interrupted_steps(save_dir) & set(map(checkpoint_step, step_checkpoints(save_dir))):
+        points = ", ".join(p.name for p in step_checkpoints(save_dir))
+        raise UserError(f"{save_dir}: its only checkpoints were written at a stop signal ({points}): resume points, "
+                        "not averaged; rerun the training command to go on, or export that file itself")
     if not paths:
         raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
                         "--save-dir?")
@@ -374,6 +386,6 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
                            "step": last_payload["extra"].get("step"),
                            # the run's newest step checkpoint then: a save dir resolves to this average until a
                            # newer one is written (model.checkpoint.resolve_checkpoint), whatever the files' times
-                           AVERAGED_AT: checkpoint_step(step_checkpoints(save_dir)[-1])})
+                           AVERAGED_AT: average_mark(step_checkpoints(save_dir)[-1])})
     log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
     return out

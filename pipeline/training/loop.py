@@ -144,6 +144,7 @@ class TrainLoop:
                 if heartbeat is not None:
                     heartbeat.maybe_log(progress.step, opts.max_steps, stats.loss, speed, self.budget)
                 self._on_schedule(progress, stats, lr, speed, bar)
+        self.checkpointer.finish(progress)
         self._summary(progress, start_step, speed)
         return progress
 

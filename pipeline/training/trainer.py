@@ -75,7 +75,10 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     if ctx.device.type == "cpu":
         keep_freed_memory()
     try:
-        return _train(opts, ctx, started)
+        save_dir = _train(opts, ctx, started)
+        if ctx.distributed:  # every rank past its last collective before the group goes: a rank destroying it
+            torch.distributed.barrier()  # while another still used it ended a finished run in SIGABRT (rarely)
+        return save_dir
     finally:
         shutdown(ctx)
 
@@ -137,6 +140,7 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
                  opts.max_steps)
+        checkpointer.finish(progress)  # a stop signal's checkpoint of this step is the run's last now
         return save_dir
 
     net: torch.nn.Module = model
