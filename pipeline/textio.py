@@ -52,10 +52,11 @@ class NotUtf8(UserError):
 
 def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict") -> str:
     """One line of bytes to str without its line end (\n or \r\n; a \r before it is the text's); invalid UTF-8
-    names file and line; a first line in UTF-16 (its byte order mark, or NUL bytes between the characters) is a
-    NotUtf8 naming the file."""
-    if lineno == 1 and (raw.startswith((b"\xff\xfe", b"\xfe\xff")) or raw and raw.count(b"\x00") * 4 >= len(raw)):
-        why = "its byte order mark" if raw[:2] in (b"\xff\xfe", b"\xfe\xff") else "NUL bytes between its characters"
+    names file and line; UTF-16 (a byte order mark starting the file, or a line of NUL bytes between its
+    characters, whichever line it is) is a NotUtf8 naming the file and line."""
+    bom = lineno == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff"))
+    if bom or len(raw) > 1 and raw.count(b"\x00") * 4 >= len(raw):
+        why = "its byte order mark" if bom else f"line {lineno}: NUL bytes between its characters"
         raise NotUtf8(f"{path}: is UTF-16 ({why}), not UTF-8: convert it first (iconv -f UTF-16 -t UTF-8)")
     try:
         text = raw.decode("utf-8", errors=errors)

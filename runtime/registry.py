@@ -29,13 +29,13 @@ def installed(module: str) -> bool:
     return spec is not None and spec.origin not in (None, "namespace")
 
 
-def import_torch(why: str) -> Any:
-    """torch, or a one-line error saying what needs it and how to install it."""
+def import_torch(why: str, instead: str = "an ONNX Runtime backend (onnxruntime)") -> Any:
+    """torch, or a one-line error saying what needs it, how to install it, and what to use `instead`."""
     try:
         import torch
     except ImportError:
         raise RuntimeUserError(f"{why} needs PyTorch, which is not installed (a deploy-only install): "
-                               f"{TRAIN_EXTRA}, or use --backend onnxruntime") from None
+                               f"{TRAIN_EXTRA}, or use {instead}") from None
     return torch
 
 
@@ -60,7 +60,8 @@ def check_device(device: str | None) -> None:
 
 def resolve_device(device: str | None) -> Any:
     """The torch.device for the torch backend (imports torch)."""
-    torch = import_torch(f"--device {device}" if device and device != "cpu" else "the torch backend")
+    torch = import_torch(f"--device {device}", "--device cpu") if device and device != "cpu" else \
+        import_torch("the torch backend")
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

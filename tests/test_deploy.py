@@ -176,7 +176,10 @@ def test_torch_backend_asked_for_without_torch(model_dir, served_file):
     src, _ = served_file
     done = run_blocked("serve-batch", model_dir, src, "-o", "-", "--backend", "torch")
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert "needs PyTorch" in done.stderr and "--backend onnxruntime" in done.stderr
+    assert "needs PyTorch" in done.stderr and "an ONNX Runtime backend (onnxruntime)" in done.stderr
+    # the GPU through PyTorch: the way out is the CPU, whatever the backend (it said --backend onnxruntime, given)
+    done = run_blocked("serve-batch", model_dir, src, "-o", "-", "--backend", "onnxruntime", "--device", "cuda")
+    assert done.returncode == 2 and "--device cuda needs PyTorch" in done.stderr and "use --device cpu" in done.stderr
 
 
 MAX_BYTES = 100_000

@@ -267,8 +267,10 @@ def test_output_names_and_encodings_a_user_can_get_wrong(model_dir, tmp_path, ca
     gz_named.write_text("der hund\n")
     assert run_cli("serve-batch", model_dir, gz_named, "--output-dir", tmp_path / "out", "--suffix", "en", *FAST) == 0
     assert (tmp_path / "out").is_dir() and [p.name for p in (tmp_path / "out").iterdir()] == [".gz.en"]
+    nul = "NUL bytes between its characters"
     for name, data, why in [("bom.de", "der hund\n".encode("utf-16"), "its byte order mark"),
-                            ("le.de", "der hund\nein kind\n".encode("utf-16-le"), "NUL bytes between its characters")]:
+                            ("le.de", "der hund\nein kind\n".encode("utf-16-le"), f"line 1: {nul}"),
+                            ("blank.de", "\nder hund\n".encode("utf-16-le"), f"line 2: {nul}")]:
         (tmp_path / name).write_bytes(data)
         assert run_cli("serve-batch", model_dir, tmp_path / name, "-o", tmp_path / "x.en", "--invalid-utf8",
                        "replace", *FAST) == 2

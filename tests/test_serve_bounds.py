@@ -118,6 +118,10 @@ def test_a_keys_file_with_a_bom_or_without_end(tmp_path):
     with pytest.raises(UserError, match="--api-keys /dev/zero: the file is over 64 MiB"):
         ApiKeys.read("/dev/zero")
     assert time.monotonic() - started < 30  # bounded: it read without end before
+    path.write_bytes(f"{KEY}\n".encode() + b"secret-\xff-key\n")  # Latin-1: named by its line, its bytes unquoted
+    with pytest.raises(UserError) as refused:
+        ApiKeys.read(str(path))
+    assert str(refused.value) == f"--api-keys {path}:2: not UTF-8 text; save the file as UTF-8"
 
 
 def test_keys_where_libretranslate_clients_send_them(tmp_path):

@@ -456,6 +456,9 @@ def test_requests_still_waiting_when_the_grace_runs_out_get_503_not_500(model_di
 def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):
     assert run_cli("serve", tmp_path / "missing") == 2
     assert capsys.readouterr().err.startswith("error: ")
+    # a rate limit that nothing would apply (it limits the keyless clients of --api-keys) was taken in silence
+    assert run_cli("serve", model_dir, "--keyless-rate", 1) == 2
+    assert "--keyless-rate limits the clients without a key of --api-keys FILE" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

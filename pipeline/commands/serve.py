@@ -53,6 +53,11 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     _require_web_stack()
     from pipeline.serve.runner import model_specs, serve_http
 
+    given = click.get_current_context().get_parameter_source("keyless_rate")
+    if options.get("api_keys") is None and given not in (None, click.core.ParameterSource.DEFAULT):
+        raise click.UsageError("--keyless-rate limits the clients without a key of --api-keys FILE; without keys "
+                               "no client is limited: give --api-keys too")
+
     load = dataclasses.replace(pick(LoadOptions, options), many_batches=True)  # a queue: batches side by side
     opts, limits = dataclasses.replace(pick(ServeHttpOptions, options), load=load), pick(RequestLimits, options)
     models = model_specs(model_dir, opts.model)

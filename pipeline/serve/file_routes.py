@@ -224,8 +224,10 @@ async def download_file(request: Request) -> Response:
     LibreTranslate's: the id, unguessable, is the key."""
     found = _store(request).get(request.path_params["id"])
     if found is None:
-        return error(ApiError(404, f"no translated file has this id: files are kept {KEEP_S / 60:g} minutes after "
-                                   "they are made, and not past a restart; translate the file again"))
+        return error(ApiError(404, f"no translated file has this id here: files are kept {KEEP_S / 60:g} minutes "
+                                   "after they are made, in the memory of the server that made them (behind a load "
+                                   "balancer, the download must reach that one), not past a restart; translate the "
+                                   "file again"))
     filename, media_type, data = found
     fallback = filename.encode("ascii", "replace").decode("ascii").replace("?", "_")
     disposition = f'attachment; filename="{fallback}"'

@@ -76,8 +76,11 @@ class ApiKeys:
                 raise UserError(f"--api-keys {path}: the file is over {MAX_FILE_BYTES >> 20} MiB; give a file of "
                                 "keys, one per line")
             text = raw.decode("utf-8-sig")  # a byte-order mark is not part of the first key
-        except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"--api-keys {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+        except UnicodeDecodeError as e:  # named by its line, never quoting the bytes (they may be a key's)
+            line = raw[:e.start].count(b"\n") + 1
+            raise UserError(f"--api-keys {path}:{line}: not UTF-8 text; save the file as UTF-8") from None
+        except OSError as e:
+            raise UserError(f"--api-keys {path}: cannot read it ({e.strerror or e})") from None
         keys: list[_Key] = []
         seen: set[bytes] = set()
         for n, line in enumerate(text.splitlines(), 1):

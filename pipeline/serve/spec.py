@@ -51,7 +51,9 @@ NATIVE = {
     "target": _field("string", "the target language, as source"),
     "split": _field("string", "sentences: each text a document, split into sentences and rebuilt with its "
                               "whitespace", enum=["none", "sentences"]),
-    "lang": _field("string", "the language whose sentence rules split uses (default: the source's)"),
+    "lang": _field("string", "the language whose sentence rules split uses (default: a multilingual model's "
+                             "\"source\", else the model's source language: its recorded pair or its name, like "
+                             "de-en; else en)"),
     "format": _field("string", "text, or html: each text an HTML document, its text translated and its markup kept",
                      enum=["text", "html"]),
     "beam_size": _field("integer", "the beam for this request (at most the model's max_beam)"),
