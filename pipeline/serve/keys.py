@@ -77,8 +77,8 @@ class ApiKeys:
                                 "keys, one per line")
             text = raw.decode("utf-8-sig")  # a byte-order mark is not part of the first key
         except UnicodeDecodeError as e:  # named by its line, never quoting the bytes (they may be a key's)
-            line = raw[:e.start].count(b"\n") + 1
-            raise UserError(f"--api-keys {path}:{line}: not UTF-8 text; save the file as UTF-8") from None
+            lineno = raw[:e.start].count(b"\n") + 1
+            raise UserError(f"--api-keys {path}:{lineno}: not UTF-8 text; save the file as UTF-8") from None
         except OSError as e:
             raise UserError(f"--api-keys {path}: cannot read it ({e.strerror or e})") from None
         keys: list[_Key] = []
