@@ -241,6 +241,10 @@ def test_average_best_ends_at_the_best_weights_validated_between_saves(random_ch
     avg = read_checkpoint(tmp_path / "avg.pt")
     assert avg["extra"]["steps"] == [4, 6]
     assert all(torch.allclose(avg["model"][n], torch.full_like(avg["model"][n], 5.0)) for n in names)
+    for step in (4, 8):  # only the best's weights left
+        (run / f"checkpoint_0000000{step}.pt").unlink()
+    assert run_cli("average", run, "--best", 1, "--out", tmp_path / "best.pt") == 0
+    assert read_checkpoint(tmp_path / "best.pt")["extra"]["steps"] == [6]
 
 
 def test_a_save_dir_resolves_to_its_average_whatever_the_files_times(random_checkpoint, tmp_path):

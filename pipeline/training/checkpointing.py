@@ -386,6 +386,6 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
                            "step": last_payload["extra"].get("step"),
                            # the run's newest step checkpoint then: a save dir resolves to this average until a
                            # newer one is written (model.checkpoint.resolve_checkpoint), whatever the files' times
-                           AVERAGED_AT: average_mark(step_checkpoints(save_dir)[-1])})
+                           AVERAGED_AT: average_mark(newest[-1]) if (newest := step_checkpoints(save_dir)) else None})
     log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
     return out
