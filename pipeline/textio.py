@@ -51,7 +51,7 @@ class NotUtf8(UserError):
 
 
 def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict") -> str:
-    """One line of bytes to str without its line end (\n or \r\n; a \r before it is the text's); invalid UTF-8
+    """One line of bytes to str without its line end (\\n or \\r\\n; a \\r before it is the text's); invalid UTF-8
     names file and line; UTF-16 (a byte order mark starting the file, or a line of NUL bytes between its
     characters, whichever line it is) is a NotUtf8 naming the file and line."""
     bom = lineno == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff"))

@@ -38,6 +38,11 @@ def flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def with_value(field_name: str, value: Any) -> str:
+    """A field's option as it would be typed with this value: ("alpha", 1.0) -> "--alpha 1"."""
+    return f"{flag(field_name)} {value:g}" if isinstance(value, float) else f"{flag(field_name)} {value}"
+
+
 def flag_of(cls: type, name: str) -> str:
     """The command-line option of one field of `cls`: its cli `flag` (precision -> --dtype), else --field-name."""
     for f in dataclasses.fields(cls):

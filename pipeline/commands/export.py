@@ -19,6 +19,7 @@ from pipeline.textio import read_lines, refuse_overwriting_inputs
 from pipeline.training.trainer import corpus_languages, validation_files
 from runtime import references
 from runtime.decoding import DecodingOptions
+from runtime.fields import with_value
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,7 @@ def export(checkpoint: Path, decoding: DecodingOptions, **values: Any) -> None:
         click.echo(tensorrt_build.skip_message(manifest.tensorrt_skipped), err=True)
     click.echo(summary_line(options.out, manifest))
     if given:
-        settings = ", ".join(f"{flag} {value:g}" if isinstance(value, float) else f"{flag} {value}"
-                             for flag, value in ((f"--{k.replace('_', '-')}", v) for k, v in given.items()))
+        settings = ", ".join(with_value(k, v) for k, v in given.items())
         click.echo(f"{options.out} decodes with {settings} unless told otherwise (manifest.json decoding)")
     if manifest.shortlist is not None:
         click.echo(describe(manifest.shortlist))

@@ -15,7 +15,7 @@ from model.manifest import MANIFEST
 from pipeline.textio import read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
-from runtime.fields import Checked, flag, opt
+from runtime.fields import Checked, flag, opt, with_value
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
@@ -39,11 +39,8 @@ class Trial:
     def export_flags(self) -> str:
         """The export options that make this trial a model dir's decoding: beam and alpha, and every other
         search setting unlike the paper's."""
-        flags = [f"--beam-size {self.beam_size}", f"--alpha {self.alpha:g}"]
-        others = {k: getattr(self, k) for k in ("max_len_a", "max_len_b", "min_len", "rules")}
-        flags += [f"--{k.replace('_', '-')} {v:g}" if isinstance(v, float) else f"--{k.replace('_', '-')} {v}"
-                  for k, v in others.items() if v != getattr(PAPER, k)]
-        return " ".join(flags)
+        return " ".join(with_value(k, v) for k in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "rules")
+                        if (v := getattr(self, k)) != getattr(PAPER, k) or k in ("beam_size", "alpha"))
 
 
 def parse_list(text: str, kind: type, option: str) -> list[Any]:
