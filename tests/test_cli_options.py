@@ -241,6 +241,8 @@ def test_validation_files_from_a_save_dir(tmp_path):
     (save / "config.json").write_text(json.dumps({"resolved_options": {
         "builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)}}))
     assert validation_files(ckpt) == (src, tgt)
+    src.unlink()  # gone since: none to read, but export names what the run recorded
+    assert validation_files(ckpt) is None and validation_files(ckpt, existing=False) == (src, tgt)
 
 
 @pytest.mark.slow

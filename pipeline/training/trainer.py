@@ -165,9 +165,9 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     return save_dir
 
 
-def validation_files(checkpoint: Path) -> tuple[Path, Path] | None:
+def validation_files(checkpoint: Path, existing: bool = True) -> tuple[Path, Path] | None:
     """The held-out (validation) pair a checkpoint's save dir trained with: the built-in corpus'
-    valid split or --valid-src/--valid-tgt as config.json records them; None when unknown or gone."""
+    valid split or --valid-src/--valid-tgt as config.json records them; None when unknown or (`existing`) gone."""
     checkpoint = Path(checkpoint)
     save_dir = checkpoint if checkpoint.is_dir() else checkpoint.parent
     try:
@@ -180,7 +180,7 @@ def validation_files(checkpoint: Path) -> tuple[Path, Path] | None:
         pair = (Path(options["valid_src"]), Path(options["valid_tgt"]))
     else:
         return None
-    return pair if all(p.is_file() for p in pair) else None
+    return pair if not existing or all(p.is_file() for p in pair) else None
 
 
 def corpus_languages(checkpoint: Path) -> tuple[str, str] | None:
