@@ -148,6 +148,11 @@ class EncodedTexts:
         return [t.constraints for t in self.terms]
 
     @property
+    def texts_cut(self) -> int:
+        """Texts with a unit cut to the source limit (a text of three cut sentences counts once)."""
+        return sum(1 for cut in self.truncated if cut)
+
+    @property
     def tokens(self) -> int:
         """Source tokens of every unit (EOS and prefix included)."""
         return sum(len(s) for s in self.ids)

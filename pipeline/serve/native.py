@@ -126,10 +126,10 @@ def shown(value: Any) -> str:
 def request_metrics(data: Any, state: ServerState) -> ModelMetrics:
     """The metrics a request is counted in, refused or not: the model it names (the server's only one when it
     names none), else the unnamed series."""
-    name = data.get("model") if isinstance(data, dict) else None
-    if name is None and len(state.models) == 1:
-        return next(iter(state.models.values())).metrics
-    return state.models[name].metrics if isinstance(name, str) and name in state.models else state.unnamed
+    try:
+        return pick_model(data, state).metrics if isinstance(data, dict) else state.unnamed
+    except ApiError:  # no model, or one the server lacks: refused below, as the unnamed series counts it
+        return state.unnamed
 
 
 def _direction(data: dict[str, Any], model: ServedModel) -> Direction:

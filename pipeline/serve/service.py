@@ -137,5 +137,5 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
 def count(m: ModelMetrics, encoded: EncodedTexts, results: list[NBest]) -> None:
     m.sentences.inc(len(encoded.ids))
     m.src_tokens.inc(encoded.tokens)
-    m.truncated.inc(sum(1 for cut in encoded.truncated if cut))  # texts with a sentence cut
+    m.truncated.inc(encoded.texts_cut)
     m.tgt_tokens.inc(sum(len(nbest[0][0]) + 1 for nbest in results if nbest))

@@ -101,7 +101,7 @@ class Window:
     @property
     def truncated(self) -> int:
         """Lines with text cut to the source limit (a line of several sentences counts once)."""
-        return sum(1 for cut in self.encoded.truncated if cut)
+        return self.encoded.texts_cut
 
 
 @dataclass
