@@ -47,6 +47,19 @@ def test_parity_json_may_not_be_a_file_save_hyps_writes(capsys, fp32_dir, tmp_pa
     assert not hyps.exists()
 
 
+def test_parity_warns_of_lines_min_len_cannot_hold_for_as_serve_batch_does(capsys, caplog, fp32_dir, pair):
+    """The search stops a line at its maximum output length (a * source tokens + b) even below --min-len:
+    serve-batch counted those lines in a warning, parity (translating the same way) said nothing."""
+    src, ref = pair
+    with caplog.at_level(logging.WARNING):
+        for min_len in (1, 2):  # two short lines: at most floor(0.1 * tokens + 1) = 1 token each
+            code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--backends",
+                                            "torch", "--max-len-a", "0.1", "--max-len-b", "1", "--min-len", min_len)
+            assert code in (0, 1) and "Traceback" not in err
+    warnings = [r.getMessage() for r in caplog.records if "below --min-len" in r.getMessage()]
+    assert len(warnings) == 1 and "2 line(s)" in warnings[0] and "--min-len 2" in warnings[0], warnings
+
+
 def test_tune_decoding_checks_every_trial_before_the_first_runs(capsys, caplog, fp32_dir, pair):
     """A bad beam or alpha late in the grid was found after the trials before it had run, and they were lost."""
     src, ref = pair

@@ -33,7 +33,7 @@ from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE
 from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
 from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, REFERENCES, SHORTLISTED, Gate, gate_for
-from pipeline.serve_batch.files import translate_windows
+from pipeline.serve_batch.files import translate_windows, warn_min_len
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
@@ -107,6 +107,7 @@ class Served:
     tokens: list[list[int]]     # best hypothesis per line ([] for blank lines)
     seconds: float
     truncated: int
+    min_len_over: int = 0       # lines whose maximum output length is below --min-len
 
 
 def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, opts: ServeBatchOptions) -> Served:
@@ -115,7 +116,8 @@ def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, op
     windows = list(translate_windows(backend, tokenizer, str(src), opts))
     seconds = time.perf_counter() - t0
     return Served([line for w in windows for line in w.lines], [s for w in windows for s in w.sources],
-                  [t for w in windows for t in w.best], seconds, sum(w.truncated for w in windows))
+                  [t for w in windows for t in w.best], seconds, sum(w.truncated for w in windows),
+                  sum(w.min_len_over for w in windows))
 
 
 def count_lines(path: Path) -> int:
@@ -128,6 +130,14 @@ def count_lines(path: Path) -> int:
     if not any(line.strip() for line in lines):
         raise UserError(f"{path}: no line with text to translate; parity would pass having compared nothing")
     return len(lines)
+
+
+def _warn(served: Served, src: Path, opts: ServeBatchOptions) -> None:
+    """What serve-batch would have warned of, translating SRC so."""
+    if served.truncated:
+        log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
+                    "does", src, served.truncated)
+    warn_min_len(served.min_len_over, str(src), opts.decoding)
 
 
 def save_hypotheses(served: Served, directory: Path, backend: str, precision: str) -> Path:
@@ -191,9 +201,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
         return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
                                     hf_dir, reference, tokenizer, shortlist)
     ref_run = translate_as_served(reference, tokenizer, src, opts)
-    if ref_run.truncated:
-        log.warning("%s: %d line(s) longer than the model's source limit were truncated, as serve-batch "
-                    "does", src, ref_run.truncated)
+    _warn(ref_run, src, opts)
     runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (reference, ref_run), shortlist)
             for name in backends)
     results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps, reference.cfg.eos_id)
@@ -214,6 +222,7 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
         raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
                         "--reference transformers needs --hf-dir")
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
+    _warn(torch_run, src, opts)
     lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding, opts.src_lang,
                                                               opts.tgt_lang)
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)

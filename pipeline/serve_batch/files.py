@@ -76,6 +76,7 @@ class ServeStats:
         self.empty += window.empty
         self.truncated += window.truncated
         self.replaced += window.replaced
+        self.min_len_over += window.min_len_over
         self.terms += window.terms
         self.terms_applied += window.terms_applied
         self.src_tokens += window.src_tokens
@@ -218,7 +219,6 @@ def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str,
     for window in translate_windows(backend, tokenizer, input_path, opts, ctx, progress, glossary):
         out.write("".join(line + "\n" for line in window.lines))  # type: ignore[union-attr]
         stats.count(window)
-        stats.min_len_over += window.min_len_over
     stats.seconds = time.perf_counter() - started
     return stats
 
@@ -322,7 +322,12 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions) -> None:
         (log.info if stats.terms_applied == stats.terms else log.warning)(
             "%s: the glossary's terms: %d found in the input, %d of them in the translations", path, stats.terms,
             stats.terms_applied)
-    if stats.min_len_over:
+    warn_min_len(stats.min_len_over, path, decoding)
+
+
+def warn_min_len(lines: int, path: str, decoding: DecodingOptions) -> None:
+    """Say how many lines --min-len cannot hold for (min_len_over), as serve-batch and parity translate them."""
+    if lines:
         log.warning("%s: %d line(s) have a maximum output length (%g x source tokens + %d) below --min-len %d; "
-                    "they stop at that maximum", path, stats.min_len_over, decoding.max_len_a,
-                    decoding.max_len_b, decoding.min_len)
+                    "they stop at that maximum", path, lines, decoding.max_len_a, decoding.max_len_b,
+                    decoding.min_len)
