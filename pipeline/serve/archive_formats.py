@@ -91,13 +91,14 @@ def _serialize(tree: Any) -> bytes:
                           standalone=info.standalone)
 
 
-Slot = tuple[Any, str]  # an element and "text" or "tail": where a piece of a paragraph's text is
+Slot = tuple[Any, str]  # where a piece of a paragraph's text is: an element and "text" or "tail"; a text:s and "spaces"
 
 
-def _ooxml_segments(root: Any, paragraph: str, run_text: Callable[[Any], bool], breaks: frozenset[str]
-                    ) -> Iterator[list[Slot]]:
-    """Each paragraph's runs of text between its breaks (tabs, line breaks), in document order; a paragraph
-    inside another (a text box in a run) is its own."""
+def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str],
+                    fields: frozenset[str] = frozenset()) -> Iterator[list[Slot]]:
+    """Each paragraph's runs of text (`text` elements) between its breaks (tabs, line breaks, a complex
+    field's marks), in document order; a paragraph inside another (a text box in a run) is its own. A field
+    (`fields`) is cut off on both sides: its value is never merged with the sentence around it."""
     def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
         for child in element:
             tag = child.tag
@@ -107,49 +108,100 @@ def _ooxml_segments(root: Any, paragraph: str, run_text: Callable[[Any], bool], 
                 yield from mine
             elif segments is not None and tag in breaks:
                 segments.append([])
-            elif segments is not None and run_text(child):
+            elif segments is not None and tag == text:
                 segments[-1].append((child, "text"))
+            elif segments is not None and tag in fields:
+                segments.append([])
+                yield from walk(child, segments)
+                segments.append([])
             else:
                 yield from walk(child, segments)
 
     yield from walk(root, None)
 
 
-def _odf_segments(root: Any) -> Iterator[list[Slot]]:
-    """As _ooxml_segments for OpenDocument, whose paragraphs hold their text as element text and tails."""
-    paragraphs = {TEXT + "p", TEXT + "h"}
-    breaks = {TEXT + "tab", TEXT + "line-break", TEXT + "s"}
+ODF_PARAGRAPHS = frozenset({TEXT + "p", TEXT + "h"})
+ODF_INLINE = frozenset({TEXT + "span", TEXT + "a", TEXT + "meta"})  # their text is the sentence's
+ODF_BREAKS = frozenset({TEXT + "tab", TEXT + "line-break"})
+ODF_ANCHORED = frozenset({TEXT + "note", TEXT + "ruby"})  # and all outside TEXT: office:annotation, draw:frame
+MAX_SPACES = 16  # what one text:s adds to a text: no more characters than its XML, whatever its text:c says
 
+
+def _odf_segments(root: Any) -> Iterator[list[Slot]]:
+    """As _ooxml_segments for OpenDocument, whose paragraphs hold their text as element text and tails.
+    text:s (extra spaces, one for every double space) is part of the sentence, not a cut. What is anchored in
+    a paragraph (a footnote, a comment, a frame, ruby) is not: its own paragraphs are texts of their own and
+    the rest (citation, author, date, alt text) is copied, so the anchor ends up after the translated sentence,
+    as a Word footnote reference does. Any other text element that holds text is a field (page number, date,
+    reference) cut off on both sides; one that holds none (a bookmark, a change mark) never cuts a sentence."""
     def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
-        if element.tag in paragraphs:
+        if element.tag in ODF_PARAGRAPHS:
             segments = [[]]
         if segments is not None and element.text:
             segments[-1].append((element, "text"))
         for child in element:
-            if not isinstance(child.tag, str):  # comments, processing instructions: their tails still count
+            tag = child.tag
+            if not isinstance(tag, str):  # comments, processing instructions: their tails still count
                 pass
-            elif segments is not None and child.tag in breaks:
+            elif segments is None or tag in ODF_PARAGRAPHS or tag in ODF_ANCHORED or not tag.startswith(TEXT):
+                yield from walk(child, None)
+            elif tag in ODF_BREAKS:
                 segments.append([])
-            else:
-                yield from walk(child, segments if child.tag not in paragraphs else None)
+            elif tag == TEXT + "s":
+                segments[-1].append((child, "spaces"))
+            elif tag in ODF_INLINE:
+                yield from walk(child, segments)
+            elif any(child.itertext()):  # a field
+                segments.append([])
+                yield from walk(child, segments)
+                segments.append([])
             if segments is not None and child.tail:
                 segments[-1].append((child, "tail"))
-        if element.tag in paragraphs:
-            yield from segments  # type: ignore[misc]
+        if element.tag in ODF_PARAGRAPHS:
+            yield from (_unindented(s) for s in segments)  # type: ignore[union-attr]
 
     yield from walk(root, None)
 
 
+def _unindented(segment: list[Slot]) -> list[Slot]:
+    """The segment from its first text on: the spaces and blank text before it are indentation, left as is."""
+    for k, slot in enumerate(segment):
+        if slot[1] != "spaces" and _segment_text([slot]).strip():
+            return segment[k:]
+    return []
+
+
+def _spaces(element: Any) -> int:
+    """The spaces a text:s stands for: text:c, 1 when it is missing or not a count."""
+    try:
+        return min(max(int(element.get(TEXT + "c", "1")), 1), MAX_SPACES)
+    except ValueError:
+        return 1
+
+
 def _segment_text(slots: list[Slot]) -> str:
-    return "".join(getattr(element, where) or "" for element, where in slots)
+    return "".join(" " * _spaces(element) if where == "spaces" else getattr(element, where) or ""
+                   for element, where in slots)
 
 
 def _put(slots: list[Slot], translation: str, preserve: bool) -> None:
-    """The translation in the first slot (its run's formatting), the others emptied."""
-    for k, (element, where) in enumerate(slots):
+    """The translation in the first text slot (its run's formatting), the others emptied; the text:s removed
+    (the translation has its own spaces), their tails kept."""
+    texts = [(element, where) for element, where in slots if where != "spaces"]
+    for k, (element, where) in enumerate(texts):
         setattr(element, where, translation if k == 0 else "")
         if preserve and where == "text":
             element.set(XML_SPACE, "preserve")
+    for element, where in slots:
+        parent = element.getparent()
+        if where != "spaces" or parent is None:
+            continue
+        previous = element.getprevious()
+        if element.tail and previous is not None:
+            previous.tail = (previous.tail or "") + element.tail
+        elif element.tail:
+            parent.text = (parent.text or "") + element.tail
+        parent.remove(element)
 
 
 def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
@@ -184,24 +236,22 @@ DOCX_PARTS = re.compile(r"word/(document|header\d*|footer\d*|footnotes|endnotes|
 PPTX_PARTS = re.compile(r"ppt/(slides/slide|notesSlides/notesSlide)\d+\.xml")
 
 
-DOCX_BREAKS = frozenset({W + "tab", W + "br", W + "cr", W + "ptab"})
+# fldChar: the marks around a complex field's code and shown value, which is thus a text of its own
+DOCX_BREAKS = frozenset({W + "tab", W + "br", W + "cr", W + "ptab", W + "fldChar"})
+DOCX_FIELDS = frozenset({W + "fldSimple"})
+PPTX_BREAKS = frozenset({A + "br", A + "fld"})  # a field's text (slide number, date) is the application's to fill
 
 
 def read_docx(data: bytes) -> Document:
     return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
-                             lambda root: _ooxml_segments(root, W + "p", lambda e: e.tag == W + "t", DOCX_BREAKS),
+                             lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS),
                              True)
 
 
 def read_pptx(data: bytes) -> Document:
     return _read_xml_archive(data, "PowerPoint presentation (.pptx)", PPTX_PARTS, "ppt/presentation.xml",
-                             lambda root: _ooxml_segments(root, A + "p", _pptx_run_text, frozenset({A + "br"})),
+                             lambda root: _ooxml_segments(root, A + "p", A + "t", PPTX_BREAKS),
                              False)
-
-
-def _pptx_run_text(element: Any) -> bool:
-    """A run's a:t (a field's, as a slide number or date, is the application's to fill)."""
-    return bool(element.tag == A + "t" and element.getparent().tag == A + "r")
 
 
 def read_odt(data: bytes) -> Document:

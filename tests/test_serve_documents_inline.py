@@ -1,0 +1,166 @@
+"""What sits inside a paragraph of a .docx, .pptx or .odt on POST /translate_file: footnotes, comments and
+frames anchored in an OpenDocument sentence stay out of it and keep their citation, author, date and alt text;
+text:s (a double space) and bookmarks never cut a sentence; a field's value (page number, date, slide number)
+is never part of the sentence around it, and comes back as it was. Each read with read_odt / read_docx /
+read_pptx and rebuilt with every text in brackets, so where each translation went shows; then the same files
+through /translate_file."""
+
+from __future__ import annotations
+
+import io
+import zipfile
+from typing import Any
+
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("multipart")
+pytest.importorskip("httpx")
+pytest.importorskip("sentencex")
+
+from lxml import etree  # type: ignore[import-untyped]  # noqa: E402
+from test_serve_files import _docx_of, roundtrip  # noqa: E402
+
+from pipeline.serve.archive_formats import read_docx, read_odt, read_pptx  # noqa: E402
+from pipeline.serve.text_formats import Document  # noqa: E402
+
+NS = {"office": "urn:oasis:names:tc:opendocument:xmlns:office:1.0",
+      "text": "urn:oasis:names:tc:opendocument:xmlns:text:1.0",
+      "draw": "urn:oasis:names:tc:opendocument:xmlns:drawing:1.0",
+      "svg": "urn:oasis:names:tc:opendocument:xmlns:svg-compatible:1.0",
+      "dc": "http://purl.org/dc/elements/1.1/", "xlink": "http://www.w3.org/1999/xlink",
+      "w": "http://schemas.openxmlformats.org/wordprocessingml/2006/main",
+      "a": "http://schemas.openxmlformats.org/drawingml/2006/main",
+      "p": "http://schemas.openxmlformats.org/presentationml/2006/main"}
+XMLNS = " ".join(f'xmlns:{k}="{v}"' for k, v in NS.items())
+
+
+def _odt(body: str) -> bytes:
+    """An .odt whose office:text is `body` (mimetype first and stored, as OpenDocument wants)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr(zipfile.ZipInfo("mimetype"), "application/vnd.oasis.opendocument.text")
+        z.writestr("content.xml", f'<?xml version="1.0" encoding="UTF-8"?><office:document-content {XMLNS} '
+                                  f'office:version="1.3"><office:body><office:text>{body}</office:text></office:body>'
+                                  "</office:document-content>", zipfile.ZIP_DEFLATED)
+    return buffer.getvalue()
+
+
+def _pptx(paragraph: str) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("ppt/presentation.xml", f"<p:presentation {XMLNS}/>")
+        z.writestr("ppt/slides/slide1.xml", f"<p:sld {XMLNS}><p:cSld><p:spTree><p:sp><p:txBody>{paragraph}"
+                                            "</p:txBody></p:sp></p:spTree></p:cSld></p:sld>")
+    return buffer.getvalue()
+
+
+def _docx(paragraph: str) -> bytes:
+    return _docx_of(f"<w:document {XMLNS}><w:body>{paragraph}</w:body></w:document>")
+
+
+def _bracketed(doc: Document) -> bytes:
+    return doc.rebuild([f"[{t}]" for t in doc.texts])
+
+
+def _part(data: bytes, name: str) -> Any:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return etree.fromstring(z.read(name))
+
+
+def _texts(root: Any, path: str) -> list[str]:
+    return ["".join(e.itertext()) for e in root.xpath(path, namespaces=NS)]
+
+
+ANCHORED = ('<text:p>da vopa vobi kinisa<text:note text:id="n1" text:note-class="footnote"><text:note-citation>1'
+            "</text:note-citation><text:note-body><text:p>Die Anmerkung.</text:p></text:note-body></text:note>"
+            " u misa<office:annotation><dc:creator>Hans Muster</dc:creator><dc:date>2024-05-01T10:00:00</dc:date>"
+            "<text:p>Ein Kommentar.</text:p></office:annotation> bokomi"
+            '<draw:frame draw:name="Bild1"><draw:image xlink:href="Pictures/a.png"/><svg:title>Der Titel</svg:title>'
+            "<svg:desc>Eine Beschreibung</svg:desc></draw:frame> sipona.</text:p>")
+
+
+def test_odt_notes_comments_and_frames_are_not_part_of_the_sentence() -> None:
+    doc = read_odt(_odt(ANCHORED))
+    assert doc.texts == ["Die Anmerkung.", "Ein Kommentar.", "da vopa vobi kinisa u misa bokomi sipona."]
+    root = _part(_bracketed(doc), "content.xml")
+    assert _texts(root, "//text:note-citation") == ["1"]
+    assert _texts(root, "//dc:creator") == ["Hans Muster"] and _texts(root, "//dc:date") == ["2024-05-01T10:00:00"]
+    assert _texts(root, "//svg:title") == ["Der Titel"] and _texts(root, "//svg:desc") == ["Eine Beschreibung"]
+    assert _texts(root, "//text:note-body/text:p") == ["[Die Anmerkung.]"]
+    assert _texts(root, "//office:annotation/text:p") == ["[Ein Kommentar.]"]
+    sentence = root.xpath("//office:text/text:p", namespaces=NS)[0]
+    assert sentence.text == "[da vopa vobi kinisa u misa bokomi sipona.]"  # the anchors after it, their tails empty
+    assert [child.tail for child in sentence] == [None, None, None]
+
+
+def test_odt_spaces_are_part_of_the_sentence_and_indentation_is_kept() -> None:
+    body = ('<text:p><text:s text:c="4"/>Eingerückt</text:p>'
+            '<text:p> <text:s text:c="3"/>Auch eingerückt</text:p>'
+            '<text:p>Ein Satz <text:s/>mit <text:s text:c="3"/>Leerraum<text:span>, hier <text:s text:c="zz"/>auch'
+            '</text:span> und <text:s text:c="-2"/>dort.</text:p>')
+    doc = read_odt(_odt(body))
+    assert doc.texts == ["Eingerückt", "Auch eingerückt", "Ein Satz  mit    Leerraum, hier  auch und  dort."]
+    root = _part(doc.rebuild(["INDENTED", "ALSO INDENTED", "A SENTENCE WITH SPACE, HERE TOO AND THERE."]),
+                 "content.xml")
+    first, second, third = root.xpath("//office:text/text:p", namespaces=NS)
+    assert etree.tostring(first[0], with_tail=True).endswith(b' text:c="4"/>INDENTED')
+    assert second.text == " " and second[0].get(f"{{{NS['text']}}}c") == "3" and second[0].tail == "ALSO INDENTED"
+    assert third.xpath(".//text:s", namespaces=NS) == []
+    assert "".join(third.itertext()) == "A SENTENCE WITH SPACE, HERE TOO AND THERE."
+    assert len(third.xpath("text:span", namespaces=NS)) == 1  # the span kept, emptied
+
+
+def test_odt_fields_are_cut_off_and_kept_bookmarks_cut_nothing() -> None:
+    body = ('<text:p>Seite <text:page-number text:select-page="current">7</text:page-number> von '
+            '<text:page-count>10</text:page-count> Seiten, Stand <text:date text:date-value="2024-05-01">1. Mai 2024'
+            '</text:date>, siehe <text:bookmark text:name="a"/>das <text:bookmark-start text:name="b"/>Kapitel'
+            '<text:bookmark-end text:name="b"/> <text:soft-page-break/>hier.</text:p>')
+    doc = read_odt(_odt(body))
+    assert doc.texts == ["Seite ", " von ", " Seiten, Stand ", "1. Mai 2024", ", siehe das Kapitel hier."]
+    root = _part(_bracketed(doc), "content.xml")
+    assert _texts(root, "//text:page-number") == ["7"] and _texts(root, "//text:page-count") == ["10"]
+    assert _texts(root, "//text:date") == ["[1. Mai 2024]"]  # a date in words is translated, alone
+    assert _texts(root, "//office:text/text:p") == ["[Seite ]7[ von ]10[ Seiten, Stand ][1. Mai 2024]"
+                                                    "[, siehe das Kapitel hier.]"]
+    assert len(root.xpath("//text:bookmark | //text:bookmark-start | //text:bookmark-end", namespaces=NS)) == 3
+
+
+def test_docx_complex_and_simple_fields_are_cut_off_and_kept() -> None:
+    paragraph = ('<w:p><w:r><w:t xml:space="preserve">Seite </w:t></w:r><w:r><w:fldChar w:fldCharType="begin"/>'
+                 '</w:r><w:r><w:instrText xml:space="preserve"> PAGE </w:instrText></w:r><w:r><w:fldChar '
+                 'w:fldCharType="separate"/></w:r><w:r><w:t>7</w:t></w:r><w:r><w:fldChar w:fldCharType="end"/></w:r>'
+                 '<w:r><w:t xml:space="preserve"> von </w:t></w:r><w:fldSimple w:instr="NUMPAGES"><w:r><w:t>10</w:t>'
+                 '</w:r></w:fldSimple><w:r><w:t xml:space="preserve"> Seiten, Stand </w:t></w:r><w:fldSimple '
+                 'w:instr="DATE"><w:r><w:t>1. Mai</w:t></w:r></w:fldSimple><w:r><w:t>.</w:t></w:r></w:p>')
+    doc = read_docx(_docx(paragraph))
+    assert doc.texts == ["Seite ", " von ", " Seiten, Stand ", "1. Mai"]
+    root = _part(_bracketed(doc), "word/document.xml")
+    assert _texts(root, "//w:t") == ["[Seite ]", "7", "[ von ]", "10", "[ Seiten, Stand ]", "[1. Mai]", "."]
+    assert _texts(root, "//w:instrText") == [" PAGE "]
+
+
+def test_pptx_fields_are_cut_off_and_kept() -> None:
+    paragraph = ('<a:p><a:r><a:t>Folie </a:t></a:r><a:fld id="{B6F15528-21DE-4FAA-801E-634DDDAF4B2B}" '
+                 'type="slidenum"><a:t>7</a:t></a:fld><a:r><a:t> von 10</a:t></a:r></a:p>')
+    doc = read_pptx(_pptx(paragraph))
+    assert doc.texts == ["Folie ", " von 10"]
+    root = _part(_bracketed(doc), "ppt/slides/slide1.xml")
+    assert _texts(root, "//a:t") == ["[Folie ]", "7", "[ von 10]"]
+
+
+def test_odt_and_docx_through_translate_file() -> None:
+    out, _ = roundtrip("anker.odt", _odt(ANCHORED + '<text:p>Seite <text:page-number>7</text:page-number> mit '
+                                                    '<text:s text:c="2"/>Abstand.</text:p>'))
+    root = _part(out, "content.xml")
+    first, second = root.xpath("//office:text/text:p", namespaces=NS)
+    assert first.text == "DA VOPA VOBI KINISA U MISA BOKOMI SIPONA."
+    assert "".join(second.itertext()) == "SEITE 7 MIT   ABSTAND."  # the stand-in model keeps the three spaces
+    assert second.xpath(".//text:s", namespaces=NS) == []
+    assert _texts(root, "//text:note-citation") == ["1"] and _texts(root, "//dc:creator") == ["Hans Muster"]
+    assert _texts(root, "//svg:title") == ["Der Titel"] and _texts(root, "//text:page-number") == ["7"]
+    assert _texts(root, "//text:note-body/text:p") == ["DIE ANMERKUNG."]
+    out, _ = roundtrip("seite.docx", _docx('<w:p><w:r><w:t xml:space="preserve">Seite </w:t></w:r><w:fldSimple '
+                                           'w:instr="PAGE"><w:r><w:t>7</w:t></w:r></w:fldSimple><w:r><w:t '
+                                           'xml:space="preserve"> von zehn</w:t></w:r></w:p>'))
+    assert _texts(_part(out, "word/document.xml"), "//w:t") == ["SEITE ", "7", " VON ZEHN"]
