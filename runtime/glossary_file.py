@@ -129,6 +129,9 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
         except UnicodeDecodeError as e:
             raise RuntimeUserError(f"{where}: not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
                                    f"save the glossary as UTF-8") from None
+        if "\r" in line.removesuffix("\r"):  # CRLF is a line end; a CR inside a line is lines ended by CR alone
+            raise RuntimeUserError(f"{where}: a carriage return (CR) inside the line: its lines end in CR alone (as "
+                                   "classic Mac OS wrote them); save the glossary with LF or CRLF line ends")
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         fields = line.split("\t")

@@ -278,9 +278,13 @@ def check_glossary(glossary: Glossary, tokenizer: AnyTokenizer, backend: Backend
 def refuse_without_gather(backend: Backend) -> None:
     """A glossary needs a backend whose decoder step returns any id's log-prob (Backend.gathers)."""
     if not backend.gathers:
-        raise RuntimeUserError(f"the {backend.name} backend cannot apply a glossary here: use the onnxruntime "
-                               "backend on a model dir exported by this version (it holds decoder_constrained.onnx), "
-                               "or the torch backend with its eager step, without --shortlist")
+        raise RuntimeUserError(no_gather(backend.name))
+
+
+def no_gather(backend: str) -> str:
+    return (f"the {backend} backend cannot apply a glossary here: use the onnxruntime backend on a model dir "
+            "exported by this version (it holds decoder_constrained.onnx), or the torch backend with its eager step, "
+            "without --shortlist")
 
 
 def hypotheses(tokenizer: AnyTokenizer, nbest: NBest) -> Hypotheses:

@@ -163,6 +163,8 @@ def test_conflicts_name_both_entries(tmp_path: Path, content: str, needles: list
 @pytest.mark.parametrize("content, needles", [
     (b"Hund\tdog\nK\xe4tze\tcat\n", ["terms.tsv:2:", "not UTF-8", "0xe4", "column 2"]),
     ("Hund\tdog\tnoun\n", ["terms.tsv:1:", "3 tab-separated fields", "at most 2"]),
+    # lines ended by CR alone were one line: "3 tab-separated fields", naming no cause
+    ("Hund\tdog\rKatze\tcat\r", ["terms.tsv:1:", "carriage return", "CR alone", "LF or CRLF"]),
     ("Hund\tdog\n  \tcat\n", ["terms.tsv:2:", "source term is empty"]),
     (f"{'x' * (MAX_TERM_CHARS + 1)}\ty\n", ["terms.tsv:1:", "MAX_TERM_CHARS", str(MAX_TERM_CHARS)]),
     (f"x\t{'y ' * MAX_TERM_CHARS}\n", ["terms.tsv:1:", "target term", "MAX_TERM_CHARS"]),

@@ -130,8 +130,9 @@ def test_the_ray_and_spark_translator_applies_a_glossary_as_serve_batch_does(cap
     translator = Translator(trained_model_dir, glossary=glossary)
     done = translator.translate(lines)
     assert done.translation == expected
-    assert done.terms is not None
-    rows = [json.loads(t) for t in done.terms]
+    assert done.rows_terms is not None
+    rows = [json.loads(t) for t in done.rows_terms]
+    assert done.terms == sum(map(len, rows)) > 0 and done.terms_applied == sum(t["applied"] for r in rows for t in r)
     hund = [r for src, r in zip(lines, rows) if "hund" in src.split()]
     assert hund and all({"source": "hund", "target": "tree", "applied": True, "constrained": True} in r for r in hund)
     assert all(r == [] for src, r in zip(lines, rows) if not find_terms(load_glossary(glossary), src))

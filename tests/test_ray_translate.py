@@ -61,7 +61,8 @@ def test_the_jobs_actors_return_only_what_the_writer_takes(fp32_dir):
             "replaced": np.zeros(30, bool)}
     load_options = LoadOptions(backend="onnxruntime")
     back = _JobTranslator(fp32_dir, load_options=load_options, origin_columns=("path", "line"))(dict(rows))
-    assert list(back) == ["shard", "line", "translation", "last", "replaced", "empty", "truncated", "min_len_over"]
+    assert list(back) == ["shard", "line", "translation", "last", "replaced", "empty", "truncated", "min_len_over",
+                          "terms", "terms_applied"]
     assert list(back["translation"]) == Translator(fp32_dir, load_options=load_options).translate(lines).translation
     assert list(back["line"]) == list(range(1, 31)) and back["last"][-1]
 
@@ -219,6 +220,66 @@ def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path
         code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, *args)
         assert_one_line_error(code, err, says)
     assert not (tmp_path / "out").exists() and not (fp32_dir / "translated").exists()
+
+
+def test_a_glossary_is_read_once_by_the_driver_counted_and_recorded(cluster, trained_model_dir, tmp_path, capsys,
+                                                                      caplog):
+    """`--glossary <(...)`: the driver read the pipe and the actors (other processes) opened its /proc path
+    again: not found. The summary counted no terms, and the job record held no glossary, so a rerun with another
+    glossary (or none) skipped the shards done and mixed two jobs' outputs."""
+    import logging
+    import threading
+
+    from helpers import make_parallel
+    from test_glossary_serve_batch import GLOSSARY
+
+    lines = make_parallel(40, seed=21)[0] + ["Der Hund sieht die Katze"]
+    (tmp_path / "in").mkdir()
+    src = write_lines(tmp_path / "in" / "a.txt", lines)
+    expected = tmp_path / "expected.txt"
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text(GLOSSARY, encoding="utf-8")
+    assert run_cli_captured(capsys, "serve-batch", trained_model_dir, src, "-o", expected, "--glossary", glossary,
+                            "--no-progress")[0] == 0
+    fifo = tmp_path / "terms.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text(GLOSSARY, encoding="utf-8"), daemon=True)
+    writer.start()
+    out = ["--output-dir", tmp_path / "out", "--backend", "onnxruntime"]
+    served = [r.getMessage() for r in caplog.records if "the glossary's terms" in r.getMessage()]
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        code, _, err = run_cli_captured(capsys, "ray-translate", trained_model_dir, src, *out, "--glossary", fifo)
+    writer.join(5)
+    assert code == 0, err
+    assert (tmp_path / "out" / "a.txt").read_text(encoding="utf-8") == expected.read_text(encoding="utf-8")
+    said = [r.getMessage() for r in caplog.records if "the glossary's terms" in r.getMessage()]
+    found = sum(("hund" in line.lower().split()) + ("katze" in line.lower().split()) for line in lines)
+    assert len(said) == 1 and f"{found} found in the input" in said[0] and found > 0, said
+    assert said[0] in served[0]  # serve-batch's count, line for line
+    write_lines(tmp_path / "in" / "b.txt", lines[:3])
+    for again in ([], ["--glossary", write_lines(tmp_path / "other.tsv", ["hund\ttree", "katze\tdog"])]):
+        code, _, err = run_cli_captured(capsys, "ray-translate", trained_model_dir, tmp_path / "in", *out, *again)
+        assert_one_line_error(code, err, "glossary")
+    assert not (tmp_path / "out" / "b.txt").exists()
+
+
+def test_a_glossary_the_model_cannot_apply_is_refused_before_the_cluster(trained_model_dir, tmp_path, capsys,
+                                                                         monkeypatch):
+    """A target the vocabulary cannot spell was Ray's tracebacks from every actor (about 95 lines) after the
+    cluster started, then the error."""
+    import pipeline.integrations.ray_job as ray_job
+
+    def no_cluster(address: object) -> bool:
+        raise AssertionError("the cluster was reached")
+
+    monkeypatch.setattr(ray_job, "connect", no_cluster)
+    src = write_lines(tmp_path / "a.txt", ["der hund"])
+    unspelled = write_lines(tmp_path / "g.tsv", ["hund\t\u0416\u0416"])
+    code, _, err = run_cli_captured(capsys, "ray-translate", trained_model_dir, src, "--output-dir", tmp_path / "out",
+                                    "--glossary", unspelled)
+    assert_one_line_error(code, err, "g.tsv:1")
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_unreadable_job_record_is_named_as_such(tmp_path):

@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import logging
 from typing import Any
 
 import click
 
+from model.errors import UserError
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.integrations.options import RayOptions
 from pipeline.integrations.shards import job_record, plan
 from pipeline.serve_batch.files import target_suffix
 from pipeline.serve_batch.translation import ServeBatchOptions
-from runtime import languages
+from runtime import languages, ort_constrained
 from runtime.decoding import DecodingOptions
+from runtime.glossary import Glossary, check_targets
+from runtime.glossary_file import load_glossaries
 from runtime.model_dir import LoadOptions, ModelDir, check_load
+from runtime.texts import no_gather
 
 log = logging.getLogger(__name__)
 
@@ -61,21 +67,50 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     # a bad model dir, device, backend or language pair is one line here, before a cluster is reached (an actor's
     # would be Ray's error, on every actor)
     opened = ModelDir.open(model_dir)
-    check_load(opened, load_options.validate())
+    chosen = check_load(opened, load_options.validate())
     languages.direction(opened.manifest.model_config, opts.src_lang, opts.tgt_lang)
+    glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
     settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
                                      **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
-                "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
+                "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())},
+                **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir)
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return
-    stats = translate_shards(model_dir, job, load_options, decoding, opts, ray_opts,
-                             progress)  # drawn only on a terminal (serve_batch.files.progress_bar)
+    stats = translate_shards(model_dir, job, load_options, decoding, dataclasses.replace(opts, glossary=()),
+                             ray_opts, progress, glossary)  # drawn only on a terminal (serve_batch.files.progress_bar)
     if stats.truncated:
         log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "
                     "them)", stats.truncated)
     if stats.replaced:
         log.warning("%d line(s) had invalid UTF-8, replaced by U+FFFD", stats.replaced)
+    if glossary is not None:
+        (log.info if stats.terms_applied == stats.terms else log.warning)(
+            "the glossary's terms: %d found in the input, %d of them in the translations", stats.terms,
+            stats.terms_applied)
     click.echo(stats.summary(job), err=True)
+
+
+def _glossary(opened: ModelDir, backend: str, load_options: LoadOptions, paths: tuple[str, ...]) -> Glossary:
+    """The glossary files read here, once (a pipe has no second reader, and the actors are other processes: they
+    get what was read), and checked against the model as serve-batch checks them, before a cluster is reached:
+    every fixed target spelled by the vocabulary, and a backend that can apply it."""
+    glossary = load_glossaries(paths)
+    check_targets(glossary, opened.tokenizer.encode, opened.tokenizer.unk_id)
+    if backend == "onnxruntime":
+        why = ort_constrained.why_not(opened.path, opened.manifest, load_options.shortlist)
+    else:
+        why = None if backend == "torch" and not load_options.shortlist and load_options.step in (None, "eager") \
+            else no_gather(backend)
+    if why:
+        raise UserError(why)
+    return glossary
+
+
+def glossary_digest(glossary: Glossary) -> str:
+    """What the glossary holds (not where it was read from), for the job's record: a rerun with other terms is
+    refused rather than mixing two jobs' outputs."""
+    entries = sorted([e.source, e.target, e.dnt] for e in glossary.entries)
+    return hashlib.sha256(json.dumps(entries, ensure_ascii=False).encode()).hexdigest()

@@ -37,7 +37,7 @@ from pipeline.serve_batch.files import progress_bar
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import read_head
 from runtime.decoding import DecodingOptions
-from runtime.glossary_file import load_glossaries
+from runtime.glossary import Glossary
 from runtime.model_dir import LoadOptions
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,8 @@ class JobStats:
     truncated: int = 0
     replaced: int = 0
     min_len_over: int = 0          # rows whose maximum output length is below --min-len
+    terms: int = 0                 # with a glossary: the terms found in the rows, and those the translations hold
+    terms_applied: int = 0
     startup_seconds: float = 0.0  # reaching or starting the cluster
     seconds: float = 0.0          # from then to the last output renamed into place
     actors: int = 0
@@ -135,13 +137,15 @@ def _environ(name: str, value: str) -> Iterator[None]:
 
 
 def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
-                     opts: ServeBatchOptions, ray_opts: RayOptions, progress: bool = False) -> JobStats:
-    """Translate every shard of plan.todo on the cluster (reached or started here) into its output."""
+                     opts: ServeBatchOptions, ray_opts: RayOptions, progress: bool = False,
+                     glossary: Glossary | None = None) -> JobStats:
+    """Translate every shard of plan.todo on the cluster (reached or started here) into its output, with
+    `glossary` (read and checked by the driver, each actor checking it against its model once more) if given;
+    opts.glossary, files the actors would read, must be empty."""
     import ray
 
-    if opts.glossary:  # a bad file is a one-line error here, not a failure in every actor
-        load_glossaries(opts.glossary)
-        opts = dataclasses.replace(opts, glossary=tuple(str(Path(g).resolve()) for g in opts.glossary))  # their cwd
+    if opts.glossary:
+        raise ValueError("read the glossary files once, in the driver, and pass the Glossary")
     stats = JobStats()
     started = time.perf_counter()
     ours = connect(ray_opts.address)
@@ -149,7 +153,7 @@ def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOption
     try:
         if plan.todo:
             stats.actors = actors(ray_opts, load_options, ray.cluster_resources())
-            _run(model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress)
+            _run(model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress, glossary)
     finally:
         if ours:
             ray.shutdown()
@@ -177,7 +181,8 @@ def actors(ray_opts: RayOptions, load_options: LoadOptions, resources: dict[str,
 
 
 def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
-         opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool) -> None:
+         opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool,
+         glossary: Glossary | None) -> None:
     import ray.data
 
     context = ray.data.DataContext.get_current()
@@ -194,11 +199,12 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
         # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
         # every actor busy, the writer fed, and a retry small.
         context.target_max_block_size = max(1 << 12, int(0.75 * ray_opts.batch_size * _row_bytes(plan.todo[0])))
-        _translate(ray.data, model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress)
+        _translate(ray.data, model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress, glossary)
 
 
 def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding: DecodingOptions,
-               opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool) -> None:
+               opts: ServeBatchOptions, ray_opts: RayOptions, stats: JobStats, progress: bool,
+               glossary: Glossary | None) -> None:
     threads = load_options.threads or 1
     ds = data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8, ray_opts.batch_size),
                               num_cpus=0)
@@ -208,7 +214,7 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
                         fn_constructor_kwargs={"model_dir": str(Path(model_dir).resolve()), "column": "text",
                                                "load_options": dataclasses.replace(load_options, threads=threads),
                                                "decoding": decoding, "options": opts,
-                                               "origin_columns": ("path", "line")})
+                                               "origin_columns": ("path", "line"), "glossary": glossary})
     writer = ShardWriter(plan.todo)
     bar = progress_bar("translating", progress, shard_lines(plan.todo) if progress and sys.stderr.isatty() else None)
     try:
@@ -218,7 +224,8 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
             stats.empty += int(batch["empty"].sum())
             stats.truncated += int((batch["truncated"] > 0).sum())  # lines (a row counts its sentences cut)
             stats.replaced += int(batch["replaced"].sum())
-            stats.min_len_over += int(batch["min_len_over"].sum())
+            for name in _BATCH_COUNTS:
+                setattr(stats, name, getattr(stats, name) + int(batch[name].sum()))
             bar.update(len(batch["line"]))
         writer.finish()
         if stats.min_len_over:
@@ -269,7 +276,7 @@ class _JobTranslator(Translator):
     themselves, so no projection step (a Ray task per block, each a worker process to start on a small
     machine) follows them."""
 
-    min_len_over = 0  # the last batch's
+    counts: dict[str, int] = {}  # the last batch's _BATCH_COUNTS
 
     def __init__(self, *args: Any, **kwargs: Any):
         with _marked():
@@ -279,19 +286,21 @@ class _JobTranslator(Translator):
         with _marked():
             done = super().__call__(batch)
         back = {name: done[name] for name in _BACK}
-        # the batch's count of rows stopped below --min-len, on its first row: the actors' own warnings stay in
-        # Ray's logs (log_to_driver off), and the driver says it once for the job
-        back["min_len_over"] = np.zeros(len(back["line"]), np.int32)
-        back["min_len_over"][:1] = self.min_len_over
+        # the batch's counts (rows stopped below --min-len, the glossary's terms), on its first row: the actors' own
+        # warnings stay in Ray's logs (log_to_driver off), and the driver says them once for the job
+        for name in _BATCH_COUNTS:
+            back[name] = np.zeros(len(back["line"]), np.int32)
+            back[name][:1] = self.counts[name]
         return back
 
     def translate(self, sources: Any, origins: Any = None) -> Any:
         done = super().translate(sources, origins)
-        self.min_len_over = done.min_len_over
+        self.counts = {name: getattr(done, name) for name in _BATCH_COUNTS}
         return done
 
 
 _BACK = ("shard", "line", "translation", "last", "replaced", "empty", "truncated")
+_BATCH_COUNTS = ("min_len_over", "terms", "terms_applied")  # per batch, in Translated and JobStats alike
 
 
 def _row_bytes(shard: Shard) -> int:

@@ -6,6 +6,9 @@
     translate = predict_batch_udf(make_predict_fn("models/en-de"), return_type=return_type(), batch_size=500)
     df.withColumn("out", translate("text")).select("out.translation", "out.score")
 
+With a glossary, `make_predict_fn("models/en-de", glossary="terms.tsv")` and `return_type(glossary=True)`: the
+struct gains `terms` (per row, JSON of the terms found and whether each was applied).
+
 Spark calls the factory once per Python worker, which loads the model dir once; each batch of the column
 comes as a numpy array of strings and goes back as the Translator's columns, translated as serve-batch
 does. Nothing here imports pyspark: the executors need this package, its model dir, and no torch."""
@@ -24,13 +27,16 @@ from pipeline.integrations.translator import Translator
 PredictFn = Callable[[np.ndarray], dict[str, np.ndarray]]
 
 
-def return_type() -> Any:
+def return_type(glossary: bool = False) -> Any:
     """predict_batch_udf's return_type for what make_predict_fn's function returns: Translator's columns as a
-    struct (a StructType: predict_batch_udf takes no DDL string, and no boolean field, so `empty` is 0 or 1)."""
+    struct (a StructType: predict_batch_udf takes no DDL string, and no boolean field, so `empty` is 0 or 1);
+    `glossary`: the function was made with one, so it returns `terms` too (predict_batch_udf refuses columns
+    its return type does not name)."""
     from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
 
     return StructType([StructField("translation", StringType()), StructField("score", DoubleType()),
-                       StructField("empty", IntegerType()), StructField("truncated", IntegerType())])
+                       StructField("empty", IntegerType()), StructField("truncated", IntegerType()),
+                       *([StructField("terms", StringType())] if glossary else [])])
 
 
 def make_predict_fn(model_dir: str | Path, **translator_options: Any) -> Callable[[], PredictFn]:

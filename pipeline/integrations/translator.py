@@ -31,8 +31,9 @@ from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
+from runtime.glossary import Glossary
 from runtime.model_dir import LoadOptions, ModelDir, load
-from runtime.texts import Lines, Located, Origin, encode_texts, finish_texts, open_glossary
+from runtime.texts import Lines, Located, Origin, check_glossary, encode_texts, finish_texts, open_glossary
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +49,17 @@ class Translated:
     empty: list[bool]      # blank (or null) rows: the translation is ""
     truncated: list[int]   # lines (or sentences) cut to the model's source limit
     min_len_over: int = 0  # rows whose maximum output length is below --min-len
-    terms: list[str] | None = None  # with a glossary: per row, JSON of its terms ({"source", "target", "applied"...})
+    rows_terms: list[str] | None = None  # with a glossary: per row, JSON of its terms ({"source", "applied"...})
+    terms: int = 0  # the terms found in the batch's rows, and those their translations hold
+    terms_applied: int = 0
 
     def columns(self) -> dict[str, np.ndarray]:
         columns = {"translation": np.array(self.translation, dtype=object),
                    "score": np.array(self.score, dtype=np.float64),
                    "empty": np.array(self.empty, dtype=bool),
                    "truncated": np.array(self.truncated, dtype=np.int32)}
-        if self.terms is not None:
-            columns["terms"] = np.array(self.terms, dtype=object)
+        if self.rows_terms is not None:
+            columns["terms"] = np.array(self.rows_terms, dtype=object)
         return columns
 
 
@@ -68,12 +71,13 @@ class Translator:
     `options` serve-batch's line policy (`--long-lines`, `--split`, ...; `decoding` replaces its own).
     `origin_columns` (path, line): columns naming each row's file and line number, for the one-line error of
     a refused row; without them a row is named by its place in the batch. `glossary`: a glossary file or several
-    (used as one; it replaces options.glossary), read and checked once per worker."""
+    (used as one; it replaces options.glossary), read and checked once per worker, or a Glossary already read
+    (runtime.glossary_file.load_glossaries: a driver reads the files once, its workers check it)."""
 
     def __init__(self, model_dir: str | Path, *, column: str = "text", load_options: LoadOptions | None = None,
                  decoding: DecodingOptions = PAPER, options: ServeBatchOptions | None = None,
                  origin_columns: tuple[str, str] | None = None,
-                 glossary: str | Path | Sequence[str | Path] | None = None):
+                 glossary: str | Path | Sequence[str | Path] | Glossary | None = None):
         load_options = load_options or LoadOptions()
         if load_options.threads is None:
             load_options = dataclasses.replace(load_options, threads=1)
@@ -81,11 +85,15 @@ class Translator:
         self.origin_columns = origin_columns
         self.loaded = load(ModelDir.open(model_dir), load_options, decoding)
         self.options = dataclasses.replace(options or ServeBatchOptions(), decoding=self.loaded.decoding).validate()
-        if glossary is not None:
+        if glossary is not None and not isinstance(glossary, Glossary):
             given = [glossary] if isinstance(glossary, (str, Path)) else glossary
             self.options = dataclasses.replace(self.options, glossary=tuple(str(g) for g in given))
         try:
-            self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
+            if isinstance(glossary, Glossary):
+                check_glossary(glossary, self.loaded.tokenizer, self.loaded.backend)
+                self.glossary: Glossary | None = glossary
+            else:
+                self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
         # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others
@@ -133,8 +141,10 @@ class Translator:
             out.score.append(math.nan if self.policy.documents or r.score is None else r.score)
             out.empty.append(r.empty)
             out.truncated.append(r.truncated)
-            if out.terms is not None:
-                out.terms.append(json.dumps(r.terms or [], ensure_ascii=False))
+            if out.rows_terms is not None:
+                out.rows_terms.append(json.dumps(r.terms or [], ensure_ascii=False))
+                out.terms += len(r.terms or ())
+                out.terms_applied += sum(bool(term["applied"]) for term in r.terms or ())
         return out
 
 
