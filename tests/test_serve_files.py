@@ -65,8 +65,12 @@ def test_txt_lines_translated_and_line_ends_kept():
 
 
 def test_txt_with_a_utf16_bom_comes_back_in_utf16():
-    out, _ = roundtrip("w.txt", "\ufeffgrüße\n".encode("utf-16-le"))
+    out, r = roundtrip("w.txt", "\ufeffgrüße\n".encode("utf-16-le"))
     assert out == "\ufeffGRÜSSE\n".encode("utf-16-le")
+    # it said charset=utf-8: a client decoding by the header (httpx, requests) read garbage
+    assert r.headers["content-type"] == "text/plain; charset=utf-16" and r.text.lstrip("\ufeff") == "GRÜSSE\n"
+    out, r = roundtrip("p.html", "\ufeff<p>grüße</p>".encode("utf-32-be"))
+    assert r.headers["content-type"] == "text/html; charset=utf-32" and r.text.lstrip("\ufeff") == "<p>GRÜSSE</p>"
 
 
 def test_html_markup_kept_text_translated():

@@ -51,6 +51,21 @@ def test_cors_for_pages_and_add_ons_on_other_origins():
                                                           ).headers
 
 
+def test_a_failure_a_route_did_not_foresee_is_a_503_with_cors_headers(monkeypatch):
+    """Starlette answers what escapes a route outside every middleware: the 503 went out without the CORS header,
+    so the page that sent the request saw a network error instead of the message."""
+    from pipeline.serve import libre
+
+    def broken(request: object) -> None:
+        raise RuntimeError("the disk is gone")
+
+    monkeypatch.setattr(libre, "frontend_settings", broken)
+    with TestClient(create_app(state_of(PAIRS))) as c:
+        r = c.get("/frontend/settings", headers={"Origin": "https://example.org"})
+    assert r.status_code == 503 and r.json()["error"] == "RuntimeError: the disk is gone; retry later"
+    assert r.headers["access-control-allow-origin"] == "*" and r.headers["retry-after"]
+
+
 def test_same_language_and_letterless_texts_come_back_unchanged_per_text():
     with TestClient(create_app(state_of(PAIRS))) as c:
         r = c.post("/translate", json={"q": ["ein hund", "🐶 42", "", "3,14"], "source": "de", "target": "en"})
@@ -125,3 +140,32 @@ def test_the_access_log_has_its_own_plain_handler():
     finally:
         access.log.handlers[:] = []
         access.log.propagate = True
+
+
+def test_what_libretranslate_accepts_and_what_no_api_may_lose():
+    """Codes in any case and `"alternatives": 2.0` were 400s LibreTranslate does not give (it lowercases codes
+    and takes int() of the count); a repeated field kept its last value in silence; a multipart field that is
+    not UTF-8 was read as Latin-1 and its mojibake translated; /spec's download route lacked its path parameter
+    (strict OpenAPI tools refused the document)."""
+    with TestClient(create_app(state_of({**PAIRS, "nllb": (("eng_Latn",), ("deu_Latn",))}))) as c:
+        r = c.post("/translate", json={"q": "hund", "source": "DE", "target": "En"})
+        assert r.status_code == 200 and r.json()["translatedText"] == "HUND", r.text
+        r = c.post("/translate", json={"q": "dog", "source": "ENG_LATN", "target": "deu_latn"})
+        assert r.status_code == 200 and r.json()["translatedText"] == "DOG", r.text
+        r = c.post("/translate", json={"q": "hund", "source": "Auto", "target": "en"})
+        assert r.status_code != 400 or "must be a language code" not in r.text
+        r = c.post("/translate", json={"q": "hund", "source": "de", "target": "en", "alternatives": 2.0})
+        assert r.status_code == 200 and "alternatives" in r.json(), r.text  # the stand-in has one hypothesis
+        r = c.post("/translate", json={"q": "hund", "source": "de", "target": "en", "alternatives": 2.5})
+        assert r.status_code == 400 and "whole number" in r.json()["error"]
+        r = c.post("/translate", content=b'{"q": "a", "q": "hund", "source": "de", "target": "en", "x": 1, "x": 2}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"] == "field(s) 'q' given more than once; send each once"
+        body = (b'--B\r\nContent-Disposition: form-data; name="q"\r\n\r\nda \xed\xa0\x80 \xff\r\n--B\r\n'
+                b'Content-Disposition: form-data; name="source"\r\n\r\nde\r\n--B\r\n'
+                b'Content-Disposition: form-data; name="target"\r\n\r\nen\r\n--B--\r\n')
+        r = c.post("/translate", content=body, headers={"content-type": "multipart/form-data; boundary=B"})
+        assert r.status_code == 400 and "form field 'q' is not utf-8 text" in r.json()["error"], r.text
+        route = c.get("/spec").json()["paths"]["/download_file/{id}"]["get"]
+        assert route["parameters"] == [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"},
+                                        "description": "the last part of translatedFileUrl"}]

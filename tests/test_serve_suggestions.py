@@ -62,3 +62,37 @@ def test_a_database_that_is_not_one_is_one_line(tmp_path: Path):
     bad.write_bytes(b"not sqlite at all" * 100)
     with pytest.raises(UserError, match="--suggestions .*bad.db: cannot use it as an SQLite database"):
         suggestions.Suggestions(bad)
+
+
+def test_a_database_locked_by_another_process_is_a_503_with_the_apis_headers(tmp_path: Path, monkeypatch, caplog):
+    """Another process holding the database's lock: the write waited 5 s in one of the two threads that read every
+    request's body (so /translate waited too), then escaped as an OperationalError, answered outside the
+    middleware: no CORS header for the page that sent it, a traceback in the log, 499 in the access log."""
+    import logging
+    import threading
+
+    monkeypatch.setattr(suggestions, "BUSY_S", 0.05)
+    db = tmp_path / "suggestions.db"
+    state = state_of(PAIRS)
+    state.suggestions = suggestions.Suggestions(db)
+    state.access_log = "json"
+    threads = []
+    add = suggestions.Suggestions.add
+    monkeypatch.setattr(suggestions.Suggestions, "add",
+                        lambda self, *a: threads.append(threading.current_thread().name) or add(self, *a))
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with TestClient(create_app(state)) as c, caplog.at_level(logging.INFO):
+            r = c.post("/suggest", json={"q": "Hund", "s": "dog", "source": "de", "target": "en"},
+                       headers={"Origin": "https://example.org"})
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    assert r.status_code == 503 and "retry later" in r.json()["error"] and r.headers["retry-after"], r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert threads and all(name.startswith("suggestions") for name in threads)
+    assert not any(rec.exc_info for rec in caplog.records)
+    logged = [rec.getMessage() for rec in caplog.records if '"/suggest"' in rec.getMessage()]
+    assert logged and '"status": 503' in logged[0], logged
+    state.suggestions.close()

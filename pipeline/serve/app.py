@@ -29,7 +29,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route, request_response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pipeline.serve import file_routes, libre, native, page, spec, suggestions
 from pipeline.serve.access import AccessLog
@@ -145,6 +145,32 @@ class JsonCors(CORSMiddleware):
                               headers))
 
 
+class Contained:
+    """Whatever escapes a route answered inside the middleware (the 503 of _unavailable), so that the CORS headers
+    and the access log are those of every answer: Starlette runs its handler for Exception outside them all."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered; a started answer cannot be
+            if started:
+                raise
+            await (await _unavailable(Request(scope), exc))(scope, receive, send)
+
+
 async def _unavailable(request: Request, exc: Exception) -> Response:
     """Whatever escapes a route: 503, never 500."""
     log.error("%s %s failed: %s: %s", request.method, request.url.path, type(exc).__name__, exc)
@@ -183,6 +209,7 @@ def create_app(state: ServerState) -> Starlette:
     if state.cors_origin is not None:  # browsers' pages and add-ons call the API from other origins
         middleware.append(Middleware(JsonCors, allow_origins=[state.cors_origin], allow_methods=["GET", "POST"],
                                      allow_headers=["*"], max_age=600))
+    middleware.append(Middleware(Contained))  # innermost
     app = Starlette(routes=[
         Route("/", page.page, methods=["GET"]),
         Route("/favicon.ico", no_icon, methods=["GET"]),

@@ -26,9 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipeline.serve.archive_formats import read_docx, read_epub, read_odp, read_odt, read_pptx
-from pipeline.serve.text_formats import Document, DocumentError, extension, read_html, read_srt, read_txt
+from pipeline.serve.text_formats import BOMS, Document, DocumentError, extension, read_html, read_srt, read_txt
 
-__all__ = ["MAX_FILE_BYTES", "MEDIA_TYPES", "SUPPORTED", "Document", "DocumentError", "extension", "read_document"]
+__all__ = ["MAX_FILE_BYTES", "MEDIA_TYPES", "SUPPORTED", "Document", "DocumentError", "extension", "media_type",
+           "read_document"]
 
 MAX_FILE_BYTES = 20 << 20  # an upload (POST /translate_file's "file")
 
@@ -42,6 +43,16 @@ MEDIA_TYPES = {
     ".odp": "application/vnd.oasis.opendocument.presentation",
     ".epub": "application/epub+zip",
 }
+
+
+def media_type(ext: str, data: bytes) -> str:
+    """A translated file's type: a text file written back in UTF-16 or UTF-32 (as it came, its byte-order mark
+    kept) says that charset, not UTF-8."""
+    kind = MEDIA_TYPES[ext]
+    for bom, encoding in BOMS:
+        if data.startswith(bom) and "charset=utf-8" in kind:
+            return kind.replace("utf-8", encoding[:6])  # utf-16 / utf-32 (the mark tells the byte order)
+    return kind
 
 
 def read_document(filename: str, data: bytes, max_texts: int | None = None) -> Document:

@@ -161,7 +161,7 @@ async def translate_file(request: Request) -> Response:
         check_key(state, fields.get("api_key"), request)
         if upload is None:
             raise ApiError(400, "Invalid request: missing file parameter")
-        source, target = _code(fields, "source"), _code(fields, "target")
+        source, target = _code(fields, "source", state), _code(fields, "target", state)
         filename, data = upload
         if not filename.strip():
             raise ApiError(400, 'Invalid request: empty file ("file" has no filename)')
@@ -184,7 +184,7 @@ async def translate_file(request: Request) -> Response:
         body, m = await translate_texts(request, state, req, None)
         out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
         ext = extension(filename)
-        key = _store(request).put(download_name(filename, target), documents.MEDIA_TYPES[ext], out)
+        key = _store(request).put(download_name(filename, target), documents.media_type(ext, out), out)
         answer: dict[str, Any] = {"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{key}"}
         if detected is not None:
             answer["detectedLanguage"] = detected

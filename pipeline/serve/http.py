@@ -200,6 +200,22 @@ def json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def refuse_repeated(data: Any, fields: frozenset[str] | None = None) -> None:
+    """400 when a JSON object gave one of `fields` (any, without them) more than once: json keeps the last value,
+    and the others would be lost without a word."""
+    repeated = [k for k in getattr(data, "repeated_keys", ()) if fields is None or k in fields]
+    if repeated:
+        raise ApiError(400, f"field(s) {', '.join(shown(k) for k in repeated[:5])} given more than once; send each "
+                            "once")
+
+
+def shown(value: Any) -> str:
+    """A value the client sent, as a refusal quotes it: its repr, cut to 20 characters (a lone surrogate is
+    escaped, a long key is not echoed whole)."""
+    text = value if isinstance(value, str) else json.dumps(value)
+    return repr(text[:20]) + ("..." if len(text) > 20 else "")
+
+
 def parse_json(body: bytes) -> Any:
     """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer). A leading byte order
     mark is skipped, as RFC 8259 allows and LibreTranslate's Flask does."""
@@ -270,8 +286,22 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
         yield body
         yield b""
 
+    class Strict(MultiPartParser):
+        """Starlette reads a text field that is not in its charset as Latin-1: mojibake translated with a 200."""
+
+        def on_part_end(self) -> None:
+            part = self._current_part
+            if part.file is None:
+                try:
+                    part.data.decode(self._charset or "utf-8")
+                except (UnicodeDecodeError, LookupError) as e:
+                    where = f"at byte {e.start}" if isinstance(e, UnicodeDecodeError) else "an unknown charset"
+                    raise ApiError(400, f"form field {part.field_name!r} is not {self._charset or 'UTF-8'} text "
+                                        f"({where})") from None
+            super().on_part_end()
+
     try:
-        form = await MultiPartParser(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
+        form = await Strict(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
     except AssertionError:  # starlette's "python-multipart must be installed"
         raise ApiError(415, 'multipart form data needs python-multipart on this server (pip install -e ".[serve]"); '
                             "send JSON or application/x-www-form-urlencoded") from None

@@ -70,6 +70,10 @@ class Routes(Generic[M]):
         for src, found in targets.items():
             found.discard(src)
         self.codes = sorted({src for src, into in targets.items() if into}.union(*targets.values()))
+        folded: dict[str, list[str]] = {}
+        for code in self.codes:
+            folded.setdefault(code.casefold(), []).append(code)
+        self._folded = {key: spellings[0] for key, spellings in folded.items() if len(spellings) == 1}
         self.count = sum(len(t) for t in targets.values())
         self._languages = [{"code": code, "name": language_name(code), "targets": sorted(targets.get(code, ()))}
                            for code in self.codes]
@@ -88,6 +92,11 @@ class Routes(Generic[M]):
     def of(cls, models: Iterable[tuple[str, M, tuple[str, ...], tuple[str, ...]]]) -> Routes[M]:
         """From (name, model, sources, targets) in the order the models were given."""
         return cls([(name, model, frozenset(sources), frozenset(targets)) for name, model, sources, targets in models])
+
+    def spelled(self, code: str) -> str:
+        """A served code as the models spell it, whatever the case it is given in (DE: de; ENG_LATN: eng_Latn), as
+        LibreTranslate lowercases codes; unchanged when no served code, or two, match it."""
+        return code if code in self._folded.values() else self._folded.get(code.casefold(), code)
 
     def model(self, source: str, target: str) -> M | None:
         """The model that translates source into target, or None."""

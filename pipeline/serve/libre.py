@@ -30,6 +30,7 @@ from pipeline.serve.http import (
     off_loop,
     query_fields,
     read_payload,
+    refuse_repeated,
     too_many,
 )
 from pipeline.serve.keys import KeyRefused, RateLimited
@@ -44,7 +45,7 @@ from runtime.sentences import has_letters
 from runtime.texts import EncodedTexts, finish_texts
 from runtime.translate import NBest
 
-KEYS = {"q", "source", "target", "format", "alternatives", "api_key"}
+KEYS = frozenset({"q", "source", "target", "format", "alternatives", "api_key"})
 WHOLE = re.compile(r"-?[0-9]{1,9}")
 
 
@@ -82,20 +83,23 @@ class LibreRequest:
     glossary: Glossary | None = None  # an extension: "glossary" as the native API's; the answer gains "terms"
 
 
-def _code(data: dict[str, Any], key: str) -> str:
+def _code(data: dict[str, Any], key: str, state: ServerState) -> str:
     value = data.get(key)
     if value is None or value == "":
         raise ApiError(400, f"Invalid request: missing {key} parameter")
-    if not isinstance(value, str) or not (value == "auto" and key == "source" or LANG_CODE.fullmatch(value)):
+    if isinstance(value, str) and value.lower() == "auto" and key == "source":
+        return "auto"
+    if not isinstance(value, str) or not LANG_CODE.fullmatch(value):
         raise ApiError(400, f'"{key}" must be a language code like "de"' + (' or "auto"' if key == "source" else "")
                        + f", not {str(value)[:20]!r}")
-    return value  # as the model lists it (NLLB: eng_Latn)
+    return state.routes.spelled(value)  # in any case, as LibreTranslate takes it; as the model lists it (eng_Latn)
 
 
 def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
     """LibreTranslate's fields checked (400 / 413 naming the field); unknown fields are ignored, as there."""
     if not isinstance(data, dict):
         raise ApiError(400, 'request body must be a JSON object like {"q": "text", "source": "en", "target": "de"}')
+    refuse_repeated(data, KEYS | {"glossary"})
     q = data.get("q")
     if q is None or q == "" or q == []:
         raise ApiError(400, "Invalid request: missing q parameter")
@@ -113,13 +117,15 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
             raise ApiError(400, f"{where} holds a lone surrogate (\\ud800-\\udfff), not text") from None
     if form:  # as LibreTranslate: line ends of form data are \n
         texts = ["\n".join(t.splitlines()) for t in texts]
-    source, target = _code(data, "source"), _code(data, "target")
+    source, target = _code(data, "source", state), _code(data, "target", state)
     kind = data.get("format")
     kind = "text" if kind is None or kind == "" else kind
     if kind not in ("text", "html"):
         raise ApiError(400, f'"format" must be "text" or "html", not {str(kind)[:20]!r}')
     n = data.get("alternatives", 0)
     if isinstance(n, str) and WHOLE.fullmatch(n.strip()):  # ASCII digits only: int("²") raises
+        n = int(n)
+    elif isinstance(n, float) and n.is_integer():  # JSON's 2.0: LibreTranslate takes int() of it
         n = int(n)
     if not isinstance(n, int) or isinstance(n, bool):
         raise ApiError(400, f'"alternatives" must be a whole number, not {str(n)[:20]!r}')

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pipeline.serve.access import note
 from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
-from pipeline.serve.http import ApiError, bearer, failed, off_loop, too_many
+from pipeline.serve.http import ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
 from pipeline.serve.keys import KeyRefused, RateLimited
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
@@ -68,10 +68,7 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
         raise ApiError(400, f"unknown field(s) {', '.join(shown(k) for k in unknown[:5])}"
                             f"{f' and {len(unknown) - 5} more' if len(unknown) > 5 else ''}; known: "
                             f"{', '.join(sorted(REQUEST_KEYS))}")
-    repeated = getattr(data, "repeated_keys", ())
-    if repeated:  # json keeps the last value: the others would be lost without a word
-        raise ApiError(400, f"field(s) {', '.join(shown(k) for k in repeated[:5])} given more than once; send each "
-                            "once")
+    refuse_repeated(data)
     model = pick_model(data, state)
     text = data.get("text")
     if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
@@ -114,13 +111,6 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     glossary = requested(data.get("glossary"), state.glossaries)
     for_model(glossary, model.translator, state.glossaries)
     return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, kind, glossary)
-
-
-def shown(value: Any) -> str:
-    """A value the client sent, as a refusal quotes it: its repr, cut to 20 characters (a lone surrogate is
-    escaped, a long key is not echoed whole)."""
-    text = value if isinstance(value, str) else json.dumps(value)
-    return repr(text[:20]) + ("..." if len(text) > 20 else "")
 
 
 def request_metrics(data: Any, state: ServerState) -> ModelMetrics:

@@ -110,6 +110,8 @@ def document(title: str) -> dict[str, Any]:
                                       400, 403, 413, 429, 503)}},
             "/download_file/{id}": {"get": {
                 "summary": "The translated document (kept in memory for 10 minutes)",
+                "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"},
+                                "description": "the last part of translatedFileUrl"}],
                 "responses": {"200": {"description": "the document, as an attachment"},
                               "404": {"description": "no such file, or expired"}}}},
             "/suggest": {"post": {

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,8 @@ from pipeline.serve.state import ServerState
 from runtime.languages import LANG_CODE
 
 MAX_ROWS = 1_000_000
+BUSY_S = 2.0  # how long a write waits for another process' lock on the database before its 503
+RETRY_AFTER_S = 5
 
 
 class Suggestions:
@@ -30,8 +33,11 @@ class Suggestions:
     def __init__(self, path: Path):
         self.path = path
         self._lock = threading.Lock()
+        # its own thread: a write waiting on a lock another process holds waits there, not in the threads that
+        # read every request's body
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="suggestions")
         try:
-            self._db = sqlite3.connect(path, check_same_thread=False)
+            self._db = sqlite3.connect(path, timeout=BUSY_S, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute('CREATE TABLE IF NOT EXISTS suggestions ("q" TEXT NOT NULL, "s" TEXT NOT NULL, '
                              '"source" TEXT NOT NULL, "target" TEXT NOT NULL, "created" REAL)')
@@ -45,12 +51,18 @@ class Suggestions:
             if self._rows >= MAX_ROWS:
                 raise ApiError(507, f"the suggestions database holds {MAX_ROWS} suggestions, its limit; the operator "
                                     "must move them elsewhere")
-            self._db.execute("INSERT INTO suggestions (q, s, source, target, created) VALUES (?, ?, ?, ?, ?)",
-                             (q, s, source, target, time.time()))
-            self._db.commit()
+            try:
+                self._db.execute("INSERT INTO suggestions (q, s, source, target, created) VALUES (?, ?, ?, ?, ?)",
+                                 (q, s, source, target, time.time()))
+                self._db.commit()
+            except sqlite3.Error as e:  # locked by another process past BUSY_S, a full disk, a damaged file
+                self._db.rollback()
+                raise ApiError(503, f"the suggestions database cannot take it now ({e}); retry later",
+                               {"Retry-After": str(RETRY_AFTER_S)}) from None
             self._rows += 1
 
     def close(self) -> None:
+        self.writer.shutdown(wait=True)
         with self._lock:
             self._db.close()
 
@@ -86,7 +98,7 @@ async def suggest(request: Request) -> Response:
         data, _ = await read_payload(request, state.limits, state.reading)
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
         fields = _fields(data)
-        await off_loop(state.reading, state.suggestions.add, *fields)
+        await off_loop(state.suggestions.writer, state.suggestions.add, *fields)
         return JSONResponse({"success": True})
     except ApiError as e:
         return error(e)
