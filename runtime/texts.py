@@ -23,7 +23,7 @@ from typing import Protocol
 
 from runtime.backend import Backend
 from runtime.errors import RuntimeUserError
-from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, terms_for
+from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, find_terms, terms_for
 from runtime.glossary_file import load_glossaries
 from runtime.markup import Markup, parse_html
 from runtime.sentences import DEFAULT_LANG, Split, has_letters, split_sentences
@@ -216,8 +216,10 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         raise TooManyUnits(len(out.units), max_units)
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
-    # a sentence without letters is copied as it is: a model invents words for "123" or a date
-    out.copied = [policy.documents and not has_letters(unit) for unit in out.units]
+    # a sentence without letters is copied as it is: a model invents words for "123" or a date; unless the glossary
+    # gives one of its terms a target ("2024" -> "FY24"), which only a translation can hold
+    out.copied = [policy.documents and not has_letters(unit) and not has_fixed_term(glossary, unit)
+                  for unit in out.units]
     out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
                              sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
     out.truncated = [0] * len(texts)
@@ -236,6 +238,11 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
                      if ids else NO_TERMS
                      for unit, ids in zip(seen, out.ids)]
     return out
+
+
+def has_fixed_term(glossary: Glossary | None, text: str) -> bool:
+    """Whether `text` holds a glossary term with a target of its own (not a do-not-translate one)."""
+    return glossary is not None and any(not m.entry.dnt for m in find_terms(glossary, text))
 
 
 def _kept_text(tokenizer: AnyTokenizer, text: str, limit: int) -> str:

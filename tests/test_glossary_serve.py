@@ -292,3 +292,19 @@ def test_libretranslate_checks_a_glossary_when_no_text_reaches_a_model(client):
     r = client.post("/translate", json={"q": ["123"], "source": "de", "target": "en",
                                         "glossary": {"hund": "\u0416\u0417"}})
     assert r.status_code == 400 and "cannot spell" in r.json()["error"]
+
+
+def test_a_text_without_letters_gets_its_terms_target_on_both_apis(client):
+    """A text or sentence without letters is returned unchanged (a model invents words for numbers), even when
+    the request's glossary gave it a target: "2024" -> "tree" held for a whole line only, and the answer listed
+    no term. Without a term, such a text is still returned as it came."""
+    for body in ({"text": ["2024", "der hund. 2024"], "split": "sentences"},
+                 {"q": ["2024", "der hund. 2024"], "source": "de", "target": "en"}):
+        r = client.post("/translate", json={**body, "glossary": {"2024": "tree"}})
+        assert r.status_code == 200, r.text
+        got = r.json()
+        out = got.get("translations") or got["translatedText"]
+        assert all(re.search(r"\btree\b", t) for t in out), out
+        assert got["terms"][0] == [{"source": "2024", "target": "tree", "applied": True, "constrained": True}]
+        r = client.post("/translate", json={**body, "glossary": {"hund": "tree"}})
+        assert (r.json().get("translations") or r.json()["translatedText"])[0] == "2024"

@@ -177,3 +177,23 @@ def test_the_glossary_is_read_once_for_every_input_and_may_be_given_twice(capsys
     out, _ = _translate(capsys, trained_model_dir, tmp_path, ["der hund sieht"], "--glossary", first,
                         "--glossary", more)
     assert "tree" in out[0] and "car" in out[0]
+
+
+def test_a_sentence_without_letters_gets_its_terms_target_whichever_way_it_is_split(capsys, caplog,
+                                                                                      trained_model_dir, tmp_path):
+    """A sentence without letters is copied, not translated (a model invents words for numbers): with
+    `--split sentences` that held even when the glossary gave it a target, so "2024" -> "tree" was applied to a
+    whole line and silently not to the same text split into sentences (nor over HTTP, which splits)."""
+    import logging
+
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text("2024\ttree\n", encoding="utf-8")
+    lines = ["2024", "der hund sieht die katze. 2024", "123"]
+    with caplog.at_level(logging.INFO):
+        whole, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--glossary", glossary)
+        split, _ = _translate(capsys, trained_model_dir, tmp_path, lines, "--glossary", glossary,
+                              "--split", "sentences")
+    assert "tree" in whole[0].split() and "tree" in split[0].split() and "tree" in split[1].split(), (whole, split)
+    assert split[2] == "123"  # no term: still copied
+    counts = [r.getMessage() for r in caplog.records if "the glossary's terms" in r.getMessage()]
+    assert len(counts) == 2 and all("2 found in the input, 2 of them" in c for c in counts), counts

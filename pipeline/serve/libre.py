@@ -42,7 +42,7 @@ from runtime.glossary import Glossary
 from runtime.languages import LANG_CODE
 from runtime.markup import parse_html
 from runtime.sentences import has_letters
-from runtime.texts import EncodedTexts, finish_texts
+from runtime.texts import EncodedTexts, finish_texts, has_fixed_term
 from runtime.translate import NBest
 
 KEYS = frozenset({"q", "source", "target", "format", "alternatives", "api_key"})
@@ -163,7 +163,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
     groups: dict[tuple[str, str], _Group] = {}
     for i, text in enumerate(req.q):
         source = detected[i]["language"] if detected else req.source
-        if source == req.target or not has_letters(text):
+        if source == req.target or not has_letters(text) and not has_fixed_term(req.glossary, text):
             for code, key in ((source, "source"), (req.target, "target")):
                 if code not in state.routes.codes:
                     raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
