@@ -10,10 +10,12 @@ import gzip
 import json
 import math
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("pyarrow", reason="pyarrow is not installed (the ray extra)")
@@ -96,6 +98,32 @@ def test_translator_takes_pandas_and_nulls(fp32_dir):
     assert list(frame["empty"]) == [False, True, False]
     assert frame["translation"][1] == ""
     assert list(frame["translation"]) == translator.translate(["ab cd", "", "ef"]).translation
+
+
+def test_every_kind_of_null_is_a_blank_row_and_what_is_not_text_is_refused(fp32_dir):
+    """Ray's pandas batches hold pd.NA (a string[pyarrow] column's null): "<NA>" was translated as text, and so
+    were NaT, a float32 NaN ("nan") and a null Arrow scalar ("None"); a number or a list was made text in
+    silence, and a pyarrow batch (batch_format="pyarrow") was a TypeError."""
+    import pandas as pd
+    import pyarrow as pa
+
+    translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
+    nulls = [pd.NA, pd.NaT, np.float32("nan"), float("nan"), None, pa.scalar(None, pa.string())]
+    done = translator.translate(["ab cd", *nulls, pa.scalar("ef"), b"ab"])
+    assert done.translation[1:7] == [""] * 6 and done.empty == [False] + [True] * 6 + [False, False]
+    assert done.translation[7] == translator.translate(["ef"]).translation[0]
+    column = pd.array(["ab cd", None], dtype="string")
+    assert translator({"text": column})["empty"].tolist() == [False, True]
+    for value, says in ((7, "row:2: int '7', not text"), (["ab"], "row:2: list"),
+                        (b"\xff", "row:2: invalid UTF-8")):
+        with pytest.raises(UserError, match=re.escape(says)):
+            translator.translate(["ab", value])
+    replacing = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),
+                           options=ServeBatchOptions(invalid_utf8="replace"))
+    assert not replacing.translate([b"ab \xff"]).empty[0]
+    table = translator(pa.table({"text": ["ab cd", None]}))
+    assert table.column("translation").to_pylist() == [done.translation[0], ""]
+    assert table.column("empty").to_pylist() == [False, True]
 
 
 def test_translator_errors_are_one_line_naming_the_row(fp32_dir):
@@ -224,9 +252,15 @@ def test_plan_resumes_the_same_job_and_refuses_another(tmp_path):
     assert hidden(out) == [RECORD]  # the dead writer's temp is gone
     with pytest.raises(UserError, match=r"another model or options \(beam_size differ\); rerun with the same"):
         plan(inputs, out, "text", {**record, "beam_size": 5})
+    write_lines(tmp_path / "c.txt", ["y"])
+    # another job's inputs into a dir holding this one's outputs: its record was replaced, the outputs mixed
+    with pytest.raises(UserError, match=r"another model or options \(beam_size differ\)"):
+        plan([str(tmp_path / "c.txt")], out, "text", {**record, "beam_size": 5})
     (out / RECORD).unlink()
     with pytest.raises(UserError, match="already holds outputs this command did not record"):
         plan(inputs, out, "text", record)
+    with pytest.raises(UserError, match=r"--output-dir .*a.txt: a file, not a directory"):
+        plan([str(tmp_path / "c.txt")], tmp_path / "a.txt", "text", record)
 
 
 def test_job_record_names_the_model_by_its_manifest(fp32_dir):

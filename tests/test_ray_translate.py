@@ -282,6 +282,36 @@ def test_a_glossary_the_model_cannot_apply_is_refused_before_the_cluster(trained
     assert not (tmp_path / "out").exists()
 
 
+def test_rows_with_line_ends_symlinked_shards_and_a_default_given_again(cluster, fp32_dir, tmp_path, capsys,
+                                                                         caplog):
+    """A Parquet row holding line ends, split into sentences, was written over several lines (8 lines for 5
+    rows: every line after it misaligned); a shard beside a symlink to it was "line 1 came back twice", a
+    traceback; `--beam-size 4` on a model whose default is 4 refused to resume the job run without it."""
+    import logging
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows = ["ab cd.\nef gh.", "ij kl.\r\nmn op.", "x1 y22.", "ab.\n\ncd."]
+    write_parquet(corpus / "docs.parquet", {"text": rows})
+    write_lines(corpus / "a.txt", ["ab cd", "ef"])
+    (corpus / "b.txt").symlink_to("a.txt")
+    out = ["--output-dir", tmp_path / "out", "--backend", "onnxruntime", "--split", "sentences"]
+    with caplog.at_level(logging.WARNING):
+        code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, corpus, *out)
+    assert code == 0, err
+    written = (tmp_path / "out" / "docs.txt").read_text(encoding="utf-8")
+    assert written.count("\n") == len(rows) and "\r" not in written
+    flat = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),
+                      options=ServeBatchOptions(split="sentences")).translate(rows).translation
+    assert written.split("\n")[:-1] == [t.replace("\r\n", " ").replace("\n", " ") for t in flat]
+    assert any("3 row(s) held line ends" in r.getMessage() for r in caplog.records)
+    a, b = ((tmp_path / "out" / name).read_text(encoding="utf-8") for name in ("a.txt", "b.txt"))
+    assert a == b and a.count("\n") == 2
+    (tmp_path / "out" / "a.txt").unlink()
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, corpus, *out, "--beam-size", "4")
+    assert code == 0 and "translated 2 lines of 1 shard(s)" in err, err
+
+
 def test_an_unreadable_job_record_is_named_as_such(tmp_path):
     """A damaged record was reported as "made with another model or options (all differ)"."""
     src = write_lines(tmp_path / "a.txt", ["ab"])

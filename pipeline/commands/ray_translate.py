@@ -25,6 +25,7 @@ from runtime.texts import no_gather
 
 log = logging.getLogger(__name__)
 
+SEARCH = ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules")
 # what changes a translation, recorded beside the outputs so that a rerun resumes only the same job
 _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", "split", "lang", "src_lang", "tgt_lang",
              "format", "column")
@@ -69,10 +70,13 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     opened = ModelDir.open(model_dir)
     chosen = check_load(opened, load_options.validate())
     languages.direction(opened.manifest.model_config, opts.src_lang, opts.tgt_lang)
+    effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
     settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
                                      **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
-                "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())},
+                # the search the actors will run (the model's defaults where none is given), not how it was asked
+                # for: `--beam-size 4` on a model whose default is 4 resumes its job; batch limits change nothing
+                "decoding": {name: getattr(effective, name) for name in SEARCH},
                 **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir)

@@ -51,6 +51,7 @@ class JobStats:
     min_len_over: int = 0          # rows whose maximum output length is below --min-len
     terms: int = 0                 # with a glossary: the terms found in the rows, and those the translations hold
     terms_applied: int = 0
+    line_breaks: int = 0           # rows whose translation held line ends, written as spaces
     startup_seconds: float = 0.0  # reaching or starting the cluster
     seconds: float = 0.0          # from then to the last output renamed into place
     actors: int = 0
@@ -81,7 +82,9 @@ def connect(address: str | None) -> bool:
             # a local cluster's processes inherit this environment: no runtime_env, which would leave the workers
             # Ray prestarts unusable for the job (they start without it) and start fresh ones, ~3 s of CPU each
             with _environ("PYTHONPATH", path):
-                ray.init(**quiet)
+                # "local": a cluster of its own, even where `ray start` left one (joined, it could be another
+                # user's, or dead: Ray then retries it for ever); --address names a cluster to join
+                ray.init(address="local", **quiet)
         else:
             ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}}, **quiet)
     except ConnectionError as e:
@@ -219,7 +222,9 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
     bar = progress_bar("translating", progress, shard_lines(plan.todo) if progress and sys.stderr.isatty() else None)
     try:
         for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-            writer.add_rows(batch["shard"], batch["line"] - 1, batch["translation"], batch["last"])
+            translations, broken = one_line_each(batch["translation"])
+            stats.line_breaks += broken
+            writer.add_rows(batch["shard"], batch["line"] - 1, translations, batch["last"])
             stats.lines += len(batch["line"])
             stats.empty += int(batch["empty"].sum())
             stats.truncated += int((batch["truncated"] > 0).sum())  # lines (a row counts its sentences cut)
@@ -228,6 +233,9 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
                 setattr(stats, name, getattr(stats, name) + int(batch[name].sum()))
             bar.update(len(batch["line"]))
         writer.finish()
+        if stats.line_breaks:
+            log.warning("%d row(s) held line ends their translations kept (--split sentences and --format html copy "
+                        "the text between sentences): written as spaces, one line per row", stats.line_breaks)
         if stats.min_len_over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         stats.min_len_over, decoding.min_len)
@@ -236,6 +244,22 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
         raise _user_error(e) or e from None
     finally:
         bar.close()
+
+
+_BREAK = re.compile(r"\r?\n")
+
+
+def one_line_each(translations: Any) -> tuple[list[str], int]:
+    """Each row's translation on one line of its output, and how many rows that repaired: line N is row N. A
+    Parquet row may hold line ends (a text shard's rows cannot), which a sentence split copies between its
+    sentences: made spaces. A lone CR stays, as serve-batch keeps it."""
+    out, repaired = [], 0
+    for text in translations:
+        if "\n" in text:
+            text = _BREAK.sub(" ", text)
+            repaired += 1
+        out.append(text)
+    return out, repaired
 
 
 # A shard's error (a bad file, a refused line) is the same on every try: Ray Data's defaults retry none of them

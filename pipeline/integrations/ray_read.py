@@ -29,7 +29,8 @@ class LinesDatasource(_datasource_base()):  # type: ignore[misc]
 
     def __init__(self, shards: list[Shard], column: str, invalid_utf8: str, rows_per_block: int):
         super().__init__([s.path for s in shards])
-        self.index = {s.path: s.index for s in shards} | {os.path.realpath(s.path): s.index for s in shards}
+        # a path as given first: two shards may be one file (a symlink beside its target)
+        self.index = {os.path.realpath(s.path): s.index for s in shards} | {s.path: s.index for s in shards}
         self.column, self.invalid_utf8, self.rows_per_block = column, invalid_utf8, rows_per_block
 
     def _read_stream(self, f: Any, path: str) -> Iterator[Any]:

@@ -69,6 +69,8 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
             if not matched:
                 raise UserError(f"{given}: no file matches this pattern")
             files += matched
+        elif not os.path.lexists(given):  # plan's readers say it too; read_shards has none before Ray's
+            raise UserError(f"{given}: no such file, directory or glob match")
         else:
             files.append(given)
     return files, dirs
@@ -106,11 +108,14 @@ def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[st
             _check_parquet(f, column)
         else:
             open_binary(f).close()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--output-dir {out_dir}: a file, not a directory; name a directory (made if missing)")
     out_dir.mkdir(parents=True, exist_ok=True)
     for out in outputs:
         check_output_file(out, "--output-dir")
     remove_stale_temps(out_dir)
-    _check_record(out_dir, record, any(out.exists() for out in outputs))
+    _check_record(out_dir, record, any(out.exists() for out in outputs),
+                  any(not p.name.startswith(".") for p in out_dir.iterdir()))
     shards = [Shard(i, os.path.abspath(f), out) for i, (f, out) in enumerate(zip(files, outputs))]
     todo = [s for s in shards if not s.output.exists()]  # an output exists only once complete (renamed)
     return Plan(shards, todo, [s for s in shards if s.output.exists()])
@@ -150,9 +155,12 @@ def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any
     return {"manifest_sha256": digest, **settings}
 
 
-def _check_record(out_dir: Path, record: dict[str, Any], has_outputs: bool) -> None:
+def _check_record(out_dir: Path, record: dict[str, Any], has_outputs: bool, holds_files: bool) -> None:
+    """Refuse outputs made otherwise: a record that differs while the dir holds any output (of these inputs or
+    others: the record describes the whole dir, and replacing it would mix two jobs' outputs in one), or outputs
+    of these inputs without a record."""
     path = out_dir / RECORD
-    if path.exists() and has_outputs:
+    if path.exists() and (has_outputs or holds_files):
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:

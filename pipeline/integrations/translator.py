@@ -112,14 +112,21 @@ class Translator:
         origins = None
         if self.origin_columns is not None:
             origins = [list(batch[name]) for name in self.origin_columns]
-        for name, values in self.translate(list(sources), origins).columns().items():
+        columns = self.translate(list(sources), origins).columns()
+        if hasattr(batch, "append_column"):  # a pyarrow Table (batch_format="pyarrow"): columns are added, not set
+            for name, values in columns.items():
+                if name in batch.column_names:
+                    batch = batch.drop_columns([name])
+                batch = batch.append_column(name, _arrow(values))
+            return batch
+        for name, values in columns.items():
             batch[name] = values
         return batch
 
     def translate(self, sources: Sequence[Any], origins: list[list[Any]] | None = None) -> Translated:
         """Row-aligned results for source strings (None: a blank row); a refused row is named by `origins`
         (each row's file and line) or by its place in the batch (row:N)."""
-        texts = [_text(s) for s in sources]
+        texts = [_text(s, row, self.options.invalid_utf8) for row, s in enumerate(sources)]
         loaded, decoding = self.loaded, self.options.decoding
         origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
         try:
@@ -148,11 +155,33 @@ class Translator:
         return out
 
 
-def _text(value: Any) -> str:
-    if value is None:
+def _arrow(values: np.ndarray) -> Any:
+    import pyarrow as pa  # type: ignore[import-untyped]  # the batch is Arrow's: pyarrow is there
+
+    return pa.array(values.tolist() if values.dtype == object else values)
+
+
+_NULLS = ("NAType", "NaTType")  # pandas' pd.NA (a string column's null) and pd.NaT
+
+
+def _text(value: Any, row: int, invalid_utf8: str) -> str:
+    """A row's source text: a null of any kind (None, NaN, pd.NA, a null Arrow scalar) a blank row; bytes as UTF-8
+    under serve-batch's --invalid-utf8; anything else not text refused, naming the row (its str() would be
+    translated: "nan", "<NA>", "[1, 2]")."""
+    if isinstance(value, str):
+        return value
+    if value is None or type(value).__name__ in _NULLS or isinstance(value, (float, np.floating)) and math.isnan(
+            value):
         return ""
+    if hasattr(value, "as_py") and hasattr(value, "is_valid"):  # a pyarrow scalar
+        return "" if not value.is_valid else _text(value.as_py(), row, invalid_utf8)
     if isinstance(value, bytes):
-        return value.decode("utf-8", errors="replace")
-    if isinstance(value, float) and math.isnan(value):  # pandas' null
-        return ""
-    return str(value)
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if invalid_utf8 == "replace":
+                return value.decode("utf-8", errors="replace")
+            raise UserError(f"row:{row + 1}: invalid UTF-8 (byte {e.start + 1}); pass options with "
+                            "invalid_utf8='replace' to replace it with U+FFFD") from None
+    raise UserError(f"row:{row + 1}: {type(value).__name__} {str(value)[:30]!r}, not text; the source column holds "
+                    "strings (a null is a blank row)")
