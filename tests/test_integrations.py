@@ -171,11 +171,12 @@ def write_parquet(path: Path, columns: dict[str, list]) -> Path:
     return path
 
 
-def test_plan_reads_files_globs_and_directories(tmp_path):
+def test_plan_reads_files_globs_and_directories(tmp_path, caplog):
     shards = tmp_path / "shards"
     shards.mkdir()
-    for name in ("b.txt", "a.txt.gz", "_SUCCESS", ".a.crc"):
+    for name in ("b.txt", "a.txt.gz", "_part.txt", ".a.crc"):
         (shards / name).write_bytes(gzip.compress(b"x\n") if name.endswith(".gz") else b"x\n")
+    (shards / "_SUCCESS").touch()
     write_parquet(tmp_path / "p.parquet", {"src": ["x"]})
     write_lines(tmp_path / "c1.txt", ["x"])
     write_lines(tmp_path / "c2.txt", ["x"])
@@ -183,6 +184,8 @@ def test_plan_reads_files_globs_and_directories(tmp_path):
     assert [s.output.name for s in job.shards] == ["a.txt", "b.txt", "c1.txt", "c2.txt", "p.txt"]
     assert [s.index for s in job.todo] == [0, 1, 2, 3, 4] and not job.skipped
     assert job.shards[4].parquet and not job.shards[0].parquet
+    # a file of text named as Spark's markers are was left out in silence
+    assert "left out 1 file(s) named with a leading _ as Spark's markers are (_part.txt)" in caplog.text
 
 
 @pytest.mark.parametrize("case, needles", [

@@ -40,8 +40,11 @@ def cluster():
     ray.shutdown()
 
 
-def test_actors_fill_the_cluster_and_gpus_are_checked():
+def test_actors_fill_the_cluster_and_gpus_are_checked(caplog):
     cpus = {"CPU": 16.0}
+    with caplog.at_level("WARNING"):  # more than fit: taken as asked, in silence, and the summary counted them
+        assert actors(RayOptions(actors=20), LoadOptions(threads=2), cpus) == 20
+    assert "--actors 20: the cluster holds 8 now (16 CPUs, 2 thread(s) an actor)" in caplog.text
     assert actors(RayOptions(), LoadOptions(), cpus) == 16  # one 1-thread actor per core
     assert actors(RayOptions(), LoadOptions(threads=4), cpus) == 4  # actors x threads = cores
     assert actors(RayOptions(actors=3), LoadOptions(), cpus) == 3

@@ -180,6 +180,10 @@ def actors(ray_opts: RayOptions, load_options: LoadOptions, resources: dict[str,
             raise UserError(f"--threads {threads}: each actor reserves that many CPUs and the cluster has {cpus:g}; "
                             f"give at most {int(cpus)}")
         fit = max(1, int(cpus // threads))
+    if ray_opts.actors and ray_opts.actors > fit:
+        log.warning("--actors %d: the cluster holds %d now (%s); Ray starts those and the others if it grows",
+                    ray_opts.actors, fit, f"{resources.get('GPU', 0.0):g} GPU(s)" if ray_opts.gpus_per_actor > 0
+                    else f"{resources.get('CPU', 0.0):g} CPUs, {threads} thread(s) an actor")
     return ray_opts.actors or fit
 
 

@@ -57,6 +57,11 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
         if Path(given).is_dir():
             dirs.append(given)
             found = sorted(p for p in Path(given).iterdir() if not p.name.startswith((".", "_")))
+            marked = sorted(p.name for p in Path(given).iterdir()
+                            if p.name.startswith("_") and p.is_file() and p.stat().st_size > 0)
+            if marked:  # _SUCCESS is empty; a file of text named so is left out too, but not in silence
+                log.warning("%s: left out %d file(s) named with a leading _ as Spark's markers are (%s); name them "
+                            "to translate them", given, len(marked), ", ".join(marked[:3]))
             nested = [p for p in found if p.is_dir()]
             if nested:
                 raise UserError(f"{nested[0]}: a directory inside the input directory {given}; name the files or "
