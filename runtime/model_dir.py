@@ -219,6 +219,9 @@ def check_load(opened: ModelDir, options: LoadOptions) -> BackendEntry:
                if name not in opened.manifest.files]
     if options.shortlist:
         opened.shortlist  # noqa: B018 - a dir exported without one says how to get one (read once, kept)
+    own = [name for name in missing if name in chosen.files]
+    if own:  # in the backend's words (engines an export skipped: why, and where to build them)
+        raise ModelDirError(f"{opened.path}: {chosen.missing(opened.manifest, own)}")
     if missing:
         raise ModelDirError(f"{opened.path}: the manifest lists no {missing[0]}; {REDO}")
     return chosen

@@ -198,6 +198,7 @@ ENTRIES = (
                  options=("device", "threads", "precision", "shortlist", "step", "steps_per_replay"),
                  checkpoint_weights=True,
                  torch_memory=True, shortlist_files=(io_names.SHORTLIST_FILE,), needs_torch=True,
+                 missing=_missing_files(" (re-run `pipeline export`)"),
                  runs=lambda manifest: [("fp32", "cpu"), ("fp32", "cuda"), ("fp16", "cuda")]),  # model.pt is fp32
     BackendEntry("onnxruntime", (io_names.ENCODER_FILE, io_names.DECODER_FILE, SPM_FILE), "onnxruntime",
                  "runtime.ort_backend:open_model_dir", options=("device", "threads", "shortlist", "parallel_batches"),

@@ -102,15 +102,20 @@ PY
 }
 
 evaluate() {  # evaluate SAVE_DIR MODEL_DIR LABEL: average, tune decoding on val, export, score the tests
-    local run=$1 model=$2 label=$3 beam alpha k bleu best_k="" best_bleu=-1
+    local run=$1 model=$2 label=$3 beam alpha k bleu best_k="" best_bleu=-1 from=$AVERAGE_FROM
+    if [ "$from" = best ] && [ ! -f "$run/checkpoint_best.pt" ]; then  # TIME ended before the first validation
+        echo "$label: no validation before the budget ended (--valid-every 400); averaging the last checkpoints" \
+            | tee -a "$RUN/recipe.txt"
+        from=last
+    fi
     # How many checkpoints to average, on val (beam 4, alpha 0.6): a run still improving fast is
     # hurt by averaging in its older checkpoints, a converged one gains.
     for k in ${AVERAGES//,/ }; do
-        pipeline average "$run" "--$AVERAGE_FROM" "$k" --out "$run/averaged-$k.pt"
+        pipeline average "$run" "--$from" "$k" --out "$run/averaged-$k.pt"
         pipeline tune-decoding "$run/averaged-$k.pt" --src "$(pick val.de)" --ref "$(pick val.en)" --beams 4 \
             --alphas 0.6 --json "$run/average-$k.json" > /dev/null
         bleu=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["bleu"])' "$run/average-$k.json")
-        echo "$label: average of $k checkpoint(s) ending at the $AVERAGE_FROM: val BLEU $bleu" | tee -a "$RUN/recipe.txt"
+        echo "$label: average of $k checkpoint(s) ending at the $from: val BLEU $bleu" | tee -a "$RUN/recipe.txt"
         if python -c 'import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))' "$bleu" "$best_bleu"; then
             best_k=$k best_bleu=$bleu
         fi

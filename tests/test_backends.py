@@ -128,7 +128,9 @@ def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
         pytest.skip("tensorrt is installed here")
     # The export skipped engines (no TensorRT): the manifest lists none, and the
     # backend itself refuses to start without the library.
-    with pytest.raises(ModelDirError, match=r"encoder\.plan"):
+    # it said "the manifest lists no encoder.plan; re-run `pipeline export`", which skips them again here
+    with pytest.raises(ModelDirError, match=r"no TensorRT engines \(export skipped them: .*\); re-run .*--tensorrt"
+                                            r".* on the serving machine"):
         load(trained_model_dir, LoadOptions(backend="tensorrt"))
     from runtime.trt_backend import import_tensorrt
     with pytest.raises(RuntimeUserError, match="tensorrt is not installed.*--backend onnxruntime"):

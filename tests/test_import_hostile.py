@@ -263,6 +263,11 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
                       ("pytorch_model.bin", "refused for safety", "safe_serialization=True")),
     "pickle-int-key": (lambda hf: as_pytorch_bin({1: __import__("torch").zeros(3)})(hf),
                        ("pytorch_model.bin", "key 1 is not a tensor name")),
+    # damaged, not unsafe: they were "refused for safety" and "unreadable weights (EOFError: )"
+    "pickle-garbage": (lambda hf: (as_pytorch_bin()(hf), (hf / "pytorch_model.bin").write_bytes(
+        bytes(range(256)) * 12)), ("pytorch_model.bin", "damaged, or not a PyTorch file", "download it again")),
+    "pickle-empty": (lambda hf: (as_pytorch_bin()(hf), (hf / "pytorch_model.bin").write_bytes(b"")),
+                     ("pytorch_model.bin", "ends early")),
     "torn-safetensors": (lambda hf: (hf / "model.safetensors").write_bytes(
         (hf / "model.safetensors").read_bytes()[:1000]), ("model.safetensors",)),
     "lying-header": (lambda hf: (hf / "model.safetensors").write_bytes(_header_only(10 ** 9)),

@@ -67,8 +67,12 @@ def test_an_id_not_in_the_cache_is_one_line_naming_where_it_looked(cache, tmp_pa
     assert code == 2 and "Traceback" not in err
     assert err.strip().splitlines() == [
         f"error: Helsinki-NLP/opus-mt-de-en: no such directory, nor a model in the Hugging Face cache (looked for "
-        f"{cache / 'models--Helsinki-NLP--opus-mt-de-en'}); download it once with `huggingface-cli download "
-        "Helsinki-NLP/opus-mt-de-en` (or save_pretrained), or give its directory"]
+        f"{cache / 'models--Helsinki-NLP--opus-mt-de-en'}); download it once with `hf download "
+        "Helsinki-NLP/opus-mt-de-en` (`huggingface-cli download` before huggingface_hub 0.34; or save_pretrained), "
+        "or give its directory"]
+    # a path as typed is no hub id (click's Path dropped "./": "download it once with ... nope")
+    code, _, err = run_cli_captured(capsys, "import", "./nope", "--out", "m.pt")
+    assert code == 2 and "nope" in err and "Hugging Face cache" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_a_broken_ref_is_one_line(cache, tmp_path, monkeypatch, capsys):

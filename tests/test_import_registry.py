@@ -70,6 +70,17 @@ def test_an_unknown_model_type_is_one_line_naming_the_families_known(dirs, tmp_p
     assert not (tmp_path / "o.pt").exists()
 
 
+@pytest.mark.parametrize("named, other", [("marian", "m2m100"), ("m2m100", "marian")])
+def test_a_family_named_on_another_models_directory_says_its_model_type_first(dirs, tmp_path, capsys, named,
+                                                                             other):
+    """`pipeline import marian M2M_DIR` said "source.spm: missing", naming a file the family has and never the
+    model type that tells the user what went wrong."""
+    code, _, err = run_cli_captured(capsys, "import", named, dirs[other], "--out", tmp_path / "o.pt")
+    wanted = registry.family(registry.COMMANDS[named]).model_type
+    one_error_line(code, err, "config.json: model_type is", f"not {wanted!r}", "takes the family model_type names")
+    assert not (tmp_path / "o.pt").exists()
+
+
 def test_the_registry_lists_its_families():
     families = registry.families()
     assert set(families) == {"marian", "m2m_100"}

@@ -14,6 +14,7 @@ import torch
 from helpers import (
     MEMORISE_PAIRS,
     TINY,
+    assert_one_line_error,
     cli_env,
     last_step,
     make_parallel,
@@ -470,3 +471,28 @@ def test_progress_bar_only_on_a_terminal(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "\r" not in err and "step/s" not in err and "2/2" not in err, err
     assert last_step(tmp_path / "run") == 2
+
+
+def test_average_best_says_why_there_is_no_best_and_counts_up_to_it(random_checkpoint, tmp_path, capsys, caplog):
+    """A run with a validation set stopped (--max-time) before its first --valid-every: "--best needs a run with
+    validation (--valid-src/--valid-tgt)", which it had (scripts/multi30k.sh with a short TIME failed so). Five
+    checkpoints with the best at the fourth: "only 4 checkpoint(s) in DIR", which held five."""
+    import json
+    import logging
+
+    from model.checkpoint import BEST
+
+    run = tmp_path / "run"
+    _run_of(random_checkpoint, run, {f"checkpoint_0000000{s}.pt": s for s in (1, 2, 3, 4, 5)})
+    (run / "config.json").write_text(json.dumps({"training": {"valid_src": "val.de"},
+                                                 "resolved_options": {"valid_every": 400}}))
+    code, _, err = run_cli_captured(capsys, "average", run, "--best", 1)
+    assert_one_line_error(code, err, "the run stopped before its first validation (every 400 updates)", "--last")
+    (run / "config.json").write_text(json.dumps({"training": {"valid_src": None}, "resolved_options": {}}))
+    code, _, err = run_cli_captured(capsys, "average", run, "--best", 1)
+    assert_one_line_error(code, err, "--best needs a run with validation (--valid-src/--valid-tgt)")
+    _run_of(random_checkpoint, tmp_path / "b", {BEST: 4})
+    (tmp_path / "b" / BEST).rename(run / BEST)
+    with caplog.at_level(logging.WARNING):
+        assert run_cli("average", run, "--best", 5, "--out", tmp_path / "avg.pt") == 0
+    assert "only 4 checkpoint(s) in" in caplog.text and "up to the best (step 4)" in caplog.text

@@ -20,8 +20,8 @@ from pipeline.textio import check_output_file
 def _import_arguments(command: Any) -> Any:
     """HF_DIR, --out and --force: what every importer takes."""
     command = options_from(ImportOptions)(command)
-    return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=GivenPath(file_okay=False, path_type=Path)
-                          )(command)
+    # as typed (a str, not a Path, which drops "./"): `./nope` is a path, never a hub id
+    return click.argument("hf_dir", metavar="HF_DIR|HUB_ID", type=GivenPath(file_okay=False, path_type=str))(command)
 
 
 def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str:
@@ -40,7 +40,7 @@ class _ImportGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-def _run(hf_dir: Path, out: Path, force: bool, command: str | None) -> None:
+def _run(hf_dir: str, out: Path, force: bool, command: str | None) -> None:
     """Import HF_DIR (a hub id resolved through the Hugging Face cache) as the family `command` names (None: the
     one config.json's model_type names), and say what was imported in one line."""
     from pipeline.importers.convert import import_checkpoint
@@ -73,7 +73,7 @@ def import_group() -> None:
 
 @import_group.command("auto")
 @_import_arguments
-def auto(hf_dir: Path, out: Path, force: bool) -> None:
+def auto(hf_dir: str, out: Path, force: bool) -> None:
     """Import HF_DIR as the family its config.json's model_type names (`pipeline import HF_DIR` runs this):
     marian (OPUS-MT), m2m_100 (M2M-100, or NLLB-200 by its tokenizer). An unknown model_type is one line
     naming it and the families known. Never touches the network.
@@ -85,7 +85,7 @@ def auto(hf_dir: Path, out: Path, force: bool) -> None:
 
 @import_group.command("marian")
 @_import_arguments
-def marian(hf_dir: Path, out: Path, force: bool) -> None:
+def marian(hf_dir: str, out: Path, force: bool) -> None:
     """Import HF_DIR, a local OPUS-MT / MarianMTModel directory (what `save_pretrained` writes:
     config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json and,
     when present, generation_config.json). Never touches the network.
@@ -103,7 +103,7 @@ def marian(hf_dir: Path, out: Path, force: bool) -> None:
 
 @import_group.command("m2m100")
 @_import_arguments
-def m2m100(hf_dir: Path, out: Path, force: bool) -> None:
+def m2m100(hf_dir: str, out: Path, force: bool) -> None:
     """Import HF_DIR, a local M2M-100 or NLLB-200 directory (what `save_pretrained` writes: config.json,
     model.safetensors or pytorch_model.bin, sentencepiece.bpe.model, tokenizer_config.json, vocab.json
     (M2M-100) or tokenizer.json (NLLB) and, when present, generation_config.json): one model for many

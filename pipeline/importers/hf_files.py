@@ -235,10 +235,16 @@ def load_pickle(path: Path) -> dict[str, torch.Tensor]:
             if "mmap" not in str(e):
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
+    except pickle.UnpicklingError as e:
+        if "global" not in str(e):  # torch's words for a pickle of other objects; else it is torn or not one
+            raise ImportRefused(f"{path}: unreadable weights: damaged, or not a PyTorch file (its pickle stops at "
+                                "data no pickle holds); download it again") from None
         raise ImportRefused(f"{path}: not a plain tensor state dict (it holds pickled objects that are not "
                                 "tensors); refused for safety; re-save it with save_pretrained("
                                 "safe_serialization=True)") from None
+    except EOFError:
+        raise ImportRefused(f"{path}: unreadable weights: the file ends early (empty or cut short); download it "
+                            "again") from None
     except Exception as e:  # a torn or foreign file: name it
         raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):

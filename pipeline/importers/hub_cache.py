@@ -26,21 +26,22 @@ def hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def resolve_model_dir(given: Path) -> Path:
-    """The directory to import: `given` itself when it is a model directory, a cache repository's snapshot when it
-    is `models--ORG--NAME` or a hub id found in the cache; else ImportRefused naming where it looked."""
+def resolve_model_dir(typed: str | Path) -> Path:
+    """The directory to import: `typed` itself when it is a model directory, a cache repository's snapshot when it
+    is `models--ORG--NAME` or a hub id found in the cache; else ImportRefused naming where it looked. A path as
+    typed (`./nope`; a Path drops the `./`) is never taken for a hub id."""
+    given, text = Path(typed), str(typed)
     if given.is_dir():
         if given.name.startswith("models--") and (given / "snapshots").is_dir():
             return _snapshot(given, str(given))
         return given
-    text = str(given)
     if given.exists() or not HUB_ID.fullmatch(text) or text.startswith("."):
         return given  # not an id: the importer says what is wrong with the path
     repo = hub_cache() / ("models--" + text.replace("/", "--"))
     if not repo.is_dir():
         raise ImportRefused(f"{text}: no such directory, nor a model in the Hugging Face cache (looked for {repo}); "
-                            f"download it once with `huggingface-cli download {text}` (or save_pretrained), or "
-                            "give its directory")
+                            f"download it once with `hf download {text}` (`huggingface-cli download` before "
+                            "huggingface_hub 0.34; or save_pretrained), or give its directory")
     return _snapshot(repo, text)
 
 

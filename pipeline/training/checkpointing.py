@@ -5,11 +5,11 @@ averaging the last few (section 6.1).
 A step checkpoint holds the model config, SentencePiece model and weights (model/checkpoint.py)
 plus `train_state`: optimizer, loss scaler, schedule step, data position, RNG states of
 every rank, tokens seen, best BLEU, the comparable config, the resolved options and the
-corpus files' fingerprints (size + SHA-256: resuming on changed data is refused).
-"""
+corpus files' fingerprints (size + SHA-256: resuming on changed data is refused)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import random
@@ -104,6 +104,16 @@ def run_corpus(save_dir: Path) -> list[Path]:
         return [Path(entry["path"]) for entry in files.values() if isinstance(entry, dict) and "path" in entry]
     except (OSError, ValueError, AttributeError, TypeError):
         return []
+
+
+def _no_best(save_dir: Path) -> str:
+    """Why a run has no checkpoint_best.pt: it has no validation set, or stopped before its first validation."""
+    with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
+        config = json.loads((save_dir / CONFIG_FILE).read_text())
+        if config["training"].get("valid_src"):
+            return (f"the run stopped before its first validation (every {config['resolved_options']['valid_every']}"
+                    " updates), so none is best yet; average the --last checkpoints, or train on past it")
+    return "--best needs a run with validation (--valid-src/--valid-tgt)"
 
 
 def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
@@ -346,8 +356,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     best_step = None
     if best is not None:
         if not (save_dir / BEST).is_file():
-            raise UserError(f"{save_dir / BEST}: not found; --best needs a run with validation "
-                            "(--valid-src/--valid-tgt)")
+            raise UserError(f"{save_dir / BEST}: not found; " + _no_best(save_dir))
         best_step = read_checkpoint(save_dir / BEST)["extra"].get("step")
         paths, last = best_window(scheduled_checkpoints(save_dir), best_step, best), best
         if best_step is not None and not any(checkpoint_step(p) == best_step for p in paths):
@@ -360,10 +369,10 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
         raise UserError(f"{save_dir}: its only checkpoints were written at a stop signal ({points}): resume points, "
                         "not averaged; rerun the training command to go on, or export that file itself")
     if not paths:
-        raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` "
-                        "--save-dir?")
+        raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` --save-dir?")
     if len(paths) < last:
-        log.warning("only %d checkpoint(s) in %s, averaging those (asked for %d)", len(paths), save_dir, last)
+        log.warning("only %d checkpoint(s) in %s%s, averaging those (asked for %d)", len(paths), save_dir,
+                    f" up to the best (step {best_step})" if best is not None else "", last)
     first = read_checkpoint(paths[0])
     last_payload = first
     # float64 sums: averaging 20 float32 checkpoints in float32 would round each addition.
