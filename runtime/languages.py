@@ -70,9 +70,19 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
             raise LanguageError(f"{name} is required: this model translates between {len(ids)} languages "
                                 f"({_listed(cfg)})")
         if value not in ids:
-            raise LanguageError(f"{name} {value[:40]!r} is not a language of this model; it has {_listed(cfg)}")
+            near = _near(value, codes(cfg))
+            raise LanguageError(f"{name} {value[:40]!r} is not a language of this model; "
+                                + (f"did you mean {', '.join(near)}? " if near else "") + f"it has {_listed(cfg)}")
     assert source is not None and target is not None
     return Direction(source, target, (ids[source],), ids[target])
+
+
+def _near(value: str, known: list[str], most: int = 5) -> list[str]:
+    """Codes the user may have meant: the same in another case, or starting with what was given (en: eng_Latn,
+    the NLLB spelling of a two-letter code is its three-letter one with a script)."""
+    key = value.casefold()
+    same = [c for c in known if c.casefold() == key]
+    return same or [c for c in known if key and c.casefold().startswith(key)][:most]
 
 
 def _listed(cfg: ModelConfig, limit: int = 40) -> str:

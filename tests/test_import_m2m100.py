@@ -125,6 +125,11 @@ def test_languages_are_checked_with_one_line(checkpoint):
         direction(backend.cfg, None, "de")
     with pytest.raises(LanguageError, match=r"--tgt-lang 'xx' is not a language of this model; it has en, ha"):
         direction(backend.cfg, "en", "xx")
+    # the code it has, another way: the user's nearest spellings first (NLLB's eng_Latn was not in the first 40)
+    with pytest.raises(LanguageError, match=r"--src-lang 'EN' is not a language of this model; did you mean en\? "):
+        direction(backend.cfg, "EN", "ha")
+    with pytest.raises(LanguageError, match=r"--tgt-lang 'h' is not a language of this model; did you mean ha\? "):
+        direction(backend.cfg, "en", "h")
 
 
 @pytest.mark.slow
