@@ -298,6 +298,8 @@ def resolve_checkpoint(path: Path) -> Path:
             return averaged
     elif averaged.is_file():
         return averaged
+    if not steps and (path / "manifest.json").is_file() and (path / "model.pt").is_file():  # export's output
+        raise CheckpointError(f"{path}: an exported model dir, not a save dir; its checkpoint is {path / 'model.pt'}")
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint_<step>.pt or {AVERAGED} in this directory; "
                               "is it a `pipeline train --save-dir`?")

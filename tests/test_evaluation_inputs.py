@@ -124,3 +124,11 @@ def test_tune_decodings_export_line_carries_every_search_setting_it_ran_with():
     assert Trial(4, 0.6, 30.0, 50.0).export_flags() == "--beam-size 4 --alpha 0.6"
     assert Trial(2, 1.0, 30.0, 50.0, max_len_a=0.0, max_len_b=5, rules="transformers").export_flags() == (
         "--beam-size 2 --alpha 1 --max-len-a 0 --max-len-b 5 --rules transformers")
+
+
+def test_export_of_an_exported_model_dir_names_its_checkpoint(capsys, fp32_dir, tmp_path):
+    """"no checkpoint_<step>.pt or averaged.pt in this directory; is it a `pipeline train --save-dir`?" for a
+    model dir, whose model.pt is the checkpoint the user meant."""
+    code, _, err = run_cli_captured(capsys, "export", fp32_dir, "--out", tmp_path / "again")
+    assert_one_line_error(code, err, "an exported model dir, not a save dir; its checkpoint is", "model.pt")
+    assert not (tmp_path / "again").exists()
