@@ -11,8 +11,10 @@ same data: config.json and every checkpoint record the corpus files' size and SH
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import random
 import signal
 from pathlib import Path
@@ -68,6 +70,7 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     started = process_start_time() if started is None else started
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
+    made = not os.path.lexists(opts.save_dir)
     _check_save_dir(Path(opts.save_dir))
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -79,8 +82,22 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
         if ctx.distributed:  # every rank past its last collective before the group goes: a rank destroying it
             torch.distributed.barrier()  # while another still used it ended a finished run in SIGABRT (rarely)
         return save_dir
+    except UserError:
+        if made:
+            _remove_if_empty(Path(opts.save_dir))
+        raise
     finally:
         shutdown(ctx)
+
+
+def _remove_if_empty(save_dir: Path) -> None:
+    """A save dir this run made and refused before writing a file in it (a corpus of unequal lines, a missing
+    file): removed, so that a refused run leaves nothing behind."""
+    with contextlib.suppress(OSError):
+        inside = sorted(save_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True)
+        if not any(p.is_file() or p.is_symlink() for p in inside):
+            for p in [*inside, save_dir]:
+                p.rmdir()
 
 
 def _check_save_dir(save_dir: Path) -> None:
