@@ -95,10 +95,14 @@ Slot = tuple[Any, str]  # where a piece of a paragraph's text is: an element and
 
 
 def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str],
-                    fields: frozenset[str] = frozenset()) -> Iterator[list[Slot]]:
+                    fields: frozenset[str] = frozenset(), inline: Callable[[Any], set[Any]] = lambda root: set()
+                    ) -> Iterator[list[Slot]]:
     """Each paragraph's runs of text (`text` elements) between its breaks (tabs, line breaks, a complex
     field's marks), in document order; a paragraph inside another (a text box in a run) is its own. A field
-    (`fields`) is cut off on both sides: its value is never merged with the sentence around it."""
+    (`fields`) is cut off on both sides: its value is never merged with the sentence around it. `inline`: the
+    field elements of `root` that are neither (a link's words are the sentence's)."""
+    kept = inline(root)
+
     def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
         for child in element:
             tag = child.tag
@@ -106,11 +110,11 @@ def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str]
                 mine: list[list[Slot]] = [[]]
                 yield from walk(child, mine)
                 yield from mine
-            elif segments is not None and tag in breaks:
+            elif segments is not None and tag in breaks and child not in kept:
                 segments.append([])
             elif segments is not None and tag == text:
                 segments[-1].append((child, "text"))
-            elif segments is not None and tag in fields:
+            elif segments is not None and tag in fields and child not in kept:
                 segments.append([])
                 yield from walk(child, segments)
                 segments.append([])
@@ -129,7 +133,8 @@ MAX_SPACES = 16  # what one text:s adds to a text: no more characters than its X
 
 def _odf_segments(root: Any) -> Iterator[list[Slot]]:
     """As _ooxml_segments for OpenDocument, whose paragraphs hold their text as element text and tails.
-    text:s (extra spaces, one for every double space) is part of the sentence, not a cut. What is anchored in
+    text:s (extra spaces) of one space (a double space) is part of the sentence; of more, a gap the layout
+    needs (ODF shows consecutive spaces as one), kept as it is, and a cut. What is anchored in
     a paragraph (a footnote, a comment, a frame, ruby) is not: its own paragraphs are texts of their own and
     the rest (citation, author, date, alt text) is copied, so the anchor ends up after the translated sentence,
     as a Word footnote reference does. Any other text element that holds text is a field (page number, date,
@@ -147,7 +152,9 @@ def _odf_segments(root: Any) -> Iterator[list[Slot]]:
                 yield from walk(child, None)
             elif tag in ODF_BREAKS:
                 segments.append([])
-            elif tag == TEXT + "s":
+            elif tag == TEXT + "s" and _spaces(child) > 1:  # 3 spaces or more: a gap of the layout, kept, a cut
+                segments.append([])
+            elif tag == TEXT + "s":  # the second space of a double one: part of the sentence
                 segments[-1].append((child, "spaces"))
             elif tag in ODF_INLINE:
                 yield from walk(child, segments)
@@ -244,8 +251,28 @@ PPTX_BREAKS = frozenset({A + "br", A + "fld"})  # a field's text (slide number, 
 
 def read_docx(data: bytes) -> Document:
     return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
-                             lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS),
-                             True)
+                             lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS,
+                                                          _docx_links), True)
+
+
+def _docx_links(root: Any) -> set[Any]:
+    """The marks (begin, separate, end) of the complex fields, and the simple fields, that are links (HYPERLINK):
+    their shown value is words of the sentence, as a w:hyperlink's are, never cut off."""
+    links = {e for e in root.iter(W + "fldSimple") if e.get(W + "instr", "").split()[:1] == ["HYPERLINK"]}
+    open_fields: list[tuple[list[Any], list[str]]] = []  # nested fields: each its marks and its code
+    for element in root.iter(W + "fldChar", W + "instrText"):
+        if element.tag == W + "instrText":
+            if open_fields:
+                open_fields[-1][1].append(element.text or "")
+        elif element.get(W + "fldCharType") == "begin":
+            open_fields.append(([element], []))
+        elif open_fields:
+            open_fields[-1][0].append(element)
+            if element.get(W + "fldCharType") == "end":
+                marks, code = open_fields.pop()
+                if "".join(code).split()[:1] == ["HYPERLINK"]:
+                    links.update(marks)
+    return links
 
 
 def read_pptx(data: bytes) -> Document:
