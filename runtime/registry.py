@@ -130,7 +130,7 @@ def _engines_match(manifest: Manifest, facts: Facts) -> str:
 
 
 def _missing_files(redo: str = "") -> Callable[[Manifest, list[str]], str]:
-    return lambda manifest, missing: f"the model dir has no {', '.join(missing)}{redo}"
+    return lambda manifest, missing: f"the manifest lists no {', '.join(missing)}{redo}"
 
 
 def _exported_precision(manifest: Manifest, devices: tuple[str, ...]) -> list[tuple[str, str]]:

@@ -118,6 +118,8 @@ def test_every_kind_of_null_is_a_blank_row_and_what_is_not_text_is_refused(fp32_
                         (b"\xff", "row:2: invalid UTF-8")):
         with pytest.raises(UserError, match=re.escape(says)):
             translator.translate(["ab", value])
+    with pytest.raises(UserError, match=r"^f\.parquet:12: int '5', not text"):  # named by its origin, as lines are
+        translator.translate(["ab", 5], [["f.parquet", "f.parquet"], [11, 12]])
     replacing = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),
                            options=ServeBatchOptions(invalid_utf8="replace"))
     assert not replacing.translate([b"ab \xff"]).empty[0]
@@ -177,6 +179,7 @@ def test_plan_reads_files_globs_and_directories(tmp_path, caplog):
     for name in ("b.txt", "a.txt.gz", "_part.txt", ".a.crc"):
         (shards / name).write_bytes(gzip.compress(b"x\n") if name.endswith(".gz") else b"x\n")
     (shards / "_SUCCESS").touch()
+    (shards / "_common_metadata").write_bytes(b"PAR1 a dataset's schema")  # not a shard, nor worth a warning
     write_parquet(tmp_path / "p.parquet", {"src": ["x"]})
     write_lines(tmp_path / "c1.txt", ["x"])
     write_lines(tmp_path / "c2.txt", ["x"])
@@ -264,6 +267,27 @@ def test_plan_resumes_the_same_job_and_refuses_another(tmp_path):
         plan(inputs, out, "text", record)
     with pytest.raises(UserError, match=r"--output-dir .*a.txt: a file, not a directory"):
         plan([str(tmp_path / "c.txt")], tmp_path / "a.txt", "text", record)
+
+
+def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path):
+    """A README in the output dir counted as another job's output (a rerun with other options was refused over
+    it); a record written before the search was recorded as it runs refused the very job that wrote it."""
+    write_lines(tmp_path / "a.txt", ["x"])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "README").write_text("notes\n")
+    new, old = {"manifest_sha256": "1", "decoding": {"beam_size": 4}}, {"manifest_sha256": "1", "decoding": {}}
+    plan([str(tmp_path / "a.txt")], out, "text", new)
+    plan([str(tmp_path / "a.txt")], out, "text", {**new, "decoding": {"beam_size": 2}})  # nothing made yet
+    assert json.loads((out / RECORD).read_text())["outputs"] == ["a.txt"]
+    (out / RECORD).write_text(json.dumps(old))  # as the version before wrote it, its a.txt complete
+    write_lines(out / "a.txt", ["X"])
+    write_lines(tmp_path / "b.txt", ["y"])
+    job = plan([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], out, "text", new, legacy=old)
+    assert [s.output.name for s in job.todo] == ["b.txt"]
+    assert json.loads((out / RECORD).read_text())["outputs"] == ["a.txt", "b.txt"]
+    with pytest.raises(UserError, match=r"\(decoding differ\)"):  # b.txt not made yet; a.txt is listed
+        plan([str(tmp_path / "b.txt")], out, "text", {**new, "decoding": {"beam_size": 2}})
 
 
 def test_job_record_names_the_model_by_its_manifest(fp32_dir):

@@ -451,3 +451,15 @@ def test_files_being_read_never_hold_the_threads_that_prepare_requests(monkeypat
             t.join()
     assert r.status_code == 200 and r.json()["translatedText"] == "HALLO WELT"
     assert answered_first
+
+
+def test_a_form_field_that_is_not_utf8_is_a_400_as_on_translate():
+    """/translate_file read a Latin-1 field as Latin-1 (a glossary's "posä" became mojibake that never matched),
+    where /translate refuses it."""
+    body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\nder hund\n\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="source"\r\n\r\nde\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="target"\r\n\r\nen\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="glossary"\r\n\r\n{"pos\xe4": "mosin"}\r\n--B--\r\n')
+    with served() as c:
+        r = c.post("/translate_file", content=body, headers={"content-type": "multipart/form-data; boundary=B"})
+    assert r.status_code == 400 and "form field 'glossary' is not utf-8 text" in r.json()["error"], r.text

@@ -168,6 +168,7 @@ def test_html_keeps_tags_attributes_entities_and_untranslated_elements():
     ({"q": "a", "source": "de", "target": "en", "alternatives": "many"}, 400, '"alternatives" must be'),
     ({"q": "a", "source": "de", "target": "en", "alternatives": 1e9}, 400, '"alternatives" 1000000000 is above'),
     ({"q": "a", "source": "de", "target": "en", "alternatives": 1.5}, 400, '"alternatives" must be'),
+    ({"q": "a", "source": "de", "target": "en", "alternatives": 1e300}, 400, '"alternatives" 10000000000000000525... is'),
     ({"q": "a", "source": "fr", "target": "en"}, 400, "it translates de-en, en-de"),
     ({"q": "\ud800", "source": "de", "target": "en"}, 400, "q holds a lone surrogate"),
     ({"q": ["a"] * 11, "source": "de", "target": "en"}, 413, "--max-lines"),

@@ -48,13 +48,18 @@ def test_suggestions_are_stored_and_checked(tmp_path: Path, monkeypatch):
             assert r.status_code == 400 and needle in r.json()["error"], r.text
         r = c.post("/suggest", json={"q": "x", "s": "y", "source": "de", "target": "en", "api_key": "wrong-one-1"})
         assert r.status_code == 403
+        # as /translate: a field given twice is refused, a code in another case stored as the models spell it
+        r = c.post("/suggest", content=b'{"q": "a", "q": "b", "s": "c", "source": "de", "target": "en"}',
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "given more than once" in r.json()["error"]
+        assert c.post("/suggest", json={"q": "Vogel", "s": "bird", "source": "DE", "target": "En"}).status_code == 200
         monkeypatch.setattr(suggestions, "MAX_ROWS", 2)
         r = c.post("/suggest", json={"q": "Maus", "s": "mouse", "source": "de", "target": "en"})
         assert r.status_code == 507 and "its limit" in r.json()["error"]
     state.suggestions.close()
     rows = sqlite3.connect(db).execute("SELECT q, s, source, target FROM suggestions ORDER BY rowid").fetchall()
-    assert rows == [("Hund", "dog", "de", "en"), ("Katze", "cat", "de", "en")]
-    assert suggestions.Suggestions(db)._rows == 2  # counted again when reopened
+    assert rows == [("Hund", "dog", "de", "en"), ("Katze", "cat", "de", "en"), ("Vogel", "bird", "de", "en")]
+    assert suggestions.Suggestions(db)._rows == 3  # counted again when reopened
 
 
 def test_a_database_that_is_not_one_is_one_line(tmp_path: Path):

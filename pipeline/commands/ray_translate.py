@@ -72,14 +72,17 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     languages.direction(opened.manifest.model_config, opts.src_lang, opts.tgt_lang)
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
-    settings = {**{k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
-                                     **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED},
+    recorded = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
+                                  **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED}
+    settings = {**recorded,
                 # the search the actors will run (the model's defaults where none is given), not how it was asked
                 # for: `--beam-size 4` on a model whose default is 4 resumes its job; batch limits change nothing
                 "decoding": {name: getattr(effective, name) for name in SEARCH},
                 **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
+    # what a record of before the outputs were listed held: the options given (a job started then resumes)
+    legacy = {**recorded, "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
-               target_suffix(suffix, model_dir, opts.tgt_lang), model_dir)
+               target_suffix(suffix, model_dir, opts.tgt_lang), model_dir, job_record(model_dir, legacy))
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return
@@ -105,9 +108,14 @@ def _glossary(opened: ModelDir, backend: str, load_options: LoadOptions, paths: 
     check_targets(glossary, opened.tokenizer.encode, opened.tokenizer.unk_id)
     if backend == "onnxruntime":
         why = ort_constrained.why_not(opened.path, opened.manifest, load_options.shortlist)
+    elif backend == "torch":  # its eager step gathers; the default on a GPU (a CUDA graph) does not
+        from runtime.registry import resolve_device
+        from runtime.torch_backend import default_step_mode
+
+        step = load_options.step or default_step_mode(resolve_device(load_options.device), load_options.shortlist)
+        why = None if step == "eager" and not load_options.shortlist else no_gather(backend) + " (--step eager)"
     else:
-        why = None if backend == "torch" and not load_options.shortlist and load_options.step in (None, "eager") \
-            else no_gather(backend)
+        why = no_gather(backend)
     if why:
         raise UserError(why)
     return glossary

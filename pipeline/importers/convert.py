@@ -40,9 +40,10 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     if out.exists() and not force and not is_special_file(out):  # /dev/null or a pipe is written through
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
     hf = HfDir.open(hf_dir, family.what if family is not None else registry.WHAT)
-    if family is not None and hf.config().get("model_type") != family.model_type:  # before its files are missed
-        raise ImportRefused(f"{hf_dir / CONFIG}: model_type is {hf.config().get('model_type')!r:.60}, not "
-                            f"{family.model_type!r}; `pipeline import {hf_dir}` takes the family model_type names")
+    named = hf.config().get("model_type") if family is not None else None
+    if family is not None and named is not None and named != family.model_type:  # before its files are missed
+        raise ImportRefused(f"{hf_dir / CONFIG}: model_type is {named!r:.60}, not {family.model_type!r}; `pipeline "
+                            f"import {hf_dir}` takes the family model_type names")
     family = (family or registry.family_of(hf)).variant(hf)
     hf.require(family.what, family.required, family.optional)
     config = hf.config()

@@ -55,12 +55,14 @@ class JobStats:
     startup_seconds: float = 0.0  # reaching or starting the cluster
     seconds: float = 0.0          # from then to the last output renamed into place
     actors: int = 0
+    fit: int = 0                   # the actors the cluster held at the start (fewer than asked: Ray places what fits)
 
     def summary(self, plan: Plan) -> str:
         rate = self.lines / self.seconds if self.seconds > 0 else 0.0
+        placed = f" asked, {self.fit} fitting the cluster at the start" if self.fit < self.actors else ""
         return (f"translated {self.lines} lines of {len(plan.todo)} shard(s) in {self.seconds:.2f} s: {rate:.1f} "
-                f"lines/s on {self.actors} actor(s); {len(plan.skipped)} shard(s) already complete; Ray start-up "
-                f"{self.startup_seconds:.2f} s")
+                f"lines/s on {self.actors} actor(s){placed}; {len(plan.skipped)} shard(s) already complete; Ray "
+                f"start-up {self.startup_seconds:.2f} s")
 
 
 def connect(address: str | None) -> bool:
@@ -155,7 +157,9 @@ def translate_shards(model_dir: str | Path, plan: Plan, load_options: LoadOption
     stats.startup_seconds = time.perf_counter() - started
     try:
         if plan.todo:
-            stats.actors = actors(ray_opts, load_options, ray.cluster_resources())
+            resources = ray.cluster_resources()
+            stats.actors = actors(ray_opts, load_options, resources)
+            stats.fit = actors(dataclasses.replace(ray_opts, actors=0), load_options, resources)
             _run(model_dir, plan, load_options, decoding, opts, ray_opts, stats, progress, glossary)
     finally:
         if ours:

@@ -25,6 +25,8 @@ from pipeline.textio import atomic_output, check_output_file, open_binary, read_
 log = logging.getLogger(__name__)
 
 PARQUET = (".parquet", ".pq")
+# what Spark, Hive and Parquet write beside a dataset's parts (its schema, commit markers): never shards
+DATASET_FILES = ("_SUCCESS", "_metadata", "_common_metadata", "_committed_", "_started_", "_temporary")
 RECORD = ".pipeline-ray-translate.json"  # what the outputs in a directory were made with
 
 
@@ -57,8 +59,8 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
         if Path(given).is_dir():
             dirs.append(given)
             found = sorted(p for p in Path(given).iterdir() if not p.name.startswith((".", "_")))
-            marked = sorted(p.name for p in Path(given).iterdir()
-                            if p.name.startswith("_") and p.is_file() and p.stat().st_size > 0)
+            marked = sorted(p.name for p in Path(given).iterdir() if p.name.startswith("_") and p.is_file()
+                            and p.stat().st_size > 0 and not p.name.startswith(DATASET_FILES))
             if marked:  # _SUCCESS is empty; a file of text named so is left out too, but not in silence
                 log.warning("%s: left out %d file(s) named with a leading _ as Spark's markers are (%s); name them "
                             "to translate them", given, len(marked), ", ".join(marked[:3]))
@@ -91,7 +93,7 @@ def output_name(path: str, suffix: str | None = None) -> str:
 
 
 def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any], suffix: str | None = None,
-         model_dir: str | Path | None = None) -> Plan:
+         model_dir: str | Path | None = None, legacy: dict[str, Any] | None = None) -> Plan:
     """Every check before any work: inputs readable regular files (a Parquet file holding `column`; a pipe or a
     device would hang a reader or never end), outputs distinct and neither inputs nor inside `model_dir`, the
     output dir writable and made with the same model and options if it has outputs already (`record`; a rerun
@@ -119,8 +121,7 @@ def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[st
     for out in outputs:
         check_output_file(out, "--output-dir")
     remove_stale_temps(out_dir)
-    _check_record(out_dir, record, any(out.exists() for out in outputs),
-                  any(not p.name.startswith(".") for p in out_dir.iterdir()))
+    _check_record(out_dir, record, [out.name for out in outputs], legacy)
     shards = [Shard(i, os.path.abspath(f), out) for i, (f, out) in enumerate(zip(files, outputs))]
     todo = [s for s in shards if not s.output.exists()]  # an output exists only once complete (renamed)
     return Plan(shards, todo, [s for s in shards if s.output.exists()])
@@ -160,27 +161,43 @@ def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any
     return {"manifest_sha256": digest, **settings}
 
 
-def _check_record(out_dir: Path, record: dict[str, Any], has_outputs: bool, holds_files: bool) -> None:
-    """Refuse outputs made otherwise: a record that differs while the dir holds any output (of these inputs or
-    others: the record describes the whole dir, and replacing it would mix two jobs' outputs in one), or outputs
-    of these inputs without a record."""
+RECORD_FORMAT = 2  # records list the outputs they made; the search as it runs (a record without: as asked)
+_BOOKKEEPING = ("format", "outputs")  # what a record holds besides what makes the translations
+
+
+def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], legacy: dict[str, Any] | None) -> None:
+    """Refuse outputs made otherwise: a record that differs while the dir holds an output it lists or one of
+    these inputs' (replacing it would mix two jobs' outputs in one dir), or these inputs' outputs without a
+    record. A record of an earlier version is compared as that version wrote it (`legacy`: a job started before
+    an upgrade resumes). The record written lists every output of the dir's job."""
     path = out_dir / RECORD
-    if path.exists() and (has_outputs or holds_files):
+    made = [name for name in outputs if (out_dir / name).exists()]
+    listed: list[str] = []
+    if path.exists():
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
             raise UserError(f"{path}: the record of the job that wrote {out_dir} is unreadable ({e}); it cannot "
                             "tell whether the outputs there match this command: choose another --output-dir") from None
-        if before != record:
-            changed = sorted(k for k in set(before or {}) | set(record)
-                             if (before or {}).get(k) != record.get(k)) if isinstance(before, dict) else ["all"]
+        listed = before.get("outputs", []) if isinstance(before, dict) else []
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            listed = []
+        wanted = record if not isinstance(before, dict) or "format" in before or legacy is None else legacy
+        core = {k: v for k, v in before.items() if k not in _BOOKKEEPING} if isinstance(before, dict) else None
+        same = core == wanted
+        if not same and (made or any((out_dir / name).exists() for name in listed)):
+            changed = sorted(k for k in set(core) | set(wanted) if core.get(k) != wanted.get(k)) \
+                if core is not None else ["all"]
             raise UserError(f"{out_dir}: holds translations made with another model or options "
                             f"({', '.join(changed)} differ); rerun with the same ones to resume, or choose another "
                             "--output-dir")
-    elif has_outputs:
+        if not same:
+            listed = []
+    elif made:
         raise UserError(f"{out_dir}: already holds outputs this command did not record; choose another "
                         "--output-dir")
-    atomic_write_text(path, json.dumps(record, indent=1, sort_keys=True) + "\n")
+    full = {**record, "format": RECORD_FORMAT, "outputs": sorted(set(listed) | set(outputs))}
+    atomic_write_text(path, json.dumps(full, indent=1, sort_keys=True) + "\n")
 
 
 def _empty_input(shard: Shard) -> bool:

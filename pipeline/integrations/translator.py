@@ -18,7 +18,7 @@ import dataclasses
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,10 @@ class Translator:
     def translate(self, sources: Sequence[Any], origins: list[list[Any]] | None = None) -> Translated:
         """Row-aligned results for source strings (None: a blank row); a refused row is named by `origins`
         (each row's file and line) or by its place in the batch (row:N)."""
-        texts = [_text(s, row, self.options.invalid_utf8) for row, s in enumerate(sources)]
+        def where(row: int) -> str:  # a refused row named as a refused line is: its file and line, else row:N
+            return f"{origins[0][row]}:{origins[1][row]}" if origins is not None else f"row:{row + 1}"
+
+        texts = [_text(s, row, where, self.options.invalid_utf8) for row, s in enumerate(sources)]
         loaded, decoding = self.loaded, self.options.decoding
         origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
         try:
@@ -164,7 +167,7 @@ def _arrow(values: np.ndarray) -> Any:
 _NULLS = ("NAType", "NaTType")  # pandas' pd.NA (a string column's null) and pd.NaT
 
 
-def _text(value: Any, row: int, invalid_utf8: str) -> str:
+def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str) -> str:
     """A row's source text: a null of any kind (None, NaN, pd.NA, a null Arrow scalar) a blank row; bytes as UTF-8
     under serve-batch's --invalid-utf8; anything else not text refused, naming the row (its str() would be
     translated: "nan", "<NA>", "[1, 2]")."""
@@ -174,14 +177,14 @@ def _text(value: Any, row: int, invalid_utf8: str) -> str:
             value):
         return ""
     if hasattr(value, "as_py") and hasattr(value, "is_valid"):  # a pyarrow scalar
-        return "" if not value.is_valid else _text(value.as_py(), row, invalid_utf8)
+        return "" if not value.is_valid else _text(value.as_py(), row, where, invalid_utf8)
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as e:
             if invalid_utf8 == "replace":
                 return value.decode("utf-8", errors="replace")
-            raise UserError(f"row:{row + 1}: invalid UTF-8 (byte {e.start + 1}); pass options with "
+            raise UserError(f"{where(row)}: invalid UTF-8 (byte {e.start + 1}); pass options with "
                             "invalid_utf8='replace' to replace it with U+FFFD") from None
-    raise UserError(f"row:{row + 1}: {type(value).__name__} {str(value)[:30]!r}, not text; the source column holds "
+    raise UserError(f"{where(row)}: {type(value).__name__} {str(value)[:30]!r}, not text; the source column holds "
                     "strings (a null is a blank row)")

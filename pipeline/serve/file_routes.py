@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response
 from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.glossaries import requested
-from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body
+from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body, strict_multipart
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.state import ServerState
 from runtime.sentences import has_letters
@@ -86,9 +86,7 @@ def _store(request: Request) -> FileStore:
 def _in_memory_parser() -> Any:
     """starlette's multipart parser with its upload spool never rolled over to a temporary file: the body is
     bounded already, so the file stays in memory."""
-    from starlette.formparsers import MultiPartParser
-
-    class InMemory(MultiPartParser):
+    class InMemory(strict_multipart()):  # type: ignore[misc]  # its text fields strict UTF-8, as /translate's
         spool_max_size = documents.MAX_FILE_BYTES + MAX_FORM_BYTES + 1
 
     return InMemory

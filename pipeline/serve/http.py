@@ -278,17 +278,13 @@ def _first_of_each(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     return fields
 
 
-async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
-    """A multipart/form-data body's text fields (python-multipart, through starlette's parser)."""
-    from starlette.formparsers import MultiPartException, MultiPartParser
-
-    async def stream() -> Any:
-        yield body
-        yield b""
+@functools.cache
+def strict_multipart() -> Any:
+    """starlette's multipart parser, refusing a text field that is not in its charset (starlette reads one as
+    Latin-1: mojibake translated with a 200), as urlencoded fields and JSON are refused."""
+    from starlette.formparsers import MultiPartParser
 
     class Strict(MultiPartParser):
-        """Starlette reads a text field that is not in its charset as Latin-1: mojibake translated with a 200."""
-
         def on_part_end(self) -> None:
             part = self._current_part
             if part.file is None:
@@ -300,8 +296,19 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
                                         f"({where})") from None
             super().on_part_end()
 
+    return Strict
+
+
+async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
+    """A multipart/form-data body's text fields (python-multipart, through starlette's parser)."""
+    from starlette.formparsers import MultiPartException
+
+    async def stream() -> Any:
+        yield body
+        yield b""
+
     try:
-        form = await Strict(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
+        form = await strict_multipart()(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
     except AssertionError:  # starlette's "python-multipart must be installed"
         raise ApiError(415, 'multipart form data needs python-multipart on this server (pip install -e ".[serve]"); '
                             "send JSON or application/x-www-form-urlencoded") from None

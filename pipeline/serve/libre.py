@@ -132,7 +132,8 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
     n = max(0, n)  # as LibreTranslate: a negative count asks for none
     most = max(model.max_beam for model in state.models.values()) - 1
     if n > most:  # checked whatever the texts are (those returned unchanged too), not only once one reaches a model
-        raise ApiError(400, f'"alternatives" {n} is above this server\'s limit of {most}')
+        said = str(n) if n < 10 ** 20 else f"{str(n)[:20]}..."  # 1e300 as a whole number: 301 digits
+        raise ApiError(400, f'"alternatives" {said} is above this server\'s limit of {most}')
     glossary = requested(data.get("glossary"), state.glossaries)
     return LibreRequest(texts, batch, source, target, kind == "html", n, glossary)
 

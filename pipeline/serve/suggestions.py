@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from model.errors import UserError
-from pipeline.serve.http import ApiError, error, off_loop, read_payload
+from pipeline.serve.http import ApiError, error, off_loop, read_payload, refuse_repeated
 from pipeline.serve.libre import check_key
 from pipeline.serve.state import ServerState
 from runtime.languages import LANG_CODE
@@ -67,10 +67,13 @@ class Suggestions:
             self._db.close()
 
 
-def _fields(data: Any) -> tuple[str, str, str, str]:
+def _fields(data: Any, state: ServerState) -> tuple[str, str, str, str]:
+    """q, s, source and target as /translate reads its fields: each once, codes in any case (stored as the
+    served models spell them)."""
     if not isinstance(data, dict):
         raise ApiError(400, 'request body must be a JSON object like {"q": "...", "s": "...", "source": "de", '
                             '"target": "en"}')
+    refuse_repeated(data, frozenset({"q", "s", "source", "target", "api_key"}))
     values = []
     for key in ("q", "s", "source", "target"):
         value = data.get(key)
@@ -84,7 +87,7 @@ def _fields(data: Any) -> tuple[str, str, str, str]:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise ApiError(400, f"{key} holds a lone surrogate (\\ud800-\\udfff), not text") from None
-        values.append(value)
+        values.append(state.routes.spelled(value) if key in ("source", "target") else value)
     q, s, source, target = values
     return q, s, source, target
 
@@ -97,7 +100,7 @@ async def suggest(request: Request) -> Response:
             raise ApiError(403, "Suggestions are disabled on this server.")
         data, _ = await read_payload(request, state.limits, state.reading)
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
-        fields = _fields(data)
+        fields = _fields(data, state)
         await off_loop(state.suggestions.writer, state.suggestions.add, *fields)
         return JSONResponse({"success": True})
     except ApiError as e:
