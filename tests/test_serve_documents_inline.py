@@ -185,3 +185,58 @@ def test_odt_and_docx_through_translate_file() -> None:
                                            'w:instr="PAGE"><w:r><w:t>7</w:t></w:r></w:fldSimple><w:r><w:t '
                                            'xml:space="preserve"> von zehn</w:t></w:r></w:p>'))
     assert _texts(_part(out, "word/document.xml"), "//w:t") == ["SEITE ", "7", " VON ZEHN"]
+
+
+def test_docx_hidden_text_rubies_symbols_controls_and_tracked_insertions() -> None:
+    """A second audit's Word constructs: the translation went into a hidden first run (the whole paragraph
+    invisible), into a superscript one (the sentence made superscript) and into a tracked insertion (rejecting it
+    deleted the sentence); a ruby's reading was merged into the sentence; a non-breaking hyphen, a symbol and a
+    page number fell out of the text and piled up after it; a content control's value was emptied."""
+    hidden = '<w:r><w:rPr><w:vanish/></w:rPr><w:t xml:space="preserve">[vor dem Senden löschen] </w:t></w:r>'
+    shown = '<w:r><w:rPr><w:vanish w:val="0"/></w:rPr><w:t xml:space="preserve">Sichtbar </w:t></w:r>'
+    paragraphs = [
+        f'<w:p>{hidden}{shown}<w:r><w:t>bleibt der Satz.</w:t></w:r></w:p>',
+        '<w:p><w:r><w:rPr><w:vertAlign w:val="superscript"/></w:rPr><w:t>1</w:t></w:r><w:r><w:t xml:space="preserve">'
+        ' Eine Fußnote hier.</w:t></w:r></w:p>',
+        '<w:p><w:ins w:id="1" w:author="A"><w:r><w:t xml:space="preserve">Neu am Anfang </w:t></w:r></w:ins><w:r>'
+        '<w:t>eines alten Satzes.</w:t></w:r></w:p>',
+        '<w:p><w:r><w:t xml:space="preserve">Ich lerne </w:t></w:r><w:r><w:ruby><w:rubyPr/><w:rt><w:r><w:t>kanji'
+        '</w:t></w:r></w:rt><w:rubyBase><w:r><w:t>漢字</w:t></w:r></w:rubyBase></w:ruby></w:r><w:r><w:t '
+        'xml:space="preserve"> jeden Tag.</w:t></w:r></w:p>',
+        '<w:p><w:r><w:t>eine Non</w:t></w:r><w:r><w:noBreakHyphen/></w:r><w:r><w:t>Profit Gruppe, drücke</w:t></w:r>'
+        '<w:r><w:sym w:font="Wingdings" w:char="F0E0"/></w:r><w:r><w:t xml:space="preserve"> dann Seite </w:t></w:r>'
+        '<w:r><w:pgNum/></w:r></w:p>',
+        '<w:p><w:r><w:t xml:space="preserve">Auswahl: </w:t></w:r><w:sdt><w:sdtPr><w:alias w:val="x"/></w:sdtPr>'
+        '<w:sdtContent><w:r><w:t>Ja bitte</w:t></w:r></w:sdtContent></w:sdt></w:p>',
+    ]
+    doc = read_docx(_docx("".join(paragraphs)))
+    assert doc.texts == ["Sichtbar bleibt der Satz.", "1 Eine Fußnote hier.", "Neu am Anfang eines alten Satzes.",
+                         "Ich lerne 漢字 jeden Tag.", "eine Non\u2011Profit Gruppe, drücke", " dann Seite ",
+                         "Auswahl: ", "Ja bitte"]
+    root = _part(_bracketed(doc), "word/document.xml")
+    first, second, third, fourth, fifth, sixth = root.xpath("//w:body/w:p", namespaces=NS)
+    assert _texts(first, ".//w:t") == ["[vor dem Senden löschen] ", "[Sichtbar bleibt der Satz.]", ""]
+    assert _texts(second, ".//w:t") == ["", "[1 Eine Fußnote hier.]"]  # in the plain run, not all superscript
+    assert _texts(third, ".//w:ins//w:t") == [""]
+    assert _texts(third, "w:r/w:t") == ["[Neu am Anfang eines alten Satzes.]"]
+    assert _texts(fourth, ".//w:rt//w:t") == ["kanji"] and _texts(fourth, ".//w:rubyBase//w:t") == [""]
+    assert _texts(fifth, ".//w:t")[0] == "[eine Non\u2011Profit Gruppe, drücke]"
+    assert fifth.xpath(".//w:noBreakHyphen", namespaces=NS) == [] and len(fifth.xpath(".//w:sym | .//w:pgNum",
+                                                                                        namespaces=NS)) == 2
+    assert _texts(sixth, ".//w:sdtContent//w:t") == ["[Ja bitte]"]
+
+
+def test_odt_ruby_page_number_placeholders_and_deleted_text() -> None:
+    """ODT's ruby base word was cut out of its sentence (its reading and base after the translation); a slide's
+    "<number>" placeholder was sent to the model and replaced; the text a tracked change deleted was translated
+    (Word's w:delText is not)."""
+    body = ('<text:tracked-changes><text:changed-region text:id="c1"><text:deletion><text:p>Gelöschter Text.</text:p>'
+            '</text:deletion></text:changed-region></text:tracked-changes>'
+            '<text:p>Ich lerne <text:ruby><text:ruby-base>漢字</text:ruby-base><text:ruby-text>kanji</text:ruby-text>'
+            '</text:ruby> jeden Tag.</text:p>'
+            '<text:p>Folie <text:page-number>&lt;number&gt;</text:page-number></text:p>')
+    doc = read_odt(_odt(body))
+    assert doc.texts == ["Ich lerne 漢字 jeden Tag.", "Folie "]
+    root = _part(_bracketed(doc), "content.xml")
+    assert _texts(root, "//text:deletion/text:p") == ["Gelöschter Text."]
+    assert _texts(root, "//text:ruby-text") == ["kanji"] and _texts(root, "//text:page-number") == ["<number>"]

@@ -95,18 +95,24 @@ Slot = tuple[Any, str]  # where a piece of a paragraph's text is: an element and
 
 
 def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str],
-                    fields: frozenset[str] = frozenset(), inline: Callable[[Any], set[Any]] = lambda root: set()
-                    ) -> Iterator[list[Slot]]:
+                    fields: frozenset[str] = frozenset(), inline: Callable[[Any], set[Any]] = lambda root: set(),
+                    skipped: Callable[[Any], bool] = lambda element: False) -> Iterator[list[Slot]]:
     """Each paragraph's runs of text (`text` elements) between its breaks (tabs, line breaks, a complex
     field's marks), in document order; a paragraph inside another (a text box in a run) is its own. A field
     (`fields`) is cut off on both sides: its value is never merged with the sentence around it. `inline`: the
-    field elements of `root` that are neither (a link's words are the sentence's)."""
+    field elements of `root` that are neither (a link's words are the sentence's). What is `skipped` (hidden
+    text, a ruby's reading) is copied as it is, and the sentence flows around it. A character element (CHARS:
+    Word's non-breaking hyphen) is its character in the text."""
     kept = inline(root)
 
     def walk(element: Any, segments: list[list[Slot]] | None) -> Iterator[list[Slot]]:
         for child in element:
             tag = child.tag
-            if tag == paragraph:
+            if skipped(child):
+                continue
+            if segments is not None and tag in CHARS:
+                segments[-1].append((child, "char"))
+            elif tag == paragraph:
                 mine: list[list[Slot]] = [[]]
                 yield from walk(child, mine)
                 yield from mine
@@ -125,9 +131,13 @@ def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str]
 
 
 ODF_PARAGRAPHS = frozenset({TEXT + "p", TEXT + "h"})
-ODF_INLINE = frozenset({TEXT + "span", TEXT + "a", TEXT + "meta"})  # their text is the sentence's
+# their text is the sentence's (a ruby's base word too; its reading is anchored)
+ODF_INLINE = frozenset({TEXT + "span", TEXT + "a", TEXT + "meta", TEXT + "ruby", TEXT + "ruby-base"})
 ODF_BREAKS = frozenset({TEXT + "tab", TEXT + "line-break"})
-ODF_ANCHORED = frozenset({TEXT + "note", TEXT + "ruby"})  # and all outside TEXT: office:annotation, draw:frame
+ODF_ANCHORED = frozenset({TEXT + "note", TEXT + "ruby-text"})  # and all outside TEXT: office:annotation, draw:frame
+# cuts whose value the application fills (a slide's "<number>" placeholder too): never sent, never changed
+ODF_FILLED = frozenset({TEXT + "page-number", TEXT + "page-count"})
+ODF_SKIPPED = frozenset({TEXT + "tracked-changes"})  # the text a tracked change deleted: copied, as Word's delText
 MAX_SPACES = 16  # what one text:s adds to a text: no more characters than its XML, whatever its text:c says
 
 
@@ -148,6 +158,10 @@ def _odf_segments(root: Any) -> Iterator[list[Slot]]:
             tag = child.tag
             if not isinstance(tag, str):  # comments, processing instructions: their tails still count
                 pass
+            elif tag in ODF_SKIPPED:
+                continue
+            elif segments is not None and tag in ODF_FILLED:
+                segments.append([])
             elif segments is None or tag in ODF_PARAGRAPHS or tag in ODF_ANCHORED or not tag.startswith(TEXT):
                 yield from walk(child, None)
             elif tag in ODF_BREAKS:
@@ -173,7 +187,7 @@ def _odf_segments(root: Any) -> Iterator[list[Slot]]:
 def _unindented(segment: list[Slot]) -> list[Slot]:
     """The segment from its first text on: the spaces and blank text before it are indentation, left as is."""
     for k, slot in enumerate(segment):
-        if slot[1] != "spaces" and _segment_text([slot]).strip():
+        if slot[1] in ("text", "tail") and _segment_text([slot]).strip():
             return segment[k:]
     return []
 
@@ -186,22 +200,27 @@ def _spaces(element: Any) -> int:
         return 1
 
 
+W_CHARS = {W + "noBreakHyphen": "\u2011"}
+CHARS = frozenset(W_CHARS)
+
+
 def _segment_text(slots: list[Slot]) -> str:
-    return "".join(" " * _spaces(element) if where == "spaces" else getattr(element, where) or ""
-                   for element, where in slots)
+    return "".join(" " * _spaces(element) if where == "spaces" else W_CHARS[element.tag] if where == "char"
+                   else getattr(element, where) or "" for element, where in slots)
 
 
-def _put(slots: list[Slot], translation: str, preserve: bool) -> None:
-    """The translation in the first text slot (its run's formatting), the others emptied; the text:s removed
-    (the translation has its own spaces), their tails kept."""
-    texts = [(element, where) for element, where in slots if where != "spaces"]
+def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Callable[[Any], bool] | None = None) -> None:
+    """The translation in the first text slot (its run's formatting) that `prefer`s (else the first), the others
+    emptied; the text:s and character elements removed (the translation has its own), their tails kept."""
+    texts = [(element, where) for element, where in slots if where in ("text", "tail")]
+    first = next((k for k, (element, _) in enumerate(texts) if prefer is None or prefer(element)), 0)
     for k, (element, where) in enumerate(texts):
-        setattr(element, where, translation if k == 0 else "")
+        setattr(element, where, translation if k == first else "")
         if preserve and where == "text":
             element.set(XML_SPACE, "preserve")
     for element, where in slots:
         parent = element.getparent()
-        if where != "spaces" or parent is None:
+        if where in ("text", "tail") or parent is None:
             continue
         previous = element.getprevious()
         if element.tail and previous is not None:
@@ -212,7 +231,8 @@ def _put(slots: list[Slot], translation: str, preserve: bool) -> None:
 
 
 def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
-                      segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool) -> Document:
+                      segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool,
+                      prefer: Callable[[Any], bool] | None = None) -> Document:
     members = _members(data, what)
     names = [info.filename for info, _ in members]
     if required not in names:
@@ -232,7 +252,7 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
 
     def rebuild(translations: list[str]) -> bytes:
         for segment, translation in zip(slots, translations):
-            _put(segment, translation, preserve)
+            _put(segment, translation, preserve, prefer)
         return _zip([(info, _serialize(trees[k]) if k in trees else content)
                      for k, (info, content) in enumerate(members)])
 
@@ -243,22 +263,45 @@ DOCX_PARTS = re.compile(r"word/(document|header\d*|footer\d*|footnotes|endnotes|
 PPTX_PARTS = re.compile(r"ppt/(slides/slide|notesSlides/notesSlide)\d+\.xml")
 
 
-# fldChar: the marks around a complex field's code and shown value, which is thus a text of its own
-DOCX_BREAKS = frozenset({W + "tab", W + "br", W + "cr", W + "ptab", W + "fldChar"})
-DOCX_FIELDS = frozenset({W + "fldSimple"})
+# fldChar: the marks around a complex field's code and shown value, which is thus a text of its own; a symbol of
+# a symbol font (no Unicode character) and a page number
+DOCX_BREAKS = frozenset({W + "tab", W + "br", W + "cr", W + "ptab", W + "fldChar", W + "sym", W + "pgNum"})
+DOCX_FIELDS = frozenset({W + "fldSimple", W + "sdt"})  # a content control's value is the control's, as a field's
 PPTX_BREAKS = frozenset({A + "br", A + "fld"})  # a field's text (slide number, date) is the application's to fill
 
 
 def read_docx(data: bytes) -> Document:
     return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
                              lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS,
-                                                          _docx_links), True)
+                                                          _docx_links, _docx_unseen), True, _docx_plain)
+
+
+def _docx_unseen(element: Any) -> bool:
+    """A hidden run (w:vanish) or a ruby's reading (w:rt): not words of the sentence the reader sees."""
+    if element.tag == W + "rt":
+        return True
+    return element.tag == W + "r" and _on(element.find(f"{W}rPr/{W}vanish"))
+
+
+def _on(toggle: Any) -> bool:
+    """A Word toggle property present and not turned off (w:val 0, false or off)."""
+    return toggle is not None and toggle.get(W + "val", "true").lower() not in ("0", "false", "off")
+
+
+def _docx_plain(text: Any) -> bool:
+    """A w:t the paragraph's translation may go into: not superscript or subscript (a footnote mark's format would
+    become the sentence's) and not inside a tracked insertion or move (rejecting it would delete the sentence)."""
+    run = text.getparent()
+    shift = run.find(f"{W}rPr/{W}vertAlign") if run is not None else None
+    if shift is not None and shift.get(W + "val") in ("superscript", "subscript"):
+        return False
+    return next(text.iterancestors(W + "ins", W + "moveTo"), None) is None
 
 
 def _docx_links(root: Any) -> set[Any]:
     """The marks (begin, separate, end) of the complex fields, and the simple fields, that are links (HYPERLINK):
     their shown value is words of the sentence, as a w:hyperlink's are, never cut off."""
-    links = {e for e in root.iter(W + "fldSimple") if e.get(W + "instr", "").split()[:1] == ["HYPERLINK"]}
+    links = {e for e in root.iter(W + "fldSimple") if e.get(W + "instr", "").upper().split()[:1] == ["HYPERLINK"]}
     open_fields: list[tuple[list[Any], list[str]]] = []  # nested fields: each its marks and its code
     for element in root.iter(W + "fldChar", W + "instrText"):
         if element.tag == W + "instrText":
@@ -270,7 +313,7 @@ def _docx_links(root: Any) -> set[Any]:
             open_fields[-1][0].append(element)
             if element.get(W + "fldCharType") == "end":
                 marks, code = open_fields.pop()
-                if "".join(code).split()[:1] == ["HYPERLINK"]:
+                if "".join(code).upper().split()[:1] == ["HYPERLINK"]:  # field codes ignore case
                     links.update(marks)
     return links
 
