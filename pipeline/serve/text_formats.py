@@ -113,13 +113,15 @@ def read_html(data: bytes, max_texts: int | None = None) -> Document:
 
 
 TIMING = re.compile(r"\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}\s*-->\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}.*")
+INDEX = re.compile(r"\s*\d+\s*")
 TAG = re.compile(r"(<[^<>]*>|\{\\[^{}]*\})")  # <i>, </font>, {\an8}: copied, never translated
+MARK = re.compile(r"\s*(?:(?:<[^<>]*>|\{\\[^{}]*\})\s*)*[-\u2013\u2014]+\s*")  # "- ", "<i>–": a speaker's turn
 
 
 @dataclass
-class _Cue:
-    """A cue's text lines: where they start, each line's end (its line break), where the last one's end stops;
-    and the joined text cut at tags."""
+class _Turn:
+    """A run of a cue's text lines translated as one text: where its text starts, each line's end (its line
+    break), where the last one's end stops; and the joined text cut at tags."""
 
     start: int
     ends: list[str]
@@ -128,9 +130,11 @@ class _Cue:
 
 
 def read_srt(data: bytes, max_texts: int | None = None) -> Document:
-    """Each cue's text (see documents.py); only cues with letters are kept apart, the rest is copied."""
+    """Each cue's text, or each speaker's turn in a dialogue (see `_turns`); only those with letters are kept
+    apart, the rest is copied. A timing line starts a cue even without the blank line before it, as VLC and
+    ffmpeg read it: the index line just before it is that cue's, not the previous cue's text."""
     text, encode = _decode(data, ".srt file")
-    cues: list[_Cue] = []
+    turns: list[_Turn] = []
     texts: list[str] = []
     lines = _lines(text)
     m = next(lines, None)
@@ -140,26 +144,49 @@ def read_srt(data: bytes, max_texts: int | None = None) -> Document:
             continue
         block: list[re.Match[str]] = []
         m = next(lines, None)
-        while m is not None and m.group(1).strip():
+        while m is not None and m.group(1).strip() and not TIMING.fullmatch(m.group(1)):
             block.append(m)
             m = next(lines, None)
-        cut = TAG.split(" ".join(line.group(1).strip() for line in block))
-        said = [p for k, p in enumerate(cut) if k % 2 == 0 and has_letters(p)]
-        if said:
-            cues.append(_Cue(block[0].start(), [line.group(2) for line in block], block[-1].end(), cut))
-            texts.extend(said)
-            _counted(texts, max_texts)
+        if m is not None and m.group(1).strip() and block and INDEX.fullmatch(block[-1].group(1)):
+            block.pop()  # ended by a timing line: the line before it is the next cue's index
+        for start, run in _turns(block):
+            joined = " ".join([text[start:run[0].end(1)].strip(), *(line.group(1).strip() for line in run[1:])])
+            cut = TAG.split(joined.strip())
+            said = [p for k, p in enumerate(cut) if k % 2 == 0 and has_letters(p)]
+            if said:
+                turns.append(_Turn(start, [line.group(2) for line in run], run[-1].end(), cut))
+                texts.extend(said)
+                _counted(texts, max_texts)
 
-    def cue_text(cue: _Cue, given: Iterator[str]) -> str:
-        joined = "".join(next(given) if k % 2 == 0 and has_letters(p) else p for k, p in enumerate(cue.cut))
+    def turn_text(turn: _Turn, given: Iterator[str]) -> str:
+        joined = "".join(next(given) if k % 2 == 0 and has_letters(p) else p for k, p in enumerate(turn.cut))
         # fewer words than lines: the last lines go, each line kept with its own line end
-        return "".join(line + end for line, end in zip(_wrap(joined, len(cue.ends)), cue.ends))
+        return "".join(line + end for line, end in zip(_wrap(joined, len(turn.ends)), turn.ends))
 
     def rebuild(translations: list[str]) -> bytes:
         given = iter(translations)
-        return encode(_spliced(text, [(c.start, c.stop) for c in cues], (cue_text(c, given) for c in cues)))
+        return encode(_spliced(text, [(t.start, t.stop) for t in turns], (turn_text(t, given) for t in turns)))
 
     return Document(texts, rebuild)
+
+
+def _turns(block: list[re.Match[str]]) -> Iterator[tuple[int, list[re.Match[str]]]]:
+    """The cue's lines cut into speakers' turns, each with where its text starts. A line that starts with a
+    dash ("- Hi.", "<i>– Hi.</i>") starts a turn, and its dash (tags and spaces around it too) is copied, not
+    translated: joined with the other speaker's line it moved when the text was wrapped again. A line without
+    one goes on the turn before (a sentence running over its lines), so a cue without dashes is one turn."""
+    run: list[re.Match[str]] = []
+    start = 0
+    for line in block:
+        mark = MARK.match(line.group(1))
+        if mark and run:
+            yield start, run
+            run = []
+        if not run:
+            start = line.start() + (mark.end() if mark else 0)
+        run.append(line)
+    if run:
+        yield start, run
 
 
 def _wrap(text: str, n: int) -> list[str]:
