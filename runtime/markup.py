@@ -13,8 +13,13 @@ CPython gh-135462), so 36 KB held a request for 11 s. The rule, written down in 
   sentences, its whitespace kept). So an inline tag splits the sentence it is in: in `The <b>big</b> dog`
   the model sees "The ", "big" and " dog" apart, and the tags stay where they were; words are never moved
   across a tag.
-- The content of <code>, <pre>, <script>, <style> and of any element with translate="no" is copied
-  unchanged, and so is a text node without letters (whitespace, numbers, punctuation, entities alone).
+- The content of <code>, <pre>, <script>, <style>, <math> and of any element with translate="no" is copied
+  unchanged (translate="yes" inside translate="no" translates again, as the attribute is inherited), and so
+  is a text node without letters (whitespace, numbers, punctuation, entities alone). An element ends where a
+  browser ends it: end tags may be left off (`<li translate="no">ACME<li>Item`), so the open elements are
+  kept with enough of the standard's tree rules to know that (implied end tags, scopes, formatting elements
+  reopened), each step constant time.
+- A CDATA section (`<![CDATA[a > b]]>`, in XHTML and in <svg>) runs to its `]]>` and is copied.
 - Entities: the model sees the characters they stand for; in the translation each character that the
   source wrote as an entity is written with the same entity again, and &, < are escaped.
 - A construct that never ends (`<b` or `<!--` with no closing `>` / `-->`) runs to the end of the document,
@@ -30,10 +35,34 @@ from dataclasses import dataclass, field
 
 from runtime.sentences import has_letters
 
-SKIP = frozenset({"code", "pre", "script", "style"})
+SKIP = frozenset({"code", "pre", "script", "style", "math"})
 VOID = frozenset({"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source",
                   "track", "wbr"})
 RAW_TEXT = frozenset({"script", "style"})  # their content is text up to the matching end tag, never tags
+# What the standard's tree builder needs here: where an element is ended without its end tag.
+SPECIAL = frozenset("""address applet article aside blockquote body button caption center colgroup dd details dialog
+    dir div dl dt fieldset figcaption figure footer form frameset h1 h2 h3 h4 h5 h6 head header hgroup html iframe li
+    listing main marquee menu nav noembed noframes noscript object ol p plaintext pre script search section select
+    style summary table tbody td template textarea tfoot th thead title tr ul xmp""".split())
+FORMATTING = frozenset("a b big code em font i nobr s small strike strong tt u".split())
+MARKERS = frozenset("applet caption marquee object td template th".split())  # formatting inside them ends there
+DEFAULT = frozenset("applet caption html marquee object table td template th".split())  # scope boundaries
+BUTTON, LIST, OPTION = DEFAULT | {"button"}, DEFAULT | {"dl", "ol", "ul"}, DEFAULT | {"datalist", "optgroup", "select"}
+TABLE = frozenset({"html", "table", "template"})
+CELLS, SECTIONS = (("td", TABLE), ("th", TABLE)), ("tbody", "tfoot", "thead")
+# A start tag -> the elements it ends (innermost of the name) when one is open in scope, that is with no
+# boundary inside it: <p> ends at a block's start tag, <li> at the next <li>, a cell at the next cell or row, ...
+IMPLIED: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {
+    **{name: (("p", BUTTON),) for name in """address article aside blockquote center details dialog dir div dl
+        fieldset figcaption figure footer form h1 h2 h3 h4 h5 h6 header hgroup hr listing main menu nav ol p pre
+        search section summary table ul xmp""".split()},
+    "li": (("li", LIST), ("p", BUTTON)), "dd": (("dd", LIST), ("dt", LIST), ("p", BUTTON)),
+    "option": (("option", OPTION),), "optgroup": (("option", OPTION), ("optgroup", OPTION - {"optgroup"})),
+    "td": CELLS, "th": CELLS, "tr": (*CELLS, ("tr", TABLE)),
+    **{name: (*CELLS, *((ended, TABLE) for ended in ("tr", *SECTIONS))) for name in SECTIONS},
+}
+IMPLIED["dt"] = IMPLIED["dd"]
+END_SCOPE = {"p": BUTTON, "li": LIST, **{name: TABLE for name in ("table", "td", "th", "tr", *SECTIONS)}}
 ENTITY = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
 # A start or end tag from its "<": the name, then attributes (a value quoted after "=" may hold ">"), then ">".
 # Every character can be read one way only (each run is maximal, a quote opens a value only after "="), so
@@ -72,17 +101,18 @@ def _escape(text: str, spelled: dict[str, str]) -> str:
 
 def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
     """(start, stop, translatable) for each construct in order: text runs, and markup (tags, comments,
-    declarations, raw-text content, and an unterminated construct with the rest of the document)."""
-    skip: list[str] = []  # the element that opened a copied region, once per nesting level
+    declarations, CDATA, raw-text content, and an unterminated construct with the rest of the document)."""
+    tree = _Open()
     n, i = len(document), 0
     closes = {close: _Ahead(document, close) for close in ("-->", "--!>")}
+    cdata = _Ahead(document, "]]>")
     while i < n:
         lt = document.find("<", i)
         if lt < 0:
-            yield i, n, not skip
+            yield i, n, tree.translated()
             return
         if lt > i:
-            yield i, lt, not skip
+            yield i, lt, tree.translated()
         nxt = document[lt + 1:lt + 2]
         if nxt.isascii() and nxt.isalpha() or nxt == "/" and document[lt + 2:lt + 3].isascii() \
                 and document[lt + 2:lt + 3].isalpha():
@@ -94,17 +124,13 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
             yield lt, i, False
             name = tag.group(1).lower()
             if nxt == "/":
-                if skip and name == skip[0]:
-                    skip.pop()
+                tree.end(name)
                 continue
-            if tag.group(0).endswith("/>") or name in VOID:
-                continue
-            opens = name in SKIP or _translate(tag.group(2)) == "no"
-            if skip and name == skip[0] or not skip and opens:
-                skip.append(name)
-            if name in RAW_TEXT:  # its content is copied up to its end tag, which the loop reads next
-                end = re.compile(rf"</{name}[\t\n\f\r />]", re.IGNORECASE).search(document, i)
-                stop = n if end is None else end.start()
+            closed = tag.group(0).endswith("/>") or name in VOID
+            tree.start(name, "" if closed else _translate(tag.group(2)), closed)
+            if not closed and name in RAW_TEXT:  # its content is copied up to its end tag, which the loop reads next
+                found = re.compile(rf"</{name}[\t\n\f\r />]", re.IGNORECASE).search(document, i)
+                stop = n if found is None else found.start()
                 if stop > i:
                     yield i, stop, False
                 i = stop
@@ -113,15 +139,97 @@ def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
             short = 5 if document.startswith(">", lt + 4) else 6 if document.startswith("->", lt + 4) else 0
             ends = [] if short else [e + len(c) for c, e in ((c, closes[c].find(lt + 4)) for c in closes) if e >= 0]
             stop = lt + short if short else min(ends, default=n)
+        elif document.startswith("<![CDATA[", lt):  # to its "]]>", whatever ">" it holds
+            end = cdata.find(lt + 9)
+            stop = n if end < 0 else end + 3
         elif nxt in ("!", "?", "/"):  # a declaration, processing instruction, or "</" + not a letter
             end = document.find(">", lt + 2)
             stop = n if end < 0 else end + 1
         else:  # "<" before a space, a digit, ...: text, as in a browser
-            yield lt, lt + 1, not skip
+            yield lt, lt + 1, tree.translated()
             i = lt + 1
             continue
         yield lt, stop, False
         i = stop
+
+
+class _Open:
+    """The open elements, innermost last, as a browser's tree builder keeps them, with the translate state of
+    each one's content: YES, NO (translate="no", inherited until a translate="yes"), or COPIED (<code>, <pre>,
+    <script>, <style>, <math>: whatever is inside). Each name's positions are kept, so whether an element is
+    open in scope costs a few look-ups, and each element is pushed and popped once (or a bounded number of
+    times reopened): the stack costs time in proportion to the tags."""
+
+    YES, NO, COPIED = range(3)
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+        self.owns: list[str] = []  # each element's own translate value, to reopen it with
+        self.states: list[int] = []
+        self.at: dict[str, list[int]] = {}  # name -> its positions in the stack, innermost last
+        self.special = [-1]  # the positions of SPECIAL elements, innermost last
+
+    def translated(self) -> bool:
+        return not self.states or self.states[-1] == self.YES
+
+    def last(self, name: str) -> int:
+        at = self.at.get(name)
+        return at[-1] if at else -1
+
+    def in_scope(self, name: str, boundaries: frozenset[str]) -> bool:
+        k = self.last(name)
+        return k >= 0 and all(self.last(b) <= k for b in boundaries)
+
+    def start(self, name: str, own: str, closed: bool) -> None:
+        """A start tag ends the elements it implies ended; `closed` (void or "/>") opens nothing."""
+        for ended, boundaries in IMPLIED.get(name, ()):
+            if self.in_scope(ended, boundaries):
+                self.pop_to(self.last(ended))
+        if not closed:
+            self.push(name, own)
+
+    def push(self, name: str, own: str) -> None:
+        own = own if own in ("yes", "no") else ""  # any other value inherits
+        state = self.states[-1] if self.states else self.YES
+        if state != self.COPIED:
+            state = self.COPIED if name in SKIP else self.NO if own == "no" else self.YES if own == "yes" else state
+        if name in SPECIAL:
+            self.special.append(len(self.names))
+        self.at.setdefault(name, []).append(len(self.names))
+        self.names.append(name)
+        self.owns.append(own)
+        self.states.append(state)
+
+    def end(self, name: str) -> None:
+        """An end tag ends its innermost open element and all inside it, where a browser would: a special
+        element's or a formatting element's when in scope, another's when no special element is inside it
+        (`</span>` is ignored across an open <div>); </body> and </html> end nothing."""
+        k = self.last(name)
+        if k < 0 or name in ("body", "html"):
+            return
+        if name in SPECIAL or name in FORMATTING:
+            if self.in_scope(name, END_SCOPE.get(name, DEFAULT)):
+                self.pop_to(k)
+        elif k > self.special[-1]:
+            self.pop_to(k)
+
+    def pop_to(self, k: int) -> None:
+        """Ends the element at position k and all inside it. The formatting elements inside it (<b>, <code>, ...)
+        are reopened as a browser reconstructs them, so `<div><b translate="no">x</div>y` keeps y, unless a
+        marker (a cell, <object>, ...) ended with them; reopened once per name and translate value."""
+        reopen: list[tuple[str, str]] = []
+        while len(self.names) > k:
+            name, own = self.names.pop(), self.owns.pop()
+            self.states.pop()
+            self.at[name].pop()
+            if self.special[-1] == len(self.names):
+                self.special.pop()
+            if name in MARKERS:
+                reopen.clear()
+            elif name in FORMATTING and len(self.names) > k and (name, own) not in reopen:
+                reopen.append((name, own))
+        for name, own in reversed(reopen):
+            self.push(name, own)
 
 
 def _translate(attributes: str) -> str:

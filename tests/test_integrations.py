@@ -133,6 +133,12 @@ def test_translator_errors_are_one_line_naming_the_row(fp32_dir):
                             options=ServeBatchOptions(long_lines="error"), origin_columns=("path", "line"))
     with pytest.raises(UserError, match=r"no column 'src' in the rows \(they have: text\)"):
         translator({"text": ["ab"]})
+    import pyarrow as pa  # an Arrow batch has no keys(): an AttributeError; origin columns missing: a KeyError
+
+    with pytest.raises(UserError, match=r"no column 'src' in the rows \(they have: x\)"):
+        translator(pa.table({"x": ["ab"]}))
+    with pytest.raises(UserError, match=r"no column 'path' in the rows \(they have: src\); .*origin_columns"):
+        translator({"src": ["ab"]})
     long = " ".join(["ab"] * 80)
     with pytest.raises(UserError, match=r"^shard\.txt:12: \d+ tokens, more than the model's limit of 32; pass "):
         translator({"src": ["ab", long], "path": ["shard.txt", "shard.txt"], "line": [11, 12]})
@@ -276,7 +282,10 @@ def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path
     out = tmp_path / "out"
     out.mkdir()
     (out / "README").write_text("notes\n")
-    new, old = {"manifest_sha256": "1", "decoding": {"beam_size": 4}}, {"manifest_sha256": "1", "decoding": {}}
+    # as the command records them: --format's value under "format" (a record's own bookkeeping once took that key,
+    # and every rerun into the dir was refused, "format differ")
+    new = {"manifest_sha256": "1", "format": "text", "decoding": {"beam_size": 4}}
+    old = {"manifest_sha256": "1", "format": "text", "decoding": {}}
     plan([str(tmp_path / "a.txt")], out, "text", new)
     plan([str(tmp_path / "a.txt")], out, "text", {**new, "decoding": {"beam_size": 2}})  # nothing made yet
     assert json.loads((out / RECORD).read_text())["outputs"] == ["a.txt"]
@@ -288,6 +297,9 @@ def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path
     assert json.loads((out / RECORD).read_text())["outputs"] == ["a.txt", "b.txt"]
     with pytest.raises(UserError, match=r"\(decoding differ\)"):  # b.txt not made yet; a.txt is listed
         plan([str(tmp_path / "b.txt")], out, "text", {**new, "decoding": {"beam_size": 2}})
+    assert not plan([str(tmp_path / "a.txt")], out, "text", new).todo  # the same command: resumed, nothing to do
+    with pytest.raises(UserError, match=r"\(format differ\)"):  # --format html outputs never mixed with text ones
+        plan([str(tmp_path / "a.txt")], out, "text", {**new, "format": "html"})
 
 
 def test_job_record_names_the_model_by_its_manifest(fp32_dir):

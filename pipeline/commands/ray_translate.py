@@ -79,10 +79,12 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
                 # for: `--beam-size 4` on a model whose default is 4 resumes its job; batch limits change nothing
                 "decoding": {name: getattr(effective, name) for name in SEARCH},
                 **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
-    # what a record of before the outputs were listed held: the options given (a job started then resumes)
+    # what a record of before the outputs were listed held: the options given (a job started then resumes; such a
+    # record cannot say whether it had a glossary, so with one it is compared as a new record is, and refused)
     legacy = {**recorded, "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
-               target_suffix(suffix, model_dir, opts.tgt_lang), model_dir, job_record(model_dir, legacy))
+               target_suffix(suffix, model_dir, opts.tgt_lang), model_dir,
+               job_record(model_dir, legacy) if glossary is None else None)
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return

@@ -26,7 +26,8 @@ log = logging.getLogger(__name__)
 
 PARQUET = (".parquet", ".pq")
 # what Spark, Hive and Parquet write beside a dataset's parts (its schema, commit markers): never shards
-DATASET_FILES = ("_SUCCESS", "_metadata", "_common_metadata", "_committed_", "_started_", "_temporary")
+DATASET_FILES = ("_SUCCESS", "_metadata", "_common_metadata")
+DATASET_PREFIXES = ("_committed_", "_started_", "_temporary")
 RECORD = ".pipeline-ray-translate.json"  # what the outputs in a directory were made with
 
 
@@ -60,7 +61,8 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
             dirs.append(given)
             found = sorted(p for p in Path(given).iterdir() if not p.name.startswith((".", "_")))
             marked = sorted(p.name for p in Path(given).iterdir() if p.name.startswith("_") and p.is_file()
-                            and p.stat().st_size > 0 and not p.name.startswith(DATASET_FILES))
+                            and p.stat().st_size > 0 and p.name not in DATASET_FILES
+                            and not p.name.startswith(DATASET_PREFIXES))
             if marked:  # _SUCCESS is empty; a file of text named so is left out too, but not in silence
                 log.warning("%s: left out %d file(s) named with a leading _ as Spark's markers are (%s); name them "
                             "to translate them", given, len(marked), ", ".join(marked[:3]))
@@ -161,8 +163,9 @@ def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any
     return {"manifest_sha256": digest, **settings}
 
 
-RECORD_FORMAT = 2  # records list the outputs they made; the search as it runs (a record without: as asked)
-_BOOKKEEPING = ("format", "outputs")  # what a record holds besides what makes the translations
+RECORD_VERSION = 2  # records list the outputs they made; the search as it runs (a record without: as asked)
+# what a record holds besides what makes the translations (not option names: "format" is --format's)
+_BOOKKEEPING = ("record_version", "outputs")
 
 
 def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], legacy: dict[str, Any] | None) -> None:
@@ -182,7 +185,7 @@ def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], leg
         listed = before.get("outputs", []) if isinstance(before, dict) else []
         if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
             listed = []
-        wanted = record if not isinstance(before, dict) or "format" in before or legacy is None else legacy
+        wanted = record if not isinstance(before, dict) or "record_version" in before or legacy is None else legacy
         core = {k: v for k, v in before.items() if k not in _BOOKKEEPING} if isinstance(before, dict) else None
         same = core == wanted
         if not same and (made or any((out_dir / name).exists() for name in listed)):
@@ -196,7 +199,7 @@ def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], leg
     elif made:
         raise UserError(f"{out_dir}: already holds outputs this command did not record; choose another "
                         "--output-dir")
-    full = {**record, "format": RECORD_FORMAT, "outputs": sorted(set(listed) | set(outputs))}
+    full = {**record, "record_version": RECORD_VERSION, "outputs": sorted(set(listed) | set(outputs))}
     atomic_write_text(path, json.dumps(full, indent=1, sort_keys=True) + "\n")
 
 

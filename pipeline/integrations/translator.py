@@ -103,12 +103,13 @@ class Translator:
     def __call__(self, batch: Any) -> Any:
         """The batch (a dict of numpy arrays, Ray Data's default, or a pandas DataFrame) with the output
         columns added."""
-        try:
-            sources = batch[self.column]
-        except KeyError:
-            names = ", ".join(map(str, batch.keys())) or "none"
-            raise UserError(f"no column {self.column!r} in the rows (they have: {names}); name the column of "
-                            "source text") from None
+        names = list(batch.column_names if hasattr(batch, "column_names") else batch.keys())  # Arrow's, or keys
+        for wanted in (self.column, *(self.origin_columns or ())):
+            if wanted not in names:
+                what = "source text" if wanted == self.column else "each row's file and line (origin_columns)"
+                raise UserError(f"no column {wanted!r} in the rows (they have: {', '.join(map(str, names)) or 'none'})"
+                                f"; name the column of {what}")
+        sources = batch[self.column]
         origins = None
         if self.origin_columns is not None:
             origins = [list(batch[name]) for name in self.origin_columns]
