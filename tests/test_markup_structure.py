@@ -4,10 +4,8 @@ MathML is copied as <code> is."""
 
 from __future__ import annotations
 
-import functools
-import timeit
-
 import pytest
+from test_markup import assert_parsed_in_linear_time
 
 from runtime.markup import parse_html
 
@@ -106,11 +104,4 @@ HOSTILE = {
 @pytest.mark.parametrize("name", list(HOSTILE))
 def test_parsing_time_grows_linearly_with_the_document(name):
     """As tests/test_markup.py times it: 4x the document must take under 8x the 1x time."""
-    docs = [HOSTILE[name](n) for n in (1, 2, 4)]
-    for doc in docs:
-        assert "".join(parse_html(doc).pieces) == doc
-    calls = [functools.partial(parse_html, doc) for doc in docs]
-    number = max(1, round(0.02 / min(timeit.repeat(calls[0], number=1, repeat=3))))
-    rounds = [[timeit.timeit(call, number=number) / number for call in calls] for _ in range(7)]
-    seconds = [min(times) for times in zip(*rounds)]
-    assert seconds[2] / seconds[0] < 8, f"{name}: 4x the document took {seconds[2] / seconds[0]:.1f}x the time"
+    assert_parsed_in_linear_time(name, HOSTILE[name])
