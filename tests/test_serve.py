@@ -141,7 +141,7 @@ def test_user_errors_are_one_line(model_dir, tmp_path, capsys):
     assert run_cli("serve-batch", tmp_path / "nope", inp, "-o", tmp_path / "o") == 2
     assert "no such model directory" in capsys.readouterr().err
     assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "o", "--backend", "tensorrt") == 2
-    assert "encoder.plan" in capsys.readouterr().err
+    assert "no TensorRT engines (export skipped them: --no-tensorrt)" in capsys.readouterr().err
     assert run_cli("serve-batch", model_dir, tmp_path / "missing.txt", "-o", tmp_path / "o") == 2
     assert "missing.txt: no such file" in capsys.readouterr().err
     assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "o", "--beam-size", 9) == 2
