@@ -27,7 +27,7 @@ import numpy as np
 
 from model.errors import UserError
 from pipeline.serve_batch.files import min_len_over
-from pipeline.serve_batch.translation import ServeBatchOptions
+from pipeline.serve_batch.translation import ServeBatchOptions, term_counts
 from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -154,8 +154,7 @@ class Translator:
             out.truncated.append(r.truncated)
             if out.rows_terms is not None:
                 out.rows_terms.append(json.dumps(r.terms or [], ensure_ascii=False))
-                out.terms += len(r.terms or ())
-                out.terms_applied += sum(bool(term["applied"]) for term in r.terms or ())
+        out.terms, out.terms_applied = term_counts(results)
         return out
 
 
