@@ -24,8 +24,9 @@ So in fp32 the hypotheses are search's over the same step (tests/test_device_sea
 scores on the CPU, where the body runs uncaptured). A batch ends at the first replay after its last sentence is
 done (at most K - 1 steps run for nothing). Between replays, once the live sentences fit a smaller size bucket,
 they move there (their cross K/V, cache and state, one gather each) and the finished ones' hypotheses are read
-out: the batch shrinks as search.py's does, one bucket at a time. Not under torch.compile, where each new bucket
-costs a compilation; there finished sentences keep their slots, as in the one-step graph.
+out: the batch shrinks as search.py's does, one bucket at a time. Only uncaptured: under torch.compile each new
+bucket costs a compilation, and captured a capture (`DeviceSearch.shrink`); there finished sentences keep their
+slots, as in the one-step graph.
 Supported: beam search (beam >= 2) under fairseq's rules without forced first tokens or glossaries; other
 searches run step by step (`supports`).
 """
@@ -139,14 +140,21 @@ class DeviceSearch:
         self.replays = 0  # replays run so far (tests and bench read it)
         self.gpu_times: list[float] | None = None  # a list: each replay's GPU seconds are appended (bench)
         self.compiled: dict[tuple[int, int, int], float] = {}  # (sentences, beam, source) -> compilation seconds
-        # finished sentences leave between replays for a smaller bucket; not under torch.compile, where each new
-        # bucket is a compilation of 10-20 s
-        self.shrink = not compiled
+        self.compiled_step = compiled
         self.shrinks = 0
 
     @property
     def compile_seconds(self) -> float:
         return sum(self.compiled.values())
+
+    @property
+    def shrink(self) -> bool:
+        """Whether finished sentences leave between replays for a smaller bucket: only where a new bucket costs
+        a few gathers. Under torch.compile each one is a compilation of 10-20 s; captured, a capture of K steps,
+        and the runner keeps only its last MAX_BATCHES shapes, so moving down the buckets also evicts the graphs
+        that the next batch needs: on an H200 a 20,000-line file took 232 captures (7.7 s) where keeping the
+        slots took 27, and ran at half the speed (benchmarks/2026-11-29_nvidia-h200_gpu-check.md)."""
+        return not self.compiled_step and not self.runner.capture
 
     @staticmethod
     def supports(options: DecodingOptions, first_tokens: Any = None) -> bool:

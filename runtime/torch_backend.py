@@ -95,7 +95,7 @@ class TorchBackend:
         capture = step_mode == "graph" or (step_mode == "compiled" and self.device.type == "cuda")
         self.static = None if step_mode == "eager" else StaticStepRunner(
             self.model, topk, dtype, self.device, capture=capture, compiled=step_mode == "compiled")
-        if steps_per_replay is None:  # measured on an H200 (docs/gpu.md): 1.04-1.3x the one-step graph
+        if steps_per_replay is None:  # on an H200 (docs/gpu.md): 1.03-1.34x the one-step graph at fixed lengths
             steps_per_replay = DEFAULT_STEPS_PER_REPLAY if capture else 1
         if steps_per_replay < 1:
             raise ValueError(f"steps per replay must be at least 1, got {steps_per_replay}")

@@ -155,6 +155,8 @@ def test_on_cuda_the_replayed_search_is_the_one_step_graphs_in_fp32(model, mode,
         for a, b in zip(ref, got):
             assert np.allclose([h.score for h in a], [h.score for h in b], atol=1e-4), name
     assert backend.device_search.replays > 0 and backend.static.captures > 0 and backend.static.capture
+    # captured, finished sentences keep their slots: a new bucket would cost a capture (and evict other shapes')
+    assert backend.device_search.shrinks == 0 and backend.device_search.shrink is False
 
 
 @pytest.mark.slow

@@ -187,6 +187,18 @@ def test_a_failed_or_hung_stage_is_recorded_and_the_next_one_runs(tmp_path):
     assert "| doctor | FAIL |" in md and "the thing broke" in md
 
 
+def test_the_file_stage_fails_when_the_default_is_slower_than_one_step_per_replay():
+    """The H200's first file stage (2026-11-29) passed with the default 2.8x slower than --steps-per-replay 1."""
+    load_gpu_check()
+    from gpucheck.stages_file import default_problem
+
+    run = {"lines": 20000, "translate_s": 4.62}
+    assert default_problem({**run, "translate_s": 12.87}, {**run, "same_lines_as_default": 20000}).startswith(
+        "the default took 12.87 s to translate the file, 2.79x")
+    assert default_problem({**run, "translate_s": 5.5}, {**run, "same_lines_as_default": 19000}) is None
+    assert "2001 of 20000 lines differ" in default_problem(run, {**run, "same_lines_as_default": 17999})
+
+
 def test_every_module_of_the_check_is_at_most_400_lines():
     """scripts/gpu_check.py (the entry point) and its parts in scripts/gpucheck/, split by stage."""
     modules = [ROOT / "scripts" / "gpu_check.py", *sorted((ROOT / "scripts" / "gpucheck").glob("*.py"))]
