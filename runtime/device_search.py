@@ -22,11 +22,11 @@ replay. Per step, on the device:
 
 So in fp32 the hypotheses are search's over the same step (tests/test_device_search.py checks tokens and
 scores on the CPU, where the body runs uncaptured). A batch ends at the first replay after its last sentence is
-done (at most K - 1 steps run for nothing). Between replays, once the live sentences fit a smaller size bucket,
-they move there (their cross K/V, cache and state, one gather each) and the finished ones' hypotheses are read
-out: the batch shrinks as search.py's does, one bucket at a time. Only uncaptured: under torch.compile each new
-bucket costs a compilation, and captured a capture (`DeviceSearch.shrink`); there finished sentences keep their
-slots, as in the one-step graph.
+done (at most K - 1 steps run for nothing). Finished sentences keep their slots until then, as in the one-step
+graph. They once moved down to a smaller size bucket between replays, as search.py's batch shrinks; but each new
+bucket is a new graph of K steps to capture (a compilation under torch.compile), and the runner keeps only its
+last MAX_BATCHES shapes: on an H200 a 20,000-line file took 232 captures where keeping the slots took 27, and ran
+at half the speed (benchmarks/2026-11-29_nvidia-h200_gpu-check.md).
 Supported: beam search (beam >= 2) under fairseq's rules without forced first tokens or glossaries; other
 searches run step by step (`supports`).
 """
@@ -43,7 +43,6 @@ import torch
 
 from model import io_names
 from model.cache import INITIAL_CAPACITY
-from model.config import MASK_VALUE
 from runtime.decoding import DecodingOptions
 from runtime.device_step import compile_step, one_step
 from runtime.search import Hypothesis, length_penalty, max_output_lengths
@@ -76,9 +75,6 @@ def capacity_for(steps: int) -> int:
 
 # state tensors whose last dimension is the cache capacity (dynamic under torch.compile, padded when it grows)
 _PER_POSITION = ("pos", "hist", "hist_lp", "fin_tok", "fin_lp")
-_PER_HYPOTHESIS = ("tokens", "row_max", "pos")  # rows: slot x beam + row; the rest of _STATE: one row per slot
-_SCALARS = ("t", "min_len", "penalty")
-_PADDING = {"done": True, "max_len": -1, "row_max": -1, "pos": -1}  # a padding slot: done from the start
 # the search's state (the rest of _Store.st is the batch's storage: cache, cross K/V, constants)
 _STATE = ("t", "tokens", "scores", "count", "done", "max_len", "row_max", "min_len", "penalty",
           "fin_score", "fin_logp", "fin_len") + _PER_POSITION
@@ -140,21 +136,10 @@ class DeviceSearch:
         self.replays = 0  # replays run so far (tests and bench read it)
         self.gpu_times: list[float] | None = None  # a list: each replay's GPU seconds are appended (bench)
         self.compiled: dict[tuple[int, int, int], float] = {}  # (sentences, beam, source) -> compilation seconds
-        self.compiled_step = compiled
-        self.shrinks = 0
 
     @property
     def compile_seconds(self) -> float:
         return sum(self.compiled.values())
-
-    @property
-    def shrink(self) -> bool:
-        """Whether finished sentences leave between replays for a smaller bucket: only where a new bucket costs
-        a few gathers. Under torch.compile each one is a compilation of 10-20 s; captured, a capture of K steps,
-        and the runner keeps only its last MAX_BATCHES shapes, so moving down the buckets also evicts the graphs
-        that the next batch needs: on an H200 a 20,000-line file took 232 captures (7.7 s) where keeping the
-        slots took 27, and ran at half the speed (benchmarks/2026-11-29_nvidia-h200_gpu-check.md)."""
-        return not self.compiled_step and not self.runner.capture
 
     @staticmethod
     def supports(options: DecodingOptions, first_tokens: Any = None) -> bool:
@@ -170,14 +155,11 @@ class DeviceSearch:
         src_len = source_bucket(int(enc.tensors[io_names.SRC_BIAS].shape[1]))
         with runner.lock:
             batch = runner.take((size_bucket(n), beam, src_len))
-        results: list[list[Hypothesis]] = [[] for _ in range(n)]
         try:
             batch.load(enc)
             max_len = max_output_lengths(src_ids, backend, options.max_len_a, options.max_len_b)
             store = self._store(batch, capacity_for(self.steps))
             store.start(self._initial(batch, store, max_len, options))
-            owner = np.full(batch.n_sentences, -1, dtype=np.int64)  # each slot's sentence (-1: padding, left)
-            owner[:n] = np.arange(n)
             t, last = 0, int(max_len.max())
             while True:
                 grown = self._store(batch, capacity_for(t + self.steps))
@@ -186,22 +168,11 @@ class DeviceSearch:
                     store = grown
                 self._replay(store)
                 t += self.steps
-                done = store.st["done"].cpu().numpy()  # the one wait per replay
-                if done.all():
+                if store.st["done"].all().item():  # the one wait per replay
                     break
                 if t > last + 1:
                     raise RuntimeError(f"device search: sentences not done after {t} steps (limit {last})")
-                live = np.flatnonzero(~done)
-                if self.shrink and size_bucket(live.size) < batch.n_sentences:  # a smaller bucket from now on
-                    self._collect(store, owner, np.flatnonzero(done & (owner >= 0)), results, options.nbest)
-                    with runner.lock:
-                        smaller = runner.take((size_bucket(live.size), beam, src_len))
-                    store = self._shrunk(store, smaller, live)
-                    runner.release(batch)
-                    batch, owner = smaller, np.concatenate([owner[live], np.full(smaller.n_sentences - live.size, -1)])
-                    self.shrinks += 1
-            self._collect(store, owner, np.flatnonzero(owner >= 0), results, options.nbest)
-            return results
+            return self._collect(store, n, options.nbest)
         finally:
             runner.release(batch)
 
@@ -303,46 +274,19 @@ class DeviceSearch:
         store.graph = graph
         self.runner.captures += 1
 
-    def _shrunk(self, store: _Store, batch: StaticBatch, live: np.ndarray) -> _Store:
-        """The search continued in `batch` (a smaller bucket) with the slots `live` of `store`'s batch, in order:
-        their cross K/V, cache and state move once; the rest of the new batch is padding, done from the start."""
-        old, beam, m = store.batch, batch.rows, live.size
-        rows = torch.from_numpy(live).to(batch.device)
-        hyp_rows = torch.from_numpy((live[:, None] * beam + np.arange(beam)).reshape(-1)).to(batch.device)
-        batch.src_bias.fill_(MASK_VALUE)
-        batch.src_bias[:m].copy_(old.src_bias.index_select(0, rows))
-        for new_buf, old_buf in zip(batch.cross_k + batch.cross_v, old.cross_k + old.cross_v):
-            new_buf[:m].copy_(old_buf.index_select(0, rows))
-        new = self._store(batch, store.capacity)
-        for new_buf, old_buf in zip(new.storage.k + new.storage.v, store.storage.k + store.storage.v):
-            new_buf[:m].copy_(old_buf.index_select(0, rows))
-        for name in _STATE:
-            src, dst = store.st[name], new.st[name]
-            if name in _PER_HYPOTHESIS:
-                dst.fill_(_PADDING.get(name, 0))
-                dst[:m * beam].copy_(src.index_select(0, hyp_rows))
-            elif name in _SCALARS:
-                dst.copy_(src)
-            else:
-                dst.fill_(_PADDING.get(name, 0))
-                dst[:m].copy_(src.index_select(0, rows))
-        return new
-
     @staticmethod
-    def _collect(store: _Store, owner: np.ndarray, slots: np.ndarray, results: list[list[Hypothesis]],
-                 nbest: int) -> None:
-        """The finished hypotheses of `slots` into results[owner[slot]], best first (search's ranked)."""
-        if not slots.size:
-            return
-        index = torch.from_numpy(slots).to(store.st["count"].device)
-        st = {name: store.st[name].index_select(0, index).cpu().numpy()
+    def _collect(store: _Store, n: int, nbest: int) -> list[list[Hypothesis]]:
+        """The finished hypotheses of the first `n` slots (the batch's sentences, in order), best first (search's
+        ranked)."""
+        st = {name: store.st[name][:n].cpu().numpy()
               for name in ("count", "fin_tok", "fin_lp", "fin_score", "fin_logp", "fin_len")}
-        for i, slot in enumerate(slots.tolist()):
+        results = []
+        for i in range(n):
             hyps = []
             for j in range(int(st["count"][i])):
                 length = int(st["fin_len"][i, j])
                 hyps.append(Hypothesis(tokens=st["fin_tok"][i, j, :length - 1].tolist(),
                                        score=float(st["fin_score"][i, j]), log_prob=float(st["fin_logp"][i, j]),
                                        step_log_probs=st["fin_lp"][i, j, :length].tolist()))
-            results[int(owner[slot])] = sorted(hyps, key=lambda h: -h.score)[:nbest]
-
+            results.append(sorted(hyps, key=lambda h: -h.score)[:nbest])
+        return results

@@ -73,17 +73,17 @@ def test_a_batch_ends_at_the_first_replay_after_its_last_sentence(model):
     assert capacity_for(4) == 16 and capacity_for(17) == 32 and capacity_for(33) == 64
 
 
-def test_finished_sentences_leave_for_a_smaller_bucket_between_replays(model):
-    """40 sentences finishing at many steps: the batch moves down the buckets (48 -> ... -> 1) with the live
-    sentences' cache, cross K/V and state; every sentence's hypotheses stay search's, bit for bit."""
+def test_finished_sentences_keep_their_slots_until_the_batch_ends(model):
+    """40 sentences finishing at many steps stay in their bucket of 48 (a smaller bucket would be a new graph to
+    capture: 232 captures and half the speed on an H200), and every sentence's hypotheses stay search's, bit for
+    bit, in input order."""
     src, options = sources(40, seed=5), PAPER.replace(beam_size=4, nbest=2)
     backend = TorchBackend(model, step_mode="static", steps_per_replay=4)
     got = search(backend, src, options)
-    assert backend.device_search.shrinks >= 2
     assert_same(search(TorchBackend(model, step_mode="static"), src, options), got, exact=True)
-    assert len(backend.static.batches) <= 4  # the runner keeps its last shapes only (MAX_BATCHES)
-    assert not any(b.busy for b in backend.static.batches.values())  # every bucket taken was given back
-    assert TorchBackend(model, step_mode="compiled", steps_per_replay=4).device_search.shrink is False
+    assert {key[0] for key in backend.static.batches} == {48}  # its bucket only, never a smaller one
+    assert not any(b.busy for b in backend.static.batches.values())  # given back
+    assert len({len(h.tokens) for hyps in got for h in hyps}) > 3  # they did finish at many steps
 
 
 def test_storage_is_reused_and_batches_of_other_shapes_agree(model):
@@ -155,8 +155,7 @@ def test_on_cuda_the_replayed_search_is_the_one_step_graphs_in_fp32(model, mode,
         for a, b in zip(ref, got):
             assert np.allclose([h.score for h in a], [h.score for h in b], atol=1e-4), name
     assert backend.device_search.replays > 0 and backend.static.captures > 0 and backend.static.capture
-    # captured, finished sentences keep their slots: a new bucket would cost a capture (and evict other shapes')
-    assert backend.device_search.shrinks == 0 and backend.device_search.shrink is False
+    assert {key[0] for key in backend.static.batches} == {12}  # 9 sentences' bucket, never a smaller one
 
 
 @pytest.mark.slow
