@@ -211,6 +211,33 @@ def test_the_listening_socket_turns_nagle_off_for_every_connection():
         listener.close()
 
 
+def test_two_servers_starting_on_one_port_the_second_is_refused_at_once():
+    """bind() listens: two servers starting together both bound the port (SO_REUSEADDR), and the second, whose
+    listen uvicorn (uvloop) then failed in silence, said it was serving and never answered."""
+    first = bind("127.0.0.1", 0)
+    try:
+        with pytest.raises(UserError, match="Address already in use.*another server is using the port"):
+            bind("127.0.0.1", first.getsockname()[1])
+    finally:
+        first.close()
+    with pytest.raises(UserError, match="8.8.8.8 is not an address of this machine: pick another --host") as e:
+        bind("8.8.8.8", 0)
+    assert "another server" not in str(e.value)
+
+
+def test_cors_origin_is_one_a_browser_can_send():
+    """--cors-origin https://example.org/ (a trailing slash) started in silence, and every preflight from
+    https://example.org was then refused: a browser's Origin never has a path."""
+    from pipeline.serve.runner import cors_origin
+
+    assert cors_origin("*") == "*" and cors_origin(" None ") is None
+    for good in ("https://example.org", "http://localhost:8080", "moz-extension://4b2c-11", "http://[::1]:3000"):
+        assert cors_origin(good) == good
+    for bad in ("https://example.org/", "https://example.org/app", "garbage", "example.org", ""):
+        with pytest.raises(UserError, match="scheme://host\\[:port\\] with no path"):
+            cors_origin(bad)
+
+
 def test_query_string_fields_are_bounded():
     with client(state_of({"de-en": (("de",), ("en",))})) as c:
         r = c.post("/translate?" + "&".join(f"f{i}=x" for i in range(3000)))

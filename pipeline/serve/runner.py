@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import importlib.metadata
 import logging
 import re
@@ -41,6 +42,9 @@ from runtime.sentences import DEFAULT_LANG
 log = logging.getLogger(__name__)
 
 
+BACKLOG = 2048  # uvicorn's own
+
+
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound here so that a taken port is one clear line."""
     try:
@@ -55,12 +59,34 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted sockets on Linux
     try:
         sock.bind(address)
+        # listening now, not when uvicorn starts: with SO_REUSEADDR two servers starting together could both bind
+        # the port, and uvicorn (uvloop) took the second one's failed listen in silence: it said it served, and
+        # never answered. Connections made while the model loads wait in the backlog.
+        sock.listen(BACKLOG)
     except OSError as e:
         sock.close()
-        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); "
-                        "is another server using the port? pick another --port") from None
+        hint = {errno.EADDRINUSE: "another server is using the port: pick another --port",
+                errno.EADDRNOTAVAIL: f"{host} is not an address of this machine: pick another --host",
+                errno.EACCES: "ports below 1024 need privileges: pick a port of 1024 or more"}.get(e.errno or 0)
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror})"
+                        + (f"; {hint}" if hint else "")) from None
     sock.set_inheritable(True)
     return sock
+
+
+ORIGIN = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#\s]+")  # what a browser sends: scheme://host[:port]
+
+
+def cors_origin(given: str) -> str | None:
+    """--cors-origin as the CORS middleware takes it: None for "none", "*", or one origin exactly as a browser
+    sends it (an origin with a path or a trailing slash never matched: every preflight was refused in silence)."""
+    value = given.strip()
+    if value.lower() == "none":
+        return None
+    if value != "*" and not ORIGIN.fullmatch(value):
+        raise UserError(f"--cors-origin {given[:100]!r}: give *, none, or an origin as a browser sends it, "
+                        "scheme://host[:port] with no path, like https://example.org")
+    return value
 
 
 def _version(package: str) -> str | None:
@@ -193,10 +219,10 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
             raise UserError("--require-api-key needs --api-keys FILE, the keys to require")
         keys = ApiKeys.read(str(opts.api_keys), opts.keyless_rate or None, opts.require_api_key) \
             if opts.api_keys is not None else None
+        cors = cors_origin(opts.cors_origin)
         named = read_named(opts.glossary)  # the files first: a bad one is refused before any model loads
         served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
         glossaries = check_named(named, {name: model.translator for name, model in served.items()})
-        cors = None if opts.cors_origin.strip().lower() == "none" else opts.cors_origin.strip()
         state = ServerState(served, limits, {**server_info(limits, opts), "glossaries": glossaries_info(glossaries)},
                             metrics, warmed_up=True, keys=keys, cors_origin=cors,
                             access_log=opts.log_format if opts.access_log else None, glossaries=glossaries)
