@@ -57,7 +57,7 @@ class Origin(Protocol):
     pair encode_sources names a line by), a sentence j of text k's document as `document(k) sentence:j+1`,
     of its HTML text node (the m-th of all the texts' nodes) as `node(k, m) sentence:j+1`."""
 
-    def line(self, k: int) -> tuple[str, int]: ...
+    def line(self, k: int) -> tuple[str, int | None]: ...
 
     def document(self, k: int) -> str: ...
 
@@ -102,11 +102,11 @@ class Located:
 
 @dataclass(frozen=True)
 class Listed:
-    """Texts of an HTTP request: a line is `request line:N` (from 1), a document `text[k]` (from 0), an HTML
-    text node `text[m]` (counting every text's nodes: what the model was given)."""
+    """Texts of an HTTP request: a line or a document is `text[k]` (from 0, as the request's list), an HTML text
+    node `text[m]` (counting every text's nodes: what the model was given)."""
 
-    def line(self, k: int) -> tuple[str, int]:
-        return "request line", k + 1
+    def line(self, k: int) -> tuple[str, int | None]:
+        return f"text[{k}]", None
 
     def document(self, k: int) -> str:
         return f"text[{k}]"
@@ -187,7 +187,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     found in its text and their targets tokenized (`terms`, `constraints`; runtime/glossary.py)."""
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
-    where: list[tuple[str, int]] = []  # per unit of a document: how a refusal names it
+    where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
     nodes = 0
     for k, text in enumerate(texts):
         start = len(out.units)

@@ -183,13 +183,14 @@ class SourceTooLong(RuntimeUserError):
 
 
 def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
-                   origin: str = "input", first_line: int = 1, prefix: tuple[int, ...] = ()) -> Sources:
+                   origin: str = "input", first_line: int | None = 1, prefix: tuple[int, ...] = ()) -> Sources:
     """The one way text lines become source ids (serve-batch, parity, bench, validation).
 
     Blank or whitespace-only lines get [] (they are never translated: the output line is
     empty); others are pieces + EOS. A line over max_src_len tokens (EOS included) is cut
     to its first max_src_len - 1 pieces + EOS (long_lines "truncate", counted) or refused
-    as `origin:line` (long_lines "error"; line numbers start at first_line). `prefix` starts every
+    as `origin:line` (long_lines "error"; line numbers start at first_line; with first_line None, one line
+    named `origin` alone). `prefix` starts every
     non-blank source (a multilingual model's source language token: runtime/languages.py).
     """
     if long_lines not in LONG_LINE_POLICIES:
@@ -202,8 +203,8 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
         seq = list(prefix) + seq if prefix else seq
         if len(seq) > max_src_len:
             if long_lines == "error":
-                raise SourceTooLong(f"{origin}:{first_line + i}: {len(seq)} tokens, more than the model's "
-                                    f"limit of {max_src_len}")
+                where = origin if first_line is None else f"{origin}:{first_line + i}"
+                raise SourceTooLong(f"{where}: {len(seq)} tokens, more than the model's limit of {max_src_len}")
             out.truncated += 1
             seq = seq[: max_src_len - 1] + seq[-1:]
         out.ids[i] = seq

@@ -68,10 +68,11 @@ class StandIn(Translator):
 
 
 @contextmanager
-def client(translator: Translator | None = None, **limits: Any) -> Iterator[TestClient]:
-    """The real app serving the stand-in as model "m", started (its batcher runs) and stopped."""
+def client(translator: Translator | None = None, nbest: int = 1, **limits: Any) -> Iterator[TestClient]:
+    """The real app serving the stand-in as model "m" (`pipeline serve --nbest N`), started (its batcher runs)
+    and stopped."""
     metrics, request_limits = Metrics(), RequestLimits(**limits)
-    decoding = PAPER.replace(batch_tokens=request_limits.max_batch_tokens)
+    decoding = PAPER.replace(batch_tokens=request_limits.max_batch_tokens, nbest=nbest)
     model = ServedModel("m", translator or StandIn(), decoding, 16, "en", {}, metrics.model("m"))
     state = ServerState({"m": model}, request_limits, {}, metrics, warmed_up=True)
     with TestClient(create_app(state)) as c:

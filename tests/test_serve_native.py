@@ -68,6 +68,29 @@ def test_html_over_the_native_api_as_over_libretranslates():
         assert r.status_code == 400 and r.json()["error"] == '"format" must be one of "text", "html", not \'xml\''
 
 
+def test_a_server_started_with_nbest_answers_documents_and_keeps_one_shape():
+    """`pipeline serve --nbest 2` refused every split or HTML request, blaming "nbest" that the client never sent;
+    "beam_size": 1 turned its answers from hypotheses into strings; an empty line had no hypothesis at all."""
+    hyps = [{"hypotheses": [{"text": "JA", "score": -1.0}]}, {"hypotheses": [{"text": "", "score": 0.0}]}]
+    with client(nbest=2) as c:
+        assert c.post("/translate", json={"text": ["ja", ""]}).json() == {"translations": hyps}
+        assert c.post("/translate", json={"text": ["ja", ""], "beam_size": 1}).json() == {"translations": hyps}
+        r = c.post("/translate", json={"text": ["ja. nein.", ""], "split": "sentences"})
+        assert r.json() == {"translations": ["JA. NEIN.", ""]}
+        assert c.post("/translate", json={"text": ["<b>ja</b>"], "format": "html"}).json() == {
+            "translations": ["<b>JA</b>"]}
+        r = c.post("/translate", json={"text": ["ja"], "split": "sentences", "nbest": 2})  # asked for: refused
+        assert r.status_code == 400 and r.json()["error"].startswith('"split": "sentences" gives one translation')
+        r = c.post("/translate", json={"text": ["ja"], "beam_size": 0})
+        assert r.status_code == 400 and "beam_size" in r.json()["error"] and "nbest" not in r.json()["error"]
+
+
+def test_a_trailing_slash_is_a_json_404_not_a_redirect_to_plain_http():
+    with client() as c:
+        r = c.post("/translate/", json={"text": ["ja"]}, follow_redirects=False)
+        assert r.status_code == 404 and r.json()["error"].startswith("no route POST /translate/")
+
+
 def test_languages_on_a_model_whose_pair_is_unknown_must_look_like_codes():
     with client() as c:
         assert c.post("/translate", json={"text": ["ja"], "source": "xx", "target": "yy"}).status_code == 200

@@ -336,6 +336,8 @@ def test_several_models_each_with_its_own_queue(model_dir, fp32_dir, tmp_path, l
             answers = [f.result() for f in flood]
         assert calm.json()["translations"] == random_expected
         assert {r.status_code for r in answers} == {200, 503}
+        busy = [r.json()["error"] for r in answers if r.status_code == 503]
+        assert all(e.startswith("server busy: model 'de-en': ") for e in busy), busy  # the busy one named
         info = httpx.get(f"{u}/info", timeout=10).json()["models"]
         assert info["de-en"]["lang"] == "de" and info["other"]["lang"] == "en"
         assert info["de-en"]["model_config"] != info["other"]["model_config"]
@@ -355,7 +357,7 @@ def test_burst_stalled_and_vanishing_clients(model_dir, tmp_path, lines, expecte
     with server(model_dir, tmp_path / "serve.log", "--max-queue", 2, "--max-wait-ms", 100, "--long-lines", "error",
                 "--body-timeout-s", body_timeout_s) as (_, u):
         r = post(u, {"text": ["der hund", LONG_LINE]})
-        assert r.status_code == 413 and "line:2" in r.json()["error"] and str(SRC_LIMIT) in r.json()["error"]
+        assert r.status_code == 413 and "text[1]: " in r.json()["error"] and str(SRC_LIMIT) in r.json()["error"]
         assert "--long-lines" not in r.json()["error"]
         host, port = u.removeprefix("http://").split(":")
         stalled = []
@@ -446,11 +448,17 @@ def test_requests_still_waiting_when_the_grace_runs_out_get_503_not_500(model_di
             assert "--grace-s 1 ran out before this request was translated" in r.json()["error"]
             objects = streamed.result()
             assert objects[-1].keys() == {"error"} and "--grace-s 1 ran out" in objects[-1]["error"]
-        holder.close()  # a client that never finished its body: it leaves, as such a client would be cut off
+        # a client that never finished its body is answered once the answers' time is out too: a JSON 503 (it was
+        # uvicorn's plain-text 500, a traceback, and 499 in the access log)
+        answer = b"".join(iter(lambda: holder.recv(65536), b""))
+        holder.close()
+        assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: " in answer.lower(), answer
+        assert "the server is stopping" in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
         assert proc.wait(60) == 0
     text = log_path.read_text()
     assert "Traceback" not in text and "never retrieved" not in text, text
     assert "--grace-s 1 ran out: 2 request(s) answered 503" in text
+    assert "POST /translate answered 503: the server stopped before it was read" in text
 
 
 def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):

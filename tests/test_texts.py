@@ -73,7 +73,7 @@ def test_html_units_are_its_text_nodes_sentences_and_the_markup_is_kept():
 
 @pytest.mark.parametrize("policy, origin, message", [
     (TextPolicy(long_lines="error"), Lines("in.txt", 10), "in.txt:11: 6 tokens"),
-    (TextPolicy(long_lines="error"), Listed(), "request line:2: 6 tokens"),
+    (TextPolicy(long_lines="error"), Listed(), "text[1]: 6 tokens"),
     (TextPolicy(long_lines="error"), Located(["a.txt", "b.txt"], [7, 3]), "b.txt:3: 6 tokens"),
     (TextPolicy(long_lines="error", split="sentences"), Lines("in.txt", 10), "in.txt:11 sentence:2: 6 tokens"),
     (TextPolicy(long_lines="error", split="sentences"), Listed(), "text[1] sentence:2: 6 tokens"),

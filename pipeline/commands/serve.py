@@ -31,7 +31,8 @@ def _require_web_stack() -> None:
 @options_from(LoadOptions, skip=("precision",), notes=LOAD_NOTES)
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
-                         "nbest": "With N > 1 each translation is a list of {text, score}."})
+                         "nbest": 'With N > 1 each translation is {"hypotheses": [{text, score}, ...]}, at most the '
+                                  'beam of the request; requests with "split" or "format": "html" get one.'})
 @options_from(RequestLimits)
 def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> None:
     """Serve the model in MODEL_DIR (or several: --model NAME=DIR ...) over HTTP, batching

@@ -169,6 +169,15 @@ class Contained:
             if started:
                 raise
             await (await _unavailable(Request(scope), exc))(scope, receive, send)
+        except asyncio.CancelledError:  # uvicorn ending a stopping server's tasks: --grace-s and its answers ran out
+            state: ServerState = scope["app"].state.server  # (a body still arriving), or a second Ctrl-C
+            if started or not state.draining:
+                raise
+            log.warning("%s %s answered 503: the server stopped before it was read and translated", scope["method"],
+                        scope["path"])
+            await error(ApiError(503, "the server is stopping: it stopped before this request was read and "
+                                 "translated; retry elsewhere",
+                                 {"Retry-After": str(state.limits.retry_after_s)}))(scope, receive, send)
 
 
 async def _unavailable(request: Request, exc: Exception) -> Response:
@@ -227,5 +236,8 @@ def create_app(state: ServerState) -> Starlette:
         Route("/docs", spec.docs, methods=["GET"]),
     ], lifespan=lifespan, exception_handlers={Exception: _unavailable, ClientDisconnect: _gone,
                                                     HTTPException: _no_route}, middleware=middleware)
+    # /translate/ is a JSON 404, not Starlette's 307 to an absolute http:// URL (wrong behind a
+    # TLS proxy); LibreTranslate's Flask routes take no trailing slash either
+    app.router.redirect_slashes = False
     app.state.server = state
     return app

@@ -94,8 +94,11 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
         except UnicodeEncodeError:
             raise ApiError(400, f"text[{i}] holds a lone surrogate (\\ud800-\\udfff), not text") from None
     changes = {key: _field(data, key, int, None, "an integer") for key in ("beam_size", "nbest") if key in data}
-    if "beam_size" in changes and "nbest" not in changes:
-        changes["nbest"] = min(model.decoding.nbest, changes["beam_size"])
+    one_per_text = split != "none" or kind == "html"
+    served_nbest = "nbest" not in changes and model.decoding.nbest > 1  # the server's --nbest, where it fits:
+    if served_nbest:  # within the request's beam, and one translation per text with split or html
+        beam = changes.get("beam_size", model.decoding.beam_size)
+        changes["nbest"] = 1 if one_per_text else max(1, min(model.decoding.nbest, beam))
     decoding = model.decoding.replace(**changes)
     problems = decoding.problems(name=str)  # the request's own field names
     if decoding.beam_size > model.max_beam:
@@ -103,7 +106,8 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     if problems:
         raise ApiError(400, "; ".join(problems))
     scores = _field(data, "scores", bool, False, "true or false")
-    structured = scores or decoding.nbest > 1
+    # the answer's shape is the request's and the server's, never the beam's: hypotheses wherever n-best applies
+    structured = scores or decoding.nbest > 1 or served_nbest and not one_per_text
     if structured and (split != "none" or kind == "html"):
         what = '"format": "html"' if kind == "html" else '"split": "sentences"'
         raise ApiError(400, f'{what} gives one translation per text: "nbest" and "scores" need "split": "none" '
@@ -185,7 +189,8 @@ def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NB
 
 
 def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
-    return [{"text": text, "score": score} for text, score in hyps]
+    """The hypotheses as the answer lists them; an empty line (never searched) has one, empty, with score 0."""
+    return [{"text": text, "score": score} for text, score in hyps] or [{"text": "", "score": 0.0}]
 
 
 async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float

@@ -78,8 +78,9 @@ async def submit(req: TranslateRequest, state: ServerState) -> tuple[Work, Encod
     assert model.batcher is not None
     try:
         return model.batcher.submit(encoded.ids, req.decoding, req.way.first, encoded.constraints), encoded
-    except QueueFull as e:
-        raise busy(f"server busy: {e}; retry later", state) from None
+    except QueueFull as e:  # each model has its queue: with several, the busy one named
+        which = f"model {model.name!r}: " if len(state.models) > 1 else ""
+        raise busy(f"server busy: {which}{e}; retry later", state) from None
     except BatcherStopped as e:
         raise busy(f"{e}; retry later", state) from None
 
