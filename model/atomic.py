@@ -131,9 +131,30 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
     return removed
 
 
+FD_ALIAS = re.compile(r"/(proc/(self|thread-self|\d+)|dev)/fd/\d+")  # /dev/stdout -> /proc/self/fd/1
+
+
+def descriptor_alias(path: str | Path) -> bool:
+    """Whether `path` or a symlink it goes through names an open file descriptor (/dev/stdout, /dev/fd/1,
+    /proc/self/fd/1): whatever that descriptor is (a pipe, the file a shell redirected it to), the output
+    is written into it; a renamed temp file would replace the link, or a file the shell holds open."""
+    here = os.path.abspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        if FD_ALIAS.fullmatch(here):
+            return True
+        try:
+            target = os.readlink(here)
+        except OSError:
+            return False
+        here = os.path.normpath(os.path.join(os.path.dirname(here), target))
+    return False
+
+
 def is_special_file(path: str | Path) -> bool:
-    """Whether `path` (its symlinks followed) is a device, FIFO or socket: /dev/null, /dev/stdout, a named pipe.
-    Such an output is written through, not replaced by a renamed temp file."""
+    """Whether `path` (its symlinks followed) is a device, FIFO or socket (/dev/null, a named pipe), or a file
+    descriptor's name (/dev/stdout). Such an output is written through, not replaced by a renamed temp file."""
+    if descriptor_alias(path):
+        return True
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -152,10 +173,13 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
         raise ValueError(f"atomic_write needs a write mode, got {mode!r}")
     path = Path(path)
     kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-    if is_special_file(path):  # /dev/null, a FIFO, a terminal: written through (a rename would replace the device)
-        with open(path, mode, **kwargs) as f:
+    if is_special_file(path):  # /dev/null, a FIFO, /dev/stdout: written through (a rename would replace it);
+        # a descriptor's file is appended to, as the shell opened it (`>` emptied it, `>>` keeps what it holds)
+        with open(path, mode.replace("w", "a") if descriptor_alias(path) else mode, **kwargs) as f:
             yield f
         return
+    if path.is_symlink():  # the file the link names is replaced, the link kept (it was replaced by a file)
+        path = Path(os.path.realpath(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path.name), suffix=suffix, dir=path.parent)
     try:
@@ -163,7 +187,10 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
             yield f
             f.flush()
             os.fsync(f.fileno())
-        usual_permissions(tmp)
+        try:  # a file replaced keeps its permissions (a private 0600 output stayed private); a new one gets
+            os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))  # open()'s
+        except FileNotFoundError:
+            usual_permissions(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import os
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,9 +18,9 @@ from model.errors import UserError
 
 def open_binary(path: str | Path) -> IO[bytes]:
     """Open a corpus file for reading bytes; '-' is stdin; '.gz' is decompressed."""
+    path = check_input(path)
     if str(path) == "-":
         return sys.stdin.buffer
-    path = check_input(path)
     if path.suffix == ".gz":
         return gzip.open(path, "rb")
     return open(path, "rb")
@@ -27,6 +29,10 @@ def open_binary(path: str | Path) -> IO[bytes]:
 def check_input(path: str | Path) -> Path:
     """The path of an input file that is there and not a directory (UserError naming it otherwise), checked
     without opening it (a named pipe is opened once, by its reader)."""
+    if str(path) == "-":  # standard input
+        if sys.stdin is None:  # `<&-`: Python sets it to None
+            raise UserError("'-' reads standard input, which is closed; give an input file")
+        return Path("-")
     path = Path(path)
     if not path.exists():
         link = " (a symbolic link that leads nowhere, or back to itself)" if path.is_symlink() else ""
@@ -52,18 +58,28 @@ class NotUtf8(UserError):
 
 def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict") -> str:
     """One line of bytes to str without its line end (\\n or \\r\\n; a \\r before it is the text's); invalid UTF-8
-    names file and line; UTF-16 (a byte order mark starting the file, or a line of NUL bytes between its
-    characters, whichever line it is) is a NotUtf8 naming the file and line."""
+    names file and line. UTF-16 (a byte order mark starting the file, or a line of NUL bytes every other byte,
+    whichever line it is) is a NotUtf8 naming the file and line; another NUL byte is not text: named too, or with
+    errors="replace" made U+FFFD as invalid bytes are. A UTF-8 byte order mark starting the file is dropped (it
+    is no text: kept, it lowered the BLEU of a reference's first line)."""
     bom = lineno == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff"))
-    if bom or len(raw) > 1 and raw.count(b"\x00") * 4 >= len(raw):
+    nuls = raw.count(b"\x00")
+    if bom or nuls > 1 and nuls * 4 >= len(raw) and max(raw[0::2].count(0), raw[1::2].count(0)) >= 0.9 * nuls:
         why = "its byte order mark" if bom else f"line {lineno}: NUL bytes between its characters"
         raise NotUtf8(f"{path}: is UTF-16 ({why}), not UTF-8: convert it first (iconv -f UTF-16 -t UTF-8)")
+    if lineno == 1 and raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
     try:
         text = raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
         raise UserError(
             f"{path}:{lineno}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
             "fix the file") from None
+    if nuls:
+        if errors != "replace":
+            raise UserError(f"{path}:{lineno}: a NUL byte (byte {raw.index(0)}), which no text holds; is it a text "
+                            "file? fix the file")
+        text = text.replace("\x00", "\ufffd")
     text = text[:-1] if text.endswith("\n") else text
     return text[:-1] if text.endswith("\r") else text
 
@@ -101,6 +117,10 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
         yield sys.stdout if "b" not in mode else sys.stdout.buffer
         sys.stdout.flush()
         return
+    if "b" not in mode and str(path).endswith(".gz"):  # named .gz: gzip'd, as a .gz input is read
+        with atomic_write(path, "wb", suffix=".part") as f, gzip.open(f, "wt", encoding="utf-8", newline="\n") as z:
+            yield z
+        return
     with atomic_write(path, mode, suffix=".part") as f:
         yield f
 
@@ -114,10 +134,18 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
     A hard link to an input file is allowed: the atomic rename replaces only the output's
     directory entry, so the input's content survives under its own name."""
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
+    stdin = _stdio_file(0) if any(str(p) == "-" for p in inputs) else None
+    stdout = _stdio_file(1) if any(str(p) == "-" for p in outputs) else None
+    for inp in real_inputs.values():  # `-o - >> input`: it would read its own translations, without end
+        if stdout is not None and _identity(inp) == stdout:
+            raise UserError(f"standard output is the input {inp}: the {what} '-' would be read back and translated "
+                            "again without end; write it elsewhere")
     for out in outputs:
         if str(out) == "-":
             continue
         same = real_inputs.get(os.path.realpath(out))
+        if same is None and stdin is not None and _identity(out) == stdin:
+            same = "'-' (standard input)"
         if same is not None:
             raise UserError(f"{out}: this {what} is the input {same}; writing it would destroy the input, "
                             "choose another path")
@@ -136,6 +164,25 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
                                 "choose another path")
 
 
+def _identity(path: str | Path) -> tuple[int, int] | None:
+    """(device, inode) of an existing regular file, else None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def _stdio_file(fd: int) -> tuple[int, int] | None:
+    """(device, inode) of the regular file on standard input (0) or output (1), else None (a pipe, a terminal,
+    closed)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
 def within(path: str | Path, directory: str | Path) -> bool:
     """Whether `path` is `directory` or lies inside it, as written (symlinks kept) or resolved."""
     return any(os.path.commonpath([spell(path), spell(directory)]) == spell(directory)
@@ -145,10 +192,14 @@ def within(path: str | Path, directory: str | Path) -> bool:
 def check_output_file(path: str | Path, option: str) -> None:
     """Fail fast, before a model is loaded: an output that is a directory, or whose
     directory cannot be written, is one line now rather than a traceback at the end."""
+    if str(path) == "-" and sys.stdout is None:  # `>&-`: Python sets it to None
+        raise UserError(f"{option} - writes standard output, which is closed; give a file path")
     if str(path) == "-" or is_special_file(path):  # stdout; /dev/null or a FIFO, written through
         return
     if str(path) in ("", "."):  # click makes '' (an unset shell variable, say) the current directory
         raise UserError(f"{option} is empty; give a file path")
+    if str(path).endswith(os.sep):  # `-o newdir/` made a file named newdir
+        raise UserError(f"{option} {path}: ends in {os.sep}, as a directory does; give a file path")
     if Path(path).is_dir():
         raise UserError(f"{path}: is a directory; {option} needs a file path")
     try:

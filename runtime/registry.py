@@ -141,7 +141,8 @@ def _exported_precision(manifest: Manifest, devices: tuple[str, ...]) -> list[tu
 # runtime/model_dir.py's load refuses one set for another backend, in these words, and LoadOptions.for_backend
 # leaves it out for a backend that does not take it (bench and parity, looping over backends).
 ONLY_SOME = {"step": "chooses its decoder step", "steps_per_replay": "runs beam search on the device",
-             "parallel_batches": "(on the CPU) decodes batches side by side"}
+             "parallel_batches": "(on the CPU) decodes batches side by side",
+             "precision": "runs in a precision of its own (the others run the exported graphs' or engines')"}
 
 
 @dataclass(frozen=True)

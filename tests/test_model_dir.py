@@ -142,6 +142,9 @@ def test_the_registry_says_which_load_options_each_backend_takes(fp32_dir):
                             "--parallel-batches out")
     with pytest.raises(registry.RuntimeUserError, match="only the torch backend chooses its decoder step"):
         load(fp32_dir, LoadOptions(backend="onnxruntime", step="eager"))
+    # --dtype fp16 on onnxruntime ran the fp32 graphs in silence, where --step was refused
+    with pytest.raises(registry.RuntimeUserError, match="^--dtype fp16: only the torch backend runs in a precision"):
+        load(fp32_dir, LoadOptions(backend="onnxruntime", precision="fp16"))
 
 
 def test_loaded_carries_the_options_it_runs_with(fp32_dir):

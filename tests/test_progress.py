@@ -65,6 +65,32 @@ def test_serve_batch_bar_moves_per_batch_with_a_total_on_a_terminal_and_is_silen
     assert (tmp_path / "out.txt").read_text() == (tmp_path / "out2.txt").read_text()
 
 
+def test_the_bar_counts_lines_when_a_window_is_translated_in_sentences():
+    """--split sentences (and --format html) advanced the bar by sentences against a total of lines: 1776/600."""
+    from pipeline.serve_batch.files import _Advance
+
+    class Bar:
+        def __init__(self) -> None:
+            self.n = 0
+            self.seen: list[int] = []
+
+        def update(self, step: int) -> None:
+            self.n += step
+            self.seen.append(self.n)
+
+    bar = Bar()
+    advance = _Advance(bar, 3, 9, 1)  # 3 lines of 3 sentences each, translated 2 sentences a batch
+    for _ in range(4):
+        advance(2)
+    assert bar.seen == [0, 1, 2, 2] and bar.n <= 3
+    advance(1)
+    advance.finish()
+    assert bar.n == 3
+    two_ranks = _Advance(bar := Bar(), 4, 4, 2)  # this rank's batches stand for both ranks'
+    two_ranks(1)
+    assert bar.n == 2
+
+
 def test_the_heartbeat_says_step_loss_speed_and_time_left(caplog, monkeypatch):
     now = [1000.0]
     monkeypatch.setattr(time, "time", lambda: now[0])

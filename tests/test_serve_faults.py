@@ -58,6 +58,97 @@ def test_symlinked_input_cannot_overwrite_its_target(model_dir, tmp_path, capsys
     assert "is the input" in capsys.readouterr().err and real.read_text() == "der hund\n"
 
 
+def test_an_output_through_a_symlink_writes_what_it_names(model_dir, tmp_path):
+    """-o LINK replaced the link by a file; -o /dev/stdout (a link to /proc/self/fd/1) > FILE left FILE empty, exit 0.
+    Now the link's file is written (the link kept), and a descriptor's name is written into."""
+    inp = write(tmp_path / "in.de", ["der hund", "die katze"])
+    (tmp_path / "real").mkdir()
+    real = write(tmp_path / "real" / "out.en", ["old"])
+    (tmp_path / "link.en").symlink_to(real)
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "link.en", *FAST) == 0
+    assert (tmp_path / "link.en").is_symlink() and len(real.read_text().splitlines()) == 2
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev" / "stdout").symlink_to("/proc/self/fd/1")
+    for out in (tmp_path / "dev" / "stdout", "/dev/stdout"):
+        redirected = tmp_path / "redirected.en"
+        with open(redirected, "wb") as stdout:
+            proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, *FAST), stdout=stdout,
+                                  stderr=subprocess.PIPE, env=cli_env(), timeout=300)
+        assert proc.returncode == 0 and redirected.read_text() == real.read_text(), proc.stderr
+    assert (tmp_path / "dev" / "stdout").is_symlink()
+
+
+def test_standard_input_or_output_that_is_an_input_file_is_refused(model_dir, tmp_path):
+    """`- -o F < F` replaced the input read on stdin; `F -o - >> F` translated its own output without end."""
+    victim = write(tmp_path / "victim.de", ["der hund", "die katze"])
+    before = victim.read_bytes()
+    with open(victim, "rb") as stdin:
+        proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, "-", "-o", victim, *FAST), stdin=stdin,
+                              capture_output=True, text=True, env=cli_env(), timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, "this output is the input '-' (standard input)")
+    with open(victim, "ab") as stdout:
+        proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, victim, "-o", "-", *FAST), stdout=stdout,
+                              stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, f"standard output is the input {victim}")
+    assert victim.read_bytes() == before
+
+
+def test_a_glossary_is_an_input_and_a_replaced_output_keeps_its_permissions(model_dir, tmp_path, capsys):
+    inp = write(tmp_path / "in.de", ["der hund"])
+    glossary = write(tmp_path / "terms.tsv", ["hund\tdog"])
+    assert run_cli("serve-batch", model_dir, inp, "-o", glossary, "--glossary", glossary, *FAST) == 2
+    assert "terms.tsv: this output is the input" in capsys.readouterr().err
+    assert glossary.read_text() == "hund\tdog\n"
+    private = write(tmp_path / "private.en", ["old"])
+    private.chmod(0o600)  # it was replaced by a file of the umask's mode (0644: readable by all)
+    assert run_cli("serve-batch", model_dir, inp, "-o", private, *FAST) == 0
+    assert private.stat().st_mode & 0o777 == 0o600 and private.read_text() != "old\n"
+
+
+@pytest.mark.parametrize("closed, args, says", [
+    ("<&-", ("-", "-o", "out.en"), "'-' reads standard input, which is closed"),
+    (">&-", ("in.de", "-o", "-"), "--output - writes standard output, which is closed")])
+def test_a_closed_standard_input_or_output_is_one_line(model_dir, tmp_path, closed, args, says):
+    """serve-batch with stdin or stdout closed (`<&-`, `>&-`) ended in an AttributeError traceback."""
+    write(tmp_path / "in.de", ["der hund"])
+    proc = subprocess.run(["bash", "-c", f'exec "$@" {closed}', "_",
+                           *pipeline_cmd("serve-batch", model_dir, *args, *FAST)],
+                          cwd=tmp_path, stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=300)
+    assert_one_line_error(proc.returncode, proc.stderr, says)
+    assert not (tmp_path / "out.en").exists()
+
+
+def test_an_input_without_line_breaks_is_refused_not_read_whole(model_dir, tmp_path, capsys, monkeypatch):
+    """serve-batch /dev/zero read one endless line until memory ran out (a MemoryError traceback)."""
+    from pipeline.serve_batch import translation
+
+    assert run_cli("serve-batch", model_dir, "/dev/zero", "-o", tmp_path / "z.en", *FAST) == 2
+    assert "/dev/zero:1: a line of more than 16 MiB with no line break" in capsys.readouterr().err
+    monkeypatch.setattr(translation, "MAX_LINE_BYTES", 20)
+    fits = write(tmp_path / "fits.de", ["der hund", "x" * 19])  # 20 bytes with its line break: taken
+    assert run_cli("serve-batch", model_dir, fits, "-o", tmp_path / "fits.en", *FAST) == 0
+    over = write(tmp_path / "over.de", ["der hund", "x" * 20])
+    assert run_cli("serve-batch", model_dir, over, "-o", tmp_path / "over.en", *FAST) == 2
+    assert "over.de:2: a line of more than 0 MiB" in capsys.readouterr().err
+    assert not (tmp_path / "z.en").exists() and not (tmp_path / "over.en").exists()
+
+
+def test_outputs_named_as_a_user_means_them(model_dir, tmp_path, capsys):
+    """-o out.gz wrote plain text that serve-batch itself then refused as "Not a gzipped file"; -o newdir/ made a
+    file named newdir; --suffix with -o was ignored in silence."""
+    inp = write(tmp_path / "in.de", ["der hund", "die katze"])
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.en.gz", *FAST) == 0
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "out.en", *FAST) == 0
+    assert gzip.decompress((tmp_path / "out.en.gz").read_bytes()) == (tmp_path / "out.en").read_bytes()
+    assert run_cli("serve-batch", model_dir, tmp_path / "out.en.gz", "-o", tmp_path / "again.de", *FAST) == 0
+    capsys.readouterr()
+    assert run_cli("serve-batch", model_dir, inp, "-o", f"{tmp_path / 'newdir'}/", *FAST) == 2
+    assert "newdir/: ends in /, as a directory does; give a file path" in capsys.readouterr().err
+    assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "x.en", "--suffix", ".fr", *FAST) == 2
+    assert "--suffix names the outputs of --output-dir" in capsys.readouterr().err
+    assert not (tmp_path / "newdir").exists() and not (tmp_path / "x.en").exists()
+
+
 def test_gz_input_as_its_own_output_is_refused(model_dir, tmp_path, capsys):
     inp = tmp_path / "in.de.gz"
     inp.write_bytes(gzip.compress(b"der hund\n"))

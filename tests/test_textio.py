@@ -115,3 +115,21 @@ def test_a_device_or_fifo_output_is_written_through_not_replaced(tmp_path):
         f.write("through the pipe\n")
     reader.join(10)
     assert received == [b"through the pipe\n"] and stat.S_ISFIFO(os.stat(fifo).st_mode)
+
+
+def test_a_nul_byte_is_named_utf16_only_where_it_is_and_a_utf8_bom_is_dropped():
+    """`ab\\0` and an ELF binary were called UTF-16 (iconv would have garbled them); NUL bytes in a longer line
+    went to the model; a UTF-8 byte order mark stayed in a reference's first line (a lower BLEU)."""
+    from pipeline.textio import NotUtf8, decode_line
+
+    for raw in (b"ab\x00\n", b"\x00\n", b"\x7fELF\x02\x01\x01\x00\x00\x00\x00\x00\x00\x00\x00\x00\x03\x00>\x00\n",
+                b"der hund sieht die katze\x00 und das kind\n"):
+        with pytest.raises(UserError, match=r"f:3: a NUL byte \(byte \d+\), which no text holds") as e:
+            decode_line(raw, "f", 3)
+        assert not isinstance(e.value, NotUtf8)
+    assert decode_line(b"a\x00b\n", "f", 3, errors="replace") == "a\ufffdb"
+    for raw in ("der hund\n".encode("utf-16-le"), "\nder hund".encode("utf-16-le")[1:]):
+        with pytest.raises(NotUtf8, match="is UTF-16"):
+            decode_line(raw, "f", 2)
+    assert decode_line(b"\xef\xbb\xbfder hund\r\n", "f", 1) == "der hund"
+    assert decode_line(b"\xef\xbb\xbfder hund\n", "f", 2) == "\ufeffder hund"  # inside the file: the text's

@@ -8,6 +8,7 @@ from typing import Any
 
 import click
 
+from model.errors import UserError
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
@@ -43,14 +44,16 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
     to split the work over N processes / GPUs; the output stays complete and in order.
     Ends with a summary line on stderr.
     """
+    if suffix is not None and output is not None:
+        raise UserError("--suffix names the outputs of --output-dir; --output names its file itself")
     options: LoadOptions = pick(LoadOptions, fields)
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
     outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
                            if output_dir is not None else None)
-    for inp in inputs:  # a missing input is one line before the model is loaded, not after
-        if inp != "-":
-            check_input(inp)
-    check_outputs(list(inputs), outputs, "--output" if output is not None else "--output-dir", model_dir)
+    for inp in inputs:  # a missing input (or a closed stdin) is one line before the model is loaded, not after
+        check_input(inp)
+    # the glossary files are inputs too: an output naming one would replace it with translations
+    check_outputs([*inputs, *opts.glossary], outputs, "--output" if output is not None else "--output-dir", model_dir)
     # SIGTERM (kill, torchrun stopping the other ranks) unwinds like Ctrl-C (pipeline.cli),
     # so temp outputs are removed instead of being left behind by an abrupt exit.
     with dist_context(None, backend="gloo") as ctx:

@@ -161,14 +161,17 @@ def count_lines(path: str) -> int | None:
 
 
 class _Advance:
-    """The bar moved batch by batch through a window: this rank's batches stand for every rank's (about the
-    same share), and the window's end brings it to the window's lines whatever the batches said."""
+    """The bar, in input lines, moved batch by batch through a window of `units` (its lines, or with --split or
+    --format html its sentences): this rank's batches stand for every rank's (about the same share), and the
+    window's end brings it to the window's lines whatever the batches said."""
 
-    def __init__(self, bar: Any, lines: int, world_size: int):
-        self.bar, self.lines, self.world_size, self.counted = bar, lines, world_size, 0
+    def __init__(self, bar: Any, lines: int, units: int, world_size: int):
+        self.bar, self.lines, self.units, self.world_size = bar, lines, max(units, 1), world_size
+        self.counted = self.done = 0
 
     def __call__(self, n: int) -> None:
-        step = min(n * self.world_size, self.lines - self.counted)
+        self.done += n * self.world_size
+        step = min(self.lines, self.done * self.lines // self.units) - self.counted
         self.counted += step
         self.bar.update(step)
 
@@ -195,7 +198,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
             window = on_main(ctx, lambda: next(windows, None))  # type: ignore[arg-type]
             if window is None:
                 return
-            advance = _Advance(bar, len(window.ids), ctx.world_size)
+            advance = _Advance(bar, len(window.encoded.spans), len(window.ids), ctx.world_size)
             share = _translate_share(backend, window.ids, ctx, opts.decoding, direction, advance if shown else None,
                                      window.encoded.constraints,
                                      None if window.encoded.constraints is None else word_continuations(tokenizer))
@@ -328,6 +331,6 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions) -> None:
 def warn_min_len(lines: int, path: str, decoding: DecodingOptions) -> None:
     """Say how many lines --min-len cannot hold for (min_len_over), as serve-batch and parity translate them."""
     if lines:
-        log.warning("%s: %d line(s) have a maximum output length (%g x source tokens + %d) below --min-len %d; "
-                    "they stop at that maximum", path, lines, decoding.max_len_a, decoding.max_len_b,
-                    decoding.min_len)
+        log.warning("%s: %d line(s) have a maximum output length (%g x source tokens + %d, and at most the model's "
+                    "target limit) below --min-len %d; they stop at that maximum", path, lines, decoding.max_len_a,
+                    decoding.max_len_b, decoding.min_len)

@@ -155,9 +155,20 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
             f.close()
 
 
+MAX_LINE_BYTES = 16 << 20  # a line longer than this has no line breaks to speak of: not a text file (/dev/zero)
+
+
 def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
+    """The input's lines as bytes, each read with a bound (an input without line breaks was read whole:
+    /dev/zero took all memory)."""
+    lineno = 0
     try:
-        yield from f
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(raw) > MAX_LINE_BYTES:
+                raise UserError(f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES >> 20} MiB with no line "
+                                "break; is it a text file? Put one sentence or paragraph per line")
+            yield raw
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: cannot read ({e})") from None
 
