@@ -38,7 +38,7 @@ from export import (
 )
 from export.calibrate import RangeTable
 from export.constrained import write_constrained
-from export.errors import ExportError, TensorRTUnavailable
+from export.errors import ExportError, TensorRTUnavailable, VerificationError
 from export.options import READ_BY_THE_CALLER, ExportOptions
 from export.plan import ExportPlan, checkpoint_steps, decoding_defaults, resolve
 from export.shortlist import write_shortlist
@@ -298,10 +298,19 @@ def _verify(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> dict[str, 
     """The graphs in ONNX Runtime against PyTorch, within the plan's bound for its precision (decoder_constrained.onnx
     beside decoder.onnx)."""
     o = plan.options
-    return verify.verify_export(plan.model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
-                                fp16=o.fp16, topk=o.topk, atol=o.atol, fp16_atol=o.fp16_atol,
-                                model16=graph_model if o.fp16 else None, int8=plan.int8_flavour is not None,
-                                int8_atol=plan.int8_atol, constrained=tmp / io_names.DECODER_CONSTRAINED_FILE)
+    try:
+        return verify.verify_export(plan.model, tmp / io_names.ENCODER_FILE, tmp / io_names.DECODER_FILE,
+                                    fp16=o.fp16, topk=o.topk, atol=o.atol, fp16_atol=o.fp16_atol,
+                                    model16=graph_model if o.fp16 else None, int8=plan.int8_flavour is not None,
+                                    int8_atol=plan.int8_atol, constrained=tmp / io_names.DECODER_CONSTRAINED_FILE)
+    except VerificationError as e:  # the option that sets the bound, and what a user can do (the README's promise)
+        flag = "--int8-atol" if plan.int8_flavour is not None else "--fp16-atol" if o.fp16 else "--atol"
+        more = (", or --no-int8-calibrate (dynamic scales)" if plan.int8_flavour is not None and o.int8_calibrate
+                is None and not o.no_int8_calibrate else "")
+        raise VerificationError(e.what, e.where, e.diff, e.bound, e.atol, e.rtol,
+                                fix=f"; a small or briefly trained model can differ this much: raise {flag}{more}"
+                                    + ("" if flag == "--atol" else ", or export in fp32")
+                                    + ", then check the translations with `pipeline parity`") from None
 
 
 def _engines(plan: ExportPlan, tmp: Path) -> tuple[Engines | None, str | None]:

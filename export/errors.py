@@ -18,11 +18,12 @@ class VerificationError(ExportError):
     names all three.
     """
 
-    def __init__(self, what: str, where: str, diff: float, bound: float, atol: float, rtol: float = 0.0):
+    def __init__(self, what: str, where: str, diff: float, bound: float, atol: float, rtol: float = 0.0,
+                 fix: str = ""):
         self.what, self.where, self.diff, self.bound, self.atol, self.rtol = what, where, diff, bound, atol, rtol
         rel = f" + {rtol:.3g} x |reference| = {bound:.3g} there" if rtol else ""
         super().__init__(f"verification failed: {what} at {where}: abs difference {diff:.3g} exceeds "
-                         f"tolerance {atol:.3g}{rel}")
+                         f"tolerance {atol:.3g}{rel}{fix}")
 
 
 class TensorRTUnavailable(ExportError):

@@ -151,7 +151,8 @@ def _verify(f: IO[bytes], path: Path, chunk: int = 1 << 22) -> None:
                 left -= len(block)
             if h.hexdigest().encode("ascii") != trailer[len(_TAG):]:
                 raise CheckpointError(f"{path}: checksum mismatch: the file is damaged (its SHA-256 differs "
-                                      "from the one written with it); use another checkpoint, or retrain")
+                                      "from the one written with it); move it out of its save dir (training "
+                                      "resumes, and export reads, the newest one left), or retrain")
             return
     if size >= _EOCD_LEN:
         f.seek(size - _EOCD_LEN)

@@ -9,6 +9,7 @@ hashes the file like every other, so a changed record is refused as a changed mo
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from runtime.errors import RuntimeUserError
 from runtime.languages import direction
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, format_line, translate_ids
+
+log = logging.getLogger(__name__)
 
 FORMAT = "pipeline-references-v1"
 DEFAULT_LINES = 100  # enough sentences for a token-agreement gate, seconds to translate at export
@@ -108,8 +111,8 @@ def held_out_lines(src: Path, tgt: Path, limit: int = DEFAULT_LINES) -> tuple[li
             raise RuntimeUserError(f"{path}: cannot read ({e})") from None
         out = []
         for number, raw in enumerate(data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"), 1):
-            try:
-                out.append(raw.decode("utf-8").rstrip("\r"))
+            try:  # a UTF-8 byte order mark starting the file is no text (it lowered the first line's BLEU)
+                out.append(raw.decode("utf-8").rstrip("\r").removeprefix("\ufeff" if number == 1 else ""))
             except UnicodeDecodeError as e:
                 raise RuntimeUserError(f"{path}:{number}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
                                        "; fix the file") from None
@@ -118,5 +121,15 @@ def held_out_lines(src: Path, tgt: Path, limit: int = DEFAULT_LINES) -> tuple[li
     a, b = lines(Path(src)), lines(Path(tgt))
     if len(a) != len(b):
         raise RuntimeUserError(f"{src} has {len(a)} lines but {tgt} has {len(b)}; they must be line-aligned")
-    pairs = [(s, t) for s, t in zip(a, b) if s.strip() and t.strip()][:limit]
+    pairs: list[tuple[str, str]] = []
+    blank = 0
+    for s, t in zip(a, b):
+        if len(pairs) == limit:
+            break
+        if s.strip() and t.strip():
+            pairs.append((s, t))
+        else:
+            blank += 1
+    if blank:
+        log.warning("%s / %s: %d line pair(s) with a blank side left out of the held-out lines", src, tgt, blank)
     return [s for s, _ in pairs], [t for _, t in pairs]

@@ -83,6 +83,9 @@ def test_serve_and_parity_share_the_search_options(capsys):
         for value in ("nan", "inf", "-inf"):  # every float option, as it is typed (a NaN gate passed everything)
             assert run_cli(command, *COMMANDS[command], option, value) == 2
             assert f"Invalid value for '{option}': '{value}' is not a finite number" in capsys.readouterr().err
+    for option in ("--min-identical", "--int8-min-identical"):  # a percent typo: a gate nothing could pass
+        assert run_cli("parity", *COMMANDS["parity"], option, 99) == 2
+        assert f"{option} 99: a share from 0 to 1 (0.99 for 99%)" in capsys.readouterr().err
     assert run_cli("serve", "no-model-dir", "--body-timeout-s", "nan") == 2  # it answered every request 503
     assert "'nan' is not a finite number" in capsys.readouterr().err
     assert run_cli("export", "no.pt", "--out", "no-dir", "--atol", "nan") == 2  # after the whole export, before

@@ -10,6 +10,7 @@ with --noconftest."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
@@ -348,14 +349,17 @@ def test_references_record_is_covered_by_the_manifest(model_dir, tmp_path):
         read_manifest(copy)
 
 
-def test_held_out_lines_skip_blank_pairs_and_refuse_misaligned_files(tmp_path):
+def test_held_out_lines_skip_blank_pairs_and_refuse_misaligned_files(tmp_path, caplog):
+    """Blank pairs are left out, counted (they were in silence), and a UTF-8 byte order mark is no text."""
     from runtime.errors import RuntimeUserError
     from runtime.references import held_out_lines
 
     src, tgt = tmp_path / "v.src", tmp_path / "v.tgt"
     src.write_text("a\n\nc\nd\ne\n")
-    tgt.write_text("A\nB\n\nD\nE\n")
-    assert held_out_lines(src, tgt, limit=2) == (["a", "d"], ["A", "D"])
+    tgt.write_text("\ufeffA\nB\n\nD\nE\n")
+    with caplog.at_level(logging.WARNING):
+        assert held_out_lines(src, tgt, limit=2) == (["a", "d"], ["A", "D"])
+    assert "2 line pair(s) with a blank side left out of the held-out lines" in caplog.text
     tgt.write_text("A\n")
     with pytest.raises(RuntimeUserError, match="line-aligned"):
         held_out_lines(src, tgt)

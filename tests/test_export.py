@@ -310,6 +310,7 @@ def test_verification_failure_leaves_nothing(random_checkpoint, tmp_path, capsys
     code, _, stderr = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--atol", "1e-12",
                                        "--max-batch", 2, "--max-src-len", 16, "--max-tgt-len", 20, "--max-beam", 2)
     assert code == 2 and "verification failed" in stderr and "exceeds tolerance 1e-12" in stderr
+    assert "; a small or briefly trained model can differ this much: raise --atol, then check" in stderr  # the fix
     assert not out.exists() and hidden(tmp_path) == []
 
 

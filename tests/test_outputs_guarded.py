@@ -56,6 +56,10 @@ def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):
     for name in files:
         _refused(capsys, "average", run, "--last", 2, "--out", run / name, says="--out would replace a file of the run")
     assert {name: (run / name).read_text() for name in files} == files
+    # a new file named as a step checkpoint would be the run's newest: resume refused it, export took it
+    _refused(capsys, "average", run, "--last", 2, "--out", run / "checkpoint_00009999.pt",
+             says="or be taken for one of its checkpoints")
+    assert not (run / "checkpoint_00009999.pt").exists()
 
 
 def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys, tmp_path, monkeypatch):

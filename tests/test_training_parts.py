@@ -234,3 +234,36 @@ def test_the_sentencepiece_log_says_the_pieces_it_made(caplog):
     pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
     assert pieces < 100
     assert f"on 40 lines: {pieces} pieces, fewer than --vocab-size 100" in caplog.text
+
+
+def test_train_refuses_a_corpus_its_run_would_write_over_and_leaves_no_refused_save_dir(tmp_path, capsys):
+    """--train-src RUN/config.json was replaced by the run's config (exit 0); a run refused after SentencePiece
+    (no pair left under --max-len) or at its device left spm.model, cache/ or an empty save dir behind; CR-only
+    line ends made the corpus one pair; --max-time nan or inf was taken (ignored, or a crash of the linear
+    schedule)."""
+    from helpers import TINY, run_cli
+
+    src, tgt = make_parallel(60)
+    run = tmp_path / "run"
+    a, b = write_parallel(run, "x", src, tgt)
+    a.rename(run / "config.json")
+    b.rename(run / "metrics.jsonl")
+    before = (run / "config.json").read_bytes()
+    assert run_cli("train", "--save-dir", run, "--train-src", run / "config.json", "--train-tgt",
+                   run / "metrics.jsonl", *TINY, "--max-steps", 2) == 2
+    assert "config.json (--train-src): the run writes its own files there" in capsys.readouterr().err
+    assert (run / "config.json").read_bytes() == before
+    a, b = write_parallel(tmp_path / "c", "train", src, tgt)
+    for option in (("--max-len", 2), ("--device", "cuda"), ("--max-time", "nan"), ("--max-time", "inf")):
+        fresh = tmp_path / f"refused{option[1]}"
+        assert run_cli("train", "--save-dir", fresh, "--train-src", a, "--train-tgt", b, *TINY,
+                       "--max-steps", 2, *option) == 2, option
+        assert "Traceback" not in capsys.readouterr().err
+        assert not fresh.exists(), (option, sorted(p.name for p in fresh.rglob("*")))
+    cr = tmp_path / "cr"
+    cr.mkdir()
+    for path, lines in ((cr / "a.src", src[:8]), (cr / "a.tgt", tgt[:8])):
+        path.write_bytes("\r".join(lines).encode() + b"\r")
+    assert run_cli("train", "--save-dir", tmp_path / "crrun", "--train-src", cr / "a.src", "--train-tgt",
+                   cr / "a.tgt", *TINY, "--max-steps", 2) == 2
+    assert "7 carriage returns inside its 1 line(s): are its lines ended by CR alone" in capsys.readouterr().err

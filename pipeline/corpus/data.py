@@ -52,6 +52,10 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
     for path, lines in ((src_path, src), (tgt_path, tgt)):
         if not any(line.strip() for line in lines):
             raise UserError(f"{path}: file is empty (no non-empty lines); give a corpus with text in it")
+        inside = sum(line.count("\r") for line in lines)  # lines end at \n only: CR-only ends made one pair
+        if inside > len(lines):
+            raise UserError(f"{path}: {inside} carriage returns inside its {len(lines)} line(s): are its lines ended "
+                            "by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")
     if len(src) != len(tgt):
         raise UserError(f"line counts differ: {src_path} has {len(src)} lines but {tgt_path} has "
                         f"{len(tgt)}; the two files of a parallel corpus must be line-aligned")

@@ -97,9 +97,12 @@ class ParityOptions(Checked):
                 "shortlist": DEFAULT_GATES["shortlist"]}
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
-        """A reference engine parity does not know. The gates take any number: one that nothing can pass
+        """A reference engine parity does not know, and a share of identical sentences above 1 (--min-identical 99
+        meant 99%: a gate no backend could ever pass). A BLEU delta takes any number: one that nothing can pass
         (--int8-max-bleu-delta -1) fails every backend, which is how a gate is shown to reach its precision."""
         n = name or self.flag
         if self.reference_engine not in REFERENCES:
             return [f"{n('reference_engine')} {self.reference_engine!r}: choose one of {', '.join(REFERENCES)}"]
-        return []
+        return [f"{n(key)} {value:g}: a share from 0 to 1 (0.99 for 99%)"
+                for key in ("min_identical", "fp16_min_identical", "int8_min_identical")
+                if (value := getattr(self, key)) is not None and not 0 <= value <= 1]

@@ -345,9 +345,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
     out = Path(out) if out is not None else save_dir / AVERAGED
-    if out.is_file() and within(out, save_dir) and out.name != AVERAGED:  # a checkpoint, config.json, the corpus
-        raise UserError(f"{out}: --out would replace a file of the run in {save_dir}; choose a new file name (the "
-                        f"default is {save_dir / AVERAGED})")
+    if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
+        raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
+                        f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
     refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
     check_output_file(out, "--out")
     remove_stale_temps(save_dir)

@@ -290,6 +290,6 @@ def parse_duration(text: str, option: str = "--max-time") -> float:
             raise ValueError(f"{option} {text!r} is not a duration; write e.g. 90s, 60m or 1h30m") from None
         h, m, s = (float(g) if g else 0.0 for g in match.groups())
         seconds = 3600 * h + 60 * m + s
-    if seconds <= 0:
-        raise ValueError(f"{option} must be positive (got {text!r})")
+    if not math.isfinite(seconds) or seconds <= 0:  # nan and inf passed: the budget was ignored, or crashed the
+        raise ValueError(f"{option} must be a positive, finite duration (got {text!r})")  # linear schedule
     return seconds

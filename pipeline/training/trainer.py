@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import random
+import re
+import shutil
 import signal
 from pathlib import Path
 
@@ -31,11 +33,12 @@ from pipeline.corpus import synthetic
 from pipeline.corpus.data import CACHE_DIR, PreparedData, ShardedBatches, prepare_data
 from pipeline.corpus.sampling import SubwordSampler
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
-from pipeline.textio import atomic_output
+from pipeline.textio import atomic_output, within
 from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget, process_start_time
 from pipeline.training.checkpointing import (
     CONFIG_FILE,
+    CORPUS_OPTIONS,
     Checkpointer,
     Progress,
     check_data,
@@ -53,7 +56,7 @@ from pipeline.training.options import (
     resolve_options,
 )
 from pipeline.training.step import Stepper, resolve_precision
-from pipeline.training.tensorboard import TensorBoardLog
+from pipeline.training.tensorboard import TENSORBOARD_DIR, TensorBoardLog
 from runtime.languages import language_suffix
 
 log = logging.getLogger(__name__)
@@ -70,34 +73,56 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     started = process_start_time() if started is None else started
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
+    _check_corpus_outside_run_files(opts)
     made = not os.path.lexists(opts.save_dir)
     _check_save_dir(Path(opts.save_dir))
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    ctx = init_distributed(opts.device)
-    if ctx.device.type == "cpu":
-        keep_freed_memory()
+    ctx: DistContext | None = None
     try:
+        ctx = init_distributed(opts.device)
+        if ctx.device.type == "cpu":
+            keep_freed_memory()
         save_dir = _train(opts, ctx, started)
         if ctx.distributed:  # every rank past its last collective before the group goes: a rank destroying it
             torch.distributed.barrier()  # while another still used it ended a finished run in SIGABRT (rarely)
         return save_dir
     except UserError:
-        if made:
-            _remove_if_empty(Path(opts.save_dir))
+        if made and (ctx is None or ctx.is_main):
+            _remove_refused(Path(opts.save_dir))
         raise
     finally:
-        shutdown(ctx)
+        if ctx is not None:
+            shutdown(ctx)
 
 
-def _remove_if_empty(save_dir: Path) -> None:
-    """A save dir this run made and refused before writing a file in it (a corpus of unequal lines, a missing
-    file): removed, so that a refused run leaves nothing behind."""
+def _remove_refused(save_dir: Path) -> None:
+    """A save dir this run made and then refused the run in (a corpus of unequal lines, a missing file, no
+    pair left after --max-len, an unusable device): removed with what it wrote before the refusal (SentencePiece's
+    model, the cache), so that a refused run leaves nothing behind; never once a checkpoint is in it."""
     with contextlib.suppress(OSError):
-        inside = sorted(save_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True)
-        if not any(p.is_file() or p.is_symlink() for p in inside):
-            for p in [*inside, save_dir]:
-                p.rmdir()
+        if save_dir.is_dir() and not save_dir.is_symlink() and not any(save_dir.rglob("*.pt")):
+            shutil.rmtree(save_dir)
+
+
+RUN_FILES = re.compile(r"config\.json|metrics\.jsonl|interrupted\.json|spm\.model|.*\.pt|\..*")  # in a save dir
+
+
+def _check_corpus_outside_run_files(opts: TrainOptions) -> None:
+    """A corpus file the run would write over (--train-src RUN/config.json), or one inside a folder the run
+    writes (cache/, data/, tensorboard/): refused before anything is read (it was replaced, exit 0)."""
+    if opts.builtin_pairs is not None:
+        return
+    save_dir = Path(os.path.realpath(opts.save_dir))
+    for name in CORPUS_OPTIONS:
+        given = getattr(opts, name)
+        if given is None:
+            continue
+        path = Path(os.path.realpath(given))
+        if path.parent == save_dir and RUN_FILES.fullmatch(path.name) or any(
+                within(path, save_dir / d) for d in (CACHE_DIR, DATA_DIR, TENSORBOARD_DIR)):
+            raise UserError(f"{given} (--{name.replace('_', '-')}): the run writes its own files there, in "
+                            f"--save-dir {opts.save_dir}; move the corpus out of it, or choose another --save-dir")
 
 
 def _check_save_dir(save_dir: Path) -> None:
