@@ -305,8 +305,8 @@ def _verify(plan: ExportPlan, graph_model: Transformer, tmp: Path) -> dict[str, 
                                     int8_atol=plan.int8_atol, constrained=tmp / io_names.DECODER_CONSTRAINED_FILE)
     except VerificationError as e:  # the option that sets the bound, and what a user can do (the README's promise)
         flag = "--int8-atol" if plan.int8_flavour is not None else "--fp16-atol" if o.fp16 else "--atol"
-        more = (", or --no-int8-calibrate (dynamic scales)" if plan.int8_flavour is not None and o.int8_calibrate
-                is None and not o.no_int8_calibrate else "")
+        more = (", or --no-int8-calibrate (dynamic scales)" if plan.int8_flavour == "rowwise"
+                and not o.no_int8_calibrate else "")
         raise VerificationError(e.what, e.where, e.diff, e.bound, e.atol, e.rtol,
                                 fix=f"; a small or briefly trained model can differ this much: raise {flag}{more}"
                                     + ("" if flag == "--atol" else ", or export in fp32")

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -131,23 +132,46 @@ def remove_stale_temps(directory: str | Path) -> list[Path]:
     return removed
 
 
-FD_ALIAS = re.compile(r"/(proc/(self|thread-self|\d+)|dev)/fd/\d+")  # /dev/stdout -> /proc/self/fd/1
+FD_ALIAS = re.compile(r"/(?:proc/(self|thread-self|\d+)|dev)/fd/(\d+)")  # /dev/stdout -> /proc/self/fd/1
 
 
-def descriptor_alias(path: str | Path) -> bool:
-    """Whether `path` or a symlink it goes through names an open file descriptor (/dev/stdout, /dev/fd/1,
-    /proc/self/fd/1): whatever that descriptor is (a pipe, the file a shell redirected it to), the output
-    is written into it; a renamed temp file would replace the link, or a file the shell holds open."""
+def _descriptor(path: str | Path) -> re.Match[str] | None:
+    """The /proc/PID/fd/N or /dev/fd/N that `path`, or a symlink it goes through, names; else None."""
     here = os.path.abspath(path)
     for _ in range(40):  # the kernel's own limit on links followed
-        if FD_ALIAS.fullmatch(here):
-            return True
+        found = FD_ALIAS.fullmatch(here)
+        if found is not None:
+            return found
         try:
             target = os.readlink(here)
         except OSError:
-            return False
+            return None
         here = os.path.normpath(os.path.join(os.path.dirname(here), target))
-    return False
+    return None
+
+
+def descriptor_alias(path: str | Path) -> bool:
+    """Whether `path` names an open file descriptor (/dev/stdout, /dev/fd/1, /proc/self/fd/1, or a link to one):
+    whatever that descriptor is (a pipe, the file a shell redirected it to), the output is written into it; a
+    renamed temp file would replace the link, or a file the shell holds open."""
+    return _descriptor(path) is not None
+
+
+def _open_descriptor(path: str | Path, mode: str, **kwargs: Any) -> IO[Any]:
+    """A descriptor's name opened for writing: one of this process's own descriptors (-o /dev/stdout) through a
+    duplicate of it, after Python's own streams are flushed, so that what the process prints there and this file
+    share one offset (a second open of the file wrote over the table a command printed); another's by its name,
+    appended to, as the shell opened it."""
+    found = _descriptor(path)
+    assert found is not None
+    pid, fd = found.group(1), int(found.group(2))
+    if pid in (None, "self", "thread-self", str(os.getpid())):
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        with contextlib.suppress(OSError):
+            return open(os.dup(fd), mode, **kwargs)
+    return open(path, mode.replace("w", "a"), **kwargs)
 
 
 def is_special_file(path: str | Path) -> bool:
@@ -173,9 +197,8 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
         raise ValueError(f"atomic_write needs a write mode, got {mode!r}")
     path = Path(path)
     kwargs: dict[str, Any] = {} if "b" in mode else {"encoding": "utf-8", "newline": "\n"}
-    if is_special_file(path):  # /dev/null, a FIFO, /dev/stdout: written through (a rename would replace it);
-        # a descriptor's file is appended to, as the shell opened it (`>` emptied it, `>>` keeps what it holds)
-        with open(path, mode.replace("w", "a") if descriptor_alias(path) else mode, **kwargs) as f:
+    if is_special_file(path):  # /dev/null, a FIFO, /dev/stdout: written through (a rename would replace it)
+        with _open_descriptor(path, mode, **kwargs) if descriptor_alias(path) else open(path, mode, **kwargs) as f:
             yield f
         return
     if path.is_symlink():  # the file the link names is replaced, the link kept (it was replaced by a file)

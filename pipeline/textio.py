@@ -136,10 +136,12 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
     stdin = _stdio_file(0) if any(str(p) == "-" for p in inputs) else None
     stdout = _stdio_file(1) if any(str(p) == "-" for p in outputs) else None
-    for inp in real_inputs.values():  # `-o - >> input`: it would read its own translations, without end
-        if stdout is not None and _identity(inp) == stdout:
-            raise UserError(f"standard output is the input {inp}: the {what} '-' would be read back and translated "
-                            "again without end; write it elsewhere")
+    if stdout is not None:  # `-o - >> F` where F is read (named, or on stdin): its own translations read back
+        read = {name: _identity(real) for real, name in real_inputs.items()} | {"'-' (standard input)": stdin}
+        for name, identity in read.items():
+            if identity == stdout:
+                raise UserError(f"standard output is the input {name}: the {what} '-' would be read back and "
+                                "translated again without end; write it elsewhere")
     for out in outputs:
         if str(out) == "-":
             continue
@@ -196,6 +198,8 @@ def check_output_file(path: str | Path, option: str) -> None:
         raise UserError(f"{option} - writes standard output, which is closed; give a file path")
     if str(path) == "-" or is_special_file(path):  # stdout; /dev/null or a FIFO, written through
         return
+    if Path(path).is_symlink():  # written where the link leads (model.atomic.atomic_write): checked there
+        path = Path(os.path.realpath(path))
     if str(path) in ("", "."):  # click makes '' (an unset shell variable, say) the current directory
         raise UserError(f"{option} is empty; give a file path")
     if str(path).endswith(os.sep):  # `-o newdir/` made a file named newdir

@@ -5,6 +5,7 @@ TensorBoard events, per-preset regularisation, and decoding options chosen on va
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -335,10 +336,12 @@ def test_dropout_and_label_smoothing_default_per_preset_and_can_be_overridden(tm
 
 
 @pytest.mark.slow
-def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, memorise_corpus, capsys):
+def test_tune_decoding_scores_every_combination_on_validation(trained_save_dir, memorise_corpus, capsys, caplog):
     src, tgt = memorise_corpus
-    assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "1,2",
-                   "--alphas", "0.6,1.0") == 0
+    with caplog.at_level(logging.INFO):
+        assert run_cli("tune-decoding", trained_save_dir, "--src", src, "--ref", tgt, "--beams", "1,2",
+                       "--alphas", "0.6,1.0") == 0
+    assert f"{trained_save_dir}: tuning checkpoint_" in caplog.text  # which checkpoint of the save dir
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()[1:5]]
     assert sorted((int(r[0]), float(r[1])) for r in rows) == [(1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0)]

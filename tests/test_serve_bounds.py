@@ -233,6 +233,9 @@ def test_cors_origin_is_one_a_browser_can_send():
     assert cors_origin("*") == "*" and cors_origin(" None ") is None
     for good in ("https://example.org", "http://localhost:8080", "moz-extension://4b2c-11", "http://[::1]:3000"):
         assert cors_origin(good) == good
+    for spelled, sent in (("HTTPS://Example.org", "https://example.org"), ("https://example.org:443",
+                          "https://example.org"), ("http://example.org:80", "http://example.org")):
+        assert cors_origin(spelled) == sent  # what a browser sends, which the middleware compares exactly
     for bad in ("https://example.org/", "https://example.org/app", "garbage", "example.org", ""):
         with pytest.raises(UserError, match="scheme://host\\[:port\\] with no path"):
             cors_origin(bad)

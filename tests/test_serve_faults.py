@@ -67,15 +67,21 @@ def test_an_output_through_a_symlink_writes_what_it_names(model_dir, tmp_path):
     (tmp_path / "link.en").symlink_to(real)
     assert run_cli("serve-batch", model_dir, inp, "-o", tmp_path / "link.en", *FAST) == 0
     assert (tmp_path / "link.en").is_symlink() and len(real.read_text().splitlines()) == 2
-    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev").mkdir()  # /dev/stdout's own link, not the real one: the bug replaced it with a file
     (tmp_path / "dev" / "stdout").symlink_to("/proc/self/fd/1")
-    for out in (tmp_path / "dev" / "stdout", "/dev/stdout"):
+    (tmp_path / "dev" / "fd1").symlink_to("/dev/fd/1")
+    for out in (tmp_path / "dev" / "stdout", tmp_path / "dev" / "fd1"):
         redirected = tmp_path / "redirected.en"
         with open(redirected, "wb") as stdout:
             proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, inp, "-o", out, *FAST), stdout=stdout,
                                   stderr=subprocess.PIPE, env=cli_env(), timeout=300)
         assert proc.returncode == 0 and redirected.read_text() == real.read_text(), proc.stderr
     assert (tmp_path / "dev" / "stdout").is_symlink()
+    (tmp_path / "afile").write_text("x\n")  # a link whose file cannot be made: refused where the link leads
+    (tmp_path / "nowhere.en").symlink_to(tmp_path / "afile" / "out.en")
+    code, err = run_pipeline("serve-batch", model_dir, inp, "-o", tmp_path / "nowhere.en", *FAST)
+    assert_one_line_error(code, err, f"{tmp_path / 'afile'}: cannot write --output here")
+    assert "loaded" not in err  # before the model
 
 
 def test_standard_input_or_output_that_is_an_input_file_is_refused(model_dir, tmp_path):
@@ -90,6 +96,10 @@ def test_standard_input_or_output_that_is_an_input_file_is_refused(model_dir, tm
         proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, victim, "-o", "-", *FAST), stdout=stdout,
                               stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=120)
     assert_one_line_error(proc.returncode, proc.stderr, f"standard output is the input {victim}")
+    with open(victim, "rb") as stdin, open(victim, "ab") as stdout:  # `- -o - < F >> F`
+        proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, "-", "-o", "-", *FAST), stdin=stdin,
+                              stdout=stdout, stderr=subprocess.PIPE, text=True, env=cli_env(), timeout=120)
+    assert_one_line_error(proc.returncode, proc.stderr, "standard output is the input '-' (standard input)")
     assert victim.read_bytes() == before
 
 

@@ -133,3 +133,24 @@ def test_a_nul_byte_is_named_utf16_only_where_it_is_and_a_utf8_bom_is_dropped():
             decode_line(raw, "f", 2)
     assert decode_line(b"\xef\xbb\xbfder hund\r\n", "f", 1) == "der hund"
     assert decode_line(b"\xef\xbb\xbfder hund\n", "f", 2) == "\ufeffder hund"  # inside the file: the text's
+
+
+def test_writing_to_dev_stdout_shares_the_offset_of_what_the_process_prints(tmp_path):
+    """`parity --json /dev/stdout > FILE`: the JSON went through a second open of the file, and the table the
+    command printed afterwards, at its own offset 0, wrote over the JSON's start."""
+    import subprocess
+    import sys
+
+    from helpers import cli_env
+
+    stdout = tmp_path / "stdout"  # as /dev/stdout is (a regression would replace the real one with a file)
+    stdout.symlink_to("/proc/self/fd/1")
+    code = ("import sys\nfrom model.atomic import atomic_write\nprint('table before')\n"
+            f"with atomic_write({str(stdout)!r}, 'w') as f:\n    f.write('{{\"json\": 1}}\\n')\nprint('table after')\n")
+    out = tmp_path / "out.txt"
+    for opened in ("wb", "ab"):  # `>` and `>>`
+        out.write_text("kept\n")
+        with open(out, opened) as stdout:
+            subprocess.run([sys.executable, "-c", code], stdout=stdout, env=cli_env(), check=True, timeout=60)
+        kept = "kept\n" if opened == "ab" else ""
+        assert out.read_text() == kept + 'table before\n{"json": 1}\ntable after\n'

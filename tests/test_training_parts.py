@@ -254,7 +254,7 @@ def test_train_refuses_a_corpus_its_run_would_write_over_and_leaves_no_refused_s
     assert "config.json (--train-src): the run writes its own files there" in capsys.readouterr().err
     assert (run / "config.json").read_bytes() == before
     a, b = write_parallel(tmp_path / "c", "train", src, tgt)
-    for option in (("--max-len", 2), ("--device", "cuda"), ("--max-time", "nan"), ("--max-time", "inf")):
+    for option in (("--max-len", 2), ("--device", "cuda:99"), ("--max-time", "nan"), ("--max-time", "inf")):
         fresh = tmp_path / f"refused{option[1]}"
         assert run_cli("train", "--save-dir", fresh, "--train-src", a, "--train-tgt", b, *TINY,
                        "--max-steps", 2, *option) == 2, option
@@ -262,8 +262,13 @@ def test_train_refuses_a_corpus_its_run_would_write_over_and_leaves_no_refused_s
         assert not fresh.exists(), (option, sorted(p.name for p in fresh.rglob("*")))
     cr = tmp_path / "cr"
     cr.mkdir()
-    for path, lines in ((cr / "a.src", src[:8]), (cr / "a.tgt", tgt[:8])):
-        path.write_bytes("\r".join(lines).encode() + b"\r")
-    assert run_cli("train", "--save-dir", tmp_path / "crrun", "--train-src", cr / "a.src", "--train-tgt",
-                   cr / "a.tgt", *TINY, "--max-steps", 2) == 2
-    assert "7 carriage returns inside its 1 line(s): are its lines ended by CR alone" in capsys.readouterr().err
+    for n in (8, 2):
+        for path, lines in ((cr / "a.src", src[:n]), (cr / "a.tgt", tgt[:n])):
+            path.write_bytes("\r".join(lines).encode() + b"\r")
+        assert run_cli("train", "--save-dir", tmp_path / "crrun", "--train-src", cr / "a.src", "--train-tgt",
+                       cr / "a.tgt", *TINY, "--max-steps", 2) == 2
+        assert f"{n - 1} carriage returns inside its 1 line(s): are its lines ended by CR alone" in \
+            capsys.readouterr().err
+    mine = tmp_path / "mine"  # a corpus of the user's in RUN/data/ is no file of the run (only the built-in one's)
+    a, b = write_parallel(mine / "data", "train", src, tgt)
+    assert run_cli("train", "--save-dir", mine, "--train-src", a, "--train-tgt", b, *TINY, "--max-steps", 2) == 0

@@ -53,7 +53,7 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]
         if not any(line.strip() for line in lines):
             raise UserError(f"{path}: file is empty (no non-empty lines); give a corpus with text in it")
         inside = sum(line.count("\r") for line in lines)  # lines end at \n only: CR-only ends made one pair
-        if inside > len(lines):
+        if inside and (len(lines) == 1 or inside > len(lines)):
             raise UserError(f"{path}: {inside} carriage returns inside its {len(lines)} line(s): are its lines ended "
                             "by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")
     if len(src) != len(tgt):

@@ -94,7 +94,10 @@ def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokeni
     from runtime.torch_backend import open_checkpoint
 
     backend, tokenizer = open_checkpoint(model, device=device)
-    extra = read_checkpoint(resolve_checkpoint(Path(model))).get("extra") or {}
+    source = resolve_checkpoint(Path(model))
+    if source != Path(model):  # a save dir: which of its checkpoints is tuned, as export says it
+        log.info("%s: tuning %s", model, source.name)
+    extra = read_checkpoint(source).get("extra") or {}
     return backend, tokenizer, extra.get("decoding") or {}
 
 

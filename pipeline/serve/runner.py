@@ -83,10 +83,17 @@ def cors_origin(given: str) -> str | None:
     value = given.strip()
     if value.lower() == "none":
         return None
-    if value != "*" and not ORIGIN.fullmatch(value):
+    if value == "*":
+        return value
+    if not ORIGIN.fullmatch(value):
         raise UserError(f"--cors-origin {given[:100]!r}: give *, none, or an origin as a browser sends it, "
                         "scheme://host[:port] with no path, like https://example.org")
-    return value
+    # as a browser spells it, which the middleware compares exactly: lower case, no default port
+    origin = value.lower()
+    for scheme, port in (("https://", ":443"), ("http://", ":80")):
+        if origin.startswith(scheme) and origin.endswith(port):
+            origin = origin.removesuffix(port)
+    return origin
 
 
 def _version(package: str) -> str | None:

@@ -110,7 +110,7 @@ RUN_FILES = re.compile(r"config\.json|metrics\.jsonl|interrupted\.json|spm\.mode
 
 def _check_corpus_outside_run_files(opts: TrainOptions) -> None:
     """A corpus file the run would write over (--train-src RUN/config.json), or one inside a folder the run
-    writes (cache/, data/, tensorboard/): refused before anything is read (it was replaced, exit 0)."""
+    writes (cache/, tensorboard/): refused before anything is read (it was replaced, exit 0)."""
     if opts.builtin_pairs is not None:
         return
     save_dir = Path(os.path.realpath(opts.save_dir))
@@ -119,8 +119,8 @@ def _check_corpus_outside_run_files(opts: TrainOptions) -> None:
         if given is None:
             continue
         path = Path(os.path.realpath(given))
-        if path.parent == save_dir and RUN_FILES.fullmatch(path.name) or any(
-                within(path, save_dir / d) for d in (CACHE_DIR, DATA_DIR, TENSORBOARD_DIR)):
+        if path.parent == save_dir and RUN_FILES.fullmatch(path.name) or any(  # (data/: the built-in corpus')
+                within(path, save_dir / d) for d in (CACHE_DIR, TENSORBOARD_DIR)):
             raise UserError(f"{given} (--{name.replace('_', '-')}): the run writes its own files there, in "
                             f"--save-dir {opts.save_dir}; move the corpus out of it, or choose another --save-dir")
 
