@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -83,6 +84,21 @@ def recounted(answer: object) -> tuple[object, dict[str, float]]:
     return answer, {}
 
 
+# Answers changed after BEFORE, on purpose (each undone in the new answer before the comparison): an empty line's
+# n-best is one empty hypothesis with score 0, not none (a client reading [0] failed); a long line refused over
+# HTTP is named `text[k]` as the request lists it, not `request line:k+1`.
+EMPTY_HYPOTHESIS = re.compile(r'("hypotheses":\s*)\[\{"text":\s*"",\s*"score":\s*0\.0\}\]')
+LISTED = re.compile(r"text\[(\d+)\]: (\d+ tokens)")
+
+
+def as_before(answer: object) -> object:
+    """An HTTP answer with the changes on purpose undone."""
+    if isinstance(answer, dict) and isinstance(answer.get("body"), str):
+        body = EMPTY_HYPOTHESIS.sub(r"\1[]", answer["body"])
+        return {**answer, "body": LISTED.sub(lambda m: f"request line:{int(m[1]) + 1}: {m[2]}", body)}
+    return answer
+
+
 def test_every_surface_answers_what_it_answered_before(before, trained_model_dir, m2m_dir, tmp_path):
     old = surfaces(before, tmp_path / "old.json", trained_model_dir, m2m_dir)
     new = surfaces(ROOT, tmp_path / "new.json", trained_model_dir, m2m_dir)
@@ -90,8 +106,8 @@ def test_every_surface_answers_what_it_answered_before(before, trained_model_dir
     for model in old:
         for surface in old[model]:
             for case in old[model][surface]:
-                (ours, our_counts), (theirs, their_counts) = (recounted(answers[model][surface][case])
-                                                              for answers in (new, old))
+                (ours, our_counts), (theirs, their_counts) = (recounted(answer) for answer in (
+                    as_before(new[model][surface][case]), old[model][surface][case]))
                 assert ours == theirs, (model, surface, case)
                 assert our_counts.keys() == their_counts.keys(), (model, surface, case)
                 assert all(our_counts[k] <= their_counts[k] for k in our_counts), (model, surface, case)
