@@ -382,3 +382,18 @@ def test_the_ray_bar_knows_its_total_where_counting_is_cheap(tmp_path):
     shards = [Shard(i, str(tmp_path / n), tmp_path / "out") for i, n in enumerate(("a.txt", "b.parquet", "c.txt.gz"))]
     assert shard_lines(shards[:2]) == 4 + 3
     assert shard_lines(shards) is None
+
+
+def test_ray_rows_of_a_file_without_line_breaks_are_refused_not_read_whole(monkeypatch):
+    """ray-translate's reader kept the unfinished line of every chunk: a file without line breaks grew it to the
+    file's size (serve-batch refuses past MAX_LINE_BYTES, and now so does it, in the same words)."""
+    import io
+
+    from pipeline.integrations import ray_read
+
+    monkeypatch.setattr(ray_read, "READ_CHUNK", 8)
+    monkeypatch.setattr(ray_read, "MAX_LINE_BYTES", 20)
+    assert list(ray_read._text_rows(io.BytesIO(b"ab cd\n" * 5 + b"x" * 20), "s.txt", "error")) == \
+        [("ab cd", 0)] * 5 + [("x" * 20, 0)]
+    with pytest.raises(UserError, match=r"^s.txt:6: a line of more than \d+ MiB with no line break"):
+        list(ray_read._text_rows(io.BytesIO(b"ab cd\n" * 5 + b"x" * 30), "s.txt", "error"))

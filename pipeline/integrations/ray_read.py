@@ -12,7 +12,7 @@ from typing import Any
 from model.errors import UserError
 from pipeline.integrations.shards import PARQUET, Shard, expand, not_text
 from pipeline.serve_batch.files import count_lines
-from pipeline.serve_batch.translation import decode_row
+from pipeline.serve_batch.translation import MAX_LINE_BYTES, decode_row, line_too_long
 
 READ_CHUNK = 1 << 20
 
@@ -114,6 +114,8 @@ def _text_rows(f: Any, path: str, invalid_utf8: str) -> Iterator[tuple[str, int]
         for raw in lines:
             lineno += 1
             yield decode_row(raw, path, lineno, invalid_utf8)
+        if len(rest) > MAX_LINE_BYTES:  # as serve-batch: a file without line breaks is not read whole
+            raise line_too_long(path, lineno + 1)
     if rest:
         yield decode_row(rest, path, lineno + 1, invalid_utf8)
 

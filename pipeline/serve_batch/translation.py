@@ -158,6 +158,12 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
 MAX_LINE_BYTES = 16 << 20  # a line longer than this has no line breaks to speak of: not a text file (/dev/zero)
 
 
+def line_too_long(path: str, lineno: int) -> UserError:
+    """The refusal of a line over MAX_LINE_BYTES (serve-batch's windows, ray-translate's rows)."""
+    return UserError(f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES >> 20} MiB with no line break; is it "
+                     "a text file? Put one sentence or paragraph per line")
+
+
 def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
     """The input's lines as bytes, each read with a bound (an input without line breaks was read whole:
     /dev/zero took all memory)."""
@@ -166,8 +172,7 @@ def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
         while raw := f.readline(MAX_LINE_BYTES + 1):
             lineno += 1
             if len(raw) > MAX_LINE_BYTES:
-                raise UserError(f"{path}:{lineno}: a line of more than {MAX_LINE_BYTES >> 20} MiB with no line "
-                                "break; is it a text file? Put one sentence or paragraph per line")
+                raise line_too_long(path, lineno)
             yield raw
     except (OSError, EOFError) as e:
         raise UserError(f"{path}: cannot read ({e})") from None
