@@ -99,10 +99,10 @@ def _escape(text: str, spelled: dict[str, str]) -> str:
     return "".join(spelled.get(c) or ("&amp;" if c == "&" else "&lt;" if c == "<" else c) for c in text)
 
 
-def _runs(document: str) -> Iterator[tuple[int, int, bool]]:
+def _runs(document: str, xml: bool = False) -> Iterator[tuple[int, int, bool]]:
     """(start, stop, translatable) for each construct in order: text runs, and markup (tags, comments,
     declarations, CDATA, raw-text content, and an unterminated construct with the rest of the document)."""
-    tree = _Open()
+    tree = _Open(xml)
     n, i = len(document), 0
     closes = {close: _Ahead(document, close) for close in ("-->", "--!>")}
     cdata = _Ahead(document, "]]>")
@@ -162,7 +162,8 @@ class _Open:
 
     YES, NO, COPIED = range(3)
 
-    def __init__(self) -> None:
+    def __init__(self, xml: bool = False) -> None:
+        self.xml = xml  # XHTML (an EPUB page): elements end at their end tags only, none implied or reopened
         self.names: list[str] = []
         self.owns: list[str] = []  # each element's own translate value, to reopen it with
         self.states: list[int] = []
@@ -182,7 +183,7 @@ class _Open:
 
     def start(self, name: str, own: str, closed: bool) -> None:
         """A start tag ends the elements it implies ended; `closed` (void or "/>") opens nothing."""
-        for ended, boundaries in IMPLIED.get(name, ()):
+        for ended, boundaries in () if self.xml else IMPLIED.get(name, ()):
             if self.in_scope(ended, boundaries):
                 self.pop_to(self.last(ended))
         if not closed:
@@ -207,7 +208,9 @@ class _Open:
         k = self.last(name)
         if k < 0 or name in ("body", "html"):
             return
-        if name in SPECIAL or name in FORMATTING:
+        if self.xml:  # the innermost open element of that name, whatever is inside it
+            self.pop_to(k)
+        elif name in SPECIAL or name in FORMATTING:
             if self.in_scope(name, END_SCOPE.get(name, DEFAULT)):
                 self.pop_to(k)
         elif k > self.special[-1]:
@@ -226,7 +229,7 @@ class _Open:
                 self.special.pop()
             if name in MARKERS:
                 reopen.clear()
-            elif name in FORMATTING and len(self.names) > k and (name, own) not in reopen:
+            elif name in FORMATTING and not self.xml and len(self.names) > k and (name, own) not in reopen:
                 reopen.append((name, own))
         for name, own in reversed(reopen):
             self.push(name, own)
@@ -262,10 +265,11 @@ class TooManyTexts(ValueError):
         self.limit = limit
 
 
-def parse_html(document: str, max_texts: int | None = None) -> Markup:
+def parse_html(document: str, max_texts: int | None = None, xml: bool = False) -> Markup:
     """The document's pieces: markup copied, and each text node with letters (adjacent text runs together) to
     translate; a text node without letters is copied as markup is, so the pieces grow with the texts, not
-    with the tags. Past `max_texts` texts, TooManyTexts at once."""
+    with the tags. Past `max_texts` texts, TooManyTexts at once. `xml`: XHTML's rules (an EPUB page), where an
+    element ends at its end tag only: `<p translate="no"><div>` keeps the div inside the paragraph."""
     markup = Markup([])
     copied = 0  # document[copied:] is not in markup.pieces yet
     span: list[int] = []  # the text node being read: [start, stop]
@@ -286,7 +290,7 @@ def parse_html(document: str, max_texts: int | None = None) -> Markup:
         markup.entities.append(_spelled(raw))
         copied = span[1]
 
-    for start, stop, translatable in _runs(document):
+    for start, stop, translatable in _runs(document, xml):
         if translatable and span and span[1] == start:
             span[1] = stop
             continue

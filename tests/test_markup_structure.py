@@ -105,3 +105,10 @@ HOSTILE = {
 def test_parsing_time_grows_linearly_with_the_document(name):
     """As tests/test_markup.py times it: 4x the document must take under 8x the 1x time."""
     assert_parsed_in_linear_time(name, HOSTILE[name])
+
+
+def test_xhtml_rules_end_an_element_at_its_end_tag_only():
+    doc = '<p translate="no">ACME <div>Hausmarke</div></p><p>Es war <b>fett<p>neu</p></b> und</p>'
+    assert parse_html(doc, xml=True).sources == ["Es war ", "fett", "neu", " und"]
+    assert parse_html(doc).sources == ["Hausmarke", "Es war ", "fett", "neu", " und"]  # HTML: <div> ends the <p>
+    assert "".join(parse_html(doc, xml=True).pieces) == doc

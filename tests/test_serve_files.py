@@ -199,6 +199,24 @@ def test_epub_pages_translated_other_members_copied():
             .replace("Es war ", "ES WAR ").replace("einmal", "EINMAL")
 
 
+def test_an_epub_page_is_read_by_xhtml_rules():
+    """An EPUB page was parsed by HTML's rules: a <div> inside <p translate="no"> ended the paragraph there (as a
+    browser does for HTML), and its words were translated although the reader keeps them in the paragraph."""
+    buffer = io.BytesIO()
+    page = '<?xml version="1.0"?><html xmlns="http://www.w3.org/1999/xhtml"><body><p translate="no">ACME ' \
+           '<div>Hausmarke</div></p><p>Es war <b>einmal<p>ein Satz</p></b></p></body></html>'
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr(zipfile.ZipInfo("mimetype"), "application/epub+zip")
+        z.writestr("META-INF/container.xml", "<container/>")
+        for name in ("ch1.xhtml", "ch2.html"):  # the extension, or the XML declaration, says XHTML
+            z.writestr(f"OEBPS/{name}", page)
+    out, _ = roundtrip("buch.epub", buffer.getvalue())
+    with zipfile.ZipFile(io.BytesIO(out)) as z:
+        for name in ("ch1.xhtml", "ch2.html"):
+            assert z.read(f"OEBPS/{name}").decode() == page.replace("Es war ", "ES WAR ") \
+                .replace("einmal", "EINMAL").replace("ein Satz", "EIN SATZ")
+
+
 def test_a_file_already_in_the_target_language_comes_back_unchanged():
     with served() as c:
         r = send(c, "x.txt", b"schon Englisch\n", source="en", target="en")

@@ -345,7 +345,8 @@ def read_epub(data: bytes) -> Document:
         if extension(info.filename) not in (".xhtml", ".html", ".htm"):
             continue
         try:
-            markup = parse_html(content.decode("utf-8-sig"))
+            page = content.decode("utf-8-sig")  # .xhtml, or an XML declaration: XHTML's rules, not HTML's
+            markup = parse_html(page, xml=extension(info.filename) == ".xhtml" or page.lstrip().startswith("<?xml"))
         except UnicodeDecodeError as e:
             raise DocumentError(f"the {what}'s page {info.filename[:100]!r} is not UTF-8 (byte {e.start})") from None
         pages[index] = (markup, len(markup.sources))
