@@ -110,10 +110,41 @@ def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
     """--batch-size 8 over 2 sentences ran batches of 2 and recorded 8."""
     import json
 
-    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime", "--sentences", 2,
-                                    "--batch-size", 8, "--json", tmp_path / "b.json")
+    code, out, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime", "--sentences", 2,
+                                      "--batch-size", 8, "--json", tmp_path / "b.json")
     assert code == 0, err
-    assert [r["batch_size"] for r in json.loads((tmp_path / "b.json").read_text())["results"]] == [2]
+    report = json.loads((tmp_path / "b.json").read_text())
+    assert [r["batch_size"] for r in report["results"]] == [2]
+    # what the figure holds only on (the CPU's model was "processor": "" on Linux; no flags, no engine version)
+    from pipeline.environment import cpu_facts
+
+    host = report["host"]
+    assert host["cpu"] == cpu_facts().model and host["cpu"] not in ("", "x86_64", "aarch64")
+    assert host["cpu_flags"] == [name for name, on in cpu_facts().features.items() if on]
+    assert host["onnxruntime"] and host["threads"] >= 1
+    assert f"host: {host['cpu']} (" in out and f"onnxruntime {host['onnxruntime']}" in out
+
+
+def test_benchmarks_refuse_files_without_text_and_compare_rows_are_one_round(tmp_path, fp32_dir):
+    """--whole-process and --serve timed a file of blank lines (a request of "." against nothing); a comparison
+    row took each figure's own median, so over two rounds it paired 4,667 tok/s with 282 ms a sentence."""
+    from pipeline.evaluation.bench_compare import _row
+    from pipeline.evaluation.serve_bench import ServeBenchOptions, run_serve_bench
+    from pipeline.evaluation.whole_process import run_whole_process
+
+    blank = write_lines(tmp_path / "blank.txt", ["", "  "])
+    with pytest.raises(UserError, match="blank.txt: has no non-blank line to translate"):
+        run_whole_process([fp32_dir], [blank], compare=[], threads=1, beam_size=2, fixed_length=None, rounds=1)
+    with pytest.raises(UserError, match="blank.txt: has no non-blank line to translate"):
+        run_serve_bench(str(fp32_dir), str(blank), "onnxruntime", 1, 2, ServeBenchOptions())
+    job = {"engine": "ctranslate2", "precision": "fp32", "quantization": None, "model_dir": "m", "batch_size": 1,
+           "beam_size": 4, "sources": [[5, 2]] * 10}
+    runs = [{"target_tokens_per_s": tps, "sentences_per_s": tps / 16, "latency_ms_mean": ms,
+             "latency_ms_per_sentence": ms, "peak_rss_mb": 80.0, "device": "cpu", "target_tokens": 160}
+            for tps, ms in ((9315.6, 2.1), (17.8, 281.9))]
+    row = _row(job, runs)
+    assert (row["target_tokens_per_s"], row["latency_ms_per_sentence"]) == (17.8, 281.9)  # one round's, both
+    assert row["rounds_target_tokens_per_s"] == [9315.6, 17.8]
 
 
 def test_tune_decodings_export_line_carries_every_search_setting_it_ran_with():

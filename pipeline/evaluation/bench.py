@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import logging
-import os
 import platform
 import random
 import statistics
@@ -145,6 +144,25 @@ def package_version(name: str) -> str | None:
         return None
 
 
+def host_facts(threads: int | None) -> dict[str, Any]:
+    """What a figure holds only on: the CPU's model and the instruction sets the int8 and fp32 paths switch on
+    (AVX2, AVX-512, VNNI, AMX), the cores and threads, and the engines' versions (every bench report's `host`)."""
+    from pipeline.environment import cpu_facts
+
+    cpu = cpu_facts()
+    return {"cpu": cpu.model, "cpu_flags": [name for name, present in cpu.features.items() if present],
+            "cores": cpu.cores, "threads": threads or cpu.cores, "machine": platform.machine(),
+            "python": platform.python_version(),
+            **{name: package_version(name) for name in ("pipeline", "torch", "onnxruntime", "ctranslate2")}}
+
+
+def host_line(host: dict[str, Any]) -> str:
+    """The host in one line under a table: the CPU, its flags, the threads and the engines' versions."""
+    engines = ", ".join(f"{name} {host[name]}" for name in ("onnxruntime", "ctranslate2", "torch") if host.get(name))
+    return (f"host: {host['cpu']} ({', '.join(host['cpu_flags']) or 'no AVX2'}), {host['threads']} threads of "
+            f"{host['cores']} cores; {engines}")
+
+
 def peak_rss_mb() -> float | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -240,6 +258,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         way = direction(manifest.model_config, src_lang, tgt_lang)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
+            reset_peak_rss()  # each row's own peak (the loaded model resident), not the larger batch's before it
             precision = "fp32" if entry(name).checkpoint_weights else manifest.precision
             cuda = torch_cuda(backend)
             if cuda is not None:
@@ -271,8 +290,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         "shortlist": shortlist,
         "parallel_batches": parallel_batches,
         "src_lang": src_lang, "tgt_lang": tgt_lang,
-        "host": {"machine": platform.machine(), "processor": platform.processor(),
-                 "cpu_threads": threads or os.cpu_count(), "torch": package_version("torch")},
+        "host": host_facts(threads),
         "cpu_peak": peak,
         "results": rows,
     }
@@ -308,6 +326,8 @@ def format_table(report: dict) -> str:
                     f"{percent(r):>6}")
     if report.get("cpu_peak"):
         rows.append(peak_line(report["cpu_peak"]))
+    if report.get("host", {}).get("cpu"):
+        rows.append(host_line(report["host"]))
     return "\n".join(rows)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from model.errors import UserError
 from pipeline.cli_options import opt
+from pipeline.evaluation.bench import host_facts, host_line
 from pipeline.textio import read_lines
 
 log = logging.getLogger(__name__)
@@ -194,7 +195,9 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
     levels = opts.levels()  # a bad --concurrency fails before minutes of serve-batch
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
     lines = read_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
-    lines = [line for line in lines if line.strip()] or ["."]
+    lines = [line for line in lines if line.strip()]
+    if not lines:  # it timed a request of "." against nothing
+        raise UserError(f"{input_path}: has no non-blank line to translate; give a file with sentences")
     split: dict[str, Any] = {}
     offline_args: list[str] = []
     if opts.paragraph:
@@ -234,7 +237,8 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
             "lines": len(lines), "paragraph": opts.paragraph,
             "lines_per_request": opts.lines_per_request, "api": opts.api, "pair": opts.pair if opts.api != "native"
             else None, "serve_batch": offline, "levels": results,
-            "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg)}
+            "server_peak_rss_mib": rss, "server_exit_code": code, "server_args": list(opts.server_arg),
+            "host": host_facts(threads)}
 
 
 def format_serve_bench(report: dict[str, Any]) -> str:
@@ -253,4 +257,6 @@ def format_serve_bench(report: dict[str, Any]) -> str:
         rows.append(f"{lv.get('api', 'native'):>14} {lv['concurrency']:>8} {lv['sentences_per_s'] or 0:>8.1f} "
                     f"{'-' if ratio is None else f'{ratio:.2f}':>8} {ms(lv['latency_p50_s']):>8} "
                     f"{ms(lv['latency_p99_s']):>8} {lv['errors']:>7} {lv['mismatched_lines']:>7}")
+    if report.get("host"):
+        rows.append(host_line(report["host"]))
     return "\n".join(rows)

@@ -38,7 +38,7 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import model_column, vocabulary
+from pipeline.evaluation.bench import host_facts, host_line, model_column, vocabulary
 from pipeline.evaluation.process_split import (
     TIMED_SERVE_BATCH,
     pieces_summary,
@@ -195,6 +195,9 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     script puts the source language token first and gives the target's as target_prefix)."""
     if not files:
         raise UserError("--whole-process needs at least one FILE")
+    for f in files:  # a file of blank lines was timed as a translation of nothing
+        if not any(line.strip() for line in read_lines(f)):
+            raise UserError(f"{f}: has no non-blank line to translate; give a file with sentences")
     # what each dir records (the timed processes load and verify them)
     opened = [ModelDir.open(d, verify=False) for d in model_dirs]
     way = direction(opened[0].manifest.model_config, src_lang, tgt_lang)
@@ -290,6 +293,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     report["split_measures"] = ("load: process start to the model loaded; encoder, decoder: ours' backend encode and "
                                 "step calls summed (not with parallel batches); rest: the wall time left (reading, "
                                 "tokenizing, search, writing, exit); medians over rounds, adding up to wall_s")
+    report["host"] = host_facts(threads)
     return report
 
 
@@ -325,6 +329,8 @@ def format_whole_process(report: dict[str, Any]) -> str:
         rows.append("source pieces: SentencePiece pieces + EOS per non-blank line; load: process start to the model "
                     "loaded; encoder, decoder: the backend's calls; the rest: reading, tokenizing, search, writing, "
                     "exit")
+    if report.get("host"):
+        rows.append(host_line(report["host"]))
     if any("load_s" in r for r in report["results"]):
         rows.append("load s, decode s: serve-batch's own log (the model dir opened and its sessions created; reading, "
                     "translating, writing); the rest of the wall time is the interpreter's start, imports and exit")
