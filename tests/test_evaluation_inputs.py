@@ -163,3 +163,16 @@ def test_export_of_an_exported_model_dir_names_its_checkpoint(capsys, fp32_dir, 
     code, _, err = run_cli_captured(capsys, "export", fp32_dir, "--out", tmp_path / "again")
     assert_one_line_error(code, err, "an exported model dir, not a save dir; its checkpoint is", "model.pt")
     assert not (tmp_path / "again").exists()
+
+
+def test_bench_says_when_its_sources_were_cut(tmp_path, fp32_dir, caplog):
+    """A --src line over the model's limit was measured cut, in silence (one dir; two dirs refused it)."""
+    from pipeline.evaluation.bench import make_sources
+    from runtime.model_dir import ModelDir
+
+    opened = ModelDir.open(fp32_dir)
+    src = write_lines(tmp_path / "long.src", ["der hund " * 400, "ein kind"])
+    with caplog.at_level(logging.WARNING):
+        ids = make_sources(opened.tokenizer, src, 4, 20, 64)
+    assert max(map(len, ids)) == 64
+    assert "long.src: 2 of the 4 sentences measured were cut to the model's source limit of 64 tokens" in caplog.text

@@ -183,7 +183,11 @@ def make_sources(tokenizer: AnyTokenizer, src: Path | None, n: int, src_len: int
             raise UserError(f"{src}: has no non-blank line to translate; give a file with sentences, "
                             "or leave out --src for random ones")
         lines = (lines * (n // max(len(lines), 1) + 1))[:n]
-        return encode_sources(tokenizer, lines, max_len, origin=str(src), prefix=prefix).ids
+        encoded = encode_sources(tokenizer, lines, max_len, origin=str(src), prefix=prefix)
+        if encoded.truncated:  # as serve-batch says it (the figures are of the cut sentences)
+            log.warning("%s: %d of the %d sentences measured were cut to the model's source limit of %d tokens",
+                        src, encoded.truncated, len(lines), max_len)
+        return encoded.ids
     if src_len > max_len:  # before n x src_len random pieces are drawn (10^12 ran for ever)
         raise UserError(f"--src-len {src_len} is longer than the model's source limit of {max_len} tokens; give at "
                         f"most {max_len}")
