@@ -23,10 +23,8 @@ replay. Per step, on the device:
 So in fp32 the hypotheses are search's over the same step (tests/test_device_search.py checks tokens and
 scores on the CPU, where the body runs uncaptured). A batch ends at the first replay after its last sentence is
 done (at most K - 1 steps run for nothing). Finished sentences keep their slots until then, as in the one-step
-graph. They once moved down to a smaller size bucket between replays, as search.py's batch shrinks; but each new
-bucket is a new graph of K steps to capture (a compilation under torch.compile), and the runner keeps only its
-last MAX_BATCHES shapes: on an H200 a 20,000-line file took 232 captures where keeping the slots took 27, and ran
-at half the speed (benchmarks/2026-11-29_nvidia-h200_gpu-check.md).
+graph: moving them to a smaller bucket would cost a new K-step graph capture per bucket, which on a real file
+cost more than the work it saved (benchmarks/2026-11-29_nvidia-h200_gpu-check.md).
 Supported: beam search (beam >= 2) under fairseq's rules without forced first tokens or glossaries; other
 searches run step by step (`supports`).
 """
