@@ -16,12 +16,14 @@ units' hypotheses back into one TextResult per text."""
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from runtime.backend import Backend
+from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, find_terms, terms_for
 from runtime.glossary_file import load_glossaries
@@ -161,6 +163,13 @@ class EncodedTexts:
         """Unit u's translation from its hypotheses (best first): the unit itself when it is copied, "" for a
         blank one."""
         return hyps[0][0] if hyps else self.units[u] if self.copied[u] else ""
+
+    def min_len_over(self, decoding: DecodingOptions, max_tgt_len: int) -> int:
+        """Texts with a unit whose maximum output length (runtime.search's cap) is below --min-len: it cannot hold."""
+        if decoding.min_len == 0:
+            return 0
+        return len({self.owners[u] for u, line in enumerate(self.ids) if line and min(
+            math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), max_tgt_len - 1) < decoding.min_len})
 
     def split(self, k: int) -> Split | None:
         """Text k's sentences with split "sentences" (format text); None otherwise."""
@@ -374,6 +383,12 @@ def finish_text(tokenizer: AnyTokenizer, encoded: EncodedTexts, k: int, nbest_pe
     if encoded.terms is not None:
         result.terms = [row for u in span for row in applied_terms(encoded.terms[u], best[u])]
     return result
+
+
+def term_counts(results: list[TextResult]) -> tuple[int, int]:
+    """The glossary's terms found in these texts, and how many of them their translations hold."""
+    terms = [row for result in results for row in result.terms or ()]
+    return len(terms), sum(bool(row["applied"]) for row in terms)
 
 
 def _distinct(text: str, candidates: list[str]) -> list[str]:

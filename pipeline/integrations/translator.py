@@ -26,14 +26,13 @@ from typing import Any
 import numpy as np
 
 from model.errors import UserError
-from pipeline.serve_batch.files import min_len_over
-from pipeline.serve_batch.translation import ServeBatchOptions, term_counts
+from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
 from runtime.model_dir import LoadOptions, ModelDir, load
-from runtime.texts import Lines, Located, Origin, check_glossary, encode_texts, finish_texts, open_glossary
+from runtime.texts import Lines, Located, Origin, check_glossary, encode_texts, finish_texts, open_glossary, term_counts
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +140,7 @@ class Translator:
         nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),
                                  constraints=encoded.constraints)
         results = finish_texts(loaded.tokenizer, encoded, nbest, decoding.nbest)
-        over = min_len_over(encoded, decoding, loaded.backend.max_tgt_len)
+        over = encoded.min_len_over(decoding, loaded.backend.max_tgt_len)
         if over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         over, decoding.min_len)

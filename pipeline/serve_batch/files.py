@@ -20,7 +20,6 @@ and writes them in input order.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
 from runtime.languages import ONE_PAIR, Direction, language_suffix
 from runtime.model_dir import ModelDir
-from runtime.texts import EncodedTexts, open_glossary
+from runtime.texts import open_glossary
 from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
 
@@ -112,16 +111,6 @@ def _gather(share: list[Any], ctx: DistContext, n_lines: int) -> list[Any] | Non
     for rank, part in enumerate(shares):
         merged[rank::ctx.world_size] = part
     return merged
-
-
-def min_len_over(encoded: EncodedTexts, decoding: DecodingOptions, max_tgt_len: int) -> int:
-    """Lines (texts) with a sentence whose maximum output length (a * source tokens + b, as runtime.search caps
-    it) is below --min-len: the search stops it at the maximum, so --min-len cannot hold."""
-    if decoding.min_len == 0:
-        return 0
-    cap = max_tgt_len - 1
-    return len({encoded.owners[u] for u, line in enumerate(encoded.ids) if line and min(
-        math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), cap) < decoding.min_len})
 
 
 class _NoBar:
@@ -206,7 +195,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
             if merged is None:
                 continue
             done = finish_window(tokenizer, window, merged, opts.decoding.nbest)
-            done.min_len_over = min_len_over(window.encoded, opts.decoding, backend.max_tgt_len)
+            done.min_len_over = window.encoded.min_len_over(opts.decoding, backend.max_tgt_len)
             yield done
             advance.finish()
     finally:

@@ -23,7 +23,7 @@ from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
 from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
-from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, TextResult, encode_texts, finish_texts
+from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts, term_counts
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import LONG_LINE_POLICIES, NBest
 
@@ -209,10 +209,3 @@ def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n
     found, applied = term_counts(results)
     return TranslatedWindow([result.text for result in results], window.ids, nbest, empty=window.empty,
                             truncated=window.truncated, replaced=window.replaced, terms=found, terms_applied=applied)
-
-
-def term_counts(results: list[TextResult]) -> tuple[int, int]:
-    """The glossary's terms found in these texts, and how many of them their translations hold (the counts
-    serve-batch's summary and ray-translate's give)."""
-    terms = [row for result in results for row in result.terms or ()]
-    return len(terms), sum(bool(row["applied"]) for row in terms)
