@@ -148,3 +148,55 @@ def test_the_report_names_both_engines_search_rules():
     assert format_whole_process({**report, "rules": "top-beam"}).endswith("CTranslate2 top-beam (its early exit, "
                                                                           "the only rule its Python API runs)")
     assert "search rules" not in format_whole_process({**report, "fixed_length": 30})
+
+
+def test_ctranslate2s_script_cuts_a_long_source_as_serve_batch_does(fp32_dir, tmp_path):
+    """The CTranslate2 script translated a line over the model dir's source limit whole, where serve-batch cuts
+    it (its first max_src - 1 pieces + EOS): on a file of long lines the two engines did different work. It now
+    gets the limit and cuts as encode_sources does (it records the source tokens it gave CTranslate2)."""
+    pytest.importorskip("ctranslate2")
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.evaluation import ctranslate2_compare
+    from pipeline.evaluation.whole_process import CT2_SCRIPT, sentencepiece_files
+    from runtime.model_dir import ModelDir
+    from runtime.translate import encode_sources
+
+    opened = ModelDir.open(fp32_dir, verify=False)
+    ct2_dir = ctranslate2_compare.for_model_dir(fp32_dir, tmp_path / "ct2")[0]
+    spms = sentencepiece_files(opened, tmp_path)
+    long = " ".join(f"wort{i} satz{i}" for i in range(40))
+
+    def run(text: str, max_src: int) -> int:  # the source tokens the script gave CTranslate2
+        (tmp_path / "in.txt").write_text(text + "\n", encoding="utf-8")
+        subprocess.run([sys.executable, "-c", CT2_SCRIPT, str(ct2_dir), *spms, str(tmp_path / "in.txt"),
+                        str(tmp_path / "out.txt"), "1", "1", "float32", "0", "1.0", "20", "", "", "1", str(max_src)],
+                       check=True, env={**os.environ, "PIPELINE_TIMINGS": str(tmp_path / "t.json")})
+        return int(json.loads((tmp_path / "t.json").read_text())["source_tokens"])
+
+    for limit in (6, 1024):  # what serve-batch's encoding gives the model, cut or whole
+        assert run(long, limit) == len(encode_sources(opened.tokenizer, [long], limit).ids[0])
+    assert run(long, 6) == 6 < run(long, 1024)
+
+
+def test_the_whole_process_table_gives_each_row_against_ctranslate2():
+    """The table had no ratio column: a reader divided wall times by hand. Each row now shows CTranslate2's
+    wall time on the same file (fp32, int8) over its own."""
+    from pipeline.evaluation.whole_process import format_whole_process
+
+    def row(engine: str, precision: str, wall: float, file: str = "a.txt") -> dict[str, object]:
+        return {"engine": engine, "precision": precision, "quantization": None, "file": file, "lines": 10,
+                "wall_s": wall, "peak_rss_mb": 100.0, "model_dir": "m"}
+
+    report = {"model_dirs": ["m"], "rounds": 1, "threads": 2, "beam_size": 4, "fixed_length": None,
+              "results": [row("onnxruntime", "int8", 2.0), row("ctranslate2", "fp32", 5.0),
+                          row("ctranslate2", "int8", 3.0), row("onnxruntime", "int8", 4.0, "b.txt")]}
+    lines = format_whole_process(report).splitlines()
+    assert lines[0].endswith("x ct2 fp32 x ct2 int8")
+    ours = next(line for line in lines if line.startswith("onnxruntime") and " a.txt " in line)
+    assert ours.split()[-2:] == ["2.50", "1.50"]
+    assert next(line for line in lines if " b.txt " in line).split()[-2:] == ["-", "-"]  # no CTranslate2 row there
+    assert "x ct2: CTranslate2's wall time" in format_whole_process(report)
+    assert "x ct2" not in format_whole_process({**report, "results": [row("onnxruntime", "int8", 2.0)]})

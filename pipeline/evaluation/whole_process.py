@@ -57,13 +57,14 @@ log = logging.getLogger(__name__)
 
 # The CTranslate2 user's script: arguments ct2_dir spm input output threads beam compute_type fixed_length alpha
 # max_len, a multilingual model's source and target language tokens ("" for a one-pair model): the source
-# starts with the first, the second is the target prefix (forced first), left out of the output text; and the
-# batches translated at once (inter_threads, each on threads / inter_threads intra-op threads).
+# starts with the first, the second is the target prefix (forced first), left out of the output text; the
+# batches translated at once (inter_threads, each on threads / inter_threads intra-op threads); and the model
+# dir's source limit, a longer source cut to it as serve-batch cuts one (its first max_src - 1 tokens + EOS).
 CT2_SCRIPT = """
 import os, sys, time
 import ctranslate2, sentencepiece
 (ct2_dir, src_spm, tgt_spm, src, out, threads, beam, compute_type, fixed, alpha, max_len, src_tok,
- tgt_tok, inter) = sys.argv[1:15]
+ tgt_tok, inter, max_src) = sys.argv[1:16]
 sp = sentencepiece.SentencePieceProcessor(model_file=src_spm)
 sp_out = sentencepiece.SentencePieceProcessor(model_file=tgt_spm)
 translator = ctranslate2.Translator(ct2_dir, device="cpu", compute_type=compute_type,
@@ -76,7 +77,7 @@ opts = dict(beam_size=int(beam), length_penalty=float(alpha), max_decoding_lengt
 if int(fixed):
     opts.update(max_decoding_length=int(fixed), min_decoding_length=int(fixed))
 head = [src_tok] if src_tok else []
-tokens = (head + sp.encode(lines[i], out_type=str) + ["</s>"] for i in live)
+tokens = [(head + sp.encode(lines[i], out_type=str))[:int(max_src) - 1] + ["</s>"] for i in live]
 prefix = ([tgt_tok] for _ in live) if tgt_tok else None
 results = translator.translate_iterable(tokens, prefix, **opts)
 outputs = [""] * len(lines)
@@ -86,7 +87,7 @@ with open(out, "w", encoding="utf-8") as f:
     f.write("".join(o + "\\n" for o in outputs))
 if os.environ.get("PIPELINE_TIMINGS"):
     with open(os.environ["PIPELINE_TIMINGS"], "w") as f:
-        f.write('{"loaded_at": %r}' % loaded_at)
+        f.write('{"loaded_at": %r, "source_tokens": %d}' % (loaded_at, sum(map(len, tokens))))
 """
 
 # Ours, timed: `python -m pipeline ARGS` (pipeline/__main__.py) with, where PIPELINE_TIMINGS names a file,
@@ -247,7 +248,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             if e["engine"] == "ctranslate2":
                 return [sys.executable, "-c", CT2_SCRIPT, e["ct2_dir"], *spms, str(f), str(out), str(threads),
                         str(beam_size), e["compute_type"], str(fixed_length or 0), str(decoding.alpha), str(max_len),
-                        *tokens, str(parallel_batches)]
+                        *tokens, str(parallel_batches), str(manifest.limits.max_src_len)]
             ours = ours_command(Path(e["model_dir"]), f, out, threads, beam_size, fixed_length, e["shortlist"], way,
                                 parallel_batches, rules)
             return [sys.executable, "-c", TIMED_SERVE_BATCH, *ours[3:]]  # `python -m pipeline ...`, timed
@@ -309,19 +310,27 @@ def _seconds(value: float | None) -> str:
 
 def format_whole_process(report: dict[str, Any]) -> str:
     model = model_column(report)
+    # CTranslate2's wall time over each row's, per file: above 1, the row's engine finished first
+    ct2 = {(r["file"], r["precision"]): r["wall_s"] for r in report["results"] if r["engine"] == "ctranslate2"}
+    against = [p for p in ("fp32", "int8") if any(precision == p for _, precision in ct2)]
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
-            f"{'peak MB':>8} {'load s':>7} {'decode s':>8}")
+            f"{'peak MB':>8} {'load s':>7} {'decode s':>8}" + "".join(f" {'x ct2 ' + p:>10}" for p in against))
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
+        ratios = "".join(f" {ct2[r['file'], p] / r['wall_s']:>10.2f}" if ct2.get((r["file"], p)) and r["wall_s"] else
+                         f" {'-':>10}" for p in against)
         rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
                     f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
-                    f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}")
+                    f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}"
+                    + ratios)
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
                 f"{report['threads']} threads, beam {report['beam_size']}"
                 + (f", {report['parallel_batches']} batches at once in every engine"
                    if report.get("parallel_batches", 1) > 1 else "")
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
-                + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else ""))
+                + (f", {report['src_lang']} -> {report['tgt_lang']}" if report.get("src_lang") else "")
+                + ("; x ct2: CTranslate2's wall time on the file over the row's (above 1: the row's engine finished "
+                   "first)" if against else ""))
     if any("split" in r for r in report["results"]):
         several_dirs, several_files = len(report["model_dirs"]) > 1, len({r["file"] for r in report["results"]}) > 1
         rows += [split_line(r, several_dirs, several_files) for r in sorted(
