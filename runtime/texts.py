@@ -104,17 +104,18 @@ class Located:
 
 @dataclass(frozen=True)
 class Listed:
-    """Texts of an HTTP request: a line or a document is `text[k]` (from 0, as the request's list), an HTML text
-    node `text[m]` (counting every text's nodes: what the model was given)."""
+    """Texts of an HTTP request: text k is `names[k]` (q[3], a file's text 4) or `text[k]`; a node `... text node`."""
+
+    names: Sequence[str] = ()
 
     def line(self, k: int) -> tuple[str, int | None]:
-        return f"text[{k}]", None
+        return self.document(k), None
 
-    def document(self, k: int) -> str:
-        return f"text[{k}]"
+    def document(self, k: int) -> str:  # the request's own name, else its place in the native API's list
+        return self.names[k] if self.names else f"text[{k}]"
 
     def node(self, k: int, m: int) -> str:
-        return f"text[{m}]"
+        return f"{self.document(k)} text node"
 
 
 Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
@@ -160,8 +161,7 @@ class EncodedTexts:
         return sum(len(s) for s in self.ids)
 
     def best(self, u: int, hyps: Hypotheses) -> str:
-        """Unit u's translation from its hypotheses (best first): the unit itself when it is copied, "" for a
-        blank one."""
+        """Unit u's translation from its hypotheses (best first): the unit itself if copied, "" for a blank one."""
         return hyps[0][0] if hyps else self.units[u] if self.copied[u] else ""
 
     def min_len_over(self, decoding: DecodingOptions, max_tgt_len: int) -> int:

@@ -182,6 +182,19 @@ class SourceTooLong(RuntimeUserError):
         self.what = what
 
 
+def not_text(text: str) -> str | None:
+    """Why a str given as text (a request's, a data frame row's) is none: a NUL character, or a lone surrogate
+    (U+D800-U+DFFF: JSON's "\\ud800", a file read with surrogateescape), which no tokenizer takes; None for text.
+    serve-batch refuses the same in a file's bytes (pipeline/textio.py decode_line)."""
+    if "\x00" in text:
+        return f"a NUL character (U+0000, character {text.index(chr(0))}), which no text holds"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"a lone surrogate (\\ud800-\\udfff, character {e.start}), not text"
+    return None
+
+
 def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, *, long_lines: str = "truncate",
                    origin: str = "input", first_line: int | None = 1, prefix: tuple[int, ...] = ()) -> Sources:
     """The one way text lines become source ids (serve-batch, parity, bench, validation).

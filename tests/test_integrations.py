@@ -140,8 +140,31 @@ def test_translator_errors_are_one_line_naming_the_row(fp32_dir):
     with pytest.raises(UserError, match=r"no column 'path' in the rows \(they have: src\); .*origin_columns"):
         translator({"src": ["ab"]})
     long = " ".join(["ab"] * 80)
-    with pytest.raises(UserError, match=r"^shard\.txt:12: \d+ tokens, more than the model's limit of 32; pass "):
+    with pytest.raises(UserError, match=r"^shard\.txt:12: \d+ tokens, more than the model's limit of 32; pass "
+                                        r"options with long_lines='truncate'"):  # not a command line's flag
         translator({"src": ["ab", long], "path": ["shard.txt", "shard.txt"], "line": [11, 12]})
+
+
+def test_a_row_that_is_no_text_is_refused_as_serve_batch_and_the_apis_refuse_it(fp32_dir):
+    """A NUL was translated (serve-batch and both HTTP APIs refuse it), a lone surrogate was SentencePiece's
+    RuntimeError naming no row, a row of two lines became one sentence with its second line mostly lost (the
+    native API refuses it), and an invalid byte was counted from 1 where serve-batch counts from 0."""
+    translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
+    for value, says in (("ab\x00cd", "row:2: holds a NUL character (U+0000, character 2)"),
+                        ("ab \udcff", "row:2: holds a lone surrogate"),
+                        ("ab\ncd", "row:2: holds a newline; give one line per row, or pass options with "
+                                   "split='sentences'"),
+                        (b"ab\xff", "row:2: invalid UTF-8 (byte 2: b'\\xff')")):
+        with pytest.raises(UserError, match="^" + re.escape(says)):
+            translator.translate(["ab", value])
+    replacing = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),
+                           options=ServeBatchOptions(invalid_utf8="replace"))
+    assert replacing.translate(["ab\x00cd", "ab \udcff"]).translation == replacing.translate(
+        ["ab\ufffdcd", "ab \ufffd"]).translation
+    documents = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),
+                           options=ServeBatchOptions(split="sentences"))
+    two = documents.translate(["ab cd\nef"]).translation[0]
+    assert two.count("\n") == 1 and two.split("\n")[1] == documents.translate(["ef"]).translation[0]
 
 
 BLOCKED = """

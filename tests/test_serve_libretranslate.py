@@ -93,6 +93,14 @@ def test_form_data_urlencoded_and_multipart():
                                               "target": (None, "en")})):
             assert r.status_code == 200, r.text
             assert r.json()["translatedText"] == "EIN HUND\nBELLT"  # form line ends are \n, as LibreTranslate
+        # but only line ends: LibreTranslate's splitlines() made U+2028, form feeds and NEL \n, dropped a last line
+        # end and changed <pre> and attribute values; JSON kept them, and so does form data now
+        for q, html in (("Ein\u2028Hund\x0cbellt\x85ja\n", False),
+                        ('<pre>x\u2028y\x0cz</pre><p title="a\u2028b">c</p>\n', True)):
+            body = {"q": q, "source": "de", "target": "en", "format": "html" if html else "text"}
+            form, json_ = c.post("/translate", data=body).json(), lt(c, **body)[1]
+            assert form == json_ and form["translatedText"] == (parse_html(q).rebuild(
+                [t.upper() for t in parse_html(q).sources]) if html else q.upper()), form
         # curl -d sends JSON with the form content type: still the native API
         r = c.post("/translate", content=b'{"text": ["ein hund"], "model": "de-en"}',
                    headers={"content-type": "application/x-www-form-urlencoded"})
@@ -325,3 +333,44 @@ def test_native_api_takes_a_one_pair_models_own_languages_only():
         assert r.status_code == 200 and r.json()["translations"] == ["EIN HUND. ER BELLT."], r.text
         r = c.post("/translate", json={"text": ["x"], "model": "de-en", "source": "de", "target": "fr"})
         assert r.status_code == 400 and r.json()["error"] == '"target" \'fr\' is not a language of model de-en (en)'
+
+
+def test_a_refused_text_is_named_as_the_request_names_it():
+    """With --long-lines error, a text over the model's limit was named `text[k]` counting only the texts sent to
+    a model (after those returned unchanged), or counting HTML text nodes over all texts, and a file's text as
+    q's: the refusal now names q[k] (q alone for a string), a file's text by its place, an HTML text's node."""
+    with client(detector=False) as c:
+        for model in c.app.state.server.models.values():  # type: ignore[attr-defined]
+            model.translator.long_lines, model.translator.max_src_len = "error", 12
+        long = "ein sehr langer satz"
+        status, got = lt(c, q=["123", "", "kurz", long], source="de", target="en")
+        assert status == 413 and got["error"].startswith("q[3] sentence:1: 21 tokens"), got
+        status, got = lt(c, q=long, source="de", target="en")
+        assert status == 413 and got["error"].startswith("q sentence:1:"), got
+        status, got = lt(c, q=["<p>a</p>", f"<p>b</p><p>{long}</p>"], source="de", target="en", format="html")
+        assert status == 413 and got["error"].startswith("q[1] text node sentence:1:"), got
+        r = c.post("/translate_file", files={"file": ("d.txt", f"123\n\nkurz\n{long}\n".encode())},
+                   data={"source": "de", "target": "en"})
+        assert r.status_code == 413 and r.json()["error"].startswith("'d.txt' text "), r.text
+        r = c.post("/translate", json={"text": ["<p>a</p><p>b</p>", f"<p>{long}</p>"], "model": "de-en",
+                                       "format": "html"})
+        assert r.status_code == 413 and r.json()["error"].startswith("text[1] text node sentence:1:"), r.text
+
+
+def test_nul_is_refused_by_both_apis_as_serve_batch_refuses_it():
+    """A NUL was translated by both APIs (and the Translator) where serve-batch refuses it: one rule now."""
+    with client(detector=False) as c:
+        status, got = lt(c, q=["gut", "a\x00b"], source="de", target="en")
+        assert status == 400 and got["error"].startswith("q[1] holds a NUL character (U+0000"), got
+        r = c.post("/translate", json={"text": ["a\x00b"], "model": "de-en"})
+        assert r.status_code == 400 and r.json()["error"].startswith("text[0] holds a NUL character"), r.text
+
+
+def test_html_of_character_references_alone_is_translated():
+    """LibreTranslate's API looked for letters in the raw HTML: text written as character references
+    ("&#117;") was returned untranslated, where the native API and serve-batch translate it."""
+    with client(detector=False) as c:
+        status, got = lt(c, q="&#117;&#32;&#112;", source="de", target="en", format="html")
+        assert status == 200 and got["translatedText"] == "U&#32;P" and got["score"] is not None, got
+        status, got = lt(c, q='<img alt="123"><b>42</b>', source="de", target="en", format="html")
+        assert status == 200 and got["translatedText"] == '<img alt="123"><b>42</b>' and got["score"] is None

@@ -33,6 +33,7 @@ from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.texts import Lines, Located, Origin, check_glossary, encode_texts, finish_texts, open_glossary, term_counts
+from runtime.translate import SourceTooLong, not_text
 
 log = logging.getLogger(__name__)
 
@@ -129,13 +130,16 @@ class Translator:
         def where(row: int) -> str:  # a refused row named as a refused line is: its file and line, else row:N
             return f"{origins[0][row]}:{origins[1][row]}" if origins is not None else f"row:{row + 1}"
 
-        texts = [_text(s, row, where, self.options.invalid_utf8) for row, s in enumerate(sources)]
+        texts = [self._checked(_text(s, row, where, self.options.invalid_utf8), row, where)
+                 for row, s in enumerate(sources)]
         loaded, decoding = self.loaded, self.options.decoding
         origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
         try:
             encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin,
                                    glossary=self.glossary)
-        except RuntimeUserError as e:  # a refused row (--long-lines error): one line naming it
+        except SourceTooLong as e:  # a refused row (long_lines "error"): one line naming it, and the option
+            raise UserError(f"{e.what}; pass options with long_lines='truncate' or split the row") from None
+        except RuntimeUserError as e:
             raise UserError(str(e)) from None
         nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),
                                  constraints=encoded.constraints)
@@ -155,6 +159,21 @@ class Translator:
                 out.rows_terms.append(json.dumps(r.terms or [], ensure_ascii=False))
         out.terms, out.terms_applied = term_counts(results)
         return out
+
+
+    def _checked(self, text: str, row: int, where: Callable[[int], str]) -> str:
+        """A row's text as serve-batch reads a line and the HTTP APIs a text: a NUL or a lone surrogate refused
+        (U+FFFD with invalid_utf8='replace', as serve-batch repairs a file's bytes); a newline
+        only in a document (split 'sentences', format 'html'), where it is whitespace between sentences."""
+        if why := not_text(text):
+            if self.options.invalid_utf8 != "replace":
+                raise UserError(f"{where(row)}: holds {why}; pass options with invalid_utf8='replace' to replace it "
+                                "with U+FFFD")
+            text = "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in text)
+        if "\n" in text and not self.policy.documents:  # one line to the model: its lines ran together
+            raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass options with "
+                            "split='sentences' (its lines then translate apart)")
+        return text
 
 
 def _arrow(values: np.ndarray) -> Any:
@@ -183,7 +202,7 @@ def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str) 
         except UnicodeDecodeError as e:
             if invalid_utf8 == "replace":
                 return value.decode("utf-8", errors="replace")
-            raise UserError(f"{where(row)}: invalid UTF-8 (byte {e.start + 1}); pass options with "
-                            "invalid_utf8='replace' to replace it with U+FFFD") from None
+            raise UserError(f"{where(row)}: invalid UTF-8 (byte {e.start}: {value[e.start:e.start + 1]!r}); pass "
+                            "options with invalid_utf8='replace' to replace it with U+FFFD") from None
     raise UserError(f"{where(row)}: {type(value).__name__} {str(value)[:30]!r}, not text; the source column holds "
                     "strings (a null is a blank row)")

@@ -177,7 +177,7 @@ async def translate_file(request: Request) -> Response:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                     f"{state.routes.listed()}")
         glossary = requested(fields.get("glossary"), state.glossaries)
-        req = LibreRequest(doc.texts, True, source, target, False, 0, glossary)
+        req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:])
         detected = await _source_of(state, req) if source == "auto" else None
         body, m = await translate_texts(request, state, req, None)
         out = await off_loop(state.documents, doc.rebuild, body["translatedText"])

@@ -43,7 +43,7 @@ from runtime.languages import LANG_CODE
 from runtime.markup import parse_html
 from runtime.sentences import has_letters
 from runtime.texts import EncodedTexts, finish_texts, has_fixed_term
-from runtime.translate import NBest
+from runtime.translate import NBest, not_text
 
 KEYS = frozenset({"q", "source", "target", "format", "alternatives", "api_key"})
 WHOLE = re.compile(r"-?[0-9]{1,9}")
@@ -81,6 +81,11 @@ class LibreRequest:
     html: bool
     alternatives: int
     glossary: Glossary | None = None  # an extension: "glossary" as the native API's; the answer gains "terms"
+    file: str | None = None  # /translate_file's: the texts are this file's, named as its (text 4), not q's
+
+    def name(self, i: int) -> str:
+        """Text i as a refusal names it: q[i] (q alone when it is no list), or the file's text i + 1."""
+        return f"{self.file!r} text {i + 1}" if self.file is not None else _name(i, self.batch)
 
 
 def _code(data: dict[str, Any], key: str, state: ServerState) -> str:
@@ -93,6 +98,11 @@ def _code(data: dict[str, Any], key: str, state: ServerState) -> str:
         raise ApiError(400, f'"{key}" must be a language code like "de"' + (' or "auto"' if key == "source" else "")
                        + f", not {str(value)[:20]!r}")
     return state.routes.spelled(value)  # in any case, as LibreTranslate takes it; as the model lists it (eng_Latn)
+
+
+def _name(i: int, batch: bool) -> str:
+    """Text i as the request lists it: q[i] when q is a list, else q."""
+    return f"q[{i}]" if batch else "q"
 
 
 def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
@@ -110,13 +120,11 @@ def parse_libre(data: Any, form: bool, state: ServerState) -> LibreRequest:
     if len(texts) > state.limits.max_lines:
         raise ApiError(413, too_many(len(texts), "texts in q", state.limits.max_lines, "--max-lines"))
     for i, text in enumerate(texts):
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            where = f"q[{i}]" if batch else "q"
-            raise ApiError(400, f"{where} holds a lone surrogate (\\ud800-\\udfff), not text") from None
-    if form:  # as LibreTranslate: line ends of form data are \n
-        texts = ["\n".join(t.splitlines()) for t in texts]
+        if why := not_text(text):
+            raise ApiError(400, f"{_name(i, batch)} holds {why}")
+    if form:  # form data's line ends are CRLF (RFC 2046): \n, as LibreTranslate makes them; its splitlines() also
+        # made U+2028, form feeds and NEL line ends and dropped a last one (in <pre>, in attributes): not here
+        texts = [t.replace("\r\n", "\n").replace("\r", "\n") for t in texts]
     source, target = _code(data, "source", state), _code(data, "target", state)
     kind = data.get("format")
     kind = "text" if kind is None or kind == "" else kind
@@ -164,6 +172,8 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
     groups: dict[tuple[str, str], _Group] = {}
     for i, text in enumerate(req.q):
         source = detected[i]["language"] if detected else req.source
+        if req.html:  # the letters of its text nodes ("&#117;" is one; a tag's name is none)
+            text = " ".join(parse_html(text).sources)
         if source == req.target or not has_letters(text) and not has_fixed_term(req.glossary, text):
             for code, key in ((source, "source"), (req.target, "target")):
                 if code not in state.routes.codes:
@@ -172,8 +182,8 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
             continue
         model = state.routes.model(source, req.target)
         if model is None:
-            where = f"q[{i}]" if req.batch else "q"
-            found = f"{where} is detected as {source} (confidence {detected[i]['confidence']}): " if detected else ""
+            found = (f"{req.name(i)} is detected as {source} (confidence {detected[i]['confidence']}): "
+                     if detected else "")
             raise ApiError(400, f'{found}"source" {source} to "target" {req.target} is not a language pair this '
                                 f"server translates; it translates {state.routes.listed()}")
         group = groups.setdefault((model.name, source), _Group(model, source, []))
@@ -198,7 +208,8 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         texts = [req.q[i] for i in group.places]  # each a document (with html, each of its text nodes)
         for_model(req.glossary, group.model.translator, state.glossaries)  # the server's own were checked at start
         group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
-                                         "html" if req.html else "text", req.glossary)
+                                         "html" if req.html else "text", req.glossary,
+                                         [req.name(i) for i in group.places])
     return list(groups.values())
 
 
@@ -307,10 +318,8 @@ async def detect(request: Request) -> Response:
             q = "\n".join(q)
         if not isinstance(q, str):
             raise ApiError(400, '"q" must be a string')
-        try:
-            q.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, "q holds a lone surrogate (\\ud800-\\udfff), not text") from None
+        if why := not_text(q):
+            raise ApiError(400, f"q holds {why}")
         if state.detector is None:
             raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
         return JSONResponse(await off_loop(state.prepare, state.detector.rank, q))

@@ -27,7 +27,7 @@ from pipeline.serve.state import ServedModel, ServerState, pick_model
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts, hypotheses
-from runtime.translate import NBest
+from runtime.translate import NBest, not_text
 
 log = logging.getLogger(__name__)
 
@@ -89,10 +89,8 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     for i, line in enumerate(text):
         if "\n" in line and split == "none" and kind == "text":
             raise ApiError(400, f'text[{i}] holds a newline; send one line per list item, or "split": "sentences"')
-        try:
-            line.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, f"text[{i}] holds a lone surrogate (\\ud800-\\udfff), not text") from None
+        if why := not_text(line):
+            raise ApiError(400, f"text[{i}] holds {why}")
     changes = {key: _field(data, key, int, None, "an integer") for key in ("beam_size", "nbest") if key in data}
     one_per_text = split != "none" or kind == "html"
     served_nbest = "nbest" not in changes and model.decoding.nbest > 1  # the server's --nbest, where it fits:

@@ -40,6 +40,7 @@ class TranslateRequest:
     way: Direction = ONE_PAIR  # a multilingual model's source -> target (LibreTranslate's API); none for one pair
     format: str = "text"  # "html": each text an HTML document (LibreTranslate's API)
     glossary: Glossary | None = None  # "glossary": its terms forced into the translations, listed in the answer
+    names: list[str] | None = None  # each text as a refusal names it (LibreTranslate's q[3]); text[k] without
 
 
 def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
@@ -50,7 +51,7 @@ def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
     translator = req.model.translator
     policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix)
     try:
-        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(),
+        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(req.names or ()),
                                limits.max_sentences, req.glossary)
     except TooManyUnits as e:
         raise ApiError(413, too_many(e.count, "sentences", limits.max_sentences, "--max-sentences")) from None

@@ -21,6 +21,7 @@ from pipeline.serve.http import ApiError, error, off_loop, read_payload, refuse_
 from pipeline.serve.libre import check_key
 from pipeline.serve.state import ServerState
 from runtime.languages import LANG_CODE
+from runtime.translate import not_text
 
 MAX_ROWS = 1_000_000
 BUSY_S = 2.0  # how long a write waits for another process' lock on the database before its 503
@@ -83,10 +84,8 @@ def _fields(data: Any, state: ServerState) -> tuple[str, str, str, str]:
             raise ApiError(400, f'"{key}" must be a string')
         if key in ("source", "target") and not LANG_CODE.fullmatch(value):
             raise ApiError(400, f'"{key}" must be a language code like "de", not {value[:20]!r}')
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ApiError(400, f"{key} holds a lone surrogate (\\ud800-\\udfff), not text") from None
+        if why := not_text(value):
+            raise ApiError(400, f"{key} holds {why}")
         values.append(state.routes.spelled(value) if key in ("source", "target") else value)
     q, s, source, target = values
     return q, s, source, target
