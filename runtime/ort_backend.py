@@ -380,6 +380,10 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
         on_cpu = default_device(options.device) == "cpu"
         batches = default_parallel_batches(threads) if options.many_batches and on_cpu else 1
     if batches > 1:
+        if threads is None and batches > usable_cores():  # --threads given: refused when fewer (LoadOptions)
+            log.warning("--parallel-batches %d on %d usable core(s): the batches take turns on the cores, each "
+                        "holding its memory; pass --parallel-batches %d or fewer", batches, usable_cores(),
+                        usable_cores())
         threads = max(1, (threads or usable_cores()) // batches)
         log.info("%d batches at once, each on %d thread(s)%s", batches, threads,
                  "" if options.parallel_batches else " (--parallel-batches 1: one at a time on every thread)")

@@ -158,3 +158,22 @@ def test_loaded_carries_the_options_it_runs_with(fp32_dir):
         b = loaded.backend
         assert (b.max_batch, b.parallel_batches, b.compile_seconds) == (None, 1, 0.0)
         assert b.step_mode == loaded.options.step
+
+
+def test_more_batches_at_once_than_cores_is_said(fp32_dir, caplog):
+    """--parallel-batches 8 without --threads on 2 cores ran 8 single-thread batches in silence (with --threads
+    fewer than the batches it is refused): it is said, with the most that fits."""
+    import logging
+
+    from runtime.machine import usable_cores
+    from runtime.model_dir import load
+
+    cores = usable_cores()
+    with caplog.at_level(logging.WARNING, logger="runtime.ort_backend"):
+        load(fp32_dir, LoadOptions(backend="onnxruntime", parallel_batches=cores + 1))
+    assert f"--parallel-batches {cores + 1} on {cores} usable core(s)" in caplog.text
+    assert f"pass --parallel-batches {cores} or fewer" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="runtime.ort_backend"):
+        load(fp32_dir, LoadOptions(backend="onnxruntime", parallel_batches=min(2, cores)))
+    assert "usable core" not in caplog.text
