@@ -199,6 +199,19 @@ def test_train_refuses_more_threads_than_the_machine_takes(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_sentencepieces_log_counts_the_lines_it_trained_on(caplog):
+    """The log said SentencePiece trained on every line, the ones over its 4192 bytes (which it leaves out) too:
+    they are counted apart (a line of 1,100 three-byte characters is one; 4,000 one-byte ones are not)."""
+    import logging
+
+    from pipeline.corpus.spm import SPM_MAX_LINE_BYTES, train_sentencepiece
+
+    lines = ["ein kleiner hund", "die katze", "ä" * 2100, "x" * SPM_MAX_LINE_BYTES, "€" * 1400, "der hund"]
+    with caplog.at_level(logging.INFO, logger="pipeline.corpus.spm"):
+        train_sentencepiece(lines, vocab_size=40)
+    assert "on 4 lines:" in caplog.text and f"; 2 line(s) over {SPM_MAX_LINE_BYTES} bytes left out" in caplog.text
+
+
 def test_a_corpus_sentencepiece_cannot_use_and_a_looping_link_are_one_line(tmp_path, capsys):
     """SentencePiece leaves lines over 4192 bytes out of training: a corpus of only such lines was its INTERNAL
     error; a --train-src that is a symlink loop was a RuntimeError from Path.resolve."""

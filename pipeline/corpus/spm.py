@@ -29,15 +29,15 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
         raise UserError(f"--vocab-size {vocab_size} is too small (at least 8)")
     with tempfile.TemporaryDirectory(prefix="spm-") as tmp:
         text = Path(tmp) / "text.txt"
-        n, usable = 0, False  # usable: a line SentencePiece trains on (once one is found, no more encoding)
-        with open(text, "w", encoding="utf-8") as f:
+        n, long = 0, 0  # long: lines SentencePiece leaves out (a line of fewer characters than 1/4 of the limit
+        with open(text, "w", encoding="utf-8") as f:  # is never one: only longer ones are encoded to count)
             for line in lines:
                 line = line.strip()
                 if line:
                     f.write(line + "\n")
                     n += 1
-                    usable = usable or len(line.encode("utf-8")) <= SPM_MAX_LINE_BYTES
-        if not usable:
+                    long += len(line) > SPM_MAX_LINE_BYTES // 4 and len(line.encode("utf-8")) > SPM_MAX_LINE_BYTES
+        if long == n:
             raise UserError("cannot train SentencePiece: the training text has no non-empty line of at most "
                             f"{SPM_MAX_LINE_BYTES} bytes (SentencePiece skips longer ones)")
         prefix = Path(tmp) / "spm"
@@ -61,5 +61,9 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
     pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()
     fewer = f", fewer than --vocab-size {vocab_size}: the corpus has too little text for more" \
         if pieces < vocab_size else ""
-    log.info("trained SentencePiece (%s) on %d lines: %d pieces%s", model_type, n, pieces, fewer)
+    used = n - long
+    sampled = f" (a sample of {max_sentences} of them)" if used > max_sentences else ""
+    skipped = f"; {long} line(s) over {SPM_MAX_LINE_BYTES} bytes left out, as SentencePiece does" if long else ""
+    log.info("trained SentencePiece (%s) on %d lines%s: %d pieces%s%s", model_type, used, sampled, pieces, fewer,
+             skipped)
     return data
