@@ -43,6 +43,7 @@ from runtime.search import (
     hf_rules,
     max_output_lengths,
 )
+from runtime.tokenizer import GLUES, SPACE, WORD
 
 Phrases = list[list[int]]  # one sentence's constraints: target token sequences, each non-empty
 
@@ -139,9 +140,14 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
         want_lp = np.where(shut, np.float32(NEG_INF), want_lp)
         pool_ids = np.concatenate([ids, flat_want], axis=1)  # (N, P): the row's candidates, then its phrase tokens
         pool_lp = np.concatenate([lp, want_lp], axis=1)
-        if joins is not None and ended.any():  # a term is a whole word: nothing glued onto its end
-            glued = ended.reshape(-1, 1) & joins[np.clip(pool_ids, 0, joins.size - 1)]
-            pool_lp = np.where(glued, np.float32(NEG_INF), pool_lp)
+        if joins is not None:
+            kinds = joins[np.clip(pool_ids, 0, joins.size - 1)]
+            if ended.any():  # a term is a whole word: nothing glued onto its end
+                pool_lp = np.where(ended.reshape(-1, 1) & (kinds == GLUES), np.float32(NEG_INF), pool_lp)
+            spaced = joins[np.clip(host(tokens).reshape(-1), 0, joins.size - 1)] == SPACE
+            if spaced.any():  # no term's word start right after a bare space: "feze  guret"
+                term = (pool_ids[:, :, None] == flat_want[:, None, :]).any(axis=2)
+                pool_lp = np.where(spaced[:, None] & term & (kinds == WORD), np.float32(NEG_INF), pool_lp)
         p = pool_ids.shape[1]
         cum = (scores.reshape(-1, 1) + pool_lp).reshape(b, beam * p)
         cand_tok = pool_ids.reshape(b, beam * p)

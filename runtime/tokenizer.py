@@ -190,16 +190,26 @@ class VocabTokenizer:
 AnyTokenizer = Tokenizer | VocabTokenizer
 
 
+GLUES, SPACE, WORD = 1, 2, 3  # word_continuations' kinds of piece; 0: any other (punctuation, specials)
+
+
 def word_continuations(tokenizer: AnyTokenizer) -> Any:
-    """(vocab,) bool numpy array: the pieces that glue onto the word before them (no leading "▁", a letter or
-    digit first), computed once per tokenizer. Constrained search lets none follow a glossary term, so the
-    term ends its word."""
+    """(vocab,) int8 numpy array, computed once per tokenizer, each piece's kind for constrained search: GLUES
+    onto the word before it (no leading "▁", a letter or digit first): none may follow a glossary term, so the
+    term ends its word; SPACE, the bare "▁" piece, and WORD, a word start ("▁" and more): no term may start with
+    a word start right after a bare space (the text would hold two spaces)."""
     cached = getattr(tokenizer, "_continuations", None)
     if cached is None:
         import numpy as np
 
-        pieces = (tokenizer.piece(i) for i in range(tokenizer.vocab_size))
-        cached = np.fromiter((bool(p) and not p.startswith("\u2581") and p[0].isalnum() for p in pieces), dtype=bool,
+        def kind(p: str) -> int:
+            if p == "\u2581":
+                return SPACE
+            if p.startswith("\u2581"):
+                return WORD
+            return GLUES if p and p[0].isalnum() else 0
+
+        cached = np.fromiter((kind(tokenizer.piece(i)) for i in range(tokenizer.vocab_size)), dtype=np.int8,
                              count=tokenizer.vocab_size)
         tokenizer._continuations = cached  # type: ignore[union-attr]
     return cached

@@ -155,3 +155,31 @@ def test_a_completed_phrase_ends_its_word():
     assert holding and whole[:len(holding)] == holding
     for hyp in holding:
         assert not _contains(hyp.tokens, [6, 7]), hyp.tokens
+
+
+def test_no_term_starts_right_after_a_bare_space():
+    """A model that writes a bare "▁" (piece 7 here) where a number it cannot spell starts, then had the term
+    "▁guret" (6) forced, wrote "feze  guret" with two spaces (the demo model on "u posa 2024 kinisa" with
+    2024 -> guret). With the pieces' kinds (runtime/tokenizer.py word_continuations), a term's word start never
+    follows a bare space; without them it does."""
+    from test_search import VOCAB, A, ScriptedBackend, src
+
+    from runtime.tokenizer import SPACE, WORD
+
+    after_space = {6: 0.6, A: 0.2, EOS_ID: 0.2}
+    elsewhere = {7: 0.6, A: 0.2, 6: 0.05, EOS_ID: 0.15}
+
+    def lookup(prefix: tuple[int, ...]) -> dict[int, float]:
+        return after_space if prefix and prefix[-1] == 7 else elsewhere
+
+    kinds = np.zeros(VOCAB, dtype=np.int8)
+    kinds[7], kinds[6], kinds[A] = SPACE, WORD, WORD
+    options = dict(beam_size=4, nbest=4, max_len_a=0.0, max_len_b=5)
+    spaced = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], **options)[0]
+    assert _contains(spaced[0].tokens, [7, 6])  # what the model wants: "▁" then "▁guret"
+    kept = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], joins=kinds, **options)[0]
+    holding = [hyp for hyp in kept if 6 in hyp.tokens]
+    assert holding and kept[:len(holding)] == holding
+    for hyp in holding:  # the term (its first 6; once met, a 6 is the model's own word) after no bare space
+        first = hyp.tokens.index(6)
+        assert first == 0 or hyp.tokens[first - 1] != 7, hyp.tokens
