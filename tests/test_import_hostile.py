@@ -368,16 +368,25 @@ def test_symlinked_directory_itself_imports(hf_dir, tmp_path, capsys):
 
 
 def test_generate_settings_the_import_cannot_keep_are_named(hf_dir, tmp_path, capsys, caplog):
-    """Each changes what transformers' generate writes; they were dropped without a word (only three were named)."""
+    """Each changes what transformers' generate writes; they were dropped without a word (only three were named,
+    then seven: renormalize_logits, which OPUS-MT directories ship, min_new_tokens, beam groups and the rest were
+    not)."""
     hf = copy_of(hf_dir, tmp_path, edit_json("generation_config.json", suppress_tokens=[5], max_new_tokens=5,
-                                             forced_bos_token_id=5, no_repeat_ngram_size=3, pad_token_id=7))
+                                             forced_bos_token_id=5, no_repeat_ngram_size=3, pad_token_id=7,
+                                             renormalize_logits=True, min_new_tokens=4, num_beam_groups=2,
+                                             diversity_penalty=0.5, encoder_no_repeat_ngram_size=2,
+                                             exponential_decay_length_penalty=[5, 1.5], num_return_sequences=2,
+                                             top_k=10))
     with caplog.at_level(logging.WARNING):
         code, err = import_cli(capsys, hf, tmp_path / "out.pt")
     assert code == 0, err
     [said] = [r.getMessage() for r in caplog.records if "not imported" in r.getMessage()]
     for setting in ("no_repeat_ngram_size=3", "suppress_tokens=[5]", "max_new_tokens=5", "forced_bos_token_id=5",
-                    "pad_token_id=7"):
+                    "pad_token_id=7", "renormalize_logits=True", "min_new_tokens=4", "num_beam_groups=2",
+                    "diversity_penalty=0.5", "encoder_no_repeat_ngram_size=2",
+                    "exponential_decay_length_penalty=[5, 1.5]"):
         assert setting in said, said
+    assert "num_return_sequences" not in said and "top_k" not in said  # the best hypothesis, sampling: unchanged
 
 
 def test_a_file_the_import_does_not_need_and_cannot_open_is_skipped_and_counted(hf_dir, tmp_path, capsys, caplog,

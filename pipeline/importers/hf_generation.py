@@ -18,6 +18,18 @@ GENERATION_NAMES = {"beam_size": "num_beams", "alpha": "length_penalty", "max_le
                     "min_len": "min_length"}  # our DecodingOptions fields as generation_config.json names them
 
 
+# generate's settings that change its output, with transformers' defaults (GenerationConfig): none is imported,
+# so a value other than the default is named in a warning (sampling's own, top_k and the like, act only with
+# do_sample, named itself)
+CHANGES_OUTPUT = (("no_repeat_ngram_size", 0), ("encoder_no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
+                  ("encoder_repetition_penalty", 1.0), ("do_sample", False), ("suppress_tokens", []),
+                  ("begin_suppress_tokens", []), ("max_new_tokens", None), ("min_new_tokens", None),
+                  ("forced_bos_token_id", None), ("forced_decoder_ids", None), ("renormalize_logits", False),
+                  ("num_beam_groups", 1), ("diversity_penalty", 0.0), ("exponential_decay_length_penalty", None),
+                  ("force_words_ids", None), ("sequence_bias", None), ("penalty_alpha", None),
+                  ("guidance_scale", None), ("max_time", None), ("stop_strings", None), ("constraints", None))
+
+
 def _suppressed(gen: dict[str, Any], where: Path, cfg: ModelConfig) -> tuple[int, ...]:
     """The ids of bad_words_ids: single-token entries only, never the eos id."""
     entries = gen.get("bad_words_ids") or []
@@ -52,10 +64,7 @@ def generation(files: HFFiles, config: dict[str, Any], cfg: ModelConfig) -> tupl
     if early not in (None, False, True):
         raise ImportRefused(f"{where}: early_stopping {show(early)}: only true and false (transformers' "
                             "default) are implemented (runtime/search.py)")
-    ignored = {k: gen[k] for k, default in (("no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
-                                             ("do_sample", False), ("suppress_tokens", []),
-                                             ("begin_suppress_tokens", []), ("max_new_tokens", None),
-                                             ("forced_bos_token_id", None)) if gen.get(k) not in (None, default)}
+    ignored = {k: gen[k] for k, default in CHANGES_OUTPUT if gen.get(k) not in (None, default)}
     if present:  # generate takes these from generation_config.json; the import took config.json's
         ignored.update({k: gen[k] for k in ("decoder_start_token_id", "eos_token_id", "pad_token_id")
                         if gen.get(k) is not None and config.get(k) is not None
