@@ -155,6 +155,26 @@ def test_import_export_serve_and_parity_against_transformers(trained, tmp_path):
     assert served_over_http(fp32, texts, tmp_path / "serve.log") == theirs_text
 
 
+def test_parity_against_transformers_with_min_len_and_a_line_past_the_positions(trained, tmp_path):
+    """`parity --reference transformers` refused a model dir whose generation_config.json ships min_length
+    (--min-len 0, its way round, then failed the gate: transformers kept min_length), and a source line longer
+    than the model's positions was an IndexError with a traceback (serve-batch cuts it). Both now compare token
+    for token: min_length is min_len + 1, the long line cut as serve-batch cuts it."""
+    hf_dir, checkpoint = trained
+    texts, _ = generate(12, seed=9)
+    texts.append(" ".join(texts * 40))  # ~1,500 pieces: past the positions
+    src, ref = tmp_path / "src.txt", tmp_path / "ref.txt"
+    src.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    fp32 = tmp_path / "fp32"
+    result = CliRunner().invoke(cli, ["export", str(checkpoint), "--out", str(fp32), "--no-tensorrt"])
+    assert result.exit_code == 0, result.output
+    opts = ServeBatchOptions(decoding=PAPER.replace(min_len=6, explicit=frozenset({"min_len"})))
+    report = run_parity(fp32, src, ref, ["torch"], opts=opts, reference_engine="transformers",
+                        gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
+    assert report.passed and report.results[0].identical == 1.0, [r.failures for r in report.results]
+
+
 def served_over_http(model_dir: Path, texts: list[str], log_path: Path) -> list[str]:
     """`pipeline serve MODEL_DIR` (the model's own decoding defaults) answering one request."""
     import re

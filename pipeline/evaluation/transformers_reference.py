@@ -7,7 +7,8 @@ The lines are read as serve-batch reads them (blank lines stay blank and are not
 tokenizer, the model and the search are transformers' own, with the generation config the directory
 ships and our decoding options in its place where they correspond: beam size (num_beams), alpha
 (length_penalty) and the length limit (max_length = max_len_b + 2: transformers counts the decoder
-start token and the EOS), early_stopping (rules transformers-early). Only transformers' search rules
+start token and the EOS), the least length (min_length = min_len + 1, counted alike), early_stopping (rules
+transformers-early). Only transformers' search rules
 compare token for token, so other rules are refused.
 """
 
@@ -40,9 +41,9 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
     if not decoding.rules.startswith("transformers"):
         raise UserError(f"--reference transformers compares token for token only under transformers' search "
                         f"rules; this run decodes with --rules {decoding.rules}")
-    if decoding.max_len_a != 0 or decoding.min_len:
-        raise UserError("--reference transformers takes a fixed length limit (--max-len-a 0) and --min-len 0, "
-                        "as transformers' max_length / min_length are")
+    if decoding.max_len_a != 0:
+        raise UserError("--reference transformers takes a fixed length limit (--max-len-a 0), as transformers' "
+                        "max_length is")
     try:
         gen = GenerationConfig.from_pretrained(str(hf_dir), local_files_only=True)
     except OSError:
@@ -51,6 +52,8 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
     gen.length_penalty = decoding.alpha
     gen.max_length = decoding.max_len_b + 2
     gen.max_new_tokens = None
+    gen.min_length = decoding.min_len + 1 if decoding.min_len else 0  # it counts the decoder start token too
+    gen.min_new_tokens = None
     gen.early_stopping = decoding.rules == "transformers-early"
     gen.do_sample = False
     gen.num_return_sequences = 1
@@ -88,9 +91,11 @@ def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any
 
 
 def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lang: str | None = None,
-              tgt_lang: str | None = None) -> tuple[list[str], list[list[int]], float]:
+              tgt_lang: str | None = None, max_src_len: int | None = None) -> tuple[list[str], list[list[int]], float]:
     """(output lines, token ids without start and EOS, seconds) of transformers on `lines`; a multilingual
-    model's ids start with the forced target-language token, its text does not."""
+    model's ids start with the forced target-language token, its text does not. A source over `max_src_len`
+    tokens (its language token and EOS counted) is cut to it as serve-batch cuts it: the first pieces, then
+    the EOS (past the model's positions it was an IndexError from the embedding)."""
     try:
         import torch
         import transformers  # noqa: F401
@@ -107,7 +112,8 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lan
     started = time.perf_counter()
     for start in range(0, len(live), BATCH):
         chunk = live[start: start + BATCH]
-        batch = tokenizer([lines[i] for i in chunk], return_tensors="pt", padding=True)
+        batch = tokenizer([lines[i] for i in chunk], return_tensors="pt", padding=True,
+                          truncation=max_src_len is not None, max_length=max_src_len)
         with torch.inference_mode():
             out = model.generate(**batch, generation_config=gen, **forced)
         for i, row in zip(chunk, out.tolist()):
