@@ -21,13 +21,14 @@ GENERATION_NAMES = {"beam_size": "num_beams", "alpha": "length_penalty", "max_le
 # generate's settings that change its output, with transformers' defaults (GenerationConfig): none is imported,
 # so a value other than the default is named in a warning (sampling's own, top_k and the like, act only with
 # do_sample, named itself)
-CHANGES_OUTPUT: tuple[tuple[str, Any], ...] = (("no_repeat_ngram_size", 0), ("encoder_no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
-                  ("encoder_repetition_penalty", 1.0), ("do_sample", False), ("suppress_tokens", []),
-                  ("begin_suppress_tokens", []), ("max_new_tokens", None), ("min_new_tokens", None),
-                  ("forced_bos_token_id", None), ("forced_decoder_ids", None), ("renormalize_logits", False),
-                  ("num_beam_groups", 1), ("diversity_penalty", 0.0), ("exponential_decay_length_penalty", None),
-                  ("force_words_ids", None), ("sequence_bias", None), ("penalty_alpha", None),
-                  ("guidance_scale", None), ("max_time", None), ("stop_strings", None), ("constraints", None))
+CHANGES_OUTPUT: tuple[tuple[str, Any], ...] = (
+    ("no_repeat_ngram_size", 0), ("encoder_no_repeat_ngram_size", 0), ("repetition_penalty", 1.0),
+    ("encoder_repetition_penalty", 1.0), ("do_sample", False), ("suppress_tokens", []), ("begin_suppress_tokens", []),
+    ("max_new_tokens", None), ("min_new_tokens", None), ("forced_bos_token_id", None), ("forced_decoder_ids", None),
+    ("renormalize_logits", False), ("num_beam_groups", 1), ("diversity_penalty", 0.0),
+    ("exponential_decay_length_penalty", None), ("force_words_ids", None), ("sequence_bias", None),
+    ("penalty_alpha", None), ("guidance_scale", None), ("max_time", None), ("stop_strings", None),
+    ("constraints", None))
 
 
 def _suppressed(gen: dict[str, Any], where: Path, cfg: ModelConfig) -> tuple[int, ...]:
