@@ -418,3 +418,63 @@ def test_a_device_as_out_is_written_through(hf_dir, capsys):
     code, err = import_cli(capsys, hf_dir, Path("/dev/null"))
     assert code == 0, err
     assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def sharded(bin_format: bool = False, index_edit: Callable[[dict[str, Any]], None] | None = None) -> Edit:
+    """The weights split in two shards with their index, as save_pretrained writes a large model's (NLLB-200
+    3.3B's): `bin_format` as pytorch_model-0000N-of-00002.bin; `index_edit` changes the index."""
+    def edit(hf: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        state = load_file(str(hf / "model.safetensors"))
+        (hf / "model.safetensors").unlink()
+        names = sorted(state)
+        index: dict[str, Any] = {"metadata": {}, "weight_map": {}}
+        for k, part in enumerate((names[:len(names) // 2], names[len(names) // 2:])):
+            shard = f"{'pytorch_model' if bin_format else 'model'}-0000{k + 1}-of-00002." + (
+                "bin" if bin_format else "safetensors")
+            tensors = {name: state[name] for name in part}
+            torch.save(tensors, hf / shard) if bin_format else save_file(tensors, str(hf / shard),
+                                                                         metadata={"format": "pt"})
+            index["weight_map"].update({name: shard for name in part})
+        if index_edit is not None:
+            index_edit(index)
+        name = "pytorch_model.bin.index.json" if bin_format else "model.safetensors.index.json"
+        (hf / name).write_text(json.dumps(index))
+    return edit
+
+
+@pytest.mark.parametrize("bin_format", [False, True])
+def test_sharded_weights_import_as_the_single_file_does(hf_dir, tmp_path, capsys, bin_format):
+    """A sharded checkpoint (model.safetensors.index.json and its shards) was refused as "model.safetensors:
+    missing" with the weights beside it; it imports to the same weights as the single file."""
+    import torch
+
+    from model.checkpoint import load_model
+
+    code, err = import_cli(capsys, hf_dir, tmp_path / "one.pt")
+    assert code == 0, err
+    code, err = import_cli(capsys, copy_of(hf_dir, tmp_path, sharded(bin_format)), tmp_path / "sharded.pt")
+    assert code == 0, err
+    one, sharded_model = (load_model(tmp_path / name)[0].state_dict() for name in ("one.pt", "sharded.pt"))
+    assert one.keys() == sharded_model.keys()
+    assert all(torch.equal(one[k], sharded_model[k]) for k in one)
+
+
+@pytest.mark.parametrize("index_edit, needles", [
+    (lambda index: index["weight_map"].update({k: "model-00003-of-00002.safetensors"
+                                               for k in list(index["weight_map"])[:1]}),
+     ["model-00003-of-00002.safetensors: missing; model.safetensors.index.json names it"]),
+    (lambda index: index["weight_map"].update({"extra.weight": "model-00001-of-00002.safetensors"}),
+     ["model-00001-of-00002.safetensors: lacks 'extra.weight'"]),
+    (lambda index: index["weight_map"].pop(sorted(index["weight_map"])[0]),
+     ["which model.safetensors.index.json places in no shard"]),
+    (lambda index: index.update(weight_map=[]), ["no weight_map of tensor names to shard files"]),
+    (lambda index: index["weight_map"].update({k: "../model-00001-of-00002.safetensors"
+                                               for k in list(index["weight_map"])[:1]}),
+     ["is not a .safetensors file of the directory"]),
+])
+def test_a_damaged_shard_index_is_one_line(hf_dir, tmp_path, capsys, index_edit, needles):
+    code, err = import_cli(capsys, copy_of(hf_dir, tmp_path, sharded(index_edit=index_edit)), tmp_path / "o.pt")
+    one_error_line(code, err, *needles)

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded weights: their weight_map
 
 
 class HfDir(HFFiles):
@@ -35,7 +36,9 @@ class HfDir(HFFiles):
 
     def __init__(self, hf_dir: Path):
         super().__init__(hf_dir)
-        self._weights: Path | None = None
+        self._weights: Path | None = None  # the weights file, or a sharded model's index naming its shards
+        self._shards: list[Path] = []
+        self._weight_map: dict[str, str] = {}
         self._header: dict[str, TensorInfo] | None = None
 
     @classmethod
@@ -51,7 +54,7 @@ class HfDir(HFFiles):
 
     def inside(self, names: tuple[str, ...]) -> None:
         """Every file of `names` and the weights that the directory holds resolve inside it (nothing is opened)."""
-        for name in (*names, *WEIGHTS):
+        for name in (*names, *WEIGHTS, *INDEXES):
             self.path(name)
 
     def require(self, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> Path:
@@ -65,8 +68,32 @@ class HfDir(HFFiles):
         for name in WEIGHTS:
             if self.has(name):
                 self._weights = self.dir / name
+                self._shards = [self._weights]
                 return self._weights
-        raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]})")
+        for index, weights in zip(INDEXES, WEIGHTS):
+            if self.has(index):
+                self._weights, self._shards = self.dir / index, self._shard_files(index, weights)
+                return self._weights
+        raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]}, nor a sharded model's "
+                            f"{' or '.join(INDEXES)})")
+
+    def _shard_files(self, index: str, weights: str) -> list[Path]:
+        """The shard files a sharded model's index names (its weight_map's values), each a file of the directory
+        like `weights` (model-00001-of-00002.safetensors), resolving inside it."""
+        where = self.dir / index
+        weight_map = self.json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ImportRefused(f"{where}: no weight_map of tensor names to shard files")
+        suffix = Path(weights).suffix
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).name != name or not name.endswith(suffix):
+                raise ImportRefused(f"{where}: shard {name[:80]!r} is not a {suffix} file of the directory")
+            if not self.has(name):
+                raise ImportRefused(f"{self.dir / name}: missing; {index} names it as a shard of the weights")
+        self._weight_map = weight_map
+        return [self.dir / name for name in names]
 
     def config(self) -> dict[str, Any]:
         """config.json (read once, like every JSON file); one line when it is missing."""
@@ -84,12 +111,30 @@ class HfDir(HFFiles):
     def header(self) -> dict[str, TensorInfo]:
         """Each tensor's shape and dtype, from the weights file's header, without reading any weight."""
         if self._header is None:
-            self._header = weight_infos(self.weights)
+            self._header = self._merged({shard: weight_infos(shard) for shard in self._shards})
         return self._header
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The weights (once the header has been checked against config.json)."""
-        return read_weights(self.weights)
+        """The weights (once the header has been checked against config.json), of every shard."""
+        return self._merged({shard: read_weights(shard) for shard in self._shards})
+
+    def _merged(self, per_shard: dict[Path, dict[str, Any]]) -> dict[str, Any]:
+        """The shards' tensors as one model's: each tensor in the shard the index names, and in no other."""
+        if len(per_shard) == 1 and self._weights in per_shard:
+            return per_shard[self._weights]
+        merged: dict[str, Any] = {}
+        for shard, tensors in per_shard.items():
+            for name, value in tensors.items():
+                if self._weight_map.get(name) != shard.name:
+                    placed = repr(self._weight_map[name]) if name in self._weight_map else "no shard"
+                    raise ImportRefused(f"{shard}: holds {name[:80]!r}, which {self.weights.name} places in "
+                                        f"{placed}")
+                merged[name] = value
+        missing = sorted(set(self._weight_map) - set(merged))
+        if missing:
+            raise ImportRefused(f"{self.dir / self._weight_map[missing[0]]}: lacks {missing[0][:80]!r}, which "
+                                f"{self.weights.name} places there ({len(missing)} tensor(s) missing)")
+        return merged
 
     def provenance(self, family: str) -> dict[str, Any]:
         """Every file of the directory with its SHA-256 (of the bytes read, for a file the import read whole:
