@@ -220,6 +220,10 @@ def test_one_pair_models_take_no_languages(tmp_path):
     (lambda d: (d / "config.json").write_text(json.dumps(
         {**json.loads((d / "config.json").read_text()), "decoder_vocab_size": 99})),
      "decoder_vocab_size 99 differs from vocab_size"),
+    # a string count turned the check of vocab.json against vocab_size off: the language tokens would all move
+    (lambda d: (d / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((d / "tokenizer_config.json").read_text()), "num_madeup_words": "8"})),
+     "num_madeup_words"),
 ])
 def test_bad_directory_is_one_line_naming_the_file(hf_dir, tmp_path, damage, message):
     broken = tmp_path / "broken"

@@ -36,7 +36,15 @@ from model.config import ConfigError, ModelConfig
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, check_tied, shape
 from pipeline.importers.convert import import_checkpoint
 from pipeline.importers.family import Family, Tokenized
-from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
+from pipeline.importers.hf_files import (
+    HFFiles,
+    ImportRefused,
+    check_sentencepiece,
+    flag,
+    optional_integer,
+    show,
+    token_id,
+)
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
 CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
@@ -134,8 +142,8 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
     if len(full) > cfg.vocab_size:
         raise ImportRefused(f"{hf_dir}: the tokenizer has {len(full)} ids (with its language tokens), more than "
                             f"{CONFIG}'s vocab_size {cfg.vocab_size}")
-    madeup_words = tok_config.get("num_madeup_words", 8)
-    if not nllb and isinstance(madeup_words, int) and len(full) + madeup_words != cfg.vocab_size:
+    madeup_words = optional_integer(tok_config, "num_madeup_words", files.path(TOKENIZER_CONFIG), 8, minimum=0)
+    if not nllb and len(full) + madeup_words != cfg.vocab_size:
         # the language tokens are numbered after vocab.json's ids: one id more or less there moves every one
         raise ImportRefused(f"{files.path(VOCAB)}: {len(full) - len(languages)} ids and {len(languages)} language "
                             f"tokens, with M2M100Tokenizer's {madeup_words} madeup ids {len(full) + madeup_words}, "
