@@ -191,9 +191,12 @@ def within(path: str | Path, directory: str | Path) -> bool:
                for spell in (os.path.abspath, os.path.realpath))
 
 
-def check_output_file(path: str | Path, option: str) -> None:
+def check_output_file(path: str | Path, option: str, what: str | None = None) -> None:
     """Fail fast, before a model is loaded: an output that is a directory, or whose
-    directory cannot be written, is one line now rather than a traceback at the end."""
+    directory cannot be written, is one line now rather than a traceback at the end. `what`: the output is
+    this (a checkpoint), a file of its own: '-' is refused, not taken for standard output."""
+    if str(path) == "-" and what is not None:  # it was written to a file named '-' in the current directory
+        raise UserError(f"{option} -: {what} is a file, not standard output; give a file path")
     if str(path) == "-" and sys.stdout is None:  # `>&-`: Python sets it to None
         raise UserError(f"{option} - writes standard output, which is closed; give a file path")
     if str(path) == "-" or is_special_file(path):  # stdout; /dev/null or a FIFO, written through

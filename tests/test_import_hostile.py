@@ -478,3 +478,17 @@ def test_sharded_weights_import_as_the_single_file_does(hf_dir, tmp_path, capsys
 def test_a_damaged_shard_index_is_one_line(hf_dir, tmp_path, capsys, index_edit, needles):
     code, err = import_cli(capsys, copy_of(hf_dir, tmp_path, sharded(index_edit=index_edit)), tmp_path / "o.pt")
     one_error_line(code, err, *needles)
+
+
+def test_a_checkpoint_is_never_written_to_a_file_named_dash(hf_dir, tmp_path, capsys, monkeypatch):
+    """`--out -` took '-' for standard output, skipped its checks and wrote a checkpoint named '-' in the
+    current directory (import, average, random-checkpoint alike): refused in one line."""
+    monkeypatch.chdir(tmp_path)
+    code, err = import_cli(capsys, hf_dir, Path("-"))
+    one_error_line(code, err, "--out -: a checkpoint is a file, not standard output")
+    code = run_cli("random-checkpoint", "-", "--preset", "tiny", "--vocab-size", "64")
+    one_error_line(code, capsys.readouterr().err, "OUT -: a checkpoint is a file")
+    (tmp_path / "run").mkdir()
+    code = run_cli("average", tmp_path / "run", "--out", "-")
+    one_error_line(code, capsys.readouterr().err, "--out -: a checkpoint is a file")
+    assert not (tmp_path / "-").exists()

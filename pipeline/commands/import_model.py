@@ -47,7 +47,7 @@ def _run(hf_dir: str, out: Path, force: bool, command: str | None) -> None:
     from pipeline.importers.hub_cache import resolve_model_dir
     from pipeline.importers.registry import COMMANDS, family
 
-    check_output_file(out, "--out")
+    check_output_file(out, "--out", "a checkpoint")
     summary = import_checkpoint(resolve_model_dir(hf_dir), out, force=force,
                                 family=None if command is None else family(COMMANDS[command]))
     langs = summary.get("languages")

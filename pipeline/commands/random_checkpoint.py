@@ -26,7 +26,7 @@ def random_checkpoint(out: Path, **values: Any) -> None:
     opts: RandomCheckpointOptions = pick(RandomCheckpointOptions, values).validate()
     if out.exists() and not opts.force:
         raise click.UsageError(f"{out} exists; pass --force to replace it")
-    check_output_file(out, "OUT")
+    check_output_file(out, "OUT", "a checkpoint")
     vocab = make_random_checkpoint(out, opts.preset, opts.vocab_size, opts.seed, opts.decoder_layers)
     shape = f", {opts.decoder_layers} decoder layer(s)" if opts.decoder_layers else ""
     click.echo(f"{out}: random {opts.preset} model{shape}, vocab {vocab}")

@@ -349,7 +349,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
                         f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
     refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
-    check_output_file(out, "--out")
+    check_output_file(out, "--out", "a checkpoint")
     remove_stale_temps(save_dir)
     remove_stale_temps(out.parent)
     paths = scheduled_checkpoints(save_dir)[-last:]  # a stop signal's checkpoint is a resume point, not one of them
