@@ -492,3 +492,16 @@ def test_a_checkpoint_is_never_written_to_a_file_named_dash(hf_dir, tmp_path, ca
     code = run_cli("average", tmp_path / "run", "--out", "-")
     one_error_line(code, capsys.readouterr().err, "--out -: a checkpoint is a file")
     assert not (tmp_path / "-").exists()
+
+
+def test_a_directory_named_like_a_family_and_a_misspelt_family(hf_dir, tmp_path, capsys, monkeypatch):
+    """`pipeline import marian --out m.pt` with the model in ./marian said "Missing argument 'HF_DIR|HUB_ID'"
+    (marian was taken for the command); `pipeline import marain DIR` said "unexpected extra argument (DIR)"."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(hf_dir, tmp_path / "marian")
+    assert run_cli("import", "marian", "--out", "a.pt") == 0, capsys.readouterr().err
+    assert run_cli("import", "marian", "marian", "--out", "b.pt") == 0, capsys.readouterr().err
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+    assert run_cli("import", "marain", "marian", "--out", "c.pt") == 2
+    assert "no family 'marain': did you mean 'marian'?" in capsys.readouterr().err
+    assert not (tmp_path / "c.pt").exists()

@@ -6,6 +6,7 @@ entry (docs/import.md), and needs nothing here."""
 
 from __future__ import annotations
 
+import difflib
 import json
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,23 @@ def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str
             f"vocabulary {cfg['vocab_size']}, {extra}; decoding defaults {json.dumps(summary['decoding'])}")
 
 
+VALUED = ("--out",)  # the options that take a value: it is no positional argument
+
+
 class _ImportGroup(click.Group):
-    """`pipeline import DIR` runs `auto`: a first argument that is not a command's name is the directory."""
+    """`pipeline import DIR` runs `auto`: a first argument that is not a command's name is the directory, and so
+    is a directory named like one (./marian) that no other argument follows. A first argument like a command's
+    name (marain) before another argument is the misspelt name, said so."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+        positional = [a for a, before in zip(args[1:], args) if not a.startswith("-") and before not in VALUED]
+        if args and args[0] in self.commands and args[0] != "auto" and Path(args[0]).is_dir() and not positional:
+            args = ["auto", *args]  # `pipeline import marian --out m.pt` with ./marian: the directory
+        elif args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
+            close = difflib.get_close_matches(args[0], [c for c in self.commands if c != "auto"], n=1)
+            if close and positional and not Path(args[0]).exists() and not args[0].startswith("-"):
+                raise click.UsageError(f"no family {args[0]!r}: did you mean {close[0]!r}? (or leave it out: "
+                                       "config.json's model_type names it)", ctx)
             args = ["auto", *args]
         return super().parse_args(ctx, args)
 
