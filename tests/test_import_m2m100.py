@@ -286,3 +286,22 @@ def test_nllb_legacy_source_form_is_refused(nllb_dir, tmp_path):
     (broken / "tokenizer_config.json").write_text(json.dumps({**config, "legacy_behaviour": True}))
     with pytest.raises(ImportRefused, match="legacy_behaviour is true"):
         import_m2m100(broken, tmp_path / "out.pt")
+
+
+def test_transformers_reference_texts_hold_no_language_token_and_its_dir_is_checked(hf_dir, checkpoint, pairs):
+    """parity --reference transformers stripped only the forced first language token from transformers' text:
+    one generated later stayed ("__de__ muro ja ..."), lowering its BLEU where ours writes none; and an --hf-dir
+    of another family (a one-pair model's for this multilingual one) was "needs --src-lang and --tgt-lang"."""
+    from model.checkpoint import load_model
+    from model.errors import UserError
+    from pipeline.evaluation.transformers_reference import translate
+
+    model = load_model(checkpoint)[0]
+    languages = frozenset(dict(model.cfg.languages).values())
+    decoding = PAPER.replace(rules="transformers-early", beam_size=4, alpha=1.0, max_len_a=0.0,
+                             max_len_b=MAX_LENGTH - 2)
+    texts, tokens, _ = translate(hf_dir, pairs[0], decoding, "en", "de", languages=languages)
+    assert all(t and "__" not in t for t in texts), texts
+    assert all(ids[0] in languages for ids in tokens)  # the ids still start with the forced target token
+    with pytest.raises(UserError, match="holds a m2m_100 model, not the one-pair model of this model dir"):
+        translate(hf_dir, pairs[0], decoding, "en", "de")

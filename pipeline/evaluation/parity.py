@@ -224,7 +224,8 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
     _warn(torch_run, src, opts)
     lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding, opts.src_lang,
-                                                              opts.tgt_lang, torch_backend.max_src_len)
+                                                              opts.tgt_lang, torch_backend.max_src_len,
+                                                              frozenset(dict(torch_backend.cfg.languages).values()))
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
     runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)

@@ -60,8 +60,10 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
     return gen
 
 
-def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any, Any, dict[str, Any]]:
-    """(tokenizer, model, extra generate arguments) of the directory's family, as its config.json names it."""
+def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None, multilingual: bool
+          ) -> tuple[Any, Any, dict[str, Any]]:
+    """(tokenizer, model, extra generate arguments) of the directory's family, as its config.json names it;
+    refused when it is not the kind of model compared with (`multilingual`: the model dir lists languages)."""
     import json
 
     from transformers import (
@@ -75,6 +77,10 @@ def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any
     from pipeline.importers.m2m100 import is_nllb
 
     model_type = json.loads((Path(hf_dir) / "config.json").read_text(encoding="utf-8")).get("model_type")
+    if (model_type == "m2m_100") != multilingual:
+        kind = "multilingual" if multilingual else "one-pair"
+        raise UserError(f"--hf-dir {hf_dir}: holds a {model_type} model, not the {kind} model of this model dir; "
+                        "give the directory it was imported from")
     if model_type == "m2m_100":
         if not src_lang or not tgt_lang:
             raise UserError("--reference transformers on a multilingual model needs --src-lang and --tgt-lang")
@@ -91,9 +97,11 @@ def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None) -> tuple[Any
 
 
 def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lang: str | None = None,
-              tgt_lang: str | None = None, max_src_len: int | None = None) -> tuple[list[str], list[list[int]], float]:
+              tgt_lang: str | None = None, max_src_len: int | None = None,
+              languages: frozenset[int] = frozenset()) -> tuple[list[str], list[list[int]], float]:
     """(output lines, token ids without start and EOS, seconds) of transformers on `lines`; a multilingual
-    model's ids start with the forced target-language token, its text does not. A source over `max_src_len`
+    model's ids start with the forced target-language token, its text holds no language token (`languages`, the
+    model dir's: our tokenizer writes none, transformers' kept one generated later). A source over `max_src_len`
     tokens (its language token and EOS counted) is cut to it as serve-batch cuts it: the first pieces, then
     the EOS (past the model's positions it was an IndexError from the embedding)."""
     try:
@@ -105,7 +113,7 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lan
     if not Path(hf_dir).is_dir():
         raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
     gen = generation_settings(hf_dir, decoding)
-    tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang)
+    tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang, bool(languages))
     eos = model.config.eos_token_id
     live = [i for i, line in enumerate(lines) if line.strip()]
     texts, tokens = [""] * len(lines), [[] for _ in lines]
@@ -123,6 +131,6 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lan
                     break
                 ids.append(token)
             tokens[i] = ids
-            text_ids = ids[1:] if forced and ids[:1] == [forced["forced_bos_token_id"]] else ids
+            text_ids = [token for token in ids if token not in languages]
             texts[i] = tokenizer.decode(text_ids, skip_special_tokens=True)
     return texts, tokens, time.perf_counter() - started
