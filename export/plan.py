@@ -9,6 +9,7 @@ before minutes of work (export/api.py runs the plan's steps).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -31,7 +32,7 @@ from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
 from model.checkpoint import load_model, resolve_checkpoint
 from model.config import ModelConfig
-from model.manifest import MANIFEST, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
+from model.manifest import FORMAT, MANIFEST, OLD_FORMATS, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
 from runtime.decoding import PAPER
 from runtime.languages import LANG_CODE, LanguageError, direction
@@ -273,13 +274,31 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
     if out.is_dir():
         if not force:
             raise ExportError(f"{out}: already exists; pass --force to replace it or choose another --out")
-        if any(out.iterdir()) and not (out / MANIFEST).is_file():
-            raise ExportError(f"{out}: exists and is not a model directory (no {MANIFEST}); "
-                              "--force only replaces model directories; choose another --out")
+        if any(out.iterdir()) and (why := _not_a_model_dir(out)):
+            raise ExportError(f"{out}: {why}; --force only replaces a model directory an export wrote (all of "
+                              "it goes); choose another --out")
         if out.resolve() in checkpoint.resolve().parents:
             raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
     check_can_create_in(out.parent, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _not_a_model_dir(out: Path) -> str | None:
+    """Why `out` is not a directory an export wrote, which --force would delete with whatever else it holds (a web
+    extension has a manifest.json too); None for one: our manifest, and nothing in it but the files it lists."""
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        return f"exists and is not a model directory (no {MANIFEST})"
+    try:
+        data = json.loads(manifest.read_bytes()[:1 << 22])
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or data.get("format") not in (FORMAT, *OLD_FORMATS) or not isinstance(
+            data.get("files"), dict):  # never parsed as our Manifest: one of an old format is replaced too
+        return f"its {MANIFEST} is not a model directory's (no \"format\": \"{FORMAT}\" and files)"
+    other = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in data["files"])
+    more = f" and {len(other) - 1} more" if len(other) > 1 else ""
+    return f"holds {other[0]!r}{more}, which its {MANIFEST} does not list (no export wrote it)" if other else None
 
 
 def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any], AnyTokenizer]:

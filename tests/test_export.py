@@ -304,6 +304,26 @@ def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoi
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+def test_force_never_deletes_a_directory_because_it_holds_a_manifest_json(fp32_dir, random_checkpoint, tmp_path):
+    """Any directory with a file named manifest.json was replaced, whatever else it held (a web extension's
+    src/, notes): only a directory an export wrote is, our manifest and the files it lists alone."""
+    import shutil
+
+    web = tmp_path / "webext"
+    (web / "src").mkdir(parents=True)
+    (web / MANIFEST).write_text('{"manifest_version": 3}')
+    (web / "src" / "app.js").write_text("keep me")
+    with pytest.raises(ExportError, match=r"its manifest\.json is not a model directory's"):
+        api.export_model(random_checkpoint, web, force=True)
+    assert (web / "src" / "app.js").read_text() == "keep me"
+    model = tmp_path / "model"
+    shutil.copytree(fp32_dir, model)
+    (model / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match=r"holds 'notes\.txt', which its manifest\.json does not list"):
+        api.export_model(random_checkpoint, model, force=True)
+    assert (model / "notes.txt").read_text() == "keep me"
+
+
 @pytest.mark.slow
 def test_verification_failure_leaves_nothing(random_checkpoint, tmp_path, capsys):
     out = tmp_path / "m"
