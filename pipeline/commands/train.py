@@ -41,5 +41,5 @@ def train(**kwargs: object) -> None:
 def average(save_dir: Path, **values: object) -> None:
     """Average the weights of the last K checkpoints of a save dir (section 6.1)."""
     opts: AverageOptions = pick(AverageOptions, values).validate()
-    path = average_checkpoints(save_dir, last=opts.count, out=opts.out, best=opts.best)
+    path = average_checkpoints(save_dir, last=opts.count, out=opts.out, best=opts.best, force=opts.force)
     click.echo(f"wrote {path}")

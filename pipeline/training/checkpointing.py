@@ -330,24 +330,25 @@ def best_window(paths: list[Path], best_step: int | None, k: int) -> list[Path]:
 
 # -- averaging ------------------------------------------------------------------------------
 
-def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, best: int | None = None) -> Path:
-    """Average the weights of the last `last` step checkpoints (section 6.1: the last 5
-    for base, 20 for big) into `out` (default save_dir/averaged.pt), atomically. With `best`,
-    average instead the `best` step checkpoints ending at the best validation BLEU's step
-    (recorded in checkpoint_best.pt).
+def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, best: int | None = None,
+                        force: bool = False) -> Path:
+    """Average the weights of the last `last` step checkpoints (section 6.1: the last 5 for base, 20 for big) into
+    `out` (default save_dir/averaged.pt, replaced; another file only with `force`), atomically. With `best`,
+    average instead the `best` step checkpoints ending at the best validation BLEU's step (checkpoint_best.pt's).
 
     Its extra records the files averaged (`averaged`), their step numbers ascending
     (`steps`), and the newest of them (`step`)."""
     save_dir = Path(save_dir)
-    option, count = ("--best", best) if best is not None else ("--last", last)
-    if count < 1:
-        raise UserError(f"{option} must be at least 1 (got {count})")
+    if (count := last if best is None else best) < 1:
+        raise UserError(f"{'--last' if best is None else '--best'} must be at least 1 (got {count})")
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
     out = Path(out) if out is not None else save_dir / AVERAGED
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
                         f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
+    if out.is_file() and not force and not (within(out, save_dir) and out.name == AVERAGED):  # another run's
+        raise UserError(f"{out}: exists; pass --force to replace it, or choose another --out")
     refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
     check_output_file(out, "--out", "a checkpoint")
     remove_stale_temps(save_dir)
@@ -388,8 +389,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     state = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v
              for k, v in total.items()}
     model.load_state_dict(state)
-    steps = [s for s in (checkpoint_step(p) if p.name != BEST else best_step for p in paths)
-             if s is not None]  # ascending, as paths
+    steps = [s for s in (checkpoint_step(p) if p.name != BEST else best_step for p in paths) if s is not None]
     save_checkpoint(out, model, first["spm_model"],
                     extra={"averaged": [p.name for p in paths], "steps": steps,
                            "step": last_payload["extra"].get("step"),

@@ -134,6 +134,7 @@ class AverageOptions(Checked):
     best: int | None = opt(None, "Average instead the K step checkpoints ending at the best validation BLEU "
                                  "(checkpoint_best.pt's step); K up to the run's --keep-last survive pruning.")
     out: Path | None = opt(None, "Output checkpoint (default SAVE_DIR/averaged.pt).")
+    force: bool = opt(False, "Replace --out if it exists (SAVE_DIR/averaged.pt is replaced without it).")
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag
