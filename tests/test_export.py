@@ -395,6 +395,29 @@ def test_ctrl_c_that_a_library_swallows_still_stops_the_export(random_checkpoint
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the latch is gone again
 
 
+def test_ctrl_c_that_the_exporter_wraps_in_its_own_error_is_an_interrupt(random_checkpoint, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Ctrl-C during torch.onnx.export came out as "torch.onnx.export of encoder.onnx failed: TorchExportError"
+    and exit 2 (the exporter catches the KeyboardInterrupt and raises its own error): it is the interrupt, exit
+    130, as anywhere else."""
+    import torch
+
+    def wrapping(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the KeyboardInterrupt is raised here...
+        except KeyboardInterrupt as e:  # ...and wrapped, as torch.export does
+            raise RuntimeError("Failed to export the model with torch.export. This is step 1/3") from e
+
+    monkeypatch.setattr(torch.onnx, "export", wrapping)
+    out = tmp_path / "m"
+    with pytest.raises(KeyboardInterrupt, match="SIGINT received: export to .* not done"):
+        api.export_model(random_checkpoint, out, max_batch=2, max_src_len=16, max_tgt_len=20, max_beam=2)
+    assert not out.exists() and hidden(tmp_path) == []
+    code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", out)
+    assert code == 130 and "interrupted" in err and "failed" not in err, err
+
+
 def test_manifest_is_json_with_files_hashed(fp32_dir):
     data = json.loads((fp32_dir / MANIFEST).read_text())
     graphs, constrained = (io_names.ENCODER_FILE, io_names.DECODER_FILE), io_names.DECODER_CONSTRAINED_FILE
