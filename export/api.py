@@ -40,7 +40,8 @@ from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable, VerificationError
 from export.options import READ_BY_THE_CALLER, ExportOptions
-from export.plan import ExportPlan, checkpoint_steps, decoding_defaults, resolve
+from export.payload import checkpoint_steps, decoding_defaults
+from export.plan import ExportPlan, resolve
 from export.shortlist import write_shortlist
 from model import io_names
 from model.atomic import make_temp_dir, replace_dir, usual_permissions, write_failure

@@ -12,7 +12,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from export.options import (
     ExportOptions,
     SampleDirection,
 )
+from export.payload import checkpoint_steps, decoding_defaults
 from export.sample import sample_calibration
 from export.shortlist import ShortlistCorpus, count_table
 from model.atomic import check_can_create_in, remove_stale_temps
@@ -34,7 +34,6 @@ from model.checkpoint import load_model, resolve_checkpoint
 from model.config import ModelConfig
 from model.manifest import FORMAT, MANIFEST, OLD_FORMATS, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
-from runtime.decoding import PAPER
 from runtime.languages import LANG_CODE, LanguageError, direction
 from runtime.shortlist import Shortlist
 from runtime.tokenizer import AnyTokenizer, TokenizerError, load_tokenizer
@@ -360,41 +359,3 @@ def held_out_direction(options: ExportOptions, cfg: ModelConfig) -> tuple[str, s
         raise ExportError(f"{e} (the languages of --reference-src / --int8-calibrate's lines)") from None
     assert way.source is not None and way.target is not None
     return way.source, way.target
-
-
-def decoding_defaults(payload: dict[str, Any], given: dict[str, Any] | None = None,
-                      limits: Limits | None = None) -> dict[str, Any]:
-    """The model dir's decoding defaults: the checkpoint's own (an imported model's generation config) under
-    those `given` to export (--beam-size, --alpha, ...), checked; a given beam must fit the model dir (at most
-    --max-beam, whose 2 x beam candidates check_options fits in --topk)."""
-    defaults = dict((payload.get("extra") or {}).get("decoding") or {})
-    PAPER.for_model(defaults, "the checkpoint")  # unknown or impossible values: one line now
-    if not given:
-        return defaults
-    beam = given.get("beam_size")
-    if beam is not None and limits is not None and beam > limits.max_beam:
-        raise ExportError(f"--beam-size {beam} is above --max-beam {limits.max_beam}, the largest beam the model "
-                          "dir serves: raise --max-beam or choose a smaller beam")
-    merged = {**defaults, **given}
-    PAPER.for_model(merged, "the options given over the checkpoint's own")  # min-len past the checkpoint's max
-    min_len = given.get("min_len")
-    if min_len is not None and limits is not None and min_len > limits.max_tgt_len - 1:
-        raise ExportError(f"--min-len {min_len} is above the longest output the model dir allows, "
-                          f"{limits.max_tgt_len - 1} tokens (--max-tgt-len {limits.max_tgt_len}): no translation "
-                          "could meet it")
-    return merged
-
-
-def checkpoint_steps(payload: dict[str, Any]) -> list[int]:
-    """The training steps a checkpoint's weights come from: an averaged checkpoint's
-    `extra["steps"]` (or, as older ones record, its `extra["averaged"]` file names
-    checkpoint_<step>.pt); a step checkpoint's train_state step; else none known."""
-    extra = payload.get("extra") or {}
-    if isinstance(extra.get("steps"), list):
-        return [int(s) for s in extra["steps"]]
-    if isinstance(extra.get("averaged"), list):
-        names = [re.fullmatch(r"checkpoint_(\d+)\.pt", Path(str(n)).name) for n in extra["averaged"]]
-        return sorted(int(m.group(1)) for m in names if m)
-    state = payload.get("train_state")
-    step = state.get("step") if isinstance(state, dict) else None
-    return [int(step)] if isinstance(step, int) else []

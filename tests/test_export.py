@@ -456,3 +456,17 @@ def test_save_graph_replaces_an_earlier_weights_file(fp32_dir, tmp_path):
     assert (tmp_path / "decoder.data").stat().st_size == size
     reloaded = onnx.load(str(path))
     assert [onnx.numpy_helper.to_array(i).tobytes() for i in reloaded.graph.initializer] == weights
+
+
+def test_a_default_beam_above_max_beam_is_cut_to_it(random_checkpoint, tmp_path, capsys):
+    """`export --max-beam 1 --topk 2` wrote a dir whose default beam (the paper's 4) it cannot serve:
+    serve-batch said "beam size 4 needs 8 candidates per step". The dir's default beam is --max-beam then."""
+    out = tmp_path / "m"
+    code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--max-beam", 1, "--topk", 2,
+                                    "--max-batch", 2, "--max-src-len", 16, "--max-tgt-len", 20, "--no-tensorrt")
+    assert code == 0, err
+    assert read_manifest(out).decoding["beam_size"] == 1
+    src = tmp_path / "in.txt"
+    src.write_text("ab cd\n", encoding="utf-8")
+    code, _, err = run_cli_captured(capsys, "serve-batch", out, src, "-o", tmp_path / "out.txt")
+    assert code == 0, err
