@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from model.atomic import atomic_write_text
-from model.manifest import file_digest, user_cache_dir
+from model.digests import file_digest, user_cache_dir
 from runtime.cpu_int8 import cpu_flags
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from model import io_names
-from model.manifest import ROWWISE, Manifest, file_digest
+from model.digests import file_digest
+from model.manifest import ROWWISE, Manifest
 from runtime.backend import EncoderState, ExportedGraphBackend, StepOutput, host
 from runtime.cpu_int8 import graph_as_is, int8_session_config, session_graph, wants_unsigned_weights
 from runtime.errors import RuntimeUserError

@@ -260,26 +260,26 @@ def test_an_oversized_body_gets_its_413(server, size):
 
 
 def _counting_hashes(monkeypatch, tmp_path) -> list[str]:
-    from model import manifest
+    from model import digests
 
     monkeypatch.setenv("PIPELINE_HASH_CACHE", str(tmp_path / "hash-cache"))
-    monkeypatch.setattr(manifest, "CACHED_MIN_BYTES", 1)  # the test's small files count as large
+    monkeypatch.setattr(digests, "CACHED_MIN_BYTES", 1)  # the test's small files count as large
     calls: list[str] = []
-    real = manifest.sha256_file
-    monkeypatch.setattr(manifest, "sha256_file", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
+    real = digests.sha256_file
+    monkeypatch.setattr(digests, "sha256_file", lambda p, *a: calls.append(Path(p).name) or real(p, *a))
     return calls
 
 
 def test_reverify_hashes_only_changed_files(model_dir, tmp_path, monkeypatch):
     import shutil
 
-    from model import manifest
+    from model import digests
     from model.manifest import ModelDirError, read_manifest
 
     copy = tmp_path / "m"
     shutil.copytree(model_dir, copy)
     calls = _counting_hashes(monkeypatch, tmp_path)
-    monkeypatch.setattr(manifest, "RACY_NS", 0)  # the copies are fresh; racy entries have their own test
+    monkeypatch.setattr(digests, "RACY_NS", 0)  # the copies are fresh; racy entries have their own test
     read_manifest(copy)
     assert sorted(calls) == sorted(read_manifest(copy, verify=False).files)  # the first load hashes all
     calls.clear()

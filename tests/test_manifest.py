@@ -112,6 +112,25 @@ def test_wrong_shape_names_the_field(model_dir, edit, field, says):
     assert "pipeline export" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("edit", [
+    _set("topk", 100000),            # the graph's top-K is 16: ONNX Runtime's shape error and a traceback
+    _set("topk", 1),                 # "use a beam of at most 0"
+    _set("limits.max_src_len", 100000),  # a long line: GatherND's invalid index, a traceback
+    _set("model_config.eos_id", 0),  # equal to pad: accepted, and every source's EOS masked as padding
+])
+def test_fields_that_disagree_are_one_line(model_dir, tmp_path, capsys, edit):
+    """A hand-edited manifest whose fields disagree (what export refuses together) reached the runtime."""
+    rewrite(model_dir, edit)
+    with pytest.raises(ModelDirError, match="manifest fields disagree") as e:
+        read_manifest(model_dir, verify=False)
+    assert "pipeline export" in str(e.value) and "\n" not in str(e.value)
+    src = tmp_path / "in.txt"
+    src.write_text("hello\n")
+    assert run_cli("serve-batch", model_dir, src, "-o", tmp_path / "out.txt") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "manifest fields disagree" in err and "Traceback" not in err
+
+
 def test_wrong_shape_is_one_line_at_the_cli(model_dir, tmp_path, capsys):
     rewrite(model_dir, _drop("limits.max_src_len"))
     src = tmp_path / "in.txt"
