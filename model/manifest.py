@@ -37,6 +37,7 @@ ORT_DYNAMIC = "ort-dynamic"  # ONNX Runtime's quantize_dynamic, one activation s
 QUANTIZATIONS = (QDQ, ROWWISE, ORT_DYNAMIC)
 ONNXRUNTIME_ONLY = (ROWWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: no TensorRT engines
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
+READ_BY_BACKENDS = (".onnx", ".data", ".plan", ".pt", ".model")  # graphs, their weights, engines, checkpoint, spm
 
 
 class ModelDirError(UserError, ValueError):
@@ -329,7 +330,12 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
     for name in need:
         if name not in manifest.files:
             raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {REDO}")
-    if verify:
+    if verify:  # a file of the kinds backends read (an ONNX graph's .data beside it) is checked, so listed
+        unlisted = sorted(p.name for p in model_dir.iterdir() if p.suffix in READ_BY_BACKENDS and p.name not in
+                          manifest.files)
+        if unlisted:
+            raise ModelDirError(f"{model_dir / unlisted[0]}: not listed in the manifest, so never checked, yet a "
+                                f"backend would read it; {REDO}")
         for name, digest in manifest.files.items():
             f = inside(model_dir, name)
             if not f.is_file():

@@ -189,3 +189,15 @@ def test_a_training_save_dir_given_as_a_model_dir_is_told_to_export(tmp_path):
     with pytest.raises(ModelDirError, match=r"a training save dir, not a model directory; export it first: "
                                             r"`pipeline export .*run --out MODEL_DIR`"):
         read_manifest(run)
+
+
+def test_a_graph_weights_file_the_manifest_does_not_list_is_refused(model_dir):
+    """decoder.data taken out of the manifest's files was loaded unchecked (zeroed half of it: empty
+    translations, exit 0): a file of the kinds backends read must be listed, so it is verified."""
+    (model_dir / "decoder.data").write_bytes(b"weights")
+    write_manifest(model_dir, small_manifest())
+    read_manifest(model_dir)
+    rewrite(model_dir, lambda data: data["files"].pop("decoder.data"))
+    with pytest.raises(ModelDirError, match=r"decoder\.data: not listed in the manifest, so never checked"):
+        read_manifest(model_dir)
+    read_manifest(model_dir, verify=False)  # what a dir records is still readable
