@@ -136,10 +136,11 @@ def write_shortlist(tmp: Path, model32: Transformer, graph_model: Transformer, t
                          frequent=int(table.frequent.size), entries=int(table.targets.size),
                          shared_weight_bytes=shared, held_out_coverage=coverage,
                          held_out_candidates=candidates, verification=verification)
+    held = "" if coverage is None else f"; held-out reference coverage {coverage:.1%}, {candidates} candidates " \
+        "per sentence"
     log.info("shortlist from %d sentence pairs: %d frequent + up to %d per source piece (%d entries); "
-             "decoder_shortlist.onnx shares %.1f MB of decoder.data; held-out reference coverage %s, "
-             "%s candidates per sentence; %.1f s", pairs, info.frequent, corpus.per_source, info.entries, shared / 1e6,
-             "-" if coverage is None else f"{coverage:.1%}", candidates, time.perf_counter() - started)
+             "decoder_shortlist.onnx shares %.1f MB of decoder.data%s; %.1f s", pairs, info.frequent,
+             corpus.per_source, info.entries, shared / 1e6, held, time.perf_counter() - started)
     return info
 
 
