@@ -30,7 +30,9 @@ def decoding_defaults(payload: dict[str, Any], given: dict[str, Any] | None = No
     if limits is not None and beam is None and defaults.get("beam_size", PAPER.beam_size) > limits.max_beam:
         log.info("the model dir's default beam is --max-beam %d (the checkpoint's or the paper's is larger)",
                  limits.max_beam)
-        defaults.update(beam_size=limits.max_beam, nbest=min(defaults.get("nbest", 1), limits.max_beam))
+        defaults["beam_size"] = limits.max_beam
+        if "nbest" in defaults:
+            defaults["nbest"] = min(defaults["nbest"], limits.max_beam)
     if not given:
         return defaults
     merged = {**defaults, **given}

@@ -142,6 +142,11 @@ def _check_precision(options: ExportOptions) -> bool | None:
                                           ("--int8-atol", options.int8_atol is not None)) if given]
     if int8_only and not options.int8:  # else an fp32 export would pass for the int8 one asked for
         raise ExportError(f"{' and '.join(int8_only)} shape an int8 export: add --int8, or leave them out")
+    if options.fp16_atol != verify.FP16_ATOL and not options.fp16:  # the tolerances of other precisions: unused
+        raise ExportError("--fp16-atol bounds an fp16 export's verification: add --fp16, or leave it out")
+    if options.atol != verify.FP32_ATOL and (options.fp16 or options.int8):
+        raise ExportError(f"--atol bounds an fp32 export's verification; this {'fp16' if options.fp16 else 'int8'} "
+                          f"export's is {'--fp16-atol' if options.fp16 else '--int8-atol'}")
     if options.int8 and options.int8_flavour in ONNXRUNTIME_ONLY:
         if options.tensorrt:
             raise ExportError(f"--int8-flavour {options.int8_flavour} runs on ONNX Runtime only (TensorRT rejects "
@@ -201,9 +206,10 @@ def activation_scales(options: ExportOptions, flavour: str | None, cfg: ModelCon
     asked = options.int8_calibrate is not None or (given is not None and not given.default)
     if asked and options.no_int8_calibrate:
         raise ExportError("--int8-calibrate FILE and --no-int8-calibrate contradict each other: give one")
-    if asked and flavour != quantize.ROWWISE:
-        raise ExportError(f"--int8-calibrate measures static activation scales for --int8 --int8-flavour rowwise; "
-                          f"this export's int8 flavour is {flavour or 'none (no --int8)'}")
+    if (asked or options.no_int8_calibrate) and flavour != quantize.ROWWISE:  # else it changes nothing
+        flag = "--no-int8-calibrate turns off" if options.no_int8_calibrate else "--int8-calibrate measures"
+        raise ExportError(f"{flag} static activation scales for --int8 --int8-flavour rowwise; this export's int8 "
+                          f"flavour is {flavour or 'none (no --int8)'}")
     if flavour != quantize.ROWWISE:
         return None, None  # qdq: fp32 activations; ort-dynamic: ONNX Runtime's own scales
     if options.no_int8_calibrate:

@@ -470,3 +470,21 @@ def test_a_default_beam_above_max_beam_is_cut_to_it(random_checkpoint, tmp_path,
     src.write_text("ab cd\n", encoding="utf-8")
     code, _, err = run_cli_captured(capsys, "serve-batch", out, src, "-o", tmp_path / "out.txt")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--int8", "--int8-flavour", "qdq", "--no-int8-calibrate"], "--no-int8-calibrate turns off static activation"),
+    (["--int8", "--int8-flavour", "ort-dynamic", "--no-int8-calibrate"], "flavour is ort-dynamic"),
+    (["--fp16-atol", "0.5"], "--fp16-atol bounds an fp16 export's verification: add --fp16"),
+    (["--fp16", "--atol", "0"], "this fp16 export's is --fp16-atol"),
+    (["--int8", "--atol", "0"], "this int8 export's is --int8-atol"),
+    (["--shortlist-per-source", "10", "--shortlist-frequent", "20"],
+     "--shortlist-per-source and --shortlist-frequent shape a shortlist: add --shortlist-src"),
+])
+def test_options_that_would_change_nothing_are_refused(random_checkpoint, tmp_path, capsys, flags, says):
+    """Each was accepted and did nothing (a qdq export 'without calibration', an fp32 export with an fp16 bound,
+    --atol unread by fp16 and int8 verification, a shortlist's shape without a shortlist)."""
+    out = tmp_path / "m"
+    code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--no-tensorrt", *flags)
+    assert code == 2 and says in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -48,7 +48,7 @@ def test_limits_left_unset_fit_the_models_positions(spm_bytes, tmp_path):
                     spm_bytes, train_state={"step": 7}, extra={"decoding": {"beam_size": 3, "alpha": 1.0}})
     p = plan(ckpt, tmp_path, tensorrt=False, max_batch=2, max_beam=2)
     assert p.limits == Limits(2, 64, 63, 2)
-    assert p.decoding == {"beam_size": 3, "alpha": 1.0} and p.steps == [7]
+    assert p.decoding == {"beam_size": 2, "alpha": 1.0} and p.steps == [7]  # the checkpoint's beam, cut to --max-beam
     assert plan(ckpt, tmp_path, tensorrt=False, max_src_len=10).limits.max_src_len == 10
 
 

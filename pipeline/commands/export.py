@@ -58,6 +58,11 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
     pair = held_out_pair(checkpoint, o.reference_src, o.reference_tgt, o.reference_lines)
     if (o.shortlist_src is None) != (o.shortlist_tgt is None):
         raise click.UsageError("give both --shortlist-src and --shortlist-tgt, or neither")
+    shaping = [f"--shortlist-{name.replace('_', '-')}" for name in ("per_source", "frequent")
+               if getattr(o, f"shortlist_{name}") != getattr(ExportOptions, f"shortlist_{name}")]
+    if shaping and o.shortlist_src is None:  # else no shortlist, and no word of it
+        raise click.UsageError(f"{' and '.join(shaping)} shape a shortlist: add --shortlist-src and "
+                               "--shortlist-tgt, or leave them out")
     calibrate_on = o.int8_calibrate
     if calibrate_on is None and o.int8 and not o.no_int8_calibrate:  # by default: the held-out set's sources
         calibrate_on = (held_out_files(checkpoint, o.reference_src, o.reference_tgt) or (None,))[0]
