@@ -8,6 +8,7 @@ broken library is a fact with its reason, never an exception.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import platform
@@ -123,8 +124,28 @@ def model_dir_verdicts(manifest: Manifest, facts: Facts) -> list[Verdict]:
 
 
 def check_model_dir(model_dir: Path, facts: Facts) -> list[Verdict]:
-    """Verdicts for a model dir on disk (its manifest verified: a tampered dir is a user error)."""
-    return model_dir_verdicts(ModelDir.open(model_dir).manifest, facts)
+    """Verdicts for a model dir on disk (its manifest verified: a tampered dir is a user error); each backend,
+    precision and device that could serve it here is loaded and translates a line with the dir's own decoding
+    defaults, or is a no with what failed (a graph that loads but is another model's, a beam its top-K cannot
+    feed: the manifest alone said yes, and serve-batch then failed)."""
+    opened = ModelDir.open(model_dir)
+    return [_translates(opened, v) if v.ok else v for v in model_dir_verdicts(opened.manifest, facts)]
+
+
+def _translates(opened: ModelDir, verdict: Verdict) -> Verdict:
+    from runtime.decoding import PAPER
+    from runtime.model_dir import LoadOptions, load
+    from runtime.translate import translate_lines
+
+    precision = verdict.precision if verdict.backend == "torch" else None
+    try:
+        loaded = load(opened, LoadOptions(backend=verdict.backend, device=verdict.device, threads=1,
+                                          precision=precision), PAPER)
+        translate_lines(loaded.backend, loaded.tokenizer, ["warm up"], loaded.decoding)
+    except Exception as e:  # noqa: BLE001 - what a user would meet, in one line, whatever it is
+        said = str(e).splitlines()[0][:200] if str(e) else ""
+        return dataclasses.replace(verdict, ok=False, reason=f"cannot translate a line: {type(e).__name__}: {said}")
+    return verdict
 
 
 # -- report ------------------------------------------------------------------------------------

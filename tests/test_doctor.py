@@ -74,6 +74,27 @@ def test_tampered_model_dir_is_one_line(model_dir, tmp_path, capsys):
     assert err.startswith("error: ") and "SHA-256" in err and err.count("\n") == 1
 
 
+def test_a_dir_whose_graph_cannot_run_is_a_no(model_dir, tmp_path, capsys):
+    """doctor said "onnxruntime fp32 cpu yes" for a dir whose decoder.data was cut short with the manifest's
+    digest recomputed (or whose decoder was another model's): it read the manifest only, and serve-batch then
+    failed. Each backend that could serve the dir translates a line now; a no says what failed."""
+    from model.manifest import write_manifest
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    weights = bad / io_names.weights_file(io_names.DECODER_FILE)
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    write_manifest(bad, read_manifest(bad, verify=False))
+    assert run_cli("doctor", bad) == 0
+    out = capsys.readouterr().out
+    assert "  onnxruntime  fp32  cpu   no: cannot translate a line: " in out, out
+    assert "  torch        fp32  cpu   yes" in out  # model.pt is whole
+    assert run_cli("doctor", model_dir) == 0
+    assert "  onnxruntime  fp32  cpu   yes" in capsys.readouterr().out
+
+
 def _gpu_facts(trt_version: str | None = "10.13.0.35", providers: tuple[str, ...] = (
         "CUDAExecutionProvider", "CPUExecutionProvider")) -> Facts:
     real = gather_facts()
