@@ -284,6 +284,9 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
                               "it goes); choose another --out")
         if out.resolve() in checkpoint.resolve().parents:
             raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
+        if out.resolve() == Path.cwd().resolve() or out.resolve() in Path.cwd().resolve().parents:
+            raise ExportError(f"{out}: is the current directory or holds it, which cannot be replaced (the export "
+                              "ran to its end, then failed); give the model dir's path from outside it")
     check_can_create_in(out.parent, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
 

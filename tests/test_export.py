@@ -488,3 +488,17 @@ def test_options_that_would_change_nothing_are_refused(random_checkpoint, tmp_pa
     code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", out, "--no-tensorrt", *flags)
     assert code == 2 and says in err and "Traceback" not in err, err
     assert not out.exists()
+
+
+def test_the_current_directory_as_out_is_refused_before_any_work(fp32_dir, random_checkpoint, tmp_path, capsys,
+                                                                   monkeypatch):
+    """`cd MODEL_DIR && pipeline export CKPT --out . --force` exported for its whole length, then failed with
+    "Device or resource busy" renaming the directory the process stood in."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(fp32_dir, model)
+    monkeypatch.chdir(model)
+    code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", ".", "--force")
+    assert code == 2 and "is the current directory or holds it" in err, err
+    assert "export finished" not in err and (model / MANIFEST).is_file()
