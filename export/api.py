@@ -128,8 +128,8 @@ def carry_out(plan: ExportPlan, say: Callable[[str], object] = log.warning) -> M
             replace_dir(tmp, out)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(e, KeyboardInterrupt):  # a Ctrl-C the exporter wrapped in its own error is one
-                latch.raise_if_received(f"export to {out}")
+            if isinstance(e, Exception):  # a Ctrl-C the exporter wrapped in its own error is one (SIGTERM's exit
+                latch.raise_if_received(f"export to {out}")  # is no Exception: no library catches it)
             failure = _write_failure(e, tmp, out)
             if failure is not None:
                 raise failure from e

@@ -85,9 +85,10 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
                             first_tokens: Any = None, joins: np.ndarray | None = None) -> list[list[Hypothesis]]:
     """beam_search (runtime/search.py) with constraints[s], the phrases sentence s must contain. Returns, per
     sentence, `nbest` hypotheses best first, those that hold every phrase before those that do not (ended at
-    the length limit first; callers check which terms made it into the text). joins (vocab,) bool: the pieces
-    that glue onto the word before them (runtime/glossary.py word_continuations); none may follow a completed
-    phrase, so a term ends its word ("hound", never "hounds" or "houndn")."""
+    the length limit first; callers check which terms made it into the text). joins (vocab,) int8: each piece's
+    kind (runtime/tokenizer.py word_continuations): none that glues onto the word before it may follow a completed
+    phrase, so a term ends its word ("hound", never "hounds" or "houndn"); no phrase's word start may follow a bare
+    "▁" (two spaces)."""
     if not backend.gathers:
         raise RuntimeUserError(f"the {backend.name} backend cannot apply glossaries here (its decoder step cannot "
                                "return the log-probs of given ids): use the onnxruntime backend on a model dir "

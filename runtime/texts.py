@@ -57,7 +57,7 @@ class TextPolicy:
 class Origin(Protocol):
     """How the refusal of a long unit (long_lines "error") names it: a plain text k as `origin:line` (the
     pair encode_sources names a line by), a sentence j of text k's document as `document(k) sentence:j+1`,
-    of its HTML text node (the m-th of all the texts' nodes) as `node(k, m) sentence:j+1`."""
+    of its HTML text node m (counted over all the texts' nodes) as `node(k, m) sentence:j+1`."""
 
     def line(self, k: int) -> tuple[str, int | None]: ...
 

@@ -71,8 +71,8 @@ def translate_ids(backend: Backend, sources: list[list[int]], options: DecodingO
     """Hypotheses (options.nbest, best first) for each source, in input order.
     first_tokens: per source, the token forced first (a multilingual model's target language; sources of
     different targets may share a batch). constraints: per source, the target token phrases its output must
-    hold (a glossary's terms: runtime/glossary.py), [] for none; joins: the target pieces that may not follow
-    a completed phrase (runtime/glossary.py word_continuations).
+    hold (a glossary's terms: runtime/glossary.py), [] for none; joins: each target piece's kind, which says
+    what may not follow a completed phrase or precede its start (runtime/tokenizer.py word_continuations).
 
     `changes` override single fields of `options` (translate_ids(b, s, beam_size=2)). `on_batch(n)` is told
     each time n more sources are done (the empty ones at once, then each batch): a progress bar's steps.

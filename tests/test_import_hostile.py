@@ -462,6 +462,18 @@ def test_sharded_weights_import_as_the_single_file_does(hf_dir, tmp_path, capsys
     assert all(torch.equal(one[k], sharded_model[k]) for k in one)
 
 
+def test_with_both_indexes_the_one_whose_shards_are_there_is_read(hf_dir, tmp_path, capsys):
+    """A download of *.json and *.bin holds both indexes and the .bin shards only: the safetensors index was
+    tried alone and its shards named missing."""
+    hf = copy_of(hf_dir, tmp_path, sharded(bin_format=True))
+    index = json.loads((hf / "pytorch_model.bin.index.json").read_text())
+    index["weight_map"] = {k: v.replace("pytorch_model", "model").replace(".bin", ".safetensors")
+                           for k, v in index["weight_map"].items()}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, err = import_cli(capsys, hf, tmp_path / "o.pt")
+    assert code == 0, err
+
+
 @pytest.mark.parametrize("index_edit, needles", [
     (lambda index: index["weight_map"].update({k: "model-00003-of-00002.safetensors"
                                                for k in list(index["weight_map"])[:1]}),
@@ -505,3 +517,5 @@ def test_a_directory_named_like_a_family_and_a_misspelt_family(hf_dir, tmp_path,
     assert run_cli("import", "marain", "marian", "--out", "c.pt") == 2
     assert "no family 'marain': did you mean 'marian'?" in capsys.readouterr().err
     assert not (tmp_path / "c.pt").exists()
+    assert run_cli("import", "marian", "--help") == 0  # the command's help, not auto's
+    assert "Usage: pipeline import marian" in capsys.readouterr().out

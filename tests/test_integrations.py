@@ -141,7 +141,7 @@ def test_translator_errors_are_one_line_naming_the_row(fp32_dir):
         translator({"src": ["ab"]})
     long = " ".join(["ab"] * 80)
     with pytest.raises(UserError, match=r"^shard\.txt:12: \d+ tokens, more than the model's limit of 32; pass "
-                                        r"options with long_lines='truncate'"):  # not a command line's flag
+                                        r"--long-lines truncate \(options with long_lines='truncate'\)"):
         translator({"src": ["ab", long], "path": ["shard.txt", "shard.txt"], "line": [11, 12]})
 
 

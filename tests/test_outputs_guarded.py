@@ -146,6 +146,9 @@ def test_average_out_replaces_another_file_only_with_force(capsys, tmp_path, tra
     for _ in range(2):
         code, _, err = run_cli_captured(capsys, "average", run, "--last", 2)
         assert code == 0, err
+    (run / "sub").mkdir()  # only the save dir's own averaged.pt goes unasked
+    (run / "sub" / "averaged.pt").write_text("mine\n")
+    _refused(capsys, "average", run, "--last", 2, "--out", run / "sub" / "averaged.pt", says="pass --force")
     code, _, err = run_cli_captured(capsys, "average", run, "--last", 2, "--out", other, "--force")
     assert code == 0, err
     assert read_checkpoint(other)["extra"]["averaged"]

@@ -92,8 +92,7 @@ def recounted(answer: object) -> tuple[object, dict[str, float]]:
 EMPTY_HYPOTHESIS = re.compile(r'("hypotheses":\s*)\[\{"text":\s*"",\s*"score":\s*0\.0\}\]')
 LISTED = re.compile(r"text\[(\d+)\]: (\d+ tokens)")
 LIBRE_LISTED = re.compile(r"\bq\[(\d+)\]( (?:text node )?sentence:)")
-ROW_OPTION = ("; pass options with long_lines='truncate' or split the row",
-              "; pass --long-lines truncate or split the line")
+ROW_OPTION = (" (options with long_lines='truncate')", "")
 
 
 def as_before(answer: object) -> object:

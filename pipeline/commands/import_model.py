@@ -42,7 +42,9 @@ class _ImportGroup(click.Group):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         positional = [a for a, before in zip(args[1:], args) if not a.startswith("-") and before not in VALUED]
-        if args and args[0] in self.commands and args[0] != "auto" and Path(args[0]).is_dir() and not positional:
+        helped = any(a in ctx.help_option_names for a in args)  # `import marian --help`: the command's help
+        if args and args[0] in self.commands and args[0] != "auto" and Path(args[0]).is_dir() and not positional \
+                and not helped:
             args = ["auto", *args]  # `pipeline import marian --out m.pt` with ./marian: the directory
         elif args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
             close = difflib.get_close_matches(args[0], [c for c in self.commands if c != "auto"], n=1)

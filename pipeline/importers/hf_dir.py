@@ -70,10 +70,14 @@ class HfDir(HFFiles):
                 self._weights = self.dir / name
                 self._shards = [self._weights]
                 return self._weights
-        for index, weights in zip(INDEXES, WEIGHTS):
-            if self.has(index):
+        indexes = [(index, weights) for index, weights in zip(INDEXES, WEIGHTS) if self.has(index)]
+        for k, (index, weights) in enumerate(indexes):  # both indexes, one set of shards (a download of *.bin):
+            try:                                         # the one whose shards are all there
                 self._weights, self._shards = self.dir / index, self._shard_files(index, weights)
                 return self._weights
+            except ImportRefused:
+                if k == len(indexes) - 1:
+                    raise
         raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]}, nor a sharded model's "
                             f"{' or '.join(INDEXES)})")
 

@@ -138,7 +138,8 @@ class Translator:
             encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin,
                                    glossary=self.glossary)
         except SourceTooLong as e:  # a refused row (long_lines "error"): one line naming it, and the option
-            raise UserError(f"{e.what}; pass options with long_lines='truncate' or split the row") from None
+            raise UserError(f"{e.what}; pass --long-lines truncate (options with long_lines='truncate') or split the "
+                            "line") from None
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
         nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),

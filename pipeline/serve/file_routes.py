@@ -31,6 +31,7 @@ from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_lo
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.state import ServerState
 from runtime.sentences import has_letters
+from runtime.translate import not_text
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,9 @@ async def translate_file(request: Request) -> Response:
             if code != "auto" and code not in state.routes.codes:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                     f"{state.routes.listed()}")
+        for i, text in enumerate(doc.texts):  # as /translate refuses it, and serve-batch a file's line
+            if why := not_text(text):
+                raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
         glossary = requested(fields.get("glossary"), state.glossaries)
         req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:])
         detected = await _source_of(state, req) if source == "auto" else None

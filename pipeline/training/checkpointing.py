@@ -347,7 +347,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
                         f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
-    if out.is_file() and not force and not (within(out, save_dir) and out.name == AVERAGED):  # another run's
+    if out.is_file() and not force and out.resolve() != (save_dir / AVERAGED).resolve():  # another run's
         raise UserError(f"{out}: exists; pass --force to replace it, or choose another --out")
     refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
     check_output_file(out, "--out", "a checkpoint")
