@@ -128,7 +128,7 @@ class LoadOptions(Checked):
     # a time unless --parallel-batches says
     many_batches: bool = False
     step: str | None = opt(None, "Torch backend's decoder step: eager; graph (replayed as a CUDA graph, CUDA only); "
-                                  "compiled (torch.compile, once per batch shape, 10-20 s each, then a CUDA graph "
+                                  "compiled (torch.compile, once per batch shape, 9-22 s each, then a CUDA graph "
                                   "on CUDA; docs/gpu.md) [default: graph on CUDA, else eager].",
                             choices=STEPS)
     steps_per_replay: int | None = opt(None, "Torch backend: beam search steps run on the device per CUDA graph "

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out_dir", type=Path, help="where report.md, report.json, logs/ and work/ go")
     parser.add_argument("--cpu", action="store_true", help="the same stages on the CPU at tiny sizes (CI)")
     parser.add_argument("--budget", type=float, default=None,
-                        help="seconds for the whole check (default: 460 on GPU, 600 with --cpu); later stages "
+                        help="seconds for the whole check (default: 540 on GPU, 600 with --cpu); later stages "
                              "are skipped once it is spent")
     parser.add_argument("--work", type=Path, default=None,
                         help="where checkpoints, model dirs and other large files go (default: a new temporary "
