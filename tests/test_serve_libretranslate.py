@@ -364,6 +364,9 @@ def test_nul_is_refused_by_both_apis_as_serve_batch_refuses_it():
         assert status == 400 and got["error"].startswith("q[1] holds a NUL character (U+0000"), got
         r = c.post("/translate", json={"text": ["a\x00b"], "model": "de-en"})
         assert r.status_code == 400 and r.json()["error"].startswith("text[0] holds a NUL character"), r.text
+        r = c.post("/detect", json={"q": ["gut", "a\x00b"]})
+        assert r.status_code == 400 and r.json()["error"].startswith("q[1] holds a NUL character (U+0000, "
+                                                                     "character 1"), r.text
         r = c.post("/translate_file", files={"file": ("d.txt", b"gut\nhello\x00world\n")},
                    data={"source": "de", "target": "en"})
         assert r.status_code == 400 and r.json()["error"].startswith(

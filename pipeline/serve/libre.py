@@ -314,12 +314,13 @@ async def detect(request: Request) -> Response:
         q = data.get("q")
         if q is None or q == "" or q == []:
             raise ApiError(400, "Invalid request: missing q parameter")
-        if isinstance(q, list) and all(isinstance(t, str) for t in q):
-            q = "\n".join(q)
-        if not isinstance(q, str):
+        texts = q if isinstance(q, list) else [q]
+        if not all(isinstance(t, str) for t in texts):
             raise ApiError(400, '"q" must be a string')
-        if why := not_text(q):
-            raise ApiError(400, f"q holds {why}")
+        for i, text in enumerate(texts):  # each named as the request lists it
+            if why := not_text(text):
+                raise ApiError(400, f"{_name(i, isinstance(q, list))} holds {why}")
+        q = "\n".join(texts)
         if state.detector is None:
             raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
         return JSONResponse(await off_loop(state.prepare, state.detector.rank, q))
