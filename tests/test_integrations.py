@@ -152,8 +152,8 @@ def test_a_row_that_is_no_text_is_refused_as_serve_batch_and_the_apis_refuse_it(
     translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
     for value, says in (("ab\x00cd", "row:2: holds a NUL character (U+0000, character 2)"),
                         ("ab \udcff", "row:2: holds a lone surrogate"),
-                        ("ab\ncd", "row:2: holds a newline; give one line per row, or pass options with "
-                                   "split='sentences'"),
+                        ("ab\ncd", "row:2: holds a newline; give one line per row, or pass --split sentences "
+                                   "(options with split='sentences')"),
                         (b"ab\xff", "row:2: invalid UTF-8 (byte 2: b'\\xff')")):
         with pytest.raises(UserError, match="^" + re.escape(says)):
             translator.translate(["ab", value])

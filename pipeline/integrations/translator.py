@@ -168,12 +168,12 @@ class Translator:
         only in a document (split 'sentences', format 'html'), where it is whitespace between sentences."""
         if why := not_text(text):
             if self.options.invalid_utf8 != "replace":
-                raise UserError(f"{where(row)}: holds {why}; pass options with invalid_utf8='replace' to replace it "
-                                "with U+FFFD")
+                raise UserError(f"{where(row)}: holds {why}; pass --invalid-utf8 replace (options with "
+                                "invalid_utf8='replace') to replace it with U+FFFD")
             text = "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in text)
         if "\n" in text and not self.policy.documents:  # one line to the model: its lines ran together
-            raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass options with "
-                            "split='sentences' (its lines then translate apart)")
+            raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass --split sentences "
+                            "(options with split='sentences'): its lines then translate apart")
         return text
 
 
