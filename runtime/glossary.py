@@ -140,7 +140,9 @@ def _trie_pattern(node: dict[str, Any]) -> str:
 
 
 def _mark(char: str) -> bool:
-    return unicodedata.category(char).startswith("M")
+    """Whether `char` joins the character before it in NFC: a combining mark, or a Hangul vowel or final jamo
+    (decomposed Korean, as macOS and PDF extraction write it, composes into syllables: 한 is 3 jamo)."""
+    return unicodedata.category(char).startswith("M") or "\u1160" <= char <= "\u11ff" or "\ud7b0" <= char <= "\ud7ff"
 
 
 class _Matcher:
@@ -165,7 +167,7 @@ class _Matcher:
 
     def fold(self, text: str) -> tuple[str, list[int] | None]:
         """The folded text and, where folding changed lengths, the original offset of each folded character
-        (plus one for the end). Each unit (a character with the combining marks after it) is folded alone."""
+        (plus one for the end). Each unit (a character with the marks and jamo after it, _mark) is folded alone."""
         if unicodedata.is_normalized("NFC", text):
             if self.case_sensitive:
                 return text, None

@@ -43,7 +43,16 @@ def _unseen(term: str) -> str | None:
 
 
 def _entry(source: str, target: str, where: str) -> Entry:
-    """An entry from its two fields, or a RuntimeUserError starting with `where`."""
+    """An entry from its two fields, or a RuntimeUserError starting with `where`. The fields are checked as
+    written: whitespace is collapsed after, so a control that is whitespace to Python (U+001F, NEL, a form feed)
+    is refused, not made a space."""
+    for name, term in (("source", source), ("target", target)):
+        char = _unseen(term.strip(" \t\r\n"))
+        if char is not None:
+            what = unicodedata.name(char, "a surrogate" if unicodedata.category(char) == "Cs" else "a control")
+            hint = "; is the file UTF-16? save it as UTF-8" if char == "\0" else ""
+            raise RuntimeUserError(f"{where}: the {name} term {_short(term)} holds U+{ord(char):04X} ({what}), a "
+                                   f"character that is not part of a term: remove it{hint}")
     source, target = _field(source), _field(target)
     if not source:
         raise RuntimeUserError(f"{where}: the source term is empty (a line is `source<TAB>target`)")
@@ -51,12 +60,6 @@ def _entry(source: str, target: str, where: str) -> Entry:
         if len(term) > MAX_TERM_CHARS:
             raise RuntimeUserError(f"{where}: the {name} term {_short(term)} is {len(term)} characters, more than "
                                    f"MAX_TERM_CHARS ({MAX_TERM_CHARS})")
-        char = _unseen(term)
-        if char is not None:
-            what = unicodedata.name(char, "a surrogate" if unicodedata.category(char) == "Cs" else "a control")
-            hint = "; is the file UTF-16? save it as UTF-8" if char == "\0" else ""
-            raise RuntimeUserError(f"{where}: the {name} term {_short(term)} holds U+{ord(char):04X} ({what}), a "
-                                   f"character that is not part of a term: remove it{hint}")
     return Entry(source, target or source, dnt=not target)
 
 

@@ -112,6 +112,16 @@ def test_decomposed_text_and_combining_marks():
     assert spans(g, "q\u0307cafe cafe\u0323") == []  # a combining mark is part of the word
 
 
+def test_decomposed_korean_matches_its_syllables():
+    """Korean as separate jamo (macOS file names, PDF text) never matched a term: its vowel and final jamo are
+    letters, not marks, so each was folded alone and never composed into the syllables the term holds."""
+    g = glossary_from_mapping({"한국": "Korea"})
+    nfd = unicodedata.normalize("NFD", "da 한국 vobi, 한국어 한국")
+    assert len(nfd) > len("da 한국 vobi, 한국어 한국")
+    assert spans(g, nfd) == [(unicodedata.normalize("NFD", "한국"), "Korea")] * 2  # 한국어 is another word
+    assert spans(g, "da 한국 vobi") == [("한국", "Korea")]
+
+
 def test_an_empty_glossary_matches_nothing():
     assert find_terms(Glossary(()), "anything") == []
     assert find_terms(glossary_from_mapping({"x": "y"}), "") == []
@@ -307,6 +317,11 @@ def test_the_tokenizer_one_text_at_a_time_as_sentencepiece_batches_them(tokenize
     ("Hund\t\u2581dog\n", ["terms.tsv:1:", "U+2581"]),  # SentencePiece's own word-start mark
     ("H\x00u\x00n\x00d\x00\tdog\n", ["terms.tsv:1:", "U+0000", "is the file UTF-16? save it as UTF-8"]),
     ("Hund,dog\nKatze,cat\n", ["terms.tsv:", "none a tab", "not CSV"]),  # loaded as two do-not-translate terms
+    # controls that are whitespace to Python were made spaces: a file separated by U+001F loaded as
+    # multi-word do-not-translate terms, without a word
+    ("vobi\x1fkinisa\tmarun\n", ["terms.tsv:1:", "source term", "U+001F"]),
+    ("vobi\x85\tmarun\n", ["terms.tsv:1:", "U+0085"]),
+    ("vobi\tma\x0crun\n", ["terms.tsv:1:", "target term", "U+000C"]),
 ])
 def test_what_no_term_holds_is_refused_naming_the_line(tmp_path: Path, content: str, needles: list[str]):
     with refused(*needles) as info:

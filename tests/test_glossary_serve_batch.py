@@ -197,3 +197,19 @@ def test_a_sentence_without_letters_gets_its_terms_target_whichever_way_it_is_sp
     assert split[2] == "123"  # no term: still copied
     counts = [r.getMessage() for r in caplog.records if "the glossary's terms" in r.getMessage()]
     assert len(counts) == 2 and all("2 found in the input, 2 of them" in c for c in counts), counts
+
+
+def test_a_glossary_that_matches_nothing_is_said(capsys, caplog, trained_model_dir, tmp_path, lines):
+    """With no term found, serve-batch said nothing of the glossary: one of another language or a mistyped term
+    went unnoticed. "0 found" is a warning."""
+    import logging
+
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text("zzzzq\tmarun\n", encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        plain, _ = _translate(capsys, trained_model_dir, tmp_path, lines[:4])
+        forced, _ = _translate(capsys, trained_model_dir, tmp_path, lines[:4], "--glossary", glossary)
+    assert forced == plain
+    said = [r for r in caplog.records if "glossary's terms" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "0 found in the input, 0 of them in the translations" in said[0].getMessage()

@@ -300,18 +300,18 @@ def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], ou
         else:
             stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
         total.add(stats)
-        _warn(stats, inp, opts.decoding)
+        _warn(stats, inp, opts.decoding, bool(opts.glossary))
     return total
 
 
-def _warn(stats: ServeStats, path: str, decoding: DecodingOptions) -> None:
+def _warn(stats: ServeStats, path: str, decoding: DecodingOptions, glossary: bool = False) -> None:
     if stats.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated "
                     "(--long-lines error refuses them)", path, stats.truncated)
     if stats.replaced:
         log.warning("%s: %d line(s) had invalid UTF-8, replaced by U+FFFD", path, stats.replaced)
-    if stats.terms:
-        (log.info if stats.terms_applied == stats.terms else log.warning)(
+    if stats.terms or glossary:  # none found is said too: a glossary of another language, a mistyped term
+        (log.info if stats.terms_applied == stats.terms and stats.terms else log.warning)(
             "%s: the glossary's terms: %d found in the input, %d of them in the translations", path, stats.terms,
             stats.terms_applied)
     warn_min_len(stats.min_len_over, path, decoding)
