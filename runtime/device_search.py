@@ -24,7 +24,7 @@ So in fp32 the hypotheses are search's over the same step (tests/test_device_sea
 scores on the CPU, where the body runs uncaptured). A batch ends at the first replay after its last sentence is
 done (at most K - 1 steps run for nothing). Finished sentences keep their slots until then, as in the one-step
 graph: moving them to a smaller bucket would cost a new K-step graph capture per bucket, which on a real file
-cost more than the work it saved (benchmarks/2026-11-29_nvidia-h200_gpu-check.md).
+cost more than the work it saved (docs/gpu.md, "Search on the device", links the GPU check that measured it).
 Supported: beam search (beam >= 2) under fairseq's rules without forced first tokens or glossaries; other
 searches run step by step (`supports`).
 """
