@@ -172,8 +172,8 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
     groups: dict[tuple[str, str], _Group] = {}
     for i, text in enumerate(req.q):
         source = detected[i]["language"] if detected else req.source
-        if req.html:  # the letters of its text nodes ("&#117;" is one; a tag's name is none)
-            text = " ".join(parse_html(text).sources)
+        if req.html and not has_letters(text):  # letters only in references ("&#117;"): its text nodes' say
+            text = " ".join(parse_html(text).sources)  # (a text with letters is parsed once, by the encoding)
         if source == req.target or not has_letters(text) and not has_fixed_term(req.glossary, text):
             for code, key in ((source, "source"), (req.target, "target")):
                 if code not in state.routes.codes:
