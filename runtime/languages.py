@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from model.config import ModelConfig
 from runtime.errors import RuntimeUserError
 
-LANG_CODE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8})*")  # a language code: de, eng, pt-BR, eng_Latn
+# A language code: de, eng, pt-BR, eng_Latn, sr-Latn-RS (subtags bounded: a regular expression keeps state for each
+# repeat of a group, so an unbounded one cost 80 bytes a character of a hostile "source" field)
+LANG_CODE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8}){0,8}")
 # file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language
 NOT_LANGUAGES = frozenset({"txt", "tsv", "csv", "xml", "htm", "srt", "md", "log", "out", "tok", "bpe", "raw", "src",
                            "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst"})

@@ -3,7 +3,8 @@
 The document is cut into markup and text by a small tokenizer of our own, which follows the HTML standard's
 tokenizer for what a translation service needs to know (where each tag, comment, doctype and processing
 instruction starts and ends, the tag's name, its translate attribute, raw-text elements) and builds no tree.
-It visits every character a bounded number of times, so any document costs time in proportion to its size.
+It visits every character a bounded number of times, so any document costs time and memory in proportion to
+its size.
 The standard library's html.parser was quadratic on unterminated constructs (`<a ` or `<!--` repeated:
 CPython gh-135462), so 36 KB held a request for 11 s. The rule, written down in docs/serving.md:
 
@@ -64,11 +65,10 @@ IMPLIED: dict[str, tuple[tuple[str, frozenset[str]], ...]] = {
 IMPLIED["dt"] = IMPLIED["dd"]
 END_SCOPE = {"p": BUTTON, "li": LIST, **{name: TABLE for name in ("table", "td", "th", "tr", *SECTIONS)}}
 ENTITY = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
-# A start or end tag from its "<": the name, then attributes (a value quoted after "=" may hold ">"), then ">".
-# Every character can be read one way only (each run is maximal, a quote opens a value only after "="), so
-# a match that fails at the end of the document backtracks in linear time.
-TAG = re.compile(r"""</?([A-Za-z][^\t\n\f\r />]*)(?![^\t\n\f\r />])"""
-                 r"""((?:[^>"'=]+(?![^>"'=])|=[\t\n\f\r ]*(?:"[^"]*"|'[^']*')|=(?![\t\n\f\r ]*["'])|["'])*)>""")
+# A start or end tag's name from its "<" (then attributes, a value quoted after "=" may hold ">", then ">": _tag).
+TAG_NAME = re.compile(r"</?([A-Za-z][^\t\n\f\r />]*)")
+TAG_STOPS = re.compile(r"""[>"'=]""")  # in a tag's attributes: its end, or what may open a quoted value
+QUOTED = re.compile(r"""[\t\n\f\r ]*["']""")
 # One attribute of a tag's attribute text: its name, then its value (quoted, unquoted, or none). Read one after
 # the other from the start, so a quoted value (title='x translate="no"') is a value, never taken for attributes.
 ATTRIBUTE = re.compile(r"""([^\t\n\f\r />][^\t\n\f\r />=]*)(?:[\t\n\f\r ]*=[\t\n\f\r ]*(?:"([^"]*)"|'([^']*)'|"""
@@ -116,18 +116,17 @@ def _runs(document: str, xml: bool = False) -> Iterator[tuple[int, int, bool]]:
         nxt = document[lt + 1:lt + 2]
         if nxt.isascii() and nxt.isalpha() or nxt == "/" and document[lt + 2:lt + 3].isascii() \
                 and document[lt + 2:lt + 3].isalpha():
-            tag = TAG.match(document, lt)
+            tag = _tag(document, lt)
             if tag is None:  # "<b" with no ">" after it: a tag to the end of the document
                 yield lt, n, False
                 return
-            i = tag.end()
+            name, attributes, i = tag
             yield lt, i, False
-            name = tag.group(1).lower()
             if nxt == "/":
                 tree.end(name)
                 continue
-            closed = tag.group(0).endswith("/>") or name in VOID
-            tree.start(name, "" if closed else _translate(tag.group(2)), closed)
+            closed = document.endswith("/>", lt, i) or name in VOID
+            tree.start(name, "" if closed else _translate(attributes), closed)
             if not closed and name in RAW_TEXT:  # its content is copied up to its end tag, which the loop reads next
                 found = re.compile(rf"</{name}[\t\n\f\r />]", re.IGNORECASE).search(document, i)
                 stop = n if found is None else found.start()
@@ -233,6 +232,27 @@ class _Open:
                 reopen.append((name, own))
         for name, own in reversed(reopen):
             self.push(name, own)
+
+
+def _tag(document: str, lt: int) -> tuple[str, str, int] | None:
+    """The tag at document[lt] ("<" then a letter, or "</" then one): its lower-cased name, its attribute text and
+    where it ends (after its ">"); None when it never ends. Read left to right, each character once: a quote
+    opens a value only after "=" (and spaces), and such a value runs to its closing quote whatever ">" it holds.
+    (A regular expression that repeats a group keeps state for each repeat: 80 bytes a character of the tag.)"""
+    name = TAG_NAME.match(document, lt)
+    assert name is not None, "called at '<' + a letter"
+    i = name.end()
+    while (stop := TAG_STOPS.search(document, i)) is not None:
+        j, char = stop.start(), stop.group()
+        if char == ">":
+            return name.group(1).lower(), document[name.end():j], j + 1
+        i = j + 1
+        if char == "=" and (quote := QUOTED.match(document, i)) is not None:
+            close = document.find(quote.group()[-1], quote.end())
+            if close < 0:
+                return None
+            i = close + 1
+    return None
 
 
 def _translate(attributes: str) -> str:

@@ -115,7 +115,8 @@ def read_html(data: bytes, max_texts: int | None = None) -> Document:
 TIMING = re.compile(r"\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}\s*-->\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}.*")
 INDEX = re.compile(r"\s*\d+\s*")
 TAG = re.compile(r"(<[^<>]*>|\{\\[^{}]*\})")  # <i>, </font>, {\an8}: copied, never translated
-MARK = re.compile(r"\s*(?:(?:<[^<>]*>|\{\\[^{}]*\})\s*)*[-\u2013\u2014]+\s*")  # "- ", "<i>–": a speaker's turn
+SPACES = re.compile(r"\s*")
+DASHES = re.compile(r"[-\u2013\u2014]+\s*")  # after spaces and tags: "- ", "<i>–", a speaker's turn (_mark)
 
 
 @dataclass
@@ -178,15 +179,25 @@ def _turns(block: list[re.Match[str]]) -> Iterator[tuple[int, list[re.Match[str]
     run: list[re.Match[str]] = []
     start = 0
     for line in block:
-        mark = MARK.match(line.group(1))
+        mark = _mark(line.group(1))
         if mark and run:
             yield start, run
             run = []
         if not run:
-            start = line.start() + (mark.end() if mark else 0)
+            start = line.start() + mark
         run.append(line)
     if run:
         yield start, run
+
+
+def _mark(line: str) -> int:
+    """Where the text after a line's speaker mark (spaces and tags, then a dash and spaces) starts; 0 without one.
+    Read tag by tag: a regular expression repeating a group would keep state for each tag of a hostile line."""
+    i = SPACES.match(line).end()  # type: ignore[union-attr]  # \s* always matches
+    while (tag := TAG.match(line, i)) is not None:
+        i = SPACES.match(line, tag.end()).end()  # type: ignore[union-attr]
+    dash = DASHES.match(line, i)
+    return dash.end() if dash else 0
 
 
 def _wrap(text: str, n: int) -> list[str]:
