@@ -217,6 +217,22 @@ def test_an_epub_page_is_read_by_xhtml_rules():
                 .replace("einmal", "EINMAL").replace("ein Satz", "EIN SATZ")
 
 
+
+def test_an_epubs_pages_count_against_the_xml_limit():
+    """An EPUB's pages were parsed whatever their size (100 MiB unpacked), where Office parts stop at 32 MiB."""
+    from pipeline.serve.archive_formats import MAX_XML_BYTES
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr(zipfile.ZipInfo("mimetype"), "application/epub+zip")
+        z.writestr("META-INF/container.xml", "<container/>")
+        for k in range(3):
+            z.writestr(f"OEBPS/ch{k}.xhtml", "<p>Hallo Welt</p>" + " " * (MAX_XML_BYTES // 3))
+    with pytest.raises(documents.DocumentError, match=r"pages hold more than this server's limit of 33554432 bytes "
+                       r"of XHTML \(32 MiB\)") as refused:
+        documents.read_document("buch.epub", buffer.getvalue())
+    assert refused.value.too_large
+
 def test_a_file_already_in_the_target_language_comes_back_unchanged():
     with served() as c:
         r = send(c, "x.txt", b"schon Englisch\n", source="en", target="en")
@@ -308,6 +324,28 @@ def test_a_member_holding_more_than_it_declares_is_damaged_not_unpacked():
     assert r.status_code == 400
     assert "is damaged: its member 'word/document.xml' cannot be read (BadZipFile: Bad CRC-32" in r.json()["error"]
 
+
+
+def test_a_member_that_lies_about_its_size_is_read_in_memory_of_the_size_it_declares():
+    """zipfile's read() of a whole member asks zlib for up to 2 GiB and cuts to the declared size after: a 64 KiB
+    member declaring 100 bytes took 64 MiB here (a 1 MiB upload, 2 GB of the server)."""
+    import tracemalloc
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("word/document.xml", bytes(64 << 20))
+    data = bytearray(buffer.getvalue())
+    for signature, at in ((b"PK\x03\x04", 22), (b"PK\x01\x02", 24)):  # local header, central directory
+        start = data.index(signature)
+        data[start + at:start + at + 4] = (100).to_bytes(4, "little")
+    tracemalloc.start()
+    try:
+        with pytest.raises(documents.DocumentError, match="Bad CRC-32"):
+            documents.read_document("luege.docx", bytes(data))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 << 20, f"{peak >> 20} MiB to read a {len(data) >> 10} KiB archive"
 
 def _docx_of(document_xml: str) -> bytes:
     buffer = io.BytesIO()

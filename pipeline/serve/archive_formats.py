@@ -31,7 +31,9 @@ XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 
 def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
     """Every member of the archive, decompressed after the bounds are checked on the sizes it declares
-    (zipfile stops at the declared size and checks the CRC: a member holding more is an error, not a bomb)."""
+    (zipfile stops at the declared size and checks the CRC: a member holding more is an error, not a bomb).
+    Each read asks for the declared size: zipfile's read() of a whole member asks zlib for up to 2 GiB at once
+    and cuts that to the declared size after, so a 1 MiB member declaring 10 bytes held 2 GB."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         infos = archive.infolist()
@@ -48,7 +50,7 @@ def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
     for info in infos:
         try:
             with archive.open(info) as member:
-                content = member.read()
+                content = member.read(info.file_size + 1)
         except Exception as e:  # bad CRC, unknown compression, encrypted, truncated: the file's fault
             raise DocumentError(f"the {what} is damaged: its member {info.filename[:100]!r} cannot be read "
                                 f"({type(e).__name__}: {e})") from None
@@ -341,9 +343,14 @@ def read_epub(data: bytes) -> Document:
         raise DocumentError(f"the file is not an {what}: it has no META-INF/container.xml")
     texts: list[str] = []
     pages: dict[int, tuple[Any, int]] = {}  # member -> its markup and how many texts it has
+    parsed = 0
     for index, (info, content) in enumerate(members):
         if extension(info.filename) not in (".xhtml", ".html", ".htm"):
             continue
+        parsed += len(content)
+        if parsed > MAX_XML_BYTES:
+            raise DocumentError(f"the {what}'s pages hold more than this server's limit of {MAX_XML_BYTES} bytes "
+                                f"of XHTML ({MAX_XML_BYTES >> 20} MiB)", too_large=True)
         try:
             page = content.decode("utf-8-sig")  # .xhtml, or an XML declaration: XHTML's rules, not HTML's
             markup = parse_html(page, xml=extension(info.filename) == ".xhtml" or page.lstrip().startswith("<?xml"))
