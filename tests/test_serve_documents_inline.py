@@ -19,10 +19,10 @@ pytest.importorskip("httpx")
 pytest.importorskip("sentencex")
 
 from lxml import etree  # type: ignore[import-untyped]  # noqa: E402
-from test_serve_files import _docx_of, roundtrip  # noqa: E402
+from test_serve_files import _docx_of, roundtrip, send, served  # noqa: E402
 
 from pipeline.serve.archive_formats import read_docx, read_odt, read_pptx  # noqa: E402
-from pipeline.serve.text_formats import Document  # noqa: E402
+from pipeline.serve.text_formats import Document, DocumentError  # noqa: E402
 
 NS = {"office": "urn:oasis:names:tc:opendocument:xmlns:office:1.0",
       "text": "urn:oasis:names:tc:opendocument:xmlns:text:1.0",
@@ -240,3 +240,34 @@ def test_odt_ruby_page_number_placeholders_and_deleted_text() -> None:
     root = _part(_bracketed(doc), "content.xml")
     assert _texts(root, "//text:deletion/text:p") == ["Gelöschter Text."]
     assert _texts(root, "//text:ruby-text") == ["kanji"] and _texts(root, "//text:page-number") == ["<number>"]
+
+
+def test_odt_tracked_insertions_get_no_translation_even_across_paragraphs() -> None:
+    """A paragraph that began with a tracked insertion got its whole translation inside it (rejecting the change
+    in LibreOffice deleted the sentence); Word's was right. Also for an insertion that began a paragraph before."""
+    body = ('<text:tracked-changes><text:changed-region text:id="c1"><text:insertion/></text:changed-region>'
+            '<text:changed-region text:id="c2"><text:insertion/></text:changed-region></text:tracked-changes>'
+            '<text:p><text:change-start text:change-id="c1"/>Neu am Anfang <text:change-end text:change-id="c1"/>'
+            'eines alten Satzes.</text:p>'
+            '<text:p>Alt <text:span>und <text:change-start text:change-id="c2"/>neu bis</text:span></text:p>'
+            '<text:p>hier<text:change-end text:change-id="c2"/> und weiter.</text:p>')
+    doc = read_odt(_odt(body))
+    assert doc.texts == ["Neu am Anfang eines alten Satzes.", "Alt und neu bis", "hier und weiter."]
+    root = _part(_bracketed(doc), "content.xml")
+    first, second, third = root.xpath("//office:text/text:p", namespaces=NS)
+    assert not first.xpath("text:change-start", namespaces=NS)[0].tail  # the inserted words' place: emptied
+    assert first.xpath("text:change-end", namespaces=NS)[0].tail == "[Neu am Anfang eines alten Satzes.]"
+    assert second.text == "[Alt und neu bis]"
+    assert not third.text and third.xpath("text:change-end", namespaces=NS)[0].tail == "[hier und weiter.]"
+
+
+def test_strict_open_xml_is_refused_not_returned_untranslated() -> None:
+    """A .docx / .pptx saved as Strict Open XML (other namespaces for the same parts) came back 200 unchanged."""
+    strict = _docx_of('<w:document xmlns:w="http://purl.oclc.org/ooxml/wordprocessingml/main"><w:body><w:p><w:r>'
+                      '<w:t>Hallo Welt</w:t></w:r></w:p></w:body></w:document>')
+    with pytest.raises(DocumentError, match=r"saved as Strict Open XML \('word/document.xml'\), which this server "
+                       r"does not read; save it in the default \(transitional\) format"):
+        read_docx(strict)
+    with served() as c:
+        r = send(c, "streng.docx", strict)
+    assert r.status_code == 400 and "Strict Open XML" in r.json()["error"]

@@ -24,6 +24,7 @@ W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
 A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 TEXT = "{urn:oasis:names:tc:opendocument:xmlns:text:1.0}"
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
+STRICT = "{http://purl.oclc.org/ooxml/"  # Strict Open XML's namespaces: the same parts under other names
 
 
 # -- archives: .docx, .pptx, .odt, .odp, .epub --------------------------------------------------------------
@@ -139,6 +140,7 @@ ODF_BREAKS = frozenset({TEXT + "tab", TEXT + "line-break"})
 ODF_ANCHORED = frozenset({TEXT + "note", TEXT + "ruby-text"})  # and all outside TEXT: office:annotation, draw:frame
 # cuts whose value the application fills (a slide's "<number>" placeholder too): never sent, never changed
 ODF_FILLED = frozenset({TEXT + "page-number", TEXT + "page-count"})
+CHANGE_START, CHANGE_END = TEXT + "change-start", TEXT + "change-end"  # a tracked change's marks in a paragraph
 ODF_SKIPPED = frozenset({TEXT + "tracked-changes"})  # the text a tracked change deleted: copied, as Word's delText
 MAX_SPACES = 16  # what one text:s adds to a text: no more characters than its XML, whatever its text:c says
 
@@ -211,11 +213,14 @@ def _segment_text(slots: list[Slot]) -> str:
                    else getattr(element, where) or "" for element, where in slots)
 
 
-def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Callable[[Any], bool] | None = None) -> None:
+Prefer = Callable[[Any, str], bool]  # may a text slot (element, where) hold its paragraph's translation (_put)?
+
+
+def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Prefer | None = None) -> None:
     """The translation in the first text slot (its run's formatting) that `prefer`s (else the first), the others
     emptied; the text:s and character elements removed (the translation has its own), their tails kept."""
     texts = [(element, where) for element, where in slots if where in ("text", "tail")]
-    first = next((k for k, (element, _) in enumerate(texts) if prefer is None or prefer(element)), 0)
+    first = next((k for k, slot in enumerate(texts) if prefer is None or prefer(*slot)), 0)
     for k, (element, where) in enumerate(texts):
         setattr(element, where, translation if k == first else "")
         if preserve and where == "text":
@@ -234,12 +239,13 @@ def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Callable[[
 
 def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
                       segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool,
-                      prefer: Callable[[Any], bool] | None = None) -> Document:
+                      prefer: Callable[[Any], Prefer] | None = None) -> Document:
     members = _members(data, what)
     names = [info.filename for info, _ in members]
     if required not in names:
         raise DocumentError(f"the file is not a {what}: it has no {required}")
     slots: list[list[Slot]] = []
+    rules: list[Prefer | None] = []  # each segment's part's rule
     trees: dict[int, Any] = {}
     parsed = 0
     for index, (info, content) in enumerate(members):
@@ -250,11 +256,15 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
             raise DocumentError(f"the {what}'s text parts hold more than this server's limit of {MAX_XML_BYTES} "
                                 f"bytes of XML ({MAX_XML_BYTES >> 20} MiB)", too_large=True)
         tree = trees[index] = _parse_xml(content, info.filename, what)
+        if str(tree.getroot().tag).startswith(STRICT):
+            raise DocumentError(f"the {what} is saved as Strict Open XML ({info.filename!r}), which this server does "
+                                "not read; save it in the default (transitional) format")
         slots.extend(s for s in segments(tree.getroot()) if s and has_letters(_segment_text(s)))
+        rules.extend([prefer(tree.getroot()) if prefer else None] * (len(slots) - len(rules)))
 
     def rebuild(translations: list[str]) -> bytes:
-        for segment, translation in zip(slots, translations):
-            _put(segment, translation, preserve, prefer)
+        for segment, translation, rule in zip(slots, translations, rules):
+            _put(segment, translation, preserve, rule)
         return _zip([(info, _serialize(trees[k]) if k in trees else content)
                      for k, (info, content) in enumerate(members)])
 
@@ -275,7 +285,7 @@ PPTX_BREAKS = frozenset({A + "br", A + "fld"})  # a field's text (slide number, 
 def read_docx(data: bytes) -> Document:
     return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
                              lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS,
-                                                          _docx_links, _docx_unseen), True, _docx_plain)
+                                                          _docx_links, _docx_unseen), True, lambda root: _docx_plain)
 
 
 def _docx_unseen(element: Any) -> bool:
@@ -290,7 +300,7 @@ def _on(toggle: Any) -> bool:
     return toggle is not None and toggle.get(W + "val", "true").lower() not in ("0", "false", "off")
 
 
-def _docx_plain(text: Any) -> bool:
+def _docx_plain(text: Any, where: str) -> bool:
     """A w:t the paragraph's translation may go into: not superscript or subscript (a footnote mark's format would
     become the sentence's) and not inside a tracked insertion or move (rejecting it would delete the sentence)."""
     run = text.getparent()
@@ -328,12 +338,30 @@ def read_pptx(data: bytes) -> Document:
 
 def read_odt(data: bytes) -> Document:
     return _read_xml_archive(data, "OpenDocument text (.odt)", re.compile(r"content\.xml|styles\.xml"),
-                             "content.xml", _odf_segments, False)
+                             "content.xml", _odf_segments, False, _odf_plain)
 
 
 def read_odp(data: bytes) -> Document:
     return _read_xml_archive(data, "OpenDocument presentation (.odp)", re.compile(r"content\.xml"),
-                             "content.xml", _odf_segments, False)
+                             "content.xml", _odf_segments, False, _odf_plain)
+
+
+def _odf_plain(root: Any) -> Prefer:
+    """The text slots of the part that a paragraph's translation may go into: not inside a tracked change (between
+    a text:change-start and its text:change-end: rejecting an insertion would delete the sentence), as in Word
+    (_docx_plain). One walk of the part, when it has such marks."""
+    if next(root.iter(CHANGE_START), None) is None:
+        return lambda element, where: True
+    inside: set[tuple[Any, str]] = set()
+    open_changes: set[str] = set()
+    for event, node in etree.iterwalk(root, events=("start", "end")):
+        if event == "start" and node.tag == CHANGE_START:
+            open_changes.add(node.get(TEXT + "change-id", ""))
+        elif event == "start" and node.tag == CHANGE_END:
+            open_changes.discard(node.get(TEXT + "change-id", ""))
+        if open_changes:  # a node's text follows its start; its tail, its end
+            inside.add((node, "text" if event == "start" else "tail"))
+    return lambda element, where: (element, where) not in inside
 
 
 def read_epub(data: bytes) -> Document:
