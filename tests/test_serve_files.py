@@ -519,3 +519,16 @@ def test_a_form_field_that_is_not_utf8_is_a_400_as_on_translate():
     with served() as c:
         r = c.post("/translate_file", content=body, headers={"content-type": "multipart/form-data; boundary=B"})
     assert r.status_code == 400 and "form field 'glossary' is not utf-8 text" in r.json()["error"], r.text
+
+
+def test_an_upload_cut_short_is_refused_not_read_in_part():
+    """A body without its closing boundary lost its unfinished last part: an api_key, a glossary, a target."""
+    body = (b'--B\r\nContent-Disposition: form-data; name="file"; filename="a.txt"\r\n\r\nder hund\n\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="source"\r\n\r\nde\r\n--B\r\n'
+            b'Content-Disposition: form-data; name="target"\r\n\r\nen')
+    with served() as c:
+        r = c.post("/translate_file", content=body, headers={"content-type": "multipart/form-data; boundary=B"})
+        assert r.status_code == 400 and "ends before its closing boundary" in r.json()["error"], r.text
+        r = c.post("/translate_file", content=body + b"\r\n--B--\r\n",
+                   headers={"content-type": "multipart/form-data; boundary=B"})
+        assert r.status_code == 200, r.text

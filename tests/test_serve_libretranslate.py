@@ -381,3 +381,18 @@ def test_html_of_character_references_alone_is_translated():
         assert status == 200 and got["translatedText"] == "U&#32;P" and got["score"] is not None, got
         status, got = lt(c, q='<img alt="123"><b>42</b>', source="de", target="en", format="html")
         assert status == 200 and got["translatedText"] == '<img alt="123"><b>42</b>' and got["score"] is None
+
+
+def test_multipart_form_data_cut_short_is_refused_not_read_in_part():
+    """python-multipart drops an unfinished last part: a body without its closing --boundary-- was a 200 that
+    translated one q of two, or HTML as plain text, or "missing target" for a target that was sent."""
+    parts = [("q", "Ein Hund"), ("source", "de"), ("target", "en"), ("q", "bellt")]
+    whole = b"".join(f'--XYZ\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode() for k, v in parts)
+    kind = {"content-type": "multipart/form-data; boundary=XYZ"}
+    with client() as c:
+        r = c.post("/translate", content=whole + b"--XYZ--\r\n", headers=kind)
+        assert r.status_code == 200 and r.json()["translatedText"] == ["EIN HUND", "BELLT"], r.text
+        for cut in (whole, whole[:-2], whole + b"--XYZ"):
+            r = c.post("/translate", content=cut, headers=kind)
+            assert r.status_code == 400, r.text
+            assert "ends before its closing boundary" in r.json()["error"]

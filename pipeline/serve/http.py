@@ -281,10 +281,23 @@ def _first_of_each(pairs: list[tuple[str, str]]) -> dict[str, Any]:
 @functools.cache
 def strict_multipart() -> Any:
     """starlette's multipart parser, refusing a text field that is not in its charset (starlette reads one as
-    Latin-1: mojibake translated with a 200), as urlencoded fields and JSON are refused."""
-    from starlette.formparsers import MultiPartParser
+    Latin-1: mojibake translated with a 200), as urlencoded fields and JSON are refused, and a body cut short
+    (python-multipart drops an unfinished last part: a 200 without a q, or without format=html)."""
+    from starlette.formparsers import MultiPartException, MultiPartParser
 
     class Strict(MultiPartParser):
+        ended = False
+
+        def on_end(self) -> None:  # the close delimiter, --boundary--
+            self.ended = True
+
+        async def parse(self) -> Any:
+            form = await super().parse()
+            if not self.ended:
+                raise MultiPartException("it ends before its closing boundary (--BOUNDARY--), so its last part may "
+                                         "be cut short; nothing of it was used")
+            return form
+
         def on_part_end(self) -> None:
             part = self._current_part
             if part.file is None:
