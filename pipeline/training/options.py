@@ -99,9 +99,9 @@ class TrainOptions:
     spm_alpha: float = opt(0.0, "SentencePiece subword regularisation during training: sampling smoothing "
                            "alpha (0 = off; 0.1-0.2 typical for small data). Never used for validation, "
                            "export or serving.")
-    # 64 rather than -1: sampling among all segmentations about doubles the pieces per sentence
-    # (docs/training.md), and with it the cost of an epoch.
-    spm_nbest: int = opt(64, "Subword sampling among the n best segmentations (-1 = all, from the lattice). "
+    # Not SentencePiece's -1 (all segmentations, from the lattice): its draws differ between processes
+    # (pipeline/corpus/sampling.py), and it about doubled the pieces per sentence (docs/training.md).
+    spm_nbest: int = opt(64, "Subword sampling among the n best segmentations (at least 1). "
                          "Batches are formed on the deterministic lengths, so sampled batches exceed "
                          "--batch-tokens by as much.")
     tensorboard: bool = opt(True, "Write TensorBoard events under SAVE_DIR/tensorboard (needs the "
@@ -219,8 +219,9 @@ def check_numbers(o: TrainOptions) -> None:
         problems.append("--decay-time sets how long --lr-schedule linear decays; it needs --lr-schedule linear")
     if not 0 <= o.spm_alpha <= 1:
         problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
-    if o.spm_nbest == 0 or o.spm_nbest < -1:
-        problems.append(f"--spm-nbest must be -1 (all segmentations) or at least 1 (got {o.spm_nbest})")
+    if o.spm_nbest < 1:  # -1 (SentencePiece's lattice sampling) draws differently in each process
+        problems.append(f"--spm-nbest must be at least 1 (got {o.spm_nbest}); sampling from all segmentations (-1) "
+                        "cannot be repeated exactly, so resumed and multi-process runs would differ")
     threads = thread_problem(o.threads, "--threads")
     if threads:
         problems.append(threads)
