@@ -245,6 +245,31 @@ def test_validation_files_from_a_save_dir(tmp_path):
     assert validation_files(ckpt) is None and validation_files(ckpt, existing=False) == (src, tgt)
 
 
+def test_a_save_dirs_validation_files_are_the_ones_it_trained_on_wherever_export_runs(tmp_path, monkeypatch):
+    """config.json's options hold the paths as typed: export from another directory said a run's validation set
+    was gone, or recorded that directory's own val.de / val.en as the run's held-out set (and calibrated int8 on
+    it). The fingerprints' absolute paths are used, and a file changed since training is not."""
+    from pipeline.corpus.data import file_fingerprint
+    from pipeline.training.trainer import validation_files
+
+    project, elsewhere, save = tmp_path / "proj", tmp_path / "elsewhere", tmp_path / "proj" / "run"
+    save.mkdir(parents=True)
+    elsewhere.mkdir()
+    for folder, words in ((project, "Haus"), (elsewhere, "rot")):
+        (folder / "val.de").write_text(f"{words}\n")
+        (folder / "val.en").write_text(f"{words}\n")
+    (save / "config.json").write_text(json.dumps({
+        "resolved_options": {"builtin_pairs": None, "valid_src": "val.de", "valid_tgt": "val.en"},
+        "data_files": {name: file_fingerprint([project / f"val.{lang}"])[0]
+                       for name, lang in (("valid_src", "de"), ("valid_tgt", "en"))}}))
+    for cwd in (tmp_path, elsewhere):
+        monkeypatch.chdir(cwd)
+        assert validation_files(save) == (project / "val.de", project / "val.en")
+    (project / "val.de").write_text("Haus\nund mehr\n")  # changed since the run trained on it
+    assert validation_files(save) is None
+    assert validation_files(save, existing=False) == (project / "val.de", project / "val.en")
+
+
 @pytest.mark.slow
 def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     """`pipeline export` on a checkpoint of a save dir records the fp32 model's translations of its

@@ -99,8 +99,8 @@ def held_out_pair(checkpoint: Path, src: Path | None, tgt: Path | None, limit: i
         return None
     pair = held_out_files(checkpoint, src, tgt)
     gone = validation_files(checkpoint, existing=False) if pair is None else None
-    if gone is not None:  # the run's validation set, moved or deleted since
-        log.info("%s: its run's validation set (%s, %s) is gone: no reference translations recorded (parity "
+    if gone is not None:  # the run's validation set, moved, deleted or changed since
+        log.info("%s: its run's validation set (%s, %s) is gone or changed: no reference translations recorded (parity "
                  "without PyTorch needs --reference-src/--reference-tgt)", checkpoint, *gone)
     elif pair is None:
         log.info("no held-out set known for %s: no reference translations recorded (parity without PyTorch "

@@ -30,7 +30,7 @@ from model.checkpoint import step_checkpoints
 from model.errors import UserError
 from model.transformer import build_model
 from pipeline.corpus import synthetic
-from pipeline.corpus.data import CACHE_DIR, PreparedData, ShardedBatches, prepare_data
+from pipeline.corpus.data import CACHE_DIR, PreparedData, ShardedBatches, file_fingerprint, prepare_data
 from pipeline.corpus.sampling import SubwordSampler
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
 from pipeline.textio import atomic_output, within
@@ -208,21 +208,34 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
 
 
 def validation_files(checkpoint: Path, existing: bool = True) -> tuple[Path, Path] | None:
-    """The held-out (validation) pair a checkpoint's save dir trained with: the built-in corpus'
-    valid split or --valid-src/--valid-tgt as config.json records them; None when unknown or (`existing`) gone."""
+    """The held-out (validation) pair a checkpoint's save dir trained with: the built-in corpus' valid split, or
+    --valid-src/--valid-tgt at the absolute paths config.json's fingerprints record (the options hold them as
+    typed: relative to where training ran, not to where this runs); None when unknown or (`existing`) gone or
+    changed since (its size or SHA-256 not the recorded one)."""
     checkpoint = Path(checkpoint)
     save_dir = checkpoint if checkpoint.is_dir() else checkpoint.parent
     try:
-        options = json.loads((save_dir / CONFIG_FILE).read_text())["resolved_options"]
-    except (OSError, ValueError, KeyError, TypeError):
+        config = json.loads((save_dir / CONFIG_FILE).read_text())
+        options, recorded = config["resolved_options"], config.get("data_files") or {}
+        if options.get("builtin_pairs") is not None:
+            files = [{"path": str(save_dir / DATA_DIR / name)} for name in ("valid.src", "valid.tgt")]
+        elif options.get("valid_src") and options.get("valid_tgt"):
+            files = [recorded.get(name) or {"path": str(Path(options[name]).resolve())}
+                     for name in ("valid_src", "valid_tgt")]  # a config without fingerprints: as typed
+        else:
+            return None
+        pair = (Path(files[0]["path"]), Path(files[1]["path"]))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if options.get("builtin_pairs") is not None:
-        pair = (save_dir / DATA_DIR / "valid.src", save_dir / DATA_DIR / "valid.tgt")
-    elif options.get("valid_src") and options.get("valid_tgt"):
-        pair = (Path(options["valid_src"]), Path(options["valid_tgt"]))
-    else:
+    if not existing:
+        return pair
+    if not all(p.is_file() for p in pair):
         return None
-    return pair if not existing or all(p.is_file() for p in pair) else None
+    found = file_fingerprint(list(pair))
+    if any(f.get("sha256", now["sha256"]) != now["sha256"] for f, now in zip(files, found)):
+        log.warning("%s: its run's validation set (%s, %s) changed since it trained: not used", checkpoint, *pair)
+        return None
+    return pair
 
 
 def corpus_languages(checkpoint: Path) -> tuple[str, str] | None:
