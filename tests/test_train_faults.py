@@ -62,6 +62,30 @@ def test_a_torn_metrics_line_is_dropped_and_resume_works(corpus, tmp_path, caplo
 
 # -- the corpus is part of the resume contract ----------------------------------------------
 
+
+@pytest.mark.slow
+def test_a_moved_corpus_with_the_same_contents_resumes(corpus, tmp_path, caplog, capsys):
+    """The corpus paths were part of the config a resume must match: a project moved (or mounted elsewhere) was
+    "a different config", even with --allow-changed-data. Its files' contents decide now; a changed one is still
+    refused, and a file added or dropped is still a different config."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--save-every", "1", "--max-steps", "1")) == 0
+    moved = (tmp_path / "moved").mkdir() or tuple(tmp_path / "moved" / p.name for p in corpus)
+    for old, new in zip(corpus, moved):
+        old.rename(new)
+    with caplog.at_level(logging.INFO):
+        assert run_cli("train", *common(run, moved, "--save-every", "1", "--max-steps", "2")) == 0
+    assert any(f"--train-src {moved[0]}: the same contents as {corpus[0]}" in r.getMessage() for r in caplog.records)
+    assert json.loads((run / "config.json").read_text())["data_files"]["train_src"]["path"] == str(moved[0])
+    assert last_step(run) == 2
+    moved[1].write_text(moved[1].read_text().replace("cat", "dog"))
+    capsys.readouterr()
+    assert run_cli("train", *common(run, moved, "--save-every", "1", "--max-steps", "3")) == 2
+    assert f"--train-tgt {moved[1]}" in capsys.readouterr().err
+    assert run_cli("train", *common(run, moved, "--valid-src", moved[0], "--valid-tgt", moved[1],
+                                    "--max-steps", "3", "--allow-changed-data")) == 2
+    assert "different config (valid_src None -> " in capsys.readouterr().err
+
 @pytest.mark.slow
 def test_a_changed_corpus_is_refused_unless_allowed(corpus, tmp_path, capsys, caplog):
     src, tgt = corpus

@@ -1,11 +1,10 @@
-"""Step checkpoints of a save dir: what one holds, writing and pruning them, resuming from
-the latest (exactly: the RNG states of every rank and the data position are in it), and
-averaging the last few (section 6.1).
+"""Step checkpoints of a save dir: what one holds, writing and pruning them, resuming from the latest (exactly:
+the RNG states of every rank and the data position are in it), and averaging the last few (section 6.1).
 
-A step checkpoint holds the model config, SentencePiece model and weights (model/checkpoint.py)
-plus `train_state`: optimizer, loss scaler, schedule step, data position, RNG states of
-every rank, tokens seen, best BLEU, the comparable config, the resolved options and the
-corpus files' fingerprints (size + SHA-256: resuming on changed data is refused)."""
+A step checkpoint holds the model config, SentencePiece model and weights (model/checkpoint.py) plus
+`train_state`: optimizer, loss scaler, schedule step, data position, RNG states of every rank, tokens seen,
+best BLEU, the comparable config, the resolved options and the corpus files' fingerprints (size + SHA-256:
+resuming on changed data is refused, on moved data not)."""
 
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
 from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
-from pipeline.training.options import TrainOptions, config_differences
+from pipeline.training.options import CORPUS_PATHS, TrainOptions, config_differences
 
 log = logging.getLogger(__name__)
 
@@ -85,14 +84,13 @@ def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | Non
     old = state.get("config")
     if old is None:
         raise UserError(f"{steps[-1]}: has no training state to resume from; use a new --save-dir")
-    diffs = config_differences(old, wanted)
+    diffs = config_differences(old, wanted, fingerprinted=bool(state.get("data_files")))
     if diffs:
         raise UserError(f"{save_dir} holds a run with a different config ({'; '.join(diffs)}); rerun with "
                         "the original options or choose a new --save-dir")
     return payload
 
 
-CORPUS_OPTIONS = ("train_src", "train_tgt", "valid_src", "valid_tgt")
 CONFIG_FILE = "config.json"  # a save dir's options and corpus fingerprints (pipeline/training/trainer.py writes it)
 
 
@@ -122,7 +120,7 @@ def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
     if opts.builtin_pairs is not None:
         return None
     found = {}
-    for name in CORPUS_OPTIONS:
+    for name in CORPUS_PATHS:
         path = getattr(opts, name)
         if path is None:
             continue
@@ -136,18 +134,20 @@ def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
 
 def check_data(save_dir: Path, recorded: dict[str, Any] | None, current: dict[str, Any] | None,
                allow_changed: bool) -> list[str]:
-    """Compare the corpus files with the fingerprints the resumed checkpoint recorded: a
-    change is refused (it would resume the old tokenizer and data position on other text)
-    unless --allow-changed-data; returns what changed. Checkpoints of earlier versions
-    recorded none: nothing to compare."""
+    """Compare the corpus files with the fingerprints the resumed checkpoint recorded: a change is refused (it
+    would resume the old tokenizer and data position on other text) unless --allow-changed-data; returns what
+    changed. A file moved, same contents, is said. Checkpoints of earlier versions recorded none."""
     if not recorded or current is None:
         return []
     changed = []
-    for name in CORPUS_OPTIONS:
+    for name in CORPUS_PATHS:
         old, new = recorded.get(name), current.get(name)
         if old is None or new is None:  # a file added or dropped is a config difference, checked before
             continue
-        if (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
+        if (old["size"], old["sha256"]) == (new["size"], new["sha256"]) and old["path"] != new["path"]:
+            log.info("--%s %s: the same contents as %s, where this run read it before", name.replace("_", "-"),
+                     new["path"], old["path"])
+        elif (old["size"], old["sha256"]) != (new["size"], new["sha256"]):
             changed.append(f"--{name.replace('_', '-')} {new['path']} ({old['size']} -> {new['size']} bytes, "
                            f"sha256 {old['sha256'][:12]} -> {new['sha256'][:12]})")
     if changed and not allow_changed:

@@ -113,6 +113,7 @@ class TrainOptions:
 RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size", "max_len",
                "batch_tokens", "lr_scale", "warmup", "label_smoothing", "clip_norm", "seed",
                "builtin_pairs")
+CORPUS_PATHS = ("train_src", "train_tgt", "valid_src", "valid_tgt")
 # Subword sampling and the linear schedule change the experiment too, but are recorded only when
 # on, so that save dirs made before they existed still resume.
 SAMPLING_KEYS = ("spm_alpha", "spm_nbest")
@@ -253,12 +254,18 @@ def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
     return {"model": model, "training": training}
 
 
-def config_differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """`key old -> new` for every entry of comparable_config that changed."""
+def config_differences(old: dict[str, Any], new: dict[str, Any], fingerprinted: bool = False) -> list[str]:
+    """`key old -> new` for every entry of comparable_config that changed. `fingerprinted`: the old run recorded
+    its corpus files' contents (checkpointing.check_data compares those), so a corpus file at another path (a
+    moved project, another machine's mount) is no difference; a file added or dropped still is."""
     diffs = []
     for section in ("model", "training"):
         a, b = old.get(section, {}), new.get(section, {})
         for key in sorted(set(a) | set(b)):
+            paths = (a.get(key), b.get(key))
+            if fingerprinted and section == "training" and key in CORPUS_PATHS and None not in paths \
+                    and "builtin" not in paths:
+                continue
             if a.get(key) != b.get(key):
                 diffs.append(f"{key} {a.get(key)!r} -> {b.get(key)!r}")
     return diffs

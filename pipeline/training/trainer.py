@@ -38,7 +38,6 @@ from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget, process_start_time
 from pipeline.training.checkpointing import (
     CONFIG_FILE,
-    CORPUS_OPTIONS,
     Checkpointer,
     Progress,
     check_data,
@@ -48,6 +47,7 @@ from pipeline.training.checkpointing import (
 from pipeline.training.loop import TrainLoop
 from pipeline.training.metrics import METRICS_FILE, MetricsLog, TrainingInterrupted
 from pipeline.training.options import (
+    CORPUS_PATHS,
     TrainOptions,
     comparable_config,
     jsonable,
@@ -114,7 +114,7 @@ def _check_corpus_outside_run_files(opts: TrainOptions) -> None:
     if opts.builtin_pairs is not None:
         return
     save_dir = Path(os.path.realpath(opts.save_dir))
-    for name in CORPUS_OPTIONS:
+    for name in CORPUS_PATHS:
         given = getattr(opts, name)
         if given is None:
             continue
