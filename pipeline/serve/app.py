@@ -34,7 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipeline.serve import file_routes, libre, native, page, spec, suggestions
 from pipeline.serve.access import AccessLog
 from pipeline.serve.batcher import Batcher
-from pipeline.serve.http import CLIENT_CLOSED, ApiError, error, read_payload
+from pipeline.serve.http import CLIENT_CLOSED, ApiError, CountedDisconnect, error, read_payload
 from pipeline.serve.metrics import CONTENT_TYPE
 from pipeline.serve.state import ServerState
 
@@ -116,7 +116,12 @@ async def no_icon(request: Request) -> Response:
 
 
 async def _gone(request: Request, exc: Exception) -> Response:
-    """A client that left before its answer (any route): nothing to send, nothing to log."""
+    """A client that left before its answer (any route; mid-body, say) that its route did not answer: nothing to
+    send, nothing to log, counted (on the unnamed series: no model was chosen)."""
+    state: ServerState = request.app.state.server
+    if not isinstance(exc, CountedDisconnect):
+        state.unnamed.disconnects.inc()
+    state.unnamed.request(CLIENT_CLOSED)
     return Response(status_code=CLIENT_CLOSED)
 
 

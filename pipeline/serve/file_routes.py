@@ -27,7 +27,16 @@ from starlette.responses import JSONResponse, Response
 from pipeline.serve import documents
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.glossaries import requested
-from pipeline.serve.http import MAX_FORM_FIELDS, ApiError, error, failed, off_loop, read_body, strict_multipart
+from pipeline.serve.http import (
+    MAX_FORM_FIELDS,
+    ApiError,
+    CountedDisconnect,
+    error,
+    failed,
+    off_loop,
+    read_body,
+    strict_multipart,
+)
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.state import ServerState
 from runtime.sentences import has_letters
@@ -193,6 +202,7 @@ async def translate_file(request: Request) -> Response:
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(answer)
     except Exception as e:
+        m = e.metrics if isinstance(e, CountedDisconnect) else m
         response = failed(e, m, state.limits.retry_after_s, "file translation")
     m.request(response.status_code)
     return response

@@ -46,7 +46,12 @@ class ApiError(Exception):
 
 
 class CountedDisconnect(ClientDisconnect):
-    """The client left while its texts were translated, counted on the model's metrics already."""
+    """The client left while its texts were translated, counted on the model's metrics already: its 499 is that
+    model's too."""
+
+    def __init__(self, metrics: ModelMetrics):
+        super().__init__()
+        self.metrics = metrics
 
 
 def error(e: ApiError) -> Response:
@@ -64,7 +69,7 @@ def failed(e: Exception, m: ModelMetrics, retry_after_s: int, what: str) -> Resp
     if isinstance(e, ClientDisconnect):
         if not isinstance(e, CountedDisconnect):
             m.disconnects.inc()
-        return Response(status_code=CLIENT_CLOSED)
+        return Response(status_code=CLIENT_CLOSED)  # the caller counts it on m (a CountedDisconnect's metrics)
     log.exception("%s failed", what)
     return error(ApiError(503, f"{what} failed ({type(e).__name__}: {e}); retry later",
                           {"Retry-After": str(retry_after_s)}))

@@ -253,7 +253,7 @@ async def translate_texts(request: Request, state: ServerState, req: LibreReques
         done = await translated(request, [g.request for g in groups if g.request], state)
     except ClientDisconnect:
         metrics.disconnects.inc()
-        raise CountedDisconnect() from None
+        raise CountedDisconnect(metrics) from None
     finally:
         for g in groups:
             g.model.metrics.in_flight.dec()
@@ -273,6 +273,7 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(body)
     except Exception as e:
+        m = e.metrics if isinstance(e, CountedDisconnect) else m
         response = failed(e, m, state.limits.retry_after_s, "translation")
     m.request(response.status_code)
     return response
