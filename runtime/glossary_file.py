@@ -42,15 +42,15 @@ def _unseen(term: str) -> str | None:
     return None
 
 
-def _entry(source: str, target: str, where: str) -> Entry:
+def _entry(source: str, target: str, where: str, in_file: bool = True) -> Entry:
     """An entry from its two fields, or a RuntimeUserError starting with `where`. The fields are checked as
     written: whitespace is collapsed after, so a control that is whitespace to Python (U+001F, NEL, a form feed)
-    is refused, not made a space."""
+    is refused, not made a space. `in_file`: a NUL suggests UTF-16 (not in a request's JSON)."""
     for name, term in (("source", source), ("target", target)):
         char = _unseen(term.strip(" \t\r\n"))
         if char is not None:
             what = unicodedata.name(char, "a surrogate" if unicodedata.category(char) == "Cs" else "a control")
-            hint = "; is the file UTF-16? save it as UTF-8" if char == "\0" else ""
+            hint = "; is the file UTF-16? save it as UTF-8" if char == "\0" and in_file else ""
             raise RuntimeUserError(f"{where}: the {name} term {_short(term)} holds U+{ord(char):04X} ({what}), a "
                                    f"character that is not part of a term: remove it{hint}")
     source, target = _field(source), _field(target)
@@ -175,5 +175,5 @@ def glossary_from_mapping(mapping: Any, where: str = "glossary", limit: int = MA
         if not isinstance(target, str):
             raise RuntimeUserError(f'{place}: the target term must be a string ("" = do not translate), not '
                                    f"{type(target).__name__}")
-        entries.append((_entry(source, target, place), place))
+        entries.append((_entry(source, target, place, in_file=False), place))
     return _checked(entries)

@@ -329,6 +329,14 @@ def test_what_no_term_holds_is_refused_naming_the_line(tmp_path: Path, content: 
     one_line(info)
 
 
+
+def test_a_nul_in_a_requests_glossary_says_nothing_of_files():
+    """The UTF-16 hint is a file's: a JSON request's inline glossary holding a NUL was asked whether "the file" was
+    UTF-16."""
+    with refused("glossary['kinisa']: the target term", "holds U+0000") as info:
+        glossary_from_mapping({"kinisa": "\x00x"})
+    assert "UTF-16" not in str(info.value) and "file" not in str(info.value)
+
 def test_joiners_indented_comments_and_commas_in_a_tab_file_are_kept(tmp_path: Path):
     g = load_glossary(write(tmp_path, "  # a comment, indented\nmi\u200cravam\tI go\nAcme, Inc.\nHund\tdog\n"))
     assert g.entries == (Entry("mi\u200cravam", "I go", False), Entry("Acme, Inc.", "Acme, Inc.", True),
