@@ -396,3 +396,16 @@ def test_multipart_form_data_cut_short_is_refused_not_read_in_part():
             r = c.post("/translate", content=cut, headers=kind)
             assert r.status_code == 400, r.text
             assert "ends before its closing boundary" in r.json()["error"]
+
+
+def test_char_limit_characters_always_fit_in_the_body_limit():
+    """charLimit was max_bytes // 12: a q of charLimit astral letters (12 bytes each as JSON escapes and as form
+    data) left 4 bytes for the rest of the request, so a client splitting text by charLimit got 413."""
+    with client(max_bytes=4096) as c:
+        limit = c.get("/frontend/settings").json()["charLimit"]
+        assert 0 < limit < 4096 // 12
+        q = "\U0001d42e" * limit  # MATHEMATICAL BOLD SMALL U: a letter, 4 bytes in UTF-8, 12 escaped
+        fields = {"q": q, "source": "de", "target": "en", "format": "text", "alternatives": 3, "api_key": "k" * 200}
+        for r in (c.post("/translate", content=json.dumps(fields), headers={"content-type": "application/json"}),
+                  c.post("/translate", data=fields)):
+            assert r.status_code != 413, r.text

@@ -285,6 +285,15 @@ async def languages(request: Request) -> Response:
     return Response(state.routes.languages_json, media_type="application/json")
 
 
+REQUEST_FIELDS_BYTES = 1024  # a request's other fields (source, target, format, api_key, ...) and its framing
+
+
+def char_limit(max_bytes: int) -> int:
+    """The characters of a q that always fit in a --max-bytes request with its other fields: a character is at
+    most 12 bytes as JSON (\\ud83d\\ude00) and as form data (%F0%9F%98%80)."""
+    return max(0, max_bytes - REQUEST_FIELDS_BYTES) // 12
+
+
 async def frontend_settings(request: Request) -> Response:
     """GET /frontend/settings: the fields LibreTranslate's front end and clients (libretranslate-aio, LiquidBounce)
     read. charLimit is what always fits in --max-bytes, whatever the characters and their JSON escapes."""
@@ -292,7 +301,7 @@ async def frontend_settings(request: Request) -> Response:
     codes = state.routes.codes
     target = "en" if "en" in codes else (codes[0] if codes else "")
     return JSONResponse({
-        "charLimit": state.limits.max_bytes // 12,  # a character is at most 12 bytes as JSON (\\ud83d\\ude00)
+        "charLimit": char_limit(state.limits.max_bytes),
         "frontendTimeout": 500,
         "apiKeys": state.keys is not None,
         "keyRequired": bool(state.keys is not None and state.keys.require),
