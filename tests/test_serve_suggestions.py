@@ -53,13 +53,20 @@ def test_suggestions_are_stored_and_checked(tmp_path: Path, monkeypatch):
                    headers={"content-type": "application/json"})
         assert r.status_code == 400 and "given more than once" in r.json()["error"]
         assert c.post("/suggest", json={"q": "Vogel", "s": "bird", "source": "DE", "target": "En"}).status_code == 200
+        # bounded in bytes too: rows of 1 MiB each were 1 TiB under the row limit alone
+        monkeypatch.setattr(suggestions, "MAX_TEXT_BYTES", 30)
+        r = c.post("/suggest", json={"q": "Maus", "s": "mäuse ja", "source": "de", "target": "en"})
+        assert r.status_code == 507 and "holds 24 bytes of suggestions, and this one's 13 would pass 30" in \
+            r.json()["error"], r.text
+        monkeypatch.setattr(suggestions, "MAX_TEXT_BYTES", 1 << 30)
         monkeypatch.setattr(suggestions, "MAX_ROWS", 2)
         r = c.post("/suggest", json={"q": "Maus", "s": "mouse", "source": "de", "target": "en"})
         assert r.status_code == 507 and "its limit" in r.json()["error"]
     state.suggestions.close()
     rows = sqlite3.connect(db).execute("SELECT q, s, source, target FROM suggestions ORDER BY rowid").fetchall()
     assert rows == [("Hund", "dog", "de", "en"), ("Katze", "cat", "de", "en"), ("Vogel", "bird", "de", "en")]
-    assert suggestions.Suggestions(db)._rows == 3  # counted again when reopened
+    reopened = suggestions.Suggestions(db)
+    assert (reopened._rows, reopened._bytes) == (3, 24)  # counted again when reopened
 
 
 def test_a_database_that_is_not_one_is_one_line(tmp_path: Path):

@@ -2,7 +2,8 @@
 the model (`pipeline serve --suggestions DB`; without it the route answers 403 "Suggestions are disabled on
 this server.", LibreTranslate's words). The table is LibreTranslate's (q, s, source, target) with the time it
 came; each write is committed before the answer, off the event loop. Each text is bounded by the request body
-limit, and the table by MAX_ROWS (beyond it: 507, nothing is dropped)."""
+limit, and the table by MAX_ROWS and by MAX_TEXT_BYTES of q and s together (beyond either: 507, nothing is
+dropped), so anonymous clients cannot fill the disk."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from runtime.languages import LANG_CODE
 from runtime.translate import not_text
 
 MAX_ROWS = 1_000_000
+MAX_TEXT_BYTES = 1 << 30  # the UTF-8 bytes of every suggestion's q and s
 BUSY_S = 2.0  # how long a write waits for another process' lock on the database before its 503
 RETRY_AFTER_S = 5
 
@@ -43,15 +45,20 @@ class Suggestions:
             self._db.execute('CREATE TABLE IF NOT EXISTS suggestions ("q" TEXT NOT NULL, "s" TEXT NOT NULL, '
                              '"source" TEXT NOT NULL, "target" TEXT NOT NULL, "created" REAL)')
             self._db.commit()
-            self._rows = self._db.execute("SELECT COUNT(*) FROM suggestions").fetchone()[0]
+            self._rows, self._bytes = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(LENGTH(CAST(q AS BLOB)) + LENGTH(CAST(s AS BLOB))), 0) "
+                "FROM suggestions").fetchone()
         except sqlite3.Error as e:
             raise UserError(f"--suggestions {path}: cannot use it as an SQLite database ({e})") from None
 
     def add(self, q: str, s: str, source: str, target: str) -> None:
         with self._lock:
-            if self._rows >= MAX_ROWS:
-                raise ApiError(507, f"the suggestions database holds {MAX_ROWS} suggestions, its limit; the operator "
-                                    "must move them elsewhere")
+            size = len(q.encode()) + len(s.encode())
+            if self._rows >= MAX_ROWS or self._bytes + size > MAX_TEXT_BYTES:
+                held = f"{MAX_ROWS} suggestions" if self._rows >= MAX_ROWS else \
+                    f"{self._bytes} bytes of suggestions, and this one's {size} would pass {MAX_TEXT_BYTES}"
+                raise ApiError(507, f"the suggestions database holds {held}, its limit; the operator must move them "
+                                    "elsewhere")
             try:
                 self._db.execute("INSERT INTO suggestions (q, s, source, target, created) VALUES (?, ?, ?, ?, ?)",
                                  (q, s, source, target, time.time()))
@@ -61,6 +68,7 @@ class Suggestions:
                 raise ApiError(503, f"the suggestions database cannot take it now ({e}); retry later",
                                {"Retry-After": str(RETRY_AFTER_S)}) from None
             self._rows += 1
+            self._bytes += size
 
     def close(self) -> None:
         self.writer.shutdown(wait=True)
