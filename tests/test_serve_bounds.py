@@ -18,6 +18,7 @@ import timeit
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -155,12 +156,15 @@ def test_alternatives_no_int_can_read_are_a_400(given, caplog):
 
 
 @contextmanager
-def real_server(state: ServerState) -> Iterator[tuple[str, int]]:
-    """The app under uvicorn on a loopback port (bound as `pipeline serve` binds it), in a thread."""
+def real_server(state: ServerState, **options: Any) -> Iterator[tuple[str, int]]:
+    """The app under uvicorn on a loopback port (bound and configured as `pipeline serve` does it), in a thread."""
     import uvicorn
 
+    from pipeline.serve.options import ServeHttpOptions
+    from pipeline.serve.runner import uvicorn_config
+
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on"))
+    server = uvicorn.Server(uvicorn_config(create_app(state), ServeHttpOptions(**options)))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     while not server.started:
@@ -172,6 +176,18 @@ def real_server(state: ServerState) -> Iterator[tuple[str, int]]:
         thread.join(30)
         sock.close()
 
+
+
+@pytest.mark.parametrize("trusted", ["", "127.0.0.1"])
+def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(tmp_path, trusted):
+    """uvicorn believed X-Forwarded-For from any peer on 127.0.0.1: behind a local proxy passing a client's own
+    header on, each keyless request could name a new address and pass --keyless-rate."""
+    (tmp_path / "keys").write_text(KEY + "\n")
+    state = state_of({"de-en": (("de",), ("en",))}, ApiKeys.read(str(tmp_path / "keys"), keyless_per_minute=2))
+    with real_server(state, forwarded_allow_ips=trusted) as (host, port):
+        codes = [httpx.post(f"http://{host}:{port}/translate", json={"q": "hund", "source": "de", "target": "en"},
+                            headers={"X-Forwarded-For": f"10.0.0.{k}"}, timeout=10).status_code for k in range(4)]
+    assert codes == ([200] * 4 if trusted else [200, 200, 429, 429])
 
 def test_clients_that_leave_mid_translation_leave_no_traceback_in_the_log(caplog):
     state = state_of({"de-en": (("de",), ("en",))}, delay=0.3)

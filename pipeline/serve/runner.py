@@ -215,6 +215,15 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def uvicorn_config(app: Any, opts: ServeHttpOptions) -> uvicorn.Config:
+    """uvicorn's settings for the app: no log config or access log of its own (ours), the grace period, and proxy
+    headers believed from --forwarded-allow-ips only (uvicorn's default believes any peer on 127.0.0.1: behind a
+    local proxy that passes a client's own X-Forwarded-For on, each request could name a new address)."""
+    trusted = opts.forwarded_allow_ips.strip()
+    return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
+                          proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None)
+
+
 def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: DecodingOptions,
                limits: RequestLimits) -> None:
     """Run the service for the (name, model dir) pairs until stopped. Blocks; returns after a graceful stop."""
@@ -238,8 +247,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         if opts.suggestions is not None:
             state.suggestions = Suggestions(opts.suggestions)
         attach_detector(state)
-        config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="on",
-                                timeout_graceful_shutdown=opts.grace_s)
+        config = uvicorn_config(create_app(state), opts)
         host, port = sock.getsockname()[:2]
         for model in served.values():
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
