@@ -95,6 +95,18 @@ def test_frontend_settings_spec_and_docs(tmp_path: Path):
                                                      "/frontend/settings"} <= set(spec["paths"])
         fields = spec["paths"]["/translate"]["post"]["requestBody"]["content"]["application/json"]["schema"]["oneOf"][0]
         assert {"q", "source", "target", "format", "alternatives", "api_key", "glossary"} == set(fields["properties"])
+        # what the API takes: q a list too, glossary an object too (a generated client refused both); every refusal
+        # a route gives is listed
+        assert {"type": "array", "items": {"type": "string"}} in fields["properties"]["q"]["oneOf"]
+        assert "object" in [k["type"] for k in fields["properties"]["glossary"]["oneOf"]]
+        assert {"413", "501"} <= set(spec["paths"]["/detect"]["post"]["responses"])
+        assert {"413", "503", "507"} <= set(spec["paths"]["/suggest"]["post"]["responses"])
+        try:
+            from openapi_spec_validator import validate
+        except ImportError:
+            pass
+        else:
+            validate(spec)
         page = c.get("/docs")
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert 'fetch("spec")' in page.text

@@ -19,7 +19,9 @@ def _answers(ok: dict[str, Any], *codes: int) -> dict[str, Any]:
     errors = {str(c): {"description": {400: "fix the request (the field is named)", 403: "wrong API key",
                                        413: "too large: split it", 429: "over a rate (Retry-After)",
                                        401: "no or a wrong API key", 503: "busy: retry (Retry-After)",
-                                       404: "no such model (the native API)"}[c],
+                                       404: "no such model (the native API)",
+                                       501: "no language detector on this server",
+                                       507: "the suggestions table is full"}[c],
                        "content": {"application/json": {"schema": ERROR}}} for c in codes}
     return {"200": {"description": "done", "content": {"application/json": {"schema": ok}}}, **errors}
 
@@ -30,15 +32,21 @@ def _form(fields: dict[str, dict[str, Any]], required: list[str]) -> dict[str, A
                                                               "multipart/form-data")}}
 
 
+TEXTS = [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]  # a text, or a list of them
+
+
 LIBRE_TRANSLATE = {
-    "q": _field("string", "the text, or a list of texts (JSON); each is translated as a document"),
+    "q": {"oneOf": TEXTS, "description": "the text, or a list of texts (a JSON list, or the field repeated in form "
+                                         "data); each is translated as a document"},
     "source": _field("string", 'a language code, or "auto" to detect each text\'s'),
     "target": _field("string", "a language code"),
     "format": _field("string", "text or html (markup kept byte for byte)", enum=["text", "html"]),
     "alternatives": _field("integer", "how many other translations to give (the model's n-best)"),
     "api_key": _field("string", "with --api-keys (also the query string, or Authorization: Bearer)"),
-    "glossary": _field("string", "an extension: a glossary the server was started with (--glossary NAME=FILE), or "
-                                 'one inline as JSON ({"Hund": "dog", "Acme": ""}); the answer then has "terms"'),
+    "glossary": {"oneOf": [{"type": "string"}, {"type": "object", "additionalProperties": {"type": "string"}}],
+                 "description": "an extension: the name of a glossary the server was started with (--glossary "
+                                'NAME=FILE), or one inline: a JSON object ({"Hund": "dog", "Acme": ""}), or that '
+                                'object as a string in form data; the answer then has "terms"'},
 }
 
 
@@ -70,7 +78,7 @@ def _schema(title: str, fields: dict[str, dict[str, Any]], required: list[str]) 
 
 def document(title: str) -> dict[str, Any]:
     """The OpenAPI document of both APIs."""
-    text_or_list = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+    text_or_list = {"oneOf": TEXTS}
     return {
         "openapi": "3.0.3",
         "info": {"title": title, "version": "1",
@@ -96,9 +104,11 @@ def document(title: str) -> dict[str, Any]:
                     400, 401, 403, 404, 413, 429, 503)}},
             "/detect": {"post": {
                 "summary": "Detect the language of a text among the served ones",
-                "requestBody": _form({"q": LIBRE_TRANSLATE["q"], "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
+                "requestBody": _form({"q": {"oneOf": TEXTS, "description": "the text, or a list of texts, joined "
+                                                                           "and ranked as one"},
+                                      "api_key": LIBRE_TRANSLATE["api_key"]}, ["q"]),
                 "responses": _answers({"type": "array", "items": {"type": "object", "properties": {
-                    "language": {"type": "string"}, "confidence": {"type": "number"}}}}, 400, 403, 429)}},
+                    "language": {"type": "string"}, "confidence": {"type": "number"}}}}, 400, 403, 413, 429, 501)}},
             "/translate_file": {"post": {
                 "summary": "Translate a document (.txt, .html, .srt, .docx, .pptx, .odt, .odp, .epub), its layout kept",
                 "requestBody": {"content": {"multipart/form-data": {"schema": {
@@ -121,7 +131,7 @@ def document(title: str) -> dict[str, Any]:
                                       "source": LIBRE_TRANSLATE["source"], "target": LIBRE_TRANSLATE["target"],
                                       "api_key": LIBRE_TRANSLATE["api_key"]}, ["q", "s", "source", "target"]),
                 "responses": _answers({"type": "object", "properties": {"success": {"type": "boolean"}}}, 400,
-                                      403)}},
+                                      403, 413, 429, 503, 507)}},
             "/languages": {"get": {"summary": "The languages served, each with its targets",
                                    "responses": _answers({"type": "array", "items": {"type": "object"}})}},
             "/frontend/settings": {"get": {"summary": "The server's settings, as LibreTranslate's front end reads "
