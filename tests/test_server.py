@@ -458,7 +458,32 @@ def test_requests_still_waiting_when_the_grace_runs_out_get_503_not_500(model_di
     text = log_path.read_text()
     assert "Traceback" not in text and "never retrieved" not in text, text
     assert "--grace-s 1 ran out: 2 request(s) answered 503" in text
-    assert "POST /translate answered 503: the server stopped before it was read" in text
+    assert "POST /translate answered 503: the server stopped before its answer was ready" in text
+
+
+def test_a_second_ctrl_c_ends_streams_with_their_error_and_logs_no_traceback(model_dir, tmp_path, lines):
+    """A second Ctrl-C cut a running stream off without its {"error"} object or its last chunk (clients raised
+    IncompleteRead), and logged uvicorn's CancelledError traceback, the lifespan's as a failed shutdown, and
+    "Future exception was never retrieved"."""
+    log_path = tmp_path / "serve.log"
+    with server(model_dir, log_path, "--max-wait-ms", 60000) as (proc, u):
+        holder, _ = held(u, {"text": lines[:2]})  # the batcher waits for it: the stream below is in flight
+        with ThreadPoolExecutor(1) as pool:
+            streamed = pool.submit(stream, u, {"text": lines[3:6]})
+            deadline = time.monotonic() + 30
+            while metric(u, "pipeline_in_flight_requests") < 1 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+            objects = streamed.result()  # a whole chunked body (httpx raises on one cut short)
+        holder.close()
+        assert objects[-1] == {"error": "the server is stopping: this stream ends here; retry the texts without an "
+                                        "answer elsewhere"}, objects
+        assert proc.wait(60) == 0
+    text = log_path.read_text()
+    assert "Traceback" not in text and "never retrieved" not in text and "ERROR" not in text, text
+    assert "POST /translate: its stream ended with an error: the server stopped" in text
 
 
 def test_startup_failures_are_one_line_exit_2(model_dir, tmp_path, capsys):

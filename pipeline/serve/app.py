@@ -15,6 +15,8 @@ others or /health while it is prepared."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -150,6 +152,20 @@ class JsonCors(CORSMiddleware):
                               headers))
 
 
+def _shutdown_when_cancelled(scope: Scope, receive: Receive) -> Receive:
+    """The lifespan's receive: a second Ctrl-C cancels the wait for "shutdown" (uvicorn skips it), which Starlette
+    reported as a failed shutdown with a traceback; a draining server's lifespan shuts down as asked instead."""
+    async def received() -> Message:
+        try:
+            return await receive()
+        except asyncio.CancelledError:
+            if not scope["app"].state.server.draining:
+                raise
+            return {"type": "lifespan.shutdown"}
+
+    return received
+
+
 class Contained:
     """Whatever escapes a route answered inside the middleware (the 503 of _unavailable), so that the CORS headers
     and the access log are those of every answer: Starlette runs its handler for Exception outside them all."""
@@ -158,14 +174,21 @@ class Contained:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, _shutdown_when_cancelled(scope, receive), send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
+        started = streaming = False
 
         async def tracked(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
+            nonlocal started, streaming
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = (b"content-type", b"application/x-ndjson") in message.get("headers", [])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                streaming = False  # the answer is whole
             await send(message)
 
         try:
@@ -176,12 +199,20 @@ class Contained:
             await (await _unavailable(Request(scope), exc))(scope, receive, send)
         except asyncio.CancelledError:  # uvicorn ending a stopping server's tasks: --grace-s and its answers ran out
             state: ServerState = scope["app"].state.server  # (a body still arriving), or a second Ctrl-C
+            if streaming and state.draining:  # a stream's last object is its error, as when --grace-s runs out
+                log.warning("%s %s: its stream ended with an error: the server stopped", scope["method"],
+                            scope["path"])
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "more_body": False, "body": json.dumps(
+                        {"error": "the server is stopping: this stream ends here; retry the texts without an "
+                                  "answer elsewhere"}).encode() + b"\n"})
+                return
             if started or not state.draining:
                 raise
-            log.warning("%s %s answered 503: the server stopped before it was read and translated", scope["method"],
+            log.warning("%s %s answered 503: the server stopped before its answer was ready", scope["method"],
                         scope["path"])
-            await error(ApiError(503, "the server is stopping: it stopped before this request was read and "
-                                 "translated; retry elsewhere",
+            await error(ApiError(503, "the server is stopping: it stopped before this request's answer was ready; "
+                                 "retry elsewhere",
                                  {"Retry-After": str(state.limits.retry_after_s)}))(scope, receive, send)
 
 

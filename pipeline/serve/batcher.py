@@ -92,6 +92,8 @@ class Work:
     def _fail(self, error: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(error)
+            if isinstance(error, BatcherStopped):  # a stopping server's: no "exception never retrieved" when no
+                self.future.exception()           # request is left to await it (a second Ctrl-C's)
         self.progress.set()
 
     @property
