@@ -151,8 +151,7 @@ def _verify(f: IO[bytes], path: Path, chunk: int = 1 << 22) -> None:
                 left -= len(block)
             if h.hexdigest().encode("ascii") != trailer[len(_TAG):]:
                 raise CheckpointError(f"{path}: checksum mismatch: the file is damaged (its SHA-256 differs "
-                                      "from the one written with it); move it out of its save dir (training "
-                                      "resumes, and export reads, the newest one left), or retrain")
+                                      f"from the one written with it){_MOVE_ASIDE}")
             return
     if size >= _EOCD_LEN:
         f.seek(size - _EOCD_LEN)
@@ -163,7 +162,12 @@ def _verify(f: IO[bytes], path: Path, chunk: int = 1 << 22) -> None:
             log.warning("%s: written before checkpoints carried a checksum, so it cannot be verified; "
                         "loading it anyway (checkpoints written from now on carry one)", path)
             return
-    raise CheckpointError(f"{path}: not a pipeline checkpoint, or a damaged one (no checksum at its end)")
+    raise CheckpointError(f"{path}: not a pipeline checkpoint, or a damaged one (no checksum at its end)"
+                          f"{_MOVE_ASIDE if checkpoint_step(path) is not None else ''}")
+
+
+_MOVE_ASIDE = ("; move it out of its save dir (training resumes, and export reads, the newest one left), or "
+               "retrain")
 
 
 def torch_load_verified(path: Path) -> Any:

@@ -92,8 +92,15 @@ def test_truncated_and_foreign_files_are_refused(checkpoint, tmp_path):
         read_checkpoint(cut)
     text = tmp_path / "notes.txt"
     text.write_text("hello\n")
-    with pytest.raises(CheckpointError, match="not a pipeline checkpoint"):
+    with pytest.raises(CheckpointError, match="not a pipeline checkpoint") as refused:
         read_checkpoint(text)
+    assert "move it out" not in str(refused.value)
+    # a save dir's step checkpoint cut short says the fix, as a damaged one does: the ones before it may be whole
+    step = tmp_path / "checkpoint_00000020.pt"
+    step.write_bytes(checkpoint.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=r"damaged one \(no checksum at its end\); move it out of its save dir "
+                       r"\(training resumes, and export reads, the newest one left\), or retrain"):
+        read_checkpoint(step)
 
 
 def test_a_checkpoint_from_before_checksums_loads_with_a_warning(checkpoint, tmp_path, caplog):
