@@ -84,6 +84,9 @@ class Markup:
     texts: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     entities: list[dict[str, str]] = field(default_factory=list)
+    # what copies the rest of the document untranslated at its end: an element whose content is never translated
+    # left open (<script>, <pre>, ...) or a construct never ended (a comment); "" when none
+    unclosed: str = ""
 
     def rebuild(self, translations: list[str]) -> str:
         """The document with the k-th text replaced by translations[k] (escaped as its source was)."""
@@ -99,10 +102,10 @@ def _escape(text: str, spelled: dict[str, str]) -> str:
     return "".join(spelled.get(c) or ("&amp;" if c == "&" else "&lt;" if c == "<" else c) for c in text)
 
 
-def _runs(document: str, xml: bool = False) -> Iterator[tuple[int, int, bool]]:
+def _runs(document: str, tree: _Open) -> Iterator[tuple[int, int, bool]]:
     """(start, stop, translatable) for each construct in order: text runs, and markup (tags, comments,
-    declarations, CDATA, raw-text content, and an unterminated construct with the rest of the document)."""
-    tree = _Open(xml)
+    declarations, CDATA, raw-text content, and an unterminated construct with the rest of the document, named in
+    `tree.cut`). `tree` holds the open elements."""
     n, i = len(document), 0
     closes = {close: _Ahead(document, close) for close in ("-->", "--!>")}
     cdata = _Ahead(document, "]]>")
@@ -118,6 +121,7 @@ def _runs(document: str, xml: bool = False) -> Iterator[tuple[int, int, bool]]:
                 and document[lt + 2:lt + 3].isalpha():
             tag = _tag(document, lt)
             if tag is None:  # "<b" with no ">" after it: a tag to the end of the document
+                tree.cut = "a tag (no >)"
                 yield lt, n, False
                 return
             name, attributes, i = tag
@@ -138,12 +142,15 @@ def _runs(document: str, xml: bool = False) -> Iterator[tuple[int, int, bool]]:
             short = 5 if document.startswith(">", lt + 4) else 6 if document.startswith("->", lt + 4) else 0
             ends = [] if short else [e + len(c) for c, e in ((c, closes[c].find(lt + 4)) for c in closes) if e >= 0]
             stop = lt + short if short else min(ends, default=n)
+            tree.cut = tree.cut if short or ends else "a comment (no -->)"
         elif document.startswith("<![CDATA[", lt):  # to its "]]>", whatever ">" it holds
             end = cdata.find(lt + 9)
             stop = n if end < 0 else end + 3
+            tree.cut = tree.cut if end >= 0 else "a CDATA section (no ]]>)"
         elif nxt in ("!", "?", "/"):  # a declaration, processing instruction, or "</" + not a letter
             end = document.find(">", lt + 2)
             stop = n if end < 0 else end + 1
+            tree.cut = tree.cut if end >= 0 else "a declaration (no >)"
         else:  # "<" before a space, a digit, ...: text, as in a browser
             yield lt, lt + 1, tree.translated()
             i = lt + 1
@@ -163,6 +170,7 @@ class _Open:
 
     def __init__(self, xml: bool = False) -> None:
         self.xml = xml  # XHTML (an EPUB page): elements end at their end tags only, none implied or reopened
+        self.cut = ""  # an unterminated construct that ran to the end of the document
         self.names: list[str] = []
         self.owns: list[str] = []  # each element's own translate value, to reopen it with
         self.states: list[int] = []
@@ -310,7 +318,8 @@ def parse_html(document: str, max_texts: int | None = None, xml: bool = False) -
         markup.entities.append(_spelled(raw))
         copied = span[1]
 
-    for start, stop, translatable in _runs(document, xml):
+    tree = _Open(xml)
+    for start, stop, translatable in _runs(document, tree):
         if translatable and span and span[1] == start:
             span[1] = stop
             continue
@@ -321,6 +330,7 @@ def parse_html(document: str, max_texts: int | None = None, xml: bool = False) -
         close_text()
     if copied < len(document):
         markup.pieces.append(document[copied:])
+    markup.unclosed = tree.cut or next((f"<{name}>" for name in tree.names if name in SKIP), "")
     return markup
 
 

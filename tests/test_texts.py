@@ -129,3 +129,28 @@ def test_a_sentence_without_letters_is_copied_not_translated():
     assert finish_texts(TOK, html, search(html.ids), 1)[0].text == "<p>AB.\n42</p>"
     plain = encode_texts(TOK, texts[2:], 64, TextPolicy())
     assert plain.copied == [False] and finish_texts(TOK, plain, search(plain.ids), 1)[0].text == "99"
+
+
+def test_serve_batch_warns_of_an_html_line_that_leaves_script_or_pre_open(tmp_path, caplog):
+    """--format html reads each line as a document: a whole HTML file split into lines had its script's code
+    translated and <pre>'s later lines kept (or the reverse) without a word. Warned once a file, naming the line."""
+    import logging
+
+    from pipeline.serve_batch.translation import ServeBatchOptions, read_windows
+
+    page = tmp_path / "page.html"
+    page.write_text("<p>Hallo Welt</p>\n<p>Noch <b>einer</b></p>\n<script>\nvar a = 'x';\n</script>\n<pre>a\n")
+    opts = ServeBatchOptions(format="html", window=2)
+    with caplog.at_level(logging.WARNING):
+        windows = list(read_windows(str(page), TOK, 100, opts))
+    assert sum(len(w.encoded.markups) for w in windows) == 6  # every line read, as before
+    warned = [r.getMessage() for r in caplog.records if "leaves" in r.getMessage()]
+    assert warned == [f"{page}:3: the line leaves <script> open, so the rest of it is copied untranslated: "
+                      "--format html reads each line as an HTML document; a multi-line HTML file is one document "
+                      "(translate it with `pipeline serve`'s POST /translate_file, or put each document on one "
+                      "line)"]
+    caplog.clear()
+    page.write_text("<p>Hallo</p>\n<p>Welt</p>\n")
+    with caplog.at_level(logging.WARNING):
+        list(read_windows(str(page), TOK, 100, opts))
+    assert not caplog.records

@@ -11,6 +11,7 @@ backend (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts, term_counts
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import LONG_LINE_POLICIES, NBest
+
+log = logging.getLogger(__name__)
 
 INVALID_UTF8_POLICIES = ("error", "replace")
 
@@ -141,18 +144,39 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
         texts: list[str] = []
         replaced = 0
         first_line = 1
+        warned = False
         for lineno, raw in enumerate(_raw_lines(f, path), start=1):
             text, bad = decode_row(raw, path, lineno, opts.invalid_utf8)
             replaced += bad
             texts.append(text)
             if len(texts) == opts.window:
-                yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
+                window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix,
+                                       glossary)
+                warned = warned or _unclosed(window, path, first_line)
+                yield window
                 texts, replaced, first_line = [], 0, lineno + 1
         if texts:
-            yield encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
+            window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
+            warned or _unclosed(window, path, first_line)
+            yield window
     finally:
         if f is not sys.stdin.buffer:
             f.close()
+
+
+def _unclosed(window: Window, path: str, first_line: int) -> bool:
+    """Warn (once a file: True) of the first --format html line that leaves <script>, <pre>, a comment, ... open:
+    the rest of that line is copied untranslated, as a browser would, but a whole HTML file split into lines (its
+    script's code, <pre>'s lines) is read so, translating what it should keep and keeping what it should not."""
+    found = next(((k, m.unclosed) for k, m in enumerate(window.encoded.markups) if m is not None and m.unclosed),
+                 None)
+    if found is None:
+        return False
+    log.warning("%s:%d: the line leaves %s open, so the rest of it is copied untranslated: --format html reads "
+                "each line as an HTML document; a multi-line HTML file is one document (translate it with `pipeline "
+                "serve`'s POST /translate_file, or put each document on one line)", path, first_line + found[0],
+                found[1])
+    return True
 
 
 MAX_LINE_BYTES = 16 << 20  # a line longer than this has no line breaks to speak of: not a text file (/dev/zero)
