@@ -279,3 +279,18 @@ def test_the_page_of_a_keyed_server_asks_for_a_key_and_shows_a_refusal(browser, 
         wait = _open(d, host, port)
         assert _by_id(d, "api-key").get_attribute("value") == KEY
         _no_policy_violations(d)
+
+
+@pytest.mark.slow
+def test_a_server_with_no_languages_says_why_on_its_page(browser):
+    """`pipeline serve MODEL_DIR` of a dir that records no language pair serves no LibreTranslate language: the page
+    said only "No target language" once one typed, never why nor how to fix it."""
+    d = browser
+    state = state_of({"model": ((), ())})
+    for model in state.models.values():
+        model.translator = NBestStandIn()
+    with real_server(state) as (host, port):
+        _open(d, host, port)
+        assert "none of its models records its language pair" in _shown(d, "error")
+        assert "--model de-en=MODEL_DIR" in _shown(d, "error")
+        _no_policy_violations(d)

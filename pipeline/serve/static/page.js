@@ -234,6 +234,10 @@
     }
     updateCount();
     setStatus("");
+    if (!languages.length) {  // a model dir served by its name records no language pair: say the operator's fix
+      showError("This server translates no languages on LibreTranslate's API (GET /languages lists none): none of " +
+                "its models records its language pair. Its operator can serve one as --model de-en=MODEL_DIR.");
+    }
 
     ui.input.addEventListener("input", () => { updateCount(); soon(); });
     ui.input.addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) translate(); });
