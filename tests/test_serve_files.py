@@ -532,3 +532,15 @@ def test_an_upload_cut_short_is_refused_not_read_in_part():
         r = c.post("/translate_file", content=body + b"\r\n--B--\r\n",
                    headers={"content-type": "multipart/form-data; boundary=B"})
         assert r.status_code == 200, r.text
+
+
+def test_download_names_keep_the_extension_they_were_taken_for_and_fit_a_file_system():
+    """" .txt" was taken as a .txt but named ".txt_de"; "x.TxT" came back "x_de.txt"; a 300-character name gave
+    a download name over 255 bytes, which no file system saves."""
+    from pipeline.serve.file_routes import download_name
+
+    assert download_name(" .txt", "de") == "file_de.txt"
+    assert download_name("Bericht.DOCX", "en") == "Bericht_en.DOCX"
+    assert download_name("../../etc/passwd.txt", "de") == "passwd_de.txt"
+    long = download_name("ä" * 300 + ".docx", "de")
+    assert len(long.encode()) <= 255 and long.endswith("ä_de.docx")

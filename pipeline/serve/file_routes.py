@@ -149,13 +149,19 @@ async def read_form(request: Request, state: ServerState) -> tuple[dict[str, str
     return fields, upload
 
 
+MAX_NAME_BYTES = 255  # what file systems take for one name
+
+
 def download_name(filename: str, target: str) -> str:
     """LibreTranslate's name for the translation: the upload's name (its last path part, printable) with
-    _<target> before its extension."""
-    name = re.sub(r'[\x00-\x1f\x7f"]', "", re.split(r"[/\\]", filename)[-1]).strip() or "file"
-    ext = extension(name)
-    stem = name[:len(name) - len(ext)] if ext else name
-    return f"{stem}_{target}{ext}"
+    _<target> before its extension, the extension spelled as it came (the one the upload was taken for), cut to
+    MAX_NAME_BYTES."""
+    name = re.sub(r'[\x00-\x1f\x7f"]', "", re.split(r"[/\\]", filename)[-1]).strip()
+    ext = extension(filename)
+    spelled = name[len(name) - len(ext):] if ext and name.lower().endswith(ext) else ext
+    stem = name[:len(name) - len(spelled)] if ext and name.lower().endswith(ext) else name
+    suffix = f"_{target}{spelled}"
+    return (stem or "file").encode()[:MAX_NAME_BYTES - len(suffix.encode())].decode(errors="ignore") + suffix
 
 
 async def translate_file(request: Request) -> Response:
