@@ -271,3 +271,22 @@ def test_strict_open_xml_is_refused_not_returned_untranslated() -> None:
     with served() as c:
         r = send(c, "streng.docx", strict)
     assert r.status_code == 400 and "Strict Open XML" in r.json()["error"]
+
+
+def test_a_text_found_twice_is_translated_once_and_put_in_both_places() -> None:
+    """Word stores a text box twice (mc:Choice for new readers, mc:Fallback for old ones): each paragraph was a
+    text of its own, translated twice and counted twice against --max-sentences; a repeated heading likewise."""
+    from pipeline.serve.documents import read_document
+
+    box = ('<w:txbxContent><w:p><w:r><w:t>Im Kasten</w:t></w:r></w:p></w:txbxContent>')
+    body = (f'<w:p><w:r><w:t>Kapitel</w:t></w:r></w:p><w:p><w:r><mc:AlternateContent '
+            f'xmlns:mc="http://schemas.openxmlformats.org/markup-compatibility/2006"><mc:Choice Requires="wps">'
+            f'<w:drawing>{box}</w:drawing></mc:Choice><mc:Fallback><w:pict>{box}</w:pict></mc:Fallback>'
+            f'</mc:AlternateContent></w:r></w:p><w:p><w:r><w:t>Kapitel</w:t></w:r></w:p>')
+    data = _docx(body)
+    doc = read_document("kasten.docx", data, max_texts=2)  # 4 texts, 2 of them distinct
+    assert doc.texts == ["Kapitel", "Im Kasten"]
+    root = _part(_bracketed(doc), "word/document.xml")
+    assert _texts(root, "//w:t") == ["[Kapitel]", "[Im Kasten]", "[Im Kasten]", "[Kapitel]"]
+    lines = read_document("zeilen.txt", b"Ja.\nNein.\nJa.\n")
+    assert lines.texts == ["Ja.", "Nein."] and lines.rebuild(["Yes.", "No."]) == b"Yes.\nNo.\nYes.\n"

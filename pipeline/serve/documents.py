@@ -14,7 +14,7 @@ markup, pictures) as it was. The rules, written down in docs/serving.md:
   comments; PowerPoint: slides and notes; OpenDocument: content.xml (and a text's styles.xml, which holds
   its headers and footers).
 - .epub: each XHTML member as .html.
-A text without letters is not a text: it is kept as it is.
+A text without letters is not a text: it is kept as it is. A text found several times is translated once.
 
 Read with the standard library's zipfile and lxml (both already under python-docx and python-pptx, which
 read only part of a document: no text boxes, footnotes or notes), and every archive is bounded before it is
@@ -67,12 +67,23 @@ def read_document(filename: str, data: bytes, max_texts: int | None = None) -> D
         raise DocumentError(f"the file has {len(data)} bytes, more than this server's limit of {MAX_FILE_BYTES} "
                             f"({MAX_FILE_BYTES >> 20} MiB)", too_large=True)
     if ext in PLAIN:
-        return PLAIN[ext](data, max_texts)
-    doc = ARCHIVES[ext](data)  # its texts (each with letters) counted once read: bounded by its unpacked size
+        return _once_each(PLAIN[ext](data, max_texts))
+    doc = _once_each(ARCHIVES[ext](data))  # its texts (each with letters) counted once read: bounded by its size
     if max_texts is not None and len(doc.texts) > max_texts:
         raise DocumentError(f"the file has {len(doc.texts)} texts, more than this server's limit of {max_texts} per "
                             "request (--max-sentences); split the file", too_large=True)
     return doc
+
+
+def _once_each(doc: Document) -> Document:
+    """The document with each distinct text sent once and its translation put wherever the text is: a repeated
+    heading, cell or footer costs one translation and reads the same everywhere, and Word's text box, stored
+    twice (mc:Choice and mc:Fallback), counts once against --max-sentences."""
+    first: dict[str, int] = {}
+    at = [first.setdefault(text, len(first)) for text in doc.texts]
+    if len(first) == len(doc.texts):
+        return doc
+    return Document(list(first), lambda translations: doc.rebuild([translations[k] for k in at]))
 
 
 PLAIN: dict[str, Callable[[bytes, int | None], Document]] = {
