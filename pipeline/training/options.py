@@ -100,7 +100,7 @@ class TrainOptions:
                            "alpha (0 = off; 0.1-0.2 typical for small data). Never used for validation, "
                            "export or serving.")
     # Not SentencePiece's -1 (all segmentations, from the lattice): its draws differ between processes
-    # (pipeline/corpus/sampling.py), and it about doubled the pieces per sentence (docs/training.md).
+    # (pipeline/corpus/sampling.py).
     spm_nbest: int = opt(64, "Subword sampling among the n best segmentations (at least 1). "
                          "Batches are formed on the deterministic lengths, so sampled batches exceed "
                          "--batch-tokens by as much.")
