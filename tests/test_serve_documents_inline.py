@@ -290,3 +290,7 @@ def test_a_text_found_twice_is_translated_once_and_put_in_both_places() -> None:
     assert _texts(root, "//w:t") == ["[Kapitel]", "[Im Kasten]", "[Im Kasten]", "[Kapitel]"]
     lines = read_document("zeilen.txt", b"Ja.\nNein.\nJa.\n")
     assert lines.texts == ["Ja.", "Nein."] and lines.rebuild(["Yes.", "No."]) == b"Yes.\nNo.\nYes.\n"
+    # a text file counts every text as it reads it (refused at once past the limit: a file of a million short
+    # lines would cost a list entry each); an archive, read whole within its bounds, its distinct texts
+    with pytest.raises(DocumentError, match="more than 1 texts"):
+        read_document("b.txt", b"Ja.\nJa.\n", max_texts=1)
