@@ -189,6 +189,24 @@ def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(tmp_path, tr
                             headers={"X-Forwarded-For": f"10.0.0.{k}"}, timeout=10).status_code for k in range(4)]
     assert codes == ([200] * 4 if trusted else [200, 200, 429, 429])
 
+
+def test_a_trusted_proxys_scheme_makes_file_urls_https(tmp_path, monkeypatch):
+    """Trusting no proxy by default also stopped X-Forwarded-Proto: behind a TLS proxy translatedFileUrl became
+    http:// (mixed content on an https page). The option, or uvicorn's FORWARDED_ALLOW_IPS, makes it believed."""
+    pytest.importorskip("multipart")
+    from pipeline.serve.options import ServeHttpOptions
+    from pipeline.serve.runner import uvicorn_config
+
+    files = {"file": ("a.txt", b"ein hund\n")}
+    headers = {"X-Forwarded-Proto": "https", "Host": "translate.example.org"}
+    for env, option, scheme in (("", "", "http"), ("", "127.0.0.1", "https"), ("127.0.0.1", "", "https")):
+        monkeypatch.setenv("FORWARDED_ALLOW_IPS", env)
+        assert uvicorn_config(None, ServeHttpOptions(forwarded_allow_ips=option)).proxy_headers == (scheme == "https")
+        with real_server(state_of({"de-en": (("de",), ("en",))}), forwarded_allow_ips=option) as (host, port):
+            r = httpx.post(f"http://{host}:{port}/translate_file", data={"source": "de", "target": "en"},
+                           files=files, headers=headers, timeout=10)
+        assert r.json()["translatedFileUrl"].startswith(f"{scheme}://translate.example.org/download_file/"), r.text
+
 def test_clients_that_leave_mid_translation_leave_no_traceback_in_the_log(caplog):
     state = state_of({"de-en": (("de",), ("en",))}, delay=0.3)
     with caplog.at_level(logging.DEBUG), real_server(state) as (host, port):

@@ -41,11 +41,12 @@ class ServeHttpOptions:
     require_api_key: bool = opt(False, "With --api-keys: refuse requests without a key (LibreTranslate's API: 400 "
                                 "\"Please contact the server operator to get an API key\"; native API: 401).")
     forwarded_allow_ips: str = opt("", "Proxies whose X-Forwarded-For / X-Forwarded-Proto headers name the client "
-                                   "(comma-separated addresses or networks, * for any), as uvicorn's option of "
-                                   "that name; by default none: the client is the connection's peer, so a client "
-                                   "cannot name itself another address to pass --keyless-rate. Behind a proxy on "
-                                   "this machine: 127.0.0.1, with the proxy setting X-Forwarded-For itself.",
-                                   metavar="ADDRESSES")
+                                   "and the scheme (comma-separated addresses or networks, * for any), as uvicorn's "
+                                   "option of that name (its FORWARDED_ALLOW_IPS too); by default none: the client "
+                                   "is the connection's peer, so a client cannot name itself another address to "
+                                   "pass --keyless-rate. Behind a proxy on this machine (a TLS one: translated "
+                                   "files' URLs are then https): 127.0.0.1, with the proxy setting "
+                                   "X-Forwarded-For itself.", metavar="ADDRESSES")
     cors_origin: str = opt("*", "The Access-Control-Allow-Origin sent to browsers (pages and add-ons calling the "
                            "API from another origin), preflight requests answered; * as LibreTranslate, an origin "
                            "like https://example.org, or none to send no CORS headers.")

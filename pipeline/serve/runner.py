@@ -13,6 +13,7 @@ import contextlib
 import errno
 import importlib.metadata
 import logging
+import os
 import re
 import signal
 import socket
@@ -217,9 +218,10 @@ class _Server(uvicorn.Server):
 
 def uvicorn_config(app: Any, opts: ServeHttpOptions) -> uvicorn.Config:
     """uvicorn's settings for the app: no log config or access log of its own (ours), the grace period, and proxy
-    headers believed from --forwarded-allow-ips only (uvicorn's default believes any peer on 127.0.0.1: behind a
-    local proxy that passes a client's own X-Forwarded-For on, each request could name a new address)."""
-    trusted = opts.forwarded_allow_ips.strip()
+    headers (X-Forwarded-For, X-Forwarded-Proto) believed from --forwarded-allow-ips (or uvicorn's
+    FORWARDED_ALLOW_IPS) only: uvicorn's default believes any peer on 127.0.0.1, so behind a local proxy that
+    passes a client's own X-Forwarded-For on, each request could name a new address."""
+    trusted = opts.forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()  # uvicorn's
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None)
 
