@@ -298,6 +298,33 @@ def test_plan_resumes_the_same_job_and_refuses_another(tmp_path):
         plan([str(tmp_path / "c.txt")], tmp_path / "a.txt", "text", record)
 
 
+
+def test_an_output_made_from_another_input_of_that_name_is_not_taken_for_done(tmp_path):
+    """A rerun skipped any shard whose output existed: d2/x.txt into the dir that holds d1/x.txt's translation
+    (or x.txt regenerated in place) was "already translated", the output the other file's. The record keeps each
+    output's input (path, size, mtime)."""
+    import os
+
+    record = {"manifest_sha256": "1", "format": "text"}
+    (tmp_path / "d1").mkdir()
+    (tmp_path / "d2").mkdir()
+    first, second = tmp_path / "d1" / "x.txt", tmp_path / "d2" / "x.txt"
+    write_lines(first, ["eins", "zwei"])
+    write_lines(second, ["drei"])
+    out = tmp_path / "out"
+    assert [s.output.name for s in plan([str(first)], out, "text", record).todo] == ["x.txt"]
+    write_lines(out / "x.txt", ["ONE", "TWO"])  # the job's output, complete
+    assert not plan([str(first)], out, "text", record).todo  # the same input: resumed, nothing to do
+    with pytest.raises(UserError, match=r"out/x.txt: translated from .*d1/x.txt, and .*d2/x.txt is another file "
+                       r"\(size 10 -> 5\); it would be skipped as done"):
+        plan([str(second)], out, "text", record)
+    write_lines(first, ["eins", "zwei", "drei"])  # regenerated in place
+    os.utime(first, ns=(1, 1))
+    with pytest.raises(UserError, match=r"d1/x.txt is the same file, changed since"):
+        plan([str(first)], out, "text", record)
+    (out / "x.txt").unlink()  # the way out the message names: translated again
+    assert [s.output.name for s in plan([str(first)], out, "text", record).todo] == ["x.txt"]
+
 def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path):
     """A README in the output dir counted as another job's output (a rerun with other options was refused over
     it); a record written before the search was recorded as it runs refused the very job that wrote it."""

@@ -123,7 +123,7 @@ def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[st
     for out in outputs:
         check_output_file(out, "--output-dir")
     remove_stale_temps(out_dir)
-    _check_record(out_dir, record, [out.name for out in outputs], legacy)
+    _check_record(out_dir, record, {out.name: _identity(f) for f, out in zip(files, outputs)}, legacy)
     shards = [Shard(i, os.path.abspath(f), out) for i, (f, out) in enumerate(zip(files, outputs))]
     todo = [s for s in shards if not s.output.exists()]  # an output exists only once complete (renamed)
     return Plan(shards, todo, [s for s in shards if s.output.exists()])
@@ -165,17 +165,28 @@ def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any
 
 RECORD_VERSION = 2  # records list the outputs they made; the search as it runs (a record without: as asked)
 # what a record holds besides what makes the translations (not option names: "format" is --format's)
-_BOOKKEEPING = ("record_version", "outputs")
+_BOOKKEEPING = ("record_version", "outputs", "inputs")
 
 
-def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], legacy: dict[str, Any] | None) -> None:
+def _identity(path: str) -> dict[str, Any]:
+    """What tells one input from another, or from itself rewritten: its absolute path, size and mtime."""
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _check_record(out_dir: Path, record: dict[str, Any], sources: dict[str, dict[str, Any]],
+                  legacy: dict[str, Any] | None) -> None:
     """Refuse outputs made otherwise: a record that differs while the dir holds an output it lists or one of
-    these inputs' (replacing it would mix two jobs' outputs in one dir), or these inputs' outputs without a
-    record. A record of an earlier version is compared as that version wrote it (`legacy`: a job started before
-    an upgrade resumes). The record written lists every output of the dir's job."""
+    these inputs' (replacing it would mix two jobs' outputs in one dir), these inputs' outputs without a
+    record, or an output made from another input (`sources`: output name -> its input's identity; another file
+    of the same name, or this one rewritten, would be skipped as done). A record of an earlier version is
+    compared as that version wrote it (`legacy`: a job started before an upgrade resumes). The record written
+    lists every output of the dir's job and the input each was made from."""
     path = out_dir / RECORD
+    outputs = list(sources)
     made = [name for name in outputs if (out_dir / name).exists()]
     listed: list[str] = []
+    inputs: dict[str, Any] = {}
     if path.exists():
         try:
             before = json.loads(path.read_text(encoding="utf-8"))
@@ -185,6 +196,15 @@ def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], leg
         listed = before.get("outputs", []) if isinstance(before, dict) else []
         if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
             listed = []
+        inputs = before.get("inputs", {}) if isinstance(before, dict) else {}
+        inputs = inputs if isinstance(inputs, dict) else {}
+        for name in made:  # an output recorded with its input (records before this one hold none)
+            if name in inputs and inputs[name] != sources[name]:
+                was, now = inputs[name], sources[name]
+                why = "another file" if was.get("path") != now["path"] else "the same file, changed since"
+                raise UserError(f"{out_dir / name}: translated from {was.get('path')}, and {now['path']} is "
+                                f"{why} (size {was.get('size')} -> {now['size']}); it would be skipped as done: "
+                                "delete that output to translate it again, or choose another --output-dir")
         wanted = record if not isinstance(before, dict) or "record_version" in before or legacy is None else legacy
         core = {k: v for k, v in before.items() if k not in _BOOKKEEPING} if isinstance(before, dict) else None
         same = core == wanted
@@ -195,11 +215,13 @@ def _check_record(out_dir: Path, record: dict[str, Any], outputs: list[str], leg
                             f"({', '.join(changed)} differ); rerun with the same ones to resume, or choose another "
                             "--output-dir")
         if not same:
-            listed = []
+            listed, inputs = [], {}
     elif made:
         raise UserError(f"{out_dir}: already holds outputs this command did not record; choose another "
                         "--output-dir")
-    full = {**record, "record_version": RECORD_VERSION, "outputs": sorted(set(listed) | set(outputs))}
+    kept = {name: source for name, source in inputs.items() if name in listed and name not in sources}
+    full = {**record, "record_version": RECORD_VERSION, "outputs": sorted(set(listed) | set(outputs)),
+            "inputs": {**kept, **sources}}
     atomic_write_text(path, json.dumps(full, indent=1, sort_keys=True) + "\n")
 
 
