@@ -207,6 +207,19 @@ def test_an_actors_refusal_of_a_line_is_one_line(cluster, fp32_dir, tmp_path, ca
     assert not (tmp_path / "out" / "long.txt").exists()
 
 
+
+def test_a_bz2_shard_is_read_as_serve_batch_reads_it_not_decompressed_by_its_name(cluster, fp32_dir, tmp_path,
+                                                                                   capsys):
+    """Ray guessed a compression from the name: a.txt.bz2 was decompressed and its translation written as plain
+    text under the name a.txt.bz2, where serve-batch refuses it (only .gz is decompressed)."""
+    import bz2
+
+    src = tmp_path / "a.txt.bz2"
+    src.write_bytes(bz2.compress(b"ab cd\n"))
+    code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, src, "--output-dir", tmp_path / "out")
+    assert_one_line_error(code, err, "a.txt.bz2:1:", "invalid UTF-8")
+    assert not (tmp_path / "out" / "a.txt.bz2").exists()
+
 def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path, capsys):
     """Each was Ray's traceback from every actor, a hang, or outputs written into the model dir."""
     (tmp_path / "in").mkdir()
