@@ -218,6 +218,9 @@ def test_plan_reads_files_globs_and_directories(tmp_path, caplog):
     assert job.shards[4].parquet and not job.shards[0].parquet
     # a file of text named as Spark's markers are was left out in silence
     assert "left out 1 file(s) named with a leading _ as Spark's markers are (_part.txt)" in caplog.text
+    # a file whose own name holds glob characters is that file (it was "no file matches this pattern")
+    literal = write_lines(tmp_path / "br[1].txt", ["x"])
+    assert [s.path for s in plan([str(literal)], tmp_path / "out2", "src", {}).shards] == [str(literal)]
 
 
 @pytest.mark.parametrize("case, needles", [

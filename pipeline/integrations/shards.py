@@ -73,7 +73,7 @@ def expand(inputs: list[str]) -> tuple[list[str], list[str]]:
             if not found:
                 raise UserError(f"{given}: an input directory with no files")
             files += [str(p) for p in found]
-        elif glob.has_magic(given):
+        elif glob.has_magic(given) and not os.path.lexists(given):  # "br[1].txt" may be a file's own name
             matched = sorted(p for p in glob.glob(given) if Path(p).is_file())
             if not matched:
                 raise UserError(f"{given}: no file matches this pattern")
