@@ -114,8 +114,8 @@ def test_every_kind_of_null_is_a_blank_row_and_what_is_not_text_is_refused(fp32_
     assert done.translation[7] == translator.translate(["ef"]).translation[0]
     column = pd.array(["ab cd", None], dtype="string")
     assert translator({"text": column})["empty"].tolist() == [False, True]
-    for value, says in ((7, "row:2: int '7', not text"), (["ab"], "row:2: list"),
-                        (b"\xff", "row:2: invalid UTF-8")):
+    for value, says in ((7, "row:2 of this batch of 2: int '7', not text"), (["ab"], "row:2 of this batch of 2: list"),
+                        (b"\xff", "row:2 of this batch of 2 (b'\\xff'): invalid UTF-8")):
         with pytest.raises(UserError, match=re.escape(says)):
             translator.translate(["ab", value])
     with pytest.raises(UserError, match=r"^f\.parquet:12: int '5', not text"):  # named by its origin, as lines are
@@ -150,11 +150,13 @@ def test_a_row_that_is_no_text_is_refused_as_serve_batch_and_the_apis_refuse_it(
     RuntimeError naming no row, a row of two lines became one sentence with its second line mostly lost (the
     native API refuses it), and an invalid byte was counted from 1 where serve-batch counts from 0."""
     translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
-    for value, says in (("ab\x00cd", "row:2: holds a NUL character (U+0000, character 2)"),
-                        ("ab \udcff", "row:2: holds a lone surrogate"),
-                        ("ab\ncd", "row:2: holds a newline; give one line per row, or pass --split sentences "
-                                   "(options with split='sentences')"),
-                        (b"ab\xff", "row:2: invalid UTF-8 (byte 2: b'\\xff')")):
+    # named by its place in the batch and how it begins: Spark's and Ray's batches are slices of the data
+    for value, says in (("ab\x00cd", "row:2 of this batch of 2 ('ab\\x00cd'): holds a NUL character (U+0000, "
+                                     "character 2)"),
+                        ("ab \udcff", "row:2 of this batch of 2 ('ab \\udcff'): holds a lone surrogate"),
+                        ("ab\ncd", "row:2 of this batch of 2 ('ab\\ncd'): holds a newline; give one line per row, "
+                                   "or pass --split sentences (options with split='sentences')"),
+                        (b"ab\xff", "row:2 of this batch of 2 (b'ab\\xff'): invalid UTF-8 (byte 2: b'\\xff')")):
         with pytest.raises(UserError, match="^" + re.escape(says)):
             translator.translate(["ab", value])
     replacing = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"),

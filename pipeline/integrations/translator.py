@@ -126,9 +126,12 @@ class Translator:
 
     def translate(self, sources: Sequence[Any], origins: list[list[Any]] | None = None) -> Translated:
         """Row-aligned results for source strings (None: a blank row); a refused row is named by `origins`
-        (each row's file and line) or by its place in the batch (row:N)."""
-        def where(row: int) -> str:  # a refused row named as a refused line is: its file and line, else row:N
-            return f"{origins[0][row]}:{origins[1][row]}" if origins is not None else f"row:{row + 1}"
+        (each row's file and line) or by its place in the batch and its start (row:N of this batch of M ('...'):
+        Spark's and Ray's batches are slices of the data, so a place alone does not find the row)."""
+        def where(row: int) -> str:  # a refused row named as a refused line is: its file and line, else its place
+            if origins is not None:
+                return f"{origins[0][row]}:{origins[1][row]}"
+            return f"row:{row + 1} of this batch of {len(sources)}{_start(sources[row])}"
 
         texts = [self._checked(_text(s, row, where, self.options.invalid_utf8), row, where)
                  for row, s in enumerate(sources)]
@@ -175,6 +178,14 @@ class Translator:
             raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass --split sentences "
                             "(options with split='sentences'): its lines then translate apart")
         return text
+
+
+def _start(value: Any) -> str:
+    """How a refused text row begins, to find it by: ` ('its first 40 characters (or bytes), escaped')`; "" for
+    another value (its refusal quotes it)."""
+    if not isinstance(value, (str, bytes)):
+        return ""
+    return f" ({value[:40]!r}{'...' if len(value) > 40 else ''})"
 
 
 def _arrow(values: np.ndarray) -> Any:
