@@ -51,6 +51,29 @@ def test_probe_refuses_an_address_where_nothing_listens_in_seconds():
     assert time.monotonic() - started < 10
 
 
+
+def test_a_cluster_that_answers_but_refuses_the_driver_is_not_called_absent(monkeypatch):
+    """Ray 2.60's token authentication refused a driver at HOST:PORT of a running cluster: "no Ray cluster there",
+    where `--address auto` worked. The probe found a listener; ray.init's ConnectionError is said as a refusal."""
+    import ray
+
+    from pipeline.integrations.ray_job import connect
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def refused(**kwargs: object) -> None:  # what ray.init raises when the head refuses the token
+            raise ConnectionError("Failed to connect to GCS: Unauthenticated")
+
+        monkeypatch.setattr(ray, "init", refused)
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        with pytest.raises(UserError, match=rf"^--address 127\.0\.0\.1:{port}: something answers there, but Ray "
+                                            r"could not join it as a cluster \(Failed to connect to GCS: "
+                                            r"Unauthenticated\); if it is a Ray cluster that requires a token"):
+            connect(f"127.0.0.1:{port}")
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", ["corrupt.txt.gz", "latin1.txt", "corrupt.parquet", "0-not-gzip.gz", "0-cut-short.gz"])
 def test_a_bad_shard_a_worker_reads_is_one_error_line_naming_it(fp32_dir, tmp_path, bad):

@@ -90,7 +90,14 @@ def connect(address: str | None) -> bool:
         else:
             ray.init(address=address, runtime_env={"env_vars": {"PYTHONPATH": path}}, **quiet)
     except ConnectionError as e:
-        raise UserError(f"--address {address}: no Ray cluster there ({e}); start one with `ray start --head`") from None
+        if address is None:
+            raise UserError(f"a local Ray cluster could not start ({e})") from None
+        # something answered the probe: a cluster that refused this driver (Ray 2.60's token authentication), or
+        # not a Ray cluster at all
+        raise UserError(f"--address {address}: something answers there, but Ray could not join it as a cluster "
+                        f"({str(e)[:200]}); if it is a Ray cluster that requires a token (RAY_AUTH_MODE=token), set "
+                        "RAY_AUTH_MODE and RAY_AUTH_TOKEN as its head has them; else start one with `ray start "
+                        "--head`") from None
     return True
 
 
