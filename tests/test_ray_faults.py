@@ -74,6 +74,21 @@ def test_a_cluster_that_answers_but_refuses_the_driver_is_not_called_absent(monk
                                             r"Unauthenticated\); if it is a Ray cluster that requires a token"):
             connect(f"127.0.0.1:{port}")
 
+
+@pytest.mark.slow
+def test_ray_datas_own_warnings_stay_off_the_terminal(fp32_dir, tmp_path):
+    """An empty shard beside another (fewer blocks than actors) printed Ray Data's actor pool UserWarning to the
+    terminal, where the docs say Ray's lines go to its session logs unless -v."""
+    a = write_lines(tmp_path / "a.txt", ["ab cd"])
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    code, err = run_pipeline("ray-translate", fp32_dir, a, empty, "--output-dir", tmp_path / "out", "--actors", 2,
+                             "--backend", "onnxruntime")
+    assert code == 0, err
+    assert "UserWarning" not in err and "actor_pool" not in err, err
+    assert (tmp_path / "out" / "empty.txt").read_text() == ""
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bad", ["corrupt.txt.gz", "latin1.txt", "corrupt.parquet", "0-not-gzip.gz", "0-cut-short.gz"])
 def test_a_bad_shard_a_worker_reads_is_one_error_line_naming_it(fp32_dir, tmp_path, bad):

@@ -21,6 +21,7 @@ import re
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,6 +214,8 @@ def _run(model_dir: str | Path, plan: Plan, load_options: LoadOptions, decoding:
         settings.enter_context(_no_retries(context))
         if not log.isEnabledFor(logging.DEBUG):  # Ray Data's plan, timing and error lines: in its ray-data.log
             settings.enter_context(_console_quiet("ray.data"))
+            settings.enter_context(warnings.catch_warnings())  # and its UserWarnings (the actor pool's minimum)
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"ray\.data(\.|$)")
         # Ray Data joins what a task yields into blocks of up to this many bytes (128 MiB by default: a whole
         # shard, translated by one actor, its rows held until it is done). Blocks of about --batch-size rows keep
         # every actor busy, the writer fed, and a retry small.
