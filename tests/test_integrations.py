@@ -452,3 +452,24 @@ def test_ray_rows_of_a_file_without_line_breaks_are_refused_not_read_whole(monke
         [("ab cd", 0)] * 5 + [("x" * 20, 0)]
     with pytest.raises(UserError, match=r"^s.txt:6: a line of more than \d+ MiB with no line break"):
         list(ray_read._text_rows(io.BytesIO(b"ab cd\n" * 5 + b"x" * 30), "s.txt", "error"))
+
+
+def test_a_parquet_row_repaired_under_replace_is_counted_as_a_text_line_is():
+    """A NUL in a Parquet row was replaced by U+FFFD without being counted, where the same NUL in a text shard
+    is counted in the job's "line(s) had invalid UTF-8, replaced" line."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pipeline.integrations.ray_read import _parquet_rows
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"src": ["ab", "a\x00b", None, "\x00"]}), buffer)  # Arrow holds no lone surrogate
+
+    class Stream:  # what Ray hands a datasource: a file object with readall()
+        def readall(self) -> bytes:
+            return buffer.getvalue()
+
+    assert [flag for _, flag in _parquet_rows(Stream(), "p.parquet", "src", "replace")] == [0, 1, 0, 1]
+    assert [flag for _, flag in _parquet_rows(Stream(), "p.parquet", "src", "error")] == [0, 0, 0, 0]

@@ -13,6 +13,7 @@ from model.errors import UserError
 from pipeline.integrations.shards import PARQUET, Shard, expand, not_text
 from pipeline.serve_batch.files import count_lines
 from pipeline.serve_batch.translation import MAX_LINE_BYTES, decode_row, line_too_long
+from runtime.translate import not_text as no_text
 
 READ_CHUNK = 1 << 20
 
@@ -42,7 +43,7 @@ class LinesDatasource(_datasource_base()):  # type: ignore[misc]
         shard = self.index.get(path, self.index.get(os.path.realpath(path)))
         if shard is None:
             raise RuntimeError(f"{path}: Ray read a file that is not one of the shards")
-        rows = _parquet_rows(f, path, self.column) if path.endswith(PARQUET) else \
+        rows = _parquet_rows(f, path, self.column, self.invalid_utf8) if path.endswith(PARQUET) else \
             _text_rows(f, path, self.invalid_utf8)
         block: list[tuple[str, int]] = []
         lineno = 0
@@ -125,9 +126,11 @@ def _text_rows(f: Any, path: str, invalid_utf8: str) -> Iterator[tuple[str, int]
         yield decode_row(rest, path, lineno + 1, invalid_utf8)
 
 
-def _parquet_rows(f: Any, path: str, column: str) -> Iterator[tuple[str, int]]:
-    """The column's values (a dictionary-encoded column decoded, a null a blank row); a file that turns out
-    unreadable past its footer (a corrupt page) is a UserError naming it."""
+def _parquet_rows(f: Any, path: str, column: str, invalid_utf8: str = "error") -> Iterator[tuple[str, int]]:
+    """The column's values (a dictionary-encoded column decoded, a null a blank row), each with 1 when it will be
+    repaired (a NUL or lone surrogate under invalid_utf8 "replace", replaced by the Translator: counted as a text
+    shard's replaced line is); a file that turns out unreadable past its footer (a corrupt page) is a UserError
+    naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -138,7 +141,7 @@ def _parquet_rows(f: Any, path: str, column: str) -> Iterator[tuple[str, int]]:
             raise UserError(f"{path}: column {column!r} {problem}; name a string column")
         for batch in table.iter_batches(columns=[column]):
             for value in batch.column(0).to_pylist():
-                yield (value or "", 0)
+                yield (value or "", int(invalid_utf8 == "replace" and bool(value) and bool(no_text(value))))
     except (OSError, ValueError, EOFError) as e:  # pyarrow's ArrowInvalid is a ValueError, its IOError an OSError
         raise UserError(f"{path}: cannot read as Parquet ({_one_line(e)})") from None
 
