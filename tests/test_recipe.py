@@ -184,6 +184,9 @@ def test_schedule_options_are_checked_and_change_the_experiment(corpus, tmp_path
     assert run_cli("train", "--save-dir", tmp_path / "a", *common, "--lr-schedule", "linear",
                    "--decay-time", "soon") == 2
     assert "--decay-time 'soon' is not a duration" in capsys.readouterr().err
+    # SentencePiece's lattice sampling draws differently in each process: refused, with what a run begun so does
+    assert run_cli("train", "--save-dir", tmp_path / "a", *common, "--spm-alpha", "0.1", "--spm-nbest", "-1") == 2
+    assert "a run started with -1 cannot resume exactly either" in capsys.readouterr().err
     run = tmp_path / "b"
     assert run_cli("train", "--save-dir", run, *common) == 0
     assert run_cli("train", "--save-dir", run, *common, "--lr-schedule", "linear") == 2

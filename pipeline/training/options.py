@@ -222,7 +222,8 @@ def check_numbers(o: TrainOptions) -> None:
         problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
     if o.spm_nbest < 1:  # -1 (SentencePiece's lattice sampling) draws differently in each process
         problems.append(f"--spm-nbest must be at least 1 (got {o.spm_nbest}); sampling from all segmentations (-1) "
-                        "cannot be repeated exactly, so resumed and multi-process runs would differ")
+                        "cannot be repeated exactly, so resumed and multi-process runs would differ (a run started "
+                        "with -1 cannot resume exactly either: start it again in a new --save-dir, with 64)")
     threads = thread_problem(o.threads, "--threads")
     if threads:
         problems.append(threads)
