@@ -492,6 +492,27 @@ def test_a_damaged_shard_index_is_one_line(hf_dir, tmp_path, capsys, index_edit,
     one_error_line(code, err, *needles)
 
 
+
+def test_a_sharded_models_damaged_tensor_is_named_with_its_shard(hf_dir, tmp_path, capsys):
+    """A NaN or a wrong shape in a sharded model was refused naming the index file, not the shard that holds
+    the tensor (the file to fetch again)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    hf = copy_of(hf_dir, tmp_path, sharded())
+    shard = hf / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    name = sorted(k for k, v in tensors.items() if v.is_floating_point() and v.dim() == 2)[0]
+    tensors[name] = tensors[name].clone()
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    code, err = import_cli(capsys, hf, tmp_path / "o.pt")
+    one_error_line(code, err, f"{shard}: {name} holds 1 NaN or infinite value(s)")
+    tensors[name] = torch.zeros(3, 3)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    code, err = import_cli(capsys, hf, tmp_path / "o.pt")
+    one_error_line(code, err, f"{shard}: {name} has shape (3, 3)")
+
 def test_a_checkpoint_is_never_written_to_a_file_named_dash(hf_dir, tmp_path, capsys, monkeypatch):
     """`--out -` took '-' for standard output, skipped its checks and wrote a checkpoint named '-' in the
     current directory (import, average, random-checkpoint alike): refused in one line."""

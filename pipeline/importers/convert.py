@@ -49,7 +49,7 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     config = hf.config()
     cfg = family.model_config(config, hf_dir / CONFIG)
     # the sizes against the weights' header, before the tokenizer or the model builds anything of them
-    family.check_weights(hf.header(), cfg, hf.weights, hf_dir / CONFIG)
+    family.check_weights(hf.header(), cfg, hf.located, hf_dir / CONFIG)
     defaults, suppress = generation(hf, config, cfg)
     tokenized = family.tokenizer(hf, cfg)
     tok = tokenized.tokenizer
@@ -57,7 +57,7 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
         cfg = dataclasses.replace(cfg, unk_id=tok.unk_id, suppress_ids=suppress, **tokenized.config)
     except ConfigError as e:
         raise ImportRefused(f"{hf_dir / CONFIG}: {e}") from None
-    cfg, mapped = _logits_bias(family, cfg, family.map_weights(hf.tensors(), cfg, hf.weights), hf.weights)
+    cfg, mapped = _logits_bias(family, cfg, family.map_weights(hf.tensors(), cfg, hf.located), hf.weights)
     model = build(cfg, mapped, family.name)
     extra = {"decoding": defaults, "imported": hf.provenance(family.format), **tokenized.extra}
     sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)

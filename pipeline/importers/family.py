@@ -18,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from pipeline.importers import marian_weights
 from pipeline.importers.hf_dir import HfDir
-from pipeline.importers.hf_files import TensorInfo
+from pipeline.importers.hf_files import TensorInfo, Weights
 from runtime.tokenizer import VocabTokenizer
 
 
@@ -52,8 +52,8 @@ class Family:
     # whether it has a final_logits_bias (kept unless all zeros); without one, a non-zero bias is refused
     logits_bias: bool
     # the weights' header against the ModelConfig (before anything of its sizes is allocated), then the mapping
-    check_weights: Callable[[dict[str, TensorInfo], ModelConfig, Path, Path], None] = marian_weights.check_weights
-    map_weights: Callable[[dict[str, torch.Tensor], ModelConfig, Path], dict[str, torch.Tensor]] = \
+    check_weights: Callable[[dict[str, TensorInfo], ModelConfig, Weights, Path], None] = marian_weights.check_weights
+    map_weights: Callable[[dict[str, torch.Tensor], ModelConfig, Weights], dict[str, torch.Tensor]] = \
         marian_weights.map_weights
     # variants of the same model_type told apart by the directory's files (detect), the first that matches wins
     variants: tuple[Family, ...] = ()

@@ -18,6 +18,7 @@ from pipeline.importers.hf_files import (
     HFFiles,
     ImportRefused,
     TensorInfo,
+    Weights,
     allowed_roots,
     inside,
     read_weights,
@@ -111,6 +112,11 @@ class HfDir(HFFiles):
         if self._weights is None:
             raise RuntimeError("HfDir.require names the weights file first")
         return self._weights
+
+    @property
+    def located(self) -> Weights:
+        """The weights file, and for a sharded model the shard each tensor is in (what a refusal names)."""
+        return Weights(self.weights, {name: self.dir / shard for name, shard in self._weight_map.items()})
 
     def header(self) -> dict[str, TensorInfo]:
         """Each tensor's shape and dtype, from the weights file's header, without reading any weight."""

@@ -17,6 +17,7 @@ import math
 import os
 import pickle
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -27,6 +28,24 @@ from model.errors import UserError
 
 class ImportRefused(UserError):
     """A directory an importer cannot map (names the file, and the field where there is one)."""
+
+
+class Weights(NamedTuple):
+    """Where an import's tensors are: `path` the weights file (or a sharded model's index, named by messages about
+    the whole), `shards` the file of each tensor of a sharded model; `of(name)` names a tensor's own file."""
+
+    path: Path
+    shards: Mapping[str, Path] = {}
+
+    def of(self, tensor: str) -> Path:
+        return self.shards.get(tensor, self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def __str__(self) -> str:
+        return str(self.path)
 
 
 class TensorInfo(NamedTuple):

@@ -14,7 +14,7 @@ import torch
 from model.config import ModelConfig
 from model.transformer import Transformer, sinusoidal_positions
 from pipeline.importers.hf_files import ImportRefused as MarianImportError
-from pipeline.importers.hf_files import TensorInfo
+from pipeline.importers.hf_files import TensorInfo, Weights
 
 # Marian's per-layer module names -> ours (post-LN residual blocks hold our LayerNorms).
 ENCODER_LAYER = {
@@ -92,21 +92,21 @@ def expected_names(cfg: ModelConfig) -> set[str]:
     return layers | norms
 
 
-def _check_layers(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
+def _check_layers(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Weights, config_path: Path) -> None:
     """The weights hold exactly config.json's layers (so that a huge layer count is refused unbuilt)."""
     for side, count in (("encoder", cfg.n_enc_layers), ("decoder", cfg.n_dec_layers)):
         held = {name: parts[1] for name in infos if (parts := _layer_parts(name)) and parts[0] == side}
         beyond = sorted((i, name) for name, i in held.items() if i >= count)
         if beyond:
             i, name = beyond[0]
-            raise MarianImportError(f"{path}: tensor {name!r} is of {side} layer {i}, but {config_path.name} says "
-                                    f"{side}_layers {count}")
+            raise MarianImportError(f"{path.of(name)}: tensor {name!r} is of {side} layer {i}, but "
+                                    f"{config_path.name} says {side}_layers {count}")
         if len(set(held.values())) < count:
             raise MarianImportError(f"{config_path}: {side}_layers {count}, but {path.name} holds "
                                     f"{len(set(held.values()))} {side} layers; fix the value")
 
 
-def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, config_path: Path) -> None:
+def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Weights, config_path: Path) -> None:
     """Every tensor of the weights file placed, floating-point and of the shape config.json gives it,
     and none missing: checked on the header, before anything of the model's size is allocated."""
     present = [k for k in EMBEDDINGS if k in infos]
@@ -120,34 +120,35 @@ def check_weights(infos: dict[str, TensorInfo], cfg: ModelConfig, path: Path, co
     for name, info in infos.items():
         expected = marian_shape(name, cfg)
         if expected is None:
-            raise MarianImportError(f"{path}: tensor {name!r} has no place in our model (not a layout this "
+            raise MarianImportError(f"{path.of(name)}: tensor {name!r} has no place in our model (not a layout this "
                                     "importer knows)")
         if not info.floating:
-            raise MarianImportError(f"{path}: {name} holds {info.dtype}, not floating-point weights")
+            raise MarianImportError(f"{path.of(name)}: {name} holds {info.dtype}, not floating-point weights")
         want, fields = expected
         if info.shape != want and not (name == LOGITS_BIAS and info.shape == (cfg.vocab_size,)):
-            raise MarianImportError(f"{path}: {name} has shape {info.shape}, but {config_path.name} ({fields}) "
-                                    f"implies {want}")
+            raise MarianImportError(f"{path.of(name)}: {name} has shape {info.shape}, but {config_path.name} "
+                                    f"({fields}) implies {want}")
     missing = sorted(expected_names(cfg) - set(infos))
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MarianImportError(f"{path}: no tensor {missing[0]!r}{more}, which {config_path.name} implies")
 
 
-def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) -> dict[str, torch.Tensor]:
+def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Weights) -> dict[str, torch.Tensor]:
     """Our state dict from Marian's (checked by check_weights): the tied embedding, the logits bias,
     the per-layer tensors; the sinusoid tables must be Marian's."""
     state = {k: v.float() for k, v in state.items()}
     for key, tensor in state.items():  # a damaged file: export would only fail its verification, naming neither
         bad = int((~torch.isfinite(tensor)).sum())
         if bad:
-            raise MarianImportError(f"{path}: {key} holds {bad} NaN or infinite value(s); the weights are damaged")
+            raise MarianImportError(f"{path.of(key)}: {key} holds {bad} NaN or infinite value(s); the weights are "
+                                    "damaged")
     present = [k for k in EMBEDDINGS if k in state]
     emb = state[present[0]]
     for k in present[1:]:
         if not torch.equal(state[k], emb):
-            raise MarianImportError(f"{path}: {k} differs from {present[0]}: the model does not tie its embeddings "
-                                    "and output projection, which our model requires")
+            raise MarianImportError(f"{path.of(k)}: {k} differs from {present[0]}: the model does not tie its "
+                                    "embeddings and output projection, which our model requires")
     ours: dict[str, torch.Tensor] = {"embed.weight": emb}
     bias = state.get(LOGITS_BIAS)
     ours["logits_bias"] = torch.zeros(cfg.vocab_size) if bias is None else bias.reshape(-1)
@@ -155,7 +156,7 @@ def map_weights(state: dict[str, torch.Tensor], cfg: ModelConfig, path: Path) ->
         table = sinusoidal_positions(cfg.max_positions, cfg.d_model, cfg.positions, cfg.position_offset)
         for k in POSITIONS:
             if k in state and not torch.allclose(state[k][cfg.position_offset:], table, atol=1e-4):
-                raise MarianImportError(f"{path}: {k} is not the {cfg.positions} sinusoidal table")
+                raise MarianImportError(f"{path.of(k)}: {k} is not the {cfg.positions} sinusoidal table")
     for k, v in state.items():
         name = layer_name(k)
         if name is not None:
