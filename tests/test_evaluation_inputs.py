@@ -176,3 +176,23 @@ def test_bench_says_when_its_sources_were_cut(tmp_path, fp32_dir, caplog):
         ids = make_sources(opened.tokenizer, src, 4, 20, 64)
     assert max(map(len, ids)) == 64
     assert "long.src: 2 of the 4 sentences measured were cut to the model's source limit of 64 tokens" in caplog.text
+
+
+def test_parity_shares_are_of_the_lines_the_model_translates_not_blank_ones():
+    """Blank lines never reach a model and are equal in every run: counted, 500 of them beside 500 lines turned a
+    failed 99.9% identical gate (99.8%) into a pass (99.9%), and the report said 1000 sentences."""
+    from types import SimpleNamespace
+
+    from pipeline.evaluation.parity import Served, _compare, _live
+    from pipeline.evaluation.parity_options import Gate
+
+    sources = ["ab", "cd", "ef", "gh", "", "  ", "", ""]  # 4 lines with text, 4 blank
+    ref = Served(["A", "C", "E", "G", "", "", "", ""], [[1]] * 4 + [[]] * 4, [[5], [6], [7], [8]] + [[]] * 4,
+                 0.0, 0)
+    run = Served(["A", "X", "E", "G", "", "", "", ""], ref.sources, [[5], [9], [7], [8]] + [[]] * 4, 0.0, 0)
+    backend = SimpleNamespace(device="cpu", shortlist=None)
+    assert _live(sources) == 4
+    results, _ = _compare([("onnxruntime", backend, run, "int8")], ref, ref.lines, None,
+                          {"int8": Gate(min_identical=0.8, max_bleu_delta=None)}, None, 3, _live(sources))
+    assert results[0].identical == 0.75 and results[0].n_different == 1  # of 4, not of 8 (0.875)
+    assert not results[0].passed
