@@ -156,7 +156,7 @@ def test_parity_measures_exactly_what_serve_batch_writes(model_dirs, test_files,
     out = (hyps / "torch.fp32.txt").read_text(encoding="utf-8").split("\n")
     assert len(out) == len(src_lines) + 1 and out[1] == out[2] == "" and out[3] and out[0]
     data = json.loads(report.read_text())
-    assert data["sentences"] == len(src_lines)
+    assert data["sentences"] == sum(1 for line in src_lines if line.strip())  # as serve-batch counts: not blank
     assert [r["identical"] for r in data["results"]] == [1.0, 1.0]
 
 
@@ -266,3 +266,18 @@ def test_gpu_memory_is_read_only_for_the_torch_backend_on_cuda():
     assert torch_cuda(backend("torch", "cpu")) is None
     assert torch_cuda(backend("onnxruntime", "cuda:0")) is None
     assert torch_cuda(types.SimpleNamespace(name="onnxruntime", device="cpu")) is None
+
+
+def test_the_serve_bench_table_of_a_serve_batch_rate_it_could_not_time():
+    """serve-batch printed "in 0.00 s" for a file it translated in under 5 ms (or whose lines are numbers, copied):
+    `bench --serve` ran every level, then crashed formatting None with a traceback and wrote no JSON."""
+    from pipeline.evaluation.serve_bench import format_serve_bench
+
+    level = {"api": "native", "concurrency": 1, "sentences_per_s": 50.0, "latency_p50_s": 0.02,
+             "latency_p99_s": 0.03, "errors": 0, "mismatched_lines": 0}
+    report = {"serve_batch": {"sentences": 2, "target_tokens": 0, "seconds": 0.0, "sentences_per_s": None,
+                              "target_tokens_per_s": None},
+              "paragraph": 1, "lines": 2, "backend": "onnxruntime", "server_peak_rss_mib": 300.0, "levels": [level]}
+    table = format_serve_bench(report).splitlines()
+    assert table[0].startswith("serve-batch: - documents of 1 lines/s on 2 documents of 1 lines")
+    assert table[2].split()[:4] == ["native", "1", "50.0", "-"]
