@@ -196,3 +196,15 @@ def test_parity_shares_are_of_the_lines_the_model_translates_not_blank_ones():
                           {"int8": Gate(min_identical=0.8, max_bleu_delta=None)}, None, 3, _live(sources))
     assert results[0].identical == 0.75 and results[0].n_different == 1  # of 4, not of 8 (0.875)
     assert not results[0].passed
+
+
+def test_bench_refuses_options_its_mode_would_leave_out(capsys, fp32_dir, tmp_path):
+    """--serve with --whole-process ran the whole-process table only; --fixed-length with --serve was not applied
+    (nor recorded); --concurrency or --paragraph without --serve were dropped: each in silence, exit 0."""
+    src = write_lines(tmp_path / "s.txt", ["ab cd"])
+    for args, says in ((["--serve", src, "--whole-process", src], "--whole-process and --serve are two measurements"),
+                       (["--serve", src, "--fixed-length", "5"], "--fixed-length is measured in-process"),
+                       (["--concurrency", "1,64"], "--concurrency: only with --serve INPUT"),
+                       (["--paragraph", "3", "--lang", "de"], "--paragraph, --lang: only with --serve INPUT")):
+        code, _, err = run_cli_captured(capsys, "bench", fp32_dir, *args)
+        assert_one_line_error(code, err, says)

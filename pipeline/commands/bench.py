@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
                                   "--json file", input_dirs=list(model_dirs))
         check_output_file(o.json_out, "--json")
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
+    _one_mode(ctx, o)
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")
@@ -97,3 +99,18 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         click.echo(format_comparison(report))
     if o.json_out:
         write_json(report, o.json_out)
+
+
+def _one_mode(ctx: click.Context, o: BenchOptions) -> None:
+    """Options a mode would leave out in silence are refused: --serve with --whole-process (two measurements),
+    --fixed-length with --serve (it translates the file's lines as given), --serve's own options without it."""
+    if o.whole_process and o.serve_input is not None:
+        raise UserError("--whole-process and --serve are two measurements; run them apart")
+    if o.serve_input is not None and o.fixed_length is not None:
+        raise UserError("--fixed-length is measured in-process and with --whole-process; --serve translates INPUT's "
+                        "lines as they are")
+    given = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(ServeBenchOptions)
+             if ctx.get_parameter_source(f.name) in (click.core.ParameterSource.COMMANDLINE,
+                                                     click.core.ParameterSource.ENVIRONMENT)]
+    if o.serve_input is None and given:
+        raise UserError(f"{', '.join(given)}: only with --serve INPUT (the HTTP server's benchmark)")

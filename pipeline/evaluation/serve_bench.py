@@ -248,7 +248,8 @@ def format_serve_bench(report: dict[str, Any]) -> str:
 
     offline = report["serve_batch"]
     unit = f"documents of {report['paragraph']} lines" if report.get("paragraph") else "lines"
-    rows = [f"serve-batch: {offline['sentences_per_s']:.1f} {unit}/s on {report['lines']} {unit} "
+    rate = offline["sentences_per_s"]  # None: serve-batch's summary said 0 s (nothing a model had to translate)
+    rows = [f"serve-batch: {'-' if rate is None else f'{rate:.1f}'} {unit}/s on {report['lines']} {unit} "
             f"(backend {report['backend']}); server peak RSS {report['server_peak_rss_mib'] or 0:.0f} MiB",
             f"{'api':>14} {'clients':>8} {'texts/s':>8} {'x batch':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
             f"{'differ':>7}"]

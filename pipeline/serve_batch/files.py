@@ -84,7 +84,7 @@ class ServeStats:
     def summary(self, backend: str, device: str) -> str:
         rate = self.tgt_tokens / self.seconds if self.seconds > 0 else 0.0
         return (f"translated {self.sentences} sentences ({self.src_tokens} source tokens, "
-                f"{self.tgt_tokens} target tokens) in {self.seconds:.2f} s: {rate:.1f} target tokens/s; "
+                f"{self.tgt_tokens} target tokens) in {self.seconds:.3f} s: {rate:.1f} target tokens/s; "
                 f"backend {backend}, device {device}")
 
 
