@@ -328,6 +328,9 @@ def format_table(report: dict) -> str:
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8} "
                     f"{percent(r):>6}")
+    if len({r["backend"] for r in report["results"]}) > 1:  # one process measured them in turn
+        rows.append("peak MB: this process's resident peak in the row, so a backend measured after another counts "
+                    "what that one left loaded (torch's libraries, its model); each engine's own: --compare")
     if report.get("cpu_peak"):
         rows.append(peak_line(report["cpu_peak"]))
     if report.get("host", {}).get("cpu"):
