@@ -245,6 +245,12 @@ def test_output_dir_names_take_the_target_language():
     assert output_name("part-000", ".en") == "part-000.en" and output_name("notes.txt", ".en") == "notes.txt.en"
     assert output_name("test.pt-BR", ".en") == "test.en"
     assert output_paths(["a/x.de", "b/y.de"], None, "out", ".en") == ["out/x.en", "out/y.en"]
+    # names the suffix makes one were "two inputs have the same file name": y and y.en differ; name them
+    from model.errors import UserError
+
+    with pytest.raises(UserError, match=r"^in/y and in/y\.en would both be written to out/y\.en, one over the "
+                                        r"other"):
+        output_paths(["in/y", "in/y.en"], None, "out", ".en")
 
 
 def test_the_suffix_comes_from_the_option_the_target_or_the_model_dir(tmp_path, fp32_dir):

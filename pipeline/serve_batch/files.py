@@ -264,9 +264,12 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None, 
         if inp == "-":
             raise UserError("input '-' (stdin) has no name for --output-dir; use --output FILE or '-'")
         paths.append(str(Path(output_dir) / output_name(Path(inp).name, suffix)))
-    if len(set(paths)) != len(paths):
-        raise UserError("two inputs have the same file name, so --output-dir would write one over "
-                        "the other; translate them in separate runs")
+    seen: dict[str, str] = {}
+    for inp, path in zip(inputs, paths):
+        if path in seen:  # the same name, or names the suffix makes one (y and y.en with --suffix .en)
+            raise UserError(f"{seen[path]} and {inp} would both be written to {path}, one over the other; "
+                            "translate them in separate runs")
+        seen[path] = inp
     return paths
 
 
