@@ -96,6 +96,11 @@ def test_whole_process_reports_pieces_per_line_and_the_split(fp32_dir, tmp_path,
         assert "search rules: ours top-beam, CTranslate2 top-beam" in stdout, stdout
     rows = {r["engine"] + " " + r["precision"]: r for r in report["results"]}
     assert set(rows) == {"onnxruntime fp32", *(["ctranslate2 fp32", "ctranslate2 int8"] if compare else [])}
+    if compare:  # the table's x ct2 columns are the JSON's too, and CTranslate2 int8 says its quantization as
+        ours = rows["onnxruntime fp32"]  # in-process
+        assert ours["x_ct2"] == {p: round(rows[f"ctranslate2 {p}"]["wall_s"] / ours["wall_s"], 3)
+                                 for p in ("fp32", "int8")}
+        assert rows["ctranslate2 int8"]["quantization"] == "ctranslate2"
     assert "pieces + EOS" in report["source_pieces"] and "wall_s" in report["split_measures"]
     for r in rows.values():
         assert r["source_pieces_per_line"] == pytest.approx(statistics.fmean(counts), abs=0.005)

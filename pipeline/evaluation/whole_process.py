@@ -231,7 +231,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             report["ctranslate2_greedy_agreement"] = f"{agree}/{len(check)}"
             del translator, model
             for precision, compute_type in ctranslate2_compare.COMPUTE_TYPES.items():
-                engines.append({"engine": "ctranslate2", "precision": precision, "quantization": None,
+                engines.append({"engine": "ctranslate2", "precision": precision,
+                                "quantization": "ctranslate2" if precision == "int8" else None,  # as in-process
                                 "model_dir": str(model_dirs[0]), "ct2_dir": str(ct2_dir),
                                 "compute_type": compute_type, "shortlist": False})
         spms = sentencepiece_files(opened[0], Path(tmp))
@@ -288,6 +289,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
          **pieces[engines[i]["model_dir"], f],
          "split": split(statistics.median(w for w, _ in runs), spans[i, f])}
         for (i, f), runs in samples.items()]
+    for r in report["results"]:  # the table's x ct2 columns, in the JSON too
+        r["x_ct2"] = {p: round(ratio, 3) for p, ratio in _versus_ct2(report["results"], r).items()}
     report["source_pieces"] = ("SentencePiece pieces + EOS per non-blank line of the file (after a multilingual "
                                "model's source language token), by the model dir's tokenizer as serve-batch encodes "
                                "them; CTranslate2's script encodes the same")
@@ -304,21 +307,27 @@ def _median_phases(runs: list[dict[str, float]]) -> dict[str, float]:
     return {name: round(statistics.median(run[name] for run in runs if name in run), 3) for name in names}
 
 
+def _versus_ct2(results: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, float]:
+    """CTranslate2's wall time on the row's file over the row's, per CTranslate2 precision run (above 1: the row's
+    engine finished first)."""
+    return {r["precision"]: r["wall_s"] / row["wall_s"] for r in results
+            if r["engine"] == "ctranslate2" and r["file"] == row["file"] and r["wall_s"] and row["wall_s"]}
+
+
 def _seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
 def format_whole_process(report: dict[str, Any]) -> str:
     model = model_column(report)
-    # CTranslate2's wall time over each row's, per file: above 1, the row's engine finished first
-    ct2 = {(r["file"], r["precision"]): r["wall_s"] for r in report["results"] if r["engine"] == "ctranslate2"}
-    against = [p for p in ("fp32", "int8") if any(precision == p for _, precision in ct2)]
+    against = [p for p in ("fp32", "int8") if any(r["engine"] == "ctranslate2" and r["precision"] == p
+                                                   for r in report["results"])]
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
             f"{'peak MB':>8} {'load s':>7} {'decode s':>8}" + "".join(f" {'x ct2 ' + p:>10}" for p in against))
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
-        ratios = "".join(f" {ct2[r['file'], p] / r['wall_s']:>10.2f}" if ct2.get((r["file"], p)) and r["wall_s"] else
-                         f" {'-':>10}" for p in against)
+        versus = _versus_ct2(report["results"], r)
+        ratios = "".join(f" {versus[p]:>10.2f}" if p in versus else f" {'-':>10}" for p in against)
         rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
                     f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
                     f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}"
