@@ -225,13 +225,14 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
                         "--reference transformers needs --hf-dir")
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
     _warn(torch_run, src, opts)
-    lines, tokens, seconds = transformers_reference.translate(hf_dir, read_lines(src), opts.decoding, opts.src_lang,
+    sources = read_lines(src)
+    lines, tokens, seconds = transformers_reference.translate(hf_dir, sources, opts.decoding, opts.src_lang,
                                                               opts.tgt_lang, torch_backend.max_src_len,
                                                               frozenset(dict(torch_backend.cfg.languages).values()))
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
     runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)
-    live = _live(read_lines(src))
+    live = _live(sources)
     results, signatures = _compare(runs, ref_run, ref_lines, torch_backend.model, gates, save_hyps,
                                    torch_backend.cfg.eos_id, live)
     return ParityReport(str(model_dir), str(src), str(ref_path), live, opts.decoding.beam_size,
@@ -254,10 +255,11 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
         src.write_text("".join(line + "\n" for line in refs.sources), encoding="utf-8")
         runs = (_translate(name, opened, src, opts, device, threads, tokenizer, None, shortlist)
                 for name in backends)
+        live = _live(refs.sources)
         results, signatures = _compare(runs, ref_run, refs.references, model, gates, save_hyps,
-                                       manifest.model_config.eos_id, _live(refs.sources))
+                                       manifest.model_config.eos_id, live)
     where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
-    return ParityReport(str(model_dir), where, where, _live(refs.sources), opts.decoding.beam_size, *signatures,
+    return ParityReport(str(model_dir), where, where, live, opts.decoding.beam_size, *signatures,
                         results, shortlist=shortlist)
 
 
