@@ -255,15 +255,8 @@ def has_fixed_term(glossary: Glossary | None, text: str) -> bool:
 
 
 def _kept_text(tokenizer: AnyTokenizer, text: str, limit: int) -> str:
-    """The longest start of `text` whose source pieces and EOS fit in `limit` tokens (what truncation keeps), less
-    the word it cuts."""
-    low, high = 0, len(text)
-    while low < high:
-        mid = (low + high + 1) // 2
-        if len(tokenizer.encode_source([text[:mid]])[0]) <= limit:
-            low = mid
-        else:
-            high = mid - 1
+    """The start of `text` that truncation keeps (its pieces and EOS in `limit` tokens), less the word it cuts."""
+    low = tokenizer.source_cut(text, limit - 1)
     while 0 < low < len(text) and _in_word(text[low - 1]) and _in_word(text[low]):  # a word cut is not a term
         low -= 1
     return text[:low]

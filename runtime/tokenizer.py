@@ -78,6 +78,10 @@ class Tokenizer:
         """Piece ids + EOS, whole (runtime.translate.encode_sources applies the line policy)."""
         return [ids + [EOS_ID] for ids in self.encode(texts)]
 
+    def source_cut(self, text: str, pieces: int) -> int:
+        """Where in `text` its first `pieces` source pieces end (what truncation keeps of it): a character offset."""
+        return _pieces_end(self.sp, text, pieces)
+
     def decode(self, ids: list[list[int]]) -> list[str]:
         """Text from piece ids; special ids (pad/bos/eos) are dropped."""
         special = {PAD_ID, BOS_ID, EOS_ID}
@@ -173,6 +177,13 @@ class VocabTokenizer:
             out.append(self._ids(code + self.source.encode(text, out_type=str)) + [self.eos_id])
         return out
 
+    def source_cut(self, text: str, pieces: int) -> int:
+        """Where in `text` its first `pieces` source pieces end (a leading >>code<< is one): a character offset."""
+        end = text.find("<<") + 2 if text.startswith(">>") and "<<" in text else 0
+        if end and pieces > 0:
+            return end + _pieces_end(self.source, text[end:], pieces - 1)
+        return _pieces_end(self.source, text, pieces)
+
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Target-side piece ids without EOS (references)."""
         return [self._ids(self.target.encode(text, out_type=str)) for text in texts]
@@ -228,6 +239,17 @@ def tokenizer_from_file(path: str | Path) -> AnyTokenizer:
         return load_tokenizer(Path(path).read_bytes())
     except TokenizerError as e:
         raise TokenizerError(f"{path}: {e}; export the model again") from None
+
+
+def _pieces_end(sp: spm.SentencePieceProcessor, text: str, pieces: int) -> int:
+    """The character offset of `text` where its first `pieces` pieces by `sp` end, len(text) when it has no more
+    (SentencePiece's piece offsets count the UTF-8 bytes of the text as given, before normalisation)."""
+    found = sp.encode(text, return_type="proto").pieces
+    if pieces >= len(found):
+        return len(text)
+    if pieces <= 0:
+        return 0
+    return len(text.encode("utf-8")[:found[pieces - 1].end].decode("utf-8", errors="ignore"))
 
 
 def _processor(model_bytes: bytes, which: str = "") -> spm.SentencePieceProcessor:

@@ -407,3 +407,27 @@ def test_a_term_cut_off_a_long_line_is_not_forced(tokenizer: Tokenizer):
     encoded = encode_texts(tokenizer, [line, "der hund " + "der " * 40], 12, TextPolicy(), glossary=g)
     assert encoded.truncated == [1, 1]
     assert encoded.terms[0].matches == () and encoded.constraints == [[], tokenizer.encode(["dog"])]
+
+
+def test_a_cut_line_has_the_terms_of_every_piece_the_model_sees(tokenizer: Tokenizer):
+    """The part a cut line keeps was found by halving on its characters, but a start one character longer can take
+    fewer pieces ("u d" three, "u da" two): the last terms the model saw were missed, and not forced. Every word a
+    term, lines cut at their 40th piece: the terms found are those of the kept pieces, less a word they cut."""
+    from helpers import make_parallel
+
+    from runtime.texts import TextPolicy, encode_texts
+
+    words = sorted({w for line in make_parallel(200)[0] for w in line.split() if w.isalpha()})
+    g = glossary_from_mapping({w: "" for w in words})  # do-not-translate: nothing to spell
+    rng, limit = random.Random(0), 40
+    for _ in range(60):
+        line = " ".join(rng.choices(words, k=40))
+        pieces = tokenizer.encode([line])[0]
+        assert len(pieces) >= limit
+        kept = tokenizer.decode([pieces[: limit - 1]])[0]
+        if not tokenizer.piece(pieces[limit - 1]).startswith("\u2581"):  # the cut falls inside a word
+            kept = kept.rsplit(" ", 1)[0]
+        encoded = encode_texts(tokenizer, [line], limit, TextPolicy(), glossary=g)
+        assert encoded.truncated == [1]
+        assert [m.found for m in encoded.terms[0].matches] == [m.found for m in find_terms(g, kept)], line
+    assert tokenizer.source_cut("a b", 0) == 0 and tokenizer.source_cut("a b", 99) == 3
