@@ -86,7 +86,7 @@ def test_frontend_settings_spec_and_docs(tmp_path: Path):
     with TestClient(create_app(state)) as c:
         settings = c.get("/frontend/settings").json()  # open, as in LibreTranslate
         assert settings["keyRequired"] is True and settings["apiKeys"] is True
-        assert settings["language"] == {"source": {"code": "auto", "name": "Auto Detect"},
+        assert settings["language"] == {"source": {"code": "de", "name": "German"},  # no detector here
                                         "target": {"code": "en", "name": "English"}}
         assert settings["charLimit"] * 12 <= state.limits.max_bytes and settings["frontendTimeout"] > 0
         assert {"suggestions", "filesTranslation", "supportedFilesFormat"} <= set(settings)
@@ -181,3 +181,28 @@ def test_what_libretranslate_accepts_and_what_no_api_may_lose():
         route = c.get("/spec").json()["paths"]["/download_file/{id}"]["get"]
         assert route["parameters"] == [{"name": "id", "in": "path", "required": True, "schema": {"type": "string"},
                                         "description": "the last part of translatedFileUrl"}]
+
+
+def test_settings_default_to_a_pair_the_server_translates():
+    """Clients that send /frontend/settings' defaults as they are: an en-de server said auto -> en (a 200 handing the
+    text back untranslated), one of made-up codes auto -> a code nothing translates into, and auto without a
+    detector (every default request a 400)."""
+    for pairs, detector, expected in (({"en-de": (("en",), ("de",))}, True, ("auto", "de")),
+                                      ({"en-de": (("en",), ("de",))}, False, ("en", "de")),
+                                      ({"xx-yy": (("xx",), ("yy",))}, False, ("xx", "yy")),
+                                      (PAIRS, True, ("auto", "en")), (PAIRS, False, ("de", "en"))):
+        state = state_of(pairs)
+        if detector:
+            state.detector = object()  # type: ignore[assignment]  # any: settings only ask whether there is one
+        with TestClient(create_app(state)) as c:
+            language = c.get("/frontend/settings").json()["language"]
+        assert (language["source"]["code"], language["target"]["code"]) == expected, pairs
+
+
+def test_auto_with_a_target_nothing_translates_into_names_the_target():
+    """Detection ran first and took the blame: 'q is detected as de (confidence 99.7): "source" de to "target" xx is
+    not a language pair'. The target is checked first, as LibreTranslate does."""
+    with TestClient(create_app(state_of(PAIRS))) as c:  # no detector: the target's problem is still the one named
+        r = c.post("/translate", json={"q": "der Hund", "source": "auto", "target": "xx"})
+    assert r.status_code == 400 and r.json()["error"].startswith('"target" xx is not a language this server '
+                                                                 "translates into; it translates de-en, en-de")

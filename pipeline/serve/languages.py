@@ -70,6 +70,8 @@ class Routes(Generic[M]):
         for src, found in targets.items():
             found.discard(src)
         self.codes = sorted({src for src, into in targets.items() if into}.union(*targets.values()))
+        self.targets = sorted(set().union(*targets.values()))  # the codes some model translates into
+        self.sources = sorted(src for src, into in targets.items() if into)
         folded: dict[str, list[str]] = {}
         for code in self.codes:
             folded.setdefault(code.casefold(), []).append(code)
@@ -106,6 +108,10 @@ class Routes(Generic[M]):
             if source in sources and target in targets:
                 return model
         return None
+
+    def targets_of(self, source: str) -> list[str]:
+        """The codes `source` is translated into, sorted."""
+        return next((list(lang["targets"]) for lang in self._languages if lang["code"] == source), [])
 
     def pairs(self) -> list[tuple[str, str]]:
         """Every (source, target) served, sorted."""

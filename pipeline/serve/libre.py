@@ -157,7 +157,11 @@ class _Group:
 
 
 def _detect(state: ServerState, req: LibreRequest) -> list[dict[str, Any]]:
-    """Each text's most likely language among the served ones (CPU work: off the event loop)."""
+    """Each text's most likely language among the served ones (CPU work: off the event loop). A target no model
+    translates into is refused first, as LibreTranslate does: detection would be blamed for it."""
+    if req.target not in state.routes.targets:
+        raise ApiError(400, f'"target" {req.target} is not a language this server translates into; it translates '
+                            f"{state.routes.listed()}")
     detector = state.detector
     if detector is None:
         raise ApiError(400, f'"source": "auto" needs language detection: {state.no_detector}; name the source '
@@ -298,8 +302,10 @@ async def frontend_settings(request: Request) -> Response:
     """GET /frontend/settings: the fields LibreTranslate's front end and clients (libretranslate-aio, LiquidBounce)
     read. charLimit is what always fits in --max-bytes, whatever the characters and their JSON escapes."""
     state: ServerState = request.app.state.server
-    codes = state.routes.codes
-    target = "en" if "en" in codes else (codes[0] if codes else "")
+    routes = state.routes  # defaults a client can send as they are: a served source, or auto where detection is
+    source = "auto" if state.detector is not None or not routes.sources else routes.sources[0]
+    into = routes.targets if source == "auto" else routes.targets_of(source)
+    target = "en" if "en" in into else (into[0] if into else "")
     return JSONResponse({
         "charLimit": char_limit(state.limits.max_bytes),
         "frontendTimeout": 500,
@@ -308,7 +314,7 @@ async def frontend_settings(request: Request) -> Response:
         "suggestions": state.suggestions is not None,
         "filesTranslation": True,
         "supportedFilesFormat": [".txt", ".html", ".htm", ".srt", ".docx", ".pptx", ".odt", ".odp", ".epub"],
-        "language": {"source": {"code": "auto", "name": "Auto Detect"},
+        "language": {"source": {"code": source, "name": "Auto Detect" if source == "auto" else language_name(source)},
                      "target": {"code": target, "name": language_name(target)}},
     })
 
