@@ -94,9 +94,11 @@ class ExportOptions:
                         "int8 graphs return min(this, 2 x beam): docs/int8.md).")
     max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).", min=1)
     max_src_len: int | None = opt(None, f"Longest source in tokens, EOS included [default: {DEFAULT_MAX_SRC_LEN}, "
-                                  "at most the model's max_positions].", min=1)
+                                  "at most the model's max_positions; an imported model's: its max_positions].",
+                                  min=1)
     max_tgt_len: int | None = opt(None, "Longest output in tokens (decoder cache holds max-tgt-len + 1 slots) "
-                                  f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions].", min=1)
+                                  f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions; an imported "
+                                  "model's: what its generation config's max_length allows].", min=1)
     max_beam: int = opt(8, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).", min=1)
     tensorrt: bool | None = opt(None, "Build TensorRT engines (error if TensorRT or a GPU is missing) or skip "
                                 "them. Default: build them when possible, else say why they were skipped.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ from model.checkpoint import load_model, resolve_checkpoint
 from model.config import ModelConfig
 from model.manifest import FORMAT, MANIFEST, OLD_FORMATS, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
+from runtime.decoding import PAPER
 from runtime.languages import LANG_CODE, LanguageError, direction
 from runtime.shortlist import Shortlist
 from runtime.tokenizer import AnyTokenizer, TokenizerError, load_tokenizer
@@ -105,7 +107,7 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     prepare_out(options.out, options.force, source)
     tensorrt = _check_precision(options)
     model, spm_bytes, payload, loaded = load(source)
-    limits = _limits(options, model.cfg.max_positions)
+    limits = _limits(options, model.cfg.max_positions, payload)
     check_options(model.cfg, opset=options.opset, topk=options.topk, limits=limits)
     pair = language_pair(options, payload, model.cfg)
     # the shortlist's corpus is read and counted first: a bad one fails before minutes of export work
@@ -155,10 +157,21 @@ def _check_precision(options: ExportOptions) -> bool | None:
     return options.tensorrt
 
 
-def _limits(options: ExportOptions, positions: int) -> Limits:
-    """Unset source/target limits: the defaults, within the model's positions (an imported model may have fewer)."""
-    src = options.max_src_len if options.max_src_len is not None else min(DEFAULT_MAX_SRC_LEN, positions)
-    tgt = options.max_tgt_len if options.max_tgt_len is not None else min(DEFAULT_MAX_TGT_LEN, positions - 1)
+def _limits(options: ExportOptions, positions: int, payload: dict[str, Any]) -> Limits:
+    """Unset source/target limits: the defaults, within the model's positions (an imported model may have fewer).
+    A checkpoint with decoding defaults of its own (an imported model's generation config: OPUS-MT's max_length
+    512) gets what they allow, as transformers translates: every source its positions take, and the outputs its
+    max_len_a * source + max_len_b asks for (a dir of the defaults cut them at 305 tokens without a word)."""
+    own = (payload.get("extra") or {}).get("decoding") or {}
+    src = options.max_src_len if options.max_src_len is not None else \
+        positions if own else min(DEFAULT_MAX_SRC_LEN, positions)
+    longest = math.ceil(float(own.get("max_len_a", PAPER.max_len_a)) * src) + int(own.get("max_len_b", PAPER.max_len_b))
+    tgt = options.max_tgt_len if options.max_tgt_len is not None else \
+        min(max(DEFAULT_MAX_TGT_LEN, longest + 1) if own else DEFAULT_MAX_TGT_LEN, positions - 1)
+    enough = min(longest + 1, positions - 1)
+    if own and tgt < enough:  # the longest output the model's own decoding asks for does not fit: say so
+        log.warning("the model dir's outputs stop at %d tokens (--max-tgt-len %d), where the checkpoint's decoding "
+                    "allows %d; --max-tgt-len %d serves all of them", tgt - 1, tgt, longest, enough)
     return Limits(options.max_batch, src, tgt, options.max_beam)
 
 

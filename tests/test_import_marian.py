@@ -285,6 +285,26 @@ def test_model_dir_tokenizer_and_limits(checkpoint, tmp_path):
     assert served_languages("model", manifest) == (("src",), ("tgt",))
 
 
+def test_an_opus_mt_model_dir_serves_the_lengths_its_generation_config_allows(tmp_path, caplog):
+    """OPUS-MT ships 512 positions and max_length 512: export's defaults (256 source, 306 target tokens) cut its
+    outputs at 305 tokens without a word, where transformers writes 510, and parity failed without a reason. The
+    model's own decoding sets the default limits; limits given that cut them are warned of."""
+    import logging
+
+    from export.api import export_model
+
+    hf = make_marian_dir(tmp_path / "hf", max_position_embeddings=512, max_length=512, calibrate=False)
+    checkpoint = tmp_path / "marian.pt"
+    import_marian(hf, checkpoint)
+    manifest = export_model(checkpoint, tmp_path / "dir", tensorrt=False)
+    assert (manifest.limits.max_src_len, manifest.limits.max_tgt_len) == (512, 511)
+    assert manifest.decoding["max_len_b"] == 510
+    with caplog.at_level(logging.WARNING, logger="export.plan"):
+        export_model(checkpoint, tmp_path / "short", tensorrt=False, max_tgt_len=306)
+    assert "outputs stop at 305 tokens (--max-tgt-len 306), where the checkpoint's decoding allows 510; " \
+           "--max-tgt-len 511 serves all of them" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("encoder_layers, decoder_layers, decoder_ffn, decoder_heads",
                          [(3, 1, 32, 2), (1, 2, None, None)])
