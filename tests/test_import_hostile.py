@@ -81,6 +81,15 @@ def rewrite_weights(change: Callable[[dict[str, Any]], None]) -> Edit:
     return edit
 
 
+class _Reduced:
+    """Pickles as a call of os.system, which no import may make (weights_only refuses it before)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, ("exit 3",)
+
+
 def as_pytorch_bin(extra: dict[str, Any] | None = None) -> Edit:
     """model.safetensors rewritten as pytorch_model.bin (plus `extra` entries)."""
     def edit(hf: Path) -> None:
@@ -102,11 +111,13 @@ def test_import_output_inside_the_marian_dir_is_refused(hf_dir, tmp_path, capsys
     hf = copy_of(hf_dir, tmp_path)
     (hf / "sub").mkdir()
     (tmp_path / "alias").symlink_to(hf / "config.json")
-    before = snapshot(hf)
+    before, modified = snapshot(hf), hf.stat().st_mtime_ns
     out = tmp_path / spelling if spelling == "alias" else hf / spelling
     code, err = import_cli(capsys, hf, out, "--force")
     one_error_line(code, err, str(out), "inside the input directory", str(hf))
     assert snapshot(hf) == before and (tmp_path / "alias").is_symlink()
+    # untouched: the output check wrote a probe file there first (a read-only input was "cannot write --out here")
+    assert hf.stat().st_mtime_ns == modified
     assert not (hf / "new.pt").exists()
 
 
@@ -261,6 +272,9 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
     # pickles that are not plain tensors
     "pickle-object": (as_pytorch_bin({"extra": __import__("datetime").date(2020, 1, 1)}),
                       ("pytorch_model.bin", "refused for safety", "safe_serialization=True")),
+    # a blocked module's callable (torch's words: "unsupported GLOBAL posix.system"): never run, and not "damaged"
+    "pickle-os-system": (as_pytorch_bin({"x": _Reduced()}),
+                         ("pytorch_model.bin", "refused for safety", "safe_serialization=True")),
     "pickle-int-key": (lambda hf: as_pytorch_bin({1: __import__("torch").zeros(3)})(hf),
                        ("pytorch_model.bin", "key 1 is not a tensor name")),
     # damaged, not unsafe: they were "refused for safety" and "unreadable weights (EOFError: )"

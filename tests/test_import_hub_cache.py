@@ -39,10 +39,16 @@ def cache(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("env", ["HF_HUB_CACHE", "HF_HOME"])
+@pytest.mark.parametrize("env", ["HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE", "~"])
 def test_a_hub_id_imports_from_the_cache(cache, tmp_path, monkeypatch, capsys, caplog, env):
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv(env, str(cache if env == "HF_HUB_CACHE" else cache.parent))
+    """As huggingface_hub finds its cache: the older HUGGINGFACE_HUB_CACHE, and ~ expanded, were missed."""
+    for name in ("HF_HUB_CACHE", "HF_HOME", "HUGGINGFACE_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    if env == "~":
+        monkeypatch.setenv("HOME", str(cache.parent))
+        monkeypatch.setenv("HF_HUB_CACHE", "~/hub")
+    else:
+        monkeypatch.setenv(env, str(cache.parent if env == "HF_HOME" else cache))
     monkeypatch.chdir(tmp_path)  # no directory of that name here
     with caplog.at_level(logging.INFO):
         code, out, err = run_cli_captured(capsys, "import", "marian", "Helsinki-NLP/opus-mt-src-tgt",

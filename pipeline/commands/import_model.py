@@ -15,7 +15,6 @@ import click
 
 from pipeline.cli_options import GivenPath, options_from
 from pipeline.importers.options import ImportOptions
-from pipeline.textio import check_output_file
 
 
 def _import_arguments(command: Any) -> Any:
@@ -62,7 +61,6 @@ def _run(hf_dir: str, out: Path, force: bool, command: str | None) -> None:
     from pipeline.importers.hub_cache import resolve_model_dir
     from pipeline.importers.registry import COMMANDS, family
 
-    check_output_file(out, "--out", "a checkpoint")
     summary = import_checkpoint(resolve_model_dir(hf_dir), out, force=force,
                                 family=None if command is None else family(COMMANDS[command]))
     langs = summary.get("languages")

@@ -25,7 +25,7 @@ from pipeline.importers.hf_dir import CONFIG, HfDir
 from pipeline.importers.hf_files import ImportRefused, allowed_roots
 from pipeline.importers.hf_generation import generation
 from pipeline.importers.marian_weights import build
-from pipeline.textio import refuse_overwriting_inputs
+from pipeline.textio import check_output_file, refuse_overwriting_inputs
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     refuse_overwriting_inputs([], [out], "checkpoint", input_dirs=[hf_dir, *allowed_roots(hf_dir)])
     if out.exists() and not force and not is_special_file(out):  # /dev/null or a pipe is written through
         raise ImportRefused(f"{out}: exists; pass --force to replace it")
+    check_output_file(out, "--out", "a checkpoint")  # after the inputs' check: it writes a probe where `out` goes
     hf = HfDir.open(hf_dir, family.what if family is not None else registry.WHAT)
     named = hf.config().get("model_type") if family is not None else None
     if family is not None and named is not None and named != family.model_type:  # before its files are missed

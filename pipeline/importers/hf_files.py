@@ -255,7 +255,8 @@ def load_pickle(path: Path) -> dict[str, torch.Tensor]:
                 raise
             state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        if "global" not in str(e):  # torch's words for a pickle of other objects; else it is torn or not one
+        if "global" not in str(e).lower():  # torch's words for a pickle of other objects (a blocked module's: GLOBAL
+            # posix.system); else it is torn or not one
             raise ImportRefused(f"{path}: unreadable weights: damaged, or not a PyTorch file (its pickle stops at "
                                 "data no pickle holds); download it again") from None
         raise ImportRefused(f"{path}: not a plain tensor state dict (it holds pickled objects that are not "

@@ -2,7 +2,8 @@
 local directory `import` reads: the snapshot that the cache's `refs/main` names, as transformers and CTranslate2's
 converter resolve ids offline. Nothing is ever downloaded; where it looked is said in one line either way.
 
-The cache is HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub (huggingface_hub's order)."""
+The cache is HF_HUB_CACHE, else HUGGINGFACE_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub, ~ and
+$VARS expanded (huggingface_hub's order)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,15 @@ REVISION = re.compile(r"[0-9a-f]{40}")
 
 
 def hub_cache() -> Path:
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"])
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    """huggingface_hub's cache dir: HF_HUB_CACHE, else the older HUGGINGFACE_HUB_CACHE, else HF_HOME/hub (HF_HOME:
+    XDG_CACHE_HOME/huggingface, ~/.cache/huggingface), with ~ and $VARS expanded, as huggingface_hub.constants."""
+    def expanded(path: str) -> str:
+        return os.path.expanduser(os.path.expandvars(path))
+
+    home = expanded(os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache",
+                                                              "huggingface"))
+    return Path(expanded(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+                         or os.path.join(home, "hub")))
 
 
 def resolve_model_dir(typed: str | Path) -> Path:
