@@ -238,6 +238,8 @@ def write_failure(error: BaseException, path: str | Path) -> OSError | None:
         chain.append(seen)
         seen = seen.__cause__ or seen.__context__
     if isinstance(error, OSError):
+        if error.filename2 is not None and error.errno is not None:  # os.replace(temp, path): name the user's path
+            return OSError(error.errno, error.strerror, str(path))
         if error.filename is not None or error.errno is None:
             return None
         return OSError(error.errno, error.strerror, str(path))

@@ -89,6 +89,18 @@ def test_exception_leaves_the_old_file_and_no_temp(tmp_path, synced):
     assert synced == []
 
 
+def test_a_failed_replace_names_the_path_not_the_temp_file(tmp_path):
+    """os.replace(temp, path) fails naming the temp file first: `demo --out` holding a directory test.hyp said
+    ".test.hyp.~pipeline-3060.15bc72ff-zlpdd2ba.part: is a directory"."""
+    from pipeline.cli import describe_os_error
+
+    (tmp_path / "out.txt").mkdir()
+    with pytest.raises(OSError) as info, atomic_write(tmp_path / "out.txt", "w") as f:
+        f.write("x")
+    assert describe_os_error(info.value).startswith(f"{tmp_path / 'out.txt'}: is a directory")
+    assert [p.name for p in tmp_path.iterdir()] == ["out.txt"]
+
+
 def test_text_mode_is_utf8_with_unix_newlines(tmp_path):
     target = tmp_path / "t.txt"
     with atomic_write(target, "w") as f:

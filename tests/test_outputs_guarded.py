@@ -152,3 +152,17 @@ def test_average_out_replaces_another_file_only_with_force(capsys, tmp_path, tra
     code, _, err = run_cli_captured(capsys, "average", run, "--last", 2, "--out", other, "--force")
     assert code == 0, err
     assert read_checkpoint(other)["extra"]["averaged"]
+
+
+def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, monkeypatch):
+    """`--json -` wrote a file named '-' in the working directory (parity's writes standard output); a beam or
+    alpha given twice was decoded twice."""
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef"])
+    ref = write_lines(tmp_path / "ref.txt", ["x", "y"])
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--beams",
+                                      "1,1", "--alphas", "0.6,0.60", "--json", "-")
+    assert code == 0, err
+    assert not (tmp_path / "-").exists()
+    trials = json.loads(out[out.index("\n["):])
+    assert [(t["beam_size"], t["alpha"]) for t in trials] == [(1, 0.6)]

@@ -10,12 +10,11 @@ from typing import Any
 
 import click
 
-from model.atomic import atomic_write_text
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
-from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
+from pipeline.textio import atomic_output, check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
 
@@ -43,7 +42,8 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "
                f"pipeline export {checkpoint} --out NEW_DIR {flags}")
     if opts.json_out:
-        atomic_write_text(opts.json_out, json.dumps([asdict(t) for t in trials], indent=2) + "\n")
+        with atomic_output(opts.json_out) as f:  # '-': standard output, after the table (as parity's --json -)
+            f.write(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
 
 
 def check_json_out(json_out: Path, inputs: list[Path], model: Path) -> None:

@@ -68,10 +68,11 @@ class TuneOptions(Checked):
     json_out: Path | None = opt(None, "Also write every trial as JSON to this file.", flag="--json", path="any")
 
     def beam_sizes(self) -> list[int]:
-        return parse_list(self.beams, int, self.flag("beams"))
+        """The beams, each once (`1,1` decoded every trial twice), in the order given."""
+        return list(dict.fromkeys(parse_list(self.beams, int, self.flag("beams"))))
 
     def alpha_values(self) -> list[float]:
-        return parse_list(self.alphas, float, self.flag("alphas"))
+        return list(dict.fromkeys(parse_list(self.alphas, float, self.flag("alphas"))))
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag
