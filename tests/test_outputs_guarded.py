@@ -79,6 +79,23 @@ def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys,
         assert path.read_text() == "ab cd\n"
 
 
+def test_average_never_writes_through_a_link_to_a_checkpoint_nor_into_a_model_dir(capsys, tmp_path, fp32_dir):
+    """averaged.pt linked to checkpoint_best.pt (so that export takes it): `average RUN` wrote the average over the
+    best checkpoint, or over one of its own inputs; `--out MODEL_DIR/model.pt --force` broke the model dir."""
+    run = tmp_path / "run"
+    run.mkdir()
+    files = {name: f"{name}\n" for name in ("checkpoint_00000004.pt", "checkpoint_00000008.pt", "checkpoint_best.pt")}
+    for name, text in files.items():
+        (run / name).write_text(text)
+    for target in files:
+        (run / "averaged.pt").unlink(missing_ok=True)
+        (run / "averaged.pt").symlink_to(target)
+        _refused(capsys, "average", run, "--last", 2, says=f"is the input {run / target}")
+    assert {name: (run / name).read_text() for name in files} == files
+    model = fp32_dir / "model.pt" if (fp32_dir / "model.pt").exists() else fp32_dir / "x.pt"
+    _refused(capsys, "average", run, "--last", 2, "--out", model, "--force", says="--out lies in a model dir")
+
+
 def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_dir, tmp_path):
     _refused(capsys, "train", "--save-dir", fp32_dir, "--max-steps", 1, says="is an exported model dir")
     for option, value, says in (("--seed", -1, "--seed must be in 0..4294967295"),

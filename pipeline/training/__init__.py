@@ -16,7 +16,7 @@ The process group, device and "rank 0 first" helpers are in pipeline/distributed
 (shared with serve-batch).
 """
 
-from pipeline.training.checkpointing import average_checkpoints
+from pipeline.training.averaging import average_checkpoints
 from pipeline.training.metrics import TrainingInterrupted
 from pipeline.training.options import RESUME_KEYS, AverageOptions, TrainOptions, describe_defaults, resolve_options
 from pipeline.training.step import learning_rate, token_losses

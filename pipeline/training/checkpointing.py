@@ -20,13 +20,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from model.atomic import atomic_write_text, remove_stale_temps
+from model.atomic import atomic_write_text
 from model.checkpoint import (
-    AVERAGED,
-    AVERAGED_AT,
     BEST,
     CheckpointWriteError,
-    average_mark,
     checkpoint_step,
     read_checkpoint,
     save_checkpoint,
@@ -38,7 +35,6 @@ from model.errors import UserError
 from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
-from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
 from pipeline.training.options import CORPUS_PATHS, TrainOptions, config_differences
 
 log = logging.getLogger(__name__)
@@ -104,7 +100,7 @@ def run_corpus(save_dir: Path) -> list[Path]:
         return []
 
 
-def _no_best(save_dir: Path) -> str:
+def no_best(save_dir: Path) -> str:
     """Why a run has no checkpoint_best.pt: it has no validation set, or stopped before its first validation."""
     with contextlib.suppress(OSError, ValueError, KeyError, AttributeError, TypeError):
         config = json.loads((save_dir / CONFIG_FILE).read_text())
@@ -326,75 +322,3 @@ def best_window(paths: list[Path], best_step: int | None, k: int) -> list[Path]:
     if best_step is None:
         return []
     return [p for p in paths if (checkpoint_step(p) or 0) <= best_step][-k:]
-
-
-# -- averaging ------------------------------------------------------------------------------
-
-def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, best: int | None = None,
-                        force: bool = False) -> Path:
-    """Average the weights of the last `last` step checkpoints (section 6.1: the last 5 for base, 20 for big) into
-    `out` (default save_dir/averaged.pt, replaced; another file only with `force`), atomically. With `best`,
-    average instead the `best` step checkpoints ending at the best validation BLEU's step (checkpoint_best.pt's).
-
-    Its extra records the files averaged (`averaged`), their step numbers ascending
-    (`steps`), and the newest of them (`step`)."""
-    save_dir = Path(save_dir)
-    if (count := last if best is None else best) < 1:
-        raise UserError(f"{'--last' if best is None else '--best'} must be at least 1 (got {count})")
-    if not save_dir.is_dir():
-        raise UserError(f"{save_dir}: no such save directory")
-    out = Path(out) if out is not None else save_dir / AVERAGED
-    if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
-        raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
-                        f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
-    if out.is_file() and not force and out.resolve() != (save_dir / AVERAGED).resolve():  # another run's
-        raise UserError(f"{out}: exists; pass --force to replace it, or choose another --out")
-    refuse_overwriting_inputs(run_corpus(save_dir), [out], "--out")  # the run's corpus, wherever it lies
-    check_output_file(out, "--out", "a checkpoint")
-    remove_stale_temps(save_dir)
-    remove_stale_temps(out.parent)
-    paths = scheduled_checkpoints(save_dir)[-last:]  # a stop signal's checkpoint is a resume point, not one of them
-    best_step = None
-    if best is not None:
-        if not (save_dir / BEST).is_file():
-            raise UserError(f"{save_dir / BEST}: not found; " + _no_best(save_dir))
-        best_step = read_checkpoint(save_dir / BEST)["extra"].get("step")
-        paths, last = best_window(scheduled_checkpoints(save_dir), best_step, best), best
-        if best_step is not None and not any(checkpoint_step(p) == best_step for p in paths):
-            # validated between two saves (--valid-every apart from --save-every): the best weights are only in
-            # checkpoint_best.pt, which ends the window, after the step checkpoints before it
-            before = [p for p in scheduled_checkpoints(save_dir) if (checkpoint_step(p) or 0) < best_step]
-            paths = [*(before[-(best - 1):] if best > 1 else []), save_dir / BEST]
-    if not paths and interrupted_steps(save_dir) & set(map(checkpoint_step, step_checkpoints(save_dir))):
-        points = ", ".join(p.name for p in step_checkpoints(save_dir))
-        raise UserError(f"{save_dir}: its only checkpoints were written at a stop signal ({points}): resume points, "
-                        "not averaged; rerun the training command to go on, or export that file itself")
-    if not paths:
-        raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` --save-dir?")
-    if len(paths) < last:
-        log.warning("only %d checkpoint(s) in %s%s, averaging those (asked for %d)", len(paths), save_dir,
-                    f" up to the best (step {best_step})" if best is not None else "", last)
-    first = read_checkpoint(paths[0])
-    last_payload = first
-    # float64 sums: averaging 20 float32 checkpoints in float32 would round each addition.
-    total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
-    for path in paths[1:]:
-        payload = last_payload = read_checkpoint(path)
-        if payload["model_config"] != first["model_config"]:
-            raise UserError(f"{path}: its model config differs from {paths[0]}'s; cannot average them")
-        for k, v in payload["model"].items():
-            if v.is_floating_point():
-                total[k] += v.double()
-    model = Transformer(ModelConfig.from_dict(first["model_config"]))
-    state = {k: (v / len(paths)).to(first["model"][k].dtype) if v.is_floating_point() else v
-             for k, v in total.items()}
-    model.load_state_dict(state)
-    steps = [s for s in (checkpoint_step(p) if p.name != BEST else best_step for p in paths) if s is not None]
-    save_checkpoint(out, model, first["spm_model"],
-                    extra={"averaged": [p.name for p in paths], "steps": steps,
-                           "step": last_payload["extra"].get("step"),
-                           # the run's newest step checkpoint then: a save dir resolves to this average until a
-                           # newer one is written (model.checkpoint.resolve_checkpoint), whatever the files' times
-                           AVERAGED_AT: average_mark(newest[-1]) if (newest := step_checkpoints(save_dir)) else None})
-    log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
-    return out

@@ -126,7 +126,7 @@ DEFAULT_AVERAGE_LAST = 5  # the paper's count for base
 @dataclass(frozen=True)
 class AverageOptions(Checked):
     """`pipeline average`'s options (its command line is generated from these fields): which step checkpoints of a
-    save dir to average (checkpointing.average_checkpoints), and where to write the average."""
+    save dir to average (averaging.average_checkpoints), and where to write the average."""
 
     error = UserError
 
