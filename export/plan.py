@@ -338,6 +338,9 @@ def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any], AnyTokenizer
     except TokenizerError as e:
         raise ExportError(f"{source}: the checkpoint's tokenizer cannot be loaded ({e}); re-import or re-train "
                           "it") from None
+    if tokenizer.vocab_size != model.cfg.vocab_size:  # else a "verified" model dir that no command can serve
+        raise ExportError(f"{source}: its tokenizer has {tokenizer.vocab_size} pieces but the model's vocabulary "
+                          f"{model.cfg.vocab_size}: they are not of one model; re-import or re-train it")
     return model.float().eval(), spm_bytes, payload, tokenizer
 
 

@@ -396,5 +396,6 @@ def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report
                      "topk_ids_checked": rep.ids_checked, "steps": rep.steps}
     for name, rep in reports.items():
         lp = max(rep.max_abs.get(io_names.TOPK_LOG_PROBS, 0.0), rep.max_abs.get(io_names.EOS_LOG_PROBS, 0.0))
-        log.info("verified %s: max abs log-prob difference %.3g (tolerance %.3g)", name, lp, atol)
+        bound = f"{atol:.3g} + {rtol:g} x |log-prob|" if rtol else f"{atol:.3g}"  # as the export's summary says
+        log.info("verified %s: max abs log-prob difference %.3g (tolerance %s)", name, lp, bound)
     return out

@@ -37,6 +37,8 @@ ORT_DYNAMIC = "ort-dynamic"  # ONNX Runtime's quantize_dynamic, one activation s
 QUANTIZATIONS = (QDQ, ROWWISE, ORT_DYNAMIC)
 ONNXRUNTIME_ONLY = (ROWWISE, ORT_DYNAMIC)  # com.microsoft / MatMulInteger ops: no TensorRT engines
 REDO = "re-run `pipeline export CHECKPOINT --out DIR --force`"
+# where export --force cannot tell the dir for one of its own (no manifest, or one it cannot read): it replaces none
+REDO_ELSEWHERE = "export the checkpoint again into a new --out (`pipeline export CHECKPOINT --out NEW_DIR`)"
 READ_BY_BACKENDS = (".onnx", ".data", ".plan", ".pt", ".model")  # graphs, their weights, engines, checkpoint, spm
 
 
@@ -313,20 +315,20 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
         if any(model_dir.glob("checkpoint_*.pt")) or (model_dir / "averaged.pt").is_file():  # a training run
             raise ModelDirError(f"{model_dir}: a training save dir, not a model directory; export it first: "
                                 f"`pipeline export {model_dir} --out MODEL_DIR`, then give MODEL_DIR")
-        raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({REDO})")
+        raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({REDO_ELSEWHERE})")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelDirError(f"{path}: unreadable manifest ({e}); {REDO}") from None
+        raise ModelDirError(f"{path}: unreadable manifest ({e}); {REDO_ELSEWHERE}") from None
     fmt = data.get("format") if isinstance(data, dict) else None
     if fmt in OLD_FORMATS:
         raise ModelDirError(f"{model_dir}: exported by an older pipeline ({fmt}); re-export it: {REDO}")
     if fmt != FORMAT:
-        raise ModelDirError(f"{path}: unknown manifest format {fmt!r}; {REDO}")
+        raise ModelDirError(f"{path}: unknown manifest format {fmt!r}; {REDO_ELSEWHERE}")
     try:
         manifest = Manifest.from_json({k: v for k, v in data.items() if k != "format"})
-    except ModelDirError as e:
-        raise ModelDirError(f"{path}: {e}; {REDO}") from None
+    except ModelDirError as e:  # said once: the fields' own check may give it already
+        raise ModelDirError(f"{path}: {e}" if REDO in str(e) else f"{path}: {e}; {REDO}") from None
     for name in need:
         if name not in manifest.files:
             raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {REDO}")

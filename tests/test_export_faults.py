@@ -169,3 +169,33 @@ def test_torch_save_on_a_full_disk_is_an_oserror_naming_the_file(tmp_path):
 ])
 def test_os_errors_read_as_path_and_fix(code, says):
     assert describe_os_error(OSError(code, os.strerror(code), "out.en")).startswith(says)
+
+
+def test_a_checkpoint_whose_tokenizer_is_another_models_is_refused_by_export(random_checkpoint, tmp_path, capsys):
+    """Export wrote a "verified" model dir that every command then refused (`spm.model: 200 pieces but the model has
+    468; re-run pipeline export`, which wrote the same dir again)."""
+    from helpers import run_cli_captured
+
+    from model.checkpoint import load_model, save_checkpoint
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    model, spm_bytes, _ = load_model(random_checkpoint, "cpu")
+    bigger = Transformer(ModelConfig.from_dict({**model.cfg.to_dict(), "vocab_size": model.cfg.vocab_size + 8}))
+    save_checkpoint(tmp_path / "mixed.pt", bigger, spm_bytes)
+    code, _, err = run_cli_captured(capsys, "export", tmp_path / "mixed.pt", "--out", tmp_path / "dir", "--no-tensorrt")
+    assert_one_line_error(code, err, f"pieces but the model's vocabulary {model.cfg.vocab_size + 8}")
+    assert not (tmp_path / "dir").exists()
+
+
+def test_the_verification_line_states_the_whole_tolerance(caplog):
+    """An int8 export logged 'max abs log-prob difference 0.337 (tolerance 0.3)', a pass that read as a failure:
+    its bound is 0.3 + 0.05 x |log-prob|, as the summary says."""
+    import logging
+
+    from export import verify
+    from model import io_names
+
+    with caplog.at_level(logging.INFO, logger="export.verify"):
+        verify._summary("int8", 0.3, 0.05, {"int8": verify.Report({io_names.TOPK_LOG_PROBS: 0.337})}, "how")
+    assert "difference 0.337 (tolerance 0.3 + 0.05 x |log-prob|)" in caplog.text

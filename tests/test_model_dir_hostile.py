@@ -138,3 +138,21 @@ def test_a_missing_module_of_our_own_keeps_its_traceback():
     assert missing_package(ModuleNotFoundError("x", name="pipeline.nothing"), ["serve"]) is None
     line = missing_package(ModuleNotFoundError("x", name="ctranslate2.converters"), ["bench", "DIR"])
     assert line is not None and "ctranslate2" in line and ".[bench]" in line
+
+
+@pytest.mark.parametrize("manifest", [b'{"format": "pipeline-mo', b"[1, 2]", b'{"format": "x", "files": {}}', None])
+def test_a_dir_whose_manifest_cannot_be_read_is_told_a_fix_export_takes(fp32_dir, random_checkpoint, tmp_path,
+                                                                       capsys, manifest):
+    """`re-run pipeline export CHECKPOINT --out DIR --force`, which export refuses for a dir whose manifest it cannot
+    read (it replaces only its own): the advice is a new --out, and that export runs."""
+    broken = tmp_path / "broken"
+    shutil.copytree(fp32_dir, broken)
+    if manifest is None:
+        (broken / MANIFEST).unlink()
+    else:
+        (broken / MANIFEST).write_bytes(manifest)
+    with pytest.raises(ModelDirError) as info:
+        read_manifest(broken)
+    assert "--force" not in str(info.value) and "into a new --out" in str(info.value), info.value
+    code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", broken, "--force", "--no-tensorrt")
+    assert_one_line_error(code, err, "--force only replaces a model directory an export wrote")

@@ -22,7 +22,7 @@ from model.errors import UserError
 from model.manifest import MANIFEST
 from model.transformer import Transformer
 from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
-from pipeline.training.checkpointing import no_best, best_window, interrupted_steps, run_corpus, scheduled_checkpoints
+from pipeline.training.checkpointing import best_window, interrupted_steps, no_best, run_corpus, scheduled_checkpoints
 
 log = logging.getLogger(__name__)
 
