@@ -225,15 +225,16 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
 
 
 def translate_lines(backend: Backend, tokenizer: AnyTokenizer, lines: list[str], options: DecodingOptions = PAPER,
-                    **changes: Any) -> list[str]:
+                    *, prefix: tuple[int, ...] = (), first: int | None = None, **changes: Any) -> list[str]:
     """Text in, text out, line-aligned: the best hypothesis of each line; blank lines give
     "" without touching the model; lines longer than the backend's source limit are
-    truncated (logged). Options as translate_ids."""
-    sources = encode_sources(tokenizer, lines, backend.max_src_len)
+    truncated (logged). Options as translate_ids; a multilingual model's direction (runtime/languages.py
+    Direction) as its `prefix` (each source's language token) and `first` (the target's, forced first)."""
+    sources = encode_sources(tokenizer, lines, backend.max_src_len, prefix=prefix)
     if sources.truncated:
         log.warning("%d line(s) longer than %d source tokens were truncated", sources.truncated,
                     backend.max_src_len)
-    hyps = translate_ids(backend, sources.ids, options, **changes)
+    hyps = translate_ids(backend, sources.ids, options, None if first is None else [first] * len(lines), **changes)
     texts = tokenizer.decode([h[0].tokens if h else [] for h in hyps])
     return [text if src else "" for text, src in zip(texts, sources.ids)]
 

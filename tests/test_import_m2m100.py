@@ -200,6 +200,29 @@ def test_import_export_serve_batch_and_parity_against_transformers(hf_dir, check
     assert sacrebleu.corpus_bleu(outputs[0], [outputs[1]]).score >= 70, outputs
 
 
+def test_tune_decoding_translates_the_pair_it_is_given(checkpoint, pairs, tmp_path, capsys):
+    """tune-decoding had no --src-lang/--tgt-lang: it scored a multilingual model decoding without language tokens,
+    translations no serving command makes. Now it needs the pair, as serve-batch does, and scores its outputs."""
+    import sacrebleu
+    from helpers import assert_one_line_error, run_cli_captured
+
+    from pipeline.evaluation.tuning import tune_decoding
+
+    src, ref = tmp_path / "dev.en", tmp_path / "dev.de"
+    src.write_text("\n".join(pairs[0][:8]) + "\n", encoding="utf-8")
+    ref.write_text("\n".join(pairs[1][:8]) + "\n", encoding="utf-8")
+    code, _, err = run_cli_captured(capsys, "tune-decoding", checkpoint, "--src", src, "--ref", ref, "--beams", "1")
+    assert_one_line_error(code, err, "--src-lang is required")
+    base = PAPER.replace(rules="transformers-early", max_len_a=0.0, max_len_b=MAX_LENGTH - 2)
+    [trial] = tune_decoding(checkpoint, src, ref, [2], [1.0], base, src_lang="en", tgt_lang="de")
+    backend, tokenizer = open_checkpoint(checkpoint)
+    hyps = tokenizer.decode(ours(backend, tokenizer, pairs[0][:8], "en", "de", 2))
+    assert trial.bleu == round(sacrebleu.corpus_bleu(hyps, [pairs[1][:8]]).score, 2) > 0
+    code, out, err = run_cli_captured(capsys, "tune-decoding", checkpoint, "--src", src, "--ref", ref, "--beams", "1",
+                                      "--src-lang", "en", "--tgt-lang", "de")
+    assert code == 0 and "(--src-lang en --tgt-lang de)" in out, err
+
+
 def test_one_pair_models_take_no_languages(tmp_path):
     from model.config import ModelConfig
 

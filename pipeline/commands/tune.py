@@ -14,6 +14,7 @@ from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
+from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
@@ -24,20 +25,24 @@ from runtime.model_dir import LoadOptions
 @options_from(TuneOptions, only=("src", "ref", "beams", "alphas"))
 @decoding_options("max_len_a", "max_len_b", "batch_tokens", "batch_sentences")
 @options_from(LoadOptions, only=("device",))
+@options_from(ServeBatchOptions, only=("src_lang", "tgt_lang"))
 @options_from(TuneOptions, only=("json_out",))
-def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None, **values: Any) -> None:
+def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None, src_lang: str | None = None,
+                      tgt_lang: str | None = None, **values: Any) -> None:
     """Pick --beam-size and --alpha for serve-batch on a validation set: MODEL is an exported
     model dir, a checkpoint, or a training save dir (its averaged or latest checkpoint)."""
     opts: TuneOptions = pick(TuneOptions, values).validate()
     if opts.json_out:
         check_json_out(opts.json_out, [opts.src, opts.ref], model)
-    trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device)
+    trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device,
+                           src_lang, tgt_lang)
     click.echo("beam  alpha   BLEU   chrF")
     for t in trials:
         click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}")
     best = trials[0]
     flags = best.export_flags()  # with the other search settings it ran under, unlike the paper's
-    click.echo(f"best on {opts.src.name}: {flags} (BLEU {best.bleu:.2f})")
+    pair = f" (--src-lang {src_lang} --tgt-lang {tgt_lang})" if src_lang else ""
+    click.echo(f"best on {opts.src.name}{pair}: {flags} (BLEU {best.bleu:.2f})")
     checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "
                f"pipeline export {checkpoint} --out NEW_DIR {flags}")

@@ -16,6 +16,7 @@ from pipeline.textio import read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.fields import Checked, flag, opt, with_value
+from runtime.languages import direction
 from runtime.model_dir import LoadOptions, load
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
@@ -103,8 +104,10 @@ def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokeni
 
 
 def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: list[float],
-                  base: DecodingOptions, device: str | None = None) -> list[Trial]:
-    """Every (beam, alpha) scored on src/ref, best BLEU first (ties: smaller beam, then alpha)."""
+                  base: DecodingOptions, device: str | None = None, src_lang: str | None = None,
+                  tgt_lang: str | None = None) -> list[Trial]:
+    """Every (beam, alpha) scored on src/ref, best BLEU first (ties: smaller beam, then alpha). A multilingual
+    model translates src_lang -> tgt_lang (both needed, as serve-batch needs them; a one-pair model takes none)."""
     import sacrebleu
 
     if any(part in Path(src).name.lower() for part in ("test", "newstest")):
@@ -116,6 +119,7 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     if not any(line.strip() for line in refs):
         raise UserError(f"{ref}: no reference line to score against (the file is empty or blank)")
     backend, tokenizer, defaults = load_for_tuning(model, device)
+    way = direction(backend.cfg, src_lang, tgt_lang)  # none given, it decoded without language tokens
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     grid = [base.replace(beam_size=beam, alpha=alpha) for beam in beams for alpha in alphas]
     # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed
@@ -128,7 +132,7 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
         raise UserError("; ".join(problems))
     trials = []
     for options in grid:
-        hyps = translate_lines(backend, tokenizer, sources, options)
+        hyps = translate_lines(backend, tokenizer, sources, options, prefix=way.prefix, first=way.first)
         trial = Trial(options.beam_size, options.alpha, round(sacrebleu.corpus_bleu(hyps, [refs]).score, 2),
                       round(sacrebleu.corpus_chrf(hyps, [refs]).score, 2), options.max_len_a, options.max_len_b,
                       options.min_len, options.rules)
