@@ -21,6 +21,7 @@ CALIBRATION_LINES = 200  # --int8-calibrate reads at most this many lines
 
 DEFAULT_MAX_SRC_LEN = 256  # both capped by the model's max_positions when not given
 DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
+DEFAULT_MAX_BEAM = 8
 
 # The options naming files that the command line reads (it knows a save dir's validation set and reads
 # text strictly); export itself takes what they hold: ExportOptions.references and .shortlist.
@@ -99,7 +100,8 @@ class ExportOptions:
     max_tgt_len: int | None = opt(None, "Longest output in tokens (decoder cache holds max-tgt-len + 1 slots) "
                                   f"[default: {DEFAULT_MAX_TGT_LEN}, below the model's max_positions; an imported "
                                   "model's: what its generation config's max_length allows].", min=1)
-    max_beam: int = opt(8, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).", min=1)
+    max_beam: int = opt(DEFAULT_MAX_BEAM, "Largest beam the engines serve (decoder rows up to max-batch x max-beam).",
+                        min=1)
     tensorrt: bool | None = opt(None, "Build TensorRT engines (error if TensorRT or a GPU is missing) or skip "
                                 "them. Default: build them when possible, else say why they were skipped.")
     force: bool = opt(False, "Replace an existing model directory (only once the new one is complete).")

@@ -292,7 +292,7 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
     if out.is_dir():
         if not force:
             raise ExportError(f"{out}: already exists; pass --force to replace it or choose another --out")
-        if any(out.iterdir()) and (why := _not_a_model_dir(out)):
+        if any(out.iterdir()) and (why := not_a_model_dir(out)):
             raise ExportError(f"{out}: {why}; --force only replaces a model directory an export wrote (all of "
                               "it goes); choose another --out")
         if out.resolve() in checkpoint.resolve().parents:
@@ -304,7 +304,7 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def _not_a_model_dir(out: Path) -> str | None:
+def not_a_model_dir(out: Path) -> str | None:
     """Why `out` is not a directory an export wrote, which --force would delete with whatever else it holds (a web
     extension has a manifest.json too); None for one: our manifest, and nothing in it but the files it lists."""
     manifest = out / MANIFEST

@@ -120,3 +120,32 @@ def test_demo_stopped_by_sigterm_during_training_is_one_line_like_train(tmp_path
     lines = [line for line in err.strip().splitlines() if line.strip() and not logged.match(line)]
     assert len(lines) == 1 and lines[0].startswith("stopped by SIGTERM at step "), err
     assert "rerun the same command to resume" in lines[0]
+
+
+def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, monkeypatch):
+    """A beam the model dirs cannot serve, a precision without a backend to check it, a non-model dir in model-int8/
+    and a directory named test.hyp each failed after training and the exports (up to ten minutes); now before."""
+    from helpers import assert_one_line_error, run_cli_captured
+
+    from pipeline.demo import run as demo_run
+    from pipeline.demo.plan import plan_demo
+    from pipeline.environment import gather_facts
+
+    def never(*args, **kwargs):
+        raise AssertionError("trained")
+
+    monkeypatch.setattr(demo_run, "train", never)
+    base = ["demo", "--preset", "tiny", "--max-steps", "2", "--builtin-pairs", "10", "--no-progress"]
+    stray, hyp = tmp_path / "stray", tmp_path / "hyp"
+    (stray / "model-int8").mkdir(parents=True)
+    (stray / "model-int8" / "notes.txt").write_text("mine\n")
+    (hyp / "test.hyp").mkdir(parents=True)
+    for args, says in ((["--out", tmp_path / "a", "--beam-size", "9"], "serve beams up to 8"),
+                       (["--out", tmp_path / "b", "--backends", "tensorrt"], "no backend to check the fp32"),
+                       (["--out", stray], "model-int8: exists and is not a model directory"),
+                       (["--out", hyp], "test.hyp: is a directory")):
+        if "tensorrt" in args and "tensorrt" not in dict(plan_demo(gather_facts()).skipped):
+            continue  # TensorRT runs here: a plan, not a refusal
+        code, _, err = run_cli_captured(capsys, *base, *args)
+        assert_one_line_error(code, err, says)
+    assert (stray / "model-int8" / "notes.txt").read_text() == "mine\n"

@@ -19,6 +19,8 @@ from typing import Any
 import sacrebleu
 
 from export.api import export_model
+from export.options import DEFAULT_MAX_BEAM
+from export.plan import not_a_model_dir
 from model.checkpoint import checkpoint_step, step_checkpoints
 from model.config import PRESETS
 from model.errors import UserError
@@ -29,7 +31,7 @@ from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
 from pipeline.environment import gather_facts
 from pipeline.evaluation.parity import ParityReport, format_table, run_parity, write_json
 from pipeline.serve_batch.files import ServeBatchOptions, serve_files
-from pipeline.textio import read_lines
+from pipeline.textio import check_output_file, read_lines
 from pipeline.training import DATA_DIR, TrainOptions, average_checkpoints, train
 from pipeline.training.options import BUILTIN_DEFAULTS
 from runtime.decoding import PAPER, DecodingOptions
@@ -116,11 +118,11 @@ class _Clock:
 
 
 def run_demo(opts: DemoOptions) -> DemoResult:
-    opts.decoding.validate()  # before minutes of training, not after
     out = Path(opts.out)
     save_dir = out / "train"
     clock = _Clock()
     plan = opts.plan or plan_demo(gather_facts(), wanted=opts.backends)
+    _check_before_training(opts, plan, out)
     before = _reached(save_dir)  # a rerun on the same --out resumes, or finds nothing left to train
     clock.stage("train", train, TrainOptions(
         save_dir=save_dir, preset=opts.preset, max_steps=opts.max_steps, builtin_pairs=opts.builtin_pairs,
@@ -164,6 +166,28 @@ def run_demo(opts: DemoOptions) -> DemoResult:
 
         result.gpu_peak_gib = round(torch.cuda.max_memory_allocated() / (1 << 30), 2)
     return result
+
+
+def _check_before_training(opts: DemoOptions, plan: DemoPlan, out: Path) -> None:
+    """What would fail after minutes of training and exports, refused now: a search the model dirs cannot serve,
+    a precision with no backend to check, and outputs that cannot be written (a non-model dir in model-int8/)."""
+    opts.decoding.validate()
+    limit = DEFAULT_MAX_BEAM  # the model dirs are exported with export's defaults
+    if opts.decoding.beam_size > limit:
+        raise UserError(f"--beam-size {opts.decoding.beam_size}: the demo's model dirs serve beams up to {limit} "
+                        "(export's --max-beam); choose a smaller beam")
+    missing = [p for p in PRECISIONS if not plan.backends(p)]
+    if missing:
+        skipped = "; ".join(f"{b}: {reason}" for b, reason in plan.skipped) or "none of them runs here"
+        raise UserError(f"--backends {','.join(opts.backends or ())}: no backend to check the {missing[0]} model "
+                        f"dir with ({skipped}); add torch or onnxruntime")
+    for precision in PRECISIONS:
+        model_dir = out / f"model-{precision}"
+        if model_dir.is_dir() and any(model_dir.iterdir()) and (why := not_a_model_dir(model_dir)):
+            raise UserError(f"{model_dir}: {why}; the demo replaces only a model dir an export wrote: move it, or "
+                            "choose another --out")
+    for name in ("test.hyp", *(f"parity-{p}.json" for p in PRECISIONS)):
+        check_output_file(out / name, "--out")
 
 
 def _reached(save_dir: Path) -> int:

@@ -83,7 +83,7 @@ def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | Non
     diffs = config_differences(old, wanted, fingerprinted=bool(state.get("data_files")))
     if diffs:
         raise UserError(f"{save_dir} holds a run with a different config ({'; '.join(diffs)}); rerun with "
-                        "the original options or choose a new --save-dir")
+                        "the original options or choose a new --save-dir (`pipeline demo`: a new --out)")
     return payload
 
 
