@@ -70,8 +70,14 @@ def test_tampered_model_dir_is_one_line(model_dir, tmp_path, capsys):
         (bad / f.name).write_bytes(f.read_bytes())
     (bad / io_names.ENCODER_FILE).write_bytes(b"not onnx")
     assert run_cli("doctor", bad) == 2
-    err = capsys.readouterr().err
+    captured = capsys.readouterr()
+    err = captured.err
     assert err.startswith("error: ") and "SHA-256" in err and err.count("\n") == 1
+    # the machine's facts all the same (they were left out: a broken dir is when a bug report asks for them)
+    assert f"torch         {torch.__version__}" in captured.out
+    assert run_cli("doctor", bad, "--json") == 2
+    report = json.loads(capsys.readouterr().out)  # JSON, not the text error alone
+    assert report["torch"]["version"] == torch.__version__ and "SHA-256" in report["model_dir"]["error"]
 
 
 def test_a_dir_whose_graph_cannot_run_is_a_no(model_dir, tmp_path, capsys):

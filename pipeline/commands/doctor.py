@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from model.errors import UserError
 from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.environment import DoctorOptions, check_model_dir, format_facts, format_verdicts, gather_facts
 
@@ -22,13 +23,20 @@ def doctor(model_dir: Path | None, **values: bool) -> None:
     and why not for the others. Send this output with any bug report."""
     as_json = pick(DoctorOptions, values).validate().as_json
     facts = gather_facts()
-    verdicts = check_model_dir(model_dir, facts) if model_dir is not None else None
+    verdicts, broken = None, None
+    try:
+        verdicts = check_model_dir(model_dir, facts) if model_dir is not None else None
+    except UserError as e:  # a broken dir is when the machine's facts are asked for most: they come first
+        broken = e
     if as_json:
         payload = facts.to_json()
-        if verdicts is not None:
-            payload["model_dir"] = {"path": str(model_dir), "backends": [v.__dict__ for v in verdicts]}
+        if model_dir is not None:
+            payload["model_dir"] = {"path": str(model_dir)} | (
+                {"error": str(broken)} if broken is not None else {"backends": [v.__dict__ for v in verdicts or []]})
         click.echo(json.dumps(payload, indent=2))
-        return
-    click.echo(format_facts(facts))
-    if model_dir is not None and verdicts is not None:
-        click.echo(format_verdicts(model_dir, verdicts))
+    else:
+        click.echo(format_facts(facts))
+        if model_dir is not None and verdicts is not None:
+            click.echo(format_verdicts(model_dir, verdicts))
+    if broken is not None:
+        raise broken  # the one error line, and exit 2: a build that gates on doctor fails
