@@ -35,3 +35,16 @@ def test_absurd_sizes_are_one_line(capsys, tmp_path, args, says):
 def test_bench_src_len_past_the_model_limit(capsys, fp32_dir):
     code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--sentences", 2, "--rounds", 1, "--src-len", 10 ** 12)
     assert code == 2 and "--src-len 1000000000000 is longer than the model's source limit" in err, err
+
+
+def test_a_random_checkpoint_past_this_machines_memory_is_one_line_before_sentencepiece(capsys, tmp_path,
+                                                                                        monkeypatch):
+    """`--preset base --decoder-layers 3000` (1.3e10 weights, 50 GB) is under MAX_PARAMETERS: it allocated until the
+    OOM killer came (or a traceback), after SentencePiece had trained on made-up text."""
+    from pipeline.evaluation import random_model
+
+    monkeypatch.setattr(random_model, "available_memory", lambda: 8 << 30)
+    monkeypatch.setattr(random_model, "train_sentencepiece", lambda *a: pytest.fail("SentencePiece trained first"))
+    code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / "r.pt", "--decoder-layers", 3000)
+    assert code == 2 and "more than the 8.6 GB of memory available" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []

@@ -59,9 +59,27 @@ def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: i
     """Write the checkpoint (atomically, checksummed like any other); returns its vocabulary size.
     The seed fixes the weights for a given shape; export one checkpoint several times to compare precisions.
     `decoder_layers`: the preset's decoder that many layers deep instead (a student's shape)."""
+    shape = preset(preset_name, vocab_size=vocab_size, n_dec_layers=decoder_layers)  # its checks before SentencePiece
+    need, free = 8 * shape.approx_parameters(), available_memory()  # the weights, and the checkpoint's copy of them
+    if free is not None and need > free:  # else it allocated until the kernel's OOM killer, or a traceback
+        raise UserError(f"the {preset_name} shape{f' with {decoder_layers} decoder layers' if decoder_layers else ''}"
+                        f" has about {shape.approx_parameters():.3g} parameters, {need / 1e9:.1f} GB to build and "
+                        f"save in fp32, more than the {free / 1e9:.1f} GB of memory available; choose a smaller one")
     spm_bytes = train_sentencepiece(made_up_text(vocab_size, seed), vocab_size)
     torch.manual_seed(seed)
     model = build_model(preset(preset_name, vocab_size=Tokenizer(spm_bytes).vocab_size,
                                n_dec_layers=decoder_layers)).eval()
     save_checkpoint(out, model, spm_bytes)
     return model.cfg.vocab_size
+
+
+def available_memory() -> int | None:
+    """The bytes of memory available to a new allocation (Linux's MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
