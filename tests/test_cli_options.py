@@ -235,6 +235,15 @@ def test_validation_files_from_a_save_dir(tmp_path):
     for name in ("valid.src", "valid.tgt"):
         (save / "data" / name).write_text("x\n")
     assert validation_files(ckpt) == (save / "data" / "valid.src", save / "data" / "valid.tgt")
+    # as training records the built-in split now: a line edited or added since is not the run's held-out set (it
+    # was recorded as the references, or failed export as "has 501 lines but ... 500")
+    from pipeline.corpus.data import file_fingerprint
+
+    (save / "config.json").write_text(json.dumps({"resolved_options": {"builtin_pairs": 100}, "builtin_files": {
+        name: file_fingerprint([save / "data" / name])[0] for name in ("valid.src", "valid.tgt")}}))
+    assert validation_files(ckpt) == (save / "data" / "valid.src", save / "data" / "valid.tgt")
+    (save / "data" / "valid.src").write_text("x\ny\n")
+    assert validation_files(ckpt) is None
     src, tgt = tmp_path / "v.de", tmp_path / "v.en"
     src.write_text("a\n")
     tgt.write_text("b\n")

@@ -22,6 +22,8 @@ def test_demo_runs_every_stage(tmp_path, capsys):
                  "model-fp32/manifest.json", "train/averaged.pt", "parity-fp32.json", "parity-fp16.json",
                  "model-int8/decoder.onnx", "parity-int8.json"):
         assert (out / name).is_file(), name
+    recorded = json.loads((out / "train" / "config.json").read_text())["builtin_files"]  # export checks them
+    assert set(recorded) == {"valid.src", "valid.tgt"} and all(len(f["sha256"]) == 64 for f in recorded.values())
     test_lines = (out / "train" / "data" / "test.src").read_text().count("\n")
     assert (out / "test.hyp").read_text().count("\n") == test_lines > 0
     for precision in ("fp32", "fp16", "int8"):

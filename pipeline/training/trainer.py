@@ -175,9 +175,12 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     elif ctx.is_main:
         metrics.truncate_after(0)
     if ctx.is_main:
+        # the built-in corpus' validation split as written: export takes it as the held-out set unless it changed
+        held_out = [save_dir / DATA_DIR / name for name in BUILTIN_VALID] if opts.builtin_pairs is not None else []
+        builtin = dict(zip(BUILTIN_VALID, file_fingerprint(held_out))) if all(p.is_file() for p in held_out) else None
         with atomic_output(save_dir / CONFIG_FILE) as f:
             json.dump({**wanted, "model": cfg.to_dict(), "resolved_options": jsonable(opts),
-                       "data_files": data_files}, f, indent=2)
+                       "data_files": data_files} | ({"builtin_files": builtin} if builtin else {}), f, indent=2)
     budget = TimeBudget(parse_duration(opts.max_time) if opts.max_time else None, progress.elapsed_s, started)
     if progress.step >= opts.max_steps:
         log.info("%s is already at step %d >= --max-steps %d: nothing to do", save_dir, progress.step,
@@ -207,6 +210,9 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     return save_dir
 
 
+BUILTIN_VALID = ("valid.src", "valid.tgt")  # the built-in corpus' validation split, in the save dir's data/
+
+
 def validation_files(checkpoint: Path, existing: bool = True) -> tuple[Path, Path] | None:
     """The held-out (validation) pair a checkpoint's save dir trained with: the built-in corpus' valid split, or
     --valid-src/--valid-tgt at the absolute paths config.json's fingerprints record (the options hold them as
@@ -217,8 +223,9 @@ def validation_files(checkpoint: Path, existing: bool = True) -> tuple[Path, Pat
     try:
         config = json.loads((save_dir / CONFIG_FILE).read_text())
         options, recorded = config["resolved_options"], config.get("data_files") or {}
-        if options.get("builtin_pairs") is not None:
-            files = [{"path": str(save_dir / DATA_DIR / name)} for name in ("valid.src", "valid.tgt")]
+        if options.get("builtin_pairs") is not None:  # fingerprinted since training recorded builtin_files
+            files = [{**((config.get("builtin_files") or {}).get(name) or {}), "path": str(save_dir / DATA_DIR / name)}
+                     for name in BUILTIN_VALID]  # where the save dir is now
         elif options.get("valid_src") and options.get("valid_tgt"):
             files = [recorded.get(name) or {"path": str(Path(options[name]).resolve())}
                      for name in ("valid_src", "valid_tgt")]  # a config without fingerprints: as typed
