@@ -311,6 +311,17 @@ def test_nllb_legacy_source_form_is_refused(nllb_dir, tmp_path):
         import_m2m100(broken, tmp_path / "out.pt")
 
 
+def test_an_nllb_resave_without_its_sentencepiece_model_is_told_where_to_find_it(nllb_dir, tmp_path):
+    """A fine-tuned NLLB saved by transformers 5 has tokenizer.json but no sentencepiece.bpe.model: the refusal
+    said a save_pretrained directory holds it, which that one did not write, and gave no fix."""
+    resaved = tmp_path / "resaved"
+    shutil.copytree(nllb_dir, resaved)
+    (resaved / "sentencepiece.bpe.model").unlink()
+    with pytest.raises(ImportRefused, match="copy sentencepiece.bpe.model from the snapshot of the model it was "
+                                            "fine-tuned from"):
+        import_m2m100(resaved, tmp_path / "out.pt")
+
+
 def test_transformers_reference_texts_hold_no_language_token_and_its_dir_is_checked(hf_dir, checkpoint, pairs):
     """parity --reference transformers stripped only the forced first language token from transformers' text:
     one generated later stayed ("__de__ muro ja ..."), lowering its BLEU where ours writes none; and an --hf-dir

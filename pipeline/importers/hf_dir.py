@@ -64,8 +64,11 @@ class HfDir(HFFiles):
         self.inside((*required, *optional))
         for name in required:
             if not self.has(name):
+                hint = (f" (a re-save by transformers 5 writes tokenizer.json alone: copy {name} from the snapshot "
+                        "of the model it was fine-tuned from)") if name.endswith(".model") and self.has(
+                    "tokenizer.json") else ""
                 raise ImportRefused(f"{self.dir / name}: missing; {what} holds {', '.join(required)} and "
-                                    f"{' or '.join(WEIGHTS)}")
+                                    f"{' or '.join(WEIGHTS)}{hint}")
         for name in WEIGHTS:
             if self.has(name):
                 self._weights = self.dir / name
