@@ -362,6 +362,23 @@ def test_other_files_linked_outside_are_skipped_and_counted(hf_dir, tmp_path, ca
     assert "inside.md" in imported["files"]
 
 
+def test_a_large_file_the_import_never_reads_is_not_hashed(hf_dir, tmp_path, capsys, monkeypatch):
+    """OPUS-MT clones carry tf_model.h5, rust_model.ot, flax_model.msgpack: each was hashed whole (4 GiB: 17 s) though
+    the import reads none of them. Their sizes are recorded; the files it reads, the weights included, are hashed."""
+    from model.checkpoint import load_model
+    from pipeline.importers import hf_dir as hf_dir_module
+
+    monkeypatch.setattr(hf_dir_module, "UNREAD_HASHED", 100_000)  # below the weights' and SentencePiece's sizes
+    hf = copy_of(hf_dir, tmp_path)
+    with open(hf / "tf_model.h5", "wb") as f:
+        f.truncate(3 << 20)  # sparse
+    code, err = import_cli(capsys, hf, tmp_path / "out.pt")
+    assert code == 0, err
+    imported = load_model(tmp_path / "out.pt")[2]["extra"]["imported"]
+    assert imported["unhashed"] == {"tf_model.h5": 3 << 20} and "tf_model.h5" not in imported["files"]
+    assert {"model.safetensors", "source.spm", "config.json"} <= set(imported["files"])  # read: hashed
+
+
 def test_hugging_face_cache_snapshot_imports(hf_dir, tmp_path, capsys):
     """The hub cache's layout: snapshots/REV/NAME -> ../../blobs/HASH, within the same repo folder."""
     repo = tmp_path / "models--Helsinki-NLP--opus-mt-src-tgt"

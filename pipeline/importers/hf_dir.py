@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+UNREAD_HASHED = 64 << 20  # a file the import does not read is hashed up to this size, else its size is recorded
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded weights: their weight_map
 
 
@@ -162,15 +163,22 @@ class HfDir(HFFiles):
                         len(outside), "" if len(outside) == 1 else "s", ", ".join(outside))
         digests: dict[str, str] = {}
         unreadable: list[str] = []
+        unhashed: dict[str, int] = {}  # large files the import never reads: their sizes
         for p in files:
             if p.name in outside:
                 continue
             try:
+                if p not in self._shards and not self.read_whole(p) and (size := p.stat().st_size) > UNREAD_HASHED:
+                    unhashed[p.name] = size  # another framework's weights (tf_model.h5): 17 s a 4 GiB for nothing
+                    continue
                 digests[p.name] = self.digest_of(p)
             except (ImportRefused, OSError):  # the files the import needs were read already: not one of them
                 unreadable.append(p.name)
         if unreadable:
             log.warning("%s: skipped %d file%s the import does not read and cannot open (not hashed): %s", self.dir,
                         len(unreadable), "" if len(unreadable) == 1 else "s", ", ".join(unreadable))
+        if unhashed:
+            log.info("%s: not hashed, as the import does not read them (their sizes are recorded): %s", self.dir,
+                     ", ".join(unhashed))
         return {"format": family, "directory": str(self.dir.resolve()), "files": digests,
-                "skipped": sorted(outside + unreadable)}
+                "skipped": sorted(outside + unreadable)} | ({"unhashed": unhashed} if unhashed else {})

@@ -230,6 +230,10 @@ class HFFiles:
             self._json[name] = parse_json(self.dir / name, self.read_bytes(name))
         return self._json[name]
 
+    def read_whole(self, path: Path) -> bool:
+        """Whether this import read `path` whole (its digest is of those bytes)."""
+        return path in self._digests
+
     def digest_of(self, path: Path) -> str:
         """The SHA-256 of a file of the directory: of the bytes this import read, for a file read whole (the
         whole file: read_bounded refuses one larger than it reads), else hashed from the file (digest)."""
