@@ -91,3 +91,24 @@ def _listed(cfg: ModelConfig, limit: int = 40) -> str:
     names = codes(cfg)
     more = f" and {len(names) - limit} more" if len(names) > limit else ""
     return ", ".join(names[:limit]) + more
+
+
+# ISO 639-3 codes (NLLB's, before its script: eng_Latn; the macrolanguage and the individual code NLLB uses for it)
+# of the ISO 639-1 languages that language detection (py3langid) and sentence rules (sentencex) know by two letters
+ISO_639_1 = dict(pair.split(":") for pair in (
+    "afr:af amh:am arg:an ara:ar arb:ar asm:as aze:az azj:az bak:ba bel:be bul:bg ben:bn bre:br bos:bs cat:ca ces:cs "
+    "cym:cy dan:da deu:de dzo:dz ell:el eng:en epo:eo spa:es est:et ekk:et eus:eu fas:fa pes:fa fin:fi fao:fo fra:fr "
+    "fry:fy gle:ga gla:gd glg:gl guj:gu hau:ha heb:he hin:hi hrv:hr hat:ht hun:hu hye:hy ind:id ibo:ig isl:is ita:it "
+    "jpn:ja jav:jv kat:ka kaz:kk khm:km kan:kn kor:ko kur:ku kmr:ku kir:ky lat:la ltz:lb lug:lg lin:ln lao:lo lit:lt "
+    "lav:lv lvs:lv mlg:mg plt:mg mkd:mk mal:ml mon:mn khk:mn mar:mr msa:ms zsm:ms mlt:mt mya:my nep:ne npi:ne nld:nl "
+    "nno:nn nor:no nob:no oci:oc orm:om gaz:om ori:or ory:or pan:pa pol:pl pus:ps pbt:ps por:pt que:qu quy:qu ron:ro "
+    "rus:ru kin:rw san:sa sme:se sin:si slk:sk slv:sl sna:sn som:so sqi:sq als:sq srp:sr sot:st swe:sv swa:sw swh:sw "
+    "tam:ta tel:te tgk:tg tha:th tuk:tk tgl:tl tur:tr tat:tt uig:ug ukr:uk urd:ur uzb:uz uzn:uz vie:vi wln:wa xho:xh "
+    "yor:yo zho:zh zul:zu").split())
+
+
+def two_letter(code: str) -> str | None:
+    """The ISO 639-1 code of a model's language code (de, eng, eng_Latn, pt-BR: de, en, en, pt), None when it has
+    none here. Detection and sentence rules know languages so; NLLB's codes are ISO 639-3 with a script."""
+    base = re.split(r"[-_]", code, maxsplit=1)[0].lower()
+    return base if len(base) == 2 else ISO_639_1.get(base)

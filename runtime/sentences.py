@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from runtime.errors import RuntimeUserError
+from runtime.languages import two_letter
 
 SPLIT_MODES = ("none", "sentences")
 DEFAULT_LANG = "en"
@@ -65,9 +66,10 @@ def _segmenter() -> Callable[[str, str], list[str]]:
 
 
 def split_sentences(text: str, lang: str = DEFAULT_LANG) -> Split:
-    """`text` as sentences and the whitespace around them (lang: an ISO 639 code; unknown codes get
-    sentencex's language-neutral rules)."""
+    """`text` as sentences and the whitespace around them (lang: an ISO 639 code, NLLB's eng_Latn too; unknown codes
+    get sentencex's language-neutral rules)."""
     segment = _segmenter()
+    lang = two_letter(lang) or lang
     return _split(text, lambda line: _windowed(lambda window: segment(lang, window), line))
 
 

@@ -206,3 +206,25 @@ def test_auto_with_a_target_nothing_translates_into_names_the_target():
         r = c.post("/translate", json={"q": "der Hund", "source": "auto", "target": "xx"})
     assert r.status_code == 400 and r.json()["error"].startswith('"target" xx is not a language this server '
                                                                  "translates into; it translates de-en, en-de")
+
+
+def test_an_nllb_models_languages_are_detected_named_and_defaulted():
+    """NLLB's codes (eng_Latn) are ISO 639-3 with a script: detection knew none of its 202 ("knows none of this
+    server's languages", 2.6 KB of codes), /languages named them by code, and the settings defaulted to ace_Arab."""
+    pytest.importorskip("py3langid")
+    from pipeline.serve.detect import Detector
+
+    codes = ("deu_Latn", "eng_Latn", "fra_Latn", "zho_Hans", "zho_Hant", "ace_Arab")
+    state = state_of({"nllb": (codes, codes)})
+    state.detector = Detector(list(state.routes.codes))
+    assert state.detector.unknown == ["ace_Arab", "zho_Hans", "zho_Hant"]  # unknown; or one language, two codes
+    with TestClient(create_app(state)) as c:
+        r = c.post("/detect", json={"q": "Der Hund läuft heute Abend durch den großen Park."})
+        assert r.json()[0]["language"] == "deu_Latn", r.text
+        r = c.post("/translate", json={"q": "Der Hund läuft heute Abend durch den großen Park.", "source": "auto",
+                                       "target": "eng_Latn"})
+        assert r.status_code == 200 and r.json()["detectedLanguage"]["language"] == "deu_Latn"
+        names = {lang["code"]: lang["name"] for lang in c.get("/languages").json()}
+        assert names["eng_Latn"] == "English" and names["zho_Hant"] == "Chinese (traditional)"
+        assert names["ace_Arab"] == "ace_Arab"
+        assert c.get("/frontend/settings").json()["language"]["target"] == {"code": "eng_Latn", "name": "English"}

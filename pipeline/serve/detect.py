@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from runtime.languages import two_letter
 from runtime.sentences import has_letters
 
 INSTALL = 'pip install -e ".[serve]"'
@@ -30,11 +31,19 @@ class Detector:
             raise DetectorMissing(f"language detection needs py3langid, which is not installed: {INSTALL}") from None
         identifier = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
         known = set(identifier.nb_classes)
-        self.codes = [c for c in codes if c in known]
-        self.unknown = [c for c in codes if c not in known]
+        found: dict[str, list[str]] = {}  # the detector's language -> the served codes that are it
+        for code in codes:
+            as_known = code if code in known else two_letter(code)  # NLLB's eng_Latn is the detector's en
+            if as_known is not None and as_known in known:
+                found.setdefault(as_known, []).append(code)
+        # a language served under two codes (zho_Hans, zho_Hant) cannot be told apart: neither is detected
+        self._served = {language: served[0] for language, served in found.items() if len(served) == 1}
+        self.codes = [c for c in codes if c in self._served.values()]
+        self.unknown = [c for c in codes if c not in self._served.values()]
         if not self.codes:
-            raise DetectorMissing(f"language detection knows none of this server's languages ({', '.join(codes)})")
-        identifier.set_languages(self.codes)
+            shown = ", ".join(codes[:10]) + (f", ... ({len(codes)} in all)" if len(codes) > 10 else "")
+            raise DetectorMissing(f"language detection knows none of this server's languages ({shown})")
+        identifier.set_languages(list(self._served))
         self._identifier: Any = identifier
 
     def rank(self, text: str, top: int = TOP) -> list[dict[str, Any]]:
@@ -43,7 +52,8 @@ class Detector:
         if not has_letters(text):
             return [{"language": self.codes[0], "confidence": 0.0}]
         ranked = self._identifier.rank(text)
-        return [{"language": str(code), "confidence": round(100.0 * float(p), 1)} for code, p in ranked[:top]]
+        return [{"language": self._served[str(code)], "confidence": round(100.0 * float(p), 1)}
+                for code, p in ranked[:top]]
 
     def best(self, text: str) -> dict[str, Any]:
         return self.rank(text, 1)[0]

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 from model.errors import UserError
+from runtime.languages import two_letter
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,16 @@ def served_languages(name: str, manifest: Any) -> tuple[tuple[str, ...], tuple[s
 
 
 def language_name(code: str) -> str:
-    return NAMES.get(code, code)
+    """English name of a code (NLLB's eng_Latn: English; zho_Hant: Chinese (traditional)), else the code itself."""
+    if code in NAMES:
+        return NAMES[code]
+    name = NAMES.get(two_letter(code) or "", code)
+    return f"{name} (traditional)" if code.lower().startswith("zho_hant") else name
+
+
+def preferred(codes: Iterable[str], language: str = "en") -> str | None:
+    """The first of `codes` that is `language` (an ISO 639-1 code), however the model spells it (en, eng_Latn)."""
+    return next((c for c in codes if two_letter(c) == language), None)
 
 
 LISTED = 20  # pairs an error message names; past that it counts them and points at GET /languages

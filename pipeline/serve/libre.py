@@ -34,7 +34,7 @@ from pipeline.serve.http import (
     too_many,
 )
 from pipeline.serve.keys import KeyRefused, RateLimited
-from pipeline.serve.languages import language_name
+from pipeline.serve.languages import language_name, preferred
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, translated
 from pipeline.serve.state import ServedModel, ServerState
@@ -305,7 +305,7 @@ async def frontend_settings(request: Request) -> Response:
     routes = state.routes  # defaults a client can send as they are: a served source, or auto where detection is
     source = "auto" if state.detector is not None or not routes.sources else routes.sources[0]
     into = routes.targets if source == "auto" else routes.targets_of(source)
-    target = "en" if "en" in into else (into[0] if into else "")
+    target = preferred(into) or (into[0] if into else "")  # English, as LibreTranslate's page defaults to
     return JSONResponse({
         "charLimit": char_limit(state.limits.max_bytes),
         "frontendTimeout": 500,

@@ -31,7 +31,7 @@ from pipeline.serve.detect import Detector, DetectorMissing
 from pipeline.serve.glossaries import check_named, read_named
 from pipeline.serve.glossaries import info as glossaries_info
 from pipeline.serve.keys import ApiKeys
-from pipeline.serve.languages import served_languages
+from pipeline.serve.languages import preferred, served_languages
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.state import ServedModel, ServerState
@@ -146,7 +146,7 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
     except UserError as e:
         raise UserError(f"model {name}: {e}") from None
     sources, targets = served_languages(name, translator.manifest)
-    lang = sources[0] if sources else DEFAULT_LANG  # documents split with the source's sentence rules
+    lang = (preferred(sources) or sources[0]) if sources else DEFAULT_LANG  # the source's sentence rules
     info = {**translator.summary(), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang,
             "languages": {"source": list(sources), "target": list(targets)}}
     translator.warm_up(decoding)
@@ -169,7 +169,9 @@ def attach_detector(state: ServerState) -> None:
         return
     state.detector.best("warm up")
     if state.detector.unknown:
-        log.warning("language detection does not know %s; name them as source", ", ".join(state.detector.unknown))
+        unknown = state.detector.unknown
+        log.warning("language detection does not know %s; name them as source", ", ".join(unknown[:10])
+                    + (f", ... ({len(unknown)} in all)" if len(unknown) > 10 else ""))
 
 
 ANSWER_S = 5  # after --grace-s: the seconds the 503s of requests still waiting have to go out
