@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 
 from model.config import ModelConfig
+from model.manifest import Languages
 from runtime.errors import RuntimeUserError
 
 # A language code: de, eng, pt-BR, eng_Latn, sr-Latn-RS (subtags bounded: a regular expression keeps state for each
@@ -57,15 +58,18 @@ def codes(cfg: ModelConfig) -> list[str]:
 
 
 def direction(cfg: ModelConfig, source: str | None, target: str | None, *, source_name: str = "--src-lang",
-              target_name: str = "--tgt-lang") -> Direction:
+              target_name: str = "--tgt-lang", pair: Languages | None = None) -> Direction:
     """The direction `source` -> `target` of this model, or a LanguageError naming the field and the
-    languages the model has. A multilingual model needs both; a one-pair model takes neither."""
+    languages the model has. A multilingual model needs both; a one-pair model takes none but its own (`pair`: the
+    one its model dir records; they change nothing, as the native API takes them)."""
     ids = cfg.language_ids
     if not ids:
-        given = [f"{name} {value}" for name, value in ((source_name, source), (target_name, target)) if value]
+        sides = ((source_name, source, pair.source if pair else ()), (target_name, target, pair.target if pair else ()))
+        given = [f"{name} {value}" for name, value, own in sides if value and value not in own]
         if given:
-            raise LanguageError(f"{' and '.join(given)}: this model translates one language pair and has no "
-                                "language tokens; leave the languages out")
+            own = f"{pair.source[0]}-{pair.target[0]}, " if pair and pair.source and pair.target else ""
+            raise LanguageError(f"{' and '.join(given)}: this model translates one language pair ({own}no "
+                                "language tokens); give its own languages or leave them out")
         return ONE_PAIR
     for name, value in ((source_name, source), (target_name, target)):
         if not value:
@@ -105,6 +109,13 @@ ISO_639_1 = dict(pair.split(":") for pair in (
     "rus:ru kin:rw san:sa sme:se sin:si slk:sk slv:sl sna:sn som:so sqi:sq als:sq srp:sr sot:st swe:sv swa:sw swh:sw "
     "tam:ta tel:te tgk:tg tha:th tuk:tk tgl:tl tur:tr tat:tt uig:ug ukr:uk urd:ur uzb:uz uzn:uz vie:vi wln:wa xho:xh "
     "yor:yo zho:zh zul:zu").split())
+
+
+def own_languages(cfg: ModelConfig, pair: Languages | None, source: str | None, target: str | None
+                  ) -> tuple[str | None, str | None]:
+    """(source, target) as the model takes them: a one-pair model's own codes are the same as none (None, None),
+    others as given; a LanguageError as `direction` gives one."""
+    return (None, None) if direction(cfg, source, target, pair=pair) is ONE_PAIR else (source, target)
 
 
 def two_letter(code: str) -> str | None:

@@ -284,3 +284,26 @@ def test_the_suffix_comes_from_the_option_the_target_or_the_model_dir(tmp_path, 
     assert run_cli("serve-batch", model, src, "--output-dir", tmp_path / "out", "--backend", "onnxruntime",
                    "--no-progress") == 0
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["part-000.en"]
+
+
+def test_a_one_pair_model_takes_its_own_languages_as_the_native_api_does(tmp_path, fp32_dir, capsys):
+    """The docs name outputs by --tgt-lang, and the native API takes a one-pair model's own "source"/"target";
+    serve-batch (parity, ray-translate, bench, tune-decoding) refused them: "this model translates one language pair
+    and has no language tokens". Its own are taken and change nothing; another is refused naming its pair."""
+    from helpers import assert_one_line_error, run_cli_captured, with_language_pair
+
+    model = with_language_pair(fp32_dir, tmp_path / "de-en", "de", "en")
+    src = tmp_path / "in" / "part-000.txt"
+    src.parent.mkdir()
+    src.write_text("der hund\nein kind\n")
+    common = ["--backend", "onnxruntime", "--no-progress", "--max-len-b", "8", "--max-len-a", "0"]
+    code, _, err = run_cli_captured(capsys, "serve-batch", model, src, "-o", tmp_path / "plain.txt", *common)
+    assert code == 0, err
+    code, _, err = run_cli_captured(capsys, "serve-batch", model, src, "--output-dir", tmp_path / "out",
+                                    "--src-lang", "de", "--tgt-lang", "en", *common)
+    assert code == 0, err
+    assert (tmp_path / "out" / "part-000.txt.en").read_text() == (tmp_path / "plain.txt").read_text()
+    code, _, err = run_cli_captured(capsys, "serve-batch", model, src, "-o", tmp_path / "fr.txt", "--tgt-lang", "fr",
+                                    *common)
+    assert_one_line_error(code, err, "--tgt-lang fr: this model translates one language pair (de-en, no language "
+                                     "tokens)")

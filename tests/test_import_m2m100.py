@@ -226,9 +226,16 @@ def test_tune_decoding_translates_the_pair_it_is_given(checkpoint, pairs, tmp_pa
 def test_one_pair_models_take_no_languages(tmp_path):
     from model.config import ModelConfig
 
-    with pytest.raises(LanguageError, match="translates one language pair and has no language tokens"):
+    with pytest.raises(LanguageError, match=r"translates one language pair \(no language tokens\)"):
         direction(ModelConfig(vocab_size=16), "en", None)
     assert direction(ModelConfig(vocab_size=16), None, None).first_tokens(3) is None
+    # its own pair, as its model dir records it, is taken (and changes nothing), as the native API takes it
+    from model.manifest import Languages
+
+    pair = Languages(("de",), ("en",))
+    assert direction(ModelConfig(vocab_size=16), "de", "en", pair=pair).first_tokens(3) is None
+    with pytest.raises(LanguageError, match=r"--tgt-lang fr: this model translates one language pair \(de-en, no"):
+        direction(ModelConfig(vocab_size=16), "de", "fr", pair=pair)
 
 
 @pytest.mark.parametrize("damage, message", [

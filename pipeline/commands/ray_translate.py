@@ -69,7 +69,9 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     # would be Ray's error, on every actor)
     opened = ModelDir.open(model_dir)
     chosen = check_load(opened, load_options.validate())
-    languages.direction(opened.manifest.model_config, opts.src_lang, opts.tgt_lang)
+    source, target = languages.own_languages(opened.manifest.model_config, opened.manifest.language_pair,
+                                             opts.src_lang, opts.tgt_lang)  # a one-pair model's own: none
+    opts = dataclasses.replace(opts, src_lang=source, tgt_lang=target)
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
     recorded = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),

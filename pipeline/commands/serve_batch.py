@@ -14,6 +14,7 @@ from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
 from pipeline.textio import check_input
 from runtime.decoding import DecodingOptions
+from runtime.languages import own_languages
 from runtime.model_dir import LoadOptions, load
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,9 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         loaded = load(model_dir, dataclasses.replace(options, device=rank_device(ctx, options.device),
                                                      many_batches=True), decoding)
         impl, tokenizer = loaded.backend, loaded.tokenizer
-        opts = dataclasses.replace(opts, decoding=loaded.decoding).validate()
+        manifest = loaded.manifest  # a one-pair model's own --src-lang/--tgt-lang name the outputs, nothing more
+        source, target = own_languages(manifest.model_config, manifest.language_pair, opts.src_lang, opts.tgt_lang)
+        opts = dataclasses.replace(opts, decoding=loaded.decoding, src_lang=source, tgt_lang=target).validate()
         if opts.decoding.batch_sentences != decoding.batch_sentences:
             log.info("batches of up to %d tokens, no sentence cap on %s (--batch-sentences sets one)",
                      opts.decoding.batch_tokens, impl.device)

@@ -259,7 +259,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
                               parallel_batches=parallel_batches).for_backend(name)  # --step: torch's only, ...
         loaded = load(model_dir, options, decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
-        way = direction(manifest.model_config, src_lang, tgt_lang)
+        way = direction(manifest.model_config, src_lang, tgt_lang, pair=manifest.language_pair)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
             reset_peak_rss()  # each row's own peak (the loaded model resident), not the larger batch's before it

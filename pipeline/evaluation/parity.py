@@ -37,6 +37,7 @@ from pipeline.serve_batch.files import translate_windows, warn_min_len
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
+from runtime.languages import own_languages
 from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.registry import entry, installed
 from runtime.tokenizer import AnyTokenizer
@@ -196,7 +197,9 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     from runtime.torch_backend import TorchBackend  # the live reference is PyTorch's (torch is installed here)
 
     assert isinstance(reference, TorchBackend)
-    opts = replace(opts, decoding=loaded.decoding)
+    manifest = opened.manifest  # a one-pair model's own --src-lang/--tgt-lang: as none
+    source, target = own_languages(manifest.model_config, manifest.language_pair, opts.src_lang, opts.tgt_lang)
+    opts = replace(opts, decoding=loaded.decoding, src_lang=source, tgt_lang=target)
     if reference_engine == "transformers":
         return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
                                     hf_dir, reference, tokenizer, shortlist)

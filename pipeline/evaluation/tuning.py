@@ -17,7 +17,7 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.fields import Checked, flag, opt, with_value
 from runtime.languages import direction
-from runtime.model_dir import LoadOptions, load
+from runtime.model_dir import LoadOptions, ModelDir, load
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import translate_lines
 
@@ -119,7 +119,8 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     if not any(line.strip() for line in refs):
         raise UserError(f"{ref}: no reference line to score against (the file is empty or blank)")
     backend, tokenizer, defaults = load_for_tuning(model, device)
-    way = direction(backend.cfg, src_lang, tgt_lang)  # none given, it decoded without language tokens
+    pair = ModelDir.open(model, verify=False).manifest.language_pair if (Path(model) / MANIFEST).is_file() else None
+    way = direction(backend.cfg, src_lang, tgt_lang, pair=pair)  # none given, it decoded without language tokens
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     grid = [base.replace(beam_size=beam, alpha=alpha) for beam in beams for alpha in alphas]
     # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed

@@ -201,7 +201,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             raise UserError(f"{f}: has no non-blank line to translate; give a file with sentences")
     # what each dir records (the timed processes load and verify them)
     opened = [ModelDir.open(d, verify=False) for d in model_dirs]
-    way = direction(opened[0].manifest.model_config, src_lang, tgt_lang)
+    way = direction(opened[0].manifest.model_config, src_lang, tgt_lang, pair=opened[0].manifest.language_pair)
     engines: list[dict[str, Any]] = []
     for d, manifest in zip(model_dirs, (o.manifest for o in opened)):
         engines.append({"engine": "onnxruntime", "precision": manifest.precision,
