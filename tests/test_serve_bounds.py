@@ -7,6 +7,7 @@ mid-translation (no asyncio traceback in the log), and Nagle off on the listenin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import json
@@ -164,7 +165,7 @@ def real_server(state: ServerState, **options: Any) -> Iterator[tuple[str, int]]
     from pipeline.serve.runner import uvicorn_config
 
     sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn_config(create_app(state), ServeHttpOptions(**options)))
+    server = uvicorn.Server(uvicorn_config(create_app(state), ServeHttpOptions(**options), state.limits))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
     while not server.started:
@@ -419,3 +420,51 @@ def test_libretranslate_fields_of_a_wrong_type_are_400s_not_defaults(tmp_path):
         r = c.post("/translate", data={"source": "de", "target": "en", "api_key": KEY},
                    files={"q": ("q.txt", b"Hallo", "text/plain")})
         assert r.status_code == 400 and r.json()["error"].startswith("the form data holds a file")
+
+
+def _raw(host: str, port: int, data: bytes, wait: float = 5.0) -> bytes:
+    """What the server answers a connection that sends `data` (then nothing), until it closes or `wait` passes."""
+    with socket.create_connection((host, port), timeout=wait) as conn:
+        conn.sendall(data)
+        got = b""
+        try:
+            while chunk := conn.recv(65536):
+                got += chunk
+        except TimeoutError:
+            got += b"<still open>"
+        except ConnectionResetError:  # closed with data unread: a reset
+            got += b"<reset>"
+        return got
+
+
+def test_a_request_head_is_bounded_in_time_size_and_connections():
+    """uvicorn waited for a request's head for ever and buffered it whole: idle connections (nothing sent, or "POST
+    /tra") stayed open until the file descriptors ran out and /health failed, and 400 MB of headers held 574 MB.
+    A head now has --head-timeout-s and 64 KiB (408 / 431, closed), and past --max-connections the connection that
+    has waited longest for its head is closed (503) to make room; requests in time, and the next one on a kept-alive
+    connection, are served as before."""
+    pytest.importorskip("httptools")
+    state = state_of({"de-en": (("de",), ("en",))})
+    state.limits = dataclasses.replace(state.limits, head_timeout_s=0.5, max_connections=3)
+    with real_server(state) as (host, port):
+        started = time.monotonic()
+        for partial in (b"", b"POST /tra"):
+            assert _raw(host, port, partial).startswith(b"HTTP/1.1 408 ")
+        assert time.monotonic() - started < 4
+        huge = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (100 << 10)
+        assert _raw(host, port, huge).startswith(b"HTTP/1.1 431 ")
+        ok = _raw(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200 "), ok[:80]
+        idle = [socket.create_connection((host, port)) for _ in range(3)]  # the cap, held
+        try:
+            time.sleep(0.1)  # one more: the oldest waiting for its head makes room (503), and this one is served
+            served = _raw(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert served.startswith(b"HTTP/1.1 200 "), served[:80]
+            idle[0].settimeout(2)
+            assert idle[0].recv(100).startswith(b"HTTP/1.1 503 ")
+        finally:
+            for conn in idle:
+                conn.close()
+        time.sleep(0.2)
+        with httpx.Client(base_url=f"http://{host}:{port}") as c:  # one connection, two requests
+            assert [c.get("/health").status_code for _ in range(2)] == [200, 200]

@@ -27,6 +27,7 @@ import uvicorn
 from model.errors import UserError
 from pipeline.serve import access
 from pipeline.serve.app import create_app
+from pipeline.serve.connections import bounded_protocol
 from pipeline.serve.detect import Detector, DetectorMissing
 from pipeline.serve.glossaries import check_named, read_named
 from pipeline.serve.glossaries import info as glossaries_info
@@ -218,14 +219,16 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def uvicorn_config(app: Any, opts: ServeHttpOptions) -> uvicorn.Config:
+def uvicorn_config(app: Any, opts: ServeHttpOptions, limits: RequestLimits | None = None) -> uvicorn.Config:
     """uvicorn's settings for the app: no log config or access log of its own (ours), the grace period, and proxy
     headers (X-Forwarded-For, X-Forwarded-Proto) believed from --forwarded-allow-ips (or uvicorn's
     FORWARDED_ALLOW_IPS) only: uvicorn's default believes any peer on 127.0.0.1, so behind a local proxy that
     passes a client's own X-Forwarded-For on, each request could name a new address."""
     trusted = opts.forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()  # uvicorn's
+    limits = limits or RequestLimits()  # the request's head bounded before it reaches the app (connections.py)
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
-                          proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None)
+                          proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                          http=bounded_protocol(limits.head_timeout_s, limits.max_connections))
 
 
 def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: DecodingOptions,
@@ -251,7 +254,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         if opts.suggestions is not None:
             state.suggestions = Suggestions(opts.suggestions)
         attach_detector(state)
-        config = uvicorn_config(create_app(state), opts)
+        config = uvicorn_config(create_app(state), opts, limits)
         host, port = sock.getsockname()[:2]
         for model in served.values():
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],

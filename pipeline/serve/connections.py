@@ -1,0 +1,127 @@
+"""Connections before a request reaches the app: uvicorn's httptools protocol with the bounds it lacks.
+
+uvicorn waits for a request's head (request line and headers) without a time limit, buffers it without a size
+limit (httptools accumulates a header however long), and keeps every connection it accepts: a few hundred clients
+that connect and send nothing (or trickle a header) held the file descriptors /health needs, and one that sent a
+gigabyte of headers held that much memory. Here a head must arrive within `head_timeout_s` (408, then closed) and
+within MAX_HEAD_BYTES (431, then closed), and beyond `max_connections` open connections the one that has waited
+longest for its head is closed (503), so an idle flood churns among itself while a client that sends its request
+in time is served. Between requests uvicorn's keep-alive timeout closes an idle connection as before. Without
+httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its head limit is 16 KiB, with no timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_HEAD_BYTES = 64 << 10  # a request line and headers together (nginx's large_client_header_buffers: 4 x 8 KiB)
+WARN_EVERY_S = 10.0  # refusals are logged at most this often (a flood would otherwise fill the log)
+FD_MARGIN = 64  # file descriptors kept for the model files, the listening socket, logs, /health
+
+
+def connection_cap(wanted: int) -> int:
+    """`wanted`, within the process's file descriptors: the soft limit is raised to the hard one first (a
+    server's usual first step: 1024 is a common default), and FD_MARGIN of them are kept for everything else."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
+                                                        hard))
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ValueError, OSError):
+            pass
+    return max(1, min(wanted, soft - FD_MARGIN))
+
+
+class _Warnings:
+    """Counts refusals by kind and logs them at most every WARN_EVERY_S."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.logged = 0.0
+
+    def add(self, kind: str) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        now = time.monotonic()
+        if now - self.logged >= WARN_EVERY_S:
+            log.warning("connections closed before a request: %s", ", ".join(f"{n} {k}" for k, n in
+                                                                              sorted(self.counts.items())))
+            self.counts, self.logged = {}, now
+
+
+def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
+    """uvicorn's `http` setting: its httptools protocol with the bounds above, or "auto" without httptools."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return "auto"
+    cap, warnings = connection_cap(max_connections), _Warnings()
+    waiting: dict[Any, None] = {}  # the connections waiting for a request's head, oldest first
+
+    class Bounded(HttpToolsProtocol):
+        _timer: asyncio.TimerHandle | None = None
+        _in_head = True  # from the connection (or a request's first byte) until its headers are complete
+        _head = 0  # bytes received while in the head (from the chunk that left it unfinished)
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+            if len(self.connections) > cap:  # the one waiting longest for its head goes: a flood of idle ones
+                oldest = next(iter(waiting))  # churns among themselves, and a client that sends its request in
+                warnings.add(f"over --max-connections {cap}")  # time still gets in (this one, at least, waits)
+                oldest._refuse(503, "Service Unavailable", "too many open connections; retry")
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(head_timeout_s, self._late)
+            waiting[self] = None
+
+        def _disarm(self) -> None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            waiting.pop(self, None)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self._in_head = True
+            self._arm()
+
+        def on_headers_complete(self) -> None:
+            self._in_head, self._head = False, 0
+            self._disarm()
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._in_head:  # the parser holds this chunk as an unfinished head (an upper bound on it)
+                self._head += len(data)
+            if self._in_head and self._head > MAX_HEAD_BYTES and not self.transport.is_closing():
+                self._refuse(431, "Request Header Fields Too Large",
+                             f"the request line and headers exceed {MAX_HEAD_BYTES // 1024} KiB")
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _late(self) -> None:
+            self._timer = None
+            if self._in_head and not self.transport.is_closing():
+                self._refuse(408, "Request Timeout",
+                             f"the request line and headers did not arrive within {head_timeout_s:g} s")
+
+        def _refuse(self, status: int, reason: str, message: str) -> None:
+            self._disarm()
+            if status != 503:
+                warnings.add(str(status))
+            body = (message + "\n").encode()
+            self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            self.transport.close()
+
+    return Bounded
