@@ -12,6 +12,7 @@ import functools
 import gc
 import json
 import logging
+import re
 import socket
 import threading
 import time
@@ -189,6 +190,23 @@ def test_x_forwarded_for_names_the_client_only_from_a_trusted_proxy(tmp_path, tr
         codes = [httpx.post(f"http://{host}:{port}/translate", json={"q": "hund", "source": "de", "target": "en"},
                             headers={"X-Forwarded-For": f"10.0.0.{k}"}, timeout=10).status_code for k in range(4)]
     assert codes == ([200] * 4 if trusted else [200, 200, 429, 429])
+
+
+def test_a_proxy_list_that_names_no_address_is_refused_in_one_line(monkeypatch):
+    """uvicorn takes an entry it cannot parse for a literal host: 127.0.0.0/33 or localhost trusted no proxy, without
+    a word, and every client behind it shared one keyless rate."""
+    from pipeline.serve.options import ServeHttpOptions
+    from pipeline.serve.runner import trusted_proxies
+
+    monkeypatch.delenv("FORWARDED_ALLOW_IPS", raising=False)
+    for good in ("127.0.0.1", "127.0.0.0/8, ::1", "*", "10.0.0.1,*"):
+        assert trusted_proxies(ServeHttpOptions(forwarded_allow_ips=good)) == good
+    for bad in ("127.0.0.0/33", "localhost", "127.0.0.1;10.0.0.1", "garbage!!"):
+        with pytest.raises(UserError, match=f"--forwarded-allow-ips '{re.escape(bad.split(',')[0])}': not an "):
+            trusted_proxies(ServeHttpOptions(forwarded_allow_ips=bad))
+    monkeypatch.setenv("FORWARDED_ALLOW_IPS", "localhost")
+    with pytest.raises(UserError, match="FORWARDED_ALLOW_IPS 'localhost'"):
+        trusted_proxies(ServeHttpOptions())
 
 
 def test_a_trusted_proxys_scheme_makes_file_urls_https(tmp_path, monkeypatch):

@@ -285,6 +285,8 @@ def test_without_require_keyless_requests_are_served_at_the_keyless_rate(tmp_pat
 @pytest.mark.parametrize("content, needle", [
     ("", "holds no key"), ("short\n", "8 to 512 characters"), (f"{KEY} fast\n", "line 1"),
     (f"{KEY}\n{KEY}\n", "line 2: this key is in the file twice"),
+    (f"{KEY} \u00b2\n", "line 1: write KEY or KEY REQUESTS_PER_MINUTE"),  # a digit int() refuses: was a traceback
+    (f"{KEY} \uff13\n", "line 1: write KEY or KEY REQUESTS_PER_MINUTE"),  # a full-width 3: was taken as 3
 ])
 def test_a_bad_keys_file_is_one_line_naming_the_line(tmp_path, content, needle):
     from model.errors import UserError

@@ -400,9 +400,11 @@ def held(url: str, payload: object) -> tuple[socket.socket, bytes]:
     return conn, body[-1:]
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, lines, expected):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, lines, expected, sig):
     """Ten requests wait for company (--max-wait-ms, held by an eleventh still sending its body) when SIGTERM
-    comes: every one is answered, the eleventh too once its body is complete, and the server exits 0."""
+    comes: every one is answered, the eleventh too once its body is complete, and the server exits 0. SIGHUP (a
+    closed terminal or ssh session; nginx's reload) drains alike: it killed the server, every request lost."""
     with server(model_dir, tmp_path / "serve.log", "--max-wait-ms", 1500) as (proc, u):
         holder, last = held(u, {"text": lines[:2]})
         with ThreadPoolExecutor(10) as pool:
@@ -412,7 +414,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(model_dir, tmp_path, line
             while metric(u, "pipeline_in_flight_requests") < 10 and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert metric(u, "pipeline_in_flight_requests") == 10
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             for i, f in enumerate(futures):
                 r = f.result()
                 assert r.status_code == 200

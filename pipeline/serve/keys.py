@@ -88,7 +88,8 @@ class ApiKeys:
             if not fields or fields[0].startswith("#"):
                 continue
             where = f"--api-keys {path} line {n}"
-            if len(fields) > 2 or (len(fields) == 2 and not (fields[1].isdigit() and int(fields[1]) > 0)):
+            if len(fields) > 2 or (len(fields) == 2 and not (fields[1].isascii() and fields[1].isdigit()
+                                                               and int(fields[1]) > 0)):  # '²' and '３' are digits
                 raise UserError(f"{where}: write KEY or KEY REQUESTS_PER_MINUTE (a whole number above 0)")
             if not 8 <= len(fields[0]) <= MAX_KEY_CHARS:
                 raise UserError(f"{where}: a key must have 8 to {MAX_KEY_CHARS} characters")

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import errno
 import importlib.metadata
+import ipaddress
 import logging
 import os
 import re
@@ -211,7 +212,9 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP (a closed terminal, an operator expecting a reload) drains as SIGTERM does: it killed the process
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM,
+                                                                          signal.SIGHUP)}
         try:
             yield
         finally:
@@ -219,12 +222,27 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+def trusted_proxies(opts: ServeHttpOptions) -> str:
+    """--forwarded-allow-ips (else uvicorn's FORWARDED_ALLOW_IPS), each entry an address, a network or *: uvicorn
+    takes any other text for a literal host that no peer is, so a typo (127.0.0.0/33, localhost) trusted no proxy
+    without a word and every client behind it shared one keyless rate."""
+    option = "--forwarded-allow-ips" if opts.forwarded_allow_ips.strip() else "FORWARDED_ALLOW_IPS"
+    trusted = opts.forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()
+    for entry in (e.strip() for e in trusted.split(",") if e.strip() not in ("", "*")):
+        try:
+            ipaddress.ip_network(entry, strict=False)
+        except ValueError:
+            raise UserError(f"{option} {entry[:60]!r}: not an address or a network (127.0.0.1, 10.0.0.0/8, ::1), "
+                            "nor *") from None
+    return trusted
+
+
 def uvicorn_config(app: Any, opts: ServeHttpOptions, limits: RequestLimits | None = None) -> uvicorn.Config:
     """uvicorn's settings for the app: no log config or access log of its own (ours), the grace period, and proxy
     headers (X-Forwarded-For, X-Forwarded-Proto) believed from --forwarded-allow-ips (or uvicorn's
     FORWARDED_ALLOW_IPS) only: uvicorn's default believes any peer on 127.0.0.1, so behind a local proxy that
     passes a client's own X-Forwarded-For on, each request could name a new address."""
-    trusted = opts.forwarded_allow_ips.strip() or os.environ.get("FORWARDED_ALLOW_IPS", "").strip()  # uvicorn's
+    trusted = trusted_proxies(opts)
     limits = limits or RequestLimits()  # the request's head bounded before it reaches the app (connections.py)
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
@@ -235,6 +253,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
                limits: RequestLimits) -> None:
     """Run the service for the (name, model dir) pairs until stopped. Blocks; returns after a graceful stop."""
     decoding.validate()
+    trusted_proxies(opts)  # a typo is one line now, not a proxy silently distrusted
     metrics = Metrics()
     sock = bind(opts.host, opts.port)
     try:
