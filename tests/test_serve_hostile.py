@@ -384,3 +384,15 @@ def test_a_sentence_without_letters_reaches_no_model_on_any_api():
         assert [json.loads(line)["translation"] for line in lines] == ["DER HUND.\n", "123\n", "2024-01-01"]
     sent = [ids for batch in stand_in.batches for ids in batch if ids]
     assert len(sent) == 2 and all(len(ids) == len("Der Hund.") + 1 for ids in sent)  # EOS
+
+
+def test_a_min_len_no_translation_can_meet_is_warned_at_start(fp32_dir, caplog):
+    """serve --min-len 100000 started and answered without a word (serve-batch warns of each such line)."""
+    from pipeline.serve.options import ServeHttpOptions
+    from pipeline.serve.runner import load_model
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.serve.runner"):
+        model = load_model("m", str(fp32_dir), ServeHttpOptions(), PAPER.replace(min_len=100_000), Metrics())
+    limit = model.translator.model_limit("max_tgt_len")
+    assert f"model m: --min-len 100000 is above the longest output the model dir allows ({limit - 1} tokens)" \
+        in caplog.text

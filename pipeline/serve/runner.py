@@ -145,6 +145,10 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
         max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
         if decoding.beam_size > max_beam:
             raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
+        longest = (translator.model_limit("max_tgt_len") or 0) - 1
+        if decoding.min_len > longest:  # serve-batch warns of each line so; here no translation could meet it
+            log.warning("model %s: --min-len %d is above the longest output the model dir allows (%d tokens): every "
+                        "translation stops at that maximum", name, decoding.min_len, longest)
     except UserError as e:
         raise UserError(f"model {name}: {e}") from None
     sources, targets = served_languages(name, translator.manifest)
