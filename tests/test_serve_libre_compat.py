@@ -143,6 +143,23 @@ def test_one_access_log_line_per_request_never_the_key(tmp_path: Path, caplog):
             assert lines[2].startswith("POST /translate 403 ")
 
 
+def test_a_rate_limited_request_says_whose_rate_in_the_access_log(tmp_path, caplog):
+    """`POST /translate 429 0.5 ms` said nothing of the key that was over its rate: an operator could not tell which
+    customer it was."""
+    keys = tmp_path / "keys.txt"
+    keys.write_text("the-secret-key-1 1\n")
+    state = state_of(PAIRS, ApiKeys.read(str(keys)))
+    state.access_log = "text"
+    with caplog.at_level(logging.INFO, logger="pipeline.access"), TestClient(create_app(state)) as c:
+        for _ in range(2):
+            c.post("/translate", json={"q": "hund", "source": "de", "target": "en", "api_key": "the-secret-key-1"})
+            c.post("/translate", json={"text": ["hund"], "model": "de-en"},
+                   headers={"Authorization": "Bearer the-secret-key-1"})
+    lines = [r.getMessage() for r in caplog.records if r.name == "pipeline.access"]
+    limited = [line for line in lines if " 429 " in line]
+    assert len(limited) == 3 and all(line.endswith('key="line 1"') for line in limited), lines
+
+
 def test_the_access_log_has_its_own_plain_handler():
     access.configure("json")
     try:

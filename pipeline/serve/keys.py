@@ -45,9 +45,10 @@ class KeyRefused(Exception):
 class RateLimited(Exception):
     """Over the key's requests per minute; `retry_after_s` until one more is allowed."""
 
-    def __init__(self, message: str, retry_after_s: int):
+    def __init__(self, message: str, retry_after_s: int, label: str = ""):
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.label = label  # the key's, for the access log (which customer is over its rate)
 
 
 def _digest(key: str) -> bytes:
@@ -117,14 +118,14 @@ class ApiKeys:
                     if len(self._keyless) > MAX_CLIENTS:  # a flood of addresses: forget the quiet ones
                         self._forget(self.clock())
                     recent = self._keyless.setdefault(client, deque())
-                    _admit(recent, self.keyless_per_minute, "a client without an API key", self.clock())
+                    _admit(recent, self.keyless_per_minute, "a client without an API key", self.clock(), "keyless")
             return "keyless"
         found = self._keys.get(_digest(given)) if len(given) <= MAX_KEY_CHARS else None
         if found is None:
             raise KeyRefused("invalid")
         if found.per_minute is not None:
             with self._lock:
-                _admit(found.recent, found.per_minute, "this API key", self.clock())
+                _admit(found.recent, found.per_minute, "this API key", self.clock(), found.label)
         return found.label
 
     def _forget(self, now: float) -> None:
@@ -132,11 +133,11 @@ class ApiKeys:
             del self._keyless[client]
 
 
-def _admit(recent: deque[float], per_minute: int, who: str, now: float) -> None:
+def _admit(recent: deque[float], per_minute: int, who: str, now: float, label: str) -> None:
     """One more request in the window of `recent`, or RateLimited with the seconds until one is allowed."""
     while recent and recent[0] <= now - WINDOW_S:
         recent.popleft()
     if len(recent) >= per_minute:
         wait = max(1, math.ceil(recent[0] + WINDOW_S - now))
-        raise RateLimited(f"{who} may make {per_minute} requests per minute; retry in {wait} s", wait)
+        raise RateLimited(f"{who} may make {per_minute} requests per minute; retry in {wait} s", wait, label)
     recent.append(now)

@@ -69,6 +69,7 @@ def check_key(state: ServerState, given: Any, request: Request) -> None:
         raise ApiError(403, "Invalid API key") if str(e) == "invalid" else \
             ApiError(400, "Please contact the server operator to get an API key") from None
     except RateLimited as e:
+        note(request, key=e.label)  # the access log says whose rate it is
         raise ApiError(429, f"Slowdown: {e}", {"Retry-After": str(e.retry_after_s)}) from None
 
 

@@ -48,6 +48,7 @@ def unauthorized(state: ServerState, request: Request) -> ApiError | None:
         return ApiError(401, "the API key in Authorization is not valid" if given else
                         "this server needs an API key: send Authorization: Bearer KEY", {"WWW-Authenticate": challenge})
     except RateLimited as e:
+        note(request, key=e.label)
         return ApiError(429, str(e), {"Retry-After": str(e.retry_after_s)})
     return None
 
