@@ -205,6 +205,30 @@ def test_requests_cut_by_the_budget_keep_their_place():
     assert results == [[[([10 + r], -1.0)]] * 3 for r in range(4)]
 
 
+def test_a_draining_batcher_finishes_the_oldest_request_first():
+    """On SIGTERM the queued requests took turns as before, each left partly translated when --grace-s ran out (60
+    of 60 were 503s): draining, the oldest is finished first, so the grace period answers as many as it can."""
+    first, second = [[10, EOS]] * 40, [[20, EOS]] * 40  # 10 batches each of budget 8
+
+    async def scenario(batcher: Batcher, decoding: Any) -> list[Any]:
+        older = batcher.submit(first, decoding)
+        newer = batcher.submit(second, decoding)
+        while len(translator.batches) < 4:  # turns taken: both have lines done
+            await asyncio.sleep(0.001)
+        batcher.drain()
+        started = len(translator.batches) + 1  # the batch in flight, collected before the drain, aside
+        await older.future
+        done_when = len(translator.batches)
+        await newer.future
+        return [started, done_when]
+
+    translator = StandIn(delay=0.005)
+    started, done_when = run_batcher(translator, 8, scenario)
+    assert {line[0] for batch in translator.batches[:4] for line in batch} == {10, 20}  # they took turns
+    after = [line[0] for batch in translator.batches[started:done_when] for line in batch]
+    assert set(after) == {10}, after  # then the older alone, to its end
+
+
 class SideBySide(StandIn):
     """A stand-in backend that decodes two batches at once, as onnxruntime on a CPU does: the batches in flight
     counted, and the first batch taking longer than the others, so that later ones end before it."""

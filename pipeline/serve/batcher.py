@@ -122,6 +122,7 @@ class Batcher:
         # the requests the server is handling, whichever model and stage (None: unknown, always wait max_wait_s)
         self.in_flight = in_flight
         self._pending: deque[Work] = deque()
+        self.draining = False  # drain(): oldest first
         self._wakeup: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         # As many threads as the backend decodes batches at once (1 but for onnxruntime on a CPU: the others are
@@ -239,10 +240,19 @@ class Batcher:
                 return batch, True
         return batch, cost >= self.max_batch_tokens
 
+    def drain(self) -> None:
+        """The server stops: the requests still queued are finished oldest first, without taking turns, so the
+        grace period answers as many as it can (sharing batches between them all, each was left partly
+        translated when it ran out, and 60 of 60 were 503s). Only a flag: a signal handler calls it, mid-loop."""
+        self.draining = True
+
     def _take_turns(self) -> None:
         """Requests that have had a budget's worth of lines since their turn began go to the back of the
         queue (in queue order), each with a new turn. A request cut short by the budget before that keeps
-        its place: small requests are batched in arrival order as before."""
+        its place: small requests are batched in arrival order as before. Not while draining."""
+        if self.draining:  # oldest first (the turns taken so far had reordered the queue)
+            self._pending = deque(sorted(self._pending, key=lambda work: work.enqueued))
+            return
         done = [work for work in self._pending if work.turn >= self.max_batch_tokens]
         for work in done:
             self._pending.remove(work)

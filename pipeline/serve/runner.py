@@ -196,6 +196,9 @@ class _Server(uvicorn.Server):
             log.info("signal %d: draining in-flight requests (up to %d s), then stopping", sig,
                      self.config.timeout_graceful_shutdown or 0)
         self.state.draining = True
+        for model in self.state.models.values():
+            if model.batcher is not None:
+                model.batcher.drain()
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
