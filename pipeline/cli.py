@@ -186,8 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     except Terminated:
         click.echo("terminated (SIGTERM)", err=True)
         sys.exit(128 + signal.SIGTERM)
-    except click.ClickException as e:
+    except click.exceptions.NoArgsIsHelpError as e:  # `pipeline import` alone: its help, as asked
         e.show()
+        sys.exit(e.exit_code)
+    except click.ClickException as e:  # click's own checks (an unknown option, a value of the wrong type): one
+        # `error:` line as every refusal is, and where the usage is (click printed four lines, "Error:" last)
+        usage = f" (see `{e.ctx.command_path} --help`)" if isinstance(e, click.UsageError) and e.ctx else ""
+        click.echo(f"error: {e.format_message()}{usage}", err=True)
         sys.exit(e.exit_code)
     except UserError as e:  # the user's to fix: one line, exit 2, no traceback
         click.echo(f"error: {e}", err=True)

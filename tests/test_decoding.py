@@ -82,7 +82,9 @@ def test_serve_and_parity_share_the_search_options(capsys):
     for command, option in (("serve-batch", "--alpha"), ("parity", "--min-identical"), ("parity", "--max-bleu-delta")):
         for value in ("nan", "inf", "-inf"):  # every float option, as it is typed (a NaN gate passed everything)
             assert run_cli(command, *COMMANDS[command], option, value) == 2
-            assert f"Invalid value for '{option}': '{value}' is not a finite number" in capsys.readouterr().err
+            err = capsys.readouterr().err  # one `error:` line, as the project's own refusals (click printed four)
+            assert err == f"error: Invalid value for '{option}': '{value}' is not a finite number (see `pipeline " \
+                          f"{command} --help`)\n"
     for option in ("--min-identical", "--int8-min-identical"):  # a percent typo: a gate nothing could pass
         assert run_cli("parity", *COMMANDS["parity"], option, 99) == 2
         assert f"{option} 99: a share from 0 to 1 (0.99 for 99%)" in capsys.readouterr().err
