@@ -79,6 +79,9 @@ def test_an_id_not_in_the_cache_is_one_line_naming_where_it_looked(cache, tmp_pa
     # a path as typed is no hub id (click's Path dropped "./": "download it once with ... nope")
     code, _, err = run_cli_captured(capsys, "import", "./nope", "--out", "m.pt")
     assert code == 2 and "nope" in err and "Hugging Face cache" not in err and len(err.strip().splitlines()) == 1
+    # import.md's local folder name, absent: `hf download opus-mt-de-en` was the advice, and no hub id
+    code, _, err = run_cli_captured(capsys, "import", "opus-mt-de-en", "--out", "m.pt")
+    assert code == 2 and "hf download" not in err and "a hub id names its owner (Helsinki-NLP/opus-mt-de-en)" in err
 
 
 def test_a_broken_ref_is_one_line(cache, tmp_path, monkeypatch, capsys):

@@ -45,9 +45,11 @@ def resolve_model_dir(typed: str | Path) -> Path:
         return given  # not an id: the importer says what is wrong with the path
     repo = hub_cache() / ("models--" + text.replace("/", "--"))
     if not repo.is_dir():
+        fetch = (f"download it once with `hf download {text}` (`huggingface-cli download` before huggingface_hub "
+                 "0.34; or save_pretrained)" if "/" in text else  # `hf download opus-mt-de-en` is no hub id
+                 "a hub id names its owner (Helsinki-NLP/opus-mt-de-en)")
         raise ImportRefused(f"{text}: no such directory, nor a model in the Hugging Face cache (looked for {repo}); "
-                            f"download it once with `hf download {text}` (`huggingface-cli download` before "
-                            "huggingface_hub 0.34; or save_pretrained), or give its directory")
+                            f"{fetch}, or give its directory")
     return _snapshot(repo, text)
 
 
