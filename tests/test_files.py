@@ -263,6 +263,8 @@ def test_output_dir_names_take_the_target_language():
     with pytest.raises(UserError, match=r"^in/y and in/y\.en would both be written to out/y\.en, one over the "
                                         r"other"):
         output_paths(["in/y", "in/y.en"], None, "out", ".en")
+    with pytest.raises(UserError, match=r"^input /dev/fd/63 \(a pipe: `<\(...\)`\) has no name for --output-dir"):
+        output_paths(["a.de", "/dev/fd/63"], None, "out", ".en")  # it was written as out/63
 
 
 def test_the_suffix_comes_from_the_option_the_target_or_the_model_dir(tmp_path, fp32_dir):

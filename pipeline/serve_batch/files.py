@@ -263,6 +263,9 @@ def output_paths(inputs: list[str], output: str | None, output_dir: str | None, 
     for inp in inputs:
         if inp == "-":
             raise UserError("input '-' (stdin) has no name for --output-dir; use --output FILE or '-'")
+        if str(Path(inp).parent) in ("/dev/fd", "/proc/self/fd"):  # <(...): its translation was written as "62"
+            raise UserError(f"input {inp} (a pipe: `<(...)`) has no name for --output-dir; translate it with "
+                            "--output FILE")
         paths.append(str(Path(output_dir) / output_name(Path(inp).name, suffix)))
     seen: dict[str, str] = {}
     for inp, path in zip(inputs, paths):
