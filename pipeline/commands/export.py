@@ -38,6 +38,9 @@ def export(checkpoint: Path, decoding: DecodingOptions, **values: Any) -> None:
     model.pt, spm.model and manifest.json. Decoding options given (tune-decoding's choice) become the
     model dir's defaults, which serve-batch, serve, parity and ray-translate use unless told otherwise."""
     given = {name: getattr(decoding, name) for name in sorted(decoding.given())}
+    from model.checkpoint import resolve_checkpoint  # torch: imported when the command runs
+
+    resolve_checkpoint(checkpoint)  # a missing checkpoint is the one line, before "no held-out set known for" it
     options = read_inputs(checkpoint, dataclasses.replace(pick(ExportOptions, values), decoding=given))
     manifest = api.export(checkpoint, options, say=lambda line: click.echo(line, err=True))
     if manifest.tensorrt_skipped:
