@@ -486,3 +486,20 @@ def test_a_request_head_is_bounded_in_time_size_and_connections():
         time.sleep(0.2)
         with httpx.Client(base_url=f"http://{host}:{port}") as c:  # one connection, two requests
             assert [c.get("/health").status_code for _ in range(2)] == [200, 200]
+        # connections idle between requests make room too (a pool's kept-alive ones refused every new client)
+        pools = [httpx.Client(base_url=f"http://{host}:{port}") for _ in range(3)]
+        try:
+            assert [p.get("/health").status_code for p in pools] == [200] * 3
+            served = _raw(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert served.startswith(b"HTTP/1.1 200 "), served[:80]
+        finally:
+            for p in pools:
+                p.close()
+        time.sleep(0.2)
+        # a body of 97 KB (under --max-bytes) and, pipelined behind it in the same packets, the next request's
+        # head: the body was counted as head bytes (431, and the first request dropped)
+        body = json.dumps({"text": ["ein hund " * 10_000][:1]}).encode()[:97_000]
+        first = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+        answers = _raw(host, port, first + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert b" 431 " not in answers and answers.count(b"HTTP/1.1 ") == 2, answers[:200]

@@ -66,15 +66,26 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
     class Bounded(HttpToolsProtocol):
         _timer: asyncio.TimerHandle | None = None
         _in_head = True  # from the connection (or a request's first byte) until its headers are complete
-        _head = 0  # bytes received while in the head (from the chunk that left it unfinished)
+        _head = 0  # bytes of chunks read wholly inside an unfinished head
+        _messages = 0  # requests begun on this connection
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
-            if len(self.connections) > cap:  # the one waiting longest for its head goes: a flood of idle ones
-                oldest = next(iter(waiting))  # churns among themselves, and a client that sends its request in
-                warnings.add(f"over --max-connections {cap}")  # time still gets in (this one, at least, waits)
-                oldest._refuse(503, "Service Unavailable", "too many open connections; retry")
+            if len(self.connections) > cap:  # the one idle longest goes: a flood of idle ones churns among
+                warnings.add(f"over --max-connections {cap}")  # themselves, and a client that sends its
+                next(c for c in waiting if not c._answering())._make_room()  # request in time gets in
+
+        def _answering(self) -> bool:
+            """Whether a response is being written on this connection (a pipelined request behind it)."""
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _make_room(self) -> None:
+            if self._in_head:  # asked to send a request: told to retry
+                self._refuse(503, "Service Unavailable", "too many open connections; retry", retry=True)
+            else:  # idle between requests: closed, as uvicorn's keep-alive timeout closes it
+                self._disarm()
+                self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()
@@ -89,7 +100,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._in_head = True
+            self._in_head, self._messages = True, self._messages + 1
             self._arm()
 
         def on_headers_complete(self) -> None:
@@ -97,10 +108,16 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             self._disarm()
             super().on_headers_complete()
 
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if self.timeout_keep_alive_task is not None and not self._in_head:  # idle until its keep-alive ends:
+                waiting[self] = None  # first to make room for a new connection (nginx reuses idle ones first)
+
         def data_received(self, data: bytes) -> None:
+            began = self._messages
             super().data_received(data)
-            if self._in_head:  # the parser holds this chunk as an unfinished head (an upper bound on it)
-                self._head += len(data)
+            if self._in_head and self._messages - began <= (began == 0):  # the whole chunk lies in one unfinished
+                self._head += len(data)  # head (one begun in it after a pipelined body is not counted: <= a chunk)
             if self._in_head and self._head > MAX_HEAD_BYTES and not self.transport.is_closing():
                 self._refuse(431, "Request Header Fields Too Large",
                              f"the request line and headers exceed {MAX_HEAD_BYTES // 1024} KiB")
@@ -111,17 +128,22 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
 
         def _late(self) -> None:
             self._timer = None
-            if self._in_head and not self.transport.is_closing():
+            if self._answering():  # a pipelined head behind a response still being written: its time starts after
+                self._arm()
+            elif self._in_head and not self.transport.is_closing():
                 self._refuse(408, "Request Timeout",
                              f"the request line and headers did not arrive within {head_timeout_s:g} s")
 
-        def _refuse(self, status: int, reason: str, message: str) -> None:
+        def _refuse(self, status: int, reason: str, message: str, retry: bool = False) -> None:
             self._disarm()
             if status != 503:
                 warnings.add(str(status))
             body = (message + "\n").encode()
-            self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body)
+            retry_after = "retry-after: 1\r\n" if retry else ""
+            if not self._answering():  # never inside a response being written: the connection is closed alone
+                self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                                     f"content-length: {len(body)}\r\n{retry_after}connection: close\r\n\r\n"
+                                     .encode() + body)
             self.transport.close()
 
     return Bounded
