@@ -227,21 +227,24 @@ def test_auto_with_a_target_nothing_translates_into_names_the_target():
 
 def test_an_nllb_models_languages_are_detected_named_and_defaulted():
     """NLLB's codes (eng_Latn) are ISO 639-3 with a script: detection knew none of its 202 ("knows none of this
-    server's languages", 2.6 KB of codes), /languages named them by code, and the settings defaulted to ace_Arab."""
+    server's languages", 2.6 KB of codes), /languages named them by code, and the settings defaulted to ace_Arab.
+    A language served under two codes (en by one model, eng_Latn by NLLB) is detected as the one that reaches the
+    target: dropping both had English text detected as French, and handed back untranslated."""
     pytest.importorskip("py3langid")
     from pipeline.serve.detect import Detector
 
-    codes = ("deu_Latn", "eng_Latn", "fra_Latn", "zho_Hans", "zho_Hant", "ace_Arab")
-    state = state_of({"nllb": (codes, codes)})
+    codes = ("deu_Latn", "eng_Latn", "fra_Latn", "zho_Hans", "zho_Hant", "ace_Arab", "xxx_Latn")
+    state = state_of({"en-de": (("en",), ("de",)), "nllb": (codes, codes)})
     state.detector = Detector(list(state.routes.codes))
-    assert state.detector.unknown == ["ace_Arab", "zho_Hans", "zho_Hant"]  # unknown; or one language, two codes
+    assert state.detector.unknown == ["xxx_Latn"]
+    english = "This is an English sentence about the weather today, and it is long enough."
     with TestClient(create_app(state)) as c:
         r = c.post("/detect", json={"q": "Der Hund läuft heute Abend durch den großen Park."})
         assert r.json()[0]["language"] == "deu_Latn", r.text
-        r = c.post("/translate", json={"q": "Der Hund läuft heute Abend durch den großen Park.", "source": "auto",
-                                       "target": "eng_Latn"})
-        assert r.status_code == 200 and r.json()["detectedLanguage"]["language"] == "deu_Latn"
+        for target, source in (("fra_Latn", "eng_Latn"), ("de", "en")):
+            r = c.post("/translate", json={"q": english, "source": "auto", "target": target})
+            assert r.status_code == 200 and r.json()["detectedLanguage"]["language"] == source, r.text
         names = {lang["code"]: lang["name"] for lang in c.get("/languages").json()}
         assert names["eng_Latn"] == "English" and names["zho_Hant"] == "Chinese (traditional)"
-        assert names["ace_Arab"] == "ace_Arab"
-        assert c.get("/frontend/settings").json()["language"]["target"] == {"code": "eng_Latn", "name": "English"}
+        assert names["xxx_Latn"] == "xxx_Latn"
+        assert c.get("/frontend/settings").json()["language"]["target"]["name"] == "English"

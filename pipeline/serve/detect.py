@@ -8,6 +8,7 @@ refused, in one line."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from runtime.languages import two_letter
@@ -31,29 +32,33 @@ class Detector:
             raise DetectorMissing(f"language detection needs py3langid, which is not installed: {INSTALL}") from None
         identifier = LanguageIdentifier.from_model_file(MODEL_FILE, norm_probs=True)
         known = set(identifier.nb_classes)
-        found: dict[str, list[str]] = {}  # the detector's language -> the served codes that are it
-        for code in codes:
-            as_known = code if code in known else two_letter(code)  # NLLB's eng_Latn is the detector's en
-            if as_known is not None and as_known in known:
-                found.setdefault(as_known, []).append(code)
-        # a language served under two codes (zho_Hans, zho_Hant) cannot be told apart: neither is detected
-        self._served = {language: served[0] for language, served in found.items() if len(served) == 1}
-        self.codes = [c for c in codes if c in self._served.values()]
-        self.unknown = [c for c in codes if c not in self._served.values()]
+        self._served: dict[str, list[str]] = {}  # the detector's language -> the served codes that are it
+        for code in codes:  # as given (en, yue), its two letters (NLLB's eng_Latn: en), its three (yue_Hant: yue)
+            as_known = next((k for k in (code, two_letter(code), code.split("_")[0]) if k in known), None)
+            if as_known is not None:
+                self._served.setdefault(as_known, []).append(code)
+        self.codes = [c for c in codes if any(c in served for served in self._served.values())]
+        self.unknown = [c for c in codes if c not in self.codes]
         if not self.codes:
             shown = ", ".join(codes[:10]) + (f", ... ({len(codes)} in all)" if len(codes) > 10 else "")
             raise DetectorMissing(f"language detection knows none of this server's languages ({shown})")
         identifier.set_languages(list(self._served))
         self._identifier: Any = identifier
 
-    def rank(self, text: str, top: int = TOP) -> list[dict[str, Any]]:
+    def rank(self, text: str, top: int = TOP, usable: Callable[[str], bool] | None = None) -> list[dict[str, Any]]:
         """[{"language", "confidence"}], most likely first; confidence in percent (LibreTranslate's scale),
-        0 for a text without letters (nothing to tell languages apart by)."""
+        0 for a text without letters (nothing to tell languages apart by). A language served under several codes
+        (en and NLLB's eng_Latn, by two models; zho_Hans and zho_Hant) is answered as the first of them that is
+        `usable` (one with a route to the request's target), else the first."""
         if not has_letters(text):
             return [{"language": self.codes[0], "confidence": 0.0}]
         ranked = self._identifier.rank(text)
-        return [{"language": self._served[str(code)], "confidence": round(100.0 * float(p), 1)}
+        return [{"language": self._spelled(str(code), usable), "confidence": round(100.0 * float(p), 1)}
                 for code, p in ranked[:top]]
 
-    def best(self, text: str) -> dict[str, Any]:
-        return self.rank(text, 1)[0]
+    def _spelled(self, language: str, usable: Callable[[str], bool] | None) -> str:
+        served = self._served[language]
+        return next((code for code in served if usable is None or usable(code)), served[0])
+
+    def best(self, text: str, usable: Callable[[str], bool] | None = None) -> dict[str, Any]:
+        return self.rank(text, 1, usable)[0]

@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.serve.access import note
+from pipeline.serve.detect import TOP
 from pipeline.serve.glossaries import for_model, requested, text_terms
 from pipeline.serve.http import (
     ApiError,
@@ -167,7 +168,10 @@ def _detect(state: ServerState, req: LibreRequest) -> list[dict[str, Any]]:
     if detector is None:
         raise ApiError(400, f'"source": "auto" needs language detection: {state.no_detector}; name the source '
                             'language')
-    return [detector.best(" ".join(parse_html(t).sources) if req.html else t) for t in req.q]
+    def usable(code: str) -> bool:  # of a language's codes (en, eng_Latn), one that reaches the target
+        return code == req.target or state.routes.model(code, req.target) is not None
+
+    return [detector.best(" ".join(parse_html(t).sources) if req.html else t, usable) for t in req.q]
 
 
 def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]] | None) -> list[_Group]:
@@ -340,6 +344,7 @@ async def detect(request: Request) -> Response:
         q = "\n".join(texts)
         if state.detector is None:
             raise ApiError(501, f"this server cannot detect languages: {state.no_detector}")
-        return JSONResponse(await off_loop(state.prepare, state.detector.rank, q))
+        sources = frozenset(state.routes.sources)  # of a language's codes, one a client can send as "source"
+        return JSONResponse(await off_loop(state.prepare, state.detector.rank, q, TOP, sources.__contains__))
     except ApiError as e:
         return error(e)
