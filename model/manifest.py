@@ -309,7 +309,8 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
     """
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
-        raise ModelDirError(f"{model_dir}: no such model directory (create one with `pipeline export`)")
+        what = "is a file, not a model directory" if model_dir.exists() else "no such model directory"
+        raise ModelDirError(f"{model_dir}: {what} (create one with `pipeline export`)")
     path = model_dir / MANIFEST
     if not path.is_file():
         if any(model_dir.glob("checkpoint_*.pt")) or (model_dir / "averaged.pt").is_file():  # a training run
@@ -327,8 +328,9 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
         raise ModelDirError(f"{path}: unknown manifest format {fmt!r}; {REDO_ELSEWHERE}")
     try:
         manifest = Manifest.from_json({k: v for k, v in data.items() if k != "format"})
-    except ModelDirError as e:  # said once: the fields' own check may give it already
-        raise ModelDirError(f"{path}: {e}" if REDO in str(e) else f"{path}: {e}; {REDO}") from None
+    except ModelDirError as e:  # said once (the fields' own check may give it); export --force replaces only a
+        redo = REDO if isinstance(data.get("files"), dict) else REDO_ELSEWHERE  # dir whose manifest lists files
+        raise ModelDirError(f"{path}: {e}" if REDO in str(e) else f"{path}: {e}; {redo}") from None
     for name in need:
         if name not in manifest.files:
             raise ModelDirError(f"{model_dir}: the manifest lists no {name}; {REDO}")

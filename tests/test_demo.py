@@ -142,10 +142,13 @@ def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, m
     (stray / "model-int8").mkdir(parents=True)
     (stray / "model-int8" / "notes.txt").write_text("mine\n")
     (hyp / "test.hyp").mkdir(parents=True)
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "model-fp16").write_text("x\n")  # a file there: it failed after two exports
     for args, says in ((["--out", tmp_path / "a", "--beam-size", "9"], "serve beams up to 8"),
                        (["--out", tmp_path / "b", "--backends", "tensorrt"], "no backend to check the fp32"),
                        (["--out", stray], "model-int8: exists and is not a model directory"),
-                       (["--out", hyp], "test.hyp: is a directory")):
+                       (["--out", hyp], "test.hyp: is a directory"),
+                       (["--out", tmp_path / "file"], "model-fp16: exists and is not a directory")):
         if "tensorrt" in args and "tensorrt" not in dict(plan_demo(gather_facts()).skipped):
             continue  # TensorRT runs here: a plan, not a refusal
         code, _, err = run_cli_captured(capsys, *base, *args)

@@ -140,7 +140,8 @@ def test_a_missing_module_of_our_own_keeps_its_traceback():
     assert line is not None and "ctranslate2" in line and ".[bench]" in line
 
 
-@pytest.mark.parametrize("manifest", [b'{"format": "pipeline-mo', b"[1, 2]", b'{"format": "x", "files": {}}', None])
+@pytest.mark.parametrize("manifest", [b'{"format": "pipeline-mo', b"[1, 2]", b'{"format": "x", "files": {}}', None,
+                                      b'{"format": "pipeline-model-dir-v2"}'])  # our format, its fields gone
 def test_a_dir_whose_manifest_cannot_be_read_is_told_a_fix_export_takes(fp32_dir, random_checkpoint, tmp_path,
                                                                        capsys, manifest):
     """`re-run pipeline export CHECKPOINT --out DIR --force`, which export refuses for a dir whose manifest it cannot

@@ -41,7 +41,8 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
         click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}")
     best = trials[0]
     flags = best.export_flags()  # with the other search settings it ran under, unlike the paper's
-    pair = f" (--src-lang {src_lang} --tgt-lang {tgt_lang})" if src_lang else ""
+    given = " ".join(f"--{side}-lang {code}" for side, code in (("src", src_lang), ("tgt", tgt_lang)) if code)
+    pair = f" ({given})" if given else ""
     click.echo(f"best on {opts.src.name}{pair}: {flags} (BLEU {best.bleu:.2f})")
     checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "

@@ -183,6 +183,9 @@ def _check_before_training(opts: DemoOptions, plan: DemoPlan, out: Path) -> None
                         f"dir with ({skipped}); add torch or onnxruntime")
     for precision in PRECISIONS:
         model_dir = out / f"model-{precision}"
+        if model_dir.exists() and not model_dir.is_dir():
+            raise UserError(f"{model_dir}: exists and is not a directory; the demo writes a model dir there: move "
+                            "it, or choose another --out")
         if model_dir.is_dir() and any(model_dir.iterdir()) and (why := not_a_model_dir(model_dir)):
             raise UserError(f"{model_dir}: {why}; the demo replaces only a model dir an export wrote: move it, or "
                             "choose another --out")
