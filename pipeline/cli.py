@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import importlib
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -121,9 +122,11 @@ def all_commands() -> dict[str, click.Command]:
 def cli(verbose: bool) -> None:
     """Train the paper's Transformer, export it to ONNX / TensorRT, translate files
     with beam search on any backend, and prove the backends translate alike."""
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    # under torchrun, the other ranks say only what goes wrong (each line was there once per process: 8 GPUs, 8)
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO if rank == "0" else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s" if rank == "0" else
+                        f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s", datefmt="%H:%M:%S")
 
 
 # What to do about the environment faults a user meets (the OSError's own text says what happened).

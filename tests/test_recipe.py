@@ -294,6 +294,21 @@ def test_pruning_keeps_the_last_and_the_best_window(tmp_path):
     assert [int(p.name[11:19]) for p in step_checkpoints(tmp_path)] == [8, 9]
 
 
+def test_a_bleu_tie_makes_the_later_step_the_best(tmp_path, monkeypatch):
+    """BLEU 0.00 at every early validation (or equal scores rounded to 2 decimals) kept the first validated step as
+    checkpoint_best.pt, so `average --best` and export took the least-trained weights; the later step wins a tie."""
+    from pipeline.training import loop
+
+    monkeypatch.setattr(loop, "validate", lambda *args: {"loss": 1.0, "nll": 1.0, "ppl": 2.7, "bleu": 0.0,
+                                                         "bleu_signature": "tie", "sentences": 1, "beam": 1})
+    src, tgt = make_parallel(40, seed=7)
+    files = write_parallel(tmp_path / "data", "train", src, tgt)
+    run = tmp_path / "run"
+    train(tiny_opts(run, files, valid_src=files[0], valid_tgt=files[1], max_steps=6, warmup=2, save_every=2,
+                    valid_every=2))
+    assert read_checkpoint(run / BEST)["extra"]["step"] == 6 and train_state(run)["best_step"] == 6
+
+
 @pytest.mark.slow
 def test_best_checkpoint_follows_validation_bleu_and_average_best_uses_its_window(tmp_path):
     src, tgt = make_parallel(40, seed=7)
@@ -304,7 +319,8 @@ def test_best_checkpoint_follows_validation_bleu_and_average_best_uses_its_windo
     valid = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()
              if json.loads(x)["event"] == "valid"]
     best_bleu = max(v["bleu"] for v in valid)
-    best_step = next(v["step"] for v in valid if v["bleu"] == best_bleu)  # the first to reach it
+    best_step = [v["step"] for v in valid if v["bleu"] == best_bleu][-1]  # the last to reach it: a tie is won by
+    # the step trained longer (the first kept BLEU 0.00 from the first validation on, averaged alone by --best)
     extra = read_checkpoint(run / BEST)["extra"]
     assert (extra["step"], extra["bleu"]) == (best_step, best_bleu)
     assert train_state(run)["best_step"] == best_step and train_state(run)["best_bleu"] == best_bleu

@@ -90,6 +90,8 @@ def test_two_gloo_processes_equal_one_process_with_the_same_global_batch(corpus,
            "-m", "pipeline", "train", "--save-dir", str(two), "--update-freq", "1", *map(str, common)]
     proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if " INFO " in line and "parameters" in line]
+    assert len(said) == 1 and "rank 1" not in proc.stderr, said  # once, by rank 0 (each line was there twice)
     a, b = weights(one), weights(two)
     assert last_step(one) == last_step(two) == 6
     initial = read_checkpoint(step_checkpoints(one)[0])

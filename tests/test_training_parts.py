@@ -42,6 +42,10 @@ def test_help_says_what_the_builtin_corpus_uses_over_any_preset(tmp_path):
     assert (f"Without --train-src/--train-tgt (the built-in corpus), whatever the preset (default demo): "
             f"batch_tokens {opts.batch_tokens}, warmup {opts.warmup}, max_steps {opts.max_steps}, "
             f"vocab_size {opts.vocab_size}") in describe_defaults()
+    # --valid-every's default is --save-every, a given one too: the built-in 400 kept validating every 400 steps
+    assert resolve_options(TrainOptions(save_dir=tmp_path, save_every=10)).valid_every == 10
+    assert resolve_options(TrainOptions(save_dir=tmp_path, save_every=10, valid_every=5)).valid_every == 5
+    assert resolve_options(TrainOptions(save_dir=tmp_path)).valid_every == BUILTIN_DEFAULTS["valid_every"]
 
 
 def test_shallow_decoder_preset_and_option():
@@ -285,3 +289,19 @@ def test_train_refuses_a_corpus_its_run_would_write_over_and_leaves_no_refused_s
     mine = tmp_path / "mine"  # a corpus of the user's in RUN/data/ is no file of the run (only the built-in one's)
     a, b = write_parallel(mine / "data", "train", src, tgt)
     assert run_cli("train", "--save-dir", mine, "--train-src", a, "--train-tgt", b, *TINY, "--max-steps", 2) == 0
+
+
+def test_a_run_refused_after_its_corpus_was_encoded_leaves_no_save_dir(tmp_path, capsys):
+    """Every validation pair past --max-len is refused after the training corpus was encoded into cache/*.pt, which
+    the clean-up took for a checkpoint: the refused run's save dir stayed (spm.model, cache/)."""
+    from helpers import TINY, make_parallel, run_cli, write_parallel
+
+    src, tgt = make_parallel(40, seed=3)
+    train_files = write_parallel(tmp_path / "data", "train", src, tgt)
+    long = [" ".join([line] * 12) for line in src[:5]]
+    valid_files = write_parallel(tmp_path / "data", "valid", long, long)
+    code = run_cli("train", "--save-dir", tmp_path / "run", "--train-src", train_files[0], "--train-tgt",
+                   train_files[1], "--valid-src", valid_files[0], "--valid-tgt", valid_files[1], *TINY,
+                   "--max-len", 20, "--max-steps", 2)
+    assert code == 2 and "no sentence pair left after filtering" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def train(**kwargs: object) -> None:
             click.echo(str(e), err=True)
         sys.exit(128 + e.signum)
     if main:
-        click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {save_dir}`")
+        click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {shlex.quote(str(save_dir))}`")
 
 
 @click.command()

@@ -226,7 +226,9 @@ class TrainLoop:
             started = time.time()
             result = validate(self.stepper.model, self.data, self.opts, ctx.device, self.stepper.precision)
             self.valid_seconds = time.time() - started
-            if progress.best_bleu is None or result["bleu"] > progress.best_bleu:
+            # a tie goes to the later step, trained longer (as fairseq's checkpoint_best): BLEU 0.00 at every early
+            # validation kept the first, and `average --best` averaged that one alone
+            if progress.best_bleu is None or result["bleu"] >= progress.best_bleu:
                 progress.best_bleu, progress.best_step = result["bleu"], progress.step
                 self.checkpointer.save_best(progress, result)
             self.last_valid = result

@@ -51,7 +51,8 @@ class TrainOptions:
                                            "shallow-decoder model; default: --layers, or the preset's).")
     dropout: float | None = opt(None, "Dropout (default: the preset's; the paper: 0.1 base, 0.3 big).")
     vocab_size: int | None = opt(None, "Joint SentencePiece vocabulary size (a soft limit).")
-    max_len: int = opt(256, "Drop training pairs with a side longer than this many tokens (counts are logged).")
+    max_len: int = opt(256, "Drop training pairs with a side longer than this many tokens, and validation pairs "
+                            "from the validation loss (BLEU translates every validation line); counts are logged.")
     batch_tokens: int | None = opt(None, "Token budget of one micro-batch per process (padded max(source, "
                                    "target) tokens; the paper used ~25000).")
     update_freq: int = opt(1, "Gradient accumulation: micro-batches per process per update.")
@@ -167,6 +168,8 @@ def resolve_options(opts: TrainOptions) -> TrainOptions:
     defaults = PRESETS[name].training_defaults()
     if builtin:
         defaults.update({k: v for k, v in BUILTIN_DEFAULTS.items() if k != "preset"})
+        if values.get("save_every") is not None:  # --valid-every's default is --save-every, the given one too
+            defaults.pop("valid_every")
     else:
         values["builtin_pairs"] = None
     for key, value in defaults.items():

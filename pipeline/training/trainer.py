@@ -101,7 +101,8 @@ def _remove_refused(save_dir: Path) -> None:
     pair left after --max-len, an unusable device): removed with what it wrote before the refusal (SentencePiece's
     model, the cache), so that a refused run leaves nothing behind; never once a checkpoint is in it."""
     with contextlib.suppress(OSError):
-        if save_dir.is_dir() and not save_dir.is_symlink() and not any(save_dir.rglob("*.pt")):
+        # a checkpoint is one of its own *.pt files (cache/ holds the encoded corpus, written before refusals)
+        if save_dir.is_dir() and not save_dir.is_symlink() and not any(save_dir.glob("*.pt")):
             shutil.rmtree(save_dir)
 
 
