@@ -305,3 +305,24 @@ def test_a_run_refused_after_its_corpus_was_encoded_leaves_no_save_dir(tmp_path,
                    "--max-len", 20, "--max-steps", 2)
     assert code == 2 and "no sentence pair left after filtering" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_two_runs_cannot_write_one_save_dir(tmp_path, capsys):
+    """The same command started twice (or rerun while torchrun's workers, torchrun killed with -9, went on): both ran,
+    the second resumed from the first's checkpoint and truncated its metrics. The writer holds a lock."""
+    from helpers import TINY, make_parallel, run_cli, write_parallel
+
+    from pipeline.training.trainer import _lock_save_dir
+
+    src, tgt = make_parallel(40, seed=3)
+    files = write_parallel(tmp_path / "data", "train", src, tgt)
+    run = tmp_path / "run"
+    run.mkdir()
+    args = ("train", "--save-dir", run, "--train-src", files[0], "--train-tgt", files[1], *TINY, "--max-steps", 2)
+    held = _lock_save_dir(run)  # as a live run holds it
+    try:
+        assert run_cli(*args) == 2
+        assert f"{run}: another training run is writing it (pid {os.getpid()})" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert run_cli(*args) == 0  # released: the next run goes ahead

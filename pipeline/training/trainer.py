@@ -12,6 +12,7 @@ same data: config.json and every checkpoint record the corpus files' size and SH
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -76,6 +78,7 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     _check_corpus_outside_run_files(opts)
     made = not os.path.lexists(opts.save_dir)
     _check_save_dir(Path(opts.save_dir))
+    lock = _lock_save_dir(Path(opts.save_dir)) if os.environ.get("RANK", "0") == "0" else None  # its writer
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx: DistContext | None = None
@@ -94,6 +97,31 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     finally:
         if ctx is not None:
             shutdown(ctx)
+        if lock is not None:
+            lock.close()
+
+
+LOCK_FILE = ".run.lock"  # held by the process that writes a save dir (torchrun's rank 0) while it runs
+
+
+def _lock_save_dir(save_dir: Path) -> IO[str]:
+    """An exclusive lock on the save dir for this run, or a UserError naming the process that holds it: two runs
+    writing one save dir (the same command twice; torchrun killed with -9 while its workers went on) pruned and
+    truncated each other's checkpoints and metrics. Released when the process ends, however it ends."""
+    handle = open(save_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip()[:20] or "another process"
+        handle.close()
+        raise UserError(f"{save_dir}: another training run is writing it (pid {holder}); wait for it to end, or "
+                        "choose another --save-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def _remove_refused(save_dir: Path) -> None:
