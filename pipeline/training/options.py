@@ -270,8 +270,9 @@ def config_differences(old: dict[str, Any], new: dict[str, Any], fingerprinted: 
             if fingerprinted and section == "training" and key in CORPUS_PATHS and None not in paths \
                     and "builtin" not in paths:
                 continue
-            if a.get(key) != b.get(key):
-                diffs.append(f"{key} {a.get(key)!r} -> {b.get(key)!r}")
+            if a.get(key) != b.get(key):  # None is an option not given, or off (--spm-alpha): "none"
+                old_value, new_value = ("none" if v is None else repr(v) for v in paths)
+                diffs.append(f"{key} {old_value} -> {new_value}")
     return diffs
 
 
