@@ -171,7 +171,8 @@ def _limits(options: ExportOptions, positions: int, payload: dict[str, Any]) -> 
     enough = min(longest + 1, positions - 1)
     if own and tgt < enough:  # the longest output the model's own decoding asks for does not fit: say so
         log.warning("the model dir's outputs stop at %d tokens (--max-tgt-len %d), where the checkpoint's decoding "
-                    "allows %d; --max-tgt-len %d serves all of them", tgt - 1, tgt, longest, enough)
+                    "allows %d; --max-tgt-len %d serves %s", tgt - 1, tgt, longest, enough,
+                    "all of them" if enough > longest else "as many as the model's positions allow")
     return Limits(options.max_batch, src, tgt, options.max_beam)
 
 

@@ -394,7 +394,6 @@ def _summary(precision: str, atol: float, rtol: float, reports: dict[str, Report
     for name, rep in reports.items():
         out[name] = {"max_abs_diff": {k: float(f"{v:.4g}") for k, v in sorted(rep.max_abs.items())},
                      "topk_ids_checked": rep.ids_checked, "steps": rep.steps}
-    for name, rep in reports.items():
         lp = max(rep.max_abs.get(io_names.TOPK_LOG_PROBS, 0.0), rep.max_abs.get(io_names.EOS_LOG_PROBS, 0.0))
         bound = f"{atol:.3g} + {rtol:g} x |log-prob|" if rtol else f"{atol:.3g}"  # as the export's summary says
         log.info("verified %s: max abs log-prob difference %.3g (tolerance %s)", name, lp, bound)

@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     except Terminated:
         click.echo("terminated (SIGTERM)", err=True)
         sys.exit(128 + signal.SIGTERM)
-    except click.exceptions.NoArgsIsHelpError as e:  # `pipeline import` alone: its help, as asked
+    except getattr(click.exceptions, "NoArgsIsHelpError", ()) as e:  # `pipeline import` alone: its help (8.2+)
         e.show()
         sys.exit(e.exit_code)
     except click.ClickException as e:  # click's own checks (an unknown option, a value of the wrong type): one

@@ -244,7 +244,10 @@ def tokenizer_from_file(path: str | Path) -> AnyTokenizer:
 def _pieces_end(sp: spm.SentencePieceProcessor, text: str, pieces: int) -> int:
     """The character offset of `text` where its first `pieces` pieces by `sp` end, len(text) when it has no more
     (SentencePiece's piece offsets count the UTF-8 bytes of the text as given, before normalisation)."""
-    found = sp.encode(text, return_type="proto").pieces
+    try:
+        found = sp.encode(text, return_type="proto").pieces
+    except TypeError:  # sentencepiece before return_type (0.2.0): its immutable proto has the same offsets
+        found = sp.encode(text, out_type="immutable_proto").pieces  # type: ignore[arg-type]
     if pieces >= len(found):
         return len(text)
     if pieces <= 0:

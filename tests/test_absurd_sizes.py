@@ -47,4 +47,5 @@ def test_a_random_checkpoint_past_this_machines_memory_is_one_line_before_senten
     monkeypatch.setattr(random_model, "train_sentencepiece", lambda *a: pytest.fail("SentencePiece trained first"))
     code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / "r.pt", "--decoder-layers", 3000)
     assert code == 2 and "more than the 8.6 GB of memory available" in err and "Traceback" not in err, err
+    assert "GB to build and save in fp32" in err
     assert list(tmp_path.iterdir()) == []

@@ -309,3 +309,7 @@ def test_a_one_pair_model_takes_its_own_languages_as_the_native_api_does(tmp_pat
                                     *common)
     assert_one_line_error(code, err, "--tgt-lang fr: this model translates one language pair (de-en, no language "
                                      "tokens)")
+    from pipeline.integrations.translator import Translator  # Ray's and Spark's, alike
+    from pipeline.serve_batch.translation import ServeBatchOptions
+
+    assert Translator(model, options=ServeBatchOptions(src_lang="de", tgt_lang="en")).direction.prefix == ()

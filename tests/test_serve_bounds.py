@@ -503,3 +503,33 @@ def test_a_request_head_is_bounded_in_time_size_and_connections():
                  + str(len(body)).encode() + b"\r\n\r\n" + body)
         answers = _raw(host, port, first + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert b" 431 " not in answers and answers.count(b"HTTP/1.1 ") == 2, answers[:200]
+
+
+def test_sighup_drains_unless_ignored_as_under_nohup():
+    """SIGHUP killed the server (every request in flight lost); it drains as SIGTERM does now, except where it is
+    ignored (nohup): trapping it there stopped a server its user had asked to outlive the terminal."""
+    import signal
+
+    import uvicorn
+
+    from pipeline.serve.runner import _Server
+
+    server = _Server(uvicorn.Config(app=None), state_of({"de-en": (("de",), ("en",))}))
+    before = signal.getsignal(signal.SIGHUP)
+    try:
+        for given, trapped in ((signal.SIG_DFL, True), (signal.SIG_IGN, False)):
+            signal.signal(signal.SIGHUP, given)
+            with server.capture_signals():
+                assert (signal.getsignal(signal.SIGHUP) == server.handle_exit) == trapped
+            assert signal.getsignal(signal.SIGHUP) == given
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
+def test_language_names_keep_a_region_apart():
+    """NLLB's eng_Latn is English; pt-BR and zh-TW stay their codes (named Portuguese and Chinese, /languages
+    listed two entries of one name)."""
+    from pipeline.serve.languages import language_name
+
+    assert [language_name(c) for c in ("eng_Latn", "zho_Hant", "pt-BR", "zh-TW", "de")] == [
+        "English", "Chinese (traditional)", "pt-BR", "zh-TW", "German"]

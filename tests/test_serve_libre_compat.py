@@ -86,8 +86,8 @@ def test_frontend_settings_spec_and_docs(tmp_path: Path):
     with TestClient(create_app(state)) as c:
         settings = c.get("/frontend/settings").json()  # open, as in LibreTranslate
         assert settings["keyRequired"] is True and settings["apiKeys"] is True
-        assert settings["language"] == {"source": {"code": "de", "name": "German"},  # no detector here
-                                        "target": {"code": "en", "name": "English"}}
+        assert settings["language"] == {"source": {"code": "en", "name": "English"},  # no detector here
+                                        "target": {"code": "de", "name": "German"}}
         assert settings["charLimit"] * 12 <= state.limits.max_bytes and settings["frontendTimeout"] > 0
         assert {"suggestions", "filesTranslation", "supportedFilesFormat"} <= set(settings)
         spec = c.get("/spec").json()
@@ -207,7 +207,9 @@ def test_settings_default_to_a_pair_the_server_translates():
     for pairs, detector, expected in (({"en-de": (("en",), ("de",))}, True, ("auto", "de")),
                                       ({"en-de": (("en",), ("de",))}, False, ("en", "de")),
                                       ({"xx-yy": (("xx",), ("yy",))}, False, ("xx", "yy")),
-                                      (PAIRS, True, ("auto", "en")), (PAIRS, False, ("de", "en"))):
+                                      (PAIRS, True, ("auto", "en")), (PAIRS, False, ("en", "de")),
+                                      ({"nllb": (("ace_Arab", "eng_Latn", "fra_Latn"),) * 2}, False,
+                                       ("eng_Latn", "ace_Arab"))):  # English first, as a source too
         state = state_of(pairs)
         if detector:
             state.detector = object()  # type: ignore[assignment]  # any: settings only ask whether there is one

@@ -146,7 +146,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
                             "one tokenizer (precisions of one model, or a student and its teacher): bench it apart")
     cfg = manifest.model_config
     check_fixed_length(fixed_length, manifest.limits.max_tgt_len)  # before any measurement's process starts
-    way = direction(cfg, src_lang, tgt_lang)
+    way = direction(cfg, src_lang, tgt_lang, pair=manifest.language_pair)
     # the model dir's source limit, as one dir's bench takes it (the model's positions let 300 tokens through, and
     # the backend refused them after the CTranslate2 conversion)
     sources = make_sources(tokenizer, src, sentences, src_len, manifest.limits.max_src_len, prefix=way.prefix)

@@ -4,6 +4,7 @@ vocabulary: speed and memory of a shape can be measured without training it
 
 from __future__ import annotations
 
+import contextlib
 import random
 import string
 from collections.abc import Callable
@@ -60,7 +61,7 @@ def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: i
     The seed fixes the weights for a given shape; export one checkpoint several times to compare precisions.
     `decoder_layers`: the preset's decoder that many layers deep instead (a student's shape)."""
     shape = preset(preset_name, vocab_size=vocab_size, n_dec_layers=decoder_layers)  # its checks before SentencePiece
-    need, free = 8 * shape.approx_parameters(), available_memory()  # the weights, and the checkpoint's copy of them
+    need, free = 5 * shape.approx_parameters(), available_memory()  # fp32 weights (saving streams them), + 25%
     if free is not None and need > free:  # else it allocated until the kernel's OOM killer, or a traceback
         raise UserError(f"the {preset_name} shape{f' with {decoder_layers} decoder layers' if decoder_layers else ''}"
                         f" has about {shape.approx_parameters():.3g} parameters, {need / 1e9:.1f} GB to build and "
@@ -74,12 +75,14 @@ def make_random_checkpoint(out: Path, preset_name: str, vocab_size: int, seed: i
 
 
 def available_memory() -> int | None:
-    """The bytes of memory available to a new allocation (Linux's MemAvailable), None where unknown."""
-    try:
+    """The bytes a new allocation may take: Linux's MemAvailable, within the cgroup's memory.max less its use (a
+    container's limit, which MemAvailable does not see); None where neither is known."""
+    found = []
+    with contextlib.suppress(OSError, ValueError, IndexError):
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    with contextlib.suppress(OSError, ValueError):
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    return min(found) if found else None

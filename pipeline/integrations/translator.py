@@ -96,8 +96,9 @@ class Translator:
                 self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
-        # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others
-        self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang)
+        # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others (a one-pair model: its own only)
+        self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang,
+                                             pair=self.loaded.manifest.language_pair)
         self.policy = self.options.policy(self.direction.prefix)
 
     def __call__(self, batch: Any) -> Any:

@@ -12,6 +12,7 @@ httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its head l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import resource
 import time
@@ -26,16 +27,20 @@ FD_MARGIN = 64  # file descriptors kept for the model files, the listening socke
 
 def connection_cap(wanted: int) -> int:
     """`wanted`, within the process's file descriptors: the soft limit is raised to the hard one first (a
-    server's usual first step: 1024 is a common default), and FD_MARGIN of them are kept for everything else."""
+    server's usual first step: 1024 is a common default), and FD_MARGIN of them are kept for everything else;
+    a cap lowered so is said once."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20),
-                                                        hard))
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > soft):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
             soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ValueError, OSError):
-            pass
-    return max(1, min(wanted, soft - FD_MARGIN))
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    cap = max(1, min(wanted, soft - FD_MARGIN))
+    if cap < wanted:
+        log.warning("--max-connections %d: this process may open %d files, so at most %d connections", wanted,
+                    soft, cap)
+    return cap
 
 
 class _Warnings:
@@ -59,6 +64,8 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
+        log.warning("httptools is not installed (the serve extra has it): uvicorn's h11 parser takes requests, "
+                    "their heads bounded to 16 KiB but not in time, and --max-connections is not applied")
         return "auto"
     cap, warnings = connection_cap(max_connections), _Warnings()
     waiting: dict[Any, None] = {}  # the connections waiting for a request's head, oldest first
@@ -111,7 +118,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.timeout_keep_alive_task is not None and not self._in_head:  # idle until its keep-alive ends:
-                waiting[self] = None  # first to make room for a new connection (nginx reuses idle ones first)
+                waiting[self] = None  # it may make room for a new connection, as the oldest waiting does
 
         def data_received(self, data: bytes) -> None:
             began = self._messages

@@ -50,9 +50,9 @@ def served_languages(name: str, manifest: Any) -> tuple[tuple[str, ...], tuple[s
 
 def language_name(code: str) -> str:
     """English name of a code (NLLB's eng_Latn: English; zho_Hant: Chinese (traditional)), else the code itself."""
-    if code in NAMES:
-        return NAMES[code]
-    name = NAMES.get(two_letter(code) or "", code)
+    if code in NAMES or len(code.split("_")[0]) != 3:  # pt-BR, zh-TW: their own codes (one name for two: no)
+        return NAMES.get(code, code)
+    name = NAMES.get(two_letter(code) or "", code)  # NLLB's eng_Latn: English
     return f"{name} (traditional)" if code.lower().startswith("zho_hant") else name
 
 

@@ -308,7 +308,8 @@ async def frontend_settings(request: Request) -> Response:
     read. charLimit is what always fits in --max-bytes, whatever the characters and their JSON escapes."""
     state: ServerState = request.app.state.server
     routes = state.routes  # defaults a client can send as they are: a served source, or auto where detection is
-    source = "auto" if state.detector is not None or not routes.sources else routes.sources[0]
+    source = "auto" if state.detector is not None or not routes.sources else \
+        preferred(routes.sources) or routes.sources[0]
     into = routes.targets if source == "auto" else routes.targets_of(source)
     target = preferred(into) or (into[0] if into else "")  # English, as LibreTranslate's page defaults to
     return JSONResponse({

@@ -96,5 +96,6 @@ class RequestLimits:
                                 "KiB; beyond: 431), from its connection or its first byte; a slower one gets 408 "
                                 "and its connection closed.", min=0.001)
     max_connections: int = opt(1024, "Open connections at most (within the process's file descriptors); one more "
-                               "is closed at once, so that a flood of idle ones cannot starve the others.", min=1)
+                               "closes the one idle longest (waiting for a request, or between requests), so that "
+                               "a flood of idle ones cannot starve the others.", min=1)
     retry_after_s: int = 1

@@ -219,9 +219,10 @@ class _Server(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        # SIGHUP (a closed terminal, an operator expecting a reload) drains as SIGTERM does: it killed the process
-        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM,
-                                                                          signal.SIGHUP)}
+        # SIGHUP (a closed terminal, an operator expecting a reload) drains as SIGTERM does: it killed the process;
+        # under nohup (SIGHUP ignored) it stays ignored, so the server outlives its terminal as asked
+        hangup = (signal.SIGHUP,) if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else ()
+        originals = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM, *hangup)}
         try:
             yield
         finally:

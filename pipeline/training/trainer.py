@@ -116,7 +116,10 @@ def _lock_save_dir(save_dir: Path) -> IO[str]:
         holder = handle.read().strip()[:20] or "another process"
         handle.close()
         raise UserError(f"{save_dir}: another training run is writing it (pid {holder}); wait for it to end, or "
-                        "choose another --save-dir") from None
+                        "choose another --save-dir (`pipeline demo`: another --out)") from None
+    except OSError as e:  # a file system without locks (some network ones): the run goes on, unguarded
+        log.warning("%s: cannot lock it (%s); two runs started on it would write over each other", save_dir,
+                    e.strerror or e)
     handle.seek(0)
     handle.truncate()
     handle.write(str(os.getpid()))
