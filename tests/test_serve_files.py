@@ -244,7 +244,7 @@ def test_auto_detects_the_files_language_once():
     class Detector:
         seen: list[str] = []
 
-        def best(self, text: str) -> dict[str, Any]:
+        def best(self, text: str, usable: Any = None) -> dict[str, Any]:  # as Detector.best
             self.seen.append(text)
             return {"language": "de", "confidence": 90.0}
 
