@@ -201,7 +201,9 @@ def test_the_page_translates_as_one_types_with_alternatives_auto_and_swap(browse
         wait.until(lambda d: _shown(d, "alternatives-box"))
         alternatives = lambda d: [li.text for li in d.find_elements("css selector", "#alternatives li")]  # noqa: E731
         assert alternatives(d) == ["DNUH NIE", "IN HUNDE"]
-        d.find_elements("css selector", "#alternatives li")[0].click()  # a chosen alternative becomes the translation
+        # buttons: a keyboard reaches them (they were list items with a click handler alone)
+        assert len(d.find_elements("css selector", "#alternatives li > button")) == 2
+        d.find_elements("css selector", "#alternatives li > button")[0].click()  # a chosen one becomes the translation
         assert _by_id(d, "output").text == "DNUH NIE" and alternatives(d) == ["EIN HUND", "IN HUNDE"]
         _typed(d, "alternatives-n", "0")
         _by_id(d, "translate").click()
@@ -293,4 +295,31 @@ def test_a_server_with_no_languages_says_why_on_its_page(browser):
         _open(d, host, port)
         assert "none of its models records its language pair" in _shown(d, "error")
         assert "--model de-en=MODEL_DIR" in _shown(d, "error")
+        _typed(d, "input", "ein hund")  # typing replaced the fix with "No target language: ..."
+        _by_id(d, "translate").click()
+        assert "--model de-en=MODEL_DIR" in _shown(d, "error")
+        _no_policy_violations(d)
+
+
+@pytest.mark.slow
+def test_swap_keeps_text_not_yet_translated_and_auto_needs_a_detector(browser):
+    """Swap put the translation on screen into the input even when the input had changed since (typed or pasted,
+    its translation still to come): the user's new text was lost. And "Auto detect" was offered, and remembered,
+    on a server that cannot detect: every request then failed."""
+    d = browser
+    state = _served()
+    state.detector = None
+    with real_server(state) as (host, port):
+        wait = _open(d, host, port)
+        assert "auto" not in {o.get_attribute("value") for o in d.find_elements("css selector", "#source option")}
+        _select(d, "source", "de")
+        _select(d, "target", "en")
+        _typed(d, "input", "ein hund")
+        wait.until(lambda d: _by_id(d, "output").text == "EIN HUND")
+        _by_id(d, "input").send_keys(" und eine katze")
+        _by_id(d, "swap").click()  # at once: the new text's translation has not come
+        wait.until(lambda d: (_by_id(d, "source").get_attribute("value"),
+                              _by_id(d, "target").get_attribute("value")) == ("en", "de"))
+        assert _by_id(d, "input").get_attribute("value") == "ein hund und eine katze"
+        wait.until(lambda d: _by_id(d, "output").text == "EIN HUND UND EINE KATZE")
         _no_policy_violations(d)

@@ -8,7 +8,7 @@
     source: $("source"), target: $("target"), swap: $("swap"), input: $("input"), output: $("output"),
     detected: $("detected"), count: $("count"), altBox: $("alternatives-box"), alts: $("alternatives"),
     altN: $("alternatives-n"), translate: $("translate"), file: $("file"), translateFile: $("translate-file"),
-    formats: $("formats"), fileResult: $("file-result"), download: $("download"),
+    formats: $("formats"), fileResult: $("file-result"), download: $("download"), copy: $("copy"),
   };
   const store = {
     get(name) { try { return window.localStorage.getItem("pipeline." + name); } catch (e) { return null; } },
@@ -21,12 +21,20 @@
   let timer = null;
   let inFlight = null;          // the AbortController of the translation under way
   let sequence = 0;             // answers to older requests than the newest are dropped
+  let shownFor = null;          // the input whose translation is on screen (swap moves it only for that input)
+  const NO_LANGUAGES = "This server translates no languages on LibreTranslate's API (GET /languages lists none): " +
+    "none of its models records its language pair. Its operator can serve one as --model de-en=MODEL_DIR.";
 
   function showError(message) {
     ui.error.textContent = message;
     ui.error.hidden = !message;
   }
   function setStatus(message) { ui.status.textContent = message; }
+  // What failed, in words: fetch's own TypeError ("Failed to fetch") is a server that cannot be reached.
+  function failure(e, what) {
+    if (e instanceof TypeError) return `${what}: cannot reach the server (${e.message}); check that it is running`;
+    return e.message || String(e);
+  }
   function nameOf(code) { return names.get(code) || code; }
 
   // An answer's JSON, or an Error carrying the server's {"error"} (or its status line when not JSON).
@@ -39,7 +47,7 @@
       message = `${what}: ${response.status} ${message}`;
       if (response.status === 404 && !(body && body.error)) message += " (this server has no such route)";
       const retry = response.headers.get("Retry-After");
-      if (retry) message += ` (retry after ${retry} s)`;
+      if (retry && !/retry/i.test(message)) message += ` (retry after ${retry} s)`;
       throw new Error(message);
     }
     if (body === null) throw new Error(`${what}: the server's answer is not JSON`);
@@ -49,14 +57,18 @@
   function option(code, label) { return new Option(label, code); }
 
   function fillSources() {
-    const keep = ui.source.value || store.get("source") || (settings.language && settings.language.source &&
-                                                            settings.language.source.code) || "auto";
-    ui.source.replaceChildren(option("auto", "Auto detect"));
+    const fallback = settings.language && settings.language.source && settings.language.source.code;
+    const keep = ui.source.value || store.get("source") || fallback || "auto";
+    // "Auto detect" only where the server detects (its settings' default source is then auto)
+    ui.source.replaceChildren(...(fallback === "auto" ? [option("auto", "Auto detect")] : []));
     for (const lang of languages) {
       if (lang.targets && lang.targets.length) ui.source.append(option(lang.code, `${lang.name} (${lang.code})`));
     }
-    ui.source.value = keep;
-    if (ui.source.value !== keep) ui.source.value = "auto";
+    for (const code of [keep, fallback]) {
+      ui.source.value = code;
+      if (ui.source.value === code) return;
+    }
+    ui.source.selectedIndex = 0;
   }
 
   function targetsOf(source) {
@@ -96,13 +108,18 @@
     ui.alts.replaceChildren();
     for (const text of Array.isArray(list) ? list : []) {
       const item = document.createElement("li");
-      item.textContent = text;
-      item.title = "Use this translation";
-      item.addEventListener("click", () => {  // the chosen alternative and the translation change places
+      const use = document.createElement("button");  // a button: keyboard and screen readers reach it
+      use.type = "button";
+      use.className = "alternative";
+      use.dir = "auto";
+      use.textContent = text;
+      use.title = "Use this translation";
+      use.addEventListener("click", () => {  // the chosen alternative and the translation change places
         const current = ui.output.textContent;
-        ui.output.textContent = item.textContent;
-        item.textContent = current;
+        ui.output.textContent = use.textContent;
+        use.textContent = current;
       });
+      item.append(use);
       ui.alts.append(item);
     }
     ui.altBox.hidden = ui.alts.children.length === 0;
@@ -114,6 +131,7 @@
   }
 
   function clearResult() {
+    shownFor = null;
     ui.output.textContent = "";
     showAlternatives([]);
     showDetected(null);
@@ -125,7 +143,10 @@
     const q = ui.input.value;
     const mine = ++sequence;
     if (!q.trim()) { clearResult(); showError(""); setStatus(""); inFlight = null; return; }
-    if (!ui.target.value) { showError("No target language: GET /languages lists none for this source."); return; }
+    if (!ui.target.value) {
+      showError(languages.length ? "No target language: GET /languages lists none for this source." : NO_LANGUAGES);
+      return;
+    }
     const body = { q, source: ui.source.value, target: ui.target.value, format: "text",
                    alternatives: Math.max(0, parseInt(ui.altN.value, 10) || 0) };
     if (ui.key.value) body.api_key = ui.key.value;
@@ -139,12 +160,13 @@
       if (mine !== sequence) return;
       showError("");
       ui.output.textContent = typeof result.translatedText === "string" ? result.translatedText : "";
+      shownFor = q;
       showDetected(body.source === "auto" ? result.detectedLanguage : null);
       showAlternatives(result.alternatives);
     } catch (e) {
       if (e.name === "AbortError" || mine !== sequence) return;
       clearResult();
-      showError(e.message || String(e));
+      showError(failure(e, "translate"));
     } finally {
       if (mine === sequence) { setStatus(""); inFlight = null; }
     }
@@ -165,7 +187,10 @@
       showError(`Cannot swap: this server translates nothing from ${nameOf(to)}.`);
       return;
     }
-    const translation = ui.output.textContent;
+    // the texts change places only when the translation on screen is the current input's: text typed or pasted
+    // since (its translation still to come) stays, and is translated the other way
+    const current = shownFor !== null && shownFor === ui.input.value && !inFlight;
+    const translation = current ? ui.output.textContent : "";
     ui.source.value = to;
     fillTargets(from);
     remember();
@@ -178,6 +203,7 @@
     const file = ui.file.files && ui.file.files[0];
     ui.fileResult.hidden = true;
     if (!file) { showError("Choose a file first."); return; }
+    if (!ui.target.value) { showError(languages.length ? "No target language for this source." : NO_LANGUAGES); return; }
     const form = new FormData();
     form.append("file", file);
     form.append("source", ui.source.value);
@@ -195,9 +221,18 @@
       ui.download.textContent = `Download the translation of ${file.name}`;
       ui.fileResult.hidden = false;
     } catch (e) {
-      showError(e.message || String(e));
+      showError(failure(e, "translate_file"));
     } finally {
       setStatus("");
+    }
+  }
+
+  async function copyTranslation() {
+    try {
+      await navigator.clipboard.writeText(ui.output.textContent);
+      setStatus("Copied.");
+    } catch (e) {
+      showError(`copy: the browser refused the clipboard (${e.message || e}); select the translation instead`);
     }
   }
 
@@ -212,7 +247,7 @@
       languages = Array.isArray(l) ? l : [];
     } catch (e) {
       setStatus("");
-      showError(e.message || String(e));
+      showError(failure(e, "loading the page's settings"));
       return;
     }
     for (const lang of languages) names.set(lang.code, lang.name);
@@ -234,10 +269,7 @@
     }
     updateCount();
     setStatus("");
-    if (!languages.length) {  // a model dir served by its name records no language pair: say the operator's fix
-      showError("This server translates no languages on LibreTranslate's API (GET /languages lists none): none of " +
-                "its models records its language pair. Its operator can serve one as --model de-en=MODEL_DIR.");
-    }
+    if (!languages.length) showError(NO_LANGUAGES);  // a model dir served by its name records no pair
 
     ui.input.addEventListener("input", () => { updateCount(); soon(); });
     ui.input.addEventListener("keydown", (e) => { if (e.key === "Enter" && (e.ctrlKey || e.metaKey)) translate(); });
@@ -249,6 +281,7 @@
     ui.key.addEventListener("input", () => store.set("apiKey", ui.key.value));
     ui.key.addEventListener("change", translate);
     ui.translateFile.addEventListener("click", translateFile);
+    ui.copy.addEventListener("click", copyTranslation);
     document.body.dataset.ready = "1";  // for tests and scripts: the settings and languages are in
     if (ui.input.value.trim()) translate();
   }
