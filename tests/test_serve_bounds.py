@@ -455,13 +455,16 @@ def _raw(host: str, port: int, data: bytes, wait: float = 5.0) -> bytes:
         return got
 
 
-def test_a_request_head_is_bounded_in_time_size_and_connections():
+def test_a_request_head_is_bounded_in_time_size_and_connections(monkeypatch):
     """uvicorn waited for a request's head for ever and buffered it whole: idle connections (nothing sent, or "POST
     /tra") stayed open until the file descriptors ran out and /health failed, and 400 MB of headers held 574 MB.
     A head now has --head-timeout-s and 64 KiB (408 / 431, closed), and past --max-connections the connection that
     has waited longest for its head is closed (503) to make room; requests in time, and the next one on a kept-alive
     connection, are served as before."""
     pytest.importorskip("httptools")
+    from pipeline.serve import connections
+
+    monkeypatch.setattr(connections, "IDLE_S", 0.3)
     state = state_of({"de-en": (("de",), ("en",))})
     state.limits = dataclasses.replace(state.limits, head_timeout_s=0.5, max_connections=3)
     with real_server(state) as (host, port):
@@ -486,11 +489,15 @@ def test_a_request_head_is_bounded_in_time_size_and_connections():
         time.sleep(0.2)
         with httpx.Client(base_url=f"http://{host}:{port}") as c:  # one connection, two requests
             assert [c.get("/health").status_code for _ in range(2)] == [200, 200]
-        # connections idle between requests make room too (a pool's kept-alive ones refused every new client)
+        # connections idle between requests make room too (a pool's kept-alive ones refused every new client), once
+        # idle IDLE_S: one just answered may be sending its next request (closed, that request was reset)
         pools = [httpx.Client(base_url=f"http://{host}:{port}") for _ in range(3)]
         try:
             assert [p.get("/health").status_code for p in pools] == [200] * 3
-            served = _raw(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            request = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            assert _raw(host, port, request).startswith(b"HTTP/1.1 503 ")  # the new one waits, not theirs
+            time.sleep(connections.IDLE_S + 0.2)
+            served = _raw(host, port, request)
             assert served.startswith(b"HTTP/1.1 200 "), served[:80]
         finally:
             for p in pools:

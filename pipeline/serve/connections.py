@@ -21,6 +21,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers together (nginx's large_client_header_buffers: 4 x 8 KiB)
+IDLE_S = 1.0  # a connection kept alive makes room for a new one once idle this long
 WARN_EVERY_S = 10.0  # refusals are logged at most this often (a flood would otherwise fill the log)
 FD_MARGIN = 64  # file descriptors kept for the model files, the listening socket, logs, /health
 
@@ -54,8 +55,8 @@ class _Warnings:
         self.counts[kind] = self.counts.get(kind, 0) + 1
         now = time.monotonic()
         if now - self.logged >= WARN_EVERY_S:
-            log.warning("connections closed before a request: %s", ", ".join(f"{n} {k}" for k, n in
-                                                                              sorted(self.counts.items())))
+            log.warning("connections closed to keep within the limits: %s", ", ".join(f"{n} {k}" for k, n in
+                                                                                   sorted(self.counts.items())))
             self.counts, self.logged = {}, now
 
 
@@ -75,13 +76,16 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
         _in_head = True  # from the connection (or a request's first byte) until its headers are complete
         _head = 0  # bytes of chunks read wholly inside an unfinished head
         _messages = 0  # requests begun on this connection
+        _idle_since = 0.0  # when its last response ended (kept alive)
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._arm()
             if len(self.connections) > cap:  # the one idle longest goes: a flood of idle ones churns among
                 warnings.add(f"over --max-connections {cap}")  # themselves, and a client that sends its
-                next(c for c in waiting if not c._answering())._make_room()  # request in time gets in
+                now = self.loop.time()  # request in time gets in (this one itself, when none may go)
+                next(c for c in waiting if not c._answering() and (c._in_head or now - c._idle_since >= IDLE_S)
+                     )._make_room()
 
         def _answering(self) -> bool:
             """Whether a response is being written on this connection (a pipelined request behind it)."""
@@ -118,7 +122,8 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.timeout_keep_alive_task is not None and not self._in_head:  # idle until its keep-alive ends:
-                waiting[self] = None  # it may make room for a new connection, as the oldest waiting does
+                self._idle_since = self.loop.time()  # it may make room for a new connection once idle IDLE_S (a
+                waiting[self] = None  # client may be sending its next request on it at once: closed, it was reset)
 
         def data_received(self, data: bytes) -> None:
             began = self._messages

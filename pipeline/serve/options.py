@@ -95,7 +95,7 @@ class RequestLimits:
     head_timeout_s: float = opt(10.0, "Seconds a client may take to send a request's line and headers (at most 64 "
                                 "KiB; beyond: 431), from its connection or its first byte; a slower one gets 408 "
                                 "and its connection closed.", min=0.001)
-    max_connections: int = opt(1024, "Open connections at most (within the process's file descriptors); one more "
+    max_connections: int = opt(10_000, "Open connections at most (within the process's file descriptors); one more "
                                "closes the one idle longest (waiting for a request, or between requests), so that "
                                "a flood of idle ones cannot starve the others.", min=1)
     retry_after_s: int = 1
