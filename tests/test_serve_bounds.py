@@ -540,3 +540,22 @@ def test_language_names_keep_a_region_apart():
 
     assert [language_name(c) for c in ("eng_Latn", "zho_Hant", "pt-BR", "zh-TW", "de")] == [
         "English", "Chinese (traditional)", "pt-BR", "zh-TW", "German"]
+
+
+def test_a_client_that_never_reads_its_responses_is_dropped(monkeypatch, caplog):
+    """Connections whose client sent requests and read nothing were held for ever (no send timeout): as many as
+    --max-connections of them locked every new client out. Past SEND_TIMEOUT_S with the responses unread, dropped."""
+    pytest.importorskip("httptools")
+    from pipeline.serve import connections
+
+    monkeypatch.setattr(connections, "SEND_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(connections, "WARN_EVERY_S", 0.0)
+    with caplog.at_level(logging.WARNING, logger="pipeline.serve.connections"), \
+            real_server(state_of({"de-en": (("de",), ("en",))})) as (host, port):
+        with socket.create_connection((host, port)) as conn:
+            conn.sendall(b"GET /spec HTTP/1.1\r\nHost: x\r\n\r\n" * 1000)  # 15 MB of answers, none read
+            deadline = time.monotonic() + 10
+            while "not reading their responses" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.1)
+        assert "1 not reading their responses" in caplog.text
+        assert httpx.get(f"http://{host}:{port}/health", timeout=10).status_code == 200

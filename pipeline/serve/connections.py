@@ -6,8 +6,10 @@ that connect and send nothing (or trickle a header) held the file descriptors /h
 gigabyte of headers held that much memory. Here a head must arrive within `head_timeout_s` (408, then closed) and
 within MAX_HEAD_BYTES (431, then closed), and beyond `max_connections` open connections the one that has waited
 longest for its head is closed (503), so an idle flood churns among itself while a client that sends its request
-in time is served. Between requests uvicorn's keep-alive timeout closes an idle connection as before. Without
-httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its head limit is 16 KiB, with no timeout."""
+in time is served (a connection kept alive goes once idle IDLE_S). A client that reads nothing of its responses
+for SEND_TIMEOUT_S is dropped (uvicorn has no send timeout). Between requests uvicorn's keep-alive timeout closes
+an idle connection as before. Without httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its
+head limit is 16 KiB, with no timeout."""
 
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers together (nginx's large_client_header_buffers: 4 x 8 KiB)
+SEND_TIMEOUT_S = 60.0  # a response its client does not read for this long: the connection is dropped (nginx's
+# send_timeout): clients that never read held their connections for ever, and --max-connections of them locked out
 IDLE_S = 1.0  # a connection kept alive makes room for a new one once idle this long
 WARN_EVERY_S = 10.0  # refusals are logged at most this often (a flood would otherwise fill the log)
 FD_MARGIN = 64  # file descriptors kept for the model files, the listening socket, logs, /health
@@ -77,6 +81,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
         _head = 0  # bytes of chunks read wholly inside an unfinished head
         _messages = 0  # requests begun on this connection
         _idle_since = 0.0  # when its last response ended (kept alive)
+        _send_timer: asyncio.TimerHandle | None = None  # while the client reads nothing of a response
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -136,7 +141,25 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
             super().connection_lost(exc)
+
+        def pause_writing(self) -> None:  # the transport's buffer is full: the client is not reading
+            super().pause_writing()
+            if self._send_timer is None:
+                self._send_timer = self.loop.call_later(SEND_TIMEOUT_S, self._stalled)
+
+        def resume_writing(self) -> None:
+            super().resume_writing()
+            if self._send_timer is not None:
+                self._send_timer.cancel()
+                self._send_timer = None
+
+        def _stalled(self) -> None:
+            self._send_timer = None
+            warnings.add("not reading their responses")
+            self.transport.abort()  # close() would wait for the buffer the client does not read
 
         def _late(self) -> None:
             self._timer = None
