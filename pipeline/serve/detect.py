@@ -18,6 +18,11 @@ INSTALL = 'pip install -e ".[serve]"'
 TOP = 3  # candidates POST /detect answers, as LibreTranslate
 
 
+def listed(codes: list[str], most: int = 10) -> str:
+    """Codes for a message: the first `most`, and how many in all past them (NLLB has 202)."""
+    return ", ".join(codes[:most]) + (f", ... ({len(codes)} in all)" if len(codes) > most else "")
+
+
 class DetectorMissing(Exception):
     """py3langid is not installed (or knows none of the served languages): the one line a client sees."""
 
@@ -40,8 +45,7 @@ class Detector:
         self.codes = [c for c in codes if any(c in served for served in self._served.values())]
         self.unknown = [c for c in codes if c not in self.codes]
         if not self.codes:
-            shown = ", ".join(codes[:10]) + (f", ... ({len(codes)} in all)" if len(codes) > 10 else "")
-            raise DetectorMissing(f"language detection knows none of this server's languages ({shown})")
+            raise DetectorMissing(f"language detection knows none of this server's languages ({listed(codes)})")
         identifier.set_languages(list(self._served))
         self._identifier: Any = identifier
 

@@ -29,7 +29,7 @@ from model.errors import UserError
 from pipeline.serve import access
 from pipeline.serve.app import create_app
 from pipeline.serve.connections import bounded_protocol
-from pipeline.serve.detect import Detector, DetectorMissing
+from pipeline.serve.detect import Detector, DetectorMissing, listed
 from pipeline.serve.glossaries import check_named, read_named
 from pipeline.serve.glossaries import info as glossaries_info
 from pipeline.serve.keys import ApiKeys
@@ -175,9 +175,7 @@ def attach_detector(state: ServerState) -> None:
         return
     state.detector.best("warm up")
     if state.detector.unknown:
-        unknown = state.detector.unknown
-        log.warning("language detection does not know %s; name them as source", ", ".join(unknown[:10])
-                    + (f", ... ({len(unknown)} in all)" if len(unknown) > 10 else ""))
+        log.warning("language detection does not know %s; name them as source", listed(state.detector.unknown))
 
 
 ANSWER_S = 5  # after --grace-s: the seconds the 503s of requests still waiting have to go out
