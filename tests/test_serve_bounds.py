@@ -559,3 +559,66 @@ def test_a_client_that_never_reads_its_responses_is_dropped(monkeypatch, caplog)
                 time.sleep(0.1)
         assert "1 not reading their responses" in caplog.text
         assert httpx.get(f"http://{host}:{port}/health", timeout=10).status_code == 200
+
+
+def _protocols() -> list[Any]:
+    """The server's open connections (uvicorn's protocol objects; the server runs in this process)."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    return [o for o in gc.get_objects() if HttpToolsProtocol in type(o).__mro__ and not o.transport.is_closing()]
+
+
+def test_pipelined_requests_wait_as_bytes_and_are_all_answered_in_order(monkeypatch):
+    """Thousands of tiny requests pipelined behind a slow one were parsed in one go, each held as a request object
+    (a 64 KiB write of them: 1,986 queued); the parser now stops while one waits its turn, and all are answered."""
+    pytest.importorskip("httptools")
+    from pipeline.serve import connections
+
+    monkeypatch.setattr(connections, "FEED_BYTES", 1024)
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    body = json.dumps({"text": ["ein hund"]}).encode()
+    slow = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    n = (64 << 10) // len(health)
+    with real_server(state_of({"de-en": (("de",), ("en",))}, delay=1.0)) as (host, port), \
+            socket.create_connection((host, port), timeout=20) as conn:
+        conn.sendall(slow + health * n + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        time.sleep(0.5)  # the translation takes 1 s: everything behind it is read by now
+        queued = [len(p.pipeline) for p in _protocols()]
+        assert queued and max(queued) <= 1024 // len(health) + 1, queued  # was every one of them: 1872
+        got = b""
+        while chunk := conn.recv(1 << 16):
+            got += chunk
+    statuses = re.findall(rb"HTTP/1.1 (\d+) ", got)
+    assert len(statuses) == n + 2 and set(statuses) == {b"200"}, (len(statuses), set(statuses))
+    assert got.index(b'"translations"') < got.index(b'"status"')  # the slow one first, as sent
+
+
+def test_a_chunked_trailer_and_stray_bytes_between_requests_are_bounded_as_a_head(monkeypatch):
+    """httptools accumulates a chunked body's trailer field however long (16 connections held 933 MiB), and a stray
+    CRLF between requests cancelled uvicorn's keep-alive timeout with no other timer: the connection stayed open
+    for ever. A trailer is bounded as a head is (431); stray bytes have --head-timeout-s to begin a request."""
+    pytest.importorskip("httptools")
+    state = state_of({"de-en": (("de",), ("en",))})
+    state.limits = dataclasses.replace(state.limits, head_timeout_s=0.5)
+    with real_server(state) as (host, port):
+        body = json.dumps({"text": ["ein hund"]}).encode()
+        chunked = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(body) + body + b"\r\n0\r\n")
+        answer = _raw(host, port, chunked + b"X-Trailer: " + b"a" * (200 << 10))
+        assert answer.startswith(b"HTTP/1.1 431 ") and b"trailer" in answer, answer[:200]
+        ok = _raw(host, port, chunked + b"X-Trailer: 1\r\n\r\n")  # a trailer of a few bytes is a request as before
+        assert ok.startswith(b"HTTP/1.1 200 ") and b"translations" in ok, ok[:200]
+        with socket.create_connection((host, port), timeout=4) as conn:
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            got = b""
+            while not got.endswith(b"}"):  # the whole answer, head and body
+                got += conn.recv(1 << 16)
+            assert got.startswith(b"HTTP/1.1 200 "), got[:80]
+            conn.sendall(b"\r\n")  # kept alive, then a stray CRLF: it begins no request
+            started = time.monotonic()
+            try:
+                late = conn.recv(1 << 16)
+            except TimeoutError:
+                late = b"<still open>"
+        assert late.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 3, late[:100]

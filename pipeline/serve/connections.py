@@ -8,8 +8,13 @@ within MAX_HEAD_BYTES (431, then closed), and beyond `max_connections` open conn
 longest for its head is closed (503), so an idle flood churns among itself while a client that sends its request
 in time is served (a connection kept alive goes once idle IDLE_S). A client that reads nothing of its responses
 for SEND_TIMEOUT_S is dropped (uvicorn has no send timeout). Between requests uvicorn's keep-alive timeout closes
-an idle connection as before. Without httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its
-head limit is 16 KiB, with no timeout."""
+an idle connection as before; bytes that begin no request there (a stray CRLF cancelled that timeout) have
+`head_timeout_s` to become one. A chunked body's framing and trailer between two pieces of body are bounded as a
+head is (httptools accumulates a trailer field however long). The parser is fed FEED_BYTES at a time and not at
+all while a pipelined request waits its turn: a read of thousands of tiny pipelined requests was parsed at once,
+each held as a request object (one 64 KiB write of them: 1,986 queued), where now the bytes wait as bytes.
+Without httptools (not the serve extra) uvicorn's h11 protocol runs as it is: its head limit is 16 KiB, with no
+timeout."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ SEND_TIMEOUT_S = 60.0  # a response its client does not read for this long: the 
 IDLE_S = 1.0  # a connection kept alive makes room for a new one once idle this long
 WARN_EVERY_S = 10.0  # refusals are logged at most this often (a flood would otherwise fill the log)
 FD_MARGIN = 64  # file descriptors kept for the model files, the listening socket, logs, /health
+FEED_BYTES = 16 << 10  # bytes handed to the parser at a time (a read is up to 256 KiB)
 
 
 def connection_cap(wanted: int) -> int:
@@ -82,6 +88,11 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
         _messages = 0  # requests begun on this connection
         _idle_since = 0.0  # when its last response ended (kept alive)
         _send_timer: asyncio.TimerHandle | None = None  # while the client reads nothing of a response
+        _pending = b""  # bytes read and not yet parsed (from _at on): behind a pipelined request waiting its turn
+        _at = 0
+        _in_body = False  # from a request's headers until its message is complete
+        _framing = 0  # bytes since the last piece of body: a chunked body's framing and trailer
+        _bodied = False  # whether the piece being parsed held body
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -120,24 +131,61 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             self._arm()
 
         def on_headers_complete(self) -> None:
-            self._in_head, self._head = False, 0
+            self._in_head, self._head, self._in_body, self._framing = False, 0, True, 0
             self._disarm()
             super().on_headers_complete()
+
+        def on_body(self, body: bytes) -> None:
+            self._bodied = True
+            super().on_body(body)
+
+        def on_message_complete(self) -> None:
+            self._in_body = False
+            super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.timeout_keep_alive_task is not None and not self._in_head:  # idle until its keep-alive ends:
                 self._idle_since = self.loop.time()  # it may make room for a new connection once idle IDLE_S (a
                 waiting[self] = None  # client may be sending its next request on it at once: closed, it was reset)
+            if self._at < len(self._pending):  # the next pipelined request's turn
+                self._feed()
 
         def data_received(self, data: bytes) -> None:
-            began = self._messages
-            super().data_received(data)
-            if self._in_head and self._messages - began <= (began == 0):  # the whole chunk lies in one unfinished
-                self._head += len(data)  # head (one begun in it after a pipelined body is not counted: <= a chunk)
-            if self._in_head and self._head > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self._pending, self._at = (self._pending[self._at:] + data if self._at < len(self._pending) else data), 0
+            self._feed()
+
+        def _feed(self) -> None:
+            """Parses what was read, FEED_BYTES at a time, until a pipelined request waits behind the one being
+            answered: the rest waits as bytes, with reading paused, until its turn (on_response_complete)."""
+            while self._at < len(self._pending) and not self.pipeline and not self.transport.is_closing():
+                piece = self._pending[self._at:self._at + FEED_BYTES]
+                self._at += len(piece)
+                self._parse(piece)
+            if self._at >= len(self._pending):
+                self._pending, self._at = b"", 0
+            elif not self.transport.is_closing():
+                self.flow.pause_reading()  # resumed when a response completes (uvicorn's on_response_complete)
+            if (self._timer is None and self.timeout_keep_alive_task is None and not self._answering()
+                    and not self.pipeline and not self.transport.is_closing()):  # bytes that begin no request (a
+                self._in_head = True  # stray CRLF between requests cancelled the keep-alive timeout): they have
+                self._arm()  # head_timeout_s to become one, as a new connection has
+
+        def _parse(self, piece: bytes) -> None:
+            began, self._bodied = self._messages, False
+            super().data_received(piece)
+            if self._in_head and self._messages - began <= (began == 0):  # the whole piece lies in one unfinished
+                self._head += len(piece)  # head (one begun in it after a pipelined body is not counted: <= a piece)
+            elif self._in_body:  # framing and trailer accumulate only between pieces of body
+                self._framing = 0 if self._bodied else self._framing + len(piece)
+            if self.transport.is_closing():
+                return
+            if self._in_head and self._head > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
                              f"the request line and headers exceed {MAX_HEAD_BYTES // 1024} KiB")
+            elif self._in_body and self._framing > MAX_HEAD_BYTES:
+                self._refuse(431, "Request Header Fields Too Large", "a chunked body's framing or trailer exceeds "
+                             f"{MAX_HEAD_BYTES // 1024} KiB")
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -175,7 +223,8 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
                 warnings.add(str(status))
             body = (message + "\n").encode()
             retry_after = "retry-after: 1\r\n" if retry else ""
-            if not self._answering():  # never inside a response being written: the connection is closed alone
+            if not self._answering() or (self._in_body and not self.cycle.response_started):  # an answer to
+                # this request; never inside another's response: the connection is closed alone
                 self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
                                      f"content-length: {len(body)}\r\n{retry_after}connection: close\r\n\r\n"
                                      .encode() + body)
