@@ -6,10 +6,12 @@ sent to POST /translate_file, and a keyed server's refusal shown."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from importlib import resources
@@ -322,4 +324,47 @@ def test_swap_keeps_text_not_yet_translated_and_auto_needs_a_detector(browser):
                               _by_id(d, "target").get_attribute("value")) == ("en", "de"))
         assert _by_id(d, "input").get_attribute("value") == "ein hund und eine katze"
         wait.until(lambda d: _by_id(d, "output").text == "EIN HUND UND EINE KATZE")
+        _no_policy_violations(d)
+
+
+@pytest.mark.slow
+def test_characters_count_as_the_server_counts_and_an_expired_download_says_so(browser, tmp_path, monkeypatch):
+    """The counter counted UTF-16 units (an emoji was 2 against charLimit) and a maxlength cut pasted text short
+    without a word; and the download link, once its file expired on the server, was a click that did nothing.
+    Code points are counted, a text over the limit is kept and refused with the reason, and an expired
+    download shows the server's."""
+    from pipeline.serve import file_routes
+    from pipeline.serve.libre import REQUEST_FIELDS_BYTES
+
+    monkeypatch.setattr(file_routes, "KEEP_S", 2.0)
+    d = browser
+    state = _served()
+    state.limits = dataclasses.replace(state.limits, max_bytes=REQUEST_FIELDS_BYTES + 12 * 5)  # charLimit 5
+    with real_server(state) as (host, port):
+        wait = _open(d, host, port)
+        _select(d, "source", "de")
+        _select(d, "target", "en")
+        d.execute_script("const box = document.getElementById('input'); box.value = arguments[0];"
+                         "box.dispatchEvent(new Event('input'));", "ein \U0001f600")  # send_keys takes no emoji
+        wait.until(lambda d: _by_id(d, "count").text == "5 / 5")
+        wait.until(lambda d: _by_id(d, "output").text == "EIN \U0001f600")
+        d.execute_script("const box = document.getElementById('input'); box.value = arguments[0];"
+                         "box.dispatchEvent(new Event('input'));", "ein hund")
+        wait.until(lambda d: "more than this server's 5" in _shown(d, "error"))
+        assert _by_id(d, "count").text == "8 / 5 (3 over)"
+        assert _by_id(d, "input").get_attribute("value") == "ein hund"  # kept whole
+
+        upload = tmp_path / "hund.txt"
+        upload.write_text("ein\n")
+        _by_id(d, "file").send_keys(str(upload))
+        _by_id(d, "translate-file").click()
+        wait.until(lambda d: _shown(d, "file-result"))
+        _by_id(d, "download").click()  # in time: downloaded, nothing said
+        time.sleep(0.5)
+        assert not _shown(d, "error") and _shown(d, "file-result")
+        time.sleep(2.0)
+        _by_id(d, "download").click()
+        wait.until(lambda d: _shown(d, "error"))
+        assert _shown(d, "error").startswith("download: 404 no translated file has this id"), _shown(d, "error")
+        assert not _shown(d, "file-result")
         _no_policy_violations(d)

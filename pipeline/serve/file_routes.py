@@ -55,8 +55,8 @@ class FileStore:
     """Translated files by id, in memory, bounded in number and bytes, each expiring KEEP_S seconds after it
     was made. Used on the event loop only."""
 
-    def __init__(self, files: int = STORE_FILES, size: int = STORE_BYTES, keep_s: float = KEEP_S):
-        self.files, self.size, self.keep_s = files, size, keep_s
+    def __init__(self, files: int = STORE_FILES, size: int = STORE_BYTES, keep_s: float | None = None):
+        self.files, self.size, self.keep_s = files, size, KEEP_S if keep_s is None else keep_s
         self._items: OrderedDict[str, tuple[str, str, bytes, float]] = OrderedDict()
         self._bytes = 0
 

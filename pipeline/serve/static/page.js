@@ -125,9 +125,15 @@
     ui.altBox.hidden = ui.alts.children.length === 0;
   }
 
+  // Characters as the server counts them (code points: an emoji is one, where the textarea's length says 2)
+  function characters() { return [...ui.input.value].length; }
+  function overLimit() { return settings.charLimit > 0 && characters() > settings.charLimit; }
+
   function updateCount() {
     const limit = settings.charLimit;
-    ui.count.textContent = limit > 0 ? `${ui.input.value.length} / ${limit}` : "";
+    const n = characters();
+    ui.count.textContent = limit > 0 ? `${n} / ${limit}` + (n > limit ? ` (${n - limit} over)` : "") : "";
+    ui.count.classList.toggle("over", overLimit());
   }
 
   function clearResult() {
@@ -145,6 +151,11 @@
     if (!q.trim()) { clearResult(); showError(""); setStatus(""); inFlight = null; return; }
     if (!ui.target.value) {
       showError(languages.length ? "No target language: GET /languages lists none for this source." : NO_LANGUAGES);
+      return;
+    }
+    if (overLimit()) {  // the whole text stays (a maxlength cut pasted text short without a word)
+      showError(`The text has ${characters()} characters, more than this server's ${settings.charLimit} for one ` +
+                "request (its charLimit): shorten it, or translate it as a file below.");
       return;
     }
     const body = { q, source: ui.source.value, target: ui.target.value, format: "text",
@@ -227,6 +238,24 @@
     }
   }
 
+  // The download link is checked first: an expired file (kept minutes, in the server's memory) was a click that
+  // did nothing; now the server's reason is shown
+  async function download(e) {
+    e.preventDefault();
+    const href = ui.download.href;
+    try {
+      const response = await fetch(href, { method: "HEAD" });
+      if (!response.ok) await answer(await fetch(href), "download");  // GET: the reason is in its body
+      const link = document.createElement("a");  // the server's Content-Disposition names the file
+      link.href = href;
+      link.download = "";
+      link.click();
+    } catch (err) {
+      ui.fileResult.hidden = true;
+      showError(failure(err, "download"));
+    }
+  }
+
   async function copyTranslation() {
     try {
       await navigator.clipboard.writeText(ui.output.textContent);
@@ -253,7 +282,6 @@
     for (const lang of languages) names.set(lang.code, lang.name);
     fillSources();
     fillTargets();
-    if (settings.charLimit > 0) ui.input.maxLength = settings.charLimit;
     if (settings.apiKeys || settings.keyRequired) {
       ui.keyRow.hidden = false;
       ui.key.value = store.get("apiKey") || "";
@@ -282,6 +310,7 @@
     ui.key.addEventListener("change", translate);
     ui.translateFile.addEventListener("click", translateFile);
     ui.copy.addEventListener("click", copyTranslation);
+    ui.download.addEventListener("click", download);
     document.body.dataset.ready = "1";  // for tests and scripts: the settings and languages are in
     if (ui.input.value.trim()) translate();
   }
