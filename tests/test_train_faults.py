@@ -345,3 +345,48 @@ def test_zero_or_negative_intervals_are_refused(corpus, tmp_path, capsys, option
     (line,) = messages(capsys.readouterr().err)
     assert line == f"error: {option} must be at least 1 (got {value})"
     assert not step_checkpoints(run)
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_while_the_stop_checkpoint_is_written_keeps_it_a_resume_point(corpus, tmp_path):
+    """The checkpoint a first Ctrl-C writes is recorded as a resume point (interrupted.json), so --keep-last and
+    `average --last` do not count it; a second Ctrl-C inside its write came out between the write and that
+    record: the checkpoint stayed for good as a scheduled one. And Python's exit then printed a traceback."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "1")) == 0  # data cached
+    marker = tmp_path / "in-write"
+    args = map(str, ["train", *common(run, corpus, "--save-every", "100000", "--log-every", "1",
+                                      "--max-steps", "100000")])
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SAVES, *args], cwd=tmp_path, text=True,
+                            env=dict(cli_env(), MARKER=str(marker)), stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while '"step": 3' not in ((run / "metrics.jsonl").read_text() if (run / "metrics.jsonl").exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)  # the stop: its checkpoint is the first write of this process
+        while not marker.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGINT)  # inside that write
+        assert proc.wait(timeout=120) == 130
+        stderr = proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.kill()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr, stderr[-2000:]
+    written = [p for p in step_checkpoints(run) if p.name != "checkpoint_00000001.pt"]
+    assert len(written) == 1, written
+    step = read_checkpoint(written[0])["train_state"]["step"]
+    assert json.loads((run / "interrupted.json").read_text()) == {"steps": [step]}, stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_time_budget_spent_before_the_first_update_leaves_no_checkpoint_to_average(corpus, tmp_path):
+    """--max-time spent on preparing the data wrote checkpoint_00000000.pt (untrained weights) as the run's: it
+    survived the resume, and `average --last` averaged it with trained ones. It is a resume point now."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "3", "--max-time", "0.001s")) == 0
+    assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000000.pt"]
+    assert json.loads((run / "interrupted.json").read_text()) == {"steps": [0]}
+    assert run_cli("train", *common(run, corpus, "--max-steps", "3", "--max-time", "5m")) == 0
+    assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000003.pt"]

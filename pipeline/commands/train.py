@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,8 @@ def train(**kwargs: object) -> None:
     try:
         save_dir = run_training(opts)
     except TrainingInterrupted as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the checkpoint is written: another Ctrl-C while Python exits
+            signal.signal(sig, signal.SIG_IGN)  # printed a KeyboardInterrupt traceback from an atexit hook
         if main:
             click.echo(str(e), err=True)
         sys.exit(128 + e.signum)

@@ -32,6 +32,7 @@ from model.checkpoint import (
 )
 from model.config import ModelConfig
 from model.errors import UserError
+from model.signals import signals_deferred
 from model.transformer import Transformer
 from pipeline.corpus.data import ShardedBatches, file_fingerprint
 from pipeline.distributed import DistContext, on_main
@@ -206,17 +207,18 @@ class Checkpointer:
                  "decay_steps": progress.decay_steps, "decay_time_s": progress.decay_time_s}
 
         def write() -> None:
-            try:
-                save_checkpoint(path, self.model, self.spm_bytes, train_state=state,
-                                extra={"step": progress.step, "valid": last_valid})
-            except CheckpointWriteError as e:
-                latest = step_checkpoints(self.save_dir)
-                resume = f"from {latest[-1].name}" if latest else "from the start"
-                raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
-            supersede_interrupted(self.save_dir, progress.step)  # the stop-signal checkpoints before it go
-            if interrupted and not scheduled:  # a scheduled save of this very step stays one
-                mark_interrupted(self.save_dir, progress.step)
-            prune(self.save_dir, self.keep_last, progress.best_step)
+            with signals_deferred():  # the checkpoint and its record as one: a second Ctrl-C between them left a
+                try:  # stop signal's checkpoint counted as a scheduled one (kept, averaged)
+                    save_checkpoint(path, self.model, self.spm_bytes, train_state=state,
+                                    extra={"step": progress.step, "valid": last_valid})
+                except CheckpointWriteError as e:
+                    latest = step_checkpoints(self.save_dir)
+                    resume = f"from {latest[-1].name}" if latest else "from the start"
+                    raise UserError(f"{e}; fix that and rerun the same command to resume {resume}") from None
+                supersede_interrupted(self.save_dir, progress.step)  # the stop-signal checkpoints before it go
+                if interrupted and not scheduled:  # a scheduled save of this very step stays one
+                    mark_interrupted(self.save_dir, progress.step)
+                prune(self.save_dir, self.keep_last, progress.best_step)
 
         on_main(self.ctx, write, share=False)
         if not self.ctx.is_main:
@@ -227,7 +229,7 @@ class Checkpointer:
     def finish(self, progress: Progress) -> None:
         """The run ended (--max-steps or --max-time, not a signal): its last checkpoint is the run's, even when a
         stop signal wrote it and the rerun found nothing left to train."""
-        if self.ctx.is_main:
+        if self.ctx.is_main and progress.step > 0:  # untrained weights are a resume point, never the run's
             supersede_interrupted(self.save_dir, progress.step)
 
     def save_best(self, progress: Progress, valid: dict[str, Any]) -> Path:

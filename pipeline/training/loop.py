@@ -187,7 +187,8 @@ class TrainLoop:
         if progress.step > start_step and self.validated_step not in (None, progress.step):
             self._validate(progress, bar)
         if progress.step > start_step or not step_checkpoints(self.checkpointer.save_dir):
-            self._save(progress)
+            self._save(progress, interrupted=progress.step == 0)  # untrained weights (the budget went before the
+            # first update): a resume point, gone once a later checkpoint is written, never kept nor averaged
         if self.stepper.ctx.is_main:
             log.info("time budget reached: --max-time %s spent (%.0f s in all runs) at step %d; a "
                      "checkpoint of step %d is in %s", self.opts.max_time, self.budget.elapsed(),
