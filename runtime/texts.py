@@ -231,6 +231,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
                   for unit in out.units]
     out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
                              sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
+    if not policy.documents:  # a line the tokenizer keeps nothing of is as blank as whitespace
+        out.empty = [empty or not out.ids[span.start] for empty, span in zip(out.empty, out.spans)]
     out.truncated = [0] * len(texts)
     seen = list(out.units)  # per unit, the text the model sees: a cut unit's glossary terms are found in it alone
     for u, seq in enumerate(out.ids):

@@ -200,7 +200,8 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
     """The one way text lines become source ids (serve-batch, parity, bench, validation).
 
     Blank or whitespace-only lines get [] (they are never translated: the output line is
-    empty); others are pieces + EOS. A line over max_src_len tokens (EOS included) is cut
+    empty), and so do lines of characters the tokenizer keeps nothing of (U+200B, a BOM mid-file: the model,
+    given EOS alone, invented a sentence); others are pieces + EOS. A line over max_src_len tokens (EOS included) is cut
     to its first max_src_len - 1 pieces + EOS (long_lines "truncate", counted) or refused
     as `origin:line` (long_lines "error"; line numbers start at first_line; with first_line None, one line
     named `origin` alone). `prefix` starts every
@@ -213,6 +214,9 @@ def encode_sources(tokenizer: AnyTokenizer, lines: list[str], max_src_len: int, 
     if not live:
         return out
     for i, seq in zip(live, tokenizer.encode_source([lines[i] for i in live])):
+        if len(seq) <= 1:  # EOS alone: nothing of the line is left to translate
+            out.empty += 1
+            continue
         seq = list(prefix) + seq if prefix else seq
         if len(seq) > max_src_len:
             if long_lines == "error":
@@ -242,8 +246,8 @@ def translate_lines(backend: Backend, tokenizer: AnyTokenizer, lines: list[str],
 def format_line(tokenizer: AnyTokenizer, nbest: NBest, n: int) -> str:
     """One output line: the best translation, or with n > 1 the n best as
     `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
-    if not nbest:
-        return ""
+    if not nbest:  # a blank line: one empty hypothesis, as the HTTP API answers it ({"text": "", "score": 0})
+        return "" if n == 1 else f"{NBEST_SEP}{0.0:.4f}"
     texts = tokenizer.decode([tokens for tokens, _ in nbest])
     if n == 1:
         return texts[0]

@@ -79,8 +79,10 @@ def test_serve_batch_and_parity_write_what_they_wrote_before(before, fp32_dir, t
         pipeline(code, "parity", fp32_dir, "--src", src, "--ref", src, "--backends", f"torch,{backend}",
                  "--max-len-a", 0, "--max-len-b", 8, "--threads", 1, "--min-identical", 0, "--max-bleu-delta", 100,
                  "--json", tmp_path / f"{tag}.json")
-    for name in ("txt", "nbest.txt"):
-        assert (tmp_path / f"new.{name}").read_text() == (tmp_path / f"old.{name}").read_text()
+    assert (tmp_path / "new.txt").read_text() == (tmp_path / "old.txt").read_text()
+    # on purpose: a blank line of an n-best file is one empty hypothesis with its score, as the HTTP API has it
+    nbest = [line if line != " ||| 0.0000" else "" for line in (tmp_path / "new.nbest.txt").read_text().split("\n")]
+    assert "\n".join(nbest) == (tmp_path / "old.nbest.txt").read_text()
     old, new = (json.loads((tmp_path / f"{tag}.json").read_text()) for tag in ("old", "new"))
     # on purpose since 8a89676: parity counts the lines the model translates, not the blank one
     assert new["sentences"] == sum(1 for line in SOURCES if line.strip())

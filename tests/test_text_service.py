@@ -93,6 +93,7 @@ EMPTY_HYPOTHESIS = re.compile(r'("hypotheses":\s*)\[\{"text":\s*"",\s*"score":\s
 LISTED = re.compile(r"text\[(\d+)\]: (\d+ tokens)")
 LIBRE_LISTED = re.compile(r"\bq\[(\d+)\]( (?:text node )?sentence:)")
 ROW_OPTION = (" (options with long_lines='truncate')", "")
+BLANK_NBEST = " ||| 0.0000"  # and a blank line of an n-best file is that one hypothesis too (it was a bare "")
 
 
 def as_before(answer: object) -> object:
@@ -103,6 +104,9 @@ def as_before(answer: object) -> object:
         return {**answer, "body": LISTED.sub(lambda m: f"request line:{int(m[1]) + 1}: {m[2]}", body)}
     if isinstance(answer, dict) and isinstance(answer.get("message"), str):
         return {**answer, "message": answer["message"].replace(*ROW_OPTION)}
+    for column in ("lines", "translation"):  # serve-batch's lines, the Translator's rows
+        if isinstance(answer, dict) and isinstance(answer.get(column), list):
+            return {**answer, column: ["" if line == BLANK_NBEST else line for line in answer[column]]}
     return answer
 
 

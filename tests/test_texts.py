@@ -109,7 +109,7 @@ def test_nbest_lines_hypotheses_and_alternatives():
     assert [r.text for r in results] == [format_line(TOK, nb, 3) for nb in nbest]
     assert results[0].hypotheses == [("AB", -1.0), ("BA", -2.0), ("X", -3.0)] == hypotheses(TOK, nbest[0])
     assert results[0].alternatives == ["BA", "X"] and results[2].alternatives == ["X"]  # "AA" reversed is "AA"
-    assert results[0].score == -1.0 and results[1].score is None and results[1].text == ""
+    assert results[0].score == -1.0 and results[1].score is None and results[1].text == " ||| 0.0000"
     documents = encode_texts(TOK, ["Ab. Cd."], 100, TextPolicy(split="sentences"))
     [doc] = finish_texts(TOK, documents, search(documents.ids, 2), 2)
     assert doc.text == "AB. CD." and doc.alternatives == [".BA .DC"] and doc.hypotheses == []
@@ -154,3 +154,35 @@ def test_serve_batch_warns_of_an_html_line_that_leaves_script_or_pre_open(tmp_pa
     with caplog.at_level(logging.WARNING):
         list(read_windows(str(page), TOK, 100, opts))
     assert not caplog.records
+
+
+class DroppingTokenizer(CharTokenizer):
+    """As SentencePiece does with U+200B, U+200C and a BOM: those characters leave no piece."""
+
+    def encode_source(self, texts: list[str]) -> list[list[int]]:
+        return super().encode_source([t.translate({0x200B: None, 0x200C: None, 0xFEFF: None}) for t in texts])
+
+
+def test_a_text_the_tokenizer_keeps_nothing_of_is_blank_and_never_translated():
+    """A line of U+200B (or a BOM mid-file, from `cat` of files saved with one) is not blank to str.strip(), so
+    its source was EOS alone: the model, given nothing, invented a whole sentence, counted as translated."""
+    encoded = encode_texts(DroppingTokenizer(), ["ab", "\u200b", "\ufeff\u200c", "a\u200bb"], 8, TextPolicy())
+    assert encoded.ids == [[100, 101, EOS], [], [], [100, 101, EOS]]
+    assert encoded.empty == [False, True, True, False]
+    assert [r.text for r in finish_texts(TOK, encoded, search(encoded.ids), 1)] == ["AB", "", "", "AB"]
+
+
+def test_a_blank_line_in_an_nbest_file_is_one_empty_hypothesis_with_its_score():
+    """With --nbest N each line holds `text ||| score` pairs; a blank line was a bare empty line (a parser taking
+    pairs broke on it), where the HTTP API answers it {"text": "", "score": 0}."""
+    assert format_line(TOK, [], 2) == " ||| 0.0000" and format_line(TOK, [], 1) == ""
+    assert format_line(TOK, [([100, 101], -1.0), ([101], -2.5)], 2) == "AB ||| -1.0000 ||| B ||| -2.5000"
+
+
+def test_serve_batch_writes_an_empty_line_for_a_line_of_zero_width_characters(fp32_dir, tmp_path):
+    from helpers import run_cli
+
+    src, out = tmp_path / "in.txt", tmp_path / "out.txt"
+    src.write_text("\u200b\n\u200c\u200b\n\ufeff\n")
+    assert run_cli("serve-batch", fp32_dir, src, "--output", out, "--no-progress") == 0
+    assert out.read_text() == "\n\n\n"
