@@ -159,6 +159,9 @@ def _runs(document: str, tree: _Open) -> Iterator[tuple[int, int, bool]]:
         i = stop
 
 
+MAX_OPEN = 512  # open elements at most, as Chromium's HTML parser (kMaximumHTMLParserDOMTreeDepth)
+
+
 class _Open:
     """The open elements, innermost last, as a browser's tree builder keeps them, with the translate state of
     each one's content: YES, NO (translate="no", inherited until a translate="yes"), or COPIED (<code>, <pre>,
@@ -197,6 +200,8 @@ class _Open:
             self.push(name, own)
 
     def push(self, name: str, own: str) -> None:
+        if len(self.names) >= MAX_OPEN:  # as deep as a browser nests: the innermost ends first (the new element
+            self._drop_innermost()  # is its sibling), so ten million unclosed <b> hold 512, not 1.3 GB
         own = own if own in ("yes", "no") else ""  # any other value inherits
         state = self.states[-1] if self.states else self.YES
         if state != self.COPIED:
@@ -223,17 +228,21 @@ class _Open:
         elif k > self.special[-1]:
             self.pop_to(k)
 
+    def _drop_innermost(self) -> tuple[str, str]:
+        name, own = self.names.pop(), self.owns.pop()
+        self.states.pop()
+        self.at[name].pop()
+        if self.special[-1] == len(self.names):
+            self.special.pop()
+        return name, own
+
     def pop_to(self, k: int) -> None:
         """Ends the element at position k and all inside it. The formatting elements inside it (<b>, <code>, ...)
         are reopened as a browser reconstructs them, so `<div><b translate="no">x</div>y` keeps y, unless a
         marker (a cell, <object>, ...) ended with them; reopened once per name and translate value."""
         reopen: list[tuple[str, str]] = []
         while len(self.names) > k:
-            name, own = self.names.pop(), self.owns.pop()
-            self.states.pop()
-            self.at[name].pop()
-            if self.special[-1] == len(self.names):
-                self.special.pop()
+            name, own = self._drop_innermost()
             if name in MARKERS:
                 reopen.clear()
             elif name in FORMATTING and not self.xml and len(self.names) > k and (name, own) not in reopen:
