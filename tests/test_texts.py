@@ -156,6 +156,19 @@ def test_serve_batch_warns_of_an_html_line_that_leaves_script_or_pre_open(tmp_pa
     assert not caplog.records
 
 
+def test_serve_batch_windows_end_at_their_bytes_too(tmp_path, monkeypatch):
+    """A window was --window lines whatever their size: 10,000 lines of 30 KB held 1.5 GB. It ends past
+    WINDOW_BYTES of text too; every line is read once, in order."""
+    from pipeline.serve_batch import translation
+
+    monkeypatch.setattr(translation, "WINDOW_BYTES", 30)
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"line {i:05d}\n" for i in range(7)))  # 11 bytes a line
+    windows = list(translation.read_windows(str(src), TOK, 100, translation.ServeBatchOptions()))
+    assert [len(w.encoded.units) for w in windows] == [3, 3, 1]
+    assert [u for w in windows for u in w.encoded.units] == [f"line {i:05d}" for i in range(7)]
+
+
 class DroppingTokenizer(CharTokenizer):
     """As SentencePiece does with U+200B, U+200C and a BOM: those characters leave no piece."""
 

@@ -31,6 +31,8 @@ from runtime.translate import LONG_LINE_POLICIES, NBest
 log = logging.getLogger(__name__)
 
 INVALID_UTF8_POLICIES = ("error", "replace")
+WINDOW_BYTES = 16 << 20  # a window also ends past this much text: memory is a few times a window's bytes, and
+# --window 10000 of 30 KB lines held 1.5 GB (each line up to MAX_LINE_BYTES still makes a window alone)
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,8 @@ class ServeBatchOptions:
     """How serve-batch (and parity) read, encode, decode and write; serve-batch's options are generated
     from these fields (pipeline/cli_options.py), the decoding options from DecodingOptions."""
 
-    window: int = opt(10000, "Lines read, sorted by length and translated at a time (bounds memory).", min=1)
+    window: int = opt(10000, "Lines read, sorted by length and translated at a time (bounds memory; a window "
+                             "also ends past 16 MiB of text).", min=1)
     long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (counted warning) "
                                       "or stop with an error naming the line.", choices=LONG_LINE_POLICIES)
     invalid_utf8: str = opt("error", "Invalid UTF-8: stop with an error naming file and line, or replace the bad "
@@ -142,19 +145,19 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
     f = open_binary(path)
     try:
         texts: list[str] = []
-        replaced = 0
+        replaced = size = 0
         first_line = 1
         warned = False
         for lineno, raw in enumerate(_raw_lines(f, path), start=1):
             text, bad = decode_row(raw, path, lineno, opts.invalid_utf8)
-            replaced += bad
+            replaced, size = replaced + bad, size + len(raw)
             texts.append(text)
-            if len(texts) == opts.window:
+            if len(texts) == opts.window or size >= WINDOW_BYTES:
                 window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix,
                                        glossary)
                 warned = warned or _unclosed(window, path, first_line)
                 yield window
-                texts, replaced, first_line = [], 0, lineno + 1
+                texts, replaced, size, first_line = [], 0, 0, lineno + 1
         if texts:
             window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
             warned or _unclosed(window, path, first_line)
