@@ -352,3 +352,26 @@ def test_help_says_a_model_dirs_own_decoding_defaults_come_first(capsys):
     assert "the model dir's, else 0.6" in out and "the model dir's, else 4" in out
     assert run_cli("demo", "--help") == 0
     assert "the model dir's" not in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_bench_serve_says_why_the_server_failed_in_one_line(fp32_dir, tmp_path):
+    """A server that would not start was "see /tmp/serve-bench-XXXX/serve.log", a log deleted with its temporary
+    dir before the message was read; a level whose every request was refused printed latencies (of the quick
+    refusals) and exited 0."""
+    pytest.importorskip("httpx")
+    src = tmp_path / "src.txt"
+    src.write_text("ab cd\nef gh\n")
+    common = ["bench", fp32_dir, "--serve", src, "--backends", "onnxruntime", "--threads", "1", "--concurrency",
+              "1", "--requests", "2", "--beam-size", "1"]
+    bogus = _pipeline(*common, "--server-arg=--bogus")
+    assert bogus.returncode == 2, bogus.stderr
+    assert bogus.stderr.strip().splitlines()[-1] == ("error: the server exited with status 2 before it was ready; "
+                                                     "it said: error: No such option '--bogus'. Did you mean "
+                                                     "'--host'? (see `pipeline serve --help`)")
+    keys = tmp_path / "keys.txt"
+    keys.write_text("k3y-for-tests-0001\n")
+    refused = _pipeline(*common, f"--server-arg=--api-keys={keys}", "--server-arg=--require-api-key")
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "error: every request at 1 clients was refused (2; the first 401: "), refused.stderr[-500:]

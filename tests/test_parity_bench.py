@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import MEMORISED_LIMITS, run_cli
+from helpers import MEMORISED_LIMITS, run_cli, run_cli_captured
 
 from model import build_model
 from model.checkpoint import load_model, save_checkpoint
@@ -126,6 +126,16 @@ def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
                    "--beam-size", 1, "--fixed-length", 3, "--sentences", 4, "--json", out)
     assert code == 0
     assert json.loads(out.read_text())["results"][0]["target_tokens"] == 4 * 3
+
+
+def test_a_fixed_length_past_the_output_limit_is_refused_in_every_mode(fp32_dir, tmp_path, capsys):
+    """--whole-process took --fixed-length 400 on a model dir that stops at 39: serve-batch stopped there while
+    CTranslate2 went on, and the report said "exactly 400 target tokens per sentence" for both."""
+    src = tmp_path / "src.txt"
+    src.write_text("ab cd\n")
+    for mode in (["--whole-process", src], ["--batch-size", 1, "--sentences", 2]):
+        code, _, err = run_cli_captured(capsys, "bench", fp32_dir, *mode, "--fixed-length", 400)
+        assert code == 2 and "--fixed-length 400 is longer than the model dir's output limit of 39" in err, err
 
 
 @pytest.mark.slow

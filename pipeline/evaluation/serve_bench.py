@@ -80,8 +80,12 @@ def start_server(model_dir: str, common: list[str], extra: list[str], log_path: 
             except httpx.TransportError:
                 pass
         time.sleep(0.2)
+    code = proc.poll()
     stop_server(proc)
-    raise UserError(f"the server did not become ready; see {log_path}")
+    said = log_path.read_text(errors="replace").strip().splitlines()  # quoted: its temporary dir goes with bench
+    why = next((line for line in reversed(said) if line.startswith("error:")), said[-1] if said else "nothing")
+    raise UserError((f"the server did not become ready in {READY_TIMEOUT_S:g} s" if code is None else
+                     f"the server exited with status {code} before it was ready") + f"; it said: {why}")
 
 
 def stop_server(proc: subprocess.Popen) -> int | None:
@@ -126,8 +130,9 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
 
     make = _native if api == "native" else _libretranslate(pair)
 
-    latencies: list[float] = []
+    latencies: list[float] = []  # of the requests answered 200
     counts = {"requests": 0, "sentences": 0, "mismatched_lines": 0, "errors": 0}
+    refusals: dict[int, str] = {}  # status -> the first answer of that status
     todo = iter(requests)
     started = time.perf_counter()
 
@@ -137,11 +142,16 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
                 return
             t0 = time.perf_counter()
             body, key = make([lines[i] for i in idx], extra or {})
-            r = await http.post(f"{url}/translate", json=body)
-            latencies.append(time.perf_counter() - t0)
-            if r.status_code != 200:
-                counts["errors"] += 1
+            try:
+                r = await http.post(f"{url}/translate", json=body)
+            except httpx.TransportError as e:  # the server died or hung up: said in one line, not a traceback
+                raise UserError(f"the server stopped answering at {concurrency} clients "
+                                f"({type(e).__name__}: {e or 'no reason given'})") from None
+            if r.status_code != 200:  # refused (a full queue's 503...): counted, and not in the latencies of
+                counts["errors"] += 1  # translations, which a quick refusal made look fast
+                refusals.setdefault(r.status_code, r.text[:200])
                 continue
+            latencies.append(time.perf_counter() - t0)
             counts["requests"] += 1
             counts["sentences"] += len(idx)
             got = r.json()[key]
@@ -152,6 +162,10 @@ async def run_level(url: str, requests: list[list[int]], lines: list[str], expec
     async with httpx.AsyncClient(timeout=max(60.0, max_seconds), limits=limits) as http:
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
     seconds = time.perf_counter() - started
+    if counts["errors"] and not counts["requests"]:
+        status, text = next(iter(refusals.items()))
+        raise UserError(f"every request at {concurrency} clients was refused ({counts['errors']}; the first "
+                        f"{status}: {text.strip()})")
     return {"api": api, "concurrency": concurrency, **counts, "seconds": seconds,
             "sentences_per_s": counts["sentences"] / seconds if seconds else None,
             "latency_p50_s": _percentile(latencies, 0.50), "latency_p99_s": _percentile(latencies, 0.99)}

@@ -38,7 +38,7 @@ from typing import Any
 from model.errors import UserError
 from model.manifest import SPM_FILE
 from pipeline.evaluation import ctranslate2_compare
-from pipeline.evaluation.bench import host_facts, host_line, model_column, vocabulary
+from pipeline.evaluation.bench import check_fixed_length, host_facts, host_line, model_column, vocabulary
 from pipeline.evaluation.process_split import (
     TIMED_SERVE_BATCH,
     pieces_summary,
@@ -201,6 +201,8 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
             raise UserError(f"{f}: has no non-blank line to translate; give a file with sentences")
     # what each dir records (the timed processes load and verify them)
     opened = [ModelDir.open(d, verify=False) for d in model_dirs]
+    for o in opened:  # serve-batch stops at the limit while CTranslate2 goes on: the report claimed equal work
+        check_fixed_length(fixed_length, o.manifest.limits.max_tgt_len)
     way = direction(opened[0].manifest.model_config, src_lang, tgt_lang, pair=opened[0].manifest.language_pair)
     engines: list[dict[str, Any]] = []
     for d, manifest in zip(model_dirs, (o.manifest for o in opened)):
