@@ -421,6 +421,19 @@ def test_the_store_is_bounded_and_expires(monkeypatch):
     assert store.get(d) is None
 
 
+def test_a_download_gone_from_the_store_says_both_bounds(monkeypatch):
+    """After 64 newer uploads a link is gone within seconds; its 404 spoke of the 10 minutes only."""
+    from pipeline.serve import file_routes
+
+    monkeypatch.setattr(file_routes, "STORE_FILES", 1)
+    with served() as c:
+        first = send(c, "a.txt", b"Hallo\n").json()["translatedFileUrl"]
+        send(c, "b.txt", b"Welt\n")
+        r = c.get(first)
+    assert r.status_code == 404 and "kept 10 minutes after they are made, the newest 1 (256 MiB) at most" in \
+        r.json()["error"], r.text
+
+
 # -- hostile sizes: memory in proportion to the texts, the limit met while reading, files apart from requests --
 
 

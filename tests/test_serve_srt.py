@@ -57,3 +57,15 @@ def test_srt_dialogue_and_a_missing_blank_line_through_translate_file():
     out, _ = roundtrip("film.srt", srt.encode())
     assert out.decode() == ("1\n00:00:01,000 --> 00:00:02,000\n- HALLO DU.\n- GUTEN MORGEN, WIE GEHT ES DIR?\n"
                             "2\n00:00:03,000 --> 00:00:04,000\nDANKE, GUT.\n")
+
+
+@pytest.mark.parametrize("data", [b"1\n00:01,000 --> 00:02,000\nHallo Welt\n", b"Hallo Welt\n",
+                                  b"1\n00:00:01,000 -> 00:00:02,000\nHallo Welt\n"])
+def test_an_srt_file_without_a_cue_is_a_400_not_itself_unchanged(data):
+    """Timings without hours, a plain text named .srt, a broken arrow: no cue was found, and the file came back
+    200, unchanged, as if translated."""
+    test_serve_files = pytest.importorskip("test_serve_files")
+    with test_serve_files.served() as c:
+        r = test_serve_files.send(c, "film.srt", data)
+    assert r.status_code == 400 and "film.srt': the .srt file has no subtitle cue" in r.json()["error"], r.text
+    assert read_srt(b"").texts == read_srt(b"\n\n").texts == []  # an empty file is an empty translation

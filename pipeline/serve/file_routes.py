@@ -55,8 +55,10 @@ class FileStore:
     """Translated files by id, in memory, bounded in number and bytes, each expiring KEEP_S seconds after it
     was made. Used on the event loop only."""
 
-    def __init__(self, files: int = STORE_FILES, size: int = STORE_BYTES, keep_s: float | None = None):
-        self.files, self.size, self.keep_s = files, size, KEEP_S if keep_s is None else keep_s
+    def __init__(self, files: int | None = None, size: int | None = None, keep_s: float | None = None):
+        self.files = STORE_FILES if files is None else files
+        self.size = STORE_BYTES if size is None else size
+        self.keep_s = KEEP_S if keep_s is None else keep_s
         self._items: OrderedDict[str, tuple[str, str, bytes, float]] = OrderedDict()
         self._bytes = 0
 
@@ -243,9 +245,9 @@ async def download_file(request: Request) -> Response:
     found = _store(request).get(request.path_params["id"])
     if found is None:
         return error(ApiError(404, f"no translated file has this id here: files are kept {KEEP_S / 60:g} minutes "
-                                   "after they are made, in the memory of the server that made them (behind a load "
-                                   "balancer, the download must reach that one), not past a restart; translate the "
-                                   "file again"))
+                                   f"after they are made, the newest {STORE_FILES} ({STORE_BYTES >> 20} MiB) at "
+                                   "most, in the memory of the server that made them (behind a load balancer, the "
+                                   "download must reach that one), not past a restart; translate the file again"))
     filename, media_type, data = found
     fallback = filename.encode("ascii", "replace").decode("ascii").replace("?", "_")
     disposition = f'attachment; filename="{fallback}"'

@@ -139,10 +139,12 @@ def read_srt(data: bytes, max_texts: int | None = None) -> Document:
     texts: list[str] = []
     lines = _lines(text)
     m = next(lines, None)
+    cues = 0
     while m is not None:
         if not TIMING.fullmatch(m.group(1)):
             m = next(lines, None)
             continue
+        cues += 1
         block: list[re.Match[str]] = []
         m = next(lines, None)
         while m is not None and m.group(1).strip() and not TIMING.fullmatch(m.group(1)):
@@ -158,6 +160,10 @@ def read_srt(data: bytes, max_texts: int | None = None) -> Document:
                 turns.append(_Turn(start, [line.group(2) for line in run], run[-1].end(), cut))
                 texts.extend(said)
                 _counted(texts, max_texts)
+    if not cues and has_letters(text):  # it came back unchanged, as if translated
+        raise DocumentError("the .srt file has no subtitle cue: each is an index line, a timing line "
+                            "(00:00:01,000 --> 00:00:02,500, hours included), then its text; for plain text, "
+                            "send a .txt file")
 
     def turn_text(turn: _Turn, given: Iterator[str]) -> str:
         joined = "".join(next(given) if k % 2 == 0 and has_letters(p) else p for k, p in enumerate(turn.cut))
