@@ -212,6 +212,11 @@ def test_bench_refuses_options_its_mode_would_leave_out(capsys, fp32_dir, tmp_pa
     for args, says in ((["--serve", src, "--whole-process", src], "--whole-process and --serve are two measurements"),
                        (["--serve", src, "--fixed-length", "5"], "--fixed-length is measured in-process"),
                        (["--concurrency", "1,64"], "--concurrency: only with --serve INPUT"),
-                       (["--paragraph", "3", "--lang", "de"], "--paragraph, --lang: only with --serve INPUT")):
+                       (["--paragraph", "3", "--lang", "de"], "--paragraph, --lang: only with --serve INPUT"),
+                       # the measured processes picked their own device and took none of these
+                       (["--whole-process", src, "--device", "cuda", "--backends", "torch"],
+                        "--device, --backends: not used by --whole-process"),
+                       (["--serve", src, "--batch-size", "8", "--rounds", "3"],
+                        "--batch-size, --rounds: not used by --serve")):
         code, _, err = run_cli_captured(capsys, "bench", fp32_dir, *args)
         assert_one_line_error(code, err, says)

@@ -218,6 +218,22 @@ def test_comparison_tables_name_the_model_dir_of_each_row_when_there_are_several
     assert [line.split()[0] for line in lines[2:5]] == ["a-int8", "b-int8", "a-int8"]
 
 
+def test_ratios_are_against_ctranslate2_rows_of_the_same_work():
+    """Batch 1's 16-sentence latency rows have the main rows' batch size: the ratios of the 256-sentence rows
+    were taken against them (CTranslate2 fp32 against itself: 0.01)."""
+    from pipeline.evaluation.bench_compare import format_comparison
+
+    def row(engine, precision, sentences, tok_s):
+        return {"engine": engine, "precision": precision, "quantization": None, "shortlist": False,
+                "batch_size": 1, "beam_size": 4, "sentences": sentences, "target_tokens_per_s": tok_s,
+                "latency_ms_per_sentence": 10.0, "peak_rss_mb": 100.0}
+
+    results = [row("ctranslate2", "fp32", 256, 100.0), row("onnxruntime", "fp32", 256, 150.0),
+               row("ctranslate2", "fp32", 16, 9000.0), row("onnxruntime", "fp32", 16, 4500.0)]
+    lines = format_comparison({"model_dirs": ["runs/a"], "results": results}).splitlines()[2:]
+    assert [line.split()[-3] for line in lines] == ["1.00", "1.50", "1.00", "0.50"]
+
+
 def test_whole_process_phases_come_from_serve_batch_log():
     from pipeline.evaluation.whole_process import phases
 

@@ -114,3 +114,16 @@ def _one_mode(ctx: click.Context, o: BenchOptions) -> None:
                                                      click.core.ParameterSource.ENVIRONMENT)]
     if o.serve_input is None and given:
         raise UserError(f"{', '.join(given)}: only with --serve INPUT (the HTTP server's benchmark)")
+    flags = {p.name: p.opts[0] for p in ctx.command.params}  # what the other modes take and these do not use
+    for mode, on, unused in (("--whole-process", bool(o.whole_process), IN_PROCESS + ("backends",)),
+                             ("--serve", o.serve_input is not None, IN_PROCESS + ("rounds",))):
+        named = [flags[n] for n in unused if ctx.get_parameter_source(n) in (
+            click.core.ParameterSource.COMMANDLINE, click.core.ParameterSource.ENVIRONMENT)]
+        if on and named:  # --device cuda was ignored: the measured processes chose their own device
+            raise UserError(f"{', '.join(named)}: not used by {mode}, which runs `pipeline "
+                            f"{'serve-batch' if mode == '--whole-process' else 'serve'}` on its file as a user would "
+                            "(on the device it picks itself); leave them out")
+
+
+# the in-process measurement's own options: its sources, batches and device
+IN_PROCESS = ("device", "batch_sizes", "src", "sentences", "src_len")

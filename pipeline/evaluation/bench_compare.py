@@ -173,7 +173,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         pieces = [[names[i] for i in s] for s in sources]
         prefix = ctranslate2_compare.target_prefix(names, way.first, len(sources))
         settings = [(bs, beam_size, sources, pieces) for bs in batch_sizes]
-        if latency:
+        if latency and 1 not in batch_sizes:  # else batch 1's own row says it (two rows looked the same)
             settings.append((1, beam_size, sources[:LATENCY_SENTENCES], pieces[:LATENCY_SENTENCES]))
         jobs: list[dict[str, Any]] = []
         for bs, beam, srcs, pcs in settings:
@@ -233,7 +233,8 @@ def format_comparison(report: dict[str, Any]) -> str:
     results = report["results"]
     for r in results:
         ct2 = {x["precision"]: x["target_tokens_per_s"] for x in results  # CTranslate2 without its vmap
-               if x["engine"] == "ctranslate2" and x["batch_size"] == r["batch_size"] and not x["shortlist"]}
+               if x["engine"] == "ctranslate2" and x["batch_size"] == r["batch_size"] and not x["shortlist"]
+               and x.get("sentences") == r.get("sentences")}  # the same work: batch 1's latency rows are fewer
         ratios = [f"{r['target_tokens_per_s'] / ct2[p]:>10.2f}" if ct2.get(p) else f"{'-':>10}"
                   for p in ("fp32", "int8")]
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
