@@ -205,3 +205,36 @@ def test_the_whole_process_table_gives_each_row_against_ctranslate2():
     assert next(line for line in lines if " b.txt " in line).split()[-2:] == ["-", "-"]  # no CTranslate2 row there
     assert "x ct2: CTranslate2's wall time" in format_whole_process(report)
     assert "x ct2" not in format_whole_process({**report, "results": [row("onnxruntime", "int8", 2.0)]})
+
+
+def test_a_timed_process_goes_with_an_interrupted_bench(tmp_path):
+    """Ctrl-C or SIGTERM to `bench --whole-process` left the timed serve-batch running to its end (minutes of
+    CPU on a large file); it is killed with bench now. Its standard error goes to a file, which no amount fills."""
+    import os
+    import signal
+    import sys
+
+    from pipeline.evaluation.whole_process import run_timed
+
+    pidfile = tmp_path / "pid"
+    child = (f"import os, sys, time; open({str(pidfile)!r}, 'w').write(str(os.getpid())); "
+             "sys.stderr.write('x' * (1 << 20)); sys.stderr.flush(); time.sleep(60)")
+
+    def interrupt(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    before = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 2.0)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_timed([sys.executable, "-c", child])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    pid = int(pidfile.read_text())
+    alive = os.path.exists(f"/proc/{pid}") and "zombie" not in open(f"/proc/{pid}/status").read()
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+    wall, _, err = run_timed([sys.executable, "-c", "import sys; sys.stderr.write('y' * (1 << 20))"])
+    assert len(err) == 1 << 20 and wall < 60

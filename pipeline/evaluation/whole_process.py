@@ -135,21 +135,27 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
     Peak RSS is the process's VmHWM, sampled until it exits: the kernel's ru_maxrss would carry
     the forking parent's own peak over fork and exec, so it cannot be used. The last ~10 ms of the
     run are not sampled (teardown, not a peak). None where /proc is not available."""
-    started = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
-    peak: float | None = None
-    status = Path(f"/proc/{proc.pid}/status")
-    while proc.poll() is None:
+    with tempfile.TemporaryFile() as log:  # a file, not a pipe: a process that logs more than a pipe holds
+        started = time.perf_counter()  # would wait on it for ever
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        peak: float | None = None
+        status = Path(f"/proc/{proc.pid}/status")
         try:
-            m = re.search(r"^VmHWM:\s+(\d+) kB", status.read_text(), re.M)
-        except OSError:
-            m = None
-        if m:
-            peak = max(peak or 0.0, int(m.group(1)) / 1024)
-        time.sleep(poll_s)
-    wall = time.perf_counter() - started
-    assert proc.stderr is not None
-    err = proc.stderr.read()
+            while proc.poll() is None:
+                try:
+                    m = re.search(r"^VmHWM:\s+(\d+) kB", status.read_text(), re.M)
+                except OSError:
+                    m = None
+                if m:
+                    peak = max(peak or 0.0, int(m.group(1)) / 1024)
+                time.sleep(poll_s)
+        finally:  # Ctrl-C or SIGTERM to bench: the timed process goes too (it ran on for minutes)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        wall = time.perf_counter() - started
+        log.seek(0)
+        err = log.read()
     if proc.returncode != 0:
         tail = err.decode(errors="replace").strip().splitlines()[-1:]
         raise UserError(f"{_shown(command)} ... failed with status {proc.returncode}: {tail}")
