@@ -29,6 +29,7 @@ POSITION_LAYOUTS = ("interleaved", "halves", "fairseq")
 # before torch tries to allocate it.
 MAX_PARAMETERS = 50_000_000_000
 MAX_VOCAB = 1 << 20  # SentencePiece vocabularies to train (NLLB's is 256k): past it, sizes typed by mistake
+MIN_VOCAB = 8  # the smallest SentencePiece vocabulary training asks for (its 4 special pieces and a few)
 
 
 class ConfigError(UserError, ValueError):

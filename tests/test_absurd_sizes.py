@@ -21,7 +21,7 @@ def test_a_model_config_past_max_parameters_is_refused_before_allocating():
 
 @pytest.mark.parametrize("args, says", [
     (("train", "--save-dir", "{tmp}/run", "--preset", "tiny", "--d-model", 10 ** 12), "more than MAX_PARAMETERS"),
-    (("train", "--save-dir", "{tmp}/run", "--vocab-size", 10 ** 12), f"--vocab-size must be at most {MAX_VOCAB}"),
+    (("train", "--save-dir", "{tmp}/run", "--vocab-size", 10 ** 12), f"--vocab-size must be in 8..{MAX_VOCAB}"),
     (("random-checkpoint", "{tmp}/r.pt", "--preset", "tiny", "--vocab-size", 10 ** 12), "--vocab-size"),
     (("random-checkpoint", "{tmp}/r.pt", "--preset", "tiny", "--seed", 10 ** 21), "--seed"),
     (("random-checkpoint", "{tmp}/r.pt", "--preset", "tiny", "--decoder-layers", 10 ** 12), "MAX_PARAMETERS"),

@@ -98,7 +98,7 @@ def test_a_vocabulary_smaller_than_the_corpus_characters_is_one_line(capsys, tmp
     --vocab-size 16 was within its range and failed the same way."""
     from pipeline.corpus.spm import train_sentencepiece
 
-    with pytest.raises(UserError, match=r"--vocab-size 100 is smaller than the 301 characters of the corpus .* "
+    with pytest.raises(UserError, match=r"--vocab-size 100 is too small for the 301 characters of the corpus .* "
                                         r"give --vocab-size 305 or more"):
         train_sentencepiece([" ".join(chr(0x4E00 + i) * 2 for i in range(300))] * 3, 100)
     code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / "r.pt", "--preset", "tiny",

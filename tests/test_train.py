@@ -414,6 +414,31 @@ def test_impossible_model_config(corpus, tmp_path, capsys):
     assert "--update-freq must be at least 1" in err
 
 
+def test_options_dropped_or_refused_late_are_refused_first(corpus, tmp_path, capsys):
+    """--builtin-pairs beside a corpus was dropped in silence; --vocab-size 5 was refused only once the corpus was
+    read (0 and 5 said different minimums)."""
+    s, t = corpus
+    err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--builtin-pairs", "100")
+    assert "--builtin-pairs sizes the built-in corpus; with --train-src/--train-tgt leave it out" in err
+    for size in ("0", "5"):
+        err = _fails(capsys, tmp_path, "--train-src", tmp_path / "not-read.src", "--train-tgt", t, "--vocab-size", size)
+        assert f"--vocab-size must be in 8..{1 << 20} (got {size})" in err
+
+
+def test_a_side_given_as_its_own_target_or_validation_on_the_training_set_is_warned_of(corpus, tmp_path, caplog):
+    """The same file as source and target (a model that learns to copy), validation files that are the training
+    files (BLEU and checkpoint_best.pt of text trained on): trained without a word."""
+    s, _ = corpus
+    with caplog.at_level(logging.WARNING, logger="pipeline.training.trainer"):
+        assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", s, "--train-tgt", s,
+                       "--valid-src", s, "--valid-tgt", s, *TINY, "--max-steps", "1") == 0
+    said = [r.getMessage() for r in caplog.records if "same contents" in r.getMessage()]
+    assert said == ["--train-src and --train-tgt have the same contents: the model learns to copy its input",
+                    "--valid-src and --valid-tgt have the same contents: validation BLEU measures copying",
+                    "--train-src and --valid-src have the same contents: validation BLEU and checkpoint_best.pt "
+                    "measure text trained on, not held out"]
+
+
 @pytest.mark.slow
 def test_resuming_with_a_different_config_is_refused(corpus, tmp_path, capsys):
     s, t = corpus

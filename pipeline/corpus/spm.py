@@ -10,7 +10,7 @@ from pathlib import Path
 
 import sentencepiece as spm
 
-from model.config import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from model.config import BOS_ID, EOS_ID, MIN_VOCAB, PAD_ID, UNK_ID
 from model.errors import UserError
 
 SPM_MAX_LINE_BYTES = 4192  # SentencePiece's max_sentence_length: it leaves longer lines out of training
@@ -25,8 +25,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
 
     The vocabulary is a soft limit: tiny corpora get fewer pieces rather than an error.
     """
-    if vocab_size < 8:
-        raise UserError(f"--vocab-size {vocab_size} is too small (at least 8)")
+    if vocab_size < MIN_VOCAB:
+        raise UserError(f"--vocab-size {vocab_size} is too small (at least {MIN_VOCAB})")
     with tempfile.TemporaryDirectory(prefix="spm-") as tmp:
         text = Path(tmp) / "text.txt"
         n, long = 0, 0  # long: lines SentencePiece leaves out (a line of fewer characters than 1/4 of the limit
@@ -54,8 +54,8 @@ def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_type: str =
             needed = re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e))
             if needed is None:
                 raise
-            raise UserError(f"--vocab-size {vocab_size} is smaller than the {int(needed.group(1)) - 4} characters of "
-                            f"the corpus (each is a piece, with 4 special ones): give --vocab-size "
+            raise UserError(f"--vocab-size {vocab_size} is too small for the {int(needed.group(1)) - 4} characters of "
+                            f"the corpus (each is a piece) and 4 special pieces: give --vocab-size "
                             f"{needed.group(1)} or more (a CJK corpus: several thousand)") from None
         data = (prefix.with_suffix(".model")).read_bytes()
     pieces = spm.SentencePieceProcessor(model_proto=data).get_piece_size()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.config import MAX_VOCAB, PRESETS, ModelConfig, preset
+from model.config import MAX_VOCAB, MIN_VOCAB, PRESETS, ModelConfig, preset
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import opt
@@ -170,8 +170,8 @@ def resolve_options(opts: TrainOptions) -> TrainOptions:
         defaults.update({k: v for k, v in BUILTIN_DEFAULTS.items() if k != "preset"})
         if values.get("save_every") is not None:  # --valid-every's default is --save-every, the given one too
             defaults.pop("valid_every")
-    else:
-        values["builtin_pairs"] = None
+    elif opts.builtin_pairs is not None:  # it was dropped in silence
+        raise UserError("--builtin-pairs sizes the built-in corpus; with --train-src/--train-tgt leave it out")
     for key, value in defaults.items():
         if values.get(key) is None:
             values[key] = value
@@ -190,14 +190,14 @@ def check_numbers(o: TrainOptions) -> None:
     """Collect every impossible number, then fail once naming the options."""
     problems = []
     for name in ("max_len", "batch_tokens", "update_freq", "max_steps", "warmup", "save_every",
-                 "keep_last", "valid_every", "valid_beam", "log_every", "max_nonfinite", "vocab_size"):
+                 "keep_last", "valid_every", "valid_beam", "log_every", "max_nonfinite"):
         value = getattr(o, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
     if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
-    if o.vocab_size is not None and o.vocab_size > MAX_VOCAB:
-        problems.append(f"--vocab-size must be at most {MAX_VOCAB} (got {o.vocab_size})")
+    if o.vocab_size is not None and not MIN_VOCAB <= o.vocab_size <= MAX_VOCAB:  # before the corpus is read
+        problems.append(f"--vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB} (got {o.vocab_size})")
     if not 0 <= o.seed < 2 ** 32:  # numpy's and the data order's range
         problems.append(f"--seed must be in 0..{2 ** 32 - 1} (got {o.seed})")
     if (Path(o.save_dir) / MANIFEST).is_file():

@@ -21,7 +21,7 @@ import re
 import shutil
 import signal
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -167,6 +167,20 @@ def _check_save_dir(save_dir: Path) -> None:
                         "writable one") from None
 
 
+def _warn_same_contents(files: dict[str, dict[str, Any]]) -> None:
+    """Corpus files of the same bytes where a run wants them apart, said once: a source side given as its own
+    target (the model learns to copy), or validation files that are the training files (its BLEU and the best
+    checkpoint then say nothing of text the model has not seen)."""
+    digest = {name: f["sha256"] for name, f in files.items()}
+    same = [(a, b, why) for a, b, why in (
+        ("train_src", "train_tgt", "the model learns to copy its input"),
+        ("valid_src", "valid_tgt", "validation BLEU measures copying"),
+        ("train_src", "valid_src", "validation BLEU and checkpoint_best.pt measure text trained on, not held out"),
+    ) if a in digest and digest[a] == digest.get(b)]
+    for a, b, why in same:
+        log.warning("--%s and --%s have the same contents: %s", a.replace("_", "-"), b.replace("_", "-"), why)
+
+
 def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     save_dir = Path(opts.save_dir)
     if ctx.is_main:  # only rank 0 writes here; another node's live temps have pids we cannot see
@@ -176,6 +190,8 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     wanted = comparable_config(opts, model_config(opts, vocab_size=max(8, opts.vocab_size or 8)))
     payload = check_resume(save_dir, wanted) if save_dir.is_dir() else None
     data_files = data_fingerprint(opts)
+    if ctx.is_main and data_files:
+        _warn_same_contents(data_files)
     changed = check_data(save_dir, payload["train_state"].get("data_files"), data_files,
                          opts.allow_changed_data) if payload else []
     data = _prepare(opts, ctx, payload["spm_model"] if payload else None)
