@@ -135,9 +135,9 @@ def test_an_input_without_line_breaks_is_refused_not_read_whole(model_dir, tmp_p
     assert run_cli("serve-batch", model_dir, "/dev/zero", "-o", tmp_path / "z.en", *FAST) == 2
     assert "/dev/zero:1: a line of more than 16 MiB with no line break" in capsys.readouterr().err
     monkeypatch.setattr(translation, "MAX_LINE_BYTES", 20)
-    fits = write(tmp_path / "fits.de", ["der hund", "x" * 19])  # 20 bytes with its line break: taken
-    assert run_cli("serve-batch", model_dir, fits, "-o", tmp_path / "fits.en", *FAST) == 0
-    over = write(tmp_path / "over.de", ["der hund", "x" * 20])
+    fits = write(tmp_path / "fits.de", ["der hund", "x" * 20])  # 20 bytes and its line break: taken, as ray-translate
+    assert run_cli("serve-batch", model_dir, fits, "-o", tmp_path / "fits.en", *FAST) == 0  # takes it (refused)
+    over = write(tmp_path / "over.de", ["der hund", "x" * 21])
     assert run_cli("serve-batch", model_dir, over, "-o", tmp_path / "over.en", *FAST) == 2
     assert "over.de:2: a line of more than 0 MiB" in capsys.readouterr().err
     assert not (tmp_path / "z.en").exists() and not (tmp_path / "over.en").exists()

@@ -149,6 +149,15 @@ def test_serve_batch_warns_of_an_html_line_that_leaves_script_or_pre_open(tmp_pa
                       "--format html reads each line as an HTML document; a multi-line HTML file is one document "
                       "(translate it with `pipeline serve`'s POST /translate_file, or put each document on one "
                       "line)"]
+    # each such line counted: the first named, then how many in all (three lines left <pre>, <b and <!-- open: one
+    # warning named the first, the others went uncounted)
+    page.write_text("<pre>a\n<p>ok</p>\n<b\n<!-- x\n")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        list(read_windows(str(page), TOK, 100, opts))
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith(f"{page}:1: the line leaves <pre> open") and said[1] == (
+        f"{page}: 3 lines in all leave a tag, comment or <script>/<pre> open; the rest of each was copied untranslated")
     caplog.clear()
     page.write_text("<p>Hallo</p>\n<p>Welt</p>\n")
     with caplog.at_level(logging.WARNING):

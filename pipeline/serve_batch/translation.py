@@ -147,7 +147,7 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
         texts: list[str] = []
         replaced = size = 0
         first_line = 1
-        warned = False
+        unclosed = 0  # lines of the file that leave a construct open (--format html)
         for lineno, raw in enumerate(_raw_lines(f, path), start=1):
             text, bad = decode_row(raw, path, lineno, opts.invalid_utf8)
             replaced, size = replaced + bad, size + len(raw)
@@ -155,31 +155,33 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
             if len(texts) == opts.window or size >= WINDOW_BYTES:
                 window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix,
                                        glossary)
-                warned = warned or _unclosed(window, path, first_line)
+                unclosed += _unclosed(window, path, first_line, unclosed)
                 yield window
                 texts, replaced, size, first_line = [], 0, 0, lineno + 1
         if texts:
             window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
-            warned or _unclosed(window, path, first_line)
+            unclosed += _unclosed(window, path, first_line, unclosed)
             yield window
+        if unclosed > 1:  # the first was named: the count, so no repair goes uncounted
+            log.warning("%s: %d lines in all leave a tag, comment or <script>/<pre> open; the rest of each was copied "
+                        "untranslated", path, unclosed)
     finally:
         if f is not sys.stdin.buffer:
             f.close()
 
 
-def _unclosed(window: Window, path: str, first_line: int) -> bool:
-    """Warn (once a file: True) of the first --format html line that leaves <script>, <pre>, a comment, ... open:
-    the rest of that line is copied untranslated, as a browser would, but a whole HTML file split into lines (its
-    script's code, <pre>'s lines) is read so, translating what it should keep and keeping what it should not."""
-    found = next(((k, m.unclosed) for k, m in enumerate(window.encoded.markups) if m is not None and m.unclosed),
-                 None)
-    if found is None:
-        return False
-    log.warning("%s:%d: the line leaves %s open, so the rest of it is copied untranslated: --format html reads "
-                "each line as an HTML document; a multi-line HTML file is one document (translate it with `pipeline "
-                "serve`'s POST /translate_file, or put each document on one line)", path, first_line + found[0],
-                found[1])
-    return True
+def _unclosed(window: Window, path: str, first_line: int, before: int) -> int:
+    """How many --format html lines of the window leave <script>, <pre>, a comment, ... open, the first of the
+    file named (`before`: how many earlier windows had): the rest of such a line is copied untranslated, as a
+    browser would, but a whole HTML file split into lines (its script's code, <pre>'s lines) is read so,
+    translating what it should keep and keeping what it should not."""
+    found = [(k, m.unclosed) for k, m in enumerate(window.encoded.markups) if m is not None and m.unclosed]
+    if found and not before:
+        log.warning("%s:%d: the line leaves %s open, so the rest of it is copied untranslated: --format html reads "
+                    "each line as an HTML document; a multi-line HTML file is one document (translate it with "
+                    "`pipeline serve`'s POST /translate_file, or put each document on one line)", path,
+                    first_line + found[0][0], found[0][1])
+    return len(found)
 
 
 MAX_LINE_BYTES = 16 << 20  # a line longer than this has no line breaks to speak of: not a text file (/dev/zero)
@@ -196,9 +198,9 @@ def _raw_lines(f: IO[bytes], path: str) -> Iterator[bytes]:
     /dev/zero took all memory)."""
     lineno = 0
     try:
-        while raw := f.readline(MAX_LINE_BYTES + 1):
+        while raw := f.readline(MAX_LINE_BYTES + 2):
             lineno += 1
-            if len(raw) > MAX_LINE_BYTES:
+            if len(raw) - raw.endswith(b"\n") > MAX_LINE_BYTES:  # its line break not counted, as ray-translate's
                 raise line_too_long(path, lineno)
             yield raw
     except (OSError, EOFError) as e:
