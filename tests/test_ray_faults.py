@@ -128,3 +128,46 @@ def test_an_address_with_no_cluster_fails_in_seconds_naming_it(fp32_dir, tmp_pat
     assert time.monotonic() - started < 60
     assert_one_line_error(code, err, f"--address {address}: no Ray cluster answers there (connection refused)",
                           "ray start --head")
+
+
+def test_address_auto_with_no_cluster_on_this_machine_says_so(monkeypatch):
+    """`--address auto` where `ray start` never ran said "something answers there, but Ray could not join it":
+    nothing answered. Ray finds no cluster (none recorded, none running): said as such."""
+    from ray._private import services
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "find_gcs_addresses", lambda: [])
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir=None: None)
+    with pytest.raises(UserError, match=r"^--address auto: no Ray cluster runs on this machine \(`ray start --head` "
+                                        r"starts one\); leave --address out for a local one$"):
+        probe("auto")
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_job_as_it_ends_serve_batch(fp32_dir, tmp_path):
+    """ray.init put its own SIGTERM handler in place of ours: exit 15 and a C++ stack dump, where serve-batch says
+    "terminated (SIGTERM)" and exits 143. Finished shards stay, and no partial one is left."""
+    import signal
+    import subprocess
+
+    from helpers import cli_env, pipeline_cmd
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(4):
+        write_lines(corpus / f"s{k}.txt", [f"ab cd ef {i}" for i in range(1500)])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(pipeline_cmd("ray-translate", fp32_dir, corpus, "--output-dir", out, "--batch-size", 50,
+                                         "--backend", "onnxruntime"), env=cli_env(), stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(out.glob("s*.txt")) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "terminated (SIGTERM)", err[-2000:]
+    assert "SIGTERM received at time" not in err

@@ -18,8 +18,10 @@ import dataclasses
 import logging
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -80,6 +82,7 @@ def connect(address: str | None) -> bool:
                              "logging_level": logging.INFO if verbose else logging.ERROR}
     if address is not None:
         probe(address)
+    terminate = signal.getsignal(signal.SIGTERM)  # ray.init puts its own: exit 15 with a C++ stack dump
     try:
         if address is None:
             # a local cluster's processes inherit this environment: no runtime_env, which would leave the workers
@@ -99,6 +102,9 @@ def connect(address: str | None) -> bool:
                         f"({str(e)[:200]}); if it is a Ray cluster that requires a token (RAY_AUTH_MODE=token), set "
                         "RAY_AUTH_MODE and RAY_AUTH_TOKEN as its head has them; else start one with `ray start "
                         "--head`") from None
+    finally:
+        if terminate is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, terminate)  # ours again: "terminated (SIGTERM)", status 143, as serve-batch
     return True
 
 
@@ -114,7 +120,10 @@ def probe(address: str) -> None:
             from ray._private.services import canonicalize_bootstrap_address
 
             target = canonicalize_bootstrap_address("auto") or ""
-        except Exception:  # noqa: BLE001 - no recorded cluster (or Ray's private API moved): ray.init says it
+        except ConnectionError:  # none recorded, none running: ray.init's error then said "something answers"
+            raise UserError(f"--address {address}: no Ray cluster runs on this machine (`ray start --head` starts "
+                            "one); leave --address out for a local one") from None
+        except Exception:  # noqa: BLE001 - Ray's private API moved: ray.init says what it finds
             return
     host, sep, port = target.rpartition(":")
     host = host.strip("[]")  # an IPv6 [::1]:6379
