@@ -282,6 +282,30 @@ def test_a_damaged_docx_is_a_400_naming_the_file():
     assert "'kaputt.docx': the file is not a readable Word document (.docx) (not a zip archive" in r.json()["error"]
 
 
+def test_a_password_protected_or_deeply_nested_document_says_so():
+    """A password-protected .docx (an OLE container) was "not a zip archive: File is not a zip file"; a zip member
+    with the encryption flag quoted Python's ZipInfo repr; a part nested too deep passed on libxml's advice to use
+    XML_PARSE_HUGE, which no sender can act on."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("word/document.xml", b"<x/>")
+    encrypted = bytearray(buffer.getvalue())
+    encrypted[6] |= 1  # the general purpose flag's bit 0 (encrypted), in the local header and the central directory
+    encrypted[encrypted.index(b"PK\x01\x02") + 8] |= 1
+    deep = io.BytesIO()
+    with zipfile.ZipFile(deep, "w") as z:
+        z.writestr("[Content_Types].xml", b"<Types/>")
+        z.writestr("word/document.xml", b"<a>" * 300 + b"</a>" * 300)
+    with served() as c:
+        answers = [send(c, "geheim.docx", data).json()["error"] for data in (
+            b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1" + bytes(504), bytes(encrypted), deep.getvalue())]
+    assert answers[0].endswith("the file is not a readable Word document (.docx) (password-protected, or an old "
+                               ".doc/.ppt)"), answers[0]
+    assert answers[1].endswith("the Word document (.docx) is password-protected: save it without a password"), \
+        answers[1]
+    assert "XML_PARSE_HUGE" not in answers[2] and "Excessive depth in document: 256" in answers[2], answers[2]
+
+
 def _zip_bomb() -> bytes:
     """A .docx-shaped archive whose member unpacks to 200 MiB of zeros (about 200 KB packed)."""
     buffer = io.BytesIO()

@@ -1,6 +1,5 @@
-"""The archive document formats of POST /translate_file (.docx, .pptx, .odt, .odp, .epub): every archive bounded
-before it is decompressed (members, each member's declared size, their total), XML parsed without a DTD,
-entities or the network. The rules are documents.py's."""
+"""The archive formats of POST /translate_file (.docx, .pptx, .odt, .odp, .epub), bounded before decompressing
+(members, declared sizes, total), XML read without a DTD, entities or the network; the rules are documents.py's."""
 
 from __future__ import annotations
 
@@ -31,15 +30,16 @@ STRICT = "{http://purl.oclc.org/ooxml/"  # Strict Open XML's namespaces: the sam
 
 
 def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
-    """Every member of the archive, decompressed after the bounds are checked on the sizes it declares
-    (zipfile stops at the declared size and checks the CRC: a member holding more is an error, not a bomb).
-    Each read asks for the declared size: zipfile's read() of a whole member asks zlib for up to 2 GiB at once
-    and cuts that to the declared size after, so a 1 MiB member declaring 10 bytes held 2 GB."""
+    """Every member, decompressed once the declared sizes are within bounds (zipfile stops at the declared size and
+    checks the CRC: more is an error, not a bomb); each read asks for that size (a whole-member read() asks zlib
+    for up to 2 GiB and cuts after: a 1 MiB member declaring 10 bytes held 2 GB)."""
     try:
         archive = zipfile.ZipFile(io.BytesIO(data))
         infos = archive.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as e:
-        raise DocumentError(f"the file is not a readable {what} (not a zip archive: {e})") from None
+        ole = data[:4] == b"\xd0\xcf\x11\xe0"  # password-protected Office files are OLE containers, not zips
+        why = "password-protected, or an old .doc/.ppt" if ole else f"not a zip archive: {e}"
+        raise DocumentError(f"the file is not a readable {what} ({why})") from None
     if len(infos) > MAX_MEMBERS:
         raise DocumentError(f"the {what} has {len(infos)} members, more than this server's limit of {MAX_MEMBERS}",
                             too_large=True)
@@ -53,15 +53,15 @@ def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
             with archive.open(info) as member:
                 content = member.read(info.file_size + 1)
         except Exception as e:  # bad CRC, unknown compression, encrypted, truncated: the file's fault
-            raise DocumentError(f"the {what} is damaged: its member {info.filename[:100]!r} cannot be read "
-                                f"({type(e).__name__}: {e})") from None
+            raise DocumentError(f"the {what} is password-protected: save it without a password" if info.flag_bits & 1
+                                else f"the {what} is damaged: its member {info.filename[:100]!r} cannot be read "
+                                f"({type(e).__name__}: {str(e)[:200]})") from None
         members.append((info, content))
     return members
 
 
 def _zip(members: list[tuple[zipfile.ZipInfo, bytes]]) -> bytes:
-    """The archive again, its members in their order, each compressed as it was (an OpenDocument's or EPUB's
-    first member, mimetype, stays first and stored)."""
+    """The archive again, members in order, each compressed as it was (an ODF's or EPUB's mimetype: first, stored)."""
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as archive:
         for info, content in members:
@@ -81,8 +81,9 @@ def _parse_xml(content: bytes, name: str, what: str) -> Any:
     parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, huge_tree=False)
     try:
         tree = etree.parse(io.BytesIO(content), parser)
-    except etree.XMLSyntaxError as e:
-        raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({e})") from None
+    except etree.XMLSyntaxError as e:  # libxml's own advice (XML_PARSE_HUGE) is none a sender can act on
+        why = str(e).replace(", use XML_PARSE_HUGE option", "")
+        raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({why})") from None
     if tree.docinfo.internalDTD is not None or tree.docinfo.doctype:
         raise DocumentError(f"the {what}'s part {name!r} declares a DTD, which this server does not read")
     return tree
@@ -217,8 +218,8 @@ Prefer = Callable[[Any, str], bool]  # may a text slot (element, where) hold its
 
 
 def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Prefer | None = None) -> None:
-    """The translation in the first text slot (its run's formatting) that `prefer`s (else the first), the others
-    emptied; the text:s and character elements removed (the translation has its own), their tails kept."""
+    """The translation in the first text slot `prefer`red (else the first; its run's formatting), the others emptied;
+    text:s and character elements removed (the translation has its own), their tails kept."""
     texts = [(element, where) for element, where in slots if where in ("text", "tail")]
     first = next((k for k, slot in enumerate(texts) if prefer is None or prefer(*slot)), 0)
     for k, (element, where) in enumerate(texts):
@@ -305,9 +306,8 @@ def _docx_plain(text: Any, where: str) -> bool:
     become the sentence's) and not inside a tracked insertion or move (rejecting it would delete the sentence)."""
     run = text.getparent()
     shift = run.find(f"{W}rPr/{W}vertAlign") if run is not None else None
-    if shift is not None and shift.get(W + "val") in ("superscript", "subscript"):
-        return False
-    return next(text.iterancestors(W + "ins", W + "moveTo"), None) is None
+    return (shift is None or shift.get(W + "val") not in ("superscript", "subscript")) and next(
+        text.iterancestors(W + "ins", W + "moveTo"), None) is None
 
 
 def _docx_links(root: Any) -> set[Any]:
