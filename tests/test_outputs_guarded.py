@@ -181,5 +181,12 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
                                       "1,1", "--alphas", "0.6,0.60", "--json", "-")
     assert code == 0, err
     assert not (tmp_path / "-").exists()
-    trials = json.loads(out[out.index("\n["):])
+    trials = json.loads(out)  # standard output holds the JSON alone (the table came first: `| jq` failed)
     assert [(t["beam_size"], t["alpha"]) for t in trials] == [(1, 0.6)]
+    assert err.startswith("beam  alpha   BLEU   chrF")
+    for command in (["parity", fp32_dir, "--src", src, "--ref", ref, "--backends", "torch", "--min-identical", "0",
+                     "--max-bleu-delta", "100"], ["bench", fp32_dir, "--backends", "torch", "--batch-size", "1",
+                                                  "--sentences", "2"]):
+        code, out, err = run_cli_captured(capsys, *command, "--json", "-")
+        assert code == 0 and isinstance(json.loads(out), dict), (out, err)
+        assert "backend" in err  # the table

@@ -53,6 +53,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         check_output_file(o.json_out, "--json")
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
     _one_mode(ctx, o)
+    aside = str(o.json_out) == "-"  # the table on standard error: standard output holds the JSON alone
     if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
                         "--whole-process, --serve and --compare")
@@ -67,7 +68,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
                                    threads=threads or 2, beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                    rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
                                    min_agreement=o.min_agreement, parallel_batches=batches, rules=rules)
-        click.echo(format_whole_process(report))
+        click.echo(format_whole_process(report), err=aside)
     elif o.serve_input is not None:
         serve_bench = pick(ServeBenchOptions, values)
         default_backends = ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT
@@ -83,20 +84,20 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
                             "(leave out --serve)")
         report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, decoding.beam_size,
                                  serve_bench)
-        click.echo(format_serve_bench(report))
+        click.echo(format_serve_bench(report), err=aside)
     elif len(model_dirs) == 1 and not o.compare:
         report = run_bench(model_dirs[0], parse_backends(o.backends), list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
                            tgt_lang=tgt_lang, step=step, parallel_batches=batches)
-        click.echo(format_table(report))
+        click.echo(format_table(report), err=aside)
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),
                                 compare=list(o.compare), beam_size=decoding.beam_size, fixed_length=o.fixed_length,
                                 src=o.src, sentences=o.sentences, src_len=o.src_len, device=device, threads=threads,
                                 rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
                                 min_agreement=o.min_agreement, parallel_batches=batches)
-        click.echo(format_comparison(report))
+        click.echo(format_comparison(report), err=aside)
     if o.json_out:
         write_json(report, o.json_out)
 

@@ -70,10 +70,11 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
                                                                               tgt_lang=tgt_lang),
                         device=device, gates=opts.gates(), threads=threads, save_hyps=save_hyps,
                         reference_engine=opts.reference_engine, hf_dir=opts.hf_dir, shortlist=shortlist)
-    click.echo(format_table(report))
+    aside = str(json_out) == "-"  # the table on standard error: standard output holds the JSON alone
+    click.echo(format_table(report), err=aside)
     if json_out:
         write_json(report, json_out)
     if not report.passed:
         click.echo("parity: FAILED", err=True)
         sys.exit(1)
-    click.echo("parity: passed")
+    click.echo("parity: passed", err=aside)

@@ -36,19 +36,20 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
         check_json_out(opts.json_out, [opts.src, opts.ref], model)
     trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device,
                            src_lang, tgt_lang)
-    click.echo("beam  alpha   BLEU   chrF")
+    aside = str(opts.json_out) == "-"  # the table on standard error: standard output holds the JSON alone
+    click.echo("beam  alpha   BLEU   chrF", err=aside)
     for t in trials:
-        click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}")
+        click.echo(f"{t.beam_size:4d}  {t.alpha:5.2f}  {t.bleu:5.2f}  {t.chrf:5.2f}", err=aside)
     best = trials[0]
     flags = best.export_flags()  # with the other search settings it ran under, unlike the paper's
     given = " ".join(f"--{side}-lang {code}" for side, code in (("src", src_lang), ("tgt", tgt_lang)) if code)
     pair = f" ({given})" if given else ""
-    click.echo(f"best on {opts.src.name}{pair}: {flags} (BLEU {best.bleu:.2f})")
+    click.echo(f"best on {opts.src.name}{pair}: {flags} (BLEU {best.bleu:.2f})", err=aside)
     checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "
-               f"pipeline export {checkpoint} --out NEW_DIR {flags}")
+               f"pipeline export {checkpoint} --out NEW_DIR {flags}", err=aside)
     if opts.json_out:
-        with atomic_output(opts.json_out) as f:  # '-': standard output, after the table (as parity's --json -)
+        with atomic_output(opts.json_out) as f:  # '-': standard output, the table on standard error
             f.write(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
 
 

@@ -77,7 +77,8 @@ class BenchOptions(Checked):
                                               "ctranslate2, a CTranslate2 script on the same weights; wall time and "
                                               "peak RSS, --rounds alternating rounds, --threads threads (default 2).",
                                           multiple=True, metavar="FILE", exists=True)
-    json_out: Path | None = opt(None, "Write results as JSON.", flag="--json", path="any")
+    json_out: Path | None = opt(None, "Write results as JSON ('-': standard output, the table then on standard "
+                                      "error).", flag="--json", path="any")
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag

@@ -84,7 +84,8 @@ class ParityOptions(Checked):
                                             "int8 gate: largest |BLEU(backend) - BLEU(torch fp32)|.")
     int8_min_identical: float | None = opt(DEFAULT_GATES["int8"].min_identical, "int8 gate: least share of "
                                            "token-identical sentences (default: not gated).")
-    json_out: Path | None = opt(None, "Write the report as JSON.", flag="--json", path="any")
+    json_out: Path | None = opt(None, "Write the report as JSON ('-': standard output, the table then on "
+                                      "standard error).", flag="--json", path="any")
     save_hyps: Path | None = opt(None, "Write each backend's translation of SRC, line-aligned, to "
                                        "DIR/<backend>.<precision>.txt (what serve-batch writes with the same "
                                        "options).", path="dir", metavar="DIR")
