@@ -190,3 +190,5 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
         code, out, err = run_cli_captured(capsys, *command, "--json", "-")
         assert code == 0 and isinstance(json.loads(out), dict), (out, err)
         assert "backend" in err  # the table
+        code, _, err = run_cli_captured(capsys, *command, "--json", f"{tmp_path}/newdir/")  # wrote a file "newdir"
+        assert code == 2 and "ends with / (a directory); give a file path" in err and not (tmp_path / "newdir").exists()

@@ -78,7 +78,7 @@ class BenchOptions(Checked):
                                               "peak RSS, --rounds alternating rounds, --threads threads (default 2).",
                                           multiple=True, metavar="FILE", exists=True)
     json_out: Path | None = opt(None, "Write results as JSON ('-': standard output, the table then on standard "
-                                      "error).", flag="--json", path="any")
+                                      "error).", flag="--json")
 
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         n = name or self.flag

@@ -85,7 +85,7 @@ class ParityOptions(Checked):
     int8_min_identical: float | None = opt(DEFAULT_GATES["int8"].min_identical, "int8 gate: least share of "
                                            "token-identical sentences (default: not gated).")
     json_out: Path | None = opt(None, "Write the report as JSON ('-': standard output, the table then on "
-                                      "standard error).", flag="--json", path="any")
+                                      "standard error).", flag="--json")
     save_hyps: Path | None = opt(None, "Write each backend's translation of SRC, line-aligned, to "
                                        "DIR/<backend>.<precision>.txt (what serve-batch writes with the same "
                                        "options).", path="dir", metavar="DIR")

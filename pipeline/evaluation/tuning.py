@@ -67,7 +67,7 @@ class TuneOptions(Checked):
     beams: str = opt("1,4,6", "Beam widths to try, comma-separated.")
     alphas: str = opt("0.6,1.0", "Length penalties to try, comma-separated.")
     json_out: Path | None = opt(None, "Also write every trial as JSON to this file ('-': standard output, the table "
-                                "then on standard error).", flag="--json", path="any")
+                                "then on standard error).", flag="--json")
 
     def beam_sizes(self) -> list[int]:
         """The beams, each once (`1,1` decoded every trial twice), in the order given."""
