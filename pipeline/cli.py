@@ -13,6 +13,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
+from pipeline.invocation import record
 
 # Each command's module, imported only when that command runs (`--help` lists SUMMARIES), so a
 # deploy-only install (no torch) serves, and every command starts without the others' imports.
@@ -175,6 +176,7 @@ def missing_package(e: ModuleNotFoundError, argv: list[str]) -> str | None:
 def main(argv: list[str] | None = None) -> None:
     """Run a command; every user mistake or environment fault ends as one line on stderr.
     Anything else is a bug and keeps its traceback, so it can be reported."""
+    record(sys.argv[1:] if argv is None else argv)
     try:
         previous = signal.signal(signal.SIGTERM, _terminate)
     except ValueError:  # not the main thread (an embedding caller): leave signals alone

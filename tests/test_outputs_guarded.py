@@ -5,6 +5,7 @@ save dir. Each refusal is one line before any work, and the thing it protects is
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -189,6 +190,7 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
                                                   "--sentences", "2"]):
         code, out, err = run_cli_captured(capsys, *command, "--json", "-")
         assert code == 0 and isinstance(json.loads(out), dict), (out, err)
+        assert json.loads(out)["command"] == shlex.join(["pipeline", *map(str, command), "--json", "-"])
         assert "backend" in err  # the table
         code, _, err = run_cli_captured(capsys, *command, "--json", f"{tmp_path}/newdir/")  # wrote a file "newdir"
         assert code == 2 and "ends with / (a directory); give a file path" in err and not (tmp_path / "newdir").exists()

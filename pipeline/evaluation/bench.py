@@ -23,6 +23,7 @@ from typing import Any
 
 from model.errors import UserError
 from pipeline.evaluation.cpu_peak import peak_line, percent
+from pipeline.invocation import command_line
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
@@ -340,6 +341,7 @@ def format_table(report: dict) -> str:
 
 
 def write_json(report: dict, path: Path) -> None:
+    """The report, first the command that made it (pipeline/invocation.py)."""
     with atomic_output(path) as f:
-        json.dump(report, f, indent=2)
+        json.dump({"command": command_line(), **report}, f, indent=2)
         f.write("\n")

@@ -33,6 +33,7 @@ from model.errors import UserError
 from model.manifest import CHECKPOINT_FILE, REFERENCES_FILE
 from pipeline.evaluation.divergence import Divergence, ModelOnDemand, divergence_gaps
 from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, REFERENCES, SHORTLISTED, Gate, gate_for
+from pipeline.invocation import command_line
 from pipeline.serve_batch.files import translate_windows, warn_min_len
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, read_lines
@@ -352,6 +353,6 @@ def format_table(report: ParityReport) -> str:
 
 
 def write_json(report: ParityReport, path: Path) -> None:
-    with atomic_output(path) as f:
-        json.dump(report.to_json(), f, indent=2)
+    with atomic_output(path) as f:  # first the command that made it (pipeline/invocation.py)
+        json.dump({"command": command_line(), **report.to_json()}, f, indent=2)
         f.write("\n")
