@@ -282,6 +282,18 @@ def test_a_damaged_docx_is_a_400_naming_the_file():
     assert "'kaputt.docx': the file is not a readable Word document (.docx) (not a zip archive" in r.json()["error"]
 
 
+def test_a_text_file_in_utf16_without_a_bom_is_told_to_be_saved_as_utf8():
+    """ASCII text in UTF-16 without a byte-order mark decodes as UTF-8 with a NUL every other byte: it was
+    refused as "its text 1 holds a NUL character", not as the encoding it is in."""
+    with served() as c:
+        for name, data in (("notes.txt", "Hallo Welt\n".encode("utf-16-le")),
+                           ("film.srt", "1\n00:00:01,000 --> 00:00:02,000\nHallo\n".encode("utf-32-be"))):
+            r = send(c, name, data)
+            assert r.status_code == 400 and "is not UTF-8 text: a third or more of its bytes are 0, as in UTF-16" in \
+                r.json()["error"], r.text
+        assert send(c, "notes.txt", "Hallo Welt\n".encode("utf-16")).status_code == 200  # with its BOM: read
+
+
 def test_a_password_protected_or_deeply_nested_document_says_so():
     """A password-protected .docx (an OLE container) was "not a zip archive: File is not a zip file"; a zip member
     with the encryption flag quoted Python's ZipInfo repr; a part nested too deep passed on libxml's advice to use

@@ -55,6 +55,9 @@ def _decode(data: bytes, what: str) -> tuple[str, Callable[[str], bytes]]:
     except UnicodeDecodeError as e:
         raise DocumentError(f"the {what} is not {encoding.upper()} text (byte {e.start + len(bom)}); save it as "
                             "UTF-8") from None
+    if not bom and data.count(0) * 3 >= len(data) > 0:  # ASCII in UTF-16 or UTF-32 reads as UTF-8 with NULs
+        raise DocumentError(f"the {what} is not UTF-8 text: a third or more of its bytes are 0, as in UTF-16 or "
+                            "UTF-32 without a byte-order mark; save it as UTF-8")
     return text, lambda out: bom + out.encode(encoding, "surrogatepass")
 
 
