@@ -328,6 +328,7 @@ class _JobTranslator(Translator):
     machine) follows them."""
 
     counts: dict[str, int] = {}  # the last batch's _BATCH_COUNTS
+    API = False  # its refusals name the command's flags alone (the Python options meant nothing on a terminal)
 
     def __init__(self, *args: Any, **kwargs: Any):
         with _marked():

@@ -74,6 +74,13 @@ class Translator:
     (used as one; it replaces options.glossary), read and checked once per worker, or a Glossary already read
     (runtime.glossary_file.load_glossaries: a driver reads the files once, its workers check it)."""
 
+    API = True  # refusals name the Python options beside the command's (ray-translate's own Translator: False)
+
+    def _fix(self, name: str, value: str) -> str:
+        """How a refusal names the fix: the command line's flag, and the Translator's option where it is the API."""
+        flag = f"--{name.replace('_', '-')} {value}"
+        return f"{flag} (options with {name}={value!r})" if self.API else flag
+
     def __init__(self, model_dir: str | Path, *, column: str = "text", load_options: LoadOptions | None = None,
                  decoding: DecodingOptions = PAPER, options: ServeBatchOptions | None = None,
                  origin_columns: tuple[str, str] | None = None,
@@ -134,7 +141,8 @@ class Translator:
                 return f"{origins[0][row]}:{origins[1][row]}"
             return f"row:{row + 1} of this batch of {len(sources)}{_start(sources[row])}"
 
-        texts = [self._checked(_text(s, row, where, self.options.invalid_utf8), row, where)
+        replace = self._fix("invalid_utf8", "replace")
+        texts = [self._checked(_text(s, row, where, self.options.invalid_utf8, replace), row, where)
                  for row, s in enumerate(sources)]
         loaded, decoding = self.loaded, self.options.decoding
         origin: Origin = Located(origins[0], origins[1]) if origins is not None else Lines("row")
@@ -142,8 +150,8 @@ class Translator:
             encoded = encode_texts(loaded.tokenizer, texts, loaded.backend.max_src_len, self.policy, origin,
                                    glossary=self.glossary)
         except SourceTooLong as e:  # a refused row (long_lines "error"): one line naming it, and the option
-            raise UserError(f"{e.what}; pass --long-lines truncate (options with long_lines='truncate') or split the "
-                            "line") from None
+            raise UserError(f"{e.what}; pass {self._fix('long_lines', 'truncate')}"
+                            " or split the line") from None
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
         nbest = loaded.translate(encoded.ids, decoding, self.direction.first_tokens(len(encoded.ids)),
@@ -172,12 +180,14 @@ class Translator:
         only in a document (split 'sentences', format 'html'), where it is whitespace between sentences."""
         if why := not_text(text):
             if self.options.invalid_utf8 != "replace":
-                raise UserError(f"{where(row)}: holds {why}; pass --invalid-utf8 replace (options with "
-                                "invalid_utf8='replace') to replace it with U+FFFD")
+                raise UserError(f"{where(row)}: holds {why}; pass "
+                                f"{self._fix('invalid_utf8', 'replace')} to "
+                                "replace it with U+FFFD")
             text = "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in text)
         if "\n" in text and not self.policy.documents:  # one line to the model: its lines ran together
-            raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass --split sentences "
-                            "(options with split='sentences'): its lines then translate apart")
+            raise UserError(f"{where(row)}: holds a newline; give one line per row, or pass "
+                            f"{self._fix('split', 'sentences')}: its lines then "
+                            "translate apart")
         return text
 
 
@@ -198,7 +208,8 @@ def _arrow(values: np.ndarray) -> Any:
 _NULLS = ("NAType", "NaTType")  # pandas' pd.NA (a string column's null) and pd.NaT
 
 
-def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str) -> str:
+def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str,
+          replace: str = "options with invalid_utf8='replace'") -> str:
     """A row's source text: a null of any kind (None, NaN, pd.NA, a null Arrow scalar) a blank row; bytes as UTF-8
     under serve-batch's --invalid-utf8; anything else not text refused, naming the row (its str() would be
     translated: "nan", "<NA>", "[1, 2]")."""
@@ -208,7 +219,7 @@ def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str) 
             value):
         return ""
     if hasattr(value, "as_py") and hasattr(value, "is_valid"):  # a pyarrow scalar
-        return "" if not value.is_valid else _text(value.as_py(), row, where, invalid_utf8)
+        return "" if not value.is_valid else _text(value.as_py(), row, where, invalid_utf8, replace)
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
@@ -216,6 +227,6 @@ def _text(value: Any, row: int, where: Callable[[int], str], invalid_utf8: str) 
             if invalid_utf8 == "replace":
                 return value.decode("utf-8", errors="replace")
             raise UserError(f"{where(row)}: invalid UTF-8 (byte {e.start}: {value[e.start:e.start + 1]!r}); pass "
-                            "options with invalid_utf8='replace' to replace it with U+FFFD") from None
+                            f"{replace} to replace it with U+FFFD") from None
     raise UserError(f"{where(row)}: {type(value).__name__} {str(value)[:30]!r}, not text; the source column holds "
                     "strings (a null is a blank row)")
