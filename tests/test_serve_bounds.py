@@ -622,3 +622,15 @@ def test_a_chunked_trailer_and_stray_bytes_between_requests_are_bounded_as_a_hea
             except TimeoutError:
                 late = b"<still open>"
         assert late.startswith(b"HTTP/1.1 408 ") and time.monotonic() - started < 3, late[:100]
+
+
+def test_a_model_dir_given_through_a_link_is_served_under_the_name_given(tmp_path, monkeypatch):
+    """`pipeline serve models/de-en` with de-en a link to de-en-v3 was served as "de-en-v3": no LibreTranslate
+    route (the name carries the pair), where the docs say a MODEL_DIR is served under its directory's name."""
+    from pipeline.serve.runner import model_specs
+
+    (tmp_path / "de-en-v3").mkdir()
+    (tmp_path / "de-en").symlink_to(tmp_path / "de-en-v3")
+    assert model_specs(str(tmp_path / "de-en"), ()) == [("de-en", str(tmp_path / "de-en"))]
+    monkeypatch.chdir(tmp_path / "de-en-v3")
+    assert model_specs(".", ())[0][0] == "de-en-v3"  # "." is the directory it names

@@ -111,7 +111,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 def model_specs(model_dir: str | None, specs: tuple[str, ...]) -> list[tuple[str, str]]:
     """(name, dir) of every model to serve: MODEL_DIR as its directory's name, then each --model NAME=DIR."""
-    models = [(Path(model_dir).resolve().name or "model", model_dir)] if model_dir else []
+    # the name as given, not the link's target (models/de-en -> de-en-v3 is served as de-en); "." is the cwd's
+    models = [(Path(os.path.abspath(model_dir)).name or "model", model_dir)] if model_dir else []
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not path or not NAME.fullmatch(name):
