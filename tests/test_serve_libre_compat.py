@@ -250,3 +250,32 @@ def test_an_nllb_models_languages_are_detected_named_and_defaulted():
         assert names["eng_Latn"] == "English" and names["zho_Hant"] == "Chinese (traditional)"
         assert names["xxx_Latn"] == "xxx_Latn"
         assert c.get("/frontend/settings").json()["language"]["target"]["name"] == "English"
+
+
+def _json_schema(node: object) -> object:
+    """An OpenAPI 3.0 schema as JSON Schema: `nullable` is a null type beside the others."""
+    if isinstance(node, list):
+        return [_json_schema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _json_schema(v) for k, v in node.items() if k not in ("nullable", "description", "title")}
+    if node.get("nullable"):
+        out["type"] = [node["type"], "null"]
+    return out
+
+
+def test_real_answers_validate_against_the_servers_own_spec():
+    """The /translate answer was a oneOf of two objects without required fields: every answer matched both, so
+    none validated (a generated client refused them); a list q's detectedLanguage and score are lists, and an
+    unchanged text's score is null, which the spec did not allow."""
+    jsonschema = pytest.importorskip("jsonschema")
+    with TestClient(create_app(state_of(PAIRS))) as c:
+        spec = c.get("/spec").json()
+        answer = _json_schema(spec["paths"]["/translate"]["post"]["responses"]["200"]["content"]["application/json"]
+                              ["schema"])
+        for body in ({"q": "hund", "source": "de", "target": "en"}, {"q": ["hund", "123"], "source": "de",
+                                                                      "target": "en", "alternatives": 1},
+                     {"text": ["hund"], "model": "de-en"}, {"text": ["hund"], "model": "de-en", "nbest": 2}):
+            got = c.post("/translate", json=body)
+            assert got.status_code == 200, got.text
+            jsonschema.validate(got.json(), answer)

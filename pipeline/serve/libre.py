@@ -338,7 +338,7 @@ async def detect(request: Request) -> Response:
             raise ApiError(400, "Invalid request: missing q parameter")
         texts = q if isinstance(q, list) else [q]
         if not all(isinstance(t, str) for t in texts):
-            raise ApiError(400, '"q" must be a string')
+            raise ApiError(400, '"q" must be a string or a list of strings')
         for i, text in enumerate(texts):  # each named as the request lists it
             if why := not_text(text):
                 raise ApiError(400, f"{_name(i, isinstance(q, list))} holds {why}")

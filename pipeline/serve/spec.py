@@ -93,11 +93,14 @@ def document(title: str) -> dict[str, Any]:
                         _schema("the native API", NATIVE, ["text"])]}},
                     **{kind: {"schema": _schema("LibreTranslate's API", LIBRE_TRANSLATE, ["q", "source", "target"])}
                        for kind in ("application/x-www-form-urlencoded", "multipart/form-data")}}},
-                "responses": _answers({"oneOf": [
-                    {"title": "LibreTranslate's API", "type": "object", "properties": {
-                        "translatedText": text_or_list, "detectedLanguage": {"type": "object"},
-                        "alternatives": {"type": "array"}, "score": {"type": "number"}, "terms": {"type": "array"}}},
-                    {"title": "the native API", "type": "object", "properties": {
+                "responses": _answers({"oneOf": [  # each with its required field: an answer matches one
+                    {"title": "LibreTranslate's API", "type": "object", "required": ["translatedText"], "properties": {
+                        "translatedText": text_or_list,
+                        "detectedLanguage": {"oneOf": [{"type": "object"}, {"type": "array"}]},  # per text of a list
+                        "alternatives": {"type": "array"}, "terms": {"type": "array"},
+                        "score": {"oneOf": [{"type": "number", "nullable": True}, {"type": "array"}],
+                                  "description": "null for a text returned unchanged"}}},
+                    {"title": "the native API", "type": "object", "required": ["translations"], "properties": {
                         "translations": {"type": "array", "description": "per text its translation (with nbest or "
                                                                          "scores: its hypotheses with scores)"},
                         "terms": {"type": "array", "description": "with a glossary: per text, its terms"}}}]},
@@ -114,8 +117,9 @@ def document(title: str) -> dict[str, Any]:
                 "requestBody": {"content": {"multipart/form-data": {"schema": {
                     "type": "object", "required": ["file", "source", "target"], "properties": {
                         "file": {"type": "string", "format": "binary", "description": "the document"},
-                        "source": LIBRE_TRANSLATE["source"], "target": LIBRE_TRANSLATE["target"],
-                        "api_key": LIBRE_TRANSLATE["api_key"]}}}}},
+                        "source": _field("string", 'a language code, or "auto" to detect the file\'s (once, on '
+                                                   'its first 4,000 characters)'),
+                        "target": LIBRE_TRANSLATE["target"], "api_key": LIBRE_TRANSLATE["api_key"]}}}}},
                 "responses": _answers({"type": "object", "properties": {"translatedFileUrl": {"type": "string"}}},
                                       400, 403, 413, 429, 503)}},
             "/download_file/{id}": {"get": {
@@ -128,7 +132,8 @@ def document(title: str) -> dict[str, Any]:
                 "summary": "Suggest a better translation (stored with --suggestions DB; else 403)",
                 "requestBody": _form({"q": _field("string", "the source text"),
                                       "s": _field("string", "the suggested translation"),
-                                      "source": LIBRE_TRANSLATE["source"], "target": LIBRE_TRANSLATE["target"],
+                                      "source": _field("string", "the source text's language code (not auto)"),
+                                      "target": LIBRE_TRANSLATE["target"],
                                       "api_key": LIBRE_TRANSLATE["api_key"]}, ["q", "s", "source", "target"]),
                 "responses": _answers({"type": "object", "properties": {"success": {"type": "boolean"}}}, 400,
                                       403, 413, 429, 503, 507)}},
