@@ -70,6 +70,18 @@ def test_the_jobs_actors_return_only_what_the_writer_takes(fp32_dir):
     assert list(back["line"]) == list(range(1, 31)) and back["last"][-1]
 
 
+def test_an_actor_that_cannot_load_the_model_refuses_its_first_batch(tmp_path):
+    """An actor failing in its constructor (a node without the shared model dir) had Ray print four tracebacks,
+    192 lines, before the one error line; it starts, and its first batch is refused as a shard's line is."""
+    from pipeline.integrations.ray_job import _user_error
+
+    actor = _JobTranslator(tmp_path / "missing", origin_columns=("path", "line"))  # no exception here
+    with pytest.raises(UserError) as refused:
+        actor({"text": np.array(["ab"], dtype=object)})
+    said = _user_error(refused.value)
+    assert said is not None and str(said).startswith(f"{tmp_path / 'missing'}: no such model directory")
+
+
 def serve_batch_outputs(model_dir: Path, shards: dict[str, list[str]], tmp: Path) -> dict[str, str]:
     """serve-batch's translation of each shard (its lines), by shard name."""
     tmp.mkdir()

@@ -331,11 +331,16 @@ class _JobTranslator(Translator):
     API = False  # its refusals name the command's flags alone (the Python options meant nothing on a terminal)
 
     def __init__(self, *args: Any, **kwargs: Any):
-        with _marked():
+        self.refused: UserError | None = None
+        try:
             super().__init__(*args, **kwargs)
+        except UserError as e:  # said by its first batch, as a shard's refusal is: an actor that failed to start
+            self.refused = e  # had Ray print its tracebacks (192 lines, on a node without the model dir) first
 
     def __call__(self, batch: Any) -> Any:
         with _marked():
+            if self.refused is not None:
+                raise self.refused
             done = super().__call__(batch)
         back = {name: done[name] for name in _BACK}
         # the batch's counts (rows stopped below --min-len, the glossary's terms), on its first row: the actors' own
