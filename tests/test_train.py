@@ -414,6 +414,16 @@ def test_impossible_model_config(corpus, tmp_path, capsys):
     assert "--update-freq must be at least 1" in err
 
 
+def test_a_refused_run_leaves_none_of_the_directories_it_made(tmp_path, capsys):
+    """A refused run into a new runs/n1/n2/n3 removed n3 and left n1/n2 behind."""
+    s, t = write_parallel(tmp_path, "c", ["a b", "c d"], ["x y"])  # unequal lines: refused once read
+    (tmp_path / "runs").mkdir()
+    code = run_cli("train", "--save-dir", tmp_path / "runs" / "n1" / "n2" / "n3", "--train-src", s, "--train-tgt", t,
+                   *TINY, "--max-steps", "2")
+    assert code == 2 and "lines" in capsys.readouterr().err
+    assert list((tmp_path / "runs").iterdir()) == []  # runs existed: it stays
+
+
 def test_options_dropped_or_refused_late_are_refused_first(corpus, tmp_path, capsys):
     """--builtin-pairs beside a corpus was dropped in silence; --vocab-size 5 was refused only once the corpus was
     read (0 and 5 said different minimums)."""

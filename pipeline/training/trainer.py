@@ -77,6 +77,9 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
     _check_corpus_outside_run_files(opts)
     made = not os.path.lexists(opts.save_dir)
+    top = Path(opts.save_dir)  # the outermost directory the run creates (runs/a/b/c: runs/a, where runs exists)
+    while not os.path.lexists(top.parent) and top.parent != top:
+        top = top.parent
     _check_save_dir(Path(opts.save_dir))
     lock = _lock_save_dir(Path(opts.save_dir)) if os.environ.get("RANK", "0") == "0" else None  # its writer
     if opts.threads:
@@ -92,7 +95,7 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
         return save_dir
     except UserError:
         if made and (ctx is None or ctx.is_main):
-            _remove_refused(Path(opts.save_dir))
+            _remove_refused(Path(opts.save_dir), top)
         raise
     finally:
         if ctx is not None:
@@ -127,14 +130,19 @@ def _lock_save_dir(save_dir: Path) -> IO[str]:
     return handle
 
 
-def _remove_refused(save_dir: Path) -> None:
+def _remove_refused(save_dir: Path, top: Path) -> None:
     """A save dir this run made and then refused the run in (a corpus of unequal lines, a missing file, no
     pair left after --max-len, an unusable device): removed with what it wrote before the refusal (SentencePiece's
-    model, the cache), so that a refused run leaves nothing behind; never once a checkpoint is in it."""
+    model, the cache), so that a refused run leaves nothing behind; never once a checkpoint is in it. So are the
+    directories above it that the run made, up to `top`, where empty (they were left)."""
     with contextlib.suppress(OSError):
         # a checkpoint is one of its own *.pt files (cache/ holds the encoded corpus, written before refusals)
         if save_dir.is_dir() and not save_dir.is_symlink() and not any(save_dir.glob("*.pt")):
             shutil.rmtree(save_dir)
+            for parent in save_dir.parents if save_dir != top else ():
+                parent.rmdir()  # an OSError (not empty: another run's) ends it
+                if parent == top:
+                    break
 
 
 RUN_FILES = re.compile(r"config\.json|metrics\.jsonl|interrupted\.json|spm\.model|.*\.pt|\..*")  # in a save dir
