@@ -139,6 +139,24 @@ def _trie_pattern(node: dict[str, Any]) -> str:
     return "(?:" + body + ")?" if end else body
 
 
+MAX_NESTING = 100  # groups inside groups in the trie's regex: Python's compiler recurses per level and failed past
+# about 220 at the default recursion limit, but not in a process that raised it (torch's compiler does): a fixed
+# bound refuses the same glossaries in every process
+
+
+def _nesting(node: dict[str, Any]) -> int:
+    """How deep _trie_pattern's groups nest: one level where a term ends and others go on, one where paths branch."""
+    deepest, stack = 0, [(node, 0)]
+    while stack:
+        here, depth = stack.pop()
+        children = [child for symbol, child in here.items() if symbol]
+        if children:
+            depth += ("" in here) + (len(children) > 1)
+            deepest = max(deepest, depth)
+            stack.extend((child, depth) for child in children)
+    return deepest
+
+
 def _mark(char: str) -> bool:
     """Whether `char` joins the character before it in NFC: a combining mark, or a Hangul vowel or final jamo
     (decomposed Korean, as macOS and PDF extraction write it, composes into syllables: 한 is 3 jamo)."""
@@ -160,6 +178,8 @@ class _Matcher:
                 node = node.setdefault(char, {})
             node[""] = {}
         try:
+            if _nesting(root) > MAX_NESTING:
+                raise RecursionError
             self.pattern = re.compile(r"(?<!\w)" + _trie_pattern(root) + r"(?!\w)") if root else None
         except RecursionError:  # terms that each extend another, hundreds deep (case folding lengthens some)
             raise RuntimeUserError("the glossary's terms nest too deeply to be matched: hundreds of them each "
