@@ -634,3 +634,31 @@ def test_a_model_dir_given_through_a_link_is_served_under_the_name_given(tmp_pat
     assert model_specs(str(tmp_path / "de-en"), ()) == [("de-en", str(tmp_path / "de-en"))]
     monkeypatch.chdir(tmp_path / "de-en-v3")
     assert model_specs(".", ())[0][0] == "de-en-v3"  # "." is the directory it names
+
+
+def test_odd_but_honest_requests_are_read_or_refused_as_json(monkeypatch):
+    """A JSON file saved with a byte-order mark, sent as `curl -d @file` (the form content type), was read as a
+    LibreTranslate form ("missing q parameter"); "DE" was refused by the native API where LibreTranslate's took it;
+    a gzip body was "not valid UTF-8 (byte 1)"; a body declared over --max-bytes with Expect: 100-continue was
+    invited (100 Continue), uploaded and then refused; the connection-level refusals were plain text."""
+    pytest.importorskip("httptools")
+    state = state_of({"de-en": (("de",), ("en",))})
+    state.limits = dataclasses.replace(state.limits, head_timeout_s=0.5)
+    with real_server(state) as (host, port), httpx.Client(base_url=f"http://{host}:{port}") as c:
+        r = c.post("/translate", content=b'\xef\xbb\xbf{"text": ["hund"]}',
+                   headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 200 and r.json() == {"translations": ["HUND"]}, r.text
+        r = c.post("/translate", json={"text": ["hund"], "source": "DE", "target": "En"})
+        assert r.status_code == 200 and r.json() == {"translations": ["HUND"]}, r.text
+        r = c.post("/translate", content=b'{"text": ["hund"]}', headers={"content-encoding": "gzip"})
+        assert r.status_code == 415 and "Content-Encoding 'gzip'" in r.json()["error"], r.text
+        head = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nExpect: 100-continue\r\n"
+                b"Content-Length: " + str(state.limits.max_bytes + 1).encode() + b"\r\n\r\n")
+        answer = _raw(host, port, head)
+        assert answer.startswith(b"HTTP/1.1 413 ") and b"100 Continue" not in answer, answer[:200]
+        for sent, status in ((b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (100 << 10), 431),
+                             (b"POST /tra", 408), (b"GET /health HTTP/1.1\r\nContent-Length: -5\r\n\r\n", 400)):
+            answer = _raw(host, port, sent)
+            assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:200]
+            assert b"content-type: application/json" in answer.lower()
+            assert "error" in json.loads(answer.split(b"\r\n\r\n", 1)[1]), answer

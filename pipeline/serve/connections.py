@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import resource
 import time
@@ -221,13 +222,18 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             self._disarm()
             if status != 503:
                 warnings.add(str(status))
-            body = (message + "\n").encode()
-            retry_after = "retry-after: 1\r\n" if retry else ""
             if not self._answering() or (self._in_body and not self.cycle.response_started):  # an answer to
-                # this request; never inside another's response: the connection is closed alone
-                self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
-                                     f"content-length: {len(body)}\r\n{retry_after}connection: close\r\n\r\n"
-                                     .encode() + body)
+                self._answer(status, reason, message, "retry-after: 1\r\n" if retry else "")  # this request;
+            self.transport.close()  # never inside another's response: the connection is closed alone
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request httptools cannot parse
+            self._answer(400, "Bad Request", msg)
             self.transport.close()
+
+        def _answer(self, status: int, reason: str, message: str, extra: str = "") -> None:
+            """{"error"} as every refusal of the app is (these were plain text)."""
+            body = json.dumps({"error": message}).encode() + b"\n"
+            self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
+                                 f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n".encode() + body)
 
     return Bounded

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which a JSON body may start with
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 MAX_FORM_FIELDS = 2048  # above --max-lines' default: a repeated "q" is a list of texts
 # An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
@@ -117,8 +118,13 @@ async def read_body(request: Request, limits: RequestLimits) -> bytes:
     declared = request.headers.get("content-length")
     size = int(declared) if declared is not None and declared.isdigit() else None
     stream = request.stream()
-    if size is not None and size > max(limits.max_bytes, DRAIN_BYTES):
+    waits = request.headers.get("expect", "").lower() == "100-continue"  # sent nothing yet: told at once, unread
+    if size is not None and size > (limits.max_bytes if waits else max(limits.max_bytes, DRAIN_BYTES)):
         raise _too_large(size, limits.max_bytes, drained=False)
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # read as it came, a gzip body was "not valid UTF-8 (byte 1)"
+        raise ApiError(415, f"Content-Encoding {encoding[:40]!r}: this server reads request bodies as they are; send "
+                            "the body unencoded", {"Connection": "close"})
     if size is None or size <= limits.max_bytes:
         try:
             body = await asyncio.wait_for(_read_within(stream, limits.max_bytes), limits.body_timeout_s)
@@ -225,7 +231,7 @@ def parse_json(body: bytes) -> Any:
     """The body as JSON (400 naming what is wrong: encoding, syntax, depth, a huge integer). A leading byte order
     mark is skipped, as RFC 8259 allows and LibreTranslate's Flask does."""
     try:
-        decoded = body.removeprefix(b"\xef\xbb\xbf").decode("utf-8")
+        decoded = body.removeprefix(BOM).decode("utf-8")
     except UnicodeDecodeError as e:
         raise ApiError(400, f"request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})"
                        ) from None
@@ -248,8 +254,8 @@ def query_fields(request: Request) -> dict[str, Any]:
 def is_form(headers: Headers, body: bytes) -> bool:
     """Form data, not JSON: a form content type and a body that is not a JSON object or list (curl -d sends
     JSON with the form content type)."""
-    kind = headers.get("content-type", "").split(";")[0].strip().lower()
-    return kind in FORM_TYPES and body.lstrip()[:1] not in (b"{", b"[")
+    kind = headers.get("content-type", "").split(";")[0].strip().lower()  # a byte-order mark first (a JSON file
+    return kind in FORM_TYPES and body.removeprefix(BOM).lstrip()[:1] not in (b"{", b"[")  # saved on Windows)
 
 
 def parse_urlencoded(body: bytes) -> dict[str, Any]:
