@@ -16,7 +16,7 @@ pytest.importorskip("ray", reason="Ray is not installed (the ray extra)")
 from helpers import assert_one_line_error, run_pipeline, write_lines  # noqa: E402
 
 from model.errors import UserError  # noqa: E402
-from pipeline.integrations.ray_job import probe  # noqa: E402
+from pipeline.integrations.ray_cluster import probe  # noqa: E402
 from pipeline.integrations.shards import output_name  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def test_a_cluster_that_answers_but_refuses_the_driver_is_not_called_absent(monk
     where `--address auto` worked. The probe found a listener; ray.init's ConnectionError is said as a refusal."""
     import ray
 
-    from pipeline.integrations.ray_job import connect
+    from pipeline.integrations.ray_cluster import connect
 
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
