@@ -139,9 +139,9 @@ def _trie_pattern(node: dict[str, Any]) -> str:
     return "(?:" + body + ")?" if end else body
 
 
-MAX_NESTING = 100  # groups inside groups in the trie's regex: Python's compiler recurses per level and failed past
-# about 220 at the default recursion limit, but not in a process that raised it (torch's compiler does): a fixed
-# bound refuses the same glossaries in every process
+MAX_NESTING = 200  # groups inside groups in the trie's regex: Python's compiler recurses per level and failed past
+# about 440 at the default recursion limit (360 from 300 frames down), but not in a process that raised it (torch's
+# compiler does): a fixed bound refuses the same glossaries in every process
 
 
 def _nesting(node: dict[str, Any]) -> int:

@@ -168,7 +168,8 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             elif not self.transport.is_closing():
                 self.flow.pause_reading()  # resumed when a response completes (uvicorn's on_response_complete)
             if (self._timer is None and self.timeout_keep_alive_task is None and not self._answering()
-                    and not self.pipeline and not self.transport.is_closing()):  # bytes that begin no request (a
+                    and not self.pipeline and not self._in_body  # (the rest of a body answered early is not one)
+                    and not self.transport.is_closing()):  # bytes that begin no request (a
                 self._in_head = True  # stray CRLF between requests cancelled the keep-alive timeout): they have
                 self._arm()  # head_timeout_s to become one, as a new connection has
 

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody receives it
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which a JSON body may start with
+COMPRESSED = ("gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress")  # Content-Encoding: refused
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 MAX_FORM_FIELDS = 2048  # above --max-lines' default: a repeated "q" is a list of texts
 # An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
@@ -121,8 +122,9 @@ async def read_body(request: Request, limits: RequestLimits) -> bytes:
     waits = request.headers.get("expect", "").lower() == "100-continue"  # sent nothing yet: told at once, unread
     if size is not None and size > (limits.max_bytes if waits else max(limits.max_bytes, DRAIN_BYTES)):
         raise _too_large(size, limits.max_bytes, drained=False)
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):  # read as it came, a gzip body was "not valid UTF-8 (byte 1)"
+    encoding = request.headers.get("content-encoding", "").strip().lower()
+    # read as it came, a gzip body was "not valid UTF-8 (byte 1)" (a charset sent there by mistake, "UTF-8", is read)
+    if any(part.strip() in COMPRESSED for part in encoding.split(",")):
         raise ApiError(415, f"Content-Encoding {encoding[:40]!r}: this server reads request bodies as they are; send "
                             "the body unencoded", {"Connection": "close"})
     if size is None or size <= limits.max_bytes:

@@ -66,8 +66,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
             paths = [*(before[-(best - 1):] if best > 1 else []), save_dir / BEST]
     if not paths and interrupted_steps(save_dir) & set(map(checkpoint_step, step_checkpoints(save_dir))):
         points = ", ".join(p.name for p in step_checkpoints(save_dir))
-        raise UserError(f"{save_dir}: its only checkpoints were written at a stop signal ({points}): resume points, "
-                        "not averaged; rerun the training command to go on, or export that file itself")
+        raise UserError(f"{save_dir}: its only checkpoints were written at a stop signal or before the first update "
+                        f"({points}): resume points, not averaged; rerun the training command to go on, or export "
+                        "that file itself")
     if not paths:
         raise UserError(f"{save_dir}: no checkpoint_<step>.pt files to average; is it a `pipeline train` --save-dir?")
     if len(paths) < last:
