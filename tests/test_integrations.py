@@ -456,7 +456,7 @@ def test_ray_rows_of_a_file_without_line_breaks_are_refused_not_read_whole(monke
 
 def test_a_parquet_row_repaired_under_replace_is_counted_as_a_text_line_is():
     """A NUL in a Parquet row was replaced by U+FFFD without being counted, where the same NUL in a text shard
-    is counted in the job's "line(s) had invalid UTF-8, replaced" line."""
+    is counted in the job's "line(s) had invalid UTF-8 or a NUL byte, replaced" line."""
     import io
 
     import pyarrow as pa

@@ -96,7 +96,7 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
         log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "
                     "them)", stats.truncated)
     if stats.replaced:
-        log.warning("%d line(s) had invalid UTF-8, replaced by U+FFFD", stats.replaced)
+        log.warning("%d line(s) had invalid UTF-8 or a NUL byte, replaced by U+FFFD", stats.replaced)
     if glossary is not None:
         (log.info if stats.terms_applied == stats.terms else log.warning)(
             "the glossary's terms: %d found in the input, %d of them in the translations", stats.terms,

@@ -315,7 +315,7 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions, glossary: boo
         log.warning("%s: %d line(s) longer than the model's source limit were truncated "
                     "(--long-lines error refuses them)", path, stats.truncated)
     if stats.replaced:
-        log.warning("%s: %d line(s) had invalid UTF-8, replaced by U+FFFD", path, stats.replaced)
+        log.warning("%s: %d line(s) had invalid UTF-8 or a NUL byte, replaced by U+FFFD", path, stats.replaced)
     if stats.terms or glossary:  # none found is said too: a glossary of another language, a mistyped term
         (log.info if stats.terms_applied == stats.terms and stats.terms else log.warning)(
             "%s: the glossary's terms: %d found in the input, %d of them in the translations", path, stats.terms,
