@@ -64,6 +64,20 @@ def preferred(codes: Iterable[str], language: str = "en") -> str | None:
 LISTED = 20  # pairs an error message names; past that it counts them and points at GET /languages
 
 
+def folded_spellings(codes: Iterable[str]) -> dict[str, str]:
+    """Each code by its case-folded form (de: de, eng_latn: eng_Latn); codes two spell alike are left out."""
+    folded: dict[str, list[str]] = {}
+    for code in codes:
+        folded.setdefault(code.casefold(), []).append(code)
+    return {key: spellings[0] for key, spellings in folded.items() if len(spellings) == 1}
+
+
+def spelled(code: str, folded: dict[str, str]) -> str:
+    """A code as it is served, whatever the case it is given in (DE: de; ENG_LATN: eng_Latn), as LibreTranslate
+    lowercases codes; unchanged when no served code, or two, match it (`folded`: folded_spellings)."""
+    return code if code in folded.values() else folded.get(code.casefold(), code)
+
+
 class Routes(Generic[M]):
     """(source, target) -> the model that translates it; the first model given wins a pair two serve.
 
@@ -82,10 +96,7 @@ class Routes(Generic[M]):
         self.codes = sorted({src for src, into in targets.items() if into}.union(*targets.values()))
         self.targets = sorted(set().union(*targets.values()))  # the codes some model translates into
         self.sources = sorted(src for src, into in targets.items() if into)
-        folded: dict[str, list[str]] = {}
-        for code in self.codes:
-            folded.setdefault(code.casefold(), []).append(code)
-        self._folded = {key: spellings[0] for key, spellings in folded.items() if len(spellings) == 1}
+        self._folded = folded_spellings(self.codes)
         self.count = sum(len(t) for t in targets.values())
         self._languages = [{"code": code, "name": language_name(code), "targets": sorted(targets.get(code, ()))}
                            for code in self.codes]
@@ -108,7 +119,7 @@ class Routes(Generic[M]):
     def spelled(self, code: str) -> str:
         """A served code as the models spell it, whatever the case it is given in (DE: de; ENG_LATN: eng_Latn), as
         LibreTranslate lowercases codes; unchanged when no served code, or two, match it."""
-        return code if code in self._folded.values() else self._folded.get(code.casefold(), code)
+        return spelled(code, self._folded)
 
     def model(self, source: str, target: str) -> M | None:
         """The model that translates source into target, or None."""

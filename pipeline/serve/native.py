@@ -21,6 +21,7 @@ from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
 from pipeline.serve.http import ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
 from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.languages import folded_spellings, spelled
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
@@ -125,18 +126,11 @@ def request_metrics(data: Any, state: ServerState) -> ModelMetrics:
         return state.unnamed
 
 
-def _spelled(code: str, known: set[str]) -> str:
-    """A code as the model spells it, whatever its case (DE: de, ENG_LATN: eng_Latn), as LibreTranslate's API on the
-    same server takes it (the native API refused "DE"); unchanged where none, or two, match."""
-    same = [k for k in known if k.casefold() == code.casefold()] if code not in known else [code]
-    return same[0] if len(same) == 1 else code
-
-
 def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
     """The request's "source" -> "target" for the model: a multilingual model needs both (its language tokens);
     a model of one pair takes them only when they are its own (400 naming the field otherwise)."""
-    served = {*model.sources, *model.targets}
-    given = {key: _spelled(_field(data, key, str, None, 'a language code like "de"'), served)
+    folded = folded_spellings({*model.sources, *model.targets})  # any case, as LibreTranslate's API takes codes
+    given = {key: spelled(_field(data, key, str, None, 'a language code like "de"'), folded)
              for key in ("source", "target") if key in data}
     try:
         way = model.translator.direction(given.get("source"), given.get("target"))
