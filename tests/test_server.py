@@ -310,9 +310,14 @@ def test_stream_is_incremental_and_a_departing_client_frees_its_queue_place(mode
             time.sleep(0.05)
         assert metric(u, "pipeline_client_disconnects_total") == 1
         assert metric(u, "pipeline_queue_depth") == 0 and metric(u, "pipeline_in_flight_requests") == 0
+        # counted as they ended: the whole stream 200, the cut one 499 (both were counted 200 when they began)
+        assert metric(u, "pipeline_requests_total", code=200) == 1
+        assert metric(u, "pipeline_requests_total", code=499) == 1
         time.sleep(0.5)
         assert batches() - done < 100  # the rest was never translated
         assert post(u, {"text": lines[:2]}).json()["translations"] == [expected[line] for line in lines[:2]]
+    access = [line for line in (tmp_path / "serve.log").read_text().splitlines() if "POST /translate" in line]
+    assert len(access) == 3 and "ended=499" in access[1] and "ended" not in access[0] + access[2], access
 
 
 @pytest.mark.slow

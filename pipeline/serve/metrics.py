@@ -19,7 +19,9 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r, m = self.registry, ["model"]
-        self.requests = Counter("pipeline_requests", "HTTP /translate requests by model and status code.",
+        self.requests = Counter("pipeline_requests", "HTTP /translate requests by model and status code (a "
+                                "stream as it ended: 200 whole, 499 its client left, or the status of the error "
+                                "object that ended it).",
                                 ["model", "code"], registry=r)
         self.sentences = Counter("pipeline_sentences", "Lines (with split: sentences) translated, blank ones "
                                  "included.", m, registry=r)

@@ -7,6 +7,7 @@ The texts go through the service (service.py) and come back through runtime/text
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,7 +20,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from pipeline.serve.access import note
 from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
-from pipeline.serve.http import ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
+from pipeline.serve.http import CLIENT_CLOSED, ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
 from pipeline.serve.keys import KeyRefused, RateLimited
 from pipeline.serve.languages import folded_spellings, spelled
 from pipeline.serve.metrics import ModelMetrics
@@ -161,7 +162,7 @@ async def translate(request: Request, data: Any, state: ServerState, started: fl
             if req.stream:
                 work, encoded = await submit(req, state)
                 m.in_flight.inc()  # held by the stream until it ends
-                response: Response = _Stream(_stream(req, work, encoded, state, started), req.model, work)
+                response: Response = _Stream(req, work, encoded, state, started)
             else:
                 [(encoded, results)] = await translated(request, [req], state)
                 response = await off_loop(state.prepare, _translations, req, encoded, results)
@@ -170,7 +171,8 @@ async def translate(request: Request, data: Any, state: ServerState, started: fl
             m.in_flight.dec()
     except Exception as e:  # a backend fault: this request fails (503), the server goes on
         response = failed(e, m, state.limits.retry_after_s, "translation")
-    m.request(response.status_code)
+    if not isinstance(response, _Stream):  # a stream is counted when it ends, as it ended
+        m.request(response.status_code)
     return response
 
 
@@ -194,10 +196,11 @@ def _hypotheses(hyps: list[tuple[str, float]]) -> list[dict[str, Any]]:
     return [{"text": text, "score": score} for text, score in hyps] or [{"text": "", "score": 0.0}]
 
 
-async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float
-                  ) -> AsyncIterator[bytes]:
+async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState, started: float,
+                  answer: _Stream) -> AsyncIterator[bytes]:
     """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
-    everything before it is translated; with a glossary, each with its terms."""
+    everything before it is translated; with a glossary, each with its terms. How it ended goes to
+    `answer.ended`: 200, or the status of the error that is its last object."""
     tokenizer, m = req.model.translator.tokenizer, req.model.metrics
 
     def terms(unit: int, best: str) -> dict[str, Any]:
@@ -229,31 +232,45 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
                                **terms(unit, best)})
         count(m, encoded, work.results)
         m.request_seconds.observe(time.perf_counter() - started)
+        answer.ended = 200
     except ApiError as e:  # the status went out already: the error is the last object
+        answer.ended = e.status
         yield _ndjson({"error": str(e)})
     except Exception as e:
         log.exception("translation failed")
+        answer.ended = 503
         yield _ndjson({"error": f"translation failed ({type(e).__name__}: {e}); retry later"})
 
 
 class _Stream(StreamingResponse):
     """A streamed answer that, however it ends (even before its first object), frees what its request
-    holds: a client that left has its remaining work dropped from the queue."""
+    holds (a client that left has its remaining work dropped from the queue) and is counted as it ended: 200
+    when whole, the status of the error that ended it (503 when the server stopped it), 499 when its client
+    left first. Its 200 went out with its first byte: the access log adds `ended=` when it ended otherwise."""
 
-    def __init__(self, content: AsyncIterator[bytes], model: ServedModel, work: Work):
-        super().__init__(content, media_type="application/x-ndjson")
-        self.model, self.work = model, work
+    def __init__(self, req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState,
+                 started: float):
+        super().__init__(_stream(req, work, encoded, state, started, self), media_type="application/x-ndjson")
+        self.model, self.work, self.state = req.model, work, state
+        self.ended = CLIENT_CLOSED  # until the stream says otherwise
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         except ClientDisconnect:
             pass
+        except asyncio.CancelledError:  # a stopping server's second Ctrl-C (app.py sends its error object)
+            if self.state.draining:
+                self.ended = 503
+            raise
         finally:
             if not self.work.future.done():
                 self.model.metrics.disconnects.inc()
                 self.model.batcher.drop(self.work)  # type: ignore[union-attr]
             self.model.metrics.in_flight.dec()
+            self.model.metrics.request(self.ended)
+            if self.ended != 200:
+                note(Request(scope), ended=self.ended)
 
 
 # line breaks other than \n, which JSON may hold raw: escaped, so a client splitting the stream at any line break
