@@ -57,7 +57,7 @@ class TextPolicy:
 class Origin(Protocol):
     """How the refusal of a long unit (long_lines "error") names it: a plain text k as `origin:line` (the
     pair encode_sources names a line by), a sentence j of text k's document as `document(k) sentence:j+1`,
-    of its HTML text node m (counted over all the texts' nodes) as `node(k, m) sentence:j+1`."""
+    of its HTML text node m (1, 2, ... in text k) as `node(k, m) sentence:j+1`."""
 
     def line(self, k: int) -> tuple[str, int | None]: ...
 
@@ -69,7 +69,7 @@ class Origin(Protocol):
 @dataclass(frozen=True)
 class Lines:
     """Texts as numbered lines (serve-batch's file:line, Ray's row:N): text k is `name:first_line + k`, its HTML
-    text nodes `name:line text node`."""
+    text node m `name:line text node m`."""
 
     name: str = "input"
     first_line: int = 1
@@ -81,7 +81,7 @@ class Lines:
         return f"{self.name}:{self.first_line + k}"
 
     def node(self, k: int, m: int) -> str:
-        return f"{self.document(k)} text node"
+        return f"{self.document(k)} text node {m}"
 
 
 @dataclass(frozen=True)
@@ -99,12 +99,12 @@ class Located:
         return f"{path}:{line}"
 
     def node(self, k: int, m: int) -> str:
-        return f"{self.document(k)} text node"
+        return f"{self.document(k)} text node {m}"
 
 
 @dataclass(frozen=True)
 class Listed:
-    """Texts of an HTTP request: text k is `names[k]` (q[3], a file's text 4) or `text[k]`; a node `... text node`."""
+    """Texts of an HTTP request: text k is `names[k]` (q[3], a file's text 4) or `text[k]`; a node `... text node m`."""
 
     names: Sequence[str] = ()
 
@@ -115,7 +115,7 @@ class Listed:
         return self.names[k] if self.names else f"text[{k}]"
 
     def node(self, k: int, m: int) -> str:
-        return f"{self.document(k)} text node"
+        return f"{self.document(k)} text node {m}"
 
 
 Hypotheses = list[tuple[str, float]]  # a unit's hypotheses as (text, score), best first
@@ -197,14 +197,12 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
     where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
-    nodes = 0
     for k, text in enumerate(texts):
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" else None
         if markup is not None:
             docs = [split_sentences(node, policy.lang) for node in markup.sources]
-            names = [named.node(k, m) for m in range(nodes, nodes + len(docs))]
-            nodes += len(docs)
+            names = [named.node(k, m) for m in range(1, len(docs) + 1)]
             empty = not docs
         elif policy.split == "sentences":
             docs, names = [split_sentences(text, policy.lang)], [named.document(k)]

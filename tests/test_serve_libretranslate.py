@@ -351,13 +351,13 @@ def test_a_refused_text_is_named_as_the_request_names_it():
         status, got = lt(c, q=long, source="de", target="en")
         assert status == 413 and got["error"].startswith("q sentence:1:"), got
         status, got = lt(c, q=["<p>a</p>", f"<p>b</p><p>{long}</p>"], source="de", target="en", format="html")
-        assert status == 413 and got["error"].startswith("q[1] text node sentence:1:"), got
+        assert status == 413 and got["error"].startswith("q[1] text node 2 sentence:1:"), got
         r = c.post("/translate_file", files={"file": ("d.txt", f"123\n\nkurz\n{long}\n".encode())},
                    data={"source": "de", "target": "en"})
         assert r.status_code == 413 and r.json()["error"].startswith("'d.txt' text "), r.text
         r = c.post("/translate", json={"text": ["<p>a</p><p>b</p>", f"<p>{long}</p>"], "model": "de-en",
                                        "format": "html"})
-        assert r.status_code == 413 and r.json()["error"].startswith("text[1] text node sentence:1:"), r.text
+        assert r.status_code == 413 and r.json()["error"].startswith("text[1] text node 1 sentence:1:"), r.text
 
 
 def test_nul_is_refused_by_both_apis_as_serve_batch_refuses_it():

@@ -88,22 +88,23 @@ def recounted(answer: object) -> tuple[object, dict[str, float]]:
 # n-best is one empty hypothesis with score 0, not none (a client reading [0] failed); a long line refused over
 # HTTP is named `text[k]` as the request lists it, not `request line:k+1`, and LibreTranslate's as `q[k]` (each
 # text of these cases goes to the model: k was the same); a refused row names the Translator's option, not the
-# command line's.
+# command line's; an HTML text node is named by its number in its text (`text node 2`; it was `text node`).
 EMPTY_HYPOTHESIS = re.compile(r'("hypotheses":\s*)\[\{"text":\s*"",\s*"score":\s*0\.0\}\]')
 LISTED = re.compile(r"text\[(\d+)\]: (\d+ tokens)")
 LIBRE_LISTED = re.compile(r"\bq\[(\d+)\]( (?:text node )?sentence:)")
 ROW_OPTION = (" (options with long_lines='truncate')", "")
+NODE_NUMBER = re.compile(r"( text node) \d+( sentence:)")
 BLANK_NBEST = " ||| 0.0000"  # and a blank line of an n-best file is that one hypothesis too (it was a bare "")
 
 
 def as_before(answer: object) -> object:
     """An answer with the changes on purpose undone."""
     if isinstance(answer, dict) and isinstance(answer.get("body"), str):
-        body = EMPTY_HYPOTHESIS.sub(r"\1[]", answer["body"])
+        body = NODE_NUMBER.sub(r"\1\2", EMPTY_HYPOTHESIS.sub(r"\1[]", answer["body"]))
         body = LIBRE_LISTED.sub(r"text[\1]\2", body)
         return {**answer, "body": LISTED.sub(lambda m: f"request line:{int(m[1]) + 1}: {m[2]}", body)}
     if isinstance(answer, dict) and isinstance(answer.get("message"), str):
-        return {**answer, "message": answer["message"].replace(*ROW_OPTION)}
+        return {**answer, "message": NODE_NUMBER.sub(r"\1\2", answer["message"].replace(*ROW_OPTION))}
     for column in ("lines", "translation"):  # serve-batch's lines, the Translator's rows
         if isinstance(answer, dict) and isinstance(answer.get(column), list):
             return {**answer, column: ["" if line == BLANK_NBEST else line for line in answer[column]]}
@@ -143,6 +144,6 @@ def test_every_surface_answers_what_it_answered_before(before, trained_model_dir
     for case in ("plain_error", "sentences_error", "html_error"):
         assert "more than the model's limit" in pair["serve_batch"][case]["message"]
         assert "more than the model's limit" in pair["rows"][case]["message"]
-    assert pair["rows"]["html_error_origins"]["message"].startswith("shard.txt:12 text node sentence:1: ")
-    assert '"error":"q[1] text node sentence:1: ' in pair["http_error"]["libre_html"]["body"]
+    assert pair["rows"]["html_error_origins"]["message"].startswith("shard.txt:12 text node 2 sentence:1: ")
+    assert '"error":"q[1] text node 2 sentence:1: ' in pair["http_error"]["libre_html"]["body"]
     assert {pair["http_error"][case]["status"] for case in ("plain", "sentences", "libre", "libre_html")} == {413}

@@ -77,10 +77,12 @@ def test_html_units_are_its_text_nodes_sentences_and_the_markup_is_kept():
     (TextPolicy(long_lines="error"), Located(["a.txt", "b.txt"], [7, 3]), "b.txt:3: 6 tokens"),
     (TextPolicy(long_lines="error", split="sentences"), Lines("in.txt", 10), "in.txt:11 sentence:2: 6 tokens"),
     (TextPolicy(long_lines="error", split="sentences"), Listed(), "text[1] sentence:2: 6 tokens"),
-    (TextPolicy(long_lines="error", format="html"), Lines("row"), "row:2 text node sentence:2: 6 tokens"),
-    # the request's own text, not the m-th text node of all the texts (text[2] here, a text never sent)
-    (TextPolicy(long_lines="error", format="html"), Listed(), "text[1] text node sentence:2: 6 tokens"),
-    (TextPolicy(long_lines="error", format="html"), Listed(["q[0]", "q[3]"]), "q[3] text node sentence:2: 6 tokens"),
+    (TextPolicy(long_lines="error", format="html"), Lines("row"), "row:2 text node 2 sentence:2: 6 tokens"),
+    # the request's own text, not the m-th text node of all the texts (text[2] here, a text never sent); its node
+    # by number within it (the second: a line's first node was named as its tenth would be)
+    (TextPolicy(long_lines="error", format="html"), Listed(), "text[1] text node 2 sentence:2: 6 tokens"),
+    (TextPolicy(long_lines="error", format="html"), Listed(["q[0]", "q[3]"]),
+     "q[3] text node 2 sentence:2: 6 tokens"),
 ])
 def test_a_refused_unit_is_named_as_its_surface_names_it(policy, origin, message):
     texts = ["<i>ab</i>", "<b>x</b>Ab. Abcde"] if policy.format == "html" else ["ab", "Ab. Abcde"]
