@@ -39,6 +39,14 @@ def test_a_field_given_twice_is_refused_not_the_last_taken():
         assert r.status_code == 400 and "'beam_size' given more than once" in r.json()["error"]
 
 
+def test_info_for_a_model_named_twice_is_refused_not_the_last_taken():
+    with client() as c:
+        [name] = c.get("/info").json()["models"]
+        assert c.get("/info", params={"model": name}).json()["model"] == name
+        r = c.get("/info", params=[("model", "other"), ("model", name)])
+        assert r.status_code == 400 and r.json()["error"].startswith('"model" given more than once'), r.text
+
+
 @pytest.mark.parametrize("sep", ["\r", "\r\n", "\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1e"])
 def test_every_line_break_separates_sentences(sep):
     """A document with a lone CR (classic Mac), U+2028 (JavaScript, Word) or NEL between its lines was one sentence:

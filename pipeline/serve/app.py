@@ -104,7 +104,10 @@ async def info(request: Request) -> Response:
     refused = native.unauthorized(state, request)
     if refused is not None:
         return error(refused)
-    name = request.query_params.get("model")
+    names = request.query_params.getlist("model")
+    if len(names) > 1:  # one would be taken in silence
+        return error(ApiError(400, '"model" given more than once; ask for one model (or none: every model)'))
+    name = names[0] if names else None
     if name is None:
         return JSONResponse({"models": {n: m.info for n, m in state.models.items()}, **state.info})
     if name not in state.models:
