@@ -402,3 +402,22 @@ def test_a_time_budget_spent_before_the_first_update_leaves_no_checkpoint_to_ave
             assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000000.pt"]
             assert json.loads((run / "interrupted.json").read_text()) == {"steps": [0]}
     assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000003.pt"]
+
+
+@pytest.mark.slow
+def test_train_called_from_python_counts_its_budget_from_the_call(corpus, tmp_path):
+    """`train(opts)` from a notebook or a script counted --max-time from the process's start: a kernel that had
+    lived longer than the budget stopped at step 0 with untrained weights. The budget starts with the call now
+    (`pipeline train` passes its process's start: its imports count there)."""
+    from pipeline.training import TrainOptions, train
+    from pipeline.training.budget import process_start_time
+
+    lived = time.time() - process_start_time()
+    if lived < 40:  # this process must have lived longer than the budget before the call
+        time.sleep(40 - lived)
+        lived = 40
+    run = tmp_path / "run"
+    train(TrainOptions(save_dir=run, train_src=corpus[0], train_tgt=corpus[1], preset="tiny", vocab_size=64,
+                       batch_tokens=256, warmup=20, threads=1, max_steps=3, progress=False,
+                       max_time=f"{int(lived) - 5}s"))
+    assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000003.pt"]

@@ -13,6 +13,7 @@ from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.distributed import env_ranks
 from pipeline.training import AverageOptions, TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
+from pipeline.training.budget import process_start_time
 
 
 @click.command(epilog="Per-preset defaults for unset options: " + describe_defaults())
@@ -28,7 +29,7 @@ def train(**kwargs: object) -> None:
     opts = TrainOptions(**kwargs)  # type: ignore[arg-type]
     main = env_ranks()[0] == 0  # under torchrun the first process speaks for all (the others saved nothing)
     try:
-        save_dir = run_training(opts)
+        save_dir = run_training(opts, process_start_time())  # --max-time counts this process's imports too
     except TrainingInterrupted as e:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the checkpoint is written: another Ctrl-C while Python exits
             signal.signal(sig, signal.SIG_IGN)  # printed a KeyboardInterrupt traceback from an atexit hook

@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import time
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,7 +38,7 @@ from pipeline.corpus.sampling import SubwordSampler
 from pipeline.distributed import DistContext, init_distributed, rank0_first, shutdown
 from pipeline.textio import atomic_output, within
 from pipeline.training.allocator import keep_freed_memory
-from pipeline.training.budget import TimeBudget, process_start_time
+from pipeline.training.budget import TimeBudget
 from pipeline.training.checkpointing import (
     CONFIG_FILE,
     Checkpointer,
@@ -69,10 +70,11 @@ DATA_DIR = "data"  # the built-in corpus' text files, inside the save dir
 def train(opts: TrainOptions, started: float | None = None) -> Path:
     """Train (or resume) into opts.save_dir; returns the save dir. Works under torchrun.
 
-    --max-time counts from `started` (epoch seconds; default: when this process started).
+    --max-time counts from `started` (epoch seconds; default: this call, so that a notebook kernel's or a
+    script's earlier life spends none of it; `pipeline train` passes its process's start, its imports included).
     Raises TrainingInterrupted after writing a checkpoint when SIGINT/SIGTERM arrive.
     """
-    started = process_start_time() if started is None else started
+    started = time.time() if started is None else started
     opts = resolve_options(opts)
     model_config(opts, vocab_size=max(8, opts.vocab_size or 8))  # impossible shapes fail before any work
     _check_corpus_outside_run_files(opts)
