@@ -188,6 +188,13 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
         assert level["sentences_per_s"] > 0 and level["latency_p50_s"] <= level["latency_p99_s"]
     assert report["server_exit_code"] == 0 and report["serve_batch"]["sentences"] == 12
     assert report["beam_size"] == 2
+    # serve-batch's target tokens as bench counts them in-process (EOS left out): the --serve report set
+    # serve-batch's count with one EOS per line beside bench's without
+    counted = _pipeline("bench", tmp_path / "m", "--src", src, "--sentences", "12", "--batch-size", "12",
+                        "--backends", "onnxruntime", "--threads", "1", "--beam-size", "2", "--json", "-")
+    assert counted.returncode == 0, counted.stderr
+    [row] = json.loads(counted.stdout)["results"]
+    assert report["serve_batch"]["target_tokens"] == row["target_tokens"]
     assert "clients" in bench.stdout  # the table
 
     docs = tmp_path / "docs.txt"  # --paragraph 3: three sentences a document, sent with "split": "sentences"

@@ -43,7 +43,8 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Path) -> tuple[list[str], dict]:
-    """serve-batch's output for the lines and its own summary (model loading excluded); rates count lines."""
+    """serve-batch's output for the lines and its own summary (model loading excluded); rates count lines, target
+    tokens are counted as `pipeline bench` counts them (EOS left out)."""
     inp, out = tmp / "input.txt", tmp / "output.txt"
     inp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     proc = subprocess.run([sys.executable, "-m", "pipeline", "serve-batch", model_dir, str(inp), "-o", str(out),
@@ -53,7 +54,9 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     m = re.search(r"translated (\d+) sentences .*?, (\d+) target tokens\) in ([\d.]+) s", proc.stderr)
     if not m:
         raise UserError("serve-batch printed no summary line")
-    n, tgt, seconds = len(lines), int(m.group(2)), float(m.group(3))
+    # target tokens as bench and CTranslate2 count them, without EOS: serve-batch's (and /metrics') count one EOS
+    # per sentence it sent to the model, the summary's first number
+    n, tgt, seconds = len(lines), int(m.group(2)) - int(m.group(1)), float(m.group(3))
     summary = {"sentences": n, "target_tokens": tgt, "seconds": seconds,
                "sentences_per_s": n / seconds if seconds else None,
                "target_tokens_per_s": tgt / seconds if seconds else None}
