@@ -176,7 +176,7 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
     src = tmp_path / "src.txt"
     src.write_text("".join(f"{w} {w}{i} x{i}\n" for i, w in enumerate(["ab", "cd", "ef", "gh"] * 3)))
     out = tmp_path / "serve.json"
-    bench = _pipeline("bench", tmp_path / "m", "--serve", src, "--backends", "onnxruntime", "--threads", "1",
+    bench = _pipeline("bench", tmp_path / "m", "--serve", src, "--threads", "1",
                       "--concurrency", "1,3", "--requests", "6", "--lines-per-request", "2",
                       "--beam-size", "2", "--json", out)
     assert bench.returncode == 0, bench.stderr
@@ -188,6 +188,7 @@ def test_random_checkpoint_then_export_then_bench_serve(tmp_path):
         assert level["sentences_per_s"] > 0 and level["latency_p50_s"] <= level["latency_p99_s"]
     assert report["server_exit_code"] == 0 and report["serve_batch"]["sentences"] == 12
     assert report["beam_size"] == 2
+    assert report["backend"] == "onnxruntime"  # the one that served, not "auto"
     # serve-batch's target tokens as bench counts them in-process (EOS left out): the --serve report set
     # serve-batch's count with one EOS per line beside bench's without
     counted = _pipeline("bench", tmp_path / "m", "--src", src, "--sentences", "12", "--batch-size", "12",

@@ -57,7 +57,9 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     # target tokens as bench and CTranslate2 count them, without EOS: serve-batch's (and /metrics') count one EOS
     # per sentence it sent to the model, the summary's first number
     n, tgt, seconds = len(lines), int(m.group(2)) - int(m.group(1)), float(m.group(3))
+    served = re.search(r"; backend (\S+), device (\S+)", proc.stderr)  # what --backend auto resolved to
     summary = {"sentences": n, "target_tokens": tgt, "seconds": seconds,
+               **({"backend": served.group(1), "device": served.group(2)} if served else {}),
                "sentences_per_s": n / seconds if seconds else None,
                "target_tokens_per_s": tgt / seconds if seconds else None}
     return out.read_text(encoding="utf-8").split("\n")[:-1], summary
@@ -250,7 +252,8 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
             rss = peak_rss_mib(proc.pid)
         finally:
             code = stop_server(proc)
-    return {"model_dir": model_dir, "backend": backend, "threads": threads, "beam_size": beam_size,
+    return {"model_dir": model_dir, "backend": offline.get("backend", backend), "threads": threads,
+            "beam_size": beam_size,
             "lines": len(lines), "paragraph": opts.paragraph,
             "lines_per_request": opts.lines_per_request, "api": opts.api, "pair": opts.pair if opts.api != "native"
             else None, "serve_batch": offline, "levels": results,
