@@ -205,6 +205,13 @@ def test_parity_shares_are_of_the_lines_the_model_translates_not_blank_ones():
     assert not results[0].passed
 
 
+def test_bench_refuses_a_missing_src_before_loading_the_model(capsys, fp32_dir, tmp_path):
+    """A missing --src was found after the model loaded (seconds later, past its log line)."""
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--src", tmp_path / "missing.txt")
+    assert_one_line_error(code, err, "--src", "does not exist")
+    assert "loaded in" not in err, err
+
+
 def test_bench_refuses_options_its_mode_would_leave_out(capsys, fp32_dir, tmp_path):
     """--serve with --whole-process ran the whole-process table only; --fixed-length with --serve was not applied
     (nor recorded); --concurrency or --paragraph without --serve were dropped: each in silence, exit 0."""

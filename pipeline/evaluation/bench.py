@@ -53,7 +53,7 @@ class BenchOptions(Checked):
     fixed_length: int | None = opt(None, "Force exactly N output tokens per sentence, for fair comparisons across "
                                          "models.", min=1)
     src: Path | None = opt(None, "Source sentences to translate (cycled); default: random pieces of --src-len tokens.",
-                           path="any")
+                           exists=True)  # before the model loads
     sentences: int = opt(256, "Sentences per measurement.", min=1)
     src_len: int = opt(20, "Length of generated source sentences (tokens, EOS included) when --src is not given.",
                        min=2)
