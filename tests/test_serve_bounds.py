@@ -455,6 +455,19 @@ def _raw(host: str, port: int, data: bytes, wait: float = 5.0) -> bytes:
         return got
 
 
+def test_a_request_target_too_long_to_read_is_a_414_and_a_long_path_is_not_echoed_whole():
+    """A path or query string past 65,535 bytes (uvicorn's URL parser has 16-bit offsets) was a bare 400 "Invalid
+    HTTP request received."; a 60,000-character path came back whole in its 404."""
+    pytest.importorskip("httptools")
+    with real_server(state_of({"de-en": (("de",), ("en",))})) as (host, port):
+        for target in (b"/" + b"a" * 70_000, b"/translate?q=" + b"%C3%BC" * 12_000):
+            got = _raw(host, port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert got.startswith(b"HTTP/1.1 414 "), got[:100]
+            assert b"exceeds 65535 bytes; send the texts in the body" in got
+        got = _raw(host, port, b"GET /" + b"a" * 60_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert got.startswith(b"HTTP/1.1 404 ") and len(got) < 1000 and b"(60001 characters)" in got, got[:300]
+
+
 def test_a_request_head_is_bounded_in_time_size_and_connections(monkeypatch):
     """uvicorn waited for a request's head for ever and buffered it whole: idle connections (nothing sent, or "POST
     /tra") stayed open until the file descriptors ran out and /health failed, and 400 MB of headers held 574 MB.

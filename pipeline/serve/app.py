@@ -133,11 +133,13 @@ async def _gone(request: Request, exc: Exception) -> Response:
 async def _no_route(request: Request, exc: Exception) -> Response:
     """Starlette's 404 and 405, as every refusal is answered: {"error": ...} naming the route."""
     assert isinstance(exc, HTTPException)
+    path = request.url.path  # quoted whole up to 200 characters (a 64 KiB path came back whole in the 404)
+    path = path if len(path) <= 200 else f"{path[:200]}... ({len(path)} characters)"
     if exc.status_code == 405:
         allowed = ", ".join(sorted(m for m in (exc.headers or {}).get("Allow", "").split(", ") if m))
-        message = f"{request.url.path} takes {allowed or 'other methods'}, not {request.method}"
+        message = f"{path} takes {allowed or 'other methods'}, not {request.method}"
     elif exc.status_code == 404:
-        message = f"no route {request.method} {request.url.path}; GET /spec describes this server's API"
+        message = f"no route {request.method} {path}; GET /spec describes this server's API"
     else:
         message = str(exc.detail)
     return error(ApiError(exc.status_code, message, dict(exc.headers or {})))

@@ -4,7 +4,8 @@ uvicorn waits for a request's head (request line and headers) without a time lim
 limit (httptools accumulates a header however long), and keeps every connection it accepts: a few hundred clients
 that connect and send nothing (or trickle a header) held the file descriptors /health needs, and one that sent a
 gigabyte of headers held that much memory. Here a head must arrive within `head_timeout_s` (408, then closed) and
-within MAX_HEAD_BYTES (431, then closed), and beyond `max_connections` open connections the one that has waited
+within MAX_HEAD_BYTES (431, then closed; a request target past MAX_URL_BYTES, which uvicorn could not read, is
+a 414), and beyond `max_connections` open connections the one that has waited
 longest for its head is closed (503), so an idle flood churns among itself while a client that sends its request
 in time is served (a connection kept alive goes once idle IDLE_S). A client that reads nothing of its responses
 for SEND_TIMEOUT_S is dropped (uvicorn has no send timeout). Between requests uvicorn's keep-alive timeout closes
@@ -35,6 +36,7 @@ IDLE_S = 1.0  # a connection kept alive makes room for a new one once idle this 
 WARN_EVERY_S = 10.0  # refusals are logged at most this often (a flood would otherwise fill the log)
 FD_MARGIN = 64  # file descriptors kept for the model files, the listening socket, logs, /health
 FEED_BYTES = 16 << 10  # bytes handed to the parser at a time (a read is up to 256 KiB)
+MAX_URL_BYTES = 65535  # the longest request target httptools.parse_url reads (16-bit offsets): past it, a 414
 
 
 def connection_cap(wanted: int) -> int:
@@ -130,6 +132,11 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             super().on_message_begin()
             self._in_head, self._messages = True, self._messages + 1
             self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            super().on_url(url)
+            if len(self.url) > MAX_URL_BYTES:  # parse_url would fail on it: uvicorn's 400 "Invalid HTTP request"
+                raise ValueError("request target too long")  # stops the parser: send_400_response says 414
 
         def on_headers_complete(self) -> None:
             self._in_head, self._head, self._in_body, self._framing = False, 0, True, 0
@@ -228,7 +235,13 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             self.transport.close()  # never inside another's response: the connection is closed alone
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request httptools cannot parse
-            self._answer(400, "Bad Request", msg)
+            self._disarm()
+            if len(getattr(self, "url", b"")) > MAX_URL_BYTES:  # (unset before a message begins)
+                warnings.add("414")
+                self._answer(414, "URI Too Long", f"the request target (path and query) exceeds {MAX_URL_BYTES} "
+                             "bytes; send the texts in the body (JSON or form data)")
+            else:
+                self._answer(400, "Bad Request", msg)
             self.transport.close()
 
         def _answer(self, status: int, reason: str, message: str, extra: str = "") -> None:
