@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from runtime.errors import RuntimeUserError
@@ -27,6 +27,8 @@ DEFAULT_LANG = "en"
 # event loop too. A window bounds each call (about 1 ms at worst) and a long sentence (_windowed).
 WINDOW = 1000
 CONTEXT = 200  # the text around a boundary that decides it
+GLUED_ENDS = ".!?"  # a boundary after one of these with no whitespace after it is none (a segmenter's cut
+# inside "Dipl.-Ing." or a typo's "ging.Dann"); Chinese and Japanese end sentences with full-width marks, unglued
 # a line break (the ones str.splitlines splits at; \r\n is one), kept as the whitespace between sentences
 LINE_BREAK = re.compile("(\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029])")
 
@@ -65,12 +67,15 @@ def _segmenter() -> Callable[[str, str], list[str]]:
     return lambda lang, line: list(segment(lang, line))
 
 
-def split_sentences(text: str, lang: str = DEFAULT_LANG) -> Split:
+def split_sentences(text: str, lang: str = DEFAULT_LANG,
+                    whole: Callable[[str], Sequence[tuple[int, int]]] | None = None) -> Split:
     """`text` as sentences and the whitespace around them (lang: an ISO 639 code, NLLB's eng_Latn too; unknown codes
-    get sentencex's language-neutral rules)."""
+    get sentencex's language-neutral rules). `whole(text)`: spans of it no boundary may cut (a glossary's terms:
+    "1. FC Köln" was cut after "1.", and its term found in neither sentence)."""
     segment = _segmenter()
     lang = two_letter(lang) or lang
-    return _split(text, lambda line: _windowed(lambda window: segment(lang, window), line))
+    split = _split(text, lambda line: _windowed(lambda window: segment(lang, window), line))
+    return joined_across(split, whole(text)) if whole is not None and len(split.sentences) > 1 else split
 
 
 def _windowed(segment: Callable[[str], list[str]], line: str) -> list[str]:
@@ -104,9 +109,9 @@ def _cut(window: str) -> int:
 
 
 def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
-    sentences: list[str] = []
+    sentences: list[list[str]] = []  # each in parts (joined once: linear)
     gaps: list[str] = []
-    gap: list[str] = []  # the whitespace since the last sentence, in parts (joined once: linear)
+    gap: list[str] = []  # the whitespace since the last sentence, in parts
     parts = LINE_BREAK.split(text)  # lines, each followed by its break
     for i in range(0, len(parts), 2):
         line = parts[i]
@@ -119,8 +124,34 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
                 continue
             lead = len(piece) - len(piece.lstrip())
             gap.append(piece[:lead])
-            gaps.append("".join(gap))
-            sentences.append(body)
+            if sentences and sentences[-1][-1][-1] in GLUED_ENDS and not "".join(gap):
+                sentences[-1].append(body)  # no whitespace after a . ! or ?: "Dipl.-Ing.", "ging.Dann" go on
+            else:
+                gaps.append("".join(gap))
+                sentences.append([body])
             gap = [piece[lead + len(body):]]
     gaps.append("".join(gap))
-    return Split(sentences, gaps)
+    return Split(["".join(sentence) for sentence in sentences], gaps)
+
+
+def joined_across(split: Split, spans: Sequence[tuple[int, int]]) -> Split:
+    """`split` with the sentences that a span of its text (start, end: a glossary term's) runs across joined
+    into one, with the whitespace between them, unless a line break lies between them (a sentence holds none)."""
+    if not spans or len(split.sentences) < 2:
+        return split
+    sentences, gaps = [split.sentences[0]], [split.gaps[0]]
+    end = len(split.gaps[0]) + len(split.sentences[0])  # where the last sentence kept ends in the text
+    spans = sorted(spans)
+    k = 0
+    for j in range(1, len(split.sentences)):
+        gap, sentence = split.gaps[j], split.sentences[j]
+        start = end + len(gap)
+        while k < len(spans) and spans[k][1] <= end:
+            k += 1
+        if k < len(spans) and spans[k][0] < end and spans[k][1] > start and not LINE_BREAK.search(gap):
+            sentences[-1] += gap + sentence
+        else:
+            gaps.append(gap)
+            sentences.append(sentence)
+        end = start + len(sentence)
+    return Split(sentences, gaps + [split.gaps[-1]])

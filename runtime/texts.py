@@ -197,15 +197,17 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
     where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
+    whole = None if glossary is None or not len(glossary) else (  # no sentence boundary inside a term
+        lambda text: [(m.start, m.end) for m in find_terms(glossary, text)])
     for k, text in enumerate(texts):
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" else None
         if markup is not None:
-            docs = [split_sentences(node, policy.lang) for node in markup.sources]
+            docs = [split_sentences(node, policy.lang, whole) for node in markup.sources]
             names = [named.node(k, m) for m in range(1, len(docs) + 1)]
             empty = not docs
         elif policy.split == "sentences":
-            docs, names = [split_sentences(text, policy.lang)], [named.document(k)]
+            docs, names = [split_sentences(text, policy.lang, whole)], [named.document(k)]
             empty = not docs[0].sentences
         else:
             docs, names = [], []

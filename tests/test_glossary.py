@@ -318,6 +318,7 @@ def test_the_tokenizer_one_text_at_a_time_as_sentencepiece_batches_them(tokenize
     ("Hund\t\u2581dog\n", ["terms.tsv:1:", "U+2581"]),  # SentencePiece's own word-start mark
     ("H\x00u\x00n\x00d\x00\tdog\n", ["terms.tsv:1:", "U+0000", "is the file UTF-16? save it as UTF-8"]),
     ("Hund,dog\nKatze,cat\n", ["terms.tsv:", "none a tab", "not CSV"]),  # loaded as two do-not-translate terms
+    ("Hund;dog\nKatze;cat\n", ["terms.tsv:", "a semicolon and none a tab", "not CSV"]),  # Excel's CSV in de, fr
     # controls that are whitespace to Python were made spaces: a file separated by U+001F loaded as
     # multi-word do-not-translate terms, without a word
     ("vobi\x1fkinisa\tmarun\n", ["terms.tsv:1:", "source term", "U+001F"]),
@@ -445,3 +446,22 @@ def test_a_cut_line_has_the_terms_of_every_piece_the_model_sees(tokenizer: Token
         assert encoded.truncated == [1]
         assert [m.found for m in encoded.terms[0].matches] == [m.found for m in find_terms(g, kept)], line
     assert tokenizer.source_cut("a b", 0) == 0 and tokenizer.source_cut("a b", 99) == 3
+
+
+def test_a_term_with_a_full_stop_in_it_is_not_cut_into_two_sentences(tokenizer: Tokenizer):
+    """Split into sentences (LibreTranslate's API always is), "1. FC Köln" was cut after "1.": its term was found
+    in neither sentence, not forced, and not even listed as unapplied; without split it was forced."""
+    from runtime.texts import TextPolicy, encode_texts
+
+    glossary = glossary_from_mapping({"1. FC Köln": "hund"})
+    texts = ["der verein 1. FC Köln sieht die katze. Gut.", "<p>der 1. FC Köln. Ja</p>"]
+    for policy, units in ((TextPolicy(split="sentences", lang="de"),
+                           ["der verein 1. FC Köln sieht die katze.", "Gut."]),
+                          (TextPolicy(format="html", lang="de"), ["der 1. FC Köln.", "Ja"])):
+        encoded = encode_texts(tokenizer, texts[:1] if policy.format == "text" else texts[1:], 64, policy,
+                               glossary=glossary)
+        assert encoded.units == units
+        assert encoded.terms is not None and [t.matches[0].found for t in encoded.terms[:1]] == ["1. FC Köln"]
+        assert encoded.constraints is not None and encoded.constraints[0]
+        without = encode_texts(tokenizer, texts[:1], 64, TextPolicy(split="sentences", lang="de"))
+        assert without.units[:2] == ["der verein 1.", "FC Köln sieht die katze."]  # the cut the term prevents

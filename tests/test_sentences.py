@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import random
+import re
 import timeit
 
 import pytest
@@ -71,7 +72,31 @@ def test_long_lines_split_as_one_call_would():
         line = " ".join(rng.choice(parts) for _ in range(rng.randint(500, 1500)))
         lang = rng.choice(["en", "de", "fr", "zh"])
         assert len(line) > 3 * sentences.WINDOW
-        assert split_sentences(line, lang).sentences == [s.strip() for s in segment(lang, line) if s.strip()]
+        one_call = sentences._split(line, functools.partial(segment, lang))  # glued as the windows are
+        assert split_sentences(line, lang).sentences == one_call.sentences
+
+
+@pytest.mark.parametrize("lang, text, expected", [
+    # a boundary after . ! or ? with no whitespace after it is none: the segmenter cut "Dipl.-Ing." after "Dipl."
+    # and a typo's "ging.Dann", and each piece went to the model alone (rebuilt glued: "...zajawudit numosin")
+    ("de", "Heute kam Dipl.-Ing. Momo.", ["Heute kam Dipl.-Ing.", "Momo."]),
+    ("de", "Er ging.Dann kam sie. Gut!Ja?", ["Er ging.Dann kam sie.", "Gut!Ja?"]),
+    ("zh", "今天很好。明天也好。", ["今天很好。", "明天也好。"]),  # full-width ends are no glue
+    ("en", "One.\nTwo.", ["One.", "Two."]),  # a line break always separates
+])
+def test_a_boundary_without_whitespace_after_a_full_stop_is_none(lang, text, expected):
+    split = split_sentences(text, lang)
+    assert split.sentences == expected and split.rebuild(split.sentences) == text
+
+
+def test_no_boundary_inside_a_span_kept_whole():
+    """A glossary's term with a full stop in it ("1. FC Köln") was cut after "1." and found in neither sentence."""
+    text = "Der Verein 1. FC Köln gewann. Gut so.\nDer 1.\nFC"
+    assert split_sentences(text, "de").sentences[:2] == ["Der Verein 1.", "FC Köln gewann."]
+    spans = lambda t: [(m.start(), m.end()) for m in re.finditer(r"1\.\s+FC", t)]  # noqa: E731
+    split = split_sentences(text, "de", spans)
+    assert split.sentences == ["Der Verein 1. FC Köln gewann.", "Gut so.", "Der 1.", "FC"]  # never across a line
+    assert split.rebuild(split.sentences) == text
 
 
 def test_a_sentence_longer_than_a_window_is_cut_at_whitespace():
@@ -93,6 +118,7 @@ HOSTILE = {
     "no boundary": lambda n: "ab " * 1700 * n,
     "no boundary, no space": lambda n: "a" * 5000 * n,
     "Chinese boundaries": lambda n: "字。" * 2500 * n,
+    "glued boundaries": lambda n: "Ab.Cd! " * 700 * n,
 }
 
 
