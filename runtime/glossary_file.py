@@ -124,7 +124,7 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
     if data.startswith(_BOM.encode()):
         data = data[len(_BOM.encode()):]
     entries: list[tuple[Entry, str]] = []
-    tabs = commas = 0
+    tabs, separators = 0, {",": 0, ";": 0}  # CSV's (Excel writes ; where , is the decimal mark: de, fr)
     for number, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{number}"
         try:
@@ -145,11 +145,13 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
             raise RuntimeUserError(f"{where}: more than MAX_GLOSSARY_TERMS ({MAX_GLOSSARY_TERMS}) entries in "
                                    f"one glossary; keep the terms that matter or split it by domain")
         tabs += len(fields) == 2
-        commas += "," in line
+        for separator in separators:
+            separators[separator] += separator in line
         entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
-    if entries and not tabs and commas == len(entries):
-        raise RuntimeUserError(f"{path}: every line holds a comma and none a tab: a glossary is tab-separated "
-                               "(source<TAB>target), not CSV; a line without a tab is a term not to translate")
+    for separator, name in ((",", "a comma"), (";", "a semicolon")):
+        if entries and not tabs and separators[separator] == len(entries):
+            raise RuntimeUserError(f"{path}: every line holds {name} and none a tab: a glossary is tab-separated "
+                                   "(source<TAB>target), not CSV; a line without a tab is a term not to translate")
     return entries
 
 
