@@ -135,6 +135,10 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
     directory entry, so the input's content survives under its own name."""
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
     stdin = _stdio_file(0) if any(str(p) == "-" for p in inputs) else None
+    for name in real_inputs.values() if any(str(p) == "-" for p in inputs) else ():
+        if _is_stdin(name):  # `--glossary /dev/stdin` beside '-': the first read took the other's lines
+            raise UserError(f"{name} is standard input, which the input '-' reads too: one would take the other's "
+                            "lines; give one of them as a file")
     stdout = _stdio_file(1) if any(str(p) == "-" for p in outputs) else None
     if stdout is not None:  # `-o - >> F` where F is read (named, or on stdin): its own translations read back
         read = {name: _identity(real) for real, name in real_inputs.items()} | {"'-' (standard input)": stdin}
@@ -173,6 +177,15 @@ def _identity(path: str | Path) -> tuple[int, int] | None:
     except OSError:
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISREG(st.st_mode) else None
+
+
+def _is_stdin(path: str | Path) -> bool:
+    """Whether `path` is what standard input reads (/dev/stdin, /proc/self/fd/0, or the file redirected to it)."""
+    try:
+        named, stdin = os.stat(path), os.fstat(0)
+    except OSError:
+        return False
+    return (named.st_dev, named.st_ino) == (stdin.st_dev, stdin.st_ino)
 
 
 def _stdio_file(fd: int) -> tuple[int, int] | None:

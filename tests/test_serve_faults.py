@@ -103,6 +103,22 @@ def test_standard_input_or_output_that_is_an_input_file_is_refused(model_dir, tm
     assert victim.read_bytes() == before
 
 
+def test_a_glossary_on_standard_input_beside_the_input_dash_is_refused(model_dir, tmp_path):
+    """`cat terms.tsv in.de | serve-batch - --glossary /dev/stdin`: the glossary took every line, 0 lines were
+    translated, exit 0; `- --glossary /dev/stdin < in.de`: the input became a do-not-translate glossary."""
+    glossary = write(tmp_path / "terms.tsv", ["hund\tdog"])
+    inp = write(tmp_path / "in.de", ["der hund", "die katze"])
+    out = tmp_path / "out.en"
+    for stdin in (glossary.read_bytes() + inp.read_bytes(), None):
+        with open(inp, "rb") as redirected:
+            proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, "-", "-o", out, "--glossary", "/dev/stdin",
+                                               *FAST), input=stdin, stdin=None if stdin else redirected,
+                                  capture_output=True, env=cli_env(), timeout=120)
+        assert_one_line_error(proc.returncode, proc.stderr.decode(), "/dev/stdin is standard input, which the input "
+                              "'-' reads too")
+        assert not out.exists()
+
+
 def test_a_glossary_is_an_input_and_a_replaced_output_keeps_its_permissions(model_dir, tmp_path, capsys):
     inp = write(tmp_path / "in.de", ["der hund"])
     glossary = write(tmp_path / "terms.tsv", ["hund\tdog"])
