@@ -93,6 +93,10 @@ class Glossary:
     def matcher(self, case_sensitive: bool = False) -> _Matcher:
         return self._exact_matcher if case_sensitive else self._folded_matcher
 
+    def spans(self, text: str) -> list[tuple[int, int]]:
+        """Where its terms are in `text` (start, end), as terms_for finds them: no sentence boundary may cut one."""
+        return [(m.start, m.end) for m in self._folded_matcher.find(text)]
+
 
 EMPTY_GLOSSARY = Glossary(())
 

@@ -44,6 +44,11 @@ class Direction:
     prefix: tuple[int, ...] = ()
     first: int | None = None
 
+    @property
+    def same(self) -> bool:
+        """Whether the source is the target language (a multilingual model's en -> en): nothing to translate."""
+        return self.source is not None and self.source == self.target
+
     def first_tokens(self, n: int) -> list[int] | None:
         """`first` for n sources (runtime.translate.translate_ids), or None when nothing is forced."""
         return None if self.first is None else [self.first] * n
@@ -67,9 +72,13 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
         sides = ((source_name, source, pair.source if pair else ()), (target_name, target, pair.target if pair else ()))
         given = [f"{name} {value}" for name, value, own in sides if value and value not in own]
         if given:
-            own = f"{pair.source[0]}-{pair.target[0]}, " if pair and pair.source and pair.target else ""
-            raise LanguageError(f"{' and '.join(given)}: this model translates one language pair ({own}no "
-                                "language tokens); give its own languages or leave them out")
+            if pair and pair.source and pair.target:
+                raise LanguageError(f"{' and '.join(given)}: this model translates one language pair "
+                                    f"({pair.source[0]}-{pair.target[0]}, no language tokens); give its own "
+                                    "languages or leave them out")
+            raise LanguageError(f"{' and '.join(given)}: this model translates one language pair (no language "
+                                "tokens) and its model dir records none; leave them out (export with --src-lang "
+                                "and --tgt-lang records them)")
         return ONE_PAIR
     for name, value in ((source_name, source), (target_name, target)):
         if not value:

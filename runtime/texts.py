@@ -30,7 +30,7 @@ from runtime.glossary_file import load_glossaries
 from runtime.markup import Markup, parse_html
 from runtime.sentences import DEFAULT_LANG, Split, has_letters, split_sentences
 from runtime.tokenizer import AnyTokenizer
-from runtime.translate import NBest, encode_sources, format_line
+from runtime.translate import NBest, encode_sources, format_hypotheses
 
 FORMATS = ("text", "html")
 
@@ -47,6 +47,7 @@ class TextPolicy:
     format: str = "text"
     lang: str = DEFAULT_LANG
     prefix: tuple[int, ...] = ()
+    same_language: bool = False  # the source is the target (Direction.same): every text answered as it came
 
     @property
     def documents(self) -> bool:
@@ -139,7 +140,8 @@ class EncodedTexts:
     documents: list[list[Split]] = field(default_factory=list)
     markups: list[Markup | None] = field(default_factory=list)
     terms: list[Terms] | None = None  # with a glossary: per unit, its terms found and their target tokens
-    # per unit: a document's sentence without letters (numbers, dates, emoji), copied, not translated (ids [])
+    # per unit: copied, not translated (ids []): a document's sentence without letters (numbers, dates, emoji), or
+    # with same_language every unit (LibreTranslate's rule, on every surface: a model invents a "translation")
     copied: list[bool] = field(default_factory=list)
 
     @property
@@ -160,9 +162,13 @@ class EncodedTexts:
         """Source tokens of every unit (EOS and prefix included)."""
         return sum(len(s) for s in self.ids)
 
-    def best(self, u: int, hyps: Hypotheses) -> str:
-        """Unit u's translation from its hypotheses (best first): the unit itself if copied, "" for a blank one."""
-        return hyps[0][0] if hyps else self.units[u] if self.copied[u] else ""
+    def hypotheses(self, tokenizer: AnyTokenizer, u: int, nbest: NBest) -> Hypotheses:
+        """Unit u's hypotheses (best first): the search's; a copied unit's is itself, scored 0 ([] for a blank)."""
+        return hypotheses(tokenizer, nbest) or ([(self.units[u], 0.0)] if self.copied[u] else [])
+
+    @staticmethod
+    def best(hyps: Hypotheses) -> str:
+        return hyps[0][0] if hyps else ""
 
     def min_len_over(self, decoding: DecodingOptions, max_tgt_len: int) -> int:
         """Texts with a unit whose maximum output length (runtime.search's cap) is below --min-len: it cannot hold."""
@@ -197,8 +203,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
     where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
-    whole = None if glossary is None or not len(glossary) else (  # no sentence boundary inside a term
-        lambda text: [(m.start, m.end) for m in find_terms(glossary, text)])
+    glossary = glossary if glossary is not None and len(glossary) and not policy.same_language else None
+    whole = None if glossary is None else glossary.spans  # no sentence boundary inside a term
     for k, text in enumerate(texts):
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" else None
@@ -227,24 +233,25 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
     # a sentence without letters is copied as it is: a model invents words for "123" or a date; unless the glossary
     # gives one of its terms a target ("2024" -> "FY24"), which only a translation can hold
-    out.copied = [policy.documents and not has_letters(unit) and not has_fixed_term(glossary, unit)
-                  for unit in out.units]
+    out.copied = [policy.same_language or policy.documents and not has_letters(unit) and not has_fixed_term(
+        glossary, unit) for unit in out.units]
     out.ids = encode_sources(tokenizer, ["" if copy else unit for unit, copy in zip(out.units, out.copied)],
                              sys.maxsize, long_lines=policy.long_lines, prefix=policy.prefix).ids
     if not policy.documents:  # a line the tokenizer keeps nothing of is as blank as whitespace
-        out.empty = [empty or not out.ids[span.start] for empty, span in zip(out.empty, out.spans)]
+        out.empty = [empty or not (out.ids[span.start] or out.copied[span.start])
+                     for empty, span in zip(out.empty, out.spans)]
     out.truncated = [0] * len(texts)
     seen = list(out.units)  # per unit, the text the model sees: a cut unit's glossary terms are found in it alone
     for u, seq in enumerate(out.ids):
         if len(seq) > max_src_len:
-            if glossary is not None and len(glossary):
+            if glossary is not None:
                 seen[u] = _kept_text(tokenizer, out.units[u], max_src_len - len(policy.prefix))
             name, line = where[u] if policy.documents else named.line(out.owners[u])
             fitted = encode_sources(tokenizer, [out.units[u]], max_src_len, long_lines=policy.long_lines,
                                     origin=name, first_line=line, prefix=policy.prefix)
             out.ids[u] = fitted.ids[0]
             out.truncated[out.owners[u]] += fitted.truncated
-    if glossary is not None and len(glossary):
+    if glossary is not None:
         out.terms = [terms_for(glossary, unit, tokenizer.encode, tokenizer.unk_id, decode_target=tokenizer.decode)
                      if ids else NO_TERMS
                      for unit, ids in zip(seen, out.ids)]
@@ -259,13 +266,9 @@ def has_fixed_term(glossary: Glossary | None, text: str) -> bool:
 def _kept_text(tokenizer: AnyTokenizer, text: str, limit: int) -> str:
     """The start of `text` that truncation keeps (its pieces and EOS in `limit` tokens), less the word it cuts."""
     low = tokenizer.source_cut(text, limit - 1)
-    while 0 < low < len(text) and _in_word(text[low - 1]) and _in_word(text[low]):  # a word cut is not a term
-        low -= 1
+    while 0 < low < len(text) and all(c.isalnum() or c == "_" for c in text[low - 1:low + 1]):  # a word cut is
+        low -= 1  # not a term
     return text[:low]
-
-
-def _in_word(char: str) -> bool:
-    return char.isalnum() or char == "_"
 
 
 def open_glossary(paths: Sequence[str] | str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
@@ -347,15 +350,15 @@ def finish_text(tokenizer: AnyTokenizer, encoded: EncodedTexts, k: int, nbest_pe
     """Text k's TextResult from its units' hypotheses (`nbest_per_unit` holds at least those of its span: a
     stream finishes each text once its units are translated)."""
     span = encoded.spans[k]
-    outs = {u: hypotheses(tokenizer, nbest_per_unit[u]) for u in span}
-    best = {u: encoded.best(u, h) for u, h in outs.items()}
+    outs = {u: encoded.hypotheses(tokenizer, u, nbest_per_unit[u]) for u in span}
+    best = {u: encoded.best(h) for u, h in outs.items()}
     docs, markup = encoded.documents[k], encoded.markups[k]
     truncated, empty = encoded.truncated[k], encoded.empty[k]
     others: list[str]
     if not encoded.policy.documents:
         u = span.start
         hyps = nbest_per_unit[u]
-        text = format_line(tokenizer, hyps, n) if n > 1 else best[u]
+        text = format_hypotheses(outs[u], n) if n > 1 else best[u]
         others = _distinct(best[u], [h for h, _ in outs[u][1:n]])
         result = TextResult(text, others, outs[u], hyps[0][1] if hyps else None, truncated, empty, [best[u]])
     else:

@@ -246,9 +246,14 @@ def translate_lines(backend: Backend, tokenizer: AnyTokenizer, lines: list[str],
 def format_line(tokenizer: AnyTokenizer, nbest: NBest, n: int) -> str:
     """One output line: the best translation, or with n > 1 the n best as
     `text ||| score` joined by ' ||| ' (line-aligned with the input whatever n is)."""
-    if not nbest:  # a blank line: one empty hypothesis, as the HTTP API answers it ({"text": "", "score": 0})
+    texts = tokenizer.decode([tokens for tokens, _ in nbest]) if nbest else []
+    return format_hypotheses([(text, score) for text, (_, score) in zip(texts, nbest)], n)
+
+
+def format_hypotheses(hyps: list[tuple[str, float]], n: int) -> str:
+    """format_line's line from hypotheses as (text, score), best first."""
+    if not hyps:  # a blank line: one empty hypothesis, as the HTTP API answers it ({"text": "", "score": 0})
         return "" if n == 1 else f"{NBEST_SEP}{0.0:.4f}"
-    texts = tokenizer.decode([tokens for tokens, _ in nbest])
     if n == 1:
-        return texts[0]
-    return NBEST_SEP.join(f"{t}{NBEST_SEP}{score:.4f}" for t, (_, score) in zip(texts, nbest))
+        return hyps[0][0]
+    return NBEST_SEP.join(f"{text}{NBEST_SEP}{score:.4f}" for text, score in hyps)

@@ -95,3 +95,41 @@ def test_native_api_takes_source_and_target_for_a_multilingual_model(m2m_dir, tm
         assert r.status_code == 400 and "\"target\" 'fr' is not a language of this model" in r.json()["error"]
         r = c.post("/translate", json={"text": en, "source": 3, "target": "de"})
         assert r.status_code == 400 and '"source" must be a language code' in r.json()["error"]
+
+
+@pytest.mark.slow
+def test_a_text_in_the_target_language_comes_back_as_it_came_on_every_surface(m2m_dir, tmp_path):
+    """en -> en on a multilingual model: LibreTranslate's API answered each text as it came, while the native API,
+    serve-batch and the Ray / Spark Translator ran the model, which invented a "translation" (and forced a
+    glossary's terms into it). The text service copies every text in the source language, on every surface."""
+    from pipeline.integrations.translator import Translator
+    from pipeline.serve_batch.translation import ServeBatchOptions
+
+    texts = ["sum silos lotato. ka mobalo da kotas!", "", "<b>da nomo</b> linapa"]
+    metrics, limits = Metrics(), RequestLimits()
+    opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1))
+    model = load_model("m2m", str(m2m_dir), opts, PAPER.replace(batch_tokens=limits.max_batch_tokens), metrics)
+    state = ServerState({"m2m": model}, limits, {}, metrics, warmed_up=True)
+    same = {"source": "en", "target": "en"}
+    with TestClient(create_app(state)) as c:
+        assert c.post("/translate", json={"q": texts, **same}).json()["translatedText"] == texts
+        for extra in ({}, {"split": "sentences"}, {"format": "html"}, {"glossary": {"silos": "vobi"}}):
+            r = c.post("/translate", json={"text": texts, "model": "m2m", **same, **extra})
+            assert r.status_code == 200 and r.json()["translations"] == texts, (extra, r.text)
+        r = c.post("/translate", json={"text": texts[:2], "model": "m2m", **same, "nbest": 2, "beam_size": 2})
+        assert r.json()["translations"] == [{"hypotheses": [{"text": texts[0], "score": 0.0}]},
+                                            {"hypotheses": [{"text": "", "score": 0.0}]}], r.text
+        lines = c.post("/translate", json={"text": texts, "model": "m2m", **same, "stream": True}).text.splitlines()
+        assert [json.loads(line)["translation"] for line in lines] == texts
+        assert c.post("/translate", json={"text": texts, "model": "m2m", "source": "en", "target": "de"}).json()[
+            "translations"][0] != texts[0]  # the model does run for another target
+    inp = tmp_path / "in.txt"
+    inp.write_text("".join(t + "\n" for t in texts), encoding="utf-8")
+    for extra, want in (([], texts), (["--nbest", "2", "--beam-size", "2"], [f"{t} ||| 0.0000" for t in texts])):
+        result = CliRunner().invoke(cli, ["serve-batch", str(m2m_dir), str(inp), "-o", str(tmp_path / "out.txt"),
+                                          "--src-lang", "en", "--tgt-lang", "en", "--no-progress", *extra])
+        assert result.exit_code == 0, result.output
+        assert (tmp_path / "out.txt").read_text(encoding="utf-8").split("\n")[:-1] == want
+    rows = Translator(m2m_dir, load_options=LoadOptions(backend="onnxruntime"),
+                      options=ServeBatchOptions(src_lang="en", tgt_lang="en")).translate(texts)
+    assert rows.translation == texts

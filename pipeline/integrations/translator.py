@@ -106,7 +106,7 @@ class Translator:
         # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others (a one-pair model: its own only)
         self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang,
                                              pair=self.loaded.manifest.language_pair)
-        self.policy = self.options.policy(self.direction.prefix)
+        self.policy = self.options.policy(self.direction)
 
     def __call__(self, batch: Any) -> Any:
         """The batch (a dict of numpy arrays, Ray Data's default, or a pandas DataFrame) with the output

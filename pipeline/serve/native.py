@@ -28,7 +28,7 @@ from pipeline.serve.service import TranslateRequest, count, submit, translated, 
 from pipeline.serve.state import ServedModel, ServerState, pick_model
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import SPLIT_MODES
-from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts, hypotheses
+from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts
 from runtime.translate import NBest, not_text
 
 log = logging.getLogger(__name__)
@@ -217,8 +217,8 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
                 continue
             if split is None:
                 await wait(work, span.stop, state)
-                hyps = hypotheses(tokenizer, work.results[span.start])
-                best = encoded.best(span.start, hyps)
+                hyps = encoded.hypotheses(tokenizer, span.start, work.results[span.start])
+                best = encoded.best(hyps)
                 yield _ndjson({"index": index, **({"hypotheses": _hypotheses(hyps)} if req.structured
                                                   else {"translation": best}), **terms(span.start, best)})
                 continue
@@ -227,7 +227,7 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
                                **({} if req.glossary is None else {"terms": []})})
             for j, unit in enumerate(span):
                 await wait(work, unit + 1, state)
-                best = encoded.best(unit, hypotheses(tokenizer, work.results[unit]))
+                best = encoded.best(encoded.hypotheses(tokenizer, unit, work.results[unit]))
                 yield _ndjson({"index": index, "sentence": j, "translation": split.piece(j, best),
                                **terms(unit, best)})
         count(m, encoded, work.results)

@@ -49,7 +49,7 @@ def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
     tokens (413 naming the limit; sentences are counted before the tokenizer's work). CPU work in proportion
     to the body: run off the event loop."""
     translator = req.model.translator
-    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix)
+    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix, req.way.same)
     try:
         encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(req.names or ()),
                                limits.max_sentences, req.glossary)

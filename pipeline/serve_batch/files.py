@@ -177,7 +177,10 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
     Rank 0 gets every window; other ranks only do their share and get nothing. serve-batch writes these;
     parity measures them."""
     direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
-    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction.prefix,
+    if direction.same and ctx.is_main:
+        log.info("%s: --src-lang and --tgt-lang are both %s: every line is written as it came (a model would invent "
+                 "a translation)", input_path, direction.source)
+    windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction,
                            glossary) if ctx.is_main else None
     shown = progress and ctx.is_main and sys.stderr.isatty()
     bar = progress_bar(Path(input_path).name if input_path != "-" else "stdin", shown,

@@ -23,6 +23,7 @@ from pipeline.textio import NotUtf8, decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
+from runtime.languages import ONE_PAIR, Direction
 from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts, term_counts
 from runtime.tokenizer import AnyTokenizer
@@ -83,9 +84,10 @@ class ServeBatchOptions:
         self.decoding.validate()
         return self
 
-    def policy(self, prefix: tuple[int, ...] = ()) -> TextPolicy:
-        """The text service's policy for these options, each source after `prefix` (runtime/languages.py)."""
-        return TextPolicy(self.long_lines, self.split, self.format, self.lang, prefix)
+    def policy(self, way: Direction = ONE_PAIR) -> TextPolicy:
+        """The text service's policy for these options in direction `way` (runtime/languages.py: its prefix starts
+        each source; the source language as the target, each text is answered as it came)."""
+        return TextPolicy(self.long_lines, self.split, self.format, self.lang, way.prefix, way.same)
 
 
 @dataclass
@@ -139,8 +141,8 @@ class TranslatedWindow:
 
 
 def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: ServeBatchOptions,
-                 prefix: tuple[int, ...] = (), glossary: Glossary | None = None) -> Iterator[Window]:
-    """Windows of `opts.window` lines, tokenized (each source after `prefix`: runtime/languages.py), with the
+                 way: Direction = ONE_PAIR, glossary: Glossary | None = None) -> Iterator[Window]:
+    """Windows of `opts.window` lines, tokenized (in direction `way`: runtime/languages.py), with the
     bad-input policy applied and the glossary's terms found (runtime/glossary.py)."""
     f = open_binary(path)
     try:
@@ -153,13 +155,13 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
             replaced, size = replaced + bad, size + len(raw)
             texts.append(text)
             if len(texts) == opts.window or size >= WINDOW_BYTES:
-                window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix,
+                window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, way,
                                        glossary)
                 unclosed += _unclosed(window, path, first_line, unclosed)
                 yield window
                 texts, replaced, size, first_line = [], 0, 0, lineno + 1
         if texts:
-            window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, prefix, glossary)
+            window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, way, glossary)
             unclosed += _unclosed(window, path, first_line, unclosed)
             yield window
         if unclosed > 1:  # the first was named: the count, so no repair goes uncounted
@@ -221,11 +223,11 @@ def decode_row(raw: bytes, path: str, lineno: int, policy: str) -> tuple[str, in
 
 
 def encode_window(texts: list[str], first_line: int, path: str, tokenizer: AnyTokenizer, max_src_len: int,
-                  opts: ServeBatchOptions, replaced: int = 0, prefix: tuple[int, ...] = (),
+                  opts: ServeBatchOptions, replaced: int = 0, way: Direction = ONE_PAIR,
                   glossary: Glossary | None = None) -> Window:
     """The lines encoded by the text service under the options' policy, refusals named `path:line`."""
     try:
-        encoded = encode_texts(tokenizer, texts, max_src_len, opts.policy(prefix), Lines(path, first_line),
+        encoded = encode_texts(tokenizer, texts, max_src_len, opts.policy(way), Lines(path, first_line),
                                glossary=glossary)
     except RuntimeUserError as e:  # a refused long line: a UserError, so every rank hears of it
         raise UserError(str(e)) from None
