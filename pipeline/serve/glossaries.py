@@ -44,7 +44,7 @@ def read_named(specs: tuple[str, ...]) -> dict[str, tuple[str, Glossary]]:
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not path or not NAME.fullmatch(name):
-            raise UserError(f"--glossary {spec!r}: give NAME=FILE, NAME a simple identifier (letters, digits "
+            raise UserError(f"--glossary {spec!r}: give NAME=FILE, NAME a simple identifier (ASCII letters, digits "
                             "and '_', not starting with a digit; at most 64)")
         if name in named:
             raise UserError(f"--glossary {name}: given twice ({named[name][0]} and {path}); name each glossary once")
