@@ -40,11 +40,12 @@ from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable, VerificationError
 from export.options import READ_BY_THE_CALLER, ExportOptions
+from export.out_dir import commit_out
 from export.payload import checkpoint_steps, decoding_defaults
 from export.plan import ExportPlan, resolve
 from export.shortlist import write_shortlist
 from model import io_names
-from model.atomic import make_temp_dir, replace_dir, usual_permissions, write_failure
+from model.atomic import make_temp_dir, usual_permissions, write_failure
 from model.checkpoint import CheckpointWriteError, save_checkpoint
 from model.manifest import (
     CHECKPOINT_FILE,
@@ -125,7 +126,7 @@ def carry_out(plan: ExportPlan, say: Callable[[str], object] = log.warning) -> M
         try:
             manifest = write_model_dir(plan, tmp, say)
             latch.raise_if_received(f"export to {out}")  # a Ctrl-C some library swallowed
-            replace_dir(tmp, out)
+            commit_out(tmp, out, plan.options.force)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(e, Exception):  # a Ctrl-C the exporter wrapped in its own error is one (SIGTERM's exit

@@ -9,10 +9,8 @@ before minutes of work (export/api.py runs the plan's steps).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,13 +25,13 @@ from export.options import (
     ExportOptions,
     SampleDirection,
 )
+from export.out_dir import prepare_out
 from export.payload import checkpoint_steps, decoding_defaults
 from export.sample import sample_calibration
 from export.shortlist import ShortlistCorpus, count_table
-from model.atomic import check_can_create_in, remove_stale_temps
 from model.checkpoint import load_model, resolve_checkpoint
 from model.config import ModelConfig
-from model.manifest import FORMAT, MANIFEST, OLD_FORMATS, ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
+from model.manifest import ONNXRUNTIME_ONLY, QUANTIZATIONS, Languages, Limits
 from model.transformer import Transformer
 from runtime.decoding import PAPER
 from runtime.languages import LANG_CODE, LanguageError, direction
@@ -279,48 +277,6 @@ def check_options(cfg: ModelConfig, *, opset: int, topk: int, limits: Limits) ->
                         "the padding id")
     if problems:
         raise ExportError("cannot export: " + "; ".join(problems))
-
-
-def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
-    """Refuse outputs we must not replace, before any work is done. What a killed export
-    left beside --out goes first (a model dir it was replacing is put back)."""
-    remove_stale_temps(out.parent)
-    if out.is_symlink():  # replacing it would put a directory in the link's place, the linked dir untouched
-        raise ExportError(f"{out}: is a symbolic link (to {os.readlink(out)}); give the directory it leads to, or "
-                          "another --out")
-    if out.exists() and not out.is_dir():
-        raise ExportError(f"{out}: exists and is not a directory; choose another --out")
-    if out.is_dir():
-        if not force:
-            raise ExportError(f"{out}: already exists; pass --force to replace it or choose another --out")
-        if any(out.iterdir()) and (why := not_a_model_dir(out)):
-            raise ExportError(f"{out}: {why}; --force only replaces a model directory an export wrote (all of "
-                              "it goes); choose another --out")
-        if out.resolve() in checkpoint.resolve().parents:
-            raise ExportError(f"{out}: holds the checkpoint being exported; choose another --out")
-        if out.resolve() == Path.cwd().resolve() or out.resolve() in Path.cwd().resolve().parents:
-            raise ExportError(f"{out}: is the current directory or holds it, which cannot be replaced (the export "
-                              "ran to its end, then failed); give the model dir's path from outside it")
-    check_can_create_in(out.parent, "--out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-
-def not_a_model_dir(out: Path) -> str | None:
-    """Why `out` is not a directory an export wrote, which --force would delete with whatever else it holds (a web
-    extension has a manifest.json too); None for one: our manifest, and nothing in it but the files it lists."""
-    manifest = out / MANIFEST
-    if not manifest.is_file():
-        return f"exists and is not a model directory (no {MANIFEST})"
-    try:
-        data = json.loads(manifest.read_bytes()[:1 << 22])
-    except (OSError, ValueError):
-        data = None
-    if not isinstance(data, dict) or data.get("format") not in (FORMAT, *OLD_FORMATS) or not isinstance(
-            data.get("files"), dict):  # never parsed as our Manifest: one of an old format is replaced too
-        return f"its {MANIFEST} is not a model directory's (no \"format\": \"{FORMAT}\" and files)"
-    other = sorted(p.name for p in out.iterdir() if p.name != MANIFEST and p.name not in data["files"])
-    more = f" and {len(other) - 1} more" if len(other) > 1 else ""
-    return f"holds {other[0]!r}{more}, which its {MANIFEST} does not list (no export wrote it)" if other else None
 
 
 def load(source: Path) -> tuple[Transformer, bytes, dict[str, Any], AnyTokenizer]:

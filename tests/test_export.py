@@ -304,6 +304,40 @@ def test_force_never_deletes_a_directory_that_is_not_a_model_dir(random_checkpoi
     assert (out / "notes.txt").read_text() == "keep me"
 
 
+def test_what_appears_at_out_while_an_export_runs_is_never_replaced(fp32_dir, random_checkpoint, tmp_path,
+                                                                     monkeypatch):
+    """--out was checked when the export began and replaced at its end whatever it had become: a directory a user
+    made there meanwhile was deleted (exit 0), and of two exports to one new --out the last silently won."""
+    import shutil
+
+    real = api.write_model_dir
+
+    def and_meanwhile(make):  # the model dir is written, then something appears at --out before the commit
+        def write(plan, tmp, *args, **kwargs):
+            manifest = real(plan, tmp, *args, **kwargs)
+            make(plan.out)
+            return manifest
+        return write
+
+    def user_dir(out):
+        out.mkdir(exist_ok=True)
+        (out / "notes.txt").write_text("keep me")
+
+    out = tmp_path / "late"
+    monkeypatch.setattr(api, "write_model_dir", and_meanwhile(user_dir))
+    with pytest.raises(ExportError, match="appeared while this export ran"):
+        api.export_model(random_checkpoint, out, **SMALL_LIMITS)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and hidden(tmp_path) == []
+    # --force over a model dir that became something else meanwhile: refused, as it is when the export begins
+    model = tmp_path / "model"
+    shutil.copytree(fp32_dir, model)
+    with pytest.raises(ExportError, match=r"holds 'notes\.txt'.*changed while this export ran"):
+        api.export_model(random_checkpoint, model, force=True, **SMALL_LIMITS)
+    assert (model / "notes.txt").read_text() == "keep me" and hidden(tmp_path) == []
+    monkeypatch.setattr(api, "write_model_dir", real)
+    api.export_model(random_checkpoint, tmp_path / "fresh", **SMALL_LIMITS)  # nothing appeared: placed as before
+
+
 def test_force_never_deletes_a_directory_because_it_holds_a_manifest_json(fp32_dir, random_checkpoint, tmp_path):
     """Any directory with a file named manifest.json was replaced, whatever else it held (a web extension's
     src/, notes): only a directory an export wrote is, our manifest and the files it lists alone."""

@@ -20,7 +20,7 @@ import sacrebleu
 
 from export.api import export_model
 from export.options import DEFAULT_MAX_BEAM
-from export.plan import not_a_model_dir
+from export.out_dir import not_a_model_dir
 from model.checkpoint import checkpoint_step, step_checkpoints
 from model.config import PRESETS
 from model.errors import UserError
