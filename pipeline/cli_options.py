@@ -63,13 +63,22 @@ def _click_type(base: Any, cli: dict[str, Any]) -> Any:
     return str
 
 
+MODEL_DIR_KIND = "a model directory (a checkpoint becomes one with `pipeline export CHECKPOINT --out DIR`)"
+
+
 class GivenPath(click.Path):
     """click.Path that refuses an empty path ('' from an unset shell variable), which click would take for the
     current directory: `train --save-dir "$RUN"` trained into it, `import x --out ''` wrote there."""
 
+    def __init__(self, *args: Any, kind: str | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.kind = kind  # a directory argument's meaning, for a file given in its place
+
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and not value:
             self.fail("is an empty path (is a shell variable unset?)", param, ctx)
+        if self.kind and isinstance(value, str) and os.path.isfile(value):  # click: "Directory 'x.pt' is a file."
+            self.fail(f"{value!r} is a file, not {self.kind}", param, ctx)
         if isinstance(value, str) and not self.dir_okay and value.endswith(("/", os.sep)):  # Path() drops the /
             self.fail(f"{value!r} ends with / (a directory); give a file path", param, ctx)
         return super().convert(value, param, ctx)

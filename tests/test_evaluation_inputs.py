@@ -227,3 +227,29 @@ def test_bench_refuses_options_its_mode_would_leave_out(capsys, fp32_dir, tmp_pa
                         "--batch-size, --rounds: not used by --serve")):
         code, _, err = run_cli_captured(capsys, "bench", fp32_dir, *args)
         assert_one_line_error(code, err, says)
+
+
+def test_parity_against_the_recorded_references_refuses_languages_it_would_ignore(capsys, fp32_dir):
+    """Without --src, --src-lang zz --tgt-lang qq passed ("parity: passed", exit 0): the references' own direction
+    was translated, the languages ignored, as --beam-size is refused for."""
+    code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src-lang", "de", "--tgt-lang", "en")
+    assert_one_line_error(code, err, "--src-lang, --tgt-lang: parity against the recorded references uses the "
+                                     "decoding and languages they were recorded with")
+
+
+@pytest.mark.parametrize("command", ["serve-batch", "serve", "ray-translate"])
+def test_a_checkpoint_given_as_model_dir_is_told_how_to_make_one(capsys, tmp_path, command):
+    """A checkpoint file given as MODEL_DIR got click's "Directory 'averaged.pt' is a file." (parity, bench and
+    doctor said what a model dir is and how to make one)."""
+    checkpoint = tmp_path / "averaged.pt"
+    checkpoint.write_bytes(b"x")
+    code, _, err = run_cli_captured(capsys, command, checkpoint, *([] if command == "serve" else [checkpoint]))
+    assert_one_line_error(code, err, "is a file, not a model directory", "pipeline export CHECKPOINT --out DIR")
+
+
+@pytest.mark.parametrize("family", ["auto", "marian", "m2m100", "nllb"])
+def test_import_help_shows_its_example_commands_one_per_line(capsys, family):
+    """click re-wrapped the example block: "... --out de-en.pt     pipeline export de-en.pt ..." on one line."""
+    code, out, _ = run_cli_captured(capsys, "import", family, "--help")
+    examples = [line.strip() for line in out.splitlines() if line.strip().startswith("pipeline ")]
+    assert code == 0 and examples and all(line.count("pipeline ") == 1 for line in examples), out

@@ -77,6 +77,7 @@ def import_group() -> None:
     """Import a model trained elsewhere as a checkpoint that export, serve-batch, serve, parity and
     bench take as they take ours.
 
+    \b
         pipeline import HF_DIR|HUB_ID --out CHECKPOINT
 
     imports the family that config.json's model_type names (marian: OPUS-MT; m2m_100: M2M-100, or NLLB
@@ -91,6 +92,7 @@ def auto(hf_dir: str, out: Path, force: bool) -> None:
     marian (OPUS-MT), m2m_100 (M2M-100, or NLLB-200 by its tokenizer). An unknown model_type is one line
     naming it and the families known. Never touches the network.
 
+    \b
         pipeline import opus-mt-de-en --out de-en.pt
         pipeline import facebook/nllb-200-distilled-600M --out nllb.pt   (a hub id: the cached snapshot)"""
     _run(hf_dir, out, force, None)
@@ -103,6 +105,7 @@ def marian(hf_dir: str, out: Path, force: bool) -> None:
     config.json, model.safetensors or pytorch_model.bin, source.spm, target.spm, vocab.json and,
     when present, generation_config.json). Never touches the network.
 
+    \b
         pipeline import marian opus-mt-de-en --out de-en.pt
         pipeline export de-en.pt --out models/de-en --int8
         pipeline serve-batch models/de-en in.de --output out.en
@@ -122,6 +125,7 @@ def m2m100(hf_dir: str, out: Path, force: bool) -> None:
     (M2M-100) or tokenizer.json (NLLB) and, when present, generation_config.json): one model for many
     language pairs. `pipeline import nllb` is the same command. Never touches the network.
 
+    \b
         pipeline import m2m100 m2m100_418M --out m2m.pt
         pipeline export m2m.pt --out models/m2m --int8
         pipeline serve-batch models/m2m in.en --src-lang en --tgt-lang de --output out.de

@@ -46,11 +46,12 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
     recorded = src is None and ref is None and opts.reference_engine == REFERENCE
     if recorded:
         given = [f"--{p.replace('_', '-')}" for p in ("beam_size", "alpha", "max_len_a", "max_len_b", "min_len",
-                                                      "rules")
+                                                      "rules", "src_lang", "tgt_lang")
                  if ctx.get_parameter_source(p) is not click.core.ParameterSource.DEFAULT]
-        if given:
+        if given:  # (the languages were ignored: the references' own direction is translated)
             raise click.UsageError(f"{', '.join(given)}: parity against the recorded references uses the decoding "
-                                   "they were recorded with; pass --src and --ref to choose other options")
+                                   "and languages they were recorded with; pass --src and --ref to choose other "
+                                   "options")
         if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
             names = [n for n in names if n != "torch"]  # no PyTorch here: gate the exported graphs
     labels = [p + (SHORTLISTED if shortlist else "") for p in PRECISIONS]

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
+from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
 from pipeline.integrations.options import RayOptions
 from pipeline.integrations.shards import job_record, plan
 from pipeline.serve_batch.files import target_suffix
@@ -32,7 +32,7 @@ _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", 
 
 
 @click.command("ray-translate")
-@click.argument("model_dir", type=GivenPath(file_okay=False))
+@click.argument("model_dir", type=GivenPath(file_okay=False, kind=MODEL_DIR_KIND))
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=GivenPath())
 @click.option("--output-dir", metavar="DIR", required=True,
               help="Write each input's translation to DIR/<input file name> (.gz dropped, the language suffix made "

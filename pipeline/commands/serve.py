@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
+from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
 from pipeline.serve.options import LOAD_NOTES, RequestLimits, ServeHttpOptions
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
@@ -26,7 +26,7 @@ def _require_web_stack() -> None:
 
 
 @click.command("serve")
-@click.argument("model_dir", type=GivenPath(file_okay=False), required=False)
+@click.argument("model_dir", type=GivenPath(file_okay=False, kind=MODEL_DIR_KIND), required=False)
 @options_from(ServeHttpOptions)
 @options_from(LoadOptions, skip=("precision",), notes=LOAD_NOTES)
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",

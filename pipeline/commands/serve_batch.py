@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
+from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
 from pipeline.textio import check_input
@@ -20,7 +20,7 @@ from runtime.model_dir import LoadOptions, load
 log = logging.getLogger(__name__)
 
 @click.command("serve-batch")
-@click.argument("model_dir", type=GivenPath(file_okay=False))
+@click.argument("model_dir", type=GivenPath(file_okay=False, kind=MODEL_DIR_KIND))
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=GivenPath())
 @click.option("-o", "--output", metavar="FILE",
               help="Write the translation of the single INPUT here ('-' = stdout).")
