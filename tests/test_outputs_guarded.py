@@ -95,6 +95,8 @@ def test_average_never_writes_through_a_link_to_a_checkpoint_nor_into_a_model_di
     assert {name: (run / name).read_text() for name in files} == files
     model = fp32_dir / "model.pt" if (fp32_dir / "model.pt").exists() else fp32_dir / "x.pt"
     _refused(capsys, "average", run, "--last", 2, "--out", model, "--force", says="--out lies in a model dir")
+    # a model dir given as the save dir: said so (it blamed an --out the user never gave)
+    _refused(capsys, "average", fp32_dir, says="is an exported model dir, not a `pipeline train` --save-dir")
 
 
 def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_dir, tmp_path):

@@ -39,6 +39,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
         raise UserError(f"{'--last' if best is None else '--best'} must be at least 1 (got {count})")
     if not save_dir.is_dir():
         raise UserError(f"{save_dir}: no such save directory")
+    if (save_dir / MANIFEST).is_file():  # (it said --out lay in a model dir: the default --out does)
+        raise UserError(f"{save_dir}: is an exported model dir, not a `pipeline train` --save-dir; average the save "
+                        "dir it was exported from")
     out = Path(out) if out is not None else save_dir / AVERAGED
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "

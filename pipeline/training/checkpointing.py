@@ -122,9 +122,11 @@ def data_fingerprint(opts: TrainOptions) -> dict[str, dict[str, Any]] | None:
         if path is None:
             continue
         if not Path(path).is_file():
-            what = ("no such file" if not Path(path).exists() else "is a directory" if Path(path).is_dir()
-                    else "is not a regular file (a device or pipe)")
-            raise UserError(f"{path}: {what}; training reads its corpus more than once: give a text file")
+            option = "--" + name.replace("_", "-")
+            if not Path(path).exists():
+                raise UserError(f"{option} {path}: no such file")
+            what = "is a directory" if Path(path).is_dir() else "is not a regular file (a device or pipe)"
+            raise UserError(f"{option} {path}: {what}; training reads its corpus more than once: give a text file")
         found[name] = file_fingerprint([Path(path)])[0]
     return found
 
