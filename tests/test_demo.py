@@ -124,7 +124,7 @@ def test_demo_stopped_by_sigterm_during_training_is_one_line_like_train(tmp_path
     assert "rerun the same command to resume" in lines[0]
 
 
-def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, monkeypatch):
+def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, monkeypatch, fp32_dir):
     """A beam the model dirs cannot serve, a precision without a backend to check it, a non-model dir in model-int8/
     and a directory named test.hyp each failed after training and the exports (up to ten minutes); now before."""
     from helpers import assert_one_line_error, run_cli_captured
@@ -144,7 +144,15 @@ def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, m
     (hyp / "test.hyp").mkdir(parents=True)
     (tmp_path / "file").mkdir()
     (tmp_path / "file" / "model-fp16").write_text("x\n")  # a file there: it failed after two exports
+    import shutil
+
+    other = tmp_path / "other"  # a model dir exported from another checkpoint was replaced in silence, exit 0
+    shutil.copytree(fp32_dir, other / "model-fp32")
     for args, says in ((["--out", tmp_path / "a", "--beam-size", "9"], "serve beams up to 8"),
+                       (["--out", other], f"model-fp32: was exported from {random_checkpoint_path(fp32_dir)}, not "
+                                          f"from this demo's {other / 'train'}"),
+                       # a model dir as --out took the demo's files, and no export could replace it after
+                       (["--out", fp32_dir], "is an exported model dir; the demo's --out is its working directory"),
                        (["--out", tmp_path / "b", "--backends", "tensorrt"], "no backend to check the fp32"),
                        (["--out", stray], "model-int8: exists and is not a model directory"),
                        (["--out", hyp], "test.hyp: is a directory"),
@@ -154,3 +162,10 @@ def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, m
         code, _, err = run_cli_captured(capsys, *base, *args)
         assert_one_line_error(code, err, says)
     assert (stray / "model-int8" / "notes.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in other.iterdir()) == ["model-fp32"]
+
+
+def random_checkpoint_path(model_dir) -> str:
+    import json
+
+    return json.loads((model_dir / "manifest.json").read_text())["source_checkpoint"]["path"]

@@ -9,6 +9,7 @@ finished) and re-exports.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from export.out_dir import not_a_model_dir
 from model.checkpoint import checkpoint_step, step_checkpoints
 from model.config import PRESETS
 from model.errors import UserError
-from model.manifest import PRECISIONS
+from model.manifest import MANIFEST, PRECISIONS
 from pipeline.cli_options import parse_backends
 from pipeline.commands.export import held_out_calibration, reference_set
 from pipeline.demo.plan import DemoPlan, format_plan, plan_demo
@@ -181,16 +182,29 @@ def _check_before_training(opts: DemoOptions, plan: DemoPlan, out: Path) -> None
         skipped = "; ".join(f"{b}: {reason}" for b, reason in plan.skipped) or "none of them runs here"
         raise UserError(f"--backends {','.join(opts.backends or ())}: no backend to check the {missing[0]} model "
                         f"dir with ({skipped}); add torch or onnxruntime")
+    if (out / MANIFEST).is_file():  # its files would be mixed into a model dir, which no export could replace
+        raise UserError(f"{out}: is an exported model dir; the demo's --out is its working directory (train/, "
+                        "model-*/): choose a new one")
     for precision in PRECISIONS:
         model_dir = out / f"model-{precision}"
         if model_dir.exists() and not model_dir.is_dir():
             raise UserError(f"{model_dir}: exists and is not a directory; the demo writes a model dir there: move "
                             "it, or choose another --out")
-        if model_dir.is_dir() and any(model_dir.iterdir()) and (why := not_a_model_dir(model_dir)):
-            raise UserError(f"{model_dir}: {why}; the demo replaces only a model dir an export wrote: move it, or "
+        if model_dir.is_dir() and any(model_dir.iterdir()) and (why := not_a_model_dir(model_dir) or _foreign(
+                model_dir, out / "train")):
+            raise UserError(f"{model_dir}: {why}; the demo replaces only a model dir it exported: move it, or "
                             "choose another --out")
     for name in ("test.hyp", *(f"parity-{p}.json" for p in PRECISIONS)):
         check_output_file(out / name, "--out")
+
+
+def _foreign(model_dir: Path, save_dir: Path) -> str | None:
+    """Why a model dir an export wrote is not this demo's (exported from a checkpoint outside its save dir)."""
+    source = json.loads((model_dir / MANIFEST).read_bytes()).get("source_checkpoint") or {}
+    path = Path(str(source.get("path") or save_dir / "unrecorded.pt"))
+    if path.parent.resolve() != save_dir.resolve():
+        return f"was exported from {path}, not from this demo's {save_dir}"
+    return None
 
 
 def _reached(save_dir: Path) -> int:
