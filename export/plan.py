@@ -166,6 +166,9 @@ def _limits(options: ExportOptions, positions: int, payload: dict[str, Any]) -> 
     longest = math.ceil(float(own.get("max_len_a", PAPER.max_len_a)) * src) + int(own.get("max_len_b", PAPER.max_len_b))
     tgt = options.max_tgt_len if options.max_tgt_len is not None else \
         min(max(DEFAULT_MAX_TGT_LEN, longest + 1) if own else DEFAULT_MAX_TGT_LEN, positions - 1)
+    if own and src < positions:  # transformers translates every source its positions take
+        log.warning("the model dir cuts sources at %d tokens (--max-src-len %d), where the model takes %d; "
+                    "--max-src-len %d serves all of them", src, src, positions, positions)
     enough = min(longest + 1, positions - 1)
     if own and tgt < enough:  # the longest output the model's own decoding asks for does not fit: say so
         log.warning("the model dir's outputs stop at %d tokens (--max-tgt-len %d), where the checkpoint's decoding "

@@ -303,6 +303,11 @@ def test_an_opus_mt_model_dir_serves_the_lengths_its_generation_config_allows(tm
         export_model(checkpoint, tmp_path / "short", tensorrt=False, max_tgt_len=306)
     assert "outputs stop at 305 tokens (--max-tgt-len 306), where the checkpoint's decoding allows 510; " \
            "--max-tgt-len 511 serves all of them" in caplog.text
+    caplog.clear()  # a source limit that cuts was not warned of, as docs/import.md says it is
+    with caplog.at_level(logging.WARNING, logger="export.plan"):
+        export_model(checkpoint, tmp_path / "cut", tensorrt=False, max_src_len=100)
+    assert "cuts sources at 100 tokens (--max-src-len 100), where the model takes 512; --max-src-len 512 serves " \
+           "all of them" in caplog.text
 
 
 @pytest.mark.slow
