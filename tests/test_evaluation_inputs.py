@@ -253,3 +253,17 @@ def test_import_help_shows_its_example_commands_one_per_line(capsys, family):
     code, out, _ = run_cli_captured(capsys, "import", family, "--help")
     examples = [line.strip() for line in out.splitlines() if line.strip().startswith("pipeline ")]
     assert code == 0 and examples and all(line.count("pipeline ") == 1 for line in examples), out
+
+
+def test_parity_says_its_scores_cover_the_blank_lines_its_sentence_count_leaves_out(capsys, fp32_dir, tmp_path):
+    """"39 sentences" beside a BLEU over all 40 lines (a blank source against its reference) read as if the blank
+    line had been left out of BLEU."""
+    import json
+
+    src = write_lines(tmp_path / "s.txt", ["ab cd", "", "ef gh"])
+    ref = write_lines(tmp_path / "r.txt", ["x y", "z", "w"])
+    code, out, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--backends",
+                                      "onnxruntime", "--threads", "1", "--json", "-")
+    report = json.loads(out)
+    assert (report["sentences"], report["lines"]) == (2, 3), err
+    assert "2 sentences of 3 lines (blank ones: BLEU and chrF score all 3)" in err

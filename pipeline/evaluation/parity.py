@@ -82,6 +82,7 @@ class ParityReport:
     results: list[BackendResult]
     reference: str = REFERENCE  # what "identical" and "BLEU/torch" compare with (REFERENCES)
     shortlist: bool = False     # the backends decoded over the model dir's vocabulary shortlist
+    lines: int | None = None    # every line of SRC, blank ones too: BLEU and chrF score all of them
 
     @property
     def passed(self) -> bool:
@@ -212,7 +213,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     results, signatures = _compare(runs, ref_run, ref_lines, reference.model, gates, save_hyps, reference.cfg.eos_id,
                                    live)
     return ParityReport(str(model_dir), str(src), str(ref), live, opts.decoding.beam_size, *signatures, results,
-                        shortlist=shortlist)
+                        shortlist=shortlist, lines=len(ref_run.lines))
 
 
 def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines: list[str], backends: list[str],
@@ -240,7 +241,8 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
     results, signatures = _compare(runs, ref_run, ref_lines, torch_backend.model, gates, save_hyps,
                                    torch_backend.cfg.eos_id, live)
     return ParityReport(str(model_dir), str(src), str(ref_path), live, opts.decoding.beam_size,
-                        *signatures, results, reference=f"transformers generate on {hf_dir}", shortlist=shortlist)
+                        *signatures, results, reference=f"transformers generate on {hf_dir}", shortlist=shortlist,
+                        lines=len(sources))
 
 
 def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, gates: dict[str, Gate],
@@ -264,7 +266,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
                                        manifest.model_config.eos_id, live)
     where = f"{Path(model_dir) / REFERENCES_FILE} (recorded at export)"
     return ParityReport(str(model_dir), where, where, live, opts.decoding.beam_size, *signatures,
-                        results, shortlist=shortlist)
+                        results, shortlist=shortlist, lines=len(refs.sources))
 
 
 def _translate(name: str, opened: ModelDir, src: Path, opts: ServeBatchOptions, device: str | None, threads: int | None,
@@ -340,7 +342,9 @@ def format_table(report: ParityReport) -> str:
         gate = "PASS" if r.passed else "FAIL: " + "; ".join(r.failures)
         rows.append(f"{r.backend:<12} {r.precision:<{width}} {r.bleu:>6.2f} {r.chrf:>6.2f} {r.bleu_delta:>+6.2f} "
                     f"{r.bleu_vs_torch:>10.2f} {r.identical:>9.1%} {gap:>8} {r.seconds:>7.2f}  {gate}")
-    rows.append(f"{report.sentences} sentences, beam {report.beam_size}; BLEU {report.bleu_signature}; "
+    lines = report.lines or report.sentences  # "39 sentences" read as if BLEU left the blank line out
+    scored = f" of {lines} lines (blank ones: BLEU and chrF score all {lines})" if lines != report.sentences else ""
+    rows.append(f"{report.sentences} sentences{scored}, beam {report.beam_size}; BLEU {report.bleu_signature}; "
                 f"chrF {report.chrf_signature}")
     if report.reference != REFERENCE:
         rows.append(f"'identical' and 'BLEU/torch' compare with {report.reference}")
