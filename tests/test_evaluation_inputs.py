@@ -70,6 +70,12 @@ def test_tune_decoding_checks_every_trial_before_the_first_runs(capsys, caplog, 
             code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, *grid)
         assert_one_line_error(code, err, says)
         assert "BLEU" not in caplog.text  # no trial ran
+    # a beam of 0 or a negative alpha is wrong for any model: refused before one loads (it was after)
+    with caplog.at_level(logging.INFO):
+        caplog.clear()
+        code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--beams", "0")
+    assert_one_line_error(code, err, "--beams must be at least 1 (got 0)")
+    assert "loaded in" not in caplog.text + err
 
 
 def test_bench_refuses_a_fixed_length_past_the_model_dirs_limit(capsys, fp32_dir):

@@ -119,13 +119,17 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
         raise UserError(f"{src} has {len(sources)} lines but {ref} has {len(refs)}; they must be line-aligned")
     if not any(line.strip() for line in refs):
         raise UserError(f"{ref}: no reference line to score against (the file is empty or blank)")
+    typed = {"beam_size": "--beams", "alpha": "--alphas"}  # problems named as typed
+    early = {p for b in beams for a in alphas for p in base.replace(beam_size=b, alpha=a).problems(
+        lambda k: typed.get(k, flag(k))) if p.startswith(tuple(typed.values()))}
+    if early:  # a beam of 0 or a negative alpha, whatever the model: before it loads
+        raise UserError("; ".join(sorted(early)))
     backend, tokenizer, defaults = load_for_tuning(model, device)
     pair = ModelDir.open(model, verify=False).manifest.language_pair if (Path(model) / MANIFEST).is_file() else None
     way = direction(backend.cfg, src_lang, tgt_lang, pair=pair)  # none given, it decoded without language tokens
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     grid = [base.replace(beam_size=beam, alpha=alpha) for beam in beams for alpha in alphas]
     # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed
-    typed = {"beam_size": "--beams", "alpha": "--alphas"}
     problems = sorted({p for options in grid for p in options.problems(lambda k: typed.get(k, flag(k)))})
     problems += [f"--beams {beam}: this model's backend takes beams up to {backend.topk // 2} (it gives "
                  f"{backend.topk} candidates a step; beam search takes 2 x beam)" for beam in sorted(set(beams))
