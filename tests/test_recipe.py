@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import torch
 from helpers import TINY, cli_env, make_parallel, run_cli, train_until_sigterm, weights, write_parallel
 
 from model.checkpoint import BEST, read_checkpoint, step_checkpoints
+from model.errors import UserError
 from pipeline.corpus.data import ShardedBatches, iter_eval_batches, prepare_data
 from pipeline.corpus.sampling import SubwordSampler
 from pipeline.training import TrainOptions, learning_rate, resolve_options, train
@@ -261,6 +263,15 @@ def test_sampled_batches_are_the_same_on_any_number_of_ranks(corpus, tmp_path):
         a, b = one.next_group(), one.next_group()
         (c,), (d,) = r0.next_group(), r1.next_group()
         assert torch.equal(a[0].src, c.src) and torch.equal(b[0].tgt_out, d.tgt_out)
+
+
+def test_a_resume_with_another_batches_per_update_says_which_update_freq_keeps_it(corpus, tmp_path):
+    """The docs say the error says so; it said "resume with the same product" and named no --update-freq."""
+    data = prepared(corpus, tmp_path)
+    saved = ShardedBatches(data.train, 64, 1, 2, 0, 2, None).state_dict()  # 2 processes x --update-freq 2
+    for world, freq, says in ((1, 1, "; here: --update-freq 4"), (3, 1, "; 3 processes cannot make it")):
+        with pytest.raises(UserError, match=f"this run has {world * freq} .*{re.escape(says)}$"):
+            ShardedBatches(data.train, 64, 1, world, 0, freq, None).load_state_dict(saved)
 
 
 @pytest.mark.slow

@@ -363,9 +363,13 @@ class ShardedBatches:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["group_size"] != self.group_size:
-            raise UserError(f"the checkpoint was made with {state['group_size']} batches per update "
-                            f"(processes x --update-freq), this run has {self.group_size}; resume with "
-                            "the same product so the data position means the same thing")
+            saved = state["group_size"]
+            fits = (f"; here: --update-freq {saved // self.world_size}" if saved % self.world_size == 0 else
+                    f"; {self.world_size} processes cannot make it")  # the --update-freq that keeps the product
+            raise UserError(f"the checkpoint was made with {saved} batches per update (processes x "
+                            f"--update-freq), this run has {self.group_size} ({self.world_size} process(es) x "
+                            f"--update-freq {self.update_freq}); resume with the same product so the data position "
+                            f"means the same thing{fits}")
         self.epoch, self.group, self._epoch_batches = state["epoch"], state["group"], None
 
 
