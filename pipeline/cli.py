@@ -197,7 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as e:  # click's own checks (an unknown option, a value of the wrong type): one
         # `error:` line as every refusal is, and where the usage is (click printed four lines, "Error:" last)
         usage = f" (see `{e.ctx.command_path} --help`)" if isinstance(e, click.UsageError) and e.ctx else ""
-        click.echo(f"error: {e.format_message()}{usage}", err=True)
+        message = e.format_message()
+        if isinstance(e, click.NoSuchOption) and e.option_name == "--resume" and e.ctx and e.ctx.info_name in (
+                "train", "demo"):  # click offered --preset
+            where = "--save-dir" if e.ctx.info_name == "train" else "--out"
+            message = (f"no option --resume: a run resumes by itself; rerun the same command (the same {where}) "
+                       "and it goes on from its latest checkpoint")
+        click.echo(f"error: {message}{usage}", err=True)
         sys.exit(e.exit_code)
     except UserError as e:  # the user's to fix: one line, exit 2, no traceback
         click.echo(f"error: {e}", err=True)

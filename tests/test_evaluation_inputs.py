@@ -273,3 +273,10 @@ def test_parity_says_its_scores_cover_the_blank_lines_its_sentence_count_leaves_
     report = json.loads(out)
     assert (report["sentences"], report["lines"]) == (2, 3), err
     assert "2 sentences of 3 lines (blank ones: BLEU and chrF score all 3)" in err
+
+
+@pytest.mark.parametrize("command, where", [("train", "--save-dir"), ("demo", "--out")])
+def test_resume_is_explained_not_answered_with_a_near_option(capsys, command, where):
+    """`pipeline train ... --resume` said "Did you mean '--preset'?"."""
+    code, _, err = run_cli_captured(capsys, command, "--resume")
+    assert_one_line_error(code, err, f"a run resumes by itself; rerun the same command (the same {where})")
