@@ -140,8 +140,10 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
     if ids != list(range(len(ids))):
         raise ImportRefused(f"{hf_dir}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats")
     if len(full) > cfg.vocab_size:
+        default = (f" ({TOKENIZER_CONFIG} is missing: its language_codes were taken to be M2M-100's 100; copy the "
+                   "model's own)" if not nllb and not path.is_file() else "")
         raise ImportRefused(f"{hf_dir}: the tokenizer has {len(full)} ids (with its language tokens), more than "
-                            f"{CONFIG}'s vocab_size {cfg.vocab_size}")
+                            f"{CONFIG}'s vocab_size {cfg.vocab_size}{default}")
     madeup_words = optional_integer(tok_config, "num_madeup_words", files.path(TOKENIZER_CONFIG), 8, minimum=0)
     if not nllb and len(full) + madeup_words != cfg.vocab_size:
         # the language tokens are numbered after vocab.json's ids: one id more or less there moves every one
