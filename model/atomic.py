@@ -187,8 +187,11 @@ def is_special_file(path: str | Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> Iterator[IO[Any]]:
-    """Yield a file to write; on success it replaces `path` (fsync'd, usual permissions).
+def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp", replace: bool = True
+                 ) -> Iterator[IO[Any]]:
+    """Yield a file to write; on success it replaces `path` (fsync'd, usual permissions). `replace=False`: `path`
+    must not exist when the file is put there (a FileExistsError for one that appeared meanwhile: a hard link,
+    which never replaces, where the file system has them).
 
     Text modes write UTF-8 with '\\n' newlines whatever the platform. If the body raises,
     the temp file is removed and `path` is left as it was.
@@ -214,7 +217,10 @@ def atomic_write(path: str | Path, mode: str = "wb", suffix: str = ".tmp") -> It
             os.chmod(tmp, stat.S_IMODE(os.stat(path).st_mode))  # open()'s
         except FileNotFoundError:
             usual_permissions(tmp)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _put_new(Path(tmp), path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         failure = write_failure(e, path)
@@ -289,6 +295,20 @@ def check_can_create_in(directory: str | Path, option: str) -> None:
 
 _RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
 _AT_FDCWD = -100
+
+
+def _put_new(tmp: Path, path: Path) -> None:
+    """The finished temp file at `path`, which must not exist (FileExistsError)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (FAT, some network file systems): a check, then a rename
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
 
 
 def _renameat2(a: Path, b: Path, flags: int) -> bool:

@@ -110,7 +110,7 @@ def _write_failure(e: BaseException) -> tuple[str, int | None] | None:
     return None
 
 
-def atomic_torch_save(obj: Any, path: Path) -> str:
+def atomic_torch_save(obj: Any, path: Path, replace: bool = True) -> str:
     """torch.save that replaces `path` only once the whole file is on disk (model.atomic),
     with its SHA-256 attached; returns that digest.
 
@@ -119,10 +119,12 @@ def atomic_torch_save(obj: Any, path: Path) -> str:
     failed write is a CheckpointWriteError naming the path, and leaves no temp file."""
     path = Path(path)
     try:
-        with signals_deferred(), atomic_write(path, "wb") as f:
+        with signals_deferred(), atomic_write(path, "wb", replace=replace) as f:
             writer = _DigestWriter(f)
             torch.save(obj, cast(IO[bytes], writer))  # it writes only, in order
             return writer.finish()
+    except FileExistsError:  # replace=False, and something is there now
+        raise
     except (OSError, RuntimeError) as e:
         # Ctrl-C outside the main thread, where signals cannot be deferred: still Ctrl-C.
         if any(isinstance(c, KeyboardInterrupt) for c in _chain(e)):
@@ -191,8 +193,9 @@ def torch_load_verified(path: Path) -> Any:
 
 def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,
                     train_state: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None) -> str:
-    """Write a checkpoint atomically; returns the SHA-256 it carries (see atomic_torch_save)."""
+                    extra: dict[str, Any] | None = None, replace: bool = True) -> str:
+    """Write a checkpoint atomically; returns the SHA-256 it carries (see atomic_torch_save). `replace=False`:
+    a FileExistsError, and nothing replaced, when `path` exists by the time the file is complete."""
     payload = {
         "format": FORMAT,
         "model_config": model.cfg.to_dict(),
@@ -201,7 +204,7 @@ def save_checkpoint(path: Path, model: Transformer, spm_model: bytes,
         "train_state": train_state,
         "extra": extra or {},
     }
-    return atomic_torch_save(payload, path)
+    return atomic_torch_save(payload, path, replace)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:

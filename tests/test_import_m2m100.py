@@ -272,6 +272,26 @@ def test_bad_directory_is_one_line_naming_the_file(hf_dir, tmp_path, damage, mes
     assert not out.exists(), "a failed import leaves no checkpoint"
 
 
+def test_a_file_that_appears_at_out_while_the_import_runs_is_never_replaced(hf_dir, tmp_path, monkeypatch):
+    """--out was checked when the import began and replaced at its end: a file made there meanwhile was lost."""
+    import pipeline.importers.convert as convert
+
+    out = tmp_path / "out.pt"
+    real = convert.build
+
+    def meanwhile(*args, **kwargs):
+        out.write_text("keep me")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(convert, "build", meanwhile)
+    result = CliRunner().invoke(cli, ["import", "m2m100", str(hf_dir), "--out", str(out)])
+    assert isinstance(result.exception, ImportRefused), result.output
+    assert "appeared while this import ran; nothing was replaced" in str(result.exception)
+    assert out.read_text() == "keep me" and [p.name for p in tmp_path.iterdir()] == ["out.pt"]
+    result = CliRunner().invoke(cli, ["import", "m2m100", str(hf_dir), "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.output  # --force replaces it, as asked
+
+
 def test_import_refuses_to_write_inside_its_input(hf_dir, tmp_path):
     copy = tmp_path / "hf"
     shutil.copytree(hf_dir, copy)

@@ -61,7 +61,11 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     cfg, mapped = _logits_bias(family, cfg, family.map_weights(hf.tensors(), cfg, hf.located), hf.weights)
     model = build(cfg, mapped, family.name)
     extra = {"decoding": defaults, "imported": hf.provenance(family.format), **tokenized.extra}
-    sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra)
+    try:  # without --force, never over what appeared at --out while this import ran
+        sha = save_checkpoint(out, model.eval(), tok.model_bytes, extra=extra, replace=force)
+    except FileExistsError:
+        raise ImportRefused(f"{out}: appeared while this import ran; nothing was replaced: pass --force to replace "
+                            "it, or choose another --out") from None
     log.info("imported %s (%s): %d parameters, vocabulary %d%s, decoding defaults %s -> %s", hf_dir, family.name,
              sum(p.numel() for p in model.parameters()), cfg.vocab_size,
              f", {len(cfg.languages)} languages" if cfg.languages else "", defaults, out)
