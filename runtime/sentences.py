@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,8 +28,11 @@ DEFAULT_LANG = "en"
 # event loop too. A window bounds each call (about 1 ms at worst) and a long sentence (_windowed).
 WINDOW = 1000
 CONTEXT = 200  # the text around a boundary that decides it
-GLUED_ENDS = ".!?"  # a boundary after one of these with no whitespace after it is none (a segmenter's cut
-# inside "Dipl.-Ing." or a typo's "ging.Dann"); Chinese and Japanese end sentences with full-width marks, unglued
+GLUED_ENDS = ".!?"  # a segmenter's boundary after one of these with no whitespace after it is none ("Dipl.-Ing.",
+# a typo's "ging.Dann"), unless a wide character follows (Chinese and Japanese put no space after a sentence)
+# every whitespace character the segmenter sees as a space (sentencex panics on "B\u00a0. x": a byte offset inside a
+# multi-byte space; the Rust panic is a BaseException no `except Exception` caught), one character for one
+_SPACES = {c: " " for c in range(0x3001) if chr(c).isspace() and c != 0x20}
 # a line break (the ones str.splitlines splits at; \r\n is one), kept as the whitespace between sentences
 LINE_BREAK = re.compile("(\r\n|[\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029])")
 
@@ -64,7 +68,31 @@ def _segmenter() -> Callable[[str, str], list[str]]:
     except ImportError:
         raise RuntimeUserError('splitting into sentences needs sentencex, which is not installed: '
                         'pip install -e ".[serve]"') from None
-    return lambda lang, line: list(segment(lang, line))
+
+    def pieces(lang: str, text: str) -> list[str]:
+        """text cut where sentencex cuts it (its whitespace seen as spaces), glued across GLUED_ENDS; the text
+        whole if sentencex fails or changes a character."""
+        seen = text.translate(_SPACES)
+        try:
+            found = list(segment(lang, seen))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - a Rust panic (pyo3's PanicException): the text stays one piece
+            return [text]
+        if "".join(found) != seen:
+            return [text]
+        out: list[str] = []
+        at = 0
+        for piece in found:
+            original, at = text[at:at + len(piece)], at + len(piece)
+            if out and out[-1][-1:] in GLUED_ENDS and original[:1] and not original[0].isspace() and \
+                    unicodedata.east_asian_width(original[0]) not in "WF":
+                out[-1] += original  # (within one window: at most WINDOW characters)
+            else:
+                out.append(original)
+        return out
+
+    return pieces
 
 
 def split_sentences(text: str, lang: str = DEFAULT_LANG,
@@ -109,9 +137,9 @@ def _cut(window: str) -> int:
 
 
 def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
-    sentences: list[list[str]] = []  # each in parts (joined once: linear)
+    sentences: list[str] = []
     gaps: list[str] = []
-    gap: list[str] = []  # the whitespace since the last sentence, in parts
+    gap: list[str] = []  # the whitespace since the last sentence, in parts (joined once: linear)
     parts = LINE_BREAK.split(text)  # lines, each followed by its break
     for i in range(0, len(parts), 2):
         line = parts[i]
@@ -124,23 +152,23 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
                 continue
             lead = len(piece) - len(piece.lstrip())
             gap.append(piece[:lead])
-            if sentences and sentences[-1][-1][-1] in GLUED_ENDS and not "".join(gap):
-                sentences[-1].append(body)  # no whitespace after a . ! or ?: "Dipl.-Ing.", "ging.Dann" go on
-            else:
-                gaps.append("".join(gap))
-                sentences.append([body])
+            gaps.append("".join(gap))
+            sentences.append(body)
             gap = [piece[lead + len(body):]]
     gaps.append("".join(gap))
-    return Split(["".join(sentence) for sentence in sentences], gaps)
+    return Split(sentences, gaps)
 
 
 def joined_across(split: Split, spans: Sequence[tuple[int, int]]) -> Split:
     """`split` with the sentences that a span of its text (start, end: a glossary term's) runs across joined
-    into one, with the whitespace between them, unless a line break lies between them (a sentence holds none)."""
+    into one, with the whitespace between them, unless a line break lies between them (a sentence holds none) or
+    the sentence would pass WINDOW characters (as long as a sentence gets: terms chained across every boundary
+    made a whole document one sentence, cut to the model's limit)."""
     if not spans or len(split.sentences) < 2:
         return split
-    sentences, gaps = [split.sentences[0]], [split.gaps[0]]
-    end = len(split.gaps[0]) + len(split.sentences[0])  # where the last sentence kept ends in the text
+    sentences, gaps = [[split.sentences[0]]], [split.gaps[0]]  # each sentence in parts (joined once: linear)
+    size = len(split.sentences[0])  # of the last sentence
+    end = len(split.gaps[0]) + size  # where the last sentence ends in the text
     spans = sorted(spans)
     k = 0
     for j in range(1, len(split.sentences)):
@@ -148,10 +176,13 @@ def joined_across(split: Split, spans: Sequence[tuple[int, int]]) -> Split:
         start = end + len(gap)
         while k < len(spans) and spans[k][1] <= end:
             k += 1
-        if k < len(spans) and spans[k][0] < end and spans[k][1] > start and not LINE_BREAK.search(gap):
-            sentences[-1] += gap + sentence
+        if (k < len(spans) and spans[k][0] < end and spans[k][1] > start and not LINE_BREAK.search(gap)
+                and size + len(gap) + len(sentence) <= WINDOW):
+            sentences[-1] += [gap, sentence]
+            size += len(gap) + len(sentence)
         else:
             gaps.append(gap)
-            sentences.append(sentence)
+            sentences.append([sentence])
+            size = len(sentence)
         end = start + len(sentence)
-    return Split(sentences, gaps + [split.gaps[-1]])
+    return Split(["".join(parts) for parts in sentences], gaps + [split.gaps[-1]])

@@ -63,7 +63,6 @@ def test_a_segmenter_that_changes_text_falls_back_to_lines(monkeypatch):
 def test_long_lines_split_as_one_call_would():
     """The segmenter sees a window at a time; on long lines (quotes, abbreviations and numbers whose
     boundaries depend on the text around them) it finds the boundaries one call on the line finds."""
-    from sentencex import segment
 
     rng = random.Random(1)
     parts = ["Der Hund bellt laut.", "die katze", "Mr.", "Dr. X sagt: „Ja.“", "3.5", "?", "!", "\t", "\u00a0",
@@ -72,7 +71,7 @@ def test_long_lines_split_as_one_call_would():
         line = " ".join(rng.choice(parts) for _ in range(rng.randint(500, 1500)))
         lang = rng.choice(["en", "de", "fr", "zh"])
         assert len(line) > 3 * sentences.WINDOW
-        one_call = sentences._split(line, functools.partial(segment, lang))  # glued as the windows are
+        one_call = sentences._split(line, functools.partial(sentences._segmenter(), lang))  # as each window
         assert split_sentences(line, lang).sentences == one_call.sentences
 
 
@@ -82,11 +81,19 @@ def test_long_lines_split_as_one_call_would():
     ("de", "Heute kam Dipl.-Ing. Momo.", ["Heute kam Dipl.-Ing.", "Momo."]),
     ("de", "Er ging.Dann kam sie. Gut!Ja?", ["Er ging.Dann kam sie.", "Gut!Ja?"]),
     ("zh", "今天很好。明天也好。", ["今天很好。", "明天也好。"]),  # full-width ends are no glue
+    ("zh", "这是第一句话.这是第二句话!", ["这是第一句话.", "这是第二句话!"]),  # nor a wide character after one
+    # a multi-byte space before "." after a capital made sentencex panic (a BaseException: a 500, a traceback)
+    ("en", "Call B\u00a0. Smith now. Yes", ["Call B\u00a0. Smith now.", "Yes"]),
+    ("en", "B\u3000. x", ["B\u3000. x"]),
     ("en", "One.\nTwo.", ["One.", "Two."]),  # a line break always separates
 ])
 def test_a_boundary_without_whitespace_after_a_full_stop_is_none(lang, text, expected):
     split = split_sentences(text, lang)
     assert split.sentences == expected and split.rebuild(split.sentences) == text
+
+
+def test_a_window_cut_is_no_boundary_to_glue():
+    assert [len(s) for s in split_sentences("a." * 600, "en").sentences] == [1000, 200]
 
 
 def test_no_boundary_inside_a_span_kept_whole():
@@ -97,6 +104,12 @@ def test_no_boundary_inside_a_span_kept_whole():
     split = split_sentences(text, "de", spans)
     assert split.sentences == ["Der Verein 1. FC Köln gewann.", "Gut so.", "Der 1.", "FC"]  # never across a line
     assert split.rebuild(split.sentences) == text
+    # terms chained across every boundary made a whole document one sentence (cut to the model's limit, past
+    # --max-sentences), joined in quadratic time: a joined sentence stops at WINDOW characters
+    doc = "We go. " * 3000
+    chained = split_sentences(doc, "en", lambda t: [(m.start(), m.end()) for m in re.finditer("go. We", t)])
+    assert chained.rebuild(chained.sentences) == doc
+    assert len(chained.sentences) > 20 and max(map(len, chained.sentences)) <= sentences.WINDOW
 
 
 def test_a_sentence_longer_than_a_window_is_cut_at_whitespace():
