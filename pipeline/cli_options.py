@@ -79,6 +79,8 @@ class GivenPath(click.Path):
             self.fail("is an empty path (is a shell variable unset?)", param, ctx)
         if self.kind and isinstance(value, str) and os.path.isfile(value):  # click: "Directory 'x.pt' is a file."
             self.fail(f"{value!r} is a file, not {self.kind}", param, ctx)
+        if value == "-" and self.exists and not self.allow_dash:  # click: "File '-' does not exist."
+            self.fail("'-' (standard input) cannot be read here; give a file", param, ctx)
         if isinstance(value, str) and not self.dir_okay and value.endswith(("/", os.sep)):  # Path() drops the /
             self.fail(f"{value!r} ends with / (a directory); give a file path", param, ctx)
         return super().convert(value, param, ctx)

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO
 
-from model.atomic import atomic_write, check_can_create_in, is_special_file
+from model.atomic import atomic_write, check_can_create_in, descriptor_alias, is_special_file
 from model.errors import UserError
 
 
@@ -136,7 +136,9 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
     stdin = _stdio_file(0) if any(str(p) == "-" for p in inputs) else None
     for name in real_inputs.values() if any(str(p) == "-" for p in inputs) else ():
-        if _is_stdin(name):  # `--glossary /dev/stdin` beside '-': the first read took the other's lines
+        # `--glossary /dev/stdin` beside '-': a pipe's lines went to the first read; a file redirected to '-' is
+        # read whole by each, unless named as standard input itself (the glossary then meant '-')
+        if _is_stdin(name) and (stdin is None or descriptor_alias(name)):
             raise UserError(f"{name} is standard input, which the input '-' reads too: one would take the other's "
                             "lines; give one of them as a file")
     stdout = _stdio_file(1) if any(str(p) == "-" for p in outputs) else None

@@ -145,13 +145,14 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
             raise RuntimeUserError(f"{where}: more than MAX_GLOSSARY_TERMS ({MAX_GLOSSARY_TERMS}) entries in "
                                    f"one glossary; keep the terms that matter or split it by domain")
         tabs += len(fields) == 2
-        for separator in separators:
-            separators[separator] += separator in line
+        for separator in separators:  # between two fields ("Hund;dog"), not ending a term ("&nbsp;")
+            separators[separator] += separator in line.strip().strip(separator)
         entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
     for separator, name in ((",", "a comma"), (";", "a semicolon")):
         if entries and not tabs and separators[separator] == len(entries):
             raise RuntimeUserError(f"{path}: every line holds {name} and none a tab: a glossary is tab-separated "
-                                   "(source<TAB>target), not CSV; a line without a tab is a term not to translate")
+                                   "(source<TAB>target), not CSV; a line without a tab is a term not to translate "
+                                   "(for a file of such terms, end one line with a tab)")
     return entries
 
 

@@ -163,6 +163,18 @@ def test_what_would_fail_after_training_is_refused_before_it(tmp_path, capsys, m
         assert_one_line_error(code, err, says)
     assert (stray / "model-int8" / "notes.txt").read_text() == "mine\n"
     assert sorted(p.name for p in other.iterdir()) == ["model-fp32"]
+    # a demo dir moved or copied since (its manifests record where it was) is still the demo's own
+    import json
+
+    moved = tmp_path / "moved"
+    shutil.copytree(fp32_dir, moved / "model-fp32")
+    manifest = json.loads((moved / "model-fp32" / "manifest.json").read_text())
+    manifest["source_checkpoint"]["path"] = "/where/it/was/train/averaged.pt"
+    (moved / "model-fp32" / "manifest.json").write_text(json.dumps(manifest))
+    (moved / "train").mkdir()
+    (moved / "train" / "averaged.pt").write_bytes(b"x")
+    assert demo_run._foreign(moved / "model-fp32", moved / "train") is None
+    assert "not from this demo's" in demo_run._foreign(other / "model-fp32", other / "train")
 
 
 def random_checkpoint_path(model_dir) -> str:

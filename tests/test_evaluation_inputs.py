@@ -216,6 +216,8 @@ def test_bench_refuses_a_missing_src_before_loading_the_model(capsys, fp32_dir, 
     code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--src", tmp_path / "missing.txt")
     assert_one_line_error(code, err, "--src", "does not exist")
     assert "loaded in" not in err, err
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--src", "-")  # read once per measurement
+    assert_one_line_error(code, err, "--src", "'-' (standard input) cannot be read here; give a file")
 
 
 def test_bench_refuses_options_its_mode_would_leave_out(capsys, fp32_dir, tmp_path):

@@ -339,6 +339,12 @@ def test_a_nul_in_a_requests_glossary_says_nothing_of_files():
         glossary_from_mapping({"kinisa": "\x00x"})
     assert "UTF-16" not in str(info.value) and "file" not in str(info.value)
 
+def test_terms_that_end_in_a_semicolon_are_no_csv(tmp_path: Path):
+    """A do-not-translate glossary of HTML entities ("&nbsp;") was refused as semicolon CSV."""
+    glossary = load_glossary(write(tmp_path, "&nbsp;\n&amp;\n"))
+    assert [e.source for e in glossary.entries] == ["&nbsp;", "&amp;"]
+
+
 def test_joiners_indented_comments_and_commas_in_a_tab_file_are_kept(tmp_path: Path):
     g = load_glossary(write(tmp_path, "  # a comment, indented\nmi\u200cravam\tI go\nAcme, Inc.\nHund\tdog\n"))
     assert g.entries == (Entry("mi\u200cravam", "I go", False), Entry("Acme, Inc.", "Acme, Inc.", True),

@@ -117,6 +117,10 @@ def test_a_glossary_on_standard_input_beside_the_input_dash_is_refused(model_dir
         assert_one_line_error(proc.returncode, proc.stderr.decode(), "/dev/stdin is standard input, which the input "
                               "'-' reads too")
         assert not out.exists()
+    with open(glossary, "rb") as redirected:  # a file redirected to '-' and named too: each reads it whole
+        proc = subprocess.run(pipeline_cmd("serve-batch", model_dir, "-", "-o", out, "--glossary", glossary, *FAST),
+                              stdin=redirected, capture_output=True, env=cli_env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
 
 
 def test_a_glossary_is_an_input_and_a_replaced_output_keeps_its_permissions(model_dir, tmp_path, capsys):

@@ -45,6 +45,8 @@ def test_info_for_a_model_named_twice_is_refused_not_the_last_taken():
         assert c.get("/info", params={"model": name}).json()["model"] == name
         r = c.get("/info", params=[("model", "other"), ("model", name)])
         assert r.status_code == 400 and r.json()["error"].startswith('"model" given more than once'), r.text
+        r = c.get("/info", params={"model": "x" * 60_000})  # not echoed whole
+        assert r.status_code == 404 and len(r.text) < 300, len(r.text)
 
 
 @pytest.mark.parametrize("sep", ["\r", "\r\n", "\u2028", "\u2029", "\x85", "\x0b", "\x0c", "\x1c", "\x1e"])

@@ -199,12 +199,13 @@ def _check_before_training(opts: DemoOptions, plan: DemoPlan, out: Path) -> None
 
 
 def _foreign(model_dir: Path, save_dir: Path) -> str | None:
-    """Why a model dir an export wrote is not this demo's (exported from a checkpoint outside its save dir)."""
+    """Why a model dir an export wrote is not this demo's: exported from a checkpoint neither in its save dir nor,
+    for a demo dir moved or copied since (the path recorded is where it was), of a name its save dir holds."""
     source = json.loads((model_dir / MANIFEST).read_bytes()).get("source_checkpoint") or {}
     path = Path(str(source.get("path") or save_dir / "unrecorded.pt"))
-    if path.parent.resolve() != save_dir.resolve():
-        return f"was exported from {path}, not from this demo's {save_dir}"
-    return None
+    ours = path.parent.resolve() == save_dir.resolve() or (
+        path.parent.name == save_dir.name and (save_dir / path.name).is_file())
+    return None if ours else f"was exported from {path}, not from this demo's {save_dir}"
 
 
 def _reached(save_dir: Path) -> int:

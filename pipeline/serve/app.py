@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pipeline.serve import file_routes, libre, native, page, spec, suggestions
 from pipeline.serve.access import AccessLog
 from pipeline.serve.batcher import Batcher
-from pipeline.serve.http import CLIENT_CLOSED, ApiError, CountedDisconnect, error, read_payload
+from pipeline.serve.http import CLIENT_CLOSED, ApiError, CountedDisconnect, error, read_payload, shown
 from pipeline.serve.metrics import CONTENT_TYPE
 from pipeline.serve.state import ServerState
 
@@ -111,7 +111,7 @@ async def info(request: Request) -> Response:
     if name is None:
         return JSONResponse({"models": {n: m.info for n, m in state.models.items()}, **state.info})
     if name not in state.models:
-        return error(ApiError(404, f'unknown "model" {name!r}: this server has {", ".join(state.models)}'))
+        return error(ApiError(404, f'unknown "model" {shown(name)}: this server has {", ".join(state.models)}'))
     return JSONResponse({"model": name, **state.models[name].info, **state.info})
 
 
