@@ -87,6 +87,7 @@ def test_serve_batch_and_parity_write_what_they_wrote_before(before, fp32_dir, t
     old, new = (json.loads((tmp_path / f"{tag}.json").read_text()) for tag in ("old", "new"))
     # on purpose since 8a89676: parity counts the lines the model translates, not the blank one
     assert new["sentences"] == sum(1 for line in SOURCES if line.strip())
+    assert new.pop("lines") == len(SOURCES)  # and since, every line (its BLEU scores the blank one too)
     new = {**new, "sentences": len(SOURCES),
            "results": [{**r, "identical": 1 - r["n_different"] / len(SOURCES)} for r in new["results"]]}
     assert without(new) == without(old)
