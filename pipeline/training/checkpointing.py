@@ -259,7 +259,7 @@ class Checkpointer:
         rngs = state["rng"]
         if len(rngs) == self.ctx.world_size:
             set_rng_state(rngs[self.ctx.rank], self.ctx.device)
-        else:
+        elif self.model.cfg.dropout > 0:  # the RNG draws dropout masks alone (sampling is keyed by batch)
             log.warning("the checkpoint holds RNG states of %d process(es), this run has %d: dropout "
                         "masks will not replay exactly", len(rngs), self.ctx.world_size)
         return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"), state.get("best_step"),
