@@ -9,7 +9,6 @@ power cut. Model, export, runtime and pipeline all write files, so this lives in
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import hashlib
 import logging
@@ -22,6 +21,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+from model.renames import RENAME_NOREPLACE, exchange, renameat2
 
 log = logging.getLogger(__name__)
 
@@ -293,10 +294,6 @@ def check_can_create_in(directory: str | Path, option: str) -> None:
 
 # -- replacing a directory without a moment where it is missing ------------------------------
 
-_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
-_AT_FDCWD = -100
-
-
 def _put_new(tmp: Path, path: Path) -> None:
     """The finished temp file at `path`, which must not exist (FileExistsError)."""
     try:
@@ -311,33 +308,10 @@ def _put_new(tmp: Path, path: Path) -> None:
     tmp.unlink()
 
 
-def _renameat2(a: Path, b: Path, flags: int) -> bool:
-    """Linux renameat2(a, b, flags); False where the system or file system cannot (the caller falls back), an
-    OSError (FileExistsError for RENAME_NOREPLACE) where it refuses."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), flags) == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(b))
-
-
-def exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths (RENAME_EXCHANGE); False where the system or file system cannot, so the caller
-    falls back to two renames."""
-    return _renameat2(a, b, _RENAME_EXCHANGE)
-
-
 def place_new(new: Path, target: Path) -> None:
     """Rename `new` to `target`, which must not exist: a FileExistsError when anything is there, even what appeared
     a moment before (RENAME_NOREPLACE; where the system cannot, a check, then a rename)."""
-    if not _renameat2(new, target, _RENAME_NOREPLACE):
+    if not renameat2(new, target, RENAME_NOREPLACE):
         if os.path.lexists(target):
             raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(target))
         os.rename(new, target)
