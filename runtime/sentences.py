@@ -46,8 +46,14 @@ class Split:
 
     def piece(self, j: int, translation: str) -> str:
         """Sentence j's translation with the whitespace after it (the first also with the whitespace
-        before it): the pieces of all sentences, joined, are `rebuild`."""
-        return (self.gaps[0] if j == 0 else "") + translation + self.gaps[j + 1]
+        before it): the pieces of all sentences, joined, are `rebuild`. Sentences the source ran together
+        (Chinese has no space after a sentence; a window cut) are not run together in a translation that
+        ends in a narrow character ("I have a dog. It is big!"); a sentence kept as it was stays so."""
+        gap = self.gaps[j + 1]
+        if not gap and j + 1 < len(self.sentences) and translation != self.sentences[j] and translation[-1:] \
+                and not translation[-1].isspace() and unicodedata.east_asian_width(translation[-1]) not in "WF":
+            gap = " "
+        return (self.gaps[0] if j == 0 else "") + translation + gap
 
     def rebuild(self, translations: list[str]) -> str:
         """The text with each sentence replaced by its translation."""

@@ -207,7 +207,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     whole = None if glossary is None else glossary.spans  # no sentence boundary inside a term
     for k, text in enumerate(texts):
         start = len(out.units)
-        markup = parse_html(text) if policy.format == "html" else None
+        markup = parse_html(text) if policy.format == "html" and not policy.same_language else None  # (as it came)
         if markup is not None:
             docs = [split_sentences(node, policy.lang, whole) for node in markup.sources]
             names = [named.node(k, m) for m in range(1, len(docs) + 1)]
@@ -227,7 +227,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         out.empty.append(empty)
         out.documents.append(docs)
         out.markups.append(markup)
-    if max_units is not None and len(out.units) > max_units:
+    if max_units is not None and len(out.units) > max_units and not policy.same_language:  # (none translated)
         raise TooManyUnits(len(out.units), max_units)
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
@@ -355,7 +355,7 @@ def finish_text(tokenizer: AnyTokenizer, encoded: EncodedTexts, k: int, nbest_pe
     docs, markup = encoded.documents[k], encoded.markups[k]
     truncated, empty = encoded.truncated[k], encoded.empty[k]
     others: list[str]
-    if not encoded.policy.documents:
+    if not encoded.policy.documents or not docs and markup is None:  # (a same-language HTML text: whole)
         u = span.start
         hyps = nbest_per_unit[u]
         text = format_hypotheses(outs[u], n) if n > 1 else best[u]

@@ -92,6 +92,14 @@ def test_a_boundary_without_whitespace_after_a_full_stop_is_none(lang, text, exp
     assert split.sentences == expected and split.rebuild(split.sentences) == text
 
 
+def test_sentences_the_source_ran_together_are_not_run_together_in_a_spaced_translation():
+    """Chinese puts no space after a sentence: its English translations came back "a dog.It is big!"."""
+    split = split_sentences("我有一只狗。它很大！你呢？", "zh")
+    assert split.rebuild(["I have a dog.", "It is big!", "And you?"]) == "I have a dog. It is big! And you?"
+    assert split.rebuild(["我有。", "它！", "你？"]) == "我有。它！你？"  # a target without spaces keeps none
+    assert split.rebuild(split.sentences) == "我有一只狗。它很大！你呢？"  # nor does a text kept as it came
+
+
 def test_a_window_cut_is_no_boundary_to_glue():
     assert [len(s) for s in split_sentences("a." * 600, "en").sentences] == [1000, 200]
 

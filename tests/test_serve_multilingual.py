@@ -105,7 +105,7 @@ def test_a_text_in_the_target_language_comes_back_as_it_came_on_every_surface(m2
     from pipeline.integrations.translator import Translator
     from pipeline.serve_batch.translation import ServeBatchOptions
 
-    texts = ["sum silos lotato. ka mobalo da kotas!", "", "<b>da nomo</b> linapa"]
+    texts = ["sum silos lotato. ka mobalo da kotas!", "", "<b>da nomo</b> linapa &copy &#65 &ampx"]
     metrics, limits = Metrics(), RequestLimits()
     opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1))
     model = load_model("m2m", str(m2m_dir), opts, PAPER.replace(batch_tokens=limits.max_batch_tokens), metrics)
@@ -121,6 +121,14 @@ def test_a_text_in_the_target_language_comes_back_as_it_came_on_every_surface(m2
                                             {"hypotheses": [{"text": "", "score": 0.0}]}], r.text
         lines = c.post("/translate", json={"text": texts, "model": "m2m", **same, "stream": True}).text.splitlines()
         assert [json.loads(line)["translation"] for line in lines] == texts
+        # HTML came back with its entities respelled (&copy -> &copy;), and a text of more sentences than
+        # --max-sentences was a 413 here while LibreTranslate's API answered it: nothing is translated
+        for extra in ({"format": "html", "stream": True}, {"split": "sentences", "stream": True}):
+            lines = c.post("/translate", json={"text": texts, "model": "m2m", **same, **extra}).text.splitlines()
+            assert "".join(json.loads(line)["translation"] for line in lines) == "".join(texts), extra
+        many = ["Ja. " * (limits.max_sentences + 1)]
+        r = c.post("/translate", json={"text": many, "model": "m2m", **same, "split": "sentences"})
+        assert r.status_code == 200 and r.json()["translations"] == many
         assert c.post("/translate", json={"text": texts, "model": "m2m", "source": "en", "target": "de"}).json()[
             "translations"][0] != texts[0]  # the model does run for another target
     inp = tmp_path / "in.txt"

@@ -39,6 +39,14 @@ def test_a_field_given_twice_is_refused_not_the_last_taken():
         assert r.status_code == 400 and "'beam_size' given more than once" in r.json()["error"]
 
 
+def test_a_stream_says_its_charset():
+    """application/x-ndjson without a charset: requests guessed iso8859_10 for some answers ("MÃžller")."""
+    with client() as c:
+        r = c.post("/translate", json={"text": ["müller kam"], "stream": True})
+        assert r.headers["content-type"] == "application/x-ndjson; charset=utf-8"
+        assert r.text == '{"index": 0, "translation": "MÜLLER KAM"}\n'
+
+
 def test_info_for_a_model_named_twice_is_refused_not_the_last_taken():
     with client() as c:
         [name] = c.get("/info").json()["models"]

@@ -242,7 +242,7 @@ def test_departed_clients_do_not_break_the_others(url, lines, expected):
 def stream(url: str, payload: dict, timeout: float = 60) -> list[dict]:
     """A streamed /translate answer, read object by object as it arrives."""
     with httpx.stream("POST", f"{url}/translate", json={**payload, "stream": True}, timeout=timeout) as r:
-        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson; charset=utf-8"
         return [json.loads(line) for line in r.iter_lines() if line]
 
 

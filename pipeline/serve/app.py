@@ -191,7 +191,8 @@ class Contained:
             nonlocal started, streaming
             if message["type"] == "http.response.start":
                 started = True
-                streaming = (b"content-type", b"application/x-ndjson") in message.get("headers", [])
+                streaming = any(k == b"content-type" and v.startswith(b"application/x-ndjson")
+                                for k, v in message.get("headers", []))
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 streaming = False  # the answer is whole
             await send(message)

@@ -250,7 +250,7 @@ class _Stream(StreamingResponse):
 
     def __init__(self, req: TranslateRequest, work: Work, encoded: EncodedTexts, state: ServerState,
                  started: float):
-        super().__init__(_stream(req, work, encoded, state, started, self), media_type="application/x-ndjson")
+        super().__init__(_stream(req, work, encoded, state, started, self), media_type=NDJSON)
         self.model, self.work, self.state = req.model, work, state
         self.ended = CLIENT_CLOSED  # until the stream says otherwise
 
@@ -273,6 +273,7 @@ class _Stream(StreamingResponse):
                 note(Request(scope), ended=self.ended)
 
 
+NDJSON = "application/x-ndjson; charset=utf-8"  # without the charset, requests guessed iso8859_10 for some answers
 # line breaks other than \n, which JSON may hold raw: escaped, so a client splitting the stream at any line break
 # (Python's str.splitlines, a JavaScript reader) still reads one object per line
 _BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
