@@ -134,8 +134,9 @@ def refuse_overwriting_inputs(inputs: Sequence[str | Path], outputs: Sequence[st
     A hard link to an input file is allowed: the atomic rename replaces only the output's
     directory entry, so the input's content survives under its own name."""
     real_inputs = {os.path.realpath(p): str(p) for p in inputs if str(p) != "-"}
-    stdin = _stdio_file(0) if any(str(p) == "-" for p in inputs) else None
-    for name in real_inputs.values() if any(str(p) == "-" for p in inputs) else ():
+    reads_stdin = any(str(p) == "-" for p in inputs)
+    stdin = _stdio_file(0) if reads_stdin else None
+    for name in real_inputs.values() if reads_stdin else ():
         # `--glossary /dev/stdin` beside '-': a pipe's lines went to the first read; a file redirected to '-' is
         # read whole by each, unless named as standard input itself (the glossary then meant '-')
         if _is_stdin(name) and (stdin is None or descriptor_alias(name)):
