@@ -220,7 +220,7 @@ def test_an_epub_page_is_read_by_xhtml_rules():
 
 def test_an_epubs_pages_count_against_the_xml_limit():
     """An EPUB's pages were parsed whatever their size (100 MiB unpacked), where Office parts stop at 32 MiB."""
-    from pipeline.serve.archive_formats import MAX_XML_BYTES
+    from pipeline.serve.zip_parts import MAX_XML_BYTES
 
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
@@ -591,3 +591,21 @@ def test_download_names_keep_the_extension_they_were_taken_for_and_fit_a_file_sy
     assert download_name("../../etc/passwd.txt", "de") == "passwd_de.txt"
     long = download_name("ä" * 300 + ".docx", "de")
     assert len(long.encode()) <= 255 and long.endswith("ä_de.docx")
+
+
+def test_an_archive_of_too_many_xml_elements_is_refused_before_its_tree_is_built():
+    """32 MiB of "<a/>" in word/document.xml, a 31 KB upload, built a 1.1 GB lxml tree: the elements are counted
+    in the part's bytes before it is parsed."""
+    from pipeline.serve.zip_parts import MAX_XML_ELEMENTS
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("[Content_Types].xml", "<Types/>")
+        z.writestr("word/document.xml", '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/'
+                   f'2006/main"><w:body><w:p><w:r><w:t>Hallo</w:t></w:r></w:p>{"<a/>" * MAX_XML_ELEMENTS}'
+                   '</w:body></w:document>')
+    assert len(buffer.getvalue()) < 64 << 10
+    with pytest.raises(documents.DocumentError, match=r"text parts hold more than this server's limit of "
+                       r"2,000,000 XML elements") as refused:
+        documents.read_document("bericht.docx", buffer.getvalue())
+    assert refused.value.too_large

@@ -1,98 +1,24 @@
-"""The archive formats of POST /translate_file (.docx, .pptx, .odt, .odp, .epub), bounded before decompressing
-(members, declared sizes, total), XML read without a DTD, entities or the network; the rules are documents.py's."""
+"""The archive formats of POST /translate_file (.docx, .pptx, .odt, .odp, .epub): their paragraphs' texts out and
+translations back, read within zip_parts.py's bounds; the rules are documents.py's."""
 
 from __future__ import annotations
 
-import io
 import re
-import zipfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
 from pipeline.serve.text_formats import Document, DocumentError, extension
+from pipeline.serve.zip_parts import XmlBudget, members, parse_xml, serialize, zipped
 from runtime.markup import parse_html
 from runtime.sentences import has_letters
-
-MAX_UNZIPPED_BYTES = 100 << 20  # what an archive (.docx, .pptx, .odt, .odp, .epub) may unpack to, all members
-MAX_MEMBERS = 10_000  # members of an archive
-MAX_XML_BYTES = 32 << 20  # the XML parts parsed from one archive, together
 
 W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
 A = "{http://schemas.openxmlformats.org/drawingml/2006/main}"
 TEXT = "{urn:oasis:names:tc:opendocument:xmlns:text:1.0}"
 XML_SPACE = "{http://www.w3.org/XML/1998/namespace}space"
 STRICT = "{http://purl.oclc.org/ooxml/"  # Strict Open XML's namespaces: the same parts under other names
-
-
-# -- archives: .docx, .pptx, .odt, .odp, .epub --------------------------------------------------------------
-
-
-def _members(data: bytes, what: str) -> list[tuple[zipfile.ZipInfo, bytes]]:
-    """Every member, decompressed once the declared sizes are within bounds (zipfile stops at the declared size and
-    checks the CRC: more is an error, not a bomb); each read asks for that size (a whole-member read() asks zlib
-    for up to 2 GiB and cuts after: a 1 MiB member declaring 10 bytes held 2 GB)."""
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        infos = archive.infolist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError, OSError) as e:
-        ole = data[:4] == b"\xd0\xcf\x11\xe0"  # password-protected Office files are OLE containers, not zips
-        why = "password-protected, or an old .doc/.ppt" if ole else f"not a zip archive: {e}"
-        raise DocumentError(f"the file is not a readable {what} ({why})") from None
-    if len(infos) > MAX_MEMBERS:
-        raise DocumentError(f"the {what} has {len(infos)} members, more than this server's limit of {MAX_MEMBERS}",
-                            too_large=True)
-    total = sum(info.file_size for info in infos)
-    if total > MAX_UNZIPPED_BYTES:
-        raise DocumentError(f"the {what} unpacks to {total} bytes, more than this server's limit of "
-                            f"{MAX_UNZIPPED_BYTES} ({MAX_UNZIPPED_BYTES >> 20} MiB)", too_large=True)
-    members = []
-    for info in infos:
-        try:
-            with archive.open(info) as member:
-                content = member.read(info.file_size + 1)
-        except Exception as e:  # bad CRC, unknown compression, encrypted, truncated: the file's fault
-            raise DocumentError(f"the {what} is password-protected: save it without a password" if info.flag_bits & 1
-                                else f"the {what} is damaged: its member {info.filename[:100]!r} cannot be read "
-                                f"({type(e).__name__}: {str(e)[:200]})") from None
-        members.append((info, content))
-    return members
-
-
-def _zip(members: list[tuple[zipfile.ZipInfo, bytes]]) -> bytes:
-    """The archive again, members in order, each compressed as it was (an ODF's or EPUB's mimetype: first, stored)."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for info, content in members:
-            date = info.date_time if info.date_time[0] >= 1980 else (1980, 1, 1, 0, 0, 0)
-            try:
-                copy = zipfile.ZipInfo(info.filename, date)
-            except ValueError:
-                copy = zipfile.ZipInfo(info.filename)
-            copy.compress_type = zipfile.ZIP_STORED if info.compress_type == zipfile.ZIP_STORED \
-                else zipfile.ZIP_DEFLATED
-            copy.external_attr = info.external_attr
-            archive.writestr(copy, content)
-    return out.getvalue()
-
-
-def _parse_xml(content: bytes, name: str, what: str) -> Any:
-    parser = etree.XMLParser(resolve_entities=False, no_network=True, load_dtd=False, huge_tree=False)
-    try:
-        tree = etree.parse(io.BytesIO(content), parser)
-    except etree.XMLSyntaxError as e:  # libxml's own advice (XML_PARSE_HUGE) is none a sender can act on
-        why = str(e).replace(", use XML_PARSE_HUGE option", "")
-        raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({why})") from None
-    if tree.docinfo.internalDTD is not None or tree.docinfo.doctype:
-        raise DocumentError(f"the {what}'s part {name!r} declares a DTD, which this server does not read")
-    return tree
-
-
-def _serialize(tree: Any) -> bytes:
-    info = tree.docinfo
-    return etree.tostring(tree, xml_declaration=True, encoding=info.encoding or "UTF-8",
-                          standalone=info.standalone)
 
 
 Slot = tuple[Any, str]  # where a piece of a paragraph's text is: an element and "text" or "tail"; a text:s and "spaces"
@@ -241,22 +167,19 @@ def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Prefer | N
 def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
                       segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool,
                       prefer: Callable[[Any], Prefer] | None = None) -> Document:
-    members = _members(data, what)
-    names = [info.filename for info, _ in members]
+    entries = members(data, what)
+    names = [info.filename for info, _ in entries]
     if required not in names:
         raise DocumentError(f"the file is not a {what}: it has no {required}")
     slots: list[list[Slot]] = []
     rules: list[Prefer | None] = []  # each segment's part's rule
     trees: dict[int, Any] = {}
-    parsed = 0
-    for index, (info, content) in enumerate(members):
+    budget = XmlBudget(what, "text parts")
+    for index, (info, content) in enumerate(entries):
         if not parts.fullmatch(info.filename):
             continue
-        parsed += len(content)
-        if parsed > MAX_XML_BYTES:
-            raise DocumentError(f"the {what}'s text parts hold more than this server's limit of {MAX_XML_BYTES} "
-                                f"bytes of XML ({MAX_XML_BYTES >> 20} MiB)", too_large=True)
-        tree = trees[index] = _parse_xml(content, info.filename, what)
+        budget.take(content)
+        tree = trees[index] = parse_xml(content, info.filename, what)
         if str(tree.getroot().tag).startswith(STRICT):
             raise DocumentError(f"the {what} is saved as Strict Open XML ({info.filename!r}), which this server does "
                                 "not read; save it in the default (transitional) format")
@@ -266,8 +189,8 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
     def rebuild(translations: list[str]) -> bytes:
         for segment, translation, rule in zip(slots, translations, rules):
             _put(segment, translation, preserve, rule)
-        return _zip([(info, _serialize(trees[k]) if k in trees else content)
-                     for k, (info, content) in enumerate(members)])
+        return zipped([(info, serialize(trees[k]) if k in trees else content)
+                     for k, (info, content) in enumerate(entries)])
 
     return Document([_segment_text(s) for s in slots], rebuild)
 
@@ -366,19 +289,16 @@ def _odf_plain(root: Any) -> Prefer:
 
 def read_epub(data: bytes) -> Document:
     what = "EPUB book (.epub)"
-    members = _members(data, what)
-    if not any(info.filename == "META-INF/container.xml" for info, _ in members):
+    entries = members(data, what)
+    if not any(info.filename == "META-INF/container.xml" for info, _ in entries):
         raise DocumentError(f"the file is not an {what}: it has no META-INF/container.xml")
     texts: list[str] = []
     pages: dict[int, tuple[Any, int]] = {}  # member -> its markup and how many texts it has
-    parsed = 0
-    for index, (info, content) in enumerate(members):
+    budget = XmlBudget(what, "pages")
+    for index, (info, content) in enumerate(entries):
         if extension(info.filename) not in (".xhtml", ".html", ".htm"):
             continue
-        parsed += len(content)
-        if parsed > MAX_XML_BYTES:
-            raise DocumentError(f"the {what}'s pages hold more than this server's limit of {MAX_XML_BYTES} bytes "
-                                f"of XHTML ({MAX_XML_BYTES >> 20} MiB)", too_large=True)
+        budget.take(content, tree=False)  # (our tag scanner's, not a tree: its memory grows with the texts)
         try:
             page = content.decode("utf-8-sig")  # .xhtml, or an XML declaration: XHTML's rules, not HTML's
             markup = parse_html(page, xml=extension(info.filename) == ".xhtml" or page.lstrip().startswith("<?xml"))
@@ -390,11 +310,11 @@ def read_epub(data: bytes) -> Document:
     def rebuild(translations: list[str]) -> bytes:
         given = iter(translations)
         out = []
-        for k, (info, content) in enumerate(members):
+        for k, (info, content) in enumerate(entries):
             if k in pages:
                 markup, n = pages[k]
                 content = markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
             out.append((info, content))
-        return _zip(out)
+        return zipped(out)
 
     return Document(texts, rebuild)
