@@ -464,8 +464,15 @@ def test_a_request_target_too_long_to_read_is_a_414_and_a_long_path_is_not_echoe
             got = _raw(host, port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n\r\n")
             assert got.startswith(b"HTTP/1.1 414 "), got[:100]
             assert b"exceeds 65535 bytes; send the texts in the body" in got
+            assert b"\r\naccess-control-allow-origin: *\r\n" in got  # a browser's page reads why (--cors-origin)
         got = _raw(host, port, b"GET /" + b"a" * 60_000 + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert got.startswith(b"HTTP/1.1 404 ") and len(got) < 1000 and b"(60001 characters)" in got, got[:300]
+    too_long = b"GET /" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+    for option, header in (("https://Example.org", b"\r\naccess-control-allow-origin: https://example.org\r\n"
+                                                  b"vary: Origin\r\n"), ("none", b"access-control")):
+        with real_server(state_of({"de-en": (("de",), ("en",))}), cors_origin=option) as (host, port):
+            got = _raw(host, port, too_long)
+            assert got.startswith(b"HTTP/1.1 414 ") and (header in got) == (option != "none"), got[:300]
 
 
 def test_a_request_head_is_bounded_in_time_size_and_connections(monkeypatch):
@@ -487,6 +494,7 @@ def test_a_request_head_is_bounded_in_time_size_and_connections(monkeypatch):
         assert time.monotonic() - started < 4
         huge = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (100 << 10)
         assert _raw(host, port, huge).startswith(b"HTTP/1.1 431 ")
+        assert b"\r\naccess-control-allow-origin: *\r\n" in _raw(host, port, huge)
         ok = _raw(host, port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         assert ok.startswith(b"HTTP/1.1 200 "), ok[:80]
         idle = [socket.create_connection((host, port)) for _ in range(3)]  # the cap, held

@@ -73,8 +73,9 @@ class _Warnings:
             self.counts, self.logged = {}, now
 
 
-def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
-    """uvicorn's `http` setting: its httptools protocol with the bounds above, or "auto" without httptools."""
+def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: str | None = None) -> Any:
+    """uvicorn's `http` setting: its httptools protocol with the bounds above, or "auto" without httptools. Its own
+    answers carry `cors_origin` (--cors-origin) as the app's do: a browser's page reads why, not a CORS error."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
@@ -82,6 +83,8 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
                     "their heads bounded to 16 KiB but not in time, and --max-connections is not applied")
         return "auto"
     cap, warnings = connection_cap(max_connections), _Warnings()
+    cors = "" if cors_origin is None else f"access-control-allow-origin: {cors_origin}\r\n" + (
+        "" if cors_origin == "*" else "vary: Origin\r\n")  # (the headers are not read: the same for every origin)
     waiting: dict[Any, None] = {}  # the connections waiting for a request's head, oldest first
 
     class Bounded(HttpToolsProtocol):
@@ -248,6 +251,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int) -> Any:
             """{"error"} as every refusal of the app is (these were plain text)."""
             body = json.dumps({"error": message}).encode() + b"\n"
             self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
-                                 f"content-length: {len(body)}\r\n{extra}connection: close\r\n\r\n".encode() + body)
+                                 f"content-length: {len(body)}\r\n{extra}{cors}connection: close\r\n\r\n".encode()
+                                 + body)
 
     return Bounded

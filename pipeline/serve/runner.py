@@ -253,7 +253,8 @@ def uvicorn_config(app: Any, opts: ServeHttpOptions, limits: RequestLimits | Non
     limits = limits or RequestLimits()  # the request's head bounded before it reaches the app (connections.py)
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
-                          http=bounded_protocol(limits.head_timeout_s, limits.max_connections))
+                          http=bounded_protocol(limits.head_timeout_s, limits.max_connections,
+                                                cors_origin(opts.cors_origin)))
 
 
 def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: DecodingOptions,
