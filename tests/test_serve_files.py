@@ -609,3 +609,93 @@ def test_an_archive_of_too_many_xml_elements_is_refused_before_its_tree_is_built
                        r"2,000,000 XML elements") as refused:
         documents.read_document("bericht.docx", buffer.getvalue())
     assert refused.value.too_large
+
+
+def _docx_with(paragraphs: list[str], extra: dict[str, bytes] | None = None) -> bytes:
+    body = "".join(f"<w:p><w:r><w:t>{text}</w:t></w:r></w:p>" for text in paragraphs)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("word/document.xml", '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/'
+                   f'2006/main"><w:body>{body}</w:body></w:document>')
+        for name, content in (extra or {}).items():
+            z.writestr(name, content)
+    return buffer.getvalue()
+
+
+def test_a_read_archive_holds_its_texts_not_what_it_unpacks_to():
+    """Each upload waiting for its translation held every member unpacked (a 146 KB .docx with 99 MiB of zeros:
+    450 MB, 14 such uploads 1.7 GB); the members that are not text are copied from the upload at the rebuild."""
+    import tracemalloc
+
+    zeros = bytes(40 << 20)
+    data = _docx_with(["Hallo Welt"], {"word/media/image1.bin": zeros})
+    tracemalloc.start()
+    try:
+        doc = documents.read_document("bericht.docx", data)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 4 << 20, f"{held >> 20} MiB held by a read {len(data) >> 10} KiB archive"
+    with zipfile.ZipFile(io.BytesIO(doc.rebuild(["HELLO WORLD"]))) as z:
+        assert z.read("word/media/image1.bin") == zeros and b"HELLO WORLD" in z.read("word/document.xml")
+
+
+def test_a_text_repeated_past_twice_the_limit_stops_the_reading():
+    """Repeated texts are sent once, so a 129 KB .docx of one text a million times passed --max-sentences and
+    took 1.5 GB and 27 s (an EPUB page, 1.8 GB and 56 s): texts are counted as they occur too, up to twice the
+    limit (a Word text box is stored twice), as a .txt's lines are."""
+    assert len(documents.read_document("ok.docx", _docx_with(["Kasten"] * 20, None), 10).texts) == 1
+    with pytest.raises(documents.DocumentError, match=r"^the file has more than 20 texts, counted each time they "
+                       r"occur \(2x this server's limit per request, --max-sentences 10, of distinct ones\)"):
+        documents.read_document("many.docx", _docx_with(["Kasten"] * 21), 10)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+        z.writestr("META-INF/container.xml", "<container/>")
+        z.writestr("OEBPS/a.xhtml", "<p>ab</p>" * 15)
+        z.writestr("OEBPS/b.xhtml", "<p>ab</p>" * 6)
+    with pytest.raises(documents.DocumentError, match=r"^the file has more than 20 texts") as refused:
+        documents.read_document("buch.epub", buffer.getvalue(), 10)
+    assert refused.value.too_large
+
+
+def test_uploads_wait_as_bytes_while_two_are_translated(monkeypatch):
+    """Every upload was read and held (its trees, its texts) while it waited for its translation: memory grew with
+    the uploads sent at once. At most app.DOCUMENTS_HELD are held from reading to rebuilding."""
+    import asyncio
+    import threading
+
+    from pipeline.serve import app as app_module
+    from pipeline.serve import file_routes
+
+    held, most, lock = 0, 0, threading.Lock()
+    read, translate = documents.read_document, file_routes.translate_texts
+
+    def counted(*args: Any) -> Any:
+        nonlocal held, most
+        doc = read(*args)
+        with lock:
+            held += 1
+            most = max(most, held)
+
+        def rebuild(translations: list[str]) -> bytes:
+            nonlocal held
+            with lock:
+                held -= 1
+            return doc.rebuild(translations)
+        return documents.Document(doc.texts, rebuild)
+
+    async def slow(*args: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await translate(*args)
+
+    monkeypatch.setattr(documents, "read_document", counted)
+    monkeypatch.setattr(file_routes, "translate_texts", slow)
+    with served() as c:
+        answers: list[int] = []
+        sent = [threading.Thread(target=lambda k=k: answers.append(
+            send(c, f"d{k}.docx", _docx_with([f"Hund {k}"])).status_code)) for k in range(6)]
+        for thread in sent:
+            thread.start()
+        for thread in sent:
+            thread.join()
+    assert answers == [200] * 6 and most == app_module.DOCUMENTS_HELD == 2, (answers, most)

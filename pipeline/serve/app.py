@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 PREPARE_THREADS = 4  # parse HTML, split, tokenize and format requests (ServerState.prepare), for every model
 READING_THREADS = 2  # read bodies' JSON and forms (ServerState.reading), never held by documents
 DOCUMENT_THREADS = 1  # read and rebuild uploaded files (ServerState.documents): files queue, requests do not
+# uploads between their reading and their rebuilding (ServerState.held_documents): each holds its trees and texts
+# while its texts are translated (up to ~300 MB); the others wait as the bytes sent (14 at once held 1.7 GB)
+DOCUMENTS_HELD = 2
 
 
 class Counted:
@@ -240,6 +243,7 @@ def create_app(state: ServerState) -> Starlette:
         state.prepare = prepare = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare")
         state.reading = reading = ThreadPoolExecutor(READING_THREADS, thread_name_prefix="reading")
         state.documents = documents = ThreadPoolExecutor(DOCUMENT_THREADS, thread_name_prefix="documents")
+        state.held_documents = asyncio.Semaphore(DOCUMENTS_HELD)
         for model in state.models.values():
             model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
                                     limits.max_wait_ms / 1000.0, limits.max_queue, lambda: state.in_flight)

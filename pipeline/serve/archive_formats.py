@@ -10,8 +10,8 @@ from typing import Any
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
 from pipeline.serve.text_formats import Document, DocumentError, extension
-from pipeline.serve.zip_parts import XmlBudget, members, parse_xml, serialize, zipped
-from runtime.markup import parse_html
+from pipeline.serve.zip_parts import Archive, XmlBudget, parse_xml, serialize
+from runtime.markup import TooManyTexts, parse_html
 from runtime.sentences import has_letters
 
 W = "{http://schemas.openxmlformats.org/wordprocessingml/2006/main}"
@@ -166,31 +166,30 @@ def _put(slots: list[Slot], translation: str, preserve: bool, prefer: Prefer | N
 
 def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: str,
                       segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool,
-                      prefer: Callable[[Any], Prefer] | None = None) -> Document:
-    entries = members(data, what)
-    names = [info.filename for info, _ in entries]
-    if required not in names:
-        raise DocumentError(f"the file is not a {what}: it has no {required}")
+                      prefer: Callable[[Any], Prefer] | None = None, max_texts: int | None = None) -> Document:
+    archive = Archive(data, what)
+    if required not in archive.names:
+        raise DocumentError(f"the file is not {'an' if what[0] in 'AEIOU' else 'a'} {what}: it has no {required}")
     slots: list[list[Slot]] = []
     rules: list[Prefer | None] = []  # each segment's part's rule
     trees: dict[int, Any] = {}
-    budget = XmlBudget(what, "text parts")
-    for index, (info, content) in enumerate(entries):
-        if not parts.fullmatch(info.filename):
-            continue
+    budget = XmlBudget(what, "text parts", max_texts)
+    for index, info, content in archive.members(lambda name: parts.fullmatch(name) is not None):
         budget.take(content)
         tree = trees[index] = parse_xml(content, info.filename, what)
         if str(tree.getroot().tag).startswith(STRICT):
             raise DocumentError(f"the {what} is saved as Strict Open XML ({info.filename!r}), which this server does "
                                 "not read; save it in the default (transitional) format")
-        slots.extend(s for s in segments(tree.getroot()) if s and has_letters(_segment_text(s)))
+        for segment in segments(tree.getroot()):
+            if segment and has_letters(_segment_text(segment)):
+                slots.append(segment)
+                budget.found()
         rules.extend([prefer(tree.getroot()) if prefer else None] * (len(slots) - len(rules)))
 
     def rebuild(translations: list[str]) -> bytes:
         for segment, translation, rule in zip(slots, translations, rules):
             _put(segment, translation, preserve, rule)
-        return zipped([(info, serialize(trees[k]) if k in trees else content)
-                     for k, (info, content) in enumerate(entries)])
+        return archive.rebuilt({k: serialize(tree) for k, tree in trees.items()})
 
     return Document([_segment_text(s) for s in slots], rebuild)
 
@@ -206,10 +205,11 @@ DOCX_FIELDS = frozenset({W + "fldSimple", W + "sdt"})  # a content control's val
 PPTX_BREAKS = frozenset({A + "br", A + "fld"})  # a field's text (slide number, date) is the application's to fill
 
 
-def read_docx(data: bytes) -> Document:
+def read_docx(data: bytes, max_texts: int | None = None) -> Document:
     return _read_xml_archive(data, "Word document (.docx)", DOCX_PARTS, "word/document.xml",
                              lambda root: _ooxml_segments(root, W + "p", W + "t", DOCX_BREAKS, DOCX_FIELDS,
-                                                          _docx_links, _docx_unseen), True, lambda root: _docx_plain)
+                                                          _docx_links, _docx_unseen), True, lambda root: _docx_plain,
+                             max_texts)
 
 
 def _docx_unseen(element: Any) -> bool:
@@ -253,20 +253,20 @@ def _docx_links(root: Any) -> set[Any]:
     return links
 
 
-def read_pptx(data: bytes) -> Document:
+def read_pptx(data: bytes, max_texts: int | None = None) -> Document:
     return _read_xml_archive(data, "PowerPoint presentation (.pptx)", PPTX_PARTS, "ppt/presentation.xml",
                              lambda root: _ooxml_segments(root, A + "p", A + "t", PPTX_BREAKS),
-                             False)
+                             False, max_texts=max_texts)
 
 
-def read_odt(data: bytes) -> Document:
+def read_odt(data: bytes, max_texts: int | None = None) -> Document:
     return _read_xml_archive(data, "OpenDocument text (.odt)", re.compile(r"content\.xml|styles\.xml"),
-                             "content.xml", _odf_segments, False, _odf_plain)
+                             "content.xml", _odf_segments, False, _odf_plain, max_texts)
 
 
-def read_odp(data: bytes) -> Document:
+def read_odp(data: bytes, max_texts: int | None = None) -> Document:
     return _read_xml_archive(data, "OpenDocument presentation (.odp)", re.compile(r"content\.xml"),
-                             "content.xml", _odf_segments, False, _odf_plain)
+                             "content.xml", _odf_segments, False, _odf_plain, max_texts)
 
 
 def _odf_plain(root: Any) -> Prefer:
@@ -287,34 +287,33 @@ def _odf_plain(root: Any) -> Prefer:
     return lambda element, where: (element, where) not in inside
 
 
-def read_epub(data: bytes) -> Document:
+def read_epub(data: bytes, max_texts: int | None = None) -> Document:
     what = "EPUB book (.epub)"
-    entries = members(data, what)
-    if not any(info.filename == "META-INF/container.xml" for info, _ in entries):
+    archive = Archive(data, what)
+    if "META-INF/container.xml" not in archive.names:
         raise DocumentError(f"the file is not an {what}: it has no META-INF/container.xml")
     texts: list[str] = []
     pages: dict[int, tuple[Any, int]] = {}  # member -> its markup and how many texts it has
-    budget = XmlBudget(what, "pages")
-    for index, (info, content) in enumerate(entries):
-        if extension(info.filename) not in (".xhtml", ".html", ".htm"):
-            continue
+    budget = XmlBudget(what, "pages", max_texts)
+    for index, info, content in archive.members(lambda name: extension(name) in (".xhtml", ".html", ".htm")):
         budget.take(content, tree=False)  # (our tag scanner's, not a tree: its memory grows with the texts)
+        left = budget.left()
         try:
             page = content.decode("utf-8-sig")  # .xhtml, or an XML declaration: XHTML's rules, not HTML's
-            markup = parse_html(page, xml=extension(info.filename) == ".xhtml" or page.lstrip().startswith("<?xml"))
+            xhtml = extension(info.filename) == ".xhtml" or page.lstrip().startswith("<?xml")
+            markup = parse_html(page, left, xml=xhtml)
         except UnicodeDecodeError as e:
             raise DocumentError(f"the {what}'s page {info.filename[:100]!r} is not UTF-8 (byte {e.start})") from None
+        except TooManyTexts as e:  # stopped as soon as it had one more than left
+            budget.found(e.limit + 1)
+            raise
+        budget.found(len(markup.sources))
         pages[index] = (markup, len(markup.sources))
         texts.extend(markup.sources)
 
     def rebuild(translations: list[str]) -> bytes:
         given = iter(translations)
-        out = []
-        for k, (info, content) in enumerate(entries):
-            if k in pages:
-                markup, n = pages[k]
-                content = markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
-            out.append((info, content))
-        return zipped(out)
+        return archive.rebuilt({k: markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
+                                for k, (markup, n) in pages.items()})
 
     return Document(texts, rebuild)

@@ -68,7 +68,8 @@ def read_document(filename: str, data: bytes, max_texts: int | None = None) -> D
                             f"({MAX_FILE_BYTES >> 20} MiB)", too_large=True)
     if ext in PLAIN:
         return _once_each(PLAIN[ext](data, max_texts))
-    doc = _once_each(ARCHIVES[ext](data))  # its texts (each with letters) counted once read: bounded by its size
+    doc = _once_each(ARCHIVES[ext](data, max_texts))  # its texts (each with letters) counted each time they occur
+    # as they are read (at most twice max_texts: zip_parts.REPEATS), and the distinct ones here
     if max_texts is not None and len(doc.texts) > max_texts:
         raise DocumentError(f"the file has {len(doc.texts)} texts, more than this server's limit of {max_texts} per "
                             "request (--max-sentences); split the file", too_large=True)
@@ -88,6 +89,6 @@ def _once_each(doc: Document) -> Document:
 
 PLAIN: dict[str, Callable[[bytes, int | None], Document]] = {
     ".txt": read_txt, ".html": read_html, ".htm": read_html, ".srt": read_srt}
-ARCHIVES: dict[str, Callable[[bytes], Document]] = {
+ARCHIVES: dict[str, Callable[[bytes, int | None], Document]] = {
     ".docx": read_docx, ".pptx": read_pptx, ".odt": read_odt, ".odp": read_odp, ".epub": read_epub}
 READERS = {**PLAIN, **ARCHIVES}

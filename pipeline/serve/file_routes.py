@@ -12,6 +12,7 @@ memory within MAX_FILE_BYTES (documents.py) and never written to disk."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -38,7 +39,9 @@ from pipeline.serve.http import (
     strict_multipart,
 )
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
+from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.state import ServerState
+from runtime.glossary import Glossary
 from runtime.sentences import has_letters
 from runtime.translate import not_text
 
@@ -184,29 +187,13 @@ async def translate_file(request: Request) -> Response:
         if extension(filename) not in documents.SUPPORTED:
             raise ApiError(400, f'"file" {filename[-60:]!r}: the format {extension(filename) or "(no extension)"} '
                                 f"is not supported; supported: {', '.join(documents.SUPPORTED)}")
-        try:
-            # each text is a sentence at least: one over --max-sentences is refused before any translation
-            doc: Document = await off_loop(state.documents, documents.read_document, filename, data,
-                                           state.limits.max_sentences)
-        except DocumentError as e:
-            raise ApiError(413 if e.too_large else 400, f'"file" {filename[-60:]!r}: {e}') from None
         for code, key in ((source, "source"), (target, "target")):
             if code != "auto" and code not in state.routes.codes:
                 raise ApiError(400, f'"{key}" {code} is not a language this server translates; it translates '
                                     f"{state.routes.listed()}")
-        for i, text in enumerate(doc.texts):  # as /translate refuses it, and serve-batch a file's line
-            if why := not_text(text):
-                raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
         glossary = requested(fields.get("glossary"), state.glossaries)
-        req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:])
-        detected = await _source_of(state, req) if source == "auto" else None
-        body, m = await translate_texts(request, state, req, None)
-        out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
-        ext = extension(filename)
-        key = _store(request).put(download_name(filename, target), documents.media_type(ext, out), out)
-        answer: dict[str, Any] = {"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{key}"}
-        if detected is not None:
-            answer["detectedLanguage"] = detected
+        async with state.held_documents or contextlib.nullcontext():  # the others wait as the bytes sent
+            answer, m = await _translated(request, state, filename, data, source, target, glossary)
         m.request_seconds.observe(time.perf_counter() - started)
         response: Response = JSONResponse(answer)
     except Exception as e:
@@ -214,6 +201,30 @@ async def translate_file(request: Request) -> Response:
         response = failed(e, m, state.limits.retry_after_s, "file translation")
     m.request(response.status_code)
     return response
+
+
+async def _translated(request: Request, state: ServerState, filename: str, data: bytes, source: str, target: str,
+                      glossary: Glossary | None) -> tuple[dict[str, Any], ModelMetrics]:
+    """The upload read, its texts translated, the file rebuilt and kept: the answer, and the metrics it counts in."""
+    try:
+        # each text is a sentence at least: one over --max-sentences is refused before any translation
+        doc: Document = await off_loop(state.documents, documents.read_document, filename, data,
+                                       state.limits.max_sentences)
+    except DocumentError as e:
+        raise ApiError(413 if e.too_large else 400, f'"file" {filename[-60:]!r}: {e}') from None
+    for i, text in enumerate(doc.texts):  # as /translate refuses it, and serve-batch a file's line
+        if why := not_text(text):
+            raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
+    req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:])
+    detected = await _source_of(state, req) if source == "auto" else None
+    body, m = await translate_texts(request, state, req, None)
+    out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
+    ext = extension(filename)
+    key = _store(request).put(download_name(filename, target), documents.media_type(ext, out), out)
+    answer: dict[str, Any] = {"translatedFileUrl": f"{str(request.base_url).rstrip('/')}/download_file/{key}"}
+    if detected is not None:
+        answer["detectedLanguage"] = detected
+    return answer, m
 
 
 async def _source_of(state: ServerState, req: LibreRequest) -> dict[str, Any] | None:

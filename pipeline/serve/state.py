@@ -4,6 +4,7 @@ request names (400 / 404 naming the served models). Runner.py builds it; app.py 
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +53,8 @@ class ServerState:
     # the thread reading and rebuilding uploaded files (/translate_file), apart from `prepare`: files wait for
     # each other, never the requests the other threads prepare (app.py's lifespan)
     documents: ThreadPoolExecutor | None = None
+    # uploads held from their reading to their rebuilding, at most (app.py's lifespan): the others wait as bytes
+    held_documents: asyncio.Semaphore | None = None
     keys: ApiKeys | None = None  # --api-keys: the keys, and the rule for requests without one
     cors_origin: str | None = "*"  # --cors-origin: Access-Control-Allow-Origin; None sends no CORS headers
     access_log: str | None = None  # --access-log: "text" or "json" lines; None writes none
