@@ -699,3 +699,25 @@ def test_uploads_wait_as_bytes_while_two_are_translated(monkeypatch):
         for thread in sent:
             thread.join()
     assert answers == [200] * 6 and most == app_module.DOCUMENTS_HELD == 2, (answers, most)
+
+
+def test_xml_past_the_parsers_limits_is_named_so_not_damaged():
+    """A 10 MB attribute or elements 300 deep (legal XML) were "damaged", with libxml2's raw advice and a line
+    break in the message ("... try XML_PARSE_HUGE\\n, line 2")."""
+    deep = "<w:r>" * 300 + "</w:r>" * 300
+    for body, says in ((f'<w:p w:rsid="{"a" * (11 << 20)}"/>', "Buffer size limit exceeded"),
+                       (deep, "Excessive depth in document: 256")):
+        with pytest.raises(documents.DocumentError) as refused:
+            documents.read_document("x.docx", _docx_of('<w:document xmlns:w="http://schemas.openxmlformats.org/'
+                                                       f'wordprocessingml/2006/main"><w:body>{body}</w:body>'
+                                                       "</w:document>"))
+        message = str(refused.value)
+        assert message.startswith("the Word document (.docx)'s part 'word/document.xml' is beyond what this server "
+                                  "parses") and says in message and refused.value.too_large, message
+        assert "\n" not in message and "XML_PARSE_HUGE" not in message
+
+
+def test_a_docx_named_odt_is_an_opendocument_with_an_article_that_fits():
+    with pytest.raises(documents.DocumentError, match=r"^the file is not an OpenDocument text \(\.odt\): it has no "
+                       "content.xml"):
+        documents.read_document("x.odt", _docx_with(["Hallo"]))

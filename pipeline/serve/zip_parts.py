@@ -5,6 +5,7 @@ and parsed without a DTD, entities or the network. The formats' own rules are ar
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
@@ -97,7 +98,10 @@ def parse_xml(content: bytes, name: str, what: str) -> Any:
     try:
         tree = etree.parse(io.BytesIO(content), parser)
     except etree.XMLSyntaxError as e:  # libxml's own advice (XML_PARSE_HUGE) is none a sender can act on
-        why = str(e).replace(", use XML_PARSE_HUGE option", "")
+        why = re.sub(r",? (use|try) XML_PARSE_HUGE( option)?", "", str(e)).replace("\n", "")
+        if why.startswith(("Resource limit exceeded", "Excessive depth")):  # legal XML, past libxml2's limits
+            raise DocumentError(f"the {what}'s part {name!r} is beyond what this server parses ({why}): a text or "
+                                "an attribute over 10 MB, or elements nested over 256 deep", too_large=True) from None
         raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({why})") from None
     if tree.docinfo.internalDTD is not None or tree.docinfo.doctype:
         raise DocumentError(f"the {what}'s part {name!r} declares a DTD, which this server does not read")
