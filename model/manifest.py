@@ -302,11 +302,9 @@ def write_manifest(model_dir: Path, manifest: Manifest) -> Manifest:
     return manifest
 
 
-def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = ()) -> Manifest:
-    """Load and (by default) verify model_dir/manifest.json against the files on disk.
-
-    `need` names files that the caller's backend requires (e.g. the ONNX graphs).
-    """
+def refuse_unless_model_dir(model_dir: Path) -> Path:
+    """Its manifest's path, or a ModelDirError saying what `model_dir` is instead (a file, missing, a training
+    run, a dir without a manifest) and the fix: the check commands make before they check their outputs."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         what = "is a file, not a model directory" if model_dir.exists() else "no such model directory"
@@ -317,6 +315,16 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
             raise ModelDirError(f"{model_dir}: a training save dir, not a model directory; export it first: "
                                 f"`pipeline export {model_dir} --out MODEL_DIR`, then give MODEL_DIR")
         raise ModelDirError(f"{model_dir}: no {MANIFEST}; not a model directory ({REDO_ELSEWHERE})")
+    return path
+
+
+def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = ()) -> Manifest:
+    """Load and (by default) verify model_dir/manifest.json against the files on disk.
+
+    `need` names files that the caller's backend requires (e.g. the ONNX graphs).
+    """
+    model_dir = Path(model_dir)
+    path = refuse_unless_model_dir(model_dir)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

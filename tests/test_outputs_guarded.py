@@ -31,6 +31,15 @@ def test_outputs_inside_the_model_dir_are_refused(capsys, fp32_dir, tmp_path):
              says=inside)
 
 
+def test_a_wrong_model_dir_is_named_so_before_its_outputs_are_checked(capsys, tmp_path):
+    """serve-batch given a folder of texts as MODEL_DIR and an output in it said the output "lies inside the
+    input directory", not that the folder is no model dir."""
+    src = write_lines(tmp_path / "in.txt", ["ab cd"])
+    _refused(capsys, "serve-batch", tmp_path, src, "-o", tmp_path / "out.txt",
+             says=f"{tmp_path}: no manifest.json; not a model directory")
+    assert not (tmp_path / "out.txt").exists()
+
+
 def test_tune_decoding_json_is_not_an_input(capsys, fp32_dir, tmp_path):
     src = write_lines(tmp_path / "in.txt", ["ab cd"])
     ref = write_lines(tmp_path / "ref.txt", ["x"])

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 from typing import Any
 
 import click
 
 from model.errors import UserError
+from model.manifest import refuse_unless_model_dir
 from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
 from pipeline.distributed import dist_context, rank_device
 from pipeline.serve_batch.files import ServeBatchOptions, check_outputs, output_paths, serve_files, target_suffix
@@ -49,6 +51,7 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         raise UserError("--suffix names the outputs of --output-dir; --output names its file itself")
     options: LoadOptions = pick(LoadOptions, fields)
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
+    refuse_unless_model_dir(Path(model_dir))  # before the outputs are checked against it (an "input directory")
     outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
                            if output_dir is not None else None)
     for inp in inputs:  # a missing input (or a closed stdin) is one line before the model is loaded, not after
