@@ -20,9 +20,13 @@ from runtime.errors import RuntimeUserError
 # A language code: de, eng, pt-BR, eng_Latn, sr-Latn-RS (subtags bounded: a regular expression keeps state for each
 # repeat of a group, so an unbounded one cost 80 bytes a character of a hostile "source" field)
 LANG_CODE = re.compile(r"[A-Za-z]{2,3}([-_][A-Za-z0-9]{1,8}){0,8}")
-# file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language
+# file-name extensions that look like language codes to LANG_CODE but say what a file holds, not its language,
+# however ISO 639-3 reads some (tar, tex, doc); pl (Polish), ts (Tsonga) and sh stay languages
 NOT_LANGUAGES = frozenset({"txt", "tsv", "csv", "xml", "htm", "srt", "md", "log", "out", "tok", "bpe", "raw", "src",
-                           "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst"})
+                           "tgt", "hyp", "ref", "sgm", "gz", "bz2", "xz", "zst", "tar", "tgz", "zip", "rar", "tex",
+                           "doc", "pdf", "rtf", "odt", "ods", "odp", "ppt", "xls", "vtt", "ass", "ssa", "sub", "sbv",
+                           "tmx", "xlf", "po", "pot", "js", "py", "rb", "yml", "ini", "cfg", "dat", "bin", "bak",
+                           "tmp", "old", "sql"})
 
 
 def language_suffix(suffix: str) -> bool:

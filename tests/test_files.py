@@ -256,6 +256,9 @@ def test_output_dir_names_take_the_target_language():
     assert output_name("part-000.de.gz", ".en") == "part-000.en"
     assert output_name("part-000", ".en") == "part-000.en" and output_name("notes.txt", ".en") == "notes.txt.en"
     assert output_name("test.pt-BR", ".en") == "test.en"
+    # an extension ISO 639-3 reads as a language is a format's all the same (report.tar.gz was written as report.en)
+    assert output_name("report.tar.gz", ".en") == "report.tar.en" and output_name("ch.tex", ".en") == "ch.tex.en"
+    assert output_name("europarl.pl", ".en") == "europarl.en"
     assert output_paths(["a/x.de", "b/y.de"], None, "out", ".en") == ["out/x.en", "out/y.en"]
     # names the suffix makes one were "two inputs have the same file name": y and y.en differ; name them
     from model.errors import UserError
