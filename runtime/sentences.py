@@ -2,9 +2,10 @@
 character of whitespace it had between them (`--split sentences`, `"split": "sentences"`).
 
 Line breaks always separate (every one str.splitlines knows: \n, \r\n, a lone \r, U+2028, U+2029, NEL, vertical
-tab, form feed, \x1c-\x1e); within a line sentencex finds the boundaries (the most accurate of three
-segmenters on en / de / fr, and fast: docs/serving.md links the comparison). A sentence never holds a line
-break and never starts or ends with whitespace; a text with no boundary is one sentence (cut at whitespace
+tab, form feed, \x1c-\x1e), except in the text of markup (`soft`: HTML's, an office document's), where a line
+break is a space; within a line sentencex finds the boundaries (the most accurate of three segmenters on en / de
+/ fr, and fast: docs/serving.md links the comparison). A sentence never holds a hard line break and never starts
+or ends with whitespace; a text with no boundary is one sentence (cut at whitespace
 past WINDOW characters); an empty or whitespace-only text has none and is rebuilt as it was.
 
 The time is linear in the text whatever it holds (a request body is anyone's): the segmenter sees at most
@@ -102,14 +103,16 @@ def _segmenter() -> Callable[[str, str], list[str]]:
 
 
 def split_sentences(text: str, lang: str = DEFAULT_LANG,
-                    whole: Callable[[str], Sequence[tuple[int, int]]] | None = None) -> Split:
+                    whole: Callable[[str], Sequence[tuple[int, int]]] | None = None, soft: bool = False) -> Split:
     """`text` as sentences and the whitespace around them (lang: an ISO 639 code, NLLB's eng_Latn too; unknown codes
     get sentencex's language-neutral rules). `whole(text)`: spans of it no boundary may cut (a glossary's terms:
-    "1. FC Köln" was cut after "1.", and its term found in neither sentence)."""
+    "1. FC Köln" was cut after "1.", and its term found in neither sentence). `soft`: a line break is whitespace
+    like any other, inside a sentence too (the text of markup: HTML wrapped at 72 columns had each sentence cut
+    at its line ends, and the pieces translated apart)."""
     segment = _segmenter()
     lang = two_letter(lang) or lang
-    split = _split(text, lambda line: _windowed(lambda window: segment(lang, window), line))
-    return joined_across(split, whole(text)) if whole is not None and len(split.sentences) > 1 else split
+    split = _split(text, lambda line: _windowed(lambda window: segment(lang, window), line), soft)
+    return joined_across(split, whole(text), soft) if whole is not None and len(split.sentences) > 1 else split
 
 
 def _windowed(segment: Callable[[str], list[str]], line: str) -> list[str]:
@@ -142,11 +145,11 @@ def _cut(window: str) -> int:
     return len(window)
 
 
-def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
+def _split(text: str, segment: Callable[[str], list[str]], soft: bool = False) -> Split:
     sentences: list[str] = []
     gaps: list[str] = []
     gap: list[str] = []  # the whitespace since the last sentence, in parts (joined once: linear)
-    parts = LINE_BREAK.split(text)  # lines, each followed by its break
+    parts = [text] if soft else LINE_BREAK.split(text)  # lines, each followed by its break
     for i in range(0, len(parts), 2):
         line = parts[i]
         if i:
@@ -165,9 +168,10 @@ def _split(text: str, segment: Callable[[str], list[str]]) -> Split:
     return Split(sentences, gaps)
 
 
-def joined_across(split: Split, spans: Sequence[tuple[int, int]]) -> Split:
+def joined_across(split: Split, spans: Sequence[tuple[int, int]], soft: bool = False) -> Split:
     """`split` with the sentences that a span of its text (start, end: a glossary term's) runs across joined
-    into one, with the whitespace between them, unless a line break lies between them (a sentence holds none) or
+    into one, with the whitespace between them, unless a line break lies between them (a sentence holds none,
+    unless the breaks are `soft`) or
     the sentence would pass WINDOW characters (as long as a sentence gets: terms chained across every boundary
     made a whole document one sentence, cut to the model's limit)."""
     if not spans or len(split.sentences) < 2:
@@ -182,7 +186,7 @@ def joined_across(split: Split, spans: Sequence[tuple[int, int]]) -> Split:
         start = end + len(gap)
         while k < len(spans) and spans[k][1] <= end:
             k += 1
-        if (k < len(spans) and spans[k][0] < end and spans[k][1] > start and not LINE_BREAK.search(gap)
+        if (k < len(spans) and spans[k][0] < end and spans[k][1] > start and (soft or not LINE_BREAK.search(gap))
                 and size + len(gap) + len(sentence) <= WINDOW):
             sentences[-1] += [gap, sentence]
             size += len(gap) + len(sentence)

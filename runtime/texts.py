@@ -48,6 +48,7 @@ class TextPolicy:
     lang: str = DEFAULT_LANG
     prefix: tuple[int, ...] = ()
     same_language: bool = False  # the source is the target (Direction.same): every text answered as it came
+    soft_breaks: bool = False  # texts taken out of markup (a file's): a line break is a space (as in an HTML node)
 
     @property
     def documents(self) -> bool:
@@ -209,11 +210,11 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" and not policy.same_language else None  # (as it came)
         if markup is not None:
-            docs = [split_sentences(node, policy.lang, whole) for node in markup.sources]
+            docs = [split_sentences(node, policy.lang, whole, soft=True) for node in markup.sources]
             names = [named.node(k, m) for m in range(1, len(docs) + 1)]
             empty = not docs
         elif policy.split == "sentences":
-            docs, names = [split_sentences(text, policy.lang, whole)], [named.document(k)]
+            docs, names = [split_sentences(text, policy.lang, whole, policy.soft_breaks)], [named.document(k)]
             empty = not docs[0].sentences
         else:
             docs, names = [], []

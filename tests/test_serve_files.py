@@ -721,3 +721,29 @@ def test_a_docx_named_odt_is_an_opendocument_with_an_article_that_fits():
     with pytest.raises(documents.DocumentError, match=r"^the file is not an OpenDocument text \(\.odt\): it has no "
                        "content.xml"):
         documents.read_document("x.odt", _docx_with(["Hallo"]))
+
+
+def test_a_line_break_in_an_uploaded_pages_text_is_a_space_not_a_cut():
+    """A hard-wrapped .html (pandoc wraps at 72 columns) had each sentence cut at its line ends, the pieces
+    translated apart, through /translate_file as through "format": "html"; a .txt's line breaks still cut."""
+    def sentences(c: TestClient) -> float:
+        found = re.search(r'^pipeline_sentences_total\{model="de-en"\} (\S+)$', c.get("/metrics").text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    with served() as c:
+        for name, data, expected in (("wrapped.html", b"<p>Ein Hund\nbellt laut.</p>", 1.0),
+                                     ("wrapped.epub", _epub_of("<p>Ein Hund\nbellt laut.</p>"), 1.0),
+                                     ("lines.txt", b"Ein Hund\nbellt laut.", 2.0)):
+            before = sentences(c)
+            r = send(c, name, data)
+            assert r.status_code == 200, r.text
+            assert sentences(c) - before == expected, name
+        assert c.get(r.json()["translatedFileUrl"]).content == b"EIN HUND\nBELLT LAUT."
+
+
+def _epub_of(page: str) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("META-INF/container.xml", "<container/>")
+        z.writestr("OEBPS/a.xhtml", page)
+    return buffer.getvalue()

@@ -210,3 +210,18 @@ def test_serve_batch_writes_an_empty_line_for_a_line_of_zero_width_characters(fp
     src.write_text("\u200b\n\u200c\u200b\n\ufeff\n")
     assert run_cli("serve-batch", fp32_dir, src, "--output", out, "--no-progress") == 0
     assert out.read_text() == "\n\n\n"
+
+
+def test_a_line_break_in_markups_text_is_a_space_not_a_cut():
+    """HTML wrapped at 72 columns (pandoc's default) had each sentence cut at its line ends and the pieces
+    translated apart: in an HTML text node, and in the texts a file's markup gave (soft_breaks), a line break is
+    whitespace inside a sentence; in a plain document it still separates."""
+    page = "<p>Ab cd\nef gh. Ij\r\nkl!</p>"
+    html = encode_texts(TOK, [page], 64, TextPolicy(format="html"))
+    assert html.units == ["Ab cd\nef gh.", "Ij\r\nkl!"]
+    results = finish_texts(TOK, html, search(html.ids), 1)
+    assert [r.text for r in results] == ["<p>AB CD\nEF GH. IJ\r\nKL!</p>"]
+    texts = ["Ab cd\nef gh. Ij\nkl!"]
+    assert encode_texts(TOK, texts, 64, TextPolicy(split="sentences", soft_breaks=True)).units == [
+        "Ab cd\nef gh.", "Ij\nkl!"]
+    assert encode_texts(TOK, texts, 64, TextPolicy(split="sentences")).units == ["Ab cd", "ef gh.", "Ij", "kl!"]

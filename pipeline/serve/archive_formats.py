@@ -191,7 +191,7 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
             _put(segment, translation, preserve, rule)
         return archive.rebuilt({k: serialize(tree) for k, tree in trees.items()})
 
-    return Document([_segment_text(s) for s in slots], rebuild)
+    return Document([_segment_text(s) for s in slots], rebuild, True)
 
 
 DOCX_PARTS = re.compile(r"word/(document|header\d*|footer\d*|footnotes|endnotes|comments)\.xml")
@@ -316,4 +316,4 @@ def read_epub(data: bytes, max_texts: int | None = None) -> Document:
         return archive.rebuilt({k: markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
                                 for k, (markup, n) in pages.items()})
 
-    return Document(texts, rebuild)
+    return Document(texts, rebuild, True)

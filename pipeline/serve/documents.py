@@ -84,7 +84,7 @@ def _once_each(doc: Document) -> Document:
     at = [first.setdefault(text, len(first)) for text in doc.texts]
     if len(first) == len(doc.texts):
         return doc
-    return Document(list(first), lambda translations: doc.rebuild([translations[k] for k in at]))
+    return Document(list(first), lambda translations: doc.rebuild([translations[k] for k in at]), doc.soft_breaks)
 
 
 PLAIN: dict[str, Callable[[bytes, int | None], Document]] = {

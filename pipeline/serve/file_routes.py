@@ -215,7 +215,7 @@ async def _translated(request: Request, state: ServerState, filename: str, data:
     for i, text in enumerate(doc.texts):  # as /translate refuses it, and serve-batch a file's line
         if why := not_text(text):
             raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
-    req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:])
+    req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:], doc.soft_breaks)
     detected = await _source_of(state, req) if source == "auto" else None
     body, m = await translate_texts(request, state, req, None)
     out = await off_loop(state.documents, doc.rebuild, body["translatedText"])

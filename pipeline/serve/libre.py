@@ -84,6 +84,7 @@ class LibreRequest:
     alternatives: int
     glossary: Glossary | None = None  # an extension: "glossary" as the native API's; the answer gains "terms"
     file: str | None = None  # /translate_file's: the texts are this file's, named as its (text 4), not q's
+    soft_breaks: bool = False  # the file's texts are markup's: a line break in one is a space (Document's)
 
     def name(self, i: int) -> str:
         """Text i as a refusal names it: q[i] (q alone when it is no list), or the file's text i + 1."""
@@ -218,7 +219,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         for_model(req.glossary, group.model.translator, state.glossaries)  # the server's own were checked at start
         group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
                                          "html" if req.html else "text", req.glossary,
-                                         [req.name(i) for i in group.places])
+                                         [req.name(i) for i in group.places], req.soft_breaks)
     return list(groups.values())
 
 

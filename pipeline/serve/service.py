@@ -41,6 +41,7 @@ class TranslateRequest:
     format: str = "text"  # "html": each text an HTML document (LibreTranslate's API)
     glossary: Glossary | None = None  # "glossary": its terms forced into the translations, listed in the answer
     names: list[str] | None = None  # each text as a refusal names it (LibreTranslate's q[3]); text[k] without
+    soft_breaks: bool = False  # texts taken out of markup (a file's): a line break is a space (TextPolicy's)
 
 
 def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
@@ -49,7 +50,8 @@ def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
     tokens (413 naming the limit; sentences are counted before the tokenizer's work). CPU work in proportion
     to the body: run off the event loop."""
     translator = req.model.translator
-    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix, req.way.same)
+    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix, req.way.same,
+                        req.soft_breaks)
     try:
         encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(req.names or ()),
                                limits.max_sentences, req.glossary)

@@ -27,6 +27,7 @@ class Document:
 
     texts: list[str]
     _rebuild: Callable[[list[str]], bytes]
+    soft_breaks: bool = False  # texts of markup (HTML, XML): a line break in one is a space, not a cut
 
     def rebuild(self, translations: list[str]) -> bytes:
         if len(translations) != len(self.texts):
@@ -112,7 +113,7 @@ def read_html(data: bytes, max_texts: int | None = None) -> Document:
         markup = parse_html(text, max_texts)
     except TooManyTexts as e:
         raise _too_many(e.limit) from None
-    return Document(list(markup.sources), lambda translations: encode(markup.rebuild(translations)))
+    return Document(list(markup.sources), lambda translations: encode(markup.rebuild(translations)), True)
 
 
 TIMING = re.compile(r"\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}\s*-->\s*\d+:\d{1,2}:\d{1,2}[,.]\d{1,3}.*")
