@@ -8,7 +8,7 @@ What a careless file holds is refused rather than loaded as terms that can never
 characters no one types in a term (control and format characters, a byte-order mark mid-file, a zero-width
 space, SentencePiece's meta symbol; joiners, which some scripts spell with, are kept), a file that is CSV, a
 JSON object that repeats a key. The file is read bounded (MAX_GLOSSARY_BYTES), so /dev/zero is refused, not
-read for ever."""
+read for ever. `open_glossary` reads a command's files and checks them against the model that applies them."""
 
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from runtime.backend import Backend
 from runtime.errors import RuntimeUserError
-from runtime.glossary import _SPACE, MAX_TERM_CHARS, Entry, Glossary, _fold
+from runtime.glossary import _SPACE, MAX_TERM_CHARS, Entry, Glossary, _fold, check_targets
+from runtime.tokenizer import AnyTokenizer
 
 MAX_GLOSSARY_TERMS = 10_000  # entries (lines that are not blank or comments) of one glossary file
 MAX_REQUEST_TERMS = 256  # entries of a glossary sent inline with a request
@@ -180,3 +182,33 @@ def glossary_from_mapping(mapping: Any, where: str = "glossary", limit: int = MA
                                    f"{type(target).__name__}")
         entries.append((_entry(source, target, place, in_file=False), place))
     return _checked(entries)
+
+
+def open_glossary(paths: Sequence[str] | str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
+    """The glossary files read as one and checked once (every fixed target spelled by the model's vocabulary), for
+    a backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
+    if not paths:
+        return None
+    refuse_without_gather(backend)  # before reading the file: the fix is the backend, whatever the file holds
+    glossary = load_glossaries([paths] if isinstance(paths, str) else paths)
+    check_glossary(glossary, tokenizer, backend)
+    return glossary
+
+
+def check_glossary(glossary: Glossary, tokenizer: AnyTokenizer, backend: Backend) -> None:
+    """RuntimeUserError unless this model can apply `glossary`: its backend gathers, and its vocabulary spells
+    every fixed target (runtime/glossary.py check_targets)."""
+    refuse_without_gather(backend)
+    check_targets(glossary, tokenizer.encode, tokenizer.unk_id)
+
+
+def refuse_without_gather(backend: Backend) -> None:
+    """A glossary needs a backend whose decoder step returns any id's log-prob (Backend.gathers)."""
+    if not backend.gathers:
+        raise RuntimeUserError(no_gather(backend.name))
+
+
+def no_gather(backend: str) -> str:
+    return (f"the {backend} backend cannot apply a glossary here: use the onnxruntime backend on a model dir "
+            "exported by this version (it holds decoder_constrained.onnx), or the torch backend with its eager step, "
+            "without --shortlist")

@@ -22,11 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, check_targets, find_terms, terms_for
-from runtime.glossary_file import load_glossaries
+from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, find_terms, terms_for
 from runtime.markup import Markup, parse_html
 from runtime.sentences import DEFAULT_LANG, Split, has_letters, split_sentences
 from runtime.tokenizer import AnyTokenizer
@@ -270,36 +268,6 @@ def _kept_text(tokenizer: AnyTokenizer, text: str, limit: int) -> str:
     while 0 < low < len(text) and all(c.isalnum() or c == "_" for c in text[low - 1:low + 1]):  # a word cut is
         low -= 1  # not a term
     return text[:low]
-
-
-def open_glossary(paths: Sequence[str] | str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:
-    """The glossary files read as one and checked once (every fixed target spelled by the model's vocabulary), for
-    a backend that can apply it; None without a path. RuntimeUserErrors name the file's line, or the backend."""
-    if not paths:
-        return None
-    refuse_without_gather(backend)  # before reading the file: the fix is the backend, whatever the file holds
-    glossary = load_glossaries([paths] if isinstance(paths, str) else paths)
-    check_glossary(glossary, tokenizer, backend)
-    return glossary
-
-
-def check_glossary(glossary: Glossary, tokenizer: AnyTokenizer, backend: Backend) -> None:
-    """RuntimeUserError unless this model can apply `glossary`: its backend gathers, and its vocabulary spells
-    every fixed target (runtime/glossary.py check_targets)."""
-    refuse_without_gather(backend)
-    check_targets(glossary, tokenizer.encode, tokenizer.unk_id)
-
-
-def refuse_without_gather(backend: Backend) -> None:
-    """A glossary needs a backend whose decoder step returns any id's log-prob (Backend.gathers)."""
-    if not backend.gathers:
-        raise RuntimeUserError(no_gather(backend.name))
-
-
-def no_gather(backend: str) -> str:
-    return (f"the {backend} backend cannot apply a glossary here: use the onnxruntime backend on a model dir "
-            "exported by this version (it holds decoder_constrained.onnx), or the torch backend with its eager step, "
-            "without --shortlist")
 
 
 def hypotheses(tokenizer: AnyTokenizer, nbest: NBest) -> Hypotheses:

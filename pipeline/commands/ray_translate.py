@@ -19,9 +19,8 @@ from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime import languages, ort_constrained
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary, check_targets
-from runtime.glossary_file import load_glossaries
+from runtime.glossary_file import load_glossaries, no_gather
 from runtime.model_dir import LoadOptions, ModelDir, check_load
-from runtime.texts import no_gather
 
 log = logging.getLogger(__name__)
 

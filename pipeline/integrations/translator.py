@@ -31,8 +31,9 @@ from runtime import languages
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
+from runtime.glossary_file import check_glossary, open_glossary
 from runtime.model_dir import LoadOptions, ModelDir, load
-from runtime.texts import Lines, Located, Origin, check_glossary, encode_texts, finish_texts, open_glossary, term_counts
+from runtime.texts import Lines, Located, Origin, encode_texts, finish_texts, term_counts
 from runtime.translate import SourceTooLong, not_text
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ from pipeline.serve.http import ApiError, json_object
 from pipeline.serve.translator import Translator
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary, applied_terms
-from runtime.glossary_file import glossary_from_mapping, load_glossary
-from runtime.texts import EncodedTexts, TextResult, check_glossary
+from runtime.glossary_file import check_glossary, glossary_from_mapping, load_glossary
+from runtime.texts import EncodedTexts, TextResult
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a simple identifier: never mistaken for an inline glossary
 FIELD = "glossary"

@@ -42,9 +42,9 @@ from runtime import languages
 from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
+from runtime.glossary_file import open_glossary
 from runtime.languages import ONE_PAIR, Direction, language_suffix
 from runtime.model_dir import ModelDir
-from runtime.texts import open_glossary
 from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
 
