@@ -196,3 +196,25 @@ def joined_across(split: Split, spans: Sequence[tuple[int, int]], soft: bool = F
             size = len(sentence)
         end = start + len(sentence)
     return Split(["".join(parts) for parts in sentences], gaps + [split.gaps[-1]])
+
+
+def fitted(split: Split, end: Callable[[str], int]) -> Split:
+    """`split` with each sentence longer than the model takes cut until every piece fits: `end(sentence)` is
+    where the part that fits ends (its length when all of it does), and the cut falls after the last whitespace
+    past the middle of that part (else at its end), the whitespace kept between the pieces, as a window's cut
+    is. A sentence of 1,400 characters was cut to the model's 128 tokens and the rest lost."""
+    sentences, gaps = [], [split.gaps[0]]
+    for sentence, after in zip(split.sentences, split.gaps[1:]):
+        rest = sentence
+        while 0 < (fits := end(rest)) < len(rest):
+            body = rest[:_cut(rest[:fits])].rstrip()
+            remainder = rest[len(body):]
+            tail = remainder.lstrip()
+            if not body or not tail:
+                break
+            sentences.append(body)
+            gaps.append(remainder[:len(remainder) - len(tail)])
+            rest = tail
+        sentences.append(rest)
+        gaps.append(after)
+    return Split(sentences, gaps) if len(sentences) > len(split.sentences) else split

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -26,7 +26,7 @@ from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, find_terms, terms_for
 from runtime.markup import Markup, parse_html
-from runtime.sentences import DEFAULT_LANG, Split, has_letters, split_sentences
+from runtime.sentences import DEFAULT_LANG, Split, fitted, has_letters, split_sentences
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, encode_sources, format_hypotheses
 
@@ -194,8 +194,9 @@ class TooManyUnits(RuntimeUserError):
 def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, policy: TextPolicy,
                  origin: str | Origin = "input", max_units: int | None = None,
                  glossary: Glossary | None = None) -> EncodedTexts:
-    """The texts as units of source ids under `policy`, with what each text is made of. A unit over
-    max_src_len tokens is cut (counted on its text) or refused as `origin` names it (a SourceTooLong, a
+    """The texts as units of source ids under `policy`, with what each text is made of. A document's sentence
+    over max_src_len tokens is cut into sentences that fit (long_lines "truncate"); any other unit over it is cut
+    (counted on its text) or refused as `origin` names it (a SourceTooLong, a
     RuntimeUserError; a str origin names a file's lines). More than `max_units` units (the HTTP APIs' limit
     on sentences) is a TooManyUnits, before any is tokenized. With a `glossary`, each unit's terms are
     found in its text and their targets tokenized (`terms`, `constraints`; runtime/glossary.py)."""
@@ -204,6 +205,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
     glossary = glossary if glossary is not None and len(glossary) and not policy.same_language else None
     whole = None if glossary is None else glossary.spans  # no sentence boundary inside a term
+    fit = _fitting(tokenizer, max_src_len, policy)
     for k, text in enumerate(texts):
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" and not policy.same_language else None  # (as it came)
@@ -218,6 +220,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
             docs, names = [], []
             out.units.append(text)
             empty = not text.strip()
+        docs = [fitted(doc, fit) for doc in docs] if fit is not None else docs
         for doc, name in zip(docs, names):
             out.units += doc.sentences
             where += [(f"{name} sentence", j + 1) for j in range(len(doc.sentences))]
@@ -246,15 +249,26 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
             if glossary is not None:
                 seen[u] = _kept_text(tokenizer, out.units[u], max_src_len - len(policy.prefix))
             name, line = where[u] if policy.documents else named.line(out.owners[u])
-            fitted = encode_sources(tokenizer, [out.units[u]], max_src_len, long_lines=policy.long_lines,
+            limited = encode_sources(tokenizer, [out.units[u]], max_src_len, long_lines=policy.long_lines,
                                     origin=name, first_line=line, prefix=policy.prefix)
-            out.ids[u] = fitted.ids[0]
-            out.truncated[out.owners[u]] += fitted.truncated
+            out.ids[u] = limited.ids[0]
+            out.truncated[out.owners[u]] += limited.truncated
     if glossary is not None:
         out.terms = [terms_for(glossary, unit, tokenizer.encode, tokenizer.unk_id, decode_target=tokenizer.decode)
                      if ids else NO_TERMS
                      for unit, ids in zip(seen, out.ids)]
     return out
+
+
+def _fitting(tokenizer: AnyTokenizer, max_src_len: int, policy: TextPolicy) -> Callable[[str], int] | None:
+    """Where a document's sentence stops fitting the model (its length when it fits: runtime/sentences.py
+    fitted cuts it there), under long_lines "truncate"; None where a long sentence is refused instead, or
+    nothing is translated. A sentence of at most a quarter of the pieces in characters fits untokenized (a
+    character is four pieces at most, as UTF-8 bytes)."""
+    pieces = max_src_len - 1 - len(policy.prefix)  # EOS, and a multilingual source's language token
+    if not policy.documents or policy.long_lines != "truncate" or policy.same_language or pieces < 1:
+        return None
+    return lambda sentence: len(sentence) if 4 * len(sentence) <= pieces else tokenizer.source_cut(sentence, pieces)
 
 
 def has_fixed_term(glossary: Glossary | None, text: str) -> bool:

@@ -158,3 +158,20 @@ def test_splitting_time_grows_linearly_with_the_text(name):
     print(f"{name}: 1x {seconds[0] * 1e3:.2f} ms, 2x {seconds[1] * 1e3:.2f} ms, 4x {seconds[2] * 1e3:.2f} ms "
           f"({len(texts[0])} characters at 1x)")
     assert seconds[2] / seconds[0] < 8, f"{name}: 4x the text took {seconds[2] / seconds[0]:.1f}x the time"
+
+
+def test_sentences_too_long_for_the_model_are_cut_until_each_fits_and_rebuild_exactly():
+    """fitted cuts a sentence where `end` says what fits stops, at whitespace past its middle, the whitespace
+    kept between the pieces; a sentence without whitespace is cut where it stops fitting."""
+    split = split_sentences("Eins zwei drei vier fünf.  Kurz!\n" + "x" * 25)
+    fits = sentences.fitted(split, lambda s: min(len(s), 10))
+    assert fits.sentences == ["Eins zwei", "drei vier", "fünf.", "Kurz!", "x" * 10, "x" * 10, "x" * 5]
+    assert fits.gaps == ["", " ", " ", "  ", "\n", "", "", ""]
+    assert fits.rebuild(fits.sentences) == split.rebuild(split.sentences)
+    assert sentences.fitted(split, len) is split  # all fits: unchanged
+    rng = random.Random(5)
+    for _ in range(200):
+        text = "".join(rng.choice("ab .\n\t") for _ in range(rng.randrange(60)))
+        limit = rng.randrange(1, 12)
+        fits = sentences.fitted(split_sentences(text), lambda s, n=limit: min(len(s), n))
+        assert fits.rebuild(fits.sentences) == text and all(0 < len(s) <= limit for s in fits.sentences)

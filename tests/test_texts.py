@@ -23,6 +23,9 @@ class CharTokenizer:
     def decode(self, ids: list[list[int]]) -> list[str]:
         return ["".join(chr(i - 3) for i in seq if i > EOS).upper() for seq in ids]
 
+    def source_cut(self, text: str, pieces: int) -> int:
+        return min(len(text), max(pieces, 0))
+
 
 TOK = CharTokenizer()
 
@@ -48,15 +51,22 @@ def test_plain_texts_are_one_unit_each_blank_ones_too():
 
 
 def test_documents_are_their_sentences_and_each_text_knows_its_cuts():
+    """A sentence longer than the model takes is cut into sentences that fit (at whitespace past the middle of
+    what fits, else where it stops fitting): "Klmnopqrstuv wx." was cut to 7 pieces and "rstuv wx." lost (a
+    sentence of 1,400 characters to a model's 128 tokens, "1 line truncated")."""
     texts = ["Ab cd. Ef gh!  Ij", "   ", "Klmnopqrstuv wx. Yz"]
     encoded = encode_texts(TOK, texts, 8, TextPolicy(split="sentences"))
-    assert encoded.units == ["Ab cd.", "Ef gh!", "Ij", "Klmnopqrstuv wx.", "Yz"]
-    assert encoded.owners == [0, 0, 0, 2, 2] and encoded.spans == [range(0, 3), range(3, 3), range(3, 5)]
-    assert encoded.empty == [False, True, False] and encoded.truncated == [0, 0, 1]
+    assert encoded.units == ["Ab cd.", "Ef gh!", "Ij", "Klmnopq", "rstuv", "wx.", "Yz"]
+    assert encoded.owners == [0, 0, 0, 2, 2, 2, 2] and encoded.spans == [range(0, 3), range(3, 3), range(3, 7)]
+    assert encoded.empty == [False, True, False] and encoded.truncated == [0, 0, 0]
     assert encoded.split(1) is not None and encoded.split(1).gaps == ["   "]
     results = finish_texts(TOK, encoded, search(encoded.ids), 1)
-    assert [r.text for r in results] == ["AB CD. EF GH!  IJ", "   ", "KLMNOPQ YZ"]
-    assert results[2].units == ["KLMNOPQ", "YZ"] and results[2].truncated == 1
+    assert [r.text for r in results] == ["AB CD. EF GH!  IJ", "   ", "KLMNOPQ RSTUV WX. YZ"]
+    assert results[2].units == ["KLMNOPQ", "RSTUV", "WX.", "YZ"] and results[2].truncated == 0
+    # refused as before where long lines are (--long-lines error), and one unit of a plain text still truncated
+    with pytest.raises(SourceTooLong, match="sentence:1: 17 tokens"):
+        encode_texts(TOK, texts[2:], 8, TextPolicy(long_lines="error", split="sentences"))
+    assert encode_texts(TOK, texts[2:], 8, TextPolicy()).truncated == [1]
     # a document's score: its sentences' best scores averaged by their length in tokens
     assert results[0].score == pytest.approx(-1.0) and results[1].score is None and results[1].empty
 
