@@ -59,8 +59,8 @@ NBEST2 = PAPER.replace(nbest=2, explicit=frozenset({"nbest"}))
 @pytest.mark.parametrize("decoding, split, fmt", [(PAPER, "none", "text"), (NBEST2, "none", "text"),
                                                   (PAPER, "sentences", "text"), (PAPER, "none", "html")])
 def test_translator_is_serve_batch_byte_for_byte(fp32_dir, tmp_path, decoding, split, fmt):
-    """Blank rows, long rows (truncated), n-best, documents and HTML: the rows in batches of any size give the
-    lines serve-batch writes, and the repair columns count what serve-batch counts."""
+    """Blank rows, long rows (truncated, or cut into sentences), n-best, documents and HTML: the rows in batches
+    of any size give the lines serve-batch writes, and the repair columns count what serve-batch counts."""
     lines = corpus_lines(90)
     if split == "sentences":
         lines = [f"{a}. {b}?  {c}" if a else a for a, b, c in zip(lines, lines[1:] + [""], lines[2:] + ["", ""])]
@@ -80,7 +80,9 @@ def test_translator_is_serve_batch_byte_for_byte(fp32_dir, tmp_path, decoding, s
         start += size
     assert rows["translation"] == expected
     assert rows["empty"] == [not line.strip() for line in lines]
-    assert sum(rows["empty"]) == stats.empty and sum(n > 0 for n in rows["truncated"]) == stats.truncated > 0  # lines
+    assert sum(rows["empty"]) == stats.empty and sum(n > 0 for n in rows["truncated"]) == stats.truncated  # lines
+    # a long line is truncated; a document's long sentence is cut into sentences that fit, none truncated
+    assert (stats.truncated > 0) == (split == "none" and fmt == "text")
     if split == "none" and fmt == "text":
         assert [bool(n) for n in rows["truncated"]] == [len(translator.loaded.tokenizer.encode_source([t])[0]) > 32
                                                         for t in lines]
@@ -98,6 +100,37 @@ def test_translator_takes_pandas_and_nulls(fp32_dir):
     assert list(frame["empty"]) == [False, True, False]
     assert frame["translation"][1] == ""
     assert list(frame["translation"]) == translator.translate(["ab cd", "", "ef"]).translation
+
+
+def test_search_options_given_inside_options_are_the_ones_used(fp32_dir):
+    """options=ServeBatchOptions(decoding=...) was dropped in silence: beam_size=1 and max_len_b=3 ran the
+    model's own search, and split="sentences" with nbest=2 (refused on the command line) ran nbest=1."""
+    short = PAPER.replace(beam_size=1, max_len_a=0, max_len_b=3)
+    onnx = LoadOptions(backend="onnxruntime")
+    inside = Translator(fp32_dir, load_options=onnx, options=ServeBatchOptions(decoding=short))
+    given = Translator(fp32_dir, load_options=onnx, decoding=short)
+    lines = ["ab cd ef gh ij kl", "mn op qr"]
+    assert inside.options.decoding == given.options.decoding
+    assert inside.translate(lines).translation == given.translate(lines).translation
+    with pytest.raises(UserError, match="--split sentences"):
+        Translator(fp32_dir, load_options=onnx, options=ServeBatchOptions(split="sentences",
+                                                                           decoding=PAPER.replace(nbest=2)))
+    with pytest.raises(UserError, match=r"^the search options are given twice, as decoding= and as "
+                       r"options.decoding, and differ"):
+        Translator(fp32_dir, load_options=onnx, decoding=PAPER.replace(beam_size=2),
+                   options=ServeBatchOptions(decoding=short))
+
+
+def test_a_column_the_translator_adds_is_never_replaced_unseen(fp32_dir):
+    """A batch's own "score" (a QA score) or "translation" (a reference) was replaced by the Translator's."""
+    import pyarrow as pa
+
+    translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
+    for batch in ({"text": np.array(["ab cd"], dtype=object), "score": np.array([0.97])},
+                  pa.table({"text": ["ab cd"], "translation": ["human reference"]})):
+        with pytest.raises(UserError, match=r"^the rows already have '(score|translation)', a column the "
+                           r"Translator adds \(translation, score, empty, truncated\); rename or drop it first"):
+            translator(batch)
 
 
 def test_every_kind_of_null_is_a_blank_row_and_what_is_not_text_is_refused(fp32_dir):
@@ -326,6 +359,10 @@ def test_an_output_made_from_another_input_of_that_name_is_not_taken_for_done(tm
     write_lines(first, ["eins", "zwei", "drei"])  # regenerated in place
     os.utime(first, ns=(1, 1))
     with pytest.raises(UserError, match=r"d1/x.txt is the same file, changed since"):
+        plan([str(first)], out, "text", record)
+    write_lines(first, ["zwei", "eins"])  # rewritten at the same size (touched): said so, not "size 10 -> 10"
+    with pytest.raises(UserError, match=r"d1/x.txt is the same file, changed since \(the same size, modified at "
+                       r"another time\)"):
         plan([str(first)], out, "text", record)
     (out / "x.txt").unlink()  # the way out the message names: translated again
     assert [s.output.name for s in plan([str(first)], out, "text", record).todo] == ["x.txt"]

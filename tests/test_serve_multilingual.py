@@ -141,3 +141,29 @@ def test_a_text_in_the_target_language_comes_back_as_it_came_on_every_surface(m2
     rows = Translator(m2m_dir, load_options=LoadOptions(backend="onnxruntime"),
                       options=ServeBatchOptions(src_lang="en", tgt_lang="en")).translate(texts)
     assert rows.translation == texts
+
+
+def test_ray_translate_says_a_same_language_job_writes_each_line_as_it_came(m2m_dir, tmp_path, monkeypatch, caplog):
+    """ray-translate en -> en with a glossary said only "the glossary's terms: 0 found in the input" (at INFO),
+    where serve-batch says every line is written as it came; the cluster's part stands in here (its output is
+    test_ray_translate.py's), the command's own notices are what is checked."""
+    import logging
+
+    from pipeline.integrations import ray_job
+
+    def cluster(*args: object, **kwargs: object) -> ray_job.JobStats:
+        return ray_job.JobStats(lines=2, empty=0, actors=1, fit=1)
+
+    monkeypatch.setattr(ray_job, "translate_shards", cluster)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("sum silos lotato.\nda nomo\n", encoding="utf-8")
+    (tmp_path / "g.tsv").write_text("silos\tvobi\n", encoding="utf-8")
+    with caplog.at_level(logging.INFO):
+        result = CliRunner().invoke(cli, ["ray-translate", str(m2m_dir), str(tmp_path / "in"), "--output-dir",
+                                          str(tmp_path / "out"), "--src-lang", "en", "--tgt-lang", "en",
+                                          "--glossary", str(tmp_path / "g.tsv"), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    said = {(r.levelname, r.getMessage()) for r in caplog.records}
+    assert ("INFO", "--src-lang and --tgt-lang are both en: every line is written as it came (a model would "
+            "invent a translation)") in said, said
+    assert ("WARNING", "the glossary's terms: 0 found in the input, 0 of them in the translations") in said, said

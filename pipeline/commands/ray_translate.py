@@ -71,6 +71,9 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     source, target = languages.own_languages(opened.manifest.model_config, opened.manifest.language_pair,
                                              opts.src_lang, opts.tgt_lang)  # a one-pair model's own: none
     opts = dataclasses.replace(opts, src_lang=source, tgt_lang=target)
+    if source is not None and source == target:  # as serve-batch says it (the glossary then finds nothing)
+        log.info("--src-lang and --tgt-lang are both %s: every line is written as it came (a model would invent "
+                 "a translation)", source)
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
     recorded = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
@@ -97,7 +100,7 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     if stats.replaced:
         log.warning("%d line(s) had invalid UTF-8 or a NUL byte, replaced by U+FFFD", stats.replaced)
     if glossary is not None:
-        (log.info if stats.terms_applied == stats.terms else log.warning)(
+        (log.info if stats.terms_applied == stats.terms and stats.terms else log.warning)(
             "the glossary's terms: %d found in the input, %d of them in the translations", stats.terms,
             stats.terms_applied)
     click.echo(stats.summary(job), err=True)

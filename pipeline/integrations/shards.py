@@ -202,8 +202,10 @@ def _check_record(out_dir: Path, record: dict[str, Any], sources: dict[str, dict
             if name in inputs and inputs[name] != sources[name]:
                 was, now = inputs[name], sources[name]
                 why = "another file" if was.get("path") != now["path"] else "the same file, changed since"
+                change = f"size {was.get('size')} -> {now['size']}" if was.get("size") != now["size"] else \
+                    "the same size, modified at another time"
                 raise UserError(f"{out_dir / name}: translated from {was.get('path')}, and {now['path']} is "
-                                f"{why} (size {was.get('size')} -> {now['size']}); it would be skipped as done: "
+                                f"{why} ({change}); it would be skipped as done: "
                                 "delete that output to translate it again, or choose another --output-dir")
         wanted = record if not isinstance(before, dict) or "record_version" in before or legacy is None else legacy
         core = {k: v for k, v in before.items() if k not in _BOOKKEEPING} if isinstance(before, dict) else None

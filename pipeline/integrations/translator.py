@@ -68,8 +68,9 @@ class Translator:
     """A model dir loaded once (ONNX Runtime unless `load_options` say otherwise, `threads` intra-op threads:
     1 unless given, since a cluster runs one such worker per core), called on batches of rows.
 
-    `decoding` are the options the user gave (the model's own defaults fill the others, as in serve-batch);
-    `options` serve-batch's line policy (`--long-lines`, `--split`, ...; `decoding` replaces its own).
+    `decoding` are the options the user gave (the model's own defaults fill the others, as in serve-batch), else
+    `options.decoding`; `options` serve-batch's line policy (`--long-lines`, `--split`, ...). Search options given
+    twice and different are refused (options.decoding was dropped in silence: beam_size=1 ran the model's 4).
     `origin_columns` (path, line): columns naming each row's file and line number, for the one-line error of
     a refused row; without them a row is named by its place in the batch. `glossary`: a glossary file or several
     (used as one; it replaces options.glossary), read and checked once per worker, or a Glossary already read
@@ -83,7 +84,7 @@ class Translator:
         return f"{flag} (options with {name}={value!r})" if self.API else flag
 
     def __init__(self, model_dir: str | Path, *, column: str = "text", load_options: LoadOptions | None = None,
-                 decoding: DecodingOptions = PAPER, options: ServeBatchOptions | None = None,
+                 decoding: DecodingOptions | None = None, options: ServeBatchOptions | None = None,
                  origin_columns: tuple[str, str] | None = None,
                  glossary: str | Path | Sequence[str | Path] | Glossary | None = None):
         load_options = load_options or LoadOptions()
@@ -91,7 +92,11 @@ class Translator:
             load_options = dataclasses.replace(load_options, threads=1)
         self.column = column
         self.origin_columns = origin_columns
-        self.loaded = load(ModelDir.open(model_dir), load_options, decoding)
+        within = options.decoding if options is not None else PAPER
+        if decoding is not None and within not in (PAPER, decoding):
+            raise UserError("the search options are given twice, as decoding= and as options.decoding, and differ; "
+                            "give them once (decoding=DecodingOptions(...))")
+        self.loaded = load(ModelDir.open(model_dir), load_options, decoding if decoding is not None else within)
         self.options = dataclasses.replace(options or ServeBatchOptions(), decoding=self.loaded.decoding).validate()
         if glossary is not None and not isinstance(glossary, Glossary):
             given = [glossary] if isinstance(glossary, (str, Path)) else glossary
@@ -118,6 +123,10 @@ class Translator:
                 what = "source text" if wanted == self.column else "each row's file and line (origin_columns)"
                 raise UserError(f"no column {wanted!r} in the rows (they have: {', '.join(map(str, names)) or 'none'})"
                                 f"; name the column of {what}")
+        added = (*OUTPUT_COLUMNS, *(("terms",) if self.glossary is not None else ()))
+        if taken := [name for name in added if name in names]:  # a QA score, a reference, replaced unseen
+            raise UserError(f"the rows already have {', '.join(map(repr, taken))}, a column the Translator adds "
+                            f"({', '.join(added)}); rename or drop it first")
         sources = batch[self.column]
         origins = None
         if self.origin_columns is not None:
@@ -125,8 +134,6 @@ class Translator:
         columns = self.translate(list(sources), origins).columns()
         if hasattr(batch, "append_column"):  # a pyarrow Table (batch_format="pyarrow"): columns are added, not set
             for name, values in columns.items():
-                if name in batch.column_names:
-                    batch = batch.drop_columns([name])
                 batch = batch.append_column(name, _arrow(values))
             return batch
         for name, values in columns.items():
