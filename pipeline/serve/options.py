@@ -27,7 +27,8 @@ class ServeHttpOptions:
                     "behind a proxy).")
     port: int = opt(8000, "TCP port; 0 picks a free one (logged at startup).", min=0, max=65535)
     long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (as "
-                          "serve-batch does, counted in /metrics) or refuse the request with 413 naming the line.",
+                          "serve-batch does, counted in /metrics; a document's long sentence is cut into sentences "
+                          "that fit) or refuse the request with 413 naming the line.",
                           choices=LONG_LINE_POLICIES)
     grace_s: int = opt(30, "On SIGTERM / Ctrl-C: stop accepting, let in-flight requests finish for up to this "
                        "many seconds (then cancel them), exit 0.", min=0)

@@ -43,8 +43,10 @@ class ServeBatchOptions:
 
     window: int = opt(10000, "Lines read, sorted by length and translated at a time (bounds memory; a window "
                              "also ends past 16 MiB of text).", min=1)
-    long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (counted warning) "
-                                      "or stop with an error naming the line.", choices=LONG_LINE_POLICIES)
+    long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (counted warning; "
+                                      "with --split sentences or --format html a long sentence is cut into "
+                                      "sentences that fit) or stop with an error naming the line.",
+                          choices=LONG_LINE_POLICIES)
     invalid_utf8: str = opt("error", "Invalid UTF-8: stop with an error naming file and line, or replace the bad "
                                      "bytes with U+FFFD (counted warning).", choices=INVALID_UTF8_POLICIES)
     decoding: DecodingOptions = PAPER
