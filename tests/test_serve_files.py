@@ -747,3 +747,16 @@ def _epub_of(page: str) -> bytes:
         z.writestr("META-INF/container.xml", "<container/>")
         z.writestr("OEBPS/a.xhtml", page)
     return buffer.getvalue()
+
+
+def test_a_file_over_the_source_token_limit_is_named_and_told_to_split_the_file():
+    """A 5 MB .html answered "1335905 source tokens, ... split the request", without the file's name."""
+    import dataclasses
+
+    state = state_of(PAIRS)
+    state.limits = dataclasses.replace(state.limits, max_source_tokens=50)
+    with TestClient(create_app(state)) as c:
+        r = send(c, "lang.txt", "".join(f"Ein Hund bellt {k} mal laut im Garten.\n" for k in range(20)).encode())
+    assert r.status_code == 413, r.text
+    assert re.fullmatch(r"\"file\" 'lang.txt': \d+ source tokens, more than this server's limit of 50 per request "
+                        r"\(--max-source-tokens\); split the file", r.json()["error"]), r.json()

@@ -217,7 +217,13 @@ async def _translated(request: Request, state: ServerState, filename: str, data:
             raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
     req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:], doc.soft_breaks)
     detected = await _source_of(state, req) if source == "auto" else None
-    body, m = await translate_texts(request, state, req, None)
+    try:
+        body, m = await translate_texts(request, state, req, None)
+    except ApiError as e:  # a limit of the file's texts ("1335905 source tokens ... split the request"): the file's
+        if e.status != 413 or str(e).startswith(('"file"', repr(filename[-60:]))):  # (a text of it: named)
+            raise
+        said = str(e).replace("split the request", "split the file")
+        raise ApiError(413, f'"file" {filename[-60:]!r}: {said}', e.headers) from None
     out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
     ext = extension(filename)
     key = _store(request).put(download_name(filename, target), documents.media_type(ext, out), out)
