@@ -348,6 +348,31 @@ def test_stale_temps_go_and_live_ones_stay_at_train_and_average(corpus, tmp_path
 
 # -- option validation ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("option,value,says", [("--max-len", "10000000", "must be at most 16384 tokens"),
+                                               ("--valid-beam", "65", "must be at most 64")])
+def test_numbers_too_large_are_refused_before_any_update(corpus, tmp_path, capsys, option, value, says):
+    """--max-len 10,000,000 built a positional table of that many rows (8 GB in training, 2.5 GB of ONNX); a
+    thousand million was a traceback."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "2", option, value)) == 2
+    (line,) = messages(capsys.readouterr().err)
+    assert line.startswith(f"error: {option} {says} (got {value})"), line
+    assert not run.exists()
+
+
+def test_a_validation_beam_above_eight_validates(corpus, tmp_path, capsys):
+    """--valid-beam 9 was refused at the first validation ("needs 18 candidates ... re-export with a larger
+    --topk"), after the updates before it, and the save dir was removed as a run refused before its first
+    checkpoint: the validation search asks the model for the candidates its beam needs."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "2", "--save-every", "2", "--valid-beam", "9",
+                                    "--valid-src", corpus[0], "--valid-tgt", corpus[1],
+                                    "--valid-max-sentences", "2")) == 0
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any(e.get("beam") == 9 and "bleu" in e for e in events), events
+    assert step_checkpoints(run)
+
+
 @pytest.mark.parametrize("option,value", [("--save-every", "0"), ("--save-every", "-3"), ("--valid-every", "0")])
 def test_zero_or_negative_intervals_are_refused(corpus, tmp_path, capsys, option, value):
     run = tmp_path / "run"

@@ -111,6 +111,8 @@ class TrainOptions:
 
 # Options whose change makes a save dir a different experiment (checked on resume).
 # Everything else (how long, how often, where, how fast) may change between runs.
+MAX_LEN = 16_384  # --max-len: tokens of a training pair's side (the model's positions: max(1024, this + 1))
+MAX_VALID_BEAM = 64  # --valid-beam (the validation search asks the model for 2 x beam candidates a step)
 RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size", "max_len",
                "batch_tokens", "lr_scale", "warmup", "label_smoothing", "clip_norm", "seed",
                "builtin_pairs")
@@ -194,6 +196,11 @@ def check_numbers(o: TrainOptions) -> None:
         value = getattr(o, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+    if o.max_len > MAX_LEN:  # the positional table has max_len rows: 10,000,000 took 8 GB and 2.5 GB of ONNX
+        problems.append(f"--max-len must be at most {MAX_LEN} tokens (got {o.max_len}); a pair that long is no "
+                        "sentence")
+    if o.valid_beam > MAX_VALID_BEAM:
+        problems.append(f"--valid-beam must be at most {MAX_VALID_BEAM} (got {o.valid_beam})")
     if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
     if o.vocab_size is not None and not MIN_VOCAB <= o.vocab_size <= MAX_VOCAB:  # before the corpus is read

@@ -12,6 +12,7 @@ from model.transformer import Transformer
 from pipeline.corpus.data import PreparedData, iter_eval_batches
 from pipeline.training.options import TrainOptions
 from pipeline.training.step import batch_losses
+from runtime.backend import DEFAULT_TOPK
 from runtime.decoding import PAPER
 
 
@@ -36,7 +37,10 @@ def validate(model: Transformer, data: PreparedData, opts: TrainOptions, device:
         sources, refs = data.valid_src_lines[:n], data.valid_ref_lines[:n]
         # eager: the training model's shapes and weights change between validations (graphs: not yet measured there)
         # fuse=False: the optimizer holds these parameters, which fusing would replace
-        backend = TorchBackend(model, device=device, max_src_len=opts.max_len, step_mode="eager", fuse=False)
+        # topk: the candidates a step of --valid-beam needs (a beam of 9 was refused at the first validation, after
+        # the updates before it, and the run dropped as refused before its first checkpoint)
+        backend = TorchBackend(model, device=device, max_src_len=opts.max_len, step_mode="eager", fuse=False,
+                               topk=max(DEFAULT_TOPK, 2 * opts.valid_beam))
         # The paper's length penalty and length limit; only the beam width is ours (speed).
         decoding = PAPER.replace(beam_size=opts.valid_beam)
         hyps = translate_lines(backend, data.tokenizer, sources, decoding)
