@@ -205,3 +205,29 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
         assert "backend" in err  # the table
         code, _, err = run_cli_captured(capsys, *command, "--json", f"{tmp_path}/newdir/")  # wrote a file "newdir"
         assert code == 2 and "ends with / (a directory); give a file path" in err and not (tmp_path / "newdir").exists()
+
+
+def test_average_refuses_another_vocabulary_and_an_out_named_as_a_runs_checkpoint(capsys, tmp_path,
+                                                                                   random_checkpoint):
+    """A checkpoint of another run (same shapes, another SentencePiece model) copied into the save dir was
+    averaged in (its ids are other pieces); `--out other_run/checkpoint_00000099.pt` planted an average that
+    other run then refused to resume from, and exported as its latest step."""
+    from model.checkpoint import read_checkpoint, save_checkpoint
+    from model.config import ModelConfig
+    from model.transformer import Transformer
+
+    payload = read_checkpoint(random_checkpoint)
+    model = Transformer(ModelConfig.from_dict(payload["model_config"]))
+    model.load_state_dict(payload["model"])
+    run, other = tmp_path / "run", tmp_path / "other"
+    run.mkdir()
+    other.mkdir()
+    save_checkpoint(run / "checkpoint_00000002.pt", model, payload["spm_model"], extra={"step": 2})
+    save_checkpoint(run / "checkpoint_00000004.pt", model, payload["spm_model"] + b"\0", extra={"step": 4})
+    _refused(capsys, "average", run, "--last", 2,
+             says="checkpoint_00000004.pt: its SentencePiece model differs from")
+    assert not (run / "averaged.pt").exists()
+    for name in ("checkpoint_00000099.pt", "checkpoint_best.pt"):
+        _refused(capsys, "average", run, "--last", 1, "--out", other / name,
+                 says="--out is named as a training run's own checkpoint")
+    assert not list(other.iterdir())

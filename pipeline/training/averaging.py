@@ -46,6 +46,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
                         f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
+    if checkpoint_step(out) is not None or out.name == BEST:  # in any run's dir: resume and export would read it
+        raise UserError(f"{out}: --out is named as a training run's own checkpoint, which resuming and exporting "
+                        f"that dir would take for one of its steps; choose another name (the default is {AVERAGED})")
     if out.is_file() and not force and out.resolve() != (save_dir / AVERAGED).resolve():  # another run's
         raise UserError(f"{out}: exists; pass --force to replace it, or choose another --out")
     run_files = [p for p in save_dir.iterdir() if p.name != AVERAGED]  # and the run's corpus, wherever it lies
@@ -85,6 +88,9 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
         payload = last_payload = read_checkpoint(path)
         if payload["model_config"] != first["model_config"]:
             raise UserError(f"{path}: its model config differs from {paths[0]}'s; cannot average them")
+        if payload["spm_model"] != first["spm_model"]:  # same shapes, another vocabulary: ids mean other pieces
+            raise UserError(f"{path}: its SentencePiece model differs from {paths[0]}'s (another run's checkpoint?); "
+                            "cannot average them")
         for k, v in payload["model"].items():
             if v.is_floating_point():
                 total[k] += v.double()
