@@ -178,6 +178,19 @@ def test_linear_schedule_resumes_bit_exactly_after_sigterm(corpus, tmp_path):
     assert lrs(straight) == lrs(run) and lrs(run)[150] == 0.0
 
 
+def test_a_linear_schedule_resumed_with_another_max_steps_says_how_it_changes(corpus, tmp_path, caplog):
+    """--lr-schedule linear decays over --max-steps: a run done at 4 steps rerun with --max-steps 8 jumped from a
+    learning rate of 0 back up, in silence (--warmup and --lr-scale changes are refused, --max-time's said)."""
+    common = ["--train-src", str(corpus[0]), "--train-tgt", str(corpus[1]), *TINY, "--warmup", "2",
+              "--save-every", "100000", "--lr-schedule", "linear"]
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, *common, "--max-steps", "4") == 0
+    assert "decayed to zero" not in caplog.text
+    assert run_cli("train", "--save-dir", run, *common, "--max-steps", "8") == 0
+    assert re.search(r"--lr-schedule linear decayed to zero at --max-steps 4 when this run started; it now decays to "
+                     r"step 8: the learning rate moves from 0 to \S+ at step 5", caplog.text), caplog.text
+
+
 @pytest.mark.slow
 def test_schedule_options_are_checked_and_change_the_experiment(corpus, tmp_path, capsys):
     common = ["--train-src", corpus[0], "--train-tgt", corpus[1], *TINY, "--max-steps", "2"]

@@ -108,6 +108,16 @@ class TrainLoop:
         start_step, speed, nonfinite = progress.step, _Throughput(), 0
         decay_text = opts.decay_time or opts.max_time  # the budget --lr-schedule linear decays over
         decay_s = parse_duration(decay_text) if decay_text else None
+        if opts.lr_schedule == "linear" and decay_s is None:  # it decays over --max-steps: recorded, and a resume
+            was = progress.decay_steps if progress.decay_time_s is None else None  # with another is said
+            if was is not None and was != opts.max_steps and progress.step and ctx.is_main:
+                log.warning("--lr-schedule linear decayed to zero at --max-steps %d when this run started; it now "
+                            "decays to step %d: the learning rate moves from %.3g to %.3g at step %d", was,
+                            opts.max_steps, learning_rate(progress.step, model.cfg.d_model, opts.warmup,
+                                                          opts.lr_scale, "linear", was),
+                            learning_rate(progress.step + 1, model.cfg.d_model, opts.warmup, opts.lr_scale, "linear",
+                                          opts.max_steps), progress.step + 1)
+            progress.decay_steps, progress.decay_time_s = opts.max_steps, None
         bar = tqdm(total=opts.max_steps, initial=progress.step, unit="step", dynamic_ncols=True,
                    disable=not (ctx.is_main and opts.progress and sys.stderr.isatty()))  # a log gets no redraws
         # a log gets a line every --log-seconds instead, so a run logged to a file is not silent until validation
