@@ -141,7 +141,8 @@ def _check_precision(options: ExportOptions) -> bool | None:
                                           ("--no-int8-calibrate", options.no_int8_calibrate),
                                           ("--int8-atol", options.int8_atol is not None)) if given]
     if int8_only and not options.int8:  # else an fp32 export would pass for the int8 one asked for
-        raise ExportError(f"{' and '.join(int8_only)} shape an int8 export: add --int8, or leave them out")
+        verb = "shape" if len(int8_only) > 1 else "shapes"
+        raise ExportError(f"{' and '.join(int8_only)} {verb} an int8 export: add --int8, or leave them out")
     if options.fp16_atol != verify.FP16_ATOL and not options.fp16:  # the tolerances of other precisions: unused
         raise ExportError("--fp16-atol bounds an fp16 export's verification: add --fp16, or leave it out")
     if options.atol != verify.FP32_ATOL and (options.fp16 or options.int8):

@@ -75,7 +75,7 @@ def test_contradictions_are_refused_before_the_checkpoint_is_read(random_checkpo
     for options, says in [(dict(int8=True, fp16=True), "cannot be combined"),
                           (dict(int8=True, int8_flavour="rowwise", tensorrt=True), "ONNX Runtime only"),
                           (dict(int8_flavour="fp4"), "choose one of auto"),
-                          (dict(int8_flavour="rowwise"), "--int8-flavour shape an int8 export: add --int8"),
+                          (dict(int8_flavour="rowwise"), "--int8-flavour shapes an int8 export: add --int8"),
                           (dict(no_int8_calibrate=True, int8_atol=0.1), "--no-int8-calibrate and --int8-atol")]:
         with pytest.raises(ExportError, match=says):
             plan(random_checkpoint, tmp_path, **options)
