@@ -48,7 +48,8 @@ def decoding_defaults(payload: dict[str, Any], given: dict[str, Any] | None = No
 def checkpoint_steps(payload: dict[str, Any]) -> list[int]:
     """The training steps a checkpoint's weights come from: an averaged checkpoint's
     `extra["steps"]` (or, as older ones record, its `extra["averaged"]` file names
-    checkpoint_<step>.pt); a step checkpoint's train_state step; else none known."""
+    checkpoint_<step>.pt); a step checkpoint's train_state step; checkpoint_best.pt's `extra["step"]` (the step
+    validated best; it keeps no training state); else none known."""
     extra = payload.get("extra") or {}
     if isinstance(extra.get("steps"), list):
         return [int(s) for s in extra["steps"]]
@@ -57,4 +58,6 @@ def checkpoint_steps(payload: dict[str, Any]) -> list[int]:
         return sorted(int(m.group(1)) for m in names if m)
     state = payload.get("train_state")
     step = state.get("step") if isinstance(state, dict) else None
-    return [int(step)] if isinstance(step, int) else []
+    if not isinstance(step, int):
+        step = extra.get("step")
+    return [int(step)] if isinstance(step, int) and not isinstance(step, bool) else []

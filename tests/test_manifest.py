@@ -165,6 +165,8 @@ def test_checkpoint_steps_from_every_checkpoint_kind():
                                           "step": None}}
     assert api.checkpoint_steps(old) == [300, 400]
     assert api.checkpoint_steps({"train_state": None, "extra": {}}) == []
+    # checkpoint_best.pt keeps no training state, only the step it was validated at (its export recorded none)
+    assert api.checkpoint_steps({"train_state": None, "extra": {"step": 160, "bleu": 12.5}}) == [160]
 
 
 @pytest.mark.slow
