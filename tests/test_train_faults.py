@@ -446,3 +446,13 @@ def test_train_called_from_python_counts_its_budget_from_the_call(corpus, tmp_pa
                        batch_tokens=256, warmup=20, threads=1, max_steps=3, progress=False,
                        max_time=f"{int(lived) - 5}s"))
     assert [p.name for p in step_checkpoints(run)] == ["checkpoint_00000003.pt"]
+
+
+def test_a_time_budget_spent_before_the_first_update_says_so_not_to_average(corpus, tmp_path, capsys):
+    """--max-time spent on start-up ended "average them with `pipeline average RUN`", which then refused the
+    run's only checkpoint (a resume point)."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-time", "1s")) == 0
+    out = capsys.readouterr().out
+    assert "holds a resume point only; rerun the command (with a larger --max-time) to train" in out, out
+    assert "pipeline average" not in out

@@ -14,6 +14,7 @@ from pipeline.distributed import env_ranks
 from pipeline.training import AverageOptions, TrainingInterrupted, TrainOptions, average_checkpoints, describe_defaults
 from pipeline.training import train as run_training
 from pipeline.training.budget import process_start_time
+from pipeline.training.checkpointing import scheduled_checkpoints
 
 
 @click.command(epilog="Per-preset defaults for unset options: " + describe_defaults())
@@ -36,8 +37,11 @@ def train(**kwargs: object) -> None:
         if main:
             click.echo(str(e), err=True)
         sys.exit(128 + e.signum)
-    if main:
+    if main and scheduled_checkpoints(save_dir):
         click.echo(f"checkpoints in {save_dir}; average them with `pipeline average {shlex.quote(str(save_dir))}`")
+    elif main:  # --max-time spent before the first update: its checkpoint is a resume point, which average refuses
+        click.echo(f"no update finished within the run's time: {save_dir} holds a resume point only; rerun the "
+                   "command (with a larger --max-time) to train")
 
 
 @click.command()
