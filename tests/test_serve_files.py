@@ -594,20 +594,22 @@ def test_download_names_keep_the_extension_they_were_taken_for_and_fit_a_file_sy
 
 
 def test_an_archive_of_too_many_xml_elements_is_refused_before_its_tree_is_built():
-    """32 MiB of "<a/>" in word/document.xml, a 31 KB upload, built a 1.1 GB lxml tree: the elements are counted
-    in the part's bytes before it is parsed."""
-    from pipeline.serve.zip_parts import MAX_XML_ELEMENTS
+    """32 MiB of "<a/>" in word/document.xml, a 31 KB upload, built a 1.1 GB lxml tree, and so did 31 MiB of
+    "<a b0='' ... b199=''/>" (a 174 KB upload, 21,759 elements): elements and attributes are counted in the
+    part's bytes before it is parsed."""
+    from pipeline.serve.zip_parts import MAX_XML_NODES
 
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
-        z.writestr("[Content_Types].xml", "<Types/>")
-        z.writestr("word/document.xml", '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/'
-                   f'2006/main"><w:body><w:p><w:r><w:t>Hallo</w:t></w:r></w:p>{"<a/>" * MAX_XML_ELEMENTS}'
-                   '</w:body></w:document>')
-    assert len(buffer.getvalue()) < 64 << 10
-    with pytest.raises(documents.DocumentError, match=r"text parts hold more than this server's limit of "
-                       r"2,000,000 XML elements") as refused:
-        documents.read_document("bericht.docx", buffer.getvalue())
+    attributes = "<a " + " ".join(f"b{i}=''" for i in range(200)) + "/>"
+    for filler in ("<a/>" * MAX_XML_NODES, attributes * (MAX_XML_NODES // 200)):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("[Content_Types].xml", "<Types/>")
+            z.writestr("word/document.xml", '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/'
+                       f'2006/main"><w:body><w:p><w:r><w:t>Hallo</w:t></w:r></w:p>{filler}</w:body></w:document>')
+        assert len(buffer.getvalue()) < 256 << 10
+        with pytest.raises(documents.DocumentError, match=r"text parts hold more than this server's limit of "
+                           r"2,000,000 XML elements and attributes") as refused:
+            documents.read_document("bericht.docx", buffer.getvalue())
     assert refused.value.too_large
 
 
@@ -706,7 +708,7 @@ def test_xml_past_the_parsers_limits_is_named_so_not_damaged():
     break in the message ("... try XML_PARSE_HUGE\\n, line 2")."""
     deep = "<w:r>" * 300 + "</w:r>" * 300
     for body, says in ((f'<w:p w:rsid="{"a" * (11 << 20)}"/>', "Buffer size limit exceeded"),
-                       (deep, "Excessive depth in document: 256")):
+                       (deep, "Excessive depth in document: 256"), (f"<!--{'a' * (11 << 20)}-->", "Comment too big")):
         with pytest.raises(documents.DocumentError) as refused:
             documents.read_document("x.docx", _docx_of('<w:document xmlns:w="http://schemas.openxmlformats.org/'
                                                        f'wordprocessingml/2006/main"><w:body>{body}</w:body>'

@@ -1,5 +1,5 @@
 """Archives read within bounds (POST /translate_file's .docx, .pptx, .odt, .odp, .epub): members and declared
-sizes checked before anything is decompressed, XML parts counted in bytes and elements before lxml builds a tree,
+sizes checked before anything is decompressed, XML parts counted in bytes and nodes before lxml builds a tree,
 and parsed without a DTD, entities or the network. The formats' own rules are archive_formats.py's."""
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pipeline.serve.text_formats import DocumentError
 MAX_UNZIPPED_BYTES = 100 << 20  # what an archive (.docx, .pptx, .odt, .odp, .epub) may unpack to, all members
 MAX_MEMBERS = 10_000  # members of an archive
 MAX_XML_BYTES = 32 << 20  # the XML parts parsed from one archive, together
-MAX_XML_ELEMENTS = 2_000_000  # their elements: lxml's tree costs ~130 bytes each (32 MiB of "<a/>" took 1.1 GB)
+# their elements and attributes, the nodes of lxml's tree: ~130 bytes an element, ~220 an attribute (32 MiB of
+# "<a/>" took 1.1 GB, of "<a b0='' ... b199=''/>" 1.1 GB too)
+MAX_XML_NODES = 2_000_000
 REPEATS = 2  # texts counted each time they occur: at most this many times --max-sentences (distinct ones: once)
 CHUNK = 1 << 20  # a member is read or copied this much at a time when it is not held whole
 
@@ -99,9 +101,11 @@ def parse_xml(content: bytes, name: str, what: str) -> Any:
         tree = etree.parse(io.BytesIO(content), parser)
     except etree.XMLSyntaxError as e:  # libxml's own advice (XML_PARSE_HUGE) is none a sender can act on
         why = re.sub(r",? (use|try) XML_PARSE_HUGE( option)?", "", str(e)).replace("\n", "")
-        if why.startswith(("Resource limit exceeded", "Excessive depth")):  # legal XML, past libxml2's limits
+        if why.startswith(("Resource limit exceeded", "Excessive depth")) or " too big" in why:  # legal XML, past
+            # libxml2's limits (a text, an attribute, a comment, CDATA or a processing instruction over 10 MB)
             raise DocumentError(f"the {what}'s part {name!r} is beyond what this server parses ({why}): a text or "
-                                "an attribute over 10 MB, or elements nested over 256 deep", too_large=True) from None
+                                "an attribute (a comment, CDATA) over 10 MB, or elements nested over 256 deep",
+                                too_large=True) from None
         raise DocumentError(f"the {what} is damaged: its part {name!r} is not readable XML ({why})") from None
     if tree.docinfo.internalDTD is not None or tree.docinfo.doctype:
         raise DocumentError(f"the {what}'s part {name!r} declares a DTD, which this server does not read")
@@ -116,24 +120,25 @@ def serialize(tree: Any) -> bytes:
 
 class XmlBudget:
     """The XML of one archive, counted part by part before it is parsed: at most MAX_XML_BYTES and, for a tree
-    (lxml's), MAX_XML_ELEMENTS elements, each past its limit a DocumentError (413) naming the parts (`held`). And
+    (lxml's), MAX_XML_NODES elements and attributes, each past its limit a DocumentError (413) naming the parts
+    (`held`). And
     its texts as they are found, each time one occurs: at most REPEATS x `max_texts` (a Word text box is stored
     twice; documents.py counts distinct ones against `max_texts`), so that a file of one text repeated a million
     times stops as the plain formats do, at once, not after building the lot."""
 
     def __init__(self, what: str, held: str, max_texts: int | None = None):
         self.what, self.held = what, held
-        self.bytes = self.elements = self.texts = 0
+        self.bytes = self.nodes = self.texts = 0
         self.max_texts = None if max_texts is None else REPEATS * max_texts
 
     def take(self, content: bytes, *, tree: bool = True) -> None:
         self.bytes += len(content)
         if self.bytes > MAX_XML_BYTES:
             self._refuse(f"{MAX_XML_BYTES} bytes of {'XML' if tree else 'XHTML'} ({MAX_XML_BYTES >> 20} MiB)")
-        if tree:
-            self.elements += content.count(b"<") - content.count(b"</")  # comments too: a bound, not a parse
-            if self.elements > MAX_XML_ELEMENTS:
-                self._refuse(f"{MAX_XML_ELEMENTS:,} XML elements")
+        if tree:  # tags and "=" (comments and text's "=" too: a bound, not a parse)
+            self.nodes += content.count(b"<") - content.count(b"</") + content.count(b"=")
+            if self.nodes > MAX_XML_NODES:
+                self._refuse(f"{MAX_XML_NODES:,} XML elements and attributes")
 
     def left(self) -> int | None:
         """How many more texts may be found (None: no limit)."""
