@@ -40,6 +40,21 @@ def test_a_wrong_model_dir_is_named_so_before_its_outputs_are_checked(capsys, tm
     assert not (tmp_path / "out.txt").exists()
 
 
+def test_a_model_dir_an_interrupted_export_left_parked_is_put_back_and_served(capsys, fp32_dir, tmp_path):
+    """The check that MODEL_DIR is a model dir ran before the dir an interrupted `export --force` left parked
+    was put back (ModelDir.open does it): serve-batch said "no such model directory"."""
+    import shutil
+
+    parked = tmp_path / ".m1.~pipeline-999999-old-x"  # (no process 999999: the export is dead)
+    parked.mkdir()
+    shutil.copytree(fp32_dir, parked / "m1")
+    src = write_lines(tmp_path / "in.txt", ["ab cd"])
+    code, out, err = run_cli_captured(capsys, "serve-batch", tmp_path / "m1", src, "-o", tmp_path / "out.txt",
+                                      "--threads", 1)
+    assert code == 0, err
+    assert (tmp_path / "m1" / MANIFEST).is_file() and (tmp_path / "out.txt").read_text().count("\n") == 1
+
+
 def test_tune_decoding_json_is_not_an_input(capsys, fp32_dir, tmp_path):
     src = write_lines(tmp_path / "in.txt", ["ab cd"])
     ref = write_lines(tmp_path / "ref.txt", ["x"])

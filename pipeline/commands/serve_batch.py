@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from model.atomic import restore_replaced_dir
 from model.errors import UserError
 from model.manifest import refuse_unless_model_dir
 from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
@@ -51,6 +52,7 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         raise UserError("--suffix names the outputs of --output-dir; --output names its file itself")
     options: LoadOptions = pick(LoadOptions, fields)
     opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
+    restore_replaced_dir(model_dir)  # as ModelDir.open does: a dir an interrupted `export --force` left swapped
     refuse_unless_model_dir(Path(model_dir))  # before the outputs are checked against it (an "input directory")
     outputs = output_paths(list(inputs), output, output_dir, target_suffix(suffix, model_dir, opts.tgt_lang)
                            if output_dir is not None else None)
