@@ -198,16 +198,22 @@ def joined_across(split: Split, spans: Sequence[tuple[int, int]], soft: bool = F
     return Split(["".join(parts) for parts in sentences], gaps + [split.gaps[-1]])
 
 
-def fitted(split: Split, end: Callable[[str], int]) -> Split:
+def fitted(split: Split, end: Callable[[str], int],
+           whole: Callable[[str], Sequence[tuple[int, int]]] | None = None) -> Split:
     """`split` with each sentence longer than the model takes cut until every piece fits: `end(sentence)` is
     where the part that fits ends (its length when all of it does), and the cut falls after the last whitespace
     past the middle of that part (else at its end), the whitespace kept between the pieces, as a window's cut
-    is. A sentence of 1,400 characters was cut to the model's 128 tokens and the rest lost."""
+    is; never inside a span `whole` keeps whole (a glossary's term: cut before it). A sentence of 1,400
+    characters was cut to the model's 128 tokens and the rest lost."""
     sentences, gaps = [], [split.gaps[0]]
     for sentence, after in zip(split.sentences, split.gaps[1:]):
         rest = sentence
         while 0 < (fits := end(rest)) < len(rest):
-            body = rest[:_cut(rest[:fits])].rstrip()
+            at = _cut(rest[:fits])
+            for a, b in whole(rest) if whole is not None else ():
+                if a < at < b:
+                    at = a if a > 0 else b  # before the term; a term from the start longer than fits: after it
+            body = rest[:at].rstrip()
             remainder = rest[len(body):]
             tail = remainder.lstrip()
             if not body or not tail:

@@ -220,7 +220,7 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
             docs, names = [], []
             out.units.append(text)
             empty = not text.strip()
-        docs = [fitted(doc, fit) for doc in docs] if fit is not None else docs
+        docs = [fitted(doc, fit, whole) for doc in docs] if fit is not None else docs
         for doc, name in zip(docs, names):
             out.units += doc.sentences
             where += [(f"{name} sentence", j + 1) for j in range(len(doc.sentences))]
@@ -263,12 +263,13 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
 def _fitting(tokenizer: AnyTokenizer, max_src_len: int, policy: TextPolicy) -> Callable[[str], int] | None:
     """Where a document's sentence stops fitting the model (its length when it fits: runtime/sentences.py
     fitted cuts it there), under long_lines "truncate"; None where a long sentence is refused instead, or
-    nothing is translated. A sentence of at most a quarter of the pieces in characters fits untokenized (a
-    character is four pieces at most, as UTF-8 bytes)."""
+    nothing is translated. An ASCII sentence of at most the pieces in characters fits untokenized (NFKC leaves
+    ASCII as it is, a piece at least a character; U+FDFA alone is 18 characters once normalised)."""
     pieces = max_src_len - 1 - len(policy.prefix)  # EOS, and a multilingual source's language token
     if not policy.documents or policy.long_lines != "truncate" or policy.same_language or pieces < 1:
         return None
-    return lambda sentence: len(sentence) if 4 * len(sentence) <= pieces else tokenizer.source_cut(sentence, pieces)
+    return lambda sentence: len(sentence) if len(sentence) <= pieces and sentence.isascii() else \
+        tokenizer.source_cut(sentence, pieces)
 
 
 def has_fixed_term(glossary: Glossary | None, text: str) -> bool:

@@ -175,3 +175,14 @@ def test_sentences_too_long_for_the_model_are_cut_until_each_fits_and_rebuild_ex
         limit = rng.randrange(1, 12)
         fits = sentences.fitted(split_sentences(text), lambda s, n=limit: min(len(s), n))
         assert fits.rebuild(fits.sentences) == text and all(0 < len(s) <= limit for s in fits.sentences)
+
+
+def test_a_cut_to_fit_never_falls_inside_a_span_kept_whole():
+    """fitted cut a 500-word sentence inside a glossary term ("limis tapos"): found in neither piece, the term
+    was not forced, nor listed. The cut moves before the term."""
+    text = "ab cd ef limis tapos gh ij"
+    split = split_sentences(text)
+    terms = lambda s: [(m.start(), m.end()) for m in re.finditer("limis tapos", s)]  # noqa: E731
+    fits = sentences.fitted(split, lambda s: min(len(s), 16), terms)  # "ab cd ef limis t": the cut was after "limis"
+    assert fits.sentences == ["ab cd ef", "limis tapos gh", "ij"]
+    assert fits.rebuild(fits.sentences) == text

@@ -235,3 +235,22 @@ def test_a_line_break_in_markups_text_is_a_space_not_a_cut():
     assert encode_texts(TOK, texts, 64, TextPolicy(split="sentences", soft_breaks=True)).units == [
         "Ab cd\nef gh.", "Ij\nkl!"]
     assert encode_texts(TOK, texts, 64, TextPolicy(split="sentences")).units == ["Ab cd", "ef gh.", "Ij", "kl!"]
+
+
+def test_a_short_sentence_that_normalises_long_is_measured_not_assumed_to_fit():
+    """60 x U+FDFA (each 18 characters once NFKC-normalised, ~9 pieces) was taken to fit untokenized, a
+    quarter of the limit in characters, and truncated: only an ASCII sentence of at most the limit in characters
+    is taken to fit without the tokenizer."""
+    from runtime.texts import _fitting
+
+    asked: list[str] = []
+
+    class Expanding(CharTokenizer):
+        def source_cut(self, text: str, pieces: int) -> int:
+            asked.append(text)
+            return min(len(text), max(pieces // 9, 0))  # each character 9 pieces
+
+    fit = _fitting(Expanding(), 21, TextPolicy(split="sentences"))
+    assert fit is not None and fit("a" * 20) == 20 and asked == []  # ASCII within the limit: untokenized
+    assert fit("\ufdfa" * 5) == 2 and asked == ["\ufdfa" * 5]
+    assert _fitting(Expanding(), 21, TextPolicy(split="sentences", long_lines="error")) is None
