@@ -353,6 +353,12 @@ def test_an_output_made_from_another_input_of_that_name_is_not_taken_for_done(tm
     assert [s.output.name for s in plan([str(first)], out, "text", record).todo] == ["x.txt"]
     write_lines(out / "x.txt", ["ONE", "TWO"])  # the job's output, complete
     assert not plan([str(first)], out, "text", record).todo  # the same input: resumed, nothing to do
+    same = tmp_path / "d3" / "x.txt"  # another file of the same size and time (cp -p): not "modified"
+    same.parent.mkdir()
+    write_lines(same, ["eins", "zwei"])
+    os.utime(same, ns=(os.stat(first).st_atime_ns, os.stat(first).st_mtime_ns))
+    with pytest.raises(UserError, match=r"d3/x.txt is another file \(the same size and time\)"):
+        plan([str(same)], out, "text", record)
     with pytest.raises(UserError, match=r"out/x.txt: translated from .*d1/x.txt, and .*d2/x.txt is another file "
                        r"\(size 10 -> 5\); it would be skipped as done"):
         plan([str(second)], out, "text", record)

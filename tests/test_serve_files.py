@@ -762,3 +762,16 @@ def test_a_file_over_the_source_token_limit_is_named_and_told_to_split_the_file(
     assert r.status_code == 413, r.text
     assert re.fullmatch(r"\"file\" 'lang.txt': \d+ source tokens, more than this server's limit of 50 per request "
                         r"\(--max-source-tokens\); split the file", r.json()["error"]), r.json()
+
+
+def test_a_files_text_over_the_source_limit_is_named_and_told_to_split_that_text():
+    """With --long-lines error, a .docx's over-long sentence answered "... 277 tokens ...; split the line": a
+    document has no lines to split."""
+    state = state_of(PAIRS)
+    for model in state.models.values():
+        model.translator.long_lines = "error"
+    with TestClient(create_app(state)) as c:
+        r = send(c, "long.txt", ("Hund" * 400 + "\n").encode())  # windows of 1,000 characters, each over the limit
+    assert r.status_code == 413, r.text
+    assert re.fullmatch(r"\"file\" 'long.txt' text 1 sentence:1: \d+ tokens, more than the model's limit of \d+; "
+                        r"split that text", r.json()["error"]), r.json()

@@ -203,7 +203,8 @@ def _check_record(out_dir: Path, record: dict[str, Any], sources: dict[str, dict
                 was, now = inputs[name], sources[name]
                 why = "another file" if was.get("path") != now["path"] else "the same file, changed since"
                 change = f"size {was.get('size')} -> {now['size']}" if was.get("size") != now["size"] else \
-                    "the same size, modified at another time"
+                    "the same size, modified at another time" if was.get("mtime_ns") != now["mtime_ns"] else \
+                    "the same size and time"
                 raise UserError(f"{out_dir / name}: translated from {was.get('path')}, and {now['path']} is "
                                 f"{why} ({change}); it would be skipped as done: "
                                 "delete that output to translate it again, or choose another --output-dir")

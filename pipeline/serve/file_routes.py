@@ -220,10 +220,11 @@ async def _translated(request: Request, state: ServerState, filename: str, data:
     try:
         body, m = await translate_texts(request, state, req, None)
     except ApiError as e:  # a limit of the file's texts ("1335905 source tokens ... split the request"): the file's
-        if e.status != 413 or str(e).startswith(('"file"', repr(filename[-60:]))):  # (a text of it: named)
+        if e.status != 413 or str(e).startswith('"file"'):
             raise
-        said = str(e).replace("split the request", "split the file")
-        raise ApiError(413, f'"file" {filename[-60:]!r}: {said}', e.headers) from None
+        said = str(e).replace("split the request", "split the file").replace("split the line", "split that text")
+        named = said if said.startswith(repr(filename[-60:])) else f'{filename[-60:]!r}: {said}'  # (a text of it)
+        raise ApiError(413, f'"file" {named}', e.headers) from None
     out = await off_loop(state.documents, doc.rebuild, body["translatedText"])
     ext = extension(filename)
     key = _store(request).put(download_name(filename, target), documents.media_type(ext, out), out)
