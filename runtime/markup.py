@@ -84,6 +84,8 @@ class Markup:
     texts: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     entities: list[dict[str, str]] = field(default_factory=list)
+    # per text, whether its line breaks show (inside <textarea>): elsewhere a line break in HTML's text is a space
+    kept_breaks: list[bool] = field(default_factory=list)
     # what copies the rest of the document untranslated at its end: an element whose content is never translated
     # left open (<script>, <pre>, ...) or a construct never ended (a comment); "" when none
     unclosed: str = ""
@@ -324,6 +326,7 @@ def parse_html(document: str, max_texts: int | None = None, xml: bool = False) -
         markup.texts.append(len(markup.pieces))
         markup.pieces.append(raw)
         markup.sources.append(text)
+        markup.kept_breaks.append(tree.last("textarea") >= 0)
         markup.entities.append(_spelled(raw))
         copied = span[1]
 

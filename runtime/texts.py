@@ -210,7 +210,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" and not policy.same_language else None  # (as it came)
         if markup is not None:
-            docs = [split_sentences(node, policy.lang, whole, soft=True) for node in markup.sources]
+            docs = [split_sentences(node, policy.lang, whole, soft=not kept)
+                    for node, kept in zip(markup.sources, markup.kept_breaks)]
             names = [named.node(k, m) for m in range(1, len(docs) + 1)]
             empty = not docs
         elif policy.split == "sentences":

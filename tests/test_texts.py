@@ -231,6 +231,9 @@ def test_a_line_break_in_markups_text_is_a_space_not_a_cut():
     assert html.units == ["Ab cd\nef gh.", "Ij\r\nkl!"]
     results = finish_texts(TOK, html, search(html.ids), 1)
     assert [r.text for r in results] == ["<p>AB CD\nEF GH. IJ\r\nKL!</p>"]
+    # a <textarea> shows its line breaks: there they still separate
+    assert encode_texts(TOK, ["<textarea>Ab cd\nef gh</textarea>"], 64, TextPolicy(format="html")).units == [
+        "Ab cd", "ef gh"]
     texts = ["Ab cd\nef gh. Ij\nkl!"]
     assert encode_texts(TOK, texts, 64, TextPolicy(split="sentences", soft_breaks=True)).units == [
         "Ab cd\nef gh.", "Ij\nkl!"]
