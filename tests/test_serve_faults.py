@@ -266,8 +266,12 @@ def test_full_disk_is_one_line_and_leaves_nothing(model_dir, tmp_path):
 def test_read_only_output_dir_fails_before_the_model_loads(tmp_path):
     inp = write(tmp_path / "in.de", ["der hund"])
     with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
-        # The model dir does not exist: the output is checked first, so that is not what we hear of.
-        code, err = run_pipeline("serve-batch", tmp_path / "no-model", inp, "-o", ro / "out.en", *FAST)
+        # The model dir's manifest is unreadable: the output is checked before the model loads, so that is not
+        # what we hear of (a dir that is no model dir at all is named first: its outputs are checked against it)
+        broken = tmp_path / "broken-model"
+        broken.mkdir()
+        (broken / "manifest.json").write_text("{")
+        code, err = run_pipeline("serve-batch", broken, inp, "-o", ro / "out.en", *FAST)
         assert_one_line_error(code, err, f"{ro}: cannot write --output here (Read-only file system)")
 
 
