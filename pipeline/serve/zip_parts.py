@@ -121,10 +121,9 @@ def serialize(tree: Any) -> bytes:
 class XmlBudget:
     """The XML of one archive, counted part by part before it is parsed: at most MAX_XML_BYTES and, for a tree
     (lxml's), MAX_XML_NODES elements and attributes, each past its limit a DocumentError (413) naming the parts
-    (`held`). And
-    its texts as they are found, each time one occurs: at most REPEATS x `max_texts` (a Word text box is stored
-    twice; documents.py counts distinct ones against `max_texts`), so that a file of one text repeated a million
-    times stops as the plain formats do, at once, not after building the lot."""
+    (`held`). And its texts as they are found, each time one occurs: at most REPEATS x `max_texts` (a Word text
+    box is stored twice; documents.py counts distinct ones against `max_texts`), so that a file of one text
+    repeated a million times stops as the plain formats do, at once, not after building the lot."""
 
     def __init__(self, what: str, held: str, max_texts: int | None = None):
         self.what, self.held = what, held
