@@ -173,20 +173,20 @@ def test_a_missing_input_is_named_before_the_model_is_loaded(capsys, caplog, fp3
 
 
 def test_average_out_replaces_another_file_only_with_force(capsys, tmp_path, trained_save_dir):
-    """`average --out F` replaced any existing F in silence: another run's resume checkpoint, a model dir's
-    model.pt. It needs --force, as export and random-checkpoint do; the save dir's own averaged.pt is replaced
-    on each run, as before."""
+    """`average --out F` replaced any existing F in silence: another run's average, a model dir's model.pt. It
+    needs --force, as export and random-checkpoint do; the save dir's own averaged.pt is replaced on each run, as
+    before."""
     import shutil
 
     from model.checkpoint import read_checkpoint
 
     run = tmp_path / "run"
     shutil.copytree(trained_save_dir, run)
-    other = tmp_path / "other" / "checkpoint_00001200.pt"
+    other = tmp_path / "other" / "model.pt"  # (a name a run takes for a checkpoint is refused whatever exists)
     other.parent.mkdir()
-    other.write_text("another run's resume point\n")
+    other.write_text("another run's average\n")
     _refused(capsys, "average", run, "--last", 2, "--out", other, says="exists; pass --force to replace it")
-    assert other.read_text() == "another run's resume point\n"
+    assert other.read_text() == "another run's average\n"
     for _ in range(2):
         code, _, err = run_cli_captured(capsys, "average", run, "--last", 2)
         assert code == 0, err

@@ -47,6 +47,10 @@ class CharTokenizer:
     def decode(self, ids: list[list[int]]) -> list[str]:
         return ["".join(chr(i - 3) for i in seq if i > EOS).upper() for seq in ids]
 
+    def source_cut(self, text: str, pieces: int) -> int:
+        """Where the first `pieces` pieces end: one a character."""
+        return min(len(text), max(pieces, 0))
+
 
 class StandIn(Translator):
     """serve's Translator (the text service's encoding, splitting and formatting) over CharTokenizer and a

@@ -354,7 +354,7 @@ def test_a_refused_text_is_named_as_the_request_names_it():
         assert status == 413 and got["error"].startswith("q[1] text node 2 sentence:1:"), got
         r = c.post("/translate_file", files={"file": ("d.txt", f"123\n\nkurz\n{long}\n".encode())},
                    data={"source": "de", "target": "en"})
-        assert r.status_code == 413 and r.json()["error"].startswith("'d.txt' text "), r.text
+        assert r.status_code == 413 and r.json()["error"].startswith("\"file\" 'd.txt' text "), r.text
         r = c.post("/translate", json={"text": ["<p>a</p><p>b</p>", f"<p>{long}</p>"], "model": "de-en",
                                        "format": "html"})
         assert r.status_code == 413 and r.json()["error"].startswith("text[1] text node 1 sentence:1:"), r.text
