@@ -456,3 +456,22 @@ def test_a_time_budget_spent_before_the_first_update_says_so_not_to_average(corp
     out = capsys.readouterr().out
     assert "holds a resume point only; rerun the command (with a larger --max-time) to train" in out, out
     assert "pipeline average" not in out
+
+
+def test_a_side_too_long_for_max_len_whatever_it_holds_is_dropped_untokenized(monkeypatch):
+    """A 20 MB line was tokenized whole before --max-len dropped it (1.3 GB), and 200,000 of one unseen character
+    (one "▁<unk>") was kept: a side of more than --max-len x 64 characters is dropped as too long, untokenized."""
+    from pipeline.corpus import data
+
+    class Recording:
+        seen: list[int] = []
+
+        def encode(self, texts: list[str]) -> list[list[int]]:
+            self.seen += [len(t) for t in texts]
+            return [[5] * min(len(t.split()), 3) for t in texts]
+
+    tokenizer = Recording()
+    src = ["ab cd", "\u2603" * 200_000, "ef"]
+    tgt = ["x y", "z", "w" * (16 * 64 + 1)]
+    corpus = data.encode_and_filter(tokenizer, src, tgt, 16, "train")  # type: ignore[arg-type]
+    assert list(corpus.rows) == [0] and max(tokenizer.seen) <= 5
