@@ -102,8 +102,8 @@ class ModelConfig:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 problems.append(f"{name} must be a positive integer or null, got {value!r}")
         if not problems:
-            for name, heads in (("n_heads", self.n_heads), ("enc_heads", self.encoder_heads)):
-                if self.d_model % heads:
+            for name, heads in (("n_heads", self.n_heads), ("enc_heads", self.enc_heads)):
+                if heads is not None and self.d_model % heads:  # (enc_heads None: n_heads, said once)
                     problems.append(f"d_model ({self.d_model}) must be divisible by {name} ({heads})")
         if not problems and self.d_model % 2:
             problems.append(f"d_model ({self.d_model}) must be even for sinusoidal positions")

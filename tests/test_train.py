@@ -414,7 +414,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path, capsys):
 def test_impossible_model_config(corpus, tmp_path, capsys):
     s, t = corpus
     err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--d-model", "30", "--n-heads", "4")
-    assert "d_model (30) must be divisible by n_heads (4)" in err
+    assert "--d-model (30) must be divisible by --n-heads (4)" in err
     err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--update-freq", "0")
     assert "--update-freq must be at least 1" in err
 

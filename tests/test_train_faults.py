@@ -475,3 +475,18 @@ def test_a_side_too_long_for_max_len_whatever_it_holds_is_dropped_untokenized(mo
     tgt = ["x y", "z", "w" * (16 * 64 + 1)]
     corpus = data.encode_and_filter(tokenizer, src, tgt, 16, "train")  # type: ignore[arg-type]
     assert list(corpus.rows) == [0] and max(tokenizer.seen) <= 5
+
+
+@pytest.mark.parametrize("option,value,says", [
+    ("--dropout", "1.5", "--dropout must be in [0, 1), got 1.5"),
+    ("--layers", "0", "--layers must be a positive integer, got 0"),
+    ("--n-heads", "3", "--d-model (32) must be divisible by --n-heads (3)")])
+def test_a_model_option_that_makes_no_transformer_is_named_before_the_corpus_is_read(corpus, tmp_path, capsys,
+                                                                                    option, value, says):
+    """--dropout 1.5 said "invalid model config: dropout must be ..." (a config key, not the option), after the
+    corpus was read and SentencePiece trained on it."""
+    run = tmp_path / "run"
+    assert run_cli("train", *common(run, corpus, "--max-steps", "2", option, value)) == 2
+    (line,) = messages(capsys.readouterr().err)
+    assert line.startswith("error: the model (--preset tiny): ") and says in line, line
+    assert "enc_heads" not in line and not run.exists()

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from model.config import MAX_VOCAB, MIN_VOCAB, PRESETS, ModelConfig, preset
+from model.config import MAX_VOCAB, MIN_VOCAB, PRESETS, ConfigError, ModelConfig, preset
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import opt
@@ -201,6 +201,11 @@ def check_numbers(o: TrainOptions) -> None:
                         "sentence")
     if o.valid_beam > MAX_VALID_BEAM:
         problems.append(f"--valid-beam must be at most {MAX_VALID_BEAM} (got {o.valid_beam})")
+    if not problems:  # the model's shape too, before the corpus is read and SentencePiece trained on it
+        try:
+            model_config(o, o.vocab_size or MIN_VOCAB)
+        except ConfigError as e:
+            problems.append(str(e))
     if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
     if o.vocab_size is not None and not MIN_VOCAB <= o.vocab_size <= MAX_VOCAB:  # before the corpus is read
@@ -241,12 +246,21 @@ def check_numbers(o: TrainOptions) -> None:
         raise UserError("; ".join(problems))
 
 
+# the model config's fields the command line sets, as a refusal names them ("n_enc_layers must be ..." said a key)
+CONFIG_OPTIONS = {"n_enc_layers": "--layers", "n_dec_layers": "--decoder-layers", "n_heads": "--n-heads",
+                  "d_model": "--d-model", "d_ff": "--d-ff", "dropout": "--dropout"}
+
+
 def model_config(opts: TrainOptions, vocab_size: int) -> ModelConfig:
-    """The preset with the command-line overrides (ConfigError names every problem)."""
-    return preset(opts.preset, vocab_size=vocab_size, d_model=opts.d_model, n_heads=opts.n_heads,
-                  d_ff=opts.d_ff, n_enc_layers=opts.layers,
-                  n_dec_layers=opts.decoder_layers if opts.decoder_layers is not None else opts.layers,
-                  dropout=opts.dropout, max_positions=max(1024, opts.max_len + 1))
+    """The preset with the command-line overrides (ConfigError names every problem, by its option)."""
+    try:
+        return preset(opts.preset, vocab_size=vocab_size, d_model=opts.d_model, n_heads=opts.n_heads,
+                      d_ff=opts.d_ff, n_enc_layers=opts.layers,
+                      n_dec_layers=opts.decoder_layers if opts.decoder_layers is not None else opts.layers,
+                      dropout=opts.dropout, max_positions=max(1024, opts.max_len + 1))
+    except ConfigError as e:
+        said = re.sub(r"\b(" + "|".join(CONFIG_OPTIONS) + r")\b", lambda m: CONFIG_OPTIONS[m[1]], str(e))
+        raise ConfigError(said.replace("invalid model config: ", f"the model (--preset {opts.preset}): ")) from None
 
 
 def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
