@@ -131,6 +131,12 @@ def own_languages(cfg: ModelConfig, pair: Languages | None, source: str | None, 
     return (None, None) if direction(cfg, source, target, pair=pair) is ONE_PAIR else (source, target)
 
 
+def same_language_notice(code: str) -> str:
+    """What serve-batch and ray-translate say of a job whose source is its target (Direction.same)."""
+    return f"--src-lang and --tgt-lang are both {code}: every line is written as it came (a model would invent a " \
+        "translation)"
+
+
 def two_letter(code: str) -> str | None:
     """The ISO 639-1 code of a model's language code (de, eng, eng_Latn, pt-BR: de, en, en, pt), None when it has
     none here. Detection and sentence rules know languages so; NLLB's codes are ISO 639-3 with a script."""

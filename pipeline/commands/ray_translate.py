@@ -72,8 +72,7 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
                                              opts.src_lang, opts.tgt_lang)  # a one-pair model's own: none
     opts = dataclasses.replace(opts, src_lang=source, tgt_lang=target)
     if source is not None and source == target:  # as serve-batch says it (the glossary then finds nothing)
-        log.info("--src-lang and --tgt-lang are both %s: every line is written as it came (a model would invent "
-                 "a translation)", source)
+        log.info("%s", languages.same_language_notice(source))
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
     recorded = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),

@@ -178,8 +178,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
     parity measures them."""
     direction = languages.direction(backend.cfg, opts.src_lang, opts.tgt_lang)
     if direction.same and ctx.is_main:
-        log.info("%s: --src-lang and --tgt-lang are both %s: every line is written as it came (a model would invent "
-                 "a translation)", input_path, direction.source)
+        log.info("%s: %s", input_path, languages.same_language_notice(str(direction.source)))
     windows = read_windows(input_path, tokenizer, backend.max_src_len, opts, direction,
                            glossary) if ctx.is_main else None
     shown = progress and ctx.is_main and sys.stderr.isatty()
