@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from runtime.markup import TooManyTexts, parse_html
 from runtime.sentences import has_letters
 
+# the tags of a file's HTML or XHTML pages, together: runtime/markup.py's scanner takes its time per tag (~1.3 us
+# on an EPYC core: 30 MiB of "<b/>" in a 30 KB .epub took 18 s of the one document thread), so they are counted
+# before it runs
+MAX_TAGS = 2_000_000
+
 
 class DocumentError(ValueError):
     """The file cannot be read as its format (400), or is over a limit (413 when `too_large`)."""
@@ -109,6 +114,9 @@ def read_txt(data: bytes, max_texts: int | None = None) -> Document:
 
 def read_html(data: bytes, max_texts: int | None = None) -> Document:
     text, encode = _decode(data, "HTML file")
+    if text.count("<") > MAX_TAGS:
+        raise DocumentError(f"the HTML file holds more than this server's limit of {MAX_TAGS:,} tags; split the "
+                            "file", too_large=True)
     try:
         markup = parse_html(text, max_texts)
     except TooManyTexts as e:

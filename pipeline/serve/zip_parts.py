@@ -13,7 +13,7 @@ from typing import Any
 
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
-from pipeline.serve.text_formats import DocumentError
+from pipeline.serve.text_formats import MAX_TAGS, DocumentError
 
 MAX_UNZIPPED_BYTES = 100 << 20  # what an archive (.docx, .pptx, .odt, .odp, .epub) may unpack to, all members
 MAX_MEMBERS = 10_000  # members of an archive
@@ -120,14 +120,15 @@ def serialize(tree: Any) -> bytes:
 
 class XmlBudget:
     """The XML of one archive, counted part by part before it is parsed: at most MAX_XML_BYTES and, for a tree
-    (lxml's), MAX_XML_NODES elements and attributes, each past its limit a DocumentError (413) naming the parts
-    (`held`). And its texts as they are found, each time one occurs: at most REPEATS x `max_texts` (a Word text
-    box is stored twice; documents.py counts distinct ones against `max_texts`), so that a file of one text
-    repeated a million times stops as the plain formats do, at once, not after building the lot."""
+    (lxml's), MAX_XML_NODES elements and attributes, else (a page for our tag scanner) MAX_TAGS tags, each past
+    its limit a DocumentError (413) naming the parts (`held`). And its texts as they are found, each time one
+    occurs: at most REPEATS x `max_texts` (a Word text box is stored twice; documents.py counts distinct ones
+    against `max_texts`), so that a file of one text repeated a million times stops as the plain formats do, at
+    once, not after building the lot."""
 
     def __init__(self, what: str, held: str, max_texts: int | None = None):
         self.what, self.held = what, held
-        self.bytes = self.nodes = self.texts = 0
+        self.bytes = self.nodes = self.tags = self.texts = 0
         self.max_texts = None if max_texts is None else REPEATS * max_texts
 
     def take(self, content: bytes, *, tree: bool = True) -> None:
@@ -138,6 +139,10 @@ class XmlBudget:
             self.nodes += content.count(b"<") - content.count(b"</") + content.count(b"=")
             if self.nodes > MAX_XML_NODES:
                 self._refuse(f"{MAX_XML_NODES:,} XML elements and attributes")
+        else:
+            self.tags += content.count(b"<")
+            if self.tags > MAX_TAGS:
+                self._refuse(f"{MAX_TAGS:,} tags")
 
     def left(self) -> int | None:
         """How many more texts may be found (None: no limit)."""
