@@ -158,6 +158,12 @@ def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = 
             "--reference-tgt or --int8-calibrate FILE")
         ranges = None
         graphs, static_scales = _write_graphs(plan, graph_model, tmp, None)
+    elif gate is not None and gate["bleu_fp32"] < sample.TELLING_BLEU:  # passed, as two near-zero BLEUs do
+        origin = plan.calibration.origin if plan.calibration else ""
+        say(f"int8: the fp32 model scores BLEU {gate['bleu_fp32']:.2f} on {origin} (int8 {gate['bleu_int8']:.2f}, "
+            f"{gate['identical']:.0%} of its lines as fp32 translates them), too low for the int8 gate to tell what "
+            "the static scales cost: they are kept; calibrate on text of your own with --reference-src/"
+            "--reference-tgt or --int8-calibrate FILE, or choose --no-int8-calibrate")
     graphs, constrained = _write_constrained(plan, tmp, graphs)
     verification = _verify(plan, graph_model, tmp)
     verification["constrained_step"] = constrained

@@ -32,6 +32,7 @@ from runtime.tokenizer import AnyTokenizer
 from runtime.translate import encode_sources, format_line, translate_ids
 
 SAMPLE_FILE = "calibration_sample.tsv"
+TELLING_BLEU = 5.0  # the fp32 model's BLEU on the sample under which its gate tells little (the export says so)
 MULTILINGUAL_LINES = 100  # a multilingual model's sample lines in all, as many as a one-pair model's
 PIVOT = "en"  # a multilingual model's sample directions: every other language into it, and it into SECOND
 SECOND = "de"
