@@ -299,12 +299,40 @@ def test_cors_origin_is_one_a_browser_can_send():
 def test_query_string_fields_are_bounded():
     with client(state_of({"de-en": (("de",), ("en",))})) as c:
         r = c.post("/translate?" + "&".join(f"f{i}=x" for i in range(3000)))
-        assert r.status_code == 400 and "more than 2048 fields" in r.json()["error"]
+        assert r.status_code == 413 and r.json()["error"] == (
+            "the query string has more than this server's limit of 2048 fields (--max-lines 1024 texts in \"q\", "
+            "and other fields besides)")
         # a repeated "q" is a list of texts (libretranslate-aio sends a list so), from a form or the query
         r = c.post("/translate", data={"q": ["ein hund", "eine katze"], "source": "de", "target": "en"})
         assert r.json()["translatedText"] == ["EIN HUND", "EINE KATZE"], r.text
         r = c.post("/translate", params={"q": ["a", "b"], "source": "de", "target": "en"})
         assert r.json()["translatedText"] == ["A", "B"], r.text
+
+
+def test_form_fields_follow_max_lines():
+    """3,000 texts in "q" under --max-lines 5000: JSON took them, a form, a multipart form and a query string
+    were refused at 2,048 fields (400), whatever --max-lines said; over the limit, a 413 naming --max-lines."""
+    state = state_of({"de-en": (("de",), ("en",))})
+    state.limits = dataclasses.replace(state.limits, max_lines=5000, max_bytes=1 << 22)
+    texts = [f"w{i}" for i in range(3000)]  # short: a query string of 6,000 stays under its 64 KiB
+    multipart = {"content-type": "multipart/form-data; boundary=b0undary"}
+    with client(state) as c:
+        for many, answer in ((texts, 200), (texts * 2, 413)):
+            fields = {"q": many, "source": "de", "target": "en"}
+            for sent in (dict(data=fields), dict(params=fields), dict(content=_multipart(fields), headers=multipart)):
+                r = c.post("/translate", **sent)
+                assert r.status_code == answer, r.text[:200]
+                if answer == 200:
+                    assert r.json()["translatedText"] == [t.upper() for t in texts]
+                else:
+                    assert r.json()["error"].endswith("has more than this server's limit of 5064 fields (--max-lines "
+                                                      "5000 texts in \"q\", and other fields besides)"), r.text
+
+
+def _multipart(fields: dict[str, Any]) -> bytes:
+    parts = [(key, v) for key, value in fields.items() for v in (value if isinstance(value, list) else [value])]
+    return b"".join(f'--b0undary\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+                    for k, v in parts) + b"--b0undary--\r\n"
 
 
 def _read_body_of(declared: int | None, chunks: list[bytes], limits: RequestLimits,

@@ -30,7 +30,8 @@ CLIENT_CLOSED = 499  # nginx's code for "client closed the request"; nobody rece
 BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which a JSON body may start with
 COMPRESSED = ("gzip", "x-gzip", "deflate", "br", "zstd", "compress", "x-compress")  # Content-Encoding: refused
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
-MAX_FORM_FIELDS = 2048  # above --max-lines' default: a repeated "q" is a list of texts
+MAX_FORM_FIELDS = 2048  # fields of a form or query string, or --max-lines + OTHER_FIELDS: a repeated "q" is texts
+OTHER_FIELDS = 64
 # An oversized body is read and discarded up to these bounds before the 413 is sent: a client that
 # is still sending when the server answers and closes gets "connection reset" instead of the answer
 # (plain urllib / requests clients do). Past either bound the 413 goes out with Connection: close.
@@ -184,12 +185,12 @@ async def read_payload(request: Request, limits: RequestLimits, pool: Executor |
     body = await read_body(request, limits)
     if is_form(request.headers, body):
         if request.headers.get("content-type", "").lower().startswith("multipart/"):
-            fields = await read_multipart(request.headers, body)
+            fields = await read_multipart(request.headers, body, limits)
         else:
-            fields = await off_loop(pool, parse_urlencoded, body)
-        return {**fields, **query_fields(request)}, True
+            fields = await off_loop(pool, parse_urlencoded, body, limits)
+        return {**fields, **query_fields(request, limits)}, True
     if not body.strip() and request.url.query:
-        return query_fields(request), True
+        return query_fields(request, limits), True
     return await off_loop(pool, parse_json, body), False
 
 
@@ -248,9 +249,19 @@ def parse_json(body: bytes) -> Any:
     return data
 
 
-def query_fields(request: Request) -> dict[str, Any]:
-    """The query string's fields (as form fields are read: strict UTF-8, at most MAX_FORM_FIELDS)."""
-    return _urlencoded(request.scope.get("query_string", b""), "the query string")
+def query_fields(request: Request, limits: RequestLimits | None = None) -> dict[str, Any]:
+    """The query string's fields (as form fields are read: strict UTF-8, at most max_fields)."""
+    return _urlencoded(request.scope.get("query_string", b""), "the query string", limits)
+
+
+def max_fields(limits: RequestLimits | None) -> int:
+    """The most fields a form or query string may have: --max-lines texts in "q", and others besides."""
+    return MAX_FORM_FIELDS if limits is None else max(MAX_FORM_FIELDS, limits.max_lines + OTHER_FIELDS)
+
+
+def _too_many_fields(what: str, limits: RequestLimits | None) -> ApiError:
+    lines = "" if limits is None else f" (--max-lines {limits.max_lines} texts in \"q\", and other fields besides)"
+    return ApiError(413, f"{what} has more than this server's limit of {max_fields(limits)} fields{lines}")
 
 
 def is_form(headers: Headers, body: bytes) -> bool:
@@ -260,22 +271,22 @@ def is_form(headers: Headers, body: bytes) -> bool:
     return kind in FORM_TYPES and body.removeprefix(BOM).lstrip()[:1] not in (b"{", b"[")  # saved on Windows)
 
 
-def parse_urlencoded(body: bytes) -> dict[str, Any]:
+def parse_urlencoded(body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
     """An application/x-www-form-urlencoded body's fields (the first of a repeated one, as LibreTranslate
     reads them)."""
-    return _urlencoded(body, "request body")
+    return _urlencoded(body, "request body", limits)
 
 
-def _urlencoded(data: bytes, what: str) -> dict[str, Any]:
+def _urlencoded(data: bytes, what: str, limits: RequestLimits | None) -> dict[str, Any]:
     """URL-encoded fields, strictly UTF-8 (raw or percent-encoded: a client's mistake is a 400, never text
-    with replacement characters), at most MAX_FORM_FIELDS."""
+    with replacement characters), at most max_fields (413)."""
     try:
         pairs = urllib.parse.parse_qsl(data.decode("utf-8"), keep_blank_values=True, errors="strict",
-                                       max_num_fields=MAX_FORM_FIELDS)
+                                       max_num_fields=max_fields(limits))
     except UnicodeDecodeError as e:
         raise ApiError(400, f"{what} is not UTF-8 form data ({e.reason} at byte {e.start})") from None
     except ValueError:  # parse_qsl's only other refusal: "Max number of fields exceeded"
-        raise ApiError(400, f"{what} has more than {MAX_FORM_FIELDS} fields") from None
+        raise _too_many_fields(what, limits) from None
     return _first_of_each(pairs)
 
 
@@ -325,7 +336,7 @@ def strict_multipart() -> Any:
     return Strict
 
 
-async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
+async def read_multipart(headers: Headers, body: bytes, limits: RequestLimits | None = None) -> dict[str, Any]:
     """A multipart/form-data body's text fields (python-multipart, through starlette's parser)."""
     from starlette.formparsers import MultiPartException
 
@@ -334,7 +345,7 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
         yield b""
 
     try:
-        form = await strict_multipart()(headers, stream(), max_files=0, max_fields=MAX_FORM_FIELDS).parse()
+        form = await strict_multipart()(headers, stream(), max_files=0, max_fields=max_fields(limits)).parse()
     except AssertionError:  # starlette's "python-multipart must be installed"
         raise ApiError(415, 'multipart form data needs python-multipart on this server (pip install -e ".[serve]"); '
                             "send JSON or application/x-www-form-urlencoded") from None
@@ -342,6 +353,8 @@ async def read_multipart(headers: Headers, body: bytes) -> dict[str, Any]:
         if "files" in e.message:  # max_files=0: any part with a filename
             raise ApiError(400, "the form data holds a file; this route takes text fields (a document goes to "
                                 "POST /translate_file)") from None
+        if "fields" in e.message:  # "Too many fields. Maximum number of fields is N."
+            raise _too_many_fields("request body", limits) from None
         raise ApiError(400, f"request body is not readable form data: {e.message}") from None
     pairs: list[tuple[str, str]] = []
     for key, value in form.multi_items():
