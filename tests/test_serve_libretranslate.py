@@ -41,6 +41,7 @@ class NBestStandIn(StandIn):
 
     def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
         self.batches.append(ids)
+        self.searches = [*getattr(self, "searches", []), (decoding.nbest, decoding.beam_size)]
         hyps = lambda src: [(src[:-1], -0.5), (src[-2::-1], -1.5), (src[:-2], -2.5)]
         return [hyps(src)[:decoding.nbest] if src else [] for src in ids]
 
@@ -143,6 +144,18 @@ def test_alternatives_are_the_n_best_and_scores_the_best_hypothesis():
         assert got["alternatives"] == [["AJ"]]
         status, got = lt(c, q="ja", source="de", target="en", alternatives=4)
         assert status == 400 and '"alternatives" 4' in got["error"] and "limit of 3" in got["error"]
+
+
+def test_html_gets_no_alternatives_and_its_usual_search():
+    """LibreTranslate answers html without alternatives: "alternatives" widened the beam for nothing (another
+    translation, alternatives [])."""
+    with client() as c:
+        model = c.app.state.server.models["de-en"].translator  # the stand-in
+        status, plain = lt(c, q="<p>Hund. Katze.</p>", source="de", target="en", format="html")
+        asked = model.searches[-1]
+        status, got = lt(c, q="<p>Hund. Katze.</p>", source="de", target="en", format="html", alternatives=2)
+        assert status == 200 and got == {**plain, "alternatives": []}, got
+        assert model.searches[-1] == asked == (1, 4)
 
 
 HTML = ('<!DOCTYPE html><p class="x" title="Ein Hund">Ein <b>großer</b> Hund &amp; eine&nbsp;Katze.</p>'

@@ -205,7 +205,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
             for_model(req.glossary, routed.translator, state.glossaries)
     for group in groups.values():
         decoding = group.model.decoding
-        if req.alternatives:
+        if req.alternatives and not req.html:  # html gets none (LibreTranslate's): its search is the usual one
             n = req.alternatives + 1
             if n > group.model.max_beam:
                 raise ApiError(400, f'"alternatives" {req.alternatives} is above this model\'s limit of '
@@ -233,7 +233,8 @@ def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[EncodedTex
     scores: list[float | None] = [None] * len(req.q)
     terms: list[Any] = [[] for _ in req.q]  # with a glossary; none for a text answered as it came
     for group, (encoded, results) in zip(groups, done):
-        finished = finish_texts(group.model.translator.tokenizer, encoded, results, req.alternatives + 1)
+        finished = finish_texts(group.model.translator.tokenizer, encoded, results,
+                                1 if req.html else req.alternatives + 1)
         for place, result, found in zip(group.places, finished, text_terms(finished)):
             texts[place], alternatives[place], scores[place] = result.text, result.alternatives, result.score
             terms[place] = found
