@@ -328,6 +328,27 @@ def test_swap_keeps_text_not_yet_translated_and_auto_needs_a_detector(browser):
 
 
 @pytest.mark.slow
+def test_swap_never_picks_a_language_not_asked_for(browser):
+    """de -> en and en -> fr served: swap took en -> fr (the targets' first for English), put the English
+    translation in the input and translated it into French, unasked. It says the pair is not served now, and
+    nothing changes."""
+    d = browser
+    with real_server(_served({"de-en": (("de",), ("en",)), "en-fr": (("en",), ("fr",))})) as (host, port):
+        wait = _open(d, host, port)
+        _select(d, "source", "de")
+        _select(d, "target", "en")
+        _typed(d, "input", "ein hund")
+        wait.until(lambda d: _by_id(d, "output").text == "EIN HUND")
+        _by_id(d, "swap").click()
+        wait.until(lambda d: "Cannot swap" in _shown(d, "error"))
+        assert _shown(d, "error") == "Cannot swap: this server translates nothing from English into German."
+        assert (_by_id(d, "source").get_attribute("value"), _by_id(d, "target").get_attribute("value"),
+                _by_id(d, "input").get_attribute("value"), _by_id(d, "output").text) == ("de", "en", "ein hund",
+                                                                                          "EIN HUND")
+        _no_policy_violations(d)
+
+
+@pytest.mark.slow
 def test_characters_count_as_the_server_counts_and_an_expired_download_says_so(browser, tmp_path, monkeypatch):
     """The counter counted UTF-16 units (an emoji was 2 against charLimit) and a maxlength cut pasted text short
     without a word; and the download link, once its file expired on the server, was a click that did nothing.

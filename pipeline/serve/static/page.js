@@ -198,6 +198,10 @@
       showError(`Cannot swap: this server translates nothing from ${nameOf(to)}.`);
       return;
     }
+    if (!targetsOf(to).includes(from)) {  // else the targets' first would be taken: a third language, unasked
+      showError(`Cannot swap: this server translates nothing from ${nameOf(to)} into ${nameOf(from)}.`);
+      return;
+    }
     // the texts change places only when the translation on screen is the current input's: text typed or pasted
     // since (its translation still to come) stays, and is translated the other way
     const current = shownFor !== null && shownFor === ui.input.value && !inFlight;
