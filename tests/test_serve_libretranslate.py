@@ -217,6 +217,15 @@ def test_malformed_bodies_are_400_on_both_apis(caplog):
         assert r.status_code == 400 and "form data" in r.json()["error"]
         r = c.post("/translate", json={"text": "not a list", "model": "de-en"})  # the native API
         assert r.status_code == 400 and '"text" must be a list' in r.json()["error"]
+        # a native body missing "text" is told so in its words (it was LibreTranslate's "missing q parameter"),
+        # and one of both APIs is refused as such (it was LibreTranslate's "missing source parameter")
+        for body, said in (({"model": "de-en", "source": "de", "target": "en"}, '"text" must be a list'),
+                           ({"model": "de-en", "format": "text", "nbest": 2}, '"text" must be a list'),
+                           ({"text": ["x"], "model": "de-en", "q": "x"}, 'the body has both "q" (LibreTranslate'
+                                                                         '\'s API) and "text" (the native API)'),
+                           ({"source": "de", "target": "en"}, "missing q parameter")):
+            r = c.post("/translate", json=body)
+            assert r.status_code == 400 and said in r.json()["error"], (body, r.text)
         for q in (5, [1]):  # a list of strings is taken: the refusal says so (it said "a string")
             r = c.post("/detect", json={"q": q})
             assert r.status_code == 400 and r.json()["error"] == '"q" must be a string or a list of strings'

@@ -76,11 +76,12 @@ async def translate(request: Request) -> Response:
     started = time.perf_counter()
     try:
         data, form = await read_payload(request, state.limits, state.reading)
+        speaks_libre = form or libre.speaks_libre(data, native.REQUEST_KEYS)
     except ApiError as e:
         response = error(e)
         state.unnamed.request(response.status_code)
         return response
-    if form or libre.speaks_libre(data):
+    if speaks_libre:
         return await libre.translate(request, data, form, state)
     return await native.translate(request, data, state, started)
 

@@ -50,9 +50,15 @@ KEYS = frozenset({"q", "source", "target", "format", "alternatives", "api_key"})
 WHOLE = re.compile(r"-?[0-9]{1,9}")
 
 
-def speaks_libre(data: Any) -> bool:
-    """A JSON body for LibreTranslate's /translate: it has "q", or LibreTranslate's fields and no "text"."""
-    return isinstance(data, dict) and ("q" in data or ("text" not in data and bool(KEYS & set(data))))
+def speaks_libre(data: Any, native: frozenset[str]) -> bool:
+    """A JSON body for LibreTranslate's /translate: it has "q", or LibreTranslate's fields and none that only the
+    `native` API has ("text", "model", "nbest"...: a native request missing its "text" is told so in its API's
+    words). "q" and "text" together are a 400."""
+    if not isinstance(data, dict):
+        return False
+    if "q" in data and "text" in data:
+        raise ApiError(400, 'the body has both "q" (LibreTranslate\'s API) and "text" (the native API): send one')
+    return "q" in data or (not (native - KEYS) & set(data) and bool(KEYS & set(data)))
 
 
 def check_key(state: ServerState, given: Any, request: Request) -> None:

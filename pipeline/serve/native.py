@@ -33,8 +33,8 @@ from runtime.translate import NBest, not_text
 
 log = logging.getLogger(__name__)
 
-REQUEST_KEYS = {"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source", "target",
-                "glossary", "format"}
+REQUEST_KEYS = frozenset({"text", "model", "split", "lang", "stream", "beam_size", "nbest", "scores", "source",
+                          "target", "glossary", "format"})
 
 
 def unauthorized(state: ServerState, request: Request) -> ApiError | None:
