@@ -325,7 +325,7 @@ def test_served_languages_come_from_the_manifest_else_the_name():
 
     from pipeline.serve.languages import Routes, served_languages
     plain = SimpleNamespace()  # a manifest of today: no `languages`
-    assert served_languages("de-en", plain) == (("de",), ("en",))
+    assert served_languages("de-en", plain) == served_languages("DE-En", plain) == (("de",), ("en",))
     assert served_languages("model", plain) == ((), ())
     many = SimpleNamespace(languages=SimpleNamespace(source=("de", "en", "fr"), target=("de", "en", "fr")))
     assert served_languages("m2m", many) == (("de", "en", "fr"), ("de", "en", "fr"))

@@ -18,7 +18,7 @@ from runtime.languages import two_letter
 log = logging.getLogger(__name__)
 
 MAX_LANGUAGES = 1000  # per model and side: GET /languages lists up to this squared
-PAIR = re.compile(r"([a-z]{2,3})-([a-z]{2,3})")  # a model named SRC-TGT
+PAIR = re.compile(r"([a-z]{2,3})-([a-z]{2,3})", re.IGNORECASE)  # a model named SRC-TGT (DE-EN: de, en)
 M = TypeVar("M")
 
 # English names for /languages (LibreTranslate's "name"); a code not here is its own name.
@@ -45,7 +45,7 @@ def served_languages(name: str, manifest: Any) -> tuple[tuple[str, ...], tuple[s
                             "have (NLLB has 202); export the model again")
         return tuple(declared.source), tuple(declared.target)
     pair = PAIR.fullmatch(name)
-    return ((pair.group(1),), (pair.group(2),)) if pair else ((), ())
+    return ((pair.group(1).lower(),), (pair.group(2).lower(),)) if pair else ((), ())
 
 
 def language_name(code: str) -> str:
