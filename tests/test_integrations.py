@@ -390,7 +390,7 @@ def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path
     (out / RECORD).write_text(json.dumps(old))  # as the version before wrote it, its a.txt complete
     write_lines(out / "a.txt", ["X"])
     write_lines(tmp_path / "b.txt", ["y"])
-    job = plan([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], out, "text", new, legacy=old)
+    job = plan([str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], out, "text", new, earlier={1: old})
     assert [s.output.name for s in job.todo] == ["b.txt"]
     assert json.loads((out / RECORD).read_text())["outputs"] == ["a.txt", "b.txt"]
     with pytest.raises(UserError, match=r"\(decoding differ\)"):  # b.txt not made yet; a.txt is listed
@@ -398,6 +398,12 @@ def test_a_record_lists_its_outputs_and_an_older_record_resumes_its_job(tmp_path
     assert not plan([str(tmp_path / "a.txt")], out, "text", new).todo  # the same command: resumed, nothing to do
     with pytest.raises(UserError, match=r"\(format differ\)"):  # --format html outputs never mixed with text ones
         plan([str(tmp_path / "a.txt")], out, "text", {**new, "format": "html"})
+    # a version 2 record: the backend as asked ("auto"), where version 3 records the one that runs
+    asked, runs = {**new, "backend": "auto"}, {**new, "backend": "onnxruntime"}
+    (out / RECORD).write_text(json.dumps({**asked, "record_version": 2, "outputs": ["a.txt"]}))
+    assert not plan([str(tmp_path / "a.txt")], out, "text", runs, earlier={2: asked}).todo
+    assert json.loads((out / RECORD).read_text())["backend"] == "onnxruntime"
+    assert not plan([str(tmp_path / "a.txt")], out, "text", runs).todo  # rewritten as version 3: resumed as one
 
 
 def test_job_record_names_the_model_by_its_manifest(fp32_dir):

@@ -119,6 +119,10 @@ def test_shards_translate_as_serve_batch_and_a_rerun_resumes(cluster, fp32_dir, 
 
     code, _, err = run_cli_captured(capsys, *args)  # everything done: nothing to start
     assert code == 0 and "all 4 shard(s) already translated" in err, err
+    # the same job asked for otherwise (it was refused: "backend, lang differ"): the backend auto picks, sentence
+    # rules where no sentence is split
+    code, _, err = run_cli_captured(capsys, *args[:-2], "--lang", "fr")
+    assert code == 0 and "all 4 shard(s) already translated" in err, err
     (tmp_path / "out" / "b.txt").unlink()
     code, _, err = run_cli_captured(capsys, *args)
     assert code == 0 and "translated 130 lines of 1 shard(s)" in err and "3 shard(s) already complete" in err, err

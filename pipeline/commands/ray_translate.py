@@ -75,19 +75,25 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
         log.info("%s", languages.same_language_notice(source))
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
     glossary = _glossary(opened, chosen.name, load_options, opts.glossary) if opts.glossary else None
-    recorded = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
-                                  **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED}
+    asked = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
+                               **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED}
+    # what runs, not how it was asked for: the backend "auto" picks; sentence rules only where sentences are split
+    recorded = {**asked, "backend": chosen.name,
+                "lang": opts.lang if opts.split == "sentences" or opts.format == "html" else None}
+    search = {name: getattr(effective, name) for name in SEARCH}
     settings = {**recorded,
                 # the search the actors will run (the model's defaults where none is given), not how it was asked
                 # for: `--beam-size 4` on a model whose default is 4 resumes its job; batch limits change nothing
-                "decoding": {name: getattr(effective, name) for name in SEARCH},
-                **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
-    # what a record of before the outputs were listed held: the options given (a job started then resumes; such a
-    # record cannot say whether it had a glossary, so with one it is compared as a new record is, and refused)
-    legacy = {**recorded, "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
+                "decoding": search, **({"glossary": glossary_digest(glossary)} if glossary is not None else {})}
+    # what the records of earlier versions held, so that a job they started resumes: version 2 the options as
+    # asked; version 1 (before the outputs were listed) the search as asked too, and no glossary (with one, such
+    # a record is compared as a new record is, and refused)
+    earlier = {2: {**asked, **{k: v for k, v in settings.items() if k not in asked}}}
+    if glossary is None:
+        earlier[1] = {**asked, "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir,
-               job_record(model_dir, legacy) if glossary is None else None)
+               {version: job_record(model_dir, r) for version, r in earlier.items()})
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return

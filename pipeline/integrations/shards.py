@@ -95,11 +95,12 @@ def output_name(path: str, suffix: str | None = None) -> str:
 
 
 def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[str, Any], suffix: str | None = None,
-         model_dir: str | Path | None = None, legacy: dict[str, Any] | None = None) -> Plan:
+         model_dir: str | Path | None = None, earlier: dict[int, dict[str, Any]] | None = None) -> Plan:
     """Every check before any work: inputs readable regular files (a Parquet file holding `column`; a pipe or a
     device would hang a reader or never end), outputs distinct and neither inputs nor inside `model_dir`, the
     output dir writable and made with the same model and options if it has outputs already (`record`; a rerun
-    of the same command resumes, another refuses). Leftover temps are removed."""
+    of the same command resumes, another refuses; a record an earlier version wrote is compared with what
+    `earlier` says that version would have written for it). Leftover temps are removed."""
     files, dirs = expand(inputs)
     out_dir = Path(output_dir)
     outputs = [out_dir / output_name(f, suffix) for f in files]
@@ -123,7 +124,7 @@ def plan(inputs: list[str], output_dir: str | Path, column: str, record: dict[st
     for out in outputs:
         check_output_file(out, "--output-dir")
     remove_stale_temps(out_dir)
-    _check_record(out_dir, record, {out.name: _identity(f) for f, out in zip(files, outputs)}, legacy)
+    _check_record(out_dir, record, {out.name: _identity(f) for f, out in zip(files, outputs)}, earlier or {})
     shards = [Shard(i, os.path.abspath(f), out) for i, (f, out) in enumerate(zip(files, outputs))]
     todo = [s for s in shards if not s.output.exists()]  # an output exists only once complete (renamed)
     return Plan(shards, todo, [s for s in shards if s.output.exists()])
@@ -163,7 +164,9 @@ def job_record(model_dir: str | Path, settings: dict[str, Any]) -> dict[str, Any
     return {"manifest_sha256": digest, **settings}
 
 
-RECORD_VERSION = 2  # records list the outputs they made; the search as it runs (a record without: as asked)
+# records list the outputs they made; 2: the search as it runs (1, a record without a version: as asked); 3: the
+# backend that runs ("auto" resolved) and sentence rules only where sentences are split
+RECORD_VERSION = 3
 # what a record holds besides what makes the translations (not option names: "format" is --format's)
 _BOOKKEEPING = ("record_version", "outputs", "inputs")
 
@@ -175,13 +178,13 @@ def _identity(path: str) -> dict[str, Any]:
 
 
 def _check_record(out_dir: Path, record: dict[str, Any], sources: dict[str, dict[str, Any]],
-                  legacy: dict[str, Any] | None) -> None:
+                  earlier: dict[int, dict[str, Any]]) -> None:
     """Refuse outputs made otherwise: a record that differs while the dir holds an output it lists or one of
     these inputs' (replacing it would mix two jobs' outputs in one dir), these inputs' outputs without a
     record, or an output made from another input (`sources`: output name -> its input's identity; another file
     of the same name, or this one rewritten, would be skipped as done). A record of an earlier version is
-    compared as that version wrote it (`legacy`: a job started before an upgrade resumes). The record written
-    lists every output of the dir's job and the input each was made from."""
+    compared as that version wrote it (`earlier`, by version: a job started before an upgrade resumes). The
+    record written lists every output of the dir's job and the input each was made from."""
     path = out_dir / RECORD
     outputs = list(sources)
     made = [name for name in outputs if (out_dir / name).exists()]
@@ -208,7 +211,8 @@ def _check_record(out_dir: Path, record: dict[str, Any], sources: dict[str, dict
                 raise UserError(f"{out_dir / name}: translated from {was.get('path')}, and {now['path']} is "
                                 f"{why} ({change}); it would be skipped as done: "
                                 "delete that output to translate it again, or choose another --output-dir")
-        wanted = record if not isinstance(before, dict) or "record_version" in before or legacy is None else legacy
+        version = before.get("record_version", 1) if isinstance(before, dict) else RECORD_VERSION
+        wanted = earlier.get(version, record) if version != RECORD_VERSION else record
         core = {k: v for k, v in before.items() if k not in _BOOKKEEPING} if isinstance(before, dict) else None
         same = core == wanted
         if not same and (made or any((out_dir / name).exists() for name in listed)):
