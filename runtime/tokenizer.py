@@ -89,10 +89,15 @@ class Tokenizer:
 
 
 class VocabTokenizer:
-    """Source and target SentencePiece models over one shared piece vocabulary (Marian's)."""
+    """Source and target SentencePiece models over one shared piece vocabulary (Marian's; M2M-100's and NLLB's,
+    the same model twice). `code_prefix`: a source starting ">>" up to its first "<<" is one token, as
+    MarianTokenizer reads a target language's >>fr<<; M2M-100's and NLLB's tokenizers have no such rule (their
+    language tokens are put there by runtime/languages.py), and ">>Zitat<<" is text. Unsaid (None): Marian's,
+    the tokenizer with no `hidden` tokens (the others hide their language tokens)."""
 
     def __init__(self, source_spm: bytes, target_spm: bytes, vocab: dict[str, int], *, eos: str = "</s>",
-                 unk: str = "<unk>", pad: str = "<pad>", hidden: list[str] | tuple[str, ...] = ()):
+                 unk: str = "<unk>", pad: str = "<pad>", hidden: list[str] | tuple[str, ...] = (),
+                 code_prefix: bool | None = None):
         self.source = _processor(source_spm, "source: ")
         self.target = _processor(target_spm, "target: ")
         self.source_spm, self.target_spm = source_spm, target_spm
@@ -115,6 +120,7 @@ class VocabTokenizer:
         if unknown:
             raise TokenizerError(f"the vocabulary has no {unknown[0]!r} (a token decoding must drop)")
         self.hidden = tuple(hidden)
+        self.code_prefix = not self.hidden if code_prefix is None else code_prefix
         self.dropped = {self.eos_id, self.pad_id, self.unk_id} | {self.vocab[t] for t in self.hidden}
         self.language_codes = {p for p in self.vocab if p.startswith(">>") and p.endswith("<<")}
 
@@ -140,6 +146,8 @@ class VocabTokenizer:
         header: dict[str, Any] = {"vocab": self.vocab, "specials": self.specials}
         if self.hidden:  # absent for Marian's bundles, which stay byte for byte what they were
             header["hidden"] = list(self.hidden)
+        if self.code_prefix != (not self.hidden):  # only where it is not what the bundle's hidden tokens say
+            header["code_prefix"] = self.code_prefix
         header.update(source_bytes=len(self.source_spm), target_bytes=len(self.target_spm))
         return BUNDLE_MAGIC + json.dumps(header, ensure_ascii=False).encode() + b"\n" + self.source_spm \
             + self.target_spm
@@ -159,7 +167,7 @@ class VocabTokenizer:
             raise TokenizerError(f"tokenizer bundle of {len(body)} bytes, its header says {end}: truncated?")
         try:
             return cls(body[start:middle], body[middle:end], header["vocab"], **header["specials"],
-                       hidden=header.get("hidden", []))
+                       hidden=header.get("hidden", []), code_prefix=header.get("code_prefix"))
         except (RuntimeError, TypeError, AttributeError) as e:  # SentencePiece's parse error; a header of wrong types
             raise TokenizerError(f"unusable tokenizer bundle ({first_line(e)})") from None
 
@@ -171,7 +179,7 @@ class VocabTokenizer:
         out = []
         for text in texts:
             code: list[str] = []
-            end = text.find("<<") if text.startswith(">>") else -1
+            end = text.find("<<") if self.code_prefix and text.startswith(">>") else -1
             if end != -1:
                 code, text = [text[: end + 2]], text[end + 2:]
             out.append(self._ids(code + self.source.encode(text, out_type=str)) + [self.eos_id])
@@ -179,7 +187,7 @@ class VocabTokenizer:
 
     def source_cut(self, text: str, pieces: int) -> int:
         """Where in `text` its first `pieces` source pieces end (a leading >>code<< is one): a character offset."""
-        end = text.find("<<") + 2 if text.startswith(">>") and "<<" in text else 0
+        end = text.find("<<") + 2 if self.code_prefix and text.startswith(">>") and "<<" in text else 0
         if end and pieces > 0:
             return end + _pieces_end(self.source, text[end:], pieces - 1)
         return _pieces_end(self.source, text, pieces)

@@ -81,7 +81,8 @@ def test_import_records_the_models_shape_languages_and_defaults(checkpoint):
 def test_tokenizer_matches_m2m100_tokenizer(hf_dir, checkpoint, pairs):
     backend, ours_tok = open_checkpoint(checkpoint)
     theirs = transformers.M2M100Tokenizer.from_pretrained(str(hf_dir))
-    texts = pairs[0][:8] + ["zzqx unknown ÆØÅ pieces"]
+    # ">>Zitat<<" is text: Marian's >>code<< rule took it whole, one <unk> ("Guten Morgen" lost)
+    texts = pairs[0][:8] + ["zzqx unknown ÆØÅ pieces", ">>Guten Morgen<<, sagte sie.", ">>de<< ab"]
     for lang in ("en", "de"):
         theirs.src_lang = lang
         d = direction(backend.cfg, lang, "en")
@@ -321,7 +322,8 @@ def test_nllb_imports_and_translates_as_generate(nllb_dir, pairs, tmp_path):
     theirs_tok.src_lang = "eng_Latn"
     d = direction(backend.cfg, "eng_Latn", "deu_Latn")
     texts = pairs[0]
-    assert encode_sources(tokenizer, texts, 512, prefix=d.prefix).ids == [theirs_tok(t)["input_ids"] for t in texts]
+    quoted = texts + [">>Guten Morgen<<, sagte sie."]  # text, not Marian's >>code<<
+    assert encode_sources(tokenizer, quoted, 512, prefix=d.prefix).ids == [theirs_tok(t)["input_ids"] for t in quoted]
     for beam in (1, 4):
         theirs, theirs_text = m2m100_generate(nllb_dir, texts, "eng_Latn", "deu_Latn", num_beams=beam,
                                               max_length=MAX_LENGTH)

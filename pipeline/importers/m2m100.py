@@ -157,7 +157,7 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
         full[token] = len(full)
     hidden += [t for t in ("<s>", "<mask>") if t in full] + madeup
     try:
-        tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden)
+        tok = VocabTokenizer(spm_bytes, spm_bytes, full, hidden=hidden, code_prefix=False)
     except TokenizerError as e:
         raise ImportRefused(f"{hf_dir}: {e}") from None
     for name, ours, theirs in (("eos", cfg.eos_id, tok.eos_id), ("pad", cfg.pad_id, tok.pad_id)):
