@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from click.testing import CliRunner  # noqa: E402
 
 from model.checkpoint import load_model  # noqa: E402
+from model.errors import UserError  # noqa: E402
 from model.transformer import sinusoidal_positions  # noqa: E402
 from pipeline.cli import cli  # noqa: E402
 from pipeline.corpus.synthetic import generate  # noqa: E402
@@ -169,6 +170,11 @@ def test_import_export_serve_batch_and_parity_against_transformers(hf_dir, check
                             gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
         assert report.passed, [r.failures for r in report.results]
         assert [r.identical for r in report.results] == [1.0, 1.0]
+    # en -> en: every backend copies the lines, transformers translates them (identical 0.0%, "parity: FAILED")
+    with pytest.raises(UserError, match=r"^--src-lang and --tgt-lang are both en: serve-batch writes every line as "
+                       r"it came, so parity would compare copies"):
+        run_parity(fp32, src, ref, ["torch"], opts=ServeBatchOptions(src_lang="en", tgt_lang="en"),
+                   reference_engine="transformers")
     opts = ServeBatchOptions(src_lang="en", tgt_lang="de")
     for reduced in (fp16, int8):
         report = run_parity(reduced, src, human_ref, ["onnxruntime"], opts=opts, reference_engine="transformers",

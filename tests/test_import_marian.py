@@ -342,3 +342,40 @@ def test_asymmetric_shapes_import_export_and_serve_as_generate(tmp_path, texts, 
         ours = [h[0].tokens for h in translate_ids(loaded.backend, loaded.tokenizer.encode_source(texts[:12]),
                                                    loaded.decoding)]
         assert ours == marian_generate(hf_dir, texts[:12], num_beams=beam, max_length=MAX_LENGTH), beam
+
+
+def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(hf_dir, checkpoint, tmp_path,
+                                                                               monkeypatch):
+    """parity --reference transformers: an --hf-dir changed since the import (a weight rewritten) failed the
+    gate as if our backends were wrong; a hub id or a cache's models--ORG--NAME, which import takes, was "the
+    directory this model was imported from is not here; pass --hf-dir" though it was passed; and a damaged
+    directory was transformers' traceback (a JSONDecodeError)."""
+    from model.errors import UserError
+    from pipeline.evaluation.transformers_reference import source_dir, translate
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert source_dir(checkpoint, None) == hf_dir.resolve()
+    repo = tmp_path / "hub" / "models--Helsinki-NLP--opus-mt-src-tgt"
+    shutil.copytree(hf_dir, repo / "snapshots" / ("ab" * 20))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("ab" * 20)
+    for given in ("Helsinki-NLP/opus-mt-src-tgt", str(repo)):
+        assert source_dir(checkpoint, Path(given)) == repo / "snapshots" / ("ab" * 20)
+    with pytest.raises(UserError, match=r"^--hf-dir Helsinki-NLP/opus-mt-xx-yy: no such directory, nor a model in "):
+        source_dir(checkpoint, Path("Helsinki-NLP/opus-mt-xx-yy"))
+    with pytest.raises(UserError, match=r"^--hf-dir \S+/nope: no such directory$"):
+        source_dir(checkpoint, tmp_path / "nope")
+
+    changed = tmp_path / "changed"
+    shutil.copytree(hf_dir, changed)
+    (changed / "README.md").unlink(missing_ok=True)  # a file not there is transformers' to miss, not refused
+    weights = next(p for p in changed.iterdir() if p.name in ("model.safetensors", "pytorch_model.bin"))
+    data = bytearray(weights.read_bytes())
+    data[-8:] = b"\x00\x00\x80\x7f" * 2  # one weight rewritten (inf)
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=rf"^{changed / weights.name}: not the file this model was imported from "
+                       r"\(sha256 [0-9a-f]{12}\.\.\., imported [0-9a-f]{12}\.\.\.\); give the directory"):
+        source_dir(checkpoint, changed)
+    (changed / "config.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"^--hf-dir \S+: transformers cannot load it \(.*\); give the directory"):
+        translate(changed, ["a b"], PAPER.replace(rules="transformers", max_len_a=0.0, max_len_b=10))

@@ -202,6 +202,9 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
     manifest = opened.manifest  # a one-pair model's own --src-lang/--tgt-lang: as none
     source, target = own_languages(manifest.model_config, manifest.language_pair, opts.src_lang, opts.tgt_lang)
     opts = replace(opts, decoding=loaded.decoding, src_lang=source, tgt_lang=target)
+    if source is not None and source == target:  # every backend copies the lines: nothing would be compared
+        raise UserError(f"--src-lang and --tgt-lang are both {source}: serve-batch writes every line as it came, so "
+                        "parity would compare copies (transformers would translate them); choose two languages")
     if reference_engine == "transformers":
         return _transformers_parity(opened, src, ref, ref_lines, backends, opts, device, gates, threads, save_hyps,
                                     hf_dir, reference, tokenizer, shortlist)
@@ -224,7 +227,7 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
     from pipeline.evaluation import transformers_reference
 
     model_dir = opened.path
-    hf_dir = hf_dir or transformers_reference.imported_from(opened.file(CHECKPOINT_FILE))
+    hf_dir = transformers_reference.source_dir(opened.file(CHECKPOINT_FILE), hf_dir)
     if hf_dir is None:
         raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
                         "--reference transformers needs --hf-dir")

@@ -20,8 +20,49 @@ from typing import Any
 
 from model.errors import UserError
 from runtime.decoding import DecodingOptions
+from runtime.errors import first_line
 
 BATCH = 16  # sentences per generate call
+
+
+def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
+    """The Hugging Face directory to compare with: `given` (--hf-dir: a directory, a cache's models--ORG--NAME
+    or a hub id found in the cache, as `pipeline import` takes them), else the one the checkpoint records (None
+    for our own checkpoints), once its files are those the import read: each one there that the import hashed
+    (extra.imported.files) is hashed again, and one that differs is a UserError naming it (parity failed as if
+    our backends were wrong; a missing one is transformers' to miss). A directory that is not there is one
+    line."""
+    from model.checkpoint import read_checkpoint
+    from pipeline.importers.hf_files import ImportRefused, digest
+    from pipeline.importers.hub_cache import resolve_model_dir
+
+    imported = (read_checkpoint(checkpoint).get("extra") or {}).get("imported") or {}
+    if given is not None:
+        try:
+            hf_dir = resolve_model_dir(given)
+        except ImportRefused as e:
+            raise UserError(f"--hf-dir {e}") from None
+        if not hf_dir.is_dir():
+            raise UserError(f"--hf-dir {given}: no such directory")
+    elif imported.get("directory"):
+        hf_dir = Path(imported["directory"])
+        if not hf_dir.is_dir():
+            raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
+    else:
+        return None
+    for name, recorded in sorted((imported.get("files") or {}).items()):
+        path = hf_dir / name
+        try:
+            now = digest(path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise UserError(f"{path}: unreadable ({e.strerror or e}), though the import read it") from None
+        if now != recorded:
+            raise UserError(f"{path}: not the file this model was imported from (sha256 {now[:12]}..., imported "
+                            f"{recorded[:12]}...); give the directory it was imported from (--hf-dir), or import this "
+                            "one")
+    return hf_dir
 
 
 def imported_from(checkpoint: Path, payload: dict[str, Any] | None = None) -> Path | None:
@@ -112,8 +153,15 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lan
             from None
     if not Path(hf_dir).is_dir():
         raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
-    gen = generation_settings(hf_dir, decoding)
-    tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang, bool(languages))
+    try:
+        gen = generation_settings(hf_dir, decoding)
+        tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang, bool(languages))
+    except UserError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError) as e:  # a directory changed since its import (or never
+        # checked: a checkpoint that records no digests): transformers' own error, as one line
+        raise UserError(f"--hf-dir {hf_dir}: transformers cannot load it ({first_line(e)}); give the directory "
+                        "this model was imported from") from None
     eos = model.config.eos_token_id
     live = [i for i, line in enumerate(lines) if line.strip()]
     texts, tokens = [""] * len(lines), [[] for _ in lines]
