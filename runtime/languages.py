@@ -77,9 +77,11 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
         given = [f"{name} {value}" for name, value, own in sides if value and value not in own]
         if given:
             if pair and pair.source and pair.target:
+                many = "; a model into many (an OPUS-MT *-mul, *-ROMANCE) is told its target by each source line's " \
+                    "first token, as in transformers: start the lines with >>fr<<" if "mul" in pair.target else ""
                 raise LanguageError(f"{' and '.join(given)}: this model translates one language pair "
                                     f"({pair.source[0]}-{pair.target[0]}, no language tokens); give its own "
-                                    "languages or leave them out")
+                                    f"languages or leave them out{many}")
             raise LanguageError(f"{' and '.join(given)}: this model translates one language pair (no language "
                                 "tokens) and its model dir records none; leave them out (export with --src-lang "
                                 "and --tgt-lang records them)")

@@ -312,6 +312,14 @@ def test_a_one_pair_model_takes_its_own_languages_as_the_native_api_does(tmp_pat
                                     *common)
     assert_one_line_error(code, err, "--tgt-lang fr: this model translates one language pair (de-en, no language "
                                      "tokens)")
+    from model.config import ModelConfig
+    from model.manifest import Languages
+    from runtime.languages import LanguageError, direction
+
+    with pytest.raises(LanguageError, match=r"\(en-mul, no language tokens\); give its own languages or leave them "
+                       r"out; a model into many \(an OPUS-MT \*-mul, \*-ROMANCE\) is told its target by each source "
+                       r"line's first token, as in transformers: start the lines with >>fr<<$"):
+        direction(ModelConfig(vocab_size=64), "en", "fr", pair=Languages(("en",), ("mul",)))
     from pipeline.integrations.translator import Translator  # Ray's and Spark's, alike
     from pipeline.serve_batch.translation import ServeBatchOptions
 
