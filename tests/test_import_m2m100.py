@@ -351,6 +351,23 @@ def test_nllb_legacy_source_form_is_refused(nllb_dir, tmp_path):
         import_m2m100(broken, tmp_path / "out.pt")
 
 
+def test_an_nllb_tokenizer_with_a_repeated_or_missing_id_names_its_file_and_the_id(nllb_dir, tmp_path):
+    """It named the directory and said "not 0..N without gaps or repeats", not which file nor which id."""
+    for kind, said in (("repeat", r"id \d+ twice"), ("drop", r"no id \d+")):
+        broken = tmp_path / kind
+        shutil.copytree(nllb_dir, broken)
+        data = json.loads((broken / "tokenizer.json").read_text())
+        languages = [a for a in data["added_tokens"] if a["content"].endswith("_Latn")]
+        if kind == "repeat":
+            languages[1]["id"] = languages[0]["id"]
+        else:
+            data["added_tokens"].remove(languages[0])
+        (broken / "tokenizer.json").write_text(json.dumps(data))
+        with pytest.raises(ImportRefused, match=rf"^{broken / 'tokenizer.json'}: the tokenizer's ids are not 0\.\.\d+ "
+                           rf"without gaps or repeats \({said}\)$"):
+            import_m2m100(broken, tmp_path / "out.pt")
+
+
 def test_an_nllb_resave_without_its_sentencepiece_model_is_told_where_to_find_it(nllb_dir, tmp_path):
     """A fine-tuned NLLB saved by transformers 5 has tokenizer.json but no sentencepiece.bpe.model: the refusal
     said a save_pretrained directory holds it, which that one did not write, and gave no fix."""

@@ -29,6 +29,7 @@ tokens), and its pieces are cut by the sentencepiece.bpe.model the hub's directo
 from __future__ import annotations
 
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +139,11 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
         hidden = [f"__{code}__" for code, _ in languages]
     ids = sorted(full.values())
     if ids != list(range(len(ids))):
-        raise ImportRefused(f"{hf_dir}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats")
+        repeated = [i for i, n in Counter(ids).items() if n > 1]
+        said = f"id {repeated[0]} twice" if repeated else f"no id {next(i for i, j in enumerate(ids) if i != j)}"
+        where = files.path(TOKENIZER_JSON) if nllb else f"{files.path(VOCAB)} with its language tokens"
+        raise ImportRefused(f"{where}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats "
+                            f"({said})")
     if len(full) > cfg.vocab_size:
         default = (f" ({TOKENIZER_CONFIG} is missing: its language_codes were taken to be M2M-100's 100; copy the "
                    "model's own)" if not nllb and not path.is_file() else "")
