@@ -464,7 +464,7 @@ def test_resuming_with_a_different_config_is_refused(corpus, tmp_path, capsys):
     code = run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "2",
                    "--d-model", "64")
     err = capsys.readouterr().err
-    assert code == 2 and "different config" in err and "d_model 32 -> 64" in err
+    assert code == 2 and "different config" in err and "--d-model 32 -> 64" in err
     assert step_checkpoints(run) == before
 
 

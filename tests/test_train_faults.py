@@ -94,7 +94,7 @@ def test_a_moved_corpus_with_the_same_contents_resumes(corpus, tmp_path, caplog,
     assert f"--train-tgt {moved[1]}" in capsys.readouterr().err
     assert run_cli("train", *common(run, moved, "--valid-src", moved[0], "--valid-tgt", moved[1],
                                     "--max-steps", "3", "--allow-changed-data")) == 2
-    assert "different config (valid_src none -> " in capsys.readouterr().err  # not the Python spelling, None
+    assert "different config (--valid-src none -> " in capsys.readouterr().err  # not the Python spelling, None
 
 @pytest.mark.slow
 def test_a_changed_corpus_is_refused_unless_allowed(corpus, tmp_path, capsys, caplog):
@@ -490,3 +490,16 @@ def test_a_model_option_that_makes_no_transformer_is_named_before_the_corpus_is_
     (line,) = messages(capsys.readouterr().err)
     assert line.startswith("error: the model (--preset tiny): ") and says in line, line
     assert "enc_heads" not in line and not run.exists()
+
+
+def test_a_resume_refusal_names_options_and_what_they_were():
+    """It printed config keys and Python values: "lr_schedule none -> 'linear'" for a run of the default schedule
+    (rsqrt, recorded only when another) resumed with --lr-schedule linear."""
+    from pipeline.training.options import config_differences
+
+    old = {"model": {"d_model": 32, "pre_norm": False}, "training": {"seed": 1, "valid_src": None}}
+    new = {"model": {"d_model": 64, "pre_norm": True},
+           "training": {"seed": 1, "valid_src": "/data/dev.de", "lr_schedule": "linear", "spm_alpha": 0.1}}
+    assert config_differences(old, new) == [
+        "--d-model 32 -> 64", "the model's pre_norm False -> True", "--lr-schedule rsqrt -> linear",
+        "--spm-alpha 0.0 -> 0.1", "--valid-src none -> /data/dev.de"]

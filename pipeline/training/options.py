@@ -279,21 +279,28 @@ def comparable_config(opts: TrainOptions, cfg: ModelConfig) -> dict[str, Any]:
     return {"model": model, "training": training}
 
 
+# what a key recorded only when on (SAMPLING_KEYS, SCHEDULE_KEYS) was when a config lacks it
+UNRECORDED = {"spm_alpha": 0.0, "spm_nbest": 64, "lr_schedule": "rsqrt"}
+
+
 def config_differences(old: dict[str, Any], new: dict[str, Any], fingerprinted: bool = False) -> list[str]:
-    """`key old -> new` for every entry of comparable_config that changed. `fingerprinted`: the old run recorded
-    its corpus files' contents (checkpointing.check_data compares those), so a corpus file at another path (a
-    moved project, another machine's mount) is no difference; a file added or dropped still is."""
+    """`--option old -> new` for every entry of comparable_config that changed (a model field no option sets:
+    `the model's key`). `fingerprinted`: the old run recorded its corpus files' contents (checkpointing.check_data
+    compares those), so a corpus file at another path (a moved project, another machine's mount) is no
+    difference; a file added or dropped still is."""
     diffs = []
     for section in ("model", "training"):
         a, b = old.get(section, {}), new.get(section, {})
         for key in sorted(set(a) | set(b)):
-            paths = (a.get(key), b.get(key))
-            if fingerprinted and section == "training" and key in CORPUS_PATHS and None not in paths \
-                    and "builtin" not in paths:
+            values = tuple(side.get(key, UNRECORDED.get(key)) for side in (a, b))
+            if fingerprinted and section == "training" and key in CORPUS_PATHS and None not in values \
+                    and "builtin" not in values:
                 continue
-            if a.get(key) != b.get(key):  # None is an option not given, or off (--spm-alpha): "none"
-                old_value, new_value = ("none" if v is None else repr(v) for v in paths)
-                diffs.append(f"{key} {old_value} -> {new_value}")
+            if values[0] != values[1]:  # None is an option not given: "none"
+                name = f"--{key.replace('_', '-')}" if section == "training" else \
+                    CONFIG_OPTIONS.get(key, f"the model's {key}")
+                shown = ("none" if v is None else v if isinstance(v, str) and v else repr(v) for v in values)
+                diffs.append(f"{name} {' -> '.join(shown)}")
     return diffs
 
 
