@@ -15,9 +15,11 @@ Lexically constrained decoding as Post & Vilar (2018) built it, vectorised as Hu
   is forced as in beam search.
 
 Sentences without phrases decode as beam search does them (one bank: the best `beam` non-EOS candidates,
-EOS finalised among the first `beam`), and `translate_ids` keeps them out of constrained batches anyway, so
-a glossary changes nothing for a line that holds none of its terms. The scores, the length penalty, the
-stopping rules and the forced first token are beam search's (runtime/search.py)."""
+EOS finalised among the first `beam`; top-beam's early end when the best candidate that has met every
+phrase, which is the best overall without phrases, is an EOS), and `translate_ids` keeps them out of
+constrained batches anyway, so a glossary changes nothing for a line that holds none of its terms. The
+scores, the length penalty, the stopping rules and the forced first token are beam search's
+(runtime/search.py)."""
 
 from __future__ import annotations
 
@@ -173,6 +175,12 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
             _finalise(finished, final, sent_ids, first_order // p, np.take_along_axis(top_scores, first_pos, axis=1),
                       np.take_along_axis(pool_lp.reshape(b, beam * p), first_order, axis=1),
                       history, history_lp, t, alpha, rules)
+        if rules == "top-beam":  # its rule over the hypotheses that may end: the best that has met every phrase
+            # (always allocated, so finalised) is an EOS; the step's best overall, short of a phrase, cannot end,
+            # and waiting for it to decoded to the length limit
+            complete = finite & (top_bank == total_s[:, None])
+            best = complete.argmax(axis=1)
+            finished.top_ended[sent_ids[complete.any(axis=1) & top_eos[np.arange(b), best]]] = True
         counts = finished.counts[sent_ids]
 
         keep = _allocate(top_bank, finite & ~top_eos, total_s, beam)
