@@ -83,7 +83,10 @@ class GivenPath(click.Path):
             self.fail("'-' (standard input) cannot be read here; give a file", param, ctx)
         if isinstance(value, str) and not self.dir_okay and value.endswith(("/", os.sep)):  # Path() drops the /
             self.fail(f"{value!r} ends with / (a directory); give a file path", param, ctx)
-        return super().convert(value, param, ctx)
+        converted = super().convert(value, param, ctx)
+        if isinstance(value, str) and value != "-" and str(converted) == "-":  # ./- is a file named -, which
+            return type(converted)(os.path.abspath(value))  # Path() spells "-", standard input's name
+        return converted
 
 
 class FiniteFloat(click.ParamType):

@@ -19,7 +19,7 @@ from model.errors import UserError
 def open_binary(path: str | Path) -> IO[bytes]:
     """Open a corpus file for reading bytes; '-' is stdin; '.gz' is decompressed."""
     path = check_input(path)
-    if str(path) == "-":
+    if str(path) == "-":  # (a file named - is returned as its absolute path)
         return sys.stdin.buffer
     if path.suffix == ".gz":
         return gzip.open(path, "rb")
@@ -33,7 +33,9 @@ def check_input(path: str | Path) -> Path:
         if sys.stdin is None:  # `<&-`: Python sets it to None
             raise UserError("'-' reads standard input, which is closed; give an input file")
         return Path("-")
-    path = Path(path)
+    given, path = path, Path(path)
+    if str(path) == "-":  # ./-: a file named -, which Path() spells as standard input's name
+        path = Path(os.path.abspath(given))
     if not path.exists():
         link = " (a symbolic link that leads nowhere, or back to itself)" if path.is_symlink() else ""
         raise UserError(f"{path}: no such file{link}")

@@ -324,3 +324,20 @@ def test_a_one_pair_model_takes_its_own_languages_as_the_native_api_does(tmp_pat
     from pipeline.serve_batch.translation import ServeBatchOptions
 
     assert Translator(model, options=ServeBatchOptions(src_lang="de", tgt_lang="en")).direction.prefix == ()
+
+
+def test_a_file_named_dash_given_as_dot_slash_dash_is_that_file(tmp_path, fp32_dir, capsys, monkeypatch):
+    """./- was read as standard input (Path("./-") is "-"), then closed: serve-batch's traceback ("readline of
+    closed file"); bench --src ./- read stdin instead of the file."""
+    from helpers import run_cli_captured
+
+    from pipeline.cli_options import GivenPath
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "-").write_text("der hund\n")
+    common = ["--backend", "onnxruntime", "--no-progress", "--max-len-b", "8", "--max-len-a", "0"]
+    code, _, err = run_cli_captured(capsys, "serve-batch", fp32_dir, "./-", "-o", "out.txt", *common)
+    assert code == 0, err
+    assert (tmp_path / "out.txt").read_text().count("\n") == 1 and (tmp_path / "out.txt").read_text().strip()
+    assert GivenPath(path_type=Path).convert("./-", None, None) == tmp_path / "-"
+    assert GivenPath(path_type=Path, allow_dash=True).convert("-", None, None) == Path("-")
