@@ -85,7 +85,8 @@ class GivenPath(click.Path):
             self.fail(f"{value!r} ends with / (a directory); give a file path", param, ctx)
         converted = super().convert(value, param, ctx)
         if isinstance(value, str) and value != "-" and str(converted) == "-":  # ./- is a file named -, which
-            return type(converted)(os.path.abspath(value))  # Path() spells "-", standard input's name
+            absolute = os.path.abspath(value)  # Path() spells "-", standard input's name
+            return Path(absolute) if isinstance(converted, Path) else absolute
         return converted
 
 

@@ -341,3 +341,17 @@ def test_a_file_named_dash_given_as_dot_slash_dash_is_that_file(tmp_path, fp32_d
     assert (tmp_path / "out.txt").read_text().count("\n") == 1 and (tmp_path / "out.txt").read_text().strip()
     assert GivenPath(path_type=Path).convert("./-", None, None) == tmp_path / "-"
     assert GivenPath(path_type=Path, allow_dash=True).convert("-", None, None) == Path("-")
+
+
+def test_stale_temps_are_looked_for_once_per_output_dir(tmp_path, monkeypatch):
+    """Once per output: 6,000 outputs into a dir of 6,000 files scanned it 6,000 times (a minute before the
+    first line was translated)."""
+    from pipeline.serve_batch import files
+
+    scanned: list[Path] = []
+    monkeypatch.setattr(files, "remove_stale_temps", scanned.append)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    outputs = [str(tmp_path / d / f"{k}.txt") for d in ("a", "b") for k in range(50)]
+    files.check_outputs([str(tmp_path / "in.txt")], outputs + ["-"])
+    assert scanned == [tmp_path / "a", tmp_path / "b"]
