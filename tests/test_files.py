@@ -355,3 +355,25 @@ def test_stale_temps_are_looked_for_once_per_output_dir(tmp_path, monkeypatch):
     outputs = [str(tmp_path / d / f"{k}.txt") for d in ("a", "b") for k in range(50)]
     files.check_outputs([str(tmp_path / "in.txt")], outputs + ["-"])
     assert scanned == [tmp_path / "a", tmp_path / "b"]
+
+
+def test_split_sentences_takes_the_source_languages_rules(tmp_path, fp32_dir, capsys):
+    """--lang stayed en whatever the source: "Er kam am 3. Oktober nach Hause." was two sentences, translated
+    apart, with --src-lang de (the HTTP API takes "lang" from "source"). --lang, else --src-lang, else the model
+    dir's source language; a --lang that is no language code is refused."""
+    from helpers import assert_one_line_error, run_cli_captured, with_language_pair
+
+    model = with_language_pair(fp32_dir, tmp_path / "de-en", "de", "en")
+    src = tmp_path / "doc.txt"
+    src.write_text("Er kam am 3. Oktober nach Hause. Dann schlief er.\n")
+    common = ["--backend", "onnxruntime", "--no-progress", "--max-len-b", "8", "--max-len-a", "0", "--split",
+              "sentences"]
+    for flags, sentences in (([], 2), (["--src-lang", "de"], 2), (["--lang", "en"], 3)):
+        code, _, err = run_cli_captured(capsys, "serve-batch", model, src, "-o", tmp_path / "out.txt", *common,
+                                        *flags)
+        assert code == 0 and f"translated {sentences} sentences" in err, (flags, err)
+    code, _, err = run_cli_captured(capsys, "serve-batch", fp32_dir, src, "-o", tmp_path / "out.txt", *common)
+    assert code == 0 and "translated 3 sentences" in err, err  # a model dir that records no languages: en's
+    code, _, err = run_cli_captured(capsys, "serve-batch", model, src, "-o", tmp_path / "x.txt", *common, "--lang",
+                                    "de; rm -rf")
+    assert_one_line_error(code, err, "--lang must be a language code like de (got 'de; rm -rf')")

@@ -21,6 +21,7 @@ from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary, check_targets
 from runtime.glossary_file import load_glossaries, no_gather
 from runtime.model_dir import LoadOptions, ModelDir, check_load
+from runtime.sentences import DEFAULT_LANG
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +64,12 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
 
     load_options: LoadOptions = pick(LoadOptions, fields)
     ray_opts: RayOptions = pick(RayOptions, fields)
-    opts = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
+    given = dataclasses.replace(pick(ServeBatchOptions, fields), decoding=decoding).validate()
     # a bad model dir, device, backend or language pair is one line here, before a cluster is reached (an actor's
     # would be Ray's error, on every actor)
     opened = ModelDir.open(model_dir)
     chosen = check_load(opened, load_options.validate())
+    opts = given.sentence_rules(opened.manifest.language_pair)  # --lang as the actors will take it
     source, target = languages.own_languages(opened.manifest.model_config, opened.manifest.language_pair,
                                              opts.src_lang, opts.tgt_lang)  # a one-pair model's own: none
     opts = dataclasses.replace(opts, src_lang=source, tgt_lang=target)
@@ -88,9 +90,11 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     # what the records of earlier versions held, so that a job they started resumes: version 2 the options as
     # asked; version 1 (before the outputs were listed) the search as asked too, and no glossary (with one, such
     # a record is compared as a new record is, and refused)
-    earlier = {2: {**asked, **{k: v for k, v in settings.items() if k not in asked}}}
+    as_asked = {**asked, "lang": given.lang or DEFAULT_LANG}  # (--lang's default was en then)
+    earlier = {2: {**as_asked, **{k: v for k, v in settings.items() if k not in asked}}}
     if glossary is None:
-        earlier[1] = {**asked, "decoding": {name: getattr(decoding, name) for name in sorted(decoding.explicit or ())}}
+        earlier[1] = {**as_asked, "decoding": {name: getattr(decoding, name)
+                                               for name in sorted(decoding.explicit or ())}}
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir,
                {version: job_record(model_dir, r) for version, r in earlier.items()})

@@ -109,6 +109,7 @@ class Translator:
                 self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
+        self.options = self.options.sentence_rules(self.loaded.manifest.language_pair)
         # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others (a one-pair model: its own only)
         self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang,
                                              pair=self.loaded.manifest.language_pair)

@@ -11,6 +11,7 @@ backend (split over torchrun ranks) and yields a `TranslatedWindow` per window.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Iterator
@@ -18,12 +19,13 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from model.errors import UserError
+from model.manifest import Languages
 from pipeline.cli_options import opt
 from pipeline.textio import NotUtf8, decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
-from runtime.languages import ONE_PAIR, Direction
+from runtime.languages import LANG_CODE, ONE_PAIR, Direction
 from runtime.sentences import DEFAULT_LANG, SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, Lines, TextPolicy, encode_texts, finish_texts, term_counts
 from runtime.tokenizer import AnyTokenizer
@@ -53,8 +55,9 @@ class ServeBatchOptions:
     split: str = opt("none", "sentences: each line is a document, translated sentence by sentence and rebuilt "
                              "with the whitespace it had between them (as `pipeline serve` does for \"split\": "
                              "\"sentences\").", choices=SPLIT_MODES)
-    lang: str = opt(DEFAULT_LANG, "The input's language (ISO 639, e.g. de), for --split sentences' rules.",
-                    metavar="CODE")
+    lang: str | None = opt(None, "The input's language (ISO 639, e.g. de), for the sentence rules of --split "
+                                 "sentences and --format html [default: --src-lang's, else the model dir's source "
+                                 "language, else en].", metavar="CODE")
     src_lang: str | None = opt(None, "A multilingual model's source language, as its model dir lists it (M2M-100: "
                                      "en; NLLB: eng_Latn). manifest.json lists them.", metavar="CODE")
     tgt_lang: str | None = opt(None, "A multilingual model's target language (its forced first token).",
@@ -77,6 +80,8 @@ class ServeBatchOptions:
             problems.append(f"--split must be one of {', '.join(SPLIT_MODES)}")
         elif self.split == "sentences" and self.decoding.nbest > 1:
             problems.append("--split sentences writes one translation per line; it takes no --nbest above 1")
+        if self.lang is not None and not LANG_CODE.fullmatch(self.lang):
+            problems.append(f"--lang must be a language code like de (got {self.lang[:40]!r})")
         if self.format not in FORMATS:
             problems.append(f"--format must be one of {', '.join(FORMATS)}")
         elif self.format == "html" and self.decoding.nbest > 1:
@@ -89,7 +94,13 @@ class ServeBatchOptions:
     def policy(self, way: Direction = ONE_PAIR) -> TextPolicy:
         """The text service's policy for these options in direction `way` (runtime/languages.py: its prefix starts
         each source; the source language as the target, each text is answered as it came)."""
-        return TextPolicy(self.long_lines, self.split, self.format, self.lang, way.prefix, way.same)
+        return TextPolicy(self.long_lines, self.split, self.format, self.lang or DEFAULT_LANG, way.prefix, way.same)
+
+    def sentence_rules(self, pair: Languages | None) -> ServeBatchOptions:
+        """These options with --lang decided as the HTTP API decides "lang" from "source": as given, else the
+        source language (--src-lang's, else a one-pair model's own, as its model dir records it), else en."""
+        own = pair.source[0] if pair is not None and len(pair.source) == 1 else None
+        return dataclasses.replace(self, lang=self.lang or self.src_lang or own or DEFAULT_LANG)
 
 
 @dataclass
