@@ -85,6 +85,20 @@ def test_bench_refuses_a_fixed_length_past_the_model_dirs_limit(capsys, fp32_dir
     assert_one_line_error(code, err, "--fixed-length 100000 is longer than the model dir's output limit of 39")
 
 
+def test_bench_refuses_what_a_backend_cannot_run_before_measuring_any(capsys, caplog, fp32_dir):
+    """--backends onnxruntime,tensorrt measured onnxruntime in full, then refused tensorrt and threw the row
+    away (exit 2, no --json); --sentences 1000000000 was a MemoryError traceback."""
+    import logging
+
+    with caplog.at_level(logging.INFO):
+        code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime,tensorrt",
+                                        "--sentences", 2, "--batch-size", 2)
+    assert code == 2 and "tensorrt" in err.lower() and "Traceback" not in err, err
+    assert "loaded in" not in caplog.text + err  # nothing loaded, nothing measured
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--sentences", 10 ** 9)
+    assert code == 2 and "--sentences" in err and "1<=x<=1000000" in err, err
+
+
 @pytest.mark.slow
 def test_bench_refuses_model_dirs_of_two_tokenizers(capsys, fp32_dir, tmp_path):
     """The second model dir was timed on the first's token ids: a Gather traceback, or numbers of noise."""

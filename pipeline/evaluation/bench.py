@@ -29,13 +29,16 @@ from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.fields import Checked, at_least, opt
 from runtime.languages import direction
-from runtime.model_dir import LoadOptions, load
+from runtime.model_dir import LoadOptions, ModelDir, check_load, load
 from runtime.registry import backend_names, entry
 from runtime.search import Hypothesis, search
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import decode_batches, encode_sources, pad_batch
 
 log = logging.getLogger(__name__)
+
+
+MAX_SENTENCES = 1_000_000  # per measurement: the sources are built in memory first (10**9 was a MemoryError)
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class BenchOptions(Checked):
                                          "models.", min=1)
     src: Path | None = opt(None, "Source sentences to translate (cycled); default: random pieces of --src-len tokens.",
                            exists=True)  # before the model loads
-    sentences: int = opt(256, "Sentences per measurement.", min=1)
+    sentences: int = opt(256, "Sentences per measurement.", min=1, max=MAX_SENTENCES)
     src_len: int = opt(20, "Length of generated source sentences (tokens, EOS included) when --src is not given.",
                        min=2)
     compare: tuple[str, ...] = opt((), "Also map the first MODEL_DIR's weights into this engine (after checking its "
@@ -253,13 +256,18 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     `step`: the torch backend's decoder step (the others have none). The warm-up batch before each row
     pays a compiled step's compilation, which is reported apart (`compile_seconds`)."""
     decoding.validate()  # before any backend is loaded
+    opened = ModelDir.open(model_dir)
+    direction(opened.manifest.model_config, src_lang, tgt_lang, pair=opened.manifest.language_pair)
+    chosen = [(name, LoadOptions(device=device, threads=threads, shortlist=shortlist, step=step,
+                                 parallel_batches=parallel_batches).for_backend(name))  # --step: torch's only, ...
+              for name in backends]
+    for _, options in chosen:  # what each would refuse, before the first is measured (a refused tensorrt threw
+        check_load(opened, options)  # away the onnxruntime rows measured before it)
     results, rows_sources = [], []
-    for name in backends:
+    for name, options in chosen:
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
-        options = LoadOptions(device=device, threads=threads, shortlist=shortlist, step=step,
-                              parallel_batches=parallel_batches).for_backend(name)  # --step: torch's only, ...
-        loaded = load(model_dir, options, decoding)
+        loaded = load(opened, options, decoding)
         backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
         way = direction(manifest.model_config, src_lang, tgt_lang, pair=manifest.language_pair)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
