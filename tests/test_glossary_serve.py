@@ -139,6 +139,11 @@ def test_libretranslate_json_and_form_data(client):
                                                    "target": (None, "en"), "glossary": (None, glossary)})):
             assert r.status_code == 200, r.text
             assert r.json()["translatedText"] == one["translatedText"] and r.json()["terms"] == [HUND]
+    # a repeated "glossary" field kept the first and dropped the others' terms in silence
+    r = client.post("/translate", data={"q": "der hund sieht", "source": "de", "target": "en",
+                                        "glossary": ["terms", json.dumps({"sieht": "tree"})]})
+    assert r.status_code == 400 and r.json()["error"] == ('the form gives "glossary" more than once; send one '
+                                                          "glossary holding every term")
 
 
 def test_translate_file_takes_a_glossary(client):

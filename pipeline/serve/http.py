@@ -292,10 +292,13 @@ def _urlencoded(data: bytes, what: str, limits: RequestLimits | None) -> dict[st
 
 def _first_of_each(pairs: list[tuple[str, str]]) -> dict[str, Any]:
     """Fields as LibreTranslate reads them (the first of a repeated one), except a repeated "q", which is a list
-    of texts (libretranslate-aio sends a list that way; LibreTranslate would take its first only)."""
+    of texts (libretranslate-aio sends a list that way; LibreTranslate would take its first only), and a
+    repeated "glossary", our extension, which is refused (the terms of the others were dropped in silence)."""
     fields: dict[str, Any] = {}
     texts = [value for key, value in pairs if key == "q"]
     for key, value in pairs:
+        if key == "glossary" and key in fields:
+            raise ApiError(400, 'the form gives "glossary" more than once; send one glossary holding every term')
         fields.setdefault(key, value)
     if len(texts) > 1:
         fields["q"] = texts
