@@ -64,6 +64,10 @@ def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict
     whichever line it is) is a NotUtf8 naming the file and line; another NUL byte is not text: named too, or with
     errors="replace" made U+FFFD as invalid bytes are. A UTF-8 byte order mark starting the file is dropped (it
     is no text: kept, it lowered the BLEU of a reference's first line)."""
+    # UTF-32's marks start as UTF-16's do: it was called UTF-16, with an iconv that made UTF-16 of it
+    if lineno == 1 and raw.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)):
+        raise NotUtf8(f"{path}: is UTF-32 (its byte order mark), not UTF-8: convert it first (iconv -f UTF-32 -t "
+                      "UTF-8)")
     bom = lineno == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff"))
     nuls = raw.count(b"\x00")
     if bom or nuls > 1 and nuls * 4 >= len(raw) and max(raw[0::2].count(0), raw[1::2].count(0)) >= 0.9 * nuls:

@@ -12,6 +12,7 @@ read for ever. `open_glossary` reads a command's files and checks them against t
 
 from __future__ import annotations
 
+import codecs
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -123,6 +124,11 @@ def load_glossaries(paths: Sequence[str | Path]) -> Glossary:
 
 def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
     data = _read(path)
+    for mark, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
+                       (codecs.BOM_UTF16_LE, "UTF-16"), (codecs.BOM_UTF16_BE, "UTF-16")):
+        if data.startswith(mark):  # Excel's "Unicode Text": said "not UTF-8 (byte 0xff at column 1)" alone
+            raise RuntimeUserError(f"{path}: is {name} (its byte order mark), not UTF-8; save the glossary as UTF-8 "
+                                   f"(iconv -f {name} -t UTF-8)")
     if data.startswith(_BOM.encode()):
         data = data[len(_BOM.encode()):]
     entries: list[tuple[Entry, str]] = []

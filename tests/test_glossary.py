@@ -332,6 +332,15 @@ def test_what_no_term_holds_is_refused_naming_the_line(tmp_path: Path, content: 
 
 
 
+def test_a_glossary_in_utf16_or_utf32_with_its_mark_is_named_so(tmp_path: Path):
+    """Excel's "Unicode Text" (UTF-16 with a byte order mark) said "not UTF-8 (byte 0xff at column 1)" alone."""
+    for codec, name in (("utf-16", "UTF-16"), ("utf-32", "UTF-32")):
+        with refused(f"terms.tsv: is {name} (its byte order mark), not UTF-8; save the glossary as UTF-8 (iconv -f "
+                     f"{name} -t UTF-8)") as info:
+            load_glossary(write(tmp_path, "Hund\tdog\n".encode(codec)))
+        one_line(info)
+
+
 def test_a_nul_in_a_requests_glossary_says_nothing_of_files():
     """The UTF-16 hint is a file's: a JSON request's inline glossary holding a NUL was asked whether "the file" was
     UTF-16."""

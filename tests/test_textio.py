@@ -131,6 +131,10 @@ def test_a_nul_byte_is_named_utf16_only_where_it_is_and_a_utf8_bom_is_dropped():
     for raw in ("der hund\n".encode("utf-16-le"), "\nder hund".encode("utf-16-le")[1:]):
         with pytest.raises(NotUtf8, match="is UTF-16"):
             decode_line(raw, "f", 2)
+    for codec, name in (("utf-32", "UTF-32"), ("utf-16", "UTF-16")):  # with their marks: UTF-32 was called UTF-16,
+        with pytest.raises(NotUtf8, match=rf"^f: is {name} \(its byte order mark\), not UTF-8: convert it first "
+                           rf"\(iconv -f {name} -t UTF-8\)$"):  # with an iconv that made UTF-16 of it
+            decode_line("der hund\n".encode(codec), "f", 1)
     assert decode_line(b"\xef\xbb\xbfder hund\r\n", "f", 1) == "der hund"
     assert decode_line(b"\xef\xbb\xbfder hund\n", "f", 2) == "\ufeffder hund"  # inside the file: the text's
 
