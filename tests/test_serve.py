@@ -167,6 +167,27 @@ def test_torchrun_two_ranks_equal_one_process(model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_says_a_glossary_once_and_a_bad_one_in_one_line(model_dir, tmp_path):
+    """Under torchrun rank 0 alone read the glossary: a bad one was its one line beneath rank 1's traceback (a
+    gloo "Connection closed by peer"), and rank 1 warned "0 found in the input" of a glossary it never read."""
+    inp = write(tmp_path / "in.txt", make_parallel(6, seed=9)[0])
+    for content, ok in (("zzqx\tdog\n", True), ("Hund\t\u2581dog\n", False)):
+        glossary = tmp_path / "terms.tsv"
+        glossary.write_text(content, encoding="utf-8")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "pipeline", "serve-batch", str(model_dir), str(inp), "-o", str(tmp_path / "out.txt"), "--glossary",
+               str(glossary), *FAST]
+        proc = subprocess.run(cmd, env=cli_env(), cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        # a traceback through our code (torchrun's launcher prints its own of a rank that failed: not ours)
+        ours = re.search(r'File "[^"]*/(pipeline|runtime|model|export)/', proc.stderr)
+        assert (proc.returncode == 0) == ok and not ours and "closed by peer" not in proc.stderr, proc.stderr[-3000:]
+        if ok:
+            assert proc.stderr.count("the glossary's terms: 0 found in the input") == 1, proc.stderr[-3000:]
+        else:
+            assert proc.stderr.count(f"error: {glossary}:1:") == 2, proc.stderr[-3000:]  # each rank's one line
+
+
+@pytest.mark.slow
 def test_killed_run_leaves_no_output_and_no_temp_file(model_dir, tmp_path):
     src, _ = make_parallel(200, seed=4)
     inp = write(tmp_path / "in.txt", src * 100)  # 20k lines: far longer than the wait below

@@ -295,7 +295,8 @@ def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], ou
     """Translate every input to its output; each output appears complete or not at all. The glossary is read
     once, before any input (a pipe given as --glossary serves every input)."""
     total = ServeStats()
-    glossary = open_glossary(opts.glossary, tokenizer, backend) if ctx.is_main else None
+    # rank 0 reads it (and says a bad one on every rank: under torchrun the others' traceback buried its line)
+    glossary = on_main(ctx, lambda: open_glossary(opts.glossary, tokenizer, backend), share=False)
     for inp, outp in zip(inputs, outputs):
         if inp != "-" and os.path.isfile(inp):  # a pipe is opened once, by its reader (its writer could fail)
             open_binary(inp).close()  # a missing or unreadable input fails on every rank, before any output
@@ -307,7 +308,7 @@ def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], ou
         else:
             stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
         total.add(stats)
-        _warn(stats, inp, opts.decoding, bool(opts.glossary))
+        _warn(stats, inp, opts.decoding, bool(opts.glossary) and ctx.is_main)  # (rank 0 counts the terms)
     return total
 
 
