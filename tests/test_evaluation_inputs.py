@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 from helpers import assert_one_line_error, run_cli_captured, write_lines
@@ -296,3 +297,34 @@ def test_resume_is_explained_not_answered_with_a_near_option(capsys, command, wh
     """`pipeline train ... --resume` said "Did you mean '--preset'?"."""
     code, _, err = run_cli_captured(capsys, command, "--resume")
     assert_one_line_error(code, err, f"a run resumes by itself; rerun the same command (the same {where})")
+
+
+@pytest.mark.slow
+def test_bench_interrupted_in_a_measurement_ends_it_and_exits(fp32_dir, tmp_path):
+    """Ctrl-C to bench alone (timeout -s INT) while a measurement ran in its subprocess: "interrupted (Ctrl-C)",
+    then bench waited at exit, sometimes for ever, on a ProcessPoolExecutor worker that never ended."""
+    import signal
+    import subprocess
+    import time
+
+    from helpers import cli_env, pipeline_cmd
+
+    proc = subprocess.Popen(pipeline_cmd("bench", fp32_dir, fp32_dir, "--backends", "onnxruntime", "--sentences",
+                                         100_000, "--batch-size", 4, "--rounds", 1, "--threads", 1),
+                            env=cli_env(), cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    try:
+        deadline = time.monotonic() + 120
+        measuring: list[str] = []
+        while not measuring and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)  # the measurement's process (the spawn's resource tracker may come first)
+            measuring = [c for c in children.read_text().split()
+                         if b"multiprocessing.spawn" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert measuring, "no measurement started"
+        time.sleep(2)
+        os.kill(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, proc.stderr.read() if proc.stderr else ""
+        assert not any(Path(f"/proc/{c}").exists() for c in measuring)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

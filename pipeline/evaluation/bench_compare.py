@@ -17,9 +17,9 @@ load with per-row scales) are both measured.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import multiprocessing
+import signal
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -187,8 +187,7 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
         for r in range(rounds):
             order = [(i + r) % len(jobs) for i in range(len(jobs))]  # rotate: engines alternate
             for i in order:
-                with concurrent.futures.ProcessPoolExecutor(1, mp_context=ctx) as pool:
-                    measured[i].append(pool.submit(_measure, jobs[i]).result())
+                measured[i].append(_in_fresh_process(ctx, jobs[i]))
                 log.info("round %d: %s %s (%s) batch %d: %.1f target tokens/s", r + 1, jobs[i]["engine"],
                          jobs[i]["precision"], Path(jobs[i]["model_dir"]).name, jobs[i]["batch_size"],
                          measured[i][-1]["target_tokens_per_s"])
@@ -201,6 +200,43 @@ def run_comparison(model_dirs: list[Path], engines: list[str], batch_sizes: list
             cpu_peak.annotate(row, cfg, job["sources"], peak, table)
     report["host"] = host_facts(threads)
     return report
+
+
+def _in_fresh_process(ctx: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """_measure(job) in a new process (spawned: nothing of this one's memory or threads), its exception raised
+    here. Interrupted (Ctrl-C to this process alone, as `timeout -s INT` sends it), the child is stopped: a
+    ProcessPoolExecutor's shutdown waited on its worker, which sometimes never ended."""
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_measured_into, args=(send, job), daemon=True)
+    child.start()
+    send.close()
+    try:
+        try:
+            ok, value = receive.recv()
+        except EOFError:  # it died without a word (killed, out of memory)
+            child.join()
+            raise UserError(f"the measurement of {job['engine']} ({Path(job['model_dir']).name}, batch "
+                            f"{job['batch_size']}) ended without a result (exit code {child.exitcode})") from None
+        child.join()
+    except BaseException:
+        child.terminate()
+        child.join()
+        raise
+    finally:
+        receive.close()
+    if not ok:
+        raise value
+    return value
+
+
+def _measured_into(send: Any, job: dict[str, Any]) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the parent, which stops this
+    try:
+        result = (True, _measure(job))
+    except Exception as e:  # raised again in the parent, as ProcessPoolExecutor raised a worker's
+        result = (False, e)
+    send.send(result)
+    send.close()
 
 
 def _row(job: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
