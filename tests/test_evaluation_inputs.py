@@ -328,3 +328,17 @@ def test_bench_interrupted_in_a_measurement_ends_it_and_exits(fp32_dir, tmp_path
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_steps_per_replay_reaches_the_bench_and_parity_offers_none(capsys, fp32_dir):
+    """bench and parity took --steps-per-replay and dropped it: parity passed and bench timed the default, where
+    serve-batch refuses it on the CPU. bench's --rules refusal named --serve and --compare for two MODEL_DIRs."""
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "torch", "--steps-per-replay", 4,
+                                    "--sentences", 2, "--batch-size", 2)
+    assert_one_line_error(code, err, "--steps-per-replay 4 runs beam search in a CUDA graph: on cpu it needs --step "
+                                     "compiled")
+    code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--steps-per-replay", 4)
+    assert code == 2 and "No such option '--steps-per-replay'" in err, err
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, fp32_dir, "--rules", "top-beam", "--sentences", 2)
+    assert_one_line_error(code, err, "--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave "
+                                     "it out of runs of several MODEL_DIRs, --serve and --compare")

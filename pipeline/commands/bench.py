@@ -39,7 +39,8 @@ from runtime.model_dir import LoadOptions
 @click.pass_context
 def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOptions, device: str | None,
           threads: int | None, shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-          step: str | None = None, parallel_batches: int | None = None, **values: Any) -> None:
+          step: str | None = None, steps_per_replay: int | None = None, parallel_batches: int | None = None,
+          **values: Any) -> None:
     """Measure target tokens/s, sentences/s, latency and peak memory per backend of MODEL_DIRS.
 
     One MODEL_DIR without --compare: in-process, backend after backend. Several (e.g. the
@@ -54,13 +55,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
     _one_mode(ctx, o)
     aside = str(o.json_out) == "-"  # the table on standard error: standard output holds the JSON alone
-    if step is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
-        raise UserError(f"--step {step} is measured in-process, with one MODEL_DIR and --backends torch; leave out "
-                        "--whole-process, --serve and --compare")
+    for name, value in (("--step", step), ("--steps-per-replay", steps_per_replay)):
+        if value is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
+            raise UserError(f"{name} {value} is measured in-process, with one MODEL_DIR and --backends torch; leave "
+                            "out --whole-process, --serve, --compare and other MODEL_DIRs")
     rules = decoding.rules if "rules" in decoding.given() else None
     if rules and not o.whole_process and (o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError("--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave it out of "
-                        "--serve and --compare runs")
+                        "runs of several MODEL_DIRs, --serve and --compare")
     # one batch at a time in-process unless told; with --whole-process, what serve-batch does by default
     batches = parallel_batches or (default_parallel_batches(threads or 2) if o.whole_process else 1)
     if o.whole_process:
@@ -89,7 +91,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         report = run_bench(model_dirs[0], parse_backends(o.backends), list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
-                           tgt_lang=tgt_lang, step=step, parallel_batches=batches)
+                           tgt_lang=tgt_lang, step=step, steps_per_replay=steps_per_replay,
+                           parallel_batches=batches)
         click.echo(format_table(report), err=aside)
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),

@@ -25,7 +25,8 @@ from runtime.registry import installed
 @options_from(ParityOptions, only=("src", "ref", "backends"))
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "batch_tokens", "batch_sentences", "rules")
 @options_from(ParityOptions, only=("reference_engine", "hf_dir"))
-@options_from(LoadOptions, skip=("backend", "precision", "step", "parallel_batches"), notes={"shortlist": (
+@options_from(LoadOptions, skip=("backend", "precision", "step", "steps_per_replay", "parallel_batches"), notes={
+    "shortlist": (
     "Here: every listed backend, torch included, decodes so against the full-vocabulary reference; labelled e.g. "
     f"fp32+shortlist, gated by |dBLEU| <= {DEFAULT_GATES['shortlist'].max_bleu_delta} (fp16/int8: the larger of "
     "it and their own), with the shortlist's coverage of the reference's tokens.")})

@@ -116,6 +116,7 @@ class BenchResult:
     # the torch backend on CUDA: PyTorch's peak allocation on the device during the row, weights included
     peak_gpu_mb: float | None = None
     step: str | None = None      # the torch backend's decoder step (eager, graph, compiled; --step)
+    steps_per_replay: int | None = None  # its beam search steps per CUDA graph replay, as given (--steps-per-replay)
     compile_seconds: float | None = None  # step "compiled": torch.compile's time, in the warm-up, not in `seconds`
     parallel_batches: int = 1    # batches decoded at once (--parallel-batches); latencies are then each batch's own
     # on the CPU, against the machine (pipeline/evaluation/cpu_peak.py)
@@ -250,7 +251,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
               fixed_length: int | None = None, src: Path | None = None, sentences: int = 256,
               src_len: int = 20, device: str | None = None, threads: int | None = None,
               shortlist: bool = False, src_lang: str | None = None, tgt_lang: str | None = None,
-              step: str | None = None, parallel_batches: int = 1) -> dict:
+              step: str | None = None, steps_per_replay: int | None = None, parallel_batches: int = 1) -> dict:
     """Each backend in this process, one after the other; `shortlist`: each decodes over the model dir's
     vocabulary shortlist; src_lang/tgt_lang: a multilingual model's direction (runtime/languages.py);
     `step`: the torch backend's decoder step (the others have none). The warm-up batch before each row
@@ -259,7 +260,8 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
     opened = ModelDir.open(model_dir)
     direction(opened.manifest.model_config, src_lang, tgt_lang, pair=opened.manifest.language_pair)
     chosen = [(name, LoadOptions(device=device, threads=threads, shortlist=shortlist, step=step,
-                                 parallel_batches=parallel_batches).for_backend(name))  # --step: torch's only, ...
+                                 steps_per_replay=steps_per_replay, parallel_batches=parallel_batches
+                                 ).for_backend(name))  # --step: torch's only, ...
               for name in backends]
     for _, options in chosen:  # what each would refuse, before the first is measured (a refused tensorrt threw
         check_load(opened, options)  # away the onnxruntime rows measured before it)
@@ -279,6 +281,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
                 cuda.cuda.reset_peak_memory_stats(backend.device)
             compiled = backend.compile_seconds
             r = bench_backend(backend, sources, bs, decoding, fixed_length, precision, way.first)
+            r.steps_per_replay = loaded.options.steps_per_replay  # as given (None: the backend's default)
             if loaded.options.step == "compiled":
                 r.compile_seconds = round(backend.compile_seconds - compiled, 2)
             r.peak_rss_mb = peak_rss_mb()
