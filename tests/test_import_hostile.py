@@ -569,5 +569,10 @@ def test_a_directory_named_like_a_family_and_a_misspelt_family(hf_dir, tmp_path,
     assert run_cli("import", "marain", "marian", "--out", "c.pt") == 2
     assert "no family 'marain': did you mean 'marian'?" in capsys.readouterr().err
     assert not (tmp_path / "c.pt").exists()
+    # a family in capitals is that family; an unknown one said "unexpected extra argument (DIR)"
+    assert run_cli("import", "Marian", "marian", "--out", "d.pt") == 0, capsys.readouterr().err
+    assert (tmp_path / "d.pt").read_bytes() == (tmp_path / "a.pt").read_bytes()
+    assert run_cli("import", "bogus", "marian", "--out", "e.pt") == 2
+    assert "no family 'bogus': the families are marian, m2m100, nllb" in capsys.readouterr().err
     assert run_cli("import", "marian", "--help") == 0  # the command's help, not auto's
     assert "Usage: pipeline import marian" in capsys.readouterr().out

@@ -46,10 +46,14 @@ class _ImportGroup(click.Group):
                 and not helped:
             args = ["auto", *args]  # `pipeline import marian --out m.pt` with ./marian: the directory
         elif args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
-            close = difflib.get_close_matches(args[0], [c for c in self.commands if c != "auto"], n=1)
-            if close and positional and not Path(args[0]).exists() and not args[0].startswith("-"):
-                raise click.UsageError(f"no family {args[0]!r}: did you mean {close[0]!r}? (or leave it out: "
-                                       "config.json's model_type names it)", ctx)
+            families = [c for c in self.commands if c != "auto"]
+            if positional and not Path(args[0]).exists() and not args[0].startswith("-"):  # a family, then DIR
+                if args[0].lower() in families:  # NLLB, Marian
+                    return super().parse_args(ctx, [args[0].lower(), *args[1:]])
+                close = difflib.get_close_matches(args[0].lower(), families, n=1)
+                meant = f"did you mean {close[0]!r}? " if close else f"the families are {', '.join(families)} "
+                raise click.UsageError(f"no family {args[0]!r}: {meant}(or leave it out: config.json's model_type "
+                                       "names it)", ctx)
             args = ["auto", *args]
         return super().parse_args(ctx, args)
 
@@ -112,7 +116,7 @@ def marian(hf_dir: str, out: Path, force: bool) -> None:
 
     The model's generation defaults (num_beams, max_length, length_penalty) and transformers' beam
     search rules become the model dir's decoding defaults; options given on the command line win.
-    `pipeline parity models/de-en --reference transformers --src FILE` checks the translations
+    `pipeline parity models/de-en --reference transformers --src FILE --ref FILE` checks the translations
     token for token against transformers' own generate."""
     _run(hf_dir, out, force, "marian")
 

@@ -32,6 +32,14 @@ def hub_cache() -> Path:
                          or os.path.join(home, "hub")))
 
 
+# the owners of the hub's models by the start of their names (nllb-200-..., m2m100_418M; else opus-mt-de-en's)
+_OWNERS = (("nllb", "facebook"), ("m2m100", "facebook"))
+
+
+def _owner(name: str) -> str:
+    return next((owner for start, owner in _OWNERS if name.lower().startswith(start)), "Helsinki-NLP")
+
+
 def resolve_model_dir(typed: str | Path) -> Path:
     """The directory to import: `typed` itself when it is a model directory, a cache repository's snapshot when it
     is `models--ORG--NAME` or a hub id found in the cache; else ImportRefused naming where it looked. A path as
@@ -47,7 +55,7 @@ def resolve_model_dir(typed: str | Path) -> Path:
     if not repo.is_dir():
         fetch = (f"download it once with `hf download {text}` (`huggingface-cli download` before huggingface_hub "
                  "0.34; or save_pretrained)" if "/" in text else  # `hf download opus-mt-de-en` is no hub id
-                 "a hub id names its owner (Helsinki-NLP/opus-mt-de-en)")
+                 f"a hub id names its owner ({_owner(text)}/{text})")
         raise ImportRefused(f"{text}: no such directory, nor a model in the Hugging Face cache (looked for {repo}); "
                             f"{fetch}, or give its directory")
     return _snapshot(repo, text)
