@@ -39,14 +39,15 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     concurrent requests dynamically, one queue per model.
 
     POST /translate {"text": [lines], "model"?, "source"?, "target"?, "split"?, "lang"?,
-    "stream"?, "beam_size"?, "nbest"?, "scores"?, "glossary"?} answers {"translations":
-    [...]}, exactly what serve-batch writes for those lines ("source"/"target": a
-    multilingual model's languages; "split": "sentences": documents, as serve-batch --split
-    sentences; "stream": true: NDJSON, one object per text as soon as it is done; "glossary":
-    a --glossary NAME or {"term": "translation"}). GET /health, /metrics (Prometheus, by
-    model) and /info. Beside it, LibreTranslate's API: POST /translate {"q", "source" (or
-    "auto"), "target", "format"?, "alternatives"?, "api_key"?, "glossary"?} (JSON, form data
-    or the query string), GET /languages, POST /detect, /translate_file, /suggest, /spec,
+    "format"?, "stream"?, "beam_size"?, "nbest"?, "scores"?, "glossary"?} answers
+    {"translations": [...]}, exactly what serve-batch writes for those lines
+    ("source"/"target": a multilingual model's languages; "split": "sentences": documents, as
+    serve-batch --split sentences; "format": "html": markup kept, as serve-batch --format
+    html; "stream": true: NDJSON, one object per text as soon as it is done; "glossary": a
+    --glossary NAME or {"term": "translation"}). GET /health, /metrics (Prometheus, by model)
+    and /info. Beside it, LibreTranslate's API: POST /translate {"q", "source" (or "auto"),
+    "target", "format"?, "alternatives"?, "api_key"?, "glossary"?} (JSON, form data or the
+    query string), GET /languages, POST /detect, /translate_file, /suggest, /spec,
     /frontend/settings and a web page at /, routed by each model's languages (a model named
     SRC-TGT, like --model de-en=DIR, or one whose manifest lists them). Stateless: run one
     process per GPU and as many replicas as needed behind any load balancer.

@@ -36,7 +36,8 @@ class ServeHttpOptions:
                                 "per minute (over it: 429). A wrong key is refused (native API: 401; "
                                 "LibreTranslate's: 403); requests without a key are served at --keyless-rate, as "
                                 "LibreTranslate serves them, unless --require-api-key. /health, /metrics, "
-                                "/languages, /frontend/settings and /spec stay open.", exists=True, metavar="FILE")
+                                "/languages, /frontend/settings, /spec, /docs and the web page at / stay open.",
+                        exists=True, metavar="FILE")
     keyless_rate: int = opt(60, "With --api-keys: requests per minute each client address may make without a key "
                             "(0: no limit); over it: 429 with Retry-After.", min=0)
     require_api_key: bool = opt(False, "With --api-keys: refuse requests without a key (LibreTranslate's API: 400 "
