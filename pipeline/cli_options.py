@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import types
 import typing
 from collections.abc import Callable
@@ -123,7 +124,10 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: s
     flag = cli.get("flag") or "--" + f.name.replace("_", "-")
     base = _base_type(hints[f.name])
     required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-    kwargs: dict[str, Any] = {"help": f.metadata["help"] + (f" {note}" if note else "")}
+    shown = f.metadata["help"]
+    if note and "[default here" in note:  # the command's own default, not the field's beside it
+        shown = re.sub(r"\s*\[default: [^\]]*\]", "", shown)
+    kwargs: dict[str, Any] = {"help": shown + (f" {note}" if note else "")}
     if "metavar" in cli:
         kwargs["metavar"] = cli["metavar"]
     if base is bool and f.default is None:  # tri-state: --flag, --no-flag or neither

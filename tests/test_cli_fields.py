@@ -8,6 +8,7 @@ train and export are held to their own dataclasses in test_cli_options.py."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import click
@@ -55,7 +56,10 @@ def test_an_option_a_dataclass_declares_is_generated_from_it(name):
     for p in COMMANDS[name].params:
         if not isinstance(p, click.Option) or p.name not in fields or (name, p.name) in BY_HAND:
             continue
-        owners = [f for f in fields[p.name] if (p.help or "").startswith(f.metadata["help"])]
+        # (a command's own "[default here: ...]" note drops the field's "[default: ...]")
+        owners = [f for f in fields[p.name] if (p.help or "").startswith(f.metadata["help"])
+                  or "[default here" in (p.help or "") and (p.help or "").startswith(
+                      re.sub(r"\s*\[default: [^\]]*\]", "", f.metadata["help"]))]
         assert owners, f"pipeline {name} {p.opts[0]}: written by hand, though a dataclass declares {p.name}"
         required = owners[0].default is dataclasses.MISSING  # a field without a default: a required option
         assert p.required if required else p.default == owners[0].default, (name, p.name)

@@ -65,7 +65,8 @@ class DemoOptions(Checked):
     preset: str | None = opt(None, "Model size [default: the built-in default, demo].", choices=tuple(PRESETS))
     max_steps: int | None = opt(None, "Training updates [default: the built-in default, 1200].", min=1)
     max_time: str | None = opt(DEMO_MAX_TIME, "Training's wall-clock budget (90s, 10m, 1h): it stops at this or "
-                                              "--max-steps, whichever comes first, and the result says which.")
+                                              "--max-steps, whichever comes first, and the result says which.",
+                               metavar="DURATION")
     builtin_pairs: int | None = opt(None, "Training pairs of the built-in corpus [default: 30000].", min=10)
     average_last: int = opt(3, "Average this many last checkpoints before export.", min=1)
     # None: every backend this machine can run (demo/plan.py); the command line gives them comma-separated
