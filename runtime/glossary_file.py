@@ -13,6 +13,7 @@ read for ever. `open_glossary` reads a command's files and checks them against t
 from __future__ import annotations
 
 import codecs
+import re
 import unicodedata
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -122,6 +123,10 @@ def load_glossaries(paths: Sequence[str | Path]) -> Glossary:
     return _checked([entry for path in paths for entry in _file_entries(path)])
 
 
+# a separator as a CSV row holds it between two fields: text on both sides, no space after, not between digits
+_PAIRED = {sep: re.compile(rf"(?<=[^\s\d]){sep}(?=\S)|(?<=\S){sep}(?=[^\s\d])") for sep in ",;"}
+
+
 def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
     data = _read(path)
     for mark, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -133,6 +138,7 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
         data = data[len(_BOM.encode()):]
     entries: list[tuple[Entry, str]] = []
     tabs, separators = 0, {",": 0, ";": 0}  # CSV's (Excel writes ; where , is the decimal mark: de, fr)
+    suspects: list[tuple[str, str]] = []  # lines of one field holding a separator
     for number, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{number}"
         try:
@@ -154,13 +160,24 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
                                    f"one glossary; keep the terms that matter or split it by domain")
         tabs += len(fields) == 2
         for separator in separators:  # between two fields ("Hund;dog"), not ending a term ("&nbsp;")
-            separators[separator] += separator in line.strip().strip(separator)
+            if len(fields) == 1 and separator in line.strip().strip(separator):
+                separators[separator] += 1
+                if _PAIRED[separator].search(line):  # "vobi,guret", not "Acme, Inc." nor "1,000"
+                    suspects.append((where, separator))
         entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
     for separator, name in ((",", "a comma"), (";", "a semicolon")):
-        if entries and not tabs and separators[separator] == len(entries):
-            raise RuntimeUserError(f"{path}: every line holds {name} and none a tab: a glossary is tab-separated "
+        if entries and not tabs and 2 * separators[separator] >= len(entries):  # a CSV, some rows of one field
+            held = "every line holds" if separators[separator] == len(entries) else \
+                f"{separators[separator]} of its {len(entries)} lines hold"
+            raise RuntimeUserError(f"{path}: {held} {name} and none a tab: a glossary is tab-separated "
                                    "(source<TAB>target), not CSV; a line without a tab is a term not to translate "
                                    "(for a file of such terms, end one line with a tab)")
+    if tabs and suspects:  # "vobi,guret" among tab-separated lines: a pair typed as CSV, kept as one term
+        where, separator = suspects[0]
+        raise RuntimeUserError(f"{where}: no tab but a {'comma' if separator == ',' else 'semicolon'}, where the "
+                               "other lines are tab-separated: put a tab between the source and the target term, "
+                               f"or end the line with a tab to keep it a term not to translate ({len(suspects)} "
+                               "such line(s))")
     return entries
 
 

@@ -319,6 +319,10 @@ def test_the_tokenizer_one_text_at_a_time_as_sentencepiece_batches_them(tokenize
     ("H\x00u\x00n\x00d\x00\tdog\n", ["terms.tsv:1:", "U+0000", "is the file UTF-16? save it as UTF-8"]),
     ("Hund,dog\nKatze,cat\n", ["terms.tsv:", "none a tab", "not CSV"]),  # loaded as two do-not-translate terms
     ("Hund;dog\nKatze;cat\n", ["terms.tsv:", "a semicolon and none a tab", "not CSV"]),  # Excel's CSV in de, fr
+    # a CSV with a row of one field loaded as terms not to translate ("kinisa,salon"), a CSV row among
+    # tab-separated ones as one (vobi -> guret dropped): both in silence
+    ("kinisa,salon\nvobi,guret\nacme\n", ["terms.tsv:", "2 of its 3 lines hold a comma and none a tab", "not CSV"]),
+    ("kinisa\tsalon\nvobi,guret\n", ["terms.tsv:2:", "no tab but a comma", "end the line with a tab", "1 such"]),
     # controls that are whitespace to Python were made spaces: a file separated by U+001F loaded as
     # multi-word do-not-translate terms, without a word
     ("vobi\x1fkinisa\tmarun\n", ["terms.tsv:1:", "source term", "U+001F"]),
