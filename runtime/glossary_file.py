@@ -13,6 +13,7 @@ read for ever. `open_glossary` reads a command's files and checks them against t
 from __future__ import annotations
 
 import codecs
+import os
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -98,7 +99,10 @@ def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
 def _read(path: str | Path) -> bytes:
     """The file's bytes, at most MAX_GLOSSARY_BYTES (a pipe is read once, as any file)."""
     if str(path) == "":
-        raise RuntimeUserError("the glossary path is empty (is a shell variable unset?)")
+        raise RuntimeUserError("the glossary path is empty (on a command line: is a shell variable unset?)")
+    if str(path) == "-" and not os.path.exists("-"):  # said "-: cannot read the glossary (No such file ...)"
+        raise RuntimeUserError("a glossary is read from a file, not standard input ('-'); give its path, or a pipe "
+                               "as <(command)")
     try:
         with open(path, "rb") as f:
             data = f.read(MAX_GLOSSARY_BYTES + 1)

@@ -484,3 +484,13 @@ def test_a_term_with_a_full_stop_in_it_is_not_cut_into_two_sentences(tokenizer: 
         assert encoded.constraints is not None and encoded.constraints[0]
         without = encode_texts(tokenizer, texts[:1], 64, TextPolicy(split="sentences", lang="de"))
         assert without.units[:2] == ["der verein 1.", "FC Köln sieht die katze."]  # the cut the term prevents
+
+
+def test_a_glossary_named_dash_is_told_it_is_no_stdin(tmp_path: Path, monkeypatch):
+    """`--glossary -` said "-: cannot read the glossary (No such file or directory)"."""
+    monkeypatch.chdir(tmp_path)
+    with refused("a glossary is read from a file, not standard input ('-'); give its path, or a pipe as "
+                 "<(command)"):
+        load_glossary("-")
+    (tmp_path / "-").write_text("Hund\tdog\n")  # a file named -, in the current directory: that file
+    assert load_glossary("-").entries[0].target == "dog"
