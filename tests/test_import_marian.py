@@ -379,3 +379,10 @@ def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(h
     (changed / "config.json").write_text("{not json")
     with pytest.raises(UserError, match=r"^--hf-dir \S+: transformers cannot load it \(.*\); give the directory"):
         translate(changed, ["a b"], PAPER.replace(rules="transformers", max_len_a=0.0, max_len_b=10))
+
+
+def test_the_import_line_says_the_pair_it_records(hf_dir, tmp_path):
+    """The summary printed the activation alone: the pair LibreTranslate's API will serve went unsaid."""
+    result = CliRunner().invoke(cli, ["import", "marian", str(hf_dir), "--out", str(tmp_path / "m.pt")])
+    assert result.exit_code == 0, result.output
+    assert "activation swish, languages src-tgt;" in result.output

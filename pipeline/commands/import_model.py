@@ -71,8 +71,9 @@ def _run(hf_dir: str, out: Path, force: bool, command: str | None) -> None:
     if langs:
         shown = ", ".join(langs[:12]) + (", ..." if len(langs) > 12 else "")
         detail = f"{len(langs)} languages ({shown})"
-    else:
-        detail = f"activation {summary['config']['activation']}"
+    else:  # a one-pair model: its languages when its files name them (export --src-lang/--tgt-lang else)
+        detail = f"activation {summary['config']['activation']}" + (
+            f", languages {summary['pair']}" if summary.get("pair") else ", languages not named")
     click.echo(_summary(out, summary["family"], summary, detail))
 
 

@@ -73,6 +73,9 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
                "family": family.name}
     if cfg.languages:
         summary["languages"] = [code for code, _ in cfg.languages]
+    pair = tokenized.extra.get("languages")  # a one-pair model's, as its tokenizer_config names them (Marian's)
+    if isinstance(pair, dict):
+        summary["pair"] = f"{pair['source']}-{pair['target']}"
     return summary
 
 
