@@ -79,6 +79,6 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
         stats = serve_files(impl, tokenizer, list(inputs), outputs, opts, ctx, progress)
     if ctx.is_main:
         where = str(impl.device) if ctx.world_size == 1 else f"{ctx.world_size} ranks, rank 0 on {impl.device}"
-        where += f", {impl.parallel_batches} batches at once" if impl.parallel_batches > 1 else ""
+        where += f", up to {impl.parallel_batches} batches at once" if impl.parallel_batches > 1 else ""
         shortlisted = " with shortlist" if getattr(impl, "shortlist", None) is not None else ""
         click.echo(stats.summary(impl.name + shortlisted, where), err=True)
