@@ -45,6 +45,11 @@ def resolve_model_dir(typed: str | Path) -> Path:
     is `models--ORG--NAME` or a hub id found in the cache; else ImportRefused naming where it looked. A path as
     typed (`./nope`; a Path drops the `./`) is never taken for a hub id."""
     given, text = Path(typed), str(typed)
+    url = re.match(r"https?:/+(?:www\.)?huggingface\.co/([^/]+/[^/?#]+)", text)
+    if url or re.match(r"https?:/", text):  # (a Path spells https:// as https:/)
+        hint = f" (here {url[1]})" if url else ""
+        raise ImportRefused(f"{text}: a web address; give a hub id, ORG/NAME{hint}, of a model in the Hugging Face "
+                            "cache, or a directory (nothing is downloaded)")
     if given.is_dir():
         if given.name.startswith("models--") and (given / "snapshots").is_dir():
             return _snapshot(given, str(given))
