@@ -342,6 +342,17 @@ def test_needed_file_linked_outside_the_dir_is_refused(hf_dir, tmp_path, capsys,
     one_error_line(code, err, str(hf / name), "outside")
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "vocab.json", "source.spm"])
+def test_a_needed_file_that_links_nowhere_is_said_so(hf_dir, tmp_path, capsys, name):
+    """A link to nothing (a loop; a cache's blob whose download did not finish) was reported "missing"."""
+    for kind in ("dangling", "loop"):
+        hf = copy_of(hf_dir, tmp_path / kind)
+        (hf / name).unlink()
+        (hf / name).symlink_to(hf / name if kind == "loop" else hf / "blobs" / "not-downloaded")
+        code, err = import_cli(capsys, hf, tmp_path / kind / "out.pt")
+        one_error_line(code, err, str(hf / name), "a symbolic link that leads nowhere, or back to itself")
+
+
 def test_other_files_linked_outside_are_skipped_and_counted(hf_dir, tmp_path, capsys, caplog):
     """A README linked to a file elsewhere is neither read nor hashed: a warning names it, and the
     checkpoint records it as skipped."""

@@ -216,6 +216,10 @@ class HFFiles:
         if path.exists() and not path.is_file():
             raise ImportRefused(f"{path}: not a regular file (a directory, pipe or device); the import reads it "
                                 "as a file of the model")
+        if path.is_symlink() and not path.exists():  # was "missing": a loop, or a cache's blob not downloaded
+            raise ImportRefused(f"{path}: a symbolic link that leads nowhere, or back to itself (a download that "
+                                "did not finish leaves one in the Hugging Face cache): download the model again, "
+                                "or copy the file in")
         return path.is_file()
 
     def read_bytes(self, name: str) -> bytes:
