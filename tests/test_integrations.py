@@ -522,3 +522,43 @@ def test_a_parquet_row_repaired_under_replace_is_counted_as_a_text_line_is():
 
     assert [flag for _, flag in _parquet_rows(Stream(), "p.parquet", "src", "replace")] == [0, 1, 0, 1]
     assert [flag for _, flag in _parquet_rows(Stream(), "p.parquet", "src", "error")] == [0, 0, 0, 0]
+
+
+def test_a_job_of_before_resumes_only_under_the_sentence_rules_it_was_split_by(fp32_dir, tmp_path, capsys,
+                                                                                monkeypatch):
+    """A version 2 record (--lang's default then: en) of a --split sentences job on a de-en model resumed with the
+    German rules --lang now takes from the model: its outputs split by English rules, the rest by German ones.
+    Refused now ("lang differ"); --lang en resumes it. Without splitting, the rules change nothing: resumed."""
+    import shutil
+
+    from helpers import with_language_pair
+
+    from pipeline.integrations import ray_job
+
+    model = with_language_pair(fp32_dir, tmp_path / "de-en", "de", "en")
+    ran: list[tuple[str | None, list[str]]] = []
+    monkeypatch.setattr(ray_job, "translate_shards", lambda model_dir, job, load, decoding, opts, *rest: (
+        ran.append((opts.lang, [s.output.name for s in job.todo])), ray_job.JobStats())[1])
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (corpus / name).write_text("Er kam am 3. Oktober.\n")
+    args = ["ray-translate", model, corpus, "--output-dir", tmp_path / "out", "--backend", "onnxruntime"]
+    for split in ((), ("--split", "sentences")):
+        out = tmp_path / "out"
+        code, _, err = run_cli_captured(capsys, *args, *split)  # writes the record; the stand-in writes nothing
+        assert code == 0, err
+        record = json.loads((out / RECORD).read_text())
+        (out / "a.txt.en").write_text("done\n")  # a's output, made by the version before
+        older = {k: v for k, v in record.items() if k not in ("record_version", "outputs", "inputs")}
+        older.update(record_version=2, backend="onnxruntime", lang="en", outputs=["a.txt.en"])
+        (out / RECORD).write_text(json.dumps(older))
+        ran.clear()
+        code, _, err = run_cli_captured(capsys, *args, *split)
+        if split:
+            assert code == 2 and "(lang differ)" in err, err
+            code, _, err = run_cli_captured(capsys, *args, *split, "--lang", "en")
+            assert code == 0 and ran == [("en", ["b.txt.en"])], (err, ran)
+        else:
+            assert code == 0 and ran == [("de", ["b.txt.en"])], (err, ran)
+        shutil.rmtree(out)

@@ -80,8 +80,9 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     asked = {k: v for k, v in {**dataclasses.asdict(load_options), **dataclasses.asdict(opts),
                                **dataclasses.asdict(ray_opts)}.items() if k in _RECORDED}
     # what runs, not how it was asked for: the backend "auto" picks; sentence rules only where sentences are split
-    recorded = {**asked, "backend": chosen.name,
-                "lang": opts.lang if opts.split == "sentences" or opts.format == "html" else None}
+    # (--split sentences, --format html)
+    splits = opts.split == "sentences" or opts.format == "html"
+    recorded = {**asked, "backend": chosen.name, "lang": opts.lang if splits else None}
     search = {name: getattr(effective, name) for name in SEARCH}
     settings = {**recorded,
                 # the search the actors will run (the model's defaults where none is given), not how it was asked
@@ -90,7 +91,9 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     # what the records of earlier versions held, so that a job they started resumes: version 2 the options as
     # asked; version 1 (before the outputs were listed) the search as asked too, and no glossary (with one, such
     # a record is compared as a new record is, and refused)
-    as_asked = {**asked, "lang": given.lang or DEFAULT_LANG}  # (--lang's default was en then)
+    # (--lang's default was en then: where sentences are split, such a record resumes only if the rules that run
+    # now are its own, else its outputs and the rest would be split otherwise)
+    as_asked = {**asked, "lang": opts.lang if splits else given.lang or DEFAULT_LANG}
     earlier = {2: {**as_asked, **{k: v for k, v in settings.items() if k not in asked}}}
     if glossary is None:
         earlier[1] = {**as_asked, "decoding": {name: getattr(decoding, name)
