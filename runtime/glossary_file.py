@@ -129,6 +129,7 @@ def load_glossaries(paths: Sequence[str | Path]) -> Glossary:
 
 # a separator as a CSV row holds it between two fields: text on both sides, no space after, not between digits
 _PAIRED = {sep: re.compile(rf"(?<=[^\s\d]){sep}(?=\S)|(?<=\S){sep}(?=[^\s\d])") for sep in ",;"}
+_ENTITY = re.compile(r"&#?\w+;")  # an HTML character reference ends in a semicolon: no separator
 
 
 def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
@@ -142,7 +143,8 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
         data = data[len(_BOM.encode()):]
     entries: list[tuple[Entry, str]] = []
     tabs, separators = 0, {",": 0, ";": 0}  # CSV's (Excel writes ; where , is the decimal mark: de, fr)
-    suspects: list[tuple[str, str]] = []  # lines of one field holding a separator
+    paired = {",": 0, ";": 0}  # lines of one field holding a separator as a CSV row does
+    suspects: list[tuple[str, str]] = []  # and where
     for number, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{number}"
         try:
@@ -164,15 +166,16 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
                                    f"one glossary; keep the terms that matter or split it by domain")
         tabs += len(fields) == 2
         for separator in separators:  # between two fields ("Hund;dog"), not ending a term ("&nbsp;")
-            if len(fields) == 1 and separator in line.strip().strip(separator):
-                separators[separator] += 1
-                if _PAIRED[separator].search(line):  # "vobi,guret", not "Acme, Inc." nor "1,000"
-                    suspects.append((where, separator))
+            separators[separator] += separator in line.strip().strip(separator)
+            if len(fields) == 1 and _PAIRED[separator].search(_ENTITY.sub("", line)):  # "vobi,guret", not
+                paired[separator] += 1  # "Acme, Inc.", "1,000" nor "AT&amp;T"
+                suspects.append((where, separator))
         entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
     for separator, name in ((",", "a comma"), (";", "a semicolon")):
-        if entries and not tabs and 2 * separators[separator] >= len(entries):  # a CSV, some rows of one field
+        if entries and not tabs and (separators[separator] == len(entries) or 2 * paired[separator] >=
+                                     len(entries)):  # a CSV, some of its rows perhaps of one field
             held = "every line holds" if separators[separator] == len(entries) else \
-                f"{separators[separator]} of its {len(entries)} lines hold"
+                f"{paired[separator]} of its {len(entries)} lines hold"
             raise RuntimeUserError(f"{path}: {held} {name} and none a tab: a glossary is tab-separated "
                                    "(source<TAB>target), not CSV; a line without a tab is a term not to translate "
                                    "(for a file of such terms, end one line with a tab)")

@@ -494,3 +494,12 @@ def test_a_glossary_named_dash_is_told_it_is_no_stdin(tmp_path: Path, monkeypatc
         load_glossary("-")
     (tmp_path / "-").write_text("Hund\tdog\n")  # a file named -, in the current directory: that file
     assert load_glossary("-").entries[0].target == "dog"
+
+
+def test_terms_with_commas_or_entities_not_to_translate_still_load(tmp_path: Path):
+    """A CSV with rows of one field is refused; files of terms not to translate that hold a comma as text does
+    ("Acme, Inc.", "1,000") or an entity's semicolon ("AT&amp;T") load as they did."""
+    for content, sources in (("Acme, Inc.\nInitech\n", ["Acme, Inc.", "Initech"]), ("1,000\nfoo\n", ["1,000", "foo"]),
+                             ("Acme, Inc.\nGlobex, LLC\nInitech\n", ["Acme, Inc.", "Globex, LLC", "Initech"]),
+                             ("Hund\tdog\nAT&amp;T\n", ["Hund", "AT&amp;T"])):
+        assert [e.source for e in load_glossary(write(tmp_path, content)).entries] == sources, content
