@@ -140,7 +140,7 @@ def carry_out(plan: ExportPlan, say: Callable[[str], object] = log.warning) -> M
 
 def write_model_dir(plan: ExportPlan, tmp: Path, say: Callable[[str], object] = log.warning) -> Manifest:
     """Every file of the model dir into `tmp`, in the order that fails cheapest first, the manifest last; `say`
-    gets the line telling that the built-in sample's scales missed their gate."""
+    gets the line telling that the built-in sample's scales missed their gate, or that it told little."""
     usual_permissions(tmp)
     save_checkpoint(tmp / CHECKPOINT_FILE, plan.model, plan.spm_bytes, extra=plan.payload.get("extra") or {})
     (tmp / SPM_FILE).write_bytes(plan.spm_bytes)

@@ -4,11 +4,12 @@ Two kinds, one interface (vocab_size, encode_source, decode, model_bytes):
 
 - `Tokenizer`: one joint SentencePiece model whose ids are the model's (what `pipeline train`
   makes, with the project's fixed special ids, model.config);
-- `VocabTokenizer`: Marian's and M2M-100's (pipeline/importers): a source and a target SentencePiece
-  model (M2M-100: one model for both) whose pieces are looked up in one shared vocabulary
-  (vocab.json), as transformers' MarianTokenizer and M2M100Tokenizer do. Sources are pieces + EOS with
-  no BOS; a piece missing from the vocabulary is UNK; a leading language code such as `>>fra<<` is one
-  token. `hidden` tokens (M2M-100's language tokens, <s>) are never text: decoding drops them.
+- `VocabTokenizer`: Marian's and M2M-100's (pipeline/importers): a source and a target SentencePiece model
+  (M2M-100: one model for both) whose pieces are looked up in one shared vocabulary (vocab.json), as
+  transformers' MarianTokenizer and M2M100Tokenizer do. Sources are pieces + EOS with no BOS; a piece missing
+  from the vocabulary is UNK; Marian's leading language code such as `>>fra<<` is one token (`code_prefix`;
+  M2M-100's and NLLB's tokenizers read it as text). `hidden` tokens (M2M-100's language tokens, <s>) are never
+  text: decoding drops them.
 
 A checkpoint and a model dir hold a tokenizer as bytes (`model_bytes`, the model dir's spm.model):
 a SentencePiece model, or a bundle of the two models and the vocabulary; `load_tokenizer` tells

@@ -144,6 +144,10 @@ def test_libretranslate_json_and_form_data(client):
                                         "glossary": ["terms", json.dumps({"sieht": "tree"})]})
     assert r.status_code == 400 and r.json()["error"] == ('the form gives "glossary" more than once; send one '
                                                           "glossary holding every term")
+    r = client.post("/translate?glossary=terms", data={"q": "der hund sieht", "source": "de", "target": "en",
+                                                       "glossary": json.dumps({"sieht": "tree"})})
+    assert r.status_code == 400 and r.json()["error"] == ('the form and the query string both give "glossary"; send '
+                                                          "one glossary holding every term")
 
 
 def test_translate_file_takes_a_glossary(client):

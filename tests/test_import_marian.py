@@ -366,9 +366,14 @@ def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(h
     with pytest.raises(UserError, match=r"^--hf-dir \S+/nope: no such directory$"):
         source_dir(checkpoint, tmp_path / "nope")
 
+    carded = tmp_path / "carded"  # a model card: hashed at import, read by no one
+    shutil.copytree(hf_dir, carded)
+    (carded / "README.md").write_text("# opus-mt-src-tgt\n")
+    import_marian(carded, tmp_path / "carded.pt")
+    (carded / "README.md").write_text("# opus-mt-src-tgt, the card edited\n")
+    assert source_dir(tmp_path / "carded.pt", None) == carded.resolve()  # (it was "not the file ... imported")
     changed = tmp_path / "changed"
     shutil.copytree(hf_dir, changed)
-    (changed / "README.md").unlink(missing_ok=True)  # a file not there is transformers' to miss, not refused
     weights = next(p for p in changed.iterdir() if p.name in ("model.safetensors", "pytorch_model.bin"))
     data = bytearray(weights.read_bytes())
     data[-8:] = b"\x00\x00\x80\x7f" * 2  # one weight rewritten (inf)

@@ -223,7 +223,8 @@ def test_malformed_bodies_are_400_on_both_apis(caplog):
                            ({"model": "de-en", "format": "text", "nbest": 2}, '"text" must be a list'),
                            ({"text": ["x"], "model": "de-en", "q": "x"}, 'the body has both "q" (LibreTranslate'
                                                                          '\'s API) and "text" (the native API)'),
-                           ({"source": "de", "target": "en"}, "missing q parameter")):
+                           ({"source": "de", "target": "en"}, "missing q parameter"),
+                           ({"source": "de", "target": "en", "glossary": {"hund": "dog"}}, "missing q parameter")):
             r = c.post("/translate", json=body)
             assert r.status_code == 400 and said in r.json()["error"], (body, r.text)
         for q in (5, [1]):  # a list of strings is taken: the refusal says so (it said "a string")

@@ -23,15 +23,17 @@ from runtime.decoding import DecodingOptions
 from runtime.errors import first_line
 
 BATCH = 16  # sentences per generate call
+# the files transformers reads of a directory (configs, weights and their index, tokenizers), by their endings
+READ_BY_TRANSFORMERS = (".json", ".safetensors", ".bin", ".spm", ".model")
 
 
 def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
     """The Hugging Face directory to compare with: `given` (--hf-dir: a directory, a cache's models--ORG--NAME
     or a hub id found in the cache, as `pipeline import` takes them), else the one the checkpoint records (None
     for our own checkpoints), once its files are those the import read: each one there that the import hashed
-    (extra.imported.files) is hashed again, and one that differs is a UserError naming it (parity failed as if
-    our backends were wrong; a missing one is transformers' to miss). A directory that is not there is one
-    line."""
+    (extra.imported.files) and transformers reads is hashed again, and one that differs is a UserError naming
+    it (parity failed as if our backends were wrong; a missing one is transformers' to miss). A directory that
+    is not there is one line."""
     from model.checkpoint import read_checkpoint
     from pipeline.importers.hf_files import ImportRefused, digest
     from pipeline.importers.hub_cache import resolve_model_dir
@@ -51,6 +53,8 @@ def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
     else:
         return None
     for name, recorded in sorted((imported.get("files") or {}).items()):
+        if not name.endswith(READ_BY_TRANSFORMERS):  # a model card or .gitattributes edited changes no translation
+            continue
         path = hf_dir / name
         try:
             now = digest(path)

@@ -188,7 +188,11 @@ async def read_payload(request: Request, limits: RequestLimits, pool: Executor |
             fields = await read_multipart(request.headers, body, limits)
         else:
             fields = await off_loop(pool, parse_urlencoded, body, limits)
-        return {**fields, **query_fields(request, limits)}, True
+        query = query_fields(request, limits)
+        if "glossary" in fields and "glossary" in query:  # one would replace the other's terms
+            raise ApiError(400, 'the form and the query string both give "glossary"; send one glossary holding '
+                                "every term")
+        return {**fields, **query}, True
     if not body.strip() and request.url.query:
         return query_fields(request, limits), True
     return await off_loop(pool, parse_json, body), False

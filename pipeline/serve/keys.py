@@ -62,7 +62,7 @@ class ApiKeys:
     def __init__(self, keys: list[_Key], keyless_per_minute: int | None = None, require: bool = False):
         self._keys = {key.digest: key for key in keys}
         self._lock = threading.Lock()
-        self.keyless_per_minute = keyless_per_minute
+        self.keyless_per_minute = keyless_per_minute or None  # 0 as the option says it: no limit
         self.require = require
         self._keyless: dict[str, deque[float]] = {}  # client address -> its recent keyless requests
         self.clock = time.monotonic  # what the rates count time by

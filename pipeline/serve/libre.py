@@ -58,7 +58,7 @@ def speaks_libre(data: Any, native: frozenset[str]) -> bool:
         return False
     if "q" in data and "text" in data:
         raise ApiError(400, 'the body has both "q" (LibreTranslate\'s API) and "text" (the native API): send one')
-    return "q" in data or (not (native - KEYS) & set(data) and bool(KEYS & set(data)))
+    return "q" in data or (not (native - KEYS - {"glossary"}) & set(data) and bool(KEYS & set(data)))
 
 
 def check_key(state: ServerState, given: Any, request: Request) -> None:
@@ -67,7 +67,8 @@ def check_key(state: ServerState, given: Any, request: Request) -> None:
     if state.keys is None:
         return
     if given is None or given == "":  # 0, false or [] are a wrong type, never "no key"
-        given = query_fields(request).get("api_key") or bearer(request.headers.get("authorization", ""))
+        given = query_fields(request, state.limits).get("api_key") or \
+            bearer(request.headers.get("authorization", ""))
     if given is not None and not isinstance(given, str):
         raise ApiError(400, '"api_key" must be a string')
     try:

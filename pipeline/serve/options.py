@@ -36,7 +36,8 @@ class ServeHttpOptions:
                                 "per minute (over it: 429). A wrong key is refused (native API: 401; "
                                 "LibreTranslate's: 403); requests without a key are served at --keyless-rate, as "
                                 "LibreTranslate serves them, unless --require-api-key. /health, /metrics, "
-                                "/languages, /frontend/settings, /spec, /docs and the web page at / stay open.",
+                                "/languages, /frontend/settings, /spec, /docs, the web page at / and "
+                                "/download_file/ID (its ID the key) stay open.",
                         exists=True, metavar="FILE")
     keyless_rate: int = opt(60, "With --api-keys: requests per minute each client address may make without a key "
                             "(0: no limit); over it: 429 with Retry-After.", min=0)
