@@ -205,7 +205,7 @@ def test_schedule_options_are_checked_and_change_the_experiment(corpus, tmp_path
     run = tmp_path / "b"
     assert run_cli("train", "--save-dir", run, *common) == 0
     assert run_cli("train", "--save-dir", run, *common, "--lr-schedule", "linear") == 2
-    assert "lr_schedule" in capsys.readouterr().err
+    assert "--lr-schedule rsqrt -> linear" in capsys.readouterr().err
 
 
 # -- subword sampling ------------------------------------------------------------------------
