@@ -31,6 +31,18 @@ def shared(path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def ctrl_c_heard() -> Iterator[None]:
+    """A suite started in the background (`nohup pytest &`, a script's `&`) inherits SIGINT ignored, and every
+    process it starts does too: the tests of Ctrl-C then failed (9 of them), though nothing was wrong. Python's
+    own handler for the session: the processes it starts get SIGINT as usual (exec resets a caught signal)."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def ort_graph_cache(tmp_path_factory) -> Iterator[Path]:
     """ONNX Runtime's optimised graphs (runtime/graph_cache.py) go to the session's tmp, not the user's
     ~/.cache; every process of the session (the artifact helper, CLI subprocesses) shares it."""
