@@ -342,3 +342,19 @@ def test_steps_per_replay_reaches_the_bench_and_parity_offers_none(capsys, fp32_
     code, _, err = run_cli_captured(capsys, "bench", fp32_dir, fp32_dir, "--rules", "top-beam", "--sentences", 2)
     assert_one_line_error(code, err, "--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave "
                                      "it out of runs of several MODEL_DIRs, --serve and --compare")
+
+
+def test_tune_decoding_takes_threads_as_every_command_that_decodes(capsys, fp32_dir, pair, monkeypatch):
+    """It had no --threads: a model dir's trials ran on every core, beside the other decoding commands' one."""
+    from pipeline.evaluation import tuning
+
+    seen = []
+    load = tuning.load
+    monkeypatch.setattr(tuning, "load", lambda model, options, *rest: seen.append(options) or load(model, options,
+                                                                                                    *rest))
+    src, ref = pair
+    code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--beams", "1",
+                                    "--alphas", "0.6", "--threads", 1)
+    assert code == 0 and [o.threads for o in seen] == [1], err
+    code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--threads", 0)
+    assert code == 2 and "--threads" in err and "x>=1" in err, err

@@ -24,18 +24,18 @@ from runtime.model_dir import LoadOptions
 @click.argument("model", type=GivenPath(path_type=Path))
 @options_from(TuneOptions, only=("src", "ref", "beams", "alphas"))
 @decoding_options("max_len_a", "max_len_b", "batch_tokens", "batch_sentences")
-@options_from(LoadOptions, only=("device",))
+@options_from(LoadOptions, only=("device", "threads"))
 @options_from(ServeBatchOptions, only=("src_lang", "tgt_lang"))
 @options_from(TuneOptions, only=("json_out",))
-def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None, src_lang: str | None = None,
-                      tgt_lang: str | None = None, **values: Any) -> None:
+def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None, threads: int | None = None,
+                      src_lang: str | None = None, tgt_lang: str | None = None, **values: Any) -> None:
     """Pick --beam-size and --alpha for serve-batch on a validation set: MODEL is an exported
     model dir, a checkpoint, or a training save dir (its averaged or latest checkpoint)."""
     opts: TuneOptions = pick(TuneOptions, values).validate()
     if opts.json_out:
         check_json_out(opts.json_out, [opts.src, opts.ref], model)
     trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device,
-                           src_lang, tgt_lang)
+                           src_lang, tgt_lang, threads)
     aside = str(opts.json_out) == "-"  # the table on standard error: standard output holds the JSON alone
     click.echo("beam  alpha   BLEU   chrF", err=aside)
     for t in trials:

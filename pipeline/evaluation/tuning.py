@@ -87,14 +87,21 @@ class TuneOptions(Checked):
         return out
 
 
-def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokenizer, dict[str, Any]]:
+def load_for_tuning(model: Path, device: str | None, threads: int | None = None
+                    ) -> tuple[Backend, AnyTokenizer, dict[str, Any]]:
     """(backend, tokenizer, the model's own decoding defaults) of an exported model dir (its default
-    backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint)."""
+    backend) or of a checkpoint / training save dir (PyTorch; its averaged or latest checkpoint), on `threads`
+    intra-op threads (None: the library's default)."""
     if (Path(model) / MANIFEST).is_file():
-        loaded = load(model, LoadOptions(device=device))
+        loaded = load(model, LoadOptions(device=device, threads=threads).validate())
         return loaded.backend, loaded.tokenizer, loaded.model_dir.decoding_defaults
     from model.checkpoint import read_checkpoint, resolve_checkpoint  # without PyTorch: the CLI's one line
     from runtime.torch_backend import open_checkpoint
+
+    if threads:  # as the torch backend takes --threads from a model dir's load
+        import torch
+
+        torch.set_num_threads(threads)
 
     backend, tokenizer = open_checkpoint(model, device=device)
     source = resolve_checkpoint(Path(model))
@@ -106,7 +113,7 @@ def load_for_tuning(model: Path, device: str | None) -> tuple[Backend, AnyTokeni
 
 def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: list[float],
                   base: DecodingOptions, device: str | None = None, src_lang: str | None = None,
-                  tgt_lang: str | None = None) -> list[Trial]:
+                  tgt_lang: str | None = None, threads: int | None = None) -> list[Trial]:
     """Every (beam, alpha) scored on src/ref, best BLEU first (ties: smaller beam, then alpha). A multilingual
     model translates src_lang -> tgt_lang (both needed, as serve-batch needs them; a one-pair model takes none)."""
     import sacrebleu
@@ -124,7 +131,7 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
         lambda k: typed.get(k, flag(k))) if p.startswith(tuple(typed.values()))}
     if early:  # a beam of 0 or a negative alpha, whatever the model: before it loads
         raise UserError("; ".join(sorted(early)))
-    backend, tokenizer, defaults = load_for_tuning(model, device)
+    backend, tokenizer, defaults = load_for_tuning(model, device, threads)
     pair = ModelDir.open(model, verify=False).manifest.language_pair if (Path(model) / MANIFEST).is_file() else None
     way = direction(backend.cfg, src_lang, tgt_lang, pair=pair)  # none given, it decoded without language tokens
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
