@@ -157,6 +157,11 @@ def test_bench_and_doctor_without_torch(model_dir, tmp_path):
     assert done.returncode == 0, done.stderr
     [row] = json.loads(out.read_text())["results"]
     assert row["backend"] == "onnxruntime" and row["target_tokens"] == 4 * 4
+    # the default --backends (torch,onnxruntime): the exported graphs, as parity takes them (it was "the torch
+    # backend needs PyTorch")
+    done = run_blocked("bench", model_dir, "--batch-size", "2", "--sentences", "4", "--threads", "1", "--json", out)
+    assert done.returncode == 0, done.stderr
+    assert [r["backend"] for r in json.loads(out.read_text())["results"]] == ["onnxruntime"]
     doctor = run_blocked("doctor", model_dir)
     assert doctor.returncode == 0, doctor.stderr
     assert "torch         not installed" in doctor.stdout

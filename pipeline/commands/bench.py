@@ -19,6 +19,7 @@ from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.machine import default_parallel_batches
 from runtime.model_dir import LoadOptions
+from runtime.registry import installed
 
 
 @click.command("bench")
@@ -88,7 +89,10 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
                                  serve_bench)
         click.echo(format_serve_bench(report), err=aside)
     elif len(model_dirs) == 1 and not o.compare:
-        report = run_bench(model_dirs[0], parse_backends(o.backends), list(o.batch_sizes), decoding=decoding,
+        names = parse_backends(o.backends)
+        if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
+            names = [n for n in names if n != "torch"]  # a deploy install: the exported graphs, as parity does
+        report = run_bench(model_dirs[0], names, list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,
                            tgt_lang=tgt_lang, step=step, steps_per_replay=steps_per_replay,
