@@ -30,7 +30,7 @@ import click
 
 from runtime.decoding import OPTION_NAMES, PAPER, DecodingOptions
 from runtime.fields import opt
-from runtime.registry import backend_names
+from runtime.registry import backend_names, installed
 
 __all__ = ["decoding_options", "field_option", "opt", "options_from", "parse_backends", "pick"]
 
@@ -223,4 +223,12 @@ def parse_backends(value: str) -> list[str]:
     unknown = [b for b in names if b not in allowed]
     if unknown or not names:
         raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def installed_backends(ctx: click.Context, names: list[str]) -> list[str]:
+    """`names` as --backends gave them; the default list without torch where PyTorch is not installed (a deploy
+    install: parity and bench then take the exported graphs)."""
+    if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
+        return [n for n in names if n != "torch"]
     return names

@@ -219,12 +219,16 @@ def open_model_dir(model_dir: ModelDir, options: LoadOptions, shortlist: Shortli
                         shortlist=shortlist, step_mode=step, steps_per_replay=options.steps_per_replay)
 
 
-def open_checkpoint(path: str | Path, device: str | None = None, topk: int = DEFAULT_TOPK
-                    ) -> tuple[TorchBackend, AnyTokenizer]:
+def open_checkpoint(path: str | Path, device: str | None = None, topk: int = DEFAULT_TOPK,
+                    threads: int | None = None) -> tuple[TorchBackend, AnyTokenizer]:
     """The PyTorch model straight from a checkpoint file or a training save dir (its averaged or latest
     checkpoint), with the tokenizer the checkpoint carries: what tune-decoding and the tests decode with where
-    there is no model dir. A model dir goes through runtime/model_dir.py's load."""
+    there is no model dir, on `threads` intra-op threads as a model dir's load takes them (None: torch's
+    default). A model dir goes through runtime/model_dir.py's load."""
     from model.checkpoint import load_model, resolve_checkpoint
+
+    if threads:
+        torch.set_num_threads(threads)
 
     model, spm_bytes, _ = load_model(resolve_checkpoint(Path(path)), device="cpu")
     return TorchBackend(model, resolve_device(device), topk=topk), load_tokenizer(spm_bytes)

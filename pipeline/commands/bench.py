@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from model.errors import UserError
-from pipeline.cli_options import GivenPath, decoding_options, options_from, parse_backends, pick
+from pipeline.cli_options import GivenPath, decoding_options, installed_backends, options_from, parse_backends, pick
 from pipeline.evaluation.bench import BenchOptions, format_table, run_bench, write_json
 from pipeline.evaluation.bench_compare import format_comparison, run_comparison
 from pipeline.evaluation.serve_bench import ServeBenchOptions, format_serve_bench, run_serve_bench
@@ -19,7 +19,6 @@ from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.machine import default_parallel_batches
 from runtime.model_dir import LoadOptions
-from runtime.registry import installed
 
 
 @click.command("bench")
@@ -89,9 +88,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
                                  serve_bench)
         click.echo(format_serve_bench(report), err=aside)
     elif len(model_dirs) == 1 and not o.compare:
-        names = parse_backends(o.backends)
-        if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
-            names = [n for n in names if n != "torch"]  # a deploy install: the exported graphs, as parity does
+        names = installed_backends(ctx, parse_backends(o.backends))  # a deploy install: the exported graphs
         report = run_bench(model_dirs[0], names, list(o.batch_sizes), decoding=decoding,
                            fixed_length=o.fixed_length, src=o.src, sentences=o.sentences, src_len=o.src_len,
                            device=device, threads=threads, shortlist=shortlist, src_lang=src_lang,

@@ -10,14 +10,13 @@ from typing import Any
 import click
 
 from model.manifest import PRECISIONS
-from pipeline.cli_options import GivenPath, decoding_options, options_from, parse_backends, pick
+from pipeline.cli_options import GivenPath, decoding_options, installed_backends, options_from, parse_backends, pick
 from pipeline.evaluation.parity import format_table, run_parity, write_json
 from pipeline.evaluation.parity_options import DEFAULT_GATES, REFERENCE, SHORTLISTED, ParityOptions
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions
-from runtime.registry import installed
 
 
 @click.command("parity")
@@ -53,8 +52,7 @@ def parity(ctx: click.Context, model_dir: Path, decoding: DecodingOptions, devic
             raise click.UsageError(f"{', '.join(given)}: parity against the recorded references uses the decoding "
                                    "and languages they were recorded with; pass --src and --ref to choose other "
                                    "options")
-        if ctx.get_parameter_source("backends") is click.core.ParameterSource.DEFAULT and not installed("torch"):
-            names = [n for n in names if n != "torch"]  # no PyTorch here: gate the exported graphs
+        names = installed_backends(ctx, names)  # no PyTorch here: gate the exported graphs
     labels = [p + (SHORTLISTED if shortlist else "") for p in PRECISIONS]
     hyp_files = [save_hyps / f"{b}.{p}.txt" for b in names for p in labels] if save_hyps else []
     inputs = [p for p in (src, ref) if p is not None]

@@ -98,12 +98,7 @@ def load_for_tuning(model: Path, device: str | None, threads: int | None = None
     from model.checkpoint import read_checkpoint, resolve_checkpoint  # without PyTorch: the CLI's one line
     from runtime.torch_backend import open_checkpoint
 
-    if threads:  # as the torch backend takes --threads from a model dir's load
-        import torch
-
-        torch.set_num_threads(threads)
-
-    backend, tokenizer = open_checkpoint(model, device=device)
+    backend, tokenizer = open_checkpoint(model, device=device, threads=threads)
     source = resolve_checkpoint(Path(model))
     if source != Path(model):  # a save dir: which of its checkpoints is tuned, as export says it
         log.info("%s: tuning %s", model, source.name)
