@@ -644,6 +644,31 @@ def test_pipelined_requests_wait_as_bytes_and_are_all_answered_in_order(monkeypa
     assert got.index(b'"translations"') < got.index(b'"status"')  # the slow one first, as sent
 
 
+def test_bytes_no_request_begins_with_behind_a_response_are_answered_after_it():
+    """Garbage pipelined behind a request being answered got its 400 at once, written into the middle of that
+    response (a stream cut after 75 of 300 objects, no last chunk; a plain answer never sent) and the connection
+    closed under it (logged as a client that left). The responses before it now end first, then the 400."""
+    pytest.importorskip("httptools")
+    body = json.dumps({"text": ["ein hund"]}).encode()
+    slow = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+    health = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    with real_server(state_of({"de-en": (("de",), ("en",))}, delay=1.0)) as (host, port):
+        got = _raw(host, port, slow + b"GARBAGE\r\n\r\n", wait=10)
+        assert re.findall(rb"HTTP/1.1 (\d+) ", got) == [b"200", b"400"], got[:300]
+        assert got.index(b'"translations"') < got.index(b"HTTP/1.1 400"), got[:300]
+        assert got.endswith(b'{"error": "Invalid HTTP request received."}\n'), got[-200:]  # then closed
+        with socket.create_connection((host, port), timeout=10) as conn:  # behind a request still to be answered
+            conn.sendall(slow + health)
+            time.sleep(0.3)
+            conn.sendall(b"\x00\x01 not http\r\n\r\n" + health)  # what follows the garbage is dropped
+            got = b""
+            while chunk := conn.recv(1 << 16):
+                got += chunk
+        assert re.findall(rb"HTTP/1.1 (\d+) ", got) == [b"200", b"200", b"400"], got[:400]
+        assert b"translations" in got.split(b"HTTP/1.1 200")[1] and b"status" in got.split(b"HTTP/1.1 200")[2]
+
+
 def test_a_chunked_trailer_and_stray_bytes_between_requests_are_bounded_as_a_head(monkeypatch):
     """httptools accumulates a chunked body's trailer field however long (16 connections held 933 MiB), and a stray
     CRLF between requests cancelled uvicorn's keep-alive timeout with no other timer: the connection stayed open

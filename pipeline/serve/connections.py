@@ -99,6 +99,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
         _in_body = False  # from a request's headers until its message is complete
         _framing = 0  # bytes since the last piece of body: a chunked body's framing and trailer
         _bodied = False  # whether the piece being parsed held body
+        _unparsable: str | None = None  # bytes no request begins with, read behind a response being written
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -159,17 +160,23 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
             if self.timeout_keep_alive_task is not None and not self._in_head:  # idle until its keep-alive ends:
                 self._idle_since = self.loop.time()  # it may make room for a new connection once idle IDLE_S (a
                 waiting[self] = None  # client may be sending its next request on it at once: closed, it was reset)
-            if self._at < len(self._pending):  # the next pipelined request's turn
+            if self._unparsable is not None:  # sent once the responses before it are complete
+                if not self._answering() and not self.transport.is_closing():
+                    self.send_400_response(self._unparsable)
+            elif self._at < len(self._pending):  # the next pipelined request's turn
                 self._feed()
 
         def data_received(self, data: bytes) -> None:
+            if self._unparsable is not None:  # the parser has failed: what follows is dropped, not held
+                return
             self._pending, self._at = (self._pending[self._at:] + data if self._at < len(self._pending) else data), 0
             self._feed()
 
         def _feed(self) -> None:
             """Parses what was read, FEED_BYTES at a time, until a pipelined request waits behind the one being
             answered: the rest waits as bytes, with reading paused, until its turn (on_response_complete)."""
-            while self._at < len(self._pending) and not self.pipeline and not self.transport.is_closing():
+            while (self._at < len(self._pending) and not self.pipeline and self._unparsable is None
+                   and not self.transport.is_closing()):
                 piece = self._pending[self._at:self._at + FEED_BYTES]
                 self._at += len(piece)
                 self._parse(piece)
@@ -190,7 +197,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
                 self._head += len(piece)  # head (one begun in it after a pipelined body is not counted: <= a piece)
             elif self._in_body:  # framing and trailer accumulate only between pieces of body
                 self._framing = 0 if self._bodied else self._framing + len(piece)
-            if self.transport.is_closing():
+            if self.transport.is_closing() or self._unparsable is not None:
                 return
             if self._in_head and self._head > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
@@ -239,6 +246,13 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request httptools cannot parse
             self._disarm()
+            if self._answering() and not self._in_body:  # bytes behind requests read whole: their responses
+                self._unparsable, self._pending, self._at = msg, b"", 0  # end first, then this one and the close
+                self.flow.pause_reading()  # (written at once, it broke into a response being streamed)
+                return
+            if self._answering() and self.cycle.response_started:  # this request's body, after its response
+                self.transport.close()  # began: nothing can be said inside it
+                return
             if len(getattr(self, "url", b"")) > MAX_URL_BYTES:  # (unset before a message begins)
                 warnings.add("414")
                 self._answer(414, "URI Too Long", f"the request target (path and query) exceeds {MAX_URL_BYTES} "
