@@ -145,3 +145,16 @@ def test_the_spec_describes_both_apis_and_the_docs_page_lists_both():
         assert body["application/x-www-form-urlencoded"]["schema"]["properties"] == libre["properties"]
         assert "body.oneOf || [body]" in c.get("/docs").text
         assert c.get("/favicon.ico").status_code == 204  # every browser asks: no 404 in the page's console
+
+
+def test_fields_in_the_query_string_of_a_json_request_are_refused_not_ignored():
+    """`POST /translate?nbest=2&stream=true` with a JSON body was answered as if the query string were not there
+    (one hypothesis, no stream); on a server of two models `?model=x` was "model is required"."""
+    with client() as c:
+        r = c.post("/translate?nbest=2&stream=true", json={"text": ["kipi"]})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"] == ("the native API reads its fields from the JSON body, not the query string "
+                                     "('nbest', 'stream'); send them in the body")
+        assert c.post("/translate", json={"text": ["kipi"], "nbest": 2}).status_code == 200
+        r = c.post("/translate?q=kipi&source=de&target=en")  # LibreTranslate's query-string request: still read
+        assert '"source" de to "target" en is not a language pair' in r.json()["error"], r.text  # (no pair here)

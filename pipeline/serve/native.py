@@ -154,6 +154,10 @@ async def translate(request: Request, data: Any, state: ServerState, started: fl
         refused = unauthorized(state, request)
         if refused is not None:
             raise refused
+        if request.url.query:  # read nowhere: ?nbest=2 was answered with one hypothesis, without a word
+            given = ", ".join(shown(k) for k in list(dict.fromkeys(request.query_params))[:5]) or "?"
+            raise ApiError(400, f"the native API reads its fields from the JSON body, not the query string ({given}); "
+                                "send them in the body")
         req = await off_loop(state.reading, parse_request, data, state)
         note(request, model=req.model.name, texts=len(req.text))
         m = req.model.metrics
