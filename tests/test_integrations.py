@@ -226,6 +226,17 @@ def test_translator_and_spark_predict_fn_need_no_torch(fp32_dir):
     assert proc.stdout.count("''") == 1
 
 
+def test_spark_return_type_without_pyspark_names_the_extra(monkeypatch):
+    """return_type() without pyspark was a bare "No module named 'pyspark'" where the CLI names the extra."""
+    from pipeline.integrations.spark import return_type
+
+    monkeypatch.setitem(sys.modules, "pyspark", None)
+    with pytest.raises(ModuleNotFoundError, match=r'^return_type\(\) is a pyspark type, and pyspark is not installed '
+                                                  r'here: pip install -e "\.\[spark\]"') as e:
+        return_type()
+    assert e.value.name == "pyspark"
+
+
 # -- the shard plan -----------------------------------------------------------------------------------
 
 

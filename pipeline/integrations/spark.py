@@ -11,7 +11,8 @@ struct gains `terms` (per row, JSON of the terms found and whether each was appl
 
 Spark calls the factory once per Python worker, which loads the model dir once; each batch of the column
 comes as a numpy array of strings and goes back as the Translator's columns, translated as serve-batch
-does. Nothing here imports pyspark: the executors need this package, its model dir, and no torch."""
+does. Only return_type, called on the driver, imports pyspark: the executors need this package, its model dir,
+and no torch."""
 
 from __future__ import annotations
 
@@ -32,7 +33,13 @@ def return_type(glossary: bool = False) -> Any:
     struct (a StructType: predict_batch_udf takes no DDL string, and no boolean field, so `empty` is 0 or 1);
     `glossary`: the function was made with one, so it returns `terms` too (predict_batch_udf refuses columns
     its return type does not name)."""
-    from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
+    try:
+        from pyspark.sql.types import DoubleType, IntegerType, StringType, StructField, StructType
+    except ModuleNotFoundError as e:  # (the driver's: it builds the UDF) one line naming the extra, as the CLI's
+        if e.name is None or e.name.split(".")[0] != "pyspark":
+            raise
+        raise ModuleNotFoundError('return_type() is a pyspark type, and pyspark is not installed here: '
+                                  'pip install -e ".[spark]" (it needs a Java runtime)', name="pyspark") from None
 
     return StructType([StructField("translation", StringType()), StructField("score", DoubleType()),
                        StructField("empty", IntegerType()), StructField("truncated", IntegerType()),
