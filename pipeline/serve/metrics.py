@@ -23,13 +23,15 @@ class Metrics:
                                 "stream as it ended: 200 whole, 499 its client left, or the status of the error "
                                 "object that ended it).",
                                 ["model", "code"], registry=r)
-        self.sentences = Counter("pipeline_sentences", "Lines (with split: sentences) translated, blank ones "
-                                 "included.", m, registry=r)
-        self.src_tokens = Counter("pipeline_source_tokens", "Source tokens translated (EOS included).", m,
-                                  registry=r)
+        self.sentences = Counter("pipeline_sentences", "Lines (with split: sentences) answered, blank ones "
+                                 "included (a request whose client left is not: pipeline_client_disconnects).", m,
+                                 registry=r)
+        self.src_tokens = Counter("pipeline_source_tokens", "Source tokens of the sentences answered (EOS "
+                                  "included).", m, registry=r)
         self.tgt_tokens = Counter("pipeline_target_tokens",
-                                  "Target tokens generated (best hypothesis, EOS included); "
-                                  "rate() of it is target tokens/s.", m, registry=r)
+                                  "Target tokens answered (best hypothesis, EOS included); rate() of it is the "
+                                  "target tokens/s clients got (the backend's work: pipeline_batch_sentences).", m,
+                                  registry=r)
         self.truncated = Counter("pipeline_truncated_lines", "Lines cut to the model's source limit.", m,
                                  registry=r)
         self.disconnects = Counter("pipeline_client_disconnects",
