@@ -221,8 +221,14 @@ def parse_backends(value: str) -> list[str]:
     names = [b.strip() for b in value.split(",") if b.strip()]
     allowed = backend_names()
     unknown = [b for b in names if b not in allowed]
-    if unknown or not names:
-        raise click.BadParameter(f"unknown backend(s) {unknown}; choose from {', '.join(allowed)}")
+    if not names:
+        raise click.BadParameter(f"no backend given; choose from {', '.join(allowed)}")
+    if unknown:
+        raise click.BadParameter(f"unknown backend(s) {', '.join(map(repr, unknown))}; choose from "
+                                 f"{', '.join(allowed)}")
+    repeated = sorted({b for b in names if names.count(b) > 1})
+    if repeated:  # measured or compared twice, and shown twice in the table
+        raise click.BadParameter(f"{', '.join(repeated)} given more than once; name each backend once")
     return names
 
 

@@ -112,6 +112,27 @@ def test_parity_rejects_misaligned_reference(model_dirs, test_files, tmp_path, c
     assert "must be line-aligned" in capsys.readouterr().err
 
 
+def test_parity_refuses_a_backend_it_cannot_run_before_translating_anything(model_dirs, test_files, monkeypatch,
+                                                                           capsys):
+    """--device cuda without CUDA, engines an export did not build, and --shortlist on a dir without one were said
+    once the reference had translated every line (3,000 lines: 10 s), or after the backends before them had
+    translated too (their results thrown away)."""
+    from pipeline.evaluation import parity
+
+    monkeypatch.setattr(parity, "translate_as_served", lambda *a, **k: pytest.fail("translated before refusing"))
+    src, ref = test_files
+    fp32 = model_dirs["fp32"]
+    cases = [(("--backends", "torch,onnxruntime,tensorrt"), "tensorrt"), (("--shortlist",), "shortlist")]
+    if not torch.cuda.is_available():
+        cases.append((("--device", "cuda"), "CUDA is not available"))
+    for args, said in cases:
+        for files in (("--src", src, "--ref", ref), ()):  # live, and against the recorded references
+            code, _, err = run_cli_captured(capsys, "parity", fp32, *files, *args)
+            assert code == 2 and err.startswith("error: ") and said in err, (args, files, err)
+    code, _, err = run_cli_captured(capsys, "parity", fp32, "--backends", "onnxruntime,onnxruntime")
+    assert code == 2 and "onnxruntime given more than once" in err, err
+
+
 @pytest.mark.slow
 def test_bench_fixed_length_counts_exact_tokens(model_dirs, tmp_path):
     report = run_bench(model_dirs["fp32"], ["torch", "onnxruntime"], [4], decoding=PAPER.replace(beam_size=2),

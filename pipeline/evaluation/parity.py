@@ -39,7 +39,7 @@ from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.languages import own_languages
-from runtime.model_dir import LoadOptions, ModelDir, load
+from runtime.model_dir import LoadOptions, ModelDir, check_load, load
 from runtime.registry import entry, installed
 from runtime.tokenizer import AnyTokenizer
 
@@ -193,6 +193,7 @@ def run_parity(model_dir: Path, src: Path | None, ref: Path | None, backends: li
 
     # The reference is the fp32 PyTorch model on the CPU, whatever the export precision (or transformers).
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
+    _check_backends(opened, backends, device, threads, shortlist)
     loaded = load(opened, LoadOptions(backend=REFERENCE, device="cpu", threads=threads, precision="fp32"),
                   opts.decoding)  # with the model's own decoding defaults for what is not given
     reference, tokenizer = loaded.backend, loaded.tokenizer
@@ -252,6 +253,7 @@ def _recorded_parity(model_dir: Path, backends: list[str], device: str | None, g
                      threads: int | None, save_hyps: Path | None, shortlist: bool = False) -> ParityReport:
     """Every backend against the fp32 PyTorch translations recorded at export."""
     opened = ModelDir.open(model_dir)  # the manifest read and verified once, for every backend
+    _check_backends(opened, backends, device, threads, shortlist)
     manifest = opened.manifest
     refs = opened.references()
     opts = ServeBatchOptions(decoding=refs.decoding, src_lang=refs.source_lang, tgt_lang=refs.target_lang).validate()
@@ -279,12 +281,25 @@ def _translate(name: str, opened: ModelDir, src: Path, opts: ServeBatchOptions, 
     is to decode over the shortlist, which the reference does not)."""
     if name == REFERENCE and live is not None and not shortlist:
         return name, live[0], live[1], "fp32"
-    loaded = load(opened, LoadOptions(backend=name, device=device, threads=threads,
-                                      precision="fp32" if name == REFERENCE else None, shortlist=shortlist))
+    loaded = load(opened, _load_options(name, device, threads, shortlist))
     backend, manifest = loaded.backend, loaded.manifest
     fp32 = name == REFERENCE or entry(name).checkpoint_weights  # the reference, or model.pt whatever the dir
     precision = ("fp32" if fp32 else manifest.precision) + (SHORTLISTED if shortlist else "")
     return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
+
+
+def _load_options(name: str, device: str | None, threads: int | None, shortlist: bool) -> LoadOptions:
+    return LoadOptions(backend=name, device=device, threads=threads, precision="fp32" if name == REFERENCE else None,
+                       shortlist=shortlist)
+
+
+def _check_backends(opened: ModelDir, backends: list[str], device: str | None, threads: int | None,
+                    shortlist: bool) -> None:
+    """What each backend would refuse (its device, engines, shortlist), before the long work: a --device cuda
+    without CUDA was said once the reference had translated every line, and a missing engine threw away the
+    backends compared before it."""
+    for name in backends:
+        check_load(opened, _load_options(name, device, threads, shortlist).validate())
 
 
 def _live(sources: list[str]) -> int:
