@@ -176,6 +176,13 @@ class EncodedTexts:
         return len({self.owners[u] for u, line in enumerate(self.ids) if line and min(
             math.floor(decoding.max_len_a * len(line) + decoding.max_len_b), max_tgt_len - 1) < decoding.min_len})
 
+    def stopped_at_limit(self, results: list[NBest], decoding: DecodingOptions, max_tgt_len: int) -> int:
+        """Texts with a unit whose best translation ran to the model's target positions (export --max-tgt-len)
+        where --max-len-a/-b allowed more: cut there (runtime.search's cap), not ended by the model."""
+        cap = max_tgt_len - 1
+        return len({self.owners[u] for u, (line, nbest) in enumerate(zip(self.ids, results)) if line and nbest
+                    and len(nbest[0][0]) >= cap and decoding.max_len_a * len(line) + decoding.max_len_b >= cap + 1})
+
     def split(self, k: int) -> Split | None:
         """Text k's sentences with split "sentences" (format text); None otherwise."""
         docs = self.documents[k]

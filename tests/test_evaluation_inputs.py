@@ -11,9 +11,10 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import assert_one_line_error, run_cli_captured, write_lines
+from helpers import assert_one_line_error, run_cli, run_cli_captured, write_lines
 
 from model.errors import UserError
+from pipeline.textio import read_lines
 
 
 @pytest.fixture()
@@ -358,3 +359,36 @@ def test_tune_decoding_takes_threads_as_every_command_that_decodes(capsys, fp32_
     assert code == 0 and [o.threads for o in seen] == [1], err
     code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--threads", 0)
     assert code == 2 and "--threads" in err and "x>=1" in err, err
+
+
+def test_translations_cut_at_the_model_s_target_limit_are_counted(trained_save_dir, memorised_fp32_dir, memorise_corpus,
+                                                                  tmp_path, caplog, capsys):
+    """An export's --max-tgt-len cut every translation (3 tokens of "a b c d e ...") and serve-batch said it had
+    translated them all: the search caps the output length there without a word. They are counted now, on
+    serve-batch and the Ray/Spark Translator; lines that end before the limit are not."""
+    from model.checkpoint import resolve_checkpoint
+    from pipeline.integrations import Translator
+
+    out = tmp_path / "short"
+    assert run_cli("export", resolve_checkpoint(trained_save_dir), "--out", out, "--no-tensorrt", "--max-tgt-len", 3,
+                   "--max-src-len", 64, "--max-batch", 8, "--max-beam", 4) == 0
+    src = tmp_path / "in.txt"
+    lines = read_lines(memorise_corpus[0])[:6]
+    src.write_text("".join(f"{line}\n" for line in lines) + "\n")
+    with caplog.at_level(logging.WARNING):
+        code, _, err = run_cli_captured(capsys, "serve-batch", out, src, "-o", tmp_path / "out.txt", "--threads", 1)
+    assert code == 0, err
+    said = [r.getMessage() for r in caplog.records if "target limit" in r.getMessage()]
+    assert said == [f"{src}: 6 line(s) were translated up to the model's target limit (export --max-tgt-len) and "
+                    "stopped there: their translations may be cut"], said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        Translator(out).translate(lines + [""])
+    assert "6 row(s) were translated up to the model's target limit" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # the usual limit: nothing cut, nothing said
+        code, _, err = run_cli_captured(capsys, "serve-batch", memorised_fp32_dir, src, "-o", tmp_path / "full.txt",
+                                        "--threads", 1)
+    assert code == 0 and "target limit" not in caplog.text, caplog.text
+    cut, full = read_lines(tmp_path / "out.txt"), read_lines(tmp_path / "full.txt")
+    assert all(len(a) < len(b) for a, b in zip(cut[:6], full[:6])) and cut[6] == full[6] == "", (cut, full)

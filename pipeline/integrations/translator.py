@@ -170,6 +170,10 @@ class Translator:
         if over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         over, decoding.min_len)
+        cut = encoded.stopped_at_limit(nbest, decoding, loaded.backend.max_tgt_len)
+        if cut:
+            log.warning("%d row(s) were translated up to the model's target limit (export --max-tgt-len) and "
+                        "stopped there: their translations may be cut", cut)
         out = Translated([], [], [], [], over, None if self.glossary is None else [])
         for r in results:  # the columns in one pass
             out.translation.append(r.text)

@@ -59,6 +59,7 @@ class ServeStats:
     truncated: int = 0
     replaced: int = 0
     min_len_over: int = 0
+    stopped_at_limit: int = 0
     terms: int = 0  # --glossary: terms found in the input, and those the translations hold
     terms_applied: int = 0
     src_tokens: int = 0
@@ -66,8 +67,8 @@ class ServeStats:
     seconds: float = 0.0
 
     def add(self, other: ServeStats) -> None:
-        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "terms", "terms_applied",
-                     "src_tokens", "tgt_tokens", "seconds"):
+        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "stopped_at_limit", "terms",
+                     "terms_applied", "src_tokens", "tgt_tokens", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
@@ -76,6 +77,7 @@ class ServeStats:
         self.truncated += window.truncated
         self.replaced += window.replaced
         self.min_len_over += window.min_len_over
+        self.stopped_at_limit += window.stopped_at_limit
         self.terms += window.terms
         self.terms_applied += window.terms_applied
         self.src_tokens += window.src_tokens
@@ -198,6 +200,7 @@ def translate_windows(backend: Backend, tokenizer: AnyTokenizer, input_path: str
                 continue
             done = finish_window(tokenizer, window, merged, opts.decoding.nbest)
             done.min_len_over = window.encoded.min_len_over(opts.decoding, backend.max_tgt_len)
+            done.stopped_at_limit = window.encoded.stopped_at_limit(merged, opts.decoding, backend.max_tgt_len)
             yield done
             advance.finish()
     finally:
@@ -323,6 +326,14 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions, glossary: boo
             "%s: the glossary's terms: %d found in the input, %d of them in the translations", path, stats.terms,
             stats.terms_applied)
     warn_min_len(stats.min_len_over, path, decoding)
+    warn_stopped_at_limit(stats.stopped_at_limit, path)
+
+
+def warn_stopped_at_limit(lines: int, path: str) -> None:
+    """Say how many lines' translations the model's target positions cut (export --max-tgt-len)."""
+    if lines:
+        log.warning("%s: %d line(s) were translated up to the model's target limit (export --max-tgt-len) and "
+                    "stopped there: their translations may be cut", path, lines)
 
 
 def warn_min_len(lines: int, path: str, decoding: DecodingOptions) -> None:

@@ -136,6 +136,7 @@ class TranslatedWindow:
     truncated: int = 0
     replaced: int = 0
     min_len_over: int = 0  # lines whose maximum output length is below --min-len
+    stopped_at_limit: int = 0  # lines whose translation ran to the model's target limit (export --max-tgt-len)
     terms: int = 0  # with --glossary: the terms found in the window's lines, and those their translations hold
     terms_applied: int = 0
     best: list[list[int]] = field(init=False)  # best hypothesis' tokens per line ([] for blank)
