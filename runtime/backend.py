@@ -168,5 +168,24 @@ class ExportedGraphBackend:
             raise RuntimeUserError(f"{where} has an older decoder interface (no `{io_names.SELF_INDEX}` input: "
                                    "exported before the beam cache); export the model again with `pipeline export`")
 
+    @staticmethod
+    def check_encoder_outputs(outputs: dict[str, Any], cfg: Any, where: object) -> None:
+        """Refuse a manifest whose model_config the encoder graph contradicts (its decoder layers' cross K/V:
+        layers, heads, head size): the manifest is the one file of a model dir no digest covers, and an edited one
+        failed at the first batch with an engine's KeyError or shape error."""
+        k = outputs.get(io_names.cross_k(0))
+        shape = list(k) if k is not None else []
+        layers = 0
+        while io_names.cross_k(layers) in outputs:
+            layers += 1
+        found = {"n_dec_layers": layers}
+        if len(shape) == 4 and all(isinstance(d, int) for d in (shape[1], shape[3])):
+            found |= {"n_heads": shape[1], "d_model": shape[1] * shape[3]}
+        wrong = [f"model_config.{key} is {getattr(cfg, key)}, the graph's {value}" for key, value in found.items()
+                 if getattr(cfg, key) != value]
+        if wrong:
+            raise RuntimeUserError(f"{where}: {'; '.join(wrong)} (manifest.json was edited, or comes from another "
+                                   "export); export the model again with `pipeline export`")
+
     def initial_cache(self, n_rows: int) -> BeamCache:
         return BeamCache(self.cfg, n_rows, self.cache_dtype, self.device, max_steps=self.max_tgt_len)

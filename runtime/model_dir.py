@@ -25,7 +25,16 @@ from typing import TYPE_CHECKING, Any
 
 from model import io_names
 from model.atomic import restore_replaced_dir
-from model.manifest import MANIFEST, ORT_DYNAMIC, REDO, SPM_FILE, Manifest, ModelDirError, read_manifest
+from model.manifest import (
+    CHECKPOINT_FILE,
+    MANIFEST,
+    ORT_DYNAMIC,
+    REDO,
+    SPM_FILE,
+    Manifest,
+    ModelDirError,
+    read_manifest,
+)
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
@@ -227,6 +236,22 @@ def check_load(opened: ModelDir, options: LoadOptions) -> BackendEntry:
     return chosen
 
 
+def _check_config(opened: ModelDir, cfg: Any) -> None:
+    """The manifest's model_config against the files whose digests it checks: the tokenizer's vocabulary and EOS,
+    and model.pt's config where the backend read it (torch). The manifest itself no digest covers: one edited by
+    hand translated with the wrong EOS to the length limit, or fed the graphs shapes they refused mid-batch."""
+    given = opened.manifest.model_config
+    found = {"vocab_size": (opened.tokenizer.vocab_size, SPM_FILE), "eos_id": (opened.tokenizer.eos_id, SPM_FILE)}
+    if cfg is not given:  # model.pt's own config: every field
+        found |= {f.name: (getattr(cfg, f.name), CHECKPOINT_FILE) for f in fields(cfg)
+                  if getattr(cfg, f.name) != getattr(given, f.name, None)}
+    wrong = [f"model_config.{key} is {getattr(given, key, None)!r} but {file} has {value!r}"
+             for key, (value, file) in found.items() if getattr(given, key, None) != value]
+    if wrong:
+        raise ModelDirError(f"{opened.path / MANIFEST}: {'; '.join(wrong[:3])} (edited, or from another export); "
+                            f"{REDO}")
+
+
 def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
          decoding_given: DecodingOptions = PAPER) -> Loaded:
     """The model dir (opened unless given open) on the backend `options` name or the registry picks,
@@ -247,9 +272,7 @@ def load(model_dir: ModelDir | str | Path, options: LoadOptions | None = None,
     opener: Callable[[ModelDir, LoadOptions, Shortlist | None], Backend] = getattr(importlib.import_module(module),
                                                                                   name)
     backend = opener(opened, options, table)
-    if opened.tokenizer.vocab_size != backend.cfg.vocab_size:
-        raise RuntimeUserError(f"{opened.path / SPM_FILE}: {opened.tokenizer.vocab_size} pieces but the model has "
-                               f"{backend.cfg.vocab_size}; re-run `pipeline export` for this checkpoint")
+    _check_config(opened, backend.cfg)
     log.info("backend %s on %s, loaded in %.2f s", backend.name, backend.device, time.perf_counter() - started)
     decoding = decoding_given.for_device(backend.device).for_model(opened.decoding_defaults,
                                                                    str(opened.path / MANIFEST))

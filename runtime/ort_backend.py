@@ -156,6 +156,8 @@ class OrtBackend(ExportedGraphBackend):
         self.encoder = session(model_dir / io_names.ENCODER_FILE)
         self.decoder = session(model_dir / decoder_file)
         self.check_decoder_inputs((i.name for i in self.decoder.get_inputs()), model_dir / decoder_file)
+        self.check_encoder_outputs({o.name: o.shape for o in self.encoder.get_outputs()}, self.cfg,
+                                   model_dir / io_names.ENCODER_FILE)
         self.providers = list(self.decoder.get_providers())  # what onnxruntime actually enabled
         self.out_types: dict[str, np.dtype[Any]] = {o.name: _ORT_TYPES[o.type] for s in (self.encoder, self.decoder)
                           for o in s.get_outputs()}

@@ -157,3 +157,24 @@ def test_a_dir_whose_manifest_cannot_be_read_is_told_a_fix_export_takes(fp32_dir
     assert "--force" not in str(info.value) and "into a new --out" in str(info.value), info.value
     code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", broken, "--force", "--no-tensorrt")
     assert_one_line_error(code, err, "--force only replaces a model directory an export wrote")
+
+
+@pytest.mark.parametrize("key, change", [("n_dec_layers", 1), ("d_model", 2), ("n_heads", 4), ("eos_id", 1),
+                                         ("vocab_size", 8)])
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_a_hand_edited_model_config_is_one_line_naming_the_manifest(fp32_dir, tmp_path, capsys, key, change, backend):
+    """The manifest is the one file no digest covers. Edited, onnxruntime failed mid-batch (KeyError 'cross_k.2',
+    invalid dimensions) or, with another eos_id, translated every line to the length limit; torch (reading
+    model.pt's config) and doctor said nothing; a vocab_size edit blamed spm.model."""
+    copy = tmp_path / "edited"
+    shutil.copytree(fp32_dir, copy)
+    manifest = json.loads((copy / MANIFEST).read_text())
+    config = manifest["model_config"]
+    config[key] += change if key != "d_model" else config["n_heads"] * change  # (d_model 32: divisible by 8)
+    (copy / MANIFEST).write_text(json.dumps(manifest))
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef"])
+    code, _, err = run_cli_captured(capsys, "serve-batch", copy, src, "-o", tmp_path / "out.txt", "--backend",
+                                    backend)
+    assert_one_line_error(code, err, f"model_config.{key} is {config[key]}")
+    assert ("manifest.json" in err or "encoder.onnx" in err) and "export" in err, err
+    assert not (tmp_path / "out.txt").exists()
