@@ -311,4 +311,8 @@ def resolve_checkpoint(path: Path) -> Path:
     if not steps:
         raise CheckpointError(f"{path}: no checkpoint_<step>.pt or {AVERAGED} in this directory; "
                               "is it a `pipeline train --save-dir`?")
+    if checkpoint_step(steps[-1]) == 0:  # train said so ("a resume point only"); export wrote a model dir of noise
+        raise CheckpointError(f"{path}: its one checkpoint is step 0, written before any update (untrained weights: "
+                              "the run stopped at once); rerun the train command to train, or name "
+                              f"{steps[-1]} itself to use it anyway")
     return steps[-1]

@@ -277,6 +277,29 @@ def test_a_save_dir_resolves_to_its_average_whatever_the_files_times(random_chec
     assert resolve_checkpoint(run) == run / "checkpoint_00000012.pt"
 
 
+def test_a_save_dir_holding_only_step_0_is_refused_where_a_checkpoint_is_resolved(random_checkpoint, tmp_path,
+                                                                                   capsys):
+    """A run stopped before its first update (--max-time 1s) holds checkpoint_00000000.pt, a resume point: train
+    said so and average refused it, but export wrote a model dir of untrained weights (verified, passing) and
+    tune-decoding tuned them, without a word. Named as a file, it is still taken."""
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(random_checkpoint, run / "checkpoint_00000000.pt")
+    text = tmp_path / "lines.txt"
+    text.write_text("ab cd\n")
+    for args in (("export", run, "--out", tmp_path / "m", "--no-tensorrt"),
+                 ("tune-decoding", run, "--src", text, "--ref", text)):
+        assert run_cli(*args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {run}: its one checkpoint is step 0, written before any update") and \
+            "rerun the train command" in err, err
+    assert not (tmp_path / "m").exists()
+    assert run_cli("export", run / "checkpoint_00000000.pt", "--out", tmp_path / "m", "--no-tensorrt",
+                   "--max-src-len", 16, "--max-tgt-len", 16, "--reference-lines", 0) == 0
+
+
 def test_average_refuses_last_and_best_together(tmp_path, capsys):
     """--last and --best choose the checkpoints two ways; given both, the average used --best alone."""
     run = tmp_path / "run"
