@@ -26,6 +26,7 @@ from helpers import (
 )
 
 from model.checkpoint import read_checkpoint, step_checkpoints
+from model.errors import UserError
 from pipeline.corpus import synthetic
 from pipeline.corpus.data import make_batches
 from pipeline.training import learning_rate
@@ -450,6 +451,28 @@ def test_a_refused_run_leaves_none_of_the_directories_it_made(tmp_path, capsys):
                    *TINY, "--max-steps", "2")
     assert code == 2 and "lines" in capsys.readouterr().err
     assert list((tmp_path / "runs").iterdir()) == []  # runs existed: it stays
+
+
+def test_only_torchrun_s_rank_0_makes_the_save_dir(tmp_path, monkeypatch):
+    """Every rank made the save dir: where rank 1 made it first, rank 0 found it made by another and, its run
+    refused (a corpus of unequal lines), left it behind (8 of 17 torchrun tries). Rank 0 alone makes it now."""
+    from pipeline.training import TrainOptions, trainer
+
+    there: list[bool] = []
+
+    def refused(device: str) -> None:  # the group coming up (where rank 0 may not have started yet), then the
+        there.append((tmp_path / "run").exists())  # corpus read and refused
+        raise UserError("unequal lines")
+
+    s, t = write_parallel(tmp_path, "c", ["a b", "c d"], ["x y"])
+    monkeypatch.setattr(trainer, "init_distributed", refused)
+    opts = TrainOptions(save_dir=tmp_path / "run", train_src=s, train_tgt=t, preset="tiny", vocab_size=64)
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        with pytest.raises(UserError):
+            trainer.train(opts)
+    assert there == [False, True]  # rank 1 made nothing; rank 0 made it ...
+    assert not (tmp_path / "run").exists()  # ... and, refused, removed it
 
 
 def test_options_dropped_or_refused_late_are_refused_first(corpus, tmp_path, capsys):

@@ -82,8 +82,10 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
     top = Path(opts.save_dir)  # the outermost directory the run creates (runs/a/b/c: runs/a, where runs exists)
     while not os.path.lexists(top.parent) and top.parent != top:
         top = top.parent
-    _check_save_dir(Path(opts.save_dir))
-    lock = _lock_save_dir(Path(opts.save_dir)) if os.environ.get("RANK", "0") == "0" else None  # its writer
+    writer = os.environ.get("RANK", "0") == "0"  # torchrun's rank 0 makes the save dir and writes it; the others
+    if writer:  # read what it left there (had they made it, rank 0 could find it made, and leave it when refused)
+        _check_save_dir(Path(opts.save_dir))
+    lock = _lock_save_dir(Path(opts.save_dir)) if writer else None
     if opts.threads:
         torch.set_num_threads(opts.threads)
     ctx: DistContext | None = None
