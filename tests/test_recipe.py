@@ -383,6 +383,10 @@ def test_tensorboard_events_are_written_and_not_duplicated_on_resume(corpus, tmp
     train(tiny_opts(run, corpus, max_steps=8, **opts))
     assert scalars(run, "train/loss") == list(range(1, 9))
     assert scalars(run, "valid/bleu") == [3, 6, 8]  # 6 once (purged, then redone), 8 as the last step
+    for checkpoint in step_checkpoints(run):  # killed (-9) before its first checkpoint: the rerun starts afresh
+        checkpoint.unlink()
+    train(tiny_opts(run, corpus, max_steps=4, **opts))
+    assert scalars(run, "train/loss") == [1, 2, 3, 4]  # each step was there twice: no purge on a fresh start
     quiet = tmp_path / "quiet"
     train(tiny_opts(quiet, corpus, max_steps=2, tensorboard=False))
     assert not (quiet / "tensorboard").exists()

@@ -20,8 +20,8 @@ SCALARS = {
 
 
 class TensorBoardLog:
-    """Scalars of train and valid events. On resume from step S the writer purges the events
-    after S that the interrupted run left, so each step appears once."""
+    """Scalars of train and valid events. On resume from step S (0: a fresh start) the writer purges the
+    events after S that an interrupted run left, so each step appears once."""
 
     def __init__(self, save_dir: Path, enabled: bool, resumed_step: int | None):
         self.writer: Any = None
@@ -33,7 +33,8 @@ class TensorBoardLog:
             log.info("tensorboard is not installed (pip install 'pipeline[tensorboard]'): event files "
                      "are skipped, metrics.jsonl has the same numbers")
             return
-        purge = resumed_step + 1 if resumed_step else None
+        # a fresh start purges too: a run killed before its first checkpoint left events its rerun writes again
+        purge = (resumed_step or 0) + 1
         self.writer = SummaryWriter(log_dir=str(Path(save_dir) / TENSORBOARD_DIR), purge_step=purge)
 
     def write(self, event: str, step: int, fields: dict[str, Any]) -> None:
