@@ -70,7 +70,8 @@ class TrainOptions:
     clip_norm: float = opt(0.0, "Clip the gradient norm to this value (0 = off, as in the paper).")
     seed: int = opt(1, "Seed of initialisation, data order, dropout (and of the built-in corpus).")
     save_every: int | None = opt(None, "Write a checkpoint every N updates (and at the end).")
-    keep_last: int = opt(5, "Keep the last K step checkpoints.")
+    keep_last: int = opt(5, "Keep the last K step checkpoints, and with validation the K ending at the best BLEU "
+                            "(what `average --best K` averages): up to 2K.")
     valid_every: int | None = opt(None, "Validate every N updates (default: --save-every).")
     valid_beam: int = opt(1, "Beam size of validation BLEU decoding (1 = greedy, fast; "
                           f"{PAPER.beam_size} = the paper's); length penalty and limit are the paper's.")
