@@ -128,6 +128,31 @@ def test_a_damaged_encoded_corpus_cache_is_encoded_again(tmp_path, caplog):
     assert torch_load_verified(cached)["src_ids"].shape == first.train.src_ids.shape  # rewritten, verified
 
 
+def test_a_damaged_spm_model_in_a_save_dir_is_trained_again_or_written_back(tmp_path, caplog):
+    """A truncated SAVE_DIR/spm.model was `error: not a SentencePiece model (100 bytes; ...)`, naming no file, on
+    every rerun before the first checkpoint; a resumed run kept it as it was."""
+    from model.errors import UserError
+    from pipeline.corpus.data import prepare_data
+
+    src, tgt = write_parallel(tmp_path, "c", *make_parallel(60, seed=2))
+    run = tmp_path / "run"
+    first = prepare_data(run, src, tgt, None, None, vocab_size=40, max_len=64)
+    (run / "spm.model").write_bytes(first.spm_bytes[:100])
+    with pytest.raises(UserError, match=rf"^{run / 'spm.model'}: not a SentencePiece model \(100 bytes"):
+        prepare_data(run, src, tgt, None, None, vocab_size=40, max_len=64, write=False)  # torchrun's other ranks
+    with caplog.at_level(logging.WARNING):
+        again = prepare_data(run, src, tgt, None, None, vocab_size=40, max_len=64)
+    assert f"{run / 'spm.model'}: not a SentencePiece model (100 bytes" in caplog.text and "training it again" in \
+        caplog.text
+    assert again.spm_bytes == (run / "spm.model").read_bytes() and len(again.spm_bytes) > 100  # a model again
+    (run / "spm.model").write_bytes(b"damaged")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # resumed: the checkpoints' tokenizer is the run's
+        prepare_data(run, src, tgt, None, None, vocab_size=40, max_len=64, spm_bytes=first.spm_bytes)
+    assert "differs from the tokenizer the run's checkpoints hold" in caplog.text
+    assert (run / "spm.model").read_bytes() == first.spm_bytes
+
+
 def test_checksum_digest_is_returned_and_written(tmp_path):
     path = tmp_path / "x.pt"
     digest = atomic_torch_save({"a": torch.arange(10)}, path)

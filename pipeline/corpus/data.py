@@ -36,7 +36,7 @@ from model.errors import UserError
 from model.manifest import SPM_FILE
 from pipeline.corpus.spm import train_sentencepiece
 from pipeline.textio import atomic_output, read_lines
-from runtime.tokenizer import Tokenizer
+from runtime.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +201,10 @@ def prepare_data(save_dir: Path, train_src: Path, train_tgt: Path, valid_src: Pa
                          "vocab_size": vocab_size})
     if spm_bytes is None:
         spm_bytes = _cached_spm(save_dir, spm_key, train_pair, vocab_size, write)
-    elif write and not (save_dir / SPM_FILE).is_file():
+    elif write and (not (save_dir / SPM_FILE).is_file() or (save_dir / SPM_FILE).read_bytes() != spm_bytes):
+        if (save_dir / SPM_FILE).is_file():  # damaged or replaced: the run's tokenizer is its checkpoints'
+            log.warning("%s differs from the tokenizer the run's checkpoints hold; writing theirs back",
+                        save_dir / SPM_FILE)
         with atomic_output(save_dir / SPM_FILE, "wb") as f:
             f.write(spm_bytes)
     tokenizer = Tokenizer(spm_bytes)
@@ -237,8 +240,15 @@ def _cached_spm(save_dir: Path, key: str, pair: tuple[list[str], list[str]], voc
     else a freshly trained one (written with its key)."""
     model_path, key_path = save_dir / SPM_FILE, save_dir / CACHE_DIR / "spm.key"
     if model_path.is_file() and key_path.is_file() and key_path.read_text().strip() == key:
-        log.info("using the cached SentencePiece model %s", model_path)
-        return model_path.read_bytes()
+        cached = model_path.read_bytes()
+        try:
+            Tokenizer(cached)
+            log.info("using the cached SentencePiece model %s", model_path)
+            return cached
+        except TokenizerError as e:  # (it was this error, the file unnamed, on every rerun)
+            if not write:
+                raise UserError(f"{model_path}: {e}") from None
+            log.warning("%s: %s; training it again", model_path, e)
     if not write:
         raise UserError(f"{model_path}: rank 0 did not leave the SentencePiece model here")
     spm_bytes = train_sentencepiece(pair[0] + pair[1], vocab_size)
