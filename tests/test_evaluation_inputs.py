@@ -128,6 +128,16 @@ def test_a_vocabulary_smaller_than_the_corpus_characters_is_one_line(capsys, tmp
     assert code == 2 and "16 is not in the range 31<=x" in err and not (tmp_path / "r.pt").exists()
 
 
+def test_random_checkpoint_will_not_be_named_as_a_run_s_checkpoint(capsys, tmp_path):
+    """`random-checkpoint runs/x/checkpoint_00009999.pt` was written, and export and tune-decoding of runs/x then
+    took the random weights as the run's latest step checkpoint."""
+    for name in ("checkpoint_00009999.pt", "checkpoint_best.pt", "averaged.pt"):
+        code, _, err = run_cli_captured(capsys, "random-checkpoint", tmp_path / name, "--preset", "tiny",
+                                        "--vocab-size", 60)
+        assert_one_line_error(code, err, f"{name} is how a training run names its checkpoints")
+        assert not (tmp_path / name).exists()
+
+
 def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
     """--batch-size 8 over 2 sentences ran batches of 2 and recorded 8."""
     import json

@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from model.checkpoint import AVERAGED, BEST, checkpoint_step
 from pipeline.cli_options import GivenPath, options_from, pick
 from pipeline.evaluation.random_model import RandomCheckpointOptions, make_random_checkpoint
 from pipeline.textio import check_output_file
@@ -24,6 +25,9 @@ def random_checkpoint(out: Path, **values: Any) -> None:
         pipeline bench models/base-fp32 --backends onnxruntime --compare ctranslate2
     """
     opts: RandomCheckpointOptions = pick(RandomCheckpointOptions, values).validate()
+    if checkpoint_step(out) is not None or out.name in (BEST, AVERAGED):  # export of its dir took it for the run's
+        raise click.UsageError(f"{out.name} is how a training run names its checkpoints: export, tune-decoding and "
+                               "resume of that dir would take these random weights for the run's; choose another name")
     if out.exists() and not opts.force:
         raise click.UsageError(f"{out} exists; pass --force to replace it")
     check_output_file(out, "OUT", "a checkpoint")
