@@ -326,3 +326,22 @@ def test_two_runs_cannot_write_one_save_dir(tmp_path, capsys):
     finally:
         held.close()
     assert run_cli(*args) == 0  # released: the next run goes ahead
+
+
+def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored():
+    """A shell script's `pipeline train ... &` starts with SIGINT ignored (the terminal's Ctrl-C is for the script):
+    it was ignored while the data was prepared, then obeyed once training began (a checkpoint and exit 0)."""
+    import signal
+
+    from pipeline.training.metrics import StopFlag
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopFlag():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) != signal.SIG_DFL  # SIGTERM still stops it with a checkpoint
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with StopFlag() as flag:  # a foreground run: Ctrl-C stops after the update
+            assert signal.getsignal(signal.SIGINT) == flag._handle
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -97,6 +97,8 @@ class StopFlag:
         # Python only lets the main thread install handlers (tests may train in a thread).
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
+                if sig == signal.SIGINT and signal.getsignal(sig) == signal.SIG_IGN:  # started as a shell script's
+                    continue  # `cmd &`: the terminal's Ctrl-C is not for it (it was obeyed once training began)
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
