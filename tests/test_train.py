@@ -481,9 +481,9 @@ def test_options_dropped_or_refused_late_are_refused_first(corpus, tmp_path, cap
     s, t = corpus
     err = _fails(capsys, tmp_path, "--train-src", s, "--train-tgt", t, "--builtin-pairs", "100")
     assert "--builtin-pairs sizes the built-in corpus; with --train-src/--train-tgt leave it out" in err
-    for size in ("0", "5"):
+    for size in ("0", "5", "1", "-3"):  # (1 and -3 listed three special ids' problems before this one)
         err = _fails(capsys, tmp_path, "--train-src", tmp_path / "not-read.src", "--train-tgt", t, "--vocab-size", size)
-        assert f"--vocab-size must be in 8..{1 << 20} (got {size})" in err
+        assert err.startswith(f"error: --vocab-size must be in 8..{1 << 20} (got {size})") and "bos_id" not in err
 
 
 def test_a_side_given_as_its_own_target_or_validation_on_the_training_set_is_warned_of(corpus, tmp_path, caplog):

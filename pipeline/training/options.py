@@ -202,15 +202,15 @@ def check_numbers(o: TrainOptions) -> None:
                         "sentence")
     if o.valid_beam > MAX_VALID_BEAM:
         problems.append(f"--valid-beam must be at most {MAX_VALID_BEAM} (got {o.valid_beam})")
-    if not problems:  # the model's shape too, before the corpus is read and SentencePiece trained on it
-        try:
+    if o.vocab_size is not None and not MIN_VOCAB <= o.vocab_size <= MAX_VOCAB:  # before the corpus is read
+        problems.append(f"--vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB} (got {o.vocab_size})")
+    if not problems:  # the model's shape too, before the corpus is read and SentencePiece trained on it (not
+        try:  # with a --vocab-size out of range: its special ids' problems hid the one line that mattered)
             model_config(o, o.vocab_size or MIN_VOCAB)
         except ConfigError as e:
             problems.append(str(e))
     if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
         problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
-    if o.vocab_size is not None and not MIN_VOCAB <= o.vocab_size <= MAX_VOCAB:  # before the corpus is read
-        problems.append(f"--vocab-size must be in {MIN_VOCAB}..{MAX_VOCAB} (got {o.vocab_size})")
     if not 0 <= o.seed < 2 ** 32:  # numpy's and the data order's range
         problems.append(f"--seed must be in 0..{2 ** 32 - 1} (got {o.seed})")
     if (Path(o.save_dir) / MANIFEST).is_file():
