@@ -245,8 +245,10 @@ class TrainLoop:
             self.last_valid = result
             self.metrics.write("valid", step=progress.step, **result)
             self.tensorboard.write("valid", progress.step, result)
+            total = len(self.data.valid_src_lines)  # BLEU of the first --valid-max-sentences, said so
+            scored = "" if result["sentences"] == total else f" of the first {result['sentences']} of {total} lines"
             bar.write(f"step {progress.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} "
-                      f"BLEU {result['bleu']:.2f} ({result['bleu_signature']})")
+                      f"BLEU {result['bleu']:.2f}{scored} ({result['bleu_signature']})")
         progress.best_bleu, progress.best_step = ctx.broadcast((progress.best_bleu, progress.best_step))
 
     def _summary(self, progress: Progress, start_step: int, speed: _Throughput) -> None:
