@@ -324,11 +324,13 @@ def read_manifest(model_dir: Path, verify: bool = True, need: tuple[str, ...] = 
     `need` names files that the caller's backend requires (e.g. the ONNX graphs).
     """
     model_dir = Path(model_dir)
-    path = refuse_unless_model_dir(model_dir)
+    path = inside(model_dir, refuse_unless_model_dir(model_dir).name)  # (a link out of it, as a listed file's)
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ModelDirError(f"{path}: unreadable manifest ({e}); {REDO_ELSEWHERE}") from None
+    except RecursionError:  # (a traceback)
+        raise ModelDirError(f"{path}: unreadable manifest (nested too deeply); {REDO_ELSEWHERE}") from None
     fmt = data.get("format") if isinstance(data, dict) else None
     if fmt in OLD_FORMATS:
         raise ModelDirError(f"{model_dir}: exported by an older pipeline ({fmt}); re-export it: {REDO}")

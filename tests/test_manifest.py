@@ -131,6 +131,13 @@ def test_fields_that_disagree_are_one_line(model_dir, tmp_path, capsys, edit):
     assert err.startswith("error: ") and "manifest fields disagree" in err and "Traceback" not in err
 
 
+def test_a_manifest_nested_too_deeply_is_one_line(model_dir):
+    """json's RecursionError was a traceback (only its decode errors were caught)."""
+    (model_dir / MANIFEST).write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ModelDirError, match=r"unreadable manifest \(nested too deeply\)"):
+        read_manifest(model_dir, verify=False)
+
+
 def test_wrong_shape_is_one_line_at_the_cli(model_dir, tmp_path, capsys):
     rewrite(model_dir, _drop("limits.max_src_len"))
     src = tmp_path / "in.txt"

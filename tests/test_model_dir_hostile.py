@@ -97,15 +97,16 @@ def test_a_manifest_entry_outside_the_dir_is_refused_before_it_is_opened(fp32_di
     assert_one_line_error(code, err, "not a file name inside the model directory")
 
 
-def test_a_link_out_of_the_model_dir_is_refused(fp32_dir, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["spm.model", MANIFEST])  # the manifest, unlisted, was read wherever it led
+def test_a_link_out_of_the_model_dir_is_refused(fp32_dir, tmp_path, capsys, name):
     linked = tmp_path / "linked"
     shutil.copytree(fp32_dir, linked)
-    elsewhere = tmp_path / "elsewhere.model"
-    shutil.move(linked / "spm.model", elsewhere)
-    (linked / "spm.model").symlink_to(elsewhere)
+    elsewhere = tmp_path / f"elsewhere-{name}"
+    shutil.move(linked / name, elsewhere)
+    (linked / name).symlink_to(elsewhere)
     code, _, err = run_cli_captured(capsys, "serve-batch", linked, write_lines(tmp_path / "in.txt", ["ab"]),
                                     "-o", tmp_path / "out.txt", *FAST)
-    assert_one_line_error(code, err, str(linked / "spm.model"), "outside the model directory")
+    assert_one_line_error(code, err, str(linked / name), "outside the model directory")
 
 
 def test_a_link_inside_the_model_dir_still_loads(fp32_dir, tmp_path):
