@@ -101,7 +101,7 @@ def test_reference_src_is_calibrated_on(random_checkpoint, save_dir, tmp_path, c
     assert _verification(out)["int8_static_scales"]["calibration_lines"] == 3
 
 
-def test_opting_out_and_choosing_the_lines(save_dir, tmp_path, capsys):
+def test_opting_out_and_choosing_the_lines(save_dir, tmp_path, capsys, monkeypatch):
     checkpoint, _ = save_dir
     out = tmp_path / "per-row"
     assert _scales_lines(_export(capsys, checkpoint, out, "--no-int8-calibrate")) == [
@@ -115,6 +115,9 @@ def test_opting_out_and_choosing_the_lines(save_dir, tmp_path, capsys):
         f"int8: static activation scales calibrated on 2 lines of {chosen} (--int8-calibrate)"]
     ver = _verification(out)
     assert ver["int8_activation_scales"]["chosen"] == "given" and ver["int8_static_scales"]["calibration_lines"] == 2
+    monkeypatch.chdir(tmp_path)  # given relative, recorded absolute (it was recorded as typed: "chosen.txt")
+    _export(capsys, checkpoint, tmp_path / "relative", "--int8-calibrate", "chosen.txt")
+    assert _verification(tmp_path / "relative")["int8_activation_scales"]["calibrated_on"] == str(chosen)
 
     code, _, err = run_cli_captured(capsys, "export", checkpoint, "--out", tmp_path / "x", "--int8", "--no-tensorrt",
                                     "--int8-calibrate", chosen, "--no-int8-calibrate")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,7 +82,8 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
                  checkpoint)
         held_out = None
     shortlist = None if o.shortlist_src is None or o.shortlist_tgt is None else ShortlistCorpus(
-        read_lines(o.shortlist_src), read_lines(o.shortlist_tgt), (str(o.shortlist_src), str(o.shortlist_tgt)),
+        read_lines(o.shortlist_src), read_lines(o.shortlist_tgt),
+        (absolute(o.shortlist_src), absolute(o.shortlist_tgt)),
         per_source=o.shortlist_per_source, frequent=o.shortlist_frequent)
     calibration = None if calibrate_on is None else calibration_lines(calibrate_on, default=o.int8_calibrate is None)
     src_lang, tgt_lang = o.src_lang, o.tgt_lang
@@ -118,7 +120,13 @@ def calibration_lines(path: Path, default: bool) -> Calibration:
     lines = [x for x in read_lines(path) if x.strip()][:CALIBRATION_LINES]
     if not lines and not default:
         raise click.UsageError(f"--int8-calibrate {path}: no non-blank line to calibrate on")
-    return Calibration(lines, str(path), default=default)
+    return Calibration(lines, absolute(path), default=default)
+
+
+def absolute(path: Path) -> str:
+    """A file the manifest records, as an absolute path (as typed, `calib.txt` said nothing once the command's
+    directory was forgotten; the default ones were absolute already)."""
+    return os.path.abspath(path)
 
 
 def held_out_calibration(checkpoint: Path) -> Calibration | None:
