@@ -55,8 +55,10 @@ class DecodingOptions:
                                  "early_stopping=True) or top-beam (fairseq's scores; a sentence ends once its "
                                  "best candidate ends, as OpenNMT and CTranslate2: fewer steps). Imported models "
                                  "default to their generate settings (their model dir says so).", choices=RULES)
-    # The options the user set (the CLI fills it); None: those that differ from the paper's defaults.
-    # Only the others take a model dir's own defaults (for_model): an imported model's num_beams, ...
+    # The options the user set: those passed to the constructor (DecodingOptions(beam_size=4) sets beam_size,
+    # though the paper's is 4), or what the CLI gives; `replace` adds its changes. None (PAPER): those that differ
+    # from the paper's defaults. Only the others take a model dir's own defaults (for_model): an imported model's
+    # num_beams, a tuned model dir's alpha...
     explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def search_kwargs(self) -> dict[str, Any]:
@@ -65,6 +67,9 @@ class DecodingOptions:
                     max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest, rules=self.rules)
 
     def replace(self, **changes: Any) -> DecodingOptions:
+        """A copy with `changes`, which count as set (unless `explicit` is given, or is None here: PAPER's)."""
+        if "explicit" not in changes and self.explicit is not None:
+            changes["explicit"] = self.explicit | (changes.keys() & set(OPTION_NAMES))
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -111,6 +116,10 @@ class DecodingOptions:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default
         (`--beam-size`); the HTTP layer passes its JSON field names."""
         n = name or flag
+        mistyped = [f"{n(k)} must be {what} (got {getattr(self, k)!r})" for k, (kinds, what) in _KINDS.items()
+                    if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), kinds)]
+        if mistyped:  # (a str or a float where an int belongs failed deep in the search, or was taken)
+            return mistyped
         out = []
         if self.beam_size < 1:
             out.append(f"{n('beam_size')} must be at least 1 (got {self.beam_size})")
@@ -156,4 +165,16 @@ _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
     f.name: (((int, float), "a number") if f.type == "float" else ((int,), "an integer") if f.type == "int"
              else ((str,), "a string"))
     for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata}
-PAPER = DecodingOptions()
+_generated_init = DecodingOptions.__init__
+
+
+def _init(self: DecodingOptions, *args: Any, **kwargs: Any) -> None:
+    """The dataclass' __init__, noting what the caller passed as `explicit` (dataclasses.replace passes explicit
+    itself, and keeps it)."""
+    _generated_init(self, *args, **kwargs)
+    if "explicit" not in kwargs and len(args) <= len(OPTION_NAMES):
+        object.__setattr__(self, "explicit", frozenset(OPTION_NAMES[:len(args)]) | (kwargs.keys() & set(OPTION_NAMES)))
+
+
+DecodingOptions.__init__ = _init  # type: ignore[method-assign]
+PAPER = DecodingOptions(explicit=None)  # none set: the options that differ from it are the ones set

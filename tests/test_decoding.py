@@ -203,3 +203,42 @@ def test_a_model_dir_with_a_bad_decoding_default_is_one_line_naming_its_manifest
     err = capsys.readouterr().err
     assert f"error: {model / 'manifest.json'}: decoding.beam_size is '4', not an integer" in err
     assert "Traceback" not in err and not (tmp_path / "out.txt").exists()
+
+
+def test_options_passed_from_python_beat_a_model_dir_s_defaults_even_at_the_paper_s_values():
+    """Translator(M, decoding=DecodingOptions(beam_size=4, alpha=0.6)) on a model dir recording beam 1, alpha 1.0
+    decoded with beam 1, alpha 1.0 (only values unlike the paper's counted as given; the CLI marked its own), and
+    nbest=2 beside beam_size=4 was refused against the model's beam 1."""
+    import dataclasses
+    import pickle
+
+    model = {"beam_size": 1, "alpha": 1.0}
+    both = DecodingOptions(beam_size=4, alpha=0.6).for_model(model, "M")
+    assert (both.beam_size, both.alpha) == (4, 0.6)
+    beam = DecodingOptions(beam_size=4, nbest=2).for_model(model, "M")
+    assert (beam.beam_size, beam.nbest, beam.alpha) == (4, 2, 1.0)  # alpha not passed: the model's
+    assert DecodingOptions(4).for_model(model, "M").beam_size == 4  # positional too
+    none = DecodingOptions().for_model(model, "M")
+    assert (none.beam_size, none.alpha) == (1, 1.0)
+    later = DecodingOptions(beam_size=3).replace(alpha=0.6)  # replace's changes are set too
+    assert later.for_model(model, "M").alpha == 0.6 and later.given() == {"beam_size", "alpha"}
+    assert PAPER.replace(beam_size=2).for_model(model, "M").beam_size == 2  # (the paper's: what differs is set)
+    assert PAPER.for_model(model, "M").beam_size == 1
+    kept = dataclasses.replace(DecodingOptions(alpha=0.6), beam_size=5)  # dataclasses.replace keeps what was set
+    assert kept.given() == {"alpha"} and pickle.loads(pickle.dumps(kept)).given() == {"alpha"}
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"beam_size": "4"}, "--beam-size must be an integer (got '4')"),
+    ({"beam_size": 2.5}, "--beam-size must be an integer (got 2.5)"),
+    ({"beam_size": True}, "--beam-size must be an integer (got True)"),
+    ({"alpha": "0.6"}, "--alpha must be a number (got '0.6')"),
+    ({"alpha": None}, "--alpha must be a number (got None)"),
+    ({"batch_sentences": None}, "--batch-sentences must be an integer (got None)"),
+    ({"rules": 3}, "--rules must be a string (got 3)"),
+])
+def test_a_value_of_the_wrong_type_is_named_not_a_deep_type_error(changes, says):
+    """DecodingOptions(beam_size="4") failed with "'<' not supported" in problems(), 2.5 deep in numpy."""
+    with pytest.raises(DecodingError) as e:
+        DecodingOptions(**changes).validate()
+    assert str(e.value) == says

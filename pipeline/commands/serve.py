@@ -63,4 +63,6 @@ def serve(model_dir: str | None, decoding: DecodingOptions, **options: Any) -> N
     load = dataclasses.replace(pick(LoadOptions, options), many_batches=True)  # a queue: batches side by side
     opts, limits = dataclasses.replace(pick(ServeHttpOptions, options), load=load), pick(RequestLimits, options)
     models = model_specs(model_dir, opts.model)
-    serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens), limits)
+    # the server's budget, not one the user set: a model dir's own batch_tokens still applies
+    serve_http(models, opts, decoding.replace(batch_tokens=limits.max_batch_tokens, explicit=decoding.explicit),
+               limits)
