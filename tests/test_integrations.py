@@ -133,6 +133,17 @@ def test_a_column_the_translator_adds_is_never_replaced_unseen(fp32_dir):
             translator(batch)
 
 
+def test_one_string_is_refused_where_rows_belong(fp32_dir):
+    """translate("ab cd ef") translated each character as a row (8 translations), and {"text": "ab cd"} set 5-row
+    columns beside the scalar."""
+    translator = Translator(fp32_dir, load_options=LoadOptions(backend="onnxruntime"))
+    with pytest.raises(TypeError, match=r"takes a list of texts, not one string: translate\(\[text\]\)"):
+        translator.translate("ab cd ef")
+    with pytest.raises(TypeError, match=r"the column 'text' is one string; a batch holds a list"):
+        translator({"text": "ab cd"})
+    assert len(translator.translate(["ab cd ef"]).translation) == 1
+
+
 def test_every_kind_of_null_is_a_blank_row_and_what_is_not_text_is_refused(fp32_dir):
     """Ray's pandas batches hold pd.NA (a string[pyarrow] column's null): "<NA>" was translated as text, and so
     were NaT, a float32 NaN ("nan") and a null Arrow scalar ("None"); a number or a list was made text in

@@ -129,6 +129,8 @@ class Translator:
             raise UserError(f"the rows already have {', '.join(map(repr, taken))}, a column the Translator adds "
                             f"({', '.join(added)}); rename or drop it first")
         sources = batch[self.column]
+        if isinstance(sources, (str, bytes)):  # {"text": "a line"}: each character was a row, beside the scalar
+            raise TypeError(f"the column {self.column!r} is one string; a batch holds a list (or array) of rows")
         origins = None
         if self.origin_columns is not None:
             origins = [list(batch[name]) for name in self.origin_columns]
@@ -145,6 +147,8 @@ class Translator:
         """Row-aligned results for source strings (None: a blank row); a refused row is named by `origins`
         (each row's file and line) or by its place in the batch and its start (row:N of this batch of M ('...'):
         Spark's and Ray's batches are slices of the data, so a place alone does not find the row)."""
+        if isinstance(sources, (str, bytes)):  # translate("a line") translated each character as a row
+            raise TypeError("Translator.translate takes a list of texts, not one string: translate([text])")
         def where(row: int) -> str:  # a refused row named as a refused line is: its file and line, else its place
             if origins is not None:
                 return f"{origins[0][row]}:{origins[1][row]}"
