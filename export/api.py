@@ -39,7 +39,7 @@ from export import (
 from export.calibrate import RangeTable
 from export.constrained import write_constrained
 from export.errors import ExportError, TensorRTUnavailable, VerificationError
-from export.options import READ_BY_THE_CALLER, ExportOptions
+from export.options import READ_BY_THE_CALLER, ExportOptions, check_given
 from export.out_dir import commit_out
 from export.payload import checkpoint_steps, decoding_defaults
 from export.plan import ExportPlan, resolve
@@ -100,8 +100,10 @@ def export_model(checkpoint: Path | str, out: Path | str, **options: Any) -> Man
     files = sorted(set(options) & set(READ_BY_THE_CALLER))
     if files:
         raise TypeError(f"export_model() reads no files ({', '.join(files)}): pass what they hold as "
-                        "references=(sources, references) or shortlist=ShortlistCorpus(...)")
-    return export(checkpoint, ExportOptions(out=Path(out), **options))
+                        "references=(sources, references), calibration=[lines] or shortlist=ShortlistCorpus(...)")
+    opts = ExportOptions(out=Path(out), **options)
+    check_given(opts)
+    return export(checkpoint, opts)
 
 
 def export(checkpoint: Path | str, options: ExportOptions, say: Callable[[str], object] = log.info) -> Manifest:

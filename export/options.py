@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from export import quantize, tensorrt_build, verify
+from export.errors import ExportError
 from export.shortlist import ShortlistCorpus
 from model.config import ModelConfig
 from model.manifest import QUANTIZATIONS
-from runtime.fields import opt
+from runtime.fields import declared_bounds, opt
 from runtime.languages import Direction, direction
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
@@ -26,7 +27,7 @@ DEFAULT_MAX_BEAM = 8
 # The options naming files that the command line reads (it knows a save dir's validation set and reads
 # text strictly); export itself takes what they hold: ExportOptions.references and .shortlist.
 READ_BY_THE_CALLER = ("reference_src", "reference_tgt", "reference_lines", "shortlist_src", "shortlist_tgt",
-                      "shortlist_per_source", "shortlist_frequent")
+                      "shortlist_per_source", "shortlist_frequent", "int8_calibrate")
 
 
 @dataclass(frozen=True)
@@ -150,3 +151,22 @@ class ExportOptions:
     # Decoding defaults to record in the manifest over the checkpoint's own (export's --beam-size, --alpha, ...:
     # tune-decoding's choice), as runtime.decoding.DecodingOptions fields; serving uses them unless told otherwise
     decoding: dict[str, Any] = field(default_factory=dict)
+
+
+def check_given(o: ExportOptions) -> None:
+    """What the command line checks or builds itself, checked for a caller from Python before the work (a
+    references list of two strings was recorded as text; atol=-1 failed after the export)."""
+    def texts(x: Any) -> bool:
+        return isinstance(x, (list, tuple)) and all(isinstance(t, str) for t in x)
+
+    refs = o.references
+    if refs is not None and not (isinstance(refs, (list, tuple)) and len(refs) == 2 and all(map(texts, refs))):
+        raise TypeError("references must be (sources, references): two lists of strings")
+    if refs is not None and len(refs[0]) != len(refs[1]):
+        raise ExportError(f"references: {len(refs[0])} sources but {len(refs[1])} references; they must be "
+                          "line-aligned")
+    if o.calibration is not None and not isinstance(o.calibration, Calibration) and not texts(o.calibration):
+        raise TypeError("calibration must be a list of source lines (or a Calibration)")
+    problems = declared_bounds(o, lambda name: name)
+    if problems:
+        raise ExportError("; ".join(problems))

@@ -71,6 +71,21 @@ class Checked:
         return self
 
 
+def declared_bounds(obj: Any, n: Callable[[str], str] = flag) -> list[str]:
+    """The fields of options dataclass `obj` outside the min/max their opt() declares (what click checks for the
+    command line; a caller from Python passed them unchecked: export_model(atol=-1) failed after the export)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        cli, value = f.metadata.get("cli", {}), getattr(obj, f.name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if cli.get("min") is not None and value < cli["min"]:
+            out.append(f"{n(f.name)} must be at least {cli['min']} (got {value})")
+        elif cli.get("max") is not None and value > cli["max"]:
+            out.append(f"{n(f.name)} must be at most {cli['max']} (got {value})")
+    return out
+
+
 def at_least(value: float | None, least: float, field_name: str, n: Callable[[str], str]) -> list[str]:
     """[the problem] when `value` (None: not given) is below `least`, else []: the problem most options have."""
     if value is None or value >= least:

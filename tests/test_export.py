@@ -536,3 +536,19 @@ def test_the_current_directory_as_out_is_refused_before_any_work(fp32_dir, rando
     code, _, err = run_cli_captured(capsys, "export", random_checkpoint, "--out", ".", "--force")
     assert code == 2 and "is the current directory or holds it" in err, err
     assert "export finished" not in err and (model / MANIFEST).is_file()
+
+
+@pytest.mark.parametrize("options, error, says", [
+    ({"int8": True, "int8_calibrate": Path("calib.txt")}, TypeError, r"reads no files \(int8_calibrate\)"),  # ignored
+    ({"references": ["a", "b"]}, TypeError, r"^references must be \(sources, references\)"),  # recorded as text
+    ({"references": (["a"], ["a", "b"])}, ExportError, r"^references: 1 sources but 2 references"),  # after 14 s
+    ({"calibration": "text"}, TypeError, r"^calibration must be a list of source lines"),  # an AttributeError
+    ({"atol": -1}, ExportError, r"^atol must be at least 0 \(got -1\)"),  # a VerificationError after the export
+    ({"max_beam": 0}, ExportError, r"^max_beam must be at least 1 \(got 0\)"),
+])
+def test_export_model_from_python_checks_what_the_command_line_would(random_checkpoint, tmp_path, monkeypatch,
+                                                                     options, error, says):
+    monkeypatch.setattr(api, "export", lambda *a, **k: pytest.fail("exported before refusing"))
+    with pytest.raises(error, match=says):
+        api.export_model(random_checkpoint, tmp_path / "m", **options)
+    assert not (tmp_path / "m").exists()
