@@ -209,6 +209,12 @@ class Loaded:
         source), with `decoding` or else this model's; first_tokens, on_batch, constraints (a glossary's
         terms per source: EncodedTexts.constraints) and workers as runtime.translate's translate_ids, which
         batches by length and runs the search."""
+        vocab = self.backend.cfg.vocab_size  # ids a caller made: -1 was the last row on one backend, an
+        wrong = next((i for line in ids for i in line if not 0 <= i < vocab), None)  # IndexError on another
+        if wrong is not None:
+            raise RuntimeUserError(f"source id {wrong} is not in this model's vocabulary (ids 0..{vocab - 1})")
+        if first_tokens is not None and len(first_tokens) != len(ids):
+            raise RuntimeUserError(f"first_tokens has {len(first_tokens)} ids for {len(ids)} sources: give one each")
         joins = word_continuations(self.tokenizer) if constraints is not None else None
         hyps = translate_ids(self.backend, ids, self.decoding if decoding is None else decoding, first_tokens,
                              on_batch, constraints, joins, workers)

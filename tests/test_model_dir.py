@@ -13,6 +13,7 @@ import pytest
 from model.manifest import MANIFEST
 from runtime import registry
 from runtime.decoding import PAPER
+from runtime.errors import RuntimeUserError
 from runtime.model_dir import LoadOptions, ModelDir, load
 from tests.helpers import FAST, run_cli_captured, write_lines
 
@@ -177,3 +178,19 @@ def test_more_batches_at_once_than_cores_is_said(fp32_dir, caplog):
     with caplog.at_level(logging.WARNING, logger="runtime.ort_backend"):
         load(fp32_dir, LoadOptions(backend="onnxruntime", parallel_batches=min(2, cores)))
     assert "usable core" not in caplog.text
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_loaded_translate_refuses_ids_outside_the_vocabulary_alike_on_every_backend(fp32_dir, backend):
+    """-1 was the vocabulary's last row on onnxruntime (a translation) and an IndexError on torch; an id past the
+    vocabulary an engine's red log line and a RuntimeError 12 frames deep; first_tokens of another length an
+    IndexError."""
+    loaded = load(fp32_dir, LoadOptions(backend=backend, threads=1))
+    vocab = loaded.backend.cfg.vocab_size
+    for bad in (-1, vocab):
+        with pytest.raises(RuntimeUserError, match=rf"^source id {bad} is not in this model's vocabulary "
+                                                    rf"\(ids 0..{vocab - 1}\)$"):
+            loaded.translate([[5, 6, 3], [5, bad, 3]])
+    with pytest.raises(RuntimeUserError, match=r"^first_tokens has 1 ids for 2 sources"):
+        loaded.translate([[5, 3], [6, 3]], first_tokens=[2])
+    assert len(loaded.translate([[5, 3], []])) == 2
