@@ -248,7 +248,8 @@ class TrainLoop:
             total = len(self.data.valid_src_lines)  # BLEU of the first --valid-max-sentences, said so
             scored = "" if result["sentences"] == total else f" of the first {result['sentences']} of {total} lines"
             bar.write(f"step {progress.step}: valid loss {result['loss']:.3f} ppl {result['ppl']:.2f} "
-                      f"BLEU {result['bleu']:.2f}{scored} ({result['bleu_signature']})")
+                      f"BLEU {result['bleu']:.2f}{scored} ({result['bleu_signature']})",
+                      file=sys.stderr)  # (tqdm's default is stdout: a script's own output got it)
         progress.best_bleu, progress.best_step = ctx.broadcast((progress.best_bleu, progress.best_step))
 
     def _summary(self, progress: Progress, start_step: int, speed: _Throughput) -> None:
