@@ -228,6 +228,11 @@ def test_tune_decoding_translates_the_pair_it_is_given(checkpoint, pairs, tmp_pa
     code, out, err = run_cli_captured(capsys, "tune-decoding", checkpoint, "--src", src, "--ref", ref, "--beams", "1",
                                       "--src-lang", "en", "--tgt-lang", "de")
     assert code == 0 and "(--src-lang en --tgt-lang de)" in out, err
+    # en -> en: every surface copies the lines; tuning scored the model's own en -> en output (BLEU 0.00 for a
+    # copy's 100) and printed an export line for it
+    code, _, err = run_cli_captured(capsys, "tune-decoding", checkpoint, "--src", src, "--ref", src, "--beams", "1",
+                                    "--src-lang", "en", "--tgt-lang", "en")
+    assert_one_line_error(code, err, "--src-lang and --tgt-lang are both en", "no decoding to tune")
 
 
 def test_one_pair_models_take_no_languages(tmp_path):

@@ -129,6 +129,9 @@ def tune_decoding(model: Path, src: Path, ref: Path, beams: list[int], alphas: l
     backend, tokenizer, defaults = load_for_tuning(model, device, threads)
     pair = ModelDir.open(model, verify=False).manifest.language_pair if (Path(model) / MANIFEST).is_file() else None
     way = direction(backend.cfg, src_lang, tgt_lang, pair=pair)  # none given, it decoded without language tokens
+    if way.same:  # every surface copies such lines: a setting tuned on the model's en -> en output serves nothing
+        raise UserError(f"--src-lang and --tgt-lang are both {way.source}: serve-batch writes every line as it came, "
+                        "so there is no decoding to tune; choose two languages")
     base = base.for_model(defaults)  # an imported model tunes under its own search rules and limits
     grid = [base.replace(beam_size=beam, alpha=alpha) for beam in beams for alpha in alphas]
     # every trial checked before the first runs (a bad last one threw the finished ones away), named as typed
