@@ -99,11 +99,16 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
 
 
 def _near(value: str, known: list[str], most: int = 5) -> list[str]:
-    """Codes the user may have meant: the same in another case, or starting with what was given (en: eng_Latn,
-    the NLLB spelling of a two-letter code is its three-letter one with a script)."""
+    """Codes the user may have meant: the same in another case; for a two-letter code, the model's codes of that
+    language (ISO_639_1: ja -> jpn_Jpan, fa -> pes_Arab; a prefix gave jav_Latn, Javanese, and fao_Latn,
+    Faroese); else the codes starting with what was given (eng: eng_Latn)."""
     key = value.casefold()
     same = [c for c in known if c.casefold() == key]
-    return same or [c for c in known if key and c.casefold().startswith(key)][:most]
+    if same:
+        return same
+    if len(key) == 2:
+        return [c for c in known if ISO_639_1.get(c.split("_")[0].casefold()) == key][:most]
+    return [c for c in known if key and c.casefold().startswith(key)][:most]
 
 
 def _listed(cfg: ModelConfig, limit: int = 40) -> str:

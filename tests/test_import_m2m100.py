@@ -401,3 +401,14 @@ def test_transformers_reference_texts_hold_no_language_token_and_its_dir_is_chec
     assert all(ids[0] in languages for ids in tokens)  # the ids still start with the forced target token
     with pytest.raises(UserError, match="holds a m2m_100 model, not the one-pair model of this model dir"):
         translate(hf_dir, pairs[0], decoding, "en", "de")
+
+
+def test_a_two_letter_code_on_an_nllb_model_is_offered_that_language_not_a_prefix():
+    """ja was offered jav_Latn (Javanese), fa fao_Latn (Faroese), ga gaz_Latn (Oromo); ka missed kat_Geor."""
+    from runtime.languages import _near
+
+    nllb = ["eng_Latn", "jav_Latn", "jpn_Jpan", "fao_Latn", "pes_Arab", "gaz_Latn", "gle_Latn", "kab_Latn",
+            "kat_Geor", "swe_Latn"]
+    assert [_near(code, nllb) for code in ("ja", "fa", "ga", "ka", "sv", "en")] == [
+        ["jpn_Jpan"], ["pes_Arab"], ["gle_Latn"], ["kat_Geor"], ["swe_Latn"], ["eng_Latn"]]
+    assert _near("xx", nllb) == [] and _near("ka", nllb + ["ka"]) == ["ka"] and _near("jav", nllb) == ["jav_Latn"]
