@@ -226,6 +226,22 @@ def test_docx_hidden_text_rubies_symbols_controls_and_tracked_insertions() -> No
     assert _texts(sixth, ".//w:sdtContent//w:t") == ["[Ja bitte]"]
 
 
+def test_docx_text_a_tracked_move_took_away_is_kept_as_deleted_text() -> None:
+    """Moved-away text (w:moveFrom, in w:t) was translated and the paragraph's translation put in it: accepting the
+    move left the paragraph empty, and the moved sentence was translated twice (here and at its w:moveTo)."""
+    paragraphs = [
+        '<w:p><w:moveFrom w:id="1" w:author="A"><w:r><w:t xml:space="preserve">Ein verschobener Satz. </w:t></w:r>'
+        '</w:moveFrom><w:r><w:t>Der Hund läuft schnell.</w:t></w:r></w:p>',
+        '<w:p><w:moveTo w:id="2" w:author="A"><w:r><w:t>Ein verschobener Satz.</w:t></w:r></w:moveTo></w:p>',
+    ]
+    doc = read_docx(_docx("".join(paragraphs)))
+    assert doc.texts == ["Der Hund läuft schnell.", "Ein verschobener Satz."]
+    first, second = _part(_bracketed(doc), "word/document.xml").xpath("//w:body/w:p", namespaces=NS)
+    assert _texts(first, ".//w:moveFrom//w:t") == ["Ein verschobener Satz. "]  # as it was: the move deletes it
+    assert _texts(first, "w:r/w:t") == ["[Der Hund läuft schnell.]"]
+    assert _texts(second, ".//w:t") == ["[Ein verschobener Satz.]"]
+
+
 def test_odt_ruby_page_number_placeholders_and_deleted_text() -> None:
     """ODT's ruby base word was cut out of its sentence (its reading and base after the translation); a slide's
     "<number>" placeholder was sent to the model and replaced; the text a tracked change deleted was translated

@@ -213,8 +213,10 @@ def read_docx(data: bytes, max_texts: int | None = None) -> Document:
 
 
 def _docx_unseen(element: Any) -> bool:
-    """A hidden run (w:vanish) or a ruby's reading (w:rt): not words of the sentence the reader sees."""
-    if element.tag == W + "rt":
+    """A hidden run (w:vanish), a ruby's reading (w:rt) or text a tracked move took away (w:moveFrom, in w:t where a
+    deletion's is w:delText: it was translated, and the paragraph's translation put in it, so accepting the move
+    deleted the sentence): not words of the sentence the reader sees."""
+    if element.tag in (W + "rt", W + "moveFrom"):
         return True
     return element.tag == W + "r" and _on(element.find(f"{W}rPr/{W}vanish"))
 
