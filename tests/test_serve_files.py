@@ -199,6 +199,26 @@ def test_epub_pages_translated_other_members_copied():
             .replace("Es war ", "ES WAR ").replace("einmal", "EINMAL")
 
 
+def test_a_page_that_declares_another_encoding_is_rebuilt_in_it():
+    """An ASCII page under <meta charset="iso-8859-1"> (or an XHTML page's XML declaration) was rebuilt in UTF-8
+    with the declaration kept: a browser showed "Größe" as "GrÃ¶Ãe". A character the encoding lacks becomes a
+    character reference; an encoding Python does not know is refused."""
+    from pipeline.serve.archive_formats import read_epub
+    from pipeline.serve.text_formats import DocumentError, read_html
+
+    page = b'<html><head><meta charset="ISO-8859-1"></head><body><p>Die Strasse.</p></body></html>'
+    out = read_html(page).rebuild(["Die Größe €"])
+    assert out == page.replace(b"Die Strasse.", "Die Größe &#8364;".encode("latin-1"))
+    assert read_html(page.replace(b"ISO-8859-1", b"utf-8")).rebuild(["Größe"]) == page.replace(
+        b"ISO-8859-1", b"utf-8").replace(b"Die Strasse.", "Größe".encode())
+    with pytest.raises(DocumentError, match="declares the encoding 'x-nonsense', which this server does not know"):
+        read_html(page.replace(b"ISO-8859-1", b"x-nonsense"))
+    xhtml = '<?xml version="1.0" encoding="ISO-8859-1"?><html xmlns="http://www.w3.org/1999/xhtml"><body><p>' \
+            'Die Strasse.</p></body></html>'
+    with zipfile.ZipFile(io.BytesIO(read_epub(_epub_of(xhtml)).rebuild(["Die Größe"]))) as z:
+        assert z.read("OEBPS/a.xhtml") == xhtml.replace("Die Strasse.", "Die Größe").encode("latin-1")
+
+
 def test_an_epub_page_is_read_by_xhtml_rules():
     """An EPUB page was parsed by HTML's rules: a <div> inside <p translate="no"> ended the paragraph there (as a
     browser does for HTML), and its words were translated although the reader keeps them in the paragraph."""

@@ -3,13 +3,14 @@ translations back, read within zip_parts.py's bounds; the rules are documents.py
 
 from __future__ import annotations
 
+import codecs
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
-from pipeline.serve.text_formats import Document, DocumentError, extension
+from pipeline.serve.text_formats import Document, DocumentError, declared_encoding, extension
 from pipeline.serve.zip_parts import Archive, XmlBudget, parse_xml, serialize
 from runtime.markup import TooManyTexts, parse_html
 from runtime.sentences import has_letters
@@ -295,7 +296,7 @@ def read_epub(data: bytes, max_texts: int | None = None) -> Document:
     if "META-INF/container.xml" not in archive.names:
         raise DocumentError(f"the file is not an {what}: it has no META-INF/container.xml")
     texts: list[str] = []
-    pages: dict[int, tuple[Any, int]] = {}  # member -> its markup and how many texts it has
+    pages: dict[int, tuple[Any, int, str]] = {}  # member -> its markup, how many texts it has, its encoding
     budget = XmlBudget(what, "pages", max_texts)
     for index, info, content in archive.members(lambda name: extension(name) in (".xhtml", ".html", ".htm")):
         budget.take(content, tree=False)  # (our tag scanner's, not a tree: its memory grows with the texts)
@@ -310,12 +311,14 @@ def read_epub(data: bytes, max_texts: int | None = None) -> Document:
             budget.found(e.limit + 1)
             raise
         budget.found(len(markup.sources))
-        pages[index] = (markup, len(markup.sources))
+        encoding = "utf-8" if content.startswith(codecs.BOM_UTF8) else declared_encoding(page, what) or "utf-8"
+        pages[index] = (markup, len(markup.sources), encoding)
         texts.extend(markup.sources)
 
     def rebuild(translations: list[str]) -> bytes:
         given = iter(translations)
-        return archive.rebuilt({k: markup.rebuild([next(given) for _ in range(n)]).encode("utf-8")
-                                for k, (markup, n) in pages.items()})
+        return archive.rebuilt({k: markup.rebuild([next(given) for _ in range(n)]).encode(encoding,
+                                                                                          "xmlcharrefreplace")
+                                for k, (markup, n, encoding) in pages.items()})
 
     return Document(texts, rebuild, True)

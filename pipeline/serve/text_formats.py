@@ -67,6 +67,30 @@ def _decode(data: bytes, what: str) -> tuple[str, Callable[[str], bytes]]:
     return text, lambda out: bom + out.encode(encoding, "surrogatepass")
 
 
+DECLARED = re.compile(r"""<\?xml[^>]*?\bencoding\s*=\s*["']([\w.:-]+)|<meta\b[^>]*?\bcharset\s*=\s*["']?([\w.:-]+)""",
+                      re.IGNORECASE)
+
+
+def declared_encoding(page: str, what: str) -> str | None:
+    """The encoding other than UTF-8 that a page read as UTF-8 (so ASCII) declares in its first 1024 characters
+    (an XML declaration's, a meta's): its rebuilt bytes go in it, characters it lacks as character references
+    (in UTF-8 under `<meta charset="iso-8859-1">`, "Größe" showed as "GrÃ¶Ãe"). None: UTF-8 or nothing declared."""
+    m = DECLARED.search(page[:1024])
+    if m is None:
+        return None
+    name = m[1] or m[2]
+    try:
+        codec = codecs.lookup(name).name
+    except LookupError:
+        raise DocumentError(f"the {what} declares the encoding {name[:40]!r}, which this server does not know; save "
+                            "it as UTF-8") from None
+    if codec.startswith(("utf-8", "utf-16", "utf-32")):  # (a page read as UTF-8 declaring UTF-16 is UTF-8)
+        return None
+    if "<html>".encode(codec, "replace") != b"<html>":  # not ASCII's bytes: the markup would change
+        raise DocumentError(f"the {what} declares the encoding {name[:40]!r} but is ASCII; save it as UTF-8")
+    return codec
+
+
 LINE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|$)")
 
 
@@ -114,6 +138,9 @@ def read_txt(data: bytes, max_texts: int | None = None) -> Document:
 
 def read_html(data: bytes, max_texts: int | None = None) -> Document:
     text, encode = _decode(data, "HTML file")
+    declared = None if data.startswith(tuple(bom for bom, _ in BOMS)) else declared_encoding(text, "HTML file")
+    if declared is not None:
+        encode = lambda out: out.encode(declared, "xmlcharrefreplace")  # noqa: E731
     if text.count("<") > MAX_TAGS:
         raise DocumentError(f"the HTML file holds more than this server's limit of {MAX_TAGS:,} tags; split the "
                             "file", too_large=True)
