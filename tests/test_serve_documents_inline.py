@@ -170,6 +170,21 @@ def test_pptx_fields_are_cut_off_and_kept() -> None:
     assert _texts(root, "//a:t") == ["[Folie ]", "7", "[ von 10]"]
 
 
+def test_pptx_tabs_inside_a_run_cut_the_paragraph_as_words_do() -> None:
+    """PowerPoint keeps a tab in its run's text ("Preis\t12 Euro\tpro Stück"): the columns were one sentence,
+    translated together, and the tab lost; docs/serving.md says a paragraph is cut at its tabs."""
+    paragraph = ('<a:p><a:r><a:rPr b="1"/><a:t>Name:\tDer große Hund</a:t></a:r></a:p><a:p><a:r><a:t>Preis\t\t12 '
+                 'Euro\tpro Stück</a:t></a:r><a:r><a:t>!</a:t></a:r></a:p><a:p><a:r><a:t>\t</a:t></a:r></a:p>')
+    doc = read_pptx(_pptx(paragraph))
+    assert doc.texts == ["Name:", "Der große Hund", "Preis", "12 Euro", "pro Stück!"]
+    root = _part(_bracketed(doc), "ppt/slides/slide1.xml")
+    first, second, third = root.xpath("//a:p", namespaces=NS)
+    assert _texts(first, ".//a:t") == ["[Name:]", "\t", "[Der große Hund]"]
+    assert [r.find("a:rPr", namespaces=NS).get("b") for r in first.xpath("a:r", namespaces=NS)] == ["1"] * 3
+    assert "".join(_texts(second, ".//a:t")) == "[Preis]\t\t[12 Euro]\t[pro Stück!]"
+    assert _texts(third, ".//a:t") == ["\t"]
+
+
 def test_odt_and_docx_through_translate_file() -> None:
     out, _ = roundtrip("anker.odt", _odt(ANCHORED + '<text:p>Seite <text:page-number>7</text:page-number> mit '
                                                     '<text:s/>Abstand.</text:p>'))

@@ -49,6 +49,8 @@ def _ooxml_segments(root: Any, paragraph: str, text: str, breaks: frozenset[str]
                 yield from mine
             elif segments is not None and tag in breaks and child not in kept:
                 segments.append([])
+            elif segments is not None and tag == text and child.text and not child.text.strip("\t"):
+                segments.append([])  # tabs alone (a pptx run's, _tabs_apart): a break, kept as it is
             elif segments is not None and tag == text:
                 segments[-1].append((child, "text"))
             elif segments is not None and tag in fields and child not in kept:
@@ -258,8 +260,25 @@ def _docx_links(root: Any) -> set[Any]:
 
 def read_pptx(data: bytes, max_texts: int | None = None) -> Document:
     return _read_xml_archive(data, "PowerPoint presentation (.pptx)", PPTX_PARTS, "ppt/presentation.xml",
-                             lambda root: _ooxml_segments(root, A + "p", A + "t", PPTX_BREAKS),
+                             lambda root: _ooxml_segments(_tabs_apart(root), A + "p", A + "t", PPTX_BREAKS),
                              False, max_texts=max_texts)
+
+
+def _tabs_apart(root: Any) -> Any:
+    """`root` with each tab PowerPoint keeps inside a run's a:t ("Name:\tDer Hund") in a run of its own, which
+    _ooxml_segments takes for a break, as Word's w:tab (the columns were one sentence and their tab lost)."""
+    for t in list(root.iter(A + "t")):
+        run, text = t.getparent(), t.text or ""
+        if "\t" not in text or not text.strip("\t") or run is None or run.tag != A + "r":
+            continue
+        parts = [part for part in re.split("(\t+)", text) if part]
+        t.text, after = parts[0], run
+        for part in parts[1:]:
+            clone = etree.fromstring(etree.tostring(run, with_tail=False))
+            clone.find(A + "t").text = part
+            after.addnext(clone)
+            after = clone
+    return root
 
 
 def read_odt(data: bytes, max_texts: int | None = None) -> Document:
