@@ -410,6 +410,26 @@ def test_a_member_holding_more_than_it_declares_is_damaged_not_unpacked():
     assert "is damaged: its member 'word/document.xml' cannot be read (BadZipFile: Bad CRC-32" in r.json()["error"]
 
 
+def test_an_archive_with_a_member_twice_or_one_named_outside_it_is_damaged():
+    """Two word/document.xml were both translated and written back (a 200); a member named ../../etc/x or /etc/x
+    was copied into the returned file as it was."""
+    import warnings
+
+    body = '<w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body><w:p><w:r>' \
+           '<w:t>Der Hund.</w:t></w:r></w:p></w:body></w:document>'
+    for extra, says in (("word/document.xml", "holds 'word/document.xml' twice"),
+                        ("../../tmp/x.txt", "its member '../../tmp/x.txt' names a place outside it"),
+                        ("/etc/x.txt", "its member '/etc/x.txt' names a place outside it")):
+        buffer = io.BytesIO()
+        with warnings.catch_warnings(), zipfile.ZipFile(buffer, "w") as z:
+            warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+            z.writestr("word/document.xml", body)
+            z.writestr(extra, body)
+        with served() as c:
+            r = send(c, "bericht.docx", buffer.getvalue())
+        assert r.status_code == 400 and says in r.json()["error"], r.text
+
+
 def test_a_member_that_lies_about_its_size_is_read_in_memory_of_the_size_it_declares():
     """zipfile's read() of a whole member asks zlib for up to 2 GiB and cuts to the declared size after: a 64 KiB
     member declaring 100 bytes took 64 MiB here (a 1 MiB upload, 2 GB of the server)."""

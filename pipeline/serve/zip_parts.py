@@ -47,6 +47,13 @@ class Archive:
             raise DocumentError(f"the {what} unpacks to {total} bytes, more than this server's limit of "
                                 f"{MAX_UNZIPPED_BYTES} ({MAX_UNZIPPED_BYTES >> 20} MiB)", too_large=True)
         self.names = [info.filename for info in self.infos]
+        seen: set[str] = set()  # two members of one name (both were translated and written back: which one an
+        for name in self.names:  # application reads is its own choice); a name that climbs out of the archive
+            if name in seen:
+                raise DocumentError(f"the {what} is damaged: it holds {name[:100]!r} twice")
+            if name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/"):
+                raise DocumentError(f"the {what} is damaged: its member {name[:100]!r} names a place outside it")
+            seen.add(name)
 
     def _open(self) -> zipfile.ZipFile:
         return zipfile.ZipFile(io.BytesIO(self.data))
