@@ -235,10 +235,13 @@ def check_glossary(glossary: Glossary, tokenizer: AnyTokenizer, backend: Backend
 def refuse_without_gather(backend: Backend) -> None:
     """A glossary needs a backend whose decoder step returns any id's log-prob (Backend.gathers)."""
     if not backend.gathers:
-        raise RuntimeUserError(no_gather(backend.name))
+        raise RuntimeUserError(no_gather(backend.name, backend.shortlist is not None))
 
 
-def no_gather(backend: str) -> str:
+def no_gather(backend: str, shortlisted: bool = False) -> str:
+    if shortlisted:  # the cause itself, first (it came last, after advice that did not apply)
+        return ("a glossary needs the log-probs of a term's tokens over the whole vocabulary, which the shortlisted "
+                "step (--shortlist) does not compute: leave out --shortlist to use a glossary")
     return (f"the {backend} backend cannot apply a glossary here: use the onnxruntime backend on a model dir "
             "exported by this version (it holds decoder_constrained.onnx), or the torch backend with its eager step, "
             "without --shortlist")

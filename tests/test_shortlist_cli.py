@@ -58,6 +58,20 @@ def test_serve_batch_shortlist_needs_a_model_dir_with_one(memorised_fp32_dir, me
     assert not (tmp_path / "o.txt").exists()
 
 
+@pytest.mark.parametrize("backend", ["onnxruntime", "torch"])
+def test_a_glossary_with_the_shortlist_is_refused_for_the_shortlist(memorised_shortlist_fp32_dir, memorise_corpus,
+                                                                    tmp_path, capsys, backend):
+    """The refusal told to export again with this version (the dir was), the cause (--shortlist) last."""
+    src, _ = memorise_corpus
+    glossary = tmp_path / "g.tsv"
+    glossary.write_text("a\tb\n")
+    code, _, err = run_cli_captured(capsys, "serve-batch", memorised_shortlist_fp32_dir, src, "-o",
+                                    tmp_path / "o.txt", "--backend", backend, "--shortlist", "--glossary", glossary,
+                                    *GREEDY)
+    assert_one_line_error(code, err, "the shortlisted step (--shortlist) does not compute: leave out --shortlist")
+    assert "exported by this version" not in err and not (tmp_path / "o.txt").exists()
+
+
 @pytest.mark.slow
 def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_shortlist_fp32_dir, memorise_corpus,
                                                                     tmp_path, capsys):

@@ -131,7 +131,8 @@ def _glossary(opened: ModelDir, backend: str, load_options: LoadOptions, paths: 
         from runtime.torch_backend import default_step_mode
 
         step = load_options.step or default_step_mode(resolve_device(load_options.device), load_options.shortlist)
-        why = None if step == "eager" and not load_options.shortlist else no_gather(backend) + " (--step eager)"
+        why = None if step == "eager" and not load_options.shortlist else no_gather(backend, load_options.shortlist) \
+            + ("" if load_options.shortlist else " (--step eager)")
     else:
         why = no_gather(backend)
     if why:
