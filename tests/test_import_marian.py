@@ -351,6 +351,7 @@ def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(h
     directory this model was imported from is not here; pass --hf-dir" though it was passed; and a damaged
     directory was transformers' traceback (a JSONDecodeError)."""
     from model.errors import UserError
+    from pipeline.evaluation.random_model import make_random_checkpoint
     from pipeline.evaluation.transformers_reference import source_dir, translate
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -365,6 +366,11 @@ def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(h
         source_dir(checkpoint, Path("Helsinki-NLP/opus-mt-xx-yy"))
     with pytest.raises(UserError, match=r"^--hf-dir \S+/nope: no such directory$"):
         source_dir(checkpoint, tmp_path / "nope")
+    ours = tmp_path / "ours.pt"  # a model trained here: an --hf-dir is another model (0% identical, no word)
+    make_random_checkpoint(ours, "tiny", 64, seed=1)
+    assert source_dir(ours, None) is None
+    with pytest.raises(UserError, match=r"this model was not imported \(trained here\), so no Hugging Face model"):
+        source_dir(ours, hf_dir)
 
     carded = tmp_path / "carded"  # a model card: hashed at import, read by no one
     shutil.copytree(hf_dir, carded)

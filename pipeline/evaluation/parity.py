@@ -230,8 +230,8 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
     model_dir = opened.path
     hf_dir = transformers_reference.source_dir(opened.file(CHECKPOINT_FILE), hf_dir)
     if hf_dir is None:
-        raise UserError(f"{model_dir}: not an imported model (its checkpoint records no source directory); "
-                        "--reference transformers needs --hf-dir")
+        raise UserError(f"{model_dir}: not an imported model (trained here), so no Hugging Face model is its "
+                        "reference; compare it with --reference torch")
     torch_run = translate_as_served(torch_backend, tokenizer, src, opts)
     _warn(torch_run, src, opts)
     sources = read_lines(src)

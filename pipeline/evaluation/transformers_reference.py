@@ -39,6 +39,11 @@ def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
     from pipeline.importers.hub_cache import resolve_model_dir
 
     imported = (read_checkpoint(checkpoint).get("extra") or {}).get("imported") or {}
+    if not imported:  # trained here: any --hf-dir is another model (0% identical against an unrelated Marian)
+        if given is not None:
+            raise UserError(f"--hf-dir {given}: this model was not imported (trained here), so no Hugging Face model "
+                            "is its reference; compare it with --reference torch")
+        return None
     if given is not None:
         try:
             hf_dir = resolve_model_dir(given)
