@@ -13,7 +13,7 @@ from export.errors import ExportError
 from export.shortlist import ShortlistCorpus
 from model.config import ModelConfig
 from model.manifest import QUANTIZATIONS
-from runtime.fields import declared_bounds, opt
+from runtime.fields import declared_bounds, declared_types, opt
 from runtime.languages import Direction, direction
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
 from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
@@ -167,6 +167,6 @@ def check_given(o: ExportOptions) -> None:
                           "line-aligned")
     if o.calibration is not None and not isinstance(o.calibration, Calibration) and not texts(o.calibration):
         raise TypeError("calibration must be a list of source lines (or a Calibration)")
-    problems = declared_bounds(o, lambda name: name)
+    problems = declared_types(o, lambda name: name) or declared_bounds(o, lambda name: name)
     if problems:
         raise ExportError("; ".join(problems))

@@ -16,6 +16,7 @@ fields, or generation_config.json's names at import."""
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
 
@@ -69,6 +70,33 @@ class Checked:
         if problems:
             raise self.error("; ".join(problems))
         return self
+
+
+_KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "str": ((str,), "a string"),
+          "bool": ((bool,), "True or False")}
+
+
+def declared_types(obj: Any, n: Callable[[str], str] = flag) -> list[str]:
+    """The fields of options dataclass `obj` whose value is not of its declared type (int, float, str, bool, or one
+    of them | None; a Path takes a str too): a caller from Python passed threads="2" or max_steps=2.5 unchecked,
+    and they failed deep in a library, or were taken."""
+    out = []
+    for f in dataclasses.fields(obj):
+        declared, value = str(f.type), getattr(obj, f.name)
+        optional = declared.endswith(" | None")
+        base = declared.removesuffix(" | None")
+        if value is None and optional:
+            continue
+        if base == "Path":
+            if not isinstance(value, (str, os.PathLike)):
+                out.append(f"{n(f.name)} must be a path (got {value!r:.40})")
+            continue
+        if base not in _KINDS:
+            continue
+        kinds, what = _KINDS[base]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            out.append(f"{n(f.name)} must be {what}{' or None' if optional else ''} (got {value!r:.40})")
+    return out
 
 
 def declared_bounds(obj: Any, n: Callable[[str], str] = flag) -> list[str]:

@@ -38,7 +38,7 @@ from model.manifest import (
 from runtime.backend import Backend
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
-from runtime.fields import Checked, opt
+from runtime.fields import Checked, declared_types, opt
 from runtime.machine import thread_problem
 from runtime.registry import (
     BACKENDS,
@@ -148,6 +148,9 @@ class LoadOptions(Checked):
     def problems(self, name: Callable[[str], str] | None = None) -> list[str]:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default."""
         n = name or self.flag
+        mistyped = declared_types(self, n)
+        if mistyped:  # (threads="2" failed in os.sched_getaffinity's arithmetic, 1.5 in onnxruntime's binding)
+            return mistyped
         out = []
         if self.backend not in BACKENDS:
             out.append(f"{n('backend')} {self.backend!r}: choose one of {', '.join(BACKENDS)}")

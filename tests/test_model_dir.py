@@ -194,3 +194,24 @@ def test_loaded_translate_refuses_ids_outside_the_vocabulary_alike_on_every_back
     with pytest.raises(RuntimeUserError, match=r"^first_tokens has 1 ids for 2 sources"):
         loaded.translate([[5, 3], [6, 3]], first_tokens=[2])
     assert len(loaded.translate([[5, 3], []])) == 2
+
+
+def test_options_of_the_wrong_type_from_python_are_named():
+    """LoadOptions(threads="2") was a TypeError in os.sched_getaffinity's arithmetic, threads=1.5 onnxruntime's
+    "incompatible function arguments"; TrainOptions(max_steps="3") and ExportOptions(max_src_len="64") failed as
+    deep (or "can't multiply sequence")."""
+    from export.options import ExportOptions, check_given
+    from model.errors import UserError
+    from pipeline.training import TrainOptions
+    from pipeline.training.options import resolve_options
+
+    with pytest.raises(RuntimeUserError, match=r"^--threads must be an integer or None \(got '2'\)$"):
+        LoadOptions(threads="2").validate()
+    with pytest.raises(RuntimeUserError, match=r"^--threads must be an integer or None \(got 1.5\)$"):
+        LoadOptions(threads=1.5).validate()
+    with pytest.raises(UserError, match=r"^--max-steps must be an integer or None \(got '3'\)$"):
+        resolve_options(TrainOptions(save_dir=Path("run"), max_steps="3"))
+    with pytest.raises(Exception, match=r"^max_src_len must be an integer or None \(got '64'\)$"):
+        check_given(ExportOptions(out=Path("m"), max_src_len="64"))
+    LoadOptions(threads=2, device="cpu").validate()  # the right types pass
+    check_given(ExportOptions(out="m"))  # (a path may be a str)

@@ -18,7 +18,7 @@ from model.manifest import MANIFEST
 from pipeline.cli_options import opt
 from pipeline.training.step import SCHEDULES
 from runtime.decoding import PAPER
-from runtime.fields import Checked, at_least
+from runtime.fields import Checked, at_least, declared_types
 from runtime.machine import thread_problem
 
 # The built-in synthetic corpus (no --train-src): preset demo, tuned to reach a high
@@ -155,6 +155,9 @@ class AverageOptions(Checked):
 
 def resolve_options(opts: TrainOptions) -> TrainOptions:
     """Fill the defaults that depend on the preset and on whether data was given."""
+    mistyped = declared_types(opts)  # from Python: max_steps="3" was a TypeError in the arithmetic below
+    if mistyped:
+        raise UserError("; ".join(mistyped))
     builtin = opts.train_src is None and opts.train_tgt is None
     if (opts.train_src is None) != (opts.train_tgt is None):
         raise UserError("give both --train-src and --train-tgt, or neither (built-in synthetic corpus)")
