@@ -396,7 +396,8 @@ def test_nul_is_refused_by_both_apis_as_serve_batch_refuses_it():
         r = c.post("/translate_file", files={"file": ("d.txt", b"gut\nhello\x00world\n")},
                    data={"source": "de", "target": "en"})
         assert r.status_code == 400 and r.json()["error"].startswith(
-            "\"file\" 'd.txt': its text 2 holds a NUL character"), r.text
+            "\"file\" 'd.txt': its text 2 ('hello\\x00world') holds a NUL character"), r.text  # (the text said, to
+        # find it by: "text 2" counts the texts to translate, not the lines)
 
 
 def test_html_of_character_references_alone_is_translated():

@@ -214,7 +214,7 @@ async def _translated(request: Request, state: ServerState, filename: str, data:
         raise ApiError(413 if e.too_large else 400, f'"file" {filename[-60:]!r}: {e}') from None
     for i, text in enumerate(doc.texts):  # as /translate refuses it, and serve-batch a file's line
         if why := not_text(text):
-            raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} holds {why}')
+            raise ApiError(400, f'"file" {filename[-60:]!r}: its text {i + 1} ({text.strip()[:30]!r}) holds {why}')
     req = LibreRequest(doc.texts, True, source, target, False, 0, glossary, filename[-60:], doc.soft_breaks)
     detected = await _source_of(state, req) if source == "auto" else None
     try:
