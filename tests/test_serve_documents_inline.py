@@ -183,6 +183,10 @@ def test_pptx_tabs_inside_a_run_cut_the_paragraph_as_words_do() -> None:
     assert [r.find("a:rPr", namespaces=NS).get("b") for r in first.xpath("a:r", namespaces=NS)] == ["1"] * 3
     assert "".join(_texts(second, ".//a:t")) == "[Preis]\t\t[12 Euro]\t[pro Stück!]"
     assert _texts(third, ".//a:t") == ["\t"]
+    bomb = _pptx("<a:p><a:r><a:t>" + "x\t" * 100_000 + "</a:t></a:r></a:p>")  # 800 bytes zipped: 100,000 runs
+    with pytest.raises(DocumentError, match="more than 100 texts") as e:  # counted before one is made
+        read_pptx(bomb, max_texts=100)
+    assert e.value.too_large
 
 
 def test_odt_and_docx_through_translate_file() -> None:
