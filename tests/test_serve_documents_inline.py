@@ -183,10 +183,20 @@ def test_pptx_tabs_inside_a_run_cut_the_paragraph_as_words_do() -> None:
     assert [r.find("a:rPr", namespaces=NS).get("b") for r in first.xpath("a:r", namespaces=NS)] == ["1"] * 3
     assert "".join(_texts(second, ".//a:t")) == "[Preis]\t\t[12 Euro]\t[pro Stück!]"
     assert _texts(third, ".//a:t") == ["\t"]
-    bomb = _pptx("<a:p><a:r><a:t>" + "x\t" * 100_000 + "</a:t></a:r></a:p>")  # 800 bytes zipped: 100,000 runs
-    with pytest.raises(DocumentError, match="more than 100 texts") as e:  # counted before one is made
+
+def test_pptx_tabs_are_counted_before_their_runs_are_made(monkeypatch) -> None:
+    """An 859-byte upload of "x<tab>" 100,000 times made 100,000 copies of its run (667 MiB) before the texts
+    were counted and refused."""
+    from pipeline.serve import archive_formats
+
+    made = archive_formats._ooxml_segments
+    monkeypatch.setattr(archive_formats, "_ooxml_segments", lambda root, *a: pytest.fail(
+        "runs made before counting") if len(root.findall(f".//{archive_formats.A}r")) > 1000 else made(root, *a))
+    bomb = _pptx("<a:p><a:r><a:t>" + "x\t" * 100_000 + "</a:t></a:r></a:p>")
+    with pytest.raises(DocumentError, match="more than 100 texts") as e:
         read_pptx(bomb, max_texts=100)
     assert e.value.too_large
+    assert read_pptx(_pptx("<a:p><a:r><a:t>" + "x\t" * 50 + "</a:t></a:r></a:p>"), max_texts=100).texts == ["x"] * 50
 
 
 def test_odt_and_docx_through_translate_file() -> None:
