@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,9 +57,9 @@ class DecodingOptions:
                                  "best candidate ends, as OpenNMT and CTranslate2: fewer steps). Imported models "
                                  "default to their generate settings (their model dir says so).", choices=RULES)
     # The options the user set: those passed to the constructor (DecodingOptions(beam_size=4) sets beam_size,
-    # though the paper's is 4), or what the CLI gives; `replace` adds its changes. None (PAPER): those that differ
-    # from the paper's defaults. Only the others take a model dir's own defaults (for_model): an imported model's
-    # num_beams, a tuned model dir's alpha...
+    # though the paper's is 4), or what the CLI gives; `replace` adds its changes. None (given explicitly): those
+    # that differ from the paper's defaults. Only the others take a model dir's own defaults (for_model): an
+    # imported model's num_beams, a tuned model dir's alpha...
     explicit: frozenset[str] | None = field(default=None, compare=False, repr=False)
 
     def search_kwargs(self) -> dict[str, Any]:
@@ -67,7 +68,7 @@ class DecodingOptions:
                     max_len_b=self.max_len_b, min_len=self.min_len, nbest=self.nbest, rules=self.rules)
 
     def replace(self, **changes: Any) -> DecodingOptions:
-        """A copy with `changes`, which count as set (unless `explicit` is given, or is None here: PAPER's)."""
+        """A copy with `changes`, which count as set (unless `explicit` is given, or is None here)."""
         if "explicit" not in changes and self.explicit is not None:
             changes["explicit"] = self.explicit | (changes.keys() & set(OPTION_NAMES))
         return dataclasses.replace(self, **changes)
@@ -162,8 +163,8 @@ class DecodingOptions:
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata)  # in order
 # the JSON types a model dir's own decoding defaults (manifest.json's "decoding") may take, per field
 _KINDS: dict[str, tuple[tuple[type, ...], str]] = {
-    f.name: (((int, float), "a number") if f.type == "float" else ((int,), "an integer") if f.type == "int"
-             else ((str,), "a string"))
+    f.name: (((numbers.Real,), "a number") if f.type == "float" else ((numbers.Integral,), "an integer")
+             if f.type == "int" else ((str,), "a string"))  # (numpy's numbers too)
     for f in dataclasses.fields(DecodingOptions) if "help" in f.metadata}
 _generated_init = DecodingOptions.__init__
 
@@ -177,4 +178,4 @@ def _init(self: DecodingOptions, *args: Any, **kwargs: Any) -> None:
 
 
 DecodingOptions.__init__ = _init  # type: ignore[method-assign]
-PAPER = DecodingOptions(explicit=None)  # none set: the options that differ from it are the ones set
+PAPER = DecodingOptions()  # none set: PAPER.replace(beam_size=4) sets the beam, as DecodingOptions(beam_size=4)

@@ -16,6 +16,7 @@ fields, or generation_config.json's names at import."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from collections.abc import Callable
 from typing import Any, ClassVar, TypeVar
@@ -72,13 +73,14 @@ class Checked:
         return self
 
 
-_KINDS = {"int": ((int,), "an integer"), "float": ((int, float), "a number"), "str": ((str,), "a string"),
-          "bool": ((bool,), "True or False")}
+_KINDS = {"int": ((numbers.Integral,), "an integer"), "float": ((numbers.Real,), "a number"),
+          "bool": ((bool,), "True or False")}  # (numpy's numbers too; a str field may be another thing that names
+# one, a torch.device for a device: the fields' own checks read them)
 
 
 def declared_types(obj: Any, n: Callable[[str], str] = flag) -> list[str]:
-    """The fields of options dataclass `obj` whose value is not of its declared type (int, float, str, bool, or one
-    of them | None; a Path takes a str too): a caller from Python passed threads="2" or max_steps=2.5 unchecked,
+    """The fields of options dataclass `obj` whose value is not of its declared type (int, float, bool, or one of
+    them | None; a Path takes a str too): a caller from Python passed threads="2" or max_steps=2.5 unchecked,
     and they failed deep in a library, or were taken."""
     out = []
     for f in dataclasses.fields(obj):

@@ -213,5 +213,8 @@ def test_options_of_the_wrong_type_from_python_are_named():
         resolve_options(TrainOptions(save_dir=Path("run"), max_steps="3"))
     with pytest.raises(Exception, match=r"^max_src_len must be an integer or None \(got '64'\)$"):
         check_given(ExportOptions(out=Path("m"), max_src_len="64"))
-    LoadOptions(threads=2, device="cpu").validate()  # the right types pass
+    import numpy as np
+
+    LoadOptions(threads=2, device="cpu").validate()  # the right types pass, numpy's integers too
+    LoadOptions(threads=np.int64(2)).validate()
     check_given(ExportOptions(out="m"))  # (a path may be a str)
