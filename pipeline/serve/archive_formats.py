@@ -337,7 +337,7 @@ def read_epub(data: bytes, max_texts: int | None = None) -> Document:
             budget.found(e.limit + 1)
             raise
         budget.found(len(markup.sources))
-        encoding = "utf-8" if content.startswith(codecs.BOM_UTF8) else declared_encoding(page, what) or "utf-8"
+        encoding = "utf-8" if content.startswith(codecs.BOM_UTF8) else declared_encoding(page) or "utf-8"
         pages[index] = (markup, len(markup.sources), encoding)
         texts.extend(markup.sources)
 

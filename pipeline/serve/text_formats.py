@@ -71,24 +71,20 @@ DECLARED = re.compile(r"""<\?xml[^>]*?\bencoding\s*=\s*["']([\w.:-]+)|<meta\b[^>
                       re.IGNORECASE)
 
 
-def declared_encoding(page: str, what: str) -> str | None:
-    """The encoding other than UTF-8 that a page read as UTF-8 (so ASCII) declares in its first 1024 characters
-    (an XML declaration's, a meta's): its rebuilt bytes go in it, characters it lacks as character references
-    (in UTF-8 under `<meta charset="iso-8859-1">`, "Größe" showed as "GrÃ¶Ãe"). None: UTF-8 or nothing declared."""
+def declared_encoding(page: str) -> str | None:
+    """"ascii" for an ASCII page that declares an encoding other than UTF-8 in its first 1024 characters (an XML
+    declaration's, a meta's): its rebuilt bytes stay ASCII, every other character a character reference, which
+    reads right under any ASCII-compatible encoding, known here or not (in UTF-8 under `<meta
+    charset="iso-8859-1">`, "Größe" showed as "GrÃ¶Ãe"). None: UTF-8 (or a UTF-16/32 label, which a page read
+    as UTF-8 means as UTF-8), nothing declared, or a page that is not ASCII (UTF-8 whatever it says, as before)."""
     m = DECLARED.search(page[:1024])
-    if m is None:
+    if m is None or not page.isascii():
         return None
-    name = m[1] or m[2]
-    try:
-        codec = codecs.lookup(name).name
-    except LookupError:
-        raise DocumentError(f"the {what} declares the encoding {name[:40]!r}, which this server does not know; save "
-                            "it as UTF-8") from None
-    if codec.startswith(("utf-8", "utf-16", "utf-32")):  # (a page read as UTF-8 declaring UTF-16 is UTF-8)
+    label = (m[1] or m[2]).lower().replace("_", "-")
+    if label.startswith(("utf-8", "utf8", "utf-16", "utf-32", "unicode")) or label in ("x-unicode20utf8",
+                                                                                     "ucs-2", "iso-10646-ucs-2"):
         return None
-    if "<html>".encode(codec, "replace") != b"<html>":  # not ASCII's bytes: the markup would change
-        raise DocumentError(f"the {what} declares the encoding {name[:40]!r} but is ASCII; save it as UTF-8")
-    return codec
+    return "ascii"
 
 
 LINE = re.compile(r"([^\r\n]*)(\r\n|\r|\n|$)")
@@ -138,7 +134,7 @@ def read_txt(data: bytes, max_texts: int | None = None) -> Document:
 
 def read_html(data: bytes, max_texts: int | None = None) -> Document:
     text, encode = _decode(data, "HTML file")
-    declared = None if data.startswith(tuple(bom for bom, _ in BOMS)) else declared_encoding(text, "HTML file")
+    declared = None if data.startswith(tuple(bom for bom, _ in BOMS)) else declared_encoding(text)
     if declared is not None:
         encode = lambda out: out.encode(declared, "xmlcharrefreplace")  # noqa: E731
     if text.count("<") > MAX_TAGS:
