@@ -402,3 +402,21 @@ def test_translations_cut_at_the_model_s_target_limit_are_counted(trained_save_d
     assert code == 0 and "target limit" not in caplog.text, caplog.text
     cut, full = read_lines(tmp_path / "out.txt"), read_lines(tmp_path / "full.txt")
     assert all(len(a) < len(b) for a, b in zip(cut[:6], full[:6])) and cut[6] == full[6] == "", (cut, full)
+
+
+def test_bench_loads_every_backend_with_the_decoding_it_was_given(fp32_dir, monkeypatch):
+    """The loop kept the first backend's loaded decoding for the next load: after a CUDA backend (batch_sentences
+    0, no limit) a CPU backend ran without its limit."""
+    from pipeline.evaluation import bench
+    from runtime.decoding import DecodingOptions
+
+    given, real = [], bench.load
+
+    def recording(opened, options, decoding):
+        given.append(decoding)
+        return real(opened, options, decoding)
+
+    monkeypatch.setattr(bench, "load", recording)
+    asked = DecodingOptions(beam_size=2)
+    bench.run_bench(fp32_dir, ["onnxruntime", "torch"], [2], decoding=asked, sentences=2, threads=1)
+    assert len(given) == 2 and all(d is asked for d in given), given

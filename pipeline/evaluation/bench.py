@@ -270,7 +270,9 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         reset_peak_rss()
         # with an imported model's own decoding defaults for what is not set
         loaded = load(opened, options, decoding)
-        backend, tokenizer, manifest, decoding = loaded.backend, loaded.tokenizer, loaded.manifest, loaded.decoding
+        backend, tokenizer, manifest = loaded.backend, loaded.tokenizer, loaded.manifest
+        run_with = loaded.decoding  # this backend's (not the next one's given options: a CPU row after a CUDA one
+        # ran with its batch_sentences 0)
         way = direction(manifest.model_config, src_lang, tgt_lang, pair=manifest.language_pair)
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
@@ -280,7 +282,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
             if cuda is not None:
                 cuda.cuda.reset_peak_memory_stats(backend.device)
             compiled = backend.compile_seconds
-            r = bench_backend(backend, sources, bs, decoding, fixed_length, precision, way.first)
+            r = bench_backend(backend, sources, bs, run_with, fixed_length, precision, way.first)
             r.steps_per_replay = loaded.options.steps_per_replay  # as given (None: the backend's default)
             if loaded.options.step == "compiled":
                 r.compile_seconds = round(backend.compile_seconds - compiled, 2)
