@@ -407,14 +407,17 @@ def test_translations_cut_at_the_model_s_target_limit_are_counted(trained_save_d
 def test_bench_loads_every_backend_with_the_decoding_it_was_given(fp32_dir, monkeypatch):
     """The loop kept the first backend's loaded decoding for the next load: after a CUDA backend (batch_sentences
     0, no limit) a CPU backend ran without its limit."""
+    import dataclasses
+
     from pipeline.evaluation import bench
     from runtime.decoding import DecodingOptions
 
     given, real = [], bench.load
 
-    def recording(opened, options, decoding):
+    def recording(opened, options, decoding):  # each load's own decoding differs from what it was given (a GPU's)
         given.append(decoding)
-        return real(opened, options, decoding)
+        loaded = real(opened, options, decoding)
+        return dataclasses.replace(loaded, decoding=loaded.decoding.replace(batch_sentences=0))
 
     monkeypatch.setattr(bench, "load", recording)
     asked = DecodingOptions(beam_size=2)
