@@ -33,7 +33,8 @@ def signals_deferred(signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM))
         log.warning("%s received while writing a file: acting on it once the write is complete",
                     signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, hold) for sig in signums}
+    # an ignored signal stays ignored (a background job's SIGINT: "acting on it" was said, then nothing happened)
+    previous = {sig: signal.signal(sig, hold) for sig in signums if signal.getsignal(sig) != signal.SIG_IGN}
     try:
         yield
     finally:

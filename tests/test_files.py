@@ -215,6 +215,26 @@ def test_signals_wait_for_a_deferred_write_then_arrive_in_order():
     assert written == ["complete"]
 
 
+def test_an_ignored_signal_stays_ignored_through_a_deferred_write(caplog):
+    """Training started with SIGINT ignored (a script's `cmd &`) keeps it so; a checkpoint write hooked it anyway
+    and said "SIGINT received while writing a file: acting on it once the write is complete", then did nothing."""
+    import logging
+    import signal
+    import time
+
+    from model.signals import signals_deferred
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with caplog.at_level(logging.WARNING), signals_deferred():
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert "received while writing" not in caplog.text and signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_latched_signals_survive_a_swallowed_keyboard_interrupt_and_reach_the_old_handler():
     import signal
     import time
