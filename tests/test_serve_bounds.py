@@ -667,6 +667,12 @@ def test_bytes_no_request_begins_with_behind_a_response_are_answered_after_it():
                 got += chunk
         assert re.findall(rb"HTTP/1.1 (\d+) ", got) == [b"200", b"200", b"400"], got[:400]
         assert b"translations" in got.split(b"HTTP/1.1 200")[1] and b"status" in got.split(b"HTTP/1.1 200")[2]
+        bad_body = (b"POST /translate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n")  # a chunk size no parser reads
+        got = _raw(host, port, slow + bad_body, wait=10)  # queued behind the slow one: its 400 took the 200's place
+        assert re.findall(rb"HTTP/1.1 (\d+) ", got) == [b"200", b"400"], got[:300]
+        assert got.index(b'"translations"') < got.index(b"HTTP/1.1 400") and got.endswith(
+            b'{"error": "Invalid HTTP request received."}\n'), got[-200:]
 
 
 def test_a_chunked_trailer_and_stray_bytes_between_requests_are_bounded_as_a_head(monkeypatch):

@@ -100,6 +100,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
         _framing = 0  # bytes since the last piece of body: a chunked body's framing and trailer
         _bodied = False  # whether the piece being parsed held body
         _unparsable: str | None = None  # bytes no request begins with, read behind a response being written
+        _dead = False  # the parser failed: nothing more is parsed, and what is read is dropped, not held
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -167,7 +168,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
                 self._feed()
 
         def data_received(self, data: bytes) -> None:
-            if self._unparsable is not None:  # the parser has failed: what follows is dropped, not held
+            if self._dead:  # the parser has failed: what follows is dropped, not held
                 return
             self._pending, self._at = (self._pending[self._at:] + data if self._at < len(self._pending) else data), 0
             self._feed()
@@ -175,7 +176,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
         def _feed(self) -> None:
             """Parses what was read, FEED_BYTES at a time, until a pipelined request waits behind the one being
             answered: the rest waits as bytes, with reading paused, until its turn (on_response_complete)."""
-            while (self._at < len(self._pending) and not self.pipeline and self._unparsable is None
+            while (self._at < len(self._pending) and not self.pipeline and not self._dead
                    and not self.transport.is_closing()):
                 piece = self._pending[self._at:self._at + FEED_BYTES]
                 self._at += len(piece)
@@ -197,7 +198,7 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
                 self._head += len(piece)  # head (one begun in it after a pipelined body is not counted: <= a piece)
             elif self._in_body:  # framing and trailer accumulate only between pieces of body
                 self._framing = 0 if self._bodied else self._framing + len(piece)
-            if self.transport.is_closing() or self._unparsable is not None:
+            if self.transport.is_closing() or self._dead:
                 return
             if self._in_head and self._head > MAX_HEAD_BYTES:
                 self._refuse(431, "Request Header Fields Too Large",
@@ -246,8 +247,13 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
 
         def send_400_response(self, msg: str) -> None:  # uvicorn's, for a request httptools cannot parse
             self._disarm()
+            self._dead, self._pending, self._at = True, b"", 0
+            if self._in_body and self.pipeline:  # the body of a request queued behind another: its turn answers
+                cycle, _ = self.pipeline[0]  # the 400 (then the close); written now, it broke into the response
+                self.pipeline[0] = (cycle, _refusing(400, msg))  # before it, or took its place
+                return
             if self._answering() and not self._in_body:  # bytes behind requests read whole: their responses
-                self._unparsable, self._pending, self._at = msg, b"", 0  # end first, then this one and the close
+                self._unparsable = msg  # end first, then this one and the close
                 self.flow.pause_reading()  # (written at once, it broke into a response being streamed)
                 return
             if self._answering() and self.cycle.response_started:  # this request's body, after its response
@@ -267,5 +273,17 @@ def bounded_protocol(head_timeout_s: float, max_connections: int, cors_origin: s
             self.transport.write(f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\n"
                                  f"content-length: {len(body)}\r\n{extra}{cors}connection: close\r\n\r\n".encode()
                                  + body)
+
+    def _refusing(status: int, message: str) -> Any:
+        """An ASGI app answering {"error": message} with `status` and closing the connection after it."""
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            body = json.dumps({"error": message}).encode() + b"\n"
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            if cors_origin is not None:
+                headers.append((b"access-control-allow-origin", cors_origin.encode()))
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+        return app
 
     return Bounded
