@@ -199,6 +199,23 @@ def test_pptx_tabs_are_counted_before_their_runs_are_made(monkeypatch) -> None:
     assert read_pptx(_pptx("<a:p><a:r><a:t>" + "x\t" * 50 + "</a:t></a:r></a:p>"), max_texts=100).texts == ["x"] * 50
 
 
+def test_a_docx_saved_by_word_online_names_its_main_part_document2() -> None:
+    """Word Online saves the body as word/document2.xml (its _rels say so): "not a Word document (.docx): it has
+    no word/document.xml", where Word and python-docx open it."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("word/document2.xml", f"<w:document {XMLNS}><w:body><w:p><w:r><w:t>Der Hund.</w:t></w:r></w:p>"
+                                         "</w:body></w:document>")
+    doc = read_docx(buffer.getvalue())
+    assert doc.texts == ["Der Hund."]
+    assert _texts(_part(_bracketed(doc), "word/document2.xml"), "//w:t") == ["[Der Hund.]"]
+    empty = io.BytesIO()
+    with zipfile.ZipFile(empty, "w") as z:
+        z.writestr("word/styles.xml", "<x/>")
+    with pytest.raises(DocumentError, match=r"not a Word document \(\.docx\): it has no word/document\.xml"):
+        read_docx(empty.getvalue())
+
+
 def test_odt_and_docx_through_translate_file() -> None:
     out, _ = roundtrip("anker.odt", _odt(ANCHORED + '<text:p>Seite <text:page-number>7</text:page-number> mit '
                                                     '<text:s/>Abstand.</text:p>'))

@@ -172,7 +172,8 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
                       segments: Callable[[Any], Iterator[list[Slot]]], preserve: bool,
                       prefer: Callable[[Any], Prefer] | None = None, max_texts: int | None = None) -> Document:
     archive = Archive(data, what)
-    if required not in archive.names:
+    if required not in archive.names and not any(parts.fullmatch(name) and name.startswith(required.split(".")[0])
+                                                 for name in archive.names):  # (Word Online's word/document2.xml)
         raise DocumentError(f"the file is not {'an' if what[0] in 'AEIOU' else 'a'} {what}: it has no {required}")
     slots: list[list[Slot]] = []
     rules: list[Prefer | None] = []  # each segment's part's rule
@@ -198,7 +199,7 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
     return Document([_segment_text(s) for s in slots], rebuild, True)
 
 
-DOCX_PARTS = re.compile(r"word/(document|header\d*|footer\d*|footnotes|endnotes|comments)\.xml")
+DOCX_PARTS = re.compile(r"word/(document\d*|header\d*|footer\d*|footnotes|endnotes|comments)\.xml")
 PPTX_PARTS = re.compile(r"ppt/(slides/slide|notesSlides/notesSlide)\d+\.xml")
 
 
