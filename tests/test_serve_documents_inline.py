@@ -216,6 +216,22 @@ def test_a_docx_saved_by_word_online_names_its_main_part_document2() -> None:
         read_docx(empty.getvalue())
 
 
+def test_a_password_protected_odt_is_said_so_not_damaged() -> None:
+    """An encrypted ODF file's parts are ciphertext: "is damaged: ... not readable XML", where the OLE case of
+    Office said password-protected."""
+    import os
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as z:
+        z.writestr("mimetype", "application/vnd.oasis.opendocument.text")
+        z.writestr("META-INF/manifest.xml", '<manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:'
+                   'xmlns:manifest:1.0"><manifest:file-entry manifest:full-path="content.xml"><manifest:encryption-'
+                   'data manifest:checksum-type="SHA1/1K"/></manifest:file-entry></manifest:manifest>')
+        z.writestr("content.xml", os.urandom(300))
+    with pytest.raises(DocumentError, match=r"^the OpenDocument text \(\.odt\) is password-protected; save it "):
+        read_odt(buffer.getvalue())
+
+
 def test_odt_and_docx_through_translate_file() -> None:
     out, _ = roundtrip("anker.odt", _odt(ANCHORED + '<text:p>Seite <text:page-number>7</text:page-number> mit '
                                                     '<text:s/>Abstand.</text:p>'))

@@ -175,6 +175,8 @@ def _read_xml_archive(data: bytes, what: str, parts: re.Pattern[str], required: 
     if required not in archive.names and not any(parts.fullmatch(name) and name.startswith(required.split(".")[0])
                                                  for name in archive.names):  # (Word Online's word/document2.xml)
         raise DocumentError(f"the file is not {'an' if what[0] in 'AEIOU' else 'a'} {what}: it has no {required}")
+    if b"encryption-data" in (archive.small("META-INF/manifest.xml") or b""):  # ODF's: its parts are ciphertext
+        raise DocumentError(f"the {what} is password-protected; save it without a password")  # (it was "damaged")
     slots: list[list[Slot]] = []
     rules: list[Prefer | None] = []  # each segment's part's rule
     trees: dict[int, Any] = {}

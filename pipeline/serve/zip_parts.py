@@ -58,6 +58,17 @@ class Archive:
     def _open(self) -> zipfile.ZipFile:
         return zipfile.ZipFile(io.BytesIO(self.data))
 
+    def small(self, name: str, limit: int = 1 << 20) -> bytes | None:
+        """Member `name` when it is there and declares at most `limit` bytes (read no further than that), else None."""
+        info = next((i for i in self.infos if i.filename == name and i.file_size <= limit), None)
+        if info is None:
+            return None
+        try:
+            with self._open() as archive, archive.open(info) as member:
+                return member.read(limit + 1)
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError):
+            return None
+
     def members(self, wanted: Callable[[str], bool]) -> Iterator[tuple[int, zipfile.ZipInfo, bytes]]:
         """The `wanted` members (by name) as (index, info, bytes), in order; every other one read through in chunks
         (its CRC checked) and dropped. zipfile stops at the declared size and checks the CRC: more is an error, not
