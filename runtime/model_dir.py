@@ -213,9 +213,11 @@ class Loaded:
         terms per source: EncodedTexts.constraints) and workers as runtime.translate's translate_ids, which
         batches by length and runs the search."""
         vocab = self.backend.cfg.vocab_size  # ids a caller made: -1 was the last row on one backend, an
-        wrong = next((i for line in ids for i in line if not 0 <= i < vocab), None)  # IndexError on another
-        if wrong is not None:
-            raise RuntimeUserError(f"source id {wrong} is not in this model's vocabulary (ids 0..{vocab - 1})")
+        lines = [line for line in ids if len(line)]  # IndexError on another (a line's min and max: C's loop, on
+        low, high = min(map(min, lines), default=0), max(map(max, lines), default=0)  # every batch served)
+        if low < 0 or high >= vocab:
+            raise RuntimeUserError(f"source id {low if low < 0 else high} is not in this model's vocabulary "
+                                   f"(ids 0..{vocab - 1})")
         if first_tokens is not None and len(first_tokens) != len(ids):
             raise RuntimeUserError(f"first_tokens has {len(first_tokens)} ids for {len(ids)} sources: give one each")
         joins = word_continuations(self.tokenizer) if constraints is not None else None
@@ -252,8 +254,8 @@ def _check_config(opened: ModelDir, cfg: Any) -> None:
     given = opened.manifest.model_config
     found = {"vocab_size": (opened.tokenizer.vocab_size, SPM_FILE), "eos_id": (opened.tokenizer.eos_id, SPM_FILE)}
     if cfg is not given:  # model.pt's own config: every field
-        found |= {f.name: (getattr(cfg, f.name), CHECKPOINT_FILE) for f in fields(cfg)
-                  if getattr(cfg, f.name) != getattr(given, f.name, None)}
+        found = {f.name: (getattr(cfg, f.name), CHECKPOINT_FILE) for f in fields(cfg)} | found  # (spm.model's
+        # vocabulary and EOS checked as well: a tokenizer that disagrees with both is named by its own file)
     wrong = [f"model_config.{key} is {getattr(given, key, None)!r} but {file} has {value!r}"
              for key, (value, file) in found.items() if getattr(given, key, None) != value]
     if wrong:
