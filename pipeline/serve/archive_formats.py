@@ -11,7 +11,7 @@ from typing import Any
 
 from lxml import etree  # type: ignore[import-untyped]  # no stubs in the wheel; lxml-stubs lags it
 
-from pipeline.serve.text_formats import Document, DocumentError, declared_encoding, extension
+from pipeline.serve.text_formats import Document, DocumentError, declared_encoding, extension, too_many_texts
 from pipeline.serve.zip_parts import Archive, XmlBudget, parse_xml, serialize
 from runtime.markup import TooManyTexts, parse_html
 from runtime.sentences import has_letters
@@ -278,8 +278,7 @@ def _tabs_apart(root: Any, max_texts: int | None) -> Any:
              and t.getparent() is not None and t.getparent().tag == A + "r"
              for parts in ([part for part in re.split("(\t+)", t.text) if part],)]
     if max_texts is not None and sum(len(parts) for _, parts in split) > 2 * max_texts + 1:  # a text, a tab...
-        raise DocumentError(f"the file has more than {max_texts} texts, this server's limit per request "
-                            "(--max-sentences); split the file", too_large=True)
+        raise too_many_texts(max_texts)
     for t, parts in split:
         t.text, after = parts[0], t.getparent()
         for part in parts[1:]:

@@ -98,7 +98,7 @@ def _lines(text: str) -> Iterator[re.Match[str]]:
         yield m
 
 
-def _too_many(max_texts: int) -> DocumentError:
+def too_many_texts(max_texts: int) -> DocumentError:
     return DocumentError(f"the file has more than {max_texts} texts, this server's limit per request "
                          "(--max-sentences); split the file", too_large=True)
 
@@ -106,7 +106,7 @@ def _too_many(max_texts: int) -> DocumentError:
 def _counted(texts: list[str], max_texts: int | None) -> None:
     """Refuse at once a file with more than `max_texts` texts (before the rest of it is read)."""
     if max_texts is not None and len(texts) > max_texts:
-        raise _too_many(max_texts)
+        raise too_many_texts(max_texts)
 
 
 def _spliced(text: str, spans: list[tuple[int, int]], parts: Iterator[str]) -> str:
@@ -143,7 +143,7 @@ def read_html(data: bytes, max_texts: int | None = None) -> Document:
     try:
         markup = parse_html(text, max_texts)
     except TooManyTexts as e:
-        raise _too_many(e.limit) from None
+        raise too_many_texts(e.limit) from None
     return Document(list(markup.sources), lambda translations: encode(markup.rebuild(translations)), True)
 
 
