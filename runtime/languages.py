@@ -11,6 +11,7 @@ config, so every backend and every command handles them the same way.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from model.config import ModelConfig
@@ -74,7 +75,8 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
     ids = cfg.language_ids
     if not ids:
         sides = ((source_name, source, pair.source if pair else ()), (target_name, target, pair.target if pair else ()))
-        given = [f"{name} {value}" for name, value, own in sides if value and value not in own]
+        given = [f"{name} {value}" for name, value, own in sides
+                 if value and spelled(value, folded_spellings(own)) not in own]
         if given:
             if pair and pair.source and pair.target:
                 many = "; a model into many (an OPUS-MT *-mul, *-ROMANCE) is told its target by each source line's " \
@@ -86,6 +88,8 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
                                 "tokens) and its model dir records none; leave them out (export with --src-lang "
                                 "and --tgt-lang records them)")
         return ONE_PAIR
+    folded = folded_spellings(ids)  # any case (EN, ENG_LATN), as LibreTranslate takes codes, as the model spells it
+    source, target = (spelled(source, folded) if source else source), (spelled(target, folded) if target else target)
     for name, value in ((source_name, source), (target_name, target)):
         if not value:
             raise LanguageError(f"{name} is required: this model translates between {len(ids)} languages "
@@ -96,6 +100,20 @@ def direction(cfg: ModelConfig, source: str | None, target: str | None, *, sourc
                                 + (f"did you mean {', '.join(near)}? " if near else "") + f"it has {_listed(cfg)}")
     assert source is not None and target is not None
     return Direction(source, target, (ids[source],), ids[target])
+
+
+def folded_spellings(codes: Iterable[str]) -> dict[str, str]:
+    """Each code by its case-folded form (de: de, eng_latn: eng_Latn); codes two spell alike are left out."""
+    folded: dict[str, list[str]] = {}
+    for code in codes:
+        folded.setdefault(code.casefold(), []).append(code)
+    return {key: spellings[0] for key, spellings in folded.items() if len(spellings) == 1}
+
+
+def spelled(code: str, folded: dict[str, str]) -> str:
+    """A code as the model spells it, whatever the case it is given in (DE: de; ENG_LATN: eng_Latn); unchanged when
+    no code, or two, match it (`folded`: folded_spellings)."""
+    return code if code in folded.values() else folded.get(code.casefold(), code)
 
 
 def _near(value: str, known: list[str], most: int = 5) -> list[str]:
@@ -134,8 +152,9 @@ ISO_639_1 = dict(pair.split(":") for pair in (
 def own_languages(cfg: ModelConfig, pair: Languages | None, source: str | None, target: str | None
                   ) -> tuple[str | None, str | None]:
     """(source, target) as the model takes them: a one-pair model's own codes are the same as none (None, None),
-    others as given; a LanguageError as `direction` gives one."""
-    return (None, None) if direction(cfg, source, target, pair=pair) is ONE_PAIR else (source, target)
+    others as the model spells them (EN: en); a LanguageError as `direction` gives one."""
+    way = direction(cfg, source, target, pair=pair)
+    return (None, None) if way is ONE_PAIR else (way.source, way.target)
 
 
 def same_language_notice(code: str) -> str:

@@ -17,6 +17,7 @@ pytest.importorskip("sentencex")
 from click.testing import CliRunner  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
+from model.errors import UserError  # noqa: E402
 from pipeline.cli import cli  # noqa: E402
 from pipeline.corpus.synthetic import generate  # noqa: E402
 from pipeline.importers.m2m100 import import_m2m100  # noqa: E402
@@ -141,6 +142,24 @@ def test_a_text_in_the_target_language_comes_back_as_it_came_on_every_surface(m2
     rows = Translator(m2m_dir, load_options=LoadOptions(backend="onnxruntime"),
                       options=ServeBatchOptions(src_lang="en", tgt_lang="en")).translate(texts)
     assert rows.translation == texts
+
+
+def test_language_codes_are_taken_in_any_case_on_every_surface(m2m_dir, tmp_path):
+    """The native and LibreTranslate APIs took "EN" (LibreTranslate lowercases codes) while serve-batch and the
+    Ray / Spark Translator refused --src-lang EN ("did you mean en?"); every surface takes the model's codes in any
+    case now, and the Translator's errors name its own fields (they said --src-lang to a Python caller)."""
+    from pipeline.integrations.translator import Translator
+    from pipeline.serve_batch.translation import ServeBatchOptions
+
+    texts = ["sum silos lotato. ka mobalo da kotas!", "da nomo linapa"]
+    assert serve_batch(m2m_dir, tmp_path, texts, "EN", "De") == serve_batch(m2m_dir, tmp_path, texts, "en", "de")
+    load = LoadOptions(backend="onnxruntime", threads=1)
+    given = ServeBatchOptions(src_lang="EN", tgt_lang="DE", split="sentences")
+    rows = Translator(m2m_dir, load_options=load, options=given)
+    assert (rows.direction.source, rows.direction.target) == ("en", "de") and rows.options.lang == "en"
+    assert rows.translate(texts).translation == serve_batch(m2m_dir, tmp_path, texts, "en", "de")
+    with pytest.raises(UserError, match=r"^tgt_lang 'fr' is not a language of this model"):
+        Translator(m2m_dir, load_options=load, options=ServeBatchOptions(src_lang="en", tgt_lang="fr"))
 
 
 def test_ray_translate_says_a_same_language_job_writes_each_line_as_it_came(m2m_dir, tmp_path, monkeypatch, caplog):

@@ -109,10 +109,15 @@ class Translator:
                 self.glossary = open_glossary(self.options.glossary, self.loaded.tokenizer, self.loaded.backend)
         except RuntimeUserError as e:
             raise UserError(str(e)) from None
-        self.options = self.options.sentence_rules(self.loaded.manifest.language_pair)
-        # a multilingual model's pair (--src-lang / --tgt-lang), nothing for others (a one-pair model: its own only)
+        # a multilingual model's pair (src_lang / tgt_lang, in any case), nothing for others (a one-pair model: its
+        # own only); the options then hold the codes as the model spells them (EN: en), as the sentence rules take them
         self.direction = languages.direction(self.loaded.backend.cfg, self.options.src_lang, self.options.tgt_lang,
+                                             source_name="src_lang", target_name="tgt_lang",
                                              pair=self.loaded.manifest.language_pair)
+        if self.direction is not languages.ONE_PAIR:
+            self.options = dataclasses.replace(self.options, src_lang=self.direction.source,
+                                               tgt_lang=self.direction.target)
+        self.options = self.options.sentence_rules(self.loaded.manifest.language_pair)
         self.policy = self.options.policy(self.direction)
 
     def __call__(self, batch: Any) -> Any:

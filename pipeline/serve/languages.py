@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 from model.errors import UserError
-from runtime.languages import two_letter
+from runtime.languages import folded_spellings, spelled, two_letter
 
 log = logging.getLogger(__name__)
 
@@ -62,20 +62,6 @@ def preferred(codes: Iterable[str], language: str = "en") -> str | None:
 
 
 LISTED = 20  # pairs an error message names; past that it counts them and points at GET /languages
-
-
-def folded_spellings(codes: Iterable[str]) -> dict[str, str]:
-    """Each code by its case-folded form (de: de, eng_latn: eng_Latn); codes two spell alike are left out."""
-    folded: dict[str, list[str]] = {}
-    for code in codes:
-        folded.setdefault(code.casefold(), []).append(code)
-    return {key: spellings[0] for key, spellings in folded.items() if len(spellings) == 1}
-
-
-def spelled(code: str, folded: dict[str, str]) -> str:
-    """A code as it is served, whatever the case it is given in (DE: de; ENG_LATN: eng_Latn), as LibreTranslate
-    lowercases codes; unchanged when no served code, or two, match it (`folded`: folded_spellings)."""
-    return code if code in folded.values() else folded.get(code.casefold(), code)
 
 
 class Routes(Generic[M]):

@@ -22,11 +22,10 @@ from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
 from pipeline.serve.http import CLIENT_CLOSED, ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
 from pipeline.serve.keys import KeyRefused, RateLimited
-from pipeline.serve.languages import folded_spellings, spelled
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
-from runtime.languages import LANG_CODE, ONE_PAIR, Direction
+from runtime.languages import LANG_CODE, ONE_PAIR, Direction, folded_spellings, spelled
 from runtime.sentences import SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts
 from runtime.translate import NBest, not_text
