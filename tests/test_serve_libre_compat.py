@@ -247,7 +247,8 @@ def test_an_nllb_models_languages_are_detected_named_and_defaulted():
             r = c.post("/translate", json={"q": english, "source": "auto", "target": target})
             assert r.status_code == 200 and r.json()["detectedLanguage"]["language"] == source, r.text
         names = {lang["code"]: lang["name"] for lang in c.get("/languages").json()}
-        assert names["eng_Latn"] == "English" and names["zho_Hant"] == "Chinese (traditional)"
+        assert names["eng_Latn"] == "English" and names["zho_Hant"] == "Chinese (Traditional)"
+        assert names["ace_Arab"] == "Acehnese (Arabic)"  # named by its code, as 147 of NLLB's 202 codes were
         assert names["xxx_Latn"] == "xxx_Latn"
         assert c.get("/frontend/settings").json()["language"]["target"]["name"] == "English"
 
