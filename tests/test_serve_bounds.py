@@ -584,12 +584,13 @@ def test_sighup_drains_unless_ignored_as_under_nohup():
 
 
 def test_language_names_keep_a_region_apart():
-    """NLLB's eng_Latn is English; pt-BR and zh-TW stay their codes (named Portuguese and Chinese, /languages
-    listed two entries of one name)."""
+    """NLLB's eng_Latn is English; pt-BR and zh-TW are named with their region (named Portuguese and Chinese,
+    /languages listed two entries of one name; then by their codes); a code nobody knows is its own name."""
     from pipeline.serve.languages import language_name
 
-    assert [language_name(c) for c in ("eng_Latn", "zho_Hant", "pt-BR", "zh-TW", "de")] == [
-        "English", "Chinese (traditional)", "pt-BR", "zh-TW", "German"]
+    assert [language_name(c) for c in ("eng_Latn", "zho_Hant", "pt-BR", "zh-TW", "pt", "de", "xxx_Latn", "a1")] == [
+        "English", "Chinese (Traditional)", "Portuguese (Brazil)", "Chinese (Taiwan)", "Portuguese", "German",
+        "xxx_Latn", "a1"]
 
 
 def test_a_client_that_never_reads_its_responses_is_dropped(monkeypatch, caplog):
