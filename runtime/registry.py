@@ -180,7 +180,7 @@ class BackendEntry:
         """The files this backend reads from the dir; a one-line error when it cannot run the dir at all."""
         if not self.runs_integer_matmuls and manifest.quantization in ONNXRUNTIME_ONLY:
             raise RuntimeUserError(f"{where}: int8 flavour {manifest.quantization} (integer matmuls) runs on "
-                                   "ONNX Runtime only; use --backend onnxruntime, or export with --int8-flavour qdq "
+                                   "ONNX Runtime only; use the onnxruntime backend, or export with --int8-flavour qdq "
                                    "for TensorRT")
         if not shortlist:
             return self.files
@@ -209,7 +209,7 @@ ENTRIES = (
     BackendEntry("tensorrt", (io_names.ENCODER_ENGINE, io_names.DECODER_ENGINE, SPM_FILE), "tensorrt",
                  "runtime.trt_backend:open_model_dir", runs_integer_matmuls=False, cuda_only=True, needs_torch=True,
                  no_shortlist="--shortlist runs on the torch and onnxruntime backends; no TensorRT engine is built "
-                              "from decoder_shortlist.onnx yet: use --backend onnxruntime",
+                              "from decoder_shortlist.onnx yet: use the onnxruntime backend",
                  here=_trt_here, missing=_no_engines, matches=_engines_match,
                  runs=lambda manifest: _exported_precision(manifest, ("cuda",))),
 )

@@ -39,7 +39,7 @@ REBUILD = "re-run `pipeline export CHECKPOINT --out DIR --tensorrt --force` on t
 
 
 MISSING = ("tensorrt is not installed (pip install 'pipeline[gpu]' on a machine with an NVIDIA GPU); "
-           "or use --backend onnxruntime or --backend torch")
+           "or use the onnxruntime or torch backend")
 
 
 def import_tensorrt() -> ModuleType:
@@ -134,7 +134,7 @@ class TrtBackend(ExportedGraphBackend):
 
         if not torch.cuda.is_available():
             raise RuntimeUserError("the tensorrt backend needs a CUDA GPU visible to PyTorch; "
-                                   "use --backend onnxruntime or --backend torch")
+                                   "use the onnxruntime or torch backend")
         self.device = torch.device(device or "cuda")
         if self.device.type != "cuda":
             raise RuntimeUserError(f"--device {self.device}: the tensorrt backend runs on cuda only")
@@ -168,8 +168,8 @@ class TrtBackend(ExportedGraphBackend):
              reorder: Any, want: Any = None) -> tuple[StepOutput, BeamCache]:
         if want is not None:
             raise RuntimeUserError("glossaries need the log-probs of a term's tokens at every step, which the "
-                                   "tensorrt backend's engines do not return yet: use --backend onnxruntime or "
-                                   "--backend torch for a glossary")
+                                   "tensorrt backend's engines do not return yet: use the onnxruntime or torch "
+                                   "backend for a glossary")
         n_layers = self.cfg.n_dec_layers
         if self.max_hyps is not None and tokens.shape[0] > self.max_hyps:
             raise RuntimeUserError(f"{tokens.shape[0]} hypotheses exceed the engine's limit of "

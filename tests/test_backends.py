@@ -133,7 +133,7 @@ def test_tensorrt_missing_is_a_clear_error(trained_model_dir):
                                             r".* on the serving machine"):
         load(trained_model_dir, LoadOptions(backend="tensorrt"))
     from runtime.trt_backend import import_tensorrt
-    with pytest.raises(RuntimeUserError, match="tensorrt is not installed.*--backend onnxruntime"):
+    with pytest.raises(RuntimeUserError, match="tensorrt is not installed.*use the onnxruntime or torch backend"):
         import_tensorrt()
 
 

@@ -122,13 +122,15 @@ def test_parity_refuses_a_backend_it_cannot_run_before_translating_anything(mode
     monkeypatch.setattr(parity, "translate_as_served", lambda *a, **k: pytest.fail("translated before refusing"))
     src, ref = test_files
     fp32 = model_dirs["fp32"]
-    cases = [(("--backends", "torch,onnxruntime,tensorrt"), "tensorrt"), (("--shortlist",), "shortlist")]
+    cases = [(("--backends", "torch,onnxruntime,tensorrt"), "tensorrt"), (("--shortlist",), "shortlist"),
+             (("--backends", "tensorrt", "--shortlist"), "no TensorRT engine is built")]
     if not torch.cuda.is_available():
         cases.append((("--device", "cuda"), "CUDA is not available"))
     for args, said in cases:
         for files in (("--src", src, "--ref", ref), ()):  # live, and against the recorded references
             code, _, err = run_cli_captured(capsys, "parity", fp32, *files, *args)
             assert code == 2 and err.startswith("error: ") and said in err, (args, files, err)
+            assert "--backend " not in err, err  # parity's option is --backends (it said "use --backend onnxruntime")
     code, _, err = run_cli_captured(capsys, "parity", fp32, "--backends", "onnxruntime,onnxruntime")
     assert code == 2 and "onnxruntime given more than once" in err, err
 
