@@ -423,3 +423,39 @@ def test_bench_loads_every_backend_with_the_decoding_it_was_given(fp32_dir, monk
     asked = DecodingOptions(beam_size=2)
     bench.run_bench(fp32_dir, ["onnxruntime", "torch"], [2], decoding=asked, sentences=2, threads=1)
     assert len(given) == 2 and all(d is asked for d in given), given
+
+
+def test_bench_s_subprocess_modes_decode_with_the_model_dir_s_beam(fp32_dir, tmp_path, monkeypatch, capsys):
+    """A model dir exported with --beam-size 2: in-process bench measured beam 2, --compare and --whole-process the
+    paper's 4 (and the comparison's JSON said the model's decoding, beam 2), --serve too; --beam-size still wins."""
+    import json
+    import shutil
+
+    from pipeline.commands import bench
+
+    model = tmp_path / "beam2"
+    shutil.copytree(fp32_dir, model)
+    manifest = json.loads((model / "manifest.json").read_text())
+    manifest["decoding"] = {"beam_size": 2, "alpha": 1.0}
+    (model / "manifest.json").write_text(json.dumps(manifest))
+    src = write_lines(tmp_path / "s.txt", ["ab cd"])
+    beams: list[tuple[str, int]] = []
+
+    def recording(name: str, at: int):
+        def run(*args, **kwargs):
+            beams.append((name, kwargs["beam_size"] if "beam_size" in kwargs else args[at]))
+            return {}
+        return run
+
+    monkeypatch.setattr(bench, "run_whole_process", recording("whole", -1))
+    monkeypatch.setattr(bench, "run_comparison", recording("compare", -1))
+    monkeypatch.setattr(bench, "run_serve_bench", recording("serve", 4))
+    for fmt in ("format_whole_process", "format_comparison", "format_serve_bench"):
+        monkeypatch.setattr(bench, fmt, lambda report: "")
+    modes = {"whole": ["--whole-process", src], "compare": [model], "serve": ["--serve", src]}
+    for beam, extra in ((2, []), (3, ["--beam-size", "3"])):
+        beams.clear()
+        for args in modes.values():
+            code, _, err = run_cli_captured(capsys, "bench", model, *args, *extra)
+            assert code == 0, err
+        assert beams == [("whole", beam), ("compare", beam), ("serve", beam)], beams

@@ -18,7 +18,7 @@ from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
 from runtime.decoding import DecodingOptions
 from runtime.machine import default_parallel_batches
-from runtime.model_dir import LoadOptions
+from runtime.model_dir import LoadOptions, ModelDir
 
 
 @click.command("bench")
@@ -63,11 +63,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     if rules and not o.whole_process and (o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError("--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave it out of "
                         "runs of several MODEL_DIRs, --serve and --compare")
+    # the beam of the subprocess modes: the one given, else the (first) model dir's own, as in-process and serve-batch
+    beam = _beam(decoding, model_dirs[0]) if o.whole_process or o.serve_input is not None or len(model_dirs) > 1 \
+        or o.compare else decoding.beam_size
     # one batch at a time in-process unless told; with --whole-process, what serve-batch does by default
     batches = parallel_batches or (default_parallel_batches(threads or 2) if o.whole_process else 1)
     if o.whole_process:
         report = run_whole_process(list(model_dirs), list(o.whole_process), compare=list(o.compare),
-                                   threads=threads or 2, beam_size=decoding.beam_size, fixed_length=o.fixed_length,
+                                   threads=threads or 2, beam_size=beam, fixed_length=o.fixed_length,
                                    rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
                                    min_agreement=o.min_agreement, parallel_batches=batches, rules=rules)
         click.echo(format_whole_process(report), err=aside)
@@ -84,7 +87,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         if shortlist or batches > 1:
             raise UserError("--serve does not measure --shortlist or --parallel-batches yet; bench them in-process "
                             "(leave out --serve)")
-        report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, decoding.beam_size,
+        report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, beam,
                                  serve_bench)
         click.echo(format_serve_bench(report), err=aside)
     elif len(model_dirs) == 1 and not o.compare:
@@ -97,13 +100,22 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         click.echo(format_table(report), err=aside)
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),
-                                compare=list(o.compare), beam_size=decoding.beam_size, fixed_length=o.fixed_length,
+                                compare=list(o.compare), beam_size=beam, fixed_length=o.fixed_length,
                                 src=o.src, sentences=o.sentences, src_len=o.src_len, device=device, threads=threads,
                                 rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
                                 min_agreement=o.min_agreement, parallel_batches=batches)
         click.echo(format_comparison(report), err=aside)
     if o.json_out:
         write_json(report, o.json_out)
+
+
+def _beam(decoding: DecodingOptions, model_dir: Path) -> int:
+    """--beam-size where given, else the model dir's default (an export's --beam-size 2): the subprocess modes ran
+    the paper's 4 while the report recorded the model's decoding."""
+    if "beam_size" in decoding.given():
+        return decoding.beam_size
+    opened = ModelDir.open(model_dir, verify=False)  # each measured process verifies it
+    return decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json")).beam_size
 
 
 def _one_mode(ctx: click.Context, o: BenchOptions) -> None:
