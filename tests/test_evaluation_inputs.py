@@ -31,6 +31,10 @@ def test_parity_reads_its_source_once_per_backend_so_it_must_be_a_file(capsys, f
     for given in ("-", fifo):
         code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", given, "--ref", ref)
         assert_one_line_error(code, err, "parity translates --src once per backend and reads it again each time")
+    # a missing file or a directory is said so (they were blamed on stdin and pipes)
+    for given, says in ((tmp_path / "nope.src", "nope.src: no such file"), (tmp_path, "is a directory")):
+        code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", given, "--ref", ref)
+        assert_one_line_error(code, err, says)
 
 
 def test_parity_of_a_source_without_text_fails_instead_of_passing(capsys, fp32_dir, tmp_path):

@@ -126,6 +126,10 @@ def translate_as_served(backend: Backend, tokenizer: AnyTokenizer, src: Path, op
 def count_lines(path: Path) -> int:
     """Lines as serve-batch splits them (on b'\\n'), checked to be UTF-8 with text on one of them: parity reads
     SRC once per backend, so it must be a file (stdin or a pipe would be empty the second time)."""
+    if str(path) != "-" and not os.path.exists(path):
+        raise UserError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise UserError(f"{path}: is a directory; give the source file")
     if str(path) == "-" or not os.path.isfile(path):
         raise UserError(f"{path}: parity translates --src once per backend and reads it again each time: give a "
                         "file, not stdin or a pipe")
