@@ -208,8 +208,12 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
                                       "1,1", "--alphas", "0.6,0.60", "--json", "-")
     assert code == 0, err
     assert not (tmp_path / "-").exists()
-    trials = json.loads(out)  # standard output holds the JSON alone (the table came first: `| jq` failed)
-    assert [(t["beam_size"], t["alpha"]) for t in trials] == [(1, 0.6)]
+    report = json.loads(out)  # standard output holds the JSON alone (the table came first: `| jq` failed)
+    assert [(t["beam_size"], t["alpha"]) for t in report["trials"]] == [(1, 0.6)]
+    # what was tuned, on what and where (it was a bare list of trials), as bench and parity record it
+    assert report["command"].startswith("pipeline tune-decoding ") and report["model"] == str(fp32_dir)
+    assert (report["src"], report["ref"], report["best"]) == (str(src), str(ref), report["trials"][0])
+    assert report["host"]["cpu_flags"] is not None and "--beam-size 1 --alpha 0.6" in report["export"]
     assert err.startswith("beam  alpha   BLEU   chrF")
     for command in (["parity", fp32_dir, "--src", src, "--ref", ref, "--backends", "torch", "--min-identical", "0",
                      "--max-bleu-delta", "100"], ["bench", fp32_dir, "--backends", "torch", "--batch-size", "1",
@@ -220,6 +224,24 @@ def test_tune_decoding_json_dash_is_standard_output(capsys, fp32_dir, tmp_path, 
         assert "backend" in err  # the table
         code, _, err = run_cli_captured(capsys, *command, "--json", f"{tmp_path}/newdir/")  # wrote a file "newdir"
         assert code == 2 and "ends with / (a directory); give a file path" in err and not (tmp_path / "newdir").exists()
+
+
+def test_tune_decoding_suggests_the_export_of_the_model_dir_it_tuned(capsys, int8_dir, tmp_path):
+    """Tuning an int8 model dir suggested `pipeline export CHECKPOINT --out NEW_DIR --beam-size ..`: an fp32 dir.
+    The suggestion is the dir's own checkpoint and precision; stdin as both --src and --ref is refused (the
+    references read an exhausted stdin: "- has 8 lines but - has 0")."""
+    from model.manifest import read_manifest
+
+    src = write_lines(tmp_path / "in.txt", ["ab cd", "ef"])
+    ref = write_lines(tmp_path / "ref.txt", ["x", "y"])
+    code, out, err = run_cli_captured(capsys, "tune-decoding", int8_dir, "--src", src, "--ref", ref, "--beams", "1",
+                                      "--alphas", "0.6")
+    assert code == 0, err
+    manifest = read_manifest(int8_dir)
+    checkpoint = manifest.source_checkpoint.path if Path(manifest.source_checkpoint.path).is_file() else "CHECKPOINT"
+    want = f"pipeline export {checkpoint} --int8 --int8-flavour {manifest.quantization} --out NEW_DIR --beam-size 1"
+    assert want in out, out
+    _refused(capsys, "tune-decoding", int8_dir, "--src", "-", "--ref", "-", says="both standard input")
 
 
 def test_average_refuses_another_vocabulary_and_an_out_named_as_a_runs_checkpoint(capsys, tmp_path,

@@ -13,11 +13,13 @@ import click
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
+from pipeline.evaluation.bench import host_facts
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
+from pipeline.invocation import command_line
 from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
-from runtime.model_dir import LoadOptions
+from runtime.model_dir import LoadOptions, ModelDir
 
 
 @click.command("tune-decoding")
@@ -32,6 +34,8 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     """Pick --beam-size and --alpha for serve-batch on a validation set: MODEL is an exported
     model dir, a checkpoint, or a training save dir (its averaged or latest checkpoint)."""
     opts: TuneOptions = pick(TuneOptions, values).validate()
+    if str(opts.src) == "-" and str(opts.ref) == "-":  # the references read an exhausted stdin ("- has 0 lines")
+        raise UserError("--src and --ref are both standard input; give at least one of them as a file")
     if opts.json_out:
         check_json_out(opts.json_out, [opts.src, opts.ref], model)
     trials = tune_decoding(model, opts.src, opts.ref, opts.beam_sizes(), opts.alpha_values(), decoding, device,
@@ -45,12 +49,30 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
     given = " ".join(f"--{side}-lang {code}" for side, code in (("src", src_lang), ("tgt", tgt_lang)) if code)
     pair = f" ({given})" if given else ""
     click.echo(f"best on {opts.src.name}{pair}: {flags} (BLEU {best.bleu:.2f})", err=aside)
-    checkpoint = "CHECKPOINT" if (model / MANIFEST).is_file() else shlex.quote(str(model))
+    export = f"pipeline export {_export_as(model)} --out NEW_DIR {flags}"
     click.echo(f"pass them to serve-batch, serve, parity or ray-translate, or record them as a model dir's defaults: "
-               f"pipeline export {checkpoint} --out NEW_DIR {flags}", err=aside)
-    if opts.json_out:
+               f"{export}", err=aside)
+    if opts.json_out:  # what was tuned, where and on what, as bench and parity record it
+        report = {"command": command_line(), "model": str(model), "src": str(opts.src), "ref": str(opts.ref),
+                  "src_lang": src_lang, "tgt_lang": tgt_lang, "device": device, "threads": threads,
+                  "host": host_facts(threads), "best": asdict(best), "export": export,
+                  "trials": [asdict(t) for t in trials]}
         with atomic_output(opts.json_out) as f:  # '-': standard output, the table on standard error
-            f.write(json.dumps([asdict(t) for t in trials], indent=2) + "\n")
+            f.write(json.dumps(report, indent=2) + "\n")
+
+
+def _export_as(model: Path) -> str:
+    """The export that makes a model dir of the tuned settings: a model dir's own checkpoint and precision (an int8
+    dir's suggestion made an fp32 one), or the checkpoint / save dir tuned."""
+    if not (model / MANIFEST).is_file():
+        return shlex.quote(str(model))
+    manifest = ModelDir.open(model, verify=False).manifest
+    source = manifest.source_checkpoint.path
+    checkpoint = shlex.quote(source) if source and Path(source).is_file() else "CHECKPOINT"
+    precision = {"fp16": " --fp16", "int8": " --int8"}.get(manifest.precision, "")
+    flavour = f" --int8-flavour {manifest.quantization}" if manifest.precision == "int8" and manifest.quantization \
+        else ""
+    return checkpoint + precision + flavour
 
 
 def check_json_out(json_out: Path, inputs: list[Path], model: Path) -> None:
