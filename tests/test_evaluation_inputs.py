@@ -143,11 +143,12 @@ def test_random_checkpoint_will_not_be_named_as_a_run_s_checkpoint(capsys, tmp_p
 
 
 def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
-    """--batch-size 8 over 2 sentences ran batches of 2 and recorded 8."""
+    """The batch and the host a row holds on (--batch-size 8 over 2 sentences, which recorded 8, is refused:
+    test_bench_refuses_options_the_measurement_would_ignore)."""
     import json
 
     code, out, err = run_cli_captured(capsys, "bench", fp32_dir, "--backends", "onnxruntime", "--sentences", 2,
-                                      "--batch-size", 8, "--json", tmp_path / "b.json")
+                                      "--batch-size", 2, "--json", tmp_path / "b.json")
     assert code == 0, err
     report = json.loads((tmp_path / "b.json").read_text())
     assert [r["batch_size"] for r in report["results"]] == [2]
@@ -463,3 +464,43 @@ def test_bench_s_subprocess_modes_decode_with_the_model_dir_s_beam(fp32_dir, tmp
             code, _, err = run_cli_captured(capsys, "bench", model, *args, *extra)
             assert code == 0, err
         assert beams == [("whole", beam), ("compare", beam), ("serve", beam)], beams
+
+
+def test_bench_refuses_options_the_measurement_would_ignore(capsys, fp32_dir, monkeypatch):
+    """--rounds and --min-agreement in-process, --min-agreement with --whole-process alone, --step with no torch
+    row and a batch above --sentences all ran (exit 0) and were left out in silence."""
+    from pipeline.commands import bench
+
+    for name in ("run_bench", "run_comparison", "run_whole_process"):
+        monkeypatch.setattr(bench, name, lambda *a, **k: pytest.fail("measured"))
+    for args, says in ((["--rounds", "5"], "--rounds 5: one MODEL_DIR without --compare is measured once"),
+                       (["--min-agreement", "0.5"], "--min-agreement checks CTranslate2's output"),
+                       (["--whole-process", fp32_dir / "manifest.json", "--min-agreement", "0.5"],
+                        "only with --compare ctranslate2"),
+                       (["--backends", "onnxruntime", "--step", "compiled"], "add torch to --backends"),
+                       (["--backends", "onnxruntime", "--steps-per-replay", "2"], "add torch to --backends"),
+                       (["--batch-size", "8", "--batch-size", "32", "--sentences", "4"],
+                        "--batch-size 8 is more than the 4 sentences measured")):
+        code, _, err = run_cli_captured(capsys, "bench", fp32_dir, *args)
+        assert_one_line_error(code, err, says)
+
+
+def test_bench_latency_p50_is_the_median_and_a_failed_process_is_one_readable_line(fp32_dir, tmp_path):
+    """Two batches' p50 was the slower one (p50 = p90); a timed serve-batch that failed was said as a Python list
+    (`failed with status 2: ['error: ...']`)."""
+    import shutil
+
+    from pipeline.evaluation.bench import run_bench
+    from pipeline.evaluation.whole_process import run_whole_process
+
+    row = run_bench(fp32_dir, ["onnxruntime"], [2], sentences=4, threads=1)["results"][0]
+    assert row["latency_ms_p50"] <= row["latency_ms_mean"] + 0.01 <= row["latency_ms_p90"] + 0.01, row
+    broken = tmp_path / "broken"
+    shutil.copytree(fp32_dir, broken)
+    (broken / "decoder.data").write_bytes(b"x")  # serve-batch refuses it by its digest; the driver reads no graph
+    src = write_lines(tmp_path / "s.txt", ["ab cd"])
+    with pytest.raises(UserError) as refused:
+        run_whole_process([broken], [src], compare=[], threads=1, beam_size=1, fixed_length=None, rounds=1)
+    said = str(refused.value)
+    assert "failed with status 2: " in said and "['" not in said and ": error:" not in said, said
+    assert "decoder.data" in said, said

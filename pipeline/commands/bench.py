@@ -54,6 +54,7 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         check_output_file(o.json_out, "--json")
     LoadOptions(threads=threads, parallel_batches=parallel_batches).validate()  # before anything is measured
     _one_mode(ctx, o)
+    o = _used(ctx, o, len(model_dirs), step is not None or steps_per_replay is not None)
     aside = str(o.json_out) == "-"  # the table on standard error: standard output holds the JSON alone
     for name, value in (("--step", step), ("--steps-per-replay", steps_per_replay)):
         if value is not None and (o.whole_process or o.serve_input is not None or len(model_dirs) > 1 or o.compare):
@@ -140,6 +141,32 @@ def _one_mode(ctx: click.Context, o: BenchOptions) -> None:
             raise UserError(f"{', '.join(named)}: not used by {mode}, which runs `pipeline "
                             f"{'serve-batch' if mode == '--whole-process' else 'serve'}` on its file as a user would "
                             "(on the device it picks itself); leave them out")
+
+
+def _used(ctx: click.Context, o: BenchOptions, dirs: int, step: bool) -> BenchOptions:
+    """Options the chosen measurement would ignore in silence, refused: --rounds and --min-agreement in-process
+    (one run, no CTranslate2), --min-agreement without --compare, --step for no torch row, and a --batch-size
+    above --sentences (the row said the batch it ran, 4, beside another of the same). The default batch is
+    --sentences where they are fewer."""
+    def given(name: str) -> bool:
+        return ctx.get_parameter_source(name) in (click.core.ParameterSource.COMMANDLINE,
+                                                  click.core.ParameterSource.ENVIRONMENT)
+    in_process = dirs == 1 and not o.compare and not o.whole_process and o.serve_input is None
+    if in_process and given("rounds"):
+        raise UserError(f"--rounds {o.rounds}: one MODEL_DIR without --compare is measured once, in-process; give "
+                        "several MODEL_DIRs or --compare for alternating rounds")
+    if not o.compare and given("min_agreement"):
+        raise UserError("--min-agreement checks CTranslate2's output against ours: only with --compare ctranslate2")
+    if in_process and step and "torch" not in parse_backends(o.backends):
+        raise UserError("--step and --steps-per-replay choose the torch backend's decoder step: add torch to "
+                        "--backends")
+    over = [b for b in o.batch_sizes if b > o.sentences]
+    if over and o.serve_input is None and not o.whole_process:
+        if not given("batch_sizes"):
+            return dataclasses.replace(o, batch_sizes=tuple(sorted({min(b, o.sentences) for b in o.batch_sizes})))
+        raise UserError(f"--batch-size {over[0]} is more than the {o.sentences} sentences measured: the row would be "
+                        f"of batch {o.sentences}; give --sentences {over[0]} or more")
+    return o
 
 
 # the in-process measurement's own options: its sources, batches and device

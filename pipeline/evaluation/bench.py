@@ -240,7 +240,7 @@ def bench_backend(backend: Backend, sources: list[list[int]], batch_size: int, d
         batch_size=min(batch_size, len(sources)), beam_size=decoding.beam_size,  # the batches it ran
         sentences=len(sources), target_tokens=tokens, seconds=round(seconds, 3),
         target_tokens_per_s=round(tokens / seconds, 1), sentences_per_s=round(len(sources) / seconds, 2),
-        latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(ms[len(ms) // 2], 2),
+        latency_ms_mean=round(statistics.fmean(ms), 2), latency_ms_p50=round(statistics.median(ms), 2),
         latency_ms_p90=round(ms[min(len(ms) - 1, int(len(ms) * 0.9))], 2),
         latency_ms_per_sentence=round(seconds * 1000 / len(sources), 2), peak_rss_mb=None,
         shortlist=backend.shortlist is not None, step=backend.step_mode, parallel_batches=backend.parallel_batches,

@@ -50,7 +50,7 @@ def run_serve_batch(model_dir: str, lines: list[str], common: list[str], tmp: Pa
     proc = subprocess.run([sys.executable, "-m", "pipeline", "serve-batch", model_dir, str(inp), "-o", str(out),
                            "--no-progress", *common], capture_output=True, text=True)
     if proc.returncode != 0:
-        raise UserError(f"serve-batch failed: {proc.stderr.strip().splitlines()[-1:]}")
+        raise UserError(f"serve-batch failed: {''.join(proc.stderr.strip().splitlines()[-1:]).removeprefix('error: ')}")
     m = re.search(r"translated (\d+) sentences .*?, (\d+) target tokens\) in ([\d.]+) s", proc.stderr)
     if not m:
         raise UserError("serve-batch printed no summary line")

@@ -157,7 +157,7 @@ def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | No
         log.seek(0)
         err = log.read()
     if proc.returncode != 0:
-        tail = err.decode(errors="replace").strip().splitlines()[-1:]
+        tail = "".join(err.decode(errors="replace").strip().splitlines()[-1:]).removeprefix("error: ")
         raise UserError(f"{_shown(command)} ... failed with status {proc.returncode}: {tail}")
     return wall, peak, err.decode(errors="replace")
 
