@@ -167,6 +167,12 @@ def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
 
     two = {**report, "results": [report["results"][0], {**report["results"][0], "backend": "torch"}]}
     assert "a backend measured after another counts what that one left loaded" in format_table(two)
+    # each row's precision: an int8 dir's torch row runs model.pt in fp32 beside its int8 onnxruntime row, and the
+    # two rows were told apart by nothing
+    int8 = {**two, "results": [two["results"][1], {**two["results"][0], "precision": "int8"}]}
+    lines = format_table(int8).splitlines()
+    assert lines[0].split()[:2] == ["backend", "prec"] and [line.split()[:2] for line in lines[2:4]] == [
+        ["torch", "fp32"], ["onnxruntime", "int8"]]
 
 
 def test_benchmarks_refuse_files_without_text_and_compare_rows_are_one_round(tmp_path, fp32_dir):
