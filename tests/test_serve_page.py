@@ -374,6 +374,9 @@ def test_characters_count_as_the_server_counts_and_an_expired_download_says_so(b
         wait.until(lambda d: "more than this server's 5" in _shown(d, "error"))
         assert _by_id(d, "count").text == "8 / 5 (3 over)"
         assert _by_id(d, "input").get_attribute("value") == "ein hund"  # kept whole
+        # and the translation of the text before it is gone (Copy copied "EIN 😀" beside "ein hund"), the status
+        # too (an aborted request's "Translating…" stayed for good)
+        assert _by_id(d, "output").text == "" and _by_id(d, "status").text == ""
 
         upload = tmp_path / "hund.txt"
         upload.write_text("ein\n")

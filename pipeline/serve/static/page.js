@@ -148,12 +148,17 @@
     if (inFlight) inFlight.abort();
     const q = ui.input.value;
     const mine = ++sequence;
-    if (!q.trim()) { clearResult(); showError(""); setStatus(""); inFlight = null; return; }
+    // nothing sent: the request aborted above ends here, so its status and a translation of another text go too
+    // ("Translating…" stayed for good, and Copy copied the last text's translation beside this one)
+    const idle = () => { clearResult(); setStatus(""); inFlight = null; };
+    if (!q.trim()) { idle(); showError(""); return; }
     if (!ui.target.value) {
+      idle();
       showError(languages.length ? "No target language: GET /languages lists none for this source." : NO_LANGUAGES);
       return;
     }
     if (overLimit()) {  // the whole text stays (a maxlength cut pasted text short without a word)
+      idle();
       showError(`The text has ${characters()} characters, more than this server's ${settings.charLimit} for one ` +
                 "request (its charLimit): shorten it, or translate it as a file below.");
       return;
