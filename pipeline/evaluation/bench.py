@@ -331,15 +331,16 @@ def model_column(report: dict) -> Callable[[dict], str]:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{'backend':<14} {'prec':<5} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} {'sent/s':>8} "
-            f"{'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8} {'% peak':>6}")
+    head = (f"{'backend':<14} {'prec':<5} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
+            f"{'sent/s':>8} {'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8} {'% peak':>6}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
         gpu = "-" if r.get("peak_gpu_mb") is None else f"{r['peak_gpu_mb']:.0f}"
         name = r["backend"] + (f"/{r['step']}" if r.get("step") not in (None, "eager") else "")
         name += f" x{r['parallel_batches']}" if r.get("parallel_batches", 1) > 1 else ""  # batches at once
-        rows.append(f"{name:<14} {r['precision']:<5} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} {r['beam_size']:>4} "
+        rows.append(f"{name:<14} {r['precision']:<5} {vocabulary(r):<9} {r['device']:<6} {r['batch_size']:>5} "
+                    f"{r['beam_size']:>4} "
                     f"{r['target_tokens_per_s']:>10.1f} {r['sentences_per_s']:>8.2f} "
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8} "
                     f"{percent(r):>6}")
