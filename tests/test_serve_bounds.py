@@ -226,6 +226,27 @@ def test_a_trusted_proxys_scheme_makes_file_urls_https(tmp_path, monkeypatch):
                            files=files, headers=headers, timeout=10)
         assert r.json()["translatedFileUrl"].startswith(f"{scheme}://translate.example.org/download_file/"), r.text
 
+def test_a_path_prefix_reaches_the_file_urls_with_root_path():
+    """Behind a proxy serving the server under /mt (stripping it), translatedFileUrl was /download_file/ID: a 404
+    through the proxy, and pipeline serve had no way to say the prefix. --root-path /mt puts it in the URL; the
+    server still answers the paths the proxy sends it (without the prefix)."""
+    pytest.importorskip("multipart")
+    from pipeline.serve.runner import root_path
+
+    files = {"file": ("a.txt", b"ein hund\n")}
+    with real_server(state_of({"de-en": (("de",), ("en",))}), root_path="/mt/") as (host, port):
+        r = httpx.post(f"http://{host}:{port}/translate_file", data={"source": "de", "target": "en"}, files=files,
+                       timeout=10)  # as the proxy sends it: the prefix stripped
+        url = r.json()["translatedFileUrl"]
+        assert url.startswith(f"http://{host}:{port}/mt/download_file/"), r.text
+        got = httpx.get(f"http://{host}:{port}/download_file/{url.rsplit('/', 1)[1]}", timeout=10)
+        assert got.status_code == 200 and got.content == b"EIN HUND\n", got.text
+        assert httpx.get(f"http://{host}:{port}/languages", timeout=10).status_code == 200
+    for bad in ("mt", "/m t", "/mt?x"):
+        with pytest.raises(UserError, match="--root-path .*like /mt"):
+            root_path(bad)
+
+
 def test_clients_that_leave_mid_translation_leave_no_traceback_in_the_log(caplog):
     state = state_of({"de-en": (("de",), ("en",))}, delay=0.3)
     with caplog.at_level(logging.DEBUG), real_server(state) as (host, port):

@@ -64,16 +64,14 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
     if rules and not o.whole_process and (o.serve_input is not None or len(model_dirs) > 1 or o.compare):
         raise UserError("--rules is measured in-process (one MODEL_DIR) and with --whole-process; leave it out of "
                         "runs of several MODEL_DIRs, --serve and --compare")
-    # the beam of the subprocess modes: the one given, else the (first) model dir's own, as in-process and serve-batch
-    beam = _beam(decoding, model_dirs[0]) if o.whole_process or o.serve_input is not None or len(model_dirs) > 1 \
-        or o.compare else decoding.beam_size
     # one batch at a time in-process unless told; with --whole-process, what serve-batch does by default
     batches = parallel_batches or (default_parallel_batches(threads or 2) if o.whole_process else 1)
     if o.whole_process:
         report = run_whole_process(list(model_dirs), list(o.whole_process), compare=list(o.compare),
-                                   threads=threads or 2, beam_size=beam, fixed_length=o.fixed_length,
-                                   rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
-                                   min_agreement=o.min_agreement, parallel_batches=batches, rules=rules)
+                                   threads=threads or 2, beam_size=_beam(decoding, model_dirs[0]),
+                                   fixed_length=o.fixed_length, rounds=o.rounds, shortlist=shortlist,
+                                   src_lang=src_lang, tgt_lang=tgt_lang, min_agreement=o.min_agreement,
+                                   parallel_batches=batches, rules=rules)
         click.echo(format_whole_process(report), err=aside)
     elif o.serve_input is not None:
         serve_bench = pick(ServeBenchOptions, values)
@@ -88,8 +86,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         if shortlist or batches > 1:
             raise UserError("--serve does not measure --shortlist or --parallel-batches yet; bench them in-process "
                             "(leave out --serve)")
-        report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads, beam,
-                                 serve_bench)
+        report = run_serve_bench(str(model_dirs[0]), str(o.serve_input), chosen[0], threads,
+                                 _beam(decoding, model_dirs[0]), serve_bench)
         click.echo(format_serve_bench(report), err=aside)
     elif len(model_dirs) == 1 and not o.compare:
         names = installed_backends(ctx, parse_backends(o.backends))  # a deploy install: the exported graphs
@@ -101,7 +99,8 @@ def bench(ctx: click.Context, model_dirs: tuple[Path, ...], decoding: DecodingOp
         click.echo(format_table(report), err=aside)
     else:
         report = run_comparison(list(model_dirs), parse_backends(o.backends), list(o.batch_sizes),
-                                compare=list(o.compare), beam_size=beam, fixed_length=o.fixed_length,
+                                compare=list(o.compare), beam_size=_beam(decoding, model_dirs[0]),
+                                fixed_length=o.fixed_length,
                                 src=o.src, sentences=o.sentences, src_len=o.src_len, device=device, threads=threads,
                                 rounds=o.rounds, shortlist=shortlist, src_lang=src_lang, tgt_lang=tgt_lang,
                                 min_agreement=o.min_agreement, parallel_batches=batches)

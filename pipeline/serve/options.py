@@ -50,6 +50,10 @@ class ServeHttpOptions:
                                    "pass --keyless-rate. Behind a proxy on this machine (a TLS one: translated "
                                    "files' URLs are then https): 127.0.0.1, with the proxy setting "
                                    "X-Forwarded-For itself.", metavar="ADDRESSES")
+    root_path: str = opt("", "The URL path a reverse proxy serves this server under, which it strips from each "
+                         "request (nginx: location /mt/ { proxy_pass http://127.0.0.1:8000/; }): /mt, so the "
+                         "download links /translate_file answers hold it (they were /download_file/ID, a 404 "
+                         "through the proxy); as uvicorn's --root-path.", metavar="PATH")
     cors_origin: str = opt("*", "The Access-Control-Allow-Origin sent to browsers (pages and add-ons calling the "
                            "API from another origin), preflight requests answered; * as LibreTranslate, an origin "
                            "like https://example.org, or none to send no CORS headers.")

@@ -244,6 +244,15 @@ def trusted_proxies(opts: ServeHttpOptions) -> str:
     return trusted
 
 
+def root_path(given: str) -> str:
+    """--root-path as uvicorn takes it: "" or a path of its own (/mt; /mt/ is /mt), else one line."""
+    path = given.strip().rstrip("/")
+    if path and (not path.startswith("/") or any(c.isspace() or c in "?#" for c in path)):
+        raise UserError(f"--root-path {given[:60]!r}: give the URL path the proxy serves this server under, "
+                        "like /mt")
+    return path
+
+
 def uvicorn_config(app: Any, opts: ServeHttpOptions, limits: RequestLimits | None = None) -> uvicorn.Config:
     """uvicorn's settings for the app: no log config or access log of its own (ours), the grace period, and proxy
     headers (X-Forwarded-For, X-Forwarded-Proto) believed from --forwarded-allow-ips (or uvicorn's
@@ -253,6 +262,7 @@ def uvicorn_config(app: Any, opts: ServeHttpOptions, limits: RequestLimits | Non
     limits = limits or RequestLimits()  # the request's head bounded before it reaches the app (connections.py)
     return uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=opts.grace_s,
                           proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
+                          root_path=root_path(opts.root_path),
                           http=bounded_protocol(limits.head_timeout_s, limits.max_connections,
                                                 cors_origin(opts.cors_origin)))
 

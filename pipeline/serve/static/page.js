@@ -237,7 +237,10 @@
         throw new Error("translate_file: the answer has no translatedFileUrl to download");
       }
       showError("");
-      ui.download.href = url.href;
+      // fetched from this page's own origin and path: behind a TLS proxy without --forwarded-allow-ips the URL
+      // is plain http (blocked here as mixed content: "cannot reach the server"), behind a path prefix without
+      // --root-path it misses the prefix (a 404)
+      ui.download.href = new URL(`download_file/${url.pathname.split("/").pop()}`, window.location.href).href;
       ui.download.textContent = `Download the translation of ${file.name}`;
       ui.fileResult.hidden = false;
     } catch (e) {
