@@ -99,6 +99,15 @@ def test_a_dir_whose_graph_cannot_run_is_a_no(model_dir, tmp_path, capsys):
     assert "  torch        fp32  cpu   yes" in out  # model.pt is whole
     assert run_cli("doctor", model_dir) == 0
     assert "  onnxruntime  fp32  cpu   yes" in capsys.readouterr().out
+    # no backend at all: the deploy image's build step (`RUN pipeline doctor /model`) passed with exit 0 and every
+    # row a no, and the container then failed at every start
+    (bad / "model.pt").write_bytes(b"")
+    write_manifest(bad, read_manifest(bad, verify=False))
+    assert run_cli("doctor", bad) == 2
+    captured = capsys.readouterr()
+    assert "  torch        fp32  cpu   no: " in captured.out, captured.out
+    assert captured.err == f"error: {bad}: no backend can translate with it on this machine (each row above says " \
+                           "why)\n", captured.err
 
 
 def _gpu_facts(trt_version: str | None = "10.13.0.35", providers: tuple[str, ...] = (

@@ -40,3 +40,5 @@ def doctor(model_dir: Path | None, **values: bool) -> None:
             click.echo(format_verdicts(model_dir, verdicts))
     if broken is not None:
         raise broken  # the one error line, and exit 2: a build that gates on doctor fails
+    if verdicts is not None and not any(v.ok for v in verdicts):  # the image's build passed, its start failed
+        raise UserError(f"{model_dir}: no backend can translate with it on this machine (each row above says why)")
