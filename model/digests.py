@@ -25,14 +25,18 @@ CACHED_MIN_BYTES = 1 << 20  # smaller files are hashed every time: it costs less
 RACY_NS = 2_000_000_000  # a digest taken this soon after the file's last change is taken again next time
 
 
+OFF = ("off", "0", "false", "no", "none")  # a cache variable's values that turn it off
+
+
 def user_cache_dir(env: str, name: str) -> Path | None:
-    """A cache of this tool's: the directory $`env` names, else $XDG_CACHE_HOME/pipeline/`name`
-    (~/.cache/...); None when $`env` is "off"."""
-    value = os.environ.get(env)
-    if value == "off":
+    """A cache of this tool's: the directory $`env` names (~ expanded), else $XDG_CACHE_HOME/pipeline/`name`
+    (~/.cache/...); None when $`env` is off, in any case, or 0, false, no, none (OFF and false made folders of
+    those names in the working directory)."""
+    value = os.environ.get(env, "").strip()
+    if value.lower() in OFF:
         return None
     if value:
-        return Path(value)
+        return Path(value).expanduser()
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pipeline" / name
 
 

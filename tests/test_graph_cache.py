@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 from helpers import make_parallel, to_old_decoder_interface
@@ -164,3 +165,15 @@ def test_the_cpu_sessions_run_without_skip_layer_norm_fusion(rowwise_dir, tmp_pa
     saved = [entry / GRAPH for entry in _entries(tmp_path / "cache")]
     assert len(saved) == 2 and not any("SkipLayerNormalization" in ops(g) for g in saved)
     assert "SkipLayerNormFusion" in CPU_DISABLED_OPTIMIZERS
+
+
+@pytest.mark.parametrize("value", ["off", "OFF", "Off", "0", "false", "no", " none "])
+def test_a_cache_variable_turned_off_in_any_spelling_makes_no_folder(value, monkeypatch, tmp_path):
+    """PIPELINE_HASH_CACHE=OFF (or false) was taken as a relative folder: caches were written to ./OFF in the
+    working directory (/app in the image) without a word."""
+    from model.digests import user_cache_dir
+
+    monkeypatch.setenv("PIPELINE_HASH_CACHE", value)
+    assert user_cache_dir("PIPELINE_HASH_CACHE", "hashes") is None
+    monkeypatch.setenv("PIPELINE_HASH_CACHE", "~/hashes")  # the home, not a folder named ~
+    assert user_cache_dir("PIPELINE_HASH_CACHE", "hashes") == Path.home() / "hashes"
