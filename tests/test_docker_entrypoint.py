@@ -87,14 +87,15 @@ def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
     if name is None:  # the image's default MODEL_NAME, with a model dir that records its languages
         model = with_language_pair(fp32_dir, tmp_path / "model", "de", "en")
     script = command[2].replace("/model", shlex.quote(str(model)))
+    assert "--host 0.0.0.0 --port 8000" in script  # where EXPOSE and HEALTHCHECK look; here a free port
+    script = script.replace("--host 0.0.0.0 --port 8000", "--host 127.0.0.1 --port 0")
     environ = {**os.environ, **env, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
     if name is not None:
         environ["MODEL_NAME"] = name
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*command[:2], script, *command[3:], "--host", "127.0.0.1", "--port", "0",
-                                 "--backend", "onnxruntime"], cwd=tmp_path, env=environ, stdout=out,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*command[:2], script, *command[3:], "--backend", "onnxruntime"], cwd=tmp_path,
+                                env=environ, stdout=out, stderr=subprocess.STDOUT)
     try:
         url = served_url(proc, log)
         languages = mastodon_languages(url)
@@ -112,3 +113,22 @@ def test_the_images_command_line_serves_mastodon(fp32_dir, tmp_path, name):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.mark.parametrize("name, args, says", [
+    ("a=b", [], "error: MODEL_NAME 'a=b': the name the model is served as"),
+    ("", [], "error: MODEL_NAME '': the name"),
+    ("de en", [], "error: MODEL_NAME 'de en': the name"),
+    ("de-en", ["--threads", "1", "--port", "8001"], "error: --port: the image serves on 0.0.0.0:8000"),
+    ("de-en", ["--host=127.0.0.1"], "error: --host=127.0.0.1: the image serves on 0.0.0.0:8000")])
+def test_the_images_command_line_names_its_own_settings_in_errors(tmp_path, name, args, says):
+    """MODEL_NAME=a=b was "model a: b=/model: no such model directory (create one with pipeline export)", and an
+    empty one named --model, an option the Docker user never typed; a --port after the image name moved the
+    server away from its EXPOSE and HEALTHCHECK without a word (the container then unhealthy)."""
+    command, env = entrypoint()
+    environ = {**os.environ, **env, "MODEL_NAME": name, "PATH": f"{tmp_path}:{os.environ.get('PATH', '')}"}
+    (tmp_path / "pipeline").write_text("#!/bin/sh\necho started\n")  # what would have run instead of refusing
+    (tmp_path / "pipeline").chmod(0o755)
+    done = subprocess.run([*command, *args], env=environ, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2 and done.stdout == "" and done.stderr.startswith(says), done
+    assert done.stderr.count("\n") == 1
