@@ -148,6 +148,40 @@ def test_keys_where_libretranslate_clients_send_them(tmp_path):
                       ).status_code == 401
 
 
+def test_a_busy_servers_503_is_not_counted_in_a_keys_rate(tmp_path, monkeypatch):
+    """A key of 3 requests a minute tried a full queue three times (503, Retry-After: 1, as the docs say to retry)
+    and its first served request was a 429 "retry in 55 s": the refused tries spent the minute. A 503 serves
+    nothing and is taken back out; a 400 (read, refused) counts."""
+    pytest.importorskip("multipart")
+    from pipeline.serve.batcher import QueueFull
+
+    path = tmp_path / "keys.txt"
+    path.write_text(f"{KEY} 3\n")
+    state = state_of({"de-en": (("de",), ("en",))}, ApiKeys.read(str(path)))
+    auth = {"Authorization": f"Bearer {KEY}"}
+    libre = {"q": "hund", "source": "de", "target": "en", "api_key": KEY}
+    with client(state) as c:
+        batcher = state.models["de-en"].batcher
+        real = batcher.submit
+
+        def full(*args, **kwargs):
+            raise QueueFull("the queue holds 1 request (--max-queue 1)")
+
+        monkeypatch.setattr(batcher, "submit", full)
+        for _ in range(2):
+            assert c.post("/translate", json={"text": ["hund"]}, headers=auth).status_code == 503
+            assert c.post("/translate", json=libre).status_code == 503
+            r = c.post("/translate_file", data={k: v for k, v in libre.items() if k != "q"},
+                       files={"file": ("a.txt", b"hund\n")})
+            assert r.status_code == 503, r.text
+        monkeypatch.setattr(batcher, "submit", real)
+        assert c.post("/translate", json={"text": ["hund"]}, headers=auth).json() == {"translations": ["HUND"]}
+        assert c.post("/translate", json=libre).json()["translatedText"] == "HUND"
+        assert c.post("/translate", json={"text": ["hund"], "beam_size": 0}, headers=auth).status_code == 400
+        r = c.post("/translate", json=libre)  # the 400 counted: the fourth request of the minute
+        assert r.status_code == 429 and "3 requests per minute" in r.json()["error"], r.text
+
+
 @pytest.mark.parametrize("given", ["²", "1" * 4400, "٣", "1e3", "--2"])
 def test_alternatives_no_int_can_read_are_a_400(given, caplog):
     with caplog.at_level(logging.WARNING), client(state_of({"de-en": (("de",), ("en",))})) as c:

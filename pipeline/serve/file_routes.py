@@ -38,6 +38,7 @@ from pipeline.serve.http import (
     read_body,
     strict_multipart,
 )
+from pipeline.serve.keys import settle
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.state import ServerState
@@ -199,6 +200,7 @@ async def translate_file(request: Request) -> Response:
     except Exception as e:
         m = e.metrics if isinstance(e, CountedDisconnect) else m
         response = failed(e, m, state.limits.retry_after_s, "file translation")
+    settle(request.scope, response.status_code)
     m.request(response.status_code)
     return response
 

@@ -20,7 +20,9 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from model.errors import UserError
 
@@ -36,6 +38,37 @@ class _Key:
     per_minute: int | None
     label: str  # "line N": how the server names a key in its own messages
     recent: deque[float] = field(default_factory=deque)
+
+
+ADMISSION = "pipeline.admission"  # the request's Admission, in its ASGI scope
+
+
+@dataclass
+class Admission:
+    """One request counted in a rate (`label`: its key's line, or "keyless"); `refund` takes it back out."""
+
+    label: str
+    recent: deque[float] | None = None
+    at: float = 0.0
+    lock: threading.Lock | None = None
+
+    def refund(self) -> None:
+        if self.recent is not None and self.lock is not None:
+            with self.lock:
+                try:
+                    self.recent.remove(self.at)
+                except ValueError:  # already out of the window
+                    pass
+            self.recent = None
+
+
+def settle(scope: MutableMapping[str, Any], status: int) -> None:
+    """A request answered 503 (the queue full, the server stopping, a backend fault: nothing served, and the
+    client told to retry) is taken out of its rate: tries at a busy server spent a key's minute and the first
+    served request was a 429. Refused requests (4xx) count: the server read them."""
+    admission = scope.pop(ADMISSION, None)
+    if status == 503 and admission is not None:
+        admission.refund()
 
 
 class KeyRefused(Exception):
@@ -106,38 +139,43 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def check(self, given: str | None, client: str = "") -> str:
-        """Accept one request with this key (or none, from this client address); its label for the access log
-        ("line N", or "keyless"). KeyRefused when unknown, or missing where required; RateLimited over the
-        key's rate, or a keyless client's."""
+    def check(self, given: str | None, client: str = "") -> Admission:
+        """Accept one request with this key (or none, from this client address): its Admission, labelled for the
+        access log ("line N", or "keyless"). KeyRefused when unknown, or missing where required; RateLimited
+        over the key's rate, or a keyless client's."""
         if not given:
             if self.require:
                 raise KeyRefused("missing")
-            if self.keyless_per_minute is not None:
-                with self._lock:
-                    if len(self._keyless) > MAX_CLIENTS:  # a flood of addresses: forget the quiet ones
-                        self._forget(self.clock())
-                    recent = self._keyless.setdefault(client, deque())
-                    _admit(recent, self.keyless_per_minute, "a client without an API key", self.clock(), "keyless")
-            return "keyless"
+            if self.keyless_per_minute is None:
+                return Admission("keyless")
+            with self._lock:
+                if len(self._keyless) > MAX_CLIENTS:  # a flood of addresses: forget the quiet ones
+                    self._forget(self.clock())
+                recent = self._keyless.setdefault(client, deque())
+                now = _admit(recent, self.keyless_per_minute, "a client without an API key", self.clock(),
+                             "keyless")
+            return Admission("keyless", recent, now, self._lock)
         found = self._keys.get(_digest(given)) if len(given) <= MAX_KEY_CHARS else None
         if found is None:
             raise KeyRefused("invalid")
-        if found.per_minute is not None:
-            with self._lock:
-                _admit(found.recent, found.per_minute, "this API key", self.clock(), found.label)
-        return found.label
+        if found.per_minute is None:
+            return Admission(found.label)
+        with self._lock:
+            now = _admit(found.recent, found.per_minute, "this API key", self.clock(), found.label)
+        return Admission(found.label, found.recent, now, self._lock)
 
     def _forget(self, now: float) -> None:
         for client in [c for c, recent in self._keyless.items() if not recent or recent[-1] <= now - WINDOW_S]:
             del self._keyless[client]
 
 
-def _admit(recent: deque[float], per_minute: int, who: str, now: float, label: str) -> None:
-    """One more request in the window of `recent`, or RateLimited with the seconds until one is allowed."""
+def _admit(recent: deque[float], per_minute: int, who: str, now: float, label: str) -> float:
+    """One more request in the window of `recent` (at `now`, returned), or RateLimited with the seconds until one
+    is allowed."""
     while recent and recent[0] <= now - WINDOW_S:
         recent.popleft()
     if len(recent) >= per_minute:
         wait = max(1, math.ceil(recent[0] + WINDOW_S - now))
         raise RateLimited(f"{who} may make {per_minute} requests per minute; retry in {wait} s", wait, label)
     recent.append(now)
+    return now

@@ -34,7 +34,7 @@ from pipeline.serve.http import (
     refuse_repeated,
     too_many,
 )
-from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
 from pipeline.serve.languages import language_name, preferred
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, translated
@@ -72,7 +72,8 @@ def check_key(state: ServerState, given: Any, request: Request) -> None:
     if given is not None and not isinstance(given, str):
         raise ApiError(400, '"api_key" must be a string')
     try:
-        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
+        admitted = request.scope[ADMISSION] = state.keys.check(given, request.client.host if request.client else "")
+        note(request, key=admitted.label)
     except KeyRefused as e:  # LibreTranslate's words and statuses: clients show them
         raise ApiError(403, "Invalid API key") if str(e) == "invalid" else \
             ApiError(400, "Please contact the server operator to get an API key") from None
@@ -293,6 +294,7 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     except Exception as e:
         m = e.metrics if isinstance(e, CountedDisconnect) else m
         response = failed(e, m, state.limits.retry_after_s, "translation")
+    settle(request.scope, response.status_code)
     m.request(response.status_code)
     return response
 

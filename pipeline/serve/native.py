@@ -21,7 +21,7 @@ from pipeline.serve.access import note
 from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
 from pipeline.serve.http import CLIENT_CLOSED, ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
-from pipeline.serve.keys import KeyRefused, RateLimited
+from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
@@ -43,7 +43,8 @@ def unauthorized(state: ServerState, request: Request) -> ApiError | None:
         return None
     given = bearer(request.headers.get("authorization", ""))
     try:
-        note(request, key=state.keys.check(given, request.client.host if request.client else ""))
+        admitted = request.scope[ADMISSION] = state.keys.check(given, request.client.host if request.client else "")
+        note(request, key=admitted.label)
     except KeyRefused:
         challenge = 'Bearer realm="pipeline"' + (', error="invalid_token"' if given else "")
         return ApiError(401, "the API key in Authorization is not valid" if given else
@@ -174,6 +175,7 @@ async def translate(request: Request, data: Any, state: ServerState, started: fl
             m.in_flight.dec()
     except Exception as e:  # a backend fault: this request fails (503), the server goes on
         response = failed(e, m, state.limits.retry_after_s, "translation")
+    settle(request.scope, response.status_code)
     if not isinstance(response, _Stream):  # a stream is counted when it ends, as it ended
         m.request(response.status_code)
     return response
