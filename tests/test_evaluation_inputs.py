@@ -510,3 +510,38 @@ def test_bench_latency_p50_is_the_median_and_a_failed_process_is_one_readable_li
     said = str(refused.value)
     assert "failed with status 2: " in said and "['" not in said and ": error:" not in said, said
     assert "decoder.data" in said, said
+
+
+def test_a_measurement_child_is_started_with_interrupts_held(monkeypatch):
+    """Ctrl-C or SIGTERM while a measurement's process was started (its job, MBs of sources, written to it) cut
+    the job short: the child printed a traceback (UnpicklingError: pickle data was truncated) under bench's own
+    exit 130. Both are held while it starts (the child inherits the mask and lifts it once SIGINT is ignored),
+    and an interrupt held is raised once it has started, which stops the child."""
+    import multiprocessing
+    import signal
+
+    from pipeline.evaluation import bench_compare
+
+    seen: dict[str, object] = {}
+    ctx = multiprocessing.get_context("spawn")
+
+    class Child:
+        def __init__(self, target, args, daemon):
+            self.exitcode = self.pid = None
+
+        def start(self):
+            self.pid = 1
+            seen["held"] = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+            signal.raise_signal(signal.SIGINT)  # a Ctrl-C while it starts
+
+        def terminate(self):
+            seen["terminated"] = True
+
+        def join(self, timeout=None):
+            pass
+
+    monkeypatch.setattr(ctx, "Process", Child)
+    with pytest.raises(KeyboardInterrupt):
+        bench_compare._in_fresh_process(ctx, {"engine": "x"})
+    assert {signal.SIGINT, signal.SIGTERM} <= set(seen["held"]) and seen["terminated"]  # raised after start
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # and no longer held here

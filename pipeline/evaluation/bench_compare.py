@@ -208,9 +208,15 @@ def _in_fresh_process(ctx: Any, job: dict[str, Any]) -> dict[str, Any]:
     ProcessPoolExecutor's shutdown waited on its worker, which sometimes never ended."""
     receive, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_measured_into, args=(send, job), daemon=True)
-    child.start()
-    send.close()
+    # Ctrl-C or SIGTERM while the child is started cut the job it reads at its start short: it printed a traceback
+    # (UnpicklingError: pickle data was truncated). Held until it has all of it; the child inherits the mask.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     try:
+        try:
+            child.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)  # an interrupt held is raised here (the child stopped)
+            send.close()
         try:
             ok, value = receive.recv()
         except EOFError:  # it died without a word (killed, out of memory)
@@ -219,8 +225,9 @@ def _in_fresh_process(ctx: Any, job: dict[str, Any]) -> dict[str, Any]:
                             f"{job['batch_size']}) ended without a result (exit code {child.exitcode})") from None
         child.join()
     except BaseException:
-        child.terminate()
-        child.join()
+        if child.pid is not None:  # started
+            child.terminate()
+            child.join()
         raise
     finally:
         receive.close()
@@ -231,6 +238,8 @@ def _in_fresh_process(ctx: Any, job: dict[str, Any]) -> dict[str, Any]:
 
 def _measured_into(send: Any, job: dict[str, Any]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the parent, which stops this
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})  # held while it started: a
+    # SIGTERM the parent sent meanwhile (interrupted) ends it here, before any measurement
     try:
         result = (True, _measure(job))
     except Exception as e:  # raised again in the parent, as ProcessPoolExecutor raised a worker's
