@@ -44,8 +44,12 @@ def test_parity_of_a_source_without_text_fails_instead_of_passing(capsys, fp32_d
     assert_one_line_error(code, err, "no line with text to translate; parity would pass having compared nothing")
 
 
-def test_parity_json_may_not_be_a_file_save_hyps_writes(capsys, fp32_dir, tmp_path, pair):
+def test_parity_json_may_not_be_a_file_save_hyps_writes(capsys, fp32_dir, tmp_path, pair, monkeypatch):
     src, ref = pair
+    monkeypatch.chdir(tmp_path)  # --save-hyps - made a directory named "-" here
+    code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--save-hyps", "-")
+    assert_one_line_error(code, err, "--save-hyps -: give a directory")
+    assert not (tmp_path / "-").exists()
     hyps = tmp_path / "hyps"
     code, _, err = run_cli_captured(capsys, "parity", fp32_dir, "--src", src, "--ref", ref, "--backends",
                                     "onnxruntime", "--save-hyps", hyps, "--json", hyps / "onnxruntime.fp32.txt")

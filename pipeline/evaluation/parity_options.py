@@ -104,6 +104,9 @@ class ParityOptions(Checked):
         n = name or self.flag
         if self.reference_engine not in REFERENCES:
             return [f"{n('reference_engine')} {self.reference_engine!r}: choose one of {', '.join(REFERENCES)}"]
-        return [f"{n(key)} {value:g}: a share from 0 to 1 (0.99 for 99%)"
-                for key in ("min_identical", "fp16_min_identical", "int8_min_identical")
-                if (value := getattr(self, key)) is not None and not 0 <= value <= 1]
+        out = [f"{n(key)} {value:g}: a share from 0 to 1 (0.99 for 99%)"
+               for key in ("min_identical", "fp16_min_identical", "int8_min_identical")
+               if (value := getattr(self, key)) is not None and not 0 <= value <= 1]
+        if self.save_hyps is not None and str(self.save_hyps) == "-":  # it made a directory named "-"
+            out.append(f"{n('save_hyps')} -: give a directory (one file per backend), not standard output")
+        return out
