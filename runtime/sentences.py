@@ -102,25 +102,47 @@ def _segmenter() -> Callable[[str, str], list[str]]:
     return pieces
 
 
+class TooManySentences(Exception):
+    """split_sentences found more sentences than its `most` and stopped there."""
+
+
+class _Budget:
+    """The sentences a text may still hold (`most`); each line's are taken off as they are found."""
+
+    def __init__(self, most: int | None):
+        self.left = most
+
+    def take(self, pieces: Sequence[str]) -> None:
+        if self.left is not None:
+            self.left -= sum(1 for piece in pieces if not piece.isspace() and piece)
+            if self.left < 0:
+                raise TooManySentences
+
+
 def split_sentences(text: str, lang: str = DEFAULT_LANG,
-                    whole: Callable[[str], Sequence[tuple[int, int]]] | None = None, soft: bool = False) -> Split:
+                    whole: Callable[[str], Sequence[tuple[int, int]]] | None = None, soft: bool = False,
+                    most: int | None = None) -> Split:
     """`text` as sentences and the whitespace around them (lang: an ISO 639 code, NLLB's eng_Latn too; unknown codes
     get sentencex's language-neutral rules). `whole(text)`: spans of it no boundary may cut (a glossary's terms:
     "1. FC Köln" was cut after "1.", and its term found in neither sentence). `soft`: a line break is whitespace
     like any other, inside a sentence too (the text of markup: HTML wrapped at 72 columns had each sentence cut
-    at its line ends, and the pieces translated apart)."""
+    at its line ends, and the pieces translated apart). `most`: past that many sentences, TooManySentences as soon
+    as they are found (a 17 MB line was split whole, 17 s and 370 MB, before the HTTP APIs' limit refused it)."""
     segment = _segmenter()
     lang = two_letter(lang) or lang
-    split = _split(text, lambda line: _windowed(lambda window: segment(lang, window), line), soft)
+    budget = _Budget(most)
+    split = _split(text, lambda line: _windowed(lambda window: segment(lang, window), line, budget), soft)
     return joined_across(split, whole(text), soft) if whole is not None and len(split.sentences) > 1 else split
 
 
-def _windowed(segment: Callable[[str], list[str]], line: str) -> list[str]:
+def _windowed(segment: Callable[[str], list[str]], line: str, budget: _Budget | None = None) -> list[str]:
     """The line cut where segment(line) cuts it, each call on at most WINDOW characters. A boundary
     depends on the text around it: a window starts at the sentence before (when it is short) and the
     boundaries found up to CONTEXT characters before its end (at least one) are kept. A window without
     a boundary is cut after its last whitespace past the middle (a sentence that long is cut), else at
-    its end. A segmenter that changes a character leaves the line one sentence."""
+    its end. A segmenter that changes a character leaves the line one sentence. `budget`: takes each piece
+    with text off as it is cut."""
+    budget = budget or _Budget(None)
     cuts = [0]  # where the sentences found so far start
     while True:
         start = cuts[-1]
@@ -128,13 +150,17 @@ def _windowed(segment: Callable[[str], list[str]], line: str) -> list[str]:
         window = line[first:first + WINDOW]
         found = segment(window)
         if "".join(found) != window:
+            budget.take([line[start:]])
             return [line]
         ends = [first + end for end in itertools.accumulate(map(len, found)) if first + end > start]
         if first + len(window) == len(line):
+            budget.take([line[a:b] for a, b in itertools.pairwise([start, *ends])])
             return [line[a:b] for a, b in itertools.pairwise(cuts + ends)]
         ends.pop()  # the window's end, not the line's
         kept = [end for end in ends if end <= first + WINDOW - CONTEXT]
-        cuts += kept or ends[:1] or [start + _cut(line[start:first + WINDOW])]
+        new = kept or ends[:1] or [start + _cut(line[start:first + WINDOW])]
+        budget.take([line[a:b] for a, b in itertools.pairwise([start, *new])])
+        cuts += new
 
 
 def _cut(window: str) -> int:

@@ -26,7 +26,7 @@ from runtime.decoding import DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import NO_TERMS, Glossary, Terms, applied_terms, find_terms, terms_for
 from runtime.markup import Markup, parse_html
-from runtime.sentences import DEFAULT_LANG, Split, fitted, has_letters, split_sentences
+from runtime.sentences import DEFAULT_LANG, Split, TooManySentences, fitted, has_letters, split_sentences
 from runtime.tokenizer import AnyTokenizer
 from runtime.translate import NBest, encode_sources, format_hypotheses
 
@@ -193,9 +193,9 @@ class TooManyUnits(RuntimeUserError):
     """More units than encode_texts' `max_units`, counted before any is tokenized: `count` and `limit`, for
     the caller to phrase (the HTTP APIs' 413 naming --max-sentences)."""
 
-    def __init__(self, count: int, limit: int):
-        super().__init__(f"{count} units, more than the limit of {limit}")
-        self.count, self.limit = count, limit
+    def __init__(self, count: int, limit: int, counted: bool = True):  # counted: False when splitting stopped
+        super().__init__(f"{count if counted else 'more'} units, more than the limit of {limit}")
+        self.count, self.limit, self.counted = count, limit, counted
 
 
 def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, policy: TextPolicy,
@@ -213,16 +213,26 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     glossary = glossary if glossary is not None and len(glossary) and not policy.same_language else None
     whole = None if glossary is None else glossary.spans  # no sentence boundary inside a term
     fit = _fitting(tokenizer, max_src_len, policy)
+    limit = None if policy.same_language else max_units  # (none translated)
+    def split(node: str, soft: bool, taken: int = 0) -> Split:  # its sentences, stopped past the request's limit
+        try:
+            left = None if limit is None else limit - len(out.units) - taken  # taken: by this text's nodes before
+            return split_sentences(node, policy.lang, whole, soft, left)
+        except TooManySentences:
+            raise TooManyUnits(len(out.units), limit or 0, counted=False) from None
+
     for k, text in enumerate(texts):
         start = len(out.units)
         markup = parse_html(text) if policy.format == "html" and not policy.same_language else None  # (as it came)
         if markup is not None:
-            docs = [split_sentences(node, policy.lang, whole, soft=not kept)
-                    for node, kept in zip(markup.sources, markup.kept_breaks)]
+            docs, taken = [], 0
+            for node, kept in zip(markup.sources, markup.kept_breaks):
+                docs.append(split(node, not kept, taken))
+                taken += len(docs[-1].sentences)
             names = [named.node(k, m) for m in range(1, len(docs) + 1)]
             empty = not docs
         elif policy.split == "sentences":
-            docs, names = [split_sentences(text, policy.lang, whole, policy.soft_breaks)], [named.document(k)]
+            docs, names = [split(text, policy.soft_breaks)], [named.document(k)]
             empty = not docs[0].sentences
         else:
             docs, names = [], []
@@ -237,8 +247,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
         out.empty.append(empty)
         out.documents.append(docs)
         out.markups.append(markup)
-    if max_units is not None and len(out.units) > max_units and not policy.same_language:  # (none translated)
-        raise TooManyUnits(len(out.units), max_units)
+    if limit is not None and len(out.units) > limit:
+        raise TooManyUnits(len(out.units), limit)
     # every unit whole in one call (blank ones []), then the limit applied unit by unit by encode_sources
     # itself: each text learns how many of its units were cut, and a refusal reads as it always has
     # a sentence without letters is copied as it is: a model invents words for "123" or a date; unless the glossary

@@ -141,7 +141,7 @@ def test_sentences_over_the_limit_are_413_naming_the_option():
     with client(max_sentences=100) as c:
         r = c.post("/translate", json={"text": ["Ja. " * 101], "split": "sentences"})
         assert r.status_code == 413
-        assert r.json()["error"] == ("101 sentences, more than this server's limit of 100 per request "
+        assert r.json()["error"] == ("more than 100 sentences, this server's limit per request "
                                      "(--max-sentences); split the request")
         assert c.post("/translate", json={"text": ["Ja. " * 100], "split": "sentences"}).status_code == 200
         r = c.post("/translate", json={"text": ["ja"] * 101})  # without split, each line is a sentence

@@ -110,7 +110,10 @@ def test_units_are_counted_before_any_is_tokenized():
 
     with pytest.raises(TooManyUnits) as refused:
         encode_texts(Refusing(), ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), max_units=3)
-    assert (refused.value.count, refused.value.limit) == (4, 3)
+    assert (refused.value.limit, refused.value.counted) == (3, False)  # splitting stopped at the fourth
+    with pytest.raises(TooManyUnits) as refused:  # lines are counted whole
+        encode_texts(Refusing(), ["Ab. Cd.", "Ef. Gh.", "x", "y"], 100, TextPolicy(), max_units=3)
+    assert (refused.value.count, refused.value.limit, refused.value.counted) == (4, 3, True)
     assert len(encode_texts(TOK, ["Ab. Cd.", "Ef. Gh."], 100, TextPolicy(split="sentences"), max_units=4).ids) == 4
 
 
@@ -257,3 +260,29 @@ def test_a_short_sentence_that_normalises_long_is_measured_not_assumed_to_fit():
     assert fit is not None and fit("a" * 20) == 20 and asked == []  # ASCII within the limit: untokenized
     assert fit("\ufdfa" * 5) == 2 and asked == ["\ufdfa" * 5]
     assert _fitting(Expanding(), 21, TextPolicy(split="sentences", long_lines="error")) is None
+
+
+def test_splitting_stops_once_a_text_holds_more_sentences_than_the_limit(monkeypatch):
+    """An 8 MB one-line document was split whole (a 17 MB one: 17 s and 370 MB) before --max-sentences refused
+    it; the split stops at the sentence past the limit, HTML text nodes included, and the whole text is never
+    segmented."""
+    from runtime import sentences
+
+    real, seen = sentences._segmenter(), []
+
+    def counting() -> object:
+        def segment(lang: str, text: str) -> list[str]:
+            seen.append(len(text))
+            return real(lang, text)
+        return segment
+
+    monkeypatch.setattr(sentences, "_segmenter", counting)
+    document = "Ja. " * 2_000_000
+    for policy, text in ((TextPolicy(split="sentences"), document), (TextPolicy(format="html"),
+                                                                    f"<p>{document[:4000]}</p><p>{document}</p>")):
+        seen.clear()
+        with pytest.raises(TooManyUnits) as refused:
+            encode_texts(TOK, ["Ab. Cd.", text], 100, policy, max_units=100)
+        assert refused.value.limit == 100 and not refused.value.counted
+        assert sum(seen) < 20 * sentences.WINDOW, sum(seen)  # of 8,000,000 characters
+    assert len(encode_texts(TOK, [document[:400]], 100, TextPolicy(split="sentences"), max_units=100).ids) == 100

@@ -56,7 +56,9 @@ def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
         encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(req.names or ()),
                                limits.max_sentences, req.glossary)
     except TooManyUnits as e:
-        raise ApiError(413, too_many(e.count, "sentences", limits.max_sentences, "--max-sentences")) from None
+        raise ApiError(413, too_many(e.count, "sentences", limits.max_sentences, "--max-sentences") if e.counted else
+                       f"more than {limits.max_sentences} sentences, this server's limit per request "
+                       "(--max-sentences); split the request") from None
     except SourceTooLong as e:  # the long line named as the request has it, without the CLI's fix
         raise ApiError(413, f"{e.what}; split the line") from None
     except RuntimeUserError as e:  # a glossary's term this model cannot take, found in a text
