@@ -180,6 +180,12 @@ def test_a_busy_servers_503_is_not_counted_in_a_keys_rate(tmp_path, monkeypatch)
         assert c.post("/translate", json={"text": ["hund"], "beam_size": 0}, headers=auth).status_code == 400
         r = c.post("/translate", json=libre)  # the 400 counted: the fourth request of the minute
         assert r.status_code == 429 and "3 requests per minute" in r.json()["error"], r.text
+        assert c.post("/translate", json={"text": ["hund"]}, headers=auth).status_code == 429
+    # both APIs' refusals are counted under the server's one model (LibreTranslate's were model="")
+    requests = state.metrics.requests
+    assert requests.labels(model="de-en", code="429")._value.get() == 2
+    assert requests.labels(model="de-en", code="503")._value.get() == 6
+    assert requests.labels(model="", code="429")._value.get() == 0
 
 
 @pytest.mark.parametrize("given", ["²", "1" * 4400, "٣", "1e3", "--2"])
@@ -462,9 +468,10 @@ def test_a_client_leaving_mid_body_leaves_nothing_in_the_log(path, caplog, tmp_p
     asyncio.run(app(scope, receive, send))
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] in ([], [499])
-    # counted, as every client that leaves is (mid-body /translate was counted nowhere): no model was chosen yet
-    assert state.metrics.requests.labels(model="", code="499")._value.get() == 1
-    assert state.unnamed.disconnects._value.get() == 1
+    # counted, as every client that leaves is (mid-body /translate was counted nowhere): no model was chosen yet,
+    # so under the server's only one, as a refusal on either API is
+    assert state.metrics.requests.labels(model="de-en", code="499")._value.get() == 1
+    assert state.models["de-en"].metrics.disconnects._value.get() == 1
 
 
 def test_unknown_routes_wrong_methods_and_refused_preflights_answer_json():

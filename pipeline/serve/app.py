@@ -79,7 +79,7 @@ async def translate(request: Request) -> Response:
         speaks_libre = form or libre.speaks_libre(data, native.REQUEST_KEYS)
     except ApiError as e:
         response = error(e)
-        state.unnamed.request(response.status_code)
+        state.refused_in.request(response.status_code)
         return response
     if speaks_libre:
         return await libre.translate(request, data, form, state)
@@ -126,11 +126,11 @@ async def no_icon(request: Request) -> Response:
 
 async def _gone(request: Request, exc: Exception) -> Response:
     """A client that left before its answer (any route; mid-body, say) that its route did not answer: nothing to
-    send, nothing to log, counted (on the unnamed series: no model was chosen)."""
+    send, nothing to log, counted (no model was chosen: the server's only one, else the unnamed series)."""
     state: ServerState = request.app.state.server
     if not isinstance(exc, CountedDisconnect):
-        state.unnamed.disconnects.inc()
-    state.unnamed.request(CLIENT_CLOSED)
+        state.refused_in.disconnects.inc()
+    state.refused_in.request(CLIENT_CLOSED)
     return Response(status_code=CLIENT_CLOSED)
 
 

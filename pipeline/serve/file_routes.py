@@ -175,7 +175,7 @@ async def translate_file(request: Request) -> Response:
     batch, the file rebuilt and kept; the answer is its URL."""
     state: ServerState = request.app.state.server
     started = time.perf_counter()
-    m = state.unnamed
+    m = state.refused_in
     try:
         fields, upload = await read_form(request, state)
         check_key(state, fields.get("api_key"), request)

@@ -283,7 +283,7 @@ async def translate_texts(request: Request, state: ServerState, req: LibreReques
 async def translate(request: Request, data: Any, form: bool, state: ServerState) -> Response:
     """POST /translate in LibreTranslate's form (the body read and parsed already)."""
     started = time.perf_counter()
-    m = state.unnamed
+    m = state.refused_in
     try:
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
         req = await off_loop(state.reading, parse_libre, data, form, state)  # in proportion to the body

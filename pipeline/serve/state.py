@@ -70,6 +70,12 @@ class ServerState:
         self.unnamed = self.metrics.model("", listed=False)
         self.routes = Routes.of((m.name, m, m.sources, m.targets) for m in self.models.values())
 
+    @property
+    def refused_in(self) -> ModelMetrics:
+        """Where a request refused before a model was picked is counted: the server's only model (both APIs
+        alike: a key's 429 was model="de-en" on the native API and model="" on LibreTranslate's), else unnamed."""
+        return next(iter(self.models.values())).metrics if len(self.models) == 1 else self.unnamed
+
 
 def pick_model(data: dict[str, Any], state: ServerState) -> ServedModel:
     """The model the request names; the only one when it names none (400 / 404 otherwise)."""
