@@ -330,18 +330,18 @@ def format_whole_process(report: dict[str, Any]) -> str:
     model = model_column(report)
     against = [p for p in ("fp32", "int8") if any(r["engine"] == "ctranslate2" and r["precision"] == p
                                                    for r in report["results"])]
-    head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<8} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
+    head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
             f"{'peak MB':>8} {'load s':>7} {'decode s':>8}" + "".join(f" {'x ct2 ' + p:>10}" for p in against))
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
         versus = _versus_ct2(report["results"], r)
         ratios = "".join(f" {versus[p]:>10.2f}" if p in versus else f" {'-':>10}" for p in against)
-        rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<8} {vocabulary(r):<9} "
-                    f"{Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
+        rows.append(f"{model(r)}{r['engine']:<12} {r['precision']:<5} {r['quantization'] or '-':<11} "
+                    f"{vocabulary(r):<9} {Path(r['file']).name[:28]:<28} {r['lines']:>6} {r['wall_s']:>8.2f} "
                     f"{r['peak_rss_mb'] or 0:>8.0f} {_seconds(r.get('load_s')):>7} {_seconds(r.get('translate_s')):>8}"
                     + ratios)
     rows.append(f"whole process, start to exit; median of {report['rounds']} alternating rounds, "
-                f"{report['threads']} threads, beam {report['beam_size']}"
+                f"{report['threads']} thread{'s' if report['threads'] != 1 else ''}, beam {report['beam_size']}"
                 + (f", {report['parallel_batches']} batches at once in every engine"
                    if report.get("parallel_batches", 1) > 1 else "")
                 + (f", exactly {report['fixed_length']} target tokens per sentence" if report["fixed_length"] else "")
