@@ -90,7 +90,8 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
     the length limit first; callers check which terms made it into the text). joins (vocab,) int8: each piece's
     kind (runtime/tokenizer.py word_continuations): none that glues onto the word before it may follow a completed
     phrase, so a term ends its word ("hound", never "hounds" or "houndn"); no phrase's word start may follow a bare
-    "▁" (two spaces)."""
+    "▁" (two spaces), nor a piece the model would go on with a continuation (its best next piece glues: "jeza zorro"
+    inside "jezai")."""
     if not backend.gathers:
         raise RuntimeUserError(f"the {backend.name} backend cannot apply glossaries here (its decoder step cannot "
                                "return the log-probs of given ids): use the onnxruntime backend on a model dir "
@@ -147,6 +148,12 @@ def constrained_beam_search(backend: Backend, src_ids: Any, constraints: list[Ph
             kinds = joins[np.clip(pool_ids, 0, joins.size - 1)]
             if ended.any():  # a term is a whole word: nothing glued onto its end
                 pool_lp = np.where(ended.reshape(-1, 1) & (kinds == GLUES), np.float32(NEG_INF), pool_lp)
+            best = kinds[np.arange(kinds.shape[0]), lp.argmax(axis=1)]  # the model's own next piece
+            if (best == GLUES).any():  # a term starts a word only where the model ends one: its best piece glues
+                # onto the word in progress ("jeza" of "jezai"), and a term started there left "jeza zorro"
+                starts = (pool_ids[:, :, None] == flat_want[:, None, 1:]).any(axis=2)  # a phrase's first token,
+                # among the model's candidates too (not the next token of the phrase in progress)
+                pool_lp = np.where((best == GLUES)[:, None] & starts & (kinds == WORD), np.float32(NEG_INF), pool_lp)
             spaced = joins[np.clip(host(tokens).reshape(-1), 0, joins.size - 1)] == SPACE
             if spaced.any():  # no term's word start right after a bare space: "feze  guret"
                 term = (pool_ids[:, :, None] == flat_want[:, None, :]).any(axis=2)

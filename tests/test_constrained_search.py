@@ -185,6 +185,35 @@ def test_no_term_starts_right_after_a_bare_space():
         assert first == 0 or hyp.tokens[first - 1] != 7, hyp.tokens
 
 
+def test_no_term_starts_inside_a_word_the_model_has_not_ended():
+    """A term started right after a piece the model would have continued ("jeza" of "jezai": piece B here, whose
+    best next piece is the continuation 7, "i") left a fragment: "loro jeza zorro jezai" (18 of 58 lines holding a
+    term, on the demo model). A term's word start now waits for a step whose best piece is not a continuation;
+    without the pieces' kinds it starts at once."""
+    from test_search import VOCAB, A, B, ScriptedBackend, src
+
+    from runtime.tokenizer import GLUES, WORD
+
+    after_b = {7: 0.6, 6: 0.3, EOS_ID: 0.1}  # "jeza": "i" next, the term likelier here than anywhere else
+    after_7 = {EOS_ID: 0.8, A: 0.15, 6: 0.05}
+    elsewhere = {B: 0.8, A: 0.15, 6: 0.01, EOS_ID: 0.04}
+
+    def lookup(prefix: tuple[int, ...]) -> dict[int, float]:
+        return after_b if prefix and prefix[-1] == B else after_7 if prefix and prefix[-1] == 7 else elsewhere
+
+    kinds = np.zeros(VOCAB, dtype=np.int8)
+    kinds[7], kinds[6], kinds[A], kinds[B] = GLUES, WORD, WORD, WORD
+    options = dict(beam_size=4, nbest=4, max_len_a=0.0, max_len_b=5)
+    cut = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], **options)[0]
+    assert _contains(cut[0].tokens, [B, 6])  # "jeza zorro": the term inside the word
+    kept = constrained_beam_search(ScriptedBackend({0: lookup}), src(0), [[[6]]], joins=kinds, **options)[0]
+    holding = [hyp for hyp in kept if 6 in hyp.tokens]
+    assert holding and kept[:len(holding)] == holding
+    for hyp in holding:
+        first = hyp.tokens.index(6)
+        assert first == 0 or hyp.tokens[first - 1] != B, hyp.tokens
+
+
 def test_top_beam_ends_a_sentence_with_phrases_when_its_best_that_may_end_ends(backend, model):
     """Under top-beam a sentence ended only once the step's best candidate was an EOS; with phrases that one is
     short of them (it cannot end), so sentences decoded to the length limit: 212-220 steps where fairseq took
