@@ -114,7 +114,7 @@ evaluate() {  # evaluate SAVE_DIR MODEL_DIR LABEL: average, tune decoding on val
         pipeline average "$run" "--$from" "$k" --out "$run/averaged-$k.pt"
         pipeline tune-decoding "$run/averaged-$k.pt" --src "$(pick val.de)" --ref "$(pick val.en)" --beams 4 \
             --alphas 0.6 --json "$run/average-$k.json" > /dev/null
-        bleu=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))[0]["bleu"])' "$run/average-$k.json")
+        bleu=$(python -c 'import json,sys; print(json.load(open(sys.argv[1]))["best"]["bleu"])' "$run/average-$k.json")
         echo "$label: average of $k checkpoint(s) ending at the $from: val BLEU $bleu" | tee -a "$RUN/recipe.txt"
         if python -c 'import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))' "$bleu" "$best_bleu"; then
             best_k=$k best_bleu=$bleu
@@ -123,7 +123,7 @@ evaluate() {  # evaluate SAVE_DIR MODEL_DIR LABEL: average, tune decoding on val
     cp "$run/averaged-$best_k.pt" "$run/averaged.pt"
     pipeline tune-decoding "$run/averaged.pt" --src "$(pick val.de)" --ref "$(pick val.en)" --beams "$BEAMS" \
         --alphas "$ALPHAS" --json "$run/decoding.json" | tee "$run/tune-decoding.txt"
-    read -r beam alpha < <(python -c 'import json,sys; t=json.load(open(sys.argv[1]))[0]; print(t["beam_size"], t["alpha"])' "$run/decoding.json")
+    read -r beam alpha < <(python -c 'import json,sys; t=json.load(open(sys.argv[1]))["best"]; print(t["beam_size"], t["alpha"])' "$run/decoding.json")
     echo "$label: decoding chosen on val: --beam-size $beam --alpha $alpha" | tee -a "$RUN/recipe.txt"
     pipeline export "$run/averaged.pt" --out "$model" --force
     for split in test_2016_flickr test_2017_flickr; do
