@@ -146,6 +146,13 @@ def test_keys_where_libretranslate_clients_send_them(tmp_path):
         assert c.post("/translate", json={"text": ["hund"]}, headers=bearer).status_code == 200
         assert c.post("/translate", json={"text": ["hund"]}, headers={"Authorization": "Bearer nope-nope"}
                       ).status_code == 401
+        # a JSON body with fields in the query string: they were ignored without a word (?glossary=main translated
+        # without the glossary); the key alone is read there, as LibreTranslate clients send it
+        r = c.post("/translate?glossary=main&format=html", json={"q": "hund", "source": "de", "target": "en"},
+                   headers=bearer)
+        assert r.status_code == 400 and "not the query string ('format', 'glossary')" in r.json()["error"], r.text
+        r = c.post(f"/translate?api_key={KEY}", json={"q": "hund", "source": "de", "target": "en"})
+        assert r.status_code == 200 and r.json()["translatedText"] == "HUND", r.text
 
 
 def test_a_busy_servers_503_is_not_counted_in_a_keys_rate(tmp_path, monkeypatch):

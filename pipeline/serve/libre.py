@@ -32,6 +32,7 @@ from pipeline.serve.http import (
     query_fields,
     read_payload,
     refuse_repeated,
+    shown,
     too_many,
 )
 from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
@@ -286,6 +287,9 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     m = state.refused_in
     try:
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
+        if not form and (unread := sorted(set(query_fields(request, state.limits)) - {"api_key"})):
+            raise ApiError(400, f"a JSON body's fields are read from the body, not the query string "
+                                f"({', '.join(shown(k) for k in unread[:5])}); send them in the body")  # ignored
         req = await off_loop(state.reading, parse_libre, data, form, state)  # in proportion to the body
         detected = await off_loop(state.prepare, _detect, state, req) if req.source == "auto" else None
         body, m = await translate_texts(request, state, req, detected)
