@@ -146,6 +146,7 @@ def test_an_empty_output_path_is_refused(capsys, fp32_dir, tmp_path):
     ("serve-batch", "", "in.txt", "-o", "out.txt"),
     ("serve-batch", "m", "", "-o", "out.txt"),  # an input: it read the current directory
     ("ray-translate", "m", "", "--output-dir", "out"),
+    ("ray-translate", "m", "in.txt", "--output-dir", ""),  # it translated into the current directory
     ("parity", "m", "--src", "in.txt", "--ref", "in.txt", "--json", ""),
 ])
 def test_an_empty_path_is_never_the_current_directory(capsys, tmp_path, monkeypatch, args):

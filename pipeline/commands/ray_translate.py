@@ -34,7 +34,7 @@ _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", 
 @click.command("ray-translate")
 @click.argument("model_dir", type=GivenPath(file_okay=False, kind=MODEL_DIR_KIND))
 @click.argument("inputs", metavar="INPUT...", nargs=-1, required=True, type=GivenPath())
-@click.option("--output-dir", metavar="DIR", required=True,
+@click.option("--output-dir", metavar="DIR", required=True, type=GivenPath(file_okay=False),
               help="Write each input's translation to DIR/<input file name> (.gz dropped, the language suffix made "
                    "--suffix's; a Parquet file's gets --suffix, else .txt). Rerunning the same command skips the "
                    "inputs whose output is there.")
