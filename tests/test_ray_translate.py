@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -244,8 +245,12 @@ def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path
     fifo = tmp_path / "in" / "b.txt"
     os.mkfifo(fifo)
     out = ["--output-dir", tmp_path / "out"]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
     for args, says in [
         ((src, *out, "--src-lang", "de", "--tgt-lang", "en"), "this model translates one language pair"),
+        ((src, *out, "--address", f"127.0.0.1:{free}"), "no Ray cluster answers there"),  # left out/ behind
         ((src, *out, "--device", "cuda:7"), "cuda"),
         ((tmp_path / "in", *out), f"{fifo}: not a regular file"),  # a reader would wait for ever
         ((src, "--output-dir", fp32_dir / "translated"), "inside"),  # the model dir it serves

@@ -6,6 +6,9 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 import click
@@ -13,7 +16,7 @@ import click
 from model.errors import UserError
 from pipeline.cli_options import MODEL_DIR_KIND, GivenPath, decoding_options, options_from, pick
 from pipeline.integrations.options import RayOptions
-from pipeline.integrations.shards import job_record, plan
+from pipeline.integrations.shards import RECORD, job_record, plan
 from pipeline.serve_batch.files import target_suffix
 from pipeline.serve_batch.translation import ServeBatchOptions
 from runtime import languages, ort_constrained
@@ -98,14 +101,20 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     if glossary is None:
         earlier[1] = {**as_asked, "decoding": {name: getattr(decoding, name)
                                                for name in sorted(decoding.explicit or ())}}
+    made = not os.path.lexists(output_dir)  # by this run: removed again if it is refused before any shard is done
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir,
                {version: job_record(model_dir, r) for version, r in earlier.items()})
     if not job.todo:
         click.echo(f"all {len(job.shards)} shard(s) already translated in {output_dir}", err=True)
         return
-    stats = translate_shards(model_dir, job, load_options, decoding, dataclasses.replace(opts, glossary=()),
-                             ray_opts, progress, glossary)  # drawn only on a terminal (serve_batch.files.progress_bar)
+    try:
+        stats = translate_shards(model_dir, job, load_options, decoding, dataclasses.replace(opts, glossary=()),
+                                 ray_opts, progress, glossary)  # drawn only on a terminal (files.progress_bar)
+    except BaseException:  # a cluster that cannot be reached or refuses the job: no empty dir left behind
+        if made and {p.name for p in Path(output_dir).iterdir()} <= {RECORD}:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
     if stats.truncated:
         log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "
                     "them)", stats.truncated)
