@@ -304,6 +304,21 @@ def test_import_help_shows_its_example_commands_one_per_line(capsys, family):
     assert code == 0 and examples and all(line.count("pipeline ") == 1 for line in examples), out
 
 
+def test_random_checkpoint_help_shows_its_example_commands_one_per_line(capsys):
+    """Its three commands ran together ("... --compare" / "ctranslate2" at 80 columns: copied, a usage error)."""
+    code, out, _ = run_cli_captured(capsys, "random-checkpoint", "--help")
+    examples = [line.strip() for line in out.splitlines() if line.strip().startswith("pipeline ")]
+    assert code == 0 and len(examples) == 3 and all(line.count("pipeline ") == 1 for line in examples), out
+    assert examples[-1] == "pipeline bench models/base-fp32 --backends onnxruntime --compare ctranslate2"
+
+
+def test_a_list_of_alphas_is_explained_with_alphas(capsys, fp32_dir, pair):
+    """--alphas x: "give comma-separated numbers, e.g. 1,4,6", a list of beams."""
+    src, ref = pair
+    code, _, err = run_cli_captured(capsys, "tune-decoding", fp32_dir, "--src", src, "--ref", ref, "--alphas", "x")
+    assert_one_line_error(code, err, "--alphas 'x': give comma-separated numbers, e.g. 0.6,1.0")
+
+
 def test_parity_says_its_scores_cover_the_blank_lines_its_sentence_count_leaves_out(capsys, fp32_dir, tmp_path):
     """"39 sentences" beside a BLEU over all 40 lines (a blank source against its reference) read as if the blank
     line had been left out of BLEU."""

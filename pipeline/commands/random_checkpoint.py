@@ -20,6 +20,7 @@ def random_checkpoint(out: Path, **values: Any) -> None:
     """Write OUT, a checkpoint with random weights of a preset's shape and a real tokenizer, to
     measure a shape's speed and memory without training it:
 
+    \b
         pipeline random-checkpoint base.pt --preset base --vocab-size 32000
         pipeline export base.pt --out models/base-fp32 --no-tensorrt
         pipeline bench models/base-fp32 --backends onnxruntime --compare ctranslate2

@@ -46,7 +46,9 @@ _RECORDED = ("backend", "precision", "shortlist", "long_lines", "invalid_utf8", 
                    "[default: the target language, --tgt-lang or the one the model dir records; else the input's "
                    "name is kept].")
 @options_from(LoadOptions, notes={"threads": "Per actor [default here: 1]; actors x threads = the cores used.",
-                                  "device": "Per actor."})
+                                  "device": "Per actor.",
+                                  "parallel_batches": "Here: per actor, 1 unless given (each actor decodes one batch "
+                                                      "at a time; more actors use more cores)."})
 @decoding_options(notes={"nbest": "With N > 1 each output line holds the N best as 'text ||| score' "
                                     "joined by ' ||| ', best first (still one line per input line)."})
 @options_from(ServeBatchOptions, skip=("window",))

@@ -49,7 +49,8 @@ def parse_list(text: str, kind: type, option: str) -> list[Any]:
     try:
         values = [kind(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise UserError(f"{option} {text!r}: give comma-separated numbers, e.g. 1,4,6") from None
+        example = "0.6,1.0" if kind is float else "1,4,6"  # --alphas 1,4,6 read as a list of beams
+        raise UserError(f"{option} {text!r}: give comma-separated numbers, e.g. {example}") from None
     if not values:
         raise UserError(f"{option} is empty")
     return values
