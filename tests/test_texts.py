@@ -193,6 +193,22 @@ def test_serve_batch_windows_end_at_their_bytes_too(tmp_path, monkeypatch):
     assert [u for w in windows for u in w.encoded.units] == [f"line {i:05d}" for i in range(7)]
 
 
+def test_serve_batch_windows_of_documents_end_at_their_sentences(tmp_path, monkeypatch):
+    """With --split sentences a window of 400 lines of 400 sentences (640 KB, under WINDOW_BYTES) held 160,000
+    sentences at once: 329 MB. It ends past about WINDOW_SENTENCES sentences too (122 MB), lines read in order."""
+    from pipeline.serve_batch import translation
+
+    monkeypatch.setattr(translation, "WINDOW_SENTENCES", 10)
+    src = tmp_path / "in.txt"
+    src.write_text("".join(f"Ab {i}. Cd. Ef.\n" for i in range(7)))  # 3 sentences a line, counted as 1 + 2 ends
+    opts = translation.ServeBatchOptions(split="sentences")
+    windows = list(translation.read_windows(str(src), TOK, 100, opts))
+    assert [len(w.encoded.spans) for w in windows] == [4, 3]  # 12 >= 10 after line 4
+    assert [u for w in windows for u in w.encoded.units][:3] == ["Ab 0.", "Cd.", "Ef."]
+    plain = list(translation.read_windows(str(src), TOK, 100, translation.ServeBatchOptions()))
+    assert [len(w.encoded.spans) for w in plain] == [7]  # a line is a unit: only lines and bytes end a window
+
+
 class DroppingTokenizer(CharTokenizer):
     """As SentencePiece does with U+200B, U+200C and a BOM: those characters leave no piece."""
 

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 INVALID_UTF8_POLICIES = ("error", "replace")
 WINDOW_BYTES = 16 << 20  # a window also ends past this much text: memory is a few times a window's bytes, and
 # --window 10000 of 30 KB lines held 1.5 GB (each line up to MAX_LINE_BYTES still makes a window alone)
+WINDOW_SENTENCES = 20_000  # with split or html, past about this many sentences (each holds ~2 KB until written:
+# 400 lines of "da. da. ..." held 329 MB, 160,000 sentences in 640 KB), counted as their ends are (". ", "? ", "。")
+SENTENCE_ENDS = tuple(end.encode() for end in (". ", "! ", "? ", "\u3002", "\uff01", "\uff1f"))
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,8 @@ class ServeBatchOptions:
     from these fields (pipeline/cli_options.py), the decoding options from DecodingOptions."""
 
     window: int = opt(10000, "Lines read, sorted by length and translated at a time (bounds memory; a window "
-                             "also ends past 16 MiB of text).", min=1)
+                             "also ends past 16 MiB of text, and with --split sentences or --format html past "
+                             "about 20,000 sentences).", min=1)
     long_lines: str = opt("truncate", "Lines longer than the model's source limit: truncate them (counted warning; "
                                       "with --split sentences or --format html a long sentence is cut into "
                                       "sentences that fit) or stop with an error naming the line.",
@@ -161,19 +165,21 @@ def read_windows(path: str, tokenizer: AnyTokenizer, max_src_len: int, opts: Ser
     f = open_binary(path)
     try:
         texts: list[str] = []
-        replaced = size = 0
+        replaced = size = ends = 0
         first_line = 1
         unclosed = 0  # lines of the file that leave a construct open (--format html)
+        splits = opts.split != "none" or opts.format == "html"
         for lineno, raw in enumerate(_raw_lines(f, path), start=1):
             text, bad = decode_row(raw, path, lineno, opts.invalid_utf8)
             replaced, size = replaced + bad, size + len(raw)
+            ends += 1 + sum(raw.count(end) for end in SENTENCE_ENDS) if splits else 0
             texts.append(text)
-            if len(texts) == opts.window or size >= WINDOW_BYTES:
+            if len(texts) == opts.window or size >= WINDOW_BYTES or ends >= WINDOW_SENTENCES:
                 window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, way,
                                        glossary)
                 unclosed += _unclosed(window, path, first_line, unclosed)
                 yield window
-                texts, replaced, size, first_line = [], 0, 0, lineno + 1
+                texts, replaced, size, ends, first_line = [], 0, 0, 0, lineno + 1
         if texts:
             window = encode_window(texts, first_line, path, tokenizer, max_src_len, opts, replaced, way, glossary)
             unclosed += _unclosed(window, path, first_line, unclosed)
