@@ -142,6 +142,7 @@ class EncodedTexts:
     # per unit: copied, not translated (ids []): a document's sentence without letters (numbers, dates, emoji), or
     # with same_language every unit (LibreTranslate's rule, on every surface: a model invents a "translation")
     copied: list[bool] = field(default_factory=list)
+    pieced: int = 0  # texts with a sentence over the source limit, cut into sentences that fit (fitted)
 
     @property
     def constraints(self) -> list[list[list[int]]] | None:
@@ -190,8 +191,7 @@ class EncodedTexts:
 
 
 class TooManyUnits(RuntimeUserError):
-    """More units than encode_texts' `max_units`, counted before any is tokenized: `count` and `limit`, for
-    the caller to phrase (the HTTP APIs' 413 naming --max-sentences)."""
+    """More units than encode_texts' `max_units`, before any is tokenized: for the caller to phrase (a 413)."""
 
     def __init__(self, count: int, limit: int, counted: bool = True):  # counted: False when splitting stopped
         super().__init__(f"{count if counted else 'more'} units, more than the limit of {limit}")
@@ -202,11 +202,10 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
                  origin: str | Origin = "input", max_units: int | None = None,
                  glossary: Glossary | None = None) -> EncodedTexts:
     """The texts as units of source ids under `policy`, with what each text is made of. A document's sentence
-    over max_src_len tokens is cut into sentences that fit (long_lines "truncate"); any other unit over it is cut
-    (counted on its text) or refused as `origin` names it (a SourceTooLong, a
-    RuntimeUserError; a str origin names a file's lines). More than `max_units` units (the HTTP APIs' limit
-    on sentences) is a TooManyUnits, before any is tokenized. With a `glossary`, each unit's terms are
-    found in its text and their targets tokenized (`terms`, `constraints`; runtime/glossary.py)."""
+    over max_src_len tokens is cut into sentences that fit (long_lines "truncate"; counted in `pieced`); any other
+    unit over it is cut (counted on its text) or refused as `origin` names it (a SourceTooLong; a str origin names
+    a file's lines). More than `max_units` units (the HTTP APIs' limit on sentences) is a TooManyUnits, before any
+    is tokenized. With a `glossary`, each unit's terms are found in its text and their targets tokenized."""
     named = Lines(origin) if isinstance(origin, str) else origin
     out = EncodedTexts(policy)
     where: list[tuple[str, int | None]] = []  # per unit of a document: how a refusal names it
@@ -238,7 +237,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
             docs, names = [], []
             out.units.append(text)
             empty = not text.strip()
-        docs = [fitted(doc, fit, whole) for doc in docs] if fit is not None else docs
+        fits = [fitted(doc, fit, whole) for doc in docs] if fit is not None else docs
+        out.pieced, docs = out.pieced + any(f is not d for f, d in zip(fits, docs)), fits
         for doc, name in zip(docs, names):
             out.units += doc.sentences
             where += [(f"{name} sentence", j + 1) for j in range(len(doc.sentences))]

@@ -77,6 +77,14 @@ def test_bad_input_stays_line_aligned(model_dir, tmp_path, caplog, capsys):
     summary = capsys.readouterr().err
     assert "translated 6 sentences" in summary and "target tokens/s" in summary  # the two blank lines are not
     assert "backend onnxruntime, device cpu" in summary
+    # as documents the long sentence is cut into sentences that fit: every word translated, and said as plain mode
+    # says a truncation (it was silent; the summary counted the pieces as sentences)
+    caplog.clear()
+    for mode in (["--split", "sentences"], ["--format", "html"]):
+        assert run_cli("serve-batch", model_dir, inp, "-o", out, "--invalid-utf8", "replace", *mode, *FAST) == 0
+        assert "1 line(s) held a sentence longer than the model's source limit, translated in pieces" in caplog.text
+        assert "were truncated" not in caplog.text
+        caplog.clear()
 
 
 def test_invalid_utf8_names_file_and_line_and_writes_nothing(model_dir, tmp_path, capsys):

@@ -57,6 +57,7 @@ class ServeStats:
     sentences: int = 0
     empty: int = 0
     truncated: int = 0
+    pieced: int = 0
     replaced: int = 0
     min_len_over: int = 0
     stopped_at_limit: int = 0
@@ -67,14 +68,15 @@ class ServeStats:
     seconds: float = 0.0
 
     def add(self, other: ServeStats) -> None:
-        for name in ("sentences", "empty", "truncated", "replaced", "min_len_over", "stopped_at_limit", "terms",
-                     "terms_applied", "src_tokens", "tgt_tokens", "seconds"):
+        for name in ("sentences", "empty", "truncated", "pieced", "replaced", "min_len_over", "stopped_at_limit",
+                     "terms", "terms_applied", "src_tokens", "tgt_tokens", "seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def count(self, window: TranslatedWindow) -> None:
         self.sentences += sum(1 for s in window.sources if s)  # sent to the model: not blank lines or copied ones
         self.empty += window.empty
         self.truncated += window.truncated
+        self.pieced += window.pieced
         self.replaced += window.replaced
         self.min_len_over += window.min_len_over
         self.stopped_at_limit += window.stopped_at_limit
@@ -319,6 +321,9 @@ def _warn(stats: ServeStats, path: str, decoding: DecodingOptions, glossary: boo
     if stats.truncated:
         log.warning("%s: %d line(s) longer than the model's source limit were truncated "
                     "(--long-lines error refuses them)", path, stats.truncated)
+    if stats.pieced:  # every word translated, but a sentence in pieces: said, as a truncation is
+        log.warning("%s: %d line(s) held a sentence longer than the model's source limit, translated in pieces that "
+                    "fit (--long-lines error refuses them)", path, stats.pieced)
     if stats.replaced:
         log.warning("%s: %d line(s) had invalid UTF-8 or a NUL byte, replaced by U+FFFD", path, stats.replaced)
     if stats.terms or glossary:  # none found is said too: a glossary of another language, a mistyped term

@@ -128,6 +128,11 @@ class Window:
         """Lines with text cut to the source limit (a line of several sentences counts once)."""
         return self.encoded.texts_cut
 
+    @property
+    def pieced(self) -> int:
+        """Lines with a sentence over the source limit, translated in pieces that fit (--split, --format html)."""
+        return self.encoded.pieced
+
 
 @dataclass
 class TranslatedWindow:
@@ -138,6 +143,7 @@ class TranslatedWindow:
     nbest: list[NBest]
     empty: int = 0
     truncated: int = 0
+    pieced: int = 0
     replaced: int = 0
     min_len_over: int = 0  # lines whose maximum output length is below --min-len
     stopped_at_limit: int = 0  # lines whose translation ran to the model's target limit (export --max-tgt-len)
@@ -259,4 +265,5 @@ def finish_window(tokenizer: AnyTokenizer, window: Window, nbest: list[NBest], n
     results = finish_texts(tokenizer, window.encoded, nbest, n)
     found, applied = term_counts(results)
     return TranslatedWindow([result.text for result in results], window.ids, nbest, empty=window.empty,
-                            truncated=window.truncated, replaced=window.replaced, terms=found, terms_applied=applied)
+                            truncated=window.truncated, pieced=window.pieced, replaced=window.replaced, terms=found,
+                            terms_applied=applied)
