@@ -213,10 +213,12 @@ def within(path: str | Path, directory: str | Path) -> bool:
                for spell in (os.path.abspath, os.path.realpath))
 
 
-def check_output_file(path: str | Path, option: str, what: str | None = None) -> None:
+def check_output_file(path: str | Path, option: str, what: str | None = None, probed: set[Path] | None = None
+                      ) -> None:
     """Fail fast, before a model is loaded: an output that is a directory, or whose
     directory cannot be written, is one line now rather than a traceback at the end. `what`: the output is
-    this (a checkpoint), a file of its own: '-' is refused, not taken for standard output."""
+    this (a checkpoint), a file of its own: '-' is refused, not taken for standard output. `probed`: directories
+    written to already by this check (a probe file synced per output: 7 ms each, 2,000 outputs 14 s)."""
     if str(path) == "-" and what is not None:  # it was written to a file named '-' in the current directory
         raise UserError(f"{option} -: {what} is a file, not standard output; give a file path")
     if str(path) == "-" and sys.stdout is None:  # `>&-`: Python sets it to None
@@ -231,7 +233,11 @@ def check_output_file(path: str | Path, option: str, what: str | None = None) ->
         raise UserError(f"{option} {path}: ends in {os.sep}, as a directory does; give a file path")
     if Path(path).is_dir():
         raise UserError(f"{path}: is a directory; {option} needs a file path")
+    if probed is not None and Path(path).parent in probed:
+        return
     try:
         check_can_create_in(Path(path).parent, option)
     except OSError as e:
         raise UserError(f"{e.filename}: cannot write {option} here ({e.strerror})") from None
+    if probed is not None:
+        probed.add(Path(path).parent)

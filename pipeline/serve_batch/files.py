@@ -289,8 +289,9 @@ def check_outputs(inputs: list[str], outputs: list[str], option: str = "--output
     checked before the model is loaded or a line is read; then the temps a killed run left beside the outputs
     are removed."""
     refuse_overwriting_inputs(list(inputs), list(outputs), input_dirs=[model_dir] if model_dir else [])
+    probed: set[Path] = set()
     for out in outputs:
-        check_output_file(out, option)
+        check_output_file(out, option, probed=probed)
     for parent in dict.fromkeys(Path(out).parent for out in outputs if out != "-"):  # each dir once (per output:
         remove_stale_temps(parent)  # 6,000 outputs into a dir of 6,000 files scanned it 6,000 times, a minute)
 
