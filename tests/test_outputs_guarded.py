@@ -69,6 +69,10 @@ def test_suffix_cannot_leave_the_output_dir(capsys, fp32_dir, tmp_path):
     _refused(capsys, "serve-batch", fp32_dir, src, "--output-dir", tmp_path / "out" / "sub", "--suffix",
              "/../../escaped", says="--suffix '/../../escaped': a file name ending like .en, without a path")
     assert not list(tmp_path.rglob("*escaped*")) and not (tmp_path / "out").exists()
+    for odd in ("..", ". ", "-", ".", ".e n"):  # named files 'x..', 'x. ' (a trailing space), 'x.-'
+        _refused(capsys, "serve-batch", fp32_dir, src, "--output-dir", tmp_path / "out", "--suffix", odd,
+                 says=f"--suffix {odd!r}: ")
+    assert not (tmp_path / "out").exists()
 
 
 def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -245,6 +246,10 @@ def target_suffix(given: str | None, model_dir: str, tgt_lang: str | None) -> st
         if "/" in given or os.sep in given or ".." in given.strip("."):
             raise UserError(f"--suffix {given!r}: a file name ending like .en, without a path (it would write "
                             "outside --output-dir)")
+        body = given.removeprefix(".")
+        if given and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_+-]*(\.[A-Za-z0-9][A-Za-z0-9_+-]*)*", body)):
+            raise UserError(f"--suffix {given!r}: an ending like .en, .de.txt or .pt-BR (letters, digits, '_', '-' "
+                            "between dots); '..', a space or a lone '-' named files 'x..' or 'x. '")
         return given if given.startswith(".") or not given else "." + given
     if tgt_lang:
         return "." + tgt_lang
