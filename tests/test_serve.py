@@ -326,3 +326,25 @@ def test_warnings_and_the_summary_count_lines_not_sentences(model_dir, tmp_path,
     err = capsys.readouterr().err
     found = re.search(r"translated (\d+) sentences", err)
     assert found and int(found.group(1)) > 6, err  # 3 long ones cut to fit, + 3; the blank line and "12." "34." not
+
+
+def test_no_bar_is_drawn_over_translations_written_to_the_terminal(model_dir, tmp_path, monkeypatch):
+    """`serve-batch in -o -` on a terminal joined the bar and the first line of a window ("446.00 lines/s]san
+    jujea ..."): the bar is left out when the translations go to the terminal, and drawn when they go to a file."""
+    from pipeline.serve_batch import files
+    from pipeline.serve_batch.translation import ServeBatchOptions
+
+    drawn: list[bool] = []
+    real = files.progress_bar
+    monkeypatch.setattr(files, "progress_bar", lambda desc, on, total=None: (drawn.append(on), real(desc, False))[1])
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    loaded = load(model_dir, LoadOptions(backend="onnxruntime", threads=1))
+    src = write(tmp_path / "in.txt", ["der hund"])
+    for out, bar in ((Terminal(), False), (io.StringIO(), True)):
+        files.translate_stream(loaded.backend, loaded.tokenizer, str(src), out, ServeBatchOptions())
+        assert drawn.pop() is bar and out.getvalue().count("\n") == 1

@@ -216,6 +216,7 @@ def translate_stream(backend: Backend, tokenizer: AnyTokenizer, input_path: str,
     """Translate one input into `out` (rank 0; None on other ranks), window by window."""
     stats = ServeStats()
     started = time.perf_counter()
+    progress = progress and not (out is not None and out.isatty())  # the bar drew over the lines on a terminal
     for window in translate_windows(backend, tokenizer, input_path, opts, ctx, progress, glossary):
         out.write("".join(line + "\n" for line in window.lines))  # type: ignore[union-attr]
         stats.count(window)
