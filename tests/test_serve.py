@@ -348,3 +348,19 @@ def test_no_bar_is_drawn_over_translations_written_to_the_terminal(model_dir, tm
     for out, bar in ((Terminal(), False), (io.StringIO(), True)):
         files.translate_stream(loaded.backend, loaded.tokenizer, str(src), out, ServeBatchOptions())
         assert drawn.pop() is bar and out.getvalue().count("\n") == 1
+
+
+def test_a_failing_input_says_which_outputs_were_written(model_dir, tmp_path, caplog):
+    """Of three inputs the second refused (invalid UTF-8): only its error was said, while the first's output was
+    written and the third's not; the outputs that are whole are named, and nothing is said when none is."""
+    (tmp_path / "in").mkdir()
+    first = write(tmp_path / "in" / "1.de", ["der hund"])
+    (tmp_path / "in" / "2.de").write_bytes(b"die \xff katze\n")
+    third = write(tmp_path / "in" / "3.de", ["ein kind"])
+    out = tmp_path / "out"
+    assert run_cli("serve-batch", model_dir, first, tmp_path / "in" / "2.de", third, "--output-dir", out, *FAST) == 2
+    assert (out / "1.de").exists() and not (out / "2.de").exists() and not (out / "3.de").exists()
+    assert f"1 of 3 inputs were translated, their outputs complete (the last: {out / '1.de'}); " in caplog.text
+    caplog.clear()
+    assert run_cli("serve-batch", model_dir, tmp_path / "in" / "2.de", third, "--output-dir", out, *FAST) == 2
+    assert "inputs were translated" not in caplog.text

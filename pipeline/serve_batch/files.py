@@ -309,16 +309,22 @@ def serve_files(backend: Backend, tokenizer: AnyTokenizer, inputs: list[str], ou
     total = ServeStats()
     # rank 0 reads it (and says a bad one on every rank: under torchrun the others' traceback buried its line)
     glossary = on_main(ctx, lambda: open_glossary(opts.glossary, tokenizer, backend), share=False)
-    for inp, outp in zip(inputs, outputs):
-        if inp != "-" and os.path.isfile(inp):  # a pipe is opened once, by its reader (its writer could fail)
-            open_binary(inp).close()  # a missing or unreadable input fails on every rank, before any output
-        elif inp != "-":
-            check_input(inp)
-        if ctx.is_main:
-            with atomic_output(outp, "w") as out:
-                stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress, glossary)
-        else:
-            stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
+    for done, (inp, outp) in enumerate(zip(inputs, outputs)):
+        try:
+            if inp != "-" and os.path.isfile(inp):  # a pipe is opened once, by its reader (its writer could fail)
+                open_binary(inp).close()  # a missing or unreadable input fails on every rank, before any output
+            elif inp != "-":
+                check_input(inp)
+            if ctx.is_main:
+                with atomic_output(outp, "w") as out:
+                    stats = translate_stream(backend, tokenizer, inp, out, opts, ctx, progress, glossary)
+            else:
+                stats = translate_stream(backend, tokenizer, inp, None, opts, ctx, progress)
+        except BaseException:  # which outputs are whole: the error (or Ctrl-C) alone said nothing of them
+            if done and ctx.is_main:
+                log.warning("%d of %d inputs were translated, their outputs complete (the last: %s); %s and the "
+                            "rest were not", done, len(inputs), outputs[done - 1], inp)
+            raise
         total.add(stats)
         _warn(stats, inp, opts.decoding, bool(opts.glossary) and ctx.is_main)  # (rank 0 counts the terms)
     return total
