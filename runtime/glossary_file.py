@@ -13,6 +13,7 @@ read for ever. `open_glossary` reads a command's files and checks them against t
 from __future__ import annotations
 
 import codecs
+import logging
 import os
 import re
 import unicodedata
@@ -24,6 +25,8 @@ from runtime.backend import Backend
 from runtime.errors import RuntimeUserError
 from runtime.glossary import _SPACE, MAX_TERM_CHARS, Entry, Glossary, _fold, check_targets
 from runtime.tokenizer import AnyTokenizer
+
+log = logging.getLogger(__name__)
 
 MAX_GLOSSARY_TERMS = 10_000  # entries (lines that are not blank or comments) of one glossary file
 MAX_REQUEST_TERMS = 256  # entries of a glossary sent inline with a request
@@ -132,6 +135,15 @@ _PAIRED = {sep: re.compile(rf"(?<=[^\s\d]){sep}(?=\S)|(?<=\S){sep}(?=[^\s\d])") 
 _ENTITY = re.compile(r"&#?\w+;")  # an HTML character reference ends in a semicolon: no separator
 
 
+def _unquoted(field: str) -> str | None:
+    """A field quoted as a CSV writer quotes one that holds a quote (between quotes, its own quotes doubled:
+    pandas' to_csv with a tab separator, Python's csv, Excel's tab-separated export): its text; None otherwise."""
+    body = field.strip(" \r")
+    if len(body) >= 2 and body[0] == body[-1] == '"' and '"' not in body[1:-1].replace('""', ""):
+        return body[1:-1].replace('""', '"')
+    return None
+
+
 def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
     data = _read(path)
     for mark, name in ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"),
@@ -145,6 +157,7 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
     tabs, separators = 0, {",": 0, ";": 0}  # CSV's (Excel writes ; where , is the decimal mark: de, fr)
     paired = {",": 0, ";": 0}  # lines of one field holding a separator as a CSV row does
     suspects: list[tuple[str, str]] = []  # and where
+    quoted = 0  # fields quoted as a CSV writer quotes them
     for number, raw in enumerate(data.split(b"\n"), start=1):
         where = f"{path}:{number}"
         try:
@@ -170,7 +183,13 @@ def _file_entries(path: str | Path) -> list[tuple[Entry, str]]:
             if len(fields) == 1 and _PAIRED[separator].search(_ENTITY.sub("", line)):  # "vobi,guret", not
                 paired[separator] += 1  # "Acme, Inc.", "1,000" nor "AT&amp;T"
                 suspects.append((where, separator))
+        plain = [_unquoted(field) for field in fields]
+        quoted += sum(p is not None for p in plain)
+        fields = [field if p is None else p for field, p in zip(fields, plain)]
         entries.append((_entry(fields[0], fields[1] if len(fields) == 2 else "", where), where))
+    if quoted:  # counted, not silent: a term whose quotes were kept never matched
+        log.info("%s: %d field(s) quoted as a CSV writer quotes them (pandas, Excel), read without their quotes",
+                 path, quoted)
     for separator, name in ((",", "a comma"), (";", "a semicolon")):
         if entries and not tabs and (separators[separator] == len(entries) or 2 * paired[separator] >=
                                      len(entries)):  # a CSV, some of its rows perhaps of one field

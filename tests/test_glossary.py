@@ -358,6 +358,23 @@ def test_terms_that_end_in_a_semicolon_are_no_csv(tmp_path: Path):
     assert [e.source for e in glossary.entries] == ["&nbsp;", "&amp;"]
 
 
+def test_fields_quoted_as_csv_writers_quote_them_are_read_without_their_quotes(tmp_path: Path, caplog):
+    """pandas' to_csv(sep="\t") and Python's csv quote a field that holds a quote: the term was loaded with its
+    quotes and never matched, in silence. Such a field is read as the writer meant it, and counted in a line."""
+    import csv
+    import logging
+
+    rows = [['kinisa "x"', "zorro"], ["vosos", 'feze "y"'], ["mala", "milan"], ['"a', 'b"']]
+    path = tmp_path / "g.tsv"
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f, dialect="excel-tab").writerows(rows[:3])
+        f.write('"a\tb"\n')  # not quoted as a writer quotes: kept as typed
+    with caplog.at_level(logging.INFO):
+        g = load_glossary(path)
+    assert [(e.source, e.target) for e in g.entries] == [(s, t) for s, t in rows]
+    assert "2 field(s) quoted as a CSV writer quotes them (pandas, Excel), read without their quotes" in caplog.text
+
+
 def test_joiners_indented_comments_and_commas_in_a_tab_file_are_kept(tmp_path: Path):
     g = load_glossary(write(tmp_path, "  # a comment, indented\nmi\u200cravam\tI go\nAcme, Inc.\nHund\tdog\n"))
     assert g.entries == (Entry("mi\u200cravam", "I go", False), Entry("Acme, Inc.", "Acme, Inc.", True),
