@@ -261,6 +261,10 @@ def no_gather(backend: str, shortlisted: bool = False) -> str:
     if shortlisted:  # the cause itself, first (it came last, after advice that did not apply)
         return ("a glossary needs the log-probs of a term's tokens over the whole vocabulary, which the shortlisted "
                 "step (--shortlist) does not compute: leave out --shortlist to use a glossary")
+    if backend == "onnxruntime":  # it said "use the onnxruntime backend" to a user on it
+        return ("the onnxruntime backend cannot apply a glossary to this model dir: it has no "
+                "decoder_constrained.onnx (exported before glossaries); export it again with this version, or use "
+                "the torch backend with its eager step, without --shortlist")
     return (f"the {backend} backend cannot apply a glossary here: use the onnxruntime backend on a model dir "
             "exported by this version (it holds decoder_constrained.onnx), or the torch backend with its eager step, "
             "without --shortlist")

@@ -112,7 +112,8 @@ def test_a_model_dir_without_the_constrained_step_refuses_a_glossary(capsys, tra
     src = write_lines(tmp_path / "in.txt", ["der hund"])
     code, _, err = run_cli_captured(capsys, "serve-batch", old, src, "--output", tmp_path / "o.txt", "--backend",
                                     "onnxruntime", "--glossary", glossary)
-    assert_one_line_error(code, err, "cannot apply a glossary")
+    assert_one_line_error(code, err, "cannot apply a glossary to this model dir: it has no decoder_constrained.onnx")
+    assert "use the onnxruntime backend" not in err  # said to a user on it
     assert run_cli("serve-batch", old, src, "--output", tmp_path / "o.txt", "--backend", "onnxruntime") == 0
 
 
