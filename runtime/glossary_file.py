@@ -80,9 +80,10 @@ def _describe(entry: Entry) -> str:
     return f"{entry.source!r} (do not translate)" if entry.dnt else f"{entry.source!r} -> {entry.target!r}"
 
 
-def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
+def _checked(entries: list[tuple[Entry, str]], source: str) -> Glossary:
     """The glossary of (entry, where) pairs: identical duplicates dropped; the same source term (folded) with
-    two targets refused in one line naming both; its matcher compiled (a RuntimeUserError if it cannot be)."""
+    two targets refused in one line naming both; its matcher compiled (a RuntimeUserError naming `source`, the
+    files or the request's field, if it cannot be)."""
     seen: dict[str, tuple[Entry, str]] = {}
     kept: dict[tuple[str, str, bool], str] = {}  # entry -> where it was first given
     for entry, where in entries:
@@ -95,7 +96,10 @@ def _checked(entries: list[tuple[Entry, str]]) -> Glossary:
                                    f"(the same source term, compared case-insensitively, with two targets)")
         kept.setdefault((entry.source, entry.target, entry.dnt), where)
     glossary = Glossary(tuple(Entry(*k) for k in kept), tuple(kept.values()))
-    glossary.matcher()
+    try:
+        glossary.matcher()
+    except RuntimeUserError as e:  # terms nested too deeply: it named neither the files nor the field
+        raise RuntimeUserError(f"{source}: {e}") from None
     return glossary
 
 
@@ -121,13 +125,13 @@ def load_glossary(path: str | Path) -> Glossary:
     """A glossary file: UTF-8 TSV, `source<TAB>target` a line, an empty or absent target meaning do not
     translate; blank lines and lines whose first character that is not a space is `#` skipped, a BOM at
     its start dropped. Every problem is one RuntimeUserError naming FILE:LINE."""
-    return _checked(_file_entries(path))
+    return _checked(_file_entries(path), str(path))
 
 
 def load_glossaries(paths: Sequence[str | Path]) -> Glossary:
     """Several glossary files as one (each read as load_glossary reads it): a term two of them give two targets
     is a conflict naming both FILE:LINEs, a term they give alike is kept once."""
-    return _checked([entry for path in paths for entry in _file_entries(path)])
+    return _checked([entry for path in paths for entry in _file_entries(path)], ", ".join(map(str, paths)))
 
 
 # a separator as a CSV row holds it between two fields: text on both sides, no space after, not between digits
@@ -230,7 +234,7 @@ def glossary_from_mapping(mapping: Any, where: str = "glossary", limit: int = MA
             raise RuntimeUserError(f'{place}: the target term must be a string ("" = do not translate), not '
                                    f"{type(target).__name__}")
         entries.append((_entry(source, target, place, in_file=False), place))
-    return _checked(entries)
+    return _checked(entries, where)
 
 
 def open_glossary(paths: Sequence[str] | str | None, tokenizer: AnyTokenizer, backend: Backend) -> Glossary | None:

@@ -399,7 +399,10 @@ def test_terms_nested_too_deeply_for_a_regex_are_refused_where_loaded(tmp_path: 
     path = write(tmp_path, "".join(f"{t}\tlamu\n" for t in sorted(terms) if t and len(t) <= MAX_TERM_CHARS))
     with refused("nest too deeply") as info:
         load_glossary(path)
-    one_line(info)
+    assert one_line(info).startswith(f"{path}: the glossary's terms nest too deeply")  # named neither file nor field
+    with refused("nest too deeply") as info:
+        glossary_from_mapping({t: "lamu" for t in sorted(terms)[:400] if t and len(t) <= MAX_TERM_CHARS}, limit=10**4)
+    assert str(info.value).startswith("glossary: the glossary's terms nest too deeply")
     # the same in a process whose recursion limit was raised (torch's compiler raises it to 2000: the suite's run
     # accepted this glossary after a compiled test), and a chain of MAX_NESTING levels is taken anywhere
     from runtime.glossary import MAX_NESTING
