@@ -115,6 +115,22 @@ class FiniteFloatRange(click.FloatRange):
 FINITE = FiniteFloat()
 
 
+class _Listed(click.ParamType):
+    """A repeatable number option's value: one number, or several comma-separated (1,32), each checked by
+    `inner` (its range): "'1,32' is not a valid integer range" was click's word for a list."""
+
+    def __init__(self, inner: click.ParamType):
+        self.inner, self.name = inner, inner.name
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "," in value:
+            return tuple(self.inner.convert(v.strip(), param, ctx) for v in value.split(",") if v.strip())
+        return self.inner.convert(value, param, ctx)
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str | None:
+        return self.inner.get_metavar(param, ctx) if ctx is not None else self.inner.get_metavar(param)  # type: ignore[call-arg]
+
+
 def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: str | None = None,
                  show_default: Any = None) -> Callable[[Any], Any]:
     """The click option of one dataclass field (`--field-name`, or the `flag` its cli settings name; passed to
@@ -142,6 +158,11 @@ def field_option(cls: type, f: dataclasses.Field, hints: dict[str, Any], note: s
         if "show_default" in cli:
             kwargs["show_default"] = cli["show_default"]
         element = _base_type((typing.get_args(base) or (str,))[0])
+        if element in (int, float):  # --batch-size 1,32 as bench's --backends and tune's --beams take lists
+            return click.option(flag, f.name, multiple=True, type=_Listed(_click_type(element, cli)),
+                                default=f.default, callback=lambda ctx, param, value: tuple(
+                                    v for item in value for v in (item if isinstance(item, tuple) else (item,))),
+                                **kwargs)
         return click.option(flag, f.name, multiple=True, type=_click_type(element, cli), default=f.default,
                             **kwargs)
     kwargs["type"] = _click_type(base, cli)

@@ -564,3 +564,19 @@ def test_a_measurement_child_is_started_with_interrupts_held(monkeypatch):
         bench_compare._in_fresh_process(ctx, {"engine": "x"})
     assert {signal.SIGINT, signal.SIGTERM} <= set(seen["held"]) and seen["terminated"]  # raised after start
     assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # and no longer held here
+
+
+def test_bench_takes_its_batch_sizes_as_a_list_as_well(capsys, fp32_dir, monkeypatch):
+    """--backends, --beams and --alphas take comma lists; --batch-size 1,32 was "'1,32' is not a valid integer
+    range". Repeated, listed or both, each size checked against its range."""
+    from pipeline.commands import bench
+
+    seen: list[list[int]] = []
+    monkeypatch.setattr(bench, "run_bench", lambda model_dir, names, sizes, **k: seen.append(sizes) or {})
+    monkeypatch.setattr(bench, "format_table", lambda report: "")
+    for args, sizes in ((["--batch-size", "1,4"], [1, 4]), (["--batch-size", "1", "--batch-size", "2,4"], [1, 2, 4]),
+                        (["--batch-size", "4"], [4])):
+        code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--sentences", "4", *args)
+        assert code == 0 and seen.pop() == sizes, err
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--batch-size", "1,0")
+    assert code == 2 and "'--batch-size': 0 is not in the range x>=1" in err, err
