@@ -138,9 +138,10 @@ class ExportOptions:
                                "whatever its name. Default: the checkpoint's (an imported Marian model's "
                                "tokenizer_config.json), else the training run's corpus suffix (train.de). For a "
                                "multilingual model (M2M-100, NLLB): the language of --reference-src and "
-                               "--int8-calibrate's lines, which it then needs.")
+                               "--int8-calibrate's lines, which it then needs.", metavar="CODE")
     tgt_lang: str | None = opt(None, "The language code the model translates into; as --src-lang (a multilingual "
-                               "model: the language of --reference-tgt, the one its held-out lines are decoded into).")
+                               "model: the language of --reference-tgt, the one its held-out lines are decoded into).",
+                               metavar="CODE")
     timing_cache: Path | None = opt(None, "TensorRT timing cache file, reused across builds "
                                     "(default: ~/.cache/pipeline/tensorrt-VERSION.timing-cache).", path="any")
     # What the files above hold, read by the caller (no command-line option of their own):
