@@ -40,7 +40,8 @@ CPU_FEATURES = {"avx2": "AVX2", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNN
 class DoctorOptions(Checked):
     """`pipeline doctor`'s options (its command line is generated from these fields)."""
 
-    as_json: bool = opt(False, "Print the facts (and verdicts) as one JSON object.", flag="--json")
+    as_json: bool = opt(False, "Print the facts (and verdicts) as one JSON object on standard output (a flag: "
+                               "`pipeline doctor DIR --json > facts.json` writes a file).", flag="--json")
 
 
 def torch_facts() -> TorchFacts:
