@@ -19,7 +19,7 @@ def import_onnxruntime() -> ModuleType:
         import onnxruntime
     except ImportError:
         raise RuntimeUserError("onnxruntime is not installed: `pip install onnxruntime` (CPU) or "
-                               "`pip install onnxruntime-gpu` (CUDA), or use --backend torch") from None
+                               "`pip install onnxruntime-gpu` (CUDA), or use the torch backend") from None
     return onnxruntime
 
 

@@ -108,6 +108,9 @@ def test_a_dir_whose_graph_cannot_run_is_a_no(model_dir, tmp_path, capsys):
     assert "  torch        fp32  cpu   no: " in captured.out, captured.out
     assert captured.err == f"error: {bad}: no backend can translate with it on this machine (each row above says " \
                            "why)\n", captured.err
+    assert run_cli("doctor", bad, "--json") == 2  # no rows printed: the JSON says why
+    captured = capsys.readouterr()
+    assert "(the JSON's model_dir.backends say why)" in captured.err and json.loads(captured.out)["model_dir"]
 
 
 def _gpu_facts(trt_version: str | None = "10.13.0.35", providers: tuple[str, ...] = (

@@ -247,6 +247,19 @@ def test_tune_decoding_suggests_the_export_of_the_model_dir_it_tuned(capsys, int
     want = f"pipeline export {checkpoint} --int8 --int8-flavour {manifest.quantization} --out NEW_DIR --beam-size 1"
     assert want in out, out
     _refused(capsys, "tune-decoding", int8_dir, "--src", "-", "--ref", "-", says="both standard input")
+    # a checkpoint file that no longer holds what was exported (a later `average` replaced averaged.pt) is not
+    # named, and a dir's language pair is kept (without it the new dir had no LibreTranslate route)
+    from helpers import with_language_pair
+
+    moved = with_language_pair(int8_dir, tmp_path / "pair", "de", "en")
+    data = json.loads((moved / "manifest.json").read_text())
+    data["source_checkpoint"]["sha256"] = "0" * 64
+    (moved / "manifest.json").write_text(json.dumps(data))
+    code, out, err = run_cli_captured(capsys, "tune-decoding", moved, "--src", src, "--ref", ref, "--beams", "1",
+                                      "--alphas", "0.6")
+    assert code == 0, err
+    assert (f"pipeline export CHECKPOINT --int8 --int8-flavour {manifest.quantization} --src-lang de --tgt-lang en "
+            "--out NEW_DIR") in out, out
 
 
 def test_average_refuses_another_vocabulary_and_an_out_named_as_a_runs_checkpoint(capsys, tmp_path,

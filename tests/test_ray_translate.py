@@ -251,6 +251,7 @@ def test_what_no_actor_could_do_is_refused_before_the_cluster(fp32_dir, tmp_path
     for args, says in [
         ((src, *out, "--src-lang", "de", "--tgt-lang", "en"), "this model translates one language pair"),
         ((src, *out, "--address", f"127.0.0.1:{free}"), "no Ray cluster answers there"),  # left out/ behind
+        ((src, "--output-dir", tmp_path / "out" / "a" / "b", "--address", f"127.0.0.1:{free}"), "no Ray cluster"),
         ((src, *out, "--device", "cuda:7"), "cuda"),
         ((tmp_path / "in", *out), f"{fifo}: not a regular file"),  # a reader would wait for ever
         ((src, "--output-dir", fp32_dir / "translated"), "inside"),  # the model dir it serves

@@ -193,6 +193,10 @@ def test_a_busy_servers_503_is_not_counted_in_a_keys_rate(tmp_path, monkeypatch)
     assert requests.labels(model="de-en", code="429")._value.get() == 2
     assert requests.labels(model="de-en", code="503")._value.get() == 6
     assert requests.labels(model="", code="429")._value.get() == 0
+    with client(state) as c:  # a body that is no object, a model the server lacks: the native API's too
+        assert c.post("/translate", json=[1]).status_code == 400  # (keyless: the key's minute is spent)
+        assert c.post("/translate", json={"text": ["a"], "model": "nope"}).status_code == 404
+    assert requests.labels(model="", code="400")._value.get() == requests.labels(model="", code="404")._value.get() == 0
 
 
 @pytest.mark.parametrize("given", ["²", "1" * 4400, "٣", "1e3", "--2"])

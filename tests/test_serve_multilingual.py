@@ -186,3 +186,32 @@ def test_ray_translate_says_a_same_language_job_writes_each_line_as_it_came(m2m_
     assert ("INFO", "--src-lang and --tgt-lang are both en: every line is written as it came (a model would "
             "invent a translation)") in said, said
     assert ("WARNING", "the glossary's terms: 0 found in the input, 0 of them in the translations") in said, said
+
+
+def test_codes_in_another_case_name_and_record_a_job_as_the_model_spells_them(m2m_dir, tmp_path, monkeypatch):
+    """serve-batch --tgt-lang DE named its outputs x.DE where ray-translate wrote x.de, and ray-translate recorded
+    the job's sentence rules as "DE", so a rerun with de (more inputs) was refused as other options."""
+    from pipeline.integrations import ray_job
+
+    monkeypatch.setattr(ray_job, "translate_shards", lambda *a, **k: ray_job.JobStats(lines=1, empty=0, actors=1,
+                                                                                      fit=1))
+    (tmp_path / "in").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "in" / name).write_text("sum silos lotato. da nomo\n", encoding="utf-8")
+    out = tmp_path / "out"
+
+    def ray(src: str, tgt: str, *inputs: str) -> object:
+        return CliRunner().invoke(cli, ["ray-translate", str(m2m_dir), *(str(tmp_path / "in" / i) for i in inputs),
+                                        "--output-dir", str(out), "--src-lang", src, "--tgt-lang", tgt, "--split",
+                                        "sentences", "--no-progress"])
+
+    result = ray("EN", "DE", "a.txt")
+    assert result.exit_code == 0, result.output
+    (out / "a.txt.de").write_text("x\n", encoding="utf-8")  # the shard the cluster would have written
+    result = ray("en", "de", "a.txt", "b.txt")  # the same job, one input more: resumed
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["serve-batch", str(m2m_dir), str(tmp_path / "in" / "a.txt"), "--output-dir",
+                                      str(tmp_path / "sb"), "--src-lang", "EN", "--tgt-lang", "DE", "--no-progress",
+                                      "--backend", "onnxruntime"])
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "sb").iterdir()] == ["a.txt.de"]

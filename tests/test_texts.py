@@ -302,3 +302,16 @@ def test_splitting_stops_once_a_text_holds_more_sentences_than_the_limit(monkeyp
         assert refused.value.limit == 100 and not refused.value.counted
         assert sum(seen) < 20 * sentences.WINDOW, sum(seen)  # of 8,000,000 characters
     assert len(encode_texts(TOK, [document[:400]], 100, TextPolicy(split="sentences"), max_units=100).ids) == 100
+    # a glossary's term joins two sentences after the split: 6 found, 5 translated, within a limit of 5 (refused)
+    from runtime.glossary_file import glossary_from_mapping
+
+    text = "Da kinisa. Da tava. Da moka. Da vobi. Da sinas. Da noso."
+    class Spelling(CharTokenizer):  # what the glossary's terms need besides: their targets' pieces
+        unk_id = 0
+
+        def encode(self, texts: list[str]) -> list[list[int]]:
+            return [[ord(c) + 3 for c in text] for text in texts]
+
+    joined = encode_texts(Spelling(), [text], 100, TextPolicy(split="sentences"), max_units=5,
+                          glossary=glossary_from_mapping({"vobi. Da sinas": "zorro"}))
+    assert len(joined.units) == 5 and "Da vobi. Da sinas." in joined.units

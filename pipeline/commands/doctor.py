@@ -41,4 +41,5 @@ def doctor(model_dir: Path | None, **values: bool) -> None:
     if broken is not None:
         raise broken  # the one error line, and exit 2: a build that gates on doctor fails
     if verdicts is not None and not any(v.ok for v in verdicts):  # the image's build passed, its start failed
-        raise UserError(f"{model_dir}: no backend can translate with it on this machine (each row above says why)")
+        why = "the JSON's model_dir.backends say why" if as_json else "each row above says why"
+        raise UserError(f"{model_dir}: no backend can translate with it on this machine ({why})")

@@ -74,10 +74,11 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     # would be Ray's error, on every actor)
     opened = ModelDir.open(model_dir)
     chosen = check_load(opened, load_options.validate())
-    opts = given.sentence_rules(opened.manifest.language_pair)  # --lang as the actors will take it
     source, target = languages.own_languages(opened.manifest.model_config, opened.manifest.language_pair,
-                                             opts.src_lang, opts.tgt_lang)  # a one-pair model's own: none
-    opts = dataclasses.replace(opts, src_lang=source, tgt_lang=target)
+                                             given.src_lang, given.tgt_lang)  # a one-pair model's own: none
+    # --lang as the actors will take it, from the source as the model spells it (DE recorded "DE": a rerun with
+    # de was refused as other options)
+    opts = dataclasses.replace(given, src_lang=source, tgt_lang=target).sentence_rules(opened.manifest.language_pair)
     if source is not None and source == target:  # as serve-batch says it (the glossary then finds nothing)
         log.info("%s", languages.same_language_notice(source))
     effective = decoding.for_model(opened.decoding_defaults, str(opened.path / "manifest.json"))
@@ -103,7 +104,10 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
     if glossary is None:
         earlier[1] = {**as_asked, "decoding": {name: getattr(decoding, name)
                                                for name in sorted(decoding.explicit or ())}}
-    made = not os.path.lexists(output_dir)  # by this run: removed again if it is refused before any shard is done
+    out = Path(os.path.abspath(output_dir))
+    made = None if os.path.lexists(out) else out  # the first dir this run makes: removed if refused before any shard
+    while made is not None and not os.path.lexists(made.parent):
+        made = made.parent
     job = plan(list(inputs), output_dir, ray_opts.column, job_record(model_dir, settings),
                target_suffix(suffix, model_dir, opts.tgt_lang), model_dir,
                {version: job_record(model_dir, r) for version, r in earlier.items()})
@@ -114,8 +118,8 @@ def ray_translate(model_dir: str, inputs: tuple[str, ...], output_dir: str, suff
         stats = translate_shards(model_dir, job, load_options, decoding, dataclasses.replace(opts, glossary=()),
                                  ray_opts, progress, glossary)  # drawn only on a terminal (files.progress_bar)
     except BaseException:  # a cluster that cannot be reached or refuses the job: no empty dir left behind
-        if made and {p.name for p in Path(output_dir).iterdir()} <= {RECORD}:
-            shutil.rmtree(output_dir, ignore_errors=True)
+        if made is not None and {p for p in made.rglob("*") if not p.is_dir()} <= {out / RECORD}:
+            shutil.rmtree(made, ignore_errors=True)
         raise
     if stats.truncated:
         log.warning("%d line(s) longer than the model's source limit were truncated (--long-lines error refuses "

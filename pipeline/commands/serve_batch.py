@@ -70,9 +70,10 @@ def serve_batch(model_dir: str, inputs: tuple[str, ...], output: str | None, out
                                                      many_batches=True), decoding)
         impl, tokenizer = loaded.backend, loaded.tokenizer
         manifest = loaded.manifest  # a one-pair model's own --src-lang/--tgt-lang name the outputs, nothing more
-        opts = opts.sentence_rules(manifest.language_pair)  # (before a one-pair model's own are dropped)
         source, target = own_languages(manifest.model_config, manifest.language_pair, opts.src_lang, opts.tgt_lang)
+        # the sentence rules of the source as the model spells it (a one-pair model's own when dropped: the same)
         opts = dataclasses.replace(opts, decoding=loaded.decoding, src_lang=source, tgt_lang=target).validate()
+        opts = opts.sentence_rules(manifest.language_pair)
         if opts.decoding.batch_sentences != decoding.batch_sentences:
             log.info("batches of up to %d tokens, no sentence cap on %s (--batch-sentences sets one)",
                      opts.decoding.batch_tokens, impl.device)

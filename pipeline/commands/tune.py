@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from model.digests import file_digest
 from model.errors import UserError
 from model.manifest import MANIFEST
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
@@ -62,17 +63,22 @@ def tune_decoding_cmd(model: Path, decoding: DecodingOptions, device: str | None
 
 
 def _export_as(model: Path) -> str:
-    """The export that makes a model dir of the tuned settings: a model dir's own checkpoint and precision (an int8
-    dir's suggestion made an fp32 one), or the checkpoint / save dir tuned."""
+    """The export that makes a model dir of the tuned settings: a model dir's own checkpoint (where its file still
+    holds what was exported: a later `average` replaces averaged.pt), precision and language pair (an int8 dir's
+    suggestion made an fp32 one), or the checkpoint / save dir tuned."""
     if not (model / MANIFEST).is_file():
         return shlex.quote(str(model))
     manifest = ModelDir.open(model, verify=False).manifest
-    source = manifest.source_checkpoint.path
-    checkpoint = shlex.quote(source) if source and Path(source).is_file() else "CHECKPOINT"
+    source = manifest.source_checkpoint
+    same = source.path and Path(source.path).is_file() and file_digest(Path(source.path)) == source.sha256
+    checkpoint = shlex.quote(source.path) if same else "CHECKPOINT"
     precision = {"fp16": " --fp16", "int8": " --int8"}.get(manifest.precision, "")
     flavour = f" --int8-flavour {manifest.quantization}" if manifest.precision == "int8" and manifest.quantization \
         else ""
-    return checkpoint + precision + flavour
+    pair = manifest.language_pair  # a one-pair model's languages: without them LibreTranslate's API has no route
+    given = f" --src-lang {pair.source[0]} --tgt-lang {pair.target[0]}" if pair is not None and len(pair.source) == 1 \
+        and len(pair.target) == 1 else ""
+    return checkpoint + precision + flavour + given
 
 
 def check_json_out(json_out: Path, inputs: list[Path], model: Path) -> None:

@@ -120,11 +120,12 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
 
 def request_metrics(data: Any, state: ServerState) -> ModelMetrics:
     """The metrics a request is counted in, refused or not: the model it names (the server's only one when it
-    names none), else the unnamed series."""
+    names none, or one it lacks, or the body is no object: as LibreTranslate's API counts), else the unnamed
+    series."""
     try:
-        return pick_model(data, state).metrics if isinstance(data, dict) else state.unnamed
-    except ApiError:  # no model, or one the server lacks: refused below, as the unnamed series counts it
-        return state.unnamed
+        return pick_model(data, state).metrics if isinstance(data, dict) else state.refused_in
+    except ApiError:  # no model, or one the server lacks: refused below
+        return state.refused_in
 
 
 def _direction(data: dict[str, Any], model: ServedModel) -> Direction:

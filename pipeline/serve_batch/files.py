@@ -44,7 +44,7 @@ from runtime.backend import Backend
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
 from runtime.glossary_file import open_glossary
-from runtime.languages import ONE_PAIR, Direction, language_suffix
+from runtime.languages import ONE_PAIR, Direction, folded_spellings, language_suffix, spelled
 from runtime.model_dir import ModelDir
 from runtime.tokenizer import AnyTokenizer, word_continuations
 from runtime.translate import NBest, translate_ids
@@ -252,12 +252,12 @@ def target_suffix(given: str | None, model_dir: str, tgt_lang: str | None) -> st
             raise UserError(f"--suffix {given!r}: an ending like .en, .de.txt or .pt-BR (letters, digits, '_', '-' "
                             "between dots); '..', a space or a lone '-' named files 'x..' or 'x. '")
         return given if given.startswith(".") or not given else "." + given
-    if tgt_lang:
-        return "." + tgt_lang
     try:
         languages = ModelDir.open(model_dir, verify=False).manifest.languages
     except (UserError, OSError, ValueError):  # loading the model dir says what is wrong with it, in one line
-        return None
+        languages = None
+    if tgt_lang:  # as the model spells it, in any case it is given (EN: .en, as ray-translate names it)
+        return "." + spelled(tgt_lang, folded_spellings(languages.target if languages is not None else ()))
     return "." + languages.target[0] if languages is not None and len(languages.target) == 1 else None
 
 
