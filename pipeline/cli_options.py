@@ -124,7 +124,10 @@ class _Listed(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and "," in value:
-            return tuple(self.inner.convert(v.strip(), param, ctx) for v in value.split(",") if v.strip())
+            listed = tuple(self.inner.convert(v.strip(), param, ctx) for v in value.split(",") if v.strip())
+            if not listed:  # "," measured nothing and wrote an empty report
+                self.fail(f"{value!r} holds no number; give one or several, comma-separated (1,32)", param, ctx)
+            return listed
         return self.inner.convert(value, param, ctx)
 
     def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str | None:

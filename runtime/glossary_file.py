@@ -142,9 +142,10 @@ _ENTITY = re.compile(r"&#?\w+;")  # an HTML character reference ends in a semico
 def _unquoted(field: str) -> str | None:
     """A field quoted as a CSV writer quotes one that holds a quote (between quotes, its own quotes doubled:
     pandas' to_csv with a tab separator, Python's csv, Excel's tab-separated export): its text; None otherwise."""
-    body = field.strip(" \r")
-    if len(body) >= 2 and body[0] == body[-1] == '"' and '"' not in body[1:-1].replace('""', ""):
-        return body[1:-1].replace('""', '"')
+    body = field.strip(" \r")  # a doubled quote inside: a writer quoting as needed writes "Bond" as """Bond"""
+    inner = body[1:-1]
+    if len(body) >= 2 and body[0] == body[-1] == '"' and '""' in inner and '"' not in inner.replace('""', ""):
+        return inner.replace('""', '"')
     return None
 
 

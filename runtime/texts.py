@@ -214,8 +214,8 @@ def encode_texts(tokenizer: AnyTokenizer, texts: list[str], max_src_len: int, po
     fit = _fitting(tokenizer, max_src_len, policy)
     limit = None if policy.same_language else max_units  # (none translated)
     def split(node: str, soft: bool, taken: int = 0) -> Split:  # its sentences, stopped past the request's limit
-        try:  # taken: by this text's nodes before; not with a glossary, whose terms join sentences after a split
-            left = None if limit is None or whole is not None else limit - len(out.units) - taken
+        try:  # taken: by this text's nodes before; with a glossary 64x, as its terms join sentences after a split
+            left = None if limit is None else (limit - len(out.units) - taken) * (1 if whole is None else 64)
             return split_sentences(node, policy.lang, whole, soft, left)
         except TooManySentences:
             raise TooManyUnits(len(out.units), limit or 0, counted=False) from None

@@ -580,3 +580,5 @@ def test_bench_takes_its_batch_sizes_as_a_list_as_well(capsys, fp32_dir, monkeyp
         assert code == 0 and seen.pop() == sizes, err
     code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--batch-size", "1,0")
     assert code == 2 and "'--batch-size': 0 is not in the range x>=1" in err, err
+    code, _, err = run_cli_captured(capsys, "bench", fp32_dir, "--batch-size", ",")  # an empty report, exit 0
+    assert code == 2 and "',' holds no number" in err, err

@@ -364,11 +364,13 @@ def test_fields_quoted_as_csv_writers_quote_them_are_read_without_their_quotes(t
     import csv
     import logging
 
-    rows = [['kinisa "x"', "zorro"], ["vosos", 'feze "y"'], ["mala", "milan"], ['"a', 'b"']]
+    rows = [['kinisa "x"', "zorro"], ["vosos", 'feze "y"'], ["mala", "milan"], ['"a', 'b"'], ['"Bond"', '"Bond"'],
+            ["Hund", '""']]
     path = tmp_path / "g.tsv"
     with open(path, "w", newline="", encoding="utf-8") as f:
         csv.writer(f, dialect="excel-tab").writerows(rows[:3])
-        f.write('"a\tb"\n')  # not quoted as a writer quotes: kept as typed
+        # not quoted as a writer quotes (it doubles a quote inside): kept as typed, a term in quotes included
+        f.write('"a\tb"\n"Bond"\t"Bond"\nHund\t""\n')
     with caplog.at_level(logging.INFO):
         g = load_glossary(path)
     assert [(e.source, e.target) for e in g.entries] == [(s, t) for s, t in rows]

@@ -315,3 +315,8 @@ def test_splitting_stops_once_a_text_holds_more_sentences_than_the_limit(monkeyp
     joined = encode_texts(Spelling(), [text], 100, TextPolicy(split="sentences"), max_units=5,
                           glossary=glossary_from_mapping({"vobi. Da sinas": "zorro"}))
     assert len(joined.units) == 5 and "Da vobi. Da sinas." in joined.units
+    seen.clear()  # with a glossary the split still stops, at 64 x the limit (its terms join sentences after it)
+    with pytest.raises(TooManyUnits):
+        encode_texts(Spelling(), [document], 100, TextPolicy(split="sentences"), max_units=100,
+                     glossary=glossary_from_mapping({"vobi. Da sinas": "zorro"}))
+    assert sum(seen) < 64 * 20 * sentences.WINDOW, sum(seen)  # of 8,000,000 characters

@@ -51,8 +51,8 @@ class BenchOptions(Checked):
 
     backends: str = opt("torch,onnxruntime", "Comma-separated backends to measure (" + ",".join(backend_names())
                         + ").")
-    batch_sizes: tuple[int, ...] = opt((32,), "Sentences per batch; several: comma-separated (1,32) or the option "
-                                              "repeated.",
+    batch_sizes: tuple[int, ...] = opt((32,), "Sentences per batch (at least 1); several: comma-separated (1,32) or "
+                                              "the option repeated.",
                                        flag="--batch-size", multiple=True, min=1, show_default=True)
     fixed_length: int | None = opt(None, "Force exactly N output tokens per sentence, for fair comparisons across "
                                          "models.", min=1)
