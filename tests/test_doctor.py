@@ -172,3 +172,12 @@ def test_the_engines_fix_for_an_int8_dir_exports_int8_for_tensorrt(rowwise_dir, 
     report = json.loads(capsys.readouterr().out)["model_dir"]
     [trt] = [v for v in report["backends"] if v["backend"] == "tensorrt"]
     assert "--tensorrt --int8 --int8-flavour qdq --force" in trt["reason"]
+
+
+def test_a_json_file_given_to_the_json_flag_is_explained(capsys, tmp_path):
+    """`pipeline doctor --json facts.json` (--json takes a FILE elsewhere) said "facts.json: no such model
+    directory (create one with `pipeline export`)"."""
+    assert run_cli("doctor", "--json", tmp_path / "facts.json") == 2
+    err = capsys.readouterr().err
+    assert "--json is a flag, not a file" in err and f"--json > {tmp_path / 'facts.json'}" in err, err
+    assert not (tmp_path / "facts.json").exists()

@@ -22,6 +22,9 @@ def doctor(model_dir: Path | None, **values: bool) -> None:
     `pipeline export` wrote), also which backend, precision and device can serve it here,
     and why not for the others. Send this output with any bug report."""
     as_json = pick(DoctorOptions, values).validate().as_json
+    if as_json and model_dir is not None and model_dir.suffix == ".json" and not model_dir.exists():
+        raise UserError(f"{model_dir}: no such model directory; --json is a flag, not a file (`pipeline doctor "
+                        f"[DIR] --json > {model_dir}` writes it)")
     facts = gather_facts()
     verdicts, broken = None, None
     try:
