@@ -153,6 +153,8 @@ def test_keys_where_libretranslate_clients_send_them(tmp_path):
         assert r.status_code == 400 and "not the query string ('format', 'glossary')" in r.json()["error"], r.text
         r = c.post(f"/translate?api_key={KEY}", json={"q": "hund", "source": "de", "target": "en"})
         assert r.status_code == 200 and r.json()["translatedText"] == "HUND", r.text
+        r = c.post("/detect?q=der+hund", json={"q": "hund", "api_key": KEY})  # it detected the body's text
+        assert r.status_code == 400 and "not the query string ('q')" in r.json()["error"], r.text
 
 
 def test_a_busy_servers_503_is_not_counted_in_a_keys_rate(tmp_path, monkeypatch):

@@ -287,9 +287,7 @@ async def translate(request: Request, data: Any, form: bool, state: ServerState)
     m = state.refused_in
     try:
         check_key(state, data.get("api_key") if isinstance(data, dict) else None, request)
-        if not form and (unread := sorted(set(query_fields(request, state.limits)) - {"api_key"})):
-            raise ApiError(400, f"a JSON body's fields are read from the body, not the query string "
-                                f"({', '.join(shown(k) for k in unread[:5])}); send them in the body")  # ignored
+        refuse_query_fields(request, state, form)
         req = await off_loop(state.reading, parse_libre, data, form, state)  # in proportion to the body
         detected = await off_loop(state.prepare, _detect, state, req) if req.source == "auto" else None
         body, m = await translate_texts(request, state, req, detected)
@@ -340,14 +338,23 @@ async def frontend_settings(request: Request) -> Response:
     })
 
 
+def refuse_query_fields(request: Request, state: ServerState, form: bool) -> None:
+    """A JSON request's fields in its query string, which nothing reads (the key aside): a 400 naming them
+    (`?glossary=main` translated without the glossary, `/detect?q=` detected the body's text)."""
+    if not form and (unread := sorted(set(query_fields(request, state.limits)) - {"api_key"})):
+        raise ApiError(400, f"a JSON body's fields are read from the body, not the query string "
+                            f"({', '.join(shown(k) for k in unread[:5])}); send them in the body")
+
+
 async def detect(request: Request) -> Response:
     """POST /detect {"q"}: [{"language", "confidence"}], most likely first, confidence in percent."""
     state: ServerState = request.app.state.server
     try:
-        data, _ = await read_payload(request, state.limits, state.reading)
+        data, form = await read_payload(request, state.limits, state.reading)
         if not isinstance(data, dict):
             raise ApiError(400, 'request body must be a JSON object like {"q": "text"}')
         check_key(state, data.get("api_key"), request)
+        refuse_query_fields(request, state, form)
         q = data.get("q")
         if q is None or q == "" or q == []:
             raise ApiError(400, "Invalid request: missing q parameter")
