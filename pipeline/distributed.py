@@ -83,15 +83,26 @@ def env_ranks() -> tuple[int, int, int]:
             int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def pick_device(name: str, local_rank: int) -> Any:
-    """auto / cpu / cuda -> this rank's torch.device; CUDA takes the LOCAL_RANK-th GPU."""
+def pick_device(name: str, local_rank: int, world: int = 1) -> Any:
+    """auto / cpu / cuda / cuda:N -> this rank's torch.device. auto and cuda take the LOCAL_RANK-th GPU; cuda:N
+    names one GPU, so only a single process may take it (under torchrun every rank would share it)."""
     import torch
 
-    if name not in ("auto", "cpu", "cuda"):
-        raise UserError(f"--device {name!r}: choose auto, cpu or cuda")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA device is available; use --device cpu")
-    if name == "cuda" or (name == "auto" and torch.cuda.is_available()):
+    number = name.partition(":")[2] if name.startswith("cuda:") else None
+    if name not in ("auto", "cpu", "cuda") and not (number and number.isascii() and number.isdigit()):
+        raise UserError(f"--device {name!r}: choose auto, cpu, cuda or cuda:N")
+    if name != "cpu" and name != "auto" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA device is available; use --device cpu")
+    if number is not None:
+        count = torch.cuda.device_count()
+        if world > 1:
+            raise UserError(f"--device {name}: under torchrun each of the {world} processes takes its own GPU "
+                            "(cuda:LOCAL_RANK); give --device cuda, or run one process")
+        if int(number) >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device{'s' * (count != 1)} "
+                            f"(cuda:0 to cuda:{count - 1})")
+        local_rank = int(number)
+    if name != "cpu" and (name != "auto" or torch.cuda.is_available()):
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -116,7 +127,7 @@ def init_distributed(device_name: str | None = "auto", backend: str | None = Non
     (see rank_device; ctx.device is then the CPU, where object collectives run).
     Pair with `shutdown`, or use `dist_context`."""
     rank, world, local_rank = env_ranks()
-    device = pick_device(device_name, local_rank) if device_name is not None else "cpu"
+    device = pick_device(device_name, local_rank, world) if device_name is not None else "cpu"
     owns = False
     if world > 1:
         dist = _dist()

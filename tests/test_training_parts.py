@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_parallel, write_parallel
+from helpers import make_parallel, run_cli, write_parallel
 
 from model.checkpoint import checkpoint_step, step_checkpoint_path, step_checkpoints
 from model.config import PRESETS, Preset, preset
@@ -123,6 +123,33 @@ def test_single_process_gather_and_rank_device(monkeypatch):
     assert ctx.gather("mine") == ["mine"]
     assert rank_device(ctx, None) is None and rank_device(ctx, "cpu") == "cpu"
     assert str(init_distributed(None).device) == "cpu"  # no device picked: no torch needed
+
+
+def test_train_device_takes_one_gpu_by_number(monkeypatch, tmp_path, capsys):
+    """`--device cuda:1` (one GPU of several, as serve-batch takes it) was "invalid choice". It names one GPU for one
+    process; under torchrun each rank takes its own. The GPUs are faked here (this machine may have none): what is
+    checked is which one is picked and what is refused."""
+    from pipeline import distributed
+
+    picked: list[int] = []
+    assert run_cli("train", "--save-dir", tmp_path / "r", "--device", "gpu1") == 2
+    assert "--device 'gpu1': choose auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda:0: no CUDA device is available; use --device cpu"):
+        distributed.pick_device("cuda:0", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", picked.append)
+    assert distributed.pick_device("cuda:1", 0) == torch.device("cuda", 1) and picked == [1]
+    assert distributed.pick_device("cuda", 1) == torch.device("cuda", 1)  # torchrun's LOCAL_RANK
+    with pytest.raises(UserError, match=r"this machine has 2 CUDA devices \(cuda:0 to cuda:1\)"):
+        distributed.pick_device("cuda:2", 0)
+    with pytest.raises(UserError, match="each of the 2 processes takes its own GPU"):
+        distributed.pick_device("cuda:1", 0, world=2)
+    for bad in ("cuda:", "cuda:-1", "cuda:x", "cuda:\u0661"):
+        with pytest.raises(UserError, match="choose auto, cpu, cuda or cuda:N"):
+            distributed.pick_device(bad, 0)
 
 
 def _two_ranks(rank: int, port: int, results: Any) -> None:

@@ -77,8 +77,9 @@ class TrainOptions:
                           f"{PAPER.beam_size} = the paper's); length penalty and limit are the paper's.")
     valid_max_sentences: int = opt(0, "Decode at most this many validation sentences for BLEU (0 = all).")
     log_every: int = opt(50, "Write a train event to metrics.jsonl and refresh loss/lr/tokens/s every N updates.")
-    device: str = opt("auto", "auto = CUDA (this process's LOCAL_RANK GPU) when available, else CPU.",
-                      choices=("auto", "cpu", "cuda"))
+    device: str = opt("auto", "auto, cpu, cuda or cuda:N (one process: that GPU). auto and cuda take this "
+                      "process's LOCAL_RANK GPU (under torchrun, one per rank) when CUDA is available; auto falls "
+                      "back to the CPU.", metavar="DEV")
     precision: str = opt("auto", "auto = bf16 on CUDA (fp16 with loss scaling without bf16), fp32 on CPU.",
                          choices=("auto", "fp32", "bf16", "fp16"))
     threads: int | None = opt(None, "CPU threads per process (torch.set_num_threads).")
