@@ -14,6 +14,7 @@ import click
 
 from model.errors import UserError
 from pipeline.invocation import record
+from pipeline.textio import OutputClosed
 
 # Each command's module, imported only when that command runs (`--help` lists SUMMARIES), so a
 # deploy-only install (no torch) serves, and every command starts without the others' imports.
@@ -208,6 +209,9 @@ def main(argv: list[str] | None = None) -> None:
     except UserError as e:  # the user's to fix: one line, exit 2, no traceback
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except OutputClosed:  # `-o - | head`: quiet, as a command killed by SIGPIPE is; what Python still holds for
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # standard output goes nowhere (its
+        sys.exit(128 + signal.SIGPIPE)  # flush at exit printed "Exception ignored ... BrokenPipeError")
     except OSError as e:
         click.echo(f"error: {describe_os_error(e)}", err=True)
         sys.exit(2)

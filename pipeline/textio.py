@@ -5,12 +5,13 @@ from __future__ import annotations
 import codecs
 import contextlib
 import gzip
+import io
 import os
 import stat
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from model.atomic import atomic_write, check_can_create_in, descriptor_alias, is_special_file
 from model.errors import UserError
@@ -112,6 +113,44 @@ def read_lines(path: str | Path, errors: str = "strict") -> list[str]:
     return list(iter_lines(path, errors))
 
 
+class _WholeWrites(io.TextIOBase):
+    """Standard output, each write taken whole or refused: CPython's text layer drops the rest of a large write
+    that a pipe took only in part, its reader gone (`-o - | consumer` where the consumer quit: the end of the
+    output was lost and the command said it wrote it, exit 0). Writing the bytes until every one is taken gets
+    OutputClosed instead (pipeline/cli.py: exit 141, as a command killed by SIGPIPE)."""
+
+    def __init__(self, text: bool) -> None:
+        super().__init__()
+        self.text = text
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        stream = sys.stdout
+        if self.text:
+            stream.flush()  # whatever print() left in the text layer goes first
+            raw = memoryview(data.encode(stream.encoding, stream.errors or "strict"))
+        else:
+            raw = memoryview(data).cast("B")
+        try:
+            while raw:  # a blocking write takes less than all only when its reader went: the next one raises
+                raw = raw[stream.buffer.write(raw):]
+        except BrokenPipeError as e:
+            raise OutputClosed("standard output was closed by its reader") from e
+        return len(data)
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError as e:
+            raise OutputClosed("standard output was closed by its reader") from e
+
+
+class OutputClosed(Exception):
+    """The reader of standard output went before all of it was written (`| head`)."""
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
     """Write to a temp file beside `path` and rename it into place only on success.
@@ -120,8 +159,9 @@ def atomic_output(path: str | Path, mode: str = "w") -> Iterator[IO]:
     truncated one.
     """
     if str(path) == "-":
-        yield sys.stdout if "b" not in mode else sys.stdout.buffer
-        sys.stdout.flush()
+        whole = _WholeWrites("b" not in mode)
+        yield whole  # type: ignore[misc]
+        whole.flush()
         return
     if "b" not in mode and str(path).endswith(".gz"):  # named .gz: gzip'd, as a .gz input is read
         with atomic_write(path, "wb", suffix=".part") as f, gzip.open(f, "wt", encoding="utf-8", newline="\n") as z:

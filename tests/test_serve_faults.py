@@ -148,6 +148,19 @@ def test_a_closed_standard_input_or_output_is_one_line(model_dir, tmp_path, clos
     assert not (tmp_path / "out.en").exists()
 
 
+def test_standard_output_whose_reader_quits_ends_the_run_quietly_not_as_written(model_dir, tmp_path):
+    """`-o - | head -c 100`: the pipe took part of a window's translations, its reader went, and CPython's text layer
+    dropped the rest without a word: "translated 4000 sentences", exit 0, most of them never written. Now the run
+    ends as a command killed by SIGPIPE does (status 141, nothing on stderr), the summary unsaid."""
+    write(tmp_path / "in.de", [f"der hund {i} sieht die katze" for i in range(4000)])  # > a pipe's 64 KiB out
+    proc = subprocess.run(["bash", "-c", '"$@" 2>err.txt | head -c 100 >/dev/null; echo "${PIPESTATUS[0]}"', "_",
+                           *pipeline_cmd("serve-batch", model_dir, "in.de", "-o", "-", *FAST, "--beam-size", "1")],
+                          cwd=tmp_path, capture_output=True, text=True, env=cli_env(), timeout=300)
+    err = (tmp_path / "err.txt").read_text()
+    assert proc.stdout.strip() == "141", err
+    assert "translated" not in err and "Traceback" not in err and "Exception ignored" not in err
+
+
 def test_an_input_without_line_breaks_is_refused_not_read_whole(model_dir, tmp_path, capsys, monkeypatch):
     """serve-batch /dev/zero read one endless line until memory ran out (a MemoryError traceback)."""
     from pipeline.serve_batch import translation
