@@ -117,32 +117,32 @@ class DecodingOptions:
         """Every impossible setting, each naming its field as `name` phrases it: the CLI's flag by default
         (`--beam-size`); the HTTP layer passes its JSON field names."""
         n = name or flag
-        mistyped = [f"{n(k)} must be {what} (got {getattr(self, k)!r})" for k, (kinds, what) in _KINDS.items()
+        mistyped = [f"{n(k)} must be {what} (got {said(getattr(self, k))})" for k, (kinds, what) in _KINDS.items()
                     if isinstance(getattr(self, k), bool) or not isinstance(getattr(self, k), kinds)]
         if mistyped:  # (a str or a float where an int belongs failed deep in the search, or was taken)
             return mistyped
         out = []
         if self.beam_size < 1:
-            out.append(f"{n('beam_size')} must be at least 1 (got {self.beam_size})")
+            out.append(f"{n('beam_size')} must be at least 1 (got {said(self.beam_size)})")
         if not 1 <= self.nbest <= max(self.beam_size, 1):
-            out.append(f"{n('nbest')} must be between 1 and the beam width, {n('beam_size')} = {self.beam_size} "
-                       f"(got {self.nbest})")
+            out.append(f"{n('nbest')} must be between 1 and the beam width, {n('beam_size')} = "
+                       f"{said(self.beam_size)} (got {said(self.nbest)})")
         if not (math.isfinite(self.alpha) and 0 <= self.alpha <= MAX_ALPHA):  # past it the penalty overflows
             out.append(f"{n('alpha')} must be a number from 0 to {MAX_ALPHA:g} (got {self.alpha})")
         if not math.isfinite(self.max_len_a) or self.max_len_a < 0:
             out.append(f"{n('max_len_a')} must be a finite number >= 0 (got {self.max_len_a})")
         if self.max_len_b < 0:
-            out.append(f"{n('max_len_b')} must be >= 0 (got {self.max_len_b})")
+            out.append(f"{n('max_len_b')} must be >= 0 (got {said(self.max_len_b)})")
         if self.max_len_a == 0 and self.max_len_b == 0:
             out.append(f"{n('max_len_a')} 0 with {n('max_len_b')} 0 allows no output token at all")
         if self.min_len < 0:
-            out.append(f"{n('min_len')} must be >= 0 (got {self.min_len})")
+            out.append(f"{n('min_len')} must be >= 0 (got {said(self.min_len)})")
         elif self.max_len_a == 0 and self.min_len > self.max_len_b:
-            out.append(f"{n('min_len')} {self.min_len} is above the maximum output length {self.max_len_b}")
+            out.append(f"{n('min_len')} {said(self.min_len)} is above the maximum output length {self.max_len_b}")
         if self.batch_tokens < 1:
-            out.append(f"{n('batch_tokens')} must be at least 1 (got {self.batch_tokens})")
+            out.append(f"{n('batch_tokens')} must be at least 1 (got {said(self.batch_tokens)})")
         if self.batch_sentences < 0:
-            out.append(f"{n('batch_sentences')} must be >= 0, 0 for no limit (got {self.batch_sentences})")
+            out.append(f"{n('batch_sentences')} must be >= 0, 0 for no limit (got {said(self.batch_sentences)})")
         if self.rules not in RULES:
             out.append(f"{n('rules')} must be one of {', '.join(RULES)} (got {self.rules!r})")
         return out
@@ -179,3 +179,9 @@ def _init(self: DecodingOptions, *args: Any, **kwargs: Any) -> None:
 
 DecodingOptions.__init__ = _init  # type: ignore[method-assign]
 PAPER = DecodingOptions()  # none set: PAPER.replace(beam_size=4) sets the beam, as DecodingOptions(beam_size=4)
+
+
+def said(value: object) -> str:
+    """A value as a refusal quotes it: a number of 4,000 digits (JSON has no limit) is not echoed whole."""
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"

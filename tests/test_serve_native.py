@@ -103,6 +103,17 @@ def test_a_server_started_with_nbest_answers_documents_and_keeps_one_shape():
         assert r.status_code == 400 and "beam_size" in r.json()["error"] and "nbest" not in r.json()["error"]
 
 
+def test_a_huge_number_is_not_echoed_whole_in_its_refusal():
+    """"beam_size" of 4,000 digits came back in a 4 KB error repeating every digit (as did "nbest")."""
+    huge = "9" * 4000
+    with client() as c:
+        for field, said in (("beam_size", "beam_size 99999999999999999999... (4000 characters) is above"),
+                            ("nbest", "nbest must be between 1 and the beam width")):
+            r = c.post("/translate", content=f'{{"text": ["ja"], "{field}": {huge}}}'.encode(),
+                       headers={"Content-Type": "application/json"})
+            assert r.status_code == 400 and said in r.json()["error"] and len(r.content) < 300, r.text
+
+
 def test_a_trailing_slash_is_a_json_404_not_a_redirect_to_plain_http():
     with client() as c:
         r = c.post("/translate/", json={"text": ["ja"]}, follow_redirects=False)

@@ -25,6 +25,7 @@ from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
+from runtime.decoding import said
 from runtime.languages import LANG_CODE, ONE_PAIR, Direction, folded_spellings, spelled
 from runtime.sentences import SPLIT_MODES
 from runtime.texts import FORMATS, EncodedTexts, finish_text, finish_texts
@@ -103,7 +104,7 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
     decoding = model.decoding.replace(**changes)
     problems = decoding.problems(name=str)  # the request's own field names
     if decoding.beam_size > model.max_beam:
-        problems.append(f"beam_size {decoding.beam_size} is above this model's limit of {model.max_beam}")
+        problems.append(f"beam_size {said(decoding.beam_size)} is above this model's limit of {model.max_beam}")
     if problems:
         raise ApiError(400, "; ".join(problems))
     scores = _field(data, "scores", bool, False, "true or false")
