@@ -175,6 +175,22 @@ def test_parity_against_transformers_with_min_len_and_a_line_past_the_positions(
     assert report.passed and report.results[0].identical == 1.0, [r.failures for r in report.results]
 
 
+def test_parity_against_transformers_with_a_length_limit_past_the_positions(checkpoint, texts, tmp_path):
+    """--max-len-b 300 (or a generation_config.json's max_length of 100000, which import takes) on a model of 128
+    positions: our search caps the output at the positions, transformers' generate raised an IndexError there (a
+    traceback). The limit is capped alike: random weights run every sentence to it, token for token."""
+    src = tmp_path / "src.txt"
+    src.write_text("\n".join(texts[:4]) + "\n", encoding="utf-8")
+    fp32 = tmp_path / "fp32"
+    result = CliRunner().invoke(cli, ["export", str(checkpoint), "--out", str(fp32), "--no-tensorrt"])
+    assert result.exit_code == 0, result.output
+    opts = ServeBatchOptions(decoding=PAPER.replace(beam_size=1, max_len_b=300, rules="transformers",
+                                                    explicit=frozenset({"max_len_b", "beam_size"})))
+    report = run_parity(fp32, src, src, ["torch"], opts=opts, reference_engine="transformers",
+                        gates={"fp32": Gate(min_identical=1.0, max_bleu_delta=0.0)})
+    assert report.passed and report.results[0].identical == 1.0, [r.failures for r in report.results]
+
+
 def served_over_http(model_dir: Path, texts: list[str], log_path: Path) -> list[str]:
     """`pipeline serve MODEL_DIR` (the model's own decoding defaults) answering one request."""
     import re

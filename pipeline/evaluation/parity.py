@@ -241,7 +241,8 @@ def _transformers_parity(opened: ModelDir, src: Path, ref_path: Path, ref_lines:
     sources = read_lines(src)
     lines, tokens, seconds = transformers_reference.translate(hf_dir, sources, opts.decoding, opts.src_lang,
                                                               opts.tgt_lang, torch_backend.max_src_len,
-                                                              frozenset(dict(torch_backend.cfg.languages).values()))
+                                                              frozenset(dict(torch_backend.cfg.languages).values()),
+                                                              torch_backend.max_tgt_len)
     ref_run = Served(lines, torch_run.sources, tokens, seconds, 0)
     runs = (_translate(name, opened, src, opts, device, threads, tokenizer, (torch_backend, torch_run), shortlist)
             for name in backends)

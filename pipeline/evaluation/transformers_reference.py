@@ -7,9 +7,9 @@ The lines are read as serve-batch reads them (blank lines stay blank and are not
 tokenizer, the model and the search are transformers' own, with the generation config the directory
 ships and our decoding options in its place where they correspond: beam size (num_beams), alpha
 (length_penalty) and the length limit (max_length = max_len_b + 2: transformers counts the decoder
-start token and the EOS), the least length (min_length = min_len + 1, counted alike), early_stopping (rules
-transformers-early). Only transformers' search rules
-compare token for token, so other rules are refused.
+start token and the EOS; capped where our search caps it, at the decoder's positions), the least length
+(min_length = min_len + 1, counted alike), early_stopping (rules transformers-early). Only transformers' search
+rules compare token for token, so other rules are refused.
 """
 
 from __future__ import annotations
@@ -84,8 +84,10 @@ def imported_from(checkpoint: Path, payload: dict[str, Any] | None = None) -> Pa
     return Path(directory) if directory else None
 
 
-def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
-    """The directory's GenerationConfig with our decoding options where they correspond."""
+def generation_settings(hf_dir: Path, decoding: DecodingOptions, max_tgt_len: int | None = None) -> Any:
+    """The directory's GenerationConfig with our decoding options where they correspond; the length limit capped
+    as our search caps it, to what the decoder's positions hold (`max_tgt_len` - 1 tokens and the EOS: past them
+    transformers' position embedding raised an IndexError, where --max-len-b or the model dir's limit was larger)."""
     from transformers import GenerationConfig
 
     if not decoding.rules.startswith("transformers"):
@@ -100,7 +102,8 @@ def generation_settings(hf_dir: Path, decoding: DecodingOptions) -> Any:
         gen = GenerationConfig()
     gen.num_beams = decoding.beam_size
     gen.length_penalty = decoding.alpha
-    gen.max_length = decoding.max_len_b + 2
+    most = decoding.max_len_b if max_tgt_len is None else min(decoding.max_len_b, max_tgt_len - 1)
+    gen.max_length = most + 2
     gen.max_new_tokens = None
     gen.min_length = decoding.min_len + 1 if decoding.min_len else 0  # it counts the decoder start token too
     gen.min_new_tokens = None
@@ -148,7 +151,8 @@ def _load(hf_dir: Path, src_lang: str | None, tgt_lang: str | None, multilingual
 
 def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lang: str | None = None,
               tgt_lang: str | None = None, max_src_len: int | None = None,
-              languages: frozenset[int] = frozenset()) -> tuple[list[str], list[list[int]], float]:
+              languages: frozenset[int] = frozenset(), max_tgt_len: int | None = None
+              ) -> tuple[list[str], list[list[int]], float]:
     """(output lines, token ids without start and EOS, seconds) of transformers on `lines`; a multilingual
     model's ids start with the forced target-language token, its text holds no language token (`languages`, the
     model dir's: our tokenizer writes none, transformers' kept one generated later). A source over `max_src_len`
@@ -163,7 +167,7 @@ def translate(hf_dir: Path, lines: list[str], decoding: DecodingOptions, src_lan
     if not Path(hf_dir).is_dir():
         raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
     try:
-        gen = generation_settings(hf_dir, decoding)
+        gen = generation_settings(hf_dir, decoding, max_tgt_len)
         tokenizer, model, forced = _load(hf_dir, src_lang, tgt_lang, bool(languages))
     except UserError:
         raise
