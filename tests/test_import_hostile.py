@@ -516,6 +516,31 @@ def test_with_both_indexes_the_one_whose_shards_are_there_is_read(hf_dir, tmp_pa
     assert code == 0, err
 
 
+def test_a_bin_beside_sharded_safetensors_is_not_what_is_read(hf_dir, tmp_path, capsys):
+    """A hub repository that gained safetensors later holds pytorch_model.bin beside model.safetensors.index.json:
+    the import read the .bin while transformers reads the shards first (parity then failed, 16.7% identical, as
+    if our backends were wrong). The import reads what transformers reads: here a changed tensor in a shard."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from model.checkpoint import load_model
+
+    code, err = import_cli(capsys, hf_dir, tmp_path / "bin.pt")
+    assert code == 0, err
+    hf = copy_of(hf_dir, tmp_path, sharded())
+    torch.save(load_file(str(hf_dir / "model.safetensors")), hf / "pytorch_model.bin")  # the original, as .bin
+    shard = hf / "model-00002-of-00002.safetensors"
+    tensors = load_file(str(shard))
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    code, err = import_cli(capsys, hf, tmp_path / "both.pt")
+    assert code == 0, err
+    read = load_model(tmp_path / "both.pt")[0].state_dict()
+    original = load_model(tmp_path / "bin.pt")[0].state_dict()
+    assert [k for k in read if not torch.equal(read[k], original[k])]  # the shards' changed tensor, not the .bin
+
+
 @pytest.mark.parametrize("index_edit, needles", [
     (lambda index: index["weight_map"].update({k: "model-00003-of-00002.safetensors"
                                                for k in list(index["weight_map"])[:1]}),

@@ -13,6 +13,7 @@ import pytest
 transformers = pytest.importorskip("transformers")
 
 from click.testing import CliRunner  # noqa: E402
+from helpers import run_cli  # noqa: E402
 
 from model.checkpoint import CheckpointError, load_model  # noqa: E402
 from model.transformer import sinusoidal_positions  # noqa: E402
@@ -406,6 +407,36 @@ def test_parity_reads_the_import_directory_as_import_does_and_checks_its_files(h
     (changed / "config.json").write_text("{not json")
     with pytest.raises(UserError, match=r"^--hf-dir \S+: transformers cannot load it \(.*\); give the directory"):
         translate(changed, ["a b"], PAPER.replace(rules="transformers", max_len_a=0.0, max_len_b=10))
+
+
+def test_parity_names_a_file_transformers_reads_that_the_import_never_saw(hf_dir, checkpoint, tmp_path, caplog,
+                                                                         capsys):
+    """A model.safetensors added beside the weights imported (transformers reads it first) failed the gate,
+    16.7% identical, naming no file; a tokenizer file deleted since was transformers' "expected str, ... not
+    NoneType"; and --hf-dir without --reference transformers was ignored: torch compared with torch, passed."""
+    import logging
+
+    from model.errors import UserError
+    from pipeline.evaluation.transformers_reference import source_dir
+
+    added = tmp_path / "added"
+    shutil.copytree(hf_dir, added)
+    weights = next(p for p in added.iterdir() if p.name in ("model.safetensors", "pytorch_model.bin"))
+    shutil.copy(weights, added / ("pytorch_model.bin" if weights.name == "model.safetensors" else "model.safetensors"))
+    with pytest.raises(UserError, match=r"/added/(model\.safetensors|pytorch_model\.bin): not there when this model "
+                       r"was imported, and transformers may read it; give the directory it was imported from"):
+        source_dir(checkpoint, added)
+    lost = tmp_path / "lost"
+    shutil.copytree(hf_dir, lost)
+    (lost / "source.spm").unlink()
+    with caplog.at_level(logging.WARNING):
+        assert source_dir(checkpoint, lost) == lost
+    assert "lost: source.spm missing since the import read the directory" in caplog.text
+    src = tmp_path / "src.txt"
+    src.write_text("a b\n", encoding="utf-8")
+    assert run_cli("parity", tmp_path / "none", "--src", src, "--ref", src, "--hf-dir", hf_dir) == 2
+    assert ("error: --hf-dir is the directory --reference transformers compares with; add --reference transformers, "
+            "or leave --hf-dir out") in capsys.readouterr().err
 
 
 def test_the_import_line_says_the_pair_it_records(hf_dir, tmp_path):

@@ -107,6 +107,9 @@ class ParityOptions(Checked):
         out = [f"{n(key)} {value:g}: a share from 0 to 1 (0.99 for 99%)"
                for key in ("min_identical", "fp16_min_identical", "int8_min_identical")
                if (value := getattr(self, key)) is not None and not 0 <= value <= 1]
+        if self.hf_dir is not None and self.reference_engine != "transformers":  # compared torch with torch
+            out.append(f"{n('hf_dir')} is the directory {n('reference_engine')} transformers compares with; add "
+                       f"{n('reference_engine')} transformers, or leave {n('hf_dir')} out")
         if self.save_hyps is not None and str(self.save_hyps) == "-":  # it made a directory named "-"
             out.append(f"{n('save_hyps')} -: give a directory (one file per backend), not standard output")
         return out

@@ -14,6 +14,7 @@ rules compare token for token, so other rules are refused.
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from model.errors import UserError
 from runtime.decoding import DecodingOptions
 from runtime.errors import first_line
+
+log = logging.getLogger(__name__)
 
 BATCH = 16  # sentences per generate call
 # the files transformers reads of a directory (configs, weights and their index, tokenizers), by their endings
@@ -32,8 +35,9 @@ def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
     or a hub id found in the cache, as `pipeline import` takes them), else the one the checkpoint records (None
     for our own checkpoints), once its files are those the import read: each one there that the import hashed
     (extra.imported.files) and transformers reads is hashed again, and one that differs is a UserError naming
-    it (parity failed as if our backends were wrong; a missing one is transformers' to miss). A directory that
-    is not there is one line."""
+    it (parity failed as if our backends were wrong), as is one that transformers may read and was not there
+    at the import (a model.safetensors added beside the .bin imported); a missing one is warned of (a copy in
+    another format deleted changes nothing). A directory that is not there is one line."""
     from model.checkpoint import read_checkpoint
     from pipeline.importers.hf_files import ImportRefused, digest
     from pipeline.importers.hub_cache import resolve_model_dir
@@ -57,13 +61,16 @@ def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
             raise UserError(f"{hf_dir}: the directory this model was imported from is not here; pass --hf-dir")
     else:
         return None
-    for name, recorded in sorted((imported.get("files") or {}).items()):
+    files = imported.get("files") or {}
+    missing = []
+    for name, recorded in sorted(files.items()):
         if not name.endswith(READ_BY_TRANSFORMERS):  # a model card or .gitattributes edited changes no translation
             continue
         path = hf_dir / name
         try:
             now = digest(path)
-        except FileNotFoundError:
+        except FileNotFoundError:  # a copy of one format deleted changes nothing; a tokenizer file fails the load
+            missing.append(name)
             continue
         except OSError as e:
             raise UserError(f"{path}: unreadable ({e.strerror or e}), though the import read it") from None
@@ -71,6 +78,16 @@ def source_dir(checkpoint: Path, given: Path | None) -> Path | None:
             raise UserError(f"{path}: not the file this model was imported from (sha256 {now[:12]}..., imported "
                             f"{recorded[:12]}...); give the directory it was imported from (--hf-dir), or import this "
                             "one")
+    if missing:  # (transformers' own error then, "expected str, ... not NoneType", said nothing of it)
+        log.warning("%s: %s missing since the import read the directory; transformers may not load it, or translate "
+                    "otherwise", hf_dir, ", ".join(missing))
+    known = {*files, *(imported.get("unhashed") or {}), *(imported.get("skipped") or ())}
+    added = sorted(p.name for p in hf_dir.iterdir() if files and p.name not in known
+                   and p.name.endswith(READ_BY_TRANSFORMERS) and p.is_file())
+    if added:  # a model.safetensors beside the .bin imported: transformers reads it first (16.7% identical)
+        raise UserError(f"{hf_dir / added[0]}: not there when this model was imported, and transformers may read it"
+                        f"{f' (and {len(added) - 1} more)' if len(added) > 1 else ''}; give the directory it was "
+                        "imported from (--hf-dir), or import this one")
     return hf_dir
 
 

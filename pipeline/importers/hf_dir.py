@@ -31,6 +31,10 @@ CONFIG = "config.json"
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 UNREAD_HASHED = 64 << 20  # a file the import does not read is hashed up to this size, else its size is recorded
 INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # sharded weights: their weight_map
+# the weights as transformers looks for them (modeling_utils): safetensors whole, then sharded, then PyTorch's .bin
+# whole, then sharded; an index with the format of its shards. A directory holding a .bin beside a sharded
+# safetensors copy was imported from the .bin while transformers read the shards.
+ORDER = ((WEIGHTS[0], None), (INDEXES[0], WEIGHTS[0]), (WEIGHTS[1], None), (INDEXES[1], WEIGHTS[1]))
 
 
 class HfDir(HFFiles):
@@ -70,19 +74,21 @@ class HfDir(HFFiles):
                     "tokenizer.json") else ""
                 raise ImportRefused(f"{self.dir / name}: missing; {what} holds {', '.join(required)} and "
                                     f"{' or '.join(WEIGHTS)}{hint}")
-        for name in WEIGHTS:
-            if self.has(name):
+        refused: ImportRefused | None = None
+        for name, shards in ORDER:  # transformers' order: it reads the first there (parity compares with it)
+            if not self.has(name):
+                continue
+            if shards is None:
                 self._weights = self.dir / name
                 self._shards = [self._weights]
                 return self._weights
-        indexes = [(index, weights) for index, weights in zip(INDEXES, WEIGHTS) if self.has(index)]
-        for k, (index, weights) in enumerate(indexes):  # both indexes, one set of shards (a download of *.bin):
-            try:                                         # the one whose shards are all there
-                self._weights, self._shards = self.dir / index, self._shard_files(index, weights)
+            try:  # an index whose shards are not all there: the next one (both indexes, one download of *.bin)
+                self._weights, self._shards = self.dir / name, self._shard_files(name, shards)
                 return self._weights
-            except ImportRefused:
-                if k == len(indexes) - 1:
-                    raise
+            except ImportRefused as e:
+                refused = refused or e
+        if refused is not None:
+            raise refused
         raise ImportRefused(f"{self.dir / WEIGHTS[0]}: missing (nor is there a {WEIGHTS[1]}, nor a sharded model's "
                             f"{' or '.join(INDEXES)})")
 
