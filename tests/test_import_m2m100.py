@@ -255,7 +255,7 @@ def test_one_pair_models_take_no_languages(tmp_path):
 @pytest.mark.parametrize("damage, message", [
     (lambda d: (d / "sentencepiece.bpe.model").unlink(), "sentencepiece.bpe.model: missing"),
     (lambda d: (d / "config.json").write_text(json.dumps(
-        {**json.loads((d / "config.json").read_text()), "model_type": "marian"})), "not 'm2m_100'"),
+        {**json.loads((d / "config.json").read_text()), "model_type": "marian"})), 'not "m2m_100"'),
     # its language codes taken to be M2M-100's 100 without a word: "more than config.json's vocab_size" alone
     (lambda d: (d / "tokenizer_config.json").unlink(), "tokenizer_config.json is missing: its language_codes were "
                                                        "taken to be M2M-100's 100"),

@@ -244,7 +244,7 @@ def test_cli_overrides_the_models_defaults(checkpoint, tmp_path):
     (lambda d: (d / "target.spm").unlink(), "target.spm: missing"),
     (lambda d: (d / "model.safetensors").unlink(), "model.safetensors: missing"),
     (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "bart", "vocab_size": 10})),
-     "config.json: model_type is 'bart', not 'marian'"),
+     'config.json: model_type "bart", not "marian"'),
     (lambda d: (d / "vocab.json").write_text(json.dumps(
         {**json.loads((d / "vocab.json").read_text()), "extra-piece-xyz": 10 ** 6})), "vocab.json:"),
     (lambda d: (d / "config.json").write_text(json.dumps(
@@ -444,3 +444,23 @@ def test_the_import_line_says_the_pair_it_records(hf_dir, tmp_path):
     result = CliRunner().invoke(cli, ["import", "marian", str(hf_dir), "--out", str(tmp_path / "m.pt")])
     assert result.exit_code == 0, result.output
     assert "activation swish, languages src-tgt;" in result.output
+
+
+def test_odd_tokenizer_and_generation_values_are_said_in_one_short_line(hf_dir, tmp_path, caplog, capsys):
+    """A 5,000-character source_lang in tokenizer_config.json was echoed whole in a 5 KB warning; min_length equal
+    to max_length was "min_length 64 is above max_length 64 - 1"."""
+    import logging
+
+    odd = tmp_path / "odd"
+    shutil.copytree(hf_dir, odd)
+    tok = json.loads((odd / "tokenizer_config.json").read_text())
+    (odd / "tokenizer_config.json").write_text(json.dumps({**tok, "source_lang": "x" * 5000}))
+    with caplog.at_level(logging.WARNING):
+        import_marian(odd, tmp_path / "odd.pt")
+    [said] = [r.getMessage() for r in caplog.records if "not two language codes" in r.getMessage()]
+    assert len(said) < 400 and '"xxxxxxxx' in said
+    gen = json.loads((odd / "generation_config.json").read_text())
+    (odd / "generation_config.json").write_text(json.dumps({**gen, "min_length": 64, "max_length": 64}))
+    assert run_cli("import", "marian", odd, "--out", tmp_path / "odd2.pt") == 2
+    assert ("min_length 64 is above 63, the most that max_length 64 leaves (both count the decoder start token)"
+            in capsys.readouterr().err)

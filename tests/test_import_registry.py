@@ -77,8 +77,24 @@ def test_a_family_named_on_another_models_directory_says_its_model_type_first(di
     model type that tells the user what went wrong."""
     code, _, err = run_cli_captured(capsys, "import", named, dirs[other], "--out", tmp_path / "o.pt")
     wanted = registry.family(registry.COMMANDS[named]).model_type
-    one_error_line(code, err, "config.json: model_type is", f"not {wanted!r}", "takes the family model_type names")
+    one_error_line(code, err, "config.json: model_type", f'not "{wanted}"', "takes the family model_type names")
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_a_family_named_on_a_directory_of_no_family_does_not_suggest_naming_none(dirs, tmp_path, capsys):
+    """`pipeline import marian BERT_DIR` suggested `pipeline import BERT_DIR`, which then failed on "bert"; a
+    config.json without model_type was "model_type is None" (Python's spelling)."""
+    for model_type, said in (("bert", 'model_type "bert", not "marian"; pipeline import knows marian (Marian)'),
+                             (None, 'no "model_type" (this family\'s config.json says "model_type": "marian")')):
+        hf = tmp_path / f"hf-{model_type}"
+        shutil.copytree(dirs["marian"], hf)
+        config = json.loads((hf / "config.json").read_text())
+        config.pop("model_type")
+        (hf / "config.json").write_text(json.dumps(config if model_type is None else {**config,
+                                                                                      "model_type": model_type}))
+        code, _, err = run_cli_captured(capsys, "import", "marian", hf, "--out", tmp_path / "o.pt")
+        one_error_line(code, err, said)
+        assert "takes the family" not in err and not (tmp_path / "o.pt").exists()
 
 
 def test_the_registry_lists_its_families():

@@ -22,7 +22,7 @@ from model.config import ConfigError, ModelConfig
 from pipeline.importers import registry
 from pipeline.importers.family import Family
 from pipeline.importers.hf_dir import CONFIG, HfDir
-from pipeline.importers.hf_files import ImportRefused, allowed_roots
+from pipeline.importers.hf_files import ImportRefused, allowed_roots, wrong_type
 from pipeline.importers.hf_generation import generation
 from pipeline.importers.marian_weights import build
 from pipeline.textio import check_output_file, refuse_overwriting_inputs
@@ -43,8 +43,10 @@ def import_checkpoint(hf_dir: Path, out: Path, force: bool = False, family: Fami
     hf = HfDir.open(hf_dir, family.what if family is not None else registry.WHAT)
     named = hf.config().get("model_type") if family is not None else None
     if family is not None and named is not None and named != family.model_type:  # before its files are missed
-        raise ImportRefused(f"{hf_dir / CONFIG}: model_type is {named!r:.60}, not {family.model_type!r}; `pipeline "
-                            f"import {hf_dir}` takes the family model_type names")
+        known = named in registry.families()
+        raise ImportRefused(f"{hf_dir / CONFIG}: {wrong_type({'model_type': named}, family.model_type)}; " + (
+            f"`pipeline import {hf_dir}` takes the family model_type names" if known
+            else f"pipeline import knows {registry.known()}"))
     family = (family or registry.family_of(hf)).variant(hf)
     hf.require(family.what, family.required, family.optional)
     config = hf.config()

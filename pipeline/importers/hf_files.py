@@ -65,6 +65,14 @@ def show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+def wrong_type(config: dict[str, Any], expected: str) -> str:
+    """config.json's model_type, not the `expected` one, as a refusal says it."""
+    if config.get("model_type") is None:
+        return f'no "model_type" (this family\'s config.json says "model_type": "{expected}")'
+    return f'model_type {show(config["model_type"])}, not "{expected}"'
+
+
+
 def integer(data: dict[str, Any], key: str, where: Path, minimum: int = 1, why: str = "") -> int:
     value = data.get(key)
     if key not in data:

@@ -77,7 +77,8 @@ def generation(files: HFFiles, config: dict[str, Any], cfg: ModelConfig) -> tupl
                                    why=" (it counts the decoder start and the EOS: 3 leaves room for one token)")
     min_length = optional_integer(gen, "min_length", where, 0, minimum=0)
     if min_length > max_length - 1:
-        raise ImportRefused(f"{where}: min_length {min_length} is above max_length {max_length} - 1")
+        raise ImportRefused(f"{where}: min_length {min_length} is above {max_length - 1}, the most that max_length "
+                            f"{max_length} leaves (both count the decoder start token)")
     alpha = number(gen, "length_penalty", where, 1.0)
     if alpha < 0:
         raise ImportRefused(f"{where}: length_penalty {alpha} is negative; our search takes 0 or more")

@@ -45,6 +45,7 @@ from pipeline.importers.hf_files import (
     optional_integer,
     show,
     token_id,
+    wrong_type,
 )
 from runtime.tokenizer import TokenizerError, VocabTokenizer
 
@@ -58,7 +59,7 @@ WHAT = "an M2M100ForConditionalGeneration.save_pretrained directory (M2M-100 or 
 def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     """Our ModelConfig for an M2M-100 config.json, without its languages (the tokenizer gives them)."""
     if config.get("model_type") != "m2m_100":
-        raise ImportRefused(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'm2m_100'")
+        raise ImportRefused(f"{path}: {wrong_type(config, 'm2m_100')}")
     sizes = shape(config, path, MAX_POSITIONS)
     vocab = sizes["vocab_size"]
     pad = token_id(config, "pad_token_id", path, vocab)

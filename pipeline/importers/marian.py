@@ -30,7 +30,15 @@ from model.config import ConfigError, ModelConfig
 from pipeline.importers.bart_config import MAX_POSITIONS, activation_and_dropout, check_tied, shape
 from pipeline.importers.convert import import_checkpoint
 from pipeline.importers.family import Family, Tokenized
-from pipeline.importers.hf_files import HFFiles, ImportRefused, check_sentencepiece, flag, show, token_id
+from pipeline.importers.hf_files import (
+    HFFiles,
+    ImportRefused,
+    check_sentencepiece,
+    flag,
+    show,
+    token_id,
+    wrong_type,
+)
 from pipeline.importers.hf_generation import GENERATION_NAMES  # noqa: F401 (re-export)
 from runtime.languages import LANG_CODE
 from runtime.tokenizer import TokenizerError, VocabTokenizer
@@ -46,7 +54,7 @@ MarianImportError = ImportRefused  # a directory that is not a Marian model this
 def model_config(config: dict[str, Any], path: Path) -> ModelConfig:
     """Our ModelConfig for a Marian config.json (refusing what our model cannot compute)."""
     if config.get("model_type") != "marian":
-        raise MarianImportError(f"{path}: model_type is {config.get('model_type')!r:.60}, not 'marian'")
+        raise MarianImportError(f"{path}: {wrong_type(config, 'marian')}")
     sizes = shape(config, path, MAX_POSITIONS)
     vocab = sizes["vocab_size"]
     pad = token_id(config, "pad_token_id", path, vocab)
@@ -109,8 +117,8 @@ def language_pair(files: HFFiles) -> dict[str, str] | None:
             pair["source"] != pair["target"]:
         return pair  # type: ignore[return-value]
     if any(pair.values()):
-        log.warning("%s: source_lang %r / target_lang %r are not two language codes; give export --src-lang and "
-                    "--tgt-lang", files.path(TOKENIZER_CONFIG), pair["source"], pair["target"])
+        log.warning("%s: source_lang %s / target_lang %s are not two language codes; give export --src-lang and "
+                    "--tgt-lang", files.path(TOKENIZER_CONFIG), show(pair["source"]), show(pair["target"]))
     return None
 
 
