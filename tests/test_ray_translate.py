@@ -97,6 +97,46 @@ def serve_batch_outputs(model_dir: Path, shards: dict[str, list[str]], tmp: Path
     return out
 
 
+def _ray_workers() -> int:
+    """Ray's worker processes on this machine now (their titles start with ray::)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                count += f.read(5) == b"ray::"
+        except OSError:
+            pass
+    return count
+
+
+def test_many_shards_start_few_worker_processes(cluster, fp32_dir, tmp_path, capsys):
+    """Each shard's read task reserved no CPU, so nothing capped how many ran at once: Ray started a worker process
+    for each (30 files of 500 lines: 24 processes, 4.5 GB, twice the time of one file, and "(raylet) WARNING: 26
+    PYTHON worker processes" on the terminal). Two read at a time now, besides the job's 2 actors."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = corpus_lines(160)
+    for k in range(16):
+        write_lines(corpus / f"p{k:02d}.txt", lines[k * 10: k * 10 + 10])
+    before, most, running = _ray_workers(), [0], [True]
+
+    def watch() -> None:
+        while running[0]:
+            most[0] = max(most[0], _ray_workers())
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        code, _, err = run_cli_captured(capsys, "ray-translate", fp32_dir, corpus, "--output-dir", tmp_path / "out",
+                                        "--backend", "onnxruntime")
+    finally:
+        running[0] = False
+        watcher.join()
+    assert code == 0 and "translated 160 lines of 16 shard(s)" in err, err
+    assert most[0] - before <= 2 + 2 + 1, (before, most[0])  # actors, readers, and one Ray may start ahead
+
+
 def test_shards_translate_as_serve_batch_and_a_rerun_resumes(cluster, fp32_dir, tmp_path, capsys):
     lines = corpus_lines(300)
     shards = {"a.txt": lines[:120], "b.txt": lines[120:250], "c.txt": lines[250:], "d.txt": []}

@@ -30,7 +30,7 @@ import numpy as np
 from model.errors import UserError
 from pipeline.integrations.options import RayOptions
 from pipeline.integrations.ray_cluster import connect
-from pipeline.integrations.ray_read import LinesDatasource, shard_lines
+from pipeline.integrations.ray_read import READERS, LinesDatasource, shard_lines
 from pipeline.integrations.shards import Plan, Shard, ShardWriter
 from pipeline.integrations.translator import Translator
 from pipeline.serve_batch.files import progress_bar
@@ -144,7 +144,7 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
                glossary: Glossary | None) -> None:
     threads = load_options.threads or 1
     ds = data.read_datasource(LinesDatasource(plan.todo, ray_opts.column, opts.invalid_utf8, ray_opts.batch_size),
-                              num_cpus=0)
+                              num_cpus=0, concurrency=READERS)
     ds = ds.map_batches(_JobTranslator, batch_size=ray_opts.batch_size,
                         compute=data.ActorPoolStrategy(size=stats.actors),
                         num_cpus=0 if ray_opts.gpus_per_actor else threads, num_gpus=ray_opts.gpus_per_actor or None,
