@@ -121,6 +121,27 @@ def test_search_options_given_inside_options_are_the_ones_used(fp32_dir):
                    options=ServeBatchOptions(decoding=short))
 
 
+def test_repairs_serve_batch_says_are_counted_and_said_by_the_translator(fp32_dir, caplog):
+    """A sentence over the source limit translated in pieces (split sentences) and an HTML row leaving a tag open
+    (its rest copied untranslated): serve-batch warns of each, the Translator (and so ray-translate) said
+    nothing, and its `truncated` was 0 for the row."""
+    import logging
+
+    onnx = LoadOptions(backend="onnxruntime")
+    long_sentence = " ".join(["ab cd ef gh"] * 20)  # no sentence end: one sentence of 80 words, over 32 tokens
+    split = Translator(fp32_dir, load_options=onnx, options=ServeBatchOptions(split="sentences"))
+    with caplog.at_level(logging.WARNING, logger="pipeline.integrations.translator"):
+        out = split.translate([long_sentence, "ab. cd."])
+    assert (out.pieced, out.unclosed) == (1, 0)
+    assert "1 row(s) held a sentence longer than the model's source limit, translated in pieces" in caplog.text
+    html = Translator(fp32_dir, load_options=onnx, options=ServeBatchOptions(format="html"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.integrations.translator"):
+        out = html.translate(["<b>ab</b> cd", "ab <i cd", "ef <!-- gh"])
+    assert (out.pieced, out.unclosed) == (0, 2)
+    assert "2 row(s) leave a tag, a comment or a <script> open" in caplog.text
+
+
 def test_a_column_the_translator_adds_is_never_replaced_unseen(fp32_dir):
     """A batch's own "score" (a QA score) or "translation" (a reference) was replaced by the Translator's."""
     import pyarrow as pa

@@ -379,8 +379,8 @@ def test_rows_with_line_ends_symlinked_shards_and_a_default_given_again(cluster,
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
-    rows = ["ab cd.\nef gh.", "ij kl.\r\nmn op.", "x1 y22.", "ab.\n\ncd."]
-    write_parquet(corpus / "docs.parquet", {"text": rows})
+    rows = ["ab cd.\nef gh.", "ij kl.\r\nmn op.", "x1 y22.", "ab.\n\ncd.", " ".join(["ab cd ef gh"] * 20)]
+    write_parquet(corpus / "docs.parquet", {"text": rows})  # the last: a sentence over the source limit
     write_lines(corpus / "a.txt", ["ab cd", "ef"])
     (corpus / "b.txt").symlink_to("a.txt")
     out = ["--output-dir", tmp_path / "out", "--backend", "onnxruntime", "--split", "sentences"]
@@ -393,6 +393,8 @@ def test_rows_with_line_ends_symlinked_shards_and_a_default_given_again(cluster,
                       options=ServeBatchOptions(split="sentences")).translate(rows).translation
     assert written.split("\n")[:-1] == [t.replace("\r\n", " ").replace("\n", " ") for t in flat]
     assert any("3 row(s) held line ends" in r.getMessage() for r in caplog.records)
+    assert any("1 line(s) held a sentence longer than the model's source limit, translated in pieces" in
+               r.getMessage() for r in caplog.records)  # (serve-batch said it, ray-translate did not)
     a, b = ((tmp_path / "out" / name).read_text(encoding="utf-8") for name in ("a.txt", "b.txt"))
     assert a == b and a.count("\n") == 2
     (tmp_path / "out" / "a.txt").unlink()

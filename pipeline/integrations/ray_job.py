@@ -52,6 +52,8 @@ class JobStats:
     terms: int = 0                 # with a glossary: the terms found in the rows, and those the translations hold
     terms_applied: int = 0
     line_breaks: int = 0           # rows whose translation held line ends, written as spaces
+    pieced: int = 0                # rows with a sentence over the source limit, translated in pieces that fit
+    unclosed: int = 0              # --format html rows leaving a tag open: the rest of each copied untranslated
     startup_seconds: float = 0.0  # reaching or starting the cluster
     seconds: float = 0.0          # from then to the last output renamed into place
     actors: int = 0
@@ -173,6 +175,12 @@ def _translate(data: Any, model_dir: str | Path, plan: Plan, load_options: LoadO
         if stats.min_len_over:
             log.warning("%d row(s) have a maximum output length below --min-len %d; they stop at that maximum",
                         stats.min_len_over, decoding.min_len)
+        if stats.pieced:  # every word translated, a sentence in pieces: said, as serve-batch says it
+            log.warning("%d line(s) held a sentence longer than the model's source limit, translated in pieces that "
+                        "fit (--long-lines error refuses them)", stats.pieced)
+        if stats.unclosed:
+            log.warning("%d line(s) leave a tag, a comment or a <script> open, so the rest of each is copied "
+                        "untranslated: --format html reads each line as an HTML document", stats.unclosed)
     except BaseException as e:
         writer.abort(e)
         raise _user_error(e) or e from None
@@ -264,7 +272,8 @@ class _JobTranslator(Translator):
 
 
 _BACK = ("shard", "line", "translation", "last", "replaced", "empty", "truncated")
-_BATCH_COUNTS = ("min_len_over", "terms", "terms_applied")  # per batch, in Translated and JobStats alike
+# per batch, in Translated and JobStats alike
+_BATCH_COUNTS = ("min_len_over", "terms", "terms_applied", "pieced", "unclosed")
 
 
 def _row_bytes(shard: Shard) -> int:

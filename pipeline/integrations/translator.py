@@ -53,6 +53,8 @@ class Translated:
     rows_terms: list[str] | None = None  # with a glossary: per row, JSON of its terms ({"source", "applied"...})
     terms: int = 0  # the terms found in the batch's rows, and those their translations hold
     terms_applied: int = 0
+    pieced: int = 0  # rows with a sentence over the source limit, translated in pieces that fit (split sentences)
+    unclosed: int = 0  # format html rows that leave a tag, comment or <script> open: its rest copied untranslated
 
     def columns(self) -> dict[str, np.ndarray]:
         columns = {"translation": np.array(self.translation, dtype=object),
@@ -183,7 +185,14 @@ class Translator:
         if cut:
             log.warning("%d row(s) were translated up to the model's target limit (export --max-tgt-len) and "
                         "stopped there: their translations may be cut", cut)
-        out = Translated([], [], [], [], over, None if self.glossary is None else [])
+        out = Translated([], [], [], [], over, None if self.glossary is None else [], pieced=encoded.pieced,
+                         unclosed=sum(1 for m in encoded.markups if m is not None and m.unclosed))
+        if out.pieced:  # as serve-batch says them: every word translated, a sentence in pieces
+            log.warning("%d row(s) held a sentence longer than the model's source limit, translated in pieces that "
+                        "fit (%s refuses them)", out.pieced, self._fix("long_lines", "error"))
+        if out.unclosed:
+            log.warning("%d row(s) leave a tag, a comment or a <script> open, so the rest of each is copied "
+                        "untranslated (format html reads each row as one HTML document)", out.unclosed)
         for r in results:  # the columns in one pass
             out.translation.append(r.text)
             # a document's sentences each have a score; a row gives one only for a plain text
