@@ -50,6 +50,25 @@ def test_learning_rate_is_the_papers_schedule():
     assert learning_rate(100, d, warmup, scale=2.0) == pytest.approx(2 * learning_rate(100, d, warmup))
 
 
+def test_a_resume_that_validates_otherwise_starts_a_new_best(corpus, tmp_path, caplog):
+    """Resumed with --valid-max-sentences 1, a BLEU on 1 line was compared with the recorded best on every line
+    (14.54 beat 7.00), took checkpoint_best.pt and the summary. A changed measure starts a new best, said."""
+    import logging
+
+    src, tgt = corpus
+    run = tmp_path / "run"
+    common = ["--train-src", src, "--train-tgt", tgt, "--valid-src", src, "--valid-tgt", tgt, *TINY,
+              "--save-every", "2", "--valid-every", "2", "--valid-max-sentences", "8"]
+    assert run_cli("train", "--save-dir", run, *common, "--max-steps", "2") == 0
+    assert read_checkpoint(run / "checkpoint_best.pt")["extra"]["step"] == 2
+    with caplog.at_level(logging.WARNING):
+        assert run_cli("train", "--save-dir", run, *common[:-1], "1", "--max-steps", "4") == 0
+    assert ("validation BLEU is measured otherwise now (--valid-max-sentences 8 -> 1): the best so far"
+            in caplog.text)
+    best = read_checkpoint(run / "checkpoint_best.pt")["extra"]
+    assert best["step"] == 4 and best["valid"]["sentences"] == 1  # the new measure's first, whatever its BLEU
+
+
 @pytest.mark.slow
 def test_tiny_model_memorises_tiny_corpus(trained_save_dir, memorise_corpus):
     """Greedy output equals the references on every training sentence."""

@@ -160,6 +160,9 @@ def check_data(save_dir: Path, recorded: dict[str, Any] | None, current: dict[st
     return changed
 
 
+VALIDATION_MEASURE = ("valid_beam", "valid_max_sentences")  # options whose change makes BLEUs incomparable
+
+
 @dataclass
 class Progress:
     """Where a run stands: what a checkpoint restores besides weights and optimizer."""
@@ -262,7 +265,16 @@ class Checkpointer:
         elif self.model.cfg.dropout > 0:  # the RNG draws dropout masks alone (sampling is keyed by batch)
             log.warning("the checkpoint holds RNG states of %d process(es), this run has %d: dropout "
                         "masks will not replay exactly", len(rngs), self.ctx.world_size)
-        return Progress(state["step"], state.get("tokens", 0), state.get("best_bleu"), state.get("best_step"),
+        best_bleu, best_step = state.get("best_bleu"), state.get("best_step")
+        old = state.get("options") or {}
+        remeasured = [f"--{k.replace('_', '-')} {old[k]} -> {self.options.get(k)}" for k in VALIDATION_MEASURE
+                      if k in old and old[k] != self.options.get(k)]
+        if remeasured and best_bleu is not None:  # a BLEU on 1 line beat one on 40 and took checkpoint_best.pt
+            log.warning("validation BLEU is measured otherwise now (%s): the best so far, %.2f at step %s, is not "
+                        "compared with it; the next validation starts a new best (and replaces %s)",
+                        ", ".join(remeasured), best_bleu, best_step, BEST)
+            best_bleu, best_step = None, None
+        return Progress(state["step"], state.get("tokens", 0), best_bleu, best_step,
                         state.get("elapsed_s", 0.0), state.get("decay_steps"), state.get("decay_time_s"))
 
 
