@@ -12,7 +12,7 @@ from export import quantize, tensorrt_build, verify
 from export.errors import ExportError
 from export.shortlist import ShortlistCorpus
 from model.config import ModelConfig
-from model.manifest import QUANTIZATIONS
+from model.manifest import DEFAULT_LIMITS, DEFAULT_TOPK, QUANTIZATIONS
 from runtime.fields import declared_bounds, declared_types, opt
 from runtime.languages import Direction, direction
 from runtime.references import DEFAULT_LINES as DEFAULT_REFERENCE_LINES
@@ -20,9 +20,9 @@ from runtime.shortlist import DEFAULT_FREQUENT, DEFAULT_PER_SOURCE
 
 CALIBRATION_LINES = 200  # --int8-calibrate reads at most this many lines
 
-DEFAULT_MAX_SRC_LEN = 256  # both capped by the model's max_positions when not given
-DEFAULT_MAX_TGT_LEN = 306  # max_src_len + the paper's 50
-DEFAULT_MAX_BEAM = 8
+DEFAULT_MAX_SRC_LEN = DEFAULT_LIMITS.max_src_len  # both capped by the model's max_positions when not given
+DEFAULT_MAX_TGT_LEN = DEFAULT_LIMITS.max_tgt_len  # max_src_len + the paper's 50
+DEFAULT_MAX_BEAM = DEFAULT_LIMITS.max_beam
 
 # The options naming files that the command line reads (it knows a save dir's validation set and reads
 # text strictly); export itself takes what they hold: ExportOptions.references and .shortlist.
@@ -92,9 +92,10 @@ class ExportOptions:
     no_int8_calibrate: bool = opt(False, "With rowwise int8: per-row dynamic activation scales, calibrated on "
                                   "nothing (the form before static scales were the default).")
     opset: int = opt(18, "ONNX opset of the graphs (17..23; TensorRT needs >= 17).")
-    topk: int = opt(16, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam; the CPU "
-                        "int8 graphs return min(this, 2 x beam): docs/int8.md).")
-    max_batch: int = opt(64, "Most sentences per batch (TensorRT profiles; recorded in the manifest).", min=1)
+    topk: int = opt(DEFAULT_TOPK, "Candidates per hypothesis leaving the decoder step (beam search needs 2 x beam; "
+                    "the CPU int8 graphs return min(this, 2 x beam): docs/int8.md).")
+    max_batch: int = opt(DEFAULT_LIMITS.max_batch, "Most sentences per batch (TensorRT profiles; recorded in the "
+                         "manifest).", min=1)
     max_src_len: int | None = opt(None, f"Longest source in tokens, EOS included [default: {DEFAULT_MAX_SRC_LEN}, "
                                   "at most the model's max_positions; an imported model's: its max_positions].",
                                   min=1)

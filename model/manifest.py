@@ -84,6 +84,12 @@ class Limits:
         return self.max_tgt_len * self.max_beam  # self-attention keys per sentence (model/cache.py)
 
 
+# export's shape options when not given (export/options.py; its source and output lengths are capped by the model's
+# positions, an imported model's set by them), and the candidates per hypothesis a step returns (--topk)
+DEFAULT_LIMITS = Limits(max_batch=64, max_src_len=256, max_tgt_len=306, max_beam=8)  # max_tgt_len: + the paper's 50
+DEFAULT_TOPK = 16  # 2 x a beam of 8
+
+
 @dataclass(frozen=True)
 class SourceCheckpoint:
     """The checkpoint file exported; `steps`: the training steps its weights come from

@@ -16,9 +16,10 @@ import numpy as np
 
 from model import io_names
 from model.cache import BeamCache, keep_rows
+from model.manifest import DEFAULT_TOPK  # noqa: F401 (re-exported)
 from runtime.errors import RuntimeUserError
 
-DEFAULT_TOPK = 16  # candidates per step of a torch backend made from a checkpoint (2 x a beam of 8)
+# DEFAULT_TOPK: candidates per step of a torch backend made from a checkpoint, as export's default
 
 
 @dataclass

@@ -244,7 +244,9 @@ def test_tune_decoding_suggests_the_export_of_the_model_dir_it_tuned(capsys, int
     assert code == 0, err
     manifest = read_manifest(int8_dir)
     checkpoint = manifest.source_checkpoint.path if Path(manifest.source_checkpoint.path).is_file() else "CHECKPOINT"
-    want = f"pipeline export {checkpoint} --int8 --int8-flavour {manifest.quantization} --out NEW_DIR --beam-size 1"
+    shapes = "--max-batch 8 --max-src-len 32 --max-tgt-len 40 --max-beam 4"  # SMALL_LIMITS, not export's defaults
+    want = (f"pipeline export {checkpoint} --int8 --int8-flavour {manifest.quantization} {shapes} --out NEW_DIR "
+            "--beam-size 1")
     assert want in out, out
     _refused(capsys, "tune-decoding", int8_dir, "--src", "-", "--ref", "-", says="both standard input")
     # a checkpoint file that no longer holds what was exported (a later `average` replaced averaged.pt) is not
@@ -259,7 +261,17 @@ def test_tune_decoding_suggests_the_export_of_the_model_dir_it_tuned(capsys, int
                                       "--alphas", "0.6")
     assert code == 0, err
     assert (f"pipeline export CHECKPOINT --int8 --int8-flavour {manifest.quantization} --src-lang de --tgt-lang en "
-            "--out NEW_DIR") in out, out
+            f"{shapes} --out NEW_DIR") in out, out
+    # the export options it was made with: a --max-beam 12 dir tuned at 12 was suggested an export refusing
+    # "--beam-size 12 is above --max-beam 8"; a calibration file given, or none, became the default's
+    for scales, flag in (({"kind": "static", "calibrated_on": "/data/cal.src", "chosen": "given"},
+                          "--int8-calibrate /data/cal.src"), ({"kind": "per-row"}, "--no-int8-calibrate")):
+        data["verification"]["int8_activation_scales"] = scales
+        data["limits"]["max_beam"] = 6
+        (moved / "manifest.json").write_text(json.dumps(data))
+        code, out, err = run_cli_captured(capsys, "tune-decoding", moved, "--src", src, "--ref", ref, "--beams",
+                                          "1", "--alphas", "0.6")
+        assert code == 0 and f"--max-tgt-len 40 --max-beam 6 {flag} --out NEW_DIR" in out, out
 
 
 def test_average_refuses_another_vocabulary_and_an_out_named_as_a_runs_checkpoint(capsys, tmp_path,

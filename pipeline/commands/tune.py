@@ -12,7 +12,7 @@ import click
 
 from model.digests import file_digest
 from model.errors import UserError
-from model.manifest import MANIFEST
+from model.manifest import DEFAULT_LIMITS, DEFAULT_TOPK, MANIFEST, Manifest
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
 from pipeline.evaluation.bench import host_facts
 from pipeline.evaluation.tuning import TuneOptions, tune_decoding
@@ -21,6 +21,7 @@ from pipeline.serve_batch.translation import ServeBatchOptions
 from pipeline.textio import atomic_output, check_output_file, refuse_overwriting_inputs, within
 from runtime.decoding import DecodingOptions
 from runtime.model_dir import LoadOptions, ModelDir
+from runtime.shortlist import DEFAULT_PER_SOURCE
 
 
 @click.command("tune-decoding")
@@ -78,7 +79,31 @@ def _export_as(model: Path) -> str:
     pair = manifest.language_pair  # a one-pair model's languages: without them LibreTranslate's API has no route
     given = f" --src-lang {pair.source[0]} --tgt-lang {pair.target[0]}" if pair is not None and len(pair.source) == 1 \
         and len(pair.target) == 1 else ""
-    return checkpoint + precision + flavour + given
+    return checkpoint + precision + flavour + given + "".join(f" {flag}" for flag in _settings(manifest))
+
+
+def _settings(manifest: Manifest) -> list[str]:
+    """The export options a model dir was made with that its export command must give again: shapes and topk
+    other than the defaults (a dir exported with --max-beam 12, tuned at beam 12, was suggested an export that
+    refused "--beam-size 12 is above --max-beam 8"), int8's activation scales where not the default's, and the
+    shortlist's corpus."""
+    limits, flags = manifest.limits, []
+    for name in ("max_batch", "max_src_len", "max_tgt_len", "max_beam"):
+        if getattr(limits, name) != getattr(DEFAULT_LIMITS, name):
+            flags.append(f"--{name.replace('_', '-')} {getattr(limits, name)}")
+    if manifest.topk != DEFAULT_TOPK:
+        flags.append(f"--topk {manifest.topk}")
+    scales = manifest.verification.get("int8_activation_scales") or {}
+    if scales.get("chosen") == "given" and scales.get("calibrated_on"):
+        flags.append(f"--int8-calibrate {shlex.quote(str(scales['calibrated_on']))}")
+    elif scales.get("kind") == "per-row" and "sample_gate" not in scales:  # (a missed gate: the default again)
+        flags.append("--no-int8-calibrate")
+    if manifest.shortlist is not None:
+        src, tgt = manifest.shortlist.corpus
+        flags.append(f"--shortlist-src {shlex.quote(src)} --shortlist-tgt {shlex.quote(tgt)}")
+        if manifest.shortlist.per_source != DEFAULT_PER_SOURCE:
+            flags.append(f"--shortlist-per-source {manifest.shortlist.per_source}")
+    return flags
 
 
 def check_json_out(json_out: Path, inputs: list[Path], model: Path) -> None:
