@@ -18,9 +18,9 @@ event loop and its worker threads included):
 
 Columns: our functions and files that ran; of those functions, the named ones (defs and methods; left out:
 comprehensions, which Python 3.12 inlines into their function, generator expressions and lambdas); their calls
-(a generator's every resumption counts); the functions and files of them under pipeline/ (the surface's own
-layer, above the runtime); and climbs: calls into pipeline/serve/ whose nearest calling frame of ours is in
-runtime/ (the runtime calling back up into the HTTP layer). Then each walk's files with their function counts
+(a generator's every resumption counts); the functions (named) and files of them under pipeline/ (the
+surface's own layer, above the runtime); and climbs: calls into pipeline/serve/ whose nearest calling frame of
+ours is in runtime/ (the runtime calling back up into the HTTP layer). Then each walk's files with their function counts
 and each climb; --json writes every function too. Needs the serve extra (libre), numpy (ray) and the import
 extra (m2m100: transformers); a walk whose packages are missing is reported as skipped."""
 
@@ -93,11 +93,12 @@ class Walk:
 
     def summary(self) -> dict[str, Any]:
         files = Counter(path for path, _, _ in self.calls)
-        surface = [path for path, _, _ in self.calls if path.startswith("pipeline/")]
+        surface = [(path, name) for path, _, name in self.calls if path.startswith("pipeline/")]
         named = [name for _, _, name in self.calls if not name.endswith(UNNAMED)]
         return {"functions": len(self.calls), "named": len(named), "files": len(files),
                 "calls": sum(self.calls.values()),
-                "pipeline_functions": len(surface), "pipeline_files": len(set(surface)),
+                "pipeline_functions": len(surface), "pipeline_files": len({path for path, _ in surface}),
+                "pipeline_named": sum(1 for _, name in surface if not name.endswith(UNNAMED)),
                 "climbs": sum(self.climbs.values()), "climb_edges": dict(self.climbs),
                 "by_file": dict(sorted(files.items())),
                 "function_list": [f"{p}:{line} {name} x{n}" for (p, line, name), n in sorted(self.calls.items())]}
@@ -236,15 +237,15 @@ def m2m100_walk(work: Path) -> dict[str, Any]:
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    head = f"{'walk':<8} {'functions':>9} {'named':>6} {'files':>6} {'calls':>7} {'pipeline/':>10} {'climbs':>7}"
+    head = f"{'walk':<8} {'functions':>9} {'named':>6} {'files':>6} {'calls':>7} {'pipeline/':>16} {'climbs':>7}"
     rows = [head + "  JSON files opened (by which function of ours)"]
     for name, r in results.items():
         if "skipped" in r:
             rows.append(f"{name:<8} skipped: {r['skipped']}")
             continue
         opens = ", ".join(f"{k} x{n}" for k, n in r.get("json_opens", {}).items()) or "-"
-        surface = f"{r['pipeline_functions']} in {r['pipeline_files']}"
-        rows.append(f"{name:<8} {r['functions']:>9} {r['named']:>6} {r['files']:>6} {r['calls']:>7} {surface:>10} "
+        surface = f"{r['pipeline_functions']} ({r['pipeline_named']}) in {r['pipeline_files']}"
+        rows.append(f"{name:<8} {r['functions']:>9} {r['named']:>6} {r['files']:>6} {r['calls']:>7} {surface:>16} "
                     f"{r['climbs']:>7}"
                     f"  {opens}")
     for name, r in results.items():

@@ -54,7 +54,7 @@ def state(trained_model_dir, glossary_file) -> ServerState:
     opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=1))
     model = load_model("de-en", str(trained_model_dir), opts, PAPER.replace(batch_tokens=limits.max_batch_tokens),
                        metrics)
-    glossaries = check_named(read_named((f"terms={glossary_file}",)), {"de-en": model.translator})
+    glossaries = check_named(read_named((f"terms={glossary_file}",)), {"de-en": model.loaded})
     return ServerState({"de-en": model}, limits, {"glossaries": info(glossaries)}, metrics, warmed_up=True,
                        glossaries=glossaries)
 
@@ -185,15 +185,15 @@ def test_info_lists_the_servers_glossaries(client):
 def test_requests_with_and_without_a_glossary_share_a_batch(state, client, plain):
     """The batcher hands the search each line's constraints aligned with its ids, [] for a line of a request
     without a glossary; that request is answered exactly as alone."""
-    translator = state.models["de-en"].translator
+    loaded = state.models["de-en"].loaded
     calls: list[Any] = []
-    original = translator.translate
+    original = loaded.translate
 
     def recording(ids: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append((len(ids), kwargs.get("constraints")))
         return original(ids, *args, **kwargs)
 
-    translator.translate = recording  # type: ignore[method-assign]
+    loaded.translate = recording  # type: ignore[method-assign]
     try:
         answers: dict[str, Any] = {}
         barrier = threading.Barrier(2)
@@ -209,7 +209,7 @@ def test_requests_with_and_without_a_glossary_share_a_batch(state, client, plain
         for t in threads:
             t.join(60)
     finally:
-        del translator.translate
+        del loaded.translate
     assert answers["plain"] == {"translations": plain}
     assert answers["forced"] == native(client, text=TEXTS, glossary="terms")
     shared = [c for n, c in calls if n == 2 * len(TEXTS)]
@@ -226,10 +226,10 @@ def test_a_line_with_terms_costs_the_constrained_searchs_wider_beam(state):
 
     from pipeline.serve.batcher import Batcher
 
-    translator = state.models["de-en"].translator
+    loaded = state.models["de-en"].loaded
 
     async def costs() -> list[int]:
-        batcher = Batcher(translator, Metrics().model("de-en"), 1 << 20, 60.0, 8)  # waits: nothing runs
+        batcher = Batcher(loaded, Metrics().model("de-en"), 1 << 20, 60.0, 8)  # waits: nothing runs
         await batcher.start()
         try:
             work = batcher.submit([[5, 6, 2], [7, 2]], PAPER.replace(beam_size=2), constraints=[[[9]], []])
@@ -238,7 +238,7 @@ def test_a_line_with_terms_costs_the_constrained_searchs_wider_beam(state):
         finally:
             await batcher.stop()
 
-    assert translator.backend.topk >= 8  # room for the doubled beam: 2 x 4 candidates a row
+    assert loaded.backend.topk >= 8  # room for the doubled beam: 2 x 4 candidates a row
     assert asyncio.run(costs()) == [3 * 4, 2 * 2]
 
 

@@ -213,7 +213,7 @@ def test_http_service_with_parallel_batches_answers_what_serve_batch_writes(memo
     metrics, limits = Metrics(), RequestLimits()
     opts = ServeHttpOptions(load=LoadOptions(backend="onnxruntime", threads=2, parallel_batches=2))
     model = load_model("m", str(memorised_fp32_dir), opts, PAPER.replace(batch_tokens=60), metrics)
-    assert model.translator.backend.parallel_batches == 2
+    assert model.loaded.backend.parallel_batches == 2
     state = ServerState({"m": model}, limits, {}, metrics, warmed_up=True)
     with TestClient(create_app(state)) as client:
         r = client.post("/translate", json={"text": lines})
@@ -228,12 +228,12 @@ def test_the_http_server_decodes_two_batches_at_once_on_two_threads(memorised_fp
     two at once, each on one (its batcher then runs two: tests/test_serve_hostile.py); on one thread, one."""
     pytest.importorskip("starlette")
     from pipeline.serve import runner
-    from pipeline.serve.translator import Translator
+    from runtime.model_dir import Loaded, load
 
-    served: list[Translator] = []
+    served: list[Loaded] = []
     monkeypatch.setattr(runner, "serve_http", lambda models, opts, *a: served.extend(
-        Translator.load(str(path), opts.load, opts.long_lines) for _, path in models))
+        load(str(path), opts.load) for _, path in models))
     assert run_cli("serve", memorised_fp32_dir, "--backend", "onnxruntime", "--threads", threads) == 0
-    (translator,) = served
-    assert translator.parallel_batches == at_once and translator.summary()["batches_at_once"] == at_once
-    assert translator.backend.decoder.get_session_options().intra_op_num_threads == threads // at_once
+    (loaded,) = served
+    assert loaded.backend.parallel_batches == at_once and runner.summary(loaded)["batches_at_once"] == at_once
+    assert loaded.backend.decoder.get_session_options().intra_op_num_threads == threads // at_once

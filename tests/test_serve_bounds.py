@@ -35,8 +35,8 @@ from test_serve_hostile import StandIn  # noqa: E402
 
 from model.errors import UserError  # noqa: E402
 from pipeline.serve import languages as serve_languages  # noqa: E402
+from pipeline.serve.access import ApiKeys, KeyRefused  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
-from pipeline.serve.keys import ApiKeys, KeyRefused  # noqa: E402
 from pipeline.serve.languages import Routes, served_languages  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
@@ -510,7 +510,7 @@ def test_libretranslate_copies_a_sentence_without_letters():
     with client(state) as c:
         r = c.post("/translate", json={"q": ["Der Hund.\n123", "\U0001F600"], "source": "de", "target": "en"})
         assert r.json()["translatedText"] == ["DER HUND.\n123", "\U0001F600"]
-    sent = [ids for batch in state.models["de-en"].translator.batches for ids in batch if ids]
+    sent = [ids for batch in state.models["de-en"].loaded.batches for ids in batch if ids]
     assert len(sent) == 1 and len(sent[0]) == len("Der Hund.") + 1
 
 

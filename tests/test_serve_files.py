@@ -24,8 +24,8 @@ from starlette.testclient import TestClient  # noqa: E402
 from test_serve_bounds import KEY, state_of  # noqa: E402
 
 from pipeline.serve import documents  # noqa: E402
+from pipeline.serve.access import ApiKeys  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
-from pipeline.serve.keys import ApiKeys  # noqa: E402
 
 PAIRS = {"de-en": (("de",), ("en",)), "en-de": (("en",), ("de",))}
 
@@ -835,7 +835,7 @@ def test_a_files_text_over_the_source_limit_is_named_and_told_to_split_that_text
     document has no lines to split."""
     state = state_of(PAIRS)
     for model in state.models.values():
-        model.translator.long_lines = "error"
+        model.long_lines = "error"
     with TestClient(create_app(state)) as c:
         r = send(c, "long.txt", ("Hund" * 400 + "\n").encode())  # windows of 1,000 characters, each over the limit
     assert r.status_code == 413, r.text

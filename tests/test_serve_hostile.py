@@ -31,8 +31,8 @@ from pipeline.serve.batcher import Batcher  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
 from pipeline.serve.state import ServedModel, ServerState  # noqa: E402
-from pipeline.serve.translator import Translator  # noqa: E402
 from runtime.decoding import PAPER  # noqa: E402
+from runtime.model_dir import Loaded  # noqa: E402
 
 EOS = 2
 
@@ -52,27 +52,26 @@ class CharTokenizer:
         return min(len(text), max(pieces, 0))
 
 
-class StandIn(Translator):
-    """serve's Translator (the text service's encoding, splitting and formatting) over CharTokenizer and a
-    search that copies the source; each batch is recorded, and takes `delay` seconds; `parallel_batches` as a
-    backend's (how many batches the batcher runs at once)."""
+class StandIn(Loaded):
+    """A loaded model dir as serve holds one (the text service's encoding, splitting and formatting run for real)
+    over CharTokenizer and a search that copies the source; each batch is recorded, and takes `delay` seconds;
+    `parallel_batches` as a backend's (how many batches the batcher runs at once)."""
 
     def __init__(self, delay: float = 0.0, max_src_len: int = 1000, parallel_batches: int = 1):
         backend = SimpleNamespace(max_src_len=max_src_len, name="stand-in", device="cpu",
                                   parallel_batches=parallel_batches)
-        super().__init__(SimpleNamespace(backend=backend, tokenizer=CharTokenizer(), manifest=None,  # type: ignore[arg-type]
-                                         decoding=PAPER))
+        super().__init__(SimpleNamespace(tokenizer=CharTokenizer(), manifest=None), backend, PAPER)  # type: ignore[arg-type]
         self.delay = delay
         self.batches: list[list[list[int]]] = []
 
-    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+    def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
         self.batches.append(ids)
         time.sleep(self.delay)
         return [[(src[:-1], -1.0)] if src else [] for src in ids]
 
 
 @contextmanager
-def client(translator: Translator | None = None, nbest: int = 1, **limits: Any) -> Iterator[TestClient]:
+def client(translator: Loaded | None = None, nbest: int = 1, **limits: Any) -> Iterator[TestClient]:
     """The real app serving the stand-in as model "m" (`pipeline serve --nbest N`), started (its batcher runs)
     and stopped."""
     metrics, request_limits = Metrics(), RequestLimits(**limits)
@@ -243,7 +242,7 @@ class SideBySide(StandIn):
         self.in_flight = self.most_in_flight = 0
         self.ended: list[list[list[int]]] = []
 
-    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+    def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
         with self.lock:
             self.batches.append(ids)
             first = len(self.batches) == 1
@@ -363,7 +362,7 @@ def test_the_app_counts_its_requests_in_flight():
     route counts itself in flight, the batcher sees it queued), counted while translated (a stream until its last
     line is sent, though its route has returned), and the count is back to 0 after each."""
     class Counting(StandIn):
-        def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+        def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
             seen.append(state.in_flight)
             return super().translate(ids, decoding)
 
@@ -421,6 +420,6 @@ def test_a_min_len_no_translation_can_meet_is_warned_at_start(fp32_dir, caplog):
 
     with caplog.at_level(logging.WARNING, logger="pipeline.serve.runner"):
         model = load_model("m", str(fp32_dir), ServeHttpOptions(), PAPER.replace(min_len=100_000), Metrics())
-    limit = model.translator.model_limit("max_tgt_len")
+    limit = model.loaded.manifest.limits.max_tgt_len
     assert f"model m: --min-len 100000 is above the longest output the model dir allows ({limit - 1} tokens)" \
         in caplog.text

@@ -19,8 +19,8 @@ from starlette.testclient import TestClient  # noqa: E402
 from test_serve_bounds import state_of  # noqa: E402
 
 from pipeline.serve import access  # noqa: E402
+from pipeline.serve.access import ApiKeys  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
-from pipeline.serve.keys import ApiKeys  # noqa: E402
 
 PAIRS = {"de-en": (("de",), ("en",)), "en-de": (("en",), ("de",))}
 

@@ -23,9 +23,9 @@ pytest.importorskip("sentencex")
 from starlette.testclient import TestClient  # noqa: E402
 from test_serve_hostile import StandIn  # noqa: E402
 
+from pipeline.serve.access import ApiKeys  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
 from pipeline.serve.detect import Detector  # noqa: E402
-from pipeline.serve.keys import ApiKeys  # noqa: E402
 from pipeline.serve.metrics import Metrics  # noqa: E402
 from pipeline.serve.options import RequestLimits  # noqa: E402
 from pipeline.serve.state import ServedModel, ServerState  # noqa: E402
@@ -39,7 +39,7 @@ class NBestStandIn(StandIn):
     """The stand-in's upper-cased copy, and as further hypotheses the copy reversed and the copy without its
     last character: n-best lists whose order and scores are known."""
 
-    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+    def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
         self.batches.append(ids)
         self.searches = [*getattr(self, "searches", []), (decoding.nbest, decoding.beam_size)]
         hyps = lambda src: [(src[:-1], -0.5), (src[-2::-1], -1.5), (src[:-2], -2.5)]
@@ -150,7 +150,7 @@ def test_html_gets_no_alternatives_and_its_usual_search():
     """LibreTranslate answers html without alternatives: "alternatives" widened the beam for nothing (another
     translation, alternatives [])."""
     with client() as c:
-        model = c.app.state.server.models["de-en"].translator  # the stand-in
+        model = c.app.state.server.models["de-en"].loaded  # the stand-in
         status, plain = lt(c, q="<p>Hund. Katze.</p>", source="de", target="en", format="html")
         asked = model.searches[-1]
         status, got = lt(c, q="<p>Hund. Katze.</p>", source="de", target="en", format="html", alternatives=2)
@@ -337,13 +337,13 @@ def test_served_languages_come_from_the_manifest_else_the_name():
 
 
 class Failing(NBestStandIn):
-    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+    def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
         raise RuntimeError("the backend fell over")
 
 
 def test_a_backend_fault_is_a_503_to_retry_and_the_server_goes_on():
     with client() as c:
-        c.app.state.server.models["de-en"].batcher.translator = Failing()
+        c.app.state.server.models["de-en"].batcher.loaded = Failing()
         status, got = lt(c, q="Ein Hund", source="de", target="en")
         assert status == 503 and "retry later" in got["error"]
         assert lt(c, q="a dog", source="en", target="de") == (200, {"translatedText": "A DOG", "score": -0.5})
@@ -367,7 +367,7 @@ def test_a_refused_text_is_named_as_the_request_names_it():
     q's: the refusal now names q[k] (q alone for a string), a file's text by its place, an HTML text's node."""
     with client(detector=False) as c:
         for model in c.app.state.server.models.values():  # type: ignore[attr-defined]
-            model.translator.long_lines, model.translator.max_src_len = "error", 12
+            model.long_lines, model.loaded.backend.max_src_len = "error", 12
         long = "ein sehr langer satz"
         status, got = lt(c, q=["123", "", "kurz", long], source="de", target="en")
         assert status == 413 and got["error"].startswith("q[3] sentence:1: 21 tokens"), got

@@ -30,8 +30,8 @@ from starlette.testclient import TestClient  # noqa: E402
 from test_serve_bounds import real_server, state_of  # noqa: E402
 from test_serve_hostile import StandIn  # noqa: E402
 
+from pipeline.serve.access import ApiKeys  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
-from pipeline.serve.keys import ApiKeys  # noqa: E402
 from pipeline.serve.page import STATIC  # noqa: E402
 from pipeline.serve.state import ServerState  # noqa: E402
 
@@ -42,7 +42,7 @@ KEY = "page-test-key-0123"
 class NBestStandIn(StandIn):
     """The stand-in (its translation upper-cases) with an n-best: the text reversed, then rotated by one."""
 
-    def translate(self, ids: list[list[int]], decoding: Any) -> list[Any]:
+    def translate(self, ids: list[list[int]], decoding: Any, **_: Any) -> list[Any]:  # type: ignore[override]
         out = []
         for src in ids:
             body = src[:-1]
@@ -176,7 +176,7 @@ def _served(models: Any = PAIRS, keys: ApiKeys | None = None) -> ServerState:
 
     state = state_of(models, keys=keys)
     for model in state.models.values():
-        model.translator = NBestStandIn()
+        model.loaded = NBestStandIn()
     state.detector = Detector(list(state.routes.codes))
     return state
 
@@ -292,7 +292,7 @@ def test_a_server_with_no_languages_says_why_on_its_page(browser):
     d = browser
     state = state_of({"model": ((), ())})
     for model in state.models.values():
-        model.translator = NBestStandIn()
+        model.loaded = NBestStandIn()
     with real_server(state) as (host, port):
         _open(d, host, port)
         assert "none of its models records its language pair" in _shown(d, "error")

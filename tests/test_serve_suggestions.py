@@ -17,8 +17,8 @@ from test_serve_bounds import state_of  # noqa: E402
 
 from model.errors import UserError  # noqa: E402
 from pipeline.serve import suggestions  # noqa: E402
+from pipeline.serve.access import ApiKeys  # noqa: E402
 from pipeline.serve.app import create_app  # noqa: E402
-from pipeline.serve.keys import ApiKeys  # noqa: E402
 
 PAIRS = {"de-en": (("de",), ("en",))}
 

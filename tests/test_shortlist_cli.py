@@ -98,7 +98,7 @@ def test_serve_shortlist_answers_as_serve_batch_and_says_so_in_info(memorised_sh
     decoding = PAPER.replace(batch_tokens=limits.max_batch_tokens)
     shortlisted = replace(opts, load=replace(opts.load, shortlist=True))
     model = load_model("m", str(memorised_shortlist_fp32_dir), shortlisted, decoding, metrics)
-    assert model.translator.backend.shortlist is not None
+    assert model.loaded.backend.shortlist is not None
     state = ServerState({"m": model}, limits, server_info(limits, opts), metrics, warmed_up=True)
     with TestClient(create_app(state)) as client:
         r = client.post("/translate", json={"text": lines(src)})

@@ -246,7 +246,7 @@ def create_app(state: ServerState) -> Starlette:
         state.documents = documents = ThreadPoolExecutor(DOCUMENT_THREADS, thread_name_prefix="documents")
         state.held_documents = asyncio.Semaphore(DOCUMENTS_HELD)
         for model in state.models.values():
-            model.batcher = Batcher(model.translator, model.metrics, limits.max_batch_tokens,
+            model.batcher = Batcher(model.loaded, model.metrics, limits.max_batch_tokens,
                                     limits.max_wait_ms / 1000.0, limits.max_queue, lambda: state.in_flight)
             await model.batcher.start()
         try:

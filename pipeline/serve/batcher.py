@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.serve.metrics import ModelMetrics
-from pipeline.serve.translator import Translator
 from runtime.constrained import constrained_beam
 from runtime.decoding import DecodingOptions
+from runtime.model_dir import Loaded
 from runtime.translate import NBest
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,9 @@ Slice = tuple[Work, int, int]  # lines start:stop of a Work
 
 
 class Batcher:
-    def __init__(self, translator: Translator, metrics: ModelMetrics, max_batch_tokens: int, max_wait_s: float,
+    def __init__(self, loaded: Loaded, metrics: ModelMetrics, max_batch_tokens: int, max_wait_s: float,
                  max_queue: int, in_flight: Callable[[], int] | None = None):
-        self.translator = translator
+        self.loaded = loaded  # its search, called on the backend threads
         self.metrics = metrics
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_s
@@ -127,7 +127,7 @@ class Batcher:
         self._task: asyncio.Task[None] | None = None
         # As many threads as the backend decodes batches at once (1 but for onnxruntime on a CPU: the others are
         # not re-entrant); the batches running on them:
-        self.workers = max(1, translator.parallel_batches)
+        self.workers = max(1, int(loaded.backend.parallel_batches))
         self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="backend")
         self._running: set[asyncio.Task[None]] = set()
         self._open: set[Work] = set()  # submitted and not yet answered (queued, or with lines in a running batch)
@@ -166,7 +166,7 @@ class Batcher:
             raise BatcherStopped(self._closed)
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests are queued already (--max-queue {self.max_queue})")
-        wide = constrained_beam(decoding.beam_size, self.translator.backend.topk) if constraints else 0
+        wide = constrained_beam(decoding.beam_size, self.loaded.backend.topk) if constraints else 0
         work = Work(ids, decoding, asyncio.get_running_loop().create_future(), first, constraints, wide)
         self._pending.append(work)
         self._open.add(work)
@@ -299,8 +299,9 @@ class Batcher:
             if batch[0][0].first is not None:  # the key keeps works with and without one apart
                 args += ([work.first for work, start, stop in batch for _ in range(start, stop)],)
             constraints = _constraints(batch)
-            more: dict[str, Any] = {} if constraints is None else {"constraints": constraints}
-            call = functools.partial(self.translator.translate, *args, **more)
+            # one batch at a time per call, each call on its share of the threads (runtime/translate.py)
+            more: dict[str, Any] = {"workers": 1} if constraints is None else {"workers": 1, "constraints": constraints}
+            call = functools.partial(self.loaded.translate, *args, **more)
             results = await loop.run_in_executor(self._executor, call)
         except Exception as e:  # a backend fault fails this batch's requests, not the server
             log.exception("batch of %d request(s) failed", len(batch))

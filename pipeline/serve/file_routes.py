@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pipeline.serve import documents
+from pipeline.serve.access import settle
 from pipeline.serve.documents import Document, DocumentError, extension
 from pipeline.serve.glossaries import requested
 from pipeline.serve.http import (
@@ -38,7 +39,6 @@ from pipeline.serve.http import (
     read_body,
     strict_multipart,
 )
-from pipeline.serve.keys import settle
 from pipeline.serve.libre import LibreRequest, _code, _detect, check_key, translate_texts
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.state import ServerState

@@ -17,10 +17,10 @@ from typing import Any
 
 from model.errors import UserError
 from pipeline.serve.http import ApiError, json_object
-from pipeline.serve.translator import Translator
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary, applied_terms
 from runtime.glossary_file import check_glossary, glossary_from_mapping, load_glossary
+from runtime.model_dir import Loaded
 from runtime.texts import EncodedTexts, TextResult
 
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")  # a simple identifier: never mistaken for an inline glossary
@@ -55,23 +55,23 @@ def read_named(specs: tuple[str, ...]) -> dict[str, tuple[str, Glossary]]:
     return named
 
 
-def check_named(named: Mapping[str, tuple[str, Glossary]], translators: Mapping[str, Translator]
+def check_named(named: Mapping[str, tuple[str, Glossary]], models: Mapping[str, Loaded]
                 ) -> dict[str, Glossary]:
     """The named glossaries, each checked against every served model: its backend can apply one and its
     vocabulary spells every fixed target (UserError naming NAME, the file and the model otherwise)."""
     for name, (path, glossary) in named.items():
-        for model, translator in translators.items():
+        for model, loaded in models.items():
             try:
-                usable(glossary, translator)
+                usable(glossary, loaded)
             except RuntimeUserError as e:
                 raise UserError(f"--glossary {name} ({path}), model {model}: {e}") from None
     return {name: glossary for name, (_, glossary) in named.items()}
 
 
-def usable(glossary: Glossary, translator: Translator) -> None:
+def usable(glossary: Glossary, loaded: Loaded) -> None:
     """RuntimeUserError unless the model can apply `glossary` (runtime/texts.py check_glossary)."""
     if len(glossary):
-        check_glossary(glossary, translator.tokenizer, translator.backend)
+        check_glossary(glossary, loaded.tokenizer, loaded.backend)
 
 
 def requested(value: Any, known: Mapping[str, Glossary]) -> Glossary | None:
@@ -101,13 +101,13 @@ def requested(value: Any, known: Mapping[str, Glossary]) -> Glossary | None:
         raise GlossaryError(str(e)) from None
 
 
-def for_model(glossary: Glossary | None, translator: Translator, known: Mapping[str, Glossary]) -> None:
+def for_model(glossary: Glossary | None, loaded: Loaded, known: Mapping[str, Glossary]) -> None:
     """GlossaryError unless the model the request goes to can apply its glossary; the server's own were
     checked against every model at start."""
     if glossary is None or any(glossary is g for g in known.values()):
         return
     try:
-        usable(glossary, translator)
+        usable(glossary, loaded)
     except RuntimeUserError as e:  # an entry's problem names it (glossary['Hund']: ...), the backend's the field
         message = str(e)
         raise GlossaryError(message if message.startswith(f"{FIELD}[") else f'"{FIELD}": {message}') from None

@@ -19,7 +19,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from pipeline.serve.access import note
+from pipeline.serve.access import ADMISSION, KeyRefused, RateLimited, note, settle
 from pipeline.serve.detect import TOP
 from pipeline.serve.glossaries import for_model, requested, text_terms
 from pipeline.serve.http import (
@@ -35,7 +35,6 @@ from pipeline.serve.http import (
     shown,
     too_many,
 )
-from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
 from pipeline.serve.languages import language_name, preferred
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, translated
@@ -211,7 +210,7 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
         # no text needs a model (numbers alone): the glossary is checked as if one had, against the pair's
         routed = state.routes.model(req.source, req.target)
         if routed is not None:
-            for_model(req.glossary, routed.translator, state.glossaries)
+            for_model(req.glossary, routed.loaded, state.glossaries)
     for group in groups.values():
         decoding = group.model.decoding
         if req.alternatives and not req.html:  # html gets none (LibreTranslate's): its search is the usual one
@@ -221,11 +220,11 @@ def _groups(state: ServerState, req: LibreRequest, detected: list[dict[str, Any]
                                     f"{group.model.max_beam - 1}")
             decoding = decoding.replace(nbest=n, beam_size=max(decoding.beam_size, n))
         try:
-            way = group.model.translator.direction(group.source, req.target)
+            way = group.model.direction(group.source, req.target)
         except ValueError as e:
             raise ApiError(400, str(e)) from None
         texts = [req.q[i] for i in group.places]  # each a document (with html, each of its text nodes)
-        for_model(req.glossary, group.model.translator, state.glossaries)  # the server's own were checked at start
+        for_model(req.glossary, group.model.loaded, state.glossaries)  # the server's own were checked at start
         group.request = TranslateRequest(texts, group.model, decoding, False, "sentences", group.source, False, way,
                                          "html" if req.html else "text", req.glossary,
                                          [req.name(i) for i in group.places], req.soft_breaks)
@@ -242,7 +241,7 @@ def _answer(req: LibreRequest, groups: list[_Group], done: list[tuple[EncodedTex
     scores: list[float | None] = [None] * len(req.q)
     terms: list[Any] = [[] for _ in req.q]  # with a glossary; none for a text answered as it came
     for group, (encoded, results) in zip(groups, done):
-        finished = finish_texts(group.model.translator.tokenizer, encoded, results,
+        finished = finish_texts(group.model.loaded.tokenizer, encoded, results,
                                 1 if req.html else req.alternatives + 1)
         for place, result, found in zip(group.places, finished, text_terms(finished)):
             texts[place], alternatives[place], scores[place] = result.text, result.alternatives, result.score

@@ -17,11 +17,10 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from pipeline.serve.access import note
+from pipeline.serve.access import ADMISSION, KeyRefused, RateLimited, note, settle
 from pipeline.serve.batcher import Work
 from pipeline.serve.glossaries import for_model, requested, text_terms, unit_terms
 from pipeline.serve.http import CLIENT_CLOSED, ApiError, bearer, failed, off_loop, refuse_repeated, shown, too_many
-from pipeline.serve.keys import ADMISSION, KeyRefused, RateLimited, settle
 from pipeline.serve.metrics import ModelMetrics
 from pipeline.serve.service import TranslateRequest, count, submit, translated, wait
 from pipeline.serve.state import ServedModel, ServerState, pick_model
@@ -115,7 +114,7 @@ def parse_request(data: Any, state: ServerState) -> TranslateRequest:
         raise ApiError(400, f'{what} gives one translation per text: "nbest" and "scores" need "split": "none" '
                             'and "format": "text"')
     glossary = requested(data.get("glossary"), state.glossaries)
-    for_model(glossary, model.translator, state.glossaries)
+    for_model(glossary, model.loaded, state.glossaries)
     return TranslateRequest(text, model, decoding, structured, split, lang, stream, way, kind, glossary)
 
 
@@ -136,7 +135,7 @@ def _direction(data: dict[str, Any], model: ServedModel) -> Direction:
     given = {key: spelled(_field(data, key, str, None, 'a language code like "de"'), folded)
              for key in ("source", "target") if key in data}
     try:
-        way = model.translator.direction(given.get("source"), given.get("target"))
+        way = model.direction(given.get("source"), given.get("target"))
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     if way is ONE_PAIR:
@@ -186,7 +185,7 @@ async def translate(request: Request, data: Any, state: ServerState, started: fl
 def _translations(req: TranslateRequest, encoded: EncodedTexts, results: list[NBest]) -> Response:
     """The whole answer, from the text service: each line's translation (with split, each text rebuilt) or
     hypotheses; with a glossary, each text's terms."""
-    done = finish_texts(req.model.translator.tokenizer, encoded, results, req.decoding.nbest)
+    done = finish_texts(req.model.loaded.tokenizer, encoded, results, req.decoding.nbest)
     items: list[Any]
     if req.structured:
         items = [{"hypotheses": _hypotheses(r.hypotheses)} for r in done]
@@ -208,7 +207,7 @@ async def _stream(req: TranslateRequest, work: Work, encoded: EncodedTexts, stat
     """NDJSON, one object per text (per sentence with split) in input order, each sent once it and
     everything before it is translated; with a glossary, each with its terms. How it ended goes to
     `answer.ended`: 200, or the status of the error that is its last object."""
-    tokenizer, m = req.model.translator.tokenizer, req.model.metrics
+    tokenizer, m = req.model.loaded.tokenizer, req.model.metrics
 
     def terms(unit: int, best: str) -> dict[str, Any]:
         return {} if req.glossary is None else {"terms": unit_terms(encoded, unit, best)}

@@ -32,20 +32,21 @@ from pipeline.serve.connections import bounded_protocol
 from pipeline.serve.detect import Detector, DetectorMissing, listed
 from pipeline.serve.glossaries import check_named, read_named
 from pipeline.serve.glossaries import info as glossaries_info
-from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import preferred, served_languages
 from pipeline.serve.metrics import Metrics
 from pipeline.serve.options import DEFAULT_MAX_BEAM, RequestLimits, ServeHttpOptions
 from pipeline.serve.state import ServedModel, ServerState
 from pipeline.serve.suggestions import Suggestions
-from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
+from runtime.model_dir import Loaded, load
 from runtime.sentences import DEFAULT_LANG
+from runtime.texts import TextPolicy, encode_texts, finish_texts
 
 log = logging.getLogger(__name__)
 
 
 BACKLOG = 2048  # uvicorn's own
+WARMUP_LINE = "warm up"
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -141,24 +142,40 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
     vocabulary shortlist with opts.shortlist."""
     try:
         # with the model's own decoding defaults (an imported model's num_beams, ...) for the options not given
-        translator = Translator.load(model_dir, opts.load, opts.long_lines, decoding)
-        decoding = translator.decoding
-        max_beam = translator.model_limit("max_beam") or DEFAULT_MAX_BEAM
+        loaded = load(model_dir, opts.load, decoding)
+        decoding, limits = loaded.decoding, loaded.manifest.limits
+        max_beam = limits.max_beam or DEFAULT_MAX_BEAM
         if decoding.beam_size > max_beam:
             raise UserError(f"--beam-size {decoding.beam_size} is above the model dir's limit of {max_beam}")
-        longest = (translator.model_limit("max_tgt_len") or 0) - 1
+        longest = (limits.max_tgt_len or 0) - 1
         if decoding.min_len > longest:  # serve-batch warns of each line so; here no translation could meet it
             log.warning("model %s: --min-len %d is above the longest output the model dir allows (%d tokens): every "
                         "translation stops at that maximum", name, decoding.min_len, longest)
     except UserError as e:
         raise UserError(f"model {name}: {e}") from None
-    sources, targets = served_languages(name, translator.manifest)
+    sources, targets = served_languages(name, loaded.manifest)
     lang = (preferred(sources) or sources[0]) if sources else DEFAULT_LANG  # the source's sentence rules
-    info = {**translator.summary(), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang,
+    info = {**summary(loaded), "decoding": decoding.to_dict(), "max_beam": max_beam, "lang": lang,
             "languages": {"source": list(sources), "target": list(targets)}}
-    translator.warm_up(decoding)
-    return ServedModel(name, translator, decoding, max_beam, lang, info, metrics.model(name), sources=sources,
-                       targets=targets)
+    warm_up(loaded, decoding, opts.long_lines)
+    return ServedModel(name, loaded, decoding, max_beam, lang, info, metrics.model(name), sources=sources,
+                       targets=targets, long_lines=opts.long_lines)
+
+
+def summary(loaded: Loaded) -> dict[str, Any]:
+    """The manifest's facts a client may see in /info (no file paths)."""
+    backend, manifest = loaded.backend, loaded.manifest
+    return {"backend": backend.name, "device": str(backend.device), "precision": manifest.precision,
+            "shortlist": backend.shortlist is not None,  # serve --shortlist
+            "batches_at_once": int(backend.parallel_batches),  # --parallel-batches (the batcher's threads)
+            "model_config": manifest.model_config.to_dict(), "model_limits": asdict(manifest.limits),
+            "exported_with": manifest.versions}
+
+
+def warm_up(loaded: Loaded, decoding: DecodingOptions, long_lines: str) -> str:
+    """One real translation through the text service, so the first request pays no lazy initialisation."""
+    encoded = encode_texts(loaded.tokenizer, [WARMUP_LINE], int(loaded.backend.max_src_len), TextPolicy(long_lines))
+    return finish_texts(loaded.tokenizer, encoded, loaded.translate(encoded.ids, decoding, workers=1), 1)[0].text
 
 
 def attach_detector(state: ServerState) -> None:
@@ -277,12 +294,12 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
     try:
         if opts.api_keys is None and opts.require_api_key:
             raise UserError("--require-api-key needs --api-keys FILE, the keys to require")
-        keys = ApiKeys.read(str(opts.api_keys), opts.keyless_rate or None, opts.require_api_key) \
+        keys = access.ApiKeys.read(str(opts.api_keys), opts.keyless_rate or None, opts.require_api_key) \
             if opts.api_keys is not None else None
         cors = cors_origin(opts.cors_origin)
         named = read_named(opts.glossary)  # the files first: a bad one is refused before any model loads
         served = {name: load_model(name, path, opts, decoding, metrics) for name, path in models}
-        glossaries = check_named(named, {name: model.translator for name, model in served.items()})
+        glossaries = check_named(named, {name: model.loaded for name, model in served.items()})
         state = ServerState(served, limits, {**server_info(limits, opts), "glossaries": glossaries_info(glossaries)},
                             metrics, warmed_up=True, keys=keys, cors_origin=cors,
                             access_log=opts.log_format if opts.access_log else None, glossaries=glossaries)
@@ -295,7 +312,7 @@ def serve_http(models: list[tuple[str, str]], opts: ServeHttpOptions, decoding: 
         host, port = sock.getsockname()[:2]
         for model in served.values():
             log.info("model %s: %s (backend %s on %s%s)", model.name, dict(models)[model.name],
-                     model.translator.backend.name, model.translator.backend.device,
+                     model.loaded.backend.name, model.loaded.backend.device,
                      ", vocabulary shortlist" if opts.load.shortlist else "")
         log.info("LibreTranslate API: %s%s", state.routes.listed(), "" if keys is None else
                  f"; {len(keys)} API key(s), " + ("required" if keys.require else

@@ -49,12 +49,12 @@ def encode(req: TranslateRequest, limits: RequestLimits) -> EncodedTexts:
     documents' sentences (with html its text nodes'), as source ids within the limits on sentences and source
     tokens (413 naming the limit; sentences are counted before the tokenizer's work). CPU work in proportion
     to the body: run off the event loop."""
-    translator = req.model.translator
-    policy = TextPolicy(translator.long_lines, req.split, req.format, req.lang, req.way.prefix, req.way.same,
+    loaded = req.model.loaded
+    policy = TextPolicy(req.model.long_lines, req.split, req.format, req.lang, req.way.prefix, req.way.same,
                         req.soft_breaks)
     try:
-        encoded = encode_texts(translator.tokenizer, req.text, translator.max_src_len, policy, Listed(req.names or ()),
-                               limits.max_sentences, req.glossary)
+        encoded = encode_texts(loaded.tokenizer, req.text, int(loaded.backend.max_src_len), policy,
+                               Listed(req.names or ()), limits.max_sentences, req.glossary)
     except TooManyUnits as e:
         raise ApiError(413, too_many(e.count, "sentences", limits.max_sentences, "--max-sentences") if e.counted else
                        f"more than {limits.max_sentences} sentences, this server's limit per request "

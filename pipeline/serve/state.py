@@ -1,4 +1,4 @@
-"""What the routes of `pipeline serve` share: each served model (its translator, defaults, metrics and queue),
+"""What the routes of `pipeline serve` share: each served model (its loaded model dir, defaults, metrics and queue),
 the server's state (limits, threads, keys, detector, glossaries, the LibreTranslate routes) and the model a
 request names (400 / 404 naming the served models). Runner.py builds it; app.py hands it to every route."""
 
@@ -9,24 +9,27 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.serve.access import ApiKeys
 from pipeline.serve.batcher import Batcher
 from pipeline.serve.detect import Detector
 from pipeline.serve.http import ApiError
-from pipeline.serve.keys import ApiKeys
 from pipeline.serve.languages import Routes
 from pipeline.serve.metrics import Metrics, ModelMetrics
 from pipeline.serve.options import RequestLimits
-from pipeline.serve.translator import Translator
 from runtime.decoding import DecodingOptions
 from runtime.glossary import Glossary
+from runtime.languages import ONE_PAIR, Direction, LanguageError, direction
+from runtime.model_dir import Loaded
 
 
 @dataclass
 class ServedModel:
-    """One model dir as the routes see it: its translator, defaults, metrics and queue."""
+    """One model dir as the routes see it: loaded (runtime/model_dir.py: its backend, tokenizer, manifest and
+    decoding, the model's own defaults under what the server was given; the batcher calls its search), its
+    defaults, metrics and queue, and the server's --long-lines policy."""
 
     name: str
-    translator: Translator
+    loaded: Loaded
     decoding: DecodingOptions
     max_beam: int
     lang: str  # sentence rules when a request names none
@@ -36,6 +39,18 @@ class ServedModel:
     # the languages it translates from and into (languages.served_languages): LibreTranslate's routes
     sources: tuple[str, ...] = ()
     targets: tuple[str, ...] = ()
+    long_lines: str = "truncate"
+
+    def direction(self, source: str | None, target: str | None) -> Direction:
+        """The token ids that tell a multilingual model (its manifest lists languages) to translate source ->
+        target; nothing for a model of one pair (ValueError naming "source" / "target" when it lacks one)."""
+        manifest = self.loaded.manifest
+        if manifest is None or not manifest.model_config.languages:  # one pair: no language tokens
+            return ONE_PAIR
+        try:
+            return direction(self.loaded.backend.cfg, source, target, source_name='"source"', target_name='"target"')
+        except LanguageError as e:
+            raise ValueError(str(e)) from None
 
 
 @dataclass
