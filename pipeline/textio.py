@@ -91,16 +91,27 @@ def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict
     return text[:-1] if text.endswith("\r") else text
 
 
-def iter_lines(path: str | Path, errors: str = "strict") -> Iterator[str]:
+MAX_LINE_BYTES = 1 << 20  # a line of a file read whole (a test set, references, calibration sentences)
+# a training corpus's line (one longer than any --max-len is dropped and counted after reading, pipeline/corpus/data.py)
+CORPUS_LINE_BYTES = 256 << 20
+
+
+def iter_lines(path: str | Path, errors: str = "strict", max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[str]:
     """Lines of a text file (plain, .gz or '-'), strictly decoded unless errors='replace'.
 
     Splits on b'\\n' only, so a stray U+2028 or form feed inside a line never shifts
-    the alignment between parallel files.
+    the alignment between parallel files. A line over `max_line_bytes` is a UserError naming the file and line,
+    read no further: /dev/zero or a file without line ends was read until memory ran out (a MemoryError).
     """
     f = open_binary(path)
     try:
         try:
-            for lineno, raw in enumerate(f, start=1):
+            lineno = 0
+            while raw := f.readline(max_line_bytes + 1):
+                lineno += 1
+                if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                    raise UserError(f"{path}:{lineno}: a line of more than {_size(max_line_bytes)}, longer than any "
+                                    "sentence: is it a text file with line ends?")
                 yield decode_line(raw, path, lineno, errors)
         except (OSError, EOFError, gzip.BadGzipFile) as e:
             raise UserError(f"{path}: cannot read ({e})") from None
@@ -109,8 +120,23 @@ def iter_lines(path: str | Path, errors: str = "strict") -> Iterator[str]:
             f.close()
 
 
-def read_lines(path: str | Path, errors: str = "strict") -> list[str]:
-    return list(iter_lines(path, errors))
+def read_lines(path: str | Path, errors: str = "strict", max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
+    """Every line of a text file (iter_lines), its line ends checked (check_line_ends)."""
+    return check_line_ends(list(iter_lines(path, errors, max_line_bytes)), path)
+
+
+def check_line_ends(lines: list[str], path: str | Path) -> list[str]:
+    """`lines` unless their line ends were CR alone (classic Mac): lines end at \\n only, so such a file was one
+    line of all its sentences (one pair of a corpus, one calibration or test line); a UserError naming it then."""
+    inside = sum(line.count("\r") for line in lines)
+    if inside and (len(lines) == 1 or inside > len(lines)):
+        raise UserError(f"{path}: {inside} carriage returns inside its {len(lines)} line(s): are its lines ended "
+                        "by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")
+    return lines
+
+
+def _size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"
 
 
 class _WholeWrites(io.TextIOBase):

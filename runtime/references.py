@@ -8,8 +8,11 @@ hashes the file like every other, so a changed record is refused as a changed mo
 
 from __future__ import annotations
 
+import gzip
+import itertools
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,7 @@ from runtime.translate import encode_sources, format_line, translate_ids
 log = logging.getLogger(__name__)
 
 FORMAT = "pipeline-references-v1"
+LINE_BYTES = 1 << 20  # a held-out line read at all: longer is no sentence (a device, a file without line ends)
 DEFAULT_LINES = 100  # enough sentences for a token-agreement gate, seconds to translate at export
 # `pipeline parity`'s int8 gate: the largest |BLEU(int8) - BLEU(fp32)| (pipeline/evaluation/parity_options.py),
 # which the export also applies to static scales calibrated on its built-in sample (export/sample.py)
@@ -98,38 +102,47 @@ def read(model_dir: Path) -> References:
 
 def held_out_lines(src: Path, tgt: Path, limit: int = DEFAULT_LINES) -> tuple[list[str], list[str]]:
     """The first `limit` non-blank line pairs of a parallel held-out set (plain or .gz), split on b"\\n" as
-    serve-batch splits them; a file that cannot be read or holds invalid UTF-8 is one error naming it (and the
-    line)."""
-    import gzip
-
-    def lines(path: Path) -> list[str]:
-        opener: Any = gzip.open if path.suffix == ".gz" else open
-        try:
-            with opener(path, "rb") as f:
-                data = f.read()
-        except (OSError, EOFError) as e:  # missing, unreadable, a .gz that is not one or is cut short
-            raise RuntimeUserError(f"{path}: cannot read ({e})") from None
-        out = []
-        for number, raw in enumerate(data.split(b"\n")[:-1] if data.endswith(b"\n") else data.split(b"\n"), 1):
-            try:  # a UTF-8 byte order mark starting the file is no text (it lowered the first line's BLEU)
-                out.append(raw.decode("utf-8").rstrip("\r").removeprefix("\ufeff" if number == 1 else ""))
-            except UnicodeDecodeError as e:
-                raise RuntimeUserError(f"{path}:{number}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
-                                       "; fix the file") from None
-        return out if data else []
-
-    a, b = lines(Path(src)), lines(Path(tgt))
-    if len(a) != len(b):
-        raise RuntimeUserError(f"{src} has {len(a)} lines but {tgt} has {len(b)}; they must be line-aligned")
+    serve-batch splits them; a file that cannot be read, holds invalid UTF-8, a line longer than LINE_BYTES or
+    lines ended by CR alone is one error naming it (and the line). Both files are read once, line by line (their
+    line counts must agree), and only the pairs kept are held: /dev/zero was read whole, until a MemoryError."""
     pairs: list[tuple[str, str]] = []
-    blank = 0
-    for s, t in zip(a, b):
-        if len(pairs) == limit:
-            break
+    blank = counted_src = counted_tgt = 0
+    for s, t in itertools.zip_longest(_lines(Path(src)), _lines(Path(tgt))):
+        counted_src, counted_tgt = counted_src + (s is not None), counted_tgt + (t is not None)
+        if s is None or t is None or len(pairs) == limit:
+            continue
         if s.strip() and t.strip():
             pairs.append((s, t))
         else:
             blank += 1
+    if counted_src != counted_tgt:
+        raise RuntimeUserError(f"{src} has {counted_src} lines but {tgt} has {counted_tgt}; they must be "
+                               "line-aligned")
     if blank:
         log.warning("%s / %s: %d line pair(s) with a blank side left out of the held-out lines", src, tgt, blank)
     return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+def _lines(path: Path) -> Iterator[str]:
+    """The lines of a held-out file, as held_out_lines says."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    number = carriage_returns = 0
+    try:
+        with opener(path, "rb") as f:
+            while raw := f.readline(LINE_BYTES + 1):
+                number += 1
+                if len(raw) > LINE_BYTES and not raw.endswith(b"\n"):
+                    raise RuntimeUserError(f"{path}:{number}: a line of more than {LINE_BYTES >> 20} MiB, longer "
+                                           "than any sentence: is it a text file with line ends?")
+                try:  # a UTF-8 byte order mark starting the file is no text (it lowered the first line's BLEU)
+                    line = raw.decode("utf-8").removesuffix("\n").rstrip("\r")
+                except UnicodeDecodeError as e:
+                    raise RuntimeUserError(f"{path}:{number}: invalid UTF-8 (byte {e.start}: "
+                                           f"{raw[e.start:e.start + 1]!r}); fix the file") from None
+                carriage_returns += line.count("\r")
+                yield line.removeprefix("\ufeff") if number == 1 else line
+    except (OSError, EOFError) as e:  # missing, unreadable, a .gz that is not one or is cut short
+        raise RuntimeUserError(f"{path}: cannot read ({e})") from None
+    if carriage_returns and (number == 1 or carriage_returns > number):  # lines end at \n only
+        raise RuntimeUserError(f"{path}: {carriage_returns} carriage returns inside its {number} line(s): are its "
+                               "lines ended by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")

@@ -59,3 +59,56 @@ def test_export_refuses_held_out_files_it_cannot_use(capsys, random_checkpoint, 
                                         "--reference-src", src, "--reference-tgt", src, "--no-tensorrt")
         assert code == 2 and says in err, err
         assert "Traceback" not in err and not (tmp_path / "m").exists()
+
+
+@pytest.fixture()
+def unlined(tmp_path: Path) -> dict[str, Path]:
+    """A file of sentences ended by CR alone (classic Mac), and one line longer than any sentence (/dev/zero's
+    kind: no line end in its first MiB)."""
+    cr = tmp_path / "cr.txt"
+    cr.write_bytes(b"Ein Hund.\rEine Katze.\rEin Haus.\r")
+    endless = tmp_path / "endless.txt"
+    endless.write_bytes(b"x" * (1 << 20) + b"y\n")
+    return {"cr": cr, "endless": endless}
+
+
+def test_lines_ended_by_cr_alone_or_without_end_are_refused_where_held_out_lines_are_read(unlined, tmp_path):
+    """parity, tune-decoding, export's calibration and --reference-src took a CR-only file as one line (one
+    sentence of all its text: a score on 1 line, calibration on 1 sentence), and /dev/zero or a file without line
+    ends was read until a MemoryError. Each is one error naming the file now; training refused CR-only already."""
+    from export.options import CALIBRATION_LINES
+    from pipeline.commands.export import calibration_lines
+    from pipeline.textio import read_lines
+
+    good = write_lines(tmp_path / "good.txt", ["Ein Hund.", "Eine Katze.", "Ein Haus."])
+    for reader in (read_lines, lambda path: held_out_lines(path, good), lambda path: held_out_lines(good, path),
+                   lambda path: calibration_lines(path, default=False)):
+        with pytest.raises(Exception) as e:
+            reader(unlined["cr"])
+        assert str(e.value).startswith(f"{unlined['cr']}: 2 carriage returns inside its 1 line(s)"), e.value
+        with pytest.raises(Exception) as e:
+            reader(unlined["endless"])
+        assert str(e.value).startswith(f"{unlined['endless']}:1: a line of more than 1 MiB"), e.value
+    if Path("/dev/zero").exists():  # read no further than its first MiB
+        with pytest.raises(Exception, match="/dev/zero:1: a line of more than 1 MiB"):
+            calibration_lines(Path("/dev/zero"), default=False)
+    long = tmp_path / "long.txt"  # a calibration file of many lines is read only as far as it is used
+    long.write_text("Ein Hund.\n" * (CALIBRATION_LINES + 5) + "\xff-not-read\n", encoding="utf-8")
+    assert len(calibration_lines(long, default=False).lines) == CALIBRATION_LINES
+
+
+def test_parity_and_tune_refuse_a_cr_only_source(capsys, fp32_dir, unlined, tmp_path):
+    good = write_lines(tmp_path / "good.txt", ["Ein Hund.", "Eine Katze.", "Ein Haus."])
+    for command in ("parity", "tune-decoding"):
+        code, _, err = run_cli_captured(capsys, command, fp32_dir, "--src", unlined["cr"], "--ref", good)
+        assert_one_line_error(code, err, f"{unlined['cr']}: 2 carriage returns inside its 1 line(s)")
+
+
+def test_a_corpus_line_longer_than_a_sentence_is_still_read_for_training(tmp_path):
+    """Training drops (and counts) a line over --max-len after reading it: up to CORPUS_LINE_BYTES it is read."""
+    from pipeline.corpus.data import read_parallel
+
+    src = tmp_path / "train.de"
+    src.write_bytes(b"Ein Hund.\n" + b"x" * (2 << 20) + b"\n")
+    src_lines, _ = read_parallel(src, src)
+    assert len(src_lines) == 2 and len(src_lines[1]) == 2 << 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from export.shortlist import ShortlistCorpus, describe
 from model import io_names
 from model.manifest import Manifest
 from pipeline.cli_options import GivenPath, decoding_options, options_from, pick
-from pipeline.textio import read_lines, refuse_overwriting_inputs
+from pipeline.textio import CORPUS_LINE_BYTES, check_line_ends, iter_lines, read_lines, refuse_overwriting_inputs
 from pipeline.training.trainer import corpus_languages, validation_files
 from runtime import references
 from runtime.decoding import DecodingOptions
@@ -82,7 +83,8 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
                  checkpoint)
         held_out = None
     shortlist = None if o.shortlist_src is None or o.shortlist_tgt is None else ShortlistCorpus(
-        read_lines(o.shortlist_src), read_lines(o.shortlist_tgt),
+        read_lines(o.shortlist_src, max_line_bytes=CORPUS_LINE_BYTES),
+        read_lines(o.shortlist_tgt, max_line_bytes=CORPUS_LINE_BYTES),
         (absolute(o.shortlist_src), absolute(o.shortlist_tgt)),
         per_source=o.shortlist_per_source, frequent=o.shortlist_frequent)
     calibration = None if calibrate_on is None else calibration_lines(calibrate_on, default=o.int8_calibrate is None)
@@ -117,7 +119,7 @@ def calibration_lines(path: Path, default: bool) -> Calibration:
     """The first CALIBRATION_LINES non-blank lines of `path` to calibrate rowwise int8's activation scales on:
     --int8-calibrate's (none is an error) or, `default`, the held-out set's sources (another int8 flavour skips
     them, and none leaves per-row scales)."""
-    lines = [x for x in read_lines(path) if x.strip()][:CALIBRATION_LINES]
+    lines = check_line_ends(list(itertools.islice((x for x in iter_lines(path) if x.strip()), CALIBRATION_LINES)), path)
     if not lines and not default:
         raise click.UsageError(f"--int8-calibrate {path}: no non-blank line to calibrate on")
     return Calibration(lines, absolute(path), default=default)

@@ -35,7 +35,7 @@ from model.config import BOS_ID, EOS_ID, PAD_ID
 from model.errors import UserError
 from model.manifest import SPM_FILE
 from pipeline.corpus.spm import train_sentencepiece
-from pipeline.textio import atomic_output, read_lines
+from pipeline.textio import CORPUS_LINE_BYTES, atomic_output, read_lines
 from runtime.tokenizer import Tokenizer, TokenizerError
 
 log = logging.getLogger(__name__)
@@ -51,14 +51,12 @@ CHARS_PER_TOKEN = 64
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[str], list[str]]:
     """Both sides of a parallel corpus, checked: present, non-empty, UTF-8, aligned."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    # lines end at \n only: CR-only ends (one pair) are refused by read_lines; a line longer than any --max-len
+    # is dropped and counted after reading (CHARS_PER_TOKEN), up to CORPUS_LINE_BYTES, where /dev/zero stops
+    src, tgt = (read_lines(path, max_line_bytes=CORPUS_LINE_BYTES) for path in (src_path, tgt_path))
     for path, lines in ((src_path, src), (tgt_path, tgt)):
         if not any(line.strip() for line in lines):
             raise UserError(f"{path}: file is empty (no non-empty lines); give a corpus with text in it")
-        inside = sum(line.count("\r") for line in lines)  # lines end at \n only: CR-only ends made one pair
-        if inside and (len(lines) == 1 or inside > len(lines)):
-            raise UserError(f"{path}: {inside} carriage returns inside its {len(lines)} line(s): are its lines ended "
-                            "by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")
     if len(src) != len(tgt):
         raise UserError(f"line counts differ: {src_path} has {len(src)} lines but {tgt_path} has "
                         f"{len(tgt)}; the two files of a parallel corpus must be line-aligned")
