@@ -189,3 +189,20 @@ def test_resume_average_and_export_refuse_a_bit_flipped_checkpoint(tmp_path):
     assert not (run / "averaged.pt").exists()
     _one_error_line(_cli("export", latest, "--out", tmp_path / "model", cwd=tmp_path), latest)
     assert not (tmp_path / "model").exists()
+
+
+def test_export_says_it_passed_over_an_average_older_than_the_runs_newest_checkpoint(tmp_path, caplog):
+    """A save dir whose averaged.pt was made before its newest step checkpoint exports that checkpoint (the average
+    is stale); export said so at info level only, so the user who averaged got the last step without a word."""
+    src, tgt = write_parallel(tmp_path, "train", *make_parallel(80, seed=4))
+    run = tmp_path / "run"
+    common = ["--save-dir", run, "--train-src", src, "--train-tgt", tgt, *TINY, "--save-every", "1"]
+    assert run_cli("train", *common, "--max-steps", "1") == 0
+    assert run_cli("average", run, "--last", "1") == 0
+    assert run_cli("train", *common, "--max-steps", "2") == 0  # one step more: the average is older
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="export.plan"):
+        assert run_cli("export", run, "--out", tmp_path / "model", "--no-tensorrt") == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(f"exporting {step_checkpoints(run)[-1].name} (the latest step checkpoint: averaged.pt there was made "
+               "before it; run `pipeline average` again" in m for m in said), said
