@@ -531,6 +531,12 @@ def test_resuming_with_a_different_config_is_refused(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "different config" in err and "--d-model 32 -> 64" in err
     assert step_checkpoints(run) == before
+    # without --preset (the base preset's fields differ): the refusal names the preset the run was trained with
+    without = [a for a in TINY if a not in ("--preset", "tiny")]
+    code = run_cli("train", "--save-dir", run, "--train-src", s, "--train-tgt", t, *without, "--max-steps", "2")
+    err = capsys.readouterr().err
+    assert code == 2 and "--d-model 32 -> 512" in err and "rerun with the original options (its run's --preset: " \
+        "tiny)" in err, err
 
 
 def test_help_explains_every_option(capsys):

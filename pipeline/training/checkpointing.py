@@ -83,9 +83,18 @@ def check_resume(save_dir: Path, wanted: dict[str, Any]) -> dict[str, Any] | Non
         raise UserError(f"{steps[-1]}: has no training state to resume from; use a new --save-dir")
     diffs = config_differences(old, wanted, fingerprinted=bool(state.get("data_files")))
     if diffs:
+        preset = _recorded(save_dir, "preset")  # the option left out: the diffs were only the fields it sets
+        given = f" (its run's --preset: {preset})" if isinstance(preset, str) else ""
         raise UserError(f"{save_dir} holds a run with a different config ({'; '.join(diffs)}); rerun with "
-                        "the original options or choose a new --save-dir (`pipeline demo`: a new --out)")
+                        f"the original options{given} or choose a new --save-dir (`pipeline demo`: a new --out)")
     return payload
+
+
+def _recorded(save_dir: Path, option: str) -> Any:
+    """An option of the run in `save_dir` as its config.json resolved it; None when unknown."""
+    with contextlib.suppress(OSError, ValueError, AttributeError, TypeError):
+        return json.loads((Path(save_dir) / CONFIG_FILE).read_text()).get("resolved_options", {}).get(option)
+    return None
 
 
 CONFIG_FILE = "config.json"  # a save dir's options and corpus fingerprints (pipeline/training/trainer.py writes it)
