@@ -34,7 +34,11 @@ def prepare_out(out: Path, force: bool, checkpoint: Path) -> None:
         if out.resolve() == Path.cwd().resolve() or out.resolve() in Path.cwd().resolve().parents:
             raise ExportError(f"{out}: is the current directory or holds it, which cannot be replaced (the export "
                               "ran to its end, then failed); give the model dir's path from outside it")
-    check_can_create_in(out.parent, "--out")
+    try:
+        check_can_create_in(out.parent, "--out")
+    except OSError as e:  # (it said "/ro: permission denied; fix its permissions", naming no option)
+        why = e.strerror if isinstance(e, NotADirectoryError) else f"cannot write --out here ({e.strerror})"
+        raise ExportError(f"{e.filename}: {why}") from None
     out.parent.mkdir(parents=True, exist_ok=True)
 
 

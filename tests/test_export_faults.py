@@ -145,8 +145,23 @@ def test_read_only_parent_fails_before_exporting(random_checkpoint, tmp_path):
     with small_tmpfs(tmp_path / "ro", "1m", readonly=True) as ro:
         started = time.monotonic()
         code, err = run_pipeline("export", random_checkpoint, "--out", ro / "m", *SMALL)
-        assert_one_line_error(code, err, f"{ro}: read-only file system")
+        assert_one_line_error(code, err, f"{ro}: cannot write --out here (Read-only file system)")
         assert time.monotonic() - started < 60
+
+
+def test_average_on_a_read_only_save_dir_names_its_default_output(tmp_path):
+    """`pipeline average RUN` without --out on a save dir it cannot write said "cannot write --out here": an
+    option the user never gave. It names the default output it means now."""
+    from helpers import TINY, make_parallel, run_cli, write_parallel
+
+    src, tgt = write_parallel(tmp_path, "train", *make_parallel(80, seed=4))
+    with small_tmpfs(tmp_path / "run", "64m") as run:
+        assert run_cli("train", "--save-dir", run, "--train-src", src, "--train-tgt", tgt, *TINY, "--max-steps",
+                       "1") == 0
+        subprocess.run(["mount", "-o", "remount,ro", str(run)], check=True)
+        code, err = run_pipeline("average", run, "--last", "1")
+        assert_one_line_error(code, err, f"{run}: cannot write averaged.pt (the default --out) here (Read-only file "
+                                          "system)")
 
 
 def test_torch_save_on_a_full_disk_is_an_oserror_naming_the_file(tmp_path):

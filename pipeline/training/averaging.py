@@ -42,6 +42,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if (save_dir / MANIFEST).is_file():  # (it said --out lay in a model dir: the default --out does)
         raise UserError(f"{save_dir}: is an exported model dir, not a `pipeline train` --save-dir; average the save "
                         "dir it was exported from")
+    option = "--out" if out is not None else f"{AVERAGED} (the default --out)"  # what a refusal names
     out = Path(out) if out is not None else save_dir / AVERAGED
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
@@ -55,7 +56,7 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     refuse_overwriting_inputs([*run_corpus(save_dir), *run_files], [out], "--out")
     if (out.parent / MANIFEST).is_file():
         raise UserError(f"{out}: --out lies in a model dir, whose files its manifest checks; choose another path")
-    check_output_file(out, "--out", "a checkpoint")
+    check_output_file(out, option, "a checkpoint")
     remove_stale_temps(save_dir)
     remove_stale_temps(out.parent)
     paths = scheduled_checkpoints(save_dir)[-last:]  # a stop signal's checkpoint is a resume point, not one of them
