@@ -508,7 +508,7 @@ def test_options_dropped_or_refused_late_are_refused_first(corpus, tmp_path, cap
 def test_a_side_given_as_its_own_target_or_validation_on_the_training_set_is_warned_of(corpus, tmp_path, caplog):
     """The same file as source and target (a model that learns to copy), validation files that are the training
     files (BLEU and checkpoint_best.pt of text trained on): trained without a word."""
-    s, _ = corpus
+    s, t = corpus
     with caplog.at_level(logging.WARNING, logger="pipeline.training.trainer"):
         assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", s, "--train-tgt", s,
                        "--valid-src", s, "--valid-tgt", s, *TINY, "--max-steps", "1") == 0
@@ -517,6 +517,13 @@ def test_a_side_given_as_its_own_target_or_validation_on_the_training_set_is_war
                     "--valid-src and --valid-tgt have the same contents: validation BLEU measures copying",
                     "--train-src and --valid-src have the same contents: validation BLEU and checkpoint_best.pt "
                     "measure text trained on, not held out"]
+    empty = tmp_path / "empty.txt"  # two empty validation files: refused as empty, with no word of copying first
+    empty.write_text("")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pipeline.training.trainer"):
+        assert run_cli("train", "--save-dir", tmp_path / "run2", "--train-src", s, "--train-tgt", t,
+                       "--valid-src", empty, "--valid-tgt", empty, *TINY, "--max-steps", "1") == 2
+    assert not [r for r in caplog.records if "same contents" in r.getMessage()]
 
 
 @pytest.mark.slow

@@ -188,7 +188,7 @@ def _warn_same_contents(files: dict[str, dict[str, Any]]) -> None:
         ("train_src", "train_tgt", "the model learns to copy its input"),
         ("valid_src", "valid_tgt", "validation BLEU measures copying"),
         ("train_src", "valid_src", "validation BLEU and checkpoint_best.pt measure text trained on, not held out"),
-    ) if a in digest and digest[a] == digest.get(b)]
+    ) if a in digest and digest[a] == digest.get(b) and files[a].get("size")]  # (empty ones: refused as such)
     for a, b, why in same:
         log.warning("--%s and --%s have the same contents: %s", a.replace("_", "-"), b.replace("_", "-"), why)
 
