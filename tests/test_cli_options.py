@@ -287,6 +287,28 @@ def test_a_save_dirs_validation_files_are_the_ones_it_trained_on_wherever_export
     assert validation_files(save, existing=False) == (project / "val.de", project / "val.en")
 
 
+def test_an_int8_export_says_once_that_the_runs_validation_set_changed(tmp_path):
+    """The held-out set and int8's calibration both look for the run's validation set: a changed one was warned
+    of twice in one export."""
+    from pipeline.corpus.data import file_fingerprint
+    from pipeline.evaluation.random_model import make_random_checkpoint
+
+    save = tmp_path / "run"
+    save.mkdir()
+    make_random_checkpoint(save / "checkpoint_3.pt", "tiny", 120, seed=2)
+    src, tgt = tmp_path / "v.de", tmp_path / "v.en"
+    src.write_text("ab cd\n")
+    tgt.write_text("AB\n")
+    (save / "config.json").write_text(json.dumps({
+        "resolved_options": {"builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)},
+        "data_files": {"valid_src": file_fingerprint([src])[0], "valid_tgt": file_fingerprint([tgt])[0]}}))
+    src.write_text("ab cd ef\n")  # changed since the run trained
+    done = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m", "--no-tensorrt", "--int8",
+                     "--max-src-len", "16", "--max-tgt-len", "24")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("changed since it trained: not used") == 1, done.stderr
+
+
 @pytest.mark.slow
 def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     """`pipeline export` on a checkpoint of a save dir records the fp32 model's translations of its

@@ -70,7 +70,8 @@ def read_inputs(checkpoint: Path, options: ExportOptions) -> ExportOptions:
                                "--shortlist-tgt, or leave them out")
     calibrate_on = o.int8_calibrate
     if calibrate_on is None and o.int8 and not o.no_int8_calibrate:  # by default: the held-out set's sources
-        calibrate_on = (held_out_files(checkpoint, o.reference_src, o.reference_tgt) or (None,))[0]
+        files = pair if o.reference_lines else held_out_files(checkpoint, o.reference_src, o.reference_tgt)  # (once:
+        calibrate_on = (files or (None,))[0]  # a validation set changed since training was said twice)
     inputs = [checkpoint, *(pair or ()),
               *(p for p in (o.shortlist_src, o.shortlist_tgt, o.timing_cache, calibrate_on) if p)]
     refuse_overwriting_inputs(inputs, [], "--out dir", output_dirs=[o.out])
