@@ -355,6 +355,35 @@ def test_two_runs_cannot_write_one_save_dir(tmp_path, capsys):
     assert run_cli(*args) == 0  # released: the next run goes ahead
 
 
+def test_average_names_the_run_that_pruned_a_checkpoint_it_was_reading(tmp_path, capsys, monkeypatch):
+    """`pipeline average` while the run trains: the run pruned a listed checkpoint before it was read, and average
+    said "no such checkpoint file" of a file the user had just seen. It names the run writing the dir now."""
+    from helpers import TINY, make_parallel, run_cli, write_parallel
+
+    from pipeline.training import averaging
+    from pipeline.training.trainer import _lock_save_dir
+
+    files = write_parallel(tmp_path / "data", "train", *make_parallel(40, seed=3))
+    run = tmp_path / "run"
+    assert run_cli("train", "--save-dir", run, "--train-src", files[0], "--train-tgt", files[1], *TINY,
+                   "--max-steps", 3, "--save-every", 1) == 0
+    real, oldest = averaging.read_checkpoint, step_checkpoints(run)[0]
+
+    def pruned_first(path: Any) -> Any:  # the run's pruning, between average's listing and its reading
+        oldest.unlink(missing_ok=True)
+        return real(path)
+
+    monkeypatch.setattr(averaging, "read_checkpoint", pruned_first)
+    held = _lock_save_dir(run)  # as the live run holds it
+    try:
+        assert run_cli("average", run, "--last", 3) == 2
+        err = capsys.readouterr().err
+        assert f"{oldest}: removed while it was averaged, by the training run writing {run} (pid {os.getpid()})" \
+            in err, err
+    finally:
+        held.close()
+
+
 def test_a_run_started_with_ctrl_c_ignored_keeps_it_ignored():
     """A shell script's `pipeline train ... &` starts with SIGINT ignored (the terminal's Ctrl-C is for the script):
     it was ignored while the data was prepared, then obeyed once training began (a checkpoint and exit 0)."""

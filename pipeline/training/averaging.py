@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from model.atomic import remove_stale_temps
 from model.checkpoint import (
     AVERAGED,
     AVERAGED_AT,
     BEST,
+    CheckpointError,
     average_mark,
     checkpoint_step,
     read_checkpoint,
@@ -22,7 +24,14 @@ from model.errors import UserError
 from model.manifest import MANIFEST
 from model.transformer import Transformer
 from pipeline.textio import check_output_file, refuse_overwriting_inputs, within
-from pipeline.training.checkpointing import best_window, interrupted_steps, no_best, run_corpus, scheduled_checkpoints
+from pipeline.training.checkpointing import (
+    best_window,
+    interrupted_steps,
+    no_best,
+    run_corpus,
+    scheduled_checkpoints,
+    writer_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +90,12 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if len(paths) < last:
         log.warning("only %d checkpoint(s) in %s%s, averaging those (asked for %d)", len(paths), save_dir,
                     f" up to the best (step {best_step})" if best is not None else "", last)
-    first = read_checkpoint(paths[0])
+    first = _read(paths[0], save_dir)
     last_payload = first
     # float64 sums: averaging 20 float32 checkpoints in float32 would round each addition.
     total = {k: v.double() if v.is_floating_point() else v for k, v in first["model"].items()}
     for path in paths[1:]:
-        payload = last_payload = read_checkpoint(path)
+        payload = last_payload = _read(path, save_dir)
         if payload["model_config"] != first["model_config"]:
             raise UserError(f"{path}: its model config differs from {paths[0]}'s; cannot average them")
         if payload["spm_model"] != first["spm_model"]:  # same shapes, another vocabulary: ids mean other pieces
@@ -108,3 +117,19 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
                            AVERAGED_AT: average_mark(newest[-1]) if (newest := step_checkpoints(save_dir)) else None})
     log.info("averaged %d checkpoints (%s .. %s) into %s", len(paths), paths[0].name, paths[-1].name, out)
     return out
+
+
+def _read(path: Path, save_dir: Path) -> dict[str, Any]:
+    """A checkpoint to average; one removed meanwhile by the training run writing the save dir (it keeps only its
+    --keep-last newest) is said so, not "no such checkpoint file" of a file the user just saw listed."""
+    try:
+        return read_checkpoint(path)
+    except CheckpointError:
+        if path.exists():
+            raise
+        writer = writer_of(save_dir)
+        if writer is None:
+            raise
+        raise UserError(f"{path}: removed while it was averaged, by the training run writing {save_dir} (pid "
+                        f"{writer}), which keeps only its newest checkpoints; rerun `pipeline average` (it takes the "
+                        "newest then), or average once the run ends") from None

@@ -9,6 +9,7 @@ resuming on changed data is refused, on moved data not)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import random
@@ -98,6 +99,20 @@ def _recorded(save_dir: Path, option: str) -> Any:
 
 
 CONFIG_FILE = "config.json"  # a save dir's options and corpus fingerprints (pipeline/training/trainer.py writes it)
+LOCK_FILE = ".run.lock"  # held by the process that writes a save dir (torchrun's rank 0) while it runs
+
+
+def writer_of(save_dir: Path) -> str | None:
+    """The pid of the training run writing `save_dir` now (it holds LOCK_FILE: trainer.py), else None."""
+    try:
+        with open(Path(save_dir) / LOCK_FILE) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return handle.read().strip()[:20] or "unknown"
+    except OSError:
+        pass
+    return None
 
 
 def run_corpus(save_dir: Path) -> list[Path]:

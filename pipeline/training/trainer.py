@@ -41,6 +41,7 @@ from pipeline.training.allocator import keep_freed_memory
 from pipeline.training.budget import TimeBudget
 from pipeline.training.checkpointing import (
     CONFIG_FILE,
+    LOCK_FILE,
     Checkpointer,
     Progress,
     check_data,
@@ -108,7 +109,6 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
             lock.close()
 
 
-LOCK_FILE = ".run.lock"  # held by the process that writes a save dir (torchrun's rank 0) while it runs
 
 
 def _lock_save_dir(save_dir: Path) -> IO[str]:
