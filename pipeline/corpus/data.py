@@ -160,8 +160,10 @@ def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_
     log.info("%s: %d pairs read, %d with an empty side dropped, %d longer than --max-len %d "
              "tokens dropped, %d kept", name, len(src), n_empty, n_long, max_len, len(keep_src))
     if not keep_src:
-        raise UserError(f"{name}: no sentence pair left after filtering ({n_empty} empty, {n_long} "
-                        f"longer than --max-len {max_len}); raise --max-len or check the files")
+        files = "--train-src/--train-tgt" if name == "train" else "--valid-src/--valid-tgt"
+        why = "" if name == "train" else " (the validation loss needs one; BLEU translates every line)"
+        raise UserError(f"{name} ({files}): no sentence pair left after filtering ({n_empty} empty, {n_long} "
+                        f"longer than --max-len {max_len}){why}; raise --max-len or check the files")
     s_flat, s_off = _flatten(keep_src)
     t_flat, t_off = _flatten(keep_tgt)
     return EncodedCorpus(s_flat, s_off, t_flat, t_off, np.asarray(rows, dtype=np.int64))

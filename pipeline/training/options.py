@@ -52,7 +52,8 @@ class TrainOptions:
     dropout: float | None = opt(None, "Dropout (default: the preset's; the paper: 0.1 base, 0.3 big).")
     vocab_size: int | None = opt(None, "Joint SentencePiece vocabulary size (a soft limit).")
     max_len: int = opt(256, "Drop training pairs with a side longer than this many tokens, and validation pairs "
-                            "from the validation loss (BLEU translates every validation line); counts are logged.")
+                            "from the validation loss (BLEU translates every validation line; a validation set "
+                            "with no pair within it is refused); counts are logged.")
     batch_tokens: int | None = opt(None, "Token budget of one micro-batch per process (padded max(source, "
                                    "target) tokens; the paper used ~25000).")
     update_freq: int = opt(1, "Gradient accumulation: micro-batches per process per update.")
