@@ -84,6 +84,13 @@ def test_an_id_not_in_the_cache_is_one_line_naming_where_it_looked(cache, tmp_pa
     assert code == 2 and "hf download" not in err and "a hub id names its owner (Helsinki-NLP/opus-mt-de-en)" in err
     code, _, err = run_cli_captured(capsys, "import", "nllb-200-distilled-600M", "--out", "m.pt")  # the README's
     assert code == 2 and "a hub id names its owner (facebook/nllb-200-distilled-600M)" in err, err
+    # a family's name as the directory ("Marian", "NLLB") was a hub id of Helsinki-NLP's; another name is ORG's
+    for name, family in (("Marian", "marian"), ("NLLB", "nllb")):
+        code, _, err = run_cli_captured(capsys, "import", name, "--out", "m.pt")
+        assert code == 2 and f"{name}: no such directory; {name} is a model family: `pipeline import {family} DIR " \
+            "--out X`" in err and "Helsinki-NLP" not in err, err
+    code, _, err = run_cli_captured(capsys, "import", "my-model", "--out", "m.pt")
+    assert code == 2 and "a hub id names its owner (ORG/my-model)" in err, err
     # a web address was "https:/huggingface.co/...: no such directory"
     code, _, err = run_cli_captured(capsys, "import", "https://huggingface.co/Helsinki-NLP/opus-mt-de-en", "--out",
                                     "m.pt")

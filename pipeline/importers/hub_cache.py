@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 from pipeline.importers.hf_files import ImportRefused, read_bounded
+from pipeline.importers.registry import COMMANDS
 
 log = logging.getLogger(__name__)
 
@@ -32,12 +33,12 @@ def hub_cache() -> Path:
                          or os.path.join(home, "hub")))
 
 
-# the owners of the hub's models by the start of their names (nllb-200-..., m2m100_418M; else opus-mt-de-en's)
-_OWNERS = (("nllb", "facebook"), ("m2m100", "facebook"))
+# the owners of the hub's models by the start of their names (nllb-200-..., m2m100_418M, opus-mt-de-en)
+_OWNERS = (("nllb", "facebook"), ("m2m100", "facebook"), ("opus-mt", "Helsinki-NLP"))
 
 
 def _owner(name: str) -> str:
-    return next((owner for start, owner in _OWNERS if name.lower().startswith(start)), "Helsinki-NLP")
+    return next((owner for start, owner in _OWNERS if name.lower().startswith(start)), "ORG")
 
 
 def resolve_model_dir(typed: str | Path) -> Path:
@@ -57,6 +58,10 @@ def resolve_model_dir(typed: str | Path) -> Path:
     if given.exists() or not HUB_ID.fullmatch(text) or text.startswith("."):
         return given  # not an id: the importer says what is wrong with the path
     repo = hub_cache() / ("models--" + text.replace("/", "--"))
+    if not repo.is_dir() and text.lower() in COMMANDS:  # `pipeline import Marian DIR`: a family, not a directory
+        raise ImportRefused(f"{text}: no such directory; {text} is a model family: `pipeline import "
+                            f"{text.lower()} DIR --out X` (or `pipeline import DIR --out X`, which reads the family "
+                            "from DIR)")
     if not repo.is_dir():
         fetch = (f"download it once with `hf download {text}` (`huggingface-cli download` before huggingface_hub "
                  "0.34; or save_pretrained)" if "/" in text else  # `hf download opus-mt-de-en` is no hub id
