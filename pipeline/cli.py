@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click.ClickException as e:  # click's own checks (an unknown option, a value of the wrong type): one
         # `error:` line as every refusal is, and where the usage is (click printed four lines, "Error:" last)
-        usage = f" (see `{e.ctx.command_path} --help`)" if isinstance(e, click.UsageError) and e.ctx else ""
+        # a command may name another to see (`pipeline import DIR` runs `auto`: "see `pipeline import --help`")
+        path = e.ctx.meta.get("pipeline.usage_path", e.ctx.command_path) if isinstance(e, click.UsageError) and \
+            e.ctx else None
+        usage = f" (see `{path} --help`)" if path else ""
         message = e.format_message()
         if isinstance(e, click.NoSuchOption) and e.option_name == "--resume" and e.ctx and e.ctx.info_name in (
                 "train", "demo"):  # click offered --preset

@@ -612,3 +612,8 @@ def test_a_directory_named_like_a_family_and_a_misspelt_family(hf_dir, tmp_path,
     assert "no family 'bogus': the families are marian, m2m100, nllb" in capsys.readouterr().err
     assert run_cli("import", "marian", "--help") == 0  # the command's help, not auto's
     assert "Usage: pipeline import marian" in capsys.readouterr().out
+    # a usage error of `pipeline import DIR` pointed at `pipeline import auto --help`, a command never typed
+    assert run_cli("import", "marian", "--out", "f.pt", "--bogus") == 2
+    assert capsys.readouterr().err.strip().endswith("(see `pipeline import --help`)")
+    assert run_cli("import", "marian", "marian", "--bogus") == 2
+    assert capsys.readouterr().err.strip().endswith("(see `pipeline import marian --help`)")

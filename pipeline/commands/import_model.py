@@ -32,6 +32,7 @@ def _summary(out: Path, family: str, summary: dict[str, Any], extra: str) -> str
 
 
 VALUED = ("--out",)  # the options that take a value: it is no positional argument
+USAGE_PATH = "pipeline.usage_path"  # ctx.meta: the command a usage error points at (pipeline/cli.py main)
 
 
 class _ImportGroup(click.Group):
@@ -45,6 +46,7 @@ class _ImportGroup(click.Group):
         if args and args[0] in self.commands and args[0] != "auto" and Path(args[0]).is_dir() and not positional \
                 and not helped:
             args = ["auto", *args]  # `pipeline import marian --out m.pt` with ./marian: the directory
+            ctx.meta[USAGE_PATH] = ctx.command_path  # `pipeline import DIR` runs `auto`, never typed
         elif args and args[0] not in self.commands and args[0] not in ctx.help_option_names:
             families = [c for c in self.commands if c != "auto"]
             if positional and not Path(args[0]).exists() and not args[0].startswith("-"):  # a family, then DIR
@@ -55,6 +57,7 @@ class _ImportGroup(click.Group):
                 raise click.UsageError(f"no family {args[0]!r}: {meant}(or leave it out: config.json's model_type "
                                        "names it)", ctx)
             args = ["auto", *args]
+            ctx.meta[USAGE_PATH] = ctx.command_path  # `pipeline import DIR` runs `auto`, never typed
         return super().parse_args(ctx, args)
 
 
