@@ -164,7 +164,7 @@ def test_bench_records_the_batch_it_ran(capsys, fp32_dir, tmp_path):
     assert host["cpu_flags"] == [name for name, on in cpu_facts().features.items() if on]
     assert host["onnxruntime"] and host["threads"] >= 1
     assert f"host: {host['cpu']} (" in out and f"onnxruntime {host['onnxruntime']}" in out
-    assert "peak MB: this process's" not in out  # one backend: its own peak
+    assert "peak MiB: this process's" not in out  # one backend: its own peak
     # two backends in one process: the second's peak held the first's libraries and model (onnxruntime after
     # torch read 3.5x its own), said under the table
     from pipeline.evaluation.bench import format_table

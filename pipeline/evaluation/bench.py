@@ -333,7 +333,7 @@ def model_column(report: dict) -> Callable[[dict], str]:
 
 def format_table(report: dict) -> str:
     head = (f"{'backend':<14} {'prec':<5} {'vocab':<9} {'device':<6} {'batch':>5} {'beam':>4} {'tgt tok/s':>10} "
-            f"{'sent/s':>8} {'lat ms':>8} {'p90 ms':>8} {'peak MB':>8} {'GPU MB':>8} {'% peak':>6}")
+            f"{'sent/s':>8} {'lat ms':>8} {'p90 ms':>8} {'peak MiB':>8} {'GPU MiB':>8} {'% peak':>6}")
     rows = [head, "-" * len(head)]
     for r in report["results"]:
         peak = "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:.0f}"
@@ -346,7 +346,7 @@ def format_table(report: dict) -> str:
                     f"{r['latency_ms_mean']:>8.1f} {r['latency_ms_p90']:>8.1f} {peak:>8} {gpu:>8} "
                     f"{percent(r):>6}")
     if len({r["backend"] for r in report["results"]}) > 1:  # one process measured them in turn
-        rows.append("peak MB: this process's resident peak in the row, so a backend measured after another counts "
+        rows.append("peak MiB: this process's resident peak in the row, so a backend measured after another counts "
                     "what that one left loaded (torch's libraries, its model); each engine's own: --compare")
     if report.get("cpu_peak"):
         rows.append(peak_line(report["cpu_peak"]))

@@ -273,7 +273,7 @@ def format_comparison(report: dict[str, Any]) -> str:
     several model dirs, a first column names each row's (CTranslate2's: the first dir, converted)."""
     model = model_column(report)
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'batch':>5} {'beam':>4} "
-            f"{'tgt tok/s':>10} {'ms/sent':>8} {'peak MB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10} {'% peak':>6}")
+            f"{'tgt tok/s':>10} {'ms/sent':>8} {'peak MiB':>8} {'x ct2 fp32':>10} {'x ct2 int8':>10} {'% peak':>6}")
     lines = [head, "-" * len(head)]
     results = report["results"]
     for r in results:

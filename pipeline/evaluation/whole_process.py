@@ -130,7 +130,7 @@ def phases(stderr: str) -> dict[str, float]:
 
 def run_timed(command: list[str], poll_s: float = 0.01, env: dict[str, str] | None = None
               ) -> tuple[float, float | None, str]:
-    """(wall seconds, peak RSS MB, standard error) of a command run to completion in a fresh process.
+    """(wall seconds, peak RSS MiB, standard error) of a command run to completion in a fresh process.
 
     Peak RSS is the process's VmHWM, sampled until it exits: the kernel's ru_maxrss would carry
     the forking parent's own peak over fork and exec, so it cannot be used. The last ~10 ms of the
@@ -284,7 +284,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                         run_split(started, wall, recorded, batches=parallel_batches))
                     samples.setdefault((engines.index(e), str(f)), []).append((wall, rss))
                     logged.setdefault((engines.index(e), str(f)), []).append(phases(err))
-                    log.info("round %d %s %s (%s) %s: %.2f s, %.0f MB", r + 1, e["engine"], e["precision"],
+                    log.info("round %d %s %s (%s) %s: %.2f s, %.0f MiB", r + 1, e["engine"], e["precision"],
                              Path(e["model_dir"]).name, f.name, wall, rss or 0)
     report["results"] = [
         {**{k: v for k, v in engines[i].items() if k in ("engine", "precision", "quantization", "shortlist",
@@ -331,7 +331,7 @@ def format_whole_process(report: dict[str, Any]) -> str:
     against = [p for p in ("fp32", "int8") if any(r["engine"] == "ctranslate2" and r["precision"] == p
                                                    for r in report["results"])]
     head = (f"{model({})}{'engine':<12} {'prec':<5} {'quant':<11} {'vocab':<9} {'file':<28} {'lines':>6} {'wall s':>8} "
-            f"{'peak MB':>8} {'load s':>7} {'decode s':>8}" + "".join(f" {'x ct2 ' + p:>10}" for p in against))
+            f"{'peak MiB':>8} {'load s':>7} {'decode s':>8}" + "".join(f" {'x ct2 ' + p:>10}" for p in against))
     rows = [head, "-" * len(head)]
     for r in sorted(report["results"], key=lambda r: (r["file"], r["engine"] != "onnxruntime", r["precision"])):
         versus = _versus_ct2(report["results"], r)
