@@ -282,6 +282,9 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
         bytes(range(256)) * 12)), ("pytorch_model.bin", "damaged, or not a PyTorch file", "download it again")),
     "pickle-empty": (lambda hf: (as_pytorch_bin()(hf), (hf / "pytorch_model.bin").write_bytes(b"")),
                      ("pytorch_model.bin", "ends early")),
+    # cut in half: torch's message was five lines of miniz's advice in one
+    "pickle-cut": (lambda hf: (as_pytorch_bin()(hf), (hf / "pytorch_model.bin").write_bytes(
+        (hf / "pytorch_model.bin").read_bytes()[:4000])), ("pytorch_model.bin", "damaged or cut short", "download")),
     "torn-safetensors": (lambda hf: (hf / "model.safetensors").write_bytes(
         (hf / "model.safetensors").read_bytes()[:1000]), ("model.safetensors",)),
     "lying-header": (lambda hf: (hf / "model.safetensors").write_bytes(_header_only(10 ** 9)),

@@ -282,6 +282,9 @@ def load_pickle(path: Path) -> dict[str, torch.Tensor]:
         raise ImportRefused(f"{path}: unreadable weights: the file ends early (empty or cut short); download it "
                             "again") from None
     except Exception as e:  # a torn or foreign file: name it
+        if "central directory" in str(e) or "zip archive" in str(e):  # (torch's message: miniz's advice, 70 words)
+            raise ImportRefused(f"{path}: unreadable weights: damaged or cut short (PyTorch's zip archive has no "
+                                "end); download it again") from None
         raise ImportRefused(f"{path}: unreadable weights ({one_line(e)})") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ImportRefused(f"{path}: not a state dict (a flat dict of tensor names to tensors)")
