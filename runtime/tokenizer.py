@@ -19,6 +19,7 @@ them apart by the bundle's first line.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -112,9 +113,10 @@ class VocabTokenizer:
         missing = [token for token in (eos, unk, pad) if token not in self.vocab]
         if missing:
             raise TokenizerError(f"the vocabulary has no {', '.join(missing)}")
-        ids = sorted(self.vocab.values())
-        if ids != list(range(len(ids))):
-            raise TokenizerError(f"the vocabulary's ids are not 0..{len(ids) - 1} without gaps or repeats")
+        gap = id_gap(self.vocab.values())
+        if gap:
+            raise TokenizerError(f"the vocabulary's ids are not 0..{len(self.vocab) - 1} without gaps or repeats "
+                                 f"({gap})")
         self.pieces = {i: piece for piece, i in self.vocab.items()}
         self.eos_id, self.unk_id, self.pad_id = (self.vocab[t] for t in (eos, unk, pad))
         unknown = [token for token in hidden if token not in self.vocab]
@@ -274,3 +276,12 @@ def _processor(model_bytes: bytes, which: str = "") -> spm.SentencePieceProcesso
         return spm.SentencePieceProcessor(model_proto=model_bytes)
     except (RuntimeError, TypeError, OSError) as e:
         raise TokenizerError(f"{which}not a SentencePiece model ({len(model_bytes)} bytes; {first_line(e)})") from None
+
+
+def id_gap(values: Iterable[int]) -> str | None:
+    """What keeps a vocabulary's ids from being 0..N-1, each once ("id 7 twice", "no id 10"), else None."""
+    ids = sorted(values)
+    if ids == list(range(len(ids))):
+        return None
+    repeated = next((i for i, j in zip(ids, ids[1:]) if i == j), None)
+    return f"id {repeated} twice" if repeated is not None else f"no id {next(i for i, j in enumerate(ids) if i != j)}"

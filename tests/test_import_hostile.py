@@ -256,7 +256,10 @@ HOSTILE: dict[str, tuple[Edit, tuple[str, ...]]] = {
     "vocab-null": (_vocab(_set_piece(None)), ("vocab.json",)),
     "vocab-str": (_vocab(_set_piece("3")), ("vocab.json",)),
     "vocab-float": (_vocab(_set_piece(3.0)), ("vocab.json",)),
-    "vocab-duplicate": (_vocab(_set_piece(0)), ("vocab.json",)),
+    "vocab-duplicate": (_vocab(_set_piece(0)), ("vocab.json", "(id 0 twice)")),
+    # a gap: it said "not 0..N without gaps or repeats", never which id
+    "vocab-gap": (_vocab(lambda v: v.update({k: i + 1 for k, i in v.items() if i >= 10})),
+                  ("vocab.json", "(no id 10)")),
     "vocab-negative": (_vocab(_set_piece(-1)), ("vocab.json",)),
     "vocab-list": (lambda hf: (hf / "vocab.json").write_text("[1, 2]"), ("vocab.json", "JSON object")),
     # tensor names with no place

@@ -29,7 +29,6 @@ tokens), and its pieces are cut by the sentencepiece.bpe.model the hub's directo
 from __future__ import annotations
 
 import re
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from pipeline.importers.hf_files import (
     token_id,
     wrong_type,
 )
-from runtime.tokenizer import TokenizerError, VocabTokenizer
+from runtime.tokenizer import TokenizerError, VocabTokenizer, id_gap
 
 CONFIG, VOCAB, SPM = "config.json", "vocab.json", "sentencepiece.bpe.model"
 TOKENIZER_CONFIG, GENERATION, TOKENIZER_JSON = "tokenizer_config.json", "generation_config.json", "tokenizer.json"
@@ -138,12 +137,10 @@ def tokenizer(files: HFFiles, cfg: ModelConfig) -> tuple[VocabTokenizer, list[tu
     else:
         full, languages = _m2m100_vocabulary(files, tok_config, path)
         hidden = [f"__{code}__" for code, _ in languages]
-    ids = sorted(full.values())
-    if ids != list(range(len(ids))):
-        repeated = [i for i, n in Counter(ids).items() if n > 1]
-        said = f"id {repeated[0]} twice" if repeated else f"no id {next(i for i, j in enumerate(ids) if i != j)}"
+    said = id_gap(full.values())
+    if said:
         where = files.path(TOKENIZER_JSON) if nllb else f"{files.path(VOCAB)} with its language tokens"
-        raise ImportRefused(f"{where}: the tokenizer's ids are not 0..{len(ids) - 1} without gaps or repeats "
+        raise ImportRefused(f"{where}: the tokenizer's ids are not 0..{len(full) - 1} without gaps or repeats "
                             f"({said})")
     if len(full) > cfg.vocab_size:
         default = (f" ({TOKENIZER_CONFIG} is missing: its language_codes were taken to be M2M-100's 100; copy the "
