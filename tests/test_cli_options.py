@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import pytest
@@ -287,9 +288,10 @@ def test_a_save_dirs_validation_files_are_the_ones_it_trained_on_wherever_export
     assert validation_files(save, existing=False) == (project / "val.de", project / "val.en")
 
 
-def test_an_int8_export_says_once_that_the_runs_validation_set_changed(tmp_path):
-    """The held-out set and int8's calibration both look for the run's validation set: a changed one was warned
-    of twice in one export."""
+def _save_dir_validated_on(tmp_path: Path, src_text: str, tgt_text: str, fingerprinted: bool = False
+                           ) -> tuple[Path, Path, Path]:
+    """A save dir of one random `tiny` checkpoint whose config.json names a validation pair of these texts (with
+    their fingerprints, as training records them, where `fingerprinted`)."""
     from pipeline.corpus.data import file_fingerprint
     from pipeline.evaluation.random_model import make_random_checkpoint
 
@@ -297,11 +299,19 @@ def test_an_int8_export_says_once_that_the_runs_validation_set_changed(tmp_path)
     save.mkdir()
     make_random_checkpoint(save / "checkpoint_3.pt", "tiny", 120, seed=2)
     src, tgt = tmp_path / "v.de", tmp_path / "v.en"
-    src.write_text("ab cd\n")
-    tgt.write_text("AB\n")
-    (save / "config.json").write_text(json.dumps({
-        "resolved_options": {"builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)},
-        "data_files": {"valid_src": file_fingerprint([src])[0], "valid_tgt": file_fingerprint([tgt])[0]}}))
+    src.write_text(src_text)
+    tgt.write_text(tgt_text)
+    config: dict[str, Any] = {"resolved_options": {"builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)}}
+    if fingerprinted:
+        config["data_files"] = {"valid_src": file_fingerprint([src])[0], "valid_tgt": file_fingerprint([tgt])[0]}
+    (save / "config.json").write_text(json.dumps(config))
+    return save, src, tgt
+
+
+def test_an_int8_export_says_once_that_the_runs_validation_set_changed(tmp_path):
+    """The held-out set and int8's calibration both look for the run's validation set: a changed one was warned
+    of twice in one export."""
+    save, src, _ = _save_dir_validated_on(tmp_path, "ab cd\n", "AB\n", fingerprinted=True)
     src.write_text("ab cd ef\n")  # changed since the run trained
     done = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m", "--no-tensorrt", "--int8",
                      "--max-src-len", "16", "--max-tgt-len", "24")
@@ -314,18 +324,10 @@ def test_export_records_the_save_dirs_held_out_translations(tmp_path):
     """`pipeline export` on a checkpoint of a save dir records the fp32 model's translations of its
     validation set, as the torch backend serves them; --reference-lines 0 records none."""
     from model.checkpoint import load_model
-    from pipeline.evaluation.random_model import make_random_checkpoint
     from runtime.model_dir import LoadOptions, load
     from runtime.translate import translate_lines
 
-    save = tmp_path / "run"
-    save.mkdir()
-    make_random_checkpoint(save / "checkpoint_3.pt", "tiny", 120, seed=2)
-    src, tgt = tmp_path / "v.de", tmp_path / "v.en"
-    src.write_text("ab cd\n\nef gh ij\nkl\n")
-    tgt.write_text("AB\nBLANK SOURCE\nEF\nKL\n")
-    (save / "config.json").write_text(json.dumps({"resolved_options": {
-        "builtin_pairs": None, "valid_src": str(src), "valid_tgt": str(tgt)}}))
+    save, src, tgt = _save_dir_validated_on(tmp_path, "ab cd\n\nef gh ij\nkl\n", "AB\nBLANK SOURCE\nEF\nKL\n")
     done = _pipeline("export", save / "checkpoint_3.pt", "--out", tmp_path / "m", "--no-tensorrt",
                      "--max-src-len", "16", "--max-tgt-len", "24", "--reference-lines", "2")
     assert done.returncode == 0, done.stderr
