@@ -67,7 +67,7 @@ def test_the_jobs_actors_return_only_what_the_writer_takes(fp32_dir):
     load_options = LoadOptions(backend="onnxruntime")
     back = _JobTranslator(fp32_dir, load_options=load_options, origin_columns=("path", "line"))(dict(rows))
     assert list(back) == ["shard", "line", "translation", "last", "replaced", "empty", "truncated", "min_len_over",
-                          "terms", "terms_applied"]
+                          "terms", "terms_applied", "pieced", "unclosed"]  # the counts the driver says
     assert list(back["translation"]) == Translator(fp32_dir, load_options=load_options).translate(lines).translation
     assert list(back["line"]) == list(range(1, 31)) and back["last"][-1]
 
