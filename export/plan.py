@@ -101,8 +101,9 @@ def resolve(checkpoint: Path, options: ExportOptions) -> ExportPlan:
     if source != Path(checkpoint):  # a save dir: which of its checkpoints (the manifest records it too)
         stale = source.name != "averaged.pt" and (Path(checkpoint) / "averaged.pt").is_file()
         what = "the average `pipeline average` wrote" if source.name == "averaged.pt" else \
-            "the latest step checkpoint: averaged.pt there was made before it; run `pipeline average` again to " \
-            "export an average" if stale else "the latest step checkpoint; `pipeline average` makes averaged.pt"
+            "the latest step checkpoint: averaged.pt there does not average up to it; run `pipeline average` " \
+            "again to export an average" if stale else \
+            "the latest step checkpoint; `pipeline average` makes averaged.pt"
         (log.warning if stale else log.info)("%s: exporting %s (%s)", checkpoint, source.name, what)
     prepare_out(options.out, options.force, source)
     tensorrt = _check_precision(options)

@@ -92,6 +92,7 @@ def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict
 
 
 MAX_LINE_BYTES = 1 << 20  # a line of a file read whole (a test set, references, calibration sentences)
+SERVED_LINE_BYTES = 16 << 20  # a line serve-batch translates (its windows, ray-translate's rows): longer is no text
 # a training corpus's line (one longer than any --max-len is dropped and counted after reading, pipeline/corpus/data.py)
 CORPUS_LINE_BYTES = 256 << 20
 
@@ -110,6 +111,7 @@ def iter_lines(path: str | Path, errors: str = "strict", max_line_bytes: int = M
             while raw := f.readline(max_line_bytes + 1):
                 lineno += 1
                 if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+                    check_line_ends([raw.decode("utf-8", "replace")], path)  # lines ended by CR alone: said so
                     raise UserError(f"{path}:{lineno}: a line of more than {_size(max_line_bytes)}, longer than any "
                                     "sentence: is it a text file with line ends?")
                 yield decode_line(raw, path, lineno, errors)
@@ -123,6 +125,12 @@ def iter_lines(path: str | Path, errors: str = "strict", max_line_bytes: int = M
 def read_lines(path: str | Path, errors: str = "strict", max_line_bytes: int = MAX_LINE_BYTES) -> list[str]:
     """Every line of a text file (iter_lines), its line ends checked (check_line_ends)."""
     return check_line_ends(list(iter_lines(path, errors, max_line_bytes)), path)
+
+
+def read_served_lines(path: str | Path) -> list[str]:
+    """A file's lines as serve-batch translates them (bench --whole-process, --serve): split at \\n only, a lone
+    CR kept in its line, each up to SERVED_LINE_BYTES."""
+    return list(iter_lines(path, max_line_bytes=SERVED_LINE_BYTES))
 
 
 def check_line_ends(lines: list[str], path: str | Path) -> list[str]:

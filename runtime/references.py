@@ -132,6 +132,8 @@ def _lines(path: Path) -> Iterator[str]:
             while raw := f.readline(LINE_BYTES + 1):
                 number += 1
                 if len(raw) > LINE_BYTES and not raw.endswith(b"\n"):
+                    if raw.count(b"\r") > 1:  # lines ended by CR alone, read as one: said so
+                        raise _cr_only(path, raw.count(b"\r"), number)
                     raise RuntimeUserError(f"{path}:{number}: a line of more than {LINE_BYTES >> 20} MiB, longer "
                                            "than any sentence: is it a text file with line ends?")
                 try:  # a UTF-8 byte order mark starting the file is no text (it lowered the first line's BLEU)
@@ -144,5 +146,9 @@ def _lines(path: Path) -> Iterator[str]:
     except (OSError, EOFError) as e:  # missing, unreadable, a .gz that is not one or is cut short
         raise RuntimeUserError(f"{path}: cannot read ({e})") from None
     if carriage_returns and (number == 1 or carriage_returns > number):  # lines end at \n only
-        raise RuntimeUserError(f"{path}: {carriage_returns} carriage returns inside its {number} line(s): are its "
-                               "lines ended by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")
+        raise _cr_only(path, carriage_returns, number)
+
+
+def _cr_only(path: Path, carriage_returns: int, lines: int) -> RuntimeUserError:
+    return RuntimeUserError(f"{path}: {carriage_returns} carriage returns inside its {lines} line(s): are its lines "
+                            "ended by CR alone (classic Mac)? convert them to \\n first (tr '\\r' '\\n')")

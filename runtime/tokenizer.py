@@ -284,4 +284,8 @@ def id_gap(values: Iterable[int]) -> str | None:
     if ids == list(range(len(ids))):
         return None
     repeated = next((i for i, j in zip(ids, ids[1:]) if i == j), None)
-    return f"id {repeated} twice" if repeated is not None else f"no id {next(i for i, j in enumerate(ids) if i != j)}"
+    if repeated is not None:
+        return f"id {repeated} twice"
+    present = set(ids)
+    missing = next(i for i in range(len(ids)) if i not in present)  # (an id past the end is implied; not so one
+    return f"no id {missing}" + (f", and a negative id {ids[0]}" if ids[0] < 0 else "")  # below 0)

@@ -102,7 +102,7 @@ def main() -> None:
         split = f", encoder {v['encoder_s']:.2f} s, decoder {v['decoder_s']:.2f} s ({v['decoder_steps']:.0f} steps)" \
             if v["encoder_s"] is not None else ""
         ratio = f", x CT2 best {v['x_ct2_best']:.2f}" if v["x_ct2_best"] else ""
-        print(f"{k:14} {v['wall_s']:.2f} s{ratio}, peak {v['peak_mb']:.0f} MB{split}; rounds {v['rounds_wall_s']}")
+        print(f"{k:14} {v['wall_s']:.2f} s{ratio}, peak {v['peak_mb']:.0f} MiB{split}; rounds {v['rounds_wall_s']}")
     if a.json:
         a.json.write_text(json.dumps({"model_dir": str(a.model_dir), "file": str(a.file), "rounds": a.rounds,
                                       "threads": a.threads, "beam_size": a.beam_size, "fixed_length": a.fixed_length,

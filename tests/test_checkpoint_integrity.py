@@ -204,5 +204,5 @@ def test_export_says_it_passed_over_an_average_older_than_the_runs_newest_checkp
     with caplog.at_level(logging.WARNING, logger="export.plan"):
         assert run_cli("export", run, "--out", tmp_path / "model", "--no-tensorrt") == 0
     said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert any(f"exporting {step_checkpoints(run)[-1].name} (the latest step checkpoint: averaged.pt there was made "
-               "before it; run `pipeline average` again" in m for m in said), said
+    assert any(f"exporting {step_checkpoints(run)[-1].name} (the latest step checkpoint: averaged.pt there does not "
+               "average up to it; run `pipeline average` again" in m for m in said), said

@@ -69,7 +69,9 @@ def unlined(tmp_path: Path) -> dict[str, Path]:
     cr.write_bytes(b"Ein Hund.\rEine Katze.\rEin Haus.\r")
     endless = tmp_path / "endless.txt"
     endless.write_bytes(b"x" * (1 << 20) + b"y\n")
-    return {"cr": cr, "endless": endless}
+    big_cr = tmp_path / "big-cr.txt"  # CR-ended, over the line bound: still said to be CR-ended
+    big_cr.write_bytes(b"Ein Hund.\r" * 120_000)
+    return {"cr": cr, "endless": endless, "big_cr": big_cr}
 
 
 def test_lines_ended_by_cr_alone_or_without_end_are_refused_where_held_out_lines_are_read(unlined, tmp_path):
@@ -89,11 +91,13 @@ def test_lines_ended_by_cr_alone_or_without_end_are_refused_where_held_out_lines
         with pytest.raises(Exception) as e:
             reader(unlined["endless"])
         assert str(e.value).startswith(f"{unlined['endless']}:1: a line of more than 1 MiB"), e.value
+        with pytest.raises(Exception, match="carriage returns inside its 1 line"):
+            reader(unlined["big_cr"])
     if Path("/dev/zero").exists():  # read no further than its first MiB
         with pytest.raises(Exception, match="/dev/zero:1: a line of more than 1 MiB"):
             calibration_lines(Path("/dev/zero"), default=False)
     long = tmp_path / "long.txt"  # a calibration file of many lines is read only as far as it is used
-    long.write_text("Ein Hund.\n" * (CALIBRATION_LINES + 5) + "\xff-not-read\n", encoding="utf-8")
+    long.write_bytes(b"Ein Hund.\n" * (CALIBRATION_LINES + 5) + b"\xff not UTF-8, never read\n")
     assert len(calibration_lines(long, default=False).lines) == CALIBRATION_LINES
 
 
@@ -112,3 +116,14 @@ def test_a_corpus_line_longer_than_a_sentence_is_still_read_for_training(tmp_pat
     src.write_bytes(b"Ein Hund.\n" + b"x" * (2 << 20) + b"\n")
     src_lines, _ = read_parallel(src, src)
     assert len(src_lines) == 2 and len(src_lines[1]) == 2 << 20
+
+
+def test_bench_reads_a_file_as_serve_batch_does(tmp_path):
+    """bench --whole-process and --serve time serve-batch on their files: a line serve-batch translates (2 MiB, a
+    lone CR inside) is read, not refused by the bound on held-out lines."""
+    from pipeline.textio import read_served_lines
+
+    path = tmp_path / "long.txt"
+    path.write_bytes(b"x" * (2 << 20) + b"\nab\rcd\n")
+    lines = read_served_lines(path)
+    assert [len(lines[0]), lines[1]] == [2 << 20, "ab\rcd"]

@@ -623,3 +623,12 @@ def test_a_directory_named_like_a_family_and_a_misspelt_family(hf_dir, tmp_path,
     assert capsys.readouterr().err.strip().endswith("(see `pipeline import --help`)")
     assert run_cli("import", "marian", "marian", "--bogus") == 2
     assert capsys.readouterr().err.strip().endswith("(see `pipeline import marian --help`)")
+
+
+def test_a_vocabularys_bad_ids_are_named_as_they_are():
+    from runtime.tokenizer import id_gap
+
+    assert id_gap([0, 1, 2]) is None
+    assert id_gap([0, 1, 1, 3]) == "id 1 twice"
+    assert id_gap([0, 2, 3]) == "no id 1"
+    assert id_gap([-1, 0, 1, 2, 4]) == "no id 3, and a negative id -1"  # it said "no id 0"

@@ -300,7 +300,7 @@ def test_bench_compares_dirs_and_ctranslate2_in_one_table(model_dirs, tmp_path):
 
 
 def test_gpu_memory_is_read_only_for_the_torch_backend_on_cuda():
-    """bench's GPU MB column: PyTorch's allocator sees all of the torch backend's device memory, and
+    """bench's GPU MiB column: PyTorch's allocator sees all of the torch backend's device memory, and
     none of ONNX Runtime's arena, so only torch on CUDA gets a figure (and torch is never imported for it)."""
     import types
 

@@ -331,8 +331,8 @@ def test_a_run_refused_after_its_corpus_was_encoded_leaves_no_save_dir(tmp_path,
                    train_files[1], "--valid-src", valid_files[0], "--valid-tgt", valid_files[1], *TINY,
                    "--max-len", 20, "--max-steps", 2)
     err = capsys.readouterr().err  # named by its options, and why a set the help says BLEU translates is refused
-    assert code == 2 and "valid (--valid-src/--valid-tgt): no sentence pair left after filtering (0 empty, 5 longer " \
-        "than --max-len 20) (the validation loss needs one; BLEU translates every line)" in err, err
+    assert code == 2 and f"valid ({valid_files[0]} and {valid_files[1]}): no sentence pair left after filtering (0 " \
+        "empty, 5 longer than --max-len 20) (the validation loss needs one; BLEU translates every line)" in err, err
     assert not (tmp_path / "run").exists()
 
 

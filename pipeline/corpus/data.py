@@ -135,7 +135,7 @@ def _flatten(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_len: int,
-                      name: str) -> EncodedCorpus:
+                      name: str, files: str = "") -> EncodedCorpus:
     """Encode both sides; drop pairs with an empty side or longer than max_len tokens
     (specials included; a side of more than max_len x CHARS_PER_TOKEN characters is not tokenized), and log how
     many of each."""
@@ -160,10 +160,10 @@ def encode_and_filter(tokenizer: Tokenizer, src: list[str], tgt: list[str], max_
     log.info("%s: %d pairs read, %d with an empty side dropped, %d longer than --max-len %d "
              "tokens dropped, %d kept", name, len(src), n_empty, n_long, max_len, len(keep_src))
     if not keep_src:
-        files = "--train-src/--train-tgt" if name == "train" else "--valid-src/--valid-tgt"
         why = "" if name == "train" else " (the validation loss needs one; BLEU translates every line)"
-        raise UserError(f"{name} ({files}): no sentence pair left after filtering ({n_empty} empty, {n_long} "
-                        f"longer than --max-len {max_len}){why}; raise --max-len or check the files")
+        where = f"{name} ({files})" if files else name
+        raise UserError(f"{where}: no sentence pair left after filtering ({n_empty} empty, {n_long} longer than "
+                        f"--max-len {max_len}){why}; raise --max-len or check the files")
     s_flat, s_off = _flatten(keep_src)
     t_flat, t_off = _flatten(keep_tgt)
     return EncodedCorpus(s_flat, s_off, t_flat, t_off, np.asarray(rows, dtype=np.int64))
@@ -221,7 +221,7 @@ def prepare_data(save_dir: Path, train_src: Path, train_tgt: Path, valid_src: Pa
                 return cached
             except CheckpointError as e:  # a damaged cache is only a cache: encode again
                 log.warning("%s; encoding the corpus again", e)
-        corpus = encode_and_filter(tokenizer, pair[0], pair[1], max_len, name)
+        corpus = encode_and_filter(tokenizer, pair[0], pair[1], max_len, name, " and ".join(map(str, paths)))
         if write:
             for old in cache.glob(f"{name}-*.pt"):
                 old.unlink()

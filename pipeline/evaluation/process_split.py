@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pipeline.textio import read_lines
+from pipeline.textio import read_served_lines
 from runtime.languages import ONE_PAIR, Direction
 from runtime.model_dir import ModelDir
 from runtime.translate import encode_sources
@@ -67,7 +67,7 @@ def source_pieces(model_dir: Path, path: Path, way: Direction = ONE_PAIR) -> lis
     tokenizer: its SentencePiece pieces + EOS (after a multilingual model's source language token), a
     line over the model's source limit cut to it. Blank lines are left out (never translated)."""
     opened = ModelDir.open(model_dir, verify=False)  # what the dir records; serve-batch verifies what it loads
-    sources = encode_sources(opened.tokenizer, read_lines(path), opened.manifest.limits.max_src_len,
+    sources = encode_sources(opened.tokenizer, read_served_lines(path), opened.manifest.limits.max_src_len,
                              prefix=way.prefix)
     return [len(ids) for ids in sources.ids if ids]
 

@@ -29,7 +29,7 @@ from typing import Any
 from model.errors import UserError
 from pipeline.cli_options import opt
 from pipeline.evaluation.bench import host_facts, host_line
-from pipeline.textio import read_lines
+from pipeline.textio import read_served_lines
 
 log = logging.getLogger(__name__)
 READY_TIMEOUT_S = 300
@@ -213,7 +213,7 @@ def run_serve_bench(model_dir: str, input_path: str, backend: str, threads: int 
     """Throughput and latency of `pipeline serve` against serve-batch on the same lines."""
     levels = opts.levels()  # a bad --concurrency fails before minutes of serve-batch
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the report
-    lines = read_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
+    lines = read_served_lines(input_path)[:opts.max_lines]  # plain or .gz, strict UTF-8, as serve-batch reads it
     lines = [line for line in lines if line.strip()]
     if not lines:  # it timed a request of "." against nothing
         raise UserError(f"{input_path}: has no non-blank line to translate; give a file with sentences")

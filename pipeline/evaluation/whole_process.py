@@ -47,7 +47,7 @@ from pipeline.evaluation.process_split import (
     split,
     split_line,
 )
-from pipeline.textio import read_lines
+from pipeline.textio import read_served_lines
 from runtime.decoding import PAPER
 from runtime.languages import ONE_PAIR, Direction, direction
 from runtime.model_dir import LoadOptions, ModelDir
@@ -203,7 +203,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
     if not files:
         raise UserError("--whole-process needs at least one FILE")
     for f in files:  # a file of blank lines was timed as a translation of nothing
-        if not any(line.strip() for line in read_lines(f)):
+        if not any(line.strip() for line in read_served_lines(f)):
             raise UserError(f"{f}: has no non-blank line to translate; give a file with sentences")
     # what each dir records (the timed processes load and verify them)
     opened = [ModelDir.open(d, verify=False) for d in model_dirs]
@@ -220,7 +220,7 @@ def run_whole_process(model_dirs: list[Path], files: list[Path], *, compare: lis
                               "beam_size": beam_size, "fixed_length": fixed_length, "rounds": rounds,
                               "rules": rules or PAPER.for_model(opened[0].manifest.decoding).rules,
                               "shortlist": shortlist, "src_lang": src_lang, "tgt_lang": tgt_lang,
-                              "files": {str(f): len(read_lines(f)) for f in files},
+                              "files": {str(f): len(read_served_lines(f)) for f in files},
                               "measures": "wall: process start to exit (median), after one untimed run of each "
                                           "engine (bytecode compiled and kept, files in the page cache); "
                                           "peak RSS: VmHWM sampled every 10 ms (max)"}

@@ -21,7 +21,7 @@ from typing import IO
 from model.errors import UserError
 from model.manifest import Languages
 from pipeline.cli_options import opt
-from pipeline.textio import NotUtf8, decode_line, open_binary
+from pipeline.textio import SERVED_LINE_BYTES, NotUtf8, decode_line, open_binary
 from runtime.decoding import PAPER, DecodingOptions
 from runtime.errors import RuntimeUserError
 from runtime.glossary import Glossary
@@ -212,7 +212,7 @@ def _unclosed(window: Window, path: str, first_line: int, before: int) -> int:
     return len(found)
 
 
-MAX_LINE_BYTES = 16 << 20  # a line longer than this has no line breaks to speak of: not a text file (/dev/zero)
+MAX_LINE_BYTES = SERVED_LINE_BYTES  # a longer line has no line breaks to speak of: not a text file (/dev/zero)
 
 
 def line_too_long(path: str, lineno: int) -> UserError:

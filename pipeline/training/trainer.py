@@ -109,8 +109,6 @@ def train(opts: TrainOptions, started: float | None = None) -> Path:
             lock.close()
 
 
-
-
 def _lock_save_dir(save_dir: Path) -> IO[str]:
     """An exclusive lock on the save dir for this run, or a UserError naming the process that holds it: two runs
     writing one save dir (the same command twice; torchrun killed with -9 while its workers went on) pruned and
