@@ -59,6 +59,7 @@ class Backend(Protocol):
     name: str
     cfg: Any              # the model's ModelConfig: shapes and special ids (search reads pad, bos, eos)
     device: Any           # where the backend runs (str or torch.device), for reports
+    precision: str        # what it computes in: the exported graphs' or engines' (fp32, fp16, int8); torch its dtype's
     topk: int             # K of the step's candidates; beam search needs 2 * beam <= K
     max_src_len: int      # longest source (tokens, EOS included) this backend accepts
     max_tgt_len: int      # decoder positions available: BOS + generated tokens incl. EOS
@@ -148,6 +149,7 @@ class ExportedGraphBackend:
     device: Any
     cache_dtype: Any
     max_tgt_len: int
+    precision: str = "fp32"  # the model dir's (the graphs and engines were exported in it)
     shortlist: Any = None
     max_batch: int | None = None
     parallel_batches = 1

@@ -78,7 +78,7 @@ class OrtBackend(ExportedGraphBackend):
         import_onnxruntime()
         import onnxruntime as ort
 
-        self.cfg = manifest.model_config
+        self.cfg, self.precision = manifest.model_config, manifest.precision
         available: list[str] = ort.get_available_providers()
         device = default_device(device)
         self.on_cuda = str(device).startswith("cuda")

@@ -72,6 +72,7 @@ class TorchBackend:
                  step_mode: str | None = None, fuse: bool = True, steps_per_replay: int | None = None):
         self.device = torch.device(device)
         self.dtype = dtype
+        self.precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")  # model.pt's, cast
         self.model = model.to(self.device, dtype=dtype).eval()
         if fuse:  # an inference model: fewer kernels per decoder step, the same arithmetic
             prepare_for_inference(self.model)

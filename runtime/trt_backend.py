@@ -142,7 +142,7 @@ class TrtBackend(ExportedGraphBackend):
             self.device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(self.device)
         check_engine_identity(manifest, trt.__version__, torch.cuda.get_device_name(self.device))
-        self.cfg = manifest.model_config
+        self.cfg, self.precision = manifest.model_config, manifest.precision
         self.topk = manifest.topk
         self.max_src_len = manifest.limits.max_src_len
         self.max_tgt_len = manifest.limits.max_tgt_len

@@ -237,3 +237,29 @@ def test_the_http_server_decodes_two_batches_at_once_on_two_threads(memorised_fp
     (loaded,) = served
     assert loaded.backend.parallel_batches == at_once and runner.summary(loaded)["batches_at_once"] == at_once
     assert loaded.backend.decoder.get_session_options().intra_op_num_threads == threads // at_once
+
+
+def test_serve_says_the_precision_that_runs_and_takes_dtype(fp16_dir, monkeypatch):
+    """/info said the model dir's precision: an fp16 dir on the CPU's torch backend "fp16" while it ran fp32 (as
+    bench's torch rows said fp32 on a GPU that ran fp16). It says what the backend computes in now, and serve
+    takes --dtype as serve-batch does (refused, naming it, for a backend that runs its graphs' own)."""
+    pytest.importorskip("starlette")
+    from model.errors import UserError
+    from pipeline.serve import runner
+    from pipeline.serve.metrics import Metrics
+    from pipeline.serve.options import ServeHttpOptions
+    from runtime.model_dir import LoadOptions
+
+    def info(**load: object) -> object:
+        opts = ServeHttpOptions(load=LoadOptions(threads=1, **load))  # type: ignore[arg-type]
+        return runner.load_model("m", str(fp16_dir), opts, PAPER, Metrics()).info["precision"]
+
+    assert info(backend="onnxruntime") == "fp16"
+    assert info(backend="torch") == "fp32"  # fp16 asked of a CPU: model.pt in fp32
+    assert info(backend="torch", precision="fp32") == "fp32"
+    given: list[LoadOptions] = []
+    monkeypatch.setattr(runner, "serve_http", lambda models, opts, *a: given.append(opts.load))
+    assert run_cli("serve", fp16_dir, "--backend", "torch", "--dtype", "fp32") == 0
+    assert given[-1].precision == "fp32"
+    with pytest.raises(UserError, match="--dtype"):  # (onnxruntime runs the graphs' precision)
+        info(backend="onnxruntime", precision="fp32")

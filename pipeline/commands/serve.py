@@ -28,7 +28,7 @@ def _require_web_stack() -> None:
 @click.command("serve")
 @click.argument("model_dir", type=GivenPath(file_okay=False, kind=MODEL_DIR_KIND), required=False)
 @options_from(ServeHttpOptions)
-@options_from(LoadOptions, skip=("precision",), notes=LOAD_NOTES)
+@options_from(LoadOptions, notes=LOAD_NOTES)
 @decoding_options("beam_size", "alpha", "max_len_a", "max_len_b", "min_len", "nbest", "rules",
                   notes={"beam_size": 'Requests may ask for another with "beam_size".',
                          "nbest": 'With N > 1 each translation is {"hypotheses": [{text, score}, ...]}, at most the '

@@ -278,7 +278,7 @@ def run_bench(model_dir: Path, backends: list[str], batch_sizes: list[int], *, d
         sources = make_sources(tokenizer, src, sentences, src_len, backend.max_src_len, prefix=way.prefix)
         for bs in batch_sizes:
             reset_peak_rss()  # each row's own peak (the loaded model resident), not the larger batch's before it
-            precision = "fp32" if entry(name).checkpoint_weights else manifest.precision
+            precision = backend.precision  # (torch: its dtype's, fp16 on a GPU for an fp16 dir; it said fp32)
             cuda = torch_cuda(backend)
             if cuda is not None:
                 cuda.cuda.reset_peak_memory_stats(backend.device)

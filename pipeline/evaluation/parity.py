@@ -40,7 +40,7 @@ from pipeline.textio import atomic_output, read_lines
 from runtime.backend import Backend
 from runtime.languages import own_languages
 from runtime.model_dir import LoadOptions, ModelDir, check_load, load
-from runtime.registry import entry, installed
+from runtime.registry import installed
 from runtime.tokenizer import AnyTokenizer
 
 if TYPE_CHECKING:
@@ -287,9 +287,8 @@ def _translate(name: str, opened: ModelDir, src: Path, opts: ServeBatchOptions, 
     if name == REFERENCE and live is not None and not shortlist:
         return name, live[0], live[1], "fp32"
     loaded = load(opened, _load_options(name, device, threads, shortlist))
-    backend, manifest = loaded.backend, loaded.manifest
-    fp32 = name == REFERENCE or entry(name).checkpoint_weights  # the reference, or model.pt whatever the dir
-    precision = ("fp32" if fp32 else manifest.precision) + (SHORTLISTED if shortlist else "")
+    backend = loaded.backend
+    precision = backend.precision + (SHORTLISTED if shortlist else "")  # what it computes in (torch: its dtype's)
     return name, backend, translate_as_served(backend, tokenizer, src, opts), precision
 
 

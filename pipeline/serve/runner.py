@@ -165,7 +165,7 @@ def load_model(name: str, model_dir: str, opts: ServeHttpOptions, decoding: Deco
 def summary(loaded: Loaded) -> dict[str, Any]:
     """The manifest's facts a client may see in /info (no file paths)."""
     backend, manifest = loaded.backend, loaded.manifest
-    return {"backend": backend.name, "device": str(backend.device), "precision": manifest.precision,
+    return {"backend": backend.name, "device": str(backend.device), "precision": backend.precision,  # what runs
             "shortlist": backend.shortlist is not None,  # serve --shortlist
             "batches_at_once": int(backend.parallel_batches),  # --parallel-batches (the batcher's threads)
             "model_config": manifest.model_config.to_dict(), "model_limits": asdict(manifest.limits),
