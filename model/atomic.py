@@ -286,7 +286,8 @@ def check_can_create_in(directory: str | Path, option: str) -> None:
         finally:
             os.close(fd)
     except OSError as e:  # name the directory, not our probe file
-        raise OSError(e.errno, e.strerror, str(here)) from None
+        why = "it takes no new files: a virtual file system such as /proc" if e.errno == errno.ENOENT else e.strerror
+        raise OSError(e.errno, why, str(here)) from None  # (ENOENT of a directory that is there said "No such file")
     finally:
         if probe is not None:
             Path(probe).unlink(missing_ok=True)

@@ -10,7 +10,7 @@ import torch
 
 from model.checkpoint import atomic_torch_save
 from model.errors import UserError
-from pipeline.textio import atomic_output, refuse_overwriting_inputs
+from pipeline.textio import atomic_output, check_output_file, refuse_overwriting_inputs
 
 
 @pytest.fixture()
@@ -173,3 +173,19 @@ def test_outputs_in_one_directory_probe_it_once(tmp_path, monkeypatch):
     outputs = [str(tmp_path / f"{i}.en") for i in range(5)] + [str(tmp_path / "b" / "x.en")]
     check_outputs([str(tmp_path / "in.de")], outputs, "--output-dir")
     assert probes == [str(tmp_path), str(tmp_path / "b")]
+
+
+def test_an_output_in_a_virtual_file_system_says_so():
+    """`--out /proc/x` said "/proc: cannot write --out here (No such file or directory)" of a directory that is
+    there: /proc takes no new files."""
+    import errno
+    import tempfile
+
+    try:
+        os.close(tempfile.mkstemp(dir="/proc")[0])
+        pytest.skip("/proc takes files here")
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            pytest.skip(f"/proc refuses files otherwise here ({e.strerror})")
+    with pytest.raises(UserError, match=r"^/proc: cannot write --out here \(it takes no new files: a virtual file "):
+        check_output_file("/proc/x.txt", "--out")
