@@ -76,6 +76,16 @@ def _short(term: str, limit: int = 30) -> str:
     return repr(term) if len(term) <= limit else repr(term[:limit]) + "..."
 
 
+def _alike(one: str, other: str) -> str:
+    """How two source terms that fold alike are the same term (a message's words)."""
+    if one == other:
+        return "the same source term"
+    if unicodedata.normalize("NFC", one) == unicodedata.normalize("NFC", other):  # they print alike: spelt out
+        return (f"the same source term in two Unicode compositions, {ascii(one)} and {ascii(other)}: terms are "
+                "compared composed (NFC)")
+    return "the same source term, compared case-insensitively"
+
+
 def _describe(entry: Entry) -> str:
     return f"{entry.source!r} (do not translate)" if entry.dnt else f"{entry.source!r} -> {entry.target!r}"
 
@@ -93,7 +103,7 @@ def _checked(entries: list[tuple[Entry, str]], source: str) -> Glossary:
         first_meaning = (first[0].dnt, "" if first[0].dnt else unicodedata.normalize("NFC", first[0].target))
         if meaning != first_meaning:
             raise RuntimeUserError(f"{where}: {_describe(entry)} conflicts with {first[1]}: {_describe(first[0])} "
-                                   f"(the same source term, compared case-insensitively, with two targets)")
+                                   f"({_alike(entry.source, first[0].source)}, with two targets)")
         kept.setdefault((entry.source, entry.target, entry.dnt), where)
     glossary = Glossary(tuple(Entry(*k) for k in kept), tuple(kept.values()))
     try:

@@ -163,7 +163,11 @@ def test_identical_and_overlapping_terms_are_not_conflicts(tmp_path: Path):
 @pytest.mark.parametrize("content, needles", [
     ("Hund\tdog\n# x\nHUND\thound\n", ["terms.tsv:3:", "'HUND' -> 'hound'", "terms.tsv:1:", "'Hund' -> 'dog'"]),
     ("Acme\nacme\tAcme Inc.\n", ["terms.tsv:2:", "'acme' -> 'Acme Inc.'", "terms.tsv:1:", "'Acme' (do not translate)"]),
-    ("Straße\tstreet\nSTRASSE\troad\n", ["terms.tsv:2:", "'STRASSE'", "terms.tsv:1:", "'Straße'"]),
+    ("Straße\tstreet\nSTRASSE\troad\n", ["terms.tsv:2:", "'STRASSE'", "terms.tsv:1:", "'Straße'",
+                                         "compared case-insensitively"]),
+    # composed and decomposed print alike: the message said "compared case-insensitively" of two 'Café'
+    ("Cafe\u0301\tcoffee shop\nCaf\u00e9\tcafe\n", ["terms.tsv:2:", "two Unicode compositions, 'Caf\\xe9' and "
+                                                    "'Cafe\\u0301'", "compared composed (NFC)"]),
 ])
 def test_conflicts_name_both_entries(tmp_path: Path, content: str, needles: list[str]):
     with refused(*needles, "conflicts") as info:
