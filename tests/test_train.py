@@ -616,3 +616,31 @@ def test_average_best_says_why_there_is_no_best_and_counts_up_to_it(random_check
     with caplog.at_level(logging.WARNING):
         assert run_cli("average", run, "--best", 5, "--out", tmp_path / "avg.pt") == 0
     assert "only 4 checkpoint(s) in" in caplog.text and "up to the best (step 4)" in caplog.text
+
+
+def test_numbers_that_failed_late_or_with_a_traceback_are_refused_first(corpus, tmp_path, capsys):
+    """An audit's findings: a --valid-beam the vocabulary cannot feed failed with a reshape traceback at the first
+    validation (the updates before it lost); --spm-nbest past SentencePiece's 512, --lr-scale 1e308 and a --warmup of
+    309 digits were tracebacks after the corpus was prepared; a --decay-time shorter than --max-time trained the
+    rest of the run at a learning rate of zero."""
+    s, t = corpus
+    files = ("--train-src", s, "--train-tgt", t)
+    valid = ("--valid-src", s, "--valid-tgt", t)
+    err = _fails(capsys, tmp_path, *files, *valid, "--valid-beam", "64")
+    assert "--valid-beam 64 needs 128 candidates a step, more than the vocabulary's" in err, err
+    assert "--spm-nbest must be at most 512 (got 513)" in _fails(capsys, tmp_path, *files, "--spm-alpha", "0.1",
+                                                                 "--spm-nbest", "513")
+    assert "--lr-scale must be in (0, 1e+06] (got 1e+308)" in _fails(capsys, tmp_path, *files, "--lr-scale", "1e308")
+    assert "--warmup must be at most 1e+12" in _fails(capsys, tmp_path, *files, "--warmup", "1" + "0" * 320)
+    err = _fails(capsys, tmp_path, *files, "--lr-schedule", "linear", "--max-time", "8s", "--decay-time", "1s")
+    assert "--decay-time 1s is shorter than --max-time 8s: the learning rate would be zero" in err, err
+
+
+def test_a_decay_time_shorter_than_the_run_is_warned_of(corpus, tmp_path, caplog):
+    """--decay-time alone (no --max-time): the run went on to --max-steps at a learning rate of zero, without a word."""
+    s, t = corpus
+    with caplog.at_level(logging.WARNING, logger="pipeline.training.loop"):
+        assert run_cli("train", "--save-dir", tmp_path / "run", "--train-src", s, "--train-tgt", t, *TINY,
+                       "--warmup", "2", "--max-steps", "60", "--lr-schedule", "linear", "--decay-time", "0.01s") == 0
+    said = [r.getMessage() for r in caplog.records if "--decay-time" in r.getMessage()]
+    assert said and "but the run goes on to --max-steps 60 at a learning rate of zero" in said[0], said

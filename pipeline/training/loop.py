@@ -183,6 +183,10 @@ class TrainLoop:
         if self.stepper.ctx.is_main:
             log.info("--lr-schedule linear: at %.2f s per step, the %.0f s budget ends near step %d; the "
                      "learning rate falls to zero there", per_step, budget_s, progress.decay_steps)
+            if progress.decay_steps < opts.max_steps and opts.max_time is None:  # --decay-time alone: no stop there
+                log.warning("--decay-time %s ends near step %d but the run goes on to --max-steps %d at a learning "
+                            "rate of zero: give --max-time, or a --decay-time as long as the run", opts.decay_time,
+                            progress.decay_steps, opts.max_steps)
         return progress.decay_steps
 
     def _save(self, progress: Progress, interrupted: bool = False) -> Any:

@@ -115,6 +115,9 @@ class TrainOptions:
 # Options whose change makes a save dir a different experiment (checked on resume).
 # Everything else (how long, how often, where, how fast) may change between runs.
 MAX_LEN = 16_384  # --max-len: tokens of a training pair's side (the model's positions: max(1024, this + 1))
+MAX_COUNT = 10 ** 12  # steps, tokens and intervals past any run: a bound that keeps them integers a float holds
+MAX_LR_SCALE = 1e6  # a learning rate a million times the paper's (1e39 trains to a non-finite loss, refused there)
+MAX_SPM_NBEST = 512  # SentencePiece's largest n-best size
 MAX_VALID_BEAM = 64  # --valid-beam (the validation search asks the model for 2 x beam candidates a step)
 RESUME_KEYS = ("train_src", "train_tgt", "valid_src", "valid_tgt", "vocab_size", "max_len",
                "batch_tokens", "lr_scale", "warmup", "label_smoothing", "clip_norm", "seed",
@@ -202,6 +205,8 @@ def check_numbers(o: TrainOptions) -> None:
         value = getattr(o, name)
         if value is not None and value < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1 (got {value})")
+        elif value is not None and value > MAX_COUNT:  # (a --warmup of 309 digits: an OverflowError traceback)
+            problems.append(f"--{name.replace('_', '-')} must be at most {MAX_COUNT:.0e} (got {str(value)[:20]}...)")
     if o.max_len > MAX_LEN:  # the positional table has max_len rows: 10,000,000 took 8 GB and 2.5 GB of ONNX
         problems.append(f"--max-len must be at most {MAX_LEN} tokens (got {o.max_len}); a pair that long is no "
                         "sentence")
@@ -214,8 +219,8 @@ def check_numbers(o: TrainOptions) -> None:
             model_config(o, o.vocab_size or MIN_VOCAB)
         except ConfigError as e:
             problems.append(str(e))
-    if not (math.isfinite(o.lr_scale) and o.lr_scale > 0):  # NaN passed `<= 0` and trained to a non-finite loss
-        problems.append(f"--lr-scale must be positive (got {o.lr_scale})")
+    if not (math.isfinite(o.lr_scale) and 0 < o.lr_scale <= MAX_LR_SCALE):  # NaN passed `<= 0` (a non-finite
+        problems.append(f"--lr-scale must be in (0, {MAX_LR_SCALE:.0e}] (got {o.lr_scale})")  # loss; 1e308 overflowed)
     if not 0 <= o.seed < 2 ** 32:  # numpy's and the data order's range
         problems.append(f"--seed must be in 0..{2 ** 32 - 1} (got {o.seed})")
     if (Path(o.save_dir) / MANIFEST).is_file():
@@ -237,10 +242,16 @@ def check_numbers(o: TrainOptions) -> None:
                 problems.append(str(e))
     if o.lr_schedule not in SCHEDULES:
         problems.append(f"--lr-schedule must be one of {', '.join(SCHEDULES)} (got {o.lr_schedule!r})")
+    if o.decay_time is not None and o.max_time is not None and not problems and \
+            parse_duration(o.decay_time) < parse_duration(o.max_time):  # the rest of the run at a learning rate of 0
+        problems.append(f"--decay-time {o.decay_time} is shorter than --max-time {o.max_time}: the learning rate "
+                        "would be zero for the rest of the run; leave --decay-time out (it decays over --max-time)")
     if o.decay_time is not None and o.lr_schedule != "linear":
         problems.append("--decay-time sets how long --lr-schedule linear decays; it needs --lr-schedule linear")
     if not 0 <= o.spm_alpha <= 1:
         problems.append(f"--spm-alpha must be in [0, 1], 0 = off (got {o.spm_alpha})")
+    if o.spm_nbest > MAX_SPM_NBEST:  # SentencePiece's own bound: it failed after the corpus was prepared
+        problems.append(f"--spm-nbest must be at most {MAX_SPM_NBEST} (got {o.spm_nbest})")
     if o.spm_nbest < 1:  # -1 (SentencePiece's lattice sampling) draws differently in each process
         problems.append(f"--spm-nbest must be at least 1 (got {o.spm_nbest}); sampling from all segmentations (-1) "
                         "cannot be repeated exactly, so resumed and multi-process runs would differ (a run started "

@@ -208,6 +208,10 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
     cfg = model_config(opts, data.tokenizer.vocab_size)
     if data.valid is None:
         log.info("no --valid-src/--valid-tgt: validation loss and BLEU are skipped")
+    elif 2 * opts.valid_beam > cfg.vocab_size:  # the search asks 2 x beam candidates a step (it failed with a
+        # traceback at the first validation, the updates before it lost)
+        raise UserError(f"--valid-beam {opts.valid_beam} needs {2 * opts.valid_beam} candidates a step, more "
+                        f"than the vocabulary's {cfg.vocab_size} pieces: give at most {cfg.vocab_size // 2}")
 
     torch.manual_seed(opts.seed)  # the same initial weights on every rank
     model = build_model(cfg).to(ctx.device)
