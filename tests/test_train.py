@@ -644,3 +644,14 @@ def test_a_decay_time_shorter_than_the_run_is_warned_of(corpus, tmp_path, caplog
                        "--warmup", "2", "--max-steps", "60", "--lr-schedule", "linear", "--decay-time", "0.01s") == 0
     said = [r.getMessage() for r in caplog.records if "--decay-time" in r.getMessage()]
     assert said and "but the run goes on to --max-steps 60 at a learning rate of zero" in said[0], said
+
+
+def test_a_save_dir_holding_someone_elses_config_json_is_refused(corpus, tmp_path, capsys):
+    """`--save-dir .` in a project replaced the project's config.json without a word."""
+    s, t = corpus
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"name": "my-app"}\n')
+    code = run_cli("train", "--save-dir", project, "--train-src", s, "--train-tgt", t, *TINY, "--max-steps", "1")
+    assert code == 2 and "config.json: a config.json that no `pipeline train` wrote" in capsys.readouterr().err
+    assert (project / "config.json").read_text() == '{"name": "my-app"}\n' and not step_checkpoints(project)

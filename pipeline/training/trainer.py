@@ -177,6 +177,21 @@ def _check_save_dir(save_dir: Path) -> None:
                         "writable one") from None
 
 
+def _refuse_foreign_config(save_dir: Path) -> None:
+    """A save dir without checkpoints whose config.json no run wrote (`--save-dir .` in a project): refused, not
+    replaced (a user's config.json was overwritten without a word)."""
+    config = save_dir / CONFIG_FILE
+    if not config.is_file() or step_checkpoints(save_dir):  # a run's dir: check_resume judges it
+        return
+    try:
+        ours = isinstance(found := json.loads(config.read_text(encoding="utf-8")), dict) and "resolved_options" in found
+    except (OSError, ValueError):
+        ours = False
+    if not ours:
+        raise UserError(f"{config}: a config.json that no `pipeline train` wrote; training would replace it: choose "
+                        "a new or empty --save-dir")
+
+
 def _warn_same_contents(files: dict[str, dict[str, Any]]) -> None:
     """Corpus files of the same bytes where a run wants them apart, said once: a source side given as its own
     target (the model learns to copy), or validation files that are the training files (its BLEU and the best
@@ -198,6 +213,7 @@ def _train(opts: TrainOptions, ctx: DistContext, started: float) -> Path:
             remove_stale_temps(d)
     precision = resolve_precision(opts.precision, ctx.device)
     wanted = comparable_config(opts, model_config(opts, vocab_size=max(8, opts.vocab_size or 8)))
+    _refuse_foreign_config(save_dir)
     payload = check_resume(save_dir, wanted) if save_dir.is_dir() else None
     data_files = data_fingerprint(opts)
     if ctx.is_main and data_files:
