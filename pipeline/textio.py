@@ -79,6 +79,8 @@ def decode_line(raw: bytes, path: str | Path, lineno: int, errors: str = "strict
     try:
         text = raw.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
+        if lineno == 1 and raw.startswith(b"\x1f\x8b"):  # gzip's magic: compressed, named otherwise
+            raise UserError(f"{path}: is gzip-compressed but not named .gz: rename it FILE.gz, or gunzip it") from None
         raise UserError(
             f"{path}:{lineno}: invalid UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
             "fix the file") from None

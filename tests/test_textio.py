@@ -189,3 +189,15 @@ def test_an_output_in_a_virtual_file_system_says_so():
             pytest.skip(f"/proc refuses files otherwise here ({e.strerror})")
     with pytest.raises(UserError, match=r"^/proc: cannot write --out here \(it takes no new files: a virtual file "):
         check_output_file("/proc/x.txt", "--out")
+
+
+def test_a_gzip_file_not_named_gz_is_said_to_be_one(tmp_path):
+    """It was "UP.GZ:1: invalid UTF-8 (byte 1: b'\\x8b')"."""
+    import gzip
+
+    from pipeline.textio import read_lines
+
+    path = tmp_path / "train.GZ"
+    path.write_bytes(gzip.compress(b"hallo\nwelt\n"))
+    with pytest.raises(UserError, match=r"train.GZ: is gzip-compressed but not named .gz: rename it"):
+        read_lines(path)
