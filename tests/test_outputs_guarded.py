@@ -131,7 +131,7 @@ def test_a_model_dir_is_no_save_dir_and_train_numbers_are_checked(capsys, fp32_d
     _refused(capsys, "train", "--save-dir", fp32_dir, "--max-steps", 1, says="is an exported model dir")
     for option, value, says in (("--seed", -1, "--seed must be in 0..4294967295"),
                                 ("--seed", 10 ** 21, "--seed must be in 0..4294967295"),
-                                ("--lr-scale", 0, "--lr-scale must be positive (got 0.0)")):
+                                ("--lr-scale", 0, "--lr-scale must be in (0, 1e+06] (got 0.0)")):
         _refused(capsys, "train", "--save-dir", tmp_path / "run", option, value, says=says)
     assert not Path(tmp_path / "run").exists()
 
