@@ -89,6 +89,10 @@ def test_average_out_cannot_replace_a_file_of_the_run(capsys, tmp_path):
     _refused(capsys, "average", run, "--last", 2, "--out", run / "checkpoint_00009999.pt",
              says="or be taken for one of its checkpoints")
     assert not (run / "checkpoint_00009999.pt").exists()
+    # under a directory named like a checkpoint: it made run/averaged.pt a directory, and plain `average` then failed
+    _refused(capsys, "average", run, "--last", 2, "--out", run / "averaged.pt" / "x",
+             says="would make a directory")
+    assert not (run / "averaged.pt").exists()
 
 
 def test_average_out_cannot_replace_the_runs_corpus_outside_its_save_dir(capsys, tmp_path, monkeypatch):

@@ -56,6 +56,10 @@ def average_checkpoints(save_dir: Path, last: int = 5, out: Path | None = None, 
     if within(out, save_dir) and out.name != AVERAGED and (out.is_file() or checkpoint_step(out) is not None):
         raise UserError(f"{out}: --out would replace a file of the run in {save_dir}, or be taken for one of its "
                         f"checkpoints; choose a new file name (the default is {save_dir / AVERAGED})")
+    made = [d for d in out.parents if within(d, save_dir) and d != save_dir and not d.exists()]
+    if any(d.suffix == ".pt" for d in made):  # (averaged.pt/x made a directory averaged.pt: plain average failed)
+        raise UserError(f"{out}: --out would make a directory {made[-1]} named like a checkpoint in the run; "
+                        f"choose a file there (the default is {save_dir / AVERAGED})")
     if checkpoint_step(out) is not None or out.name == BEST:  # in any run's dir: resume and export would read it
         raise UserError(f"{out}: --out is named as a training run's own checkpoint, which resuming and exporting "
                         f"that dir would take for one of its steps; choose another name (the default is {AVERAGED})")
